@@ -1,0 +1,3 @@
+"""kubesgl: prefill/decode-disaggregated LLM serving on Kubernetes."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from kubesgl.cli import main
+
+raise SystemExit(main())

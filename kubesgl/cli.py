@@ -1,0 +1,53 @@
+"""The `kubesgl` command: dispatches to the subcommand of each component.
+
+Subcommands are imported lazily so that, for example, `kubesgl render` works where torch
+is not installed. Each entry names a module exposing `main(argv: list[str]) -> int`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import kubesgl
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("kubesgl.engine.server.cli", "run an engine: OpenAI-compatible server"),
+    "generate": ("kubesgl.engine.cli", "offline generation from a prompt (no server)"),
+    "make-tiny-model": ("kubesgl.engine.models.tiny", "write a small random model for tests"),
+    "router": ("kubesgl.router.cli", "run the cache-aware router"),
+    "operator": ("kubesgl.operator.cli", "run the Kubernetes operator"),
+    "render": ("kubesgl.operator.render_cli", "print the objects an InferenceService becomes"),
+    "bench": ("kubesgl.bench.cli", "benchmarks (bench serving ...)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = [f"kubesgl {kubesgl.__version__}", "", "usage: kubesgl <command> [options]", ""]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += ["", "Run `kubesgl <command> --help` for the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] == "--version":
+        print(kubesgl.__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"kubesgl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name, _ = SUBCOMMANDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if not exc.name or not module_name.startswith(exc.name):
+            raise
+        print(f"kubesgl: command {name!r} is not available in this build", file=sys.stderr)
+        return 2
+    return int(module.main(rest) or 0)
