@@ -1,0 +1,16 @@
+"""Attention backends: each reads and writes the paged KV pool for one forward step."""
+
+from __future__ import annotations
+
+from kubesgl.engine.attention.base import AttentionBackend, AttentionLayerSpec
+
+
+def create_backend(name: str, **kwargs) -> AttentionBackend:
+    if name == "torch":
+        from kubesgl.engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(**kwargs)
+    raise ValueError(f"attention backend {name!r} is not available (available: torch)")
+
+
+__all__ = ["AttentionBackend", "AttentionLayerSpec", "create_backend"]

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from kubesgl.engine.executor.forward_batch import ForwardBatch
+from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    layer_id: int
+    num_heads: int  # on this rank
+    num_kv_heads: int  # on this rank
+    head_dim: int
+    scaling: float
+    sliding_window: int | None  # attend to this many latest positions, None = all
+
+
+class AttentionBackend(ABC):
+    """Computes attention over the paged KV pool.
+
+    `prepare` runs once per step and leaves its metadata in `batch.attn`; `forward` runs per
+    layer: it stores the step's k and v at `batch.out_cache_loc`, then attends.
+    """
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable):
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+
+    @abstractmethod
+    def prepare(self, batch: ForwardBatch) -> None: ...
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                batch: ForwardBatch) -> torch.Tensor:
+        """q: [T, heads, dim]; k, v: [T, kv_heads, dim]. Returns [T, heads, dim]."""

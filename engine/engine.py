@@ -1,0 +1,117 @@
+"""One engine instance in this process: model, KV cache, executor and scheduler, wired from
+an EngineConfig. The offline `LLM` drives it directly; the server drives it from its
+scheduler process."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.executor.model_runner import ModelRunner
+from kubesgl.engine.executor.worker import OverlapExecutor, SyncExecutor
+from kubesgl.engine.io import GenerateRequest, TokenOutput
+from kubesgl.engine.kvcache.allocator import PageAllocator
+from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
+from kubesgl.engine.kvcache.radix_cache import RadixCache
+from kubesgl.engine.models.config import ModelConfig, load_model_config
+from kubesgl.engine.models.loader import load_model, resolve_dtype
+from kubesgl.engine.scheduler.kv_manager import KVManager
+from kubesgl.engine.scheduler.scheduler import Scheduler, SchedulerLimits
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but no CUDA device is available")
+    return torch.device(name)
+
+
+def _available_memory(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of the device's memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    kib = lambda key: int(fields[key].split()[0]) * 1024  # noqa: E731
+    return kib("MemAvailable"), kib("MemTotal")
+
+
+def kv_pool_tokens(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                   kv_heads: int, context_length: int) -> int:
+    """Size of the KV pool in tokens: --max-total-tokens, or what the memory left after the
+    weights allows under --mem-fraction-static (never more than the running requests can use)."""
+    if config.max_total_tokens is not None:
+        return config.max_total_tokens
+    per_token = KVPool.bytes_per_slot(model_config.num_layers, kv_heads, model_config.head_dim, dtype)
+    free, total = _available_memory(device)
+    budget = free - total * (1 - config.mem_fraction_static)
+    tokens = min(int(budget // per_token), config.max_running_requests * context_length)
+    if tokens < 2 * config.page_size:
+        raise RuntimeError(
+            f"no memory left for the KV cache ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB); "
+            "raise --mem-fraction-static or give --max-total-tokens"
+        )
+    return tokens
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model_config = load_model_config(config.model)
+        self.context_length = min(config.context_length or self.model_config.context_length,
+                                  self.model_config.context_length)
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        self.model = load_model(config.model, self.model_config, self.dtype, self.device, config.load_format, config.seed)
+        attn = self.model.layers[0].self_attn.spec
+
+        page = config.page_size
+        tokens = kv_pool_tokens(config, self.model_config, self.dtype, self.device, attn.num_kv_heads, self.context_length)
+        num_pages = tokens // page + 1  # + the padding page
+        kv_pool = KVPool(num_pages * page, self.model_config.num_layers, attn.num_kv_heads, attn.head_dim, self.dtype,
+                         self.device)
+        # Finished requests keep their row until the step in flight completes: leave room.
+        num_rows = 2 * config.max_running_requests
+        table = ReqToTokenTable(num_rows, self.context_length, self.device)
+        allocator = PageAllocator(num_pages, page)
+        radix = None if config.disable_radix_cache else RadixCache(allocator)
+        future_capacity = 4 * config.max_running_requests
+        runner = ModelRunner(self.model, kv_pool, table, config.attention_backend, future_capacity)
+        overlap = not config.disable_overlap_schedule
+        self.executor = OverlapExecutor(runner) if overlap else SyncExecutor(runner)
+        limits = SchedulerLimits(
+            context_length=self.context_length,
+            vocab_size=self.model_config.vocab_size,
+            max_running_requests=config.max_running_requests,
+            chunked_prefill_size=config.chunked_prefill_size,
+            max_prefill_tokens=config.max_prefill_tokens,
+        )
+        self.scheduler = Scheduler(self.executor, KVManager(allocator, radix, num_rows), limits,
+                                   self.model_config.eos_token_ids, overlap, future_capacity)
+        logger.info("engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s",
+                    self.model_config.architecture, self.device, self.dtype, (num_pages - 1) * page, page,
+                    overlap, radix is not None)
+
+    def add_request(self, request: GenerateRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, rid: str, message: str = "aborted") -> list[TokenOutput]:
+        return self.scheduler.abort_request(rid, message)
+
+    def step(self) -> list[TokenOutput]:
+        return self.scheduler.step()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def shutdown(self) -> None:
+        self.scheduler.drain()
+        self.executor.shutdown()

@@ -1,0 +1,84 @@
+"""One forward step as the executor receives it: plain tensors, built on the CPU by the
+scheduler and moved to the device in one go. Nothing here refers to scheduler objects."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+import torch
+
+
+class ForwardMode(Enum):
+    EXTEND = auto()  # prefill: each request adds one or more tokens after its cached prefix
+    DECODE = auto()  # each request adds exactly one token
+
+
+@dataclass
+class PenaltyBatch:
+    """Repetition, frequency and presence penalties of the rows that use any."""
+
+    repetition: torch.Tensor  # [B] float32, 1.0 = off
+    frequency: torch.Tensor  # [B] float32
+    presence: torch.Tensor  # [B] float32
+    # Rows (of the request table) to reset before this step, with the prompt each row starts from.
+    resets: list[tuple[int, list[int]]] = field(default_factory=list)
+
+
+@dataclass
+class SamplingBatch:
+    temperatures: torch.Tensor  # [B] float32; greedy rows hold 1.0 and are picked by argmax
+    greedy: torch.Tensor  # [B] bool
+    top_ps: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64; vocab size where off
+    min_ps: torch.Tensor  # [B] float32
+    all_greedy: bool
+    use_top_p: bool
+    use_top_k: bool
+    use_min_p: bool
+    # (row in batch, seed) of rows with their own seed; the seed already mixes in the position.
+    seeded_rows: list[tuple[int, int]] = field(default_factory=list)
+    penalties: PenaltyBatch | None = None
+    top_logprobs: int = -1  # -1: no logprobs in this batch; k >= 0: sampled token's and top k
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64; a value -f stands for the token sampled into future slot f
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot each token writes
+    req_rows: torch.Tensor  # [B] int64, rows of the request-to-token table
+    seq_lens: torch.Tensor  # [B] int64, KV length of each request after this step
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]  # [B] tokens each request adds (1 in decode)
+    table_rows: torch.Tensor  # request-to-token writes applied before the step
+    table_cols: torch.Tensor
+    table_slots: torch.Tensor
+    future_slots: torch.Tensor  # [B] where each row's sampled token is kept for later steps
+    emits: torch.Tensor  # [B] bool, rows whose sampled token is a real output
+    sampling: SamplingBatch
+    attn: Any = None  # attention metadata, set by the attention backend
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        if device.type == "cpu":
+            return self
+        return _move(self, device)
+
+
+def _move(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _move(getattr(value, f.name), device) for f in dataclasses.fields(value)})
+    return value

@@ -1,0 +1,55 @@
+"""Runs forward steps: owns the model, the KV pool, the request-to-token table, the
+attention backend and the sampler, all on one device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kubesgl.engine.attention import create_backend
+from kubesgl.engine.executor.forward_batch import ForwardBatch
+from kubesgl.engine.executor.sampler import PenaltyState, Sampler
+from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
+from kubesgl.engine.models.decoder import CausalLM
+
+
+@dataclass
+class StepResult:
+    """A step's sampled tokens, on the host."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_pool: KVPool, req_to_token: ReqToTokenTable, attention_backend: str,
+                 future_capacity: int):
+        self.model = model
+        self.device = req_to_token.table.device
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+        self.backend = create_backend(attention_backend, kv_pool=kv_pool, req_to_token=req_to_token)
+        self.sampler = Sampler(PenaltyState(req_to_token.num_rows, model.config.vocab_size, self.device))
+        # Tokens sampled by earlier steps, read by later ones through negative input ids, so
+        # that step N+1 can be launched before step N's tokens reach the host.
+        self.future_tokens = torch.zeros(future_capacity + 1, dtype=torch.int64, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, batch: ForwardBatch) -> StepResult:
+        batch = batch.to(self.device)
+        if batch.table_rows.numel():
+            self.req_to_token.write(batch.table_rows, batch.table_cols, batch.table_slots)
+        input_ids = torch.where(batch.input_ids < 0, self.future_tokens[(-batch.input_ids).clamp(min=0)], batch.input_ids)
+        self.backend.prepare(batch)
+        logits = self.model(input_ids, batch.positions, batch, self.backend)
+        sample = self.sampler(logits, batch.sampling, batch.req_rows, batch.emits)
+        self.future_tokens[batch.future_slots] = sample.token_ids
+        result = StepResult(token_ids=sample.token_ids.tolist())
+        if sample.logprobs is not None:
+            result.logprobs = sample.logprobs.tolist()
+        if sample.top_ids is not None:
+            result.top_ids, result.top_logprobs = sample.top_ids.tolist(), sample.top_logprobs.tolist()
+        return result

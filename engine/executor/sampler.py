@@ -1,0 +1,114 @@
+"""Turns logits into tokens: penalties, temperature, top-k, top-p, min-p, per-request seeds.
+
+Sampling uses the exponential-race form of the categorical draw: argmax(p / E) with
+E ~ Exp(1) picks token i with probability p_i, and lets a seeded row draw its own noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kubesgl.engine.executor.forward_batch import PenaltyBatch, SamplingBatch
+
+
+@dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] log-probability of each sampled token
+    top_ids: torch.Tensor | None = None  # [B, k]
+    top_logprobs: torch.Tensor | None = None  # [B, k]
+
+
+class PenaltyState:
+    """Token counts per request-table row, kept on the device so that the scheduler never
+    waits for a step's tokens to build the next step's penalties."""
+
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device):
+        self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
+        self._output_counts: torch.Tensor | None = None  # [rows, vocab] int32
+        self._seen: torch.Tensor | None = None  # [rows, vocab] bool: in the prompt or the output
+
+    def _ensure(self) -> None:
+        if self._output_counts is None:  # allocated on first use: most deployments never penalise
+            self._output_counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
+            self._seen = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device)
+
+    def reset(self, resets: list[tuple[int, list[int]]]) -> None:
+        self._ensure()
+        for row, prompt in resets:
+            self._output_counts[row].zero_()
+            self._seen[row].zero_()
+            self._seen[row, torch.tensor(prompt, dtype=torch.int64, device=self.device)] = True
+
+    def apply(self, logits: torch.Tensor, rows: torch.Tensor, penalties: PenaltyBatch) -> torch.Tensor:
+        self._ensure()
+        counts = self._output_counts[rows].float()
+        seen = self._seen[rows]
+        rep = penalties.repetition.unsqueeze(1)
+        # Repetition penalty (CTRL): shrink the logit of every token already seen.
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - penalties.frequency.unsqueeze(1) * counts
+        return logits - penalties.presence.unsqueeze(1) * (counts > 0).float()
+
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor, emits: torch.Tensor) -> None:
+        rows, tokens = rows[emits], tokens[emits]
+        self._output_counts[rows, tokens] += 1
+        self._seen[rows, tokens] = True
+
+
+def top_k_top_p_min_p_mask(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                           min_ps: torch.Tensor) -> torch.Tensor:
+    """True for the tokens each row may sample.
+
+    top-k keeps the k most likely tokens; top-p keeps the smallest set of most likely tokens
+    whose mass reaches p; min-p keeps tokens at least p times as likely as the most likely.
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    keep_sorted = ranks < top_ks.unsqueeze(1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted &= mass_before < top_ps.unsqueeze(1)
+    keep_sorted &= sorted_probs >= min_ps.unsqueeze(1) * sorted_probs[:, :1]
+    keep_sorted[:, 0] = True  # the most likely token always stays
+    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+
+
+class Sampler:
+    def __init__(self, penalty_state: PenaltyState):
+        self.penalty_state = penalty_state
+
+    def __call__(self, logits: torch.Tensor, sampling: SamplingBatch, rows: torch.Tensor,
+                 emits: torch.Tensor) -> SampleOutput:
+        raw_logits = logits
+        if sampling.penalties is not None:
+            if sampling.penalties.resets:
+                self.penalty_state.reset(sampling.penalties.resets)
+            logits = self.penalty_state.apply(logits, rows, sampling.penalties)
+        if sampling.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, sampling)
+        if sampling.penalties is not None:
+            self.penalty_state.record(rows, tokens, emits)
+        out = SampleOutput(token_ids=tokens)
+        if sampling.top_logprobs >= 0:
+            # Log-probabilities of the model's own distribution, before penalties and temperature.
+            logprobs = torch.log_softmax(raw_logits, dim=-1)
+            out.logprobs = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            if sampling.top_logprobs > 0:
+                out.top_logprobs, out.top_ids = logprobs.topk(sampling.top_logprobs, dim=-1)
+        return out
+
+    def _sample(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+        probs = torch.softmax(logits / sampling.temperatures.unsqueeze(1), dim=-1)
+        if sampling.use_top_k or sampling.use_top_p or sampling.use_min_p:
+            keep = top_k_top_p_min_p_mask(probs, sampling.top_ks, sampling.top_ps, sampling.min_ps)
+            probs = probs.masked_fill(~keep, 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        for row, seed in sampling.seeded_rows:
+            generator = torch.Generator(device=probs.device).manual_seed(seed)
+            noise[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=generator)
+        sampled = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)  # a zero draw would make 0/0
+        return torch.where(sampling.greedy, logits.argmax(dim=-1), sampled)

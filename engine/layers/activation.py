@@ -1,0 +1,17 @@
+import torch
+import torch.nn.functional as F
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def gated_activation(name: str):
+    """act(gate) * up over a tensor whose last dimension is [gate | up]."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r} (supported: {', '.join(_ACTIVATIONS)})")
+    act = _ACTIVATIONS[name]
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return apply

@@ -1,0 +1,105 @@
+"""`kubesgl make-tiny-model DIR --arch ...`: a small model with seeded random weights, a
+byte-level BPE tokenizer trained here, and a chat template. The directory is a regular
+Hugging Face checkpoint: transformers' AutoModelForCausalLM and AutoTokenizer load it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from kubesgl.engine.models.config import parse_model_config
+from kubesgl.engine.models.weights import synthetic_checkpoint
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_CORPUS = """
+The capital of France is Paris. The capital of Italy is Rome. The capital of Japan is Tokyo.
+Large language models predict the next token from the tokens before it. A prefix cache keeps
+the keys and values of prompts that were seen before, so a request that shares a long system
+prompt with an earlier one skips most of its prefill. Kubernetes schedules pods onto nodes;
+an operator watches custom resources and reconciles them into deployments and services.
+Prefill computes the cache of a whole prompt at once; decode adds one token at a time.
+You are a helpful assistant. Answer the question in one sentence. What is the weather like?
+Count from one to ten: one, two, three, four, five, six, seven, eight, nine, ten.
+Émile a visité Zürich et São Paulo; 東京 と 大阪 は 日本 の 都市 です. 🙂 naïve café résumé.
+def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5
+"""
+
+_ARCHS: dict[str, dict[str, Any]] = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False},
+    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
+    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False},
+    "qwen3-moe": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+        "num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    },
+}
+
+
+def train_tokenizer(vocab_size: int = 1024) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tokenizer
+
+
+def tiny_config(arch: str, vocab_size: int, eos_id: int) -> dict[str, Any]:
+    if arch not in _ARCHS:
+        raise ValueError(f"unknown --arch {arch!r} (choose from {', '.join(_ARCHS)})")
+    return {
+        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": None,
+        "torch_dtype": "float32", **_ARCHS[arch],
+    }
+
+
+def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer()
+    eos = tokenizer.token_to_id("<|im_end|>")
+    endoftext = tokenizer.token_to_id("<|endoftext|>")
+    raw = tiny_config(arch, tokenizer.get_vocab_size(), eos)
+    config = parse_model_config(raw)
+    tensors = {name: t.contiguous() for name, t in synthetic_checkpoint(config, seed, torch.float32)}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, endoftext]}, indent=2))
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "unk_token": None, "chat_template": CHAT_TEMPLATE, "model_max_length": 2048,
+        "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kubesgl make-tiny-model", description=__doc__)
+    parser.add_argument("dir", help="output directory")
+    parser.add_argument("--arch", required=True, choices=sorted(_ARCHS))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = make_tiny_model(args.dir, args.arch, args.seed)
+    print(f"wrote a tiny {args.arch} model to {path}")
+    return 0

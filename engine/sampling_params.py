@@ -1,0 +1,55 @@
+"""Per-request sampling and stopping options (the names OpenAI, vLLM and SGLang use)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot serve; the message names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k cut
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequestError(f"{param} {message}", param=param)
+
+        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens!r}")
+        check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
+        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        check(self.top_k == -1 or self.top_k >= 0, "top_k", f"must be -1 (off) or non-negative, got {self.top_k}")
+        check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        check(self.repetition_penalty > 0, "repetition_penalty", f"must be positive, got {self.repetition_penalty}")
+        check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
+        bad_ids = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        check(not bad_ids, "stop_token_ids", f"contains ids outside the vocabulary (size {vocab_size}): {bad_ids}")

@@ -1,0 +1,131 @@
+"""Turns the requests chosen for a step into a ForwardBatch: allocates their KV slots,
+lists the request-table writes, and gathers their sampling options into tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kubesgl.engine.executor.forward_batch import ForwardBatch, ForwardMode, PenaltyBatch, SamplingBatch
+from kubesgl.engine.scheduler.kv_manager import KVManager
+from kubesgl.engine.scheduler.request import Req
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the 63-bit seed space
+
+
+@dataclass
+class ScheduledBatch:
+    step: int
+    mode: ForwardMode
+    reqs: list[Req]
+    extend_lens: list[int]
+    emits: list[bool]  # whether row i samples a real output token
+    forward: ForwardBatch
+
+
+class BatchBuilder:
+    def __init__(self, kv: KVManager, vocab_size: int, future_capacity: int):
+        self.kv = kv
+        self.vocab_size = vocab_size
+        self.future_capacity = future_capacity
+        self._next_future = 1  # future slot 0 is never used: -0 would read as token 0
+        self._step = 0
+
+    def _future_slots(self, count: int) -> list[int]:
+        slots = []
+        for _ in range(count):
+            slots.append(self._next_future)
+            self._next_future = self._next_future % self.future_capacity + 1
+        return slots
+
+    def extend(self, chunks: list[tuple[Req, int]]) -> ScheduledBatch:
+        """A prefill step: each request adds its next `n` prompt tokens."""
+        reqs, lens, emits, input_ids, positions = [], [], [], [], []
+        for req, n in chunks:
+            start = req.num_scheduled
+            input_ids += req.prompt_ids[start : start + n]
+            positions += range(start, start + n)
+            reqs.append(req)
+            lens.append(n)
+            emits.append(start + n == req.prompt_len)
+        return self._build(ForwardMode.EXTEND, reqs, lens, emits, input_ids, positions)
+
+    def decode(self, reqs: list[Req]) -> ScheduledBatch:
+        """A decode step: each request feeds its newest token, known or still in flight."""
+        input_ids = [
+            req.output_ids[-1] if len(req.output_ids) == req.outputs_scheduled else -req.future_slot for req in reqs
+        ]
+        positions = [req.num_scheduled for req in reqs]
+        return self._build(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs), input_ids, positions)
+
+    def _build(self, mode, reqs, lens, emits, input_ids, positions) -> ScheduledBatch:
+        self._step += 1
+        out_cache_loc, seq_lens, rows, cols, slots = [], [], [], [], []
+        first_chunk = [req.num_scheduled == req.num_prefix_hit for req in reqs]
+        for req, n in zip(reqs, lens):
+            out_cache_loc += self.kv.grow(req, n)
+            req.num_scheduled += n
+            seq_lens.append(req.num_scheduled)
+            rows += [req.row] * (req.num_scheduled - req.table_len)
+            cols += range(req.table_len, req.num_scheduled)
+            slots += req.slots[req.table_len : req.num_scheduled]
+            req.table_len = req.num_scheduled
+            req.last_step = self._step
+        future_slots = self._future_slots(len(reqs))
+        sampling = self._sampling(reqs, emits, first_chunk)
+        for req, emit, future in zip(reqs, emits, future_slots):
+            if emit:
+                req.outputs_scheduled += 1
+                req.future_slot = future
+        as_long = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+        forward = ForwardBatch(
+            mode=mode,
+            input_ids=as_long(input_ids),
+            positions=as_long(positions),
+            out_cache_loc=as_long(out_cache_loc),
+            req_rows=as_long([req.row for req in reqs]),
+            seq_lens=as_long(seq_lens),
+            seq_lens_cpu=seq_lens,
+            extend_lens_cpu=list(lens),
+            table_rows=as_long(rows),
+            table_cols=as_long(cols),
+            table_slots=as_long(slots),
+            future_slots=as_long(future_slots),
+            emits=torch.tensor(emits, dtype=torch.bool),
+            sampling=sampling,
+        )
+        return ScheduledBatch(self._step, mode, reqs, list(lens), list(emits), forward)
+
+    def _sampling(self, reqs: list[Req], emits: list[bool], first_chunk: list[bool]) -> SamplingBatch:
+        params = [req.params for req in reqs]
+        greedy = [p.greedy for p in params]
+        top_ks = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        seeded = [
+            (i, (p.seed * _SEED_MIX + req.outputs_scheduled) % (1 << 63))
+            for i, (req, p) in enumerate(zip(reqs, params))
+            if p.seed is not None and not p.greedy
+        ]
+        penalties = None
+        if any(p.has_penalties for p in params):
+            penalties = PenaltyBatch(
+                repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+                frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+                presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+                resets=[(req.row, req.prompt_ids) for req, first in zip(reqs, first_chunk) if first],
+            )
+        wanted = [p.logprobs for p, emit in zip(params, emits) if p.logprobs is not None and emit]
+        return SamplingBatch(
+            temperatures=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32),
+            greedy=torch.tensor(greedy, dtype=torch.bool),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            all_greedy=all(greedy),
+            use_top_p=any(p.top_p < 1.0 for p in params),
+            use_top_k=any(k < self.vocab_size for k in top_ks),
+            use_min_p=any(p.min_p > 0.0 for p in params),
+            seeded_rows=seeded,
+            penalties=penalties,
+            top_logprobs=max(wanted) if wanted else -1,
+        )

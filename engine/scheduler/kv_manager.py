@@ -1,0 +1,168 @@
+"""Who holds which KV pages: admission reservations, growth, radix-cache hand-over, release.
+
+Every page is in exactly one place: free in the allocator, owned by the radix tree, or
+owned by one live request (its pages past `num_cached`). Admission reserves all the pages a
+request may ever need (prompt plus max_tokens), so a running request never runs out of KV
+and nothing is preempted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kubesgl.engine.kvcache.allocator import PageAllocator
+from kubesgl.engine.kvcache.radix_cache import CacheIntegrityError, RadixCache
+from kubesgl.engine.scheduler.request import Req, ReqStatus
+
+
+class KVManager:
+    def __init__(self, allocator: PageAllocator, radix: RadixCache | None, num_rows: int):
+        self.allocator = allocator
+        self.radix = radix
+        self.page_size = allocator.page_size
+        self.num_rows = num_rows
+        self._free_rows = list(range(num_rows - 1, -1, -1))
+        self.reserved_pages = 0
+
+    # -- capacity ----------------------------------------------------------------------
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def available_pages(self) -> int:
+        evictable = self.radix.evictable_size // self.page_size if self.radix else 0
+        return self.allocator.num_free + evictable - self.reserved_pages
+
+    @staticmethod
+    def max_kv_len(req: Req) -> int:
+        """KV positions a request can ever fill: its prompt and all outputs but the last."""
+        return req.prompt_len + req.params.max_tokens - 1
+
+    def used_tokens(self) -> int:
+        """Tokens of KV held by requests or locked in the cache (evictable cache excluded)."""
+        evictable = self.radix.evictable_size if self.radix else 0
+        return (self.allocator.total_pages - self.allocator.num_free) * self.page_size - evictable
+
+    # -- admission ---------------------------------------------------------------------
+    def try_admit(self, req: Req) -> bool:
+        """Give `req` a table row, its cached prefix and a reservation, or nothing at all."""
+        if not self._free_rows:
+            return False
+        slots, node = [], None
+        if self.radix is not None:
+            # At least one prompt token is always computed: its logits give the first output.
+            match = self.radix.match_prefix(req.prompt_ids[:-1])
+            slots, node = match.slots, match.node
+            self.radix.lock(node)
+        need = self.pages_for(self.max_kv_len(req)) - len(slots) // self.page_size
+        if need > self.available_pages():
+            if node is not None:
+                self.radix.unlock(node)
+            return False
+        req.row = self._free_rows.pop()
+        req.slots, req.num_cached, req.num_prefix_hit, req.last_node = list(slots), len(slots), len(slots), node
+        req.num_scheduled = req.num_computed = len(slots)
+        req.reserved_pages = need
+        self.reserved_pages += need
+        return True
+
+    # -- growth ------------------------------------------------------------------------
+    def grow(self, req: Req, num_tokens: int) -> list[int]:
+        """KV slots for the next `num_tokens` positions of `req`."""
+        p = self.page_size
+        room = (-len(req.slots)) % p  # free slots left in the request's last page
+        in_page = min(room, num_tokens)
+        new = [req.slots[-1] + 1 + i for i in range(in_page)]
+        pages_needed = self.pages_for(num_tokens - in_page)
+        if pages_needed:
+            if pages_needed > req.reserved_pages:
+                raise RuntimeError(f"request {req.rid} outgrew its KV reservation")
+            shortfall = pages_needed - self.allocator.num_free
+            if shortfall > 0 and self.radix is not None:
+                self.radix.evict(shortfall * p)
+            pages = self.allocator.alloc(pages_needed)
+            req.reserved_pages -= pages_needed
+            self.reserved_pages -= pages_needed
+            new += self.allocator.slots_of(pages)[: num_tokens - in_page]
+        req.slots += new
+        return new
+
+    # -- hand-over to the radix cache ------------------------------------------------------
+    def cache_prefix(self, req: Req) -> None:
+        """Put the computed, page-aligned part of the prompt into the tree, so that other
+        requests (the n copies of one prompt, say) can share it while this one runs."""
+        if self.radix is not None:
+            aligned = min(req.num_computed, req.prompt_len) // self.page_size * self.page_size
+            if aligned > req.num_cached:
+                self._insert(req, req.prompt_ids[:aligned])
+
+    def _insert(self, req: Req, tokens: list[int]) -> None:
+        n = len(tokens)
+        already_cached = self.radix.insert(tokens, req.slots[:n])
+        if already_cached > req.num_cached:
+            # Another request cached these tokens first: use its pages, free ours.
+            self._free_slots(req.slots[req.num_cached : already_cached])
+            req.table_len = min(req.table_len, req.num_cached)
+        match = self.radix.match_prefix(tokens)
+        assert len(match.slots) == n
+        self.radix.lock(match.node)
+        self.radix.unlock(req.last_node)
+        req.slots[:n] = match.slots
+        req.last_node, req.num_cached = match.node, n
+
+    # -- release -----------------------------------------------------------------------
+    def release(self, req: Req) -> None:
+        """Return everything `req` holds. Its computed KV stays in the tree for reuse."""
+        if req.status is ReqStatus.RELEASED:
+            raise RuntimeError(f"request {req.rid} released twice")
+        if req.row is not None:
+            if self.radix is not None:
+                # KV is only reusable where the token it belongs to is known: an abort can leave
+                # the KV of a sampled token that was never appended.
+                tokens = req.all_tokens()
+                aligned = min(req.num_computed, len(tokens)) // self.page_size * self.page_size
+                if aligned > req.num_cached:
+                    self._insert(req, tokens[:aligned])
+                self._free_slots(req.slots[req.num_cached :])
+                self.radix.unlock(req.last_node)
+            else:
+                self._free_slots(req.slots)
+            self.reserved_pages -= req.reserved_pages
+            self._free_rows.append(req.row)
+        req.slots, req.row, req.last_node, req.reserved_pages = [], None, None, 0
+        req.status = ReqStatus.RELEASED
+
+    def _free_slots(self, slots: list[int]) -> None:
+        """Free the pages of `slots`, which start on a page boundary."""
+        self.allocator.free(slot // self.page_size for slot in slots[:: self.page_size])
+
+    def flush_cache(self) -> None:
+        if self.radix is not None:
+            self.radix.flush()
+
+    # -- integrity ---------------------------------------------------------------------
+    def check_integrity(self, live: Iterable[Req]) -> None:
+        """Every page and row accounted for exactly once; the tree's locks match the requests."""
+        live = [r for r in live if r.row is not None]
+        p = self.page_size
+        owners: dict[int, str] = {}
+
+        def claim(pages: Iterable[int], owner: str) -> None:
+            for page in pages:
+                if page in owners:
+                    raise CacheIntegrityError(f"page {page} held by both {owners[page]} and {owner}")
+                owners[page] = owner
+
+        claim((pg for pg in range(1, self.allocator.num_pages) if self.allocator.is_free(pg)), "the free list")
+        if self.radix is not None:
+            self.radix.check_integrity([r.last_node for r in live])
+            claim(self.radix.cached_pages(), "the radix cache")
+        for req in live:
+            claim((s // p for s in req.slots[req.num_cached :: p]), f"request {req.rid}")
+        if len(owners) != self.allocator.total_pages:
+            lost = sorted(set(range(1, self.allocator.num_pages)) - owners.keys())
+            raise CacheIntegrityError(f"{len(lost)} pages are neither free, cached nor held, e.g. {lost[:5]}")
+        if self.reserved_pages != sum(r.reserved_pages for r in live):
+            raise CacheIntegrityError("reserved page count differs from the requests' reservations")
+        rows = sorted(self._free_rows + [r.row for r in live])
+        if rows != list(range(self.num_rows)):
+            raise CacheIntegrityError("request table rows lost or held twice")

@@ -1,0 +1,59 @@
+"""The scheduler's state of one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from kubesgl.engine.io import FinishReason, TokenLogprob
+from kubesgl.engine.kvcache.radix_cache import TreeNode
+from kubesgl.engine.sampling_params import SamplingParams
+
+
+class ReqStatus(Enum):
+    WAITING = auto()  # queued, holds no resources
+    PREFILLING = auto()  # prompt chunks scheduled, not all of them yet
+    DECODING = auto()  # whole prompt scheduled; produces one token per step
+    FINISHED = auto()  # result sent; resources go back once no in-flight step uses them
+    RELEASED = auto()
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order among equals
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    # KV state. slots[p] is the KV slot of position p. The first `num_cached` slots belong to
+    # the radix tree (locked through `last_node`); the rest are this request's own pages.
+    row: int | None = None  # row of the request-to-token table
+    slots: list[int] = field(default_factory=list)
+    num_cached: int = 0  # page-aligned
+    num_prefix_hit: int = 0  # prompt tokens found in the cache at admission
+    last_node: TreeNode | None = None
+    reserved_pages: int = 0  # pages still promised to this request for its remaining tokens
+    table_len: int = 0  # leading slots already written to the device table row
+
+    # Progress. Positions [0, num_scheduled) have been scheduled into some step; the KV of
+    # [0, num_computed) was written by steps whose results were processed.
+    num_scheduled: int = 0
+    num_computed: int = 0
+    outputs_scheduled: int = 0  # sampled tokens scheduled, in flight included
+    future_slot: int | None = None  # where the in-flight step leaves this request's newest token
+    last_step: int = -1  # the latest step this request is part of
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status in (ReqStatus.FINISHED, ReqStatus.RELEASED)
+
+    def all_tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids

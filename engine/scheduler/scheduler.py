@@ -1,0 +1,263 @@
+"""Continuous batching: admission, chunked prefill, decode, finishing, abort, and the
+overlap of CPU scheduling with the forward pass.
+
+With overlap on, one step is always in flight: the loop builds and launches step N+1, then
+waits for step N and handles its tokens. Three rules keep that safe:
+- a request decodes again only while its scheduled outputs are below max_tokens, so step
+  N+1 never computes a token past the limit;
+- a token from a step that ran after its request finished (or was aborted) is dropped;
+- a finished request's row and pages are released only after every step it is part of has
+  completed, and exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from kubesgl.engine.executor.forward_batch import ForwardMode
+from kubesgl.engine.executor.model_runner import StepResult
+from kubesgl.engine.io import FinishReason, GenerateRequest, TokenLogprob, TokenOutput
+from kubesgl.engine.sampling_params import InvalidRequestError
+from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
+from kubesgl.engine.scheduler.kv_manager import KVManager
+from kubesgl.engine.scheduler.request import Req, ReqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    context_length: int
+    vocab_size: int
+    max_running_requests: int
+    chunked_prefill_size: int  # <= 0: no chunking
+    max_prefill_tokens: int
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    prompt_tokens: int  # since start
+    cached_prompt_tokens: int  # of those, found in the prefix cache
+
+
+class Scheduler:
+    def __init__(self, executor, kv: KVManager, limits: SchedulerLimits, eos_token_ids: frozenset[int],
+                 overlap: bool, future_capacity: int):
+        self.executor = executor
+        self.kv = kv
+        self.limits = limits
+        self.eos_token_ids = eos_token_ids
+        self.overlap = overlap
+        self.builder = BatchBuilder(kv, limits.vocab_size, future_capacity)
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []  # admitted, prompt not fully scheduled
+        self.decoding: list[Req] = []
+        self.finished_unreleased: list[Req] = []
+        self.requests: dict[str, Req] = {}  # every request not yet released
+        self._in_flight: tuple[ScheduledBatch, Future[StepResult]] | None = None
+        self._completed_step = 0
+        self._arrivals = 0
+        self._prompt_tokens = self._cached_prompt_tokens = 0
+
+    # -- input -------------------------------------------------------------------------
+    def add_request(self, request: GenerateRequest) -> None:
+        """Queue a request; raises InvalidRequestError (naming the problem) if it cannot run."""
+        self._validate(request)
+        req = Req(rid=request.rid, prompt_ids=list(request.input_ids), params=request.params, arrival=self._arrivals)
+        self._arrivals += 1
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+
+    def _validate(self, request: GenerateRequest) -> None:
+        limits, n = self.limits, len(request.input_ids)
+        if request.rid in self.requests:
+            raise InvalidRequestError(f"request id {request.rid!r} is already in use", param="rid")
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if any(not 0 <= t < limits.vocab_size for t in request.input_ids):
+            raise InvalidRequestError(f"the prompt has token ids outside the vocabulary (size {limits.vocab_size})", param="prompt")
+        request.params.validate(limits.vocab_size)
+        if n >= limits.context_length:
+            raise InvalidRequestError(
+                f"the prompt is {n} tokens long; this model's context length is {limits.context_length}", param="prompt"
+            )
+        if n + request.params.max_tokens > limits.context_length:
+            raise InvalidRequestError(
+                f"the prompt ({n} tokens) plus max_tokens ({request.params.max_tokens}) exceeds this model's context "
+                f"length of {limits.context_length}; lower max_tokens to at most {limits.context_length - n}",
+                param="max_tokens",
+            )
+        pool = self.kv.allocator.total_pages
+        need = self.kv.pages_for(n + request.params.max_tokens - 1)
+        if need > pool:
+            raise InvalidRequestError(
+                f"the request needs {need * self.kv.page_size} tokens of KV cache; the pool holds "
+                f"{pool * self.kv.page_size}", param="max_tokens",
+            )
+
+    def abort_request(self, rid: str, message: str = "aborted") -> list[TokenOutput]:
+        """End a request wherever it is. Returns its final output (none if unknown or done)."""
+        req = self.requests.get(rid)
+        if req is None or req.finished:
+            return []
+        if req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+            req.status = ReqStatus.RELEASED
+            del self.requests[rid]
+        else:
+            self._finish(req)
+        req.finish_reason = FinishReason("abort", message=message)
+        out = self._output(req, [], None)
+        self._release_completed()
+        return [out]
+
+    # -- the loop ----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding or self._in_flight or self.finished_unreleased)
+
+    def step(self) -> list[TokenOutput]:
+        """Schedule and launch one step; with overlap, handle the previous step's results."""
+        batch = self._schedule()
+        launched = (batch, self.executor.launch(batch.forward)) if batch else None
+        outputs: list[TokenOutput] = []
+        if self.overlap:
+            if self._in_flight is not None:
+                outputs = self._process(*self._in_flight)
+            self._in_flight = launched
+        elif launched is not None:
+            outputs = self._process(*launched)
+        self._release_completed()
+        return outputs
+
+    def drain(self) -> list[TokenOutput]:
+        """Finish the step in flight, if any (before shutdown or an integrity check)."""
+        outputs = []
+        if self._in_flight is not None:
+            outputs = self._process(*self._in_flight)
+            self._in_flight = None
+        self._release_completed()
+        return outputs
+
+    # -- scheduling --------------------------------------------------------------------
+    def _schedule(self) -> ScheduledBatch | None:
+        chunks = self._prefill_chunks()
+        if chunks:
+            return self.builder.extend(chunks)
+        ready = [r for r in self.decoding if r.outputs_scheduled < r.params.max_tokens]
+        return self.builder.decode(ready) if ready else None
+
+    def _prefill_chunks(self) -> list[tuple[Req, int]]:
+        limits = self.limits
+        chunking = limits.chunked_prefill_size > 0
+        budget = limits.chunked_prefill_size if chunking else limits.max_prefill_tokens
+        chunks: list[tuple[Req, int]] = []
+
+        def take(req: Req) -> bool:
+            nonlocal budget
+            remaining = req.prompt_len - req.num_scheduled
+            n = min(remaining, budget) if chunking else remaining
+            if n <= 0 or (not chunking and chunks and n > budget):
+                return False
+            chunks.append((req, n))
+            budget -= n
+            return True
+
+        for req in self.prefilling:
+            if req.num_scheduled < req.prompt_len and not take(req):
+                break
+        while self.waiting and budget > 0:
+            if len(self.prefilling) + len(self.decoding) >= limits.max_running_requests:
+                break
+            req = self.waiting[0]
+            if not self.kv.try_admit(req):
+                break
+            self.waiting.popleft()
+            req.status = ReqStatus.PREFILLING
+            self.prefilling.append(req)
+            self._prompt_tokens += req.prompt_len
+            self._cached_prompt_tokens += req.num_prefix_hit
+            if not take(req):
+                break
+        return chunks
+
+    # -- results -----------------------------------------------------------------------
+    def _process(self, batch: ScheduledBatch, future: Future[StepResult]) -> list[TokenOutput]:
+        result = future.result()
+        self._completed_step = batch.step
+        outputs = []
+        for i, req in enumerate(batch.reqs):
+            req.num_computed += batch.extend_lens[i]
+            if req.finished:
+                continue  # finished or aborted while this step ran: its token is dropped
+            if batch.mode is ForwardMode.EXTEND:
+                self.kv.cache_prefix(req)
+                if not batch.emits[i]:
+                    continue
+                self.prefilling.remove(req)
+                req.status = ReqStatus.DECODING
+                self.decoding.append(req)
+            token = result.token_ids[i]
+            req.output_ids.append(token)
+            logprob = None
+            if result.logprobs is not None and req.params.logprobs is not None:
+                k = req.params.logprobs
+                top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k])) if k else []
+                logprob = TokenLogprob(token, result.logprobs[i], top)
+                req.logprobs.append(logprob)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                req.finish_reason = reason
+                self._finish(req)
+            outputs.append(self._output(req, [token], [logprob] if logprob else None))
+        return outputs
+
+    def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
+        params = req.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return FinishReason("stop", matched_token=token)
+        if len(req.output_ids) >= params.max_tokens:
+            return FinishReason("length")
+        return None
+
+    def _finish(self, req: Req) -> None:
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+        if req in self.decoding:
+            self.decoding.remove(req)
+        req.status = ReqStatus.FINISHED
+        self.finished_unreleased.append(req)
+
+    def _release_completed(self) -> None:
+        """Release finished requests that no step still running uses."""
+        keep = []
+        for req in self.finished_unreleased:
+            if req.last_step > self._completed_step:
+                keep.append(req)
+                continue
+            self.kv.release(req)
+            self.requests.pop(req.rid, None)
+        self.finished_unreleased = keep
+
+    def _output(self, req: Req, tokens: list[int], logprobs) -> TokenOutput:
+        return TokenOutput(
+            rid=req.rid, token_ids=tokens, finish_reason=req.finish_reason, logprobs=logprobs,
+            prompt_tokens=req.prompt_len, cached_tokens=req.num_prefix_hit, completion_tokens=len(req.output_ids),
+        )
+
+    # -- inspection --------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.requests.values())
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.prefilling) + len(self.decoding),
+            num_waiting=len(self.waiting),
+            kv_used_tokens=self.kv.used_tokens(),
+            kv_total_tokens=self.kv.allocator.total_pages * self.kv.page_size,
+            prompt_tokens=self._prompt_tokens,
+            cached_prompt_tokens=self._cached_prompt_tokens,
+        )
