@@ -1,0 +1,36 @@
+"""`kubesgl generate`: offline generation from the command line (no server)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
+from kubesgl.engine.llm import LLM
+from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kubesgl generate", description=__doc__)
+    add_engine_args(parser)
+    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    config = engine_config_from_args(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    options = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
+    with LLM(config.model, **options) as llm:
+        try:
+            outputs = llm.generate(args.prompt, params)
+        except InvalidRequestError as exc:
+            print(f"kubesgl generate: {exc}", file=sys.stderr)
+            return 2
+        for prompt, out in zip(args.prompt, outputs):
+            print(f"{prompt!r} -> {out.text!r}  [{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+    return 0

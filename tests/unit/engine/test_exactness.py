@@ -1,0 +1,101 @@
+"""Greedy tokens equal transformers' greedy generate, token for token (float32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubesgl.engine import SamplingParams
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3-moe"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+def _check(llm, path, prompts, hf_greedy, params=GREEDY):
+    outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(path, prompt, params.max_tokens), f"prompt of {len(prompt)} tokens"
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_mixed_lengths_in_one_batch(arch, overlap, tiny_model, make_llm, hf_greedy, random_prompts):
+    path = tiny_model(arch)
+    llm = make_llm(path, disable_overlap_schedule=not overlap)
+    _check(llm, path, random_prompts(6, 1, 90, seed=1), hf_greedy)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shared_prefixes_hit_the_radix_cache(arch, page_size, tiny_model, make_llm, hf_greedy, random_prompts):
+    path = tiny_model(arch)
+    llm = make_llm(path, page_size=page_size)
+    # 100 shared tokens: with page size 16 the cached prefix ends inside a page (at 96).
+    shared = random_prompts(1, 100, 100, seed=2)[0]
+    first = _check(llm, path, [shared + [7, 8, 9]], hf_greedy)
+    assert first[0].cached_tokens == 0
+    questions = random_prompts(5, 1, 30, seed=3)
+    outputs = _check(llm, path, [shared + q for q in questions], hf_greedy)
+    expected_hit = 100 if page_size == 1 else 96
+    assert [o.cached_tokens for o in outputs] == [expected_hit] * len(questions)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_chunked_prefill_with_small_chunks(arch, page_size, overlap, tiny_model, make_llm, hf_greedy, random_prompts):
+    path = tiny_model(arch)
+    llm = make_llm(path, page_size=page_size, chunked_prefill_size=24, disable_overlap_schedule=not overlap)
+    _check(llm, path, random_prompts(4, 50, 130, seed=4), hf_greedy)
+
+
+def test_checkpoint_saved_by_transformers_sharded(tmp_path, make_llm, hf_greedy, random_prompts):
+    """A checkpoint written by transformers' save_pretrained, sharded with an index file."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    import torch
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=1)
+    model = Qwen2ForCausalLM(config)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    path = str(tmp_path)
+    llm = make_llm(path)
+    _check(llm, path, random_prompts(4, 1, 60, vocab=300, seed=5), hf_greedy)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "linear", "factor": 2.0},
+], ids=["llama3", "yarn", "linear"])
+def test_rope_scaling_variants(rope, tmp_path, tiny_model, make_llm, hf_greedy, random_prompts):
+    import json
+    import shutil
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_scaling"] = {"rope_theta": config["rope_theta"], **rope}
+    (path / "config.json").write_text(json.dumps(config))
+    llm = make_llm(str(path))
+    _check(llm, str(path), random_prompts(3, 60, 150, seed=6), hf_greedy)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_mistral_sliding_window(overlap, tmp_path, tiny_model, make_llm, hf_greedy, random_prompts):
+    import json
+    import shutil
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model("mistral"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["sliding_window"] = 16  # much shorter than the prompts: the window really cuts
+    (path / "config.json").write_text(json.dumps(config))
+    llm = make_llm(str(path), chunked_prefill_size=20, disable_overlap_schedule=not overlap)
+    _check(llm, str(path), random_prompts(3, 40, 70, seed=7), hf_greedy)

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kubesgl.engine import SamplingParams
+from kubesgl.engine.executor.sampler import top_k_top_p_min_p_mask
+
+
+def reference_support(probs: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:
+    """The definitions, written out token by token."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    keep, mass = set(), 0.0
+    for rank, i in enumerate(order):
+        if rank >= top_k or mass >= top_p or probs[i] < min_p * probs[order[0]]:
+            continue
+        keep.add(i)
+        mass += probs[i]
+    return keep | {order[0]}
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(3, 1.0, 0.0), (100, 0.5, 0.0), (100, 1.0, 0.2), (4, 0.7, 0.05), (1, 1.0, 0.0)])
+def test_mask_matches_definitions(top_k, top_p, min_p):
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(5, 12, generator=generator) * 2, dim=-1)
+    mask = top_k_top_p_min_p_mask(probs, torch.full((5,), top_k), torch.full((5,), top_p), torch.full((5,), min_p))
+    for row in range(5):
+        expected = reference_support(probs[row].tolist(), top_k, top_p, min_p)
+        assert set(torch.nonzero(mask[row]).flatten().tolist()) == expected
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    from kubesgl.engine import LLM
+
+    llm = LLM(tiny_model("llama"), dtype="float32", device="cpu", max_total_tokens=8192)
+    yield llm
+    llm.shutdown()
+
+
+def next_token_probs(model_path, prompt, temperature):
+    """The model's next-token distribution, computed by transformers on the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(max_tokens=30, temperature=1.5, seed=1234, ignore_eos=True)
+    first = llm.generate([prompt], params)[0].token_ids
+    again = llm.generate([prompt], params)[0].token_ids
+    other = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=1.5, seed=99, ignore_eos=True))[0].token_ids
+    assert first == again
+    assert first != other
+    # the seed's draws do not depend on what else is in the batch
+    batch = llm.generate([prompt, [9, 9, 9], prompt], [params, SamplingParams(max_tokens=30, temperature=1.0), params])
+    assert batch[0].token_ids == first and batch[2].token_ids == first
+
+
+@pytest.mark.parametrize("option", [{"top_k": 3}, {"top_p": 0.3}, {"min_p": 0.3}])
+def test_sampled_tokens_stay_in_the_allowed_support(llm, tiny_model, option):
+    prompt, temperature = [11, 12, 13], 0.7
+    probs = next_token_probs(tiny_model("llama"), prompt, temperature)
+    allowed = reference_support(probs.tolist(), option.get("top_k", 10**6), option.get("top_p", 1.0),
+                                option.get("min_p", 0.0))
+    params = [SamplingParams(max_tokens=1, temperature=temperature, seed=s, **option) for s in range(200)]
+    seen = {o.token_ids[0] for o in llm.generate([prompt] * 200, params)}
+    assert seen <= allowed
+    assert len(seen) >= min(2, len(allowed))
+    unrestricted = {o.token_ids[0] for o in llm.generate(
+        [prompt] * 200, [SamplingParams(max_tokens=1, temperature=temperature, seed=s) for s in range(200)])}
+    assert not unrestricted <= allowed  # the option really cut something away
+
+
+def test_penalties_change_greedy_output_as_defined(llm):
+    prompt = [20, 21, 22, 23]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].token_ids
+    assert len(set(plain)) < len(plain)  # the tiny model repeats itself
+    no_repeats = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                        presence_penalty=2.0, repetition_penalty=100.0))[0].token_ids
+    assert len(set(no_repeats)) == len(no_repeats)  # every seen token is pushed far down
+    assert not set(no_repeats) & set(prompt)  # repetition penalty covers the prompt too
+    freq = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
+                                                  frequency_penalty=0.5))[0].token_ids
+    assert freq != plain

@@ -1,0 +1,240 @@
+"""Scheduler behaviour: exact token counts, finishing, abort, and the overlap pitfalls.
+
+Each overlap test names the bug it pins; each fails when the corresponding rule in
+scheduler.py is taken out.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from kubesgl.engine import InvalidRequestError, SamplingParams
+from kubesgl.engine.io import GenerateRequest
+
+
+def run_to_end(engine, max_steps: int = 10_000):
+    """Step until idle; returns every output, per request id, in order."""
+    outputs = defaultdict(list)
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outputs
+        for out in engine.step():
+            outputs[out.rid].append(out)
+    raise AssertionError("the scheduler did not become idle")
+
+
+def submit(engine, rid, prompt, **params):
+    engine.add_request(GenerateRequest(rid=rid, input_ids=prompt, params=SamplingParams(**params)))
+
+
+def assert_well_formed(outputs_by_rid):
+    """Exactly one final output per request, and nothing after it."""
+    for rid, outs in outputs_by_rid.items():
+        finished = [i for i, o in enumerate(outs) if o.finished]
+        assert finished == [len(outs) - 1], f"{rid}: finished outputs at {finished} of {len(outs)}"
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_64_concurrent_requests_return_exactly_max_tokens(overlap, page_size, tiny_model, make_llm, random_prompts):
+    llm = make_llm(tiny_model("llama"), page_size=page_size, disable_overlap_schedule=not overlap,
+                   max_running_requests=64, max_total_tokens=64 * 400)
+    prompts = random_prompts(64, 1, 40, seed=10)
+    counts = [1 + (i * 199) // 63 for i in range(64)]  # 1 .. 200
+    params = [SamplingParams(max_tokens=n, temperature=0.8, seed=i, ignore_eos=True) for i, n in enumerate(counts)]
+    outputs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outputs] == counts
+    assert all(o.finish_reason.kind == "length" for o in outputs)
+
+
+def test_one_step_per_token_and_no_reply_after_finish(tiny_model, make_llm, random_prompts):
+    """Overlap pitfall: the step launched before a stop token is seen computes one more
+    token; no reply may be sent for it."""
+    llm = make_llm(tiny_model("llama"))
+    engine = llm.engine
+    prompts = random_prompts(8, 5, 30, seed=11)
+    reference = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    for i, (prompt, ref) in enumerate(zip(prompts, reference)):
+        stop_at = 3 + i  # stop on the token greedy decoding produces at this index
+        stop_token = ref.token_ids[stop_at]
+        submit(engine, f"r{i}", prompt, max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[stop_token])
+    outputs = run_to_end(engine)
+    assert_well_formed(outputs)
+    for i, ref in enumerate(reference):
+        tokens = [t for o in outputs[f"r{i}"] for t in o.token_ids]
+        expected = ref.token_ids[: ref.token_ids.index(ref.token_ids[3 + i]) + 1]
+        assert tokens == expected
+        assert outputs[f"r{i}"][-1].finish_reason.kind == "stop"
+
+
+@pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
+def test_finished_request_resources_not_reused_while_in_flight(radix, tiny_model, make_llm, random_prompts):
+    """Overlap pitfall: a request that finishes on step N is still part of step N+1, which
+    is running; its table row and KV pages must not go to a request of step N+2 before
+    step N+1 completes."""
+    llm = make_llm(tiny_model("llama"), max_running_requests=4, disable_radix_cache=not radix, max_total_tokens=4096)
+    engine = llm.engine
+    builder = engine.scheduler.builder
+    launched = []  # per built batch: {row: rid}, {slot: rid}; the newest is in flight
+    original_build = builder._build
+
+    def checked_build(*args):
+        batch = original_build(*args)
+        rows = {req.row: req.rid for req in batch.reqs}
+        slots = {slot: req.rid for req in batch.reqs for slot in req.slots[: req.num_scheduled]}
+        if launched and not engine.scheduler._completed_step >= launched[-1][0]:
+            _, in_flight_rows, in_flight_slots = launched[-1]
+            for row, rid in rows.items():
+                assert in_flight_rows.get(row, rid) == rid, f"row {row} reused while step in flight"
+            for slot, rid in slots.items():
+                assert in_flight_slots.get(slot, rid) == rid, f"KV slot {slot} reused while step in flight"
+        launched.append((batch.step, rows, slots))
+        return batch
+
+    builder._build = checked_build
+    prompts = random_prompts(24, 5, 20, seed=12)
+    reference = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    launched.clear()
+    for i, (prompt, ref) in enumerate(zip(prompts, reference)):
+        submit(engine, f"r{i}", prompt, max_tokens=12, temperature=0, ignore_eos=True,
+               stop_token_ids=[ref.token_ids[1 + i % 5]])
+    assert_well_formed(run_to_end(engine))
+    assert len(launched) > 10
+
+
+@pytest.mark.parametrize("chunk", [0, 16], ids=["whole-prompt", "chunked"])
+def test_abort_during_in_flight_prefill_releases_once(chunk, tiny_model, make_llm, random_prompts):
+    """Overlap pitfall: an abort while the request's prefill is running, then that
+    prefill's result: the request must be released exactly once."""
+    llm = make_llm(tiny_model("llama"), chunked_prefill_size=chunk)
+    engine = llm.engine
+    prompt = random_prompts(1, 60, 60, seed=13)[0]
+    submit(engine, "victim", prompt, max_tokens=20)
+    submit(engine, "bystander", prompt[:30], max_tokens=20, temperature=0, ignore_eos=True)
+    assert engine.step() == []  # prefill launched, in flight
+    (aborted,) = engine.abort_request("victim", "client went away")
+    assert aborted.finish_reason.kind == "abort" and aborted.finish_reason.message == "client went away"
+    engine.scheduler.check_integrity()
+    outputs = run_to_end(engine)
+    assert "victim" not in outputs  # nothing more after the abort
+    assert len([t for o in outputs["bystander"] for t in o.token_ids]) == 20
+    assert_well_formed(outputs)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_abort_waiting_prefilling_and_running(overlap, tiny_model, make_llm, random_prompts):
+    llm = make_llm(tiny_model("qwen3"), max_running_requests=2, chunked_prefill_size=8,
+                   disable_overlap_schedule=not overlap)
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    outputs = defaultdict(list)
+
+    def steps(n):
+        for _ in range(n):
+            for out in engine.step():
+                outputs[out.rid].append(out)
+
+    for i, p in enumerate(random_prompts(4, 40, 40, seed=14)):
+        submit(engine, f"r{i}", p, max_tokens=50, ignore_eos=True)
+    steps(3)
+    assert scheduler.requests["r0"].status.name == "PREFILLING"
+    assert scheduler.requests["r3"].status.name == "WAITING"
+    for out in engine.abort_request("r3") + engine.abort_request("r0"):
+        outputs[out.rid].append(out)
+    scheduler.check_integrity()
+    steps(12)
+    assert scheduler.requests["r1"].status.name == "DECODING"
+    for out in engine.abort_request("r1"):
+        outputs[out.rid].append(out)
+    assert engine.abort_request("r1") == [] and engine.abort_request("unknown") == []
+    while engine.has_work():
+        steps(1)
+    assert_well_formed(outputs)
+    assert [outputs[r][-1].finish_reason.kind for r in ("r0", "r1", "r2", "r3")] == ["abort", "abort", "length", "abort"]
+    assert sum(len(o.token_ids) for o in outputs["r2"]) == 50
+    assert sum(len(o.token_ids) for o in outputs["r0"] + outputs["r3"]) == 0
+
+
+def test_eos_from_generation_config_ends_a_request_unless_ignored(tmp_path, tiny_model, make_llm, random_prompts):
+    import json
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model("llama"), path)
+    prompt = random_prompts(1, 10, 10, seed=15)[0]
+    greedy = make_llm(str(path)).generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    eos = greedy[0].token_ids[4]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
+    llm = make_llm(str(path))
+    stopped, ignored = llm.generate([prompt, prompt], [SamplingParams(max_tokens=20, temperature=0),
+                                                      SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)])
+    first_eos = greedy[0].token_ids.index(eos)
+    assert stopped.token_ids == greedy[0].token_ids[: first_eos + 1]
+    assert stopped.finish_reason.kind == "stop" and stopped.finish_reason.matched_token == eos
+    assert ignored.token_ids == greedy[0].token_ids and ignored.finish_reason.kind == "length"
+
+
+def test_bad_requests_raise_and_others_go_on(tiny_model, make_llm, random_prompts):
+    llm = make_llm(tiny_model("llama"), context_length=128, max_total_tokens=1024)
+    engine = llm.engine
+    good = random_prompts(2, 10, 20, seed=16)
+    submit(engine, "good0", good[0], max_tokens=10, ignore_eos=True)
+    cases = [
+        ([1] * 128, {"max_tokens": 1}, "prompt", "context length is 128"),
+        ([1] * 100, {"max_tokens": 40}, "max_tokens", "lower max_tokens to at most 28"),
+        ([1] * 10, {"max_tokens": 0}, "max_tokens", "must be at least 1"),
+        ([], {"max_tokens": 4}, "prompt", "empty"),
+        ([10**6], {"max_tokens": 4}, "prompt", "outside the vocabulary"),
+        ([1] * 10, {"top_p": 0.0}, "top_p", "top_p"),
+        ([1] * 10, {"temperature": -1.0}, "temperature", "temperature"),
+        ([1] * 10, {"stop_token_ids": [-5]}, "stop_token_ids", "outside the vocabulary"),
+    ]
+    for i, (prompt, params, param, message) in enumerate(cases):
+        with pytest.raises(InvalidRequestError, match=message) as err:
+            submit(engine, f"bad{i}", prompt, **params)
+        assert err.value.param == param
+    submit(engine, "good1", good[1], max_tokens=10, ignore_eos=True)
+    outputs = run_to_end(engine)
+    assert sorted(outputs) == ["good0", "good1"]
+    assert all(sum(len(o.token_ids) for o in outs) == 10 for outs in outputs.values())
+
+
+def test_request_larger_than_the_pool_is_rejected(tiny_model, make_llm):
+    llm = make_llm(tiny_model("llama"), max_total_tokens=64)
+    with pytest.raises(InvalidRequestError, match="pool holds 64"):
+        llm.generate([[5] * 40], SamplingParams(max_tokens=40))
+
+
+def test_unsupported_architecture_is_named(tmp_path, tiny_model):
+    import json
+    import shutil
+
+    from kubesgl.engine import LLM
+    from kubesgl.engine.models.config import ModelConfigError
+
+    path = tmp_path / "m"
+    shutil.copytree(tiny_model("llama"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelConfigError, match="unsupported architecture.*GPT2LMHeadModel"):
+        LLM(str(path), device="cpu")
+
+
+def test_requests_wait_for_kv_instead_of_over_committing(tiny_model, make_llm, random_prompts):
+    """A pool that fits two requests' full reservations runs two at a time, never more."""
+    llm = make_llm(tiny_model("llama"), max_total_tokens=2 * 60, disable_radix_cache=True)
+    engine = llm.engine
+    for i, p in enumerate(random_prompts(5, 20, 20, seed=17)):
+        submit(engine, f"r{i}", p, max_tokens=41, ignore_eos=True)  # 60 KV tokens each
+    peak = 0
+    outputs = defaultdict(list)
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.rid].append(out)
+        stats = engine.scheduler.stats()
+        peak = max(peak, stats.num_running)
+        assert stats.kv_used_tokens <= stats.kv_total_tokens
+    assert peak == 2
+    assert all(sum(len(o.token_ids) for o in outs) == 41 for outs in outputs.values())
