@@ -25,11 +25,14 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
+    """cpu, or the current CUDA device with its index (`auto` prefers CUDA)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         raise ValueError("--device cuda was given but no CUDA device is available")
-    return torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _available_memory(device: torch.device) -> tuple[int, int]:
