@@ -20,6 +20,7 @@ from kubesgl.engine.models.config import ModelConfig, load_model_config
 from kubesgl.engine.models.loader import load_model, resolve_dtype
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.scheduler import Scheduler, SchedulerLimits
+from kubesgl.engine.scheduler.stop_strings import StopStringChecker
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ class Engine:
             max_prefill_tokens=config.max_prefill_tokens,
         )
         self.scheduler = Scheduler(self.executor, KVManager(allocator, radix, num_rows), limits,
-                                   self.model_config.eos_token_ids, overlap, future_capacity)
+                                   self.model_config.eos_token_ids, overlap, future_capacity,
+                                   StopStringChecker(config.model))
         logger.info("engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s",
                     self.model_config.architecture, self.device, self.dtype, (num_pages - 1) * page, page,
                     overlap, radix is not None)

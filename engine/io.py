@@ -12,13 +12,24 @@ class GenerateRequest:
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    # The n copies of one prompt name their first copy here: they wait until its prompt is
+    # in the prefix cache, then share it instead of computing it n times.
+    prefix_leader: str | None = None
+
+
+@dataclass
+class AbortRequest:
+    rid: str
+    message: str = "aborted"
 
 
 @dataclass(frozen=True)
 class FinishReason:
-    kind: str  # "stop" | "length" | "abort"
+    kind: str  # "stop" | "length" | "abort" | "error"
     matched_token: int | None = None  # the stop or EOS token that ended the request
-    message: str | None = None  # why an aborted request ended
+    matched_str: str | None = None  # the stop string that ended the request
+    message: str | None = None  # why an aborted request ended, or what was wrong with it
+    param: str | None = None  # for "error": the request field at fault
 
     def __str__(self) -> str:
         return self.kind
@@ -46,3 +57,76 @@ class TokenOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+# -- between the server's processes -------------------------------------------------------
+
+
+@dataclass
+class TokenizeRequest:
+    """API server -> tokenizer: a request as the client gave it."""
+
+    rid: str
+    params: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict] | None = None  # chat: rendered with the tokenizer's chat template
+    prefix_leader: str | None = None
+
+
+@dataclass
+class EngineInfo:
+    """Scheduler -> API server, once the model is loaded and warmed up."""
+
+    model_path: str
+    context_length: int
+    vocab_size: int
+    max_total_tokens: int
+    tp_size: int
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    prompt_tokens: int  # since start
+    cached_prompt_tokens: int  # of those, found in the prefix cache
+
+
+@dataclass
+class StepOutputs:
+    """Scheduler -> detokenizer, once per step that produced anything."""
+
+    outputs: list[TokenOutput]
+    stats: SchedulerStats
+
+
+@dataclass
+class TextOutput:
+    """Detokenizer -> API server: the new text and tokens of one request."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    token_strings: list[str] | None = None  # the text of each token, and of each top alternative
+    top_strings: list[list[str]] | None = None
+
+
+@dataclass
+class TextBatch:
+    """Detokenizer -> API server: the text outputs of one step, with the scheduler's state."""
+
+    outputs: list[TextOutput]
+    stats: SchedulerStats | None = None
+
+
+@dataclass
+class Shutdown:
+    """Ends the process that receives it (and, from rank 0, every scheduler rank)."""

@@ -15,13 +15,14 @@ class InvalidRequestError(ValueError):
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the end of the context (the server's default)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no top-k cut
     min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings; the matched one is not returned
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -42,7 +43,8 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequestError(f"{param} {message}", param=param)
 
-        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens!r}")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
+              f"must be at least 1, got {self.max_tokens!r}")
         check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.top_k == -1 or self.top_k >= 0, "top_k", f"must be -1 (off) or non-negative, got {self.top_k}")
@@ -51,5 +53,7 @@ class SamplingParams:
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
+        check(all(isinstance(x, str) and x for x in self.stop), "stop", "must hold non-empty strings")
+        check(len(self.stop) <= 16, "stop", f"may hold at most 16 strings, got {len(self.stop)}")
         bad_ids = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         check(not bad_ids, "stop_token_ids", f"contains ids outside the vocabulary (size {vocab_size}): {bad_ids}")

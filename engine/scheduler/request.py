@@ -24,6 +24,7 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: int  # admission order among equals
+    prefix_leader: str | None = None  # see GenerateRequest.prefix_leader
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 from kubesgl.engine.executor.forward_batch import ForwardMode
 from kubesgl.engine.executor.model_runner import StepResult
-from kubesgl.engine.io import FinishReason, GenerateRequest, TokenLogprob, TokenOutput
+from kubesgl.engine.io import FinishReason, GenerateRequest, SchedulerStats, TokenLogprob, TokenOutput
 from kubesgl.engine.sampling_params import InvalidRequestError
 from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req, ReqStatus
+from kubesgl.engine.scheduler.stop_strings import StopStringChecker
 
 
 @dataclass(frozen=True)
@@ -34,20 +35,11 @@ class SchedulerLimits:
     max_prefill_tokens: int
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_used_tokens: int
-    kv_total_tokens: int
-    prompt_tokens: int  # since start
-    cached_prompt_tokens: int  # of those, found in the prefix cache
-
-
 class Scheduler:
     def __init__(self, executor, kv: KVManager, limits: SchedulerLimits, eos_token_ids: frozenset[int],
-                 overlap: bool, future_capacity: int):
+                 overlap: bool, future_capacity: int, stop_checker: StopStringChecker):
         self.executor = executor
+        self.stop_checker = stop_checker
         self.kv = kv
         self.limits = limits
         self.eos_token_ids = eos_token_ids
@@ -67,7 +59,8 @@ class Scheduler:
     def add_request(self, request: GenerateRequest) -> None:
         """Queue a request; raises InvalidRequestError (naming the problem) if it cannot run."""
         self._validate(request)
-        req = Req(rid=request.rid, prompt_ids=list(request.input_ids), params=request.params, arrival=self._arrivals)
+        req = Req(rid=request.rid, prompt_ids=list(request.input_ids), params=request.params, arrival=self._arrivals,
+                  prefix_leader=request.prefix_leader)
         self._arrivals += 1
         self.requests[req.rid] = req
         self.waiting.append(req)
@@ -85,6 +78,9 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the prompt is {n} tokens long; this model's context length is {limits.context_length}", param="prompt"
             )
+        if request.params.max_tokens is None:  # as much as the context and the pool allow
+            pool_tokens = self.kv.allocator.total_pages * self.kv.page_size
+            request.params.max_tokens = max(1, min(limits.context_length, pool_tokens + 1) - n)
         if n + request.params.max_tokens > limits.context_length:
             raise InvalidRequestError(
                 f"the prompt ({n} tokens) plus max_tokens ({request.params.max_tokens}) exceeds this model's context "
@@ -169,10 +165,14 @@ class Scheduler:
         for req in self.prefilling:
             if req.num_scheduled < req.prompt_len and not take(req):
                 break
+        deferred: list[Req] = []
         while self.waiting and budget > 0:
             if len(self.prefilling) + len(self.decoding) >= limits.max_running_requests:
                 break
             req = self.waiting[0]
+            if self._leader_prefilling(req):
+                deferred.append(self.waiting.popleft())  # admitted once the leader's prompt is cached
+                continue
             if not self.kv.try_admit(req):
                 break
             self.waiting.popleft()
@@ -182,7 +182,12 @@ class Scheduler:
             self._cached_prompt_tokens += req.num_prefix_hit
             if not take(req):
                 break
+        self.waiting.extendleft(reversed(deferred))
         return chunks
+
+    def _leader_prefilling(self, req: Req) -> bool:
+        leader = self.requests.get(req.prefix_leader) if req.prefix_leader else None
+        return leader is not None and leader.status in (ReqStatus.WAITING, ReqStatus.PREFILLING)
 
     # -- results -----------------------------------------------------------------------
     def _process(self, batch: ScheduledBatch, future: Future[StepResult]) -> list[TokenOutput]:
@@ -219,6 +224,8 @@ class Scheduler:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return FinishReason("stop", matched_token=token)
+        if params.stop and (matched := self.stop_checker.match(req)) is not None:
+            return FinishReason("stop", matched_str=matched)
         if len(req.output_ids) >= params.max_tokens:
             return FinishReason("length")
         return None
@@ -247,6 +254,12 @@ class Scheduler:
             rid=req.rid, token_ids=tokens, finish_reason=req.finish_reason, logprobs=logprobs,
             prompt_tokens=req.prompt_len, cached_tokens=req.num_prefix_hit, completion_tokens=len(req.output_ids),
         )
+
+    def reset(self) -> None:
+        """Empty the prefix cache and zero the counters (only while idle)."""
+        assert not self.has_work(), "reset while requests are running"
+        self.kv.flush_cache()
+        self._prompt_tokens = self._cached_prompt_tokens = 0
 
     # -- inspection --------------------------------------------------------------------
     def check_integrity(self) -> None:

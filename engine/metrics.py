@@ -1,0 +1,66 @@
+"""The engine's Prometheus metrics (DESIGN.md, metric names), all labelled with the role.
+
+Latencies are measured in the API server, where requests arrive and tokens leave; the
+scheduler's state (running, waiting, KV usage, prefix hits) arrives with each step's output.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kubesgl.engine.io import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+
+
+class EngineMetrics:
+    def __init__(self, role: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["role"]
+        self.num_running = Gauge("kubesgl_num_running_requests", "Requests admitted and not finished", labels, registry=r)
+        self.num_waiting = Gauge("kubesgl_num_waiting_requests", "Requests queued for admission", labels, registry=r)
+        self.kv_usage = Gauge("kubesgl_kv_cache_usage_ratio", "Share of KV pool pages held by requests or locked",
+                              labels, registry=r)
+        self.prefix_hit = Gauge("kubesgl_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache, "
+                                "over all prompt tokens since start", labels, registry=r)
+        self.prompt_tokens = Counter("kubesgl_prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
+        self.generation_tokens = Counter("kubesgl_generation_tokens", "Generated tokens", labels, registry=r)
+        self.requests = Counter("kubesgl_requests", "Finished requests", labels + ["finish_reason"], registry=r)
+        self.ttft = Histogram("kubesgl_time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kubesgl_inter_token_latency_seconds", "Time between tokens", labels,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("kubesgl_e2e_request_latency_seconds", "Request latency, arrival to last token", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_transfer_bytes = Counter("kubesgl_kv_transfer_bytes", "KV bytes moved between prefill and decode",
+                                         labels, registry=r)
+        self.kv_transfer_seconds = Histogram("kubesgl_kv_transfer_seconds", "Time to move one request's KV", labels,
+                                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.role = role
+        for metric in (self.num_running, self.num_waiting, self.kv_usage, self.prefix_hit, self.prompt_tokens,
+                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.kv_transfer_bytes,
+                       self.kv_transfer_seconds):
+            metric.labels(role=role)  # present from the start, at zero
+
+    def update_scheduler(self, stats: SchedulerStats) -> None:
+        role = self.role
+        self.num_running.labels(role=role).set(stats.num_running)
+        self.num_waiting.labels(role=role).set(stats.num_waiting)
+        self.kv_usage.labels(role=role).set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
+        self.prefix_hit.labels(role=role).set(stats.cached_prompt_tokens / max(stats.prompt_tokens, 1))
+
+    def tokens(self, count: int, since_last: float, first: bool) -> None:
+        """`count` new tokens, `since_last` seconds after the previous ones (or the arrival)."""
+        role = self.role
+        self.generation_tokens.labels(role=role).inc(count)
+        if first:
+            self.ttft.labels(role=role).observe(since_last)
+            count -= 1
+        for _ in range(count):
+            self.itl.labels(role=role).observe(since_last / max(count, 1))
+
+    def finished(self, seconds: float, finish_reason: str, prompt_tokens: int) -> None:
+        self.e2e.labels(role=self.role).observe(seconds)
+        self.requests.labels(role=self.role, finish_reason=finish_reason).inc()
+        self.prompt_tokens.labels(role=self.role).inc(prompt_tokens)

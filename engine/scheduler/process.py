@@ -1,0 +1,132 @@
+"""The scheduler process of one tensor-parallel rank.
+
+Rank 0 receives requests and aborts from the tokenizer and sends each step's tokens to the
+detokenizer. Every rank must run the same steps in the same order, so rank 0 broadcasts
+what it received, once per loop turn, to the other ranks over a gloo group of its own (not
+ZMQ PUB/SUB, which drops messages sent before a subscriber has joined); the other ranks
+apply exactly that and step. Random sampling stays identical across ranks because every
+rank seeds torch the same way and samples from the same gathered logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.distributed import init_tensor_parallel
+from kubesgl.engine.engine import Engine
+from kubesgl.engine.io import (
+    AbortRequest,
+    EngineInfo,
+    FinishReason,
+    GenerateRequest,
+    Shutdown,
+    StepOutputs,
+    TokenOutput,
+)
+from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.server.ipc import Endpoints, pull, push
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 1000  # an idle rank 0 still broadcasts this often, so other ranks never time out
+
+
+def exit_with_parent() -> None:
+    """End this process when the process that started it goes away (no orphans)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def run_scheduler(config: EngineConfig, rank: int, endpoints: Endpoints, dist_init_method: str,
+                  log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s scheduler[{rank}] %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when to stop
+    exit_with_parent()
+    if config.device in ("auto", "cuda") and torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    init_tensor_parallel(rank, config.tp_size, dist_init_method)
+    control = dist.new_group(backend="gloo", timeout=timedelta(minutes=10)) if config.tp_size > 1 else None
+    torch.manual_seed(config.seed)
+    engine = Engine(config)
+    _warm_up(engine)
+    loop = SchedulerLoop(engine, rank, endpoints, control)
+    loop.run()
+
+
+def _warm_up(engine: Engine) -> None:
+    """One tiny request through every stage, so the first real request pays no first-use
+    cost; then the cache and counters are cleared so metrics count real traffic only."""
+    engine.add_request(GenerateRequest("warmup", [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True)))
+    while engine.has_work():
+        engine.step()
+    engine.scheduler.reset()
+
+
+class SchedulerLoop:
+    def __init__(self, engine: Engine, rank: int, endpoints: Endpoints, control):
+        self.engine = engine
+        self.rank = rank
+        self.control = control
+        self.context = zmq.Context()
+        if rank == 0:
+            self.inbox = pull(self.context, endpoints.scheduler_in)
+            self.outbox = push(self.context, endpoints.detokenizer_in)
+            self.outbox.send_pyobj(EngineInfo(
+                model_path=engine.config.model, context_length=engine.context_length,
+                vocab_size=engine.model_config.vocab_size,
+                max_total_tokens=engine.scheduler.stats().kv_total_tokens, tp_size=engine.config.tp_size,
+            ))
+
+    def _receive(self) -> list:
+        """Rank 0: what arrived since the last turn (waits while idle). Others: rank 0's list."""
+        messages = []
+        if self.rank == 0:
+            if not self.engine.has_work():
+                self.inbox.poll(IDLE_POLL_MS)  # sleep until a message arrives or it is time to beat
+            while self.inbox.poll(0):
+                messages.append(self.inbox.recv_pyobj())
+        if self.control is not None:
+            box = [messages]
+            dist.broadcast_object_list(box, src=0, group=self.control)
+            messages = box[0]
+        return messages
+
+    def run(self) -> None:
+        while True:
+            outputs: list[TokenOutput] = []
+            for message in self._receive():
+                if isinstance(message, Shutdown):
+                    logger.info("shutting down")
+                    self.engine.shutdown()
+                    return
+                outputs += self._apply(message)
+            if self.engine.has_work():
+                outputs += self.engine.step()
+            if self.rank == 0 and outputs:
+                self.outbox.send_pyobj(StepOutputs(outputs, self.engine.scheduler.stats()))
+
+    def _apply(self, message) -> list[TokenOutput]:
+        if isinstance(message, AbortRequest):
+            return self.engine.abort_request(message.rid, message.message)
+        try:
+            self.engine.add_request(message)
+        except InvalidRequestError as exc:
+            reason = FinishReason("error", message=str(exc), param=exc.param)
+            return [TokenOutput(rid=message.rid, token_ids=[], finish_reason=reason, prompt_tokens=len(message.input_ids))]
+        return []

@@ -1,0 +1,338 @@
+"""The HTTP surface (DESIGN.md): OpenAI chat completions and completions, SGLang's
+/generate, /v1/models, /health and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kubesgl.engine.io import TextOutput, TokenizeRequest
+from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.server.engine_client import EngineClient
+from kubesgl.engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequestBody
+
+
+@dataclass
+class ServerState:
+    served_model_name: str
+    api_key: str | None = None
+    draining: bool = False
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+@dataclass
+class Choice:
+    """One generated sequence as it accumulates."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+
+    def add(self, out: TextOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        if out.logprobs:
+            self.logprobs += logprob_entries(out)
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason.kind
+
+
+def logprob_entries(out: TextOutput) -> list[dict]:
+    return [
+        {"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
+         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, (_, v) in zip(tops, lp.top)]}
+        for lp, token, tops in zip(out.logprobs, out.token_strings, out.top_strings)
+    ]
+
+
+def completion_logprobs(entries: list[dict], start_offset: int = 0) -> dict:
+    offsets, position = [], start_offset
+    for entry in entries:
+        offsets.append(position)
+        position += len(entry["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def usage(choices: list[Choice], prompts_counted: set[int]) -> dict:
+    prompt = sum(c.prompt_tokens for c in choices if c.index in prompts_counted)
+    completion = sum(len(c.token_ids) for c in choices)
+    cached = sum(c.cached_tokens for c in choices if c.index in prompts_counted)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(client: EngineClient, state: ServerState) -> FastAPI:
+    app = FastAPI(title="kubesgl engine", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        error = exc.errors()[0]
+        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+        message = error.get("msg", "invalid request")
+        if error.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None).response()
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    def authorized(request: Request) -> None:
+        if state.api_key is not None and request.headers.get("authorization") != f"Bearer {state.api_key}":
+            raise APIError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
+
+    def serving(model: str | None = None) -> None:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
+        if not client.ready.is_set():
+            raise APIError(503, "the model is still loading", "service_unavailable")
+        if model is not None and model != state.served_model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{state.served_model_name!r}", param="model", code="model_not_found")
+
+    def validated(params: SamplingParams) -> SamplingParams:
+        try:
+            params.validate(client.info.vocab_size)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+        return params
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining or not client.ready.is_set():
+            return PlainTextResponse("not ready", status_code=503)
+        return PlainTextResponse("ok")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(client.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict:
+        card = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "kubesgl"}
+        if client.info is not None:
+            card["max_model_len"] = client.info.context_length
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        serving(body.model)
+        params = validated(body.to_sampling_params())
+        messages = [m.as_template_input() for m in body.messages]
+        subs = fan_out([TokenizeRequest("", params, messages=messages)], body.n, params, "chatcmpl")
+        meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": state.served_model_name}
+        return await respond(request, subs, body.stream, body.include_usage, chat_formatter(meta, body.logprobs))
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        serving(body.model)
+        params = validated(body.to_sampling_params())
+        bases = [TokenizeRequest("", params, **({"text": p} if isinstance(p, str) else {"input_ids": p}))
+                 for p in body.prompts()]
+        subs = fan_out(bases, body.n, params, "cmpl")
+        meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": state.served_model_name}
+        return await respond(request, subs, body.stream, body.include_usage,
+                             completion_formatter(meta, body.logprobs is not None))
+
+    @app.post("/generate", dependencies=[Depends(authorized)])
+    async def generate(body: GenerateRequestBody, request: Request) -> Response:
+        serving()
+        params = validated(body.to_sampling_params())
+        rid = body.rid or EngineClient.new_rid("gen")
+        sub = TokenizeRequest(rid, params, text=body.text, input_ids=body.input_ids)
+        return await respond(request, [sub], body.stream, False, native_formatter(rid))
+
+    def fan_out(bases: list[TokenizeRequest], n: int, params: SamplingParams, prefix: str) -> list[TokenizeRequest]:
+        """n copies of every prompt; copies after the first share its cached prompt, and
+        seeded copies get distinct seeds so that they differ."""
+        group = EngineClient.new_rid(prefix)
+        subs = []
+        for p, base in enumerate(bases):
+            leader = None
+            for i in range(n):
+                copy = SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i})
+                rid = f"{group}-{p * n + i}"
+                subs.append(TokenizeRequest(rid, copy, base.text, base.input_ids, base.messages, leader))
+                leader = leader or rid
+        return subs
+
+    async def respond(request: Request, subs: list[TokenizeRequest], stream: bool, include_usage: bool,
+                      formatter: Formatter) -> Response:
+        streams = [client.generate(sub) for sub in subs]
+        choices = [Choice(index=i) for i in range(len(subs))]
+        first_of_prompt = {i for i, sub in enumerate(subs) if sub.prefix_leader is None}
+        try:
+            firsts = await asyncio.gather(*(anext(s) for s in streams))
+        except BaseException:
+            await asyncio.gather(*(s.aclose() for s in streams))
+            raise
+        for out in firsts:
+            if out.finish_reason is not None and out.finish_reason.kind == "error":
+                await asyncio.gather(*(s.aclose() for s in streams))
+                raise APIError(400, out.finish_reason.message, param=out.finish_reason.param)
+        if stream:
+            return StreamingResponse(stream_events(streams, firsts, choices, first_of_prompt, include_usage, formatter),
+                                     media_type="text/event-stream")
+        collect = asyncio.create_task(collect_all(streams, firsts, choices))
+        disconnect = asyncio.create_task(wait_for_disconnect(request))
+        done, _ = await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
+        if collect not in done:
+            collect.cancel()  # the client left: closing the streams aborts the requests
+            await asyncio.gather(collect, return_exceptions=True)
+            return Response(status_code=499)
+        disconnect.cancel()
+        collect.result()
+        return JSONResponse(formatter.final(choices, usage(choices, first_of_prompt)))
+
+    return app
+
+
+async def collect_all(streams, firsts: list[TextOutput], choices: list[Choice]) -> None:
+    async def one(stream: AsyncIterator[TextOutput], first: TextOutput, choice: Choice) -> None:
+        choice.add(first)
+        try:
+            async for out in stream:
+                choice.add(out)
+        finally:
+            await stream.aclose()
+
+    await asyncio.gather(*(one(s, f, c) for s, f, c in zip(streams, firsts, choices)))
+
+
+async def stream_events(streams, firsts, choices: list[Choice], first_of_prompt: set[int], include_usage: bool,
+                        formatter: Formatter) -> AsyncIterator[str]:
+    queue: asyncio.Queue[tuple[int, TextOutput | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[TextOutput], first: TextOutput) -> None:
+        try:
+            queue.put_nowait((index, first))
+            async for out in stream:
+                queue.put_nowait((index, out))
+        finally:
+            await stream.aclose()
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+    try:
+        for event in formatter.stream_start(len(choices)):
+            yield sse(event)
+        remaining = len(tasks)
+        while remaining:
+            index, out = await queue.get()
+            if out is None:
+                remaining -= 1
+                continue
+            choice = choices[index]
+            before = len(choice.text)
+            choice.add(out)
+            if out.finish_reason is not None and out.finish_reason.kind == "error":
+                yield sse(APIError(500, out.finish_reason.message or "generation failed", "server_error").body())
+                continue
+            yield sse(formatter.chunk(choice, out, before))
+        if include_usage:
+            yield sse(formatter.usage_chunk(usage(choices, first_of_prompt)))
+        yield sse("[DONE]")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Formatter:
+    """How one endpoint shapes its final body and its stream chunks."""
+
+    def __init__(self, final: Callable, chunk: Callable, stream_start: Callable = lambda n: [],
+                 usage_chunk: Callable = lambda u: {}):
+        self.final, self.chunk, self.stream_start, self.usage_chunk = final, chunk, stream_start, usage_chunk
+
+
+def chat_formatter(meta: dict, want_logprobs: bool) -> Formatter:
+    def final(choices: list[Choice], usage_: dict) -> dict:
+        return {**meta, "object": "chat.completion", "usage": usage_, "choices": [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": {"content": c.logprobs} if want_logprobs else None, "finish_reason": c.finish_reason}
+            for c in choices]}
+
+    def chunk_of(choices: list[dict]) -> dict:
+        return {**meta, "object": "chat.completion.chunk", "choices": choices}
+
+    def start(n: int) -> list[dict]:
+        return [chunk_of([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None} for i in range(n)])]
+
+    def chunk(choice: Choice, out: TextOutput, _: int) -> dict:
+        logprobs = {"content": logprob_entries(out)} if want_logprobs and out.logprobs else None
+        delta = {"content": out.text} if out.text or out.finish_reason is None else {}
+        return chunk_of([{"index": choice.index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": out.finish_reason.kind if out.finish_reason else None}])
+
+    return Formatter(final, chunk, start, lambda u: {**chunk_of([]), "usage": u})
+
+
+def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
+    def final(choices: list[Choice], usage_: dict) -> dict:
+        return {**meta, "object": "text_completion", "usage": usage_, "choices": [
+            {"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
+             "finish_reason": c.finish_reason} for c in choices]}
+
+    def chunk(choice: Choice, out: TextOutput, offset: int) -> dict:
+        logprobs = completion_logprobs(logprob_entries(out), offset) if want_logprobs and out.logprobs else None
+        return {**meta, "object": "text_completion", "choices": [
+            {"index": choice.index, "text": out.text, "logprobs": logprobs,
+             "finish_reason": out.finish_reason.kind if out.finish_reason else None}]}
+
+    return Formatter(final, chunk, usage_chunk=lambda u: {**meta, "object": "text_completion", "choices": [],
+                                                          "usage": u})
+
+
+def native_formatter(rid: str) -> Formatter:
+    def body(choice: Choice) -> dict:
+        return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": {
+            "id": rid, "finish_reason": {"type": choice.finish_reason} if choice.finish_reason else None,
+            "prompt_tokens": choice.prompt_tokens, "completion_tokens": len(choice.token_ids),
+            "cached_tokens": choice.cached_tokens,
+            **({"output_token_logprobs": [[e["logprob"], token_id, e["token"]]
+                                          for e, token_id in zip(choice.logprobs, choice.token_ids)]}
+               if choice.logprobs else {}),
+        }}
+
+    return Formatter(lambda choices, _: body(choices[0]), lambda choice, out, _: body(choice))

@@ -1,0 +1,38 @@
+"""`kubesgl serve`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
+from kubesgl.engine.server.launcher import Server, ServerOptions
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kubesgl serve", description=__doc__)
+    add_engine_args(parser)
+    defaults = ServerOptions()
+    parser.add_argument("--host", default=defaults.host)
+    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    parser.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
+                        help="seconds requests in flight get to finish after SIGTERM")
+    parser.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
+                        help="bootstrap port of a prefill engine (prefill/decode serving)")
+    parser.add_argument("--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = engine_config_from_args(args)
+    try:
+        config.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    if config.role != "mixed":
+        parser.error(f"--role {config.role} needs the prefill/decode KV transfer, which this build does not have yet; "
+                     "use --role mixed")
+    options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
+                            served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
+                            log_level=args.log_level)
+    return Server(config, options).run()

@@ -1,0 +1,146 @@
+"""Starts and stops the server's processes: one scheduler per tensor-parallel rank, the
+tokenizer/detokenizer, and the API server (uvicorn) in this process.
+
+A child that dies takes the whole server down with a log line naming it; SIGTERM drains:
+/health and new requests answer 503, requests in flight get until the shutdown timeout to
+finish (then they are aborted), and every child is stopped before this process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import shutil
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.metrics import EngineMetrics
+from kubesgl.engine.scheduler.process import run_scheduler
+from kubesgl.engine.server.api import ServerState, build_app
+from kubesgl.engine.server.engine_client import EngineClient
+from kubesgl.engine.server.ipc import Endpoints
+from kubesgl.engine.tokenizer.process import run_tokenizer
+
+logger = logging.getLogger("kubesgl.serve")
+
+
+@dataclass
+class ServerOptions:
+    host: str = "0.0.0.0"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handling: SIGTERM must drain first (Server._drain)."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+    def install_signal_handlers(self) -> None:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, config: EngineConfig, options: ServerOptions):
+        self.config = config
+        self.options = options
+        self.endpoints = Endpoints.create()
+        self.children: dict[str, mp.process.BaseProcess] = {}
+        self._stopping = threading.Event()
+        self.exit_code = 0
+
+    def _start_children(self) -> None:
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        for rank in range(self.config.tp_size):
+            self.children[f"scheduler rank {rank}"] = ctx.Process(
+                target=run_scheduler, name=f"kubesgl-scheduler-{rank}",
+                args=(self.config, rank, self.endpoints, init_method, self.options.log_level))
+        self.children["tokenizer"] = ctx.Process(target=run_tokenizer, name="kubesgl-tokenizer",
+                                                 args=(self.config.model, self.endpoints, self.options.log_level))
+        for child in self.children.values():
+            child.start()
+
+    def _watch_children(self, server: uvicorn.Server) -> None:
+        while not self._stopping.wait(0.2):
+            for name, child in self.children.items():
+                if child.exitcode is not None:
+                    logger.error("%s exited with code %s; shutting the server down", name, child.exitcode)
+                    self.exit_code = 1
+                    self._stopping.set()
+                    server.should_exit = True
+                    return
+
+    def run(self) -> int:
+        self._start_children()
+        try:
+            asyncio.run(self._serve())
+        finally:
+            self._stopping.set()
+            self._stop_children()
+            shutil.rmtree(Path(self.endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+        return self.exit_code
+
+    async def _serve(self) -> None:
+        metrics = EngineMetrics(self.config.role)
+        client = EngineClient(self.endpoints, metrics)
+        client.start()
+        state = ServerState(served_model_name=self.options.served_model_name or self.config.model,
+                            api_key=self.options.api_key)
+        app = build_app(client, state)
+        uv_config = uvicorn.Config(app, host=self.options.host, port=self.options.port, log_level=self.options.log_level,
+                                   timeout_graceful_shutdown=5, access_log=False)
+        server = _UvicornServer(uv_config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self._drain(server, client, state)))
+        threading.Thread(target=self._watch_children, args=(server,), name="child-watch", daemon=True).start()
+        await server.serve()
+        if not self._stopping.is_set():
+            await client.shutdown()
+
+    async def _drain(self, server: uvicorn.Server, client: EngineClient, state: ServerState) -> None:
+        if state.draining:
+            return
+        state.draining = True
+        deadline = time.monotonic() + self.options.shutdown_timeout
+        logger.info("draining: %d requests in flight, %.0f s to finish", client.in_flight, self.options.shutdown_timeout)
+        while client.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if client.in_flight:
+            logger.warning("aborting %d requests still running at the shutdown deadline", client.in_flight)
+            await client.abort_all("the server is shutting down")
+            while client.in_flight and time.monotonic() < deadline + 5:
+                await asyncio.sleep(0.05)
+        self._stopping.set()
+        await client.shutdown()
+        server.should_exit = True
+
+    def _stop_children(self) -> None:
+        deadline = time.monotonic() + 10
+        for child in self.children.values():
+            child.join(timeout=max(0.1, deadline - time.monotonic()))
+        for name, child in self.children.items():
+            if child.is_alive():
+                logger.warning("%s did not stop in time; killing it", name)
+                child.kill()
+                child.join()

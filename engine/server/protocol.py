@@ -1,0 +1,162 @@
+"""OpenAI-compatible request bodies (and SGLang's native /generate). Unknown fields are
+accepted and ignored, as OpenAI does; wrong types and out-of-range values are 400s."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kubesgl.engine.sampling_params import SamplingParams
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    skip_special_tokens: bool = True
+    n: Annotated[int, Field(ge=1, le=64)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        defaults = SamplingParams()
+        pick = lambda value, default: default if value is None else value  # noqa: E731
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=pick(self.temperature, 1.0),
+            top_p=pick(self.top_p, defaults.top_p),
+            top_k=pick(self.top_k, defaults.top_k),
+            min_p=pick(self.min_p, defaults.min_p),
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=pick(self.presence_penalty, 0.0),
+            frequency_penalty=pick(self.frequency_penalty, 0.0),
+            repetition_penalty=pick(self.repetition_penalty, 1.0),
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self.sampling_params(self.max_completion_tokens or self.max_tokens,
+                                    (self.top_logprobs or 0) if self.logprobs else None)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | Annotated[
+        list[list[int]], Field(min_length=1)]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+
+    @model_validator(mode="after")
+    def _no_echo(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        return self
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # one prompt given as token ids
+        return list(p)
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class NativeSamplingParams(_Lenient):
+    max_new_tokens: Annotated[int, Field(ge=1)] | None = 128
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = -1
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    skip_special_tokens: bool = True
+
+
+class GenerateRequestBody(_Lenient):
+    """SGLang's native request. The bootstrap fields belong to prefill/decode serving."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    rid: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateRequestBody:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text and input_ids")
+        if self.input_ids is not None and not self.input_ids:
+            raise ValueError("input_ids is empty")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        sp = self.sampling_params
+        stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+        return SamplingParams(
+            max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+            seed=sp.seed, stop=stop, stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
+            presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty, skip_special_tokens=sp.skip_special_tokens,
+            logprobs=self.top_logprobs_num if self.return_logprob else None,
+        )

@@ -1,0 +1,222 @@
+"""`kubesgl serve` driven by the official openai SDK and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from kubesgl.engine import LLM, SamplingParams
+
+PROMPTS = ["The capital of France is", "Count from one to ten:", "Kubernetes schedules pods", "🙂 naïve café"]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    llm = LLM(tiny_model("llama"), device="cpu", dtype="float32", max_total_tokens=8192)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(llama_server):
+    return openai.OpenAI(base_url=llama_server.openai_url, api_key="sk-test", max_retries=0)
+
+
+@pytest.fixture
+async def async_client(llama_server):
+    async with openai.AsyncOpenAI(base_url=llama_server.openai_url, api_key="sk-test", max_retries=0) as client:
+        yield client
+
+
+def greedy_offline(offline, prompt, n=24, **kw):
+    ids = prompt if isinstance(prompt, list) else offline.tokenizer.encode(prompt)
+    return offline.generate([ids], SamplingParams(max_tokens=n, temperature=0, **kw))[0]
+
+
+def test_completions_equal_offline_llm(client, offline):
+    for prompt in PROMPTS:
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+        ref = greedy_offline(offline, prompt)
+        assert got.choices[0].text == ref.text
+        assert got.choices[0].finish_reason == "length"
+        assert got.usage.prompt_tokens == len(offline.tokenizer.encode(prompt))
+        assert got.usage.completion_tokens == 24 and got.usage.total_tokens == got.usage.prompt_tokens + 24
+
+
+def test_streaming_completion_equals_non_streaming(client):
+    full = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=30, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=30, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 30 and not chunks[-1].choices
+
+
+def test_chat_uses_the_chat_template(client, offline):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "weather?"}]
+    ids = offline.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    ref = greedy_offline(offline, list(ids), 16)
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    assert got.choices[0].message.content == ref.text
+    assert got.choices[0].message.role == "assistant"
+    assert got.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == ref.text
+
+
+async def test_async_client_concurrent(async_client, offline):
+    results = await asyncio.gather(*(async_client.completions.create(model="tiny", prompt=p, max_tokens=12,
+                                                                     temperature=0) for p in PROMPTS))
+    assert [r.choices[0].text for r in results] == [greedy_offline(offline, p, 12).text for p in PROMPTS]
+
+
+def test_stop_strings_across_token_boundaries(client, offline):
+    ref = greedy_offline(offline, PROMPTS[0], 30).text
+    stop = ref[10:14]  # four characters in the middle of the text, wherever tokens split them
+    got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=[stop])
+    assert got.choices[0].text == ref[: ref.index(stop)]
+    assert got.choices[0].finish_reason == "stop"
+    streamed = ""
+    for chunk in client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0,
+                                           stop=[stop], stream=True):
+        streamed += chunk.choices[0].text
+        assert stop not in streamed  # not even for a moment
+    assert streamed == ref[: ref.index(stop)]
+
+
+def test_n_copies_share_the_cached_prompt(client):
+    prompt = "Prefill computes the cache of a whole prompt at once; decode adds one token at a time." * 2
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, n=4, temperature=1.0, seed=7)
+    assert sorted(c.index for c in got.choices) == [0, 1, 2, 3]
+    assert len({c.text for c in got.choices}) > 1  # seeded copies differ
+    assert got.usage.completion_tokens == 32
+    assert got.usage.prompt_tokens_details.cached_tokens == 0  # counted once, for the first copy
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, n=4, temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in got.choices]  # seeded: reproducible
+
+
+def test_logprobs(client):
+    got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy picks the top token
+    completion = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0, logprobs=2)
+    assert len(completion.choices[0].logprobs.token_logprobs) == 4
+    assert all(len(t) == 2 for t in completion.choices[0].logprobs.top_logprobs)
+
+
+def test_native_generate(llama_server, offline):
+    body = {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
+    got = httpx.post(llama_server.base_url + "/generate", json=body, headers={"authorization": "Bearer sk-test"})
+    assert got.status_code == 200
+    ref = greedy_offline(offline, PROMPTS[1], 10)
+    assert got.json()["text"] == ref.text and got.json()["output_ids"] == ref.token_ids
+
+
+def test_models_and_api_key(llama_server, client):
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    bad = openai.OpenAI(base_url=llama_server.openai_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="x", max_tokens=1)
+    assert httpx.post(llama_server.base_url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(llama_server.base_url + "/health").status_code == 200  # health needs no key
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=1)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x" * 5000, "max_tokens": 4}, "prompt"),
+    ({"prompt": "x", "max_tokens": 3000}, "max_tokens"),
+    ({"prompt": "x", "stop_token_ids": [10**7]}, "stop_token_ids"),
+    ({"prompt": []}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_bad_completion_requests_get_400(llama_server, body, param):
+    got = httpx.post(llama_server.base_url + "/v1/completions", json=body, headers={"authorization": "Bearer sk-test"})
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert error["type"] == "invalid_request_error" and param in (error["param"] or "") and error["message"]
+
+
+def test_bad_chat_requests_get_400(llama_server):
+    headers = {"authorization": "Bearer sk-test", "content-type": "application/json"}
+    url = llama_server.base_url + "/v1/chat/completions"
+    assert httpx.post(url, content=b"{not json", headers=headers).status_code == 400
+    assert httpx.post(url, json={"messages": []}, headers=headers).status_code == 400
+    assert httpx.post(url, json={"messages": [{"role": "wizard", "content": "x"}]}, headers=headers).status_code == 400
+    # unknown fields are accepted and ignored, as OpenAI does
+    ok = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "frobnicate": 1},
+                    headers=headers)
+    assert ok.status_code == 200
+
+
+async def test_bad_request_does_not_harm_a_concurrent_good_one(async_client, offline):
+    async def bad():
+        with pytest.raises(openai.BadRequestError):
+            await async_client.completions.create(model="tiny", prompt="x" * 5000, max_tokens=4)
+
+    good = async_client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    result, *_ = await asyncio.gather(good, bad(), bad())
+    assert result.choices[0].text == greedy_offline(offline, PROMPTS[0], 20).text
+
+
+async def test_200_concurrent_streams_complete_and_free_the_pool(async_client, llama_server):
+    async def one(i: int) -> int:
+        count = 0
+        stream = await async_client.completions.create(model="tiny", prompt=f"request {i}", max_tokens=5 + i % 20,
+                                                       temperature=0.7, stream=True,
+                                                       stream_options={"include_usage": True},
+                                                       extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.usage:
+                count = chunk.usage.completion_tokens
+        return count
+
+    counts = await asyncio.gather(*(one(i) for i in range(200)))
+    assert counts == [5 + i % 20 for i in range(200)]
+    llama_server.wait_idle()
+
+
+async def test_abort_mid_stream_frees_everything(llama_server):
+    async with httpx.AsyncClient(base_url=llama_server.base_url, headers={"authorization": "Bearer sk-test"}) as http:
+        for _ in range(3):
+            async with http.stream("POST", "/v1/completions", json={
+                    "prompt": "a long one", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as response:
+                lines = response.aiter_lines()
+                for _ in range(6):
+                    await anext(lines)
+            # leaving the block closes the connection mid-stream
+        body = {"prompt": "a long one", "max_tokens": 1500, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            await http.post("/v1/completions", json=body, timeout=0.5)  # non-streaming, client gives up
+    llama_server.wait_idle()
+
+
+def test_metrics_exact_for_a_known_workload(server_factory, tiny_model):
+    server = server_factory(tiny_model("llama"), "--page-size", "1")
+    assert server.metric("kubesgl_prefix_cache_hit_ratio") == 0
+    prompt = list(range(10, 60))  # 50 tokens
+    for _ in range(2):
+        got = httpx.post(server.base_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 5,
+                                                                   "ignore_eos": True})
+        assert got.status_code == 200
+    # the second request found 49 of its 50 tokens cached (the last is always computed)
+    assert server.metric("kubesgl_prefix_cache_hit_ratio") == pytest.approx(49 / 100)
+    assert server.metric("kubesgl_prompt_tokens_total") == 100
+    assert server.metric("kubesgl_generation_tokens_total") == 10
+    assert server.metric('kubesgl_requests_total') == 2
+    text = httpx.get(server.base_url + "/metrics").text
+    assert 'role="mixed"' in text and "kubesgl_time_to_first_token_seconds_count" in text
+    server.wait_idle()
+    assert server.stop() == 0

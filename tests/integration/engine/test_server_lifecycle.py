@@ -1,0 +1,98 @@
+"""Start-up, drain on SIGTERM, a dying child, and tensor parallelism across processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from kubesgl.engine import LLM, SamplingParams
+
+from conftest import process_tree_alive  # noqa: E402 - the folder's own helpers
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_clean(server_factory, tiny_model):
+    server = server_factory(tiny_model("llama"), "--shutdown-timeout", "30")
+    children = process_tree_alive(server.process.pid)
+    assert len(children) >= 2
+    result = {}
+
+    def long_request():
+        body = {"prompt": "drain me", "max_tokens": 1800, "ignore_eos": True}  # a couple of seconds here
+        result["response"] = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while server.metric("kubesgl_num_running_requests") < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    server.process.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    assert httpx.get(server.base_url + "/health").status_code == 503
+    refused = httpx.post(server.base_url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    worker.join(timeout=60)
+    response = result["response"]
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 1800
+    assert server.process.wait(timeout=30) == 0
+    for pid in children:
+        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def test_shutdown_deadline_aborts_what_is_left(server_factory, tiny_model):
+    server = server_factory(tiny_model("llama"), "--shutdown-timeout", "0.5")
+    result = {}
+
+    def long_request():
+        body = {"prompt": "too long", "max_tokens": 1900, "ignore_eos": True}
+        result["response"] = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    while server.metric("kubesgl_num_running_requests") < 1:
+        time.sleep(0.02)
+    server.process.send_signal(signal.SIGTERM)
+    worker.join(timeout=30)
+    assert result["response"].json()["choices"][0]["finish_reason"] == "abort"
+    assert server.process.wait(timeout=30) == 0
+
+
+def test_a_dying_child_takes_the_server_down_with_a_clear_log(server_factory, tiny_model):
+    server = server_factory(tiny_model("llama"))
+    schedulers = [pid for pid in process_tree_alive(server.process.pid)
+                  if "spawn_main" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")]
+    assert schedulers
+    os.kill(schedulers[0], signal.SIGKILL)
+    assert server.process.wait(timeout=30) != 0
+    assert "exited with code -9; shutting the server down" in server.log()
+    time.sleep(1)
+    assert not [pid for pid in process_tree_alive(server.process.pid)]
+
+
+def test_a_model_that_fails_to_load_exits_non_zero(server_factory, tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(AssertionError, match="unsupported architecture"):
+        server_factory(str(tmp_path), timeout=60)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3-moe"])
+def test_tensor_parallel_2_gives_the_same_greedy_tokens_as_1(arch, server_factory, tiny_model):
+    path = tiny_model(arch)
+    server = server_factory(path, "--tp-size", "2")
+    prompts = [[5, 6, 7], list(range(20, 70)), [300, 12, 99, 4]]
+    # the very first request right after start-up reaches both ranks
+    got = [httpx.post(server.base_url + "/generate", json={
+        "input_ids": p, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}).json()["output_ids"]
+        for p in prompts]
+    with LLM(path, device="cpu", dtype="float32", max_total_tokens=4096) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))]
+    assert got == expected
+    # seeded sampling agrees across ranks too (a rank that drew differently would deadlock or diverge)
+    sampled = httpx.post(server.base_url + "/generate", json={
+        "input_ids": prompts[1], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "seed": 3}})
+    assert sampled.status_code == 200 and len(sampled.json()["output_ids"]) == 16
+    assert server.stop() == 0
