@@ -7,6 +7,7 @@ check is containment, not equality. The API server rewrites resource quantities 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kubernetes.utils import parse_quantity
@@ -17,8 +18,8 @@ def has_drifted(desired: Any, live: Any) -> bool:
 
 
 def _contains(live: Any, desired: Any, quantities: bool) -> bool:
-    if isinstance(desired, dict):
-        return isinstance(live, dict) and all(
+    if isinstance(desired, Mapping):
+        return isinstance(live, Mapping) and all(
             key in live and _contains(live[key], value, quantities or key == "resources")
             for key, value in desired.items()
         )

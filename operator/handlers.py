@@ -91,7 +91,7 @@ def build_registry(state: OperatorState | None = None) -> kopf.OperatorRegistry:
     state = state or OperatorState()
     registry = kopf.OperatorRegistry()
 
-    @kopf.on.startup(registry=registry)
+    @kopf.on.startup(registry=registry, id="configure")
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.persistence.finalizer = "kubesgl.io/finalizer"
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
@@ -104,16 +104,17 @@ def build_registry(state: OperatorState | None = None) -> kopf.OperatorRegistry:
         settings.posting.level = logging.WARNING
         state.api = KubeApi.from_environment()
 
-    @kopf.on.login(registry=registry)
+    @kopf.on.login(registry=registry, id="login")
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
 
-    @kopf.index(*ISVC, registry=registry)
+    # Handlers receive each index as a keyword argument named by its id.
+    @kopf.index(*ISVC, registry=registry, id="inference_services")
     def inference_services(body: kopf.Body, namespace: str, name: str, **_: Any) -> Any:
         return {(namespace, name): _snapshot(body)}
 
     @kopf.index(DEPLOYMENT.group, DEPLOYMENT.version, DEPLOYMENT.plural, labels=OURS,
-                registry=registry)
+                registry=registry, id="rollouts")
     def rollouts(body: kopf.Body, namespace: str, **_: Any) -> Any:
         owner = _owner(body)
         if owner is None:
@@ -155,9 +156,9 @@ def build_registry(state: OperatorState | None = None) -> kopf.OperatorRegistry:
                 await asyncio.to_thread(state.kube().patch_status, namespace, name, patch)
                 state.written_status[key] = new
 
-    @kopf.on.resume(*ISVC, registry=registry)
-    @kopf.on.create(*ISVC, registry=registry)
-    @kopf.on.update(*ISVC, registry=registry)
+    @kopf.on.resume(*ISVC, registry=registry, id="resume")
+    @kopf.on.create(*ISVC, registry=registry, id="create")
+    @kopf.on.update(*ISVC, registry=registry, id="update")
     async def reconcile(
         body: kopf.Body,
         namespace: str,
@@ -181,7 +182,7 @@ def build_registry(state: OperatorState | None = None) -> kopf.OperatorRegistry:
         logger.info("applied %d objects", len(applied))
         await publish_status(namespace, name, inference_services, rollouts)
 
-    @kopf.on.delete(*ISVC, registry=registry)
+    @kopf.on.delete(*ISVC, registry=registry, id="delete")
     async def tear_down(
         namespace: str, name: str, uid: str, logger: logging.Logger, **_: Any
     ) -> None:
