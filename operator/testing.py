@@ -85,8 +85,14 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
                 )
 
     async def _serve_list(self, request: rendering.Request) -> Any:
-        # The real server names the list's kind; clients such as the dynamic client need it.
+        # Label selectors filter as on the real server (equality terms only); the list names its
+        # kind, which clients such as the dynamic client need.
         listing = await super()._serve_list(request)
+        selector = _parse_selector(request.params.get("labelSelector", ""))
+        listing["items"] = [
+            item for item in listing["items"]
+            if selector.items() <= (item.get("metadata", {}).get("labels") or {}).items()
+        ]
         resource = request.resource
         assert resource is not None  # only resource requests are lists
         kind = self.resources[resource].kind if resource in self.resources else None
@@ -160,6 +166,13 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
             raw = self.objects[key].raw
             await self._buses[request.resource].put({"type": event, "object": raw})
         return aiohttp.web.json_response(raw)
+
+
+def _parse_selector(selector: str) -> dict[str, str]:
+    terms = [term.split("=", 1) for term in selector.split(",") if term]
+    if any(len(term) != 2 or term[0].endswith("!") for term in terms):
+        raise NotImplementedError(f"only k=v label selectors are emulated: {selector!r}")
+    return {key: value.lstrip("=") for key, value in terms}
 
 
 def _now() -> str:
