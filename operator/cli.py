@@ -6,14 +6,14 @@ import argparse
 import logging
 
 import kopf
-
 from kubesgl.operator.handlers import build_registry
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="kubesgl operator",
-        description="Reconcile InferenceService objects into engine, router and autoscaler objects.",
+        description="Reconcile InferenceService objects into engine, router and autoscaler"
+        " objects.",
     )
     parser.add_argument(
         "--namespace", "-n", action="append", default=[], metavar="NS",

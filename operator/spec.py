@@ -221,7 +221,9 @@ class Metadata(BaseModel):
 
     # Children are named <name>-<role>, and Service names are DNS labels of at most 63
     # characters: "-prefill" leaves 55.
-    name: Annotated[str, Field(min_length=1, max_length=55, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")]
+    name: Annotated[
+        str, Field(min_length=1, max_length=55, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    ]
     namespace: str = "default"
     uid: str | None = None
     generation: int | None = None

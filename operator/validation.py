@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.utils import parse_quantity
-from pydantic import ValidationError
-
 from kubesgl.operator.spec import ENGINE_ROLES, InferenceService, InferenceServiceSpec
+from pydantic import ValidationError
 
 GPU_RESOURCE = "nvidia.com/gpu"
 

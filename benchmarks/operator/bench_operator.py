@@ -28,7 +28,6 @@ from typing import Any
 import kmock
 import yaml
 from kubernetes.dynamic import DynamicClient
-
 from kubesgl.operator.kube import CHILD_KINDS, DEPLOYMENT, INFERENCE_SERVICE, Kind, kind_of
 from kubesgl.operator.render import render
 from kubesgl.operator.testing import running_api_server

@@ -1,5 +1,5 @@
-"""Harness for the operator tests: the real operator (`python -m kubesgl operator`, kopf and the kubernetes client) in a
-subprocess, against the Kubernetes API emulator on a loopback port."""
+"""Harness for the operator tests: the real operator (`python -m kubesgl operator`, kopf and
+the kubernetes client) in a subprocess, against the Kubernetes API emulator on loopback."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError
-
 from kubesgl.operator.kube import CHILD_KINDS, INFERENCE_SERVICE, Kind
 from kubesgl.operator.testing import RunningApiServer
 
@@ -54,7 +53,9 @@ class Cluster:
 
     def patch_isvc(self, name: str, patch: dict[str, Any]) -> None:
         self._resource(INFERENCE_SERVICE).patch(
-            name=name, namespace=NAMESPACE, body=patch,
+            name=name,
+            namespace=NAMESPACE,
+            body=patch,
             content_type="application/merge-patch+json",
         )
 
@@ -67,13 +68,15 @@ class Cluster:
         except NotFoundError:
             return None
 
-    def patch(self, kind: Kind, name: str, patch: dict[str, Any],
-              subresource: str | None = None) -> None:
+    def patch(
+        self, kind: Kind, name: str, patch: dict[str, Any], subresource: str | None = None
+    ) -> None:
         resource = self._resource(kind)
         if subresource is not None:
             resource = resource.subresources[subresource]
-        resource.patch(name=name, namespace=NAMESPACE, body=patch,
-                       content_type="application/merge-patch+json")
+        resource.patch(
+            name=name, namespace=NAMESPACE, body=patch, content_type="application/merge-patch+json"
+        )
 
     def delete(self, kind: Kind, name: str) -> None:
         self._resource(kind).delete(name=name, namespace=NAMESPACE)
@@ -114,7 +117,9 @@ class OperatorProcess:
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kubesgl", "operator", "--liveness-port", "0"],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
 
     def stop(self) -> None:

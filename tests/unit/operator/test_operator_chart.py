@@ -12,9 +12,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from operator_fixtures import CRD_PATH, REPO
-
 from kubesgl.operator.kube import CHILD_KINDS
+from operator_fixtures import CRD_PATH, REPO
 
 CHART = REPO / "charts" / "kubesgl"
 
@@ -49,12 +48,25 @@ def test_the_chart_crd_is_the_one_in_crds() -> None:
 
 @pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={ml,serving}"]])
 def test_rendered_chart_objects_are_valid(helm: Path, values: list[str]) -> None:
-    stream = helm_run(helm, "template", "kubesgl", str(CHART), "--namespace", "kubesgl-system",
-                      "--include-crds", *values)
+    stream = helm_run(
+        helm,
+        "template",
+        "kubesgl",
+        str(CHART),
+        "--namespace",
+        "kubesgl-system",
+        "--include-crds",
+        *values,
+    )
     objects = [doc for doc in yaml.safe_load_all(stream) if doc]
     kinds = sorted(obj["kind"] for obj in objects)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "Deployment", "ServiceAccount"]
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "CustomResourceDefinition",
+        "Deployment",
+        "ServiceAccount",
+    ]
     for obj in objects:
         kubernetes_validate.validate(obj, kubernetes_validate.utils.latest_version(), strict=True)
     crd = next(obj for obj in objects if obj["kind"] == "CustomResourceDefinition")

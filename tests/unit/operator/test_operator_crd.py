@@ -9,9 +9,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from operator_fixtures import EXAMPLES, crd, crd_schema, load_example, with_changes
-
 from kubesgl.operator.spec import InferenceServiceSpec
+from operator_fixtures import EXAMPLES, crd, crd_schema, load_example, with_changes
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 
@@ -23,7 +22,9 @@ def test_the_crd_validates_against_the_kubernetes_schema() -> None:
 def test_names_columns_and_status_subresource() -> None:
     spec = crd()["spec"]
     assert (spec["group"], spec["names"]["kind"], spec["names"]["shortNames"]) == (
-        "kubesgl.io", "InferenceService", ["kisvc"]
+        "kubesgl.io",
+        "InferenceService",
+        ["kisvc"],
     )
     version = spec["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
@@ -109,15 +110,47 @@ def test_every_example_passes_the_crd_schema(path) -> None:
         ("mixed.yaml", "spec.mixed.replicas", -1, "spec.mixed.replicas", "less than the minimum"),
         ("mixed.yaml", "spec.mixed.replica", 2, "spec.mixed", "'replica' was unexpected"),
         ("mixed.yaml", "spec.image", ..., "spec", "'image' is a required property"),
-        ("mixed.yaml", "spec.model.hostPath", {"path": "/m"}, "spec.model", "is valid under each of"),
+        (
+            "mixed.yaml",
+            "spec.model.hostPath",
+            {"path": "/m"},
+            "spec.model",
+            "is valid under each of",
+        ),
         ("mixed.yaml", "spec.model.pvc.path", 3, "spec.model.pvc.path", "is not of type 'string'"),
         ("mixed.yaml", "spec.engine.dtype", "fp8", "spec.engine.dtype", "is not one of"),
-        ("autoscaled-hpa.yaml", "spec.autoscaling.decode.target", 0, "spec.autoscaling.decode.target", "less than or equal to the minimum"),
-        ("autoscaled-hpa.yaml", "spec.autoscaling.decode.maxReplicas", ..., "spec.autoscaling.decode", "'maxReplicas' is a required property"),
-        ("autoscaled-hpa.yaml", "spec.autoscaling.provider", "vpa", "spec.autoscaling.provider", "is not one of"),
-        ("disaggregated.yaml", "spec.monitoring.podMonitor.interval", "often", "spec.monitoring.podMonitor.interval", "does not match"),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.decode.target",
+            0,
+            "spec.autoscaling.decode.target",
+            "less than or equal to the minimum",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.decode.maxReplicas",
+            ...,
+            "spec.autoscaling.decode",
+            "'maxReplicas' is a required property",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.provider",
+            "vpa",
+            "spec.autoscaling.provider",
+            "is not one of",
+        ),
+        (
+            "disaggregated.yaml",
+            "spec.monitoring.podMonitor.interval",
+            "often",
+            "spec.monitoring.podMonitor.interval",
+            "does not match",
+        ),
     ],
 )
-def test_the_crd_schema_rejects_bad_specs_naming_the_field(example, path, value, field, words) -> None:
+def test_the_crd_schema_rejects_bad_specs_naming_the_field(
+    example, path, value, field, words
+) -> None:
     errors = crd_errors(with_changes(load_example(example), path, value))
     assert any(error.startswith(field + ":") and words in error for error in errors), errors

@@ -10,10 +10,9 @@ import pytest
 import yaml
 from cloudcoil.models.keda.v1alpha1 import ScaledObject
 from cloudcoil.models.prometheus_operator.v1 import PodMonitor
-from operator_fixtures import EXAMPLES, load_example, with_changes
-
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import parse_inference_service
+from operator_fixtures import EXAMPLES, load_example, with_changes
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 # KEDA and prometheus-operator CRDs, as generated into pydantic models by cloudcoil.
@@ -22,7 +21,9 @@ CRD_MODELS = {"ScaledObject": ScaledObject, "PodMonitor": PodMonitor}
 
 def objects_of(document: dict[str, Any], uid: str = "0c5e1b4a-1111-2222-3333-444455556666"):
     document = with_changes(document, "metadata.uid", uid)
-    return {(o["kind"], o["metadata"]["name"]): o for o in render(parse_inference_service(document))}
+    return {
+        (o["kind"], o["metadata"]["name"]): o for o in render(parse_inference_service(document))
+    }
 
 
 def _drop_nulls(value: Any) -> Any:
@@ -67,7 +68,9 @@ def test_mixed_mode_renders_one_engine_role() -> None:
     objects = objects_of(load_example("mixed.yaml"))
     deployments = sorted(name for kind, name in objects if kind == "Deployment")
     assert deployments == ["qwen3-mixed-mixed", "qwen3-mixed-router"]
-    args = objects[("Deployment", "qwen3-mixed-mixed")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    args = objects[("Deployment", "qwen3-mixed-mixed")]["spec"]["template"]["spec"]["containers"][
+        0
+    ]["args"]
     assert args[args.index("--role") + 1] == "mixed"
     assert "--disaggregation-bootstrap-port" not in args
 
@@ -143,7 +146,9 @@ def test_cpu_device_requests_no_gpu() -> None:
 def test_router_discovers_pods_with_read_only_rbac() -> None:
     objects = objects_of(load_example("disaggregated.yaml"))
     role = objects[("Role", "llama-pd-router")]
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
     pod = objects[("Deployment", "llama-pd-router")]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "llama-pd-router"
     args = pod["containers"][0]["args"]

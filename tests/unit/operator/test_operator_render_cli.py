@@ -7,15 +7,20 @@ import subprocess
 import sys
 
 import yaml
-from operator_fixtures import REPO, load_example
-
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import parse_inference_service
+from operator_fixtures import REPO, load_example
 
 
 def run_render(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kubesgl", "render", *args], input=stdin,
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "kubesgl", "render", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
 
 
 def test_prints_the_rendered_objects_as_a_yaml_stream() -> None:
@@ -43,6 +48,7 @@ def test_render_does_not_import_torch_or_kopf() -> None:
         "render_cli.main(['-f', 'examples/mixed.yaml']);"
         "assert 'torch' not in sys.modules and 'kopf' not in sys.modules, 'heavy import'"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
     assert result.returncode == 0, result.stderr
