@@ -1,0 +1,48 @@
+"""`kubesgl operator`: run the kopf operator against the cluster of the current credentials."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import kopf
+from kubesgl.operator.handlers import build_registry
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="kubesgl operator",
+        description="Reconcile InferenceService objects into engine, router and autoscaler"
+        " objects.",
+    )
+    parser.add_argument(
+        "--namespace", "-n", action="append", default=[], metavar="NS",
+        help="watch only this namespace (repeatable; kopf glob patterns allowed);"
+        " default: all namespaces",
+    )
+    parser.add_argument(
+        "--liveness-port", type=int, default=8080,
+        help="port of the /healthz endpoint for the pod's liveness probe (0 disables it)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    # standalone: one operator replica (the chart runs one, with the Recreate strategy), so no
+    # peering objects are needed to keep two from acting at once.
+    kopf.run(
+        registry=build_registry(),
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace,
+        liveness_endpoint=liveness,
+    )
+    return 0

@@ -1,0 +1,41 @@
+"""Drift: does a live object still hold every field the operator applies?
+
+Live objects carry more than was applied (defaults, status, other managers' fields), so the
+check is containment, not equality. The API server rewrites resource quantities ("0.5" into
+"500m"), which is not drift either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+
+def has_drifted(desired: Any, live: Any) -> bool:
+    return not _contains(live, desired, quantities=False)
+
+
+def _contains(live: Any, desired: Any, quantities: bool) -> bool:
+    if isinstance(desired, Mapping):
+        return isinstance(live, Mapping) and all(
+            key in live and _contains(live[key], value, quantities or key == "resources")
+            for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(live, list)
+            and len(live) == len(desired)
+            and all(_contains(have, want, quantities) for have, want in zip(live, desired))
+        )
+    if live == desired and type(live) is type(desired):
+        return True
+    return quantities and _same_quantity(live, desired)
+
+
+def _same_quantity(live: Any, desired: Any) -> bool:
+    try:
+        return parse_quantity(live) == parse_quantity(desired)
+    except (ValueError, TypeError):
+        return False

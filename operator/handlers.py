@@ -1,0 +1,227 @@
+"""The kopf wiring: which events lead to which reconciliation.
+
+- create / update / resume of an InferenceService: validate, apply its children, prune, status;
+- delete: remove its children in order (a finalizer holds the object until then);
+- any event on a child: restore it if it was deleted or edited, and for Deployments refresh
+  the owner's status from their replica counts.
+
+Blocking API calls run in threads; indexes and status bookkeeping stay on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import datetime
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from kubesgl.operator import naming
+from kubesgl.operator.drift import has_drifted
+from kubesgl.operator.kube import CHILD_KINDS, DEPLOYMENT, INFERENCE_SERVICE, KubeApi, MissingApi
+from kubesgl.operator.reconcile import apply_children, delete_children, identity, owned_by
+from kubesgl.operator.render import render
+from kubesgl.operator.spec import InferenceService
+from kubesgl.operator.status import Rollout, compute_status, status_patch
+from kubesgl.operator.validation import InvalidSpec, parse_inference_service
+
+ISVC = (INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural)
+OURS = {naming.MANAGED_BY_LABEL: naming.MANAGER}
+# Retry delay when the cluster lacks an API the spec needs (KEDA, prometheus-operator).
+MISSING_API_RETRY_SECONDS = 60
+
+
+@dataclass
+class OperatorState:
+    api: KubeApi | None = None
+    # One status writer at a time per InferenceService, so the last one sees the newest counts.
+    status_locks: dict[tuple[str, str], asyncio.Lock] = field(
+        default_factory=lambda: collections.defaultdict(asyncio.Lock)
+    )
+    # What this process last wrote, ahead of the watch stream echoing it back.
+    written_status: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+
+    def kube(self) -> KubeApi:
+        assert self.api is not None, "the startup handler creates the API client"
+        return self.api
+
+
+def _snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain copy of an InferenceService, as the indexes keep it."""
+    meta = body["metadata"]
+    return {
+        "apiVersion": body.get("apiVersion"),
+        "kind": body.get("kind"),
+        "metadata": {
+            key: meta[key]
+            for key in ("name", "namespace", "uid", "generation", "deletionTimestamp")
+            if key in meta
+        },
+        "spec": _plain(body.get("spec", {})),
+        "status": _plain(body.get("status", {})),
+    }
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _owner(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    for reference in body.get("metadata", {}).get("ownerReferences") or []:
+        if reference.get("kind") == INFERENCE_SERVICE.kind and reference.get(
+            "apiVersion", ""
+        ).startswith(INFERENCE_SERVICE.group + "/"):
+            return reference.get("name"), reference.get("uid")
+    return None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def build_registry(state: OperatorState | None = None) -> kopf.OperatorRegistry:
+    state = state or OperatorState()
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.startup(registry=registry, id="configure")
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = "kubesgl.io/finalizer"
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+            prefix="kubesgl.io"
+        )
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix="kubesgl.io", key="last-handled-configuration"
+        )
+        # Only warnings become Kubernetes Events; the rest goes to the log.
+        settings.posting.level = logging.WARNING
+        state.api = KubeApi.from_environment()
+
+    @kopf.on.login(registry=registry, id="login")
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return kopf.login_via_client(**kwargs)
+
+    # Handlers receive each index as a keyword argument named by its id.
+    @kopf.index(*ISVC, registry=registry, id="inference_services")
+    def inference_services(body: kopf.Body, namespace: str, name: str, **_: Any) -> Any:
+        return {(namespace, name): _snapshot(body)}
+
+    @kopf.index(DEPLOYMENT.group, DEPLOYMENT.version, DEPLOYMENT.plural, labels=OURS,
+                registry=registry, id="rollouts")
+    def rollouts(body: kopf.Body, namespace: str, **_: Any) -> Any:
+        owner = _owner(body)
+        if owner is None:
+            return None
+        instance, uid = owner
+        return {(namespace, instance): (uid, Rollout.from_deployment(body))}
+
+    async def publish_status(
+        namespace: str, name: str, inference_services: kopf.Index, rollouts: kopf.Index
+    ) -> None:
+        key = (namespace, name)
+        async with state.status_locks[key]:
+            stored = list(inference_services.get(key, []))
+            if not stored or stored[0]["metadata"].get("deletionTimestamp"):
+                return
+            isvc_body = stored[0]
+            uid = isvc_body["metadata"].get("uid")
+            mine = {rollout.role: rollout for owner_uid, rollout in rollouts.get(key, [])
+                    if owner_uid == uid}
+            try:
+                isvc = parse_inference_service(isvc_body)
+            except InvalidSpec as error:
+                roles, endpoint, problems = sorted(mine), None, str(error)
+            else:
+                roles = [*isvc.spec.engine_roles(), "router"]
+                endpoint, problems = naming.router_endpoint(name, namespace), None
+            previous = state.written_status.get(key, isvc_body.get("status") or {})
+            new = compute_status(
+                generation=isvc_body["metadata"].get("generation", 0),
+                roles=roles,
+                rollouts=mine,
+                endpoint=endpoint,
+                problems=problems,
+                previous=previous,
+                now=_now(),
+            )
+            patch = status_patch(new, previous)
+            if patch is not None:
+                await asyncio.to_thread(state.kube().patch_status, namespace, name, patch)
+                state.written_status[key] = new
+
+    @kopf.on.resume(*ISVC, registry=registry, id="resume")
+    @kopf.on.create(*ISVC, registry=registry, id="create")
+    @kopf.on.update(*ISVC, registry=registry, id="update")
+    async def reconcile(
+        body: kopf.Body,
+        namespace: str,
+        name: str,
+        logger: logging.Logger,
+        inference_services: kopf.Index,
+        rollouts: kopf.Index,
+        **_: Any,
+    ) -> None:
+        try:
+            isvc = parse_inference_service(_snapshot(body))
+        except InvalidSpec as error:
+            kopf.warn(body, reason="InvalidSpec", message=f"nothing applied: {error}")
+            await publish_status(namespace, name, inference_services, rollouts)
+            return
+        try:
+            applied = await asyncio.to_thread(apply_children, state.kube(), isvc)
+        except MissingApi as error:
+            kopf.warn(body, reason="MissingAPI", message=str(error))
+            raise kopf.TemporaryError(str(error), delay=MISSING_API_RETRY_SECONDS) from None
+        logger.info("applied %d objects", len(applied))
+        await publish_status(namespace, name, inference_services, rollouts)
+
+    @kopf.on.delete(*ISVC, registry=registry, id="delete")
+    async def tear_down(
+        namespace: str, name: str, uid: str, logger: logging.Logger, **_: Any
+    ) -> None:
+        count = await asyncio.to_thread(delete_children, state.kube(), namespace, name, uid)
+        state.written_status.pop((namespace, name), None)
+        logger.info("deleted %d children", count)
+
+    async def repair_child(
+        event: Mapping[str, Any],
+        body: kopf.Body,
+        namespace: str,
+        resource: kopf.Resource,
+        logger: logging.Logger,
+        inference_services: kopf.Index,
+        rollouts: kopf.Index,
+        **_: Any,
+    ) -> None:
+        owner = _owner(body)
+        if owner is None:
+            return
+        instance, _ = owner
+        stored = list(inference_services.get((namespace, instance), []))
+        if not stored or not owned_by(body, stored[0]["metadata"].get("uid", "")):
+            return
+        if stored[0]["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            isvc: InferenceService = parse_inference_service(stored[0])
+        except InvalidSpec:
+            return  # the InferenceService handler reports it; nothing is to be applied
+        wanted = {identity(obj): obj for obj in render(isvc)}
+        target = wanted.get((resource.kind, body["metadata"]["name"]))
+        if target is not None and (event.get("type") == "DELETED" or has_drifted(target, body)):
+            logger.info("restoring %s %s", *identity(target))
+            await asyncio.to_thread(state.kube().apply, target)
+        if resource.kind == DEPLOYMENT.kind:
+            await publish_status(namespace, instance, inference_services, rollouts)
+
+    for kind in CHILD_KINDS:
+        kopf.on.event(kind.group, kind.version, kind.plural, labels=OURS, registry=registry,
+                      id=f"repair-{kind.plural}")(repair_child)
+
+    return registry

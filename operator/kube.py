@@ -1,0 +1,149 @@
+"""A small Kubernetes API surface over the official client: server-side apply, list, delete and
+status patches for the fixed set of kinds the operator manages.
+
+The kinds are known in advance, so their URL paths come from a table rather than discovery.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+from kubesgl.operator import naming
+from kubesgl.operator.spec import API_GROUP, API_VERSION, KIND, PLURAL
+
+Object = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Kind:
+    api_version: str  # "v1", "apps/v1", ...
+    kind: str
+    plural: str
+
+    @property
+    def group(self) -> str:
+        return self.api_version.rpartition("/")[0]
+
+    @property
+    def version(self) -> str:
+        return self.api_version.rpartition("/")[2]
+
+    def path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+        root = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        path = f"{root}/namespaces/{namespace}/{self.plural}"
+        if name is not None:
+            path += f"/{name}"
+        if subresource is not None:
+            path += f"/{subresource}"
+        return path
+
+
+INFERENCE_SERVICE = Kind(f"{API_GROUP}/{API_VERSION}", KIND, PLURAL)
+DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
+CHILD_KINDS: tuple[Kind, ...] = (
+    Kind("v1", "ServiceAccount", "serviceaccounts"),
+    Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
+    Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+    Kind("v1", "Service", "services"),
+    DEPLOYMENT,
+    Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+    Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
+    Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
+    Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
+)
+_BY_KIND = {kind.kind: kind for kind in CHILD_KINDS}
+
+
+def kind_of(obj: Mapping[str, Any]) -> Kind:
+    kind = _BY_KIND.get(obj["kind"])
+    if kind is None or kind.api_version != obj["apiVersion"]:
+        raise KeyError(f"{obj['apiVersion']} {obj['kind']} is not a kind the operator manages")
+    return kind
+
+
+class MissingApi(RuntimeError):
+    """The cluster does not serve a kind the spec needs (e.g. KEDA is not installed)."""
+
+
+class KubeApi:
+    def __init__(self, client: kubernetes.client.ApiClient):
+        self._client = client
+
+    @classmethod
+    def from_environment(cls) -> KubeApi:
+        """In-cluster credentials inside a pod, otherwise the kubeconfig (KUBECONFIG or ~/.kube)."""
+        try:
+            kubernetes.config.load_incluster_config()
+        except kubernetes.config.ConfigException:
+            kubernetes.config.load_kube_config()
+        return cls(kubernetes.client.ApiClient())
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: Object | None = None,
+        query: Iterable[tuple[str, str]] = (),
+        content_type: str = "application/json",
+    ) -> Object:
+        request = self._client.param_serialize(
+            method,
+            path,
+            query_params=list(query),
+            header_params={"Content-Type": content_type, "Accept": "application/json"},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self._client.call_api(*request)
+        response.read()
+        if not 200 <= response.status <= 299:
+            raise ApiException.from_response(
+                http_resp=response, body=response.data.decode(errors="replace"), data=None
+            )
+        return json.loads(response.data) if response.data else {}
+
+    def apply(self, obj: Object) -> Object:
+        """Server-side apply as the operator's field manager, taking over conflicting fields."""
+        kind = kind_of(obj)
+        meta = obj["metadata"]
+        path = kind.path(meta["namespace"], meta["name"])
+        query = [("fieldManager", naming.MANAGER), ("force", "true")]
+        try:
+            return self._call("PATCH", path, obj, query, "application/apply-patch+yaml")
+        except ApiException as error:
+            if error.status == 404 and kind.kind in ("ScaledObject", "PodMonitor"):
+                raise MissingApi(
+                    f"the cluster does not serve {kind.api_version} {kind.kind};"
+                    " install its CRDs or change the spec"
+                ) from None
+            raise
+
+    def list_children(self, kind: Kind, namespace: str, instance: str) -> list[Object]:
+        """Objects of one kind that this operator made for an instance; [] if the kind is absent."""
+        selector = f"{naming.INSTANCE_LABEL}={instance},{naming.MANAGED_BY_LABEL}={naming.MANAGER}"
+        try:
+            listing = self._call("GET", kind.path(namespace), query=[("labelSelector", selector)])
+        except ApiException as error:
+            if error.status == 404:
+                return []
+            raise
+        items = listing.get("items", [])
+        # List responses leave kind and apiVersion out of their items.
+        return [{"apiVersion": kind.api_version, "kind": kind.kind, **item} for item in items]
+
+    def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        try:
+            path = kind.path(namespace, name)
+            self._call("DELETE", path, query=[("propagationPolicy", "Background")])
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def patch_status(self, namespace: str, name: str, status: Object) -> None:
+        path = INFERENCE_SERVICE.path(namespace, name, "status")
+        self._call("PATCH", path, {"status": status}, content_type="application/merge-patch+json")

@@ -1,0 +1,65 @@
+"""Bringing the cluster to the rendered state: apply what is wanted, delete what no longer is."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from kubesgl.operator import naming
+from kubesgl.operator.kube import CHILD_KINDS, KubeApi, kind_of
+from kubesgl.operator.render import Object, render
+from kubesgl.operator.spec import InferenceService
+
+log = logging.getLogger(__name__)
+
+# Teardown order: autoscalers first so that nothing scales a role being removed, the router
+# before the engines so that no new requests reach draining engines, the rest after them.
+_DELETION_ORDER = ("HorizontalPodAutoscaler", "ScaledObject", "PodMonitor", "Deployment",
+                   "Service", "PodDisruptionBudget", "RoleBinding", "Role", "ServiceAccount")
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    references = obj.get("metadata", {}).get("ownerReferences") or []
+    return any(reference.get("uid") == uid for reference in references)
+
+
+def identity(obj: Mapping[str, Any]) -> tuple[str, str]:
+    return obj["kind"], obj["metadata"]["name"]
+
+
+def apply_children(api: KubeApi, isvc: InferenceService) -> list[Object]:
+    """Apply every child of a validated InferenceService and prune the ones it no longer has."""
+    desired = render(isvc)
+    for obj in desired:
+        api.apply(obj)
+    wanted = {identity(obj) for obj in desired}
+    for stale in _owned_children(api, isvc.metadata.namespace, isvc.metadata.name,
+                                 isvc.metadata.uid or ""):
+        if identity(stale) not in wanted:
+            log.info("deleting %s %s: no longer in the spec", *identity(stale))
+            api.delete(kind_of(stale), isvc.metadata.namespace, stale["metadata"]["name"])
+    return desired
+
+
+def delete_children(api: KubeApi, namespace: str, instance: str, uid: str) -> int:
+    """Delete an InferenceService's children in _DELETION_ORDER; returns how many."""
+    children = _owned_children(api, namespace, instance, uid)
+    rank = {kind: position for position, kind in enumerate(_DELETION_ORDER)}
+
+    def order(obj: Object) -> tuple[int, int]:
+        is_engine = obj["metadata"].get("labels", {}).get(naming.ROLE_LABEL) != "router"
+        return rank[obj["kind"]], int(is_engine)
+
+    for child in sorted(children, key=order):
+        api.delete(kind_of(child), namespace, child["metadata"]["name"])
+    return len(children)
+
+
+def _owned_children(api: KubeApi, namespace: str, instance: str, uid: str) -> list[Object]:
+    return [
+        child
+        for kind in CHILD_KINDS
+        for child in api.list_children(kind, namespace, instance)
+        if owned_by(child, uid)
+    ]

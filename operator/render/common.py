@@ -1,0 +1,107 @@
+"""Pieces every rendered object shares: metadata with owner references, pod hardening, PDBs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubesgl.operator import naming
+from kubesgl.operator.spec import API_GROUP, API_VERSION, KIND, InferenceService, Placement
+
+Object = dict[str, Any]
+
+# Engine and router images run as this unprivileged user (see the Dockerfile).
+RUN_AS_USER = 1000
+
+
+def metadata(isvc: InferenceService, name: str, role: naming.Role | None = None) -> Object:
+    meta: Object = {
+        "name": name,
+        "namespace": isvc.metadata.namespace,
+        "labels": naming.object_labels(isvc.metadata.name, role),
+    }
+    # Without a uid (a file given to `kubesgl render`) there is no owner to point at yet.
+    if isvc.metadata.uid:
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": f"{API_GROUP}/{API_VERSION}",
+                "kind": KIND,
+                "name": isvc.metadata.name,
+                "uid": isvc.metadata.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+    return meta
+
+
+def pod_security_context() -> Object:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS_USER,
+        "runAsGroup": RUN_AS_USER,
+        "fsGroup": RUN_AS_USER,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context() -> Object:
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def scrape_annotations(port: int) -> dict[str, str]:
+    """For Prometheus set-ups that discover pods by annotation rather than by PodMonitor."""
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def http_probe(port_name: str, period: int, failures: int, timeout: int = 3) -> Object:
+    return {
+        "httpGet": {"path": "/health", "port": port_name},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+def placement(block: Placement) -> Object:
+    """nodeSelector and tolerations of a pod spec, left out when empty."""
+    spec: Object = {}
+    if block.node_selector:
+        spec["nodeSelector"] = dict(block.node_selector)
+    if block.tolerations:
+        spec["tolerations"] = [
+            toleration.model_dump(by_alias=True, exclude_none=True)
+            for toleration in block.tolerations
+        ]
+    return spec
+
+
+def image_pull(isvc: InferenceService) -> tuple[Object, Object]:
+    """(container fields, pod fields) for the image pull policy and secrets."""
+    container: Object = {}
+    pod: Object = {}
+    if isvc.spec.image_pull_policy:
+        container["imagePullPolicy"] = isvc.spec.image_pull_policy
+    if isvc.spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in isvc.spec.image_pull_secrets]
+    return container, pod
+
+
+def pod_disruption_budget(isvc: InferenceService, role: naming.Role) -> Object:
+    name = naming.role_object_name(isvc.metadata.name, role)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata(isvc, name, role),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": naming.selector_labels(isvc.metadata.name, role)},
+        },
+    }

@@ -1,0 +1,258 @@
+"""Engine roles (prefill, decode, mixed): a Deployment running `kubesgl serve` and a headless
+Service per role."""
+
+from __future__ import annotations
+
+from kubesgl.operator import naming
+from kubesgl.operator.render.common import (
+    Object,
+    container_security_context,
+    http_probe,
+    image_pull,
+    metadata,
+    placement,
+    pod_security_context,
+    scrape_annotations,
+)
+from kubesgl.operator.spec import EngineRole, InferenceService, RoleSpec
+from kubesgl.operator.validation import GPU_RESOURCE
+
+MODEL_ROOT = "/models"
+HF_DOWNLOAD_DIR = f"{MODEL_ROOT}/hf"
+API_KEY_ENV = "KUBESGL_API_KEY"
+# Time for routers and endpoints to stop sending new requests before SIGTERM starts the drain.
+PRESTOP_SLEEP_SECONDS = 10
+# Slack after the drain for the process to exit before the kubelet kills it.
+EXIT_SLACK_SECONDS = 5
+
+
+def model_path(isvc: InferenceService) -> str:
+    model = isvc.spec.model
+    if model.pvc is not None:
+        return f"{MODEL_ROOT}/{model.pvc.path}".rstrip("/") if model.pvc.path else MODEL_ROOT
+    if model.hugging_face is not None:
+        return HF_DOWNLOAD_DIR
+    return MODEL_ROOT
+
+
+def served_model_name(isvc: InferenceService) -> str:
+    model = isvc.spec.model
+    if model.served_name:
+        return model.served_name
+    if model.hugging_face is not None:
+        return model.hugging_face.repo
+    return isvc.metadata.name
+
+
+def engine_args(isvc: InferenceService, role: EngineRole, block: RoleSpec) -> list[str]:
+    engine = isvc.spec.engine
+    args = [
+        "serve",
+        "--model", model_path(isvc),
+        "--served-model-name", served_model_name(isvc),
+        "--role", role,
+        "--tp-size", str(block.tensor_parallel_size),
+        "--host", "0.0.0.0",
+        "--port", str(naming.ENGINE_PORT),
+        "--device", engine.device,
+        "--dtype", engine.dtype,
+        "--load-format", engine.load_format,
+        "--log-level", engine.log_level,
+        "--shutdown-timeout", str(engine.shutdown_timeout_seconds),
+    ]
+    if role == "prefill":
+        args += ["--disaggregation-bootstrap-port", str(naming.BOOTSTRAP_PORT)]
+    numeric_options = {
+        "--page-size": engine.page_size,
+        "--max-running-requests": engine.max_running_requests,
+        "--chunked-prefill-size": engine.chunked_prefill_size,
+        "--max-total-tokens": engine.max_total_tokens,
+        "--attention-backend": engine.attention_backend,
+    }
+    for flag, value in numeric_options.items():
+        if value is not None:
+            args += [flag, str(value)]
+    switches = {
+        "--disable-radix-cache": engine.disable_radix_cache,
+        "--disable-overlap-schedule": engine.disable_overlap_schedule,
+        "--disable-cuda-graph": engine.disable_cuda_graph,
+    }
+    args += [flag for flag, on in switches.items() if on]
+    if engine.api_key_secret is not None:
+        # The kubelet expands $(VAR) from the container's env: the key stays out of the pod spec.
+        args += ["--api-key", f"$({API_KEY_ENV})"]
+    return args + list(engine.extra_args) + list(block.extra_args)
+
+
+def _env(isvc: InferenceService) -> list[Object]:
+    # The root filesystem is read-only: caches (torch, triton, Hugging Face) go under /tmp.
+    env: list[Object] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+    ]
+    secret = isvc.spec.engine.api_key_secret
+    if secret is not None:
+        env.append(
+            {
+                "name": API_KEY_ENV,
+                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
+            }
+        )
+    if isvc.spec.mode == "disaggregated":
+        ucx = isvc.spec.kv_transfer.ucx
+        if ucx.transports:
+            env.append({"name": "UCX_TLS", "value": ucx.transports})
+        if ucx.net_devices:
+            env.append({"name": "UCX_NET_DEVICES", "value": ucx.net_devices})
+    return env
+
+
+def _resources(isvc: InferenceService, block: RoleSpec) -> Object:
+    resources: Object = {}
+    requests = dict(block.resources.requests)
+    limits = dict(block.resources.limits)
+    if isvc.spec.engine.device == "cuda":
+        limits[GPU_RESOURCE] = block.tensor_parallel_size
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def _model_volume(isvc: InferenceService) -> Object:
+    model = isvc.spec.model
+    if model.pvc is not None:
+        claim = {"claimName": model.pvc.claim_name, "readOnly": model.pvc.read_only}
+        return {"name": "model", "persistentVolumeClaim": claim}
+    if model.host_path is not None:
+        return {"name": "model", "hostPath": {"path": model.host_path.path, "type": "Directory"}}
+    assert model.hugging_face is not None  # validation guarantees exactly one source
+    empty_dir: Object = {}
+    if model.hugging_face.size_limit:
+        empty_dir["sizeLimit"] = model.hugging_face.size_limit
+    return {"name": "model", "emptyDir": empty_dir}
+
+
+def _download_container(isvc: InferenceService) -> Object | None:
+    """Fetches a Hugging Face model into the shared emptyDir before the engine starts."""
+    source = isvc.spec.model.hugging_face
+    if source is None:
+        return None
+    env: list[Object] = [{"name": "HOME", "value": "/tmp"}]
+    if source.token_secret is not None:
+        ref = {"name": source.token_secret.name, "key": source.token_secret.key}
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    pull, _ = image_pull(isvc)
+    return {
+        "name": "download-model",
+        "image": isvc.spec.image,
+        **pull,
+        "command": ["hf", "download", source.repo],
+        "args": ["--revision", source.revision, "--local-dir", HF_DOWNLOAD_DIR],
+        "env": env,
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODEL_ROOT},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "securityContext": container_security_context(),
+    }
+
+
+def engine_deployment(isvc: InferenceService, role: EngineRole, block: RoleSpec) -> Object:
+    instance = isvc.metadata.name
+    name = naming.role_object_name(instance, role)
+    ports: list[Object] = [{"name": "http", "containerPort": naming.ENGINE_PORT}]
+    annotations = scrape_annotations(naming.ENGINE_PORT)
+    if role == "prefill":
+        ports.append({"name": "bootstrap", "containerPort": naming.BOOTSTRAP_PORT})
+        annotations[naming.BOOTSTRAP_PORT_ANNOTATION] = str(naming.BOOTSTRAP_PORT)
+    model_read_only = isvc.spec.model.pvc is None or isvc.spec.model.pvc.read_only
+    pull, pod_pull = image_pull(isvc)
+    container: Object = {
+        "name": "engine",
+        "image": isvc.spec.image,
+        **pull,
+        "command": ["kubesgl"],
+        "args": engine_args(isvc, role, block),
+        "env": _env(isvc),
+        "ports": ports,
+        "volumeMounts": [
+            {"name": "model", "mountPath": MODEL_ROOT, "readOnly": model_read_only},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        # Loading weights and capturing CUDA graphs can take long: up to an hour to start.
+        "startupProbe": http_probe("http", period=10, failures=360),
+        "readinessProbe": http_probe("http", period=5, failures=2),
+        "livenessProbe": http_probe("http", period=15, failures=4, timeout=5),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "securityContext": container_security_context(),
+    }
+    resources = _resources(isvc, block)
+    if resources:
+        container["resources"] = resources
+    pod_spec: Object = {
+        "automountServiceAccountToken": False,  # engines never talk to the API server
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS
+        + isvc.spec.engine.shutdown_timeout_seconds
+        + EXIT_SLACK_SECONDS,
+        "containers": [container],
+        "volumes": [
+            _model_volume(isvc),
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": "tmp", "emptyDir": {}},
+        ],
+        **pod_pull,
+        **placement(block),
+    }
+    download = _download_container(isvc)
+    if download is not None:
+        pod_spec["initContainers"] = [download]
+    spec: Object = {
+        "selector": {"matchLabels": naming.selector_labels(instance, role)},
+        "template": {
+            "metadata": {
+                "labels": naming.object_labels(instance, role),
+                "annotations": annotations,
+            },
+            "spec": pod_spec,
+        },
+    }
+    # An autoscaler owns the replica count of an autoscaled role: never write it.
+    if isvc.spec.autoscaling_for(role) is None:
+        spec = {"replicas": block.replicas, **spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(isvc, name, role),
+        "spec": spec,
+    }
+
+
+def headless_service(isvc: InferenceService, role: EngineRole) -> Object:
+    """Stable DNS names for a role's pods (one record per ready pod)."""
+    ports: list[Object] = [
+        {"name": "http", "port": naming.ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
+    ]
+    if role == "prefill":
+        ports.append(
+            {
+                "name": "bootstrap",
+                "port": naming.BOOTSTRAP_PORT,
+                "targetPort": "bootstrap",
+                "protocol": "TCP",
+            }
+        )
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(isvc, naming.role_object_name(isvc.metadata.name, role), role),
+        "spec": {
+            "clusterIP": "None",
+            "selector": naming.selector_labels(isvc.metadata.name, role),
+            "ports": ports,
+        },
+    }

@@ -1,0 +1,144 @@
+"""The router: a Deployment running `kubesgl router` with pod discovery, its client-facing
+Service, and the narrowest RBAC that discovery needs (get, list, watch pods in one namespace)."""
+
+from __future__ import annotations
+
+from kubesgl.operator import naming
+from kubesgl.operator.render.common import (
+    Object,
+    container_security_context,
+    http_probe,
+    image_pull,
+    metadata,
+    placement,
+    pod_security_context,
+    scrape_annotations,
+)
+from kubesgl.operator.spec import InferenceService
+
+
+def router_args(isvc: InferenceService) -> list[str]:
+    router = isvc.spec.router
+    selectors = naming.selector_labels(isvc.metadata.name)
+    args = [
+        "router",
+        "--host", "0.0.0.0",
+        "--port", str(naming.ROUTER_PORT),
+        "--policy", router.policy,
+        "--kube-namespace", isvc.metadata.namespace,
+    ]
+    for key, value in selectors.items():
+        args += ["--kube-selector", f"{key}={value}"]
+    thresholds = {
+        "--cache-threshold": router.cache_threshold,
+        "--balance-abs-threshold": router.balance_abs_threshold,
+        "--balance-rel-threshold": router.balance_rel_threshold,
+    }
+    for flag, value in thresholds.items():
+        if value is not None:
+            args += [flag, str(value)]
+    return args + list(router.extra_args)
+
+
+def _router_name(isvc: InferenceService) -> str:
+    return naming.role_object_name(isvc.metadata.name, "router")
+
+
+def service_account(isvc: InferenceService) -> Object:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(isvc, _router_name(isvc), "router"),
+    }
+
+
+def pod_reader_role(isvc: InferenceService) -> Object:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": metadata(isvc, _router_name(isvc), "router"),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+    }
+
+
+def role_binding(isvc: InferenceService) -> Object:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(isvc, _router_name(isvc), "router"),
+        "roleRef": {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": _router_name(isvc),
+        },
+        "subjects": [
+            {
+                "kind": "ServiceAccount",
+                "name": _router_name(isvc),
+                "namespace": isvc.metadata.namespace,
+            }
+        ],
+    }
+
+
+def router_deployment(isvc: InferenceService) -> Object:
+    router = isvc.spec.router
+    instance = isvc.metadata.name
+    pull, pod_pull = image_pull(isvc)
+    container: Object = {
+        "name": "router",
+        "image": isvc.spec.image,
+        **pull,
+        "command": ["kubesgl"],
+        "args": router_args(isvc),
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "ports": [{"name": "http", "containerPort": naming.ROUTER_PORT}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "readinessProbe": http_probe("http", period=5, failures=2),
+        "livenessProbe": http_probe("http", period=15, failures=4, timeout=5),
+        "securityContext": container_security_context(),
+    }
+    resources = router.resources.model_dump(by_alias=True)
+    resources = {kind: values for kind, values in resources.items() if values}
+    if resources:
+        container["resources"] = resources
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(isvc, _router_name(isvc), "router"),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": naming.selector_labels(instance, "router")},
+            "template": {
+                "metadata": {
+                    "labels": naming.object_labels(instance, "router"),
+                    "annotations": scrape_annotations(naming.ROUTER_PORT),
+                },
+                "spec": {
+                    "serviceAccountName": _router_name(isvc),
+                    "enableServiceLinks": False,
+                    "securityContext": pod_security_context(),
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}],
+                    **pod_pull,
+                    **placement(router),
+                },
+            },
+        },
+    }
+
+
+def router_service(isvc: InferenceService) -> Object:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(isvc, naming.router_service_name(isvc.metadata.name), "router"),
+        "spec": {
+            "type": isvc.spec.router.service_type,
+            "selector": naming.selector_labels(isvc.metadata.name, "router"),
+            "ports": [
+                {"name": "http", "port": naming.ROUTER_PORT, "targetPort": "http",
+                 "protocol": "TCP"}
+            ],
+        },
+    }

@@ -1,0 +1,239 @@
+"""Typed model of an InferenceService, mirroring crds/inferenceservice.yaml field for field.
+
+Python names are snake_case; the YAML/JSON names are the camelCase aliases. Defaults, enums
+and minimums here equal the CRD's (tests/unit/operator/test_crd.py compares the two trees).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from kubernetes.utils import parse_quantity
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "kubesgl.io"
+API_VERSION = "v1alpha1"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+
+EngineRole = Literal["prefill", "decode", "mixed"]
+ENGINE_ROLES: tuple[EngineRole, ...] = ("prefill", "decode", "mixed")
+
+
+class SpecModel(BaseModel):
+    """Base of every spec block: camelCase on the wire, unknown fields are errors."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+Quantity = StrictInt | StrictStr
+
+
+class SecretKeyRef(SpecModel):
+    name: str = Field(min_length=1)
+    key: str = Field(min_length=1)
+
+
+class PvcSource(SpecModel):
+    claim_name: str = Field(min_length=1)
+    # Folder of the model inside the claim; empty means the claim's root.
+    path: str = ""
+    read_only: bool = True
+
+
+class HostPathSource(SpecModel):
+    path: str = Field(pattern=r"^/")
+
+
+class HuggingFaceSource(SpecModel):
+    repo: str = Field(pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+    revision: str = "main"
+    token_secret: SecretKeyRef | None = None
+    # Size limit of the emptyDir the weights are downloaded into (a Kubernetes quantity).
+    size_limit: str | None = None
+
+
+class ModelSpec(SpecModel):
+    served_name: str | None = None
+    pvc: PvcSource | None = None
+    host_path: HostPathSource | None = None
+    hugging_face: HuggingFaceSource | None = None
+
+
+class EngineSpec(SpecModel):
+    device: Literal["cuda", "cpu"] = "cuda"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    load_format: Literal["auto", "dummy"] = "auto"
+    page_size: int | None = Field(default=None, ge=1)
+    max_running_requests: int | None = Field(default=None, ge=1)
+    chunked_prefill_size: int | None = Field(default=None, ge=1)
+    max_total_tokens: int | None = Field(default=None, ge=1)
+    attention_backend: Literal["torch", "triton", "flashinfer"] | None = None
+    disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    disable_cuda_graph: bool = False
+    api_key_secret: SecretKeyRef | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    shutdown_timeout_seconds: int = Field(default=60, ge=1)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class Resources(SpecModel):
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+    @field_validator("requests", "limits")
+    @classmethod
+    def _quantities_parse(cls, value: dict[str, Quantity]) -> dict[str, Quantity]:
+        for name, quantity in value.items():
+            try:
+                parse_quantity(quantity)
+            except ValueError:
+                raise ValueError(f"{name}: {quantity!r} is not a Kubernetes quantity") from None
+        return value
+
+
+class Toleration(SpecModel):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class Placement(SpecModel):
+    """What every workload block shares: size and where its pods may run."""
+
+    resources: Resources = Field(default_factory=Resources)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class RoleSpec(Placement):
+    replicas: int = Field(default=1, ge=0)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+
+
+class RouterSpec(Placement):
+    replicas: int = Field(default=1, ge=0)
+    policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    cache_threshold: float | None = Field(default=None, ge=0, le=1)
+    balance_abs_threshold: int | None = Field(default=None, ge=0)
+    balance_rel_threshold: float | None = Field(default=None, ge=1)
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+
+
+class UcxSpec(SpecModel):
+    transports: str | None = None
+    net_devices: str | None = None
+
+
+class KvTransferSpec(SpecModel):
+    backend: Literal["nixl"] = "nixl"
+    ucx: UcxSpec = Field(default_factory=UcxSpec)
+
+
+class PrefillAutoscaling(SpecModel):
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(ge=1)
+    metric: Literal["waitingRequests", "timeToFirstToken"] = "waitingRequests"
+    target: float = Field(gt=0)
+
+
+class DecodeAutoscaling(SpecModel):
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(ge=1)
+    metric: Literal["runningRequests", "kvCacheUsage"] = "runningRequests"
+    target: float = Field(gt=0)
+
+
+class MixedAutoscaling(SpecModel):
+    min_replicas: int = Field(default=1, ge=1)
+    max_replicas: int = Field(ge=1)
+    metric: Literal["waitingRequests", "runningRequests", "kvCacheUsage", "timeToFirstToken"] = (
+        "waitingRequests"
+    )
+    target: float = Field(gt=0)
+
+
+RoleAutoscaling = PrefillAutoscaling | DecodeAutoscaling | MixedAutoscaling
+
+
+class AutoscalingSpec(SpecModel):
+    provider: Literal["hpa", "keda"] = "hpa"
+    # Prometheus that KEDA queries, e.g. http://prometheus.monitoring:9090 (KEDA only).
+    prometheus_address: str | None = None
+    prefill: PrefillAutoscaling | None = None
+    decode: DecodeAutoscaling | None = None
+    mixed: MixedAutoscaling | None = None
+
+    def for_role(self, role: EngineRole) -> RoleAutoscaling | None:
+        return getattr(self, role)
+
+
+class PodMonitorSpec(SpecModel):
+    interval: str = Field(default="15s", pattern=r"^[0-9]+(ms|s|m|h)$")
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class MonitoringSpec(SpecModel):
+    pod_monitor: PodMonitorSpec | None = None
+
+
+class InferenceServiceSpec(SpecModel):
+    model: ModelSpec
+    image: str = Field(min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    image_pull_secrets: list[str] = Field(default_factory=list)
+    mode: Literal["mixed", "disaggregated"] = "mixed"
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    prefill: RoleSpec | None = None
+    decode: RoleSpec | None = None
+    mixed: RoleSpec | None = None
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    kv_transfer: KvTransferSpec = Field(default_factory=KvTransferSpec)
+    autoscaling: AutoscalingSpec | None = None
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+
+    def engine_roles(self) -> dict[EngineRole, RoleSpec]:
+        """The engine roles this mode runs; mixed mode runs one role, by default with 1 replica."""
+        if self.mode == "mixed":
+            return {"mixed": self.mixed or RoleSpec()}
+        roles: dict[EngineRole, RoleSpec] = {}
+        if self.prefill is not None:
+            roles["prefill"] = self.prefill
+        if self.decode is not None:
+            roles["decode"] = self.decode
+        return roles
+
+    def autoscaling_for(self, role: EngineRole) -> RoleAutoscaling | None:
+        return None if self.autoscaling is None else self.autoscaling.for_role(role)
+
+
+class Metadata(BaseModel):
+    """The part of ObjectMeta the operator uses; other metadata fields are ignored."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    # Children are named <name>-<role>, and Service names are DNS labels of at most 63
+    # characters: "-prefill" leaves 55.
+    name: Annotated[
+        str, Field(min_length=1, max_length=55, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    ]
+    namespace: str = "default"
+    uid: str | None = None
+    generation: int | None = None
+
+
+class InferenceService(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
+                              frozen=True)
+
+    api_version: Literal["kubesgl.io/v1alpha1"]
+    kind: Literal["InferenceService"]
+    metadata: Metadata
+    spec: InferenceServiceSpec

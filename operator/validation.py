@@ -1,0 +1,142 @@
+"""Turns an InferenceService document into the typed model, or into problems naming each field.
+
+Two layers: the schema (pydantic, the same rules as the CRD) and the rules no schema can say,
+such as "disaggregated mode needs a decode role". A spec that breaks the second layer passes
+the API server but cannot work; the operator then reports it and applies nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+from kubesgl.operator.spec import ENGINE_ROLES, InferenceService, InferenceServiceSpec
+from pydantic import ValidationError
+
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class Problem:
+    field: str  # dotted path from the document root, e.g. "spec.decode.replicas"
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class InvalidSpec(ValueError):
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("; ".join(map(str, problems)))
+
+
+def parse_inference_service(document: Mapping[str, Any]) -> InferenceService:
+    """Parse and check a whole InferenceService; raises InvalidSpec listing every problem."""
+    try:
+        isvc = InferenceService.model_validate(dict(document))
+    except ValidationError as error:
+        raise InvalidSpec(_schema_problems(error)) from None
+    problems = workability_problems(isvc.spec)
+    if problems:
+        raise InvalidSpec(problems)
+    return isvc
+
+
+def _schema_problems(error: ValidationError) -> list[Problem]:
+    problems = []
+    for detail in error.errors():
+        location = [str(part) for part in detail["loc"]]
+        # Union members (int | str) add their type name to the location: not a field.
+        location = [part for part in location if part not in ("int", "str", "float", "bool")]
+        problems.append(Problem(".".join(location) or "(document)", detail["msg"]))
+    return problems
+
+
+def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    """Rules across fields: each one is a spec the API server accepts but that cannot run."""
+    problems: list[Problem] = []
+    problems += _mode_problems(spec)
+    problems += _model_problems(spec)
+    problems += _gpu_problems(spec)
+    problems += _autoscaling_problems(spec)
+    return problems
+
+
+def _mode_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    problems = []
+    if spec.mode == "disaggregated":
+        for role in ("prefill", "decode"):
+            if getattr(spec, role) is None:
+                problems.append(Problem(f"spec.{role}", "required when mode is disaggregated"))
+        if spec.mixed is not None:
+            problems.append(Problem("spec.mixed", "only used when mode is mixed"))
+    else:
+        for role in ("prefill", "decode"):
+            if getattr(spec, role) is not None:
+                problems.append(Problem(f"spec.{role}", "only used when mode is disaggregated"))
+    return problems
+
+
+def _model_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    model = spec.model
+    sources = [model.pvc, model.host_path, model.hugging_face]
+    problems = []
+    if sum(source is not None for source in sources) != 1:
+        problems.append(Problem("spec.model", "set exactly one of pvc, hostPath, huggingFace"))
+    size_limit = model.hugging_face.size_limit if model.hugging_face else None
+    if size_limit is not None and not _is_quantity(size_limit):
+        problems.append(
+            Problem("spec.model.huggingFace.sizeLimit", f"{size_limit!r} is not a quantity")
+        )
+    return problems
+
+
+def _gpu_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    if spec.engine.device != "cuda":
+        return []
+    problems = []
+    for role, block in spec.engine_roles().items():
+        for kind in ("requests", "limits"):
+            given = getattr(block.resources, kind).get(GPU_RESOURCE)
+            if given is not None and str(given) != str(block.tensor_parallel_size):
+                problems.append(
+                    Problem(
+                        f"spec.{role}.resources.{kind}.{GPU_RESOURCE}",
+                        f"must equal tensorParallelSize ({block.tensor_parallel_size})"
+                        " or be left out: each tensor-parallel rank uses one GPU",
+                    )
+                )
+    return problems
+
+
+def _autoscaling_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    autoscaling = spec.autoscaling
+    if autoscaling is None:
+        return []
+    problems = []
+    if autoscaling.provider == "keda" and not autoscaling.prometheus_address:
+        problems.append(
+            Problem("spec.autoscaling.prometheusAddress", "required when provider is keda")
+        )
+    running = spec.engine_roles()
+    for role in ENGINE_ROLES:
+        scaling = autoscaling.for_role(role)
+        if scaling is None:
+            continue
+        field = f"spec.autoscaling.{role}"
+        if role not in running:
+            problems.append(Problem(field, f"the {role} role does not run in {spec.mode} mode"))
+        if scaling.min_replicas > scaling.max_replicas:
+            problems.append(Problem(f"{field}.minReplicas", "greater than maxReplicas"))
+    return problems
+
+
+def _is_quantity(value: str) -> bool:
+    try:
+        parse_quantity(value)
+    except ValueError:
+        return False
+    return True

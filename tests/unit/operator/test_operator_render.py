@@ -1,0 +1,215 @@
+"""Rendering: every object valid against the Kubernetes schemas (strict), and the contract
+details of each kind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from cloudcoil.models.keda.v1alpha1 import ScaledObject
+from cloudcoil.models.prometheus_operator.v1 import PodMonitor
+from kubesgl.operator.render import render
+from kubesgl.operator.validation import parse_inference_service
+from operator_fixtures import EXAMPLES, load_example, with_changes
+
+K8S_VERSION = kubernetes_validate.utils.latest_version()
+# KEDA and prometheus-operator CRDs, as generated into pydantic models by cloudcoil.
+CRD_MODELS = {"ScaledObject": ScaledObject, "PodMonitor": PodMonitor}
+
+
+def objects_of(document: dict[str, Any], uid: str = "0c5e1b4a-1111-2222-3333-444455556666"):
+    document = with_changes(document, "metadata.uid", uid)
+    return {
+        (o["kind"], o["metadata"]["name"]): o for o in render(parse_inference_service(document))
+    }
+
+
+def _drop_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_nulls(v) for v in value]
+    return value
+
+
+def validate_against_crd_model(obj: dict[str, Any]) -> None:
+    """Typed per the published CRD schema; a field the model does not know would be dropped by
+    the round trip, so the round trip must give the object back unchanged."""
+    model = CRD_MODELS[obj["kind"]].model_validate(obj)
+    again = _drop_nulls(model.model_dump(by_alias=True, exclude_unset=True, mode="json"))
+    assert again == obj
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_rendered_object_is_valid(path) -> None:
+    objects = objects_of(yaml.safe_load(path.read_text()))
+    for obj in objects.values():
+        if obj["kind"] in CRD_MODELS:
+            validate_against_crd_model(obj)
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_the_crd_model_check_catches_unknown_fields() -> None:
+    monitor = objects_of(load_example("disaggregated.yaml"))[("PodMonitor", "llama-pd")]
+    monitor["spec"]["podMetricsEndpoint"] = monitor["spec"].pop("podMetricsEndpoints")
+    with pytest.raises(AssertionError):
+        validate_against_crd_model(monitor)
+
+
+def test_rendering_is_deterministic() -> None:
+    document = load_example("disaggregated.yaml")
+    assert objects_of(document) == objects_of(document)
+
+
+def test_mixed_mode_renders_one_engine_role() -> None:
+    objects = objects_of(load_example("mixed.yaml"))
+    deployments = sorted(name for kind, name in objects if kind == "Deployment")
+    assert deployments == ["qwen3-mixed-mixed", "qwen3-mixed-router"]
+    args = objects[("Deployment", "qwen3-mixed-mixed")]["spec"]["template"]["spec"]["containers"][
+        0
+    ]["args"]
+    assert args[args.index("--role") + 1] == "mixed"
+    assert "--disaggregation-bootstrap-port" not in args
+
+
+def engine_pod(objects, name: str) -> dict[str, Any]:
+    return objects[("Deployment", name)]["spec"]["template"]
+
+
+def test_engine_pod_contract() -> None:
+    objects = objects_of(load_example("disaggregated.yaml"))
+    prefill = engine_pod(objects, "llama-pd-prefill")
+    decode = engine_pod(objects, "llama-pd-decode")
+    container = decode["spec"]["containers"][0]
+    assert container["command"] == ["kubesgl"]
+    args = container["args"]
+    assert args[:2] == ["serve", "--model"]
+    options = dict(zip(args[1::2], args[2::2]))
+    assert options["--role"] == "decode" and options["--tp-size"] == "2"
+    assert options["--port"] == "30000" and options["--shutdown-timeout"] == "120"
+    assert options["--chunked-prefill-size"] == "8192"
+    assert options["--served-model-name"] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert prefill["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    prefill_args = prefill["spec"]["containers"][0]["args"]
+    assert prefill_args[prefill_args.index("--disaggregation-bootstrap-port") + 1] == "8998"
+    assert prefill["metadata"]["annotations"]["kubesgl.io/bootstrap-port"] == "8998"
+    assert "kubesgl.io/bootstrap-port" not in decode["metadata"]["annotations"]
+    assert decode["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert decode["metadata"]["labels"] == {
+        "app.kubernetes.io/name": "kubesgl",
+        "app.kubernetes.io/instance": "llama-pd",
+        "kubesgl.io/role": "decode",
+        "app.kubernetes.io/managed-by": "kubesgl-operator",
+    }
+    shm = next(v for v in decode["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory"}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health"
+    assert container["lifecycle"]["preStop"]["sleep"]["seconds"] == 10
+    assert decode["spec"]["terminationGracePeriodSeconds"] == 10 + 120 + 5
+    assert decode["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc"} in container["env"]
+
+
+def test_model_sources() -> None:
+    hf = engine_pod(objects_of(load_example("disaggregated.yaml")), "llama-pd-decode")["spec"]
+    (download,) = hf["initContainers"]
+    assert download["command"] == ["hf", "download", "meta-llama/Llama-3.1-8B-Instruct"]
+    token = next(e for e in download["env"] if e["name"] == "HF_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    model = next(v for v in hf["volumes"] if v["name"] == "model")
+    assert model["emptyDir"] == {"sizeLimit": "40Gi"}
+
+    pvc = engine_pod(objects_of(load_example("mixed.yaml")), "qwen3-mixed-mixed")["spec"]
+    model = next(v for v in pvc["volumes"] if v["name"] == "model")
+    assert model["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    args = pvc["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/qwen3-8b"
+    assert "initContainers" not in pvc
+
+    host = engine_pod(objects_of(load_example("autoscaled-keda.yaml")), "llama-keda-decode")["spec"]
+    model = next(v for v in host["volumes"] if v["name"] == "model")
+    assert model["hostPath"]["path"] == "/mnt/models/llama-3.1-8b-instruct"
+
+
+def test_cpu_device_requests_no_gpu() -> None:
+    document = with_changes(load_example("mixed.yaml"), "spec.engine.device", "cpu")
+    container = engine_pod(objects_of(document), "qwen3-mixed-mixed")["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+
+
+def test_router_discovers_pods_with_read_only_rbac() -> None:
+    objects = objects_of(load_example("disaggregated.yaml"))
+    role = objects[("Role", "llama-pd-router")]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+    pod = objects[("Deployment", "llama-pd-router")]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "llama-pd-router"
+    args = pod["containers"][0]["args"]
+    assert args[0] == "router"
+    assert args[args.index("--kube-namespace") + 1] == "default"
+    selectors = [args[i + 1] for i, arg in enumerate(args) if arg == "--kube-selector"]
+    assert selectors == ["app.kubernetes.io/name=kubesgl", "app.kubernetes.io/instance=llama-pd"]
+    assert args[args.index("--cache-threshold") + 1] == "0.5"
+    service = objects[("Service", "llama-pd")]
+    assert service["spec"]["ports"][0]["port"] == 8000
+    assert objects[("Service", "llama-pd-decode")]["spec"]["clusterIP"] == "None"
+    for role in ("prefill", "decode", "router"):
+        assert objects[("PodDisruptionBudget", f"llama-pd-{role}")]["spec"]["maxUnavailable"] == 1
+
+
+def test_owner_references_only_with_a_uid() -> None:
+    objects = objects_of(load_example("mixed.yaml"))
+    for obj in objects.values():
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert owner["kind"] == "InferenceService" and owner["controller"] is True
+    plain = render(parse_inference_service(load_example("mixed.yaml")))
+    assert all("ownerReferences" not in obj["metadata"] for obj in plain)
+
+
+def test_hpa_owns_replicas_of_autoscaled_roles() -> None:
+    objects = objects_of(load_example("autoscaled-hpa.yaml"))
+    for role in ("prefill", "decode"):
+        assert "replicas" not in objects[("Deployment", f"llama-hpa-{role}")]["spec"]
+    assert objects[("Deployment", "llama-hpa-router")]["spec"]["replicas"] == 1
+    decode = objects[("HorizontalPodAutoscaler", "llama-hpa-decode")]["spec"]
+    assert decode["scaleTargetRef"]["name"] == "llama-hpa-decode"
+    assert (decode["minReplicas"], decode["maxReplicas"]) == (2, 8)
+    metric = decode["metrics"][0]["pods"]
+    assert metric["metric"]["name"] == "kubesgl_kv_cache_usage_ratio"
+    assert metric["target"] == {"type": "AverageValue", "averageValue": "800m"}
+    prefill = objects[("HorizontalPodAutoscaler", "llama-hpa-prefill")]["spec"]["metrics"][0]
+    assert prefill["pods"]["metric"]["name"] == "kubesgl_num_waiting_requests"
+    assert prefill["pods"]["target"]["averageValue"] == "4"
+
+
+def test_keda_scaled_objects_query_the_role_pods() -> None:
+    objects = objects_of(load_example("autoscaled-keda.yaml"))
+    assert not [key for key in objects if key[0] == "HorizontalPodAutoscaler"]
+    decode = objects[("ScaledObject", "llama-keda-decode")]["spec"]
+    (trigger,) = decode["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert trigger["metadata"]["threshold"] == "48"
+    assert trigger["metadata"]["query"] == (
+        'sum(kubesgl_num_running_requests{namespace="default",'
+        'pod=~"llama-keda-decode-[a-z0-9]+-[a-z0-9]+",role="decode"})'
+    )
+    prefill = objects[("ScaledObject", "llama-keda-prefill")]["spec"]["triggers"][0]
+    assert prefill["metricType"] == "Value"
+    assert "histogram_quantile(0.9" in prefill["metadata"]["query"]
+    assert prefill["metadata"]["threshold"] == "0.5"
+
+
+def test_pod_monitor_only_when_asked() -> None:
+    assert ("PodMonitor", "qwen3-mixed") not in objects_of(load_example("mixed.yaml"))
+    monitor = objects_of(load_example("disaggregated.yaml"))[("PodMonitor", "llama-pd")]
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["podMetricsEndpoints"] == [
+        {"port": "http", "path": "/metrics", "interval": "15s"}
+    ]

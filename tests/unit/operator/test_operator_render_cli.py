@@ -1,0 +1,54 @@
+"""`kubesgl render -f FILE` in a fresh interpreter: a YAML stream, errors naming the field,
+and no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import yaml
+from kubesgl.operator.render import render
+from kubesgl.operator.validation import parse_inference_service
+from operator_fixtures import REPO, load_example
+
+
+def run_render(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kubesgl", "render", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+
+
+def test_prints_the_rendered_objects_as_a_yaml_stream() -> None:
+    result = run_render("-f", "examples/autoscaled-keda.yaml")
+    assert result.returncode == 0, result.stderr
+    printed = list(yaml.safe_load_all(result.stdout))
+    expected = render(parse_inference_service(load_example("autoscaled-keda.yaml")))
+    assert printed == expected
+    assert "&id" not in result.stdout  # no YAML anchors
+
+
+def test_a_bad_spec_exits_2_naming_the_field() -> None:
+    document = load_example("disaggregated.yaml")
+    del document["spec"]["decode"]
+    document["spec"]["prefill"]["replicas"] = -3
+    result = run_render("-f", "-", stdin=yaml.safe_dump(document))
+    assert result.returncode == 2
+    assert "spec.prefill.replicas: Input should be greater than or equal to 0" in result.stderr
+    assert result.stdout == ""
+
+
+def test_render_does_not_import_torch_or_kopf() -> None:
+    code = (
+        "import sys; from kubesgl.operator import render_cli;"
+        "render_cli.main(['-f', 'examples/mixed.yaml']);"
+        "assert 'torch' not in sys.modules and 'kopf' not in sys.modules, 'heavy import'"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr

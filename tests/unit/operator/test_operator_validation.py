@@ -1,0 +1,166 @@
+"""Parsing an InferenceService: defaults, and every bad input named by its field."""
+
+from __future__ import annotations
+
+import pytest
+from kubesgl.operator.validation import InvalidSpec, parse_inference_service
+from operator_fixtures import EXAMPLES, load_example, with_changes
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_parses(path) -> None:
+    import yaml
+
+    parse_inference_service(yaml.safe_load(path.read_text()))
+
+
+def test_defaults_follow_the_crd() -> None:
+    minimal = {
+        "apiVersion": "kubesgl.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "tiny"},
+        "spec": {"image": "img", "model": {"hostPath": {"path": "/m"}}},
+    }
+    spec = parse_inference_service(minimal).spec
+    assert spec.mode == "mixed"
+    assert list(spec.engine_roles()) == ["mixed"]
+    assert spec.engine_roles()["mixed"].replicas == 1
+    assert spec.engine.device == "cuda" and spec.engine.shutdown_timeout_seconds == 60
+    assert spec.router.policy == "cache_aware" and spec.router.replicas == 1
+
+
+def problems_of(document) -> list[str]:
+    with pytest.raises(InvalidSpec) as caught:
+        parse_inference_service(document)
+    return [str(problem) for problem in caught.value.problems]
+
+
+@pytest.mark.parametrize(
+    ("example", "path", "value", "expected"),
+    [
+        (
+            "disaggregated.yaml",
+            "spec.decode",
+            ...,
+            "spec.decode: required when mode is disaggregated",
+        ),
+        (
+            "disaggregated.yaml",
+            "spec.prefill",
+            ...,
+            "spec.prefill: required when mode is disaggregated",
+        ),
+        (
+            "disaggregated.yaml",
+            "spec.mixed",
+            {"replicas": 1},
+            "spec.mixed: only used when mode is mixed",
+        ),
+        (
+            "mixed.yaml",
+            "spec.prefill",
+            {"replicas": 1},
+            "spec.prefill: only used when mode is disaggregated",
+        ),
+        ("mixed.yaml", "spec.model.hostPath", {"path": "/m"}, "spec.model: set exactly one of"),
+        ("mixed.yaml", "spec.model.pvc", ..., "spec.model: set exactly one of"),
+        (
+            "mixed.yaml",
+            "spec.mixed.replicas",
+            -1,
+            "spec.mixed.replicas: Input should be greater than or equal to 0",
+        ),
+        (
+            "mixed.yaml",
+            "spec.mixed.tensorParallelSize",
+            0,
+            "spec.mixed.tensorParallelSize: Input should be greater",
+        ),
+        (
+            "mixed.yaml",
+            "spec.mixed.replica",
+            2,
+            "spec.mixed.replica: Extra inputs are not permitted",
+        ),
+        ("mixed.yaml", "spec.engine.dtype", "fp8", "spec.engine.dtype: Input should be"),
+        (
+            "mixed.yaml",
+            "spec.mode",
+            "split",
+            "spec.mode: Input should be 'mixed' or 'disaggregated'",
+        ),
+        ("mixed.yaml", "spec.image", ..., "spec.image: Field required"),
+        ("mixed.yaml", "spec.router.policy", "fastest", "spec.router.policy: Input should be"),
+        (
+            "mixed.yaml",
+            "spec.mixed.resources.limits",
+            {"memory": "lots"},
+            "spec.mixed.resources.limits: Value error, memory: 'lots' is not a Kubernetes quantity",
+        ),
+        (
+            "mixed.yaml",
+            "spec.mixed.resources.limits",
+            {"nvidia.com/gpu": 2},
+            "spec.mixed.resources.limits.nvidia.com/gpu: must equal tensorParallelSize (1)",
+        ),
+        ("mixed.yaml", "metadata.name", "Qwen_3", "metadata.name: String should match pattern"),
+        (
+            "mixed.yaml",
+            "metadata.name",
+            "a" * 56,
+            "metadata.name: String should have at most 55 characters",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.decode.minReplicas",
+            9,
+            "spec.autoscaling.decode.minReplicas: greater than maxReplicas",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.decode.metric",
+            "waitingRequests",
+            "spec.autoscaling.decode.metric: Input should be 'runningRequests' or 'kvCacheUsage'",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.mixed",
+            {"maxReplicas": 2, "target": 1},
+            "spec.autoscaling.mixed: the mixed role does not run in disaggregated mode",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.prefill.target",
+            0,
+            "spec.autoscaling.prefill.target: Input should be greater than 0",
+        ),
+        (
+            "autoscaled-keda.yaml",
+            "spec.autoscaling.prometheusAddress",
+            ...,
+            "spec.autoscaling.prometheusAddress: required when provider is keda",
+        ),
+        (
+            "disaggregated.yaml",
+            "spec.model.huggingFace.sizeLimit",
+            "big",
+            "spec.model.huggingFace.sizeLimit: 'big' is not a quantity",
+        ),
+        (
+            "disaggregated.yaml",
+            "spec.model.huggingFace.repo",
+            "no-slash",
+            "spec.model.huggingFace.repo: String should match pattern",
+        ),
+    ],
+)
+def test_bad_input_names_the_field(example, path, value, expected) -> None:
+    problems = problems_of(with_changes(load_example(example), path, value))
+    assert any(problem.startswith(expected) for problem in problems), problems
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    document = with_changes(load_example("disaggregated.yaml"), "spec.decode", ...)
+    document = with_changes(document, "spec.model.pvc", {"claimName": "m"})
+    problems = problems_of(document)
+    assert len(problems) == 2, problems
