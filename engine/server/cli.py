@@ -9,7 +9,7 @@ from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.server.launcher import Server, ServerOptions
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubesgl serve", description=__doc__)
     add_engine_args(parser)
     defaults = ServerOptions()
@@ -22,6 +22,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
                         help="bootstrap port of a prefill engine (prefill/decode serving)")
     parser.add_argument("--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = engine_config_from_args(args)

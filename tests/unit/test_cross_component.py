@@ -1,0 +1,32 @@
+"""Contracts between components: the command lines the operator renders are the ones the
+engine and the router accept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubesgl.operator.render import render
+from kubesgl.operator.validation import parse_inference_service
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+def containers(path: Path):
+    for obj in render(parse_inference_service(yaml.safe_load(path.read_text()))):
+        if obj["kind"] == "Deployment":
+            yield from obj["spec"]["template"]["spec"]["containers"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_rendered_engine_args_parse_with_kubesgl_serve(path):
+    from kubesgl.engine.server.cli import build_parser
+
+    engines = [c for c in containers(path) if c["args"][0] == "serve"]
+    assert engines
+    for container in engines:
+        args = [a.replace("$(KUBESGL_API_KEY)", "key") for a in container["args"][1:]]
+        parsed = build_parser().parse_args(args)
+        assert parsed.port == int(container["ports"][0]["containerPort"])
