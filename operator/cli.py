@@ -6,6 +6,7 @@ import argparse
 import logging
 
 import kopf
+
 from kubesgl.operator.handlers import build_registry
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
+
 from kubesgl.operator import naming
 from kubesgl.operator.drift import has_drifted
 from kubesgl.operator.kube import CHILD_KINDS, DEPLOYMENT, INFERENCE_SERVICE, KubeApi, MissingApi

@@ -13,6 +13,7 @@ from typing import Any
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
+
 from kubesgl.operator import naming
 from kubesgl.operator.spec import API_GROUP, API_VERSION, KIND, PLURAL
 

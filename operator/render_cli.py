@@ -6,6 +6,7 @@ import argparse
 import sys
 
 import yaml
+
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 

@@ -29,6 +29,7 @@ import kmock
 import kubernetes
 import yaml
 from kmock._internal import rendering
+
 from kubesgl.operator.kube import CHILD_KINDS, INFERENCE_SERVICE
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.utils import parse_quantity
-from kubesgl.operator.spec import ENGINE_ROLES, InferenceService, InferenceServiceSpec
 from pydantic import ValidationError
+
+from kubesgl.operator.spec import ENGINE_ROLES, InferenceService, InferenceServiceSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 

@@ -28,6 +28,7 @@ from typing import Any
 import kmock
 import yaml
 from kubernetes.dynamic import DynamicClient
+
 from kubesgl.operator.kube import CHILD_KINDS, DEPLOYMENT, INFERENCE_SERVICE, Kind, kind_of
 from kubesgl.operator.render import render
 from kubesgl.operator.testing import running_api_server
@@ -130,13 +131,13 @@ def run(count: int, burst: int) -> dict[str, Any]:
                 start = time.perf_counter()
                 created = bench.create(document)
                 expected = expected_children([created])
-                to_children.append((wait(lambda: bench.children_present(expected)) - start) * 1e3)
-                to_status.append((wait(lambda: bench.status_of(name).get("observedGeneration")
+                to_children.append((wait(lambda expected=expected: bench.children_present(expected)) - start) * 1e3)
+                to_status.append((wait(lambda name=name: bench.status_of(name).get("observedGeneration")
                                        == 1) - start) * 1e3)
                 start = time.perf_counter()
                 for role in ("prefill", "decode", "router"):
                     bench.mark_ready(f"{name}-{role}")
-                ready_to_status.append((wait(lambda: is_ready(bench.status_of(name))) - start)
+                ready_to_status.append((wait(lambda name=name: is_ready(bench.status_of(name))) - start)
                                        * 1e3)
 
             documents = []
@@ -147,7 +148,7 @@ def run(count: int, burst: int) -> dict[str, Any]:
             start = time.perf_counter()
             created = [bench.create(document) for document in documents]
             expected = expected_children(created)
-            burst_children = wait(lambda: bench.children_present(expected)) - start
+            burst_children = wait(lambda expected=expected: bench.children_present(expected)) - start
             burst_status = wait(lambda: all(
                 bench.status_of(d["metadata"]["name"]).get("observedGeneration") == 1
                 for d in documents)) - start

@@ -57,7 +57,7 @@ def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def synthetic_checkpoint(config: ModelConfig, seed: int, dtype: torch.dtype,
-                         device: torch.device = torch.device("cpu")) -> Iterator[tuple[str, torch.Tensor]]:
+                         device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Random weights with healthy activations: matrices ~ N(0, 1/fan_in), norms near 1."""
     for name, shape in checkpoint_shapes(config).items():
         generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kubesgl.engine.executor.forward_batch import ForwardBatch, ForwardMode, PenaltyBatch, SamplingBatch
+from kubesgl.engine.executor.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    PenaltyBatch,
+    SamplingBatch,
+)
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req
 

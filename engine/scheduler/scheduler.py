@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 from kubesgl.engine.executor.forward_batch import ForwardMode
 from kubesgl.engine.executor.model_runner import StepResult
-from kubesgl.engine.io import FinishReason, GenerateRequest, SchedulerStats, TokenLogprob, TokenOutput
+from kubesgl.engine.io import (
+    FinishReason,
+    GenerateRequest,
+    SchedulerStats,
+    TokenLogprob,
+    TokenOutput,
+)
 from kubesgl.engine.sampling_params import InvalidRequestError
 from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from kubesgl.engine.scheduler.kv_manager import KVManager

@@ -17,7 +17,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kubesgl.engine.io import TextOutput, TokenizeRequest
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 from kubesgl.engine.server.engine_client import EngineClient
-from kubesgl.engine.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequestBody
+from kubesgl.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequestBody,
+)
 
 
 @dataclass

@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from kubesgl.engine.io import AbortRequest, EngineInfo, Shutdown, TextBatch, TextOutput, TokenizeRequest
+from kubesgl.engine.io import (
+    AbortRequest,
+    EngineInfo,
+    Shutdown,
+    TextBatch,
+    TextOutput,
+    TokenizeRequest,
+)
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.server.ipc import Endpoints, pull, push
 

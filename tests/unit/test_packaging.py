@@ -24,7 +24,6 @@ def test_every_package_folder_is_listed_in_pyproject():
 
 def test_no_top_level_operator_module():
     import importlib.util
-
     import operator as stdlib_operator
 
     assert stdlib_operator.__file__ is None or "site-packages" not in stdlib_operator.__file__

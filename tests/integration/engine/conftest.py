@@ -1,97 +1,9 @@
-"""Starts real `kubesgl serve` processes on loopback ports."""
+"""Fixtures that start real `kubesgl serve` processes (see serve_harness.py)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
-
-import httpx
 import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class RunningServer:
-    process: subprocess.Popen
-    base_url: str
-    log_path: str
-
-    @property
-    def openai_url(self) -> str:
-        return self.base_url + "/v1"
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.base_url + "/metrics").text
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
-
-    def wait_idle(self, timeout: float = 20) -> None:
-        """Until the engine reports no running request and no KV held."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.metric("kubesgl_num_running_requests") == 0 and self.metric("kubesgl_kv_cache_usage_ratio") == 0:
-                return
-            time.sleep(0.05)
-        raise AssertionError("engine did not become idle")
-
-    def stop(self, timeout: float = 60) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=timeout)
-
-
-def start_server(model: str, *args: str, tmp_path, env: dict | None = None, timeout: float = 120) -> RunningServer:
-    port = free_port()
-    log_path = str(tmp_path / f"serve-{port}.log")
-    command = [sys.executable, "-m", "kubesgl", "serve", "--model", model, "--port", str(port), "--host", "127.0.0.1",
-               "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "32768", *args]
-    log = open(log_path, "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                               start_new_session=True)
-    server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited with {process.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(server.base_url + "/health", timeout=1).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise AssertionError(f"server not healthy after {timeout} s:\n{server.log()}")
-
-
-def process_tree_alive(pid: int) -> list[int]:
-    """Pids of processes whose parent chain includes `pid` (the server's children)."""
-    alive = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-            if ppid == pid:
-                alive.append(int(entry))
-    return alive
+from serve_harness import RunningServer, start_server
 
 
 @pytest.fixture

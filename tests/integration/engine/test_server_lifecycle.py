@@ -9,10 +9,9 @@ import time
 
 import httpx
 import pytest
+from serve_harness import process_tree_alive
 
 from kubesgl.engine import LLM, SamplingParams
-
-from conftest import process_tree_alive  # noqa: E402 - the folder's own helpers
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_clean(server_factory, tiny_model):

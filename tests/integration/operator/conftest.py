@@ -6,8 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kubesgl.operator.testing import running_api_server
 from operator_harness import Cluster, OperatorProcess
+
+from kubesgl.operator.testing import running_api_server
 
 
 @pytest.fixture

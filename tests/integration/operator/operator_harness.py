@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError
+
 from kubesgl.operator.kube import CHILD_KINDS, INFERENCE_SERVICE, Kind
 from kubesgl.operator.testing import RunningApiServer
 

@@ -7,11 +7,12 @@ import time
 from typing import Any
 
 import yaml
+from operator_harness import EXAMPLES, Cluster, OperatorProcess, wait_for
+
 from kubesgl.operator.drift import has_drifted
 from kubesgl.operator.kube import DEPLOYMENT, INFERENCE_SERVICE, kind_of
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import parse_inference_service
-from operator_harness import EXAMPLES, Cluster, OperatorProcess, wait_for
 
 
 def example(name: str) -> dict[str, Any]:

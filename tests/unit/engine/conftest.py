@@ -19,7 +19,7 @@ def hf_greedy():
     """hf_greedy(model_dir, prompt_ids, max_new_tokens) -> transformers' greedy continuation,
     stopping at the model's EOS ids like the engine does."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def run(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
         model = _hf_model(path)
         with torch.no_grad():

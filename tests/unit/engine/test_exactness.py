@@ -51,8 +51,8 @@ def test_chunked_prefill_with_small_chunks(arch, page_size, overlap, tiny_model,
 
 def test_checkpoint_saved_by_transformers_sharded(tmp_path, make_llm, hf_greedy, random_prompts):
     """A checkpoint written by transformers' save_pretrained, sharded with an index file."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
     import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,

@@ -12,8 +12,9 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from kubesgl.operator.kube import CHILD_KINDS
 from operator_fixtures import CRD_PATH, REPO
+
+from kubesgl.operator.kube import CHILD_KINDS
 
 CHART = REPO / "charts" / "kubesgl"
 

@@ -9,8 +9,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from kubesgl.operator.spec import InferenceServiceSpec
 from operator_fixtures import EXAMPLES, crd, crd_schema, load_example, with_changes
+
+from kubesgl.operator.spec import InferenceServiceSpec
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 

@@ -10,9 +10,10 @@ import pytest
 import yaml
 from cloudcoil.models.keda.v1alpha1 import ScaledObject
 from cloudcoil.models.prometheus_operator.v1 import PodMonitor
+from operator_fixtures import EXAMPLES, load_example, with_changes
+
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import parse_inference_service
-from operator_fixtures import EXAMPLES, load_example, with_changes
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 # KEDA and prometheus-operator CRDs, as generated into pydantic models by cloudcoil.

@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import yaml
+from operator_fixtures import REPO, load_example
+
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import parse_inference_service
-from operator_fixtures import REPO, load_example
 
 
 def run_render(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

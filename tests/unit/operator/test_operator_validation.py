@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from operator_fixtures import EXAMPLES, load_example, with_changes
+
+from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

@@ -1,0 +1,15 @@
+"""The tree passes ruff with the project's settings (pyproject.toml, [tool.ruff])."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_ruff_is_clean():
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", str(ROOT)], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
