@@ -30,11 +30,12 @@ def test_mask_matches_definitions(top_k, top_p, min_p):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model):
+def llm(tiny_model, assert_pool_clean):
     from kubesgl.engine import LLM
 
     llm = LLM(tiny_model("llama"), dtype="float32", device="cpu", max_total_tokens=8192)
     yield llm
+    assert_pool_clean(llm)
     llm.shutdown()
 
 
