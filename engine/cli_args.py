@@ -26,10 +26,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV pool size in tokens (default: from free memory)")
     parser.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
     parser.add_argument("--context-length", type=int, default=d.context_length)
-    parser.add_argument("--attention-backend", choices=["torch"], default=d.attention_backend)
+    parser.add_argument("--attention-backend", choices=["torch", "triton"], default=d.attention_backend)
     parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs,
+                        help="largest decode batch captured in a CUDA graph")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -40,5 +42,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         context_length=args.context_length, attention_backend=args.attention_backend,
         disable_radix_cache=args.disable_radix_cache, disable_overlap_schedule=args.disable_overlap_schedule,
-        disable_cuda_graph=args.disable_cuda_graph,
+        disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
     )

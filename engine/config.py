@@ -26,6 +26,7 @@ class EngineConfig:
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph
 
     def validate(self) -> None:
         checks = [

@@ -83,12 +83,14 @@ class Engine:
         kv_pool = KVPool(num_pages * page, self.model_config.num_layers, attn.num_kv_heads, attn.head_dim, self.dtype,
                          self.device)
         # Finished requests keep their row until the step in flight completes: leave room.
+        # One more row, never handed out, is the padding row of CUDA-graph replays.
         num_rows = 2 * config.max_running_requests
-        table = ReqToTokenTable(num_rows, self.context_length, self.device)
+        table = ReqToTokenTable(num_rows + 1, self.context_length, self.device)
         allocator = PageAllocator(num_pages, page)
         radix = None if config.disable_radix_cache else RadixCache(allocator)
         future_capacity = 4 * config.max_running_requests
-        runner = ModelRunner(self.model, kv_pool, table, config.attention_backend, future_capacity)
+        runner = ModelRunner(self.model, kv_pool, table, config.attention_backend, future_capacity,
+                             self._cuda_graph_max_bs())
         overlap = not config.disable_overlap_schedule
         self.executor = OverlapExecutor(runner) if overlap else SyncExecutor(runner)
         limits = SchedulerLimits(
@@ -104,6 +106,19 @@ class Engine:
         logger.info("engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s",
                     self.model_config.architecture, self.device, self.dtype, (num_pages - 1) * page, page,
                     overlap, radix is not None)
+
+    def _cuda_graph_max_bs(self) -> int:
+        """Largest decode batch to capture, or 0 where graphs do not apply."""
+        config = self.config
+        if config.disable_cuda_graph or self.device.type != "cuda":
+            return 0
+        if config.attention_backend == "torch":
+            logger.info("CUDA graphs off: the torch attention backend is not capturable (use triton)")
+            return 0
+        if self.model_config.moe is not None:
+            logger.info("CUDA graphs off: the MoE layer of this build is not capturable yet")
+            return 0
+        return min(config.max_running_requests, config.cuda_graph_max_bs)
 
     def add_request(self, request: GenerateRequest) -> None:
         self.scheduler.add_request(request)

@@ -10,7 +10,11 @@ def create_backend(name: str, **kwargs) -> AttentionBackend:
         from kubesgl.engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(**kwargs)
-    raise ValueError(f"attention backend {name!r} is not available (available: torch)")
+    if name == "triton":
+        from kubesgl.engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(**kwargs)
+    raise ValueError(f"attention backend {name!r} is not available (available: torch, triton)")
 
 
 __all__ = ["AttentionBackend", "AttentionLayerSpec", "create_backend"]

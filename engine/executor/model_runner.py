@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kubesgl.engine.attention import create_backend
+from kubesgl.engine.executor.cuda_graph import CudaGraphRunner
 from kubesgl.engine.executor.forward_batch import ForwardBatch
 from kubesgl.engine.executor.sampler import PenaltyState, Sampler
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
@@ -26,7 +27,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: KVPool, req_to_token: ReqToTokenTable, attention_backend: str,
-                 future_capacity: int):
+                 future_capacity: int, cuda_graph_max_bs: int = 0):
         self.model = model
         self.device = req_to_token.table.device
         self.kv_pool = kv_pool
@@ -36,6 +37,10 @@ class ModelRunner:
         # Tokens sampled by earlier steps, read by later ones through negative input ids, so
         # that step N+1 can be launched before step N's tokens reach the host.
         self.future_tokens = torch.zeros(future_capacity + 1, dtype=torch.int64, device=self.device)
+        self.cuda_graphs = None
+        if cuda_graph_max_bs > 0:
+            # the table's last row is never handed out: padded graph rows read it (all slot 0)
+            self.cuda_graphs = CudaGraphRunner(model, self.backend, req_to_token.num_rows - 1, cuda_graph_max_bs)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> StepResult:
@@ -43,8 +48,11 @@ class ModelRunner:
         if batch.table_rows.numel():
             self.req_to_token.write(batch.table_rows, batch.table_cols, batch.table_slots)
         input_ids = torch.where(batch.input_ids < 0, self.future_tokens[(-batch.input_ids).clamp(min=0)], batch.input_ids)
-        self.backend.prepare(batch)
-        logits = self.model(input_ids, batch.positions, batch, self.backend)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            logits = self.cuda_graphs.run(input_ids, batch)
+        else:
+            self.backend.prepare(batch)
+            logits = self.model(input_ids, batch.positions, batch, self.backend)
         sample = self.sampler(logits, batch.sampling, batch.req_rows, batch.emits)
         self.future_tokens[batch.future_slots] = sample.token_ids
         result = StepResult(token_ids=sample.token_ids.tolist())

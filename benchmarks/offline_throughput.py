@@ -1,0 +1,66 @@
+"""Offline throughput: N random prompts of a fixed length, fixed output length with
+ignore_eos, all given to `LLM.generate` at once (the shape of SGLang's offline benchmark).
+
+    python benchmarks/offline_throughput.py --model benchmarks/models/llama-3.1-8b --load-format dummy \
+        --num-prompts 200 --input-len 1024 --output-len 512 --out benchmarks/results/offline_200_1024_512.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from kubesgl.engine import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--attention-backend", default="triton")
+    parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--disable-radix-cache", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, attention_backend=args.attention_backend,
+              max_running_requests=args.max_running_requests, disable_cuda_graph=args.disable_cuda_graph,
+              disable_radix_cache=args.disable_radix_cache,
+              context_length=args.input_len + args.output_len + 16)
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    llm.engine.scheduler.reset()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == args.output_len for o in outputs)
+    result = {
+        "model": args.model, "load_format": args.load_format, "dtype": str(llm.engine.dtype),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "attention_backend": args.attention_backend, "cuda_graph": not args.disable_cuda_graph,
+        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+        "max_running_requests": args.max_running_requests, "kv_pool_tokens": llm.engine.scheduler.stats().kv_total_tokens,
+        "seconds": elapsed, "output_tokens_per_s": args.num_prompts * args.output_len / elapsed,
+        "total_tokens_per_s": args.num_prompts * (args.input_len + args.output_len) / elapsed,
+    }
+    llm.shutdown()
+    print(json.dumps(result, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""Attention with kubesgl's own Triton kernels (triton_kernels/). Decode reads only device
+tensors, so decode steps can be captured in CUDA graphs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kubesgl.engine.attention.base import AttentionBackend, AttentionLayerSpec
+from kubesgl.engine.attention.triton_kernels.decode import decode_attention
+from kubesgl.engine.attention.triton_kernels.extend import extend_attention
+from kubesgl.engine.executor.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class _ExtendMeta:
+    extend_lens: torch.Tensor
+    q_starts: torch.Tensor
+    max_extend: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        if batch.mode is ForwardMode.DECODE:
+            batch.attn = None  # everything the kernel needs is in the batch already
+            return
+        device = self.req_to_token.table.device
+        lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int64, device=device)
+        batch.attn = _ExtendMeta(lens, torch.cumsum(lens, 0) - lens, max(batch.extend_lens_cpu))
+
+    def forward(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        self.kv_pool.write(layer.layer_id, batch.out_cache_loc, k, v)
+        k_cache, v_cache = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
+        table = self.req_to_token.table
+        if batch.mode is ForwardMode.DECODE:
+            return decode_attention(q, k_cache, v_cache, table, batch.req_rows, batch.seq_lens, layer.scaling,
+                                    layer.sliding_window)
+        meta: _ExtendMeta = batch.attn
+        return extend_attention(q, k_cache, v_cache, table, batch.req_rows, batch.seq_lens, meta.extend_lens,
+                                meta.q_starts, meta.max_extend, layer.scaling, layer.sliding_window)

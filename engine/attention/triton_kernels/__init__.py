@@ -1,0 +1,1 @@
+"""Triton kernels for paged attention (prefill with cached prefixes, and decode)."""

@@ -1,0 +1,95 @@
+"""Paged decode attention: one new query token per request against its whole KV.
+
+Split-KV ("flash decoding"): each request's keys are cut into NUM_SPLITS ranges handled by
+separate programs, so that a batch of one long request still fills the GPU; a second pass
+merges the partial results by their log-sum-exp. Each program serves one KV head and all
+the query heads that share it (grouped-query attention), so K and V are read once per group.
+The kernel reads lengths and slots from device tensors only: it can be captured in a CUDA
+graph and replayed for any sequence lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_partial(
+    Q, K, V, Table, Rows, SeqLens, PartOut, PartLse,
+    sm_scale, window,
+    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_table,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    h = tl.arange(0, BLOCK_H)
+    head_mask = h < GROUP
+    heads = kv_head * GROUP + h
+    d = tl.arange(0, HEAD_DIM)
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(Rows + b)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_mask[:, None], other=0.0)
+
+    per_split = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    if window > 0:  # the query at position seq_len - 1 sees the last `window` keys
+        start = tl.maximum(start, seq_len - window)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        slots = tl.load(Table + row * stride_table + offs, mask=valid, other=0)
+        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+    tl.store(PartOut + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+             mask=head_mask[:, None])
+    tl.store(PartLse + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                     rows: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, window: int | None,
+                     num_splits: int = 8) -> torch.Tensor:
+    """q: [B, heads, dim]; caches: [slots, kv_heads, dim]. Returns [B, heads, dim]."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    part_out = torch.empty((batch, heads, num_splits, dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_partial[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, table, rows, seq_lens, part_out, part_lse,
+        sm_scale, window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=32, HEAD_DIM=dim,
+        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+    )
+    weights = torch.softmax(part_lse, dim=-1).unsqueeze(-1)  # empty splits have lse -inf: weight 0
+    return (part_out * weights).sum(dim=2).to(q.dtype)
