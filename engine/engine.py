@@ -16,6 +16,7 @@ from kubesgl.engine.io import GenerateRequest, TokenOutput
 from kubesgl.engine.kvcache.allocator import PageAllocator
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 from kubesgl.engine.kvcache.radix_cache import RadixCache
+from kubesgl.engine.layers.moe import SparseMoeBlock
 from kubesgl.engine.models.config import ModelConfig, load_model_config
 from kubesgl.engine.models.loader import load_model, resolve_dtype
 from kubesgl.engine.scheduler.kv_manager import KVManager
@@ -75,6 +76,10 @@ class Engine:
                                   self.model_config.context_length)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device, config.load_format, config.seed)
+        if self.device.type == "cuda":
+            for module in self.model.modules():
+                if isinstance(module, SparseMoeBlock):
+                    module.fused = True
         attn = self.model.layers[0].self_attn.spec
 
         page = config.page_size
@@ -114,9 +119,6 @@ class Engine:
             return 0
         if config.attention_backend == "torch":
             logger.info("CUDA graphs off: the torch attention backend is not capturable (use triton)")
-            return 0
-        if self.model_config.moe is not None:
-            logger.info("CUDA graphs off: the MoE layer of this build is not capturable yet")
             return 0
         return min(config.max_running_requests, config.cuda_graph_max_bs)
 

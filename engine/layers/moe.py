@@ -37,6 +37,7 @@ class SparseMoeBlock(nn.Module):
         self.gate.weight.requires_grad_(False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_intermediate, hidden_size, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_intermediate, dtype=dtype), requires_grad=False)
+        self.fused = False  # the grouped-GEMM Triton kernel instead of the loop over experts
 
     def load_expert(self, expert: int, projection: str, loaded: torch.Tensor) -> None:
         """Copy this rank's slice of one expert's gate_proj, up_proj or down_proj."""
@@ -60,8 +61,12 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.normalize_top_k)
+        if self.fused:
+            from kubesgl.engine.layers.triton_kernels.fused_moe import fused_moe
+
+            return get_tp_group().all_reduce(fused_moe(x, self.w13, self.w2, weights, experts, self.act))
         out = torch.zeros_like(x)
-        # Loop over the experts that received tokens; fine on CPU, the GPU uses a fused kernel.
+        # Loop over the experts that received tokens: the CPU path, and the reference.
         for expert in experts.unique().tolist():
             token_idx, slot = torch.where(experts == expert)
             h = self.act(F.linear(x[token_idx], self.w13[expert]))

@@ -89,3 +89,44 @@ def test_engine_with_triton_backend_equals_transformers(tiny_model, make_llm, hf
         outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
         for prompt, out in zip(prompts, outputs):
             assert out.token_ids == hf_greedy(path, prompt, 6)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [(1, 2, 8), (13, 2, 8), (40, 4, 6)])
+def test_fused_moe_matches_the_expert_loop(tokens, top_k, experts):
+    from kubesgl.engine.layers.moe import SparseMoeBlock
+
+    torch.manual_seed(tokens)
+    block = SparseMoeBlock(32, 48, num_experts=experts, top_k=top_k, normalize_top_k=True, hidden_act="silu",
+                           dtype=torch.float32).to(DEVICE)
+    for p in (block.gate.weight, block.w13, block.w2):
+        p.data.normal_(std=0.3)
+    x = torch.randn(tokens, 32, device=DEVICE)
+    reference = block(x)
+    block.fused = True
+    torch.testing.assert_close(block(x), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_alignment_groups_pairs_by_expert():
+    from kubesgl.engine.layers.triton_kernels.fused_moe import align_to_experts
+
+    experts = torch.tensor([[2, 0], [2, 1], [0, 2]], device=DEVICE)
+    blocks = align_to_experts(experts, num_experts=4, block_m=4)
+    pairs, block_experts = blocks.sorted_pairs.tolist(), blocks.block_experts.tolist()
+    assert int(blocks.num_blocks) == 3  # experts 0, 1 and 2 each fill one padded block
+    assert block_experts[:3] == [0, 1, 2]
+    assert sorted(pairs[0:4]) == [1, 4, 6, 6] and sorted(pairs[4:8]) == [3, 6, 6, 6]
+    assert sorted(pairs[8:12]) == [0, 2, 5, 6]  # 6 = number of pairs: padding
+
+
+def test_engine_with_fused_moe_equals_transformers(tiny_model, make_llm, hf_greedy, random_prompts):
+    from kubesgl.engine import SamplingParams
+    from kubesgl.engine.layers.moe import SparseMoeBlock
+
+    path = tiny_model("qwen3-moe")
+    llm = make_llm(path, attention_backend="triton")
+    for module in llm.engine.model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.fused = True
+    prompts = random_prompts(3, 5, 40, seed=21)
+    for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))):
+        assert out.token_ids == hf_greedy(path, prompt, 6)
