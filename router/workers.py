@@ -135,7 +135,8 @@ class WorkerRegistry:
     def set_healthy(self, worker: Worker, healthy: bool) -> None:
         if worker.healthy != healthy:
             worker.healthy = healthy
-            log.warning("worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy")
+            level = logging.INFO if healthy else logging.WARNING
+            log.log(level, "worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy")
             self._notify()
 
     async def wait_for(self, condition: Callable[[], bool]) -> None:

@@ -58,7 +58,7 @@ class RouterHarness:
     async def all_healthy(self, timeout: float = 10.0) -> None:
         async with asyncio.timeout(timeout):
             await self.app.workers.wait_for(
-                lambda: all(w.healthy for w in self.app.workers.all())
+                lambda: bool(self.app.workers.all()) and all(w.healthy for w in self.app.workers.all())
             )
 
 

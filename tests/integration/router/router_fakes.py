@@ -156,6 +156,9 @@ class FakeEngine:
                 await self.kv.wait(key, timeout=5.0)
             except TimeoutError:
                 return _error(500, f"{self.name}: KV cache of room {key[2]} never arrived")
+            except asyncio.CancelledError:
+                self.client_gone.set()
+                raise
         if body.get("stream"):
             return await self._stream(request)
         if self.hold is not None:
@@ -174,6 +177,8 @@ class FakeEngine:
             return _error(400, f"{self.name}: bootstrap address is not mine")
         assert self.kv is not None
         self.kv.fill((body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"]), self.name)
+        if self.hold is not None:  # the KV cache is sent, the answer is not
+            await self.hold.wait()
         return web.json_response(self._completion(request.path))
 
     def _text(self, index: int) -> str:
