@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +111,10 @@ def load_kube_connection() -> KubeConnection:
     try:
         config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException:
-        config.load_kube_config(client_configuration=configuration)
+        # $KUBECONFIG is read now: the kubernetes package reads it once, at import.
+        config.load_kube_config(
+            config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration
+        )
     if configuration.refresh_api_key_hook is not None:
         configuration.refresh_api_key_hook(configuration)  # reads a rotated token anew
     headers = {}
