@@ -57,7 +57,7 @@ class FakeEngine:
         tokens: int = 4,
         kv: KVTransferTable | None = None,
         bootstrap_port: int = 8998,
-        simulate_prefix_cache: bool = False,
+        prefix_cache_chars: int = 0,
     ) -> None:
         self.name = name
         self.role = role
@@ -75,9 +75,10 @@ class FakeEngine:
         self.client_gone = asyncio.Event()  # a client hung up mid-answer
         self._received = asyncio.Event()
         self._runner: web.AppRunner | None = None
-        # Simulated prefix cache: prompts seen, and the share of prompt chars found cached.
-        self.simulate_prefix_cache = simulate_prefix_cache
-        self._seen_prompts: list[str] = []
+        # Simulated prefix cache, bounded like a real KV pool: recent prompts (LRU order), and
+        # the share of prompt characters found cached. 0 turns it off.
+        self.prefix_cache_chars = prefix_cache_chars
+        self._cached_prompts: dict[str, None] = {}
         self._prompt_chars = 0
         self._cached_chars = 0
 
@@ -129,7 +130,7 @@ class FakeEngine:
     async def _metrics(self, request: web.Request) -> web.Response:
         text = (
             f'kubesgl_prefix_cache_hit_ratio{{role="{self.role}"}} {self.prefix_cache_hit_ratio}\n'
-            f'kubesgl_num_running_requests{{role="{self.role}"}} 0\n'
+            f'kubesgl_prompt_tokens_total{{role="{self.role}"}} {self._prompt_chars}\n'
         )
         return web.Response(text=text, content_type="text/plain")
 
@@ -142,7 +143,7 @@ class FakeEngine:
         self._received.set()
         if self.fail_status is not None:
             return _error(self.fail_status, f"{self.name} fails on purpose")
-        if self.simulate_prefix_cache:
+        if self.prefix_cache_chars:
             self._record_prompt(_prompt_of(request.path, body))
         if self.role == "prefill":
             return await self._prefill(request, body)
@@ -224,10 +225,13 @@ class FakeEngine:
         return response
 
     def _record_prompt(self, prompt: str) -> None:
-        cached = max((_common_prefix(prompt, seen) for seen in self._seen_prompts), default=0)
-        self._seen_prompts.append(prompt)
+        cached = max((_common_prefix(prompt, seen) for seen in self._cached_prompts), default=0)
         self._prompt_chars += len(prompt)
         self._cached_chars += cached
+        self._cached_prompts.pop(prompt, None)
+        self._cached_prompts[prompt] = None
+        while sum(map(len, self._cached_prompts)) > self.prefix_cache_chars:
+            del self._cached_prompts[next(iter(self._cached_prompts))]
 
 
 def _common_prefix(a: str, b: str) -> int:
