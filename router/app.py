@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
-import httpx
+import aiohttp
 
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.config import RouterConfig
@@ -36,6 +36,7 @@ from kubesgl.router.upstream import (
     UpstreamClient,
     UpstreamError,
     end_to_end_headers,
+    make_session,
 )
 from kubesgl.router.workers import Role, WorkerRegistry
 
@@ -75,7 +76,7 @@ class RouterApp:
             )
         )
         self.metrics = RouterMetrics(self.workers)
-        self._client: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
         self._forwarder: Forwarder | None = None
         self._health: HealthChecker | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -97,15 +98,12 @@ class RouterApp:
 
     async def startup(self) -> None:
         c = self.config
-        self._client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=c.max_connections, max_keepalive_connections=c.max_connections),
-            timeout=httpx.Timeout(c.request_timeout_s, connect=c.connect_timeout_s),
-        )
+        self._session = make_session(c.max_connections, c.connect_timeout_s, c.request_timeout_s)
         policy = lambda name: make_policy(name or c.policy, c.cache_aware)  # noqa: E731
         policies = Policies(policy(c.policy), policy(c.prefill_policy), policy(c.decode_policy))
-        upstream = UpstreamClient(self._client, self.metrics)
+        upstream = UpstreamClient(self._session, self.metrics)
         self._forwarder = Forwarder(self.workers, policies, upstream, self.metrics, c.retry)
-        self._health = HealthChecker(self.workers, self._client, c.health)
+        self._health = HealthChecker(self.workers, self._session, c.health)
         for url in c.workers:
             self.workers.add(url, Role.MIXED)
         for url, port in c.prefill:
@@ -124,8 +122,8 @@ class RouterApp:
         self._tasks.clear()
         if self._health is not None:
             self._health.close()
-        if self._client is not None:
-            await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     # -- ASGI --------------------------------------------------------------------------------
 

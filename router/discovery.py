@@ -13,10 +13,11 @@ import asyncio
 import json
 import logging
 import os
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from kubesgl.router.workers import DEFAULT_BOOTSTRAP_PORT, Role, WorkerRegistry
 
@@ -97,14 +98,11 @@ def worker_from_pod(
 class KubeConnection:
     base_url: str
     headers: dict[str, str]
-    verify: Any  # bool or an ssl.SSLContext, as httpx takes it
-    cert: tuple[str, str] | None
+    ssl: ssl.SSLContext | bool  # False: no certificate check (kubeconfig insecure-skip-tls-verify)
 
 
 def load_kube_connection() -> KubeConnection:
     """The in-cluster service account, else the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
-    import ssl
-
     from kubernetes import client, config  # imported here: only discovery needs it
 
     configuration = client.Configuration()
@@ -122,13 +120,12 @@ def load_kube_connection() -> KubeConnection:
     if token:
         prefix = configuration.api_key_prefix.get("authorization", "")
         headers["Authorization"] = f"{prefix} {token}".strip()
-    verify: Any = bool(configuration.verify_ssl)
-    if configuration.verify_ssl and configuration.ssl_ca_cert:
-        verify = ssl.create_default_context(cafile=configuration.ssl_ca_cert)
-    cert = None
-    if configuration.cert_file and configuration.key_file:
-        cert = (configuration.cert_file, configuration.key_file)
-    return KubeConnection(configuration.host.rstrip("/"), headers, verify, cert)
+    context: ssl.SSLContext | bool = False
+    if configuration.verify_ssl:
+        context = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
+        if configuration.cert_file and configuration.key_file:
+            context.load_cert_chain(configuration.cert_file, configuration.key_file)
+    return KubeConnection(configuration.host.rstrip("/"), headers, context)
 
 
 class PodWatcher:
@@ -155,15 +152,14 @@ class PodWatcher:
         while True:
             try:
                 connection = load_kube_connection()
-                async with httpx.AsyncClient(
-                    base_url=connection.base_url,
+                async with aiohttp.ClientSession(
+                    base_url=connection.base_url + "/",
                     headers=connection.headers,
-                    verify=connection.verify,
-                    cert=connection.cert,
-                    timeout=httpx.Timeout(10.0, read=WATCH_TIMEOUT_S + 30),
-                ) as client:
-                    version = await self._list(client)
-                    await self._watch(client, version)
+                    connector=aiohttp.TCPConnector(ssl=connection.ssl),
+                    timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=WATCH_TIMEOUT_S + 30),
+                ) as session:
+                    version = await self._list(session)
+                    await self._watch(session, version)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the API server is down, a token expired, ...: list again
@@ -172,12 +168,12 @@ class PodWatcher:
 
     @property
     def _pods_path(self) -> str:
-        return f"/api/v1/namespaces/{self.namespace}/pods"
+        return f"api/v1/namespaces/{self.namespace}/pods"
 
-    async def _list(self, client: httpx.AsyncClient) -> str:
-        response = await client.get(self._pods_path, params={"labelSelector": self._label_selector})
-        response.raise_for_status()
-        pod_list = response.json()
+    async def _list(self, session: aiohttp.ClientSession) -> str:
+        params = {"labelSelector": self._label_selector}
+        async with session.get(self._pods_path, params=params, raise_for_status=True) as response:
+            pod_list = await response.json()
         seen = set()
         for pod in pod_list.get("items", []):
             name = pod["metadata"]["name"]
@@ -187,7 +183,7 @@ class PodWatcher:
             self._apply(name, None)
         return pod_list.get("metadata", {}).get("resourceVersion", "")
 
-    async def _watch(self, client: httpx.AsyncClient, version: str) -> None:
+    async def _watch(self, session: aiohttp.ClientSession, version: str) -> None:
         params = {
             "labelSelector": self._label_selector,
             "watch": "true",
@@ -196,19 +192,23 @@ class PodWatcher:
         }
         if version:
             params["resourceVersion"] = version
-        async with client.stream("GET", self._pods_path, params=params) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind, pod = event.get("type"), event.get("object", {})
-                if kind == "ERROR":  # e.g. 410 Gone: the resource version is too old
-                    raise RuntimeError(f"watch error: {pod.get('message', pod)}")
-                if kind in ("ADDED", "MODIFIED"):
-                    self._apply(pod["metadata"]["name"], pod)
-                elif kind == "DELETED":
-                    self._apply(pod["metadata"]["name"], None)
+        async with session.get(self._pods_path, params=params, raise_for_status=True) as response:
+            pending = b""
+            # One JSON event per line; lines are split here, as pods can exceed a reader's line limit.
+            async for chunk in response.content.iter_any():
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        self._on_event(json.loads(line))
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        kind, pod = event.get("type"), event.get("object", {})
+        if kind == "ERROR":  # e.g. 410 Gone: the resource version is too old
+            raise RuntimeError(f"watch error: {pod.get('message', pod)}")
+        if kind in ("ADDED", "MODIFIED"):
+            self._apply(pod["metadata"]["name"], pod)
+        elif kind == "DELETED":
+            self._apply(pod["metadata"]["name"], None)
 
     def _apply(self, name: str, pod: dict[str, Any] | None) -> None:
         """Brings the pool in line with one pod's state (None: the pod is gone)."""

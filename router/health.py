@@ -6,7 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from kubesgl.router.workers import Worker, WorkerRegistry
 
@@ -30,10 +30,10 @@ class HealthSettings:
 
 class HealthChecker:
     def __init__(
-        self, workers: WorkerRegistry, client: httpx.AsyncClient, settings: HealthSettings
+        self, workers: WorkerRegistry, session: aiohttp.ClientSession, settings: HealthSettings
     ) -> None:
         self.workers = workers
-        self.client = client
+        self.session = session
         self.settings = settings
         self._probes: set[asyncio.Task[None]] = set()
         # A new worker is probed at once instead of waiting up to a full interval.
@@ -53,12 +53,12 @@ class HealthChecker:
         task.add_done_callback(self._probes.discard)
 
     async def check(self, worker: Worker) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
         try:
-            response = await self.client.get(
-                worker.url + self.settings.path, timeout=self.settings.timeout_s
-            )
-            passed = response.status_code == 200
-        except httpx.HTTPError as exc:
+            async with self.session.get(worker.url + self.settings.path, timeout=timeout) as response:
+                await response.read()
+                passed = response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             log.debug("health check of %s failed: %r", worker.url, exc)
             passed = False
         if self.workers.get(worker.url) is not worker:

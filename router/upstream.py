@@ -12,7 +12,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 from kubesgl.router.errors import error_body, sse_error_event
 from kubesgl.router.metrics import RouterMetrics
@@ -29,11 +29,27 @@ _HOP_BY_HOP = frozenset(
 )  # fmt: skip
 
 Headers = list[tuple[bytes, bytes]]
+# Failures of a worker connection: refused, reset, cut mid-body, too slow to answer.
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 def end_to_end_headers(headers: Headers) -> Headers:
     """Drops the headers that describe one connection, not the message."""
     return [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP]
+
+
+def _as_text(headers: Headers) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+
+
+def make_session(max_connections: int, connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
+    """The pooled client for all worker traffic: keep-alive connections, bytes passed as they are."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0),
+        timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s),
+        auto_decompress=False,  # compressed answers go to the client compressed, as sent
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),  # only what the client itself sent
+    )
 
 
 class UpstreamError(Exception):
@@ -112,17 +128,18 @@ class Attempt:
 
 
 class UpstreamClient:
-    def __init__(self, client: httpx.AsyncClient, metrics: RouterMetrics) -> None:
-        self.client = client
+    def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics) -> None:
+        self.session = session
         self.metrics = metrics
 
     async def _open(
         self, worker: Worker, method: str, path: str, payload: bytes | None, headers: Headers
-    ) -> httpx.Response:
-        request = self.client.build_request(method, worker.url + path, content=payload, headers=headers)
+    ) -> aiohttp.ClientResponse:
         try:
-            return await self.client.send(request, stream=True)
-        except httpx.TransportError as exc:
+            return await self.session.request(
+                method, worker.url + path, data=payload, headers=_as_text(headers)
+            )
+        except TRANSPORT_ERRORS as exc:
             raise UpstreamError.unreachable(worker, exc) from exc
 
     async def exchange(
@@ -137,11 +154,11 @@ class UpstreamClient:
     ) -> Reply:
         """Sends one request; returns a complete answer, or a stream once its first chunk is in."""
         attempt = Attempt(worker, self.metrics)
-        response: httpx.Response | None = None
+        response: aiohttp.ClientResponse | None = None
         try:
             response = await self._open(worker, method, path, payload, headers)
-            status = response.status_code
-            reply_headers = end_to_end_headers(response.headers.raw)
+            status = response.status
+            reply_headers = end_to_end_headers(list(response.raw_headers))
             if status >= 400 or not stream:
                 body = await self._read_all(worker, response)
                 if status >= 400:
@@ -149,55 +166,60 @@ class UpstreamClient:
                     raise UpstreamError.from_answer(worker, status, body)
                 attempt.finish(str(status), worker_failed=False)
                 return BufferedReply(status, reply_headers, body)
-            chunks = response.aiter_raw()
+            chunks = response.content.iter_any()
             try:
                 first = await anext(chunks, b"")
-            except httpx.TransportError as exc:
+            except TRANSPORT_ERRORS as exc:
                 raise UpstreamError.unreachable(worker, exc) from exc
         except UpstreamError:
             attempt.finish("error", worker_failed=True)
             if response is not None:
-                await response.aclose()
+                response.close()
             raise
         except BaseException:  # cancelled: the client left, or the other side of a P/D pair failed
             attempt.finish("cancelled", worker_failed=False)
             if response is not None:
-                await response.aclose()
+                response.close()
             raise
         return StreamingReply(status, reply_headers, self._relay(first, chunks, response, attempt))
 
     @staticmethod
-    async def _read_all(worker: Worker, response: httpx.Response) -> bytes:
+    async def _read_all(worker: Worker, response: aiohttp.ClientResponse) -> bytes:
         try:
-            return await response.aread()
-        except httpx.TransportError as exc:
+            body = await response.read()
+        except TRANSPORT_ERRORS as exc:
+            response.close()
             raise UpstreamError.unreachable(worker, exc) from exc
-        finally:
-            await response.aclose()
+        response.release()  # read to the end: the connection goes back to the pool
+        return body
 
     @staticmethod
     async def _relay(
-        first: bytes, chunks: AsyncIterator[bytes], response: httpx.Response, attempt: Attempt
+        first: bytes, chunks: AsyncIterator[bytes], response: aiohttp.ClientResponse, attempt: Attempt
     ) -> AsyncIterator[bytes]:
+        complete = False
         try:
             if first:
                 yield first
             async for chunk in chunks:
                 yield chunk
-            attempt.finish(str(response.status_code), worker_failed=False)
-        except httpx.TransportError as exc:
+            complete = True
+            attempt.finish(str(response.status), worker_failed=False)
+        except TRANSPORT_ERRORS as exc:
             attempt.finish("error", worker_failed=True)
             worker = attempt.worker
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             yield sse_error_event(
-                f"{worker.role.value} worker {worker.url} broke off the stream: "
-                f"{type(exc).__name__}: {exc}",
-                502,
+                f"{worker.role.value} worker {worker.url} broke off the stream: {reason}", 502
             )
         except (asyncio.CancelledError, GeneratorExit):
             attempt.finish("cancelled", worker_failed=False)
             raise
         finally:
-            await response.aclose()
+            if complete:
+                response.release()
+            else:
+                response.close()  # an unfinished answer: closing the connection aborts it upstream
 
     async def drain(self, worker: Worker, path: str, payload: bytes, headers: Headers) -> None:
         """Sends a request and reads its answer to the end, raising if it failed."""
