@@ -142,6 +142,8 @@ def main(argv: list[str]) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,  # one log line per request costs more than the routing itself
+        proxy_headers=False,  # the router never uses the client's address: skip the middleware
+        server_header=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
     return 0

@@ -185,7 +185,35 @@ async def measure(args: argparse.Namespace, base: str) -> dict[str, dict[str, di
     return result
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, object]:
+async def one_round(args: argparse.Namespace, workers: list[str], order: list[str]) -> dict[str, object]:
+    results: dict[str, object] = {"direct": await measure(args, workers[0])}
+    for kind in order:
+        for policy in args.policies:
+            port = free_port()
+            router = subprocess.Popen(router_command(kind, workers, policy, port), stdout=subprocess.DEVNULL)
+            try:
+                base = f"http://127.0.0.1:{port}"
+                await wait_healthy(base, router)
+                print(f"measuring {kind} {policy}", file=sys.stderr, flush=True)
+                results[f"{kind}/{policy}"] = await measure(args, base)
+            finally:
+                router.terminate()
+                router.wait(timeout=30)
+    return results
+
+
+def medians(rounds: list[dict[str, object]]) -> dict[str, object]:
+    """Each figure's median over the rounds: robust to a round disturbed by other load."""
+
+    def merge(values: list[object]) -> object:
+        if isinstance(values[0], dict):
+            return {k: merge([v[k] for v in values]) for k in values[0]}  # type: ignore[index]
+        return statistics.median(values)  # type: ignore[arg-type]
+
+    return merge(rounds)  # type: ignore[return-value]
+
+
+async def main_async(args: argparse.Namespace) -> list[dict[str, object]]:
     ports = [free_port(), free_port()]
     workers = [f"http://127.0.0.1:{p}" for p in ports]
     backend = subprocess.Popen(
@@ -193,25 +221,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, object]:
         stdout=subprocess.PIPE,
     )
     assert backend.stdout is not None and backend.stdout.readline().strip() == b"ready"
-    results: dict[str, object] = {}
     try:
-        results["direct"] = await measure(args, workers[0])
-        for kind in args.routers:
-            for policy in args.policies:
-                port = free_port()
-                router = subprocess.Popen(router_command(kind, workers, policy, port), stdout=subprocess.DEVNULL)
-                try:
-                    base = f"http://127.0.0.1:{port}"
-                    await wait_healthy(base, router)
-                    print(f"measuring {kind} {policy}", file=sys.stderr, flush=True)
-                    results[f"{kind}/{policy}"] = await measure(args, base)
-                finally:
-                    router.terminate()
-                    router.wait(timeout=30)
+        rounds = []
+        for index in range(args.rounds):
+            # Alternate which router goes first, so slow drifts of the machine hit both alike.
+            order = list(args.routers) if index % 2 == 0 else list(reversed(args.routers))
+            rounds.append(await one_round(args, workers, order))
+        return rounds
     finally:
         backend.terminate()
         backend.wait(timeout=10)
-    return results
 
 
 def added(results: dict[str, object], key: str, mode: str, field: str) -> float:
@@ -247,11 +266,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64, help="users in the closed loop")
     parser.add_argument("--duration", type=float, default=8.0, help="seconds of closed loop")
     parser.add_argument("--chunks", type=int, default=8, help="SSE events per streamed answer")
+    parser.add_argument("--rounds", type=int, default=3, help="figures are medians over the rounds")
     parser.add_argument("--output", default=str(HERE / "results.json"))
     args = parser.parse_args()
     import uvloop
 
-    results = uvloop.run(main_async(args))
+    rounds = uvloop.run(main_async(args))
+    results = medians(rounds)
     import importlib.metadata as md
 
     document = {
@@ -261,6 +282,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "versions": {name: md.version(name) for name in ("kubesgl", "sglang-router", "uvicorn", "httpx", "aiohttp")},
         "results": results,
+        "rounds": rounds,
     }
     Path(args.output).write_text(json.dumps(document, indent=2) + "\n")
     print(table(results, args))

@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -104,6 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--rounds", type=int, default=3, help="figures are medians over the rounds")
     parser.add_argument("--output", default=str(HERE / "stack_choices.json"))
     parser.add_argument("--role", choices=["client", "server"], help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
@@ -115,30 +117,36 @@ def main() -> None:
     if args.role == "server":
         return server_main(args.kind, args.port)
 
-    results: dict[str, dict[str, float]] = {}
-    port = free_port()
-    backend = subprocess.Popen([sys.executable, str(HERE / "fast_backend.py"), "--ports", str(port)], stdout=subprocess.PIPE)
-    assert backend.stdout is not None and backend.stdout.readline().strip() == b"ready"
-    try:
-        for kind in ("httpx", "aiohttp"):
-            results[f"client/{kind}"] = run_json(["--role", "client", "--kind", kind, "--url", f"http://127.0.0.1:{port}/v1/completions",
-                                                  "--concurrency", str(args.concurrency), "--requests", str(args.requests)])  # fmt: skip
-    finally:
-        backend.terminate()
-    for kind in ("asgi", "fastapi"):
+    samples: dict[str, list[dict[str, float]]] = {}
+    for _ in range(args.rounds):  # interleaved rounds, medians below: robust to bursts of other load
         port = free_port()
-        server = subprocess.Popen([sys.executable, __file__, "--role", "server", "--kind", kind, "--port", str(port)])
+        backend = subprocess.Popen([sys.executable, str(HERE / "fast_backend.py"), "--ports", str(port)], stdout=subprocess.PIPE)
+        assert backend.stdout is not None and backend.stdout.readline().strip() == b"ready"
         try:
-            time.sleep(2)  # a separate process: no event to wait on; /v1/completions answers once up
-            results[f"server/{kind}"] = run_json(["--role", "client", "--kind", "aiohttp", "--url", f"http://127.0.0.1:{port}/v1/completions",
-                                                  "--concurrency", str(args.concurrency), "--requests", str(args.requests)])  # fmt: skip
+            for kind in ("httpx", "aiohttp"):
+                samples.setdefault(f"client/{kind}", []).append(run_json(
+                    ["--role", "client", "--kind", kind, "--url", f"http://127.0.0.1:{port}/v1/completions",
+                     "--concurrency", str(args.concurrency), "--requests", str(args.requests)]))  # fmt: skip
         finally:
-            server.terminate()
-            server.wait()
-    document = {"command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]), "settings": vars(args), "results": results}
+            backend.terminate()
+            backend.wait()
+        for kind in ("asgi", "fastapi"):
+            port = free_port()
+            server = subprocess.Popen([sys.executable, __file__, "--role", "server", "--kind", kind, "--port", str(port)])
+            try:
+                time.sleep(2)  # a separate process: no event to wait on; /v1/completions answers once up
+                samples.setdefault(f"server/{kind}", []).append(run_json(
+                    ["--role", "client", "--kind", "aiohttp", "--url", f"http://127.0.0.1:{port}/v1/completions",
+                     "--concurrency", str(args.concurrency), "--requests", str(args.requests)]))  # fmt: skip
+            finally:
+                server.terminate()
+                server.wait()
+    results = {name: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for name, runs in samples.items()}
+    document = {"command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
+                "settings": vars(args), "results": results, "rounds": samples}  # fmt: skip
     Path(args.output).write_text(json.dumps(document, indent=2) + "\n")
     for name, figures in results.items():
-        print(f"{name:16} {figures['requests_per_s']:8.0f} req/s  {figures['cpu_us_per_request']:6.0f} us CPU/request (client)")
+        print(f"{name:16} {figures['requests_per_s']:8.0f} req/s  {figures['cpu_us_per_request']:6.0f} us CPU/request (client side)")
 
 
 if __name__ == "__main__":
