@@ -21,10 +21,12 @@ from kubesgl.router.workers import Worker
 # Statuses worth another worker: overload, draining, gateway trouble, server faults.
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
+# Headers of one connection, not of the message; `date` is the router's own to send (the
+# server adds it), so a worker's would only duplicate it.
 _HOP_BY_HOP = frozenset(
     {
         b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
-        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+        b"trailer", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"date",
     }
 )  # fmt: skip
 

@@ -22,6 +22,7 @@ async def test_non_streaming_chat_is_answered_by_a_worker(engines, start_router,
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"].startswith("a-tok0")
     assert a.requests[0]["body"] == CHAT
+    assert len(response.headers.get_list("date")) == 1  # the router's, not also the worker's
 
 
 async def test_each_generation_route_is_forwarded(engines, start_router, client):
