@@ -30,9 +30,7 @@ from kubesgl.router.request_parsing import GENERATION_PATHS, parse_generation_re
 from kubesgl.router.routing import Forwarder, Policies
 from kubesgl.router.upstream import (
     BufferedReply,
-    Headers,
     Reply,
-    StreamingReply,
     UpstreamClient,
     UpstreamError,
     end_to_end_headers,

@@ -25,7 +25,7 @@ class Policy(ABC):
     def choose(self, workers: Sequence[Worker], text: str) -> Choice:
         """Picks one of `workers` (never empty) for a request whose routing text is `text`."""
 
-    def forget(self, worker: Worker) -> None:
+    def forget(self, worker: Worker) -> None:  # noqa: B027 - stateless policies keep nothing
         """Drops what the policy remembers about a worker that left the pool."""
 
 

@@ -33,7 +33,8 @@ def normalize_url(url: str) -> str:
         raise ValueError(f"not a worker URL: {url!r} (expected http://HOST:PORT)")
     if parts.path or parts.query or parts.fragment:
         raise ValueError(f"a worker URL has no path or query: {url!r}")
-    parts.port  # raises ValueError for a malformed port
+    if parts.port == 0:  # reading .port also raises ValueError for a malformed port
+        raise ValueError(f"a worker URL needs a real port: {url!r}")
     return url
 
 
