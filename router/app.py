@@ -1,0 +1,300 @@
+"""The router's ASGI application: the engine's HTTP surface plus admin and health endpoints.
+
+Plain ASGI rather than a web framework: every request passes through here, and the few
+routes need no more than a dict lookup (benchmarks/router/README.md has the comparison).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs
+
+import aiohttp
+
+from kubesgl.router.breaker import CircuitBreaker
+from kubesgl.router.config import RouterConfig
+from kubesgl.router.discovery import PodWatcher
+from kubesgl.router.errors import RouterError, bad_request, no_worker
+from kubesgl.router.health import HealthChecker
+from kubesgl.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kubesgl.router.metrics import RouterMetrics
+from kubesgl.router.policies import make_policy
+from kubesgl.router.request_parsing import GENERATION_PATHS, parse_generation_request
+from kubesgl.router.routing import Forwarder, Policies
+from kubesgl.router.upstream import (
+    BufferedReply,
+    Reply,
+    UpstreamClient,
+    UpstreamError,
+    end_to_end_headers,
+    make_session,
+)
+from kubesgl.router.workers import Role, WorkerRegistry
+
+log = logging.getLogger("kubesgl.router")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Handler = Callable[[Scope, bytes], Awaitable[Reply]]
+
+_JSON = [(b"content-type", b"application/json")]
+
+
+def json_reply(status: int, payload: object) -> BufferedReply:
+    return BufferedReply(status, list(_JSON), json.dumps(payload).encode())
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+@dataclass
+class _Exchange:
+    """Per-request state shared with the task that watches for the client leaving."""
+
+    task: asyncio.Task[Any]
+    answered: bool = False  # the last byte is on its way: a disconnect is no longer news
+    disconnected: bool = False
+
+
+class RouterApp:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.workers = WorkerRegistry(
+            make_breaker=lambda: CircuitBreaker(
+                config.breaker_failure_threshold, config.breaker_cooldown_s
+            )
+        )
+        self.metrics = RouterMetrics(self.workers)
+        self._session: aiohttp.ClientSession | None = None
+        self._forwarder: Forwarder | None = None
+        self._health: HealthChecker | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._routes: dict[str, dict[str, Handler]] = {
+            **{path: {"POST": self._generate} for path in GENERATION_PATHS},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._health_status},
+            "/metrics": {"GET": self._metrics},
+            "/workers": {"GET": self._list_workers, "POST": self._add_worker, "DELETE": self._remove_worker},
+        }
+
+    @property
+    def forwarder(self) -> Forwarder:
+        if self._forwarder is None:
+            raise RuntimeError("the router has not started (ASGI lifespan startup)")
+        return self._forwarder
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        c = self.config
+        self._session = make_session(c.max_connections, c.connect_timeout_s, c.request_timeout_s)
+        policy = lambda name: make_policy(name or c.policy, c.cache_aware)  # noqa: E731
+        policies = Policies(policy(c.policy), policy(c.prefill_policy), policy(c.decode_policy))
+        upstream = UpstreamClient(self._session, self.metrics)
+        self._forwarder = Forwarder(self.workers, policies, upstream, self.metrics, c.retry)
+        self._health = HealthChecker(self.workers, self._session, c.health)
+        for url in c.workers:
+            self.workers.add(url, Role.MIXED)
+        for url, port in c.prefill:
+            self.workers.add(url, Role.PREFILL, port)
+        for url in c.decode:
+            self.workers.add(url, Role.DECODE)
+        self._tasks.append(asyncio.create_task(self._health.run()))
+        if c.kube is not None:
+            watcher = PodWatcher(self.workers, c.kube.namespace, c.kube.selector, c.kube.worker_port)
+            self._tasks.append(asyncio.create_task(watcher.run()))
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._health is not None:
+            self._health.close()
+        if self._session is not None:
+            await self._session.close()
+
+    # -- ASGI --------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": repr(exc)})
+                    raise
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        methods = self._routes.get(scope["path"])
+        if methods is None:
+            message = f"no route for {scope['method']} {scope['path']}"
+            await self._send(send, _error_reply(RouterError(404, message, "not_found_error")))
+            return
+        handler = methods.get(scope["method"])
+        if handler is None:
+            allowed = ", ".join(methods)
+            error = RouterError(405, f"{scope['path']} accepts {allowed}", "invalid_request_error")
+            await self._send(send, _error_reply(error))
+            return
+        started = time.perf_counter()
+        try:
+            body = await _read_body(receive, self.config.max_request_bytes)
+        except _ClientGone:
+            return
+        except RouterError as error:
+            await self._send(send, _error_reply(error))
+            return
+        exchange = _Exchange(asyncio.current_task())  # type: ignore[arg-type]
+        watcher = asyncio.create_task(_watch_disconnect(receive, exchange))
+        try:
+            try:
+                reply = await handler(scope, body)
+            except (RouterError, UpstreamError) as error:
+                reply = _error_reply(error)
+            except Exception:
+                log.exception("unexpected error in %s %s", scope["method"], scope["path"])
+                reply = _error_reply(RouterError(500, "internal router error", "internal_error"))
+            await self._send(send, reply, exchange)
+        except asyncio.CancelledError:
+            if not exchange.disconnected:
+                raise
+            exchange.task.uncancel()  # the client left: its upstream request is closed, done
+        finally:
+            watcher.cancel()
+            if scope["path"] in GENERATION_PATHS:
+                self.metrics.request_duration.observe(time.perf_counter() - started)
+
+    async def _send(self, send: Send, reply: Reply, exchange: _Exchange | None = None) -> None:
+        if isinstance(reply, BufferedReply):
+            headers = reply.headers + [(b"content-length", str(len(reply.body)).encode())]
+            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+            if exchange is not None:
+                exchange.answered = True
+            await send({"type": "http.response.body", "body": reply.body})
+            return
+        async with contextlib.aclosing(reply.chunks) as chunks:  # type: ignore[type-var]
+            await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
+            async for chunk in chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if exchange is not None:
+                exchange.answered = True
+            await send({"type": "http.response.body", "body": b""})
+
+    # -- handlers ----------------------------------------------------------------------------
+
+    async def _generate(self, scope: Scope, body: bytes) -> Reply:
+        request = parse_generation_request(scope["path"], body)
+        return await self.forwarder.generate(request, end_to_end_headers(scope["headers"]))
+
+    async def _models(self, scope: Scope, body: bytes) -> Reply:
+        return await self.forwarder.models(end_to_end_headers(scope["headers"]))
+
+    def can_serve(self) -> bool:
+        if self.workers.is_disaggregated():
+            return bool(self.workers.available(Role.PREFILL) and self.workers.available(Role.DECODE))
+        return bool(self.workers.available(Role.MIXED))
+
+    async def _health_status(self, scope: Scope, body: bytes) -> Reply:
+        if not self.can_serve():
+            raise no_worker("the router has no worker (or prefill/decode pair) that can serve")
+        return json_reply(200, {"status": "ok"})
+
+    async def _metrics(self, scope: Scope, body: bytes) -> Reply:
+        return BufferedReply(200, [(b"content-type", METRICS_CONTENT_TYPE.encode())], self.metrics.render())
+
+    def _check_admin(self, scope: Scope) -> None:
+        key = self.config.admin_api_key
+        if key is None:
+            return
+        headers = dict(scope["headers"])
+        if headers.get(b"authorization", b"").decode(errors="replace") != f"Bearer {key}":
+            raise RouterError(401, "admin endpoints need `Authorization: Bearer <admin key>`", "authentication_error")
+
+    async def _list_workers(self, scope: Scope, body: bytes) -> Reply:
+        self._check_admin(scope)
+        return json_reply(200, {"workers": [w.describe() for w in self.workers.all()]})
+
+    async def _add_worker(self, scope: Scope, body: bytes) -> Reply:
+        self._check_admin(scope)
+        try:
+            spec = json.loads(body)
+        except ValueError:
+            raise bad_request("the request body is not valid JSON") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
+            raise bad_request('expected {"url": URL, "role": "mixed|prefill|decode", "bootstrap_port": PORT}', "url")
+        try:
+            role = Role(spec.get("role", Role.MIXED.value))
+        except ValueError:
+            raise bad_request("`role` must be mixed, prefill or decode", "role") from None
+        port = spec.get("bootstrap_port")
+        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+            raise bad_request("`bootstrap_port` must be a port number", "bootstrap_port")
+        try:
+            worker = self.workers.add(spec["url"], role, port, source="admin")
+        except ValueError as exc:
+            raise bad_request(str(exc), "url") from None
+        return json_reply(200, {"worker": worker.describe()})
+
+    async def _remove_worker(self, scope: Scope, body: bytes) -> Reply:
+        self._check_admin(scope)
+        urls = parse_qs(scope.get("query_string", b"").decode()).get("url", [])
+        if len(urls) != 1:
+            raise bad_request("name the worker to remove: DELETE /workers?url=URL", "url")
+        try:
+            worker = self.workers.remove(urls[0])
+        except ValueError as exc:
+            raise bad_request(str(exc), "url") from None
+        if worker is None:
+            raise RouterError(404, f"no worker {urls[0]!r} is registered", "not_found_error", "url")
+        return json_reply(200, {"removed": worker.url})
+
+
+def _error_reply(error: RouterError | UpstreamError) -> BufferedReply:
+    return BufferedReply(error.status, list(_JSON), error.body())
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise RouterError(413, f"the request body is larger than {limit} bytes", "invalid_request_error")
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
+async def _watch_disconnect(receive: Receive, exchange: _Exchange) -> None:
+    """Cancels the request's task when its client disconnects, which closes the upstream request."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    if not exchange.answered:
+        exchange.disconnected = True
+        exchange.task.cancel()

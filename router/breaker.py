@@ -1,0 +1,50 @@
+"""Per-worker circuit breaker: stop sending requests to a worker that keeps failing them.
+
+Closed: requests flow. After `failure_threshold` consecutive failures it opens and the worker
+gets no requests for `cooldown_s`. Then it is half-open: requests flow again, the first
+success closes it and the first failure opens it for another cooldown. Health checks are a
+separate signal (a worker can answer /health and still fail every request).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class BreakerState(str, Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass
+class CircuitBreaker:
+    failure_threshold: int = 5
+    cooldown_s: float = 10.0
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    consecutive_failures: int = 0
+    opened_at: float | None = None
+
+    @property
+    def state(self) -> BreakerState:
+        if self.opened_at is None:
+            return BreakerState.CLOSED
+        if self.clock() - self.opened_at < self.cooldown_s:
+            return BreakerState.OPEN
+        return BreakerState.HALF_OPEN
+
+    def allows_requests(self) -> bool:
+        return self.state is not BreakerState.OPEN
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.opened_at = None
+
+    def record_failure(self) -> None:
+        self.consecutive_failures += 1
+        was_trial = self.state is BreakerState.HALF_OPEN
+        if was_trial or self.consecutive_failures >= self.failure_threshold:
+            self.opened_at = self.clock()

@@ -1,0 +1,149 @@
+"""`kubesgl router`: parse the command line, build the router and serve it with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kubesgl.router.config import KubeDiscoverySettings, RouterConfig, parse_prefill_spec
+from kubesgl.router.discovery import DEFAULT_WORKER_PORT, parse_selector
+from kubesgl.router.health import HealthSettings
+from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings
+from kubesgl.router.routing import RetrySettings
+
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+# On SIGTERM, streams still running get this long to finish (Kubernetes' default grace is 30 s).
+GRACEFUL_SHUTDOWN_S = 25
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kubesgl router",
+        description="Cache-aware router and prefill/decode orchestrator in front of kubesgl engines.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    w = p.add_argument_group("workers (fixed URLs, or Kubernetes discovery, or both)")
+    w.add_argument("--worker", action="extend", nargs="+", default=[], metavar="URL",
+                   help="a mixed-role engine")
+    w.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL[@BOOTSTRAP_PORT]",
+                   help="a prefill engine and its bootstrap port (default 8998)")
+    w.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
+                   help="a decode engine")
+    w.add_argument("--kube-namespace", default=None,
+                   help="namespace of the engine pods (default: the router pod's own, else `default`)")
+    w.add_argument("--kube-selector", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="label selector of engine pods; turns Kubernetes discovery on")
+    w.add_argument("--kube-worker-port", type=int, default=DEFAULT_WORKER_PORT,
+                   help="engine port in pods that name no container port `http`")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--admin-api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /workers (default: open)")
+
+    r = p.add_argument_group("routing")
+    cache = CacheAwareSettings()
+    r.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES)
+    r.add_argument("--prefill-policy", default=None, choices=POLICY_NAMES, help="default: --policy")
+    r.add_argument("--decode-policy", default=None, choices=POLICY_NAMES, help="default: --policy")
+    r.add_argument("--cache-threshold", type=float, default=cache.cache_threshold,
+                   help="cache_aware: least matched share of a request to follow its cache")
+    r.add_argument("--balance-abs-threshold", type=int, default=cache.balance_abs_threshold,
+                   help="cache_aware: in-flight gap (max - min) beyond which loads are balanced")
+    r.add_argument("--balance-rel-threshold", type=float, default=cache.balance_rel_threshold,
+                   help="cache_aware: in-flight ratio (max / min) beyond which loads are balanced")
+    r.add_argument("--max-tree-chars", type=int, default=cache.max_tree_chars,
+                   help="cache_aware: characters remembered per worker (LRU eviction beyond)")
+
+    h = p.add_argument_group("health, circuit breaker, retries, timeouts")
+    health, retry = HealthSettings(), RetrySettings()
+    h.add_argument("--health-check-interval", type=float, default=health.interval_s, metavar="S")
+    h.add_argument("--health-check-timeout", type=float, default=health.timeout_s, metavar="S")
+    h.add_argument("--health-failure-threshold", type=int, default=health.failure_threshold)
+    h.add_argument("--health-success-threshold", type=int, default=health.success_threshold)
+    h.add_argument("--breaker-failure-threshold", type=int, default=5,
+                   help="consecutive failed requests that open a worker's circuit")
+    h.add_argument("--breaker-cooldown", type=float, default=10.0, metavar="S",
+                   help="seconds an open circuit keeps a worker out")
+    h.add_argument("--max-retries", type=int, default=retry.max_retries)
+    h.add_argument("--retry-initial-backoff", type=float, default=retry.initial_backoff_s, metavar="S")
+    h.add_argument("--retry-max-backoff", type=float, default=retry.max_backoff_s, metavar="S")
+    h.add_argument("--connect-timeout", type=float, default=5.0, metavar="S")
+    h.add_argument("--request-timeout", type=float, default=1800.0, metavar="S",
+                   help="longest wait for the next byte of a worker's answer")
+    h.add_argument("--max-connections", type=int, default=4096, help="to all workers together")
+    return p
+
+
+def _default_namespace() -> str:
+    try:
+        with open(SERVICE_ACCOUNT_NAMESPACE) as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    kube = None
+    if args.kube_selector or args.kube_namespace:
+        kube = KubeDiscoverySettings(
+            namespace=args.kube_namespace or _default_namespace(),
+            selector=parse_selector(args.kube_selector),
+            worker_port=args.kube_worker_port,
+        )
+    return RouterConfig(
+        workers=args.worker,
+        prefill=[parse_prefill_spec(spec) for spec in args.prefill],
+        decode=args.decode,
+        policy=args.policy,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        cache_aware=CacheAwareSettings(
+            args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold, args.max_tree_chars
+        ),
+        health=HealthSettings(
+            args.health_check_interval, args.health_check_timeout,
+            args.health_failure_threshold, args.health_success_threshold,
+        ),
+        retry=RetrySettings(args.max_retries, args.retry_initial_backoff, args.retry_max_backoff),
+        breaker_failure_threshold=args.breaker_failure_threshold,
+        breaker_cooldown_s=args.breaker_cooldown,
+        connect_timeout_s=args.connect_timeout,
+        request_timeout_s=args.request_timeout,
+        max_connections=args.max_connections,
+        admin_api_key=args.admin_api_key,
+        kube=kube,
+    )
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not (config.workers or config.prefill or config.kube):
+        print("kubesgl router: no workers yet; add them with POST /workers", file=sys.stderr)
+
+    import uvicorn  # imported late: `--help` stays fast
+
+    from kubesgl.router.app import RouterApp
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(
+        RouterApp(config),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,  # one log line per request costs more than the routing itself
+        proxy_headers=False,  # the router never uses the client's address: skip the middleware
+        server_header=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    return 0

@@ -1,0 +1,62 @@
+"""Everything `kubesgl router` can be told, with the defaults documented in docs/router.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kubesgl.router.discovery import DEFAULT_WORKER_PORT
+from kubesgl.router.health import HealthSettings
+from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings
+from kubesgl.router.routing import RetrySettings
+from kubesgl.router.workers import normalize_url
+
+
+def parse_prefill_spec(spec: str) -> tuple[str, int | None]:
+    """`URL[@BOOTSTRAP_PORT]` -> (URL, port or None for the default)."""
+    url, sep, port = spec.rpartition("@")
+    if not sep:
+        return normalize_url(spec), None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bad bootstrap port in {spec!r}: expected URL@PORT")
+    return normalize_url(url), int(port)
+
+
+@dataclass(frozen=True)
+class KubeDiscoverySettings:
+    namespace: str
+    selector: dict[str, str]
+    worker_port: int = DEFAULT_WORKER_PORT
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: list[str] = field(default_factory=list)
+    prefill: list[tuple[str, int | None]] = field(default_factory=list)
+    decode: list[str] = field(default_factory=list)
+    policy: str = "cache_aware"
+    prefill_policy: str | None = None  # None: same as `policy`
+    decode_policy: str | None = None  # None: same as `policy`
+    cache_aware: CacheAwareSettings = field(default_factory=CacheAwareSettings)
+    health: HealthSettings = field(default_factory=HealthSettings)
+    retry: RetrySettings = field(default_factory=RetrySettings)
+    breaker_failure_threshold: int = 5
+    breaker_cooldown_s: float = 10.0
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 1800.0  # longest wait for the next byte of an answer
+    max_connections: int = 4096
+    max_request_bytes: int = 64 * 1024 * 1024
+    admin_api_key: str | None = None
+    kube: KubeDiscoverySettings | None = None
+
+    def __post_init__(self) -> None:
+        for name in (self.policy, self.prefill_policy, self.decode_policy):
+            if name is not None and name not in POLICY_NAMES:
+                raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+        if self.workers and (self.prefill or self.decode):
+            raise ValueError("give either --worker (mixed) or --prefill/--decode (P/D), not both")
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("P/D mode needs at least one --prefill and one --decode worker")
+        if self.breaker_failure_threshold < 1 or self.breaker_cooldown_s < 0:
+            raise ValueError("breaker: failure threshold >= 1 and cooldown >= 0")
+        if self.connect_timeout_s <= 0 or self.request_timeout_s <= 0 or self.max_connections < 1:
+            raise ValueError("timeouts and the connection limit must be positive")

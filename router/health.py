@@ -1,0 +1,79 @@
+"""Periodic health checks: workers leave the pool when /health fails and return when it passes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+
+from kubesgl.router.workers import Worker, WorkerRegistry
+
+log = logging.getLogger("kubesgl.router")
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    interval_s: float = 5.0
+    timeout_s: float = 3.0
+    failure_threshold: int = 2  # consecutive failed checks before a worker leaves the pool
+    success_threshold: int = 1  # consecutive passed checks before it comes back
+    path: str = "/health"
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("health check interval and timeout must be positive")
+        if self.failure_threshold < 1 or self.success_threshold < 1:
+            raise ValueError("health check thresholds must be at least 1")
+
+
+class HealthChecker:
+    def __init__(
+        self, workers: WorkerRegistry, session: aiohttp.ClientSession, settings: HealthSettings
+    ) -> None:
+        self.workers = workers
+        self.session = session
+        self.settings = settings
+        self._probes: set[asyncio.Task[None]] = set()
+        # A new worker is probed at once instead of waiting up to a full interval.
+        workers.on_added(self.probe_soon)
+
+    async def run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.settings.interval_s)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.workers.all()))
+
+    def probe_soon(self, worker: Worker) -> None:
+        task = asyncio.get_running_loop().create_task(self.check(worker))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def check(self, worker: Worker) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
+        try:
+            async with self.session.get(worker.url + self.settings.path, timeout=timeout) as response:
+                await response.read()
+                passed = response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.debug("health check of %s failed: %r", worker.url, exc)
+            passed = False
+        if self.workers.get(worker.url) is not worker:
+            return  # removed (or replaced) while the check was running
+        if passed:
+            worker.health_failures = 0
+            worker.health_successes += 1
+            if worker.health_successes >= self.settings.success_threshold:
+                self.workers.set_healthy(worker, True)
+        else:
+            worker.health_successes = 0
+            worker.health_failures += 1
+            if worker.health_failures >= self.settings.failure_threshold:
+                self.workers.set_healthy(worker, False)
+
+    def close(self) -> None:
+        for task in self._probes:
+            task.cancel()

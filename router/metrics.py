@@ -1,0 +1,75 @@
+"""The router's Prometheus metrics (names from DESIGN.md), in a registry of its own.
+
+Per-worker health and load are read from the pool at scrape time instead of being updated
+on every request: nothing on the hot path, and removed workers vanish from the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kubesgl.router.workers import WorkerRegistry
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds: from a few milliseconds (short completions) to long streamed generations.
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        healthy = GaugeMetricFamily(
+            "kubesgl_router_worker_healthy",
+            "1 when the worker passes health checks and its circuit breaker is not open",
+            labels=["worker"],
+        )
+        load = GaugeMetricFamily(
+            "kubesgl_router_worker_load",
+            "Requests the router has in flight on the worker",
+            labels=["worker"],
+        )
+        for worker in self._workers.all():
+            healthy.add_metric([worker.url], 1.0 if worker.can_serve() else 0.0)
+            load.add_metric([worker.url], float(worker.in_flight))
+        yield healthy
+        yield load
+
+
+class RouterMetrics:
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kubesgl_router_requests",
+            "Upstream attempts by worker and outcome: the HTTP status, or `error` when the "
+            "connection failed or broke mid-stream (worker is empty when none could serve)",
+            ["worker", "status"],
+            registry=self.registry,
+        )
+        self.request_duration = Histogram(
+            "kubesgl_router_request_duration_seconds",
+            "Time from receiving a request to sending the last byte of its answer",
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.cache_decisions = Counter(
+            "kubesgl_router_cache_decisions",
+            "Decisions of the cache-aware policy",
+            ["decision"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "kubesgl_router_retries",
+            "Requests sent again to another worker after a failure before any byte reached the client",
+            registry=self.registry,
+        )
+        self.registry.register(_WorkerCollector(workers))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

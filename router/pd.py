@@ -1,0 +1,154 @@
+"""Prefill/decode disaggregation (DESIGN.md): one request, sent to a prefill and a decode
+worker at once, tied together by `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
+
+The decode worker's answer goes to the client; the prefill worker's is drained. A prefill
+failure while the decode answer is still incomplete ends that answer with a clear error
+(the decode worker cannot finish without the prefill's KV cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
+
+from kubesgl.router.errors import sse_error_event
+from kubesgl.router.request_parsing import ParsedRequest
+from kubesgl.router.upstream import (
+    Headers,
+    Reply,
+    StreamingReply,
+    UpstreamClient,
+    UpstreamError,
+)
+from kubesgl.router.workers import Worker
+
+log = logging.getLogger("kubesgl.router")
+
+_END: Any = object()  # what anext() returns once a stream is exhausted
+
+
+def bootstrap_payload(body: dict[str, Any], prefill: Worker, room: int) -> bytes:
+    """The request both workers get: the client's JSON plus the three bootstrap fields."""
+    return json.dumps(
+        {
+            **body,
+            "bootstrap_host": prefill.host,
+            "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": room,
+        }
+    ).encode()
+
+
+def draw_bootstrap_room() -> int:
+    return random.getrandbits(63)
+
+
+class PrefillDecodePair:
+    def __init__(self, upstream: UpstreamClient) -> None:
+        self.upstream = upstream
+        # Prefill drains that outlive the client's answer; kept so they are not garbage collected.
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def exchange(
+        self, request: ParsedRequest, prefill: Worker, decode: Worker, headers: Headers
+    ) -> Reply:
+        payload = bootstrap_payload(request.body, prefill, draw_bootstrap_room())
+        prefill_task = asyncio.create_task(
+            self.upstream.drain(prefill, request.path, payload, headers)
+        )
+        try:
+            reply = await self._unless_prefill_fails(
+                self.upstream.exchange(
+                    decode, "POST", request.path, payload, headers, stream=request.stream
+                ),
+                prefill_task,
+            )
+        except BaseException:
+            await _cancel(prefill_task)
+            raise
+        if isinstance(reply, StreamingReply):
+            reply.chunks = self._stream_watching_prefill(reply.chunks, prefill_task)
+        else:
+            self._let_finish(prefill_task)
+        return reply
+
+    @staticmethod
+    async def _unless_prefill_fails(
+        decode_call: Coroutine[Any, Any, Reply], prefill_task: asyncio.Task[None]
+    ) -> Reply:
+        decode_task = asyncio.create_task(decode_call)
+        try:
+            await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not decode_task.done() and prefill_task.exception() is not None:
+                raise prefill_task.exception()  # type: ignore[misc]
+            return await decode_task
+        except BaseException:
+            await _cancel(decode_task)
+            if decode_task.done() and not decode_task.cancelled() and decode_task.exception() is None:
+                reply = decode_task.result()
+                if isinstance(reply, StreamingReply):
+                    await reply.chunks.aclose()  # type: ignore[attr-defined]
+            raise
+
+    async def _stream_watching_prefill(
+        self, chunks: AsyncIterator[bytes], prefill_task: asyncio.Task[None]
+    ) -> AsyncIterator[bytes]:
+        complete = False
+        try:
+            # Race each chunk against the prefill only while the prefill is still running.
+            while not prefill_task.done():
+                next_chunk = asyncio.ensure_future(anext(chunks, _END))
+                try:
+                    await asyncio.wait({next_chunk, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+                except BaseException:
+                    await _cancel(next_chunk)
+                    raise
+                if not next_chunk.done() and prefill_task.exception() is not None:
+                    await _cancel(next_chunk)
+                    break
+                chunk = await next_chunk
+                if chunk is _END:
+                    complete = True
+                    return
+                yield chunk
+            error = prefill_task.exception()
+            if error is not None:
+                message = error.message if isinstance(error, UpstreamError) else repr(error)
+                status = error.status if isinstance(error, UpstreamError) else 502
+                yield sse_error_event(message, status)
+                return
+            async for chunk in chunks:
+                yield chunk
+            complete = True
+        finally:
+            if complete:
+                self._let_finish(prefill_task)
+            else:
+                await _cancel(prefill_task)
+            await chunks.aclose()  # type: ignore[attr-defined]
+
+    def _let_finish(self, prefill_task: asyncio.Task[None]) -> None:
+        """The client has its answer: the prefill drain may end on its own, errors only logged."""
+        if prefill_task.done():
+            _log_outcome(prefill_task)
+            return
+        self._background.add(prefill_task)
+        prefill_task.add_done_callback(self._background.discard)
+        prefill_task.add_done_callback(_log_outcome)
+
+
+def _log_outcome(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("prefill failed after the decode answer was complete: %s", task.exception())
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # marks a stored exception as retrieved

@@ -1,0 +1,128 @@
+"""Routing policies: which of the workers that can serve gets a request."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kubesgl.router.radix_tree import PrefixTree
+from kubesgl.router.workers import Worker
+
+POLICY_NAMES = ("cache_aware", "round_robin", "power_of_two", "random")
+
+
+@dataclass(frozen=True)
+class Choice:
+    worker: Worker
+    decision: str | None = None  # cache_aware only: hit | miss | balance
+
+
+class Policy(ABC):
+    @abstractmethod
+    def choose(self, workers: Sequence[Worker], text: str) -> Choice:
+        """Picks one of `workers` (never empty) for a request whose routing text is `text`."""
+
+    def forget(self, worker: Worker) -> None:  # noqa: B027 - stateless policies keep nothing
+        """Drops what the policy remembers about a worker that left the pool."""
+
+
+class RoundRobinPolicy(Policy):
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, workers: Sequence[Worker], text: str) -> Choice:
+        return Choice(workers[next(self._counter) % len(workers)])
+
+
+class RandomPolicy(Policy):
+    def choose(self, workers: Sequence[Worker], text: str) -> Choice:
+        return Choice(random.choice(workers))
+
+
+class PowerOfTwoPolicy(Policy):
+    """Samples two workers and takes the one with fewer requests in flight."""
+
+    def choose(self, workers: Sequence[Worker], text: str) -> Choice:
+        if len(workers) == 1:
+            return Choice(workers[0])
+        first, second = random.sample(workers, 2)
+        return Choice(first if first.in_flight <= second.in_flight else second)
+
+
+@dataclass(frozen=True)
+class CacheAwareSettings:
+    # Route to the longest match only when it covers more than this share of the request.
+    cache_threshold: float = 0.3
+    # Loads are imbalanced when max - min > abs threshold AND max > min * rel threshold.
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    # Characters remembered per worker before least recently used text is evicted.
+    max_tree_chars: int = 2**24
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError("cache threshold must be between 0 and 1")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("balance thresholds: absolute >= 0, relative >= 1")
+        if self.max_tree_chars <= 0:
+            raise ValueError("the tree size bound must be positive")
+
+
+class CacheAwarePolicy(Policy):
+    """Sends a request where its prefix most likely sits in the KV cache, unless loads diverge.
+
+    1. Imbalanced loads (in-flight counts past both thresholds): the least loaded worker.
+    2. Otherwise the worker whose tree shares the longest prefix with the request, if that
+       prefix is more than `cache_threshold` of the request ("hit").
+    3. Otherwise the worker whose tree holds the least text ("miss"): new prefixes spread out.
+    The request's text then goes into the chosen worker's tree.
+    """
+
+    def __init__(self, settings: CacheAwareSettings | None = None) -> None:
+        self.settings = settings or CacheAwareSettings()
+        self._trees: dict[str, PrefixTree] = {}
+
+    def tree(self, worker: Worker) -> PrefixTree:
+        tree = self._trees.get(worker.url)
+        if tree is None:
+            tree = self._trees[worker.url] = PrefixTree(self.settings.max_tree_chars)
+        return tree
+
+    def forget(self, worker: Worker) -> None:
+        self._trees.pop(worker.url, None)
+
+    def _imbalanced(self, workers: Sequence[Worker]) -> bool:
+        loads = [w.in_flight for w in workers]
+        low, high = min(loads), max(loads)
+        s = self.settings
+        return high - low > s.balance_abs_threshold and high > low * s.balance_rel_threshold
+
+    def choose(self, workers: Sequence[Worker], text: str) -> Choice:
+        if self._imbalanced(workers):
+            worker = min(workers, key=lambda w: w.in_flight)
+            decision = "balance"
+        else:
+            matches = [(self.tree(w).match_length(text), -w.in_flight, w) for w in workers]
+            best_length, _, best = max(matches, key=lambda m: m[:2])
+            if text and best_length / len(text) > self.settings.cache_threshold:
+                worker, decision = best, "hit"
+            else:
+                worker = min(workers, key=lambda w: (self.tree(w).size, w.in_flight))
+                decision = "miss"
+        self.tree(worker).insert(text)
+        return Choice(worker, decision)
+
+
+def make_policy(name: str, cache_settings: CacheAwareSettings | None = None) -> Policy:
+    if name == "cache_aware":
+        return CacheAwarePolicy(cache_settings)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "power_of_two":
+        return PowerOfTwoPolicy()
+    if name == "random":
+        return RandomPolicy()
+    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

@@ -1,0 +1,121 @@
+"""Reads a generation request: validates what the router relies on, derives its routing text.
+
+The engine validates everything else; the router only needs the JSON object, the `stream`
+flag and a text whose prefixes mirror the prompt's, for the cache-aware policy.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kubesgl.router.errors import bad_request
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+GENERATE_PATH = "/generate"
+GENERATION_PATHS = (CHAT_PATH, COMPLETIONS_PATH, GENERATE_PATH)
+
+# Separators that cannot occur in ordinary text keep message boundaries apart in the key.
+_ROLE_SEP, _MESSAGE_SEP = "\x1f", "\x1e"
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    path: str
+    body: dict[str, Any]
+    raw: bytes
+    routing_text: str
+    stream: bool
+    batched: bool  # more than one prompt (a list of prompts) or `n` > 1
+
+
+def _token_ids_text(ids: list[Any], param: str) -> str:
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise bad_request(f"`{param}` must be a list of non-negative integers", param)
+    # One character per token id: prefixes of ids become prefixes of text.
+    return "".join(chr(i % 0x110000) for i in ids)
+
+
+def _prompt_text(prompt: Any, param: str) -> tuple[str, bool]:
+    """Text of a `prompt`/`text`/`input_ids` value, and whether it holds several prompts."""
+    if isinstance(prompt, str):
+        return prompt, False
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return prompt[0], len(prompt) > 1
+        if all(isinstance(p, list) for p in prompt):
+            return _token_ids_text(prompt[0], param), len(prompt) > 1
+        return _token_ids_text(prompt, param), False
+    raise bad_request(
+        f"`{param}` must be a string, a list of strings, or a non-empty list of token ids", param
+    )
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise bad_request(f"messages[{index}].content parts must be objects", "messages")
+            text = part.get("text")
+            parts.append(text if isinstance(text, str) else json.dumps(part, sort_keys=True))
+        return "".join(parts)
+    raise bad_request(f"messages[{index}].content must be a string or a list of parts", "messages")
+
+
+def _chat_text(body: dict[str, Any]) -> str:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` must be a non-empty list of messages", "messages")
+    pieces = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(f"messages[{index}] must be an object with a `role`", "messages")
+        text = _content_text(message.get("content"), index)
+        pieces.append(message["role"] + _ROLE_SEP + text + _MESSAGE_SEP)
+    return "".join(pieces)
+
+
+def _sample_count(value: Any, param: str) -> int:
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise bad_request(f"`{param}` must be a positive integer", param)
+    return value
+
+
+def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("`stream` must be true or false", "stream")
+    n = _sample_count(body.get("n"), "n")
+
+    if path == CHAT_PATH:
+        text, several = _chat_text(body), False
+    elif path == COMPLETIONS_PATH:
+        if "prompt" not in body:
+            raise bad_request("`prompt` is required", "prompt")
+        text, several = _prompt_text(body["prompt"], "prompt")
+    else:
+        if "text" in body:
+            text, several = _prompt_text(body["text"], "text")
+        elif "input_ids" in body:
+            text, several = _prompt_text(body["input_ids"], "input_ids")
+        else:
+            raise bad_request("`text` or `input_ids` is required", "text")
+        sampling = body.get("sampling_params", {})
+        if not isinstance(sampling, dict):
+            raise bad_request("`sampling_params` must be an object", "sampling_params")
+        if "n" in sampling:
+            n = _sample_count(sampling["n"], "sampling_params.n")
+    return ParsedRequest(path, body, raw, text, stream, several or n > 1)

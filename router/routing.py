@@ -1,0 +1,141 @@
+"""Picks workers for a request and retries elsewhere while nothing has reached the client."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from kubesgl.router.errors import RouterError, bad_request, no_worker
+from kubesgl.router.metrics import RouterMetrics
+from kubesgl.router.pd import PrefillDecodePair
+from kubesgl.router.policies import Choice, Policy
+from kubesgl.router.request_parsing import ParsedRequest
+from kubesgl.router.upstream import Headers, Reply, UpstreamClient, UpstreamError
+from kubesgl.router.workers import Role, Worker, WorkerRegistry
+
+
+@dataclass(frozen=True)
+class RetrySettings:
+    max_retries: int = 3
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+    multiplier: float = 2.0
+    jitter: float = 0.2  # +-20%: retries of many requests do not land in lockstep
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0 or self.initial_backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("retry counts and backoffs must not be negative")
+        if self.multiplier < 1 or not 0 <= self.jitter < 1:
+            raise ValueError("the backoff multiplier must be >= 1 and the jitter in [0, 1)")
+
+    def backoff_s(self, retry: int) -> float:
+        delay = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**retry)
+        return delay * random.uniform(1 - self.jitter, 1 + self.jitter)
+
+
+@dataclass(frozen=True)
+class Policies:
+    mixed: Policy
+    prefill: Policy
+    decode: Policy
+
+    def all(self) -> tuple[Policy, Policy, Policy]:
+        return (self.mixed, self.prefill, self.decode)
+
+
+class Forwarder:
+    def __init__(
+        self,
+        workers: WorkerRegistry,
+        policies: Policies,
+        upstream: UpstreamClient,
+        metrics: RouterMetrics,
+        retry: RetrySettings,
+    ) -> None:
+        self.workers = workers
+        self.policies = policies
+        self.upstream = upstream
+        self.metrics = metrics
+        self.retry = retry
+        self.pd = PrefillDecodePair(upstream)
+        for policy in policies.all():
+            workers.on_removed(policy.forget)
+
+    async def generate(self, request: ParsedRequest, headers: Headers) -> Reply:
+        if self.workers.is_disaggregated():
+            if request.batched:
+                raise bad_request(
+                    "in prefill/decode mode each request carries one prompt and n=1; "
+                    "send several prompts as separate requests"
+                )
+            return await self._with_retries(lambda excluded: self._pd_once(request, headers, excluded))
+        return await self._with_retries(lambda excluded: self._mixed_once(request, headers, excluded))
+
+    async def models(self, headers: Headers) -> Reply:
+        """GET /v1/models from the least loaded worker that answers it."""
+        role = Role.DECODE if self.workers.is_disaggregated() else Role.MIXED
+
+        async def once(excluded: set[Worker]) -> Reply:
+            candidates = self._candidates(role, excluded)
+            worker = min(candidates, key=lambda w: w.in_flight)
+            return await self.upstream.exchange(worker, "GET", "/v1/models", None, headers, stream=False)
+
+        return await self._with_retries(once)
+
+    async def _with_retries(self, once: Callable[[set[Worker]], Awaitable[Reply]]) -> Reply:
+        excluded: set[Worker] = set()
+        retry = 0
+        while True:
+            try:
+                return await once(excluded)
+            except UpstreamError as error:
+                if not error.retryable or retry >= self.retry.max_retries:
+                    raise
+                excluded.add(error.worker)
+                self.metrics.retries.inc()
+                await asyncio.sleep(self.retry.backoff_s(retry))
+                retry += 1
+
+    def _candidates(self, role: Role, excluded: set[Worker]) -> list[Worker]:
+        available = self.workers.available(role)
+        if not available:
+            self.metrics.requests.labels("", "503").inc()
+            raise self._no_worker_error(role)
+        # Workers that just failed this request go last, not away: they may be all there is.
+        return [w for w in available if w not in excluded] or available
+
+    def _no_worker_error(self, role: Role) -> RouterError:
+        registered = self.workers.with_role(role)
+        label = "" if role is Role.MIXED else f"{role.value} "
+        if not registered:
+            return no_worker(f"no {label}worker is registered")
+        unhealthy = sum(not w.healthy for w in registered)
+        return no_worker(
+            f"no {label}worker can serve: {len(registered)} registered, {unhealthy} failing "
+            f"health checks, {len(registered) - unhealthy} with an open circuit breaker"
+        )
+
+    def _choose(self, role: Role, policy: Policy, text: str, excluded: set[Worker]) -> Worker:
+        choice: Choice = policy.choose(self._candidates(role, excluded), text)
+        if choice.decision is not None:
+            self.metrics.cache_decisions.labels(choice.decision).inc()
+        return choice.worker
+
+    async def _mixed_once(
+        self, request: ParsedRequest, headers: Headers, excluded: set[Worker]
+    ) -> Reply:
+        worker = self._choose(Role.MIXED, self.policies.mixed, request.routing_text, excluded)
+        return await self.upstream.exchange(
+            worker, "POST", request.path, request.raw, headers, stream=request.stream
+        )
+
+    async def _pd_once(self, request: ParsedRequest, headers: Headers, excluded: set[Worker]) -> Reply:
+        text = request.routing_text
+        # Check both pools before choosing, so that a policy never records a pair never sent.
+        self._candidates(Role.PREFILL, excluded)
+        self._candidates(Role.DECODE, excluded)
+        prefill = self._choose(Role.PREFILL, self.policies.prefill, text, excluded)
+        decode = self._choose(Role.DECODE, self.policies.decode, text, excluded)
+        return await self.pd.exchange(request, prefill, decode, headers)

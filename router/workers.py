@@ -1,0 +1,150 @@
+"""The pool of workers: who they are, whether they can serve, and how loaded they are."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from urllib.parse import urlsplit
+
+from kubesgl.router.breaker import CircuitBreaker
+
+log = logging.getLogger("kubesgl.router")
+
+# The engine's default `--disaggregation-bootstrap-port` (DESIGN.md, command line).
+DEFAULT_BOOTSTRAP_PORT = 8998
+
+
+class Role(str, Enum):
+    MIXED = "mixed"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def normalize_url(url: str) -> str:
+    """`host:port` or `http://host:port/` -> `http://host:port`; rejects anything else."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not a worker URL: {url!r} (expected http://HOST:PORT)")
+    if parts.path or parts.query or parts.fragment:
+        raise ValueError(f"a worker URL has no path or query: {url!r}")
+    if parts.port == 0:  # reading .port also raises ValueError for a malformed port
+        raise ValueError(f"a worker URL needs a real port: {url!r}")
+    return url
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: Role
+    breaker: CircuitBreaker
+    bootstrap_port: int | None = None  # prefill workers only
+    source: str = "static"  # static | admin | kubernetes
+    healthy: bool = False  # false until the first health check passes
+    in_flight: int = 0
+    health_failures: int = 0  # consecutive failed health checks
+    health_successes: int = 0  # consecutive passed health checks
+
+    @property
+    def host(self) -> str:
+        """The address a decode engine uses to reach this worker's bootstrap server."""
+        return urlsplit(self.url).hostname or ""
+
+    def can_serve(self) -> bool:
+        return self.healthy and self.breaker.allows_requests()
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "url": self.url,
+            "role": self.role.value,
+            "bootstrap_port": self.bootstrap_port,
+            "source": self.source,
+            "healthy": self.healthy,
+            "circuit": self.breaker.state.value,
+            "in_flight": self.in_flight,
+        }
+
+
+@dataclass
+class WorkerRegistry:
+    """Workers by URL. Every change wakes up whoever waits in `wait_for`."""
+
+    make_breaker: Callable[[], CircuitBreaker] = CircuitBreaker
+    _workers: dict[str, Worker] = field(default_factory=dict)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _on_added: list[Callable[[Worker], None]] = field(default_factory=list)
+    _on_removed: list[Callable[[Worker], None]] = field(default_factory=list)
+
+    def on_added(self, callback: Callable[[Worker], None]) -> None:
+        self._on_added.append(callback)
+
+    def on_removed(self, callback: Callable[[Worker], None]) -> None:
+        self._on_removed.append(callback)
+
+    def add(
+        self, url: str, role: Role, bootstrap_port: int | None = None, source: str = "static"
+    ) -> Worker:
+        """Adds a worker, or replaces one with the same URL whose role or port changed."""
+        url = normalize_url(url)
+        if role is Role.PREFILL and bootstrap_port is None:
+            bootstrap_port = DEFAULT_BOOTSTRAP_PORT
+        if role is not Role.PREFILL:
+            bootstrap_port = None
+        existing = self._workers.get(url)
+        if existing is not None:
+            if existing.role is role and existing.bootstrap_port == bootstrap_port:
+                return existing
+            self.remove(url)
+        worker = Worker(url, role, self.make_breaker(), bootstrap_port, source)
+        self._workers[url] = worker
+        log.info("worker added: %s (%s, from %s)", url, role.value, source)
+        for callback in self._on_added:
+            callback(worker)
+        self._notify()
+        return worker
+
+    def remove(self, url: str) -> Worker | None:
+        worker = self._workers.pop(normalize_url(url), None)
+        if worker is not None:
+            log.info("worker removed: %s", worker.url)
+            for callback in self._on_removed:
+                callback(worker)
+            self._notify()
+        return worker
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(normalize_url(url))
+
+    def all(self) -> list[Worker]:
+        return list(self._workers.values())
+
+    def with_role(self, role: Role) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role is role]
+
+    def available(self, role: Role) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role is role and w.can_serve()]
+
+    def is_disaggregated(self) -> bool:
+        """P/D mode as soon as any prefill or decode worker is registered, healthy or not."""
+        return any(w.role is not Role.MIXED for w in self._workers.values())
+
+    def set_healthy(self, worker: Worker, healthy: bool) -> None:
+        if worker.healthy != healthy:
+            worker.healthy = healthy
+            level = logging.INFO if healthy else logging.WARNING
+            log.log(level, "worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy")
+            self._notify()
+
+    async def wait_for(self, condition: Callable[[], bool]) -> None:
+        """Returns once `condition()` holds; re-checked after every change of the pool."""
+        while not condition():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()

@@ -1,0 +1,260 @@
+"""Fake engines for the router tests: real HTTP servers on loopback ports that imitate the
+engine's surface (/health, /metrics, /v1/models, SSE and JSON completions) and, in P/D mode,
+check the bootstrap fields and hand a "KV cache" from prefill to decode through a shared table.
+
+They run in the test's event loop, so tests can await what happens inside them, and `kill()`
+aborts every connection at once, as a crashed process would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "fake_error", "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+@dataclass
+class KVTransferTable:
+    """Rooms a fake prefill has filled, keyed by (bootstrap host, bootstrap port, room)."""
+
+    rooms: dict[tuple[str, int, int], asyncio.Future[str]] = field(default_factory=dict)
+
+    def _room(self, key: tuple[str, int, int]) -> asyncio.Future[str]:
+        if key not in self.rooms:
+            self.rooms[key] = asyncio.get_running_loop().create_future()
+        return self.rooms[key]
+
+    def fill(self, key: tuple[str, int, int], prefill_name: str) -> None:
+        self._room(key).set_result(prefill_name)
+
+    async def wait(self, key: tuple[str, int, int], timeout: float) -> str:
+        return await asyncio.wait_for(asyncio.shield(self._room(key)), timeout)
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        name: str,
+        role: str = "mixed",
+        *,
+        tokens: int = 4,
+        kv: KVTransferTable | None = None,
+        bootstrap_port: int = 8998,
+        prefix_cache_chars: int = 0,
+    ) -> None:
+        self.name = name
+        self.role = role
+        self.tokens = tokens
+        self.kv = kv
+        self.bootstrap_port = bootstrap_port
+        self.port = _free_port()
+        self.healthy = True
+        self.fail_status: int | None = None  # answer every generation request with this error
+        # While set to an unset Event, answers pause (streams after their first chunk) until it is set.
+        self.hold: asyncio.Event | None = None
+        self.hold_after_chunks = 1
+        self.requests: list[dict[str, Any]] = []
+        self.stream_started = asyncio.Event()
+        self.client_gone = asyncio.Event()  # a client hung up mid-answer
+        self._received = asyncio.Event()
+        self._runner: web.AppRunner | None = None
+        # Simulated prefix cache, bounded like a real KV pool: recent prompts (LRU order), and
+        # the share of prompt characters found cached. 0 turns it off.
+        self.prefix_cache_chars = prefix_cache_chars
+        self._cached_prompts: dict[str, None] = {}
+        self._prompt_chars = 0
+        self._cached_chars = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def prefix_cache_hit_ratio(self) -> float:
+        return self._cached_chars / self._prompt_chars if self._prompt_chars else 0.0
+
+    async def start(self) -> FakeEngine:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+            app.router.add_post(path, self._generate)
+        self._runner = web.AppRunner(
+            # handler_cancellation: a client hanging up cancels the handler, as in an engine
+            app, shutdown_timeout=0.2, access_log=None, handler_cancellation=True
+        )
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
+        return self
+
+    async def kill(self) -> None:
+        """Every connection is cut at once and the port stops listening, like a crash."""
+        assert self._runner is not None
+        for connection in self._runner.server.connections if self._runner.server else []:
+            if connection.transport is not None:
+                connection.transport.abort()
+        await self._runner.cleanup()
+        self._runner = None
+
+    async def restart(self) -> None:
+        await self.start()
+
+    async def wait_for_requests(self, count: int) -> None:
+        while len(self.requests) < count:
+            self._received.clear()
+            await self._received.wait()
+
+    # -- handlers ----------------------------------------------------------------------------
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"}) if self.healthy else _error(503, "not ready")
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = (
+            f'kubesgl_prefix_cache_hit_ratio{{role="{self.role}"}} {self.prefix_cache_hit_ratio}\n'
+            f'kubesgl_prompt_tokens_total{{role="{self.role}"}} {self._prompt_chars}\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append({"path": request.path, "body": body, "headers": dict(request.headers)})
+        self._received.set()
+        if self.fail_status is not None:
+            return _error(self.fail_status, f"{self.name} fails on purpose")
+        if self.prefix_cache_chars:
+            self._record_prompt(_prompt_of(request.path, body))
+        if self.role == "prefill":
+            return await self._prefill(request, body)
+        if self.role == "decode":
+            problem = _bootstrap_problem(body)
+            if problem:
+                return _error(400, problem)
+            key = (body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"])
+            assert self.kv is not None
+            try:
+                await self.kv.wait(key, timeout=5.0)
+            except TimeoutError:
+                return _error(500, f"{self.name}: KV cache of room {key[2]} never arrived")
+            except asyncio.CancelledError:
+                self.client_gone.set()
+                raise
+        if body.get("stream"):
+            return await self._stream(request)
+        if self.hold is not None:
+            try:
+                await self.hold.wait()
+            except asyncio.CancelledError:
+                self.client_gone.set()
+                raise
+        return web.json_response(self._completion(request.path))
+
+    async def _prefill(self, request: web.Request, body: dict[str, Any]) -> web.Response:
+        problem = _bootstrap_problem(body)
+        if problem:
+            return _error(400, problem)
+        if body["bootstrap_host"] != "127.0.0.1" or body["bootstrap_port"] != self.bootstrap_port:
+            return _error(400, f"{self.name}: bootstrap address is not mine")
+        assert self.kv is not None
+        self.kv.fill((body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"]), self.name)
+        if self.hold is not None:  # the KV cache is sent, the answer is not
+            await self.hold.wait()
+        return web.json_response(self._completion(request.path))
+
+    def _text(self, index: int) -> str:
+        return f"{self.name}-tok{index} "
+
+    def _completion(self, path: str) -> dict[str, Any]:
+        text = "".join(self._text(i) for i in range(self.tokens))
+        if path == "/v1/chat/completions":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+            return {"id": "chatcmpl-fake", "object": "chat.completion", "model": "fake-model",
+                    "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": self.tokens, "total_tokens": 1 + self.tokens}}  # fmt: skip
+        if path == "/v1/completions":
+            return {"id": "cmpl-fake", "object": "text_completion", "model": "fake-model",
+                    "choices": [{"index": 0, "text": text, "finish_reason": "stop"}]}  # fmt: skip
+        return {"text": text, "meta_info": {"finish_reason": {"type": "stop"}}}
+
+    def _chunk(self, path: str, index: int) -> bytes:
+        text = self._text(index)
+        if path == "/v1/chat/completions":
+            payload = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": "fake-model",
+                       "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}  # fmt: skip
+        elif path == "/v1/completions":
+            payload = {"id": "cmpl-fake", "object": "text_completion", "model": "fake-model",
+                       "choices": [{"index": 0, "text": text, "finish_reason": None}]}  # fmt: skip
+        else:
+            payload = {"text": text}
+        return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            for index in range(self.tokens):
+                await response.write(self._chunk(request.path, index))
+                self.stream_started.set()
+                if index + 1 == self.hold_after_chunks and self.hold is not None:
+                    await self.hold.wait()
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.client_gone.set()
+            raise
+        return response
+
+    def _record_prompt(self, prompt: str) -> None:
+        cached = max((_common_prefix(prompt, seen) for seen in self._cached_prompts), default=0)
+        self._prompt_chars += len(prompt)
+        self._cached_chars += cached
+        self._cached_prompts.pop(prompt, None)
+        self._cached_prompts[prompt] = None
+        while sum(map(len, self._cached_prompts)) > self.prefix_cache_chars:
+            del self._cached_prompts[next(iter(self._cached_prompts))]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _prompt_of(path: str, body: dict[str, Any]) -> str:
+    if path == "/v1/chat/completions":
+        return "".join(f"{m['role']}:{m['content']}\n" for m in body["messages"])
+    return body.get("prompt") or body.get("text") or ""
+
+
+def _bootstrap_problem(body: dict[str, Any]) -> str | None:
+    host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
+    if not isinstance(host, str) or not host:
+        return "bootstrap_host must be a non-empty string"
+    if not isinstance(port, int) or isinstance(port, bool):
+        return "bootstrap_port must be an integer"
+    if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
+        return "bootstrap_room must be a 63-bit non-negative integer"
+    return None

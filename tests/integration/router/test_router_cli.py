@@ -1,0 +1,73 @@
+"""`kubesgl router` as a real process, driven with the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_until_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+    """Polls /health: the only readiness signal another process offers."""
+    async with httpx.AsyncClient() as client, asyncio.timeout(timeout):
+        while True:
+            assert process.poll() is None, "the router exited"
+            try:
+                if (await client.get(url + "/health")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.asyncio
+async def test_router_process_serves_openai_clients(engines):
+    a, b = await engines("a", tokens=3), await engines("b", tokens=3)
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubesgl", "router", "--worker", a.url, b.url, "--port", str(port),
+         "--policy", "round_robin", "--health-check-interval", "0.2", "--log-level", "warning"],  # fmt: skip
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_until_ready(url, process)
+        sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        completion = await sdk.completions.create(model="fake-model", prompt="hi", max_tokens=3)
+        stream = await sdk.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        streamed = "".join([chunk.choices[0].delta.content async for chunk in stream])
+        models = await sdk.models.list()
+        with pytest.raises(openai.BadRequestError) as bad:
+            await sdk.chat.completions.create(model="fake-model", messages=[])
+        await sdk.close()
+    finally:
+        process.terminate()
+        # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught.
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+    assert completion.choices[0].text.startswith(("a-tok0", "b-tok0"))
+    assert streamed.count("-tok") == 3
+    assert [m.id for m in models.data] == ["fake-model"]
+    assert "messages" in str(bad.value)
+    assert len(a.requests) + len(b.requests) == 2 and a.requests and b.requests
+
+
+def test_bad_command_lines_exit_with_a_usage_error():
+    run = subprocess.run(
+        [sys.executable, "-m", "kubesgl", "router", "--worker", "http://a:1", "--decode", "http://d:1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2 and "not both" in run.stderr

@@ -1,0 +1,145 @@
+"""Prefill/decode mode against fake prefill and decode engines that check the bootstrap fields."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytestmark = pytest.mark.asyncio
+
+BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
+
+
+async def pd_pool(engines, kv_table, prefills=1, decodes=1):
+    p = [await engines(f"p{i}", "prefill", kv=kv_table, bootstrap_port=9100 + i) for i in range(prefills)]
+    d = [await engines(f"d{i}", "decode", kv=kv_table, tokens=3) for i in range(decodes)]
+    return p, d
+
+
+def pd_config(prefill, decode, **overrides):
+    return {
+        "prefill": [(e.url, e.bootstrap_port) for e in prefill],
+        "decode": [e.url for e in decode],
+        **overrides,
+    }
+
+
+async def test_streamed_answer_comes_from_decode_with_bootstrap_fields(engines, kv_table, start_router, client):
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/chat/completions", json={**BODY, "stream": True})
+    assert response.status_code == 200
+    events = [line for line in response.text.splitlines() if line]
+    contents = [json.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:-1]]
+    assert contents == ["d0-tok0 ", "d0-tok1 ", "d0-tok2 "] and events[-1] == "data: [DONE]"
+    prefill_body, decode_body = p.requests[0]["body"], d.requests[0]["body"]
+    assert prefill_body == decode_body  # one request, sent to both
+    assert prefill_body["bootstrap_host"] == "127.0.0.1"
+    assert prefill_body["bootstrap_port"] == p.bootstrap_port
+    assert 0 <= prefill_body["bootstrap_room"] < 2**63
+    assert {k: v for k, v in prefill_body.items() if not k.startswith("bootstrap_")} == {**BODY, "stream": True}
+
+
+async def test_pairs_spread_and_rooms_differ(engines, kv_table, start_router, client):
+    prefills, decodes = await pd_pool(engines, kv_table, prefills=2, decodes=2)
+    async with start_router(**pd_config(prefills, decodes, policy="round_robin")) as router:
+        await router.ready()
+        for i in range(4):
+            response = await client.post(router.url + "/generate", json={"text": f"q{i}"})
+            assert response.status_code == 200 and response.json()["text"].startswith("d")
+    rooms = [r["body"]["bootstrap_room"] for e in prefills for r in e.requests]
+    assert len(set(rooms)) == 4
+    assert all(len(e.requests) == 2 for e in prefills + decodes)
+    # Each prefill is announced with its own bootstrap port.
+    for e in prefills:
+        assert {r["body"]["bootstrap_port"] for r in e.requests} == {e.bootstrap_port}
+
+
+async def test_prefill_client_error_reaches_the_client_and_stops_decode(engines, kv_table, start_router, client):
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.fail_status = 400
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/chat/completions", json={**BODY, "stream": True})
+        assert response.status_code == 400
+        assert response.json()["error"]["message"] == "p0 fails on purpose"
+        async with asyncio.timeout(2):  # well before the decode's own 5 s KV timeout
+            await d.client_gone.wait()
+        assert all(w.in_flight == 0 for w in router.app.workers.all())
+
+
+async def test_prefill_server_error_names_the_prefill_worker(engines, kv_table, start_router, client):
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.fail_status = 500
+    async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 500
+    assert response.json()["error"]["message"].startswith(f"prefill worker {p.url} answered 500")
+
+
+async def test_decode_error_names_the_decode_worker(engines, kv_table, start_router, client):
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    d.fail_status = 503
+    async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x", "stream": True})
+    assert response.status_code == 503
+    assert response.json()["error"]["message"].startswith(f"decode worker {d.url} answered 503")
+
+
+async def test_dead_prefill_is_retried_on_another(engines, kv_table, start_router, client):
+    (p0, p1), (d,) = await pd_pool(engines, kv_table, prefills=2)
+    async with start_router(**pd_config([p0, p1], [d], policy="round_robin")) as router:
+        await router.all_healthy()
+        await p0.kill()
+        for _ in range(3):
+            response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 200
+    assert len(p1.requests) == 3
+
+
+async def test_prefill_dying_mid_stream_ends_the_stream_with_an_error(engines, kv_table, start_router, client):
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.hold = asyncio.Event()  # the prefill sends the KV cache, then never answers
+    d.hold = asyncio.Event()
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        body = {"prompt": "x", "stream": True}
+        async with client.stream("POST", router.url + "/v1/completions", json=body) as response:
+            lines = (line async for line in response.aiter_lines() if line)
+            assert "d0-tok0" in await anext(lines)
+            await p.kill()
+            async with asyncio.timeout(5):  # the decode worker is still holding its answer
+                rest = [line async for line in lines]
+    error = json.loads(rest[-1].removeprefix("data: "))["error"]
+    assert p.url in error["message"] and "prefill" in error["message"]
+    async with asyncio.timeout(2):
+        await d.client_gone.wait()
+
+
+async def test_batched_requests_are_refused_in_pd_mode(engines, kv_table, start_router, client):
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        several = await client.post(router.url + "/v1/completions", json={"prompt": ["a", "b"]})
+        with_n = await client.post(router.url + "/v1/completions", json={"prompt": "a", "n": 2})
+    assert several.status_code == 400 and with_n.status_code == 400
+    assert "one prompt" in several.json()["error"]["message"]
+    assert p.requests == [] and d.requests == []
+
+
+async def test_health_needs_both_roles(engines, kv_table, start_router, client):
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        assert (await client.get(router.url + "/health")).status_code == 200
+        p.healthy = False
+        async with asyncio.timeout(5):
+            await router.app.workers.wait_for(lambda: not router.app.can_serve())
+        assert (await client.get(router.url + "/health")).status_code == 503
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503 and "no prefill worker can serve" in response.json()["error"]["message"]

@@ -1,0 +1,159 @@
+"""The router in mixed mode in front of fake engines: the engine's HTTP surface, unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.asyncio
+
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+async def test_non_streaming_chat_is_answered_by_a_worker(engines, start_router, client):
+    a = await engines("a")
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"].startswith("a-tok0")
+    assert a.requests[0]["body"] == CHAT
+    assert len(response.headers.get_list("date")) == 1  # the router's, not also the worker's
+
+
+async def test_each_generation_route_is_forwarded(engines, start_router, client):
+    a = await engines("a")
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        completion = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        generate = await client.post(router.url + "/generate", json={"text": "x"})
+        models = await client.get(router.url + "/v1/models")
+    assert completion.json()["choices"][0]["text"].startswith("a-tok0")
+    assert generate.json()["text"].startswith("a-tok0")
+    assert models.json()["data"][0]["id"] == "fake-model"
+    assert [r["path"] for r in a.requests] == ["/v1/completions", "/generate"]
+
+
+async def test_openai_sdk_streams_through_the_router(engines, start_router):
+    a = await engines("a", tokens=5)
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        sdk = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
+        stream = await sdk.chat.completions.create(
+            model="fake-model", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
+        pieces = [chunk.choices[0].delta.content async for chunk in stream]
+        await sdk.close()
+    assert pieces == [f"a-tok{i} " for i in range(5)]
+
+
+async def test_stream_chunks_reach_the_client_before_the_worker_finishes(engines, start_router, client):
+    a = await engines("a", tokens=4)
+    a.hold, a.hold_after_chunks = asyncio.Event(), 2
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        body = {"prompt": "x", "stream": True}
+        async with client.stream("POST", router.url + "/v1/completions", json=body) as response:
+            events = (line async for line in response.aiter_lines() if line)
+            async with asyncio.timeout(5):  # buffering would hold these until the worker ends
+                first, second = await anext(events), await anext(events)
+            assert not a.hold.is_set()
+            texts = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in (first, second)]
+            assert texts == ["a-tok0 ", "a-tok1 "]
+            a.hold.set()
+            rest = [line async for line in events]
+    assert rest == [rest[0], rest[1], "data: [DONE]"] and "a-tok3" in rest[1]
+
+
+async def test_client_disconnect_cancels_the_upstream_request(engines, start_router):
+    a = await engines("a", tokens=3)
+    a.hold = asyncio.Event()
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        async with httpx.AsyncClient() as own_client:
+            body = {"prompt": "x", "stream": True}
+            async with own_client.stream("POST", router.url + "/v1/completions", json=body) as response:
+                await anext(response.aiter_lines())
+        # The client is gone (its connection closed); the worker must see its request dropped.
+        async with asyncio.timeout(5):
+            await a.client_gone.wait()
+        assert router.app.workers.all()[0].in_flight == 0
+
+
+async def test_client_disconnect_while_waiting_for_a_non_streaming_answer(engines, start_router):
+    a = await engines("a")
+    a.hold = asyncio.Event()
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        async with httpx.AsyncClient() as own_client:
+            pending = asyncio.ensure_future(
+                own_client.post(router.url + "/v1/completions", json={"prompt": "x"})
+            )
+            await a.wait_for_requests(1)
+            pending.cancel()  # closes the client's connection while the worker still works
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+        async with asyncio.timeout(5):
+            await a.client_gone.wait()
+        assert router.app.workers.all()[0].in_flight == 0
+
+
+async def test_bad_json_is_a_400_with_an_openai_error_body(engines, start_router, client):
+    a = await engines("a")
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        not_json = await client.post(router.url + "/v1/chat/completions", content=b"{nope")
+        no_messages = await client.post(router.url + "/v1/chat/completions", json={"model": "m"})
+        bad_stream = await client.post(router.url + "/v1/completions", json={"prompt": "x", "stream": "yes"})
+    for response in (not_json, no_messages, bad_stream):
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == 400
+    assert no_messages.json()["error"]["param"] == "messages"
+    assert a.requests == []  # bad input never reaches a worker
+
+
+async def test_worker_errors_pass_through_unchanged(engines, start_router, client):
+    a = await engines("a")
+    a.fail_status = 400
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "a fails on purpose"
+
+
+async def test_no_worker_is_a_503_with_a_clear_message(start_router, client):
+    async with start_router() as router:
+        health = await client.get(router.url + "/health")
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+    assert health.status_code == 503
+    assert response.status_code == 503
+    error = response.json()["error"]
+    assert error["code"] == 503 and "no worker is registered" in error["message"]
+
+
+async def test_unknown_route_and_wrong_method(start_router, client):
+    async with start_router() as router:
+        missing = await client.get(router.url + "/nope")
+        wrong = await client.get(router.url + "/v1/completions")
+    assert missing.status_code == 404 and wrong.status_code == 405
+    assert "POST" in wrong.json()["error"]["message"]
+
+
+async def test_metrics_expose_the_router_series(engines, start_router, client):
+    a = await engines("a")
+    async with start_router(workers=[a.url], policy="cache_aware") as router:
+        await router.ready()
+        await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        text = (await client.get(router.url + "/metrics")).text
+    assert f'kubesgl_router_requests_total{{status="200",worker="{a.url}"}} 1.0' in text
+    assert f'kubesgl_router_worker_healthy{{worker="{a.url}"}} 1.0' in text
+    assert f'kubesgl_router_worker_load{{worker="{a.url}"}} 0.0' in text
+    assert 'kubesgl_router_cache_decisions_total{decision="miss"} 1.0' in text
+    assert "kubesgl_router_request_duration_seconds_count 1.0" in text
+    assert "kubesgl_router_retries_total 0.0" in text

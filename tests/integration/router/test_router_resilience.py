@@ -1,0 +1,162 @@
+"""Failures: a worker killed mid-run, failing workers, health checks, circuit breaker, admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+pytestmark = pytest.mark.asyncio
+
+
+def served_by(response) -> str:
+    return response.json()["choices"][0]["text"].split("-tok")[0]
+
+
+async def test_worker_killed_mid_run(engines, start_router, client):
+    a, b, c = await engines("a"), await engines("b", tokens=3), await engines("c")
+    b.hold = asyncio.Event()
+    async with start_router(workers=[b.url], policy="round_robin") as router:
+        await router.ready()
+        # A stream that b has started, and a plain request b is still working on.
+        stream_cm = client.stream("POST", router.url + "/v1/completions", json={"prompt": "s", "stream": True})
+        stream = await stream_cm.__aenter__()
+        lines = (line async for line in stream.aiter_lines() if line)
+        assert "b-tok0" in await anext(lines)
+        pending = asyncio.ensure_future(client.post(router.url + "/v1/completions", json={"prompt": "n"}))
+        await b.wait_for_requests(2)
+        for other in (a, c):
+            added = await client.post(router.url + "/workers", json={"url": other.url})
+            assert added.status_code == 200
+        await router.all_healthy()
+
+        await b.kill()
+
+        # The stream already coming from b ends with an error event (and no [DONE]).
+        rest = [line async for line in lines]
+        await stream_cm.__aexit__(None, None, None)
+        assert len(rest) == 1 and rest[0] != "data: [DONE]"
+        error = json.loads(rest[0].removeprefix("data: "))["error"]
+        assert b.url in error["message"] and error["code"] == 502
+        # The request that had not started streaming is answered by another worker.
+        answer = await pending
+        assert answer.status_code == 200 and served_by(answer) in ("a", "c")
+        # New requests all go to the survivors.
+        for _ in range(6):
+            response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 200 and served_by(response) in ("a", "c")
+        metrics = (await client.get(router.url + "/metrics")).text
+        assert "kubesgl_router_retries_total 0.0" not in metrics
+        assert f'kubesgl_router_requests_total{{status="error",worker="{b.url}"}}' in metrics
+
+        # After a restart, b rejoins: health checks pass and requests reach it again.
+        b.hold = None
+        before = len(b.requests)
+        await b.restart()
+        async with asyncio.timeout(10):
+            await router.app.workers.wait_for(lambda: router.app.workers.get(b.url).healthy)
+            while len(b.requests) == before:  # until its circuit breaker lets a request through
+                response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+                assert response.status_code == 200
+        assert served_by(response) == "b"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_failed_requests_are_retried_on_another_worker(engines, start_router, client, stream):
+    a, b = await engines("a"), await engines("b")
+    a.fail_status = 503
+    async with start_router(workers=[a.url, b.url], policy="round_robin", breaker_cooldown_s=60) as router:
+        await router.ready()
+        for _ in range(4):
+            response = await client.post(router.url + "/v1/completions", json={"prompt": "x", "stream": stream})
+            assert response.status_code == 200
+            assert "b-tok0" in response.text
+        metrics = (await client.get(router.url + "/metrics")).text
+    assert len(a.requests) >= 1
+    assert "kubesgl_router_retries_total 0.0" not in metrics
+
+
+async def test_client_errors_are_not_retried(engines, start_router, client):
+    a, b = await engines("a"), await engines("b")
+    a.fail_status = 400
+    async with start_router(workers=[a.url, b.url], policy="round_robin") as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 400
+    assert len(a.requests) == 1 and b.requests == []
+
+
+async def test_circuit_breaker_keeps_a_failing_worker_out(engines, start_router, client):
+    a, b = await engines("a"), await engines("b")
+    a.fail_status = 500
+    async with start_router(
+        workers=[a.url, b.url], policy="round_robin", breaker_failure_threshold=2, breaker_cooldown_s=60
+    ) as router:
+        await router.ready()
+        for _ in range(10):
+            response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 200
+        listing = (await client.get(router.url + "/workers")).json()["workers"]
+    assert len(a.requests) == 2  # then its circuit opened, although /health still passes
+    state = {w["url"]: (w["healthy"], w["circuit"]) for w in listing}
+    assert state == {a.url: (True, "open"), b.url: (True, "closed")}
+
+
+async def test_all_attempts_failing_returns_the_last_error(engines, start_router, client):
+    a = await engines("a")
+    a.fail_status = 500
+    async with start_router(workers=[a.url], breaker_failure_threshold=100) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 500
+    message = response.json()["error"]["message"]
+    assert a.url in message and "a fails on purpose" in message
+    assert len(a.requests) == 4  # the first attempt and 3 retries
+
+
+async def test_unhealthy_workers_leave_the_pool_and_come_back(engines, start_router, client):
+    a, b = await engines("a"), await engines("b")
+    async with start_router(workers=[a.url, b.url], policy="round_robin") as router:
+        await router.all_healthy()
+        worker_a = router.app.workers.get(a.url)
+        a.healthy = False
+        async with asyncio.timeout(5):
+            await router.app.workers.wait_for(lambda: not worker_a.healthy)
+        for _ in range(4):
+            response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+            assert served_by(response) == "b"
+        b.healthy = False
+        async with asyncio.timeout(5):
+            await router.app.workers.wait_for(lambda: not router.app.can_serve())
+        unavailable = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        assert unavailable.status_code == 503
+        assert "2 failing health checks" in unavailable.json()["error"]["message"]
+        a.healthy = True
+        async with asyncio.timeout(5):
+            await router.app.workers.wait_for(lambda: worker_a.healthy)
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        assert served_by(response) == "a"
+
+
+async def test_admin_endpoints_add_list_and_remove_workers(engines, start_router, client):
+    a = await engines("a")
+    async with start_router(admin_api_key="s3cret") as router:
+        auth = {"Authorization": "Bearer s3cret"}
+        assert (await client.get(router.url + "/workers")).status_code == 401
+        bad = await client.post(router.url + "/workers", json={"url": a.url, "role": "chef"}, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "role"
+        bad_url = await client.post(router.url + "/workers", json={"url": "ftp://x"}, headers=auth)
+        assert bad_url.status_code == 400
+        added = await client.post(router.url + "/workers", json={"url": a.url}, headers=auth)
+        assert added.json()["worker"]["url"] == a.url
+        await router.ready()
+        assert (await client.post(router.url + "/v1/completions", json={"prompt": "x"})).status_code == 200
+        listing = (await client.get(router.url + "/workers", headers=auth)).json()["workers"]
+        assert [(w["url"], w["role"], w["source"]) for w in listing] == [(a.url, "mixed", "admin")]
+        removed = await client.delete(router.url + "/workers", params={"url": a.url}, headers=auth)
+        assert removed.json() == {"removed": a.url}
+        again = await client.delete(router.url + "/workers", params={"url": a.url}, headers=auth)
+        assert again.status_code == 404
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 503

@@ -1,0 +1,69 @@
+import pytest
+
+from kubesgl.router.cli import build_parser, config_from_args
+from kubesgl.router.config import RouterConfig, parse_prefill_spec
+from kubesgl.router.discovery import parse_selector, worker_from_pod
+from kubesgl.router.workers import Role, WorkerRegistry, normalize_url
+
+
+def test_prefill_spec_and_urls():
+    assert parse_prefill_spec("http://p:30000@9000") == ("http://p:30000", 9000)
+    assert parse_prefill_spec("p:30000") == ("http://p:30000", None)
+    with pytest.raises(ValueError):
+        parse_prefill_spec("http://p:30000@port")
+    assert normalize_url("http://h:1/") == "http://h:1"
+    for bad in ("ftp://h:1", "http://h:1/v1", "http://h:port"):
+        with pytest.raises(ValueError):
+            normalize_url(bad)
+
+
+def test_cli_builds_the_config_and_rejects_mixed_modes():
+    args = build_parser().parse_args(
+        ["--prefill", "http://p:1@9000", "--decode", "http://d:1", "--policy", "round_robin",
+         "--decode-policy", "power_of_two", "--cache-threshold", "0.7", "--kube-selector", "a=b", "c=d"]
+    )  # fmt: skip
+    config = config_from_args(args)
+    assert config.prefill == [("http://p:1", 9000)] and config.decode == ["http://d:1"]
+    assert (config.policy, config.decode_policy, config.cache_aware.cache_threshold) == ("round_robin", "power_of_two", 0.7)
+    assert config.kube is not None and config.kube.selector == {"a": "b", "c": "d"}
+    with pytest.raises(ValueError, match="not both"):
+        RouterConfig(workers=["http://w:1"], prefill=[("http://p:1", None)], decode=["http://d:1"])
+    with pytest.raises(ValueError, match="at least one --prefill and one --decode"):
+        RouterConfig(prefill=[("http://p:1", None)])
+    with pytest.raises(ValueError):
+        parse_selector(["novalue"])
+
+
+def pod(role="mixed", *, ready=True, ip="10.0.0.7", annotations=None, labels=None, deleting=False):
+    meta = {"name": "p", "labels": {"app": "x", "kubesgl.io/role": role, **(labels or {})},
+            "annotations": annotations or {}}  # fmt: skip
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status = {"phase": "Running" if ready else "Pending", "podIP": ip,
+              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}  # fmt: skip
+    return {"metadata": meta, "spec": {"containers": [{"ports": [{"name": "metrics", "containerPort": 9}]}]}, "status": status}
+
+
+def test_worker_from_pod():
+    selector = {"app": "x"}
+    worker = worker_from_pod(pod(), selector, 30000)
+    assert worker is not None and (worker.url, worker.role) == ("http://10.0.0.7:30000", Role.MIXED)
+    prefill = worker_from_pod(pod("prefill", annotations={"kubesgl.io/bootstrap-port": "9001"}), selector, 30000)
+    assert prefill is not None and prefill.bootstrap_port == 9001
+    assert worker_from_pod(pod("prefill"), selector, 30000).bootstrap_port == 8998
+    assert worker_from_pod(pod(ip="fd00::1"), selector, 1).url == "http://[fd00::1]:1"
+    for excluded in (pod(ready=False), pod(ip=""), pod(deleting=True), pod("router"),
+                     pod(labels={"app": "y"}), pod("prefill", annotations={"kubesgl.io/bootstrap-port": "x"})):  # fmt: skip
+        assert worker_from_pod(excluded, selector, 30000) is None
+
+
+def test_registry_replaces_a_worker_whose_role_changed_and_reports_mode():
+    registry = WorkerRegistry()
+    removed = []
+    registry.on_removed(removed.append)
+    first = registry.add("http://w:1", Role.MIXED)
+    assert registry.add("http://w:1/", Role.MIXED) is first
+    assert not registry.is_disaggregated()
+    second = registry.add("http://w:1", Role.PREFILL)
+    assert removed == [first] and second.bootstrap_port == 8998 and registry.is_disaggregated()
+    assert registry.add("http://d:1", Role.DECODE, 1234).bootstrap_port is None

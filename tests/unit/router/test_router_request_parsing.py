@@ -1,0 +1,59 @@
+import json
+
+import pytest
+
+from kubesgl.router.errors import RouterError
+from kubesgl.router.request_parsing import parse_generation_request
+
+
+def parse(path: str, body: object):
+    return parse_generation_request(path, json.dumps(body).encode())
+
+
+def test_chat_routing_text_keeps_roles_and_order():
+    a = parse("/v1/chat/completions", {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]})
+    b = parse("/v1/chat/completions", {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "R"}]})
+    assert a.routing_text.startswith("system") and a.routing_text != b.routing_text
+    common = len(a.routing_text) - 2
+    assert a.routing_text[:common] == b.routing_text[:common]
+
+
+def test_content_parts_and_prompts():
+    parts = parse("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert "hi" in parts.routing_text
+    assert parse("/v1/completions", {"prompt": "abc"}).routing_text == "abc"
+    ids = parse("/v1/completions", {"prompt": [1, 2, 3]})
+    assert ids.routing_text == "\x01\x02\x03" and not ids.batched
+    assert parse("/v1/completions", {"prompt": ["a", "b"]}).batched
+    assert parse("/generate", {"input_ids": [[5], [6]]}).batched
+    assert parse("/generate", {"text": "t", "sampling_params": {"n": 3}}).batched
+    assert parse("/v1/completions", {"prompt": "p", "stream": True}).stream
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/completions", {"prompt": [1, "x"]}, "prompt"),
+        ("/v1/completions", {"prompt": [-1]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "stream": 1}, "stream"),
+        ("/generate", {}, "text"),
+        ("/generate", {"text": "x", "sampling_params": []}, "sampling_params"),
+        ("/generate", {"text": "x", "sampling_params": {"n": "2"}}, "sampling_params.n"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_parameter(path, body, param):
+    with pytest.raises(RouterError) as caught:
+        parse(path, body)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+@pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b"\xff"])
+def test_non_object_bodies_are_400(raw):
+    with pytest.raises(RouterError) as caught:
+        parse_generation_request("/v1/completions", raw)
+    assert caught.value.status == 400
