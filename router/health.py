@@ -58,7 +58,7 @@ class HealthChecker:
             async with self.session.get(worker.url + self.settings.path, timeout=timeout) as response:
                 await response.read()
                 passed = response.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             log.debug("health check of %s failed: %r", worker.url, exc)
             passed = False
         if self.workers.get(worker.url) is not worker:

@@ -74,7 +74,7 @@ async def start_router() -> AsyncIterator[Callable[..., contextlib.AbstractAsync
 
 
 @pytest_asyncio.fixture
-async def engines() -> AsyncIterator[Callable[..., "asyncio.Future[FakeEngine]"]]:
+async def engines() -> AsyncIterator[Callable[..., asyncio.Future[FakeEngine]]]:
     """Starts fake engines on demand; every one still running is killed at the end."""
     started: list[FakeEngine] = []
 

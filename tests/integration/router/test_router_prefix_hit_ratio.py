@@ -70,7 +70,7 @@ async def real_engines(model_dir: str, count: int, max_total_tokens: int) -> Asy
     processes = [
         subprocess.Popen(
             [sys.executable, "-m", "kubesgl", "serve", "--model", model_dir, "--port", str(port),
-             "--device", "cpu", "--max-total-tokens", str(max_total_tokens)],  # fmt: skip
+             "--device", "cpu", "--max-total-tokens", str(max_total_tokens), "--served-model-name", "default"],  # fmt: skip
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         for port in ports
@@ -92,8 +92,9 @@ async def test_cache_aware_doubles_the_hit_ratio_on_real_engines(start_router, t
     ratios = {}
     for policy in ("round_robin", "cache_aware"):
         # Fresh engines per policy: the hit ratio counts from an empty cache. The KV pool holds
-        # about two system prompts (the tiny model's tokenizer: ~1.3 tokens per word).
-        async with real_engines(model_dir, 4, max_total_tokens=2 * 600 + 256) as urls:
+        # about two conversations (the tiny model's tokenizer makes 1350-1450 tokens of each).
+        async with real_engines(model_dir, 4, max_total_tokens=2 * 1450 + 300) as urls:
             ratios[policy], gap = await asyncio.wait_for(measure(start_router, urls, policy), 600)
         assert gap <= BALANCE.balance_abs_threshold + 1
+    print(f"prefix cache hit ratio on kubesgl serve engines: {ratios}")
     assert ratios["cache_aware"] >= 2 * ratios["round_robin"], ratios

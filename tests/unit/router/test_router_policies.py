@@ -3,8 +3,8 @@ import pytest
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.policies import (
     CacheAwarePolicy,
-    Choice,
     CacheAwareSettings,
+    Choice,
     PowerOfTwoPolicy,
     RandomPolicy,
     RoundRobinPolicy,
