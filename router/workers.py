@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from urllib.parse import urlsplit
 
 from kubesgl.router.breaker import CircuitBreaker
@@ -17,7 +17,7 @@ log = logging.getLogger("kubesgl.router")
 DEFAULT_BOOTSTRAP_PORT = 8998
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     MIXED = "mixed"
     PREFILL = "prefill"
     DECODE = "decode"
