@@ -30,3 +30,23 @@ def test_rendered_engine_args_parse_with_kubesgl_serve(path):
         args = [a.replace("$(KUBESGL_API_KEY)", "key") for a in container["args"][1:]]
         parsed = build_parser().parse_args(args)
         assert parsed.port == int(container["ports"][0]["containerPort"])
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_rendered_router_args_parse_with_kubesgl_router(path):
+    from kubesgl.router.cli import build_parser, config_from_args
+
+    routers = [c for c in containers(path) if c["args"][0] == "router"]
+    assert len(routers) == 1
+    args = build_parser().parse_args(routers[0]["args"][1:])
+    config_from_args(args)  # the rendered options are consistent, not only parseable
+    assert args.port == int(routers[0]["ports"][0]["containerPort"])
+    assert args.kube_namespace and args.kube_selector  # discovers the engine pods by label
+
+
+def test_engine_pods_name_the_port_the_router_looks_for():
+    """The router finds a pod's engine at the container port named `http`."""
+    for path in EXAMPLES:
+        for container in containers(path):
+            if container["args"][0] == "serve":
+                assert container["ports"][0]["name"] == "http"
