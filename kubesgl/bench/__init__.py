@@ -1,0 +1,1 @@
+"""`kubesgl bench`: load generators for a running kubesgl (or any OpenAI-compatible) server."""

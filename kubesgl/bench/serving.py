@@ -1,0 +1,188 @@
+"""`kubesgl bench serving`: drive a server with a request set at a request rate (Poisson
+arrivals) or a fixed concurrency, streaming every answer, and report TTFT, TPOT, ITL and
+end-to-end latency percentiles with request and token throughputs (printed, and saved as
+JSON). The shape follows SGLang's bench_serving."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from kubesgl.bench.datasets import (
+    BenchRequest,
+    random_requests,
+    shared_prefix_requests,
+    sharegpt_like_requests,
+)
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_len: int
+    output_len: int = 0  # tokens received
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def send(client: httpx.AsyncClient, model: str, request: BenchRequest) -> RequestResult:
+    body = {"model": model, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(ok=False, prompt_len=len(request.prompt))
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error event")
+                    return result
+                if chunk.get("usage"):
+                    result.output_len = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                    now = time.perf_counter()
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itls.append(now - last)
+                    last = now
+        result.e2e = time.perf_counter() - start
+        result.ok = True
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+async def run(base_url: str, model: str, requests: list[BenchRequest], rate: float, concurrency: int | None,
+              seed: int) -> tuple[list[RequestResult], float]:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=concurrency or 1000, max_keepalive_connections=concurrency or 1000)
+    semaphore = asyncio.Semaphore(concurrency) if concurrency else None
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600), limits=limits) as client:
+
+        async def one(request: BenchRequest) -> RequestResult:
+            if semaphore is None:
+                return await send(client, model, request)
+            async with semaphore:
+                return await send(client, model, request)
+
+        start = time.perf_counter()
+        tasks = []
+        for request in requests:
+            tasks.append(asyncio.create_task(one(request)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * scale  # noqa: E731
+    return {"mean": statistics.mean(values) * scale, "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    done = [r for r in results if r.ok]
+    tpots = [(r.e2e - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1]
+    output_tokens = sum(r.output_len for r in done)
+    return {
+        "completed": len(done), "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "input_token_throughput": sum(r.prompt_len for r in done) / duration,
+        "output_token_throughput": output_tokens / duration,
+        "total_output_tokens": output_tokens,
+        "ttft_ms": percentiles([r.ttft for r in done]),
+        "tpot_ms": percentiles(tpots),
+        "itl_ms": percentiles([x for r in done for x in r.itls]),
+        "e2e_ms": percentiles([r.e2e for r in done]),
+    }
+
+
+def build_requests(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
+    rng = random.Random(args.seed)
+    if args.dataset == "random":
+        return random_requests(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
+                               vocab, rng)
+    if args.dataset == "shared-prefix":
+        return shared_prefix_requests(args.num_prompts, args.prefix_groups, args.system_prompt_len,
+                                      args.question_len, args.random_output_len, vocab, rng)
+    return sharegpt_like_requests(args.num_prompts, args.max_context_len, vocab, rng)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kubesgl bench serving", description=__doc__)
+    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000")
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--dataset", choices=["random", "shared-prefix", "sharegpt"], default="random")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--random-input-len", type=int, default=1024)
+    parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=1.0,
+                        help="lengths are drawn in [ratio * len, len]; 1.0 makes them fixed")
+    parser.add_argument("--prefix-groups", type=int, default=8)
+    parser.add_argument("--system-prompt-len", type=int, default=1024)
+    parser.add_argument("--question-len", type=int, default=64)
+    parser.add_argument("--max-context-len", type=int, default=4096, help="sharegpt: longest prompt + output")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="prompt token ids are drawn below this")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-file", default=None, help="write the results as JSON here")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.num_prompts < 1 or args.request_rate <= 0:
+        print("kubesgl bench serving: --num-prompts and --request-rate must be positive", file=sys.stderr)
+        return 2
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = args.model
+    if model is None:
+        model = httpx.get(args.base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    requests = build_requests(args, args.vocab_size)
+    results, duration = asyncio.run(run(args.base_url, model, requests, args.request_rate, args.max_concurrency,
+                                        args.seed))
+    summary = {"config": {k: v for k, v in vars(args).items() if k != "api_key"}, **summarize(results, duration)}
+    summary["config"]["request_rate"] = str(args.request_rate)
+    print(format_table(summary))
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["failed"] == 0 else 1
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"completed {summary['completed']}, failed {summary['failed']} in {summary['duration_s']:.2f} s",
+             f"request throughput {summary['request_throughput']:.2f} req/s, output "
+             f"{summary['output_token_throughput']:.1f} tok/s, input {summary['input_token_throughput']:.1f} tok/s"]
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        p = summary[name]
+        if p:
+            lines.append(f"{name:8} mean {p['mean']:9.2f}  p50 {p['p50']:9.2f}  p90 {p['p90']:9.2f}  p99 {p['p99']:9.2f}")
+    lines += [f"error: {e}" for e in summary["errors"]]
+    return "\n".join(lines)
+
+
+

@@ -1,0 +1,46 @@
+"""`kubesgl bench serving` against a real `kubesgl serve`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def bench(base_url: str, tmp_path, *args: str) -> tuple[int, dict]:
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, "-m", "kubesgl", "bench", "serving", "--base-url", base_url,
+                             "--vocab-size", "600", "--output-file", str(out), *args],
+                            capture_output=True, text=True, timeout=300)
+    return result.returncode, json.loads(out.read_text())
+
+
+def test_bench_serving_counts_and_latencies(server_factory, tiny_model, tmp_path):
+    server = server_factory(tiny_model("llama"))
+    code, summary = bench(server.base_url, tmp_path, "--num-prompts", "12", "--random-input-len", "32",
+                          "--random-output-len", "8", "--request-rate", "40")
+    assert code == 0
+    assert summary["completed"] == 12 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 12 * 8
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        p = summary[key]
+        assert 0 < p["p50"] <= p["p90"] <= p["p99"]
+    assert summary["e2e_ms"]["p50"] >= summary["ttft_ms"]["p50"]
+    assert summary["output_token_throughput"] > 0
+
+    code, shared = bench(server.base_url, tmp_path, "--dataset", "shared-prefix", "--num-prompts", "16",
+                         "--prefix-groups", "2", "--system-prompt-len", "200", "--question-len", "8",
+                         "--random-output-len", "4", "--max-concurrency", "4")
+    assert code == 0 and shared["completed"] == 16
+    assert server.metric("kubesgl_prefix_cache_hit_ratio") > 0.5  # the shared system prompts were reused
+
+    code, sharegpt = bench(server.base_url, tmp_path, "--dataset", "sharegpt", "--num-prompts", "6",
+                           "--max-context-len", "512", "--max-concurrency", "6")
+    assert code == 0 and sharegpt["completed"] == 6
+
+
+def test_bench_serving_reports_failures(server_factory, tiny_model, tmp_path):
+    server = server_factory(tiny_model("llama"), "--api-key", "secret")
+    code, summary = bench(server.base_url, tmp_path, "--model", "m", "--num-prompts", "3",
+                          "--random-input-len", "8", "--random-output-len", "2")
+    assert code == 1 and summary["failed"] == 3 and "HTTP 401" in summary["errors"][0]
