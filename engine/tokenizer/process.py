@@ -32,15 +32,30 @@ class TokenizerError(ValueError):
         self.param = param
 
 
+def load_tokenizer(model_path: str):
+    """The checkpoint's tokenizer, or None for a directory without one (a config-only model
+    run with --load-format dummy): such a server takes token ids and returns token ids."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        logger.warning("no tokenizer in %s (%s): only token-id prompts will be served", model_path, exc)
+        return None
+
+
 class Tokenizer:
     def __init__(self, model_path: str):
-        from transformers import AutoTokenizer
-
-        self.hf = AutoTokenizer.from_pretrained(model_path)
-        self.detokenizer = IncrementalDetokenizer(self.hf)
+        self.hf = load_tokenizer(model_path)
+        self.detokenizer = IncrementalDetokenizer(self.hf) if self.hf is not None else None
         self.states: dict[str, DecodeState] = {}
 
     def encode(self, request: TokenizeRequest) -> list[int]:
+        if self.hf is None:
+            if request.input_ids is None:
+                raise TokenizerError("this model has no tokenizer: send the prompt as token ids", "prompt")
+            if request.params.stop:
+                raise TokenizerError("this model has no tokenizer: stop strings cannot be matched", "stop")
         if request.input_ids is not None:
             return list(request.input_ids)
         if request.messages is not None:
@@ -61,7 +76,7 @@ class Tokenizer:
         state = self.states.get(out.rid)
         text = ""
         reason = out.finish_reason
-        if state is not None:
+        if state is not None and self.detokenizer is not None:
             matched = reason.matched_str if reason else None
             text = self.detokenizer.step(state, out.token_ids, finished=out.finished, matched_stop=matched)
         if out.finished:
@@ -70,9 +85,14 @@ class Tokenizer:
                             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
                             completion_tokens=out.completion_tokens, logprobs=out.logprobs)
         if out.logprobs:
-            result.token_strings = [self.hf.decode([lp.token_id]) for lp in out.logprobs]
-            result.top_strings = [[self.hf.decode([t]) for t, _ in lp.top] for lp in out.logprobs]
+            name = self._token_text
+            result.token_strings = [name(lp.token_id) for lp in out.logprobs]
+            result.top_strings = [[name(t) for t, _ in lp.top] for lp in out.logprobs]
         return result
+
+
+    def _token_text(self, token_id: int) -> str:
+        return self.hf.decode([token_id]) if self.hf is not None else f"token_id:{token_id}"
 
 
 def run_tokenizer(model_path: str, endpoints: Endpoints, log_level: str) -> None:

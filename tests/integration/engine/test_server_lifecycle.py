@@ -95,3 +95,21 @@ def test_tensor_parallel_2_gives_the_same_greedy_tokens_as_1(arch, server_factor
         "input_ids": prompts[1], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "seed": 3}})
     assert sampled.status_code == 200 and len(sampled.json()["output_ids"]) == 16
     assert server.stop() == 0
+
+
+def test_a_model_without_tokenizer_serves_token_ids(server_factory, tiny_model, tmp_path):
+    import shutil
+
+    path = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model("llama"), path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).unlink()
+    server = server_factory(str(path))
+    url = server.base_url + "/v1/completions"
+    got = httpx.post(url, json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "logprobs": 1})
+    assert got.status_code == 200 and got.json()["usage"]["completion_tokens"] == 4
+    assert got.json()["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+    refused = httpx.post(url, json={"prompt": "text", "max_tokens": 4})
+    assert refused.status_code == 400 and "no tokenizer" in refused.json()["error"]["message"]
+    assert httpx.post(url, json={"prompt": [5], "max_tokens": 2, "stop": ["x"]}).status_code == 400
+    assert server.stop() == 0

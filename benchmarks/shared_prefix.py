@@ -1,0 +1,70 @@
+"""Shared-prefix workload offline, with and without the radix cache: many questions behind a
+few long system prompts (the GPU issue's goal: at least 3x the throughput with the cache).
+
+    python benchmarks/shared_prefix.py --model benchmarks/models/llama-3.1-8b --load-format dummy \
+        --out benchmarks/results/shared_prefix_llama8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+from kubesgl.bench.datasets import shared_prefix_requests
+from kubesgl.engine import LLM, SamplingParams
+
+
+def run(args: argparse.Namespace, radix: bool) -> dict:
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, attention_backend=args.attention_backend,
+              disable_radix_cache=not radix, max_running_requests=args.max_running_requests,
+              context_length=args.system_len + args.question_len + args.output_len + 16)
+    vocab = llm.engine.model_config.vocab_size
+    requests = shared_prefix_requests(args.num_prompts, args.groups, args.system_len, args.question_len,
+                                      args.output_len, vocab, random.Random(0))
+    llm.generate([r.prompt for r in requests[:2]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm up
+    llm.engine.scheduler.reset()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate([r.prompt for r in requests],
+                           SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    stats = llm.engine.scheduler.stats()
+    llm.shutdown()
+    del llm
+    torch.cuda.empty_cache()
+    return {"radix_cache": radix, "seconds": elapsed,
+            "output_tokens_per_s": sum(len(o.token_ids) for o in outputs) / elapsed,
+            "requests_per_s": len(outputs) / elapsed,
+            "prefix_hit_ratio": stats.cached_prompt_tokens / max(stats.prompt_tokens, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", default="triton")
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--system-len", type=int, default=2048)
+    parser.add_argument("--question-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    with_cache, without = run(args, True), run(args, False)
+    result = {"config": vars(args), "with_radix_cache": with_cache, "without_radix_cache": without,
+              "speedup": with_cache["output_tokens_per_s"] / without["output_tokens_per_s"],
+              "gpu": torch.cuda.get_device_name()}
+    print(json.dumps(result, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
