@@ -122,6 +122,10 @@ class Engine:
             return 0
         return min(config.max_running_requests, config.cuda_graph_max_bs)
 
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise InvalidRequestError if `request` cannot run here; changes nothing."""
+        self.scheduler.validate(request)
+
     def add_request(self, request: GenerateRequest) -> None:
         self.scheduler.add_request(request)
 

@@ -56,7 +56,7 @@ class LLM:
             for prompt, p in zip(prompts, params)
         ]
         for request in requests:
-            self.engine.scheduler._validate(request)
+            self.engine.validate(request)
         results = {r.rid: RequestOutput(prompt_token_ids=r.input_ids) for r in requests}
         for request in requests:
             self.engine.add_request(request)

@@ -12,6 +12,7 @@ waits for step N and handles its tokens. Three rules keep that safe:
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -64,14 +65,23 @@ class Scheduler:
     # -- input -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
         """Queue a request; raises InvalidRequestError (naming the problem) if it cannot run."""
-        self._validate(request)
-        req = Req(rid=request.rid, prompt_ids=list(request.input_ids), params=request.params, arrival=self._arrivals,
+        self.validate(request)
+        params = dataclasses.replace(request.params, max_tokens=self._max_tokens(request))
+        req = Req(rid=request.rid, prompt_ids=list(request.input_ids), params=params, arrival=self._arrivals,
                   prefix_leader=request.prefix_leader)
         self._arrivals += 1
         self.requests[req.rid] = req
         self.waiting.append(req)
 
-    def _validate(self, request: GenerateRequest) -> None:
+    def _max_tokens(self, request: GenerateRequest) -> int:
+        """The request's max_tokens; unset means as many as the context and the pool allow."""
+        if request.params.max_tokens is not None:
+            return request.params.max_tokens
+        pool_tokens = self.kv.allocator.total_pages * self.kv.page_size
+        return max(1, min(self.limits.context_length, pool_tokens + 1) - len(request.input_ids))
+
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise InvalidRequestError, naming the problem, if `request` cannot run here."""
         limits, n = self.limits, len(request.input_ids)
         if request.rid in self.requests:
             raise InvalidRequestError(f"request id {request.rid!r} is already in use", param="rid")
@@ -84,17 +94,15 @@ class Scheduler:
             raise InvalidRequestError(
                 f"the prompt is {n} tokens long; this model's context length is {limits.context_length}", param="prompt"
             )
-        if request.params.max_tokens is None:  # as much as the context and the pool allow
-            pool_tokens = self.kv.allocator.total_pages * self.kv.page_size
-            request.params.max_tokens = max(1, min(limits.context_length, pool_tokens + 1) - n)
-        if n + request.params.max_tokens > limits.context_length:
+        max_tokens = self._max_tokens(request)
+        if n + max_tokens > limits.context_length:
             raise InvalidRequestError(
-                f"the prompt ({n} tokens) plus max_tokens ({request.params.max_tokens}) exceeds this model's context "
+                f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds this model's context "
                 f"length of {limits.context_length}; lower max_tokens to at most {limits.context_length - n}",
                 param="max_tokens",
             )
         pool = self.kv.allocator.total_pages
-        need = self.kv.pages_for(n + request.params.max_tokens - 1)
+        need = self.kv.pages_for(n + max_tokens - 1)
         if need > pool:
             raise InvalidRequestError(
                 f"the request needs {need * self.kv.page_size} tokens of KV cache; the pool holds "

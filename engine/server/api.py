@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -193,7 +194,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
         for p, base in enumerate(bases):
             leader = None
             for i in range(n):
-                copy = SamplingParams(**{**params.__dict__, "seed": None if params.seed is None else params.seed + i})
+                copy = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
                 rid = f"{group}-{p * n + i}"
                 subs.append(TokenizeRequest(rid, copy, base.text, base.input_ids, base.messages, leader))
                 leader = leader or rid

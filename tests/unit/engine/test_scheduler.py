@@ -70,11 +70,14 @@ def test_one_step_per_token_and_no_reply_after_finish(tiny_model, make_llm, rand
 
 
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
-def test_finished_request_resources_not_reused_while_in_flight(radix, tiny_model, make_llm, random_prompts):
+@pytest.mark.parametrize("device,backend", [("cpu", "torch"), pytest.param("cuda", "triton", marks=pytest.mark.gpu)])
+def test_finished_request_resources_not_reused_while_in_flight(radix, device, backend, tiny_model, make_llm,
+                                                               random_prompts):
     """Overlap pitfall: a request that finishes on step N is still part of step N+1, which
     is running; its table row and KV pages must not go to a request of step N+2 before
-    step N+1 completes."""
-    llm = make_llm(tiny_model("llama"), max_running_requests=4, disable_radix_cache=not radix, max_total_tokens=4096)
+    step N+1 completes. On the GPU the steps run asynchronously for real (CUDA graphs)."""
+    llm = make_llm(tiny_model("llama"), max_running_requests=4, disable_radix_cache=not radix, max_total_tokens=4096,
+                   device=device, attention_backend=backend)
     engine = llm.engine
     builder = engine.scheduler.builder
     launched = []  # per built batch: {row: rid}, {slot: rid}; the newest is in flight
