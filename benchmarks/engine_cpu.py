@@ -20,7 +20,7 @@ import time
 import torch
 
 from kubesgl.engine import LLM, SamplingParams
-from kubesgl.engine.executor.model_runner import StepResult
+from kubesgl.engine.executor.model_runner import PendingStep
 from kubesgl.engine.io import GenerateRequest
 from kubesgl.engine.models.tiny import make_tiny_model
 
@@ -30,7 +30,7 @@ def scheduler_cost(model: str, batch: int, overlap: bool, steps: int = 200) -> d
               disable_overlap_schedule=not overlap)
     engine = llm.engine
     runner = engine.executor.runner
-    runner.run = lambda fb: StepResult(token_ids=[7] * fb.batch_size)  # no forward pass
+    runner.run = lambda fb: PendingStep({"token_ids": torch.full((fb.batch_size,), 7)}, None)  # no forward pass
     for i in range(batch):
         engine.add_request(GenerateRequest(f"r{i}", [5] * 32, SamplingParams(max_tokens=steps + 50, ignore_eos=True)))
     while any(r.status.name != "DECODING" for r in engine.scheduler.requests.values()):

@@ -78,7 +78,9 @@ class ForwardBatch:
 
 def _move(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
+        # From pinned memory the copy is truly asynchronous: it does not wait for the
+        # steps already queued on the device.
+        return value.pin_memory().to(device, non_blocking=True)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.replace(value, **{f.name: _move(getattr(value, f.name), device) for f in dataclasses.fields(value)})
     return value

@@ -25,6 +25,22 @@ class StepResult:
     top_logprobs: list[list[float]] | None = None
 
 
+@dataclass
+class PendingStep:
+    """A launched step whose outputs are on their way to the host. On a GPU, `run` returns
+    as soon as the step is queued, so the next step can be queued behind it; only `wait`
+    blocks, on the copies of this step's outputs."""
+
+    outputs: dict[str, torch.Tensor]  # host tensors, filled by asynchronous copies
+    done: torch.cuda.Event | None  # None on the CPU, where the step has already run
+
+    def wait(self) -> StepResult:
+        if self.done is not None:
+            self.done.synchronize()
+        lists = {name: tensor.tolist() for name, tensor in self.outputs.items()}
+        return StepResult(**lists)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_pool: KVPool, req_to_token: ReqToTokenTable, attention_backend: str,
                  future_capacity: int, cuda_graph_max_bs: int = 0):
@@ -43,7 +59,7 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphRunner(model, self.backend, req_to_token.num_rows - 1, cuda_graph_max_bs)
 
     @torch.inference_mode()
-    def run(self, batch: ForwardBatch) -> StepResult:
+    def run(self, batch: ForwardBatch) -> PendingStep:
         batch = batch.to(self.device)
         if batch.table_rows.numel():
             self.req_to_token.write(batch.table_rows, batch.table_cols, batch.table_slots)
@@ -55,9 +71,13 @@ class ModelRunner:
             logits = self.model(input_ids, batch.positions, batch, self.backend)
         sample = self.sampler(logits, batch.sampling, batch.req_rows, batch.emits)
         self.future_tokens[batch.future_slots] = sample.token_ids
-        result = StepResult(token_ids=sample.token_ids.tolist())
-        if sample.logprobs is not None:
-            result.logprobs = sample.logprobs.tolist()
-        if sample.top_ids is not None:
-            result.top_ids, result.top_logprobs = sample.top_ids.tolist(), sample.top_logprobs.tolist()
-        return result
+        outputs = {"token_ids": sample.token_ids, "logprobs": sample.logprobs, "top_ids": sample.top_ids,
+                   "top_logprobs": sample.top_logprobs}
+        outputs = {name: tensor for name, tensor in outputs.items() if tensor is not None}
+        if self.device.type != "cuda":
+            return PendingStep(outputs, None)
+        host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                for name, t in outputs.items()}
+        done = torch.cuda.Event()
+        done.record()
+        return PendingStep(host, done)

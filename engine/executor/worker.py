@@ -1,6 +1,7 @@
 """Launching steps: either in line (`SyncExecutor`) or on a worker thread (`OverlapExecutor`)
 so that the scheduler prepares step N+1 while step N runs. Steps always run in launch
-order, one at a time, which is what makes the future-token hand-off and KV reuse safe."""
+order, one at a time, which is what makes the future-token hand-off and KV reuse safe.
+A launch resolves to a PendingStep; its `wait` gives the tokens."""
 
 from __future__ import annotations
 
@@ -9,15 +10,15 @@ import threading
 from concurrent.futures import Future
 
 from kubesgl.engine.executor.forward_batch import ForwardBatch
-from kubesgl.engine.executor.model_runner import ModelRunner, StepResult
+from kubesgl.engine.executor.model_runner import ModelRunner, PendingStep
 
 
 class SyncExecutor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def launch(self, batch: ForwardBatch) -> Future[StepResult]:
-        future: Future[StepResult] = Future()
+    def launch(self, batch: ForwardBatch) -> Future[PendingStep]:
+        future: Future[PendingStep] = Future()
         try:
             future.set_result(self.runner.run(batch))
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the step
@@ -31,12 +32,12 @@ class SyncExecutor:
 class OverlapExecutor:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self._queue: queue.Queue[tuple[ForwardBatch, Future[StepResult]] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[ForwardBatch, Future[PendingStep]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="kubesgl-executor", daemon=True)
         self._thread.start()
 
-    def launch(self, batch: ForwardBatch) -> Future[StepResult]:
-        future: Future[StepResult] = Future()
+    def launch(self, batch: ForwardBatch) -> Future[PendingStep]:
+        future: Future[PendingStep] = Future()
         self._queue.put((batch, future))
         return future
 

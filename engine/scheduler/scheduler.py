@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kubesgl.engine.executor.forward_batch import ForwardMode
-from kubesgl.engine.executor.model_runner import StepResult
+from kubesgl.engine.executor.model_runner import PendingStep
 from kubesgl.engine.io import (
     FinishReason,
     GenerateRequest,
@@ -57,7 +57,7 @@ class Scheduler:
         self.decoding: list[Req] = []
         self.finished_unreleased: list[Req] = []
         self.requests: dict[str, Req] = {}  # every request not yet released
-        self._in_flight: tuple[ScheduledBatch, Future[StepResult]] | None = None
+        self._in_flight: tuple[ScheduledBatch, Future[PendingStep]] | None = None
         self._completed_step = 0
         self._arrivals = 0
         self._prompt_tokens = self._cached_prompt_tokens = 0
@@ -204,8 +204,8 @@ class Scheduler:
         return leader is not None and leader.status in (ReqStatus.WAITING, ReqStatus.PREFILLING)
 
     # -- results -----------------------------------------------------------------------
-    def _process(self, batch: ScheduledBatch, future: Future[StepResult]) -> list[TokenOutput]:
-        result = future.result()
+    def _process(self, batch: ScheduledBatch, future: Future[PendingStep]) -> list[TokenOutput]:
+        result = future.result().wait()
         self._completed_step = batch.step
         outputs = []
         for i, req in enumerate(batch.reqs):
