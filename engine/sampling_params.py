@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 class InvalidRequestError(ValueError):
     """A request the engine cannot serve; the message names the offending field."""
 
@@ -32,7 +35,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # A temperature this small is greedy in effect, and dividing by it would overflow.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:

@@ -105,7 +105,7 @@ class BatchBuilder:
     def _sampling(self, reqs: list[Req], emits: list[bool], first_chunk: list[bool]) -> SamplingBatch:
         params = [req.params for req in reqs]
         greedy = [p.greedy for p in params]
-        top_ks = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
+        top_ks = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
         seeded = [
             (i, (p.seed * _SEED_MIX + req.outputs_scheduled) % (1 << 63))
             for i, (req, p) in enumerate(zip(reqs, params))

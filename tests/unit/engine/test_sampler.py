@@ -88,3 +88,15 @@ def test_penalties_change_greedy_output_as_defined(llm):
     freq = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
                                                   frequency_penalty=0.5))[0].token_ids
     assert freq != plain
+
+
+def test_huge_top_k_and_tiny_temperature_are_harmless(llm):
+    """top_k beyond the vocabulary means no cut (it once overflowed the int64 batch tensor
+    and killed the scheduler); a temperature near zero is greedy (it once gave NaNs)."""
+    prompt = [5, 6, 7]
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
+    huge = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, top_k=2**64, ignore_eos=True))
+    tiny = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True))
+    assert huge[0].token_ids == greedy and tiny[0].token_ids == greedy
+    sampled = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, top_k=2**63, seed=1))
+    assert len(sampled[0].token_ids) == 8
