@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kubesgl.engine.io import TextOutput, TokenizeRequest
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
-from kubesgl.engine.server.engine_client import EngineClient
+from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient
 from kubesgl.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -202,13 +202,16 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
 
     async def respond(request: Request, subs: list[TokenizeRequest], stream: bool, include_usage: bool,
                       formatter: Formatter) -> Response:
-        streams = [client.generate(sub) for sub in subs]
+        try:
+            streams = [client.generate(sub) for sub in subs]  # only a client-given rid can clash
+        except DuplicateRequestId as exc:
+            raise APIError(400, str(exc), param="rid") from exc
         choices = [Choice(index=i) for i in range(len(subs))]
         first_of_prompt = {i for i, sub in enumerate(subs) if sub.prefix_leader is None}
         try:
             firsts = await asyncio.gather(*(anext(s) for s in streams))
         except BaseException:
-            await asyncio.gather(*(s.aclose() for s in streams))
+            await asyncio.gather(*(client.close(sub.rid) for sub in subs))
             raise
         for out in firsts:
             if out.finish_reason is not None and out.finish_reason.kind == "error":

@@ -27,11 +27,18 @@ from kubesgl.engine.server.ipc import Endpoints, pull, push
 logger = logging.getLogger(__name__)
 
 
+class DuplicateRequestId(ValueError):
+    pass
+
+
 @dataclass
 class _Pending:
     queue: asyncio.Queue[TextOutput] = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
+    prompt_tokens: int = 0
+    sent: bool = False  # the request reached the tokenizer
+    finished: bool = False  # its final output arrived
 
 
 class EngineClient:
@@ -73,6 +80,8 @@ class EngineClient:
 
     def _account(self, pending: _Pending, out: TextOutput) -> None:
         now = time.perf_counter()
+        pending.prompt_tokens = out.prompt_tokens
+        pending.finished = out.finish_reason is not None
         if out.token_ids:
             first = pending.last_token is None
             self.metrics.tokens(len(out.token_ids), now - (pending.arrival if first else pending.last_token), first)
@@ -80,21 +89,30 @@ class EngineClient:
         if out.finish_reason is not None and out.finish_reason.kind != "error":
             self.metrics.finished(now - pending.arrival, out.finish_reason.kind, out.prompt_tokens)
 
-    async def generate(self, request: TokenizeRequest) -> AsyncIterator[TextOutput]:
-        """Outputs of one request until it finishes. Leaving early (the client went away,
-        or the caller stopped reading) aborts the request in the engine."""
+    def generate(self, request: TokenizeRequest) -> AsyncIterator[TextOutput]:
+        """Outputs of one request until it finishes. The request id is taken at once (a
+        duplicate raises DuplicateRequestId); leaving early, or `close`, aborts the request."""
+        if request.rid in self._pending:
+            raise DuplicateRequestId(f"request id {request.rid!r} is already in use")
         pending = self._pending[request.rid] = _Pending()
-        finished = False
+        return self._outputs(request, pending)
+
+    async def _outputs(self, request: TokenizeRequest, pending: _Pending) -> AsyncIterator[TextOutput]:
         try:
             await self._to_tokenizer.send_pyobj(request)
-            while not finished:
-                out = await pending.queue.get()
-                finished = out.finish_reason is not None
-                yield out
+            pending.sent = True
+            while not pending.finished:
+                yield await pending.queue.get()
         finally:
-            del self._pending[request.rid]
-            if not finished:
-                await self.abort(request.rid, "the client disconnected")
+            await self.close(request.rid)
+
+    async def close(self, rid: str) -> None:
+        """Forget a request; one still running is aborted and counted as such."""
+        pending = self._pending.pop(rid, None)
+        if pending is None or pending.finished or not pending.sent:
+            return
+        await self.abort(rid, "the client disconnected")
+        self.metrics.finished(time.perf_counter() - pending.arrival, "abort", pending.prompt_tokens)
 
     async def abort(self, rid: str, message: str) -> None:
         await self._to_tokenizer.send_pyobj(AbortRequest(rid, message))

@@ -219,3 +219,30 @@ def test_metrics_exact_for_a_known_workload(server_factory, tiny_model):
     assert 'role="mixed"' in text and "kubesgl_time_to_first_token_seconds_count" in text
     server.wait_idle()
     assert server.stop() == 0
+
+
+async def test_a_reused_request_id_is_refused_and_the_first_request_is_unharmed(llama_server):
+    headers = {"authorization": "Bearer sk-test"}
+    body = {"input_ids": [5, 6, 7], "rid": "mine", "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}
+    async with httpx.AsyncClient(base_url=llama_server.base_url, headers=headers, timeout=60) as http:
+        first = asyncio.create_task(http.post("/generate", json=body))
+        while llama_server.metric("kubesgl_num_running_requests") < 1:
+            await asyncio.sleep(0.01)
+        second = await http.post("/generate", json=body)
+        assert second.status_code == 400 and "already in use" in second.json()["error"]["message"]
+        result = (await first).json()
+    assert len(result["output_ids"]) == 600 and result["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_disconnects_are_counted_as_aborts(llama_server):
+    def aborts() -> float:
+        text = httpx.get(llama_server.base_url + "/metrics").text
+        lines = [line for line in text.splitlines() if line.startswith("kubesgl_requests_total") and "abort" in line]
+        return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+    before = aborts()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(llama_server.base_url + "/v1/completions", headers={"authorization": "Bearer sk-test"},
+                   json={"prompt": "x", "max_tokens": 1500, "ignore_eos": True}, timeout=0.3)
+    llama_server.wait_idle()
+    assert aborts() == before + 1
