@@ -9,7 +9,9 @@ from dataclasses import dataclass, field, fields
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.engine import Engine
 from kubesgl.engine.io import FinishReason, GenerateRequest, TokenLogprob
-from kubesgl.engine.sampling_params import SamplingParams
+from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
+from kubesgl.engine.tokenizer.loader import load_tokenizer
 
 _ids = itertools.count()
 
@@ -35,11 +37,10 @@ class LLM:
 
     @property
     def tokenizer(self):
+        """The model's tokenizer; None for a directory without one (token ids only)."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.engine.config.model)
-        return self._tokenizer
+            self._tokenizer = load_tokenizer(self.engine.config.model) or False
+        return self._tokenizer or None
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -71,14 +72,20 @@ class LLM:
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     pending.discard(out.rid)
-        for request in requests:
-            result = results[request.rid]
-            if isinstance(prompts[0], str) or self._tokenizer is not None:
-                result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=request.params.skip_special_tokens)
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer)
+            for request in requests:
+                # the same text a server client receives: cut before a matched stop string
+                result = results[request.rid]
+                state = DecodeState(skip_special_tokens=request.params.skip_special_tokens, stop=request.params.stop)
+                matched = result.finish_reason.matched_str if result.finish_reason else None
+                result.text = detokenizer.step(state, result.token_ids, finished=True, matched_stop=matched)
         return [results[r.rid] for r in requests]
 
     def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: give prompts as token ids", param="prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 

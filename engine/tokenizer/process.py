@@ -22,6 +22,7 @@ from kubesgl.engine.io import (
 from kubesgl.engine.scheduler.process import exit_with_parent
 from kubesgl.engine.server.ipc import Endpoints, pull, push
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
+from kubesgl.engine.tokenizer.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +31,6 @@ class TokenizerError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
-
-
-def load_tokenizer(model_path: str):
-    """The checkpoint's tokenizer, or None for a directory without one (a config-only model
-    run with --load-format dummy): such a server takes token ids and returns token ids."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError) as exc:
-        logger.warning("no tokenizer in %s (%s): only token-id prompts will be served", model_path, exc)
-        return None
 
 
 class Tokenizer:

@@ -241,3 +241,16 @@ def test_requests_wait_for_kv_instead_of_over_committing(tiny_model, make_llm, r
         assert stats.kv_used_tokens <= stats.kv_total_tokens
     assert peak == 2
     assert all(sum(len(o.token_ids) for o in outs) == 41 for outs in outputs.values())
+
+
+def test_offline_text_stops_before_the_stop_string(tiny_model, make_llm):
+    """LLM.generate cuts its text where the server's stream would: before the stop string."""
+    llm = make_llm(tiny_model("llama"))
+    prompt = "The capital of France is"
+    full = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].text
+    stop = full[12:15]
+    got = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert got.finish_reason.matched_str == stop
+    assert got.text == full[: full.index(stop)]
+    ids = llm.tokenizer.encode(prompt)
+    assert llm.generate([ids], SamplingParams(max_tokens=5, temperature=0))[0].text  # token-id prompts get text too

@@ -1,0 +1,19 @@
+"""Loading a checkpoint's tokenizer, where it has one."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_path: str):
+    """The checkpoint's tokenizer, or None for a directory without one (a config-only model
+    run with --load-format dummy): such an engine takes token ids and returns token ids."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        logger.warning("no tokenizer in %s (%s): only token-id prompts will be served", model_path, exc)
+        return None
