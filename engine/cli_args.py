@@ -26,6 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV pool size in tokens (default: from free memory)")
     parser.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static)
     parser.add_argument("--context-length", type=int, default=d.context_length)
+    parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
+                        help="output limit of requests that give no max_tokens")
     parser.add_argument("--attention-backend", choices=["torch", "triton"], default=d.attention_backend)
     parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--disable-overlap-schedule", action="store_true")
@@ -40,7 +42,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format, page_size=args.page_size, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-        context_length=args.context_length, attention_backend=args.attention_backend,
+        context_length=args.context_length, default_max_tokens=args.default_max_tokens,
+        attention_backend=args.attention_backend,
         disable_radix_cache=args.disable_radix_cache, disable_overlap_schedule=args.disable_overlap_schedule,
         disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs,
     )

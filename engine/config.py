@@ -22,6 +22,7 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from available memory
     mem_fraction_static: float = 0.85  # share of device memory for weights and KV when sizing from memory
     context_length: int | None = None  # None: the model's max_position_embeddings
+    default_max_tokens: int = 4096  # output limit of requests that set none
     attention_backend: str = "torch"
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
@@ -36,6 +37,7 @@ class EngineConfig:
             (self.page_size >= 1, "--page-size must be at least 1"),
             (self.max_running_requests >= 1, "--max-running-requests must be at least 1"),
             (self.max_prefill_tokens >= 1, "--max-prefill-tokens must be at least 1"),
+            (self.default_max_tokens >= 1, "--default-max-tokens must be at least 1"),
             (self.max_total_tokens is None or self.max_total_tokens >= 2 * self.page_size,
              "--max-total-tokens must hold at least two pages"),
             (0 < self.mem_fraction_static < 1, "--mem-fraction-static must be in (0, 1)"),

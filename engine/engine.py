@@ -104,6 +104,7 @@ class Engine:
             max_running_requests=config.max_running_requests,
             chunked_prefill_size=config.chunked_prefill_size,
             max_prefill_tokens=config.max_prefill_tokens,
+            default_max_tokens=config.default_max_tokens,
         )
         self.scheduler = Scheduler(self.executor, KVManager(allocator, radix, num_rows), limits,
                                    self.model_config.eos_token_ids, overlap, future_capacity,

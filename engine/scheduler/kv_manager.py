@@ -37,10 +37,12 @@ class KVManager:
         """KV positions a request can ever fill: its prompt and all outputs but the last."""
         return req.prompt_len + req.params.max_tokens - 1
 
-    def used_tokens(self) -> int:
-        """Tokens of KV held by requests or locked in the cache (evictable cache excluded)."""
+    def committed_tokens(self) -> int:
+        """KV tokens spoken for: held by requests, locked in the cache, or reserved for the
+        outputs of running requests (evictable cache excluded). What admission is bound by."""
         evictable = self.radix.evictable_size if self.radix else 0
-        return (self.allocator.total_pages - self.allocator.num_free) * self.page_size - evictable
+        held = (self.allocator.total_pages - self.allocator.num_free) * self.page_size - evictable
+        return held + self.reserved_pages * self.page_size
 
     # -- admission ---------------------------------------------------------------------
     def try_admit(self, req: Req) -> bool:

@@ -108,6 +108,7 @@ class SchedulerLoop:
         return messages
 
     def run(self) -> None:
+        last_stats = None
         while True:
             outputs: list[TokenOutput] = []
             for message in self._receive():
@@ -118,8 +119,11 @@ class SchedulerLoop:
                 outputs += self._apply(message)
             if self.engine.has_work():
                 outputs += self.engine.step()
-            if self.rank == 0 and outputs:
-                self.outbox.send_pyobj(StepOutputs(outputs, self.engine.scheduler.stats()))
+            if self.rank == 0:
+                stats = self.engine.scheduler.stats()
+                if outputs or stats != last_stats:  # gauges must follow releases that emit nothing
+                    self.outbox.send_pyobj(StepOutputs(outputs, stats))
+                    last_stats = stats
 
     def _apply(self, message) -> list[TokenOutput]:
         if isinstance(message, AbortRequest):

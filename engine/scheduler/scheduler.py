@@ -40,6 +40,7 @@ class SchedulerLimits:
     max_running_requests: int
     chunked_prefill_size: int  # <= 0: no chunking
     max_prefill_tokens: int
+    default_max_tokens: int  # for requests that leave max_tokens unset
 
 
 class Scheduler:
@@ -74,11 +75,14 @@ class Scheduler:
         self.waiting.append(req)
 
     def _max_tokens(self, request: GenerateRequest) -> int:
-        """The request's max_tokens; unset means as many as the context and the pool allow."""
+        """The request's max_tokens. Unset: --default-max-tokens, or less where the context
+        or the pool ends first. (Admission reserves KV for all of it, so "the rest of a long
+        context" would let only a handful of requests run at once.)"""
         if request.params.max_tokens is not None:
             return request.params.max_tokens
         pool_tokens = self.kv.allocator.total_pages * self.kv.page_size
-        return max(1, min(self.limits.context_length, pool_tokens + 1) - len(request.input_ids))
+        room = min(self.limits.context_length, pool_tokens + 1) - len(request.input_ids)
+        return max(1, min(self.limits.default_max_tokens, room))
 
     def validate(self, request: GenerateRequest) -> None:
         """Raise InvalidRequestError, naming the problem, if `request` cannot run here."""
@@ -283,7 +287,7 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.prefilling) + len(self.decoding),
             num_waiting=len(self.waiting),
-            kv_used_tokens=self.kv.used_tokens(),
+            kv_used_tokens=self.kv.committed_tokens(),
             kv_total_tokens=self.kv.allocator.total_pages * self.kv.page_size,
             prompt_tokens=self._prompt_tokens,
             cached_prompt_tokens=self._cached_prompt_tokens,

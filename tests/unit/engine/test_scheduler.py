@@ -254,3 +254,17 @@ def test_offline_text_stops_before_the_stop_string(tiny_model, make_llm):
     assert got.text == full[: full.index(stop)]
     ids = llm.tokenizer.encode(prompt)
     assert llm.generate([ids], SamplingParams(max_tokens=5, temperature=0))[0].text  # token-id prompts get text too
+
+
+def test_unset_max_tokens_defaults_and_usage_counts_reservations(tiny_model, make_llm):
+    """A request without max_tokens gets --default-max-tokens (not the whole context, which
+    admission would reserve), and KV usage counts what admission reserved."""
+    llm = make_llm(tiny_model("llama"), default_max_tokens=8, max_total_tokens=4096, disable_radix_cache=True)
+    out = llm.generate([[5] * 20], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and out.finish_reason.kind == "length"
+    engine = llm.engine
+    submit(engine, "r", [5] * 20, max_tokens=41, ignore_eos=True)
+    engine.step()  # admitted and prefilled
+    assert engine.scheduler.stats().kv_used_tokens == 20 + 41 - 1  # held now plus reserved for later
+    run_to_end(engine)
+    assert engine.scheduler.stats().kv_used_tokens == 0
