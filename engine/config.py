@@ -14,7 +14,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"
     load_format: str = "auto"  # auto | dummy
-    seed: int = 0  # for dummy weights
+    seed: int = 0  # seeds dummy weights, and sampling (the same on every tensor-parallel rank)
     page_size: int = 1
     max_running_requests: int = 256
     chunked_prefill_size: int = 8192  # tokens of prompt per prefill step; <= 0 disables chunking
@@ -23,7 +23,7 @@ class EngineConfig:
     mem_fraction_static: float = 0.85  # share of device memory for weights and KV when sizing from memory
     context_length: int | None = None  # None: the model's max_position_embeddings
     default_max_tokens: int = 4096  # output limit of requests that set none
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on the CPU) | torch | triton
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False

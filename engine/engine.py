@@ -8,8 +8,10 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.distributed import get_tp_group
 from kubesgl.engine.executor.model_runner import ModelRunner
 from kubesgl.engine.executor.worker import OverlapExecutor, SyncExecutor
 from kubesgl.engine.io import GenerateRequest, TokenOutput
@@ -84,6 +86,8 @@ class Engine:
 
         page = config.page_size
         tokens = kv_pool_tokens(config, self.model_config, self.dtype, self.device, attn.num_kv_heads, self.context_length)
+        # Every rank must schedule alike, so all take the smallest pool any rank can hold.
+        tokens = int(get_tp_group().all_reduce(torch.tensor([tokens], device=self.device), dist.ReduceOp.MIN).item())
         num_pages = tokens // page + 1  # + the padding page
         kv_pool = KVPool(num_pages * page, self.model_config.num_layers, attn.num_kv_heads, attn.head_dim, self.dtype,
                          self.device)
@@ -94,8 +98,13 @@ class Engine:
         allocator = PageAllocator(num_pages, page)
         radix = None if config.disable_radix_cache else RadixCache(allocator)
         future_capacity = 4 * config.max_running_requests
-        runner = ModelRunner(self.model, kv_pool, table, config.attention_backend, future_capacity,
-                             self._cuda_graph_max_bs())
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch"
+        cuda_graph_max_bs = 0
+        if self.device.type == "cuda" and not config.disable_cuda_graph:
+            cuda_graph_max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
+        runner = ModelRunner(self.model, kv_pool, table, backend, future_capacity, cuda_graph_max_bs)
         overlap = not config.disable_overlap_schedule
         self.executor = OverlapExecutor(runner) if overlap else SyncExecutor(runner)
         limits = SchedulerLimits(
@@ -112,16 +121,6 @@ class Engine:
         logger.info("engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s",
                     self.model_config.architecture, self.device, self.dtype, (num_pages - 1) * page, page,
                     overlap, radix is not None)
-
-    def _cuda_graph_max_bs(self) -> int:
-        """Largest decode batch to capture, or 0 where graphs do not apply."""
-        config = self.config
-        if config.disable_cuda_graph or self.device.type != "cuda":
-            return 0
-        if config.attention_backend == "torch":
-            logger.info("CUDA graphs off: the torch attention backend is not capturable (use triton)")
-            return 0
-        return min(config.max_running_requests, config.cuda_graph_max_bs)
 
     def validate(self, request: GenerateRequest) -> None:
         """Raise InvalidRequestError if `request` cannot run here; changes nothing."""

@@ -26,6 +26,8 @@ class AttentionBackend(ABC):
     layer: it stores the step's k and v at `batch.out_cache_loc`, then attends.
     """
 
+    supports_cuda_graph = False  # decode reads only device tensors (no host values, no syncs)
+
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token

@@ -18,9 +18,9 @@ class TensorParallelGroup:
     rank: int = 0
     size: int = 1
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, op=op)
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ attention backend and the sampler, all on one device."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,8 @@ from kubesgl.engine.executor.forward_batch import ForwardBatch
 from kubesgl.engine.executor.sampler import PenaltyState, Sampler
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 from kubesgl.engine.models.decoder import CausalLM
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,7 +57,9 @@ class ModelRunner:
         # that step N+1 can be launched before step N's tokens reach the host.
         self.future_tokens = torch.zeros(future_capacity + 1, dtype=torch.int64, device=self.device)
         self.cuda_graphs = None
-        if cuda_graph_max_bs > 0:
+        if cuda_graph_max_bs > 0 and not self.backend.supports_cuda_graph:
+            logger.info("CUDA graphs off: the %s attention backend is not capturable", attention_backend)
+        elif cuda_graph_max_bs > 0:
             # the table's last row is never handed out: padded graph rows read it (all slot 0)
             self.cuda_graphs = CudaGraphRunner(model, self.backend, req_to_token.num_rows - 1, cuda_graph_max_bs)
 

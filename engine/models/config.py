@@ -8,7 +8,7 @@ and every field the engine depends on is checked in one place.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,6 @@ class ModelConfig:
     moe: MoeConfig | None
     eos_token_ids: frozenset[int]
     torch_dtype: str | None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def context_length(self) -> int:
@@ -183,7 +182,6 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         moe=moe,
         eos_token_ids=_eos_ids(raw.get("eos_token_id"), generation.get("eos_token_id")),
         torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
-        extra=raw,
     )
 
 

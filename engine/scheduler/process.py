@@ -11,10 +11,7 @@ rank seeds torch the same way and samples from the same gathered logits.
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import threading
-import time
 from datetime import timedelta
 
 import torch
@@ -34,6 +31,7 @@ from kubesgl.engine.io import (
     TokenOutput,
 )
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.server.children import exit_with_parent
 from kubesgl.engine.server.ipc import Endpoints, pull, push
 
 logger = logging.getLogger(__name__)
@@ -41,26 +39,15 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 1000  # an idle rank 0 still broadcasts this often, so other ranks never time out
 
 
-def exit_with_parent() -> None:
-    """End this process when the process that started it goes away (no orphans)."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def run_scheduler(config: EngineConfig, rank: int, endpoints: Endpoints, dist_init_method: str,
                   log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s scheduler[{rank}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when to stop
     exit_with_parent()
-    if config.device in ("auto", "cuda") and torch.cuda.is_available():
+    on_gpu = config.device in ("auto", "cuda") and torch.cuda.is_available()
+    if on_gpu:
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    init_tensor_parallel(rank, config.tp_size, dist_init_method)
+    init_tensor_parallel(rank, config.tp_size, dist_init_method, backend="nccl" if on_gpu else "gloo")
     control = dist.new_group(backend="gloo", timeout=timedelta(minutes=10)) if config.tp_size > 1 else None
     torch.manual_seed(config.seed)
     engine = Engine(config)

@@ -23,7 +23,6 @@ class Req:
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
-    arrival: int  # admission order among equals
     prefix_leader: str | None = None  # see GenerateRequest.prefix_leader
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

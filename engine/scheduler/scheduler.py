@@ -60,7 +60,6 @@ class Scheduler:
         self.requests: dict[str, Req] = {}  # every request not yet released
         self._in_flight: tuple[ScheduledBatch, Future[PendingStep]] | None = None
         self._completed_step = 0
-        self._arrivals = 0
         self._prompt_tokens = self._cached_prompt_tokens = 0
 
     # -- input -------------------------------------------------------------------------
@@ -68,9 +67,8 @@ class Scheduler:
         """Queue a request; raises InvalidRequestError (naming the problem) if it cannot run."""
         self.validate(request)
         params = dataclasses.replace(request.params, max_tokens=self._max_tokens(request))
-        req = Req(rid=request.rid, prompt_ids=list(request.input_ids), params=params, arrival=self._arrivals,
+        req = Req(rid=request.rid, prompt_ids=list(request.input_ids), params=params,
                   prefix_leader=request.prefix_leader)
-        self._arrivals += 1
         self.requests[req.rid] = req
         self.waiting.append(req)
 

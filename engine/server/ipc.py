@@ -31,6 +31,6 @@ def pull(context: zmq.Context, address: str) -> zmq.Socket:
 
 def push(context: zmq.Context, address: str) -> zmq.Socket:
     socket = context.socket(zmq.PUSH)
-    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.LINGER, 2000)  # deliver what was sent (Shutdown, say), but never hang on exit
     socket.connect(address)
     return socket

@@ -136,6 +136,10 @@ class Server:
         server.should_exit = True
 
     def _stop_children(self) -> None:
+        if self.exit_code != 0:  # a child died: the rest get no Shutdown message, stop them now
+            for child in self.children.values():
+                if child.is_alive():
+                    child.terminate()
         deadline = time.monotonic() + 10
         for child in self.children.values():
             child.join(timeout=max(0.1, deadline - time.monotonic()))

@@ -19,7 +19,7 @@ from kubesgl.engine.io import (
     TokenizeRequest,
     TokenOutput,
 )
-from kubesgl.engine.scheduler.process import exit_with_parent
+from kubesgl.engine.server.children import exit_with_parent
 from kubesgl.engine.server.ipc import Endpoints, pull, push
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
 from kubesgl.engine.tokenizer.loader import load_tokenizer

@@ -29,7 +29,7 @@ def test_greedy_equals_transformers_on_cuda(arch, overlap, page_size, tiny_model
     path = tiny_model(arch)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     batch = prompts(6, seed=len(arch))
-    with LLM(path, device="cuda", dtype="float32", page_size=page_size, chunked_prefill_size=48,
+    with LLM(path, device="cuda", dtype="float32", attention_backend="torch", page_size=page_size, chunked_prefill_size=48,
              disable_overlap_schedule=not overlap, max_total_tokens=8192) as llm:
         outputs = llm.generate(batch, SamplingParams(max_tokens=24, temperature=0))
         # the same prompts again: now served from the radix cache
