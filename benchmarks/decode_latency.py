@@ -12,10 +12,10 @@ roofline measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
+from common import report
 
 from kubesgl.engine import LLM, SamplingParams
 
@@ -86,10 +86,7 @@ def main() -> None:
         result["roofline_ms_per_step"] = weight_bytes / bandwidth * 1e3
         result["ratio_to_roofline"] = ms_per_step / result["roofline_ms_per_step"]
     llm.shutdown()
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

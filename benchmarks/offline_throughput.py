@@ -8,11 +8,11 @@ ignore_eos, all given to `LLM.generate` at once (the shape of SGLang's offline b
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
 import torch
+from common import report
 
 from kubesgl.engine import LLM, SamplingParams
 
@@ -56,10 +56,7 @@ def main() -> None:
         "total_tokens_per_s": args.num_prompts * (args.input_len + args.output_len) / elapsed,
     }
     llm.shutdown()
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

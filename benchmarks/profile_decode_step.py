@@ -7,10 +7,10 @@ against the whole step as the engine runs it (host time), for one batch size.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
+from common import report
 
 from kubesgl.engine import LLM, SamplingParams
 from kubesgl.engine.io import GenerateRequest
@@ -53,10 +53,7 @@ def main() -> None:
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
     llm.shutdown()
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ few long system prompts (the GPU issue's goal: at least 3x the throughput with t
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
 import torch
+from common import report
 
 from kubesgl.bench.datasets import shared_prefix_requests
 from kubesgl.engine import LLM, SamplingParams
@@ -60,10 +60,7 @@ def main() -> None:
     result = {"config": vars(args), "with_radix_cache": with_cache, "without_radix_cache": without,
               "speedup": with_cache["output_tokens_per_s"] / without["output_tokens_per_s"],
               "gpu": torch.cuda.get_device_name()}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
+from common import report
 
 from kubesgl.engine.models.config import load_model_config
 from kubesgl.engine.models.weights import synthetic_checkpoint
@@ -60,10 +60,7 @@ def main() -> None:
     model = build(args.model)
     result = {"transformers": transformers.__version__, "gpu": torch.cuda.get_device_name(),
               "runs": [run(model, 1, 128, 512), run(model, 64, 512, 256)]}
-    print(json.dumps(result, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,13 @@
 """Issue 4: cache-aware routing reaches at least twice round robin's prefix-cache hit ratio.
 
-Against fake engines with a bounded simulated prefix cache now; against `kubesgl serve`
-engines on a tiny model once the engine server exists (skipped until then).
+Against fake engines with a bounded simulated prefix cache, and against `kubesgl serve`
+engines on a tiny model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import socket
 import subprocess
@@ -50,13 +49,6 @@ async def test_cache_aware_doubles_the_hit_ratio_on_fake_engines(engines, start_
     assert ratios["cache_aware"] >= 2 * ratios["round_robin"], ratios
 
 
-def _engine_server_available() -> bool:
-    try:
-        return importlib.util.find_spec("kubesgl.engine.server.cli") is not None
-    except ModuleNotFoundError:
-        return False
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -85,7 +77,6 @@ async def real_engines(model_dir: str, count: int, max_total_tokens: int) -> Asy
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _engine_server_available(), reason="needs `kubesgl serve` (the engine server)")
 async def test_cache_aware_doubles_the_hit_ratio_on_real_engines(start_router, tmp_path):
     model_dir = str(tmp_path / "tiny")
     subprocess.run([sys.executable, "-m", "kubesgl", "make-tiny-model", model_dir, "--arch", "llama"], check=True)

@@ -11,8 +11,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
-pytest.importorskip("triton")
-
 from kubesgl.engine.attention.triton_kernels.decode import decode_attention  # noqa: E402
 from kubesgl.engine.attention.triton_kernels.extend import extend_attention  # noqa: E402
 
