@@ -64,6 +64,7 @@ def test_rendered_chart_objects_are_valid(helm: Path, values: list[str]) -> None
     assert kinds == [
         "ClusterRole",
         "ClusterRoleBinding",
+        "ConfigMap",
         "CustomResourceDefinition",
         "Deployment",
         "ServiceAccount",
@@ -98,3 +99,13 @@ def test_the_operator_may_write_every_kind_it_renders(helm: Path) -> None:
     # Needed to create the router's Role, which grants exactly these.
     for verb in ("get", "list", "watch"):
         assert ("", "pods", verb) in granted
+
+
+def test_the_dashboard_ships_as_a_sidecar_configmap(helm: Path) -> None:
+    objects = [doc for doc in yaml.safe_load_all(helm_run(helm, "template", "kubesgl", str(CHART))) if doc]
+    (configmap,) = [obj for obj in objects if obj["kind"] == "ConfigMap"]
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = CHART / "dashboards" / "kubesgl.json"
+    assert configmap["data"]["kubesgl.json"] == dashboard.read_text().rstrip("\n")
+    disabled = helm_run(helm, "template", "kubesgl", str(CHART), "--set", "dashboards.enabled=false")
+    assert "ConfigMap" not in [doc["kind"] for doc in yaml.safe_load_all(disabled) if doc]
