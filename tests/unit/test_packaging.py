@@ -22,13 +22,21 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert found <= listed, f"missing from pyproject.toml: {sorted(found - listed)}"
 
 
-def test_no_top_level_operator_module():
-    import importlib.util
-    import operator as stdlib_operator
+def test_the_operator_folder_never_shadows_the_standard_library():
+    """Python run from the repository root puts the root on sys.path; `import operator` must
+    still find the standard library's module, not the folder operator/ (DESIGN.md, Layout),
+    so operator/ is a namespace package (no __init__.py) that only kubesgl.operator names."""
+    import subprocess
+    import sys
 
-    assert stdlib_operator.__file__ is None or "site-packages" not in stdlib_operator.__file__
-    assert hasattr(stdlib_operator, "itemgetter")
-    assert importlib.util.find_spec("kubesgl.operator") is not None
+    # -S: no site hooks, which may import the standard module first and hide the problem
+    bare = subprocess.run([sys.executable, "-S", "-c", "import operator; print(operator.__file__)"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert bare.returncode == 0, bare.stderr
+    assert str(ROOT / "operator") not in bare.stdout, f"operator/ shadows the standard library: {bare.stdout}"
+    installed = subprocess.run([sys.executable, "-c", "import kubesgl.operator.render, operator; operator.itemgetter"],
+                               cwd=ROOT, capture_output=True, text=True)
+    assert installed.returncode == 0, installed.stderr
 
 
 def test_ci_runs_the_readme_test_command():
