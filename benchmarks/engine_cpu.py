@@ -11,13 +11,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
 import time
 
 import torch
+from common import report
 
 from kubesgl.engine import LLM, SamplingParams
 from kubesgl.engine.executor.model_runner import PendingStep
@@ -89,9 +89,7 @@ def main() -> None:
             "scheduler_cost": [scheduler_cost(model, b, o) for b in (1, 64, 256) for o in (False, True)],
             "throughput": [throughput(model, b, 128, 128) for b in (1, 16)],
         }
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
-    print(json.dumps(results, indent=2))
+    report(results, args.out)
 
 
 if __name__ == "__main__":

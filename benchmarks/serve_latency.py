@@ -8,7 +8,6 @@ overhead: HTTP, tokenizer process, scheduler process, detokenizer, SSE).
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import socket
 import statistics
@@ -18,6 +17,7 @@ import tempfile
 import time
 
 import httpx
+from common import report
 
 from kubesgl.engine.models.tiny import make_tiny_model
 
@@ -81,9 +81,7 @@ def main() -> None:
         "ttft_ms_p50": ms(ttfts, 0.5), "ttft_ms_p99": ms(ttfts, 0.99),
         "itl_ms_p50": ms(itls, 0.5), "itl_ms_p99": ms(itls, 0.99), "itl_ms_mean": statistics.mean(itls) * 1e3,
     }
-    print(json.dumps(result, indent=2))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    report(result, args.out)
 
 
 if __name__ == "__main__":
