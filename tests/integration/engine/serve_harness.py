@@ -91,3 +91,20 @@ def process_tree_alive(pid: int) -> list[int]:
             if ppid == pid:
                 alive.append(int(entry))
     return alive
+
+
+def wait_until_gone(pids: list[int], timeout: float = 15) -> list[int]:
+    """Pids still running (not zombies) once `timeout` has passed; children such as
+    multiprocessing's resource tracker leave a moment after their parent."""
+
+    def running(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while (alive := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from serve_harness import process_tree_alive
+from serve_harness import process_tree_alive, wait_until_gone
 
 from kubesgl.engine import LLM, SamplingParams
 
@@ -38,8 +38,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_clean(server_factory, tiny
     response = result["response"]
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 1800
     assert server.process.wait(timeout=30) == 0
-    for pid in children:
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    assert wait_until_gone(children) == []
 
 
 def test_shutdown_deadline_aborts_what_is_left(server_factory, tiny_model):
@@ -62,14 +61,13 @@ def test_shutdown_deadline_aborts_what_is_left(server_factory, tiny_model):
 
 def test_a_dying_child_takes_the_server_down_with_a_clear_log(server_factory, tiny_model):
     server = server_factory(tiny_model("llama"))
-    schedulers = [pid for pid in process_tree_alive(server.process.pid)
-                  if "spawn_main" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")]
+    children = process_tree_alive(server.process.pid)
+    schedulers = [pid for pid in children if "spawn_main" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")]
     assert schedulers
     os.kill(schedulers[0], signal.SIGKILL)
     assert server.process.wait(timeout=30) != 0
     assert "exited with code -9; shutting the server down" in server.log()
-    time.sleep(1)
-    assert not [pid for pid in process_tree_alive(server.process.pid)]
+    assert wait_until_gone(children) == []  # the other children did not outlive the server
 
 
 def test_a_model_that_fails_to_load_exits_non_zero(server_factory, tmp_path):
