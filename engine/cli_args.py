@@ -28,7 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-length", type=int, default=d.context_length)
     parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens,
                         help="output limit of requests that give no max_tokens")
-    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=d.attention_backend)
+    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton", "flashinfer"], default=d.attention_backend,
+                        help="auto: flashinfer on CUDA where installed, else triton; torch on the CPU")
     parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--disable-overlap-schedule", action="store_true")
     parser.add_argument("--disable-cuda-graph", action="store_true")

@@ -23,7 +23,7 @@ class EngineConfig:
     mem_fraction_static: float = 0.85  # share of device memory for weights and KV when sizing from memory
     context_length: int | None = None  # None: the model's max_position_embeddings
     default_max_tokens: int = 4096  # output limit of requests that set none
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on the CPU) | torch | triton
+    attention_backend: str = "auto"  # auto (attention.auto_backend) | torch | triton | flashinfer
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False

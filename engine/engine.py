@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kubesgl.engine.attention import auto_backend
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.distributed import get_tp_group
 from kubesgl.engine.executor.model_runner import ModelRunner
@@ -100,7 +101,7 @@ class Engine:
         future_capacity = 4 * config.max_running_requests
         backend = config.attention_backend
         if backend == "auto":
-            backend = "triton" if self.device.type == "cuda" else "torch"
+            backend = auto_backend(self.device, self.dtype, attn.head_dim)
         cuda_graph_max_bs = 0
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             cuda_graph_max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)

@@ -22,15 +22,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """tiny_model(arch, seed=0) -> path of a tiny checkpoint, made once per session."""
+    """tiny_model(arch, seed=0, head_dim=16) -> path of a tiny checkpoint, made once per session."""
     from kubesgl.engine.models.tiny import make_tiny_model
 
-    made: dict[tuple[str, int], str] = {}
+    made: dict[tuple[str, int, int], str] = {}
 
-    def get(arch: str, seed: int = 0) -> str:
-        key = (arch, seed)
+    def get(arch: str, seed: int = 0, head_dim: int = 16) -> str:
+        key = (arch, seed, head_dim)
         if key not in made:
-            made[key] = str(make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}-{seed}"), arch, seed))
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}-{seed}-{head_dim}")
+            made[key] = str(make_tiny_model(folder, arch, seed, head_dim))
         return made[key]
 
     return get

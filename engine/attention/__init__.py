@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+import torch
+
 from kubesgl.engine.attention.base import AttentionBackend, AttentionLayerSpec
+
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def auto_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """What `--attention-backend auto` picks: torch on the CPU; on CUDA, flashinfer where it is
+    installed and supports the model (the fastest on the H200, benchmarks/README.md), else triton."""
+    if device.type != "cuda":
+        return "torch"
+    if (importlib.util.find_spec("flashinfer") is not None and dtype in (torch.float16, torch.bfloat16)
+            and head_dim in FLASHINFER_HEAD_DIMS):
+        return "flashinfer"
+    return "triton"
 
 
 def create_backend(name: str, **kwargs) -> AttentionBackend:
@@ -14,7 +31,11 @@ def create_backend(name: str, **kwargs) -> AttentionBackend:
         from kubesgl.engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(**kwargs)
-    raise ValueError(f"attention backend {name!r} is not available (available: torch, triton)")
+    if name == "flashinfer":
+        from kubesgl.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(**kwargs)
+    raise ValueError(f"attention backend {name!r} is not available (available: torch, triton, flashinfer)")
 
 
-__all__ = ["AttentionBackend", "AttentionLayerSpec", "create_backend"]
+__all__ = ["AttentionBackend", "AttentionLayerSpec", "auto_backend", "create_backend"]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +29,23 @@ class AttentionBackend(ABC):
 
     supports_cuda_graph = False  # decode reads only device tensors (no host values, no syncs)
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable):
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, layers: Sequence[AttentionLayerSpec]):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
+        self.layers = tuple(layers)
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...
+
+    def init_cuda_graph(self, max_batch_size: int) -> None:
+        """Called once before decode graphs are captured for batches up to `max_batch_size`."""
+        return None  # nothing to set up unless a backend keeps per-graph buffers
+
+    def prepare_cuda_graph(self, batch: ForwardBatch) -> None:
+        """`prepare` for a decode batch padded to a captured size: before its capture and
+        before every replay. Captured kernels keep the addresses they were captured with,
+        so whatever they read must live in buffers fixed per batch size."""
+        self.prepare(batch)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,

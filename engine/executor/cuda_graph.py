@@ -40,24 +40,25 @@ class CudaGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self._capture_all()
 
-    def _batch(self, bs: int) -> ForwardBatch:
+    def _batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         empty = torch.empty(0, dtype=torch.int64, device=self.input_ids.device)
         return ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
             out_cache_loc=self.out_cache_loc[:bs], req_rows=self.req_rows[:bs], seq_lens=self.seq_lens[:bs],
-            seq_lens_cpu=[], extend_lens_cpu=[1] * bs, table_rows=empty, table_cols=empty, table_slots=empty,
+            seq_lens_cpu=seq_lens_cpu, extend_lens_cpu=[1] * bs, table_rows=empty, table_cols=empty, table_slots=empty,
             future_slots=empty, emits=empty, sampling=_NO_SAMPLING,
         )
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         self.seq_lens.fill_(1)  # padding rows: one token, at slot 0
+        self.backend.init_cuda_graph(self.batch_sizes[-1])
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for bs in reversed(self.batch_sizes):  # largest first, so smaller ones reuse its memory
-                batch = self._batch(bs)
-                self.backend.prepare(batch)
+                batch = self._batch(bs, [1] * bs)
+                self.backend.prepare_cuda_graph(batch)
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks algorithms
                     self.model(batch.input_ids, batch.positions, batch, self.backend)
                 graph = torch.cuda.CUDAGraph()
@@ -84,6 +85,7 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:padded].zero_()
             self.req_rows[bs:padded].fill_(self.padding_row)
             self.seq_lens[bs:padded].fill_(1)
+        self.backend.prepare_cuda_graph(self._batch(padded, batch.seq_lens_cpu + [1] * (padded - bs)))
         self.graphs[padded].replay()
         return self.logits[padded][:bs]
 

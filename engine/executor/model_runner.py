@@ -51,7 +51,8 @@ class ModelRunner:
         self.device = req_to_token.table.device
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
-        self.backend = create_backend(attention_backend, kv_pool=kv_pool, req_to_token=req_to_token)
+        self.backend = create_backend(attention_backend, kv_pool=kv_pool, req_to_token=req_to_token,
+                                      layers=model.attention_specs())
         self.sampler = Sampler(PenaltyState(req_to_token.num_rows, model.config.vocab_size, self.device))
         # Tokens sampled by earlier steps, read by later ones through negative input ids, so
         # that step N+1 can be launched before step N's tokens reach the host.

@@ -61,25 +61,25 @@ def train_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     return tokenizer
 
 
-def tiny_config(arch: str, vocab_size: int, eos_id: int) -> dict[str, Any]:
+def tiny_config(arch: str, vocab_size: int, eos_id: int, head_dim: int = 16) -> dict[str, Any]:
     if arch not in _ARCHS:
         raise ValueError(f"unknown --arch {arch!r} (choose from {', '.join(_ARCHS)})")
     return {
         "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": head_dim, "hidden_act": "silu",
         "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": None,
         "torch_dtype": "float32", **_ARCHS[arch],
     }
 
 
-def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
+def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, head_dim: int = 16) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     eos = tokenizer.token_to_id("<|im_end|>")
     endoftext = tokenizer.token_to_id("<|endoftext|>")
-    raw = tiny_config(arch, tokenizer.get_vocab_size(), eos)
+    raw = tiny_config(arch, tokenizer.get_vocab_size(), eos, head_dim)
     config = parse_model_config(raw)
     tensors = {name: t.contiguous() for name, t in synthetic_checkpoint(config, seed, torch.float32)}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -99,7 +99,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("dir", help="output directory")
     parser.add_argument("--arch", required=True, choices=sorted(_ARCHS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--head-dim", type=int, default=16,
+                        help="per-head width (FlashInfer's kernels need 64, 128 or 256)")
     args = parser.parse_args(argv)
-    path = make_tiny_model(args.dir, args.arch, args.seed)
+    path = make_tiny_model(args.dir, args.arch, args.seed, args.head_dim)
     print(f"wrote a tiny {args.arch} model to {path}")
     return 0

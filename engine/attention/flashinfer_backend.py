@@ -1,0 +1,145 @@
+"""Attention through FlashInfer (flashinfer-python).
+
+The KV pool is handed to FlashInfer as pages of one token each, so the pool and the
+request-to-token table are used as they are: each step lists its requests' slots
+(`gather_kv_indices`) and plans FlashInfer's wrappers on the host from the lengths the
+batch already carries (no synchronisation). Extend steps use the paged prefill kernel
+(causal, queries aligned to the end of each request's KV); decode steps use the
+tensor-core decode kernel, which reads each KV head once for all the query heads of its
+group. Layers with different sliding windows get a plan each.
+
+Decode steps can be captured in CUDA graphs: each captured batch size has its own decode
+wrappers over fixed buffers, planned again before every replay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kubesgl.engine.attention import FLASHINFER_HEAD_DIMS
+from kubesgl.engine.attention.base import AttentionBackend, AttentionLayerSpec
+from kubesgl.engine.attention.triton_kernels.kv_indices import gather_kv_indices
+from kubesgl.engine.executor.forward_batch import ForwardBatch, ForwardMode
+from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
+
+WORKSPACE_BYTES = 256 << 20  # FlashInfer's scratch space for split-KV partial results
+
+
+def _import_flashinfer():
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise RuntimeError("--attention-backend flashinfer needs the flashinfer-python package "
+                           "(pip install 'kubesgl[flashinfer]')") from exc
+    return flashinfer
+
+
+def _indptr(lengths: Sequence[int]) -> torch.Tensor:
+    return torch.tensor([0, *lengths], dtype=torch.int32).cumsum_(0, dtype=torch.int32)
+
+
+class _Planned:
+    """A FlashInfer wrapper and its last plan. `plan` stages the schedule in a pinned host
+    buffer that the device copies from when the step runs; with steps queued ahead of the
+    device, planning again must wait until that copy has happened."""
+
+    def __init__(self, wrapper):
+        self.wrapper = wrapper
+        self._staged: torch.cuda.Event | None = None
+
+    def plan(self, *args, **kwargs) -> None:
+        if self._staged is not None:
+            self._staged.synchronize()
+        self.wrapper.plan(*args, **kwargs)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+
+    def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.wrapper.run(q, kv)
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, layers: Sequence[AttentionLayerSpec]):
+        super().__init__(kv_pool, req_to_token, layers)
+        self._flashinfer = _import_flashinfer()
+        self.device = req_to_token.table.device
+        self.dtype = kv_pool.k[0].dtype
+        if self.device.type != "cuda":
+            raise ValueError("--attention-backend flashinfer runs on CUDA devices only")
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"--attention-backend flashinfer needs --dtype bfloat16 or float16, not {self.dtype}")
+        shapes = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) for layer in layers}
+        if len(shapes) != 1:
+            raise ValueError("--attention-backend flashinfer needs every layer to have the same attention shape")
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scaling = shapes.pop()
+        if self.head_dim not in FLASHINFER_HEAD_DIMS:
+            raise ValueError(f"--attention-backend flashinfer needs a head_dim in {FLASHINFER_HEAD_DIMS}, "
+                             f"not {self.head_dim}")
+        self.windows = sorted({layer.sliding_window for layer in layers}, key=lambda w: w or 0)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        fi = self._flashinfer
+        self.prefill = {w: _Planned(fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"))
+                        for w in self.windows}
+        self.decode = {w: _Planned(fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True))
+                       for w in self.windows}
+        self.graph_decode: dict[int, dict[int | None, _Planned]] = {}
+        self.graph_indices: torch.Tensor | None = None
+
+    def _kv_indices(self, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+        return gather_kv_indices(self.req_to_token.table, batch.req_rows, batch.seq_lens, sum(batch.seq_lens_cpu), out)
+
+    def _plan_decode(self, wrappers: dict[int | None, _Planned], batch: ForwardBatch, indices: torch.Tensor) -> None:
+        kv_indptr = _indptr(batch.seq_lens_cpu)
+        last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)
+        for window, planned in wrappers.items():
+            planned.plan(kv_indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, 1,
+                         window_left=_window_left(window), q_data_type=self.dtype, kv_data_type=self.dtype,
+                         sm_scale=self.scaling)
+        batch.attn = wrappers
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        indices = self._kv_indices(batch)
+        if batch.mode is ForwardMode.DECODE:
+            self._plan_decode(self.decode, batch, indices)
+            return
+        qo_indptr, kv_indptr = _indptr(batch.extend_lens_cpu), _indptr(batch.seq_lens_cpu)
+        last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)
+        for window, planned in self.prefill.items():
+            planned.plan(qo_indptr, kv_indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
+                         1, causal=True, sm_scale=self.scaling, window_left=_window_left(window),
+                         q_data_type=self.dtype, kv_data_type=self.dtype)
+        batch.attn = self.prefill
+
+    def init_cuda_graph(self, max_batch_size: int) -> None:
+        # Requests may share cached prefixes, so a batch can list more slots than the pool has.
+        self.graph_indices = torch.zeros(max_batch_size * self.req_to_token.max_context_len, dtype=torch.int32,
+                                         device=self.device)
+
+    def prepare_cuda_graph(self, batch: ForwardBatch) -> None:
+        bs = batch.batch_size
+        if bs not in self.graph_decode:
+            fi = self._flashinfer
+            last_page_len = torch.ones(bs, dtype=torch.int32, device=self.device)
+            self.graph_decode[bs] = {
+                w: _Planned(fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
+                    paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+                    paged_kv_indices_buffer=self.graph_indices, paged_kv_last_page_len_buffer=last_page_len))
+                for w in self.windows
+            }
+        # The wrappers copy the indices into graph_indices, their fixed buffer, when planned.
+        self._plan_decode(self.graph_decode[bs], batch, self._kv_indices(batch))
+
+    def forward(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        self.kv_pool.write(layer.layer_id, batch.out_cache_loc, k, v)
+        kv = (self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id])  # [slots, kv_heads, dim]: pages of 1
+        return batch.attn[layer.sliding_window].run(q.contiguous(), kv)
+
+
+def _window_left(window: int | None) -> int:
+    """FlashInfer counts the keys left of the query; kubesgl's window includes the query."""
+    return -1 if window is None else window - 1

@@ -1,0 +1,45 @@
+"""Choosing an attention backend, and the errors a backend gives where it cannot run."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kubesgl.engine.attention import AttentionLayerSpec, auto_backend, create_backend
+from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
+
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+
+
+def test_auto_picks_torch_on_the_cpu():
+    assert auto_backend(torch.device("cpu"), torch.bfloat16, 128) == "torch"
+
+
+@pytest.mark.parametrize("dtype,head_dim,installed,expected", [
+    (torch.bfloat16, 128, True, "flashinfer"),
+    (torch.float16, 64, True, "flashinfer"),
+    (torch.float32, 128, True, "triton"),  # FlashInfer has no float32 kernels
+    (torch.bfloat16, 80, True, "triton"),  # nor this head size
+    (torch.bfloat16, 128, False, "triton"),
+])
+def test_auto_on_cuda_prefers_flashinfer_where_it_can(monkeypatch, dtype, head_dim, installed, expected):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if installed else None) if name == "flashinfer" else real(name, *a))
+    assert auto_backend(torch.device("cuda"), dtype, head_dim) == expected
+
+
+def test_flashinfer_backend_refuses_what_it_cannot_run_with_a_clear_error():
+    pool = KVPool(64, 1, 2, 64, torch.bfloat16, torch.device("cpu"))
+    table = ReqToTokenTable(4, 32, torch.device("cpu"))
+    layers = [AttentionLayerSpec(0, 4, 2, 64, 0.125, None)]
+    match = "runs on CUDA devices only" if HAS_FLASHINFER else r"pip install 'kubesgl\[flashinfer\]'"
+    with pytest.raises((RuntimeError, ValueError), match=match):
+        create_backend("flashinfer", kv_pool=pool, req_to_token=table, layers=layers)
+
+
+def test_unknown_backend_is_named_in_the_error():
+    with pytest.raises(ValueError, match="'flash' is not available"):
+        create_backend("flash", kv_pool=None, req_to_token=None, layers=[])
