@@ -11,6 +11,10 @@ def gated_activation(name: str):
     act = _ACTIVATIONS[name]
 
     def apply(x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and name == "silu":
+            from kubesgl.engine.layers.triton_kernels.activation import silu_and_mul
+
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return act(gate) * up
 

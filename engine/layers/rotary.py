@@ -82,7 +82,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * scale).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. On CUDA, q and k
+        are rotated in place, in one kernel."""
+        if q.is_cuda:
+            from kubesgl.engine.layers.triton_kernels.rotary import apply_rotary_inplace
+
+            apply_rotary_inplace(positions, q, k, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -82,9 +82,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, hidden, positions, batch, backend):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, batch, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, residual, positions, batch, backend):
+        """Returns (this layer's output, the residual stream before it); the next norm adds them."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, batch, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class CausalLM(nn.Module):
@@ -104,13 +110,17 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 backend: AttentionBackend) -> torch.Tensor:
         """Float32 logits at the last new token of every request: [B, vocab]."""
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, positions, batch, backend)
+            hidden, residual = layer(hidden, residual, positions, batch, backend)
         if batch.mode is ForwardMode.EXTEND:
             last = torch.tensor(batch.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
-            hidden = hidden[last]
-        return self.lm_head.logits(self.norm(hidden))
+            hidden, residual = hidden[last], residual[last]
+        hidden, _ = self.norm(hidden, residual)
+        return self.lm_head.logits(hidden)
+
+    def attention_specs(self) -> list[AttentionLayerSpec]:
+        return [layer.self_attn.spec for layer in self.layers]
 
     # -- weights ---------------------------------------------------------------------
     _STACKED = {  # checkpoint projection -> (fused parameter, shard)

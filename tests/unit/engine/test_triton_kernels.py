@@ -13,8 +13,13 @@ if not torch.cuda.is_available():
 
 from kubesgl.engine.attention.triton_kernels.decode import decode_attention  # noqa: E402
 from kubesgl.engine.attention.triton_kernels.extend import extend_attention  # noqa: E402
+from kubesgl.engine.attention.triton_kernels.kv_indices import gather_kv_indices  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ENGINE_ON_CPU = pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="runs the engine on the CPU through Triton's interpreter; tests/gpu runs these kernels on the GPU",
+)
 
 
 def reference(q, k, v, q_pos, scale, window):
@@ -43,6 +48,14 @@ def paged_setup(seq_lens, heads, kv_heads, dim, dtype, seed=0):
         table[row, :n] = perm[start : start + n]
         start += n
     return k_cache, v_cache, table.to(DEVICE), rows.to(DEVICE)
+
+
+def test_gather_kv_indices_concatenates_each_rows_prefix():
+    table = torch.arange(5 * 1200, dtype=torch.int64).reshape(5, 1200).to(DEVICE)
+    rows, lens = [3, 0, 4], [1, 1100, 513]  # lengths across the kernel's 512-slot blocks
+    got = gather_kv_indices(table, torch.tensor(rows, device=DEVICE), torch.tensor(lens, device=DEVICE), sum(lens))
+    expected = torch.cat([table[r, :n] for r, n in zip(rows, lens)])
+    assert got.dtype == torch.int32 and got.tolist() == expected.tolist()
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])
@@ -77,6 +90,7 @@ def test_extend_with_cached_prefixes_matches_reference(window):
         start += e
 
 
+@ENGINE_ON_CPU
 def test_engine_with_triton_backend_equals_transformers(tiny_model, make_llm, hf_greedy, random_prompts):
     path = tiny_model("qwen3")
     llm = make_llm(path, attention_backend="triton", page_size=4, chunked_prefill_size=32)
@@ -116,6 +130,7 @@ def test_expert_alignment_groups_pairs_by_expert():
     assert sorted(pairs[8:12]) == [0, 2, 5, 6]  # 6 = number of pairs: padding
 
 
+@ENGINE_ON_CPU
 def test_engine_with_fused_moe_equals_transformers(tiny_model, make_llm, hf_greedy, random_prompts):
     from kubesgl.engine import SamplingParams
     from kubesgl.engine.layers.moe import SparseMoeBlock
