@@ -14,6 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kubesgl.engine.attention.triton_kernels.online_softmax import (
+    block_scores,
+    load_kv_block,
+    online_softmax_step,
+)
+
 
 @triton.jit
 def _decode_partial(
@@ -47,23 +53,10 @@ def _decode_partial(
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = offs < end
-        slots = tl.load(Table + row * stride_table + offs, mask=valid, other=0)
-        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v = load_kv_block(K, V, Table, row * stride_table, offs, valid, kv_head, stride_kn, stride_kh, stride_vn,
+                             stride_vh, d, q.dtype)
+        s = tl.where(valid[None, :], block_scores(q, k, IEEE) * sm_scale, float("-inf"))
+        acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

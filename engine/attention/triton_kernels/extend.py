@@ -7,6 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kubesgl.engine.attention.triton_kernels.online_softmax import (
+    block_scores,
+    load_kv_block,
+    online_softmax_step,
+)
+
 
 @triton.jit
 def _extend(
@@ -43,27 +49,13 @@ def _extend(
     for n0 in range(lo, hi, BLOCK_N):
         k_pos = n0 + tl.arange(0, BLOCK_N)
         valid = k_pos < hi
-        slots = tl.load(Table + row * stride_table + k_pos, mask=valid, other=0)
-        k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
+        k, v = load_kv_block(K, V, Table, row * stride_table, k_pos, valid, kv_head, stride_kn, stride_kh, stride_vn,
+                             stride_vh, d, q.dtype)
         allowed = valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if window > 0:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        s = tl.where(allowed, block_scores(q, k, IEEE) * sm_scale, float("-inf"))
+        acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
              mask=mask_m[:, None])
