@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=512)
@@ -53,6 +54,7 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, attention_backend=args.attention_backend,
+              kv_cache_dtype=args.kv_cache_dtype,
               disable_overlap_schedule=args.disable_overlap_schedule, max_running_requests=max(args.batch, 1),
               context_length=args.input_len + args.output_len + 16, max_total_tokens=args.max_total_tokens)
     device = llm.engine.device
@@ -75,7 +77,7 @@ def main() -> None:
     result = {
         "model": args.model, "load_format": args.load_format, "dtype": str(llm.engine.dtype), "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "attention_backend": args.attention_backend, "overlap": not args.disable_overlap_schedule,
+        "attention_backend": args.attention_backend, "kv_cache_dtype": args.kv_cache_dtype, "overlap": not args.disable_overlap_schedule,
         "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
         "first_token_ms": first_token_s * 1e3, "ms_per_decode_step": ms_per_step,
         "output_tokens_per_s": args.batch * args.output_len / total_s, "weight_bytes": weight_bytes,

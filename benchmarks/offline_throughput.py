@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=512)
@@ -32,6 +33,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, attention_backend=args.attention_backend,
+              kv_cache_dtype=args.kv_cache_dtype,
               max_running_requests=args.max_running_requests, disable_cuda_graph=args.disable_cuda_graph,
               disable_radix_cache=args.disable_radix_cache,
               context_length=args.input_len + args.output_len + 16)
@@ -49,7 +51,7 @@ def main() -> None:
     result = {
         "model": args.model, "load_format": args.load_format, "dtype": str(llm.engine.dtype),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "attention_backend": args.attention_backend, "cuda_graph": not args.disable_cuda_graph,
+        "attention_backend": args.attention_backend, "kv_cache_dtype": args.kv_cache_dtype, "cuda_graph": not args.disable_cuda_graph,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "max_running_requests": args.max_running_requests, "kv_pool_tokens": llm.engine.scheduler.stats().kv_total_tokens,
         "seconds": elapsed, "output_tokens_per_s": args.num_prompts * args.output_len / elapsed,

@@ -15,6 +15,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=["mixed", "prefill", "decode"], default=d.role)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=d.dtype)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default=d.kv_cache_dtype,
+                        help="storage of the KV cache: auto = the model's dtype; fp8_e4m3 halves its bytes")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default=d.load_format,
                         help="dummy: random weights from the config, no weight files read")
     parser.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
@@ -39,7 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, tp_size=args.tp_size, role=args.role, device=args.device, dtype=args.dtype,
+        model=args.model, tp_size=args.tp_size, role=args.role, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format, page_size=args.page_size, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,

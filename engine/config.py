@@ -13,6 +13,7 @@ class EngineConfig:
     role: str = "mixed"  # mixed | prefill | decode
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3
     load_format: str = "auto"  # auto | dummy
     seed: int = 0  # seeds dummy weights, and sampling (the same on every tensor-parallel rank)
     page_size: int = 1
@@ -34,6 +35,8 @@ class EngineConfig:
             (self.tp_size >= 1, "--tp-size must be at least 1"),
             (self.role in ("mixed", "prefill", "decode"), f"--role must be mixed, prefill or decode, got {self.role!r}"),
             (self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {self.device!r}"),
+            (self.kv_cache_dtype in ("auto", "fp8_e4m3"),
+             f"--kv-cache-dtype must be auto or fp8_e4m3, got {self.kv_cache_dtype!r}"),
             (self.page_size >= 1, "--page-size must be at least 1"),
             (self.max_running_requests >= 1, "--max-running-requests must be at least 1"),
             (self.max_prefill_tokens >= 1, "--max-prefill-tokens must be at least 1"),

@@ -86,12 +86,13 @@ class Engine:
         attn = self.model.layers[0].self_attn.spec
 
         page = config.page_size
-        tokens = kv_pool_tokens(config, self.model_config, self.dtype, self.device, attn.num_kv_heads, self.context_length)
+        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
+        tokens = kv_pool_tokens(config, self.model_config, kv_dtype, self.device, attn.num_kv_heads, self.context_length)
         # Every rank must schedule alike, so all take the smallest pool any rank can hold.
         tokens = int(get_tp_group().all_reduce(torch.tensor([tokens], device=self.device), dist.ReduceOp.MIN).item())
         num_pages = tokens // page + 1  # + the padding page
-        kv_pool = KVPool(num_pages * page, self.model_config.num_layers, attn.num_kv_heads, attn.head_dim, self.dtype,
-                         self.device)
+        kv_pool = KVPool(num_pages * page, self.model_config.num_layers, attn.num_kv_heads, attn.head_dim, kv_dtype,
+                         self.device, compute_dtype=self.dtype)
         # Finished requests keep their row until the step in flight completes: leave room.
         # One more row, never handed out, is the padding row of CUDA-graph replays.
         num_rows = 2 * config.max_running_requests

@@ -67,11 +67,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         super().__init__(kv_pool, req_to_token, layers)
         self._flashinfer = _import_flashinfer()
         self.device = req_to_token.table.device
-        self.dtype = kv_pool.k[0].dtype
+        self.q_dtype, self.kv_dtype = kv_pool.compute_dtype, kv_pool.dtype
         if self.device.type != "cuda":
             raise ValueError("--attention-backend flashinfer runs on CUDA devices only")
-        if self.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"--attention-backend flashinfer needs --dtype bfloat16 or float16, not {self.dtype}")
+        if self.q_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"--attention-backend flashinfer needs --dtype bfloat16 or float16, not {self.q_dtype}")
         shapes = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) for layer in layers}
         if len(shapes) != 1:
             raise ValueError("--attention-backend flashinfer needs every layer to have the same attention shape")
@@ -97,7 +97,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)
         for window, planned in wrappers.items():
             planned.plan(kv_indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, 1,
-                         window_left=_window_left(window), q_data_type=self.dtype, kv_data_type=self.dtype,
+                         window_left=_window_left(window), q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
                          sm_scale=self.scaling)
         batch.attn = wrappers
 
@@ -111,7 +111,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         for window, planned in self.prefill.items():
             planned.plan(qo_indptr, kv_indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
                          1, causal=True, sm_scale=self.scaling, window_left=_window_left(window),
-                         q_data_type=self.dtype, kv_data_type=self.dtype)
+                         q_data_type=self.q_dtype, kv_data_type=self.kv_dtype)
         batch.attn = self.prefill
 
     def init_cuda_graph(self, max_batch_size: int) -> None:

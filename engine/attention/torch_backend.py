@@ -62,8 +62,8 @@ class TorchAttentionBackend(AttentionBackend):
         gqa = layer.num_heads != layer.num_kv_heads
         meta = batch.attn
         if isinstance(meta, _DecodeMeta):
-            keys = k_cache[meta.kv_slots].transpose(1, 2)  # [B, kv_heads, max_len, dim]
-            values = v_cache[meta.kv_slots].transpose(1, 2)
+            keys = k_cache[meta.kv_slots].to(q.dtype).transpose(1, 2)  # [B, kv_heads, max_len, dim]
+            values = v_cache[meta.kv_slots].to(q.dtype).transpose(1, 2)
             mask = meta.valid & _mask(meta.query_positions, meta.key_positions, layer.sliding_window)
             out = F.scaled_dot_product_attention(
                 q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=layer.scaling, enable_gqa=gqa
@@ -74,7 +74,8 @@ class TorchAttentionBackend(AttentionBackend):
             key_pos = torch.arange(slots.shape[0], device=q.device)
             mask = _mask(query_pos, key_pos, layer.sliding_window)
             out[start:end] = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1),
+                q[start:end].transpose(0, 1), k_cache[slots].to(q.dtype).transpose(0, 1),
+                v_cache[slots].to(q.dtype).transpose(0, 1),
                 attn_mask=mask, scale=layer.scaling, enable_gqa=gqa,
             ).transpose(0, 1)
         return out

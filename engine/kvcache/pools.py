@@ -6,12 +6,17 @@ import torch
 
 
 class KVPool:
-    """K and V buffers of every layer, indexed by token slot: [slots, kv_heads, head_dim]."""
+    """K and V buffers of every layer, indexed by token slot: [slots, kv_heads, head_dim].
+
+    Stored in `dtype`, which may be narrower than the model's (`--kv-cache-dtype fp8_e4m3`
+    halves the bytes per token); attention reads values back as `compute_dtype`."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None):
         shape = (num_slots, num_kv_heads, head_dim)
         self.num_slots = num_slots
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -20,8 +25,16 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
+        if k.is_cuda and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]:
+            from kubesgl.engine.kvcache.store_kv import store_kv
+
+            store_kv(self.k[layer], self.v[layer], slots, k, v)
+            return
+        if self.dtype.itemsize == 1:  # FP8: a plain cast may turn out-of-range values into NaN
+            limit = torch.finfo(self.dtype).max
+            k, v = k.clamp(-limit, limit), v.clamp(-limit, limit)
+        self.k[layer][slots] = k.to(self.dtype)
+        self.v[layer][slots] = v.to(self.dtype)
 
 
 class ReqToTokenTable:

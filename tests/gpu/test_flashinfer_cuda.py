@@ -1,5 +1,6 @@
-"""The FlashInfer backend on the GPU: its attention against the torch backend's on the same
-paged pool (prefixes, sliding windows, grouped heads), CUDA-graph replays against eager
+"""The FlashInfer backend on the GPU: its attention (and the Triton backend's) against the
+torch backend's on the same paged pool (prefixes, sliding windows, grouped heads, an FP8
+pool), CUDA-graph replays against eager
 steps, and whole generations against the torch backend. FlashInfer computes in float16 or
 bfloat16 only, so generations are compared with rounding in mind: they must agree until a
 step where the reference's two best tokens are a near tie."""
@@ -33,13 +34,17 @@ def make_batch(mode, seq_lens, extend_lens, rows, table, device) -> ForwardBatch
                         future_slots=empty, emits=empty, sampling=None)
 
 
-@pytest.mark.parametrize("dtype,head_dim", [(torch.float16, 64), (torch.bfloat16, 128)])
-@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("dtype,kv_dtype,head_dim,window", [
+    (torch.float16, torch.float16, 64, None), (torch.float16, torch.float16, 64, 37),
+    (torch.bfloat16, torch.bfloat16, 128, None), (torch.bfloat16, torch.bfloat16, 128, 37),
+    (torch.bfloat16, torch.float8_e4m3fn, 128, None),  # --kv-cache-dtype fp8_e4m3
+])
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_attention_matches_torch_backend(dtype, head_dim, window, mode):
+@pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+def test_attention_matches_torch_backend(backend, dtype, kv_dtype, head_dim, window, mode):
     device = torch.device("cuda")
     heads, kv_heads, layers = 8, 2, 2
-    pool = KVPool(16384, layers, kv_heads, head_dim, dtype, device)
+    pool = KVPool(16384, layers, kv_heads, head_dim, kv_dtype, device, compute_dtype=dtype)
     table = ReqToTokenTable(8, 1024, device)
     gen = torch.Generator().manual_seed(0)
     for layer in range(layers):
@@ -55,11 +60,11 @@ def test_attention_matches_torch_backend(dtype, head_dim, window, mode):
     k = torch.randn(sum(extend_lens), kv_heads, head_dim, generator=gen).to(dtype).to(device)
     v = torch.randn(sum(extend_lens), kv_heads, head_dim, generator=gen).to(dtype).to(device)
     outputs = {}
-    for name in ("torch", "flashinfer"):
-        backend = create_backend(name, kv_pool=pool, req_to_token=table, layers=specs)
-        backend.prepare(batch)
-        outputs[name] = [backend.forward(q, k, v, spec, batch).float() for spec in specs]
-    for ref, got in zip(outputs["torch"], outputs["flashinfer"]):
+    for name in ("torch", backend):
+        attention = create_backend(name, kv_pool=pool, req_to_token=table, layers=specs)
+        attention.prepare(batch)
+        outputs[name] = [attention.forward(q, k, v, spec, batch).float() for spec in specs]
+    for ref, got in zip(outputs["torch"], outputs[backend]):
         torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
