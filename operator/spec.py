@@ -72,6 +72,7 @@ class EngineSpec(SpecModel):
     chunked_prefill_size: int | None = Field(default=None, ge=1)
     max_total_tokens: int | None = Field(default=None, ge=1)
     attention_backend: Literal["torch", "triton", "flashinfer"] | None = None
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] | None = None
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False

@@ -62,14 +62,15 @@ def engine_args(isvc: InferenceService, role: EngineRole, block: RoleSpec) -> li
     ]
     if role == "prefill":
         args += ["--disaggregation-bootstrap-port", str(naming.BOOTSTRAP_PORT)]
-    numeric_options = {
+    valued_options = {
         "--page-size": engine.page_size,
         "--max-running-requests": engine.max_running_requests,
         "--chunked-prefill-size": engine.chunked_prefill_size,
         "--max-total-tokens": engine.max_total_tokens,
         "--attention-backend": engine.attention_backend,
+        "--kv-cache-dtype": engine.kv_cache_dtype,
     }
-    for flag, value in numeric_options.items():
+    for flag, value in valued_options.items():
         if value is not None:
             args += [flag, str(value)]
     switches = {

@@ -14,10 +14,16 @@ from kubesgl.operator.validation import parse_inference_service
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 
 
-def containers(path: Path):
-    for obj in render(parse_inference_service(yaml.safe_load(path.read_text()))):
-        if obj["kind"] == "Deployment":
-            yield from obj["spec"]["template"]["spec"]["containers"]
+def containers(source: Path | dict):
+    """Containers of the Deployments rendered from an example file or an InferenceService."""
+    obj = yaml.safe_load(source.read_text()) if isinstance(source, Path) else source
+    for child in render(parse_inference_service(obj)):
+        if child["kind"] == "Deployment":
+            yield from child["spec"]["template"]["spec"]["containers"]
+
+
+def engine_args(source: Path | dict) -> list[str]:
+    return next(c for c in containers(source) if c["args"][0] == "serve")["args"][1:]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
@@ -30,6 +36,25 @@ def test_rendered_engine_args_parse_with_kubesgl_serve(path):
         args = [a.replace("$(KUBESGL_API_KEY)", "key") for a in container["args"][1:]]
         parsed = build_parser().parse_args(args)
         assert parsed.port == int(container["ports"][0]["containerPort"])
+        engine_spec = yaml.safe_load(path.read_text())["spec"].get("engine", {})
+        assert parsed.kv_cache_dtype == engine_spec.get("kvCacheDtype", "auto")
+        assert parsed.dtype == engine_spec.get("dtype", "auto")
+
+
+def test_every_engine_option_of_the_crd_reaches_the_engine():
+    """Each `spec.engine` field set to a non-default value changes the rendered command line."""
+    base = yaml.safe_load(EXAMPLES[0].read_text())
+    values = {"dtype": "float16", "loadFormat": "dummy", "pageSize": 16, "maxRunningRequests": 8,
+              "chunkedPrefillSize": 512, "maxTotalTokens": 4096, "attentionBackend": "flashinfer",
+              "kvCacheDtype": "fp8_e4m3", "disableRadixCache": True, "disableOverlapSchedule": True,
+              "disableCudaGraph": True, "logLevel": "debug", "shutdownTimeoutSeconds": 7}
+    from kubesgl.engine.server.cli import build_parser
+
+    unchanged = build_parser().parse_args(engine_args(base))
+    for field, value in values.items():
+        spec = yaml.safe_load(yaml.safe_dump(base))
+        spec["spec"].setdefault("engine", {})[field] = value
+        assert build_parser().parse_args(engine_args(spec)) != unchanged, field
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
