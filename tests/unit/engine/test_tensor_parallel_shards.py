@@ -64,3 +64,39 @@ def test_uneven_split_is_refused(as_rank):
     as_rank(0, 3)
     with pytest.raises(ValueError, match="do not divide"):
         QKVParallelLinear(16, 4, 8, 2, bias=False, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_collectives_per_forward_pass(arch, tiny_model, monkeypatch):
+    """A forward pass at TP > 1 all-reduces the embedding and each layer's attention and MLP
+    (or MoE) output, and all-gathers the logits once: what benchmarks/tp_scaling.py counts.
+    The model is built with one rank; a group that counts, and claims two ranks, serves the
+    forward pass (each collective hands its input back, as a sum over one real rank would)."""
+    import sys
+    from dataclasses import dataclass, field
+    from pathlib import Path
+
+    from kubesgl.engine import LLM, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+    from tp_scaling import allreduces_per_forward
+
+    @dataclass(frozen=True)
+    class CountingGroup(TensorParallelGroup):
+        calls: dict = field(default_factory=lambda: {"all_reduce": 0, "all_gather": 0})
+
+        def all_reduce(self, tensor, op=None):
+            self.calls["all_reduce"] += 1
+            return tensor
+
+        def all_gather_last_dim(self, tensor):
+            self.calls["all_gather"] += 1
+            return tensor
+
+    path = tiny_model(arch)
+    with LLM(path, dtype="float32", device="cpu", max_total_tokens=1024) as llm:
+        group = CountingGroup(rank=0, size=2)
+        monkeypatch.setattr(parallel_state, "_group", group)
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1))  # one prefill step: one forward pass
+        monkeypatch.setattr(parallel_state, "_group", TensorParallelGroup())
+    assert group.calls == allreduces_per_forward(path)
