@@ -117,6 +117,8 @@ class TextOutput:
     logprobs: list[TokenLogprob] | None = None
     token_strings: list[str] | None = None  # the text of each token, and of each top alternative
     top_strings: list[list[str]] | None = None
+    token_bytes: list[list[int]] | None = None  # their raw bytes (a token may hold part of a character)
+    top_bytes: list[list[list[int]]] | None = None
 
 
 @dataclass

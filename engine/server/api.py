@@ -69,9 +69,10 @@ class Choice:
 
 def logprob_entries(out: TextOutput) -> list[dict]:
     return [
-        {"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
-         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, (_, v) in zip(tops, lp.top)]}
-        for lp, token, tops in zip(out.logprobs, out.token_strings, out.top_strings)
+        {"token": token, "logprob": lp.logprob, "bytes": raw,
+         "top_logprobs": [{"token": t, "logprob": v, "bytes": b} for t, b, (_, v) in zip(tops, top_raw, lp.top)]}
+        for lp, token, raw, tops, top_raw in zip(out.logprobs, out.token_strings, out.token_bytes, out.top_strings,
+                                                 out.top_bytes)
     ]
 
 

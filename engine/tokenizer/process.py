@@ -23,6 +23,7 @@ from kubesgl.engine.server.children import exit_with_parent
 from kubesgl.engine.server.ipc import Endpoints, pull, push
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
 from kubesgl.engine.tokenizer.loader import load_tokenizer
+from kubesgl.engine.tokenizer.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Tokenizer:
     def __init__(self, model_path: str):
         self.hf = load_tokenizer(model_path)
         self.detokenizer = IncrementalDetokenizer(self.hf) if self.hf is not None else None
+        self._token_bytes = TokenBytes(self.hf) if self.hf is not None else None
         self.states: dict[str, DecodeState] = {}
 
     def encode(self, request: TokenizeRequest) -> list[int]:
@@ -74,14 +76,20 @@ class Tokenizer:
                             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
                             completion_tokens=out.completion_tokens, logprobs=out.logprobs)
         if out.logprobs:
-            name = self._token_text
+            name, raw = self._token_text, self._raw_bytes
             result.token_strings = [name(lp.token_id) for lp in out.logprobs]
             result.top_strings = [[name(t) for t, _ in lp.top] for lp in out.logprobs]
+            result.token_bytes = [raw(lp.token_id) for lp in out.logprobs]
+            result.top_bytes = [[raw(t) for t, _ in lp.top] for lp in out.logprobs]
         return result
-
 
     def _token_text(self, token_id: int) -> str:
         return self.hf.decode([token_id]) if self.hf is not None else f"token_id:{token_id}"
+
+    def _raw_bytes(self, token_id: int) -> list[int]:
+        if self._token_bytes is None:
+            return list(self._token_text(token_id).encode())
+        return list(self._token_bytes(token_id))
 
 
 def run_tokenizer(model_path: str, endpoints: Endpoints, log_level: str) -> None:

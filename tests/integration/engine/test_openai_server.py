@@ -107,6 +107,9 @@ def test_logprobs(client):
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy picks the top token
+    # raw token bytes, not the UTF-8 of each token's text alone: together they spell the reply
+    text = b"".join(bytes(entry.bytes) for entry in content).decode(errors="replace")
+    assert text == got.choices[0].message.content
     completion = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0, logprobs=2)
     assert len(completion.choices[0].logprobs.token_logprobs) == 4
     assert all(len(t) == 2 for t in completion.choices[0].logprobs.top_logprobs)
