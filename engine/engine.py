@@ -87,6 +87,8 @@ class Engine:
 
         page = config.page_size
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
+        if kv_dtype == torch.float8_e4m3fn and self.device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+            raise ValueError("--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer (Ada, Hopper)")
         tokens = kv_pool_tokens(config, self.model_config, kv_dtype, self.device, attn.num_kv_heads, self.context_length)
         # Every rank must schedule alike, so all take the smallest pool any rank can hold.
         tokens = int(get_tp_group().all_reduce(torch.tensor([tokens], device=self.device), dist.ReduceOp.MIN).item())

@@ -21,7 +21,8 @@ class AttentionLayerSpec:
 
 
 class AttentionBackend(ABC):
-    """Computes attention over the paged KV pool.
+    """Computes attention over the paged KV pool for the given `layers` (a backend that plans
+    ahead, like FlashInfer, needs their shapes and windows up front).
 
     `prepare` runs once per step and leaves its metadata in `batch.attn`; `forward` runs per
     layer: it stores the step's k and v at `batch.out_cache_loc`, then attends.
@@ -32,7 +33,6 @@ class AttentionBackend(ABC):
     def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, layers: Sequence[AttentionLayerSpec]):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
-        self.layers = tuple(layers)
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...

@@ -3,7 +3,9 @@
 The KV pool is handed to FlashInfer as pages of one token each, so the pool and the
 request-to-token table are used as they are: each step lists its requests' slots
 (`gather_kv_indices`) and plans FlashInfer's wrappers on the host from the lengths the
-batch already carries (no synchronisation). Extend steps use the paged prefill kernel
+batch already carries, without reading anything back from the device. (Re-planning a
+wrapper waits for the device to have copied its previous plan: see `_Planned`; that keeps
+the host at most about one step ahead.) Extend steps use the paged prefill kernel
 (causal, queries aligned to the end of each request's KV); decode steps use the
 tensor-core decode kernel, which reads each KV head once for all the query heads of its
 group. Layers with different sliding windows get a plan each.
@@ -89,8 +91,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.graph_decode: dict[int, dict[int | None, _Planned]] = {}
         self.graph_indices: torch.Tensor | None = None
 
-    def _kv_indices(self, batch: ForwardBatch, out: torch.Tensor | None = None) -> torch.Tensor:
-        return gather_kv_indices(self.req_to_token.table, batch.req_rows, batch.seq_lens, sum(batch.seq_lens_cpu), out)
+    def _kv_indices(self, batch: ForwardBatch) -> torch.Tensor:
+        return gather_kv_indices(self.req_to_token.table, batch.req_rows, batch.seq_lens, sum(batch.seq_lens_cpu))
 
     def _plan_decode(self, wrappers: dict[int | None, _Planned], batch: ForwardBatch, indices: torch.Tensor) -> None:
         kv_indptr = _indptr(batch.seq_lens_cpu)

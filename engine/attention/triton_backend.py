@@ -23,6 +23,15 @@ class _ExtendMeta:
 class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
+    def __init__(self, kv_pool, req_to_token, layers):
+        super().__init__(kv_pool, req_to_token, layers)
+        from kubesgl.engine.attention import triton_supports
+
+        if not all(triton_supports(layer.head_dim) for layer in layers):
+            sizes = sorted({layer.head_dim for layer in layers})
+            raise ValueError(f"--attention-backend triton needs power-of-two head sizes of at least 16, not {sizes}; "
+                             "use --attention-backend torch or flashinfer")
+
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
             batch.attn = None  # everything the kernel needs is in the batch already

@@ -25,7 +25,7 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if k.is_cuda and k.stride(-1) == 1 and k.stride(-2) == k.shape[-1]:
+        if k.is_cuda and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v)):
             from kubesgl.engine.kvcache.store_kv import store_kv
 
             store_kv(self.k[layer], self.v[layer], slots, k, v)

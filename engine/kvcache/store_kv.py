@@ -12,15 +12,15 @@ import triton.language as tl
 @triton.jit
 def _store_kv(K, V, KCache, VCache, Slots, stride_kt, stride_vt, stride_ct, limit, WIDTH: tl.constexpr,
               BLOCK: tl.constexpr, CLAMP: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t * stride can pass 2**31
     slot = tl.load(Slots + t)
     cols = tl.arange(0, BLOCK)
     mask = cols < WIDTH
     k = tl.load(K + t * stride_kt + cols, mask=mask)
     v = tl.load(V + t * stride_vt + cols, mask=mask)
     if CLAMP:
-        k = tl.clamp(k.to(tl.float32), -limit, limit)
-        v = tl.clamp(v.to(tl.float32), -limit, limit)
+        k = tl.clamp(k.to(tl.float32), -limit, limit, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN
+        v = tl.clamp(v.to(tl.float32), -limit, limit, propagate_nan=tl.PropagateNan.ALL)
     tl.store(KCache + slot * stride_ct + cols, k.to(KCache.dtype.element_ty), mask=mask)
     tl.store(VCache + slot * stride_ct + cols, v.to(VCache.dtype.element_ty), mask=mask)
 

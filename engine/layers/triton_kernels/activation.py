@@ -10,7 +10,7 @@ import triton.language as tl
 
 @triton.jit
 def _silu_and_mul(X, Out, stride_x, width, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # times a stride can pass 2**31
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
     gate = tl.load(X + t * stride_x + cols, mask=mask, other=0.0)

@@ -13,7 +13,7 @@ import triton.language as tl
 @triton.jit
 def _rms_norm(X, Residual, Weight, Out, SumOut, stride_x, stride_r, N, eps,
               HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # times a stride can pass 2**31
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)

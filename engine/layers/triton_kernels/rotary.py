@@ -31,7 +31,7 @@ def _rotate_heads(X, stride_t, stride_h, t, cos, sin, half, HEADS: tl.constexpr,
 def _rotary(Q, K, Positions, Cos, Sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, half,
             Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
             HALF: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # times a stride can pass 2**31
     pos = tl.load(Positions + t)
     d = tl.arange(0, HALF)[None, :]
     # cos and sin are float32 tables; the torch path first rounds them to the model's dtype

@@ -21,8 +21,9 @@ def test_auto_picks_torch_on_the_cpu():
     (torch.bfloat16, 128, True, "flashinfer"),
     (torch.float16, 64, True, "flashinfer"),
     (torch.float32, 128, True, "triton"),  # FlashInfer has no float32 kernels
-    (torch.bfloat16, 80, True, "triton"),  # nor this head size
+    (torch.bfloat16, 80, True, "torch"),  # nor this head size, which Triton's kernels lack too
     (torch.bfloat16, 128, False, "triton"),
+    (torch.float16, 96, False, "torch"),
 ])
 def test_auto_on_cuda_prefers_flashinfer_where_it_can(monkeypatch, dtype, head_dim, installed, expected):
     real = importlib.util.find_spec
@@ -43,3 +44,10 @@ def test_flashinfer_backend_refuses_what_it_cannot_run_with_a_clear_error():
 def test_unknown_backend_is_named_in_the_error():
     with pytest.raises(ValueError, match="'flash' is not available"):
         create_backend("flash", kv_pool=None, req_to_token=None, layers=[])
+
+
+def test_triton_backend_refuses_head_sizes_its_kernels_cannot_run():
+    pool = KVPool(64, 1, 2, 80, torch.float32, torch.device("cpu"))
+    table = ReqToTokenTable(4, 32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"power-of-two head sizes of at least 16, not \[80\]"):
+        create_backend("triton", kv_pool=pool, req_to_token=table, layers=[AttentionLayerSpec(0, 4, 2, 80, 0.1, None)])

@@ -85,3 +85,15 @@ def test_silu_and_mul_matches_torch(dtype):
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(x.to(DEVICE)).cpu(), F.silu(gate) * up, **tolerance(dtype))
 
+
+
+def test_offsets_past_two_to_the_31_do_not_wrap():
+    """Token index times row stride passes 2**31 for long prompts of wide models (a 70B MLP is
+    57,344 wide): offsets are 64-bit. Only three rows of the large buffer are ever touched."""
+    stride = 2**30 + 1024
+    storage = torch.empty(2 * stride + 2 * 64, dtype=torch.float16, device=DEVICE)
+    x = storage.as_strided((3, 128), (stride, 1))
+    x.copy_(torch.randn(3, 128).to(torch.float16))
+    gate, up = x.float().chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(x).float().cpu(), (F.silu(gate).half().float() * up).cpu(),
+                               atol=4e-2, rtol=2e-2)
