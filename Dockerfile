@@ -27,7 +27,7 @@ COPY router router
 COPY operator operator
 # the project itself, from this folder (its dependencies are ranges in pyproject.toml)
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[flashinfer]" \
+RUN pip install --no-cache-dir ".[flashinfer,disagg]" \
     && useradd --uid 1000 --create-home kubesgl
 
 USER 1000

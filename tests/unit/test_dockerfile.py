@@ -43,5 +43,5 @@ def test_copies_every_folder_the_package_is_built_from():
 
 def test_entrypoint_is_the_kubesgl_command_that_pods_run():
     assert json.loads(instructions("ENTRYPOINT")[-1]) == ["kubesgl"]
-    assert "[flashinfer]" in DOCKERFILE  # auto attention takes FlashInfer on GPUs
+    assert ".[flashinfer,disagg]" in DOCKERFILE  # auto attention takes FlashInfer on GPUs; NIXL moves KV
     assert instructions("USER")[-1] != "root"

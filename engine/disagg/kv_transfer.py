@@ -1,0 +1,129 @@
+"""KV pages between engines over NIXL (DESIGN.md, P/D protocol, step 3).
+
+Each engine registers the K and V buffers of every layer of its pool with a NIXL agent. The
+decode side hands the prefill side its agent metadata and its `PoolLayout`; the prefill side
+then writes a request's slots of every layer into the decode side's slots with one NIXL
+WRITE, whose descriptors cover runs of slots that are consecutive on both sides, and the
+transfer's notification (the room) tells the decode side it is complete. NIXL moves host
+memory (DRAM) for pools on the CPU and device memory (VRAM) for pools on a GPU.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from kubesgl.engine.kvcache.pools import KVPool
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where a pool's buffers are, as its peer must know to write into them."""
+
+    agent: str
+    memory: str  # "DRAM" | "VRAM"
+    device_id: int
+    slot_bytes: int  # one slot of one layer's K (or V) buffer
+    num_slots: int
+    k_addresses: tuple[int, ...]  # each layer's K buffer
+    v_addresses: tuple[int, ...]
+
+    @classmethod
+    def of(cls, pool: KVPool, agent: str) -> PoolLayout:
+        first = pool.k[0]
+        on_gpu = first.device.type == "cuda"
+        return cls(agent=agent, memory="VRAM" if on_gpu else "DRAM", device_id=first.device.index or 0,
+                   slot_bytes=first[0].numel() * first.element_size(), num_slots=pool.num_slots,
+                   k_addresses=tuple(t.data_ptr() for t in pool.k), v_addresses=tuple(t.data_ptr() for t in pool.v))
+
+    def check_compatible(self, peer: PoolLayout) -> None:
+        if len(self.k_addresses) != len(peer.k_addresses) or self.slot_bytes != peer.slot_bytes:
+            raise ValueError(f"KV pools differ: {len(self.k_addresses)} layers of {self.slot_bytes} bytes per slot "
+                             f"here, {len(peer.k_addresses)} of {peer.slot_bytes} at {peer.agent} (same model, "
+                             "dtype, KV cache dtype and tensor-parallel size are needed on both sides)")
+
+
+def slot_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(first source slot, first destination slot, length) of the runs where both lists count up by one."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source slots for {len(dst)} destination slots")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+@dataclass
+class Transfer:
+    handle: object
+    descriptors: int  # per side
+    nbytes: int
+
+
+class KVTransferAgent:
+    """One engine's NIXL agent over its KV pool."""
+
+    def __init__(self, pool: KVPool, name: str | None = None):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.name = name or f"kubesgl-{uuid.uuid4().hex[:12]}"  # unique among every engine it talks to
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.layout = PoolLayout.of(pool, self.name)
+        layout = self.layout
+        buffers = [(address, layout.num_slots * layout.slot_bytes, layout.device_id, "")
+                   for address in layout.k_addresses + layout.v_addresses]
+        self._registered = self.agent.register_memory(buffers, layout.memory)
+        self.peers: dict[str, PoolLayout] = {}
+
+    @property
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def connect(self, peer_metadata: bytes, peer: PoolLayout) -> None:
+        self.layout.check_compatible(peer)
+        name = self.agent.add_remote_agent(peer_metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        if name != peer.agent:
+            raise ValueError(f"NIXL metadata of agent {name!r} came with the layout of {peer.agent!r}")
+        self.peers[peer.agent] = peer
+
+    def write(self, peer_name: str, src_slots: list[int], dst_slots: list[int], notification: bytes) -> Transfer:
+        """Starts writing slots `src_slots` of every layer here into `dst_slots` at the peer."""
+        peer = self.peers[peer_name]
+        if max(dst_slots, default=0) >= peer.num_slots or max(src_slots, default=0) >= self.layout.num_slots:
+            raise ValueError("a slot is outside its pool")
+        size = self.layout.slot_bytes
+        local, remote = [], []
+        for s, d, n in slot_runs(src_slots, dst_slots):
+            for here, there in zip(self.layout.k_addresses + self.layout.v_addresses, peer.k_addresses + peer.v_addresses):
+                local.append((here + s * size, n * size, self.layout.device_id))
+                remote.append((there + d * size, n * size, peer.device_id))
+        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.layout.memory),
+                                            self.agent.get_xfer_descs(remote, peer.memory), peer.agent, notification)
+        if self.agent.transfer(handle) == "ERR":
+            self.agent.release_xfer_handle(handle)
+            raise RuntimeError(f"NIXL could not start the KV transfer to {peer.agent}")
+        return Transfer(handle, len(local), sum(length for _, length, _ in local))
+
+    def done(self, transfer: Transfer) -> bool:
+        """True once the transfer has completed (its handle is then released); raises if it failed."""
+        state = self.agent.check_xfer_state(transfer.handle)
+        if state == "PROC":
+            return False
+        self.agent.release_xfer_handle(transfer.handle)
+        if state != "DONE":
+            raise RuntimeError(f"KV transfer failed ({state})")
+        return True
+
+    def notifications(self) -> list[bytes]:
+        """Notifications of transfers peers completed into this pool, since the last call."""
+        return [message for messages in self.agent.get_new_notifs().values() for message in messages]
+
+    def close(self) -> None:
+        for peer in self.peers:
+            self.agent.remove_remote_agent(peer)
+        self.peers.clear()
+        self.agent.deregister_memory(self._registered)
