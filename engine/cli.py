@@ -25,7 +25,12 @@ def main(argv: list[str]) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     options = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
-    with LLM(config.model, **options) as llm:
+    try:
+        llm = LLM(config.model, **options)
+    except (ValueError, OSError) as exc:  # options this machine or model cannot run, a missing model
+        print(f"kubesgl generate: {exc}", file=sys.stderr)
+        return 2
+    with llm:
         try:
             outputs = llm.generate(args.prompt, params)
         except InvalidRequestError as exc:

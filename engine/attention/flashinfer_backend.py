@@ -33,8 +33,8 @@ def _import_flashinfer():
     try:
         import flashinfer
     except ImportError as exc:
-        raise RuntimeError("--attention-backend flashinfer needs the flashinfer-python package "
-                           "(pip install 'kubesgl[flashinfer]')") from exc
+        raise ValueError("--attention-backend flashinfer needs the flashinfer-python package "
+                         "(pip install 'kubesgl[flashinfer]')") from exc
     return flashinfer
 
 
