@@ -1,19 +1,15 @@
 """The Triton backend and CUDA graphs on the GPU: the same greedy tokens as the torch
-backend in float32, graphs equal to eager, and bfloat16 logits of the 8B shape within
-tolerance of the torch backend."""
+backend in float32, graphs equal to eager (the 8B shape: test_llama8b_shape.py)."""
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
-import torch
 
 from kubesgl.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
-LLAMA_8B = str(Path(__file__).resolve().parents[2] / "benchmarks/models/llama-3.1-8b")
 
 
 def prompts(count: int, seed: int, vocab: int = 600) -> list[list[int]]:
@@ -37,20 +33,3 @@ def test_triton_backend_greedy_equals_torch_backend(arch, cuda_graph, tiny_model
         llm.engine.scheduler.drain()
         llm.engine.scheduler.check_integrity()
     assert got == expected and again == expected
-
-
-def test_llama_8b_shape_triton_and_graphs_within_bf16_tolerance():
-    batch = prompts(4, seed=5, vocab=128000)
-    params = SamplingParams(max_tokens=6, temperature=0, logprobs=5, ignore_eos=True)
-    results = {}
-    for backend in ("torch", "triton"):
-        with LLM(LLAMA_8B, load_format="dummy", dtype="bfloat16", attention_backend=backend, max_total_tokens=8192,
-                 max_running_requests=8, context_length=1024) as llm:
-            results[backend] = llm.generate(batch, params)
-        torch.cuda.empty_cache()
-    for ref, got in zip(results["torch"], results["triton"]):
-        # first token: same context, so the distributions must agree within bf16 rounding
-        ref_top, got_top = dict(ref.logprobs[0].top), dict(got.logprobs[0].top)
-        shared = set(ref_top) & set(got_top)
-        assert len(shared) >= 4
-        assert max(abs(ref_top[t] - got_top[t]) for t in shared) < 0.1

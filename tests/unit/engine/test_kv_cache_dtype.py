@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from kubesgl.engine.attention import AttentionLayerSpec, create_backend  # noqa: E402
 from kubesgl.engine.config import EngineConfig  # noqa: E402
-from kubesgl.engine.executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from kubesgl.engine.executor.forward_batch import ForwardMode  # noqa: E402
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable  # noqa: E402
 from kubesgl.engine.kvcache.store_kv import store_kv  # noqa: E402
 
@@ -70,20 +70,9 @@ def test_fp8_writes_keep_nan_and_clamp_infinities(path):
     assert got[4:].tolist() == special[4:].to(FP8).float().tolist()
 
 
-def _batch(mode, seq_lens, extend_lens, rows, table) -> ForwardBatch:
-    long = lambda values: torch.tensor(values, dtype=torch.int64, device=DEVICE)  # noqa: E731
-    slots = torch.cat([table[r, n - e:n] for r, n, e in zip(rows, seq_lens, extend_lens)])
-    positions = torch.cat([torch.arange(n - e, n) for n, e in zip(seq_lens, extend_lens)]).to(DEVICE)
-    empty = long([])
-    return ForwardBatch(mode=mode, input_ids=torch.zeros_like(slots), positions=positions, out_cache_loc=slots,
-                        req_rows=long(rows), seq_lens=long(seq_lens), seq_lens_cpu=list(seq_lens),
-                        extend_lens_cpu=list(extend_lens), table_rows=empty, table_cols=empty, table_slots=empty,
-                        future_slots=empty, emits=empty, sampling=None)
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_attention_over_fp8_equals_attention_over_its_values(backend, mode):
+def test_attention_over_fp8_equals_attention_over_its_values(backend, mode, attention_batch):
     gen = torch.Generator().manual_seed(1)
     heads, kv_heads, dim = 4, 2, 16
     spec = [AttentionLayerSpec(0, heads, kv_heads, dim, dim**-0.5, None)]
@@ -91,7 +80,7 @@ def test_attention_over_fp8_equals_attention_over_its_values(backend, mode):
     table.table.copy_((torch.randperm(511, generator=gen)[:256] + 1).view(4, 64))  # scattered slots
     seq_lens, rows = [40, 7, 23], [2, 0, 3]
     extend_lens = [1, 1, 1] if mode is ForwardMode.DECODE else [40, 3, 10]
-    batch = _batch(mode, seq_lens, extend_lens, rows, table.table)
+    batch = attention_batch(mode, seq_lens, extend_lens, rows, table.table)
     total = sum(extend_lens)
     q, k, v = (torch.randn(total, h, dim, generator=gen).to(DEVICE) for h in (heads, kv_heads, kv_heads))
     outputs = []
