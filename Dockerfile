@@ -25,9 +25,10 @@ COPY kubesgl kubesgl
 COPY engine engine
 COPY router router
 COPY operator operator
-# the project itself, from this folder (its dependencies are ranges in pyproject.toml)
+# the project itself, from this folder (its dependencies are ranges in pyproject.toml), with
+# the FlashInfer release the benchmarks measured
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[flashinfer,disagg]" \
+RUN pip install --no-cache-dir ".[flashinfer,disagg]" flashinfer-python==0.5.3 \
     && useradd --uid 1000 --create-home kubesgl
 
 USER 1000
