@@ -18,7 +18,7 @@ from kubesgl.engine.executor.forward_batch import ForwardMode
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 
 pytestmark = pytest.mark.gpu
-pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
+pytest.importorskip("flashinfer", reason="FlashInfer is not installed here: pip install 'kubesgl[flashinfer]'")
 
 
 @pytest.mark.parametrize("dtype,kv_dtype,head_dim,window", [

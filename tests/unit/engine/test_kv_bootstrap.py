@@ -14,8 +14,6 @@ from kubesgl.engine.disagg.bootstrap import BootstrapServer, DecodeTransfers, Pr
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
 from kubesgl.engine.kvcache.pools import KVPool
 
-pytest.importorskip("nixl", reason="pip install 'kubesgl[disagg]' installs NIXL")
-
 
 def pool(seed: int | None, kv_heads: int = 2) -> KVPool:
     p = KVPool(64, 2, kv_heads, 8, torch.bfloat16, torch.device("cpu"))

@@ -12,8 +12,6 @@ import torch
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, slot_runs
 from kubesgl.engine.kvcache.pools import KVPool
 
-pytest.importorskip("nixl", reason="pip install 'kubesgl[disagg]' installs NIXL")
-
 
 def pool(seed: int | None, layers: int = 3, kv_heads: int = 2, head_dim: int = 8, dtype=torch.bfloat16) -> KVPool:
     p = KVPool(64, layers, kv_heads, head_dim, dtype, torch.device("cpu"))
