@@ -1,8 +1,28 @@
-"""What the benchmark scripts share: printing and saving a result as JSON."""
+"""What the benchmark scripts share: the engine's own options, and printing and saving a
+result as JSON."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+
+from kubesgl.engine import LLM
+from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
+
+
+def add_engine_options(parser: argparse.ArgumentParser, **defaults) -> None:
+    """Every option of `kubesgl serve`'s engine, with this benchmark's own defaults."""
+    add_engine_args(parser)
+    parser.set_defaults(**defaults)
+
+
+def make_llm(args: argparse.Namespace, **workload) -> LLM:
+    """The engine `args` describe; `workload` sets what the benchmark's workload dictates
+    (its context length, how many requests run at once), whatever the command line said."""
+    config = dataclasses.replace(engine_config_from_args(args), **workload)
+    options = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+    return LLM(options.pop("model"), **options)
 
 
 def report(result: dict, out: str | None) -> None:

@@ -15,9 +15,9 @@ import argparse
 import time
 
 import torch
-from common import report
+from common import add_engine_options, make_llm, report
 
-from kubesgl.engine import LLM, SamplingParams
+from kubesgl.engine import SamplingParams
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
@@ -40,23 +40,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-dtype", default="auto")
+    add_engine_options(parser, dtype="bfloat16", attention_backend="torch")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=512)
-    parser.add_argument("--attention-backend", default="torch")
-    parser.add_argument("--disable-overlap-schedule", action="store_true")
-    parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype,
-              disable_overlap_schedule=args.disable_overlap_schedule, max_running_requests=max(args.batch, 1),
-              context_length=args.input_len + args.output_len + 16, max_total_tokens=args.max_total_tokens)
+    llm = make_llm(args, max_running_requests=max(args.batch, 1), context_length=args.input_len + args.output_len + 16)
     device = llm.engine.device
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     vocab = llm.engine.model_config.vocab_size

@@ -12,31 +12,20 @@ import random
 import time
 
 import torch
-from common import report
+from common import add_engine_options, make_llm, report
 
-from kubesgl.engine import LLM, SamplingParams
+from kubesgl.engine import SamplingParams
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--kv-cache-dtype", default="auto")
+    add_engine_options(parser, dtype="bfloat16", attention_backend="triton")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=512)
-    parser.add_argument("--attention-backend", default="triton")
-    parser.add_argument("--max-running-requests", type=int, default=256)
-    parser.add_argument("--disable-cuda-graph", action="store_true")
-    parser.add_argument("--disable-radix-cache", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype,
-              max_running_requests=args.max_running_requests, disable_cuda_graph=args.disable_cuda_graph,
-              disable_radix_cache=args.disable_radix_cache,
-              context_length=args.input_len + args.output_len + 16)
+    llm = make_llm(args, context_length=args.input_len + args.output_len + 16)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.input_len)] for _ in range(args.num_prompts)]

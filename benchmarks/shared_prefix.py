@@ -12,16 +12,15 @@ import random
 import time
 
 import torch
-from common import report
+from common import add_engine_options, make_llm, report
 
 from kubesgl.bench.datasets import shared_prefix_requests
-from kubesgl.engine import LLM, SamplingParams
+from kubesgl.engine import SamplingParams
 
 
 def run(args: argparse.Namespace, radix: bool) -> dict:
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, attention_backend=args.attention_backend,
-              disable_radix_cache=not radix, max_running_requests=args.max_running_requests,
-              context_length=args.system_len + args.question_len + args.output_len + 16)
+    llm = make_llm(args, disable_radix_cache=not radix,
+                   context_length=args.system_len + args.question_len + args.output_len + 16)
     vocab = llm.engine.model_config.vocab_size
     requests = shared_prefix_requests(args.num_prompts, args.groups, args.system_len, args.question_len,
                                       args.output_len, vocab, random.Random(0))
@@ -44,16 +43,12 @@ def run(args: argparse.Namespace, radix: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--attention-backend", default="triton")
+    add_engine_options(parser, dtype="bfloat16", attention_backend="triton")
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--system-len", type=int, default=2048)
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--max-running-requests", type=int, default=256)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     with_cache, without = run(args, True), run(args, False)
