@@ -182,8 +182,7 @@ class DecodeTransfers:
         self._client = httpx.Client(timeout=10.0)
         self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kubesgl-kv-rooms")
         self._registered: dict[str, Future] = {}  # prefill engine -> its registration
-        self._posts: dict[int, Future] = {}
-        self._expected: dict[int, float] = {}
+        self._rooms: dict[int, tuple[Future, float]] = {}  # room -> (its post, when it was asked for)
 
     def expect(self, room: int, bootstrap_host: str, bootstrap_port: int, dst_slots: list[int]) -> None:
         """Ask the prefill engine at host:port to write room's prompt KV into `dst_slots`."""
@@ -191,8 +190,8 @@ class DecodeTransfers:
         registration = self._registered.get(base)
         if registration is None or (registration.done() and registration.exception() is not None):
             registration = self._registered[base] = self._workers.submit(self._register, base)  # (again)
-        self._expected[room] = time.monotonic()
-        self._posts[room] = self._workers.submit(self._post_room, registration, base, room, list(dst_slots))
+        post = self._workers.submit(self._post_room, registration, base, room, list(dst_slots))
+        self._rooms[room] = (post, time.monotonic())
 
     def _register(self, base: str) -> None:
         layout = dataclasses.asdict(self.agent.layout)
@@ -210,19 +209,18 @@ class DecodeTransfers:
         for message in self.agent.notifications():
             note = json.loads(message)
             room = int(note["room"])
-            if self._expected.pop(room, None) is not None:
-                self._posts.pop(room, None)
+            if self._rooms.pop(room, None) is not None:
                 results.append(RoomResult(room, first_token=int(note["first_token"])))
-        for room, post in list(self._posts.items()):
-            if post.done() and post.exception() is not None:
-                del self._posts[room]
-                self._expected.pop(room, None)
-                results.append(RoomResult(room, error=f"the prefill engine refused room {room}: {_why(post)}"))
         now = time.monotonic()
-        for room in [r for r, t in self._expected.items() if now - t > self.timeout]:
-            del self._expected[room]
-            self._posts.pop(room, None)
-            results.append(RoomResult(room, error=f"room {room}'s KV did not arrive within {self.timeout:g} s"))
+        for room, (post, asked_at) in list(self._rooms.items()):
+            if post.done() and post.exception() is not None:
+                error = f"the prefill engine refused room {room}: {_why(post)}"
+            elif now - asked_at > self.timeout:
+                error = f"room {room}'s KV did not arrive within {self.timeout:g} s"
+            else:
+                continue
+            del self._rooms[room]
+            results.append(RoomResult(room, error=error))
         return results
 
     def close(self) -> None:

@@ -12,25 +12,15 @@ import torch
 
 from kubesgl.engine.disagg.bootstrap import BootstrapServer, DecodeTransfers, PrefillTransfers
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
-from kubesgl.engine.kvcache.pools import KVPool
-
-
-def pool(seed: int | None, kv_heads: int = 2) -> KVPool:
-    p = KVPool(64, 2, kv_heads, 8, torch.bfloat16, torch.device("cpu"))
-    if seed is not None:
-        gen = torch.Generator().manual_seed(seed)
-        for t in p.k + p.v:
-            t.copy_(torch.randn(t.shape, generator=gen))
-    return p
 
 
 @pytest.fixture
-def pair():
+def pair(filled_kv_pool):
     """(prefill pool, decode pool, PrefillTransfers, DecodeTransfers) wired over loopback."""
     made = []
 
     def make(timeout: float = 10.0, decode_kv_heads: int = 2):
-        prefill_pool, decode_pool = pool(1), pool(None, decode_kv_heads)
+        prefill_pool, decode_pool = filled_kv_pool(1), filled_kv_pool(None, kv_heads=decode_kv_heads)
         prefill_agent, decode_agent = KVTransferAgent(prefill_pool), KVTransferAgent(decode_pool)
         server = BootstrapServer(prefill_agent.layout, host="127.0.0.1", port=0)
         prefill = PrefillTransfers(prefill_agent, server, timeout)

@@ -10,16 +10,6 @@ import pytest
 import torch
 
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, slot_runs
-from kubesgl.engine.kvcache.pools import KVPool
-
-
-def pool(seed: int | None, layers: int = 3, kv_heads: int = 2, head_dim: int = 8, dtype=torch.bfloat16) -> KVPool:
-    p = KVPool(64, layers, kv_heads, head_dim, dtype, torch.device("cpu"))
-    if seed is not None:
-        gen = torch.Generator().manual_seed(seed)
-        for t in p.k + p.v:
-            t.copy_(torch.randn(t.shape, generator=gen))
-    return p
 
 
 def test_slot_runs_merge_what_is_consecutive_on_both_sides():
@@ -37,8 +27,8 @@ def wait(predicate, timeout: float = 10.0):
     return result
 
 
-def test_write_moves_every_layer_into_the_destination_slots():
-    prefill_pool, decode_pool = pool(seed=1), pool(seed=None)
+def test_write_moves_every_layer_into_the_destination_slots(filled_kv_pool):
+    prefill_pool, decode_pool = filled_kv_pool(1, layers=3), filled_kv_pool(None, layers=3)
     prefill, decode = KVTransferAgent(prefill_pool), KVTransferAgent(decode_pool)
     try:
         prefill.connect(decode.metadata, decode.layout)
@@ -58,8 +48,9 @@ def test_write_moves_every_layer_into_the_destination_slots():
         decode.close()
 
 
-def test_pools_of_different_shapes_are_refused():
-    prefill, decode = KVTransferAgent(pool(1, kv_heads=2)), KVTransferAgent(pool(None, kv_heads=4))
+def test_pools_of_different_shapes_are_refused(filled_kv_pool):
+    prefill = KVTransferAgent(filled_kv_pool(1, layers=3, kv_heads=2))
+    decode = KVTransferAgent(filled_kv_pool(None, layers=3, kv_heads=4))
     try:
         with pytest.raises(ValueError, match="KV pools differ: 3 layers of 32 bytes per slot here, 3 of 64"):
             prefill.connect(decode.metadata, decode.layout)
@@ -68,8 +59,8 @@ def test_pools_of_different_shapes_are_refused():
         decode.close()
 
 
-def test_slots_outside_the_pool_are_refused():
-    prefill, decode = KVTransferAgent(pool(1)), KVTransferAgent(pool(None))
+def test_slots_outside_the_pool_are_refused(filled_kv_pool):
+    prefill, decode = KVTransferAgent(filled_kv_pool(1)), KVTransferAgent(filled_kv_pool(None))
     try:
         prefill.connect(decode.metadata, decode.layout)
         with pytest.raises(ValueError, match="outside its pool"):
