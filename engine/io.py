@@ -30,6 +30,7 @@ class FinishReason:
     matched_str: str | None = None  # the stop string that ended the request
     message: str | None = None  # why an aborted request ended, or what was wrong with it
     param: str | None = None  # for "error": the request field at fault
+    status: int = 400  # for "error": the HTTP status to answer with (5xx: this server failed)
 
     def __str__(self) -> str:
         return self.kind

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.engine import Engine
 from kubesgl.engine.io import FinishReason, GenerateRequest, TokenLogprob
-from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams, is_utf8
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
 from kubesgl.engine.tokenizer.loader import load_tokenizer
 
@@ -86,6 +86,8 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: give prompts as token ids", param="prompt")
+            if not is_utf8(prompt):
+                raise InvalidRequestError("the prompt is not valid UTF-8 text (a lone surrogate is not)", param="prompt")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 

@@ -10,9 +10,19 @@ GREEDY_TEMPERATURE = 1e-5
 class InvalidRequestError(ValueError):
     """A request the engine cannot serve; the message names the offending field."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param = param
+        self.status = status  # 409 for a conflict with a running request, else 400
+
+
+def is_utf8(text: str) -> bool:
+    """False for text no tokenizer can encode: a lone surrogate ("\ud800", half an emoji)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass
@@ -57,6 +67,7 @@ class SamplingParams:
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
         check(all(isinstance(x, str) and x for x in self.stop), "stop", "must hold non-empty strings")
+        check(all(is_utf8(x) for x in self.stop), "stop", "must be valid UTF-8 text (a lone surrogate is not)")
         check(len(self.stop) <= 16, "stop", f"may hold at most 16 strings, got {len(self.stop)}")
         bad_ids = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         check(not bad_ids, "stop_token_ids", f"contains ids outside the vocabulary (size {vocab_size}): {bad_ids}")

@@ -118,6 +118,11 @@ class SchedulerLoop:
         try:
             self.engine.add_request(message)
         except InvalidRequestError as exc:
-            reason = FinishReason("error", message=str(exc), param=exc.param)
-            return [TokenOutput(rid=message.rid, token_ids=[], finish_reason=reason, prompt_tokens=len(message.input_ids))]
-        return []
+            reason = FinishReason("error", message=str(exc), param=exc.param, status=exc.status)
+        except Exception as exc:  # one request's fault must not stop the others
+            logger.exception("admitting request %s failed", message.rid)
+            reason = FinishReason("error", message=f"internal error admitting the request: {type(exc).__name__}: {exc}",
+                                  status=500)
+        else:
+            return []
+        return [TokenOutput(rid=message.rid, token_ids=[], finish_reason=reason, prompt_tokens=len(message.input_ids))]

@@ -13,6 +13,7 @@ waits for step N and handles its tokens. Three rules keep that safe:
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req, ReqStatus
 from kubesgl.engine.scheduler.stop_strings import StopStringChecker
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,12 @@ class Scheduler:
                 top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k])) if k else []
                 logprob = TokenLogprob(token, result.logprobs[i], top)
                 req.logprobs.append(logprob)
-            reason = self._finish_reason(req, token)
+            try:
+                reason = self._finish_reason(req, token)
+            except Exception as exc:  # stop-string matching of one request must not stop the others
+                logger.exception("checking request %s for its end failed", req.rid)
+                reason = FinishReason("error", message=f"internal error checking for stop strings: "
+                                      f"{type(exc).__name__}: {exc}", status=500)
             if reason is not None:
                 req.finish_reason = reason
                 self._finish(req)

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
@@ -15,10 +15,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kubesgl.engine.io import TextOutput, TokenizeRequest
+from kubesgl.engine.io import FinishReason, TextOutput, TokenizeRequest
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient
 from kubesgl.engine.server.protocol import (
+    UTF8_ERROR,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequestBody,
@@ -38,6 +39,12 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
+    @classmethod
+    def of(cls, reason: FinishReason) -> APIError:
+        """The answer to a request that ended in error."""
+        type_ = "invalid_request_error" if reason.status < 500 else "server_error"
+        return cls(reason.status, reason.message or "generation failed", type_, param=reason.param)
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
@@ -56,6 +63,7 @@ class Choice:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
+    error: FinishReason | None = None  # how it failed, if it did
 
     def add(self, out: TextOutput) -> None:
         self.text += out.text
@@ -65,6 +73,8 @@ class Choice:
             self.logprobs += logprob_entries(out)
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason.kind
+            if out.finish_reason.kind == "error":
+                self.error = out.finish_reason
 
 
 def logprob_entries(out: TextOutput) -> list[dict]:
@@ -97,6 +107,18 @@ def usage(choices: list[Choice], prompts_counted: set[int]) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+def validation_error(errors: Sequence[dict]) -> APIError:
+    """One 400 for pydantic's errors: text that is not UTF-8 first (the other members of a
+    union fail on it too, less helpfully), else the first error; the field path without
+    pydantic's union-member tags (`prompt.list[int]`), which are no field names."""
+    error = next((e for e in errors if e.get("type") == UTF8_ERROR), errors[0])
+    loc = [str(part) for part in error.get("loc", ()) if part != "body" and "[" not in str(part)]
+    message = error.get("msg", "invalid request")
+    if error.get("type") == "json_invalid":
+        message = "the request body is not valid JSON"
+    return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None)
+
+
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
@@ -111,12 +133,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        error = exc.errors()[0]
-        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-        message = error.get("msg", "invalid request")
-        if error.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
-        return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None).response()
+        return validation_error(exc.errors()).response()
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -217,7 +234,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
         for out in firsts:
             if out.finish_reason is not None and out.finish_reason.kind == "error":
                 await asyncio.gather(*(s.aclose() for s in streams))
-                raise APIError(400, out.finish_reason.message, param=out.finish_reason.param)
+                raise APIError.of(out.finish_reason)
         if stream:
             return StreamingResponse(stream_events(streams, firsts, choices, first_of_prompt, include_usage, formatter),
                                      media_type="text/event-stream")
@@ -230,6 +247,9 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
             return Response(status_code=499)
         disconnect.cancel()
         collect.result()
+        failed = next((c.error for c in choices if c.error is not None), None)
+        if failed is not None:  # a request that failed after it started is no 200
+            raise APIError.of(failed)
         return JSONResponse(formatter.final(choices, usage(choices, first_of_prompt)))
 
     return app
@@ -274,7 +294,7 @@ async def stream_events(streams, firsts, choices: list[Choice], first_of_prompt:
             before = len(choice.text)
             choice.add(out)
             if out.finish_reason is not None and out.finish_reason.kind == "error":
-                yield sse(APIError(500, out.finish_reason.message or "generation failed", "server_error").body())
+                yield sse(APIError.of(out.finish_reason).body())
                 continue
             yield sse(formatter.chunk(choice, out, before))
         if include_usage:

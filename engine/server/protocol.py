@@ -5,9 +5,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from kubesgl.engine.sampling_params import SamplingParams
+from kubesgl.engine.sampling_params import SamplingParams, is_utf8
+
+UTF8_ERROR = "invalid_utf8"
+
+
+def _utf8(value: str) -> str:
+    if not is_utf8(value):
+        raise PydanticCustomError(UTF8_ERROR, "is not valid UTF-8 text (it holds a lone surrogate)")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+"""Every string a request carries: valid UTF-8, or a 400 that names the field."""
 
 
 class _Lenient(BaseModel):
@@ -19,14 +32,14 @@ class StreamOptions(_Lenient):
 
 
 class _SamplingFields(_Lenient):
-    model: str | None = None
+    model: Text | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -65,12 +78,12 @@ class _SamplingFields(_Lenient):
 
 class TextPart(_Lenient):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -91,7 +104,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | Annotated[
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | Annotated[
         list[list[int]], Field(min_length=1)]
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
@@ -122,7 +135,7 @@ class NativeSamplingParams(_Lenient):
     top_k: Annotated[int, Field(ge=-1)] = -1
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     presence_penalty: float = 0.0
@@ -134,11 +147,11 @@ class NativeSamplingParams(_Lenient):
 class GenerateRequestBody(_Lenient):
     """SGLang's native request. The bootstrap fields belong to prefill/decode serving."""
 
-    text: str | None = None
+    text: Text | None = None
     input_ids: list[int] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
-    rid: str | None = None
+    rid: Text | None = None
     return_logprob: bool = False
     top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
 

@@ -92,40 +92,76 @@ class Tokenizer:
         return list(self._token_bytes(token_id))
 
 
+class TokenizerLoop:
+    """What the process does with each message. An exception that one request raises becomes
+    that request's error answer (500, logged) and every other request goes on."""
+
+    def __init__(self, tokenizer: Tokenizer, to_scheduler, to_api):
+        self.tokenizer, self.to_scheduler, self.to_api = tokenizer, to_scheduler, to_api
+
+    def from_api(self, message) -> bool:
+        """Handles one message from the API server; False once it was Shutdown."""
+        if isinstance(message, Shutdown):
+            self.to_scheduler.send_pyobj(message)
+            return False
+        if isinstance(message, AbortRequest):
+            self.to_scheduler.send_pyobj(message)
+            return True
+        try:
+            input_ids = self.tokenizer.encode(message)
+        except TokenizerError as exc:
+            self._fail(message.rid, FinishReason("error", message=str(exc), param=exc.param))
+            return True
+        except Exception as exc:
+            logger.exception("tokenizing request %s failed", message.rid)
+            self._fail(message.rid, _internal_error("tokenizing the request", exc))
+            return True
+        self.tokenizer.start(message)
+        self.to_scheduler.send_pyobj(GenerateRequest(message.rid, input_ids, message.params, message.prefix_leader))
+        return True
+
+    def from_scheduler(self, message) -> None:
+        if isinstance(message, EngineInfo):
+            self.to_api.send_pyobj(message)
+            return
+        texts = []
+        for out in message.outputs:
+            try:
+                texts.append(self.tokenizer.decode(out))
+            except Exception as exc:
+                logger.exception("detokenizing request %s failed", out.rid)
+                self.tokenizer.states.pop(out.rid, None)
+                if not out.finished:  # stop it in the scheduler too; its later tokens are dropped
+                    self.to_scheduler.send_pyobj(AbortRequest(out.rid, "detokenizing failed"))
+                texts.append(_error_output(out.rid, _internal_error("detokenizing the output", exc)))
+        self.to_api.send_pyobj(TextBatch(texts, message.stats))
+
+    def _fail(self, rid: str, reason: FinishReason) -> None:
+        self.to_api.send_pyobj(TextBatch([_error_output(rid, reason)]))
+
+
+def _internal_error(what: str, exc: Exception) -> FinishReason:
+    return FinishReason("error", message=f"internal error {what}: {type(exc).__name__}: {exc}", status=500)
+
+
+def _error_output(rid: str, reason: FinishReason) -> TextOutput:
+    return TextOutput(rid, "", [], reason, 0, 0, 0)
+
+
 def run_tokenizer(model_path: str, endpoints: Endpoints, log_level: str) -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s tokenizer %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent()
-    tokenizer = Tokenizer(model_path)
     context = zmq.Context()
     from_api = pull(context, endpoints.tokenizer_in)
     from_scheduler = pull(context, endpoints.detokenizer_in)
-    to_scheduler = push(context, endpoints.scheduler_in)
-    to_api = push(context, endpoints.api_in)
+    loop = TokenizerLoop(Tokenizer(model_path), push(context, endpoints.scheduler_in), push(context, endpoints.api_in))
     poller = zmq.Poller()
     poller.register(from_api, zmq.POLLIN)
     poller.register(from_scheduler, zmq.POLLIN)
     while True:
         ready = dict(poller.poll())
         if from_scheduler in ready:
-            message = from_scheduler.recv_pyobj()
-            if isinstance(message, EngineInfo):
-                to_api.send_pyobj(message)
-            else:
-                to_api.send_pyobj(TextBatch([tokenizer.decode(out) for out in message.outputs], message.stats))
-        if from_api in ready:
-            message = from_api.recv_pyobj()
-            if isinstance(message, Shutdown):
-                to_scheduler.send_pyobj(message)
-                return
-            if isinstance(message, AbortRequest):
-                to_scheduler.send_pyobj(message)
-                continue
-            try:
-                input_ids = tokenizer.encode(message)
-            except TokenizerError as exc:
-                reason = FinishReason("error", message=str(exc), param=exc.param)
-                to_api.send_pyobj(TextBatch([TextOutput(message.rid, "", [], reason, 0, 0, 0)]))
-                continue
-            tokenizer.start(message)
-            to_scheduler.send_pyobj(GenerateRequest(message.rid, input_ids, message.params, message.prefix_leader))
+            loop.from_scheduler(from_scheduler.recv_pyobj())
+        if from_api in ready and not loop.from_api(from_api.recv_pyobj()):
+            return

@@ -1,0 +1,102 @@
+"""One request's failure stays that request's: the tokenizer/detokenizer loop and the
+scheduler turn an exception raised for one request into its error answer, and every other
+request goes on (issue: a lone surrogate crashed the whole engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubesgl.engine import InvalidRequestError, SamplingParams
+from kubesgl.engine.io import AbortRequest, GenerateRequest, StepOutputs, TextBatch, TokenizeRequest, TokenOutput
+from kubesgl.engine.tokenizer.process import Tokenizer, TokenizerLoop
+
+from test_scheduler import run_to_end, submit
+
+
+class Outbox:
+    def __init__(self):
+        self.sent = []
+
+    def send_pyobj(self, message):
+        self.sent.append(message)
+
+
+@pytest.fixture
+def loop(tiny_model):
+    tokenizer = Tokenizer(tiny_model("llama"))
+    return TokenizerLoop(tokenizer, Outbox(), Outbox())
+
+
+def test_a_request_the_tokenizer_raises_on_gets_a_500_and_the_next_one_goes_through(loop, monkeypatch):
+    encode = loop.tokenizer.encode
+
+    def flaky(request):
+        if request.rid == "poison":
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
+        return encode(request)
+
+    monkeypatch.setattr(loop.tokenizer, "encode", flaky)
+    assert loop.from_api(TokenizeRequest("poison", SamplingParams(), text="x"))
+    assert loop.from_api(TokenizeRequest("fine", SamplingParams(), text="hello"))
+    [error] = loop.to_api.sent
+    reason = error.outputs[0].finish_reason
+    assert error.outputs[0].rid == "poison" and reason.kind == "error" and reason.status == 500
+    assert "TypeError" in reason.message
+    [request] = loop.to_scheduler.sent
+    assert isinstance(request, GenerateRequest) and request.rid == "fine" and request.input_ids
+
+
+def test_a_bad_request_is_a_400_that_names_the_field(loop):
+    loop.tokenizer.hf.chat_template = None
+    loop.from_api(TokenizeRequest("chat", SamplingParams(), messages=[{"role": "user", "content": "hi"}]))
+    reason = loop.to_api.sent[0].outputs[0].finish_reason
+    assert (reason.status, reason.param) == (400, "messages")
+
+
+def test_a_failing_detokenization_fails_its_request_and_aborts_it_in_the_scheduler(loop, monkeypatch):
+    for rid in ("a", "b"):
+        loop.from_api(TokenizeRequest(rid, SamplingParams(), text="hello"))
+    decode = loop.tokenizer.decode
+
+    def flaky(out):
+        if out.rid == "a":
+            raise RuntimeError("boom")
+        return decode(out)
+
+    monkeypatch.setattr(loop.tokenizer, "decode", flaky)
+    loop.from_scheduler(StepOutputs([TokenOutput("a", [5]), TokenOutput("b", [6])], stats=None))
+    [batch] = [m for m in loop.to_api.sent if isinstance(m, TextBatch)]
+    by_rid = {out.rid: out for out in batch.outputs}
+    assert by_rid["a"].finish_reason.kind == "error" and by_rid["a"].finish_reason.status == 500
+    assert by_rid["b"].finish_reason is None and by_rid["b"].token_ids == [6]
+    assert [m.rid for m in loop.to_scheduler.sent if isinstance(m, AbortRequest)] == ["a"]
+    assert "a" not in loop.tokenizer.states
+
+
+def test_stop_strings_that_are_not_utf8_are_refused_before_they_reach_the_scheduler_loop():
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(stop=["ok", "\ud800"]).validate(100)
+    assert caught.value.param == "stop"
+
+
+def test_an_exception_while_checking_one_request_fails_it_alone(tiny_model, make_llm, random_prompts, monkeypatch):
+    llm = make_llm(tiny_model("llama"))
+    engine = llm.engine
+    checker = engine.scheduler.stop_checker
+    match = checker.match
+
+    def flaky(req):
+        if req.rid == "poison":
+            raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+        return match(req)
+
+    monkeypatch.setattr(checker, "match", flaky)
+    prompts = random_prompts(3, 4, 12, seed=3)
+    submit(engine, "poison", prompts[0], max_tokens=8, stop=["zz"], ignore_eos=True)
+    submit(engine, "ok1", prompts[1], max_tokens=8, stop=["zz"], ignore_eos=True)
+    submit(engine, "ok2", prompts[2], max_tokens=8, ignore_eos=True)
+    outputs = run_to_end(engine)
+    poison = outputs["poison"][-1].finish_reason
+    assert poison.kind == "error" and poison.status == 500 and "UnicodeEncodeError" in poison.message
+    for rid in ("ok1", "ok2"):
+        assert sum(len(o.token_ids) for o in outputs[rid]) == 8 and outputs[rid][-1].finish_reason.kind == "length"
