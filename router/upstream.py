@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -18,8 +18,10 @@ from kubesgl.router.errors import error_body, sse_error_event
 from kubesgl.router.metrics import RouterMetrics
 from kubesgl.router.workers import Worker
 
-# Statuses worth another worker: overload, draining, gateway trouble, server faults.
-RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# Statuses that say the worker refused the request before working on it (overloaded, still
+# loading, draining): another worker may take it. Any other failure of a request that reached
+# a worker is the client's answer: a request that crashed one engine must not visit the rest.
+RETRYABLE_STATUSES = frozenset({429, 503})
 
 # Headers of one connection, not of the message; `date` is the router's own to send (the
 # server adds it), so a worker's would only duplicate it.
@@ -33,6 +35,8 @@ _HOP_BY_HOP = frozenset(
 Headers = list[tuple[bytes, bytes]]
 # Failures of a worker connection: refused, reset, cut mid-body, too slow to answer.
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+# Of those, the ones before the request left this process: the worker never saw it.
+NOT_SENT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 def end_to_end_headers(headers: Headers) -> Headers:
@@ -54,6 +58,10 @@ def make_session(max_connections: int, connect_timeout_s: float, read_timeout_s:
     )
 
 
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 class UpstreamError(Exception):
     """A worker failed a request before anything reached the client."""
 
@@ -72,9 +80,9 @@ class UpstreamError(Exception):
 
     @classmethod
     def unreachable(cls, worker: Worker, exc: Exception) -> UpstreamError:
-        reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        message = f"{worker.role.value} worker {worker.url} failed: {reason}"
-        return cls(worker, 502, message, retryable=True)
+        """The connection failed: retryable only if the request never left."""
+        message = f"{worker.role.value} worker {worker.url} failed: {_reason(exc)}"
+        return cls(worker, 502, message, retryable=isinstance(exc, NOT_SENT_ERRORS))
 
     @classmethod
     def from_answer(cls, worker: Worker, status: int, body: bytes) -> UpstreamError:
@@ -129,10 +137,29 @@ class Attempt:
         self._metrics.requests.labels(self.worker.url, status).inc()
 
 
+def _connection_lost(exc: BaseException) -> bool:
+    """Refused, reset or closed (not merely slow): the worker's process is gone or going."""
+    connection_error = isinstance(exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError)
+    return connection_error and not isinstance(exc, asyncio.TimeoutError)
+
+
 class UpstreamClient:
-    def __init__(self, session: aiohttp.ClientSession, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+        on_worker_lost: Callable[[Worker], None] = lambda worker: None,
+    ) -> None:
         self.session = session
         self.metrics = metrics
+        # Takes a worker whose connection broke out of the pool at once, not at the next
+        # health check, so the requests that follow go elsewhere.
+        self.on_worker_lost = on_worker_lost
+
+    def _failed(self, worker: Worker, exc: Exception) -> UpstreamError:
+        if _connection_lost(exc):
+            self.on_worker_lost(worker)
+        return UpstreamError.unreachable(worker, exc)
 
     async def _open(
         self, worker: Worker, method: str, path: str, payload: bytes | None, headers: Headers
@@ -142,7 +169,7 @@ class UpstreamClient:
                 method, worker.url + path, data=payload, headers=_as_text(headers)
             )
         except TRANSPORT_ERRORS as exc:
-            raise UpstreamError.unreachable(worker, exc) from exc
+            raise self._failed(worker, exc) from exc
 
     async def exchange(
         self,
@@ -172,7 +199,7 @@ class UpstreamClient:
             try:
                 first = await anext(chunks, b"")
             except TRANSPORT_ERRORS as exc:
-                raise UpstreamError.unreachable(worker, exc) from exc
+                raise self._failed(worker, exc) from exc
         except UpstreamError:
             attempt.finish("error", worker_failed=True)
             if response is not None:
@@ -185,18 +212,17 @@ class UpstreamClient:
             raise
         return StreamingReply(status, reply_headers, self._relay(first, chunks, response, attempt))
 
-    @staticmethod
-    async def _read_all(worker: Worker, response: aiohttp.ClientResponse) -> bytes:
+    async def _read_all(self, worker: Worker, response: aiohttp.ClientResponse) -> bytes:
         try:
             body = await response.read()
         except TRANSPORT_ERRORS as exc:
             response.close()
-            raise UpstreamError.unreachable(worker, exc) from exc
+            raise self._failed(worker, exc) from exc
         response.release()  # read to the end: the connection goes back to the pool
         return body
 
-    @staticmethod
     async def _relay(
+        self,
         first: bytes, chunks: AsyncIterator[bytes], response: aiohttp.ClientResponse, attempt: Attempt
     ) -> AsyncIterator[bytes]:
         complete = False
@@ -210,9 +236,10 @@ class UpstreamClient:
         except TRANSPORT_ERRORS as exc:
             attempt.finish("error", worker_failed=True)
             worker = attempt.worker
-            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if _connection_lost(exc):
+                self.on_worker_lost(worker)
             yield sse_error_event(
-                f"{worker.role.value} worker {worker.url} broke off the stream: {reason}", 502
+                f"{worker.role.value} worker {worker.url} broke off the stream: {_reason(exc)}", 502
             )
         except (asyncio.CancelledError, GeneratorExit):
             attempt.finish("cancelled", worker_failed=False)

@@ -140,6 +140,12 @@ class WorkerRegistry:
             log.log(level, "worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy")
             self._notify()
 
+    def mark_lost(self, worker: Worker) -> None:
+        """Its connection broke: out of the pool until health checks pass again."""
+        if self._workers.get(worker.url) is worker:
+            worker.health_successes = 0
+            self.set_healthy(worker, False)
+
     async def wait_for(self, condition: Callable[[], bool]) -> None:
         """Returns once `condition()` holds; re-checked after every change of the pool."""
         while not condition():

@@ -39,15 +39,17 @@ async def test_worker_killed_mid_run(engines, start_router, client):
         assert len(rest) == 1 and rest[0] != "data: [DONE]"
         error = json.loads(rest[0].removeprefix("data: "))["error"]
         assert b.url in error["message"] and error["code"] == 502
-        # The request that had not started streaming is answered by another worker.
+        # The request b was working on is not sent on: it may be what killed b. Its client
+        # learns why, and b is out of the pool at once, before any health check.
         answer = await pending
-        assert answer.status_code == 200 and served_by(answer) in ("a", "c")
-        # New requests all go to the survivors.
+        assert answer.status_code == 502 and b.url in answer.json()["error"]["message"]
+        assert not router.app.workers.get(b.url).healthy
+        # New requests all go to the survivors, without a retry.
         for _ in range(6):
             response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
             assert response.status_code == 200 and served_by(response) in ("a", "c")
         metrics = (await client.get(router.url + "/metrics")).text
-        assert "kubesgl_router_retries_total 0.0" not in metrics
+        assert "kubesgl_router_retries_total 0.0" in metrics
         assert f'kubesgl_router_requests_total{{status="error",worker="{b.url}"}}' in metrics
 
         # After a restart, b rejoins: health checks pass and requests reach it again.
@@ -87,6 +89,20 @@ async def test_client_errors_are_not_retried(engines, start_router, client):
     assert len(a.requests) == 1 and b.requests == []
 
 
+async def test_a_request_that_fails_on_a_worker_is_not_sent_to_the_others(engines, start_router, client):
+    """A 500 means the request reached an engine and broke there: it may be a request that
+    crashes engines, so it must not visit every worker in turn."""
+    a, b = await engines("a"), await engines("b")
+    a.fail_status = b.fail_status = 500
+    async with start_router(workers=[a.url, b.url], policy="round_robin", breaker_failure_threshold=100) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        metrics = (await client.get(router.url + "/metrics")).text
+    assert response.status_code == 500 and "fails on purpose" in response.json()["error"]["message"]
+    assert len(a.requests) + len(b.requests) == 1
+    assert "kubesgl_router_retries_total 0.0" in metrics
+
+
 async def test_circuit_breaker_keeps_a_failing_worker_out(engines, start_router, client):
     a, b = await engines("a"), await engines("b")
     a.fail_status = 500
@@ -94,22 +110,24 @@ async def test_circuit_breaker_keeps_a_failing_worker_out(engines, start_router,
         workers=[a.url, b.url], policy="round_robin", breaker_failure_threshold=2, breaker_cooldown_s=60
     ) as router:
         await router.ready()
+        statuses = []
         for _ in range(10):
             response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
-            assert response.status_code == 200
+            statuses.append(response.status_code)
         listing = (await client.get(router.url + "/workers")).json()["workers"]
     assert len(a.requests) == 2  # then its circuit opened, although /health still passes
+    assert statuses.count(500) == 2 and statuses.count(200) == 8
     state = {w["url"]: (w["healthy"], w["circuit"]) for w in listing}
     assert state == {a.url: (True, "open"), b.url: (True, "closed")}
 
 
 async def test_all_attempts_failing_returns_the_last_error(engines, start_router, client):
     a = await engines("a")
-    a.fail_status = 500
+    a.fail_status = 503  # refused before any work: retried
     async with start_router(workers=[a.url], breaker_failure_threshold=100) as router:
         await router.ready()
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
-    assert response.status_code == 500
+    assert response.status_code == 503
     message = response.json()["error"]["message"]
     assert a.url in message and "a fails on purpose" in message
     assert len(a.requests) == 4  # the first attempt and 3 retries
