@@ -5,12 +5,18 @@ request goes on (issue: a lone surrogate crashed the whole engine)."""
 from __future__ import annotations
 
 import pytest
+from test_scheduler import run_to_end, submit
 
 from kubesgl.engine import InvalidRequestError, SamplingParams
-from kubesgl.engine.io import AbortRequest, GenerateRequest, StepOutputs, TextBatch, TokenizeRequest, TokenOutput
+from kubesgl.engine.io import (
+    AbortRequest,
+    GenerateRequest,
+    StepOutputs,
+    TextBatch,
+    TokenizeRequest,
+    TokenOutput,
+)
 from kubesgl.engine.tokenizer.process import Tokenizer, TokenizerLoop
-
-from test_scheduler import run_to_end, submit
 
 
 class Outbox:
