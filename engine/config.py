@@ -29,6 +29,8 @@ class EngineConfig:
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph
+    disaggregation_bootstrap_port: int = 8998  # prefill: its bootstrap server; decode: for bootstrap_port null
+    disaggregation_timeout: float = 60.0  # seconds either side waits on its partner for one request's KV
 
     def validate(self) -> None:
         checks = [

@@ -23,6 +23,7 @@ from kubesgl.engine.layers.moe import SparseMoeBlock
 from kubesgl.engine.models.config import ModelConfig, load_model_config
 from kubesgl.engine.models.loader import load_model, resolve_dtype
 from kubesgl.engine.scheduler.kv_manager import KVManager
+from kubesgl.engine.scheduler.roles import create_role
 from kubesgl.engine.scheduler.scheduler import Scheduler, SchedulerLimits
 from kubesgl.engine.scheduler.stop_strings import StopStringChecker
 
@@ -68,7 +69,8 @@ def kv_pool_tokens(config: EngineConfig, model_config: ModelConfig, dtype: torch
 
 
 class Engine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, bootstrap_host: str = "0.0.0.0"):
+        """`bootstrap_host`: the address a prefill engine's bootstrap server listens on."""
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
@@ -119,12 +121,13 @@ class Engine:
             max_prefill_tokens=config.max_prefill_tokens,
             default_max_tokens=config.default_max_tokens,
         )
-        self.scheduler = Scheduler(self.executor, KVManager(allocator, radix, num_rows), limits,
-                                   self.model_config.eos_token_ids, overlap, future_capacity,
-                                   StopStringChecker(config.model))
-        logger.info("engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s",
+        kv = KVManager(allocator, radix, num_rows)
+        self.role = create_role(config, kv, kv_pool, get_tp_group(), bootstrap_host)
+        self.scheduler = Scheduler(self.executor, kv, limits, self.model_config.eos_token_ids, overlap,
+                                   future_capacity, StopStringChecker(config.model), self.role)
+        logger.info("engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s, role %s",
                     self.model_config.architecture, self.device, self.dtype, (num_pages - 1) * page, page,
-                    overlap, radix is not None)
+                    overlap, radix is not None, config.role)
 
     def validate(self, request: GenerateRequest) -> None:
         """Raise InvalidRequestError if `request` cannot run here; changes nothing."""
@@ -145,3 +148,4 @@ class Engine:
     def shutdown(self) -> None:
         self.scheduler.drain()
         self.executor.shutdown()
+        self.role.close()

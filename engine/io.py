@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kubesgl.engine.disagg.protocol import BootstrapTarget
 from kubesgl.engine.sampling_params import SamplingParams
 
 
@@ -15,6 +16,7 @@ class GenerateRequest:
     # The n copies of one prompt name their first copy here: they wait until its prompt is
     # in the prefix cache, then share it instead of computing it n times.
     prefix_leader: str | None = None
+    bootstrap: BootstrapTarget | None = None  # prefill/decode: the room this request fills or reads
 
 
 @dataclass
@@ -73,6 +75,7 @@ class TokenizeRequest:
     input_ids: list[int] | None = None
     messages: list[dict] | None = None  # chat: rendered with the tokenizer's chat template
     prefix_leader: str | None = None
+    bootstrap: BootstrapTarget | None = None
 
 
 @dataclass
@@ -87,6 +90,20 @@ class EngineInfo:
 
 
 @dataclass
+class DisaggStats:
+    """A prefill or decode engine's rooms: gauges, counters since start, and the samples of
+    histograms since the last stats (each sample is sent once)."""
+
+    requests_by_state: dict[str, int]  # transferring, awaiting_kv, ... (requests with a room)
+    failures_by_reason: dict[str, int]  # since start
+    transfers: list[tuple[int, float]]  # (bytes, seconds) of each KV write sent
+    kv_waits: list[float]  # decode side: seconds from admission to the KV's arrival
+
+    def has_samples(self) -> bool:
+        return bool(self.transfers or self.kv_waits)
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -94,6 +111,7 @@ class SchedulerStats:
     kv_total_tokens: int
     prompt_tokens: int  # since start
     cached_prompt_tokens: int  # of those, found in the prefix cache
+    disagg: DisaggStats | None = None  # prefill and decode roles
 
 
 @dataclass

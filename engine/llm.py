@@ -32,7 +32,11 @@ class LLM:
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown engine options {unknown}; known: {sorted(known - {'model'})}")
-        self.engine = Engine(EngineConfig(model=model, **options))
+        config = EngineConfig(model=model, **options)
+        if config.role != "mixed":
+            raise ValueError(f"role {config.role!r}: offline generation runs the whole request in one engine; "
+                             "prefill and decode engines are served (kubesgl serve --role ...)")
+        self.engine = Engine(config)
         self._tokenizer = None
 
     @property

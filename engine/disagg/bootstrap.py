@@ -1,19 +1,15 @@
-"""The handshake of DESIGN.md's P/D protocol (steps 2 and 3) around `KVTransferAgent`.
+"""The bootstrap handshake over HTTP (docs/disaggregation.md, the bootstrap server).
 
-Prefill side: `BootstrapServer` listens on `--disaggregation-bootstrap-port`. A decode engine
-registers there once (`PUT /kv/peers`: its NIXL agent metadata and pool layout), then posts,
-per request, the room and the slots it allocated for the prompt (`POST /kv/rooms`).
-`PrefillTransfers` pairs each room the scheduler has prefilled with the room the decode side
-posted, writes the prompt's KV into those slots and sends the first sampled token in the
-transfer's notification.
+A prefill engine serves `BootstrapServer` on `--disaggregation-bootstrap-port`. A decode
+engine (`BootstrapClient`) registers there once (`PUT /kv/peers`: the NIXL agent metadata and
+pool layout of each tensor-parallel rank), posts each request's room with the slots it
+allocated for the prompt (`POST /kv/rooms`), cancels rooms it gave up on
+(`DELETE /kv/rooms/{room}`) and watches the prefill engine's `GET /health` while it has rooms
+there: a prefill engine that stops answering, or answers as a new instance (restarted),
+fails those rooms.
 
-Decode side: `DecodeTransfers.expect` registers with a prefill engine (once per engine) and
-posts the room from a worker thread, so the scheduler never waits on the network; `poll`
-reports rooms whose KV has arrived, with their first token, and rooms that failed.
-
-Both sides give up on a room after `timeout` seconds, so the pages of a request whose
-partner is gone are freed. The NIXL agent is only touched from the scheduler's thread
-(`poll`, `prefilled`); the HTTP threads only fill queues.
+The HTTP threads of either side only answer from, and fill, thread-safe state; the NIXL
+agents are driven by the scheduler's thread (prefill.py, decode.py).
 """
 
 from __future__ import annotations
@@ -21,82 +17,156 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import logging
 import queue
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 
-from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, PoolLayout, Transfer
+from kubesgl.engine.disagg.kv_transfer import PoolLayout
+
+logger = logging.getLogger(__name__)
+
+UNKNOWN_PEER = "unknown_peer"  # POST /kv/rooms from an engine this instance has not registered
+UNKNOWN_ROOM = "unknown_room"  # DELETE /kv/rooms/{room} of a room never posted here
 
 
 @dataclass(frozen=True)
-class RoomResult:
-    room: int
-    first_token: int | None = None  # decode side, on success
-    error: str | None = None
+class RankAgent:
+    """What a prefill rank needs to write into one decode rank's pool."""
 
-    @property
-    def ok(self) -> bool:
-        return self.error is None
+    metadata: bytes  # NIXL agent metadata
+    layout: PoolLayout
+
+
+# -- prefill side: what arrives at the bootstrap server ------------------------------------
 
 
 @dataclass(frozen=True)
-class _RoomTarget:
+class PeerRegistered:
+    engine: str  # the decode engine's id
+    ranks: tuple[RankAgent, ...]  # one per tensor-parallel rank, in rank order
+
+
+@dataclass(frozen=True)
+class RoomPosted:
     room: int
-    peer: str
-    dst_slots: list[int]
-    posted_at: float
+    engine: str
+    slots: tuple[int, ...]  # where the prompt's KV goes in the decode engine's pool
+
+
+@dataclass(frozen=True)
+class RoomCancelled:
+    room: int
+    reason: str
+
+
+BootstrapEvent = PeerRegistered | RoomPosted | RoomCancelled
 
 
 class BootstrapServer:
-    """HTTP endpoint of a prefill engine for the decode engines' registrations and rooms."""
+    """HTTP endpoint of a prefill engine (its scheduler rank 0) for the decode engines."""
 
-    def __init__(self, layout: PoolLayout, host: str = "0.0.0.0", port: int = 8998):
-        self.layout = layout
-        self.peers: queue.Queue[tuple[bytes, PoolLayout]] = queue.Queue()
-        self.rooms: queue.Queue[_RoomTarget] = queue.Queue()
+    def __init__(self, layout: PoolLayout, tp_size: int, host: str = "0.0.0.0", port: int = 8998,
+                 room_memory_s: float = 120.0):
+        self.layout, self.tp_size = layout, tp_size
+        self.instance = uuid.uuid4().hex  # a restarted engine is a new instance
+        self.events: queue.Queue[BootstrapEvent] = queue.Queue()
+        self._room_memory_s = room_memory_s
+        self._lock = threading.Lock()
+        self._engines: set[str] = set()
+        self._rooms: dict[int, float] = {}  # posted rooms, until forgotten: a duplicate is a 409
         self._http = ThreadingHTTPServer((host, port), self._handler())
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
         self._thread = threading.Thread(target=self._http.serve_forever, name="kubesgl-bootstrap", daemon=True)
         self._thread.start()
 
+    def drain(self) -> list[BootstrapEvent]:
+        events = []
+        while not self.events.empty():
+            events.append(self.events.get())
+        return events
+
+    # Each method answers (status, body); the handler does the HTTP.
+    def health(self) -> tuple[int, dict]:
+        return 200, {"instance": self.instance, "tp_size": self.tp_size}
+
+    def register(self, body: dict) -> tuple[int, dict]:
+        ranks = tuple(RankAgent(base64.b64decode(r["metadata"]), PoolLayout.from_json(r["layout"]))
+                      for r in body["ranks"])
+        if len(ranks) != self.tp_size:
+            return 400, {"error": f"the decode engine has tensor-parallel size {len(ranks)}, this prefill engine "
+                                  f"{self.tp_size}: they must be equal"}
+        for rank in ranks:
+            self.layout.check_compatible(rank.layout)
+        with self._lock:
+            self._engines.add(str(body["engine"]))
+        self.events.put(PeerRegistered(str(body["engine"]), ranks))
+        return 200, {"instance": self.instance}
+
+    def post_room(self, body: dict) -> tuple[int, dict]:
+        room, engine, slots = int(body["room"]), str(body["engine"]), tuple(int(s) for s in body["slots"])
+        now = time.monotonic()
+        with self._lock:
+            if engine not in self._engines:
+                return 404, {"error": f"decode engine {engine} is not registered with this prefill engine",
+                             "code": UNKNOWN_PEER}
+            self._rooms = {r: t for r, t in self._rooms.items() if now - t < self._room_memory_s}
+            if room in self._rooms:
+                return 409, {"error": f"room {room} is already in use"}
+            self._rooms[room] = now
+        self.events.put(RoomPosted(room, engine, slots))
+        return 200, {}
+
+    def cancel_room(self, room: int, reason: str) -> tuple[int, dict]:
+        with self._lock:
+            known = room in self._rooms
+        if not known:
+            return 404, {"error": f"room {room} was never posted here", "code": UNKNOWN_ROOM}
+        self.events.put(RoomCancelled(room, reason))
+        return 200, {}
+
     def _handler(self):
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_PUT(self):  # noqa: N802 - http.server's naming
+            def do_GET(self):  # noqa: N802 - http.server's naming
+                if self.path != "/health":
+                    return self._reply(404, {"error": f"no such path {self.path}"})
+                self._reply(*server.health())
+
+            def do_PUT(self):  # noqa: N802
                 if self.path != "/kv/peers":
                     return self._reply(404, {"error": f"no such path {self.path}"})
-                try:
-                    body = self._body()
-                    layout = PoolLayout(**{**body["layout"], "k_addresses": tuple(body["layout"]["k_addresses"]),
-                                           "v_addresses": tuple(body["layout"]["v_addresses"])})
-                    server.layout.check_compatible(layout)
-                    metadata = base64.b64decode(body["metadata"])
-                except (KeyError, TypeError, ValueError) as exc:
-                    return self._reply(400, {"error": str(exc)})
-                server.peers.put((metadata, layout))
-                self._reply(200, {"agent": server.layout.agent})
+                self._answer(lambda: server.register(self._body()))
 
             def do_POST(self):  # noqa: N802
                 if self.path != "/kv/rooms":
                     return self._reply(404, {"error": f"no such path {self.path}"})
+                self._answer(lambda: server.post_room(self._body()))
+
+            def do_DELETE(self):  # noqa: N802
+                prefix = "/kv/rooms/"
+                if not self.path.startswith(prefix):
+                    return self._reply(404, {"error": f"no such path {self.path}"})
+                self._answer(lambda: server.cancel_room(int(self.path[len(prefix):]), self._body().get("reason", "")))
+
+            def _answer(self, handle) -> None:
                 try:
-                    body = self._body()
-                    target = _RoomTarget(int(body["room"]), str(body["agent"]), [int(s) for s in body["slots"]],
-                                         time.monotonic())
+                    status, body = handle()
                 except (KeyError, TypeError, ValueError) as exc:
-                    return self._reply(400, {"error": str(exc)})
-                server.rooms.put(target)
-                self._reply(200, {})
+                    status, body = 400, {"error": f"{type(exc).__name__}: {exc}"}
+                self._reply(status, body)
 
             def _body(self) -> dict:
-                return json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+                length = int(self.headers.get("content-length", 0))
+                return json.loads(self.rfile.read(length)) if length else {}
 
             def _reply(self, status: int, body: dict) -> None:
                 data = json.dumps(body).encode()
@@ -116,123 +186,188 @@ class BootstrapServer:
         self._http.server_close()
 
 
-@dataclass
-class _Prefilled:
-    src_slots: list[int]
-    first_token: int
-    done_at: float
+# -- decode side: what the client learns ---------------------------------------------------
 
 
-class PrefillTransfers:
-    """Prefill side: sends each prefilled room's KV once its decode side has posted it."""
+@dataclass(frozen=True)
+class PostFailed:
+    """The prefill engine never took the room, so no write into its slots can come."""
 
-    def __init__(self, agent: KVTransferAgent, server: BootstrapServer, timeout: float = 60.0):
-        self.agent, self.server, self.timeout = agent, server, timeout
-        self._prefilled: dict[int, _Prefilled] = {}
-        self._targets: dict[int, _RoomTarget] = {}
-        self._sending: dict[int, Transfer] = {}
+    room: int
+    error: str
 
-    def prefilled(self, room: int, src_slots: list[int], first_token: int) -> None:
-        """The scheduler has computed the prompt of `room` (its KV at `src_slots`) and sampled
-        `first_token`; the slots must stay untouched until `poll` reports the room."""
-        self._prefilled[room] = _Prefilled(list(src_slots), first_token, time.monotonic())
 
-    def poll(self) -> list[RoomResult]:
-        """Rooms whose KV has been sent (or that failed): their slots may be freed."""
-        while not self.server.peers.empty():
-            metadata, layout = self.server.peers.get()
-            if layout.agent not in self.agent.peers:
-                self.agent.connect(metadata, layout)
-        while not self.server.rooms.empty():
-            target = self.server.rooms.get()
-            self._targets[target.room] = target
-        results = []
-        for room in [r for r in self._prefilled if r in self._targets]:
-            prefilled, target = self._prefilled.pop(room), self._targets.pop(room)
-            message = json.dumps({"room": room, "first_token": prefilled.first_token}).encode()
+@dataclass(frozen=True)
+class CancelUnknown:
+    """The prefill engine answered a cancel with "never posted here": no write can come."""
+
+    room: int
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    """The prefill engine these rooms were posted to died or restarted: none of its writes
+    can come."""
+
+    rooms: tuple[int, ...]
+    error: str
+
+
+ClientFact = PostFailed | CancelUnknown | PeerLost
+
+
+@dataclass(eq=False)
+class _Peer:
+    """One registration with a prefill engine, and the rooms posted under it."""
+
+    registration: Future[str]  # resolves to the prefill engine's instance
+    rooms: set[int] = field(default_factory=set)
+    last_ok: float = field(default_factory=time.monotonic)
+
+
+class BootstrapClient:
+    """Decode side (scheduler rank 0): all HTTP to prefill engines, on worker threads, so the
+    scheduler never waits on the network. What it learns comes back through `drain`."""
+
+    def __init__(self, engine: str, ranks: list[RankAgent], heartbeat_s: float = 2.0, dead_after_s: float = 10.0):
+        self.engine, self.ranks = engine, ranks
+        self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
+        self._http = httpx.Client(timeout=httpx.Timeout(10.0, connect=3.0))
+        self._workers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kubesgl-kv-rooms")
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}  # prefill engine address -> its current registration
+        self._posts: dict[int, Future] = {}
+        self._facts: queue.Queue[ClientFact] = queue.Queue()
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="kubesgl-kv-heartbeat", daemon=True)
+        self._watcher.start()
+
+    def drain(self) -> list[ClientFact]:
+        facts = []
+        while not self._facts.empty():
+            facts.append(self._facts.get())
+        return facts
+
+    def post(self, room: int, address: str, slots: list[int]) -> None:
+        self._posts[room] = self._workers.submit(self._post, room, address, list(slots))
+
+    def cancel(self, room: int, address: str, reason: str) -> None:
+        """Cancel after the post has finished: a cancel overtaking its post would be lost."""
+        self._workers.submit(self._cancel, self._posts.get(room), room, address, reason)
+
+    def forget(self, room: int, address: str) -> None:
+        """The room has ended on this side: stop watching its prefill engine for it."""
+        self._posts.pop(room, None)
+        with self._lock:
+            peer = self._peers.get(address)
+            if peer is not None:
+                peer.rooms.discard(room)
+
+    # -- worker threads ----------------------------------------------------------------
+    def _current(self, address: str) -> _Peer:
+        """The live registration with the prefill engine at `address`, made if there is none
+        (or the last one failed). Call with the lock held."""
+        peer = self._peers.get(address)
+        if peer is None or (peer.registration.done() and peer.registration.exception() is not None):
+            peer = self._peers[address] = _Peer(self._workers.submit(self._register, address))
+        return peer
+
+    def _lost(self, address: str, peer: _Peer, error: str) -> None:
+        """The engine `peer` registered with is gone: its rooms fail; the next post registers anew."""
+        with self._lock:
+            if self._peers.get(address) is not peer:
+                return  # already noticed
+            del self._peers[address]
+            rooms = tuple(peer.rooms)
+        self._facts.put(PeerLost(rooms, error))
+
+    def _register(self, address: str) -> str:
+        ranks = [{"metadata": base64.b64encode(r.metadata).decode(), "layout": dataclasses.asdict(r.layout)}
+                 for r in self.ranks]
+        answer = self._http.put(f"{address}/kv/peers", json={"engine": self.engine, "ranks": ranks})
+        _raise_for_status(answer)
+        return answer.json()["instance"]
+
+    def _post(self, room: int, address: str, slots: list[int]) -> None:
+        body = {"room": room, "engine": self.engine, "slots": slots}
+        try:
+            for attempt in range(2):
+                with self._lock:
+                    peer = self._current(address)
+                    peer.rooms.add(room)
+                peer.registration.result()
+                answer = self._http.post(f"{address}/kv/rooms", json=body)
+                if answer.status_code == 404 and _code(answer) == UNKNOWN_PEER and attempt == 0:
+                    # A new instance at that address: the old one, and its rooms, are gone.
+                    with self._lock:
+                        peer.rooms.discard(room)
+                    self._lost(address, peer, f"the prefill engine at {address} restarted")
+                    continue
+                _raise_for_status(answer)
+                return
+        except Exception as exc:  # noqa: BLE001 - any failure means the room was not taken
+            self._facts.put(PostFailed(room, f"the prefill engine at {address} refused room {room}: {_why(exc)}"))
+            raise
+
+    def _cancel(self, post: Future | None, room: int, address: str, reason: str) -> None:
+        if post is not None:
             try:
-                if len(target.dst_slots) != len(prefilled.src_slots):
-                    raise ValueError(f"the decode side allocated {len(target.dst_slots)} slots for a "
-                                     f"{len(prefilled.src_slots)}-token prompt")
-                self._sending[room] = self.agent.write(target.peer, prefilled.src_slots, target.dst_slots, message)
-            except (KeyError, ValueError, RuntimeError) as exc:
-                results.append(RoomResult(room, error=f"KV transfer not started: {exc}"))
-        for room, transfer in list(self._sending.items()):
-            try:
-                if self.agent.done(transfer):
-                    del self._sending[room]
-                    results.append(RoomResult(room))
-            except RuntimeError as exc:
-                del self._sending[room]
-                results.append(RoomResult(room, error=str(exc)))
-        now = time.monotonic()
-        for room in [r for r, p in self._prefilled.items() if now - p.done_at > self.timeout]:
-            del self._prefilled[room]
-            results.append(RoomResult(room, error=f"no decode engine asked for room {room} within {self.timeout:g} s"))
-        for room in [r for r, t in self._targets.items() if now - t.posted_at > self.timeout]:
-            del self._targets[room]  # a room this engine never prefilled (its request failed here)
-        return results
+                post.result()
+            except Exception:  # noqa: BLE001 - never posted: PostFailed already says so
+                return
+        try:
+            answer = self._http.request("DELETE", f"{address}/kv/rooms/{room}", json={"reason": reason})
+            if answer.status_code == 404 and _code(answer) == UNKNOWN_ROOM:
+                self._facts.put(CancelUnknown(room))
+        except httpx.HTTPError as exc:  # unreachable: the heartbeat will tell whether it is dead
+            logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))
 
+    def _watch(self) -> None:
+        """Heartbeat: every prefill engine with rooms answers /health as the instance we
+        registered with, or its rooms fail (within about `dead_after_s`)."""
+        while not self._stop.wait(self.heartbeat_s):
+            with self._lock:
+                watched = [(a, p) for a, p in self._peers.items() if p.rooms and p.registration.done()]
+            for address, peer in watched:
+                error = self._check(address, peer)
+                if error is not None:
+                    self._lost(address, peer, error)
 
-class DecodeTransfers:
-    """Decode side: asks prefill engines for rooms and reports what arrives."""
-
-    def __init__(self, agent: KVTransferAgent, timeout: float = 60.0):
-        self.agent, self.timeout = agent, timeout
-        self._client = httpx.Client(timeout=10.0)
-        self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kubesgl-kv-rooms")
-        self._registered: dict[str, Future] = {}  # prefill engine -> its registration
-        self._rooms: dict[int, tuple[Future, float]] = {}  # room -> (its post, when it was asked for)
-
-    def expect(self, room: int, bootstrap_host: str, bootstrap_port: int, dst_slots: list[int]) -> None:
-        """Ask the prefill engine at host:port to write room's prompt KV into `dst_slots`."""
-        base = f"http://{bootstrap_host}:{bootstrap_port}"
-        registration = self._registered.get(base)
-        if registration is None or (registration.done() and registration.exception() is not None):
-            registration = self._registered[base] = self._workers.submit(self._register, base)  # (again)
-        post = self._workers.submit(self._post_room, registration, base, room, list(dst_slots))
-        self._rooms[room] = (post, time.monotonic())
-
-    def _register(self, base: str) -> None:
-        layout = dataclasses.asdict(self.agent.layout)
-        body = {"metadata": base64.b64encode(self.agent.metadata).decode(), "layout": layout}
-        self._client.put(f"{base}/kv/peers", json=body).raise_for_status()
-
-    def _post_room(self, registration: Future, base: str, room: int, dst_slots: list[int]) -> None:
-        registration.result()
-        body = {"room": room, "agent": self.agent.name, "slots": dst_slots}
-        self._client.post(f"{base}/kv/rooms", json=body).raise_for_status()
-
-    def poll(self) -> list[RoomResult]:
-        """Rooms whose KV and first token have arrived, and rooms that failed."""
-        results = []
-        for message in self.agent.notifications():
-            note = json.loads(message)
-            room = int(note["room"])
-            if self._rooms.pop(room, None) is not None:
-                results.append(RoomResult(room, first_token=int(note["first_token"])))
-        now = time.monotonic()
-        for room, (post, asked_at) in list(self._rooms.items()):
-            if post.done() and post.exception() is not None:
-                error = f"the prefill engine refused room {room}: {_why(post)}"
-            elif now - asked_at > self.timeout:
-                error = f"room {room}'s KV did not arrive within {self.timeout:g} s"
-            else:
-                continue
-            del self._rooms[room]
-            results.append(RoomResult(room, error=error))
-        return results
+    def _check(self, address: str, peer: _Peer) -> str | None:
+        try:
+            registered = peer.registration.result()
+            answer = self._http.get(f"{address}/health", timeout=min(self.heartbeat_s, 3.0))
+            answer.raise_for_status()
+            instance = answer.json()["instance"]
+        except Exception as exc:  # noqa: BLE001
+            silent = time.monotonic() - peer.last_ok
+            if silent > self.dead_after_s:
+                return f"the prefill engine at {address} has not answered for {silent:.0f} s ({_why(exc)})"
+            return None
+        peer.last_ok = time.monotonic()
+        return f"the prefill engine at {address} restarted" if instance != registered else None
 
     def close(self) -> None:
+        self._stop.set()
         self._workers.shutdown(wait=False, cancel_futures=True)
-        self._client.close()
+        self._http.close()
 
 
-def _why(future: Future) -> str:
-    exc = future.exception()
-    if isinstance(exc, httpx.HTTPStatusError):
+def _code(answer: httpx.Response) -> str | None:
+    try:
+        return answer.json().get("code")
+    except ValueError:
+        return None
+
+
+def _raise_for_status(answer: httpx.Response) -> None:
+    if answer.status_code >= 400:
         try:
-            return exc.response.json()["error"]
+            message = answer.json()["error"]
         except (ValueError, KeyError):
-            return f"HTTP {exc.response.status_code}"
-    return f"{type(exc).__name__}: {exc}"
+            message = f"HTTP {answer.status_code}"
+        raise RuntimeError(message)
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"

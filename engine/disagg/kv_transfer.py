@@ -1,4 +1,4 @@
-"""KV pages between engines over NIXL (DESIGN.md, P/D protocol, step 3).
+"""KV slots between engines over NIXL (docs/disaggregation.md, the KV write).
 
 Each engine registers the K and V buffers of every layer of its pool with a NIXL agent. The
 decode side hands the prefill side its agent metadata and its `PoolLayout`; the prefill side
@@ -35,6 +35,11 @@ class PoolLayout:
         return cls(agent=agent, memory="VRAM" if on_gpu else "DRAM", device_id=first.device.index or 0,
                    slot_bytes=first[0].numel() * first.element_size(), num_slots=pool.num_slots,
                    k_addresses=tuple(t.data_ptr() for t in pool.k), v_addresses=tuple(t.data_ptr() for t in pool.v))
+
+    @classmethod
+    def from_json(cls, body: dict) -> PoolLayout:
+        """The layout a peer sent (dataclasses.asdict of its own)."""
+        return cls(**{**body, "k_addresses": tuple(body["k_addresses"]), "v_addresses": tuple(body["v_addresses"])})
 
     def check_compatible(self, peer: PoolLayout) -> None:
         if len(self.k_addresses) != len(peer.k_addresses) or self.slot_bytes != peer.slot_bytes:
@@ -117,6 +122,14 @@ class KVTransferAgent:
         if state != "DONE":
             raise RuntimeError(f"KV transfer failed ({state})")
         return True
+
+    def abort(self, transfer: Transfer) -> None:
+        """Gives up on a transfer still in flight (releasing its handle cancels it)."""
+        self.agent.release_xfer_handle(transfer.handle)
+
+    def notify(self, peer_name: str, message: bytes) -> None:
+        """A notification without a transfer (a room that ends without its KV)."""
+        self.agent.send_notif(peer_name, message)
 
     def notifications(self) -> list[bytes]:
         """Notifications of transfers peers completed into this pool, since the last call."""

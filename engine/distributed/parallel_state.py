@@ -8,6 +8,7 @@ through torch.distributed (gloo on CPU, NCCL on GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,9 @@ import torch.distributed as dist
 class TensorParallelGroup:
     rank: int = 0
     size: int = 1
+    # gloo group for host-side agreement between the ranks' schedulers (what to run, which
+    # KV transfers ended), apart from the model's collectives, which may run on NCCL
+    control: dist.ProcessGroup | None = None
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
@@ -44,10 +48,13 @@ _group = TensorParallelGroup()
 def init_tensor_parallel(rank: int, size: int, init_method: str | None = None, backend: str | None = None) -> None:
     """Join the group. `init_method` is a torch.distributed URL such as tcp://127.0.0.1:PORT."""
     global _group
-    if size > 1 and not dist.is_initialized():
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-    _group = TensorParallelGroup(rank=rank, size=size)
+    control = None
+    if size > 1:
+        if not dist.is_initialized():
+            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+        control = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+    _group = TensorParallelGroup(rank=rank, size=size, control=control)
 
 
 def get_tp_group() -> TensorParallelGroup:

@@ -23,8 +23,9 @@ class PenaltyBatch:
     repetition: torch.Tensor  # [B] float32, 1.0 = off
     frequency: torch.Tensor  # [B] float32
     presence: torch.Tensor  # [B] float32
-    # Rows (of the request table) to reset before this step, with the prompt each row starts from.
-    resets: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Rows (of the request table) to reset before this step, with the prompt and the outputs
+    # so far that each row starts from.
+    resets: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
 
 
 @dataclass

@@ -35,12 +35,16 @@ class PenaltyState:
             self._output_counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
             self._seen = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device)
 
-    def reset(self, resets: list[tuple[int, list[int]]]) -> None:
+    def reset(self, resets: list[tuple[int, list[int], list[int]]]) -> None:
         self._ensure()
-        for row, prompt in resets:
+        for row, prompt, outputs in resets:
             self._output_counts[row].zero_()
             self._seen[row].zero_()
             self._seen[row, torch.tensor(prompt, dtype=torch.int64, device=self.device)] = True
+            if outputs:
+                ids = torch.tensor(outputs, dtype=torch.int64, device=self.device)
+                self._output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+                self._seen[row, ids] = True
 
     def apply(self, logits: torch.Tensor, rows: torch.Tensor, penalties: PenaltyBatch) -> torch.Tensor:
         self._ensure()

@@ -67,7 +67,6 @@ class BatchBuilder:
     def _build(self, mode, reqs, lens, emits, input_ids, positions) -> ScheduledBatch:
         self._step += 1
         out_cache_loc, seq_lens, rows, cols, slots = [], [], [], [], []
-        first_chunk = [req.num_scheduled == req.num_prefix_hit for req in reqs]
         for req, n in zip(reqs, lens):
             out_cache_loc += self.kv.grow(req, n)
             req.num_scheduled += n
@@ -78,7 +77,7 @@ class BatchBuilder:
             req.table_len = req.num_scheduled
             req.last_step = self._step
         future_slots = self._future_slots(len(reqs))
-        sampling = self._sampling(reqs, emits, first_chunk)
+        sampling = self._sampling(reqs, emits)
         for req, emit, future in zip(reqs, emits, future_slots):
             if emit:
                 req.outputs_scheduled += 1
@@ -102,7 +101,7 @@ class BatchBuilder:
         )
         return ScheduledBatch(self._step, mode, reqs, list(lens), list(emits), forward)
 
-    def _sampling(self, reqs: list[Req], emits: list[bool], first_chunk: list[bool]) -> SamplingBatch:
+    def _sampling(self, reqs: list[Req], emits: list[bool]) -> SamplingBatch:
         params = [req.params for req in reqs]
         greedy = [p.greedy for p in params]
         top_ks = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
@@ -113,11 +112,16 @@ class BatchBuilder:
         ]
         penalties = None
         if any(p.has_penalties for p in params):
+            # A row's state starts from its request's tokens the first time a batch with
+            # penalties holds it: the prompt, and the first token where another engine sampled it.
+            resets = [(req.row, req.prompt_ids, list(req.output_ids)) for req in reqs if not req.penalties_ready]
+            for req in reqs:
+                req.penalties_ready = True
             penalties = PenaltyBatch(
                 repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
                 frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
                 presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
-                resets=[(req.row, req.prompt_ids) for req, first in zip(reqs, first_chunk) if first],
+                resets=resets,
             )
         wanted = [p.logprobs for p, emit in zip(params, emits) if p.logprobs is not None and emit]
         return SamplingBatch(

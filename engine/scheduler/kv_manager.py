@@ -32,11 +32,6 @@ class KVManager:
         evictable = self.radix.evictable_size // self.page_size if self.radix else 0
         return self.allocator.num_free + evictable - self.reserved_pages
 
-    @staticmethod
-    def max_kv_len(req: Req) -> int:
-        """KV positions a request can ever fill: its prompt and all outputs but the last."""
-        return req.prompt_len + req.params.max_tokens - 1
-
     def committed_tokens(self) -> int:
         """KV tokens spoken for: held by requests, locked in the cache, or reserved for the
         outputs of running requests (evictable cache excluded). What admission is bound by."""
@@ -45,8 +40,9 @@ class KVManager:
         return held + self.reserved_pages * self.page_size
 
     # -- admission ---------------------------------------------------------------------
-    def try_admit(self, req: Req) -> bool:
-        """Give `req` a table row, its cached prefix and a reservation, or nothing at all."""
+    def try_admit(self, req: Req, kv_tokens: int) -> bool:
+        """Give `req` a table row, its cached prefix and a reservation for `kv_tokens` KV
+        positions in all, or nothing at all."""
         if not self._free_rows:
             return False
         slots, node = [], None
@@ -55,7 +51,7 @@ class KVManager:
             match = self.radix.match_prefix(req.prompt_ids[:-1])
             slots, node = match.slots, match.node
             self.radix.lock(node)
-        need = self.pages_for(self.max_kv_len(req)) - len(slots) // self.page_size
+        need = self.pages_for(kv_tokens) - len(slots) // self.page_size
         if need > self.available_pages():
             if node is not None:
                 self.radix.unlock(node)
@@ -65,6 +61,24 @@ class KVManager:
         req.num_scheduled = req.num_computed = len(slots)
         req.reserved_pages = need
         self.reserved_pages += need
+        return True
+
+    def try_admit_for_transfer(self, req: Req, kv_tokens: int) -> bool:
+        """Like `try_admit`, for a prompt whose KV another engine writes: no prefix is matched
+        (the slots must be this request's own until the write has landed, and a request that
+        fails must leave nothing in the tree), and the prompt's slots are allocated at once."""
+        if not self._free_rows:
+            return False
+        need = self.pages_for(kv_tokens)
+        if need > self.available_pages():
+            return False
+        req.row = self._free_rows.pop()
+        root = self.radix.root if self.radix is not None else None  # no prefix: the tree's root
+        req.slots, req.num_cached, req.num_prefix_hit, req.last_node = [], 0, 0, root
+        req.num_scheduled = req.num_computed = 0
+        req.reserved_pages = need
+        self.reserved_pages += need
+        self.grow(req, req.prompt_len)
         return True
 
     # -- growth ------------------------------------------------------------------------

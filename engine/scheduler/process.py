@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 import signal
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import zmq
 
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.distributed import init_tensor_parallel
+from kubesgl.engine.distributed import get_tp_group, init_tensor_parallel
 from kubesgl.engine.engine import Engine
 from kubesgl.engine.io import (
     AbortRequest,
@@ -37,10 +36,14 @@ from kubesgl.engine.server.ipc import Endpoints, pull, push
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000  # an idle rank 0 still broadcasts this often, so other ranks never time out
+# How often prefill and decode engines turn while they only wait for KV transfers, and while
+# idle: a turn applies what their bootstrap server and NIXL agent received.
+TRANSFER_POLL_MS = 2
+IDLE_TRANSFER_POLL_MS = 50
 
 
 def run_scheduler(config: EngineConfig, rank: int, endpoints: Endpoints, dist_init_method: str,
-                  log_level: str) -> None:
+                  log_level: str, bootstrap_host: str) -> None:
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s scheduler[{rank}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when to stop
     exit_with_parent()
@@ -48,11 +51,10 @@ def run_scheduler(config: EngineConfig, rank: int, endpoints: Endpoints, dist_in
     if on_gpu:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     init_tensor_parallel(rank, config.tp_size, dist_init_method, backend="nccl" if on_gpu else "gloo")
-    control = dist.new_group(backend="gloo", timeout=timedelta(minutes=10)) if config.tp_size > 1 else None
     torch.manual_seed(config.seed)
-    engine = Engine(config)
+    engine = Engine(config, bootstrap_host)
     _warm_up(engine)
-    loop = SchedulerLoop(engine, rank, endpoints, control)
+    loop = SchedulerLoop(engine, rank, endpoints, get_tp_group().control)
     loop.run()
 
 
@@ -84,8 +86,8 @@ class SchedulerLoop:
         """Rank 0: what arrived since the last turn (waits while idle). Others: rank 0's list."""
         messages = []
         if self.rank == 0:
-            if not self.engine.has_work():
-                self.inbox.poll(IDLE_POLL_MS)  # sleep until a message arrives or it is time to beat
+            if not self.engine.scheduler.has_steps():  # sleep until a message arrives or it is time to turn
+                self.inbox.poll(self._idle_poll_ms())
             while self.inbox.poll(0):
                 messages.append(self.inbox.recv_pyobj())
         if self.control is not None:
@@ -93,6 +95,11 @@ class SchedulerLoop:
             dist.broadcast_object_list(box, src=0, group=self.control)
             messages = box[0]
         return messages
+
+    def _idle_poll_ms(self) -> int:
+        if self.engine.scheduler.has_work():
+            return TRANSFER_POLL_MS
+        return IDLE_TRANSFER_POLL_MS if self.engine.role.transfers_kv else IDLE_POLL_MS
 
     def run(self) -> None:
         last_stats = None
@@ -104,11 +111,12 @@ class SchedulerLoop:
                     self.engine.shutdown()
                     return
                 outputs += self._apply(message)
-            if self.engine.has_work():
+            if self.engine.has_work() or self.engine.role.transfers_kv:  # such roles poll every turn
                 outputs += self.engine.step()
             if self.rank == 0:
                 stats = self.engine.scheduler.stats()
-                if outputs or stats != last_stats:  # gauges must follow releases that emit nothing
+                # gauges must follow releases that emit nothing; histogram samples go out once
+                if outputs or stats != last_stats or (stats.disagg is not None and stats.disagg.has_samples()):
                     self.outbox.send_pyobj(StepOutputs(outputs, stats))
                     last_stats = stats
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+from kubesgl.engine.disagg.protocol import BootstrapTarget
 from kubesgl.engine.io import FinishReason, TokenLogprob
 from kubesgl.engine.kvcache.radix_cache import TreeNode
 from kubesgl.engine.sampling_params import SamplingParams
@@ -14,6 +15,8 @@ class ReqStatus(Enum):
     WAITING = auto()  # queued, holds no resources
     PREFILLING = auto()  # prompt chunks scheduled, not all of them yet
     DECODING = auto()  # whole prompt scheduled; produces one token per step
+    TRANSFERRING = auto()  # prefill role: prompt done, its KV on the way to the decode engine
+    AWAITING_KV = auto()  # decode role: prompt slots allocated, its KV on the way from the prefill engine
     FINISHED = auto()  # result sent; resources go back once no in-flight step uses them
     RELEASED = auto()
 
@@ -24,6 +27,7 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     prefix_leader: str | None = None  # see GenerateRequest.prefix_leader
+    bootstrap: BootstrapTarget | None = None  # see GenerateRequest.bootstrap
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -34,10 +38,11 @@ class Req:
     row: int | None = None  # row of the request-to-token table
     slots: list[int] = field(default_factory=list)
     num_cached: int = 0  # page-aligned
-    num_prefix_hit: int = 0  # prompt tokens found in the cache at admission
+    num_prefix_hit: int = 0  # prompt tokens found in the cache at admission (the prefill engine's, for a room)
     last_node: TreeNode | None = None
     reserved_pages: int = 0  # pages still promised to this request for its remaining tokens
     table_len: int = 0  # leading slots already written to the device table row
+    penalties_ready: bool = False  # the row's penalty state holds this request's tokens
 
     # Progress. Positions [0, num_scheduled) have been scheduled into some step; the KV of
     # [0, num_computed) was written by steps whose results were processed.

@@ -31,6 +31,7 @@ from kubesgl.engine.sampling_params import InvalidRequestError
 from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req, ReqStatus
+from kubesgl.engine.scheduler.roles import KVArrived, KVSent, MixedRole
 from kubesgl.engine.scheduler.stop_strings import StopStringChecker
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,11 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, executor, kv: KVManager, limits: SchedulerLimits, eos_token_ids: frozenset[int],
-                 overlap: bool, future_capacity: int, stop_checker: StopStringChecker):
+                 overlap: bool, future_capacity: int, stop_checker: StopStringChecker, role: MixedRole | None = None):
         self.executor = executor
         self.stop_checker = stop_checker
         self.kv = kv
+        self.role = role or MixedRole(kv)
         self.limits = limits
         self.eos_token_ids = eos_token_ids
         self.overlap = overlap
@@ -68,11 +70,16 @@ class Scheduler:
     # -- input -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
         """Queue a request; raises InvalidRequestError (naming the problem) if it cannot run."""
-        self.validate(request)
+        try:
+            self.validate(request)
+        except InvalidRequestError as exc:
+            self.role.refused(request, exc)
+            raise
         params = dataclasses.replace(request.params, max_tokens=self._max_tokens(request))
         req = Req(rid=request.rid, prompt_ids=list(request.input_ids), params=params,
-                  prefix_leader=request.prefix_leader)
+                  prefix_leader=request.prefix_leader, bootstrap=request.bootstrap)
         self.requests[req.rid] = req
+        self.role.accept(req)
         self.waiting.append(req)
 
     def _max_tokens(self, request: GenerateRequest) -> int:
@@ -95,6 +102,7 @@ class Scheduler:
         if any(not 0 <= t < limits.vocab_size for t in request.input_ids):
             raise InvalidRequestError(f"the prompt has token ids outside the vocabulary (size {limits.vocab_size})", param="prompt")
         request.params.validate(limits.vocab_size)
+        self.role.validate(request)
         if n >= limits.context_length:
             raise InvalidRequestError(
                 f"the prompt is {n} tokens long; this model's context length is {limits.context_length}", param="prompt"
@@ -107,7 +115,7 @@ class Scheduler:
                 param="max_tokens",
             )
         pool = self.kv.allocator.total_pages
-        need = self.kv.pages_for(n + max_tokens - 1)
+        need = self.kv.pages_for(self.role.kv_tokens(n, max_tokens, request.bootstrap is not None))
         if need > pool:
             raise InvalidRequestError(
                 f"the request needs {need * self.kv.page_size} tokens of KV cache; the pool holds "
@@ -121,30 +129,32 @@ class Scheduler:
             return []
         if req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
-            req.status = ReqStatus.RELEASED
-            del self.requests[rid]
-        else:
-            self._finish(req)
         req.finish_reason = FinishReason("abort", message=message)
+        self._finish(req)
         out = self._output(req, [], None)
         self._release_completed()
         return [out]
 
     # -- the loop ----------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding or self._in_flight or self.finished_unreleased)
+        return self.has_steps() or bool(self.finished_unreleased) or self.role.has_work()
+
+    def has_steps(self) -> bool:
+        """Work for the model; without it, a turn only polls the role's KV transfers."""
+        return bool(self.waiting or self.prefilling or self.decoding or self._in_flight)
 
     def step(self) -> list[TokenOutput]:
-        """Schedule and launch one step; with overlap, handle the previous step's results."""
+        """Apply what the role's KV transfers report, schedule and launch one step; with
+        overlap, handle the previous step's results."""
+        outputs = self._apply_role_events()
         batch = self._schedule()
         launched = (batch, self.executor.launch(batch.forward)) if batch else None
-        outputs: list[TokenOutput] = []
         if self.overlap:
             if self._in_flight is not None:
-                outputs = self._process(*self._in_flight)
+                outputs += self._process(*self._in_flight)
             self._in_flight = launched
         elif launched is not None:
-            outputs = self._process(*launched)
+            outputs += self._process(*launched)
         self._release_completed()
         return outputs
 
@@ -186,15 +196,17 @@ class Scheduler:
                 break
         deferred: list[Req] = []
         while self.waiting and budget > 0:
-            if len(self.prefilling) + len(self.decoding) >= limits.max_running_requests:
+            if self._num_running() >= limits.max_running_requests:
                 break
             req = self.waiting[0]
             if self._leader_prefilling(req):
                 deferred.append(self.waiting.popleft())  # admitted once the leader's prompt is cached
                 continue
-            if not self.kv.try_admit(req):
+            if not self.role.admit(req):
                 break
             self.waiting.popleft()
+            if req.status is not ReqStatus.WAITING:
+                continue  # the role holds it (a decode engine's request awaiting its KV)
             req.status = ReqStatus.PREFILLING
             self.prefilling.append(req)
             self._prompt_tokens += req.prompt_len
@@ -208,6 +220,9 @@ class Scheduler:
         leader = self.requests.get(req.prefix_leader) if req.prefix_leader else None
         return leader is not None and leader.status in (ReqStatus.WAITING, ReqStatus.PREFILLING)
 
+    def _num_running(self) -> int:
+        return len(self.prefilling) + len(self.decoding) + self.role.num_held()
+
     # -- results -----------------------------------------------------------------------
     def _process(self, batch: ScheduledBatch, future: Future[PendingStep]) -> list[TokenOutput]:
         result = future.result().wait()
@@ -217,31 +232,62 @@ class Scheduler:
             req.num_computed += batch.extend_lens[i]
             if req.finished:
                 continue  # finished or aborted while this step ran: its token is dropped
+            token, logprob = result.token_ids[i], self._logprob(result, i, req)
             if batch.mode is ForwardMode.EXTEND:
                 self.kv.cache_prefix(req)
                 if not batch.emits[i]:
                     continue
                 self.prefilling.remove(req)
+                if self.role.prompt_done(req, token, logprob):
+                    continue  # the role keeps it (a prefill engine's request: its KV goes out)
                 req.status = ReqStatus.DECODING
                 self.decoding.append(req)
-            token = result.token_ids[i]
-            req.output_ids.append(token)
-            logprob = None
-            if result.logprobs is not None and req.params.logprobs is not None:
-                k = req.params.logprobs
-                top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k])) if k else []
-                logprob = TokenLogprob(token, result.logprobs[i], top)
-                req.logprobs.append(logprob)
-            try:
-                reason = self._finish_reason(req, token)
-            except Exception as exc:  # stop-string matching of one request must not stop the others
-                logger.exception("checking request %s for its end failed", req.rid)
-                reason = FinishReason("error", message=f"internal error checking for stop strings: "
-                                      f"{type(exc).__name__}: {exc}", status=500)
-            if reason is not None:
-                req.finish_reason = reason
+            outputs.append(self._accept(req, token, logprob))
+        return outputs
+
+    @staticmethod
+    def _logprob(result, i: int, req: Req) -> TokenLogprob | None:
+        if result.logprobs is None or req.params.logprobs is None:
+            return None
+        k = req.params.logprobs
+        top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k])) if k else []
+        return TokenLogprob(result.token_ids[i], result.logprobs[i], top)
+
+    def _accept(self, req: Req, token: int, logprob: TokenLogprob | None) -> TokenOutput:
+        """A new output token of a decoding request: kept, checked for the end, sent."""
+        req.output_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        try:
+            reason = self._finish_reason(req, token)
+        except Exception as exc:  # stop-string matching of one request must not stop the others
+            logger.exception("checking request %s for its end failed", req.rid)
+            reason = FinishReason("error", message=f"internal error checking for stop strings: "
+                                  f"{type(exc).__name__}: {exc}", status=500)
+        if reason is not None:
+            req.finish_reason = reason
+            self._finish(req)
+        return self._output(req, [token], [logprob] if logprob else None)
+
+    def _apply_role_events(self) -> list[TokenOutput]:
+        outputs = []
+        for event in self.role.poll():
+            req = event.req
+            if isinstance(event, KVArrived):  # it decodes from here as if it had prefilled here
+                req.num_scheduled = req.num_computed = req.prompt_len
+                req.num_prefix_hit = event.cached_tokens
+                req.outputs_scheduled = 1
+                req.status = ReqStatus.DECODING
+                self.decoding.append(req)
+                outputs.append(self._accept(req, event.token, event.logprob))
+            elif isinstance(event, KVSent):  # its answer is the first token
+                req.finish_reason = FinishReason("length")
                 self._finish(req)
-            outputs.append(self._output(req, [token], [logprob] if logprob else None))
+                outputs.append(self._output(req, list(req.output_ids), list(req.logprobs) or None))
+            else:
+                req.finish_reason = event.reason
+                self._finish(req)
+                outputs.append(self._output(req, [], None))
         return outputs
 
     def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
@@ -259,6 +305,7 @@ class Scheduler:
             self.prefilling.remove(req)
         if req in self.decoding:
             self.decoding.remove(req)
+        self.role.finished(req)
         req.status = ReqStatus.FINISHED
         self.finished_unreleased.append(req)
 
@@ -266,7 +313,7 @@ class Scheduler:
         """Release finished requests that no step still running uses."""
         keep = []
         for req in self.finished_unreleased:
-            if req.last_step > self._completed_step:
+            if req.last_step > self._completed_step or not self.role.can_release(req):
                 keep.append(req)
                 continue
             self.kv.release(req)
@@ -291,10 +338,11 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running=len(self.prefilling) + len(self.decoding),
+            num_running=self._num_running(),
             num_waiting=len(self.waiting),
             kv_used_tokens=self.kv.committed_tokens(),
             kv_total_tokens=self.kv.allocator.total_pages * self.kv.page_size,
             prompt_tokens=self._prompt_tokens,
             cached_prompt_tokens=self._cached_prompt_tokens,
+            disagg=self.role.stats(),
         )

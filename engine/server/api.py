@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kubesgl.engine.disagg.protocol import BootstrapTarget
 from kubesgl.engine.io import FinishReason, TextOutput, TokenizeRequest
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient
@@ -31,6 +32,7 @@ class ServerState:
     served_model_name: str
     api_key: str | None = None
     draining: bool = False
+    bootstrap_port: int = 8998  # what a request's `bootstrap_port: null` means
 
 
 class APIError(Exception):
@@ -176,12 +178,19 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
             card["max_model_len"] = client.info.context_length
         return {"object": "list", "data": [card]}
 
+    def bootstrap(body, count: int) -> list[BootstrapTarget | None]:
+        try:
+            return body.bootstrap_targets(count, state.bootstrap_port)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         serving(body.model)
         params = validated(body.to_sampling_params())
         messages = [m.as_template_input() for m in body.messages]
-        subs = fan_out([TokenizeRequest("", params, messages=messages)], body.n, params, "chatcmpl")
+        subs = fan_out([TokenizeRequest("", params, messages=messages)], body.n, params, "chatcmpl",
+                       bootstrap(body, body.n))
         meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": state.served_model_name}
         return await respond(request, subs, body.stream, body.include_usage, chat_formatter(meta, body.logprobs))
 
@@ -191,7 +200,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
         params = validated(body.to_sampling_params())
         bases = [TokenizeRequest("", params, **({"text": p} if isinstance(p, str) else {"input_ids": p}))
                  for p in body.prompts()]
-        subs = fan_out(bases, body.n, params, "cmpl")
+        subs = fan_out(bases, body.n, params, "cmpl", bootstrap(body, len(bases) * body.n))
         meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": state.served_model_name}
         return await respond(request, subs, body.stream, body.include_usage,
                              completion_formatter(meta, body.logprobs is not None))
@@ -201,12 +210,14 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
         serving()
         params = validated(body.to_sampling_params())
         rid = body.rid or EngineClient.new_rid("gen")
-        sub = TokenizeRequest(rid, params, text=body.text, input_ids=body.input_ids)
+        sub = TokenizeRequest(rid, params, text=body.text, input_ids=body.input_ids, bootstrap=bootstrap(body, 1)[0])
         return await respond(request, [sub], body.stream, False, native_formatter(rid))
 
-    def fan_out(bases: list[TokenizeRequest], n: int, params: SamplingParams, prefix: str) -> list[TokenizeRequest]:
+    def fan_out(bases: list[TokenizeRequest], n: int, params: SamplingParams, prefix: str,
+                targets: list[BootstrapTarget | None]) -> list[TokenizeRequest]:
         """n copies of every prompt; copies after the first share its cached prompt, and
-        seeded copies get distinct seeds so that they differ."""
+        seeded copies get distinct seeds so that they differ. Choice p * n + i is copy i of
+        prompt p and takes targets[p * n + i]."""
         group = EngineClient.new_rid(prefix)
         subs = []
         for p, base in enumerate(bases):
@@ -214,7 +225,8 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
             for i in range(n):
                 copy = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
                 rid = f"{group}-{p * n + i}"
-                subs.append(TokenizeRequest(rid, copy, base.text, base.input_ids, base.messages, leader))
+                subs.append(TokenizeRequest(rid, copy, base.text, base.input_ids, base.messages, leader,
+                                            targets[p * n + i]))
                 leader = leader or rid
         return subs
 

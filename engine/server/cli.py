@@ -30,13 +30,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = engine_config_from_args(args)
+    config.disaggregation_bootstrap_port = args.disaggregation_bootstrap_port
     try:
         config.validate()
     except ValueError as exc:
         parser.error(str(exc))
-    if config.role != "mixed":
-        parser.error(f"--role {config.role} needs the prefill/decode KV transfer, which this build does not have yet; "
-                     "use --role mixed")
     options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
                             served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
                             log_level=args.log_level)

@@ -74,7 +74,7 @@ class Server:
         for rank in range(self.config.tp_size):
             self.children[f"scheduler rank {rank}"] = ctx.Process(
                 target=run_scheduler, name=f"kubesgl-scheduler-{rank}",
-                args=(self.config, rank, self.endpoints, init_method, self.options.log_level))
+                args=(self.config, rank, self.endpoints, init_method, self.options.log_level, self.options.host))
         self.children["tokenizer"] = ctx.Process(target=run_tokenizer, name="kubesgl-tokenizer",
                                                  args=(self.config.model, self.endpoints, self.options.log_level))
         for child in self.children.values():
@@ -105,7 +105,7 @@ class Server:
         client = EngineClient(self.endpoints, metrics)
         client.start()
         state = ServerState(served_model_name=self.options.served_model_name or self.config.model,
-                            api_key=self.options.api_key)
+                            api_key=self.options.api_key, bootstrap_port=self.config.disaggregation_bootstrap_port)
         app = build_app(client, state)
         uv_config = uvicorn.Config(app, host=self.options.host, port=self.options.port, log_level=self.options.log_level,
                                    timeout_graceful_shutdown=5, access_log=False)

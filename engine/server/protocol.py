@@ -8,7 +8,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from kubesgl.engine.sampling_params import SamplingParams, is_utf8
+from kubesgl.engine.disagg.protocol import MAX_ROOM, BootstrapTarget
+from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams, is_utf8
 
 UTF8_ERROR = "invalid_utf8"
 
@@ -27,11 +28,47 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+Room = Annotated[int, Field(ge=0, le=MAX_ROOM)]
+
+
+class _Bootstrap(_Lenient):
+    """Prefill/decode serving: which room of which prefill engine each choice fills or reads
+    (SGLang's field names; one room per choice, as a list, when there are several)."""
+
+    bootstrap_host: Text | list[Text] | None = None
+    bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | list[Annotated[int, Field(ge=1, le=65535)] | None] | None = None
+    bootstrap_room: Room | list[Room] | None = None
+
+    def bootstrap_targets(self, count: int, default_port: int) -> list[BootstrapTarget | None]:
+        """One target per choice (prompts x n, in that order); None everywhere without rooms.
+        Raises InvalidRequestError for lists that do not match the choices."""
+        if self.bootstrap_room is None:
+            if self.bootstrap_host is not None or self.bootstrap_port is not None:
+                raise InvalidRequestError("bootstrap_room is missing (bootstrap_host and bootstrap_port come with it)",
+                                          param="bootstrap_room")
+            return [None] * count
+        rooms, hosts, ports = (_per_choice(name, getattr(self, name), count)
+                               for name in ("bootstrap_room", "bootstrap_host", "bootstrap_port"))
+        if isinstance(self.bootstrap_room, int) and count > 1:
+            raise InvalidRequestError(f"{count} choices (prompts x n) need {count} bootstrap rooms, one per choice, "
+                                      "as a list", param="bootstrap_room")
+        return [BootstrapTarget(room, host, default_port if port is None else port)
+                for room, host, port in zip(rooms, hosts, ports)]
+
+
+def _per_choice(name: str, value, count: int) -> list:
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise InvalidRequestError(f"{name} lists {len(value)} values for {count} choices (prompts x n)", param=name)
+    return value
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(_Bootstrap):
     model: Text | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
@@ -144,7 +181,7 @@ class NativeSamplingParams(_Lenient):
     skip_special_tokens: bool = True
 
 
-class GenerateRequestBody(_Lenient):
+class GenerateRequestBody(_Bootstrap):
     """SGLang's native request. The bootstrap fields belong to prefill/decode serving."""
 
     text: Text | None = None

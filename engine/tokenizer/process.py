@@ -117,7 +117,8 @@ class TokenizerLoop:
             self._fail(message.rid, _internal_error("tokenizing the request", exc))
             return True
         self.tokenizer.start(message)
-        self.to_scheduler.send_pyobj(GenerateRequest(message.rid, input_ids, message.params, message.prefix_leader))
+        self.to_scheduler.send_pyobj(GenerateRequest(message.rid, input_ids, message.params, message.prefix_leader,
+                                                     message.bootstrap))
         return True
 
     def from_scheduler(self, message) -> None:

@@ -1,95 +1,215 @@
-"""The P/D handshake on one machine: a decode side registers with a prefill side's bootstrap
-server over HTTP and posts a room; the prefill side writes the prompt's KV into the posted
-slots with the first token in the notification; either side gives up on a room whose
-partner never comes, and a decode pool of another shape is refused at registration."""
+"""The P/D handshake and transfer layer on one machine, without schedulers: a decode side
+registers with a prefill side's bootstrap server over HTTP and posts rooms; the prefill side
+writes the prompt's KV into the posted slots with the first token in the notification, and
+every way a room can end reaches the other side, with the decode side's slots released only
+once no write into them can come."""
 
 from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 import torch
 
-from kubesgl.engine.disagg.bootstrap import BootstrapServer, DecodeTransfers, PrefillTransfers
+from kubesgl.engine.disagg.bootstrap import BootstrapClient, BootstrapServer, RankAgent
+from kubesgl.engine.disagg.decode import DecodeTransfers
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
+from kubesgl.engine.disagg.prefill import PrefillTransfers
+from kubesgl.engine.disagg.protocol import BootstrapTarget, FailureReason, RoomNote, RoomStatus
+from kubesgl.engine.disagg.ranks import RankConsensus
+
+
+class Pair:
+    """A prefill side and a decode side over loopback, each as one rank."""
+
+    def __init__(self, filled_kv_pool, timeout: float, decode_kv_heads: int = 2, port: int = 0,
+                 dead_after_s: float = 10.0):
+        self.prefill_pool, self.decode_pool = filled_kv_pool(1), filled_kv_pool(None, kv_heads=decode_kv_heads)
+        self.prefill_agent, self.decode_agent = KVTransferAgent(self.prefill_pool), KVTransferAgent(self.decode_pool)
+        self.server = BootstrapServer(self.prefill_agent.layout, 1, "127.0.0.1", port)
+        self.prefill = PrefillTransfers(self.prefill_agent, RankConsensus(), self.server, timeout)
+        client = BootstrapClient("decode-test", [RankAgent(self.decode_agent.metadata, self.decode_agent.layout)],
+                                 heartbeat_s=0.1, dead_after_s=dead_after_s)
+        self.decode = DecodeTransfers(self.decode_agent, RankConsensus(), client, timeout)
+
+    def target(self, room: int) -> BootstrapTarget:
+        return BootstrapTarget(room, "127.0.0.1", self.server.port)
+
+    def run(self, until, timeout: float = 15.0):
+        """Poll both sides like two schedulers would until `until(sent, arrived)`."""
+        sent, arrived = [], []
+        deadline = time.monotonic() + timeout
+        while not until(sent, arrived):
+            assert time.monotonic() < deadline, f"timed out with {sent} {arrived}"
+            sent += self.prefill.poll()
+            arrived += self.decode.poll()
+            time.sleep(0.002)
+        return sent, arrived
+
+    def close(self):
+        self.decode.close()
+        self.prefill.close()
 
 
 @pytest.fixture
 def pair(filled_kv_pool):
-    """(prefill pool, decode pool, PrefillTransfers, DecodeTransfers) wired over loopback."""
     made = []
 
-    def make(timeout: float = 10.0, decode_kv_heads: int = 2):
-        prefill_pool, decode_pool = filled_kv_pool(1), filled_kv_pool(None, kv_heads=decode_kv_heads)
-        prefill_agent, decode_agent = KVTransferAgent(prefill_pool), KVTransferAgent(decode_pool)
-        server = BootstrapServer(prefill_agent.layout, host="127.0.0.1", port=0)
-        prefill = PrefillTransfers(prefill_agent, server, timeout)
-        decode = DecodeTransfers(decode_agent, timeout)
-        made.append((server, decode, prefill_agent, decode_agent))
-        return prefill_pool, decode_pool, prefill, decode, server.port
+    def make(timeout: float = 10.0, **kwargs) -> Pair:
+        made.append(Pair(filled_kv_pool, timeout, **kwargs))
+        return made[-1]
 
     yield make
-    for server, decode, *agents in made:
-        decode.close()
-        server.close()
-        for agent in agents:
-            agent.close()
+    for p in made:
+        p.close()
 
 
-def run_until(prefill: PrefillTransfers, decode: DecodeTransfers, want: int, timeout: float = 15.0):
-    """Poll both sides like two schedulers would until `want` results came back in all."""
-    sent, arrived = [], []
-    deadline = time.monotonic() + timeout
-    while len(sent) + len(arrived) < want:
-        assert time.monotonic() < deadline, f"timed out with {sent} {arrived}"
-        sent += prefill.poll()
-        arrived += decode.poll()
-        time.sleep(0.002)
-    return sent, arrived
+def note(room, token=7):
+    return RoomNote(room, RoomStatus.DONE, first_token=token, logprob=-0.5, top_logprobs=[(token, -0.5)], cached_tokens=3)
+
+
+def released(room):
+    return lambda sent, arrived: any(o.room == room and o.released for o in arrived)
 
 
 def test_a_room_moves_its_prompt_kv_and_first_token(pair):
-    prefill_pool, decode_pool, prefill, decode, port = pair()
+    p = pair()
     src, dst = [3, 4, 5, 6, 20], [40, 41, 42, 7, 8]
-    decode.expect(77, "127.0.0.1", port, dst)
-    prefill.prefilled(77, src, first_token=1234)
-    sent, arrived = run_until(prefill, decode, want=2)
-    assert [r.room for r in sent] == [77] and sent[0].ok
-    assert [(r.room, r.first_token, r.ok) for r in arrived] == [(77, 1234, True)]
-    for here, there in zip(prefill_pool.k + prefill_pool.v, decode_pool.k + decode_pool.v):
+    p.decode.expect(p.target(77), dst)
+    p.prefill.open(77)
+    p.prefill.prefilled(77, src, note(77, token=1234))
+    sent, arrived = p.run(lambda s, a: s and a)
+    assert [(o.room, o.ok) for o in sent] == [(77, True)] and sent[0].nbytes == 5 * 2 * 2 * 2 * 8 * 2
+    [outcome] = arrived
+    assert outcome.note.first_token == 1234 and outcome.note.cached_tokens == 3 and outcome.note.top_logprobs == [(1234, -0.5)]
+    for here, there in zip(p.prefill_pool.k + p.prefill_pool.v, p.decode_pool.k + p.decode_pool.v):
         assert torch.equal(there[dst], here[src])
+    assert not p.prefill.busy(77) and not p.prefill.has_rooms() and not p.decode.has_rooms()
 
 
 def test_rooms_pair_up_whatever_the_order_and_registration_happens_once(pair):
-    prefill_pool, decode_pool, prefill, decode, port = pair()
-    prefill.prefilled(1, [10, 11], first_token=5)  # prefilled before the decode side asked
-    decode.expect(1, "127.0.0.1", port, [50, 51])
-    decode.expect(2, "127.0.0.1", port, [52])
-    prefill.prefilled(2, [12], first_token=6)
-    sent, arrived = run_until(prefill, decode, want=4)
-    assert sorted((r.room, r.first_token) for r in arrived) == [(1, 5), (2, 6)]
-    assert len(prefill.agent.peers) == 1
-    assert torch.equal(decode_pool.k[1][[50, 51, 52]], prefill_pool.k[1][[10, 11, 12]])
+    p = pair()
+    p.prefill.open(1)
+    p.prefill.prefilled(1, [10, 11], note(1, 5))  # prefilled before the decode side asked
+    p.decode.expect(p.target(1), [50, 51])
+    p.decode.expect(p.target(2), [52])  # asked before the prefill side has the request
+    p.run(lambda s, a: len(a) == 1)
+    p.prefill.open(2)
+    p.prefill.prefilled(2, [12], note(2, 6))
+    sent, arrived = p.run(lambda s, a: len(a) == 1)
+    assert arrived[0].note.first_token == 6
+    assert len(p.prefill_agent.peers) == 1
+    assert torch.equal(p.decode_pool.k[1][[50, 51, 52]], p.prefill_pool.k[1][[10, 11, 12]])
 
 
-def test_a_partner_that_never_comes_times_out_on_both_sides(pair):
-    _, _, prefill, decode, port = pair(timeout=0.3)
-    prefill.prefilled(8, [1, 2], first_token=3)  # no decode side ever posts room 8
-    decode.expect(9, "127.0.0.1", port, [4])  # and this engine never prefills room 9
-    sent, arrived = run_until(prefill, decode, want=2)
-    assert [(r.room, r.ok) for r in sent] == [(8, False)] and "within 0.3 s" in sent[0].error
-    assert [(r.room, r.ok) for r in arrived] == [(9, False)] and "did not arrive" in arrived[0].error
+def test_a_decode_side_that_never_asks_times_the_prefill_side_out(pair):
+    p = pair(timeout=0.3)
+    p.prefill.open(8)
+    p.prefill.prefilled(8, [1, 2], note(8))
+    sent, _ = p.run(lambda s, a: s)
+    assert [(o.room, o.reason) for o in sent] == [(8, FailureReason.TIMEOUT)] and "within 0.3 s" in sent[0].error
+    assert not p.prefill.has_rooms()
+
+
+def test_a_room_the_prefill_side_never_runs_times_out_and_is_released_once_it_confirms(pair):
+    p = pair(timeout=0.3)
+    p.decode.expect(p.target(9), [4])
+    _, arrived = p.run(released(9))
+    failure, release = arrived
+    assert (failure.reason, failure.released) == (FailureReason.TIMEOUT, False) and "did not arrive" in failure.error
+    assert release.released and not p.decode.has_rooms()  # the prefill side cancelled the room and said so
 
 
 def test_a_decode_pool_of_another_shape_is_refused_with_the_reason(pair):
-    _, _, prefill, decode, port = pair(decode_kv_heads=4)
-    decode.expect(5, "127.0.0.1", port, [1])
-    _, arrived = run_until(prefill, decode, want=1)
-    assert not arrived[0].ok and "KV pools differ" in arrived[0].error
+    p = pair(decode_kv_heads=4)
+    p.decode.expect(p.target(5), [1])
+    _, [outcome] = p.run(released(5))
+    assert outcome.reason is FailureReason.REFUSED and "KV pools differ" in outcome.error
 
 
-def test_an_unreachable_prefill_engine_fails_the_room(pair):
-    _, _, prefill, decode, _ = pair()
-    decode.expect(6, "127.0.0.1", 1, [1])  # nothing listens on port 1
-    _, arrived = run_until(prefill, decode, want=1)
-    assert not arrived[0].ok and "ConnectError" in arrived[0].error
+def test_an_unreachable_prefill_engine_fails_the_room_at_once(pair):
+    p = pair()
+    p.decode.expect(BootstrapTarget(6, "127.0.0.1", 1), [1])  # nothing listens on port 1
+    _, [outcome] = p.run(released(6))
+    assert outcome.reason is FailureReason.REFUSED and "ConnectError" in outcome.error
+
+
+def test_a_room_posted_twice_is_refused(pair):
+    p = pair()
+    p.decode.expect(p.target(3), [1])
+    p.run(lambda s, a: p.server._rooms)
+    answer = httpx.post(f"http://127.0.0.1:{p.server.port}/kv/rooms",
+                        json={"room": 3, "engine": "decode-test", "slots": [2]})
+    assert answer.status_code == 409 and "already in use" in answer.json()["error"]
+    with pytest.raises(ValueError, match="already in use"):
+        p.decode.expect(p.target(3), [2])
+
+
+def test_a_cancel_before_the_write_reaches_the_prefill_side_and_releases_the_slots(pair):
+    p = pair()
+    p.prefill.open(11)
+    p.decode.expect(p.target(11), [1, 2])
+    p.run(lambda s, a: p.prefill._rooms[11].target is not None)
+    p.decode.cancel(11, "the client disconnected")
+    sent, arrived = p.run(lambda s, a: s and a)
+    assert [(o.room, o.reason) for o in sent] == [(11, FailureReason.REFUSED)] and "client disconnected" in sent[0].error
+    assert [(o.room, o.released) for o in arrived] == [(11, True)]
+    assert not p.prefill.has_rooms() and not p.decode.has_rooms()
+
+
+def test_a_prefill_side_failure_reaches_the_decode_side_at_once(pair):
+    p = pair()
+    p.decode.expect(p.target(12), [1, 2])
+    p.run(lambda s, a: 12 in p.prefill._posted)
+    p.prefill.abandon(12, FailureReason.REFUSED, "the prompt is too long here", 400)
+    _, [outcome] = p.run(lambda s, a: a)
+    assert (outcome.reason, outcome.http_status, outcome.released) == (FailureReason.REFUSED, 400, True)
+    assert "too long" in outcome.error
+
+
+def test_a_failed_write_fails_the_room_on_both_sides(pair, monkeypatch):
+    p = pair()
+
+    def broken(*args):
+        raise RuntimeError("UCX says no")
+
+    monkeypatch.setattr(p.prefill_agent, "write", broken)
+    p.prefill.open(13)
+    p.prefill.prefilled(13, [1], note(13))
+    p.decode.expect(p.target(13), [2])
+    sent, arrived = p.run(lambda s, a: s and any(o.released for o in a))
+    assert sent[0].reason is FailureReason.TRANSFER and "UCX says no" in sent[0].error
+    assert arrived[0].reason is FailureReason.TRANSFER and arrived[-1].released
+
+
+def test_a_dead_prefill_engine_fails_its_rooms_within_the_heartbeat_window(pair):
+    p = pair(dead_after_s=0.5)
+    p.decode.expect(p.target(14), [1])
+    p.run(lambda s, a: 14 in p.prefill._posted)
+    p.server.close()  # the prefill engine is gone
+    started = time.monotonic()
+    _, arrived = p.run(released(14))
+    assert arrived[0].reason is FailureReason.PEER_LOST and "has not answered" in arrived[0].error
+    assert time.monotonic() - started < 5
+
+
+def test_a_restarted_prefill_engine_is_registered_with_again(pair, filled_kv_pool):
+    p = pair()
+    p.decode.expect(p.target(15), [1])
+    p.run(lambda s, a: 15 in p.prefill._posted)
+    port = p.server.port
+    p.prefill.close()
+    # The same address, a new engine: it has never heard of the decode engine.
+    restarted = Pair(filled_kv_pool, 10.0, port=port)
+    try:
+        p.prefill, p.server = restarted.prefill, restarted.server
+        p.decode.expect(p.target(16), [2, 3])
+        p.prefill.open(16)
+        p.prefill.prefilled(16, [5, 6], note(16, 9))
+        _, arrived = p.run(lambda s, a: any(o.room == 16 and o.note for o in a) and any(o.room == 15 for o in a))
+        by_room = {o.room: o for o in arrived}
+        assert by_room[16].note.first_token == 9
+        assert by_room[15].reason is FailureReason.PEER_LOST and "restarted" in by_room[15].error
+    finally:
+        restarted.decode.close()

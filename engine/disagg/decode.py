@@ -1,0 +1,176 @@
+"""Decode side of a room: asks the prefill engine for a request's prompt KV, and tells the
+scheduler when it has arrived, when the room failed, and when the room's slots may be used
+again.
+
+Slots a prefill engine may still write into are never handed back early: after a failure,
+a timeout or an abort, the slots are released only once the prefill engine's last word on
+the room has come from every rank (`RoomNote`), or the prefill engine says it never had the
+room, or it is dead. Every rank applies the same facts in the same order (ranks.py): each
+rank contributes the notes its NIXL agent received, rank 0 what its HTTP client learned and
+the rooms its clock timed out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kubesgl.engine.disagg.bootstrap import (
+    BootstrapClient,
+    CancelUnknown,
+    ClientFact,
+    PeerLost,
+    PostFailed,
+)
+from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
+from kubesgl.engine.disagg.protocol import BootstrapTarget, FailureReason, RoomNote, RoomStatus
+from kubesgl.engine.disagg.ranks import RankConsensus
+
+
+@dataclass(frozen=True)
+class NoteArrived:
+    rank: int
+    note: RoomNote
+
+
+@dataclass(frozen=True)
+class KVTimedOut:
+    room: int
+
+
+DecodeFact = NoteArrived | KVTimedOut | ClientFact
+
+
+@dataclass(frozen=True)
+class DecodeOutcome:
+    """News of one room: its KV arrived (`note` holds the first token), it failed
+    (`error`), and/or its slots may be used again (`released`)."""
+
+    room: int
+    note: RoomNote | None = None
+    waited: float = 0.0  # seconds from asking to arrival (this rank's clock)
+    error: str | None = None
+    reason: FailureReason | None = None
+    http_status: int | None = None  # the prefill engine's status for a request it refused
+    released: bool = False
+
+
+@dataclass
+class _Room:
+    target: BootstrapTarget
+    asked_at: float
+    notes: dict[int, RoomNote] = field(default_factory=dict)  # each rank's note, once it came
+    waiting: bool = True  # its request still waits for the KV
+    timed_out: bool = False  # rank 0: the timeout was announced
+
+
+class DecodeTransfers:
+    def __init__(self, agent: KVTransferAgent, consensus: RankConsensus, client: BootstrapClient | None,
+                 timeout: float):
+        if consensus.is_leader != (client is not None):
+            raise ValueError("rank 0, and rank 0 alone, talks to the prefill engines")
+        self.agent, self.consensus, self.client, self.timeout = agent, consensus, client, timeout
+        self._rooms: dict[int, _Room] = {}
+
+    def expect(self, target: BootstrapTarget, dst_slots: list[int]) -> None:
+        """Ask the prefill engine of `target` to write the prompt's KV into `dst_slots`."""
+        if target.room in self._rooms:
+            raise ValueError(f"room {target.room} is already in use")
+        self._rooms[target.room] = _Room(target, time.monotonic())
+        if self.client is not None:
+            self.client.post(target.room, target.address, dst_slots)
+
+    def cancel(self, room: int, reason: str) -> None:
+        """The request no longer waits (aborted, failed): tell the prefill engine; the slots
+        stay taken until a `released` outcome."""
+        state = self._rooms[room]
+        if state.waiting:
+            state.waiting = False
+            if self.client is not None:
+                self.client.cancel(room, state.target.address, reason)
+
+    def refuse(self, target: BootstrapTarget, reason: str) -> None:
+        """A request this engine will not run: its prefill engine may drop the room at once."""
+        if self.client is not None:
+            self.client.cancel(target.room, target.address, reason)
+
+    def has_rooms(self) -> bool:
+        return bool(self._rooms)
+
+    def waiting(self, room: int) -> bool:
+        """True while the room's request waits for its KV."""
+        state = self._rooms.get(room)
+        return state is not None and state.waiting
+
+    def poll(self) -> list[DecodeOutcome]:
+        """Applies what every rank saw since the last turn. A collective on more than one rank."""
+        local: list[DecodeFact] = [NoteArrived(self.consensus.rank, RoomNote.decode(m))
+                                   for m in self.agent.notifications()]
+        if self.client is not None:
+            local += self.client.drain()
+            now = time.monotonic()
+            for room, state in self._rooms.items():
+                if state.waiting and not state.timed_out and now - state.asked_at > self.timeout:
+                    state.timed_out = True
+                    local.append(KVTimedOut(room))
+        outcomes: list[DecodeOutcome] = []
+        for fact in self.consensus.share(local):
+            outcomes += self._apply(fact)
+        return outcomes
+
+    def _apply(self, fact: DecodeFact) -> list[DecodeOutcome]:
+        if isinstance(fact, NoteArrived):
+            return self._note(fact)
+        if isinstance(fact, KVTimedOut):
+            state = self._rooms.get(fact.room)
+            if state is None or not state.waiting:
+                return []
+            self.cancel(fact.room, "the decode engine timed the room out")
+            error = f"room {fact.room}'s KV did not arrive within {self.timeout:g} s"
+            return [DecodeOutcome(fact.room, error=error, reason=FailureReason.TIMEOUT)]
+        if isinstance(fact, PostFailed):
+            return self._end(fact.room, fact.error, FailureReason.REFUSED)
+        if isinstance(fact, CancelUnknown):
+            return self._end(fact.room, None, None)
+        if isinstance(fact, PeerLost):
+            return [outcome for room in fact.rooms for outcome in self._end(room, fact.error, FailureReason.PEER_LOST)]
+        raise TypeError(f"not a decode-side fact: {fact!r}")
+
+    def _note(self, fact: NoteArrived) -> list[DecodeOutcome]:
+        note = fact.note
+        state = self._rooms.get(note.room)
+        if state is None:
+            return []  # a room that ended here already (its prefill engine was declared dead)
+        state.notes[fact.rank] = note
+        failed_now = state.waiting and note.status is not RoomStatus.DONE
+        if failed_now:
+            state.waiting = False
+        complete = len(state.notes) == self.consensus.tp_size  # every rank's last word is in
+        if complete:
+            self._forget(note.room)
+            if state.waiting:  # every rank's shard is here
+                return [DecodeOutcome(note.room, note=state.notes[0], waited=time.monotonic() - state.asked_at)]
+        if failed_now:
+            return [DecodeOutcome(note.room, error=note.error, reason=note.reason or FailureReason.REFUSED,
+                                  http_status=note.http_status, released=complete)]
+        return [DecodeOutcome(note.room, released=True)] if complete else []
+
+    def _end(self, room: int, error: str | None, reason: FailureReason | None) -> list[DecodeOutcome]:
+        """No write into the room's slots can come any more."""
+        state = self._rooms.get(room)
+        if state is None:
+            return []
+        self._forget(room)
+        if state.waiting and error is not None:
+            return [DecodeOutcome(room, error=error, reason=reason, released=True)]
+        return [DecodeOutcome(room, released=True)]
+
+    def _forget(self, room: int) -> None:
+        state = self._rooms.pop(room)
+        if self.client is not None:
+            self.client.forget(room, state.target.address)
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+        self.agent.close()

@@ -1,0 +1,307 @@
+"""Prefill side of a room: pairs the prompts this engine has prefilled with the slots their
+decode engines posted, writes the KV there over NIXL, and says how each room ended.
+
+Every rank holds the same room table and changes it only by applying the facts every rank
+shares (ranks.py): rank 0 contributes what arrived at the bootstrap server and the rooms it
+timed out, each rank the writes of its own shard that ended. A room counts as sent once the
+writes of all ranks are done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kubesgl.engine.disagg.bootstrap import (
+    BootstrapEvent,
+    BootstrapServer,
+    PeerRegistered,
+    RoomCancelled,
+    RoomPosted,
+)
+from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, Transfer
+from kubesgl.engine.disagg.protocol import FailureReason, RoomNote, RoomStatus
+from kubesgl.engine.disagg.ranks import RankConsensus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WriteEnded:
+    rank: int
+    room: int
+    nbytes: int
+    seconds: float
+    error: str | None = None  # None: done
+
+
+@dataclass(frozen=True)
+class RoomTimedOut:
+    room: int
+    error: str
+
+
+@dataclass(frozen=True)
+class RoomsForgotten:
+    """Posts and closed rooms old enough that no request for them is coming any more."""
+
+    rooms: tuple[int, ...]
+
+
+PrefillFact = BootstrapEvent | WriteEnded | RoomTimedOut | RoomsForgotten
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    """How a room this engine prefilled ended: its KV is at the decode engine, or not."""
+
+    room: int
+    error: str | None = None
+    reason: FailureReason | None = None
+    nbytes: int = 0  # KV bytes written, over all ranks, and the write's time
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class _Room:
+    """A room whose request runs here."""
+
+    target: RoomPosted | None = None  # where its KV goes, once the decode engine posted it
+    src_slots: list[int] | None = None  # set once the prompt is prefilled
+    note: RoomNote | None = None  # what the decode engine gets with the KV
+    prefilled_at: float = 0.0
+    writing: set[int] = field(default_factory=set)  # ranks whose write is still in flight
+    started: bool = False
+    failed: bool = False
+    nbytes: int = 0  # the write's size over all ranks, and its time on this rank
+    seconds: float = 0.0
+
+
+class PrefillTransfers:
+    def __init__(self, agent: KVTransferAgent, consensus: RankConsensus, server: BootstrapServer | None,
+                 timeout: float):
+        if consensus.is_leader != (server is not None):
+            raise ValueError("rank 0, and rank 0 alone, serves the bootstrap server")
+        self.agent, self.consensus, self.server, self.timeout = agent, consensus, server, timeout
+        self._peer_agents: dict[str, str] = {}  # decode engine -> its agent of this rank
+        self._rooms: dict[int, _Room] = {}
+        self._posted: dict[int, RoomPosted] = {}  # posts whose request has not come (yet)
+        self._closed: dict[int, RoomNote] = {}  # rooms that ended here before their post came
+        self._seen_at: dict[int, float] = {}  # rank 0: when each post or closed room appeared
+        self._writes: dict[int, tuple[Transfer, float]] = {}  # this rank's writes in flight
+        self._local: list[PrefillFact] = []  # this rank's facts for the next turn
+
+    # -- the scheduler's side ----------------------------------------------------------
+    def closed(self, room: int) -> str | None:
+        """Why a request for `room` cannot run here (the decode engine gave up on the room
+        already), or None."""
+        note = self._closed.get(room)
+        return None if note is None else note.error
+
+    def open(self, room: int) -> None:
+        """A request for `room` is queued here."""
+        if room in self._rooms or room in self._closed:
+            raise ValueError(f"room {room} is already in use")
+        self._rooms[room] = _Room(target=self._posted.pop(room, None))
+
+    def prefilled(self, room: int, src_slots: list[int], note: RoomNote) -> None:
+        """The prompt of `room` is in the pool at `src_slots`; `note` carries its first token.
+        The slots must stay untouched while `busy(room)`."""
+        state = self._rooms[room]
+        state.src_slots, state.note, state.prefilled_at = list(src_slots), note, time.monotonic()
+
+    def abandon(self, room: int, reason: FailureReason, error: str, http_status: int | None = None) -> None:
+        """The request of `room` ended here without its KV sent (refused, aborted, failed):
+        tell the decode engine now, or when its post arrives."""
+        state = self._rooms.get(room)
+        if state is not None and state.writing:
+            return  # the write in flight ends the room and tells the decode side
+        self._rooms.pop(room, None)
+        note = RoomNote(room, RoomStatus.FAILED, error=error, reason=reason, http_status=http_status)
+        target = state.target if state is not None else self._posted.pop(room, None)
+        if target is not None:
+            self._notify(target.engine, note)
+        else:
+            self._close(room, note)
+
+    def busy(self, room: int) -> bool:
+        """True while this engine may still be reading the room's slots."""
+        state = self._rooms.get(room)
+        return state is not None and bool(state.writing)
+
+    def has_rooms(self) -> bool:
+        return bool(self._rooms)
+
+    # -- each turn ---------------------------------------------------------------------
+    def poll(self) -> list[PrefillOutcome]:
+        """Applies what every rank saw since the last turn; starts the writes that can start.
+        A collective on more than one rank."""
+        local, self._local = self._local, []
+        local += self._ended_writes()
+        if self.server is not None:
+            local += self.server.drain()
+            local += self._leader_clock()
+        outcomes: list[PrefillOutcome] = []
+        for fact in self.consensus.share(local):
+            outcomes += self._apply(fact)
+        self._start_writes()
+        return outcomes
+
+    def _apply(self, fact: PrefillFact) -> list[PrefillOutcome]:
+        if isinstance(fact, PeerRegistered):
+            self._connect(fact)
+        elif isinstance(fact, RoomPosted):
+            state = self._rooms.get(fact.room)
+            if state is not None:
+                state.target = fact
+            elif fact.room in self._closed:
+                self._notify(fact.engine, self._closed.pop(fact.room))
+            else:
+                self._posted[fact.room] = fact
+                self._remember(fact.room)
+        elif isinstance(fact, RoomCancelled):
+            return self._cancel(fact)
+        elif isinstance(fact, WriteEnded):
+            return self._write_ended(fact)
+        elif isinstance(fact, RoomTimedOut):
+            state = self._rooms.get(fact.room)
+            if state is not None and not state.started:
+                del self._rooms[fact.room]
+                self._close(fact.room, RoomNote(fact.room, RoomStatus.FAILED, error=fact.error,
+                                                reason=FailureReason.TIMEOUT))
+                return [PrefillOutcome(fact.room, fact.error, FailureReason.TIMEOUT)]
+        elif isinstance(fact, RoomsForgotten):
+            for room in fact.rooms:
+                self._posted.pop(room, None)
+                self._closed.pop(room, None)
+                self._seen_at.pop(room, None)
+        return []
+
+    def _connect(self, fact: PeerRegistered) -> None:
+        mine = fact.ranks[self.consensus.rank]
+        if self._peer_agents.get(fact.engine) == mine.layout.agent:
+            return
+        try:
+            self.agent.connect(mine.metadata, mine.layout)
+        except Exception:  # noqa: BLE001 - its rooms fail when written to
+            logger.exception("connecting to decode engine %s failed", fact.engine)
+            return
+        self._peer_agents[fact.engine] = mine.layout.agent
+
+    def _cancel(self, fact: RoomCancelled) -> list[PrefillOutcome]:
+        error = f"the decode engine cancelled room {fact.room}: {fact.reason or 'no reason given'}"
+        note = RoomNote(fact.room, RoomStatus.CANCELLED, error=error, reason=FailureReason.REFUSED)
+        state = self._rooms.get(fact.room)
+        if state is None:
+            posted = self._posted.pop(fact.room, None)
+            if posted is not None:  # its request has not come yet: refuse it when it does
+                self._notify(posted.engine, note)
+                self._close(fact.room, note)
+            return []
+        if state.started:
+            return []  # the write in flight ends the room and tells the decode side
+        del self._rooms[fact.room]
+        if state.target is not None:
+            self._notify(state.target.engine, note)
+        return [PrefillOutcome(fact.room, error, FailureReason.REFUSED)]
+
+    def _write_ended(self, fact: WriteEnded) -> list[PrefillOutcome]:
+        state = self._rooms.get(fact.room)
+        if state is None:
+            return []
+        state.writing.discard(fact.rank)
+        if fact.rank == self.consensus.rank:
+            state.nbytes, state.seconds = fact.nbytes * self.consensus.tp_size, fact.seconds
+        outcomes = []
+        if fact.error is not None and not state.failed:
+            state.failed = True
+            outcomes.append(PrefillOutcome(fact.room, fact.error, FailureReason.TRANSFER))
+        if not state.writing:
+            del self._rooms[fact.room]
+            if not state.failed:
+                outcomes.append(PrefillOutcome(fact.room, nbytes=state.nbytes, seconds=state.seconds))
+        return outcomes
+
+    def _start_writes(self) -> None:
+        for room, state in self._rooms.items():
+            if state.started or state.src_slots is None or state.target is None:
+                continue
+            state.started, state.writing = True, set(range(self.consensus.tp_size))
+            peer = self._peer_agents.get(state.target.engine)
+            try:
+                if peer is None:
+                    raise RuntimeError(f"decode engine {state.target.engine} is not connected")
+                if len(state.target.slots) != len(state.src_slots):
+                    raise ValueError(f"the decode engine allocated {len(state.target.slots)} slots for a "
+                                     f"{len(state.src_slots)}-token prompt")
+                transfer = self.agent.write(peer, state.src_slots, list(state.target.slots), state.note.encode())
+                self._writes[room] = (transfer, time.monotonic())
+            except (KeyError, ValueError, RuntimeError) as exc:
+                self._local.append(self._failed_write(room, state.target.engine, f"KV transfer not started: {exc}"))
+
+    def _ended_writes(self) -> list[WriteEnded]:
+        ended = []
+        now = time.monotonic()
+        for room, (transfer, started_at) in list(self._writes.items()):
+            engine = self._rooms[room].target.engine
+            try:
+                done = self.agent.done(transfer)
+            except RuntimeError as exc:
+                del self._writes[room]
+                ended.append(self._failed_write(room, engine, str(exc)))
+                continue
+            if done:
+                del self._writes[room]
+                ended.append(WriteEnded(self.consensus.rank, room, transfer.nbytes, now - started_at))
+            elif now - started_at > self.timeout:
+                del self._writes[room]
+                self.agent.abort(transfer)
+                ended.append(self._failed_write(room, engine, f"the KV write did not finish within {self.timeout:g} s"))
+        return ended
+
+    def _failed_write(self, room: int, engine: str, error: str) -> WriteEnded:
+        """This rank's write failed: its decode rank gets no notification from the write, so
+        it gets one saying so."""
+        self._notify(engine, RoomNote(room, RoomStatus.FAILED, error=error, reason=FailureReason.TRANSFER))
+        return WriteEnded(self.consensus.rank, room, 0, 0.0, error)
+
+    def _leader_clock(self) -> list[PrefillFact]:
+        """Rank 0 decides what has waited too long, for every rank."""
+        now = time.monotonic()
+        facts: list[PrefillFact] = [
+            RoomTimedOut(room, f"no decode engine asked for room {room} within {self.timeout:g} s")
+            for room, state in self._rooms.items()
+            if state.src_slots is not None and state.target is None and now - state.prefilled_at > self.timeout
+        ]
+        old = tuple(room for room, seen in self._seen_at.items() if now - seen > 2 * self.timeout)
+        if old:
+            facts.append(RoomsForgotten(old))
+        return facts
+
+    def _close(self, room: int, note: RoomNote) -> None:
+        self._closed[room] = note
+        self._remember(room)
+
+    def _remember(self, room: int) -> None:
+        if self.server is not None:
+            self._seen_at[room] = time.monotonic()
+
+    def _notify(self, engine: str, note: RoomNote) -> None:
+        peer = self._peer_agents.get(engine)
+        if peer is None:
+            logger.warning("room %d ended (%s) but decode engine %s is not connected", note.room, note.status, engine)
+            return
+        try:
+            self.agent.notify(peer, note.encode())
+        except Exception:  # noqa: BLE001 - the decode side times the room out instead
+            logger.exception("telling decode engine %s that room %d ended failed", engine, note.room)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self.agent.close()

@@ -1,0 +1,343 @@
+"""What an engine's role (--role mixed | prefill | decode) changes in the scheduler, behind one
+seam: how a request is admitted, what happens when its prompt is done, what the role's KV
+transfers report each turn, and when a finished request's slots may be reused.
+
+A request without a bootstrap room runs as in a mixed engine whatever the role: a decode
+engine prefills it locally (the router sends short prompts there alone), a prefill engine
+runs it to the end. A request with a room:
+- on a prefill engine reserves KV for its prompt only; once the prompt is computed and the
+  first token sampled it is TRANSFERRING, holding its slots until its KV has reached the
+  decode engine, and ends with that first token;
+- on a decode engine reserves KV for the whole request, allocates the prompt's slots at
+  once and is AWAITING_KV until the prefill engine's write lands; it then joins decoding
+  with the first token the prefill engine sampled, counted as a mixed engine counts it.
+A room that fails ends its request with an error; slots the other engine may still touch
+are kept until it is certain it no longer will (prefill.py, decode.py).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.disagg.bootstrap import BootstrapClient, BootstrapServer, RankAgent
+from kubesgl.engine.disagg.decode import DecodeTransfers
+from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
+from kubesgl.engine.disagg.prefill import PrefillTransfers
+from kubesgl.engine.disagg.protocol import FailureReason, RoomNote, RoomStatus
+from kubesgl.engine.disagg.ranks import RankConsensus
+from kubesgl.engine.distributed import TensorParallelGroup
+from kubesgl.engine.io import DisaggStats, FinishReason, GenerateRequest, TokenLogprob
+from kubesgl.engine.kvcache.pools import KVPool
+from kubesgl.engine.sampling_params import InvalidRequestError
+from kubesgl.engine.scheduler.kv_manager import KVManager
+from kubesgl.engine.scheduler.request import Req, ReqStatus
+
+# What a failed room answers: the partner engine failed (502), or did not act in time (504).
+_FAILURE_STATUS = {FailureReason.TIMEOUT: 504}
+_PEER_FAILURE = 502
+
+
+@dataclass(frozen=True)
+class KVArrived:
+    """Decode side: the prompt's KV is in the pool; the request decodes from `token` on."""
+
+    req: Req
+    token: int
+    logprob: TokenLogprob | None
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class KVSent:
+    """Prefill side: the request's KV reached the decode engine; the request is done here."""
+
+    req: Req
+
+
+@dataclass(frozen=True)
+class RoomFailed:
+    req: Req
+    reason: FinishReason
+
+
+RoleEvent = KVArrived | KVSent | RoomFailed
+
+
+def failure(error: str, reason: FailureReason, status: int | None = None) -> FinishReason:
+    return FinishReason("error", message=error, status=status or _FAILURE_STATUS.get(reason, _PEER_FAILURE))
+
+
+class MixedRole:
+    """Prefill and decode in one engine: every request runs from prompt to last token here."""
+
+    name = "mixed"
+    transfers_kv = False  # a role that does polls its transfers every turn, idle or not
+
+    def __init__(self, kv: KVManager):
+        self.kv = kv
+
+    def validate(self, request: GenerateRequest) -> None:
+        if request.bootstrap is not None:
+            raise InvalidRequestError(f"this engine's role is {self.name}: bootstrap_room is only for prefill and "
+                                      "decode engines", param="bootstrap_room")
+
+    def kv_tokens(self, prompt_len: int, max_tokens: int, room: bool) -> int:
+        """KV positions a request may fill here: its prompt and all outputs but the last."""
+        return prompt_len + max_tokens - 1
+
+    def accept(self, req: Req) -> None:
+        """A validated request is queued."""
+
+    def refused(self, request: GenerateRequest, error: InvalidRequestError) -> None:
+        """A request failed validation here."""
+
+    def admit(self, req: Req) -> bool:
+        """Give `req` its KV, or nothing (False: it waits). A request the role holds for a
+        transfer leaves with a status other than WAITING and PREFILLING."""
+        return self.kv.try_admit(req, self._kv_tokens(req))
+
+    def _kv_tokens(self, req: Req) -> int:
+        return self.kv_tokens(req.prompt_len, req.params.max_tokens, req.bootstrap is not None)
+
+    def prompt_done(self, req: Req, token: int, logprob: TokenLogprob | None) -> bool:
+        """The prompt is computed and `token` sampled. True: the role keeps the request."""
+        return False
+
+    def poll(self) -> list[RoleEvent]:
+        return []
+
+    def finished(self, req: Req) -> None:
+        """`req` ended (finished, failed or aborted) and will be released."""
+
+    def can_release(self, req: Req) -> bool:
+        return True
+
+    def has_work(self) -> bool:
+        """Transfers pending: the scheduler must keep turning (polling) even with no step."""
+        return False
+
+    def num_held(self) -> int:
+        """Requests running here that no prefill or decode list holds (in a transfer)."""
+        return 0
+
+    def stats(self) -> DisaggStats | None:
+        return None
+
+    def close(self) -> None:
+        """Stop the role's servers and agents (at shutdown)."""
+
+
+class _RoomRole(MixedRole):
+    """What the prefill and decode roles share: the live rooms and their accounting."""
+
+    transfers_kv = True
+
+    def __init__(self, kv: KVManager):
+        super().__init__(kv)
+        self.rooms: dict[int, Req] = {}  # every request with a room, from queueing to release
+        self._failures: dict[str, int] = {}
+        self._transfers: list[tuple[int, float]] = []  # (bytes, seconds) since the last stats
+        self._kv_waits: list[float] = []
+
+    def validate(self, request: GenerateRequest) -> None:
+        if request.bootstrap is not None and request.bootstrap.room in self.rooms:
+            raise InvalidRequestError(f"bootstrap_room {request.bootstrap.room} is already in use on this engine",
+                                      param="bootstrap_room", status=409)
+
+    def accept(self, req: Req) -> None:
+        if req.bootstrap is not None:
+            self.rooms[req.bootstrap.room] = req
+
+    def can_release(self, req: Req) -> bool:
+        if req.bootstrap is None:
+            return True
+        if self._busy(req):
+            return False
+        self.rooms.pop(req.bootstrap.room, None)
+        return True
+
+    def _busy(self, req: Req) -> bool:
+        raise NotImplementedError
+
+    def _failed(self, req: Req, error: str, reason: FailureReason, status: int | None = None) -> RoomFailed:
+        self._failures[reason.value] = self._failures.get(reason.value, 0) + 1
+        return RoomFailed(req, failure(error, reason, status))
+
+    def num_held(self) -> int:
+        held = (ReqStatus.TRANSFERRING, ReqStatus.AWAITING_KV)
+        return sum(req.status in held for req in self.rooms.values())
+
+    def stats(self) -> DisaggStats:
+        states: dict[str, int] = {}
+        for req in self.rooms.values():
+            states[req.status.name.lower()] = states.get(req.status.name.lower(), 0) + 1
+        stats = DisaggStats(states, dict(self._failures), self._transfers, self._kv_waits)
+        self._transfers, self._kv_waits = [], []
+        return stats
+
+
+class PrefillRole(_RoomRole):
+    name = "prefill"
+
+    def __init__(self, kv: KVManager, transfers: PrefillTransfers):
+        super().__init__(kv)
+        self.transfers = transfers
+        self._sent: set[int] = set()  # rooms whose KV is at the decode engine
+
+    def validate(self, request: GenerateRequest) -> None:
+        super().validate(request)
+        if request.bootstrap is not None and (closed := self.transfers.closed(request.bootstrap.room)):
+            raise InvalidRequestError(closed, param="bootstrap_room", status=409)
+
+    def kv_tokens(self, prompt_len: int, max_tokens: int, room: bool) -> int:
+        # A room's request ends here after its first token: its prompt's KV is all it needs.
+        return prompt_len if room else super().kv_tokens(prompt_len, max_tokens, room)
+
+    def accept(self, req: Req) -> None:
+        super().accept(req)
+        if req.bootstrap is not None:
+            self.transfers.open(req.bootstrap.room)
+
+    def refused(self, request: GenerateRequest, error: InvalidRequestError) -> None:
+        if request.bootstrap is not None and request.bootstrap.room not in self.rooms:
+            self.transfers.abandon(request.bootstrap.room, FailureReason.REFUSED,
+                                   f"the prefill engine refused the request: {error}", error.status)
+
+    def prompt_done(self, req: Req, token: int, logprob: TokenLogprob | None) -> bool:
+        if req.bootstrap is None:
+            return False
+        req.status = ReqStatus.TRANSFERRING
+        req.output_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        note = RoomNote(req.bootstrap.room, RoomStatus.DONE, first_token=token,
+                        logprob=logprob.logprob if logprob else None, top_logprobs=logprob.top if logprob else [],
+                        cached_tokens=req.num_prefix_hit)
+        self.transfers.prefilled(req.bootstrap.room, req.slots[: req.prompt_len], note)
+        return True
+
+    def poll(self) -> list[RoleEvent]:
+        events: list[RoleEvent] = []
+        for outcome in self.transfers.poll():
+            req = self.rooms.get(outcome.room)
+            if req is None or req.finished:
+                continue
+            if outcome.ok:
+                self._sent.add(outcome.room)
+                self._transfers.append((outcome.nbytes, outcome.seconds))
+                events.append(KVSent(req))
+            else:
+                events.append(self._failed(req, outcome.error, outcome.reason))
+        return events
+
+    def finished(self, req: Req) -> None:
+        if req.bootstrap is None:
+            return
+        room = req.bootstrap.room
+        if room in self._sent:
+            self._sent.discard(room)
+            return
+        message = req.finish_reason.message if req.finish_reason else None
+        reason = FailureReason.ABORTED if req.finish_reason and req.finish_reason.kind == "abort" else FailureReason.REFUSED
+        self.transfers.abandon(room, reason, f"the prefill engine ended the request: {message or reason.value}")
+
+    def _busy(self, req: Req) -> bool:
+        return self.transfers.busy(req.bootstrap.room)
+
+    def close(self) -> None:
+        self.transfers.close()
+
+    def has_work(self) -> bool:
+        return self.transfers.has_rooms()
+
+
+class DecodeRole(_RoomRole):
+    name = "decode"
+
+    def __init__(self, kv: KVManager, transfers: DecodeTransfers):
+        super().__init__(kv)
+        self.transfers = transfers
+        self._held: set[int] = set()  # rooms of ended requests whose slots the prefill engine may still write
+
+    def validate(self, request: GenerateRequest) -> None:
+        super().validate(request)
+        if request.bootstrap is not None and not request.bootstrap.host:
+            raise InvalidRequestError("bootstrap_host is missing: a decode engine fetches the prompt's KV from that "
+                                      "prefill engine", param="bootstrap_host")
+
+    def refused(self, request: GenerateRequest, error: InvalidRequestError) -> None:
+        if request.bootstrap is not None and request.bootstrap.host and request.bootstrap.room not in self.rooms:
+            self.transfers.refuse(request.bootstrap, str(error))
+
+    def admit(self, req: Req) -> bool:
+        if req.bootstrap is None:
+            return super().admit(req)
+        if not self.kv.try_admit_for_transfer(req, self._kv_tokens(req)):
+            return False
+        req.status = ReqStatus.AWAITING_KV
+        self.transfers.expect(req.bootstrap, req.slots[: req.prompt_len])
+        return True
+
+    def poll(self) -> list[RoleEvent]:
+        events: list[RoleEvent] = []
+        for outcome in self.transfers.poll():
+            if outcome.released:
+                self._held.discard(outcome.room)
+            req = self.rooms.get(outcome.room)
+            if req is None or req.status is not ReqStatus.AWAITING_KV:
+                continue
+            if outcome.note is not None:
+                self._kv_waits.append(outcome.waited)
+                note = outcome.note
+                logprob = TokenLogprob(note.first_token, note.logprob, list(note.top_logprobs)) \
+                    if req.params.logprobs is not None and note.logprob is not None else None
+                events.append(KVArrived(req, note.first_token, logprob, note.cached_tokens))
+            elif outcome.error is not None:
+                if not outcome.released:
+                    self._held.add(outcome.room)
+                events.append(self._failed(req, f"prefill/decode transfer failed: {outcome.error}", outcome.reason,
+                                           outcome.http_status))
+        return events
+
+    def finished(self, req: Req) -> None:
+        """A request that ends while its KV may still come keeps its slots until it cannot."""
+        if req.bootstrap is not None and req.status is ReqStatus.AWAITING_KV and self.transfers.waiting(req.bootstrap.room):
+            self._held.add(req.bootstrap.room)
+            message = req.finish_reason.message if req.finish_reason else "aborted"
+            self.transfers.cancel(req.bootstrap.room, message or "aborted")
+
+    def _busy(self, req: Req) -> bool:
+        return req.bootstrap.room in self._held
+
+    def close(self) -> None:
+        self.transfers.close()
+
+    def has_work(self) -> bool:
+        return self.transfers.has_rooms()
+
+
+def create_role(config: EngineConfig, kv: KVManager, pool: KVPool, tp: TensorParallelGroup,
+                bootstrap_host: str) -> MixedRole:
+    """The role `config.role` names, with its KV transfer wired to this rank's pool."""
+    if config.role == "mixed":
+        return MixedRole(kv)
+    agent = KVTransferAgent(pool)
+    consensus = RankConsensus(tp.rank, tp.size, tp.control)
+    if config.role == "prefill":
+        server = None
+        if consensus.is_leader:
+            server = BootstrapServer(agent.layout, tp.size, bootstrap_host, config.disaggregation_bootstrap_port,
+                                     room_memory_s=2 * config.disaggregation_timeout)
+        return PrefillRole(kv, PrefillTransfers(agent, consensus, server, config.disaggregation_timeout))
+    # Rank 0 registers every rank's agent with the prefill engines: it needs them all.
+    ranks = [RankAgent(agent.metadata, agent.layout)]
+    if tp.size > 1:
+        gathered: list[RankAgent | None] = [None] * tp.size
+        dist.all_gather_object(gathered, ranks[0], group=tp.control)
+        ranks = list(gathered)
+    client = BootstrapClient(f"decode-{uuid.uuid4().hex[:12]}", ranks) if consensus.is_leader else None
+    return DecodeRole(kv, DecodeTransfers(agent, consensus, client, config.disaggregation_timeout))
