@@ -1,4 +1,4 @@
-"""The engine's Prometheus metrics (DESIGN.md, metric names), all labelled with the role.
+"""The engine's Prometheus metrics (docs/server.md, metrics), all labelled with the role.
 
 Latencies are measured in the API server, where requests arrive and tokens leave; the
 scheduler's state (running, waiting, KV usage, prefix hits) arrives with each step's output.
@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kubesgl.engine.io import SchedulerStats
+from kubesgl.engine.disagg.protocol import FailureReason
+from kubesgl.engine.io import DisaggStats, SchedulerStats
+
+# States of a request with a room that the kubesgl_disagg_requests gauge reports
+# (the scheduler's ReqStatus names, lower case).
+DISAGG_STATES = ("waiting", "prefilling", "transferring", "awaiting_kv", "decoding", "finished")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
@@ -37,11 +42,24 @@ class EngineMetrics:
                                          labels, registry=r)
         self.kv_transfer_seconds = Histogram("kubesgl_kv_transfer_seconds", "Time to move one request's KV", labels,
                                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.kv_transfer_wait = Histogram("kubesgl_kv_transfer_wait_seconds", "Decode side: time from admitting a "
+                                          "request to its prompt's KV arriving", labels, buckets=_LATENCY_BUCKETS,
+                                          registry=r)
+        self.disagg_requests = Gauge("kubesgl_disagg_requests", "Requests with a bootstrap room, by state",
+                                     labels + ["state"], registry=r)
+        self.disagg_failures = Counter("kubesgl_disagg_failures", "Rooms that failed, by reason",
+                                       labels + ["reason"], registry=r)
         self.role = role
         for metric in (self.num_running, self.num_waiting, self.kv_usage, self.prefix_hit, self.prompt_tokens,
                        self.generation_tokens, self.ttft, self.itl, self.e2e, self.kv_transfer_bytes,
-                       self.kv_transfer_seconds):
+                       self.kv_transfer_seconds, self.kv_transfer_wait):
             metric.labels(role=role)  # present from the start, at zero
+        if role != "mixed":  # every known label value from the start, so rate() sees the first one
+            for state in DISAGG_STATES:
+                self.disagg_requests.labels(role=role, state=state)
+            for reason in FailureReason:
+                self.disagg_failures.labels(role=role, reason=reason.value)
+        self._failures_seen: dict[str, int] = {}
 
     def update_scheduler(self, stats: SchedulerStats) -> None:
         role = self.role
@@ -49,6 +67,21 @@ class EngineMetrics:
         self.num_waiting.labels(role=role).set(stats.num_waiting)
         self.kv_usage.labels(role=role).set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
         self.prefix_hit.labels(role=role).set(stats.cached_prompt_tokens / max(stats.prompt_tokens, 1))
+        if stats.disagg is not None:
+            self._update_disagg(stats.disagg)
+
+    def _update_disagg(self, disagg: DisaggStats) -> None:
+        role = self.role
+        for state in DISAGG_STATES:
+            self.disagg_requests.labels(role=role, state=state).set(disagg.requests_by_state.get(state, 0))
+        for reason, total in disagg.failures_by_reason.items():
+            self.disagg_failures.labels(role=role, reason=reason).inc(total - self._failures_seen.get(reason, 0))
+            self._failures_seen[reason] = total
+        for nbytes, seconds in disagg.transfers:
+            self.kv_transfer_bytes.labels(role=role).inc(nbytes)
+            self.kv_transfer_seconds.labels(role=role).observe(seconds)
+        for seconds in disagg.kv_waits:
+            self.kv_transfer_wait.labels(role=role).observe(seconds)
 
     def tokens(self, count: int, since_last: float, first: bool) -> None:
         """`count` new tokens, `since_last` seconds after the previous ones (or the arrival)."""

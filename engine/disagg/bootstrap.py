@@ -66,7 +66,14 @@ class RoomCancelled:
     reason: str
 
 
-BootstrapEvent = PeerRegistered | RoomPosted | RoomCancelled
+@dataclass(frozen=True)
+class RoomsQueued:
+    """Rooms a live decode engine has queued but not admitted yet: not to be timed out."""
+
+    rooms: tuple[int, ...]
+
+
+BootstrapEvent = PeerRegistered | RoomPosted | RoomCancelled | RoomsQueued
 
 
 class BootstrapServer:
@@ -124,12 +131,18 @@ class BootstrapServer:
         self.events.put(RoomPosted(room, engine, slots))
         return 200, {}
 
+    def rooms_queued(self, body: dict) -> tuple[int, dict]:
+        self.events.put(RoomsQueued(tuple(int(room) for room in body["rooms"])))
+        return 200, {}
+
     def cancel_room(self, room: int, reason: str) -> tuple[int, dict]:
+        """Cancelled whether posted or not (its request may be running, or still to come);
+        the answer tells the decode engine whether a write into its slots can be under way."""
         with self._lock:
-            known = room in self._rooms
-        if not known:
-            return 404, {"error": f"room {room} was never posted here", "code": UNKNOWN_ROOM}
+            posted = room in self._rooms
         self.events.put(RoomCancelled(room, reason))
+        if not posted:
+            return 404, {"error": f"room {room} was never posted here", "code": UNKNOWN_ROOM}
         return 200, {}
 
     def _handler(self):
@@ -147,9 +160,11 @@ class BootstrapServer:
                 self._answer(lambda: server.register(self._body()))
 
             def do_POST(self):  # noqa: N802
-                if self.path != "/kv/rooms":
-                    return self._reply(404, {"error": f"no such path {self.path}"})
-                self._answer(lambda: server.post_room(self._body()))
+                if self.path == "/kv/rooms":
+                    return self._answer(lambda: server.post_room(self._body()))
+                if self.path == "/kv/rooms/queued":
+                    return self._answer(lambda: server.rooms_queued(self._body()))
+                self._reply(404, {"error": f"no such path {self.path}"})
 
             def do_DELETE(self):  # noqa: N802
                 prefix = "/kv/rooms/"
@@ -251,6 +266,10 @@ class BootstrapClient:
     def post(self, room: int, address: str, slots: list[int]) -> None:
         self._posts[room] = self._workers.submit(self._post, room, address, list(slots))
 
+    def still_queued(self, address: str, rooms: list[int]) -> None:
+        """Tell the prefill engine at `address` that these rooms wait in this engine's queue."""
+        self._workers.submit(self._still_queued, address, rooms)
+
     def cancel(self, room: int, address: str, reason: str) -> None:
         """Cancel after the post has finished: a cancel overtaking its post would be lost."""
         self._workers.submit(self._cancel, self._posts.get(room), room, address, reason)
@@ -309,12 +328,18 @@ class BootstrapClient:
             self._facts.put(PostFailed(room, f"the prefill engine at {address} refused room {room}: {_why(exc)}"))
             raise
 
+    def _still_queued(self, address: str, rooms: list[int]) -> None:
+        try:
+            _raise_for_status(self._http.post(f"{address}/kv/rooms/queued", json={"engine": self.engine, "rooms": rooms}))
+        except Exception as exc:  # noqa: BLE001 - at worst the prefill engine times the rooms out
+            logger.warning("telling %s about %d queued rooms failed: %s", address, len(rooms), _why(exc))
+
     def _cancel(self, post: Future | None, room: int, address: str, reason: str) -> None:
         if post is not None:
             try:
                 post.result()
-            except Exception:  # noqa: BLE001 - never posted: PostFailed already says so
-                return
+            except Exception:  # noqa: BLE001 - not posted: the prefill engine may still run the request
+                pass
         try:
             answer = self._http.request("DELETE", f"{address}/kv/rooms/{room}", json={"reason": reason})
             if answer.status_code == 404 and _code(answer) == UNKNOWN_ROOM:

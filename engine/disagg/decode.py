@@ -71,11 +71,19 @@ class DecodeTransfers:
             raise ValueError("rank 0, and rank 0 alone, talks to the prefill engines")
         self.agent, self.consensus, self.client, self.timeout = agent, consensus, client, timeout
         self._rooms: dict[int, _Room] = {}
+        self._queued: dict[int, BootstrapTarget] = {}  # rooms of requests not admitted yet
+        self._queue_told_at = 0.0  # rank 0: when the prefill engines last heard of them
+
+    def queue(self, target: BootstrapTarget) -> None:
+        """A request for `target` waits for admission here: its prefill engine must keep the
+        prompt's KV meanwhile, however long that takes."""
+        self._queued[target.room] = target
 
     def expect(self, target: BootstrapTarget, dst_slots: list[int]) -> None:
         """Ask the prefill engine of `target` to write the prompt's KV into `dst_slots`."""
         if target.room in self._rooms:
             raise ValueError(f"room {target.room} is already in use")
+        self._queued.pop(target.room, None)
         self._rooms[target.room] = _Room(target, time.monotonic())
         if self.client is not None:
             self.client.post(target.room, target.address, dst_slots)
@@ -91,11 +99,12 @@ class DecodeTransfers:
 
     def refuse(self, target: BootstrapTarget, reason: str) -> None:
         """A request this engine will not run: its prefill engine may drop the room at once."""
+        self._queued.pop(target.room, None)
         if self.client is not None:
             self.client.cancel(target.room, target.address, reason)
 
     def has_rooms(self) -> bool:
-        return bool(self._rooms)
+        return bool(self._rooms or self._queued)
 
     def waiting(self, room: int) -> bool:
         """True while the room's request waits for its KV."""
@@ -109,6 +118,13 @@ class DecodeTransfers:
         if self.client is not None:
             local += self.client.drain()
             now = time.monotonic()
+            if self._queued and now - self._queue_told_at > self.timeout / 4:
+                self._queue_told_at = now
+                by_address: dict[str, list[int]] = {}
+                for room, target in self._queued.items():
+                    by_address.setdefault(target.address, []).append(room)
+                for address, rooms in by_address.items():
+                    self.client.still_queued(address, rooms)
             for room, state in self._rooms.items():
                 if state.waiting and not state.timed_out and now - state.asked_at > self.timeout:
                     state.timed_out = True
@@ -129,6 +145,9 @@ class DecodeTransfers:
             error = f"room {fact.room}'s KV did not arrive within {self.timeout:g} s"
             return [DecodeOutcome(fact.room, error=error, reason=FailureReason.TIMEOUT)]
         if isinstance(fact, PostFailed):
+            state = self._rooms.get(fact.room)
+            if state is not None and self.client is not None:  # its request may run there all the same
+                self.client.cancel(fact.room, state.target.address, fact.error)
             return self._end(fact.room, fact.error, FailureReason.REFUSED)
         if isinstance(fact, CancelUnknown):
             return self._end(fact.room, None, None)

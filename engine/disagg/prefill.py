@@ -19,6 +19,7 @@ from kubesgl.engine.disagg.bootstrap import (
     PeerRegistered,
     RoomCancelled,
     RoomPosted,
+    RoomsQueued,
 )
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, Transfer
 from kubesgl.engine.disagg.protocol import FailureReason, RoomNote, RoomStatus
@@ -93,6 +94,7 @@ class PrefillTransfers:
         self._posted: dict[int, RoomPosted] = {}  # posts whose request has not come (yet)
         self._closed: dict[int, RoomNote] = {}  # rooms that ended here before their post came
         self._seen_at: dict[int, float] = {}  # rank 0: when each post or closed room appeared
+        self._queued_at: dict[int, float] = {}  # rank 0: when a decode engine last said it queued the room
         self._writes: dict[int, tuple[Transfer, float]] = {}  # this rank's writes in flight
         self._local: list[PrefillFact] = []  # this rank's facts for the next turn
 
@@ -166,6 +168,9 @@ class PrefillTransfers:
                 self._remember(fact.room)
         elif isinstance(fact, RoomCancelled):
             return self._cancel(fact)
+        elif isinstance(fact, RoomsQueued):
+            if self.server is not None:
+                self._queued_at.update(dict.fromkeys(fact.rooms, time.monotonic()))
         elif isinstance(fact, WriteEnded):
             return self._write_ended(fact)
         elif isinstance(fact, RoomTimedOut):
@@ -180,6 +185,7 @@ class PrefillTransfers:
                 self._posted.pop(room, None)
                 self._closed.pop(room, None)
                 self._seen_at.pop(room, None)
+                self._queued_at.pop(room, None)
         return []
 
     def _connect(self, fact: PeerRegistered) -> None:
@@ -197,11 +203,11 @@ class PrefillTransfers:
         error = f"the decode engine cancelled room {fact.room}: {fact.reason or 'no reason given'}"
         note = RoomNote(fact.room, RoomStatus.CANCELLED, error=error, reason=FailureReason.REFUSED)
         state = self._rooms.get(fact.room)
-        if state is None:
+        if state is None:  # its request has not come (yet): refuse it if it does
             posted = self._posted.pop(fact.room, None)
-            if posted is not None:  # its request has not come yet: refuse it when it does
+            if posted is not None:
                 self._notify(posted.engine, note)
-                self._close(fact.room, note)
+            self._close(fact.room, note)
             return []
         if state.started:
             return []  # the write in flight ends the room and tells the decode side
@@ -271,14 +277,18 @@ class PrefillTransfers:
         return WriteEnded(self.consensus.rank, room, 0, 0.0, error)
 
     def _leader_clock(self) -> list[PrefillFact]:
-        """Rank 0 decides what has waited too long, for every rank."""
+        """Rank 0 decides what has waited too long, for every rank. A room its decode engine
+        keeps saying it has queued waits as long as that engine lives."""
         now = time.monotonic()
         facts: list[PrefillFact] = [
             RoomTimedOut(room, f"no decode engine asked for room {room} within {self.timeout:g} s")
             for room, state in self._rooms.items()
-            if state.src_slots is not None and state.target is None and now - state.prefilled_at > self.timeout
+            if state.src_slots is not None and state.target is None
+            and now - max(state.prefilled_at, self._queued_at.get(room, 0.0)) > self.timeout
         ]
         old = tuple(room for room, seen in self._seen_at.items() if now - seen > 2 * self.timeout)
+        old += tuple(room for room, queued in self._queued_at.items()
+                     if now - queued > 2 * self.timeout and room not in self._seen_at)
         if old:
             facts.append(RoomsForgotten(old))
         return facts

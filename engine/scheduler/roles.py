@@ -273,6 +273,11 @@ class DecodeRole(_RoomRole):
         if request.bootstrap is not None and request.bootstrap.host and request.bootstrap.room not in self.rooms:
             self.transfers.refuse(request.bootstrap, str(error))
 
+    def accept(self, req: Req) -> None:
+        super().accept(req)
+        if req.bootstrap is not None:
+            self.transfers.queue(req.bootstrap)
+
     def admit(self, req: Req) -> bool:
         if req.bootstrap is None:
             return super().admit(req)
@@ -304,11 +309,16 @@ class DecodeRole(_RoomRole):
         return events
 
     def finished(self, req: Req) -> None:
-        """A request that ends while its KV may still come keeps its slots until it cannot."""
-        if req.bootstrap is not None and req.status is ReqStatus.AWAITING_KV and self.transfers.waiting(req.bootstrap.room):
+        """A request that ends while its KV may still come keeps its slots until it cannot;
+        one that ends before it asked for its KV releases its prefill engine at once."""
+        if req.bootstrap is None:
+            return
+        message = (req.finish_reason.message if req.finish_reason else None) or "the request ended"
+        if req.status is ReqStatus.WAITING:
+            self.transfers.refuse(req.bootstrap, message)
+        elif req.status is ReqStatus.AWAITING_KV and self.transfers.waiting(req.bootstrap.room):
             self._held.add(req.bootstrap.room)
-            message = req.finish_reason.message if req.finish_reason else "aborted"
-            self.transfers.cancel(req.bootstrap.room, message or "aborted")
+            self.transfers.cancel(req.bootstrap.room, message)
 
     def _busy(self, req: Req) -> bool:
         return req.bootstrap.room in self._held

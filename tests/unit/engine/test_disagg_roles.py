@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from kubesgl.engine import SamplingParams
+from kubesgl.engine import InvalidRequestError, SamplingParams
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.protocol import BootstrapTarget
 from kubesgl.engine.engine import Engine
@@ -94,4 +94,216 @@ def test_greedy_output_through_prefill_and_decode_equals_a_mixed_engine(arch, pa
         assert tokens(outputs, f"d{i}") == tokens(reference, f"m{i}"), i
         assert outputs[f"d{i}"][-1].finish_reason.kind == "length"
         assert tokens(outputs, f"p{i}") == tokens(reference, f"m{i}")[:1]  # the prefill answer: the first token
+    assert_idle(prefill, decode)
+
+
+def mixed_reference(model, prompts, params_list, make_engine, **options):
+    mixed = make_engine(model, "mixed", **options)
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        mixed.add_request(GenerateRequest(f"m{i}", prompt, params))
+    return run([mixed], finished([f"m{i}" for i in range(len(prompts))]))
+
+
+def test_sampling_options_through_prefill_and_decode_equal_a_mixed_engine(tiny_model, make_engine, random_prompts):
+    """The first token is sampled on the prefill engine, the rest on the decode engine: seeds,
+    penalties, logprobs, stop strings and the end of generation must count it exactly as a
+    mixed engine does."""
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 4, 40, seed=21)
+    reference_greedy = mixed_reference(model, prompts[4:5], [SamplingParams(max_tokens=1, temperature=0)], make_engine)
+    first_token = tokens(reference_greedy, "m0")[0]
+    params_list = [
+        SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.7, seed=3, repetition_penalty=1.3, frequency_penalty=0.5,
+                       presence_penalty=0.4, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0, logprobs=0),
+        SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[first_token]),  # the first token ends it
+        SamplingParams(max_tokens=30, temperature=0.8, seed=11, stop=["e"], ignore_eos=True),
+    ]
+    reference = mixed_reference(model, prompts, params_list, make_engine)
+    prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
+    rids = []
+    for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+        target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.server.port)
+        decode.add_request(GenerateRequest(f"d{i}", prompt, params, bootstrap=target))
+        prefill.add_request(GenerateRequest(f"p{i}", prompt, params, bootstrap=target))
+        rids += [f"d{i}", f"p{i}"]
+    outputs = run([prefill, decode], finished(rids))
+    for i in range(len(prompts)):
+        got, want = outputs[f"d{i}"], reference[f"m{i}"]
+        assert tokens(outputs, f"d{i}") == tokens(reference, f"m{i}"), i
+        assert got[-1].finish_reason == want[-1].finish_reason, i
+        got_lp = [lp for out in got for lp in out.logprobs or []]
+        want_lp = [lp for out in want for lp in out.logprobs or []]
+        assert [(lp.token_id, lp.top and [t for t, _ in lp.top]) for lp in got_lp] == \
+            [(lp.token_id, lp.top and [t for t, _ in lp.top]) for lp in want_lp], i
+        assert [lp.logprob for lp in got_lp] == pytest.approx([lp.logprob for lp in want_lp], abs=1e-5)
+    assert outputs["d4"][-1].finish_reason.kind == "stop" and len(tokens(outputs, "d4")) == 1
+    assert_idle(prefill, decode)
+
+
+def test_n_copies_each_with_its_own_room(tiny_model, make_engine, random_prompts):
+    model = tiny_model("llama")
+    [prompt] = random_prompts(1, 20, 20, seed=5)
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=40 + i, ignore_eos=True) for i in range(3)]
+    reference = mixed_reference(model, [prompt] * 3, params, make_engine)
+    prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
+    rids = []
+    for i in range(3):
+        target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.server.port)
+        decode.add_request(GenerateRequest(f"d{i}", prompt, params[i], bootstrap=target))
+        prefill.add_request(GenerateRequest(f"p{i}", prompt, params[i], bootstrap=target,
+                                            prefix_leader=None if i == 0 else "p0"))
+        rids += [f"d{i}", f"p{i}"]
+    outputs = run([prefill, decode], finished(rids))
+    for i in range(3):
+        assert tokens(outputs, f"d{i}") == tokens(reference, f"m{i}")
+    assert outputs["d2"][-1].cached_tokens == 19  # the prefill engine computed the prompt once
+    assert_idle(prefill, decode)
+
+
+def submit_pair(prefill, decode, rid, prompt, params, port=None):
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", port or prefill.role.transfers.server.port)
+    decode.add_request(GenerateRequest(f"d{rid}", prompt, params, bootstrap=target))
+    prefill.add_request(GenerateRequest(f"p{rid}", prompt, params, bootstrap=target))
+    return target
+
+
+def step_until(engines, condition, timeout: float = 30.0):
+    outputs = defaultdict(list)
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        for engine in engines:
+            for out in engine.step():
+                outputs[out.rid].append(out)
+        time.sleep(0.0005)
+    return outputs
+
+
+@pytest.mark.parametrize("when", ["before the write", "after the write"])
+def test_a_decode_request_aborted_while_its_kv_may_come_keeps_its_slots_until_no_write_can(
+        when, tiny_model, make_engine, random_prompts):
+    model = tiny_model("llama")
+    options = {"max_total_tokens": 160}  # small: the next request reuses the aborted one's slots
+    prefill, decode = make_engine(model, "prefill", **options), make_engine(model, "decode", **options)
+    first, second = random_prompts(2, 60, 60, seed=8)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.server.port)
+    decode.add_request(GenerateRequest("d0", first, params, bootstrap=target))
+    step_until([decode], lambda: decode.scheduler.requests["d0"].status.name == "AWAITING_KV")
+    if when == "after the write":  # the KV and its notification are on their way when the client leaves
+        prefill.add_request(GenerateRequest("p0", first, params, bootstrap=target))
+        step_until([prefill], lambda: "p0" not in prefill.scheduler.requests)
+    [aborted] = decode.abort_request("d0", "the client disconnected")
+    assert aborted.finish_reason.kind == "abort"
+    assert decode.scheduler.kv.committed_tokens() >= 60  # the slots are held, not reused yet
+    if when == "before the write":
+        prefill.add_request(GenerateRequest("p0", first, params, bootstrap=target))
+    outputs = step_until([prefill, decode], lambda: not decode.scheduler.has_work() and not prefill.scheduler.has_work())
+    if when == "before the write":  # the prefill engine dropped the room instead of prefilling it
+        assert outputs["p0"][-1].finish_reason.kind == "error" and "cancelled" in outputs["p0"][-1].finish_reason.message
+    assert_idle(prefill, decode)
+    reference = mixed_reference(model, [second], [params], make_engine, **options)
+    outputs = pd_generate(prefill, decode, [second], params)
+    assert tokens(outputs, "d0") == tokens(reference, "m0")
+    assert_idle(prefill, decode)
+
+
+def test_a_request_the_prefill_engine_refuses_fails_on_the_decode_engine_at_once(tiny_model, make_engine,
+                                                                                   random_prompts):
+    model = tiny_model("llama")
+    prefill, decode = make_engine(model, "prefill", context_length=64), make_engine(model, "decode")
+    [prompt] = random_prompts(1, 80, 80, seed=2)
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.server.port)
+    decode.add_request(GenerateRequest("d0", prompt, SamplingParams(max_tokens=8), bootstrap=target))
+    with pytest.raises(InvalidRequestError, match="context length"):
+        prefill.add_request(GenerateRequest("p0", prompt, SamplingParams(max_tokens=8), bootstrap=target))
+    started = time.monotonic()
+    outputs = run([prefill, decode], finished(["d0"]))
+    reason = outputs["d0"][-1].finish_reason
+    assert reason.kind == "error" and reason.status == 400 and "context length" in reason.message
+    assert time.monotonic() - started < 5
+    step_until([prefill, decode], lambda: not decode.scheduler.has_work())
+    assert_idle(prefill, decode)
+
+
+def test_a_request_the_decode_engine_refuses_releases_the_prefill_engine_at_once(tiny_model, make_engine,
+                                                                                  random_prompts):
+    model = tiny_model("llama")
+    prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode", max_total_tokens=64)
+    [prompt] = random_prompts(1, 40, 40, seed=3)
+    params = SamplingParams(max_tokens=100)  # fits the prefill engine (prompt only), not the decode pool
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.server.port)
+    prefill.add_request(GenerateRequest("p0", prompt, params, bootstrap=target))
+    with pytest.raises(InvalidRequestError, match="KV cache"):
+        decode.add_request(GenerateRequest("d0", prompt, params, bootstrap=target))
+    started = time.monotonic()
+    outputs = run([prefill, decode], finished(["p0"]))
+    assert outputs["p0"][-1].finish_reason.kind == "error" and "cancelled" in outputs["p0"][-1].finish_reason.message
+    assert time.monotonic() - started < 5
+    assert_idle(prefill, decode)
+
+
+def test_a_room_already_in_use_is_a_409_on_both_engines(tiny_model, make_engine, random_prompts):
+    model = tiny_model("llama")
+    prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
+    first, second = random_prompts(2, 10, 10, seed=6)
+    target = submit_pair(prefill, decode, "0", first, SamplingParams(max_tokens=4))
+    for engine in (prefill, decode):
+        with pytest.raises(InvalidRequestError, match="already in use") as caught:
+            engine.add_request(GenerateRequest("again", second, SamplingParams(max_tokens=4), bootstrap=target))
+        assert caught.value.status == 409
+    outputs = run([prefill, decode], finished(["d0", "p0"]))
+    assert len(tokens(outputs, "d0")) == 4  # the first request was not disturbed
+    assert_idle(prefill, decode)
+
+
+def test_a_failed_kv_write_fails_the_request_on_both_engines(tiny_model, make_engine, random_prompts, monkeypatch):
+    model = tiny_model("llama")
+    prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
+
+    def broken(*args):
+        raise RuntimeError("injected transfer error")
+
+    monkeypatch.setattr(prefill.role.transfers.agent, "write", broken)
+    [prompt] = random_prompts(1, 12, 12, seed=7)
+    submit_pair(prefill, decode, "0", prompt, SamplingParams(max_tokens=4))
+    outputs = run([prefill, decode], finished(["d0", "p0"]))
+    for rid in ("d0", "p0"):
+        reason = outputs[rid][-1].finish_reason
+        assert reason.kind == "error" and reason.status == 502 and "injected transfer error" in reason.message
+    step_until([prefill, decode], lambda: not decode.scheduler.has_work())
+    assert_idle(prefill, decode)
+    assert decode.role.stats().failures_by_reason == {"transfer": 1}
+
+
+def test_engines_whose_pools_differ_fail_the_request_with_the_reason(tiny_model, make_engine, random_prompts):
+    prefill = make_engine(tiny_model("llama", head_dim=32), "prefill")
+    decode = make_engine(tiny_model("llama"), "decode")
+    [prompt] = random_prompts(1, 12, 12, seed=7)
+    submit_pair(prefill, decode, "0", prompt, SamplingParams(max_tokens=4))
+    started = time.monotonic()
+    outputs = run([prefill, decode], finished(["d0", "p0"]))
+    assert "KV pools differ" in outputs["d0"][-1].finish_reason.message
+    assert outputs["p0"][-1].finish_reason.kind == "error"  # released at once, not after a timeout
+    assert time.monotonic() - started < 5
+    assert_idle(prefill, decode)
+
+
+def test_a_burst_above_the_decode_engines_capacity_does_not_time_out_queued_rooms(tiny_model, make_engine,
+                                                                                   random_prompts):
+    model = tiny_model("llama")
+    options = {"disaggregation_timeout": 0.6}
+    prefill = make_engine(model, "prefill", **options)
+    decode = make_engine(model, "decode", max_running_requests=1, **options)
+    prompts = random_prompts(5, 10, 30, seed=9)
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    reference = mixed_reference(model, prompts, [params] * 5, make_engine)
+    started = time.monotonic()
+    outputs = pd_generate(prefill, decode, prompts, params)
+    assert time.monotonic() - started > 1.2  # the last rooms waited well past the timeout
+    for i in range(5):
+        assert tokens(outputs, f"d{i}") == tokens(reference, f"m{i}")
     assert_idle(prefill, decode)
