@@ -149,5 +149,10 @@ class TextBatch:
 
 
 @dataclass
+class FlushCache:
+    """Empties the prefix cache, if the scheduler is idle (SGLang's /flush_cache)."""
+
+
+@dataclass
 class Shutdown:
     """Ends the process that receives it (and, from rank 0, every scheduler rank)."""

@@ -364,7 +364,9 @@ class BootstrapClient:
             answer = self._http.get(f"{address}/health", timeout=min(self.heartbeat_s, 3.0))
             answer.raise_for_status()
             instance = answer.json()["instance"]
-        except Exception as exc:  # noqa: BLE001
+        except httpx.ConnectError as exc:  # nothing listens there: the engine is gone, its rooms with it
+            return f"the prefill engine at {address} is gone ({_why(exc)})"
+        except Exception as exc:  # noqa: BLE001 - slow or confused: give it until dead_after_s
             silent = time.monotonic() - peer.last_ok
             if silent > self.dead_after_s:
                 return f"the prefill engine at {address} has not answered for {silent:.0f} s ({_why(exc)})"

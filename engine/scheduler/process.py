@@ -24,6 +24,7 @@ from kubesgl.engine.io import (
     AbortRequest,
     EngineInfo,
     FinishReason,
+    FlushCache,
     GenerateRequest,
     Shutdown,
     StepOutputs,
@@ -123,6 +124,13 @@ class SchedulerLoop:
     def _apply(self, message) -> list[TokenOutput]:
         if isinstance(message, AbortRequest):
             return self.engine.abort_request(message.rid, message.message)
+        if isinstance(message, FlushCache):
+            if self.engine.has_work():
+                logger.info("not flushing the prefix cache: requests are running")
+            else:
+                self.engine.scheduler.reset()
+                logger.info("prefix cache flushed")
+            return []
         try:
             self.engine.add_request(message)
         except InvalidRequestError as exc:

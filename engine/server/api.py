@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.protocol import BootstrapTarget
 from kubesgl.engine.io import FinishReason, TextOutput, TokenizeRequest
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -25,14 +26,15 @@ from kubesgl.engine.server.protocol import (
     CompletionRequest,
     GenerateRequestBody,
 )
+from kubesgl.engine.server.sglang_routes import add_sglang_routes
 
 
 @dataclass
 class ServerState:
+    config: EngineConfig
     served_model_name: str
     api_key: str | None = None
     draining: bool = False
-    bootstrap_port: int = 8998  # what a request's `bootstrap_port: null` means
 
 
 class APIError(Exception):
@@ -171,6 +173,8 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(client.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_sglang_routes(app, client, state.config, state.served_model_name, [Depends(authorized)])
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict:
         card = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "kubesgl"}
@@ -180,7 +184,8 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
 
     def bootstrap(body, count: int) -> list[BootstrapTarget | None]:
         try:
-            return body.bootstrap_targets(count, state.bootstrap_port)
+            # `bootstrap_port: null` means this engine's own --disaggregation-bootstrap-port
+            return body.bootstrap_targets(count, state.config.disaggregation_bootstrap_port)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
 

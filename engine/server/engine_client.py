@@ -16,6 +16,8 @@ import zmq.asyncio
 from kubesgl.engine.io import (
     AbortRequest,
     EngineInfo,
+    FlushCache,
+    SchedulerStats,
     Shutdown,
     TextBatch,
     TextOutput,
@@ -46,6 +48,7 @@ class EngineClient:
         self.endpoints = endpoints
         self.metrics = metrics
         self.info: EngineInfo | None = None
+        self.stats: SchedulerStats | None = None  # the scheduler's latest
         self.ready = asyncio.Event()
         self._pending: dict[str, _Pending] = {}
         self._context = zmq.asyncio.Context()
@@ -71,6 +74,7 @@ class EngineClient:
                 continue
             assert isinstance(message, TextBatch)
             if message.stats is not None:
+                self.stats = message.stats
                 self.metrics.update_scheduler(message.stats)
             for out in message.outputs:
                 pending = self._pending.get(out.rid)
@@ -116,6 +120,9 @@ class EngineClient:
 
     async def abort(self, rid: str, message: str) -> None:
         await self._to_tokenizer.send_pyobj(AbortRequest(rid, message))
+
+    async def flush_cache(self) -> None:
+        await self._to_tokenizer.send_pyobj(FlushCache())
 
     async def abort_all(self, message: str) -> None:
         for rid in list(self._pending):

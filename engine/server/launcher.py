@@ -104,8 +104,8 @@ class Server:
         metrics = EngineMetrics(self.config.role)
         client = EngineClient(self.endpoints, metrics)
         client.start()
-        state = ServerState(served_model_name=self.options.served_model_name or self.config.model,
-                            api_key=self.options.api_key, bootstrap_port=self.config.disaggregation_bootstrap_port)
+        state = ServerState(self.config, served_model_name=self.options.served_model_name or self.config.model,
+                            api_key=self.options.api_key)
         app = build_app(client, state)
         uv_config = uvicorn.Config(app, host=self.options.host, port=self.options.port, log_level=self.options.log_level,
                                    timeout_graceful_shutdown=5, access_log=False)

@@ -12,6 +12,7 @@ from kubesgl.engine.io import (
     AbortRequest,
     EngineInfo,
     FinishReason,
+    FlushCache,
     GenerateRequest,
     Shutdown,
     TextBatch,
@@ -104,7 +105,7 @@ class TokenizerLoop:
         if isinstance(message, Shutdown):
             self.to_scheduler.send_pyobj(message)
             return False
-        if isinstance(message, AbortRequest):
+        if isinstance(message, AbortRequest | FlushCache):
             self.to_scheduler.send_pyobj(message)
             return True
         try:

@@ -1,0 +1,80 @@
+"""SGLang's metadata and control endpoints, so that SGLang's own router (and tools written
+for SGLang) can drive a kubesgl engine: /server_info, /model_info, /health_generate,
+/flush_cache, /get_load, each also under SGLang's older /get_... name where it has one."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from kubesgl import __version__
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.io import TokenizeRequest
+from kubesgl.engine.sampling_params import SamplingParams
+from kubesgl.engine.server.engine_client import EngineClient
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+# SGLang's name for the role of an engine that does both phases
+_DISAGGREGATION_MODE = {"mixed": "null", "prefill": "prefill", "decode": "decode"}
+
+
+def add_sglang_routes(app: FastAPI, client: EngineClient, config: EngineConfig, served_model_name: str,
+                      dependencies: list) -> None:
+    router = APIRouter(dependencies=dependencies)
+
+    def server_info() -> dict:
+        info = client.info
+        return {
+            **dataclasses.asdict(config),
+            "model_path": config.model,
+            "tokenizer_path": config.model,
+            "served_model_name": served_model_name,
+            "dp_size": 1,
+            "disaggregation_mode": _DISAGGREGATION_MODE[config.role],
+            "disaggregation_transfer_backend": "nixl",
+            "context_length": info.context_length if info else config.context_length,
+            "max_total_num_tokens": info.max_total_tokens if info else None,
+            "version": __version__,
+        }
+
+    def model_info() -> dict:
+        return {"model_path": config.model, "tokenizer_path": config.model, "served_model_name": served_model_name,
+                "is_generation": True, "max_context_length": client.info.context_length if client.info else None}
+
+    def load() -> list[dict]:
+        stats = client.stats
+        running, waiting, tokens = (stats.num_running, stats.num_waiting, stats.kv_used_tokens) if stats else (0, 0, 0)
+        return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": tokens}]
+
+    async def health_generate() -> Response:
+        """Healthy only if one token can be generated end to end."""
+        if not client.ready.is_set():
+            return PlainTextResponse("the model is still loading", status_code=503)
+        request = TokenizeRequest(EngineClient.new_rid("health"), SamplingParams(max_tokens=1, temperature=0),
+                                  input_ids=[1])
+        try:
+            async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+                async for out in client.generate(request):
+                    if out.finish_reason is not None and out.finish_reason.kind == "error":
+                        return PlainTextResponse(f"generation failed: {out.finish_reason.message}", status_code=503)
+        except TimeoutError:
+            return PlainTextResponse(f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s", status_code=503)
+        return PlainTextResponse("ok")
+
+    async def flush_cache() -> Response:
+        if client.in_flight:
+            return PlainTextResponse(f"not flushed: {client.in_flight} requests are running", status_code=400)
+        await client.flush_cache()
+        return PlainTextResponse("Cache flushed.")
+
+    for path in ("/server_info", "/get_server_info"):
+        router.add_api_route(path, lambda: JSONResponse(server_info()), methods=["GET"])
+    for path in ("/model_info", "/get_model_info"):
+        router.add_api_route(path, lambda: JSONResponse(model_info()), methods=["GET"])
+    router.add_api_route("/get_load", lambda: JSONResponse(load()), methods=["GET"])
+    router.add_api_route("/health_generate", health_generate, methods=["GET", "POST"])
+    router.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
+    app.include_router(router)

@@ -1,0 +1,185 @@
+"""Prefill/decode serving with real processes: a prefill engine, a decode engine and the
+kubesgl router in front of them, against a mixed engine on the same weights; and what a
+client sees when either engine fails."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from serve_harness import free_port, start_server
+
+MODEL_NAME = "tiny"
+
+
+def start_router(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(tmp_path / f"router-{port}.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "kubesgl", "router", "--port", str(port), "--host", "127.0.0.1",
+                                "--health-check-interval", "0.5", *args], stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, (tmp_path / f"router-{port}.log").read_text()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("the router did not become ready")
+
+
+def start_pd_pair(model, tmp_path, prefill_args=(), decode_args=()):
+    bootstrap = free_port()
+    prefill = start_server(model, "--role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap),
+                           "--served-model-name", MODEL_NAME, *prefill_args, tmp_path=tmp_path)
+    decode = start_server(model, "--role", "decode", "--served-model-name", MODEL_NAME, *decode_args,
+                          tmp_path=tmp_path)
+    return prefill, decode, bootstrap
+
+
+@pytest.fixture(scope="module")
+def pd_stack(tiny_model, tmp_path_factory):
+    """(router URL, mixed engine URL, prefill, decode) on the llama tiny model."""
+    tmp_path = tmp_path_factory.mktemp("pd")
+    model = tiny_model("llama")
+    mixed = start_server(model, "--served-model-name", MODEL_NAME, tmp_path=tmp_path)
+    prefill, decode, bootstrap = start_pd_pair(model, tmp_path)
+    router, url = start_router(tmp_path, "--prefill", f"{prefill.base_url}@{bootstrap}", "--decode", decode.base_url)
+    yield url, mixed, prefill, decode
+    os.killpg(router.pid, signal.SIGTERM)
+    router.wait(timeout=30)
+    for server in (mixed, prefill, decode):
+        assert server.stop() == 0
+
+
+def both(url_a: str, url_b: str):
+    return (openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) for url in (url_a, url_b))
+
+
+def test_completions_and_chat_through_the_router_equal_a_mixed_engine(pd_stack):
+    url, mixed, prefill, decode = pd_stack
+    pd, ref = both(url, mixed.base_url)
+    prompts = ["The capital of France is", "Count from one to ten:", "🙂 naïve café " * 20]
+    for prompt in prompts:
+        kwargs = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 2}
+        got, want = pd.completions.create(**kwargs), ref.completions.create(**kwargs)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.choices[0].finish_reason == want.choices[0].finish_reason
+        assert got.usage.completion_tokens == want.usage.completion_tokens == 24
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+        assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens
+        assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.choices[0].logprobs.token_logprobs, abs=1e-4)
+        streamed = pd.completions.create(**kwargs, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == want.choices[0].text
+    messages = [{"role": "user", "content": "hello there"}]
+    seeded = {"model": MODEL_NAME, "messages": messages, "max_tokens": 20, "temperature": 0.9, "seed": 5}
+    assert pd.chat.completions.create(**seeded).choices[0].message.content == \
+        ref.chat.completions.create(**seeded).choices[0].message.content
+    chunks = pd.chat.completions.create(**seeded, stream=True, stream_options={"include_usage": True})
+    chunks = list(chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        ref.chat.completions.create(**seeded).choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 20
+    native = {"text": prompts[0], "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    assert httpx.post(url + "/generate", json=native).json()["output_ids"] == \
+        httpx.post(mixed.base_url + "/generate", json=native).json()["output_ids"]
+    for server in (prefill, decode):
+        server.wait_idle()
+    assert decode.metric("kubesgl_kv_transfer_wait_seconds_count") >= 8
+    assert prefill.metric("kubesgl_kv_transfer_bytes_total") > 0
+
+
+def test_what_the_engines_say_about_rooms(pd_stack):
+    url, mixed, prefill, decode = pd_stack
+    room = random.getrandbits(63)
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": 1, "bootstrap_room": room}
+    refused = httpx.post(mixed.base_url + "/v1/completions", json=body)
+    assert refused.status_code == 400 and "role is mixed" in refused.json()["error"]["message"]
+    several = httpx.post(decode.base_url + "/v1/completions", json={**body, "n": 2})
+    assert several.status_code == 400 and several.json()["error"]["param"] == "bootstrap_room"
+    short_list = httpx.post(decode.base_url + "/v1/completions", json={**body, "n": 2, "bootstrap_room": [1]})
+    assert short_list.status_code == 400 and "2 choices" in short_list.json()["error"]["message"]
+    no_host = httpx.post(decode.base_url + "/generate", json={"text": "hi", "bootstrap_room": room})
+    assert no_host.status_code == 400 and no_host.json()["error"]["param"] == "bootstrap_host"
+
+
+def test_requests_sent_to_both_engines_as_sglangs_router_does(pd_stack):
+    """No kubesgl router in between: the engines alone pair up, with n > 1 as a list of rooms."""
+    url, mixed, prefill, decode = pd_stack
+    rooms = [random.getrandbits(63) for _ in range(2)]
+    body = {"model": MODEL_NAME, "prompt": "two choices", "max_tokens": 8, "n": 2, "temperature": 0.8, "seed": 1,
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill_bootstrap_port(prefill), "bootstrap_room": rooms}
+    answers = {}
+
+    def send(name, base):
+        answers[name] = httpx.post(base + "/v1/completions", json=body, timeout=60)
+
+    threads = [threading.Thread(target=send, args=(n, s.base_url)) for n, s in (("p", prefill), ("d", decode))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers["p"].status_code == 200 and answers["d"].status_code == 200, (answers["p"].text, answers["d"].text)
+    want = httpx.post(mixed.base_url + "/v1/completions",
+                      json={k: v for k, v in body.items() if not k.startswith("bootstrap")}).json()
+    assert [c["text"] for c in answers["d"].json()["choices"]] == [c["text"] for c in want["choices"]]
+    decode.wait_idle()
+    prefill.wait_idle()
+
+
+def prefill_bootstrap_port(prefill) -> int:
+    args = prefill.process.args
+    return int(args[args.index("--disaggregation-bootstrap-port") + 1])
+
+
+def test_a_prefill_engine_killed_during_a_long_prefill_fails_the_decode_request_within_seconds(tiny_model, tmp_path):
+    model = tiny_model("llama")
+    prefill, decode, bootstrap = start_pd_pair(model, tmp_path, prefill_args=("--chunked-prefill-size", "4"))
+    try:
+        room = random.getrandbits(63)
+        prompt = [random.randrange(3, 500) for _ in range(2000)]  # 500 chunks: seconds of prefill here
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bootstrap, "bootstrap_room": room}
+        answers = {}
+
+        def send(name, base):
+            try:
+                answers[name] = httpx.post(base + "/generate", json=body, timeout=60)
+            except httpx.HTTPError as exc:
+                answers[name] = exc
+
+        threads = [threading.Thread(target=send, args=(n, s.base_url)) for n, s in (("p", prefill), ("d", decode))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while prefill.metric("kubesgl_num_running_requests") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(prefill.process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        threads[1].join(timeout=30)
+        answer = answers["d"]
+        assert time.monotonic() - killed_at < 12
+        assert answer.status_code == 502, answer.text
+        assert "prefill engine" in answer.json()["error"]["message"]
+        concurrent = httpx.post(decode.base_url + "/generate", json={"text": "still serving",
+                                                                     "sampling_params": {"max_new_tokens": 4}})
+        assert concurrent.status_code == 200 and len(concurrent.json()["output_ids"]) == 4
+        decode.wait_idle()
+        assert decode.metric('kubesgl_disagg_failures_total{reason="peer_lost",role="decode"}') == 1
+    finally:
+        for server in (prefill, decode):
+            if server.process.poll() is None:
+                os.killpg(server.process.pid, signal.SIGKILL)
