@@ -105,8 +105,11 @@ class EngineClient:
         try:
             await self._to_tokenizer.send_pyobj(request)
             pending.sent = True
-            while not pending.finished:
-                yield await pending.queue.get()
+            while True:  # up to the final output, which the reader may have queued behind others
+                out = await pending.queue.get()
+                yield out
+                if out.finish_reason is not None:
+                    return
         finally:
             await self.close(request.rid)
 
