@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from kubesgl.engine.attention import auto_backend
 from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.disagg.link import BootstrapLink
 from kubesgl.engine.distributed import get_tp_group
 from kubesgl.engine.executor.model_runner import ModelRunner
 from kubesgl.engine.executor.worker import OverlapExecutor, SyncExecutor
@@ -69,8 +70,10 @@ def kv_pool_tokens(config: EngineConfig, model_config: ModelConfig, dtype: torch
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, bootstrap_host: str = "0.0.0.0"):
-        """`bootstrap_host`: the address a prefill engine's bootstrap server listens on."""
+    def __init__(self, config: EngineConfig, bootstrap_host: str = "0.0.0.0", bootstrap_link: BootstrapLink | None = None):
+        """Prefill and decode roles: `bootstrap_host` is the address a prefill engine's
+        bootstrap server listens on; `bootstrap_link`, rank 0's line to the engine's bootstrap
+        process (without one, the bootstrap service runs in this process)."""
         config.validate()
         self.config = config
         self.device = resolve_device(config.device)
@@ -122,7 +125,7 @@ class Engine:
             default_max_tokens=config.default_max_tokens,
         )
         kv = KVManager(allocator, radix, num_rows)
-        self.role = create_role(config, kv, kv_pool, get_tp_group(), bootstrap_host)
+        self.role = create_role(config, kv, kv_pool, get_tp_group(), bootstrap_host, bootstrap_link)
         self.scheduler = Scheduler(self.executor, kv, limits, self.model_config.eos_token_ids, overlap,
                                    future_capacity, StopStringChecker(config.model), self.role)
         logger.info("engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s, role %s",

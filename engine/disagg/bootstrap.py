@@ -1,15 +1,15 @@
-"""The bootstrap handshake over HTTP (docs/disaggregation.md, the bootstrap server).
+"""The bootstrap handshake over HTTP (docs/disaggregation.md, the bootstrap server), in a process
+of its own beside the engine's schedulers (`run_bootstrap`), so that no network I/O waits on
+a scheduler busy with steps (it holds the GIL for most of every step).
 
 A prefill engine serves `BootstrapServer` on `--disaggregation-bootstrap-port`. A decode
 engine (`BootstrapClient`) registers there once (`PUT /kv/peers`: the NIXL agent metadata and
 pool layout of each tensor-parallel rank), posts each request's room with the slots it
-allocated for the prompt (`POST /kv/rooms`), cancels rooms it gave up on
-(`DELETE /kv/rooms/{room}`) and watches the prefill engine's `GET /health` while it has rooms
-there: a prefill engine that stops answering, or answers as a new instance (restarted),
-fails those rooms.
-
-The HTTP threads of either side only answer from, and fill, thread-safe state; the NIXL
-agents are driven by the scheduler's thread (prefill.py, decode.py).
+allocated for the prompt (`POST /kv/rooms`), says which rooms it still has queued
+(`POST /kv/rooms/queued`), cancels rooms it gave up on (`DELETE /kv/rooms/{room}`) and watches
+the prefill engine's `GET /health` while it has rooms there: a prefill engine that refuses
+connections, stops answering for `dead_after_s`, or answers as a new instance (restarted),
+fails those rooms. What either side learns goes to the scheduler as a `BootstrapFact`.
 """
 
 from __future__ import annotations
@@ -19,71 +19,58 @@ import dataclasses
 import json
 import logging
 import queue
+import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+import zmq
 
-from kubesgl.engine.disagg.kv_transfer import PoolLayout
+from kubesgl.engine.disagg.protocol import (
+    BootstrapFact,
+    BootstrapRequest,
+    CancelRoom,
+    CancelUnknown,
+    ConnectBootstrap,
+    ForgetRoom,
+    PeerLost,
+    PeerRegistered,
+    PoolLayout,
+    PostFailed,
+    PostRoom,
+    RankAgent,
+    RoomCancelled,
+    RoomPosted,
+    RoomsQueued,
+    ServeBootstrap,
+    StillQueued,
+)
+from kubesgl.engine.io import Shutdown
+from kubesgl.engine.server.children import exit_with_parent
+from kubesgl.engine.server.ipc import Endpoints, pull, push
 
 logger = logging.getLogger(__name__)
+
+Emit = Callable[[BootstrapFact], None]
 
 UNKNOWN_PEER = "unknown_peer"  # POST /kv/rooms from an engine this instance has not registered
 UNKNOWN_ROOM = "unknown_room"  # DELETE /kv/rooms/{room} of a room never posted here
 
 
-@dataclass(frozen=True)
-class RankAgent:
-    """What a prefill rank needs to write into one decode rank's pool."""
-
-    metadata: bytes  # NIXL agent metadata
-    layout: PoolLayout
-
-
-# -- prefill side: what arrives at the bootstrap server ------------------------------------
-
-
-@dataclass(frozen=True)
-class PeerRegistered:
-    engine: str  # the decode engine's id
-    ranks: tuple[RankAgent, ...]  # one per tensor-parallel rank, in rank order
-
-
-@dataclass(frozen=True)
-class RoomPosted:
-    room: int
-    engine: str
-    slots: tuple[int, ...]  # where the prompt's KV goes in the decode engine's pool
-
-
-@dataclass(frozen=True)
-class RoomCancelled:
-    room: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class RoomsQueued:
-    """Rooms a live decode engine has queued but not admitted yet: not to be timed out."""
-
-    rooms: tuple[int, ...]
-
-
-BootstrapEvent = PeerRegistered | RoomPosted | RoomCancelled | RoomsQueued
 
 
 class BootstrapServer:
-    """HTTP endpoint of a prefill engine (its scheduler rank 0) for the decode engines."""
+    """HTTP endpoint of a prefill engine for the decode engines; what arrives, it emits."""
 
-    def __init__(self, layout: PoolLayout, tp_size: int, host: str = "0.0.0.0", port: int = 8998,
+    def __init__(self, emit: Emit, layout: PoolLayout, tp_size: int, host: str = "0.0.0.0", port: int = 8998,
                  room_memory_s: float = 120.0):
-        self.layout, self.tp_size = layout, tp_size
+        self.emit, self.layout, self.tp_size = emit, layout, tp_size
         self.instance = uuid.uuid4().hex  # a restarted engine is a new instance
-        self.events: queue.Queue[BootstrapEvent] = queue.Queue()
         self._room_memory_s = room_memory_s
         self._lock = threading.Lock()
         self._engines: set[str] = set()
@@ -93,12 +80,6 @@ class BootstrapServer:
         self.port = self._http.server_address[1]
         self._thread = threading.Thread(target=self._http.serve_forever, name="kubesgl-bootstrap", daemon=True)
         self._thread.start()
-
-    def drain(self) -> list[BootstrapEvent]:
-        events = []
-        while not self.events.empty():
-            events.append(self.events.get())
-        return events
 
     # Each method answers (status, body); the handler does the HTTP.
     def health(self) -> tuple[int, dict]:
@@ -114,7 +95,7 @@ class BootstrapServer:
             self.layout.check_compatible(rank.layout)
         with self._lock:
             self._engines.add(str(body["engine"]))
-        self.events.put(PeerRegistered(str(body["engine"]), ranks))
+        self.emit(PeerRegistered(str(body["engine"]), ranks))
         return 200, {"instance": self.instance}
 
     def post_room(self, body: dict) -> tuple[int, dict]:
@@ -128,11 +109,11 @@ class BootstrapServer:
             if room in self._rooms:
                 return 409, {"error": f"room {room} is already in use"}
             self._rooms[room] = now
-        self.events.put(RoomPosted(room, engine, slots))
+        self.emit(RoomPosted(room, engine, slots))
         return 200, {}
 
     def rooms_queued(self, body: dict) -> tuple[int, dict]:
-        self.events.put(RoomsQueued(tuple(int(room) for room in body["rooms"])))
+        self.emit(RoomsQueued(tuple(int(room) for room in body["rooms"])))
         return 200, {}
 
     def cancel_room(self, room: int, reason: str) -> tuple[int, dict]:
@@ -140,7 +121,7 @@ class BootstrapServer:
         the answer tells the decode engine whether a write into its slots can be under way."""
         with self._lock:
             posted = room in self._rooms
-        self.events.put(RoomCancelled(room, reason))
+        self.emit(RoomCancelled(room, reason))
         if not posted:
             return 404, {"error": f"room {room} was never posted here", "code": UNKNOWN_ROOM}
         return 200, {}
@@ -201,34 +182,6 @@ class BootstrapServer:
         self._http.server_close()
 
 
-# -- decode side: what the client learns ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PostFailed:
-    """The prefill engine never took the room, so no write into its slots can come."""
-
-    room: int
-    error: str
-
-
-@dataclass(frozen=True)
-class CancelUnknown:
-    """The prefill engine answered a cancel with "never posted here": no write can come."""
-
-    room: int
-
-
-@dataclass(frozen=True)
-class PeerLost:
-    """The prefill engine these rooms were posted to died or restarted: none of its writes
-    can come."""
-
-    rooms: tuple[int, ...]
-    error: str
-
-
-ClientFact = PostFailed | CancelUnknown | PeerLost
 
 
 @dataclass(eq=False)
@@ -241,27 +194,20 @@ class _Peer:
 
 
 class BootstrapClient:
-    """Decode side (scheduler rank 0): all HTTP to prefill engines, on worker threads, so the
-    scheduler never waits on the network. What it learns comes back through `drain`."""
+    """Decode side: all HTTP to prefill engines, on worker threads. What it learns, it emits."""
 
-    def __init__(self, engine: str, ranks: list[RankAgent], heartbeat_s: float = 2.0, dead_after_s: float = 10.0):
-        self.engine, self.ranks = engine, ranks
+    def __init__(self, emit: Emit, engine: str, ranks: tuple[RankAgent, ...], heartbeat_s: float = 2.0,
+                 dead_after_s: float = 10.0):
+        self.emit, self.engine, self.ranks = emit, engine, ranks
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, connect=3.0))
         self._workers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kubesgl-kv-rooms")
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}  # prefill engine address -> its current registration
         self._posts: dict[int, Future] = {}
-        self._facts: queue.Queue[ClientFact] = queue.Queue()
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="kubesgl-kv-heartbeat", daemon=True)
         self._watcher.start()
-
-    def drain(self) -> list[ClientFact]:
-        facts = []
-        while not self._facts.empty():
-            facts.append(self._facts.get())
-        return facts
 
     def post(self, room: int, address: str, slots: list[int]) -> None:
         self._posts[room] = self._workers.submit(self._post, room, address, list(slots))
@@ -298,7 +244,7 @@ class BootstrapClient:
                 return  # already noticed
             del self._peers[address]
             rooms = tuple(peer.rooms)
-        self._facts.put(PeerLost(rooms, error))
+        self.emit(PeerLost(rooms, error))
 
     def _register(self, address: str) -> str:
         ranks = [{"metadata": base64.b64encode(r.metadata).decode(), "layout": dataclasses.asdict(r.layout)}
@@ -325,7 +271,7 @@ class BootstrapClient:
                 _raise_for_status(answer)
                 return
         except Exception as exc:  # noqa: BLE001 - any failure means the room was not taken
-            self._facts.put(PostFailed(room, f"the prefill engine at {address} refused room {room}: {_why(exc)}"))
+            self.emit(PostFailed(room, f"the prefill engine at {address} refused room {room}: {_why(exc)}"))
             raise
 
     def _still_queued(self, address: str, rooms: list[int]) -> None:
@@ -343,7 +289,7 @@ class BootstrapClient:
         try:
             answer = self._http.request("DELETE", f"{address}/kv/rooms/{room}", json={"reason": reason})
             if answer.status_code == 404 and _code(answer) == UNKNOWN_ROOM:
-                self._facts.put(CancelUnknown(room))
+                self.emit(CancelUnknown(room))
         except httpx.HTTPError as exc:  # unreachable: the heartbeat will tell whether it is dead
             logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))
 
@@ -378,6 +324,65 @@ class BootstrapClient:
         self._stop.set()
         self._workers.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+
+
+class BootstrapService:
+    """The bootstrap process's work: a server (prefill) or a client (decode), set up by the
+    first request, then driven by the scheduler's requests."""
+
+    def __init__(self, emit: Emit):
+        self.emit = emit
+        self.server: BootstrapServer | None = None
+        self.client: BootstrapClient | None = None
+
+    def handle(self, request: BootstrapRequest) -> None:
+        if isinstance(request, ServeBootstrap):
+            self.server = BootstrapServer(self.emit, request.layout, request.tp_size, request.host, request.port,
+                                          request.room_memory_s)
+            logger.info("bootstrap server listening on %s:%d", request.host, self.server.port)
+        elif isinstance(request, ConnectBootstrap):
+            self.client = BootstrapClient(self.emit, request.engine, request.ranks, request.heartbeat_s,
+                                          request.dead_after_s)
+        elif isinstance(request, PostRoom):
+            self.client.post(request.room, request.address, list(request.slots))
+        elif isinstance(request, CancelRoom):
+            self.client.cancel(request.room, request.address, request.reason)
+        elif isinstance(request, ForgetRoom):
+            self.client.forget(request.room, request.address)
+        elif isinstance(request, StillQueued):
+            self.client.still_queued(request.address, list(request.rooms))
+        else:
+            raise TypeError(f"not a bootstrap request: {request!r}")
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.client is not None:
+            self.client.close()
+
+
+def run_bootstrap(endpoints: Endpoints, log_level: str) -> None:
+    """The bootstrap process: requests from scheduler rank 0 in, facts out to its inbox."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s bootstrap %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
+    context = zmq.Context()
+    requests = pull(context, endpoints.bootstrap_in)
+    facts: queue.Queue[BootstrapFact | None] = queue.Queue()
+
+    def forward() -> None:  # the one thread that owns the socket to the scheduler
+        to_scheduler = push(context, endpoints.scheduler_in)
+        while (fact := facts.get()) is not None:
+            to_scheduler.send_pyobj(fact)
+
+    forwarder = threading.Thread(target=forward, name="kubesgl-bootstrap-facts", daemon=True)
+    forwarder.start()
+    service = BootstrapService(facts.put)
+    while not isinstance(request := requests.recv_pyobj(), Shutdown):
+        service.handle(request)
+    service.close()
+    facts.put(None)
+    forwarder.join(timeout=5)
 
 
 def _code(answer: httpx.Response) -> str | None:

@@ -6,8 +6,8 @@ Slots a prefill engine may still write into are never handed back early: after a
 a timeout or an abort, the slots are released only once the prefill engine's last word on
 the room has come from every rank (`RoomNote`), or the prefill engine says it never had the
 room, or it is dead. Every rank applies the same facts in the same order (ranks.py): each
-rank contributes the notes its NIXL agent received, rank 0 what its HTTP client learned and
-the rooms its clock timed out.
+rank contributes the notes its NIXL agent received, rank 0 what the bootstrap process
+learned over HTTP and the rooms its clock timed out.
 """
 
 from __future__ import annotations
@@ -15,15 +15,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kubesgl.engine.disagg.bootstrap import (
-    BootstrapClient,
+from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
+from kubesgl.engine.disagg.link import BootstrapLink
+from kubesgl.engine.disagg.protocol import (
+    BootstrapTarget,
+    CancelRoom,
     CancelUnknown,
-    ClientFact,
+    ConnectBootstrap,
+    FailureReason,
+    ForgetRoom,
     PeerLost,
     PostFailed,
+    PostRoom,
+    RoomNote,
+    RoomStatus,
+    StillQueued,
 )
-from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
-from kubesgl.engine.disagg.protocol import BootstrapTarget, FailureReason, RoomNote, RoomStatus
 from kubesgl.engine.disagg.ranks import RankConsensus
 
 
@@ -38,7 +45,7 @@ class KVTimedOut:
     room: int
 
 
-DecodeFact = NoteArrived | KVTimedOut | ClientFact
+DecodeFact = NoteArrived | KVTimedOut | PostFailed | CancelUnknown | PeerLost
 
 
 @dataclass(frozen=True)
@@ -65,11 +72,15 @@ class _Room:
 
 
 class DecodeTransfers:
-    def __init__(self, agent: KVTransferAgent, consensus: RankConsensus, client: BootstrapClient | None,
-                 timeout: float):
-        if consensus.is_leader != (client is not None):
-            raise ValueError("rank 0, and rank 0 alone, talks to the prefill engines")
-        self.agent, self.consensus, self.client, self.timeout = agent, consensus, client, timeout
+    def __init__(self, agent: KVTransferAgent, consensus: RankConsensus, link: BootstrapLink | None,
+                 timeout: float, connect: ConnectBootstrap):
+        """`link` (rank 0, and rank 0 alone): the bootstrap process, which talks to the
+        prefill engines as `connect` says."""
+        if consensus.is_leader != (link is not None):
+            raise ValueError("rank 0, and rank 0 alone, talks to the bootstrap process")
+        self.agent, self.consensus, self.link, self.timeout = agent, consensus, link, timeout
+        if link is not None:
+            link.send(connect)
         self._rooms: dict[int, _Room] = {}
         self._queued: dict[int, BootstrapTarget] = {}  # rooms of requests not admitted yet
         self._queue_told_at = 0.0  # rank 0: when the prefill engines last heard of them
@@ -85,8 +96,8 @@ class DecodeTransfers:
             raise ValueError(f"room {target.room} is already in use")
         self._queued.pop(target.room, None)
         self._rooms[target.room] = _Room(target, time.monotonic())
-        if self.client is not None:
-            self.client.post(target.room, target.address, dst_slots)
+        if self.link is not None:
+            self.link.send(PostRoom(target.room, target.address, tuple(dst_slots)))
 
     def cancel(self, room: int, reason: str) -> None:
         """The request no longer waits (aborted, failed): tell the prefill engine; the slots
@@ -94,14 +105,14 @@ class DecodeTransfers:
         state = self._rooms[room]
         if state.waiting:
             state.waiting = False
-            if self.client is not None:
-                self.client.cancel(room, state.target.address, reason)
+            if self.link is not None:
+                self.link.send(CancelRoom(room, state.target.address, reason))
 
     def refuse(self, target: BootstrapTarget, reason: str) -> None:
         """A request this engine will not run: its prefill engine may drop the room at once."""
         self._queued.pop(target.room, None)
-        if self.client is not None:
-            self.client.cancel(target.room, target.address, reason)
+        if self.link is not None:
+            self.link.send(CancelRoom(target.room, target.address, reason))
 
     def has_rooms(self) -> bool:
         return bool(self._rooms or self._queued)
@@ -115,8 +126,8 @@ class DecodeTransfers:
         """Applies what every rank saw since the last turn. A collective on more than one rank."""
         local: list[DecodeFact] = [NoteArrived(self.consensus.rank, RoomNote.decode(m))
                                    for m in self.agent.notifications()]
-        if self.client is not None:
-            local += self.client.drain()
+        if self.link is not None:
+            local += self.link.drain()
             now = time.monotonic()
             if self._queued and now - self._queue_told_at > self.timeout / 4:
                 self._queue_told_at = now
@@ -124,7 +135,7 @@ class DecodeTransfers:
                 for room, target in self._queued.items():
                     by_address.setdefault(target.address, []).append(room)
                 for address, rooms in by_address.items():
-                    self.client.still_queued(address, rooms)
+                    self.link.send(StillQueued(address, tuple(rooms)))
             for room, state in self._rooms.items():
                 if state.waiting and not state.timed_out and now - state.asked_at > self.timeout:
                     state.timed_out = True
@@ -146,8 +157,8 @@ class DecodeTransfers:
             return [DecodeOutcome(fact.room, error=error, reason=FailureReason.TIMEOUT)]
         if isinstance(fact, PostFailed):
             state = self._rooms.get(fact.room)
-            if state is not None and self.client is not None:  # its request may run there all the same
-                self.client.cancel(fact.room, state.target.address, fact.error)
+            if state is not None and self.link is not None:  # its request may run there all the same
+                self.link.send(CancelRoom(fact.room, state.target.address, fact.error))
             return self._end(fact.room, fact.error, FailureReason.REFUSED)
         if isinstance(fact, CancelUnknown):
             return self._end(fact.room, None, None)
@@ -186,10 +197,10 @@ class DecodeTransfers:
 
     def _forget(self, room: int) -> None:
         state = self._rooms.pop(room)
-        if self.client is not None:
-            self.client.forget(room, state.target.address)
+        if self.link is not None:
+            self.link.send(ForgetRoom(room, state.target.address))
 
     def close(self) -> None:
-        if self.client is not None:
-            self.client.close()
+        if self.link is not None:
+            self.link.close()
         self.agent.close()

@@ -13,39 +13,17 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from kubesgl.engine.disagg.protocol import PoolLayout
 from kubesgl.engine.kvcache.pools import KVPool
 
 
-@dataclass(frozen=True)
-class PoolLayout:
-    """Where a pool's buffers are, as its peer must know to write into them."""
-
-    agent: str
-    memory: str  # "DRAM" | "VRAM"
-    device_id: int
-    slot_bytes: int  # one slot of one layer's K (or V) buffer
-    num_slots: int
-    k_addresses: tuple[int, ...]  # each layer's K buffer
-    v_addresses: tuple[int, ...]
-
-    @classmethod
-    def of(cls, pool: KVPool, agent: str) -> PoolLayout:
-        first = pool.k[0]
-        on_gpu = first.device.type == "cuda"
-        return cls(agent=agent, memory="VRAM" if on_gpu else "DRAM", device_id=first.device.index or 0,
-                   slot_bytes=first[0].numel() * first.element_size(), num_slots=pool.num_slots,
-                   k_addresses=tuple(t.data_ptr() for t in pool.k), v_addresses=tuple(t.data_ptr() for t in pool.v))
-
-    @classmethod
-    def from_json(cls, body: dict) -> PoolLayout:
-        """The layout a peer sent (dataclasses.asdict of its own)."""
-        return cls(**{**body, "k_addresses": tuple(body["k_addresses"]), "v_addresses": tuple(body["v_addresses"])})
-
-    def check_compatible(self, peer: PoolLayout) -> None:
-        if len(self.k_addresses) != len(peer.k_addresses) or self.slot_bytes != peer.slot_bytes:
-            raise ValueError(f"KV pools differ: {len(self.k_addresses)} layers of {self.slot_bytes} bytes per slot "
-                             f"here, {len(peer.k_addresses)} of {peer.slot_bytes} at {peer.agent} (same model, "
-                             "dtype, KV cache dtype and tensor-parallel size are needed on both sides)")
+def layout_of(pool: KVPool, agent: str) -> PoolLayout:
+    """Where `pool`'s buffers are, as a peer must know to write into them."""
+    first = pool.k[0]
+    return PoolLayout(agent=agent, memory="VRAM" if first.device.type == "cuda" else "DRAM",
+                      device_id=first.device.index or 0, slot_bytes=first[0].numel() * first.element_size(),
+                      num_slots=pool.num_slots, k_addresses=tuple(t.data_ptr() for t in pool.k),
+                      v_addresses=tuple(t.data_ptr() for t in pool.v))
 
 
 def slot_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -76,7 +54,7 @@ class KVTransferAgent:
 
         self.name = name or f"kubesgl-{uuid.uuid4().hex[:12]}"  # unique among every engine it talks to
         self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
-        self.layout = PoolLayout.of(pool, self.name)
+        self.layout = layout_of(pool, self.name)
         layout = self.layout
         buffers = [(address, layout.num_slots * layout.slot_bytes, layout.device_id, "")
                    for address in layout.k_addresses + layout.v_addresses]

@@ -2,8 +2,9 @@
 decode engines posted, writes the KV there over NIXL, and says how each room ended.
 
 Every rank holds the same room table and changes it only by applying the facts every rank
-shares (ranks.py): rank 0 contributes what arrived at the bootstrap server and the rooms it
-timed out, each rank the writes of its own shard that ended. A room counts as sent once the
+shares (ranks.py): rank 0 contributes what arrived at the bootstrap server (from the
+bootstrap process) and the rooms it timed out, each rank the writes of its own shard that
+ended. A room counts as sent once the
 writes of all ranks are done.
 """
 
@@ -13,16 +14,18 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from kubesgl.engine.disagg.bootstrap import (
-    BootstrapEvent,
-    BootstrapServer,
+from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, Transfer
+from kubesgl.engine.disagg.link import BootstrapLink
+from kubesgl.engine.disagg.protocol import (
+    FailureReason,
     PeerRegistered,
     RoomCancelled,
+    RoomNote,
     RoomPosted,
     RoomsQueued,
+    RoomStatus,
+    ServeBootstrap,
 )
-from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, Transfer
-from kubesgl.engine.disagg.protocol import FailureReason, RoomNote, RoomStatus
 from kubesgl.engine.disagg.ranks import RankConsensus
 
 logger = logging.getLogger(__name__)
@@ -50,7 +53,7 @@ class RoomsForgotten:
     rooms: tuple[int, ...]
 
 
-PrefillFact = BootstrapEvent | WriteEnded | RoomTimedOut | RoomsForgotten
+PrefillFact = PeerRegistered | RoomPosted | RoomCancelled | RoomsQueued | WriteEnded | RoomTimedOut | RoomsForgotten
 
 
 @dataclass(frozen=True)
@@ -84,11 +87,15 @@ class _Room:
 
 
 class PrefillTransfers:
-    def __init__(self, agent: KVTransferAgent, consensus: RankConsensus, server: BootstrapServer | None,
-                 timeout: float):
-        if consensus.is_leader != (server is not None):
-            raise ValueError("rank 0, and rank 0 alone, serves the bootstrap server")
-        self.agent, self.consensus, self.server, self.timeout = agent, consensus, server, timeout
+    def __init__(self, agent: KVTransferAgent, consensus: RankConsensus, link: BootstrapLink | None,
+                 timeout: float, host: str, port: int):
+        """`link` (rank 0, and rank 0 alone): the bootstrap process, which serves the
+        bootstrap server on host:port for this engine."""
+        if consensus.is_leader != (link is not None):
+            raise ValueError("rank 0, and rank 0 alone, talks to the bootstrap process")
+        self.agent, self.consensus, self.link, self.timeout = agent, consensus, link, timeout
+        if link is not None:
+            link.send(ServeBootstrap(agent.layout, consensus.tp_size, host, port, room_memory_s=2 * timeout))
         self._peer_agents: dict[str, str] = {}  # decode engine -> its agent of this rank
         self._rooms: dict[int, _Room] = {}
         self._posted: dict[int, RoomPosted] = {}  # posts whose request has not come (yet)
@@ -145,8 +152,8 @@ class PrefillTransfers:
         A collective on more than one rank."""
         local, self._local = self._local, []
         local += self._ended_writes()
-        if self.server is not None:
-            local += self.server.drain()
+        if self.link is not None:
+            local += self.link.drain()
             local += self._leader_clock()
         outcomes: list[PrefillOutcome] = []
         for fact in self.consensus.share(local):
@@ -169,7 +176,7 @@ class PrefillTransfers:
         elif isinstance(fact, RoomCancelled):
             return self._cancel(fact)
         elif isinstance(fact, RoomsQueued):
-            if self.server is not None:
+            if self.link is not None:
                 self._queued_at.update(dict.fromkeys(fact.rooms, time.monotonic()))
         elif isinstance(fact, WriteEnded):
             return self._write_ended(fact)
@@ -298,7 +305,7 @@ class PrefillTransfers:
         self._remember(room)
 
     def _remember(self, room: int) -> None:
-        if self.server is not None:
+        if self.link is not None:
             self._seen_at[room] = time.monotonic()
 
     def _notify(self, engine: str, note: RoomNote) -> None:
@@ -312,6 +319,6 @@ class PrefillTransfers:
             logger.exception("telling decode engine %s that room %d ended failed", engine, note.room)
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
+        if self.link is not None:
+            self.link.close()
         self.agent.close()

@@ -1,8 +1,13 @@
-"""What a prefill and a decode engine tell each other about one request (docs/disaggregation.md).
+"""What a prefill and a decode engine tell each other (docs/disaggregation.md), and what the
+scheduler and the engine's bootstrap process tell each other about it.
 
 A request carries its pairing as the router gave it (`BootstrapTarget`). The prefill engine
 tells the decode engine how each room ended with a `RoomNote`: the notification of the KV
-WRITE when it succeeded (with the first token), a plain notification when it did not.
+WRITE when it succeeded (with the first token), a plain notification when it did not. The
+HTTP side of the handshake runs in the engine's bootstrap process (bootstrap.py): the
+scheduler sends it `BootstrapRequest`s and hears back `BootstrapFact`s.
+
+No heavy imports here: every process of an engine loads this module.
 """
 
 from __future__ import annotations
@@ -67,3 +72,148 @@ class RoomNote:
         return cls(**{**body, "status": RoomStatus(body["status"]),
                       "top_logprobs": [tuple(pair) for pair in body["top_logprobs"]],
                       "reason": FailureReason(body["reason"]) if body["reason"] else None})
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where a pool's buffers are, as its peer must know to write into them."""
+
+    agent: str
+    memory: str  # "DRAM" | "VRAM"
+    device_id: int
+    slot_bytes: int  # one slot of one layer's K (or V) buffer
+    num_slots: int
+    k_addresses: tuple[int, ...]  # each layer's K buffer
+    v_addresses: tuple[int, ...]
+
+    @classmethod
+    def from_json(cls, body: dict) -> PoolLayout:
+        """The layout a peer sent (dataclasses.asdict of its own)."""
+        return cls(**{**body, "k_addresses": tuple(body["k_addresses"]), "v_addresses": tuple(body["v_addresses"])})
+
+    def check_compatible(self, peer: PoolLayout) -> None:
+        if len(self.k_addresses) != len(peer.k_addresses) or self.slot_bytes != peer.slot_bytes:
+            raise ValueError(f"KV pools differ: {len(self.k_addresses)} layers of {self.slot_bytes} bytes per slot "
+                             f"here, {len(peer.k_addresses)} of {peer.slot_bytes} at {peer.agent} (same model, "
+                             "dtype, KV cache dtype and tensor-parallel size are needed on both sides)")
+
+
+@dataclass(frozen=True)
+class RankAgent:
+    """What a prefill rank needs to write into one decode rank's pool."""
+
+    metadata: bytes  # NIXL agent metadata
+    layout: PoolLayout
+
+
+# -- scheduler -> bootstrap process --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServeBootstrap:
+    """Prefill role: serve the bootstrap server for this engine's ranks."""
+
+    layout: PoolLayout  # rank 0's (every rank's pool has its shape)
+    tp_size: int
+    host: str
+    port: int
+    room_memory_s: float  # how long a posted room number stays taken
+
+
+@dataclass(frozen=True)
+class ConnectBootstrap:
+    """Decode role: talk to prefill engines on behalf of these ranks."""
+
+    engine: str  # this decode engine's id, unique among the engines it talks to
+    ranks: tuple[RankAgent, ...]
+    heartbeat_s: float = 2.0  # how often a prefill engine with rooms here is checked
+    dead_after_s: float = 10.0  # how long it may be silent before its rooms fail
+
+
+@dataclass(frozen=True)
+class PostRoom:
+    room: int
+    address: str  # the prefill engine's bootstrap server
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CancelRoom:
+    room: int
+    address: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ForgetRoom:
+    room: int
+    address: str
+
+
+@dataclass(frozen=True)
+class StillQueued:
+    address: str
+    rooms: tuple[int, ...]
+
+
+BootstrapRequest = ServeBootstrap | ConnectBootstrap | PostRoom | CancelRoom | ForgetRoom | StillQueued
+
+
+# -- bootstrap process -> scheduler: what arrived at a prefill engine's bootstrap server ----
+
+
+@dataclass(frozen=True)
+class PeerRegistered:
+    engine: str  # the decode engine's id
+    ranks: tuple[RankAgent, ...]  # one per tensor-parallel rank, in rank order
+
+
+@dataclass(frozen=True)
+class RoomPosted:
+    room: int
+    engine: str
+    slots: tuple[int, ...]  # where the prompt's KV goes in the decode engine's pool
+
+
+@dataclass(frozen=True)
+class RoomCancelled:
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RoomsQueued:
+    """Rooms a live decode engine has queued but not admitted yet: not to be timed out."""
+
+    rooms: tuple[int, ...]
+
+
+# -- and what a decode engine's client learned ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class PostFailed:
+    """The prefill engine never took the room, so no write into its slots can come."""
+
+    room: int
+    error: str
+
+
+@dataclass(frozen=True)
+class CancelUnknown:
+    """The prefill engine answered a cancel with "never posted here": no write can come."""
+
+    room: int
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    """The prefill engine these rooms were posted to died or restarted: none of its writes
+    can come."""
+
+    rooms: tuple[int, ...]
+    error: str
+
+
+BootstrapFact = PeerRegistered | RoomPosted | RoomCancelled | RoomsQueued | PostFailed | CancelUnknown | PeerLost
+

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import zmq
 
 from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.disagg.link import ProcessLink
+from kubesgl.engine.disagg.protocol import BootstrapFact
 from kubesgl.engine.distributed import get_tp_group, init_tensor_parallel
 from kubesgl.engine.engine import Engine
 from kubesgl.engine.io import (
@@ -37,10 +39,9 @@ from kubesgl.engine.server.ipc import Endpoints, pull, push
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000  # an idle rank 0 still broadcasts this often, so other ranks never time out
-# How often prefill and decode engines turn while they only wait for KV transfers, and while
-# idle: a turn applies what their bootstrap server and NIXL agent received.
+# How often a prefill or decode engine turns while it only waits for KV transfers: a turn
+# applies what its NIXL agent received (the bootstrap process's facts wake it at once).
 TRANSFER_POLL_MS = 2
-IDLE_TRANSFER_POLL_MS = 50
 
 
 def run_scheduler(config: EngineConfig, rank: int, endpoints: Endpoints, dist_init_method: str,
@@ -53,9 +54,13 @@ def run_scheduler(config: EngineConfig, rank: int, endpoints: Endpoints, dist_in
         torch.cuda.set_device(rank % torch.cuda.device_count())
     init_tensor_parallel(rank, config.tp_size, dist_init_method, backend="nccl" if on_gpu else "gloo")
     torch.manual_seed(config.seed)
-    engine = Engine(config, bootstrap_host)
+    context = zmq.Context()
+    link = None
+    if rank == 0 and config.role != "mixed":
+        link = ProcessLink(push(context, endpoints.bootstrap_in))
+    engine = Engine(config, bootstrap_host, link)
     _warm_up(engine)
-    loop = SchedulerLoop(engine, rank, endpoints, get_tp_group().control)
+    loop = SchedulerLoop(engine, rank, endpoints, get_tp_group().control, context, link)
     loop.run()
 
 
@@ -69,11 +74,13 @@ def _warm_up(engine: Engine) -> None:
 
 
 class SchedulerLoop:
-    def __init__(self, engine: Engine, rank: int, endpoints: Endpoints, control):
+    def __init__(self, engine: Engine, rank: int, endpoints: Endpoints, control, context: zmq.Context,
+                 link: ProcessLink | None):
         self.engine = engine
         self.rank = rank
         self.control = control
-        self.context = zmq.Context()
+        self.context = context
+        self.link = link  # rank 0 of a prefill or decode engine: what the bootstrap process learned comes in here
         if rank == 0:
             self.inbox = pull(self.context, endpoints.scheduler_in)
             self.outbox = push(self.context, endpoints.detokenizer_in)
@@ -90,7 +97,11 @@ class SchedulerLoop:
             if not self.engine.scheduler.has_steps():  # sleep until a message arrives or it is time to turn
                 self.inbox.poll(self._idle_poll_ms())
             while self.inbox.poll(0):
-                messages.append(self.inbox.recv_pyobj())
+                message = self.inbox.recv_pyobj()
+                if isinstance(message, BootstrapFact):
+                    self.link.deliver(message)  # rank 0's own: the KV transfers share it with every rank
+                else:
+                    messages.append(message)
         if self.control is not None:
             box = [messages]
             dist.broadcast_object_list(box, src=0, group=self.control)
@@ -98,9 +109,7 @@ class SchedulerLoop:
         return messages
 
     def _idle_poll_ms(self) -> int:
-        if self.engine.scheduler.has_work():
-            return TRANSFER_POLL_MS
-        return IDLE_TRANSFER_POLL_MS if self.engine.role.transfers_kv else IDLE_POLL_MS
+        return TRANSFER_POLL_MS if self.engine.scheduler.has_work() else IDLE_POLL_MS
 
     def run(self) -> None:
         last_stats = None

@@ -23,11 +23,17 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.disagg.bootstrap import BootstrapClient, BootstrapServer, RankAgent
 from kubesgl.engine.disagg.decode import DecodeTransfers
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
+from kubesgl.engine.disagg.link import BootstrapLink, LocalLink
 from kubesgl.engine.disagg.prefill import PrefillTransfers
-from kubesgl.engine.disagg.protocol import FailureReason, RoomNote, RoomStatus
+from kubesgl.engine.disagg.protocol import (
+    ConnectBootstrap,
+    FailureReason,
+    RankAgent,
+    RoomNote,
+    RoomStatus,
+)
 from kubesgl.engine.disagg.ranks import RankConsensus
 from kubesgl.engine.distributed import TensorParallelGroup
 from kubesgl.engine.io import DisaggStats, FinishReason, GenerateRequest, TokenLogprob
@@ -330,24 +336,26 @@ class DecodeRole(_RoomRole):
         return self.transfers.has_rooms()
 
 
-def create_role(config: EngineConfig, kv: KVManager, pool: KVPool, tp: TensorParallelGroup,
-                bootstrap_host: str) -> MixedRole:
-    """The role `config.role` names, with its KV transfer wired to this rank's pool."""
+def create_role(config: EngineConfig, kv: KVManager, pool: KVPool, tp: TensorParallelGroup, bootstrap_host: str,
+                link: BootstrapLink | None) -> MixedRole:
+    """The role `config.role` names, with its KV transfer wired to this rank's pool. Rank 0
+    talks to the engine's bootstrap process through `link`; without one, it runs the
+    bootstrap service in this process (an engine driven in process)."""
     if config.role == "mixed":
         return MixedRole(kv)
     agent = KVTransferAgent(pool)
     consensus = RankConsensus(tp.rank, tp.size, tp.control)
+    if consensus.is_leader and link is None:
+        link = LocalLink()
+    timeout = config.disaggregation_timeout
     if config.role == "prefill":
-        server = None
-        if consensus.is_leader:
-            server = BootstrapServer(agent.layout, tp.size, bootstrap_host, config.disaggregation_bootstrap_port,
-                                     room_memory_s=2 * config.disaggregation_timeout)
-        return PrefillRole(kv, PrefillTransfers(agent, consensus, server, config.disaggregation_timeout))
-    # Rank 0 registers every rank's agent with the prefill engines: it needs them all.
+        transfers = PrefillTransfers(agent, consensus, link, timeout, bootstrap_host, config.disaggregation_bootstrap_port)
+        return PrefillRole(kv, transfers)
+    # The bootstrap process registers every rank's agent with the prefill engines: it needs them all.
     ranks = [RankAgent(agent.metadata, agent.layout)]
     if tp.size > 1:
         gathered: list[RankAgent | None] = [None] * tp.size
         dist.all_gather_object(gathered, ranks[0], group=tp.control)
         ranks = list(gathered)
-    client = BootstrapClient(f"decode-{uuid.uuid4().hex[:12]}", ranks) if consensus.is_leader else None
-    return DecodeRole(kv, DecodeTransfers(agent, consensus, client, config.disaggregation_timeout))
+    connect = ConnectBootstrap(f"decode-{uuid.uuid4().hex[:12]}", tuple(ranks))
+    return DecodeRole(kv, DecodeTransfers(agent, consensus, link, timeout, connect))

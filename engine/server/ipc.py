@@ -13,14 +13,16 @@ import zmq
 @dataclass(frozen=True)
 class Endpoints:
     tokenizer_in: str  # API server -> tokenizer
-    scheduler_in: str  # tokenizer -> scheduler rank 0
+    scheduler_in: str  # tokenizer (and bootstrap process) -> scheduler rank 0
     detokenizer_in: str  # scheduler rank 0 -> detokenizer
     api_in: str  # detokenizer -> API server
+    bootstrap_in: str  # scheduler rank 0 -> bootstrap process (prefill and decode roles)
 
     @classmethod
     def create(cls) -> Endpoints:
         folder = tempfile.mkdtemp(prefix="kubesgl-ipc-")
-        return cls(*(f"ipc://{os.path.join(folder, name)}" for name in ("tokenizer", "scheduler", "detokenizer", "api")))
+        names = ("tokenizer", "scheduler", "detokenizer", "api", "bootstrap")
+        return cls(*(f"ipc://{os.path.join(folder, name)}" for name in names))
 
 
 def pull(context: zmq.Context, address: str) -> zmq.Socket:

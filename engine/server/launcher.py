@@ -23,6 +23,7 @@ from pathlib import Path
 import uvicorn
 
 from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.disagg.bootstrap import run_bootstrap
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.scheduler.process import run_scheduler
 from kubesgl.engine.server.api import ServerState, build_app
@@ -77,6 +78,9 @@ class Server:
                 args=(self.config, rank, self.endpoints, init_method, self.options.log_level, self.options.host))
         self.children["tokenizer"] = ctx.Process(target=run_tokenizer, name="kubesgl-tokenizer",
                                                  args=(self.config.model, self.endpoints, self.options.log_level))
+        if self.config.role != "mixed":  # the HTTP side of the KV handshake, off the schedulers' GIL
+            self.children["bootstrap"] = ctx.Process(target=run_bootstrap, name="kubesgl-bootstrap",
+                                                     args=(self.endpoints, self.options.log_level))
         for child in self.children.values():
             child.start()
 

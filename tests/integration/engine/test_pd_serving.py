@@ -13,7 +13,6 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 from serve_harness import free_port, start_server
 
@@ -63,7 +62,27 @@ def pd_stack(tiny_model, tmp_path_factory):
         assert server.stop() == 0
 
 
+def send_to_both(prefill, decode, path: str, body: dict) -> dict[str, httpx.Response | Exception]:
+    """What a router does: the same request to the prefill and the decode engine at once."""
+    answers: dict[str, httpx.Response | Exception] = {}
+
+    def send(name: str, base: str) -> None:
+        try:
+            answers[name] = httpx.post(base + path, json=body, timeout=120)
+        except httpx.HTTPError as exc:
+            answers[name] = exc
+
+    threads = [threading.Thread(target=send, args=(n, s.base_url)) for n, s in (("p", prefill), ("d", decode))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answers
+
+
 def both(url_a: str, url_b: str):
+    import openai  # here: the GPU machine runs this file's GPU test without the SDK
+
     return (openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) for url in (url_a, url_b))
 
 
@@ -121,20 +140,11 @@ def test_requests_sent_to_both_engines_as_sglangs_router_does(pd_stack):
     rooms = [random.getrandbits(63) for _ in range(2)]
     body = {"model": MODEL_NAME, "prompt": "two choices", "max_tokens": 8, "n": 2, "temperature": 0.8, "seed": 1,
             "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill_bootstrap_port(prefill), "bootstrap_room": rooms}
-    answers = {}
-
-    def send(name, base):
-        answers[name] = httpx.post(base + "/v1/completions", json=body, timeout=60)
-
-    threads = [threading.Thread(target=send, args=(n, s.base_url)) for n, s in (("p", prefill), ("d", decode))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    answers = send_to_both(prefill, decode, "/v1/completions", body)
     assert answers["p"].status_code == 200 and answers["d"].status_code == 200, (answers["p"].text, answers["d"].text)
     want = httpx.post(mixed.base_url + "/v1/completions",
                       json={k: v for k, v in body.items() if not k.startswith("bootstrap")}).json()
-    assert [c["text"] for c in answers["d"].json()["choices"]] == [c["text"] for c in want["choices"]]
+    assert [c["text"] for c in answers["d"].json()["choices"]] == [c["text"] for c in want["choices"]], (answers["d"].json(), want)
     decode.wait_idle()
     prefill.wait_idle()
 
@@ -183,3 +193,30 @@ def test_a_prefill_engine_killed_during_a_long_prefill_fails_the_decode_request_
         for server in (prefill, decode):
             if server.process.poll() is None:
                 os.killpg(server.process.pid, signal.SIGKILL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_pd_on_one_gpu_moves_kv_vram_to_vram_and_equals_a_mixed_engine(backend, tiny_model, tmp_path):
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer", reason="FlashInfer is not installed (pip install 'kubesgl[flashinfer]')")
+    model = tiny_model("llama", head_dim=64)
+    gpu = ("--device", "cuda", "--dtype", "bfloat16", "--attention-backend", backend, "--page-size", "16")
+    mixed = start_server(model, "--served-model-name", MODEL_NAME, *gpu, tmp_path=tmp_path)
+    prefill, decode, bootstrap = start_pd_pair(model, tmp_path, prefill_args=gpu, decode_args=gpu)
+    try:
+        rng = random.Random(3)
+        for length in (5, 100, 700):
+            prompt = [rng.randrange(3, 600) for _ in range(length)]
+            room = random.getrandbits(63)
+            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
+            paired = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": room}
+            answers = send_to_both(prefill, decode, "/generate", paired)
+            want = httpx.post(mixed.base_url + "/generate", json=body, timeout=120).json()["output_ids"]
+            assert answers["d"].json()["output_ids"] == want, length
+        assert prefill.metric("kubesgl_kv_transfer_bytes_total") > 0
+        for server in (prefill, decode):
+            server.wait_idle()
+    finally:
+        for server in (mixed, prefill, decode):
+            server.stop()

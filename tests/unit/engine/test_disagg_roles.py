@@ -12,7 +12,7 @@ import pytest
 
 from kubesgl.engine import InvalidRequestError, SamplingParams
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.disagg.protocol import BootstrapTarget
+from kubesgl.engine.disagg.protocol import BootstrapTarget, RoomCancelled
 from kubesgl.engine.engine import Engine
 from kubesgl.engine.io import GenerateRequest
 
@@ -53,7 +53,7 @@ def finished(rids):
 
 
 def pd_generate(prefill: Engine, decode: Engine, prompts, params: SamplingParams, port: int | None = None):
-    port = port or prefill.role.transfers.server.port
+    port = port or prefill.role.transfers.link.port
     rids = []
     for i, prompt in enumerate(prompts):
         target = BootstrapTarget(next(_rooms), "127.0.0.1", port)
@@ -125,7 +125,7 @@ def test_sampling_options_through_prefill_and_decode_equal_a_mixed_engine(tiny_m
     prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
     rids = []
     for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-        target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.server.port)
+        target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
         decode.add_request(GenerateRequest(f"d{i}", prompt, params, bootstrap=target))
         prefill.add_request(GenerateRequest(f"p{i}", prompt, params, bootstrap=target))
         rids += [f"d{i}", f"p{i}"]
@@ -151,7 +151,7 @@ def test_n_copies_each_with_its_own_room(tiny_model, make_engine, random_prompts
     prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
     rids = []
     for i in range(3):
-        target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.server.port)
+        target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
         decode.add_request(GenerateRequest(f"d{i}", prompt, params[i], bootstrap=target))
         prefill.add_request(GenerateRequest(f"p{i}", prompt, params[i], bootstrap=target,
                                             prefix_leader=None if i == 0 else "p0"))
@@ -164,7 +164,7 @@ def test_n_copies_each_with_its_own_room(tiny_model, make_engine, random_prompts
 
 
 def submit_pair(prefill, decode, rid, prompt, params, port=None):
-    target = BootstrapTarget(next(_rooms), "127.0.0.1", port or prefill.role.transfers.server.port)
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", port or prefill.role.transfers.link.port)
     decode.add_request(GenerateRequest(f"d{rid}", prompt, params, bootstrap=target))
     prefill.add_request(GenerateRequest(f"p{rid}", prompt, params, bootstrap=target))
     return target
@@ -190,7 +190,7 @@ def test_a_decode_request_aborted_while_its_kv_may_come_keeps_its_slots_until_no
     prefill, decode = make_engine(model, "prefill", **options), make_engine(model, "decode", **options)
     first, second = random_prompts(2, 60, 60, seed=8)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.server.port)
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
     decode.add_request(GenerateRequest("d0", first, params, bootstrap=target))
     step_until([decode], lambda: decode.scheduler.requests["d0"].status.name == "AWAITING_KV")
     if when == "after the write":  # the KV and its notification are on their way when the client leaves
@@ -199,7 +199,9 @@ def test_a_decode_request_aborted_while_its_kv_may_come_keeps_its_slots_until_no
     [aborted] = decode.abort_request("d0", "the client disconnected")
     assert aborted.finish_reason.kind == "abort"
     assert decode.scheduler.kv.committed_tokens() >= 60  # the slots are held, not reused yet
-    if when == "before the write":
+    if when == "before the write":  # the cancel is at the prefill engine before its request is
+        facts = prefill.role.transfers.link._facts.queue
+        step_until([decode], lambda: any(isinstance(fact, RoomCancelled) for fact in facts))
         prefill.add_request(GenerateRequest("p0", first, params, bootstrap=target))
     outputs = step_until([prefill, decode], lambda: not decode.scheduler.has_work() and not prefill.scheduler.has_work())
     if when == "before the write":  # the prefill engine dropped the room instead of prefilling it
@@ -216,7 +218,7 @@ def test_a_request_the_prefill_engine_refuses_fails_on_the_decode_engine_at_once
     model = tiny_model("llama")
     prefill, decode = make_engine(model, "prefill", context_length=64), make_engine(model, "decode")
     [prompt] = random_prompts(1, 80, 80, seed=2)
-    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.server.port)
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
     decode.add_request(GenerateRequest("d0", prompt, SamplingParams(max_tokens=8), bootstrap=target))
     with pytest.raises(InvalidRequestError, match="context length"):
         prefill.add_request(GenerateRequest("p0", prompt, SamplingParams(max_tokens=8), bootstrap=target))
@@ -235,7 +237,7 @@ def test_a_request_the_decode_engine_refuses_releases_the_prefill_engine_at_once
     prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode", max_total_tokens=64)
     [prompt] = random_prompts(1, 40, 40, seed=3)
     params = SamplingParams(max_tokens=100)  # fits the prefill engine (prompt only), not the decode pool
-    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.server.port)
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
     prefill.add_request(GenerateRequest("p0", prompt, params, bootstrap=target))
     with pytest.raises(InvalidRequestError, match="KV cache"):
         decode.add_request(GenerateRequest("d0", prompt, params, bootstrap=target))
@@ -295,15 +297,15 @@ def test_engines_whose_pools_differ_fail_the_request_with_the_reason(tiny_model,
 def test_a_burst_above_the_decode_engines_capacity_does_not_time_out_queued_rooms(tiny_model, make_engine,
                                                                                    random_prompts):
     model = tiny_model("llama")
-    options = {"disaggregation_timeout": 0.6}
-    prefill = make_engine(model, "prefill", **options)
-    decode = make_engine(model, "decode", max_running_requests=1, **options)
-    prompts = random_prompts(5, 10, 30, seed=9)
-    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
-    reference = mixed_reference(model, prompts, [params] * 5, make_engine)
+    timeout = 1.5
+    prefill = make_engine(model, "prefill", disaggregation_timeout=timeout)
+    decode = make_engine(model, "decode", max_running_requests=1, disaggregation_timeout=timeout)
+    prompts = random_prompts(6, 10, 30, seed=9)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    reference = mixed_reference(model, prompts, [params] * 6, make_engine)
     started = time.monotonic()
     outputs = pd_generate(prefill, decode, prompts, params)
-    assert time.monotonic() - started > 1.2  # the last rooms waited well past the timeout
-    for i in range(5):
+    assert time.monotonic() - started > 2 * timeout  # the last rooms waited well past the timeout
+    for i in range(6):
         assert tokens(outputs, f"d{i}") == tokens(reference, f"m{i}")
     assert_idle(prefill, decode)

@@ -12,11 +12,18 @@ import httpx
 import pytest
 import torch
 
-from kubesgl.engine.disagg.bootstrap import BootstrapClient, BootstrapServer, RankAgent
 from kubesgl.engine.disagg.decode import DecodeTransfers
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
+from kubesgl.engine.disagg.link import LocalLink
 from kubesgl.engine.disagg.prefill import PrefillTransfers
-from kubesgl.engine.disagg.protocol import BootstrapTarget, FailureReason, RoomNote, RoomStatus
+from kubesgl.engine.disagg.protocol import (
+    BootstrapTarget,
+    ConnectBootstrap,
+    FailureReason,
+    RankAgent,
+    RoomNote,
+    RoomStatus,
+)
 from kubesgl.engine.disagg.ranks import RankConsensus
 
 
@@ -27,11 +34,11 @@ class Pair:
                  dead_after_s: float = 10.0):
         self.prefill_pool, self.decode_pool = filled_kv_pool(1), filled_kv_pool(None, kv_heads=decode_kv_heads)
         self.prefill_agent, self.decode_agent = KVTransferAgent(self.prefill_pool), KVTransferAgent(self.decode_pool)
-        self.server = BootstrapServer(self.prefill_agent.layout, 1, "127.0.0.1", port)
-        self.prefill = PrefillTransfers(self.prefill_agent, RankConsensus(), self.server, timeout)
-        client = BootstrapClient("decode-test", [RankAgent(self.decode_agent.metadata, self.decode_agent.layout)],
-                                 heartbeat_s=0.1, dead_after_s=dead_after_s)
-        self.decode = DecodeTransfers(self.decode_agent, RankConsensus(), client, timeout)
+        self.prefill = PrefillTransfers(self.prefill_agent, RankConsensus(), LocalLink(), timeout, "127.0.0.1", port)
+        self.server = self.prefill.link.service.server
+        connect = ConnectBootstrap("decode-test", (RankAgent(self.decode_agent.metadata, self.decode_agent.layout),),
+                                   heartbeat_s=0.1, dead_after_s=dead_after_s)
+        self.decode = DecodeTransfers(self.decode_agent, RankConsensus(), LocalLink(), timeout, connect)
 
     def target(self, room: int) -> BootstrapTarget:
         return BootstrapTarget(room, "127.0.0.1", self.server.port)
