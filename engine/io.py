@@ -97,7 +97,7 @@ class DisaggStats:
     requests_by_state: dict[str, int]  # transferring, awaiting_kv, ... (requests with a room)
     failures_by_reason: dict[str, int]  # since start
     transfers: list[tuple[int, float]]  # (bytes, seconds) of each KV write sent
-    kv_waits: list[float]  # decode side: seconds from admission to the KV's arrival
+    kv_waits: list[float]  # seconds waited for the other engine (see kubesgl_kv_transfer_wait_seconds)
 
     def has_samples(self) -> bool:
         return bool(self.transfers or self.kv_waits)

@@ -42,9 +42,10 @@ class EngineMetrics:
                                          labels, registry=r)
         self.kv_transfer_seconds = Histogram("kubesgl_kv_transfer_seconds", "Time to move one request's KV", labels,
                                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.kv_transfer_wait = Histogram("kubesgl_kv_transfer_wait_seconds", "Decode side: time from admitting a "
-                                          "request to its prompt's KV arriving", labels, buckets=_LATENCY_BUCKETS,
-                                          registry=r)
+        self.kv_transfer_wait = Histogram("kubesgl_kv_transfer_wait_seconds", "Time a room waited for the other "
+                                          "engine: decode, from admission to the KV's arrival; prefill, from the "
+                                          "prompt's end to the decode side's slots", labels,
+                                          buckets=_LATENCY_BUCKETS, registry=r)
         self.disagg_requests = Gauge("kubesgl_disagg_requests", "Requests with a bootstrap room, by state",
                                      labels + ["state"], registry=r)
         self.disagg_failures = Counter("kubesgl_disagg_failures", "Rooms that failed, by reason",

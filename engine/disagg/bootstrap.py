@@ -130,6 +130,11 @@ class BootstrapServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            # No Nagle delay between a response's headers and its body: a room's post is on the
+            # path of its request's first token. (One request per connection: a server that is
+            # closed must stop answering at once, heartbeats on open connections included.)
+            disable_nagle_algorithm = True
+
             def do_GET(self):  # noqa: N802 - http.server's naming
                 if self.path != "/health":
                     return self._reply(404, {"error": f"no such path {self.path}"})

@@ -65,6 +65,7 @@ class PrefillOutcome:
     reason: FailureReason | None = None
     nbytes: int = 0  # KV bytes written, over all ranks, and the write's time
     seconds: float = 0.0
+    waited: float = 0.0  # from the prompt's end to the write's start: waiting for the decode side's slots
 
     @property
     def ok(self) -> bool:
@@ -84,6 +85,7 @@ class _Room:
     failed: bool = False
     nbytes: int = 0  # the write's size over all ranks, and its time on this rank
     seconds: float = 0.0
+    waited: float = 0.0  # this rank: from the prompt's end to the write's start
 
 
 class PrefillTransfers:
@@ -237,7 +239,8 @@ class PrefillTransfers:
         if not state.writing:
             del self._rooms[fact.room]
             if not state.failed:
-                outcomes.append(PrefillOutcome(fact.room, nbytes=state.nbytes, seconds=state.seconds))
+                outcomes.append(PrefillOutcome(fact.room, nbytes=state.nbytes, seconds=state.seconds,
+                                               waited=state.waited))
         return outcomes
 
     def _start_writes(self) -> None:
@@ -245,6 +248,7 @@ class PrefillTransfers:
             if state.started or state.src_slots is None or state.target is None:
                 continue
             state.started, state.writing = True, set(range(self.consensus.tp_size))
+            state.waited = time.monotonic() - state.prefilled_at
             peer = self._peer_agents.get(state.target.engine)
             try:
                 if peer is None:

@@ -235,6 +235,7 @@ class PrefillRole(_RoomRole):
             if outcome.ok:
                 self._sent.add(outcome.room)
                 self._transfers.append((outcome.nbytes, outcome.seconds))
+                self._kv_waits.append(outcome.waited)
                 events.append(KVSent(req))
             else:
                 events.append(self._failed(req, outcome.error, outcome.reason))
