@@ -87,6 +87,8 @@ class EngineInfo:
     vocab_size: int
     max_total_tokens: int
     tp_size: int
+    architecture: str
+    eos_token_ids: list[int]
 
 
 @dataclass

@@ -88,6 +88,7 @@ class SchedulerLoop:
                 model_path=engine.config.model, context_length=engine.context_length,
                 vocab_size=engine.model_config.vocab_size,
                 max_total_tokens=engine.scheduler.stats().kv_total_tokens, tp_size=engine.config.tp_size,
+                architecture=engine.model_config.architecture, eos_token_ids=sorted(engine.model_config.eos_token_ids),
             ))
 
     def _receive(self) -> list:

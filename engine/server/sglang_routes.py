@@ -41,8 +41,16 @@ def add_sglang_routes(app: FastAPI, client: EngineClient, config: EngineConfig, 
         }
 
     def model_info() -> dict:
+        """The fields of SGLang's answer (its router reads them to name the served model)."""
+        info = client.info
         return {"model_path": config.model, "tokenizer_path": config.model, "served_model_name": served_model_name,
-                "is_generation": True, "max_context_length": client.info.context_length if client.info else None}
+                "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+                "supports_vision": False, "model_type": None,
+                "architectures": [info.architecture] if info else None,
+                "max_context_length": info.context_length if info else None,
+                "max_req_input_len": info.context_length - 1 if info else None,
+                "vocab_size": info.vocab_size if info else None,
+                "eos_token_ids": info.eos_token_ids if info else None}
 
     def load() -> list[dict]:
         stats = client.stats

@@ -119,6 +119,52 @@ def test_completions_and_chat_through_the_router_equal_a_mixed_engine(pd_stack):
     assert prefill.metric("kubesgl_kv_transfer_bytes_total") > 0
 
 
+def start_sglang_router(tmp_path, prefill, bootstrap: int, decode) -> tuple[subprocess.Popen, str]:
+    """SGLang's own router (PyPI sglang-router) in PD mode in front of kubesgl engines."""
+    port, metrics_port = free_port(), free_port()
+    log = open(tmp_path / "sglang-router.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+         "--prefill", prefill.base_url, str(bootstrap), "--decode", decode.base_url, "--host", "127.0.0.1",
+         "--port", str(port), "--prometheus-port", str(metrics_port), "--health-check-interval-secs", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # ready once it has found the model on its workers
+        assert process.poll() is None, (tmp_path / "sglang-router.log").read_text()[-2000:]
+        try:
+            if MODEL_NAME in httpx.get(url + "/v1/models", timeout=1).text:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("sglang-router did not find the kubesgl workers")
+
+
+def test_sglangs_own_router_drives_kubesgl_engines(pd_stack, tmp_path):
+    url, mixed, prefill, decode = pd_stack
+    router, sglang_url = start_sglang_router(tmp_path, prefill, prefill_bootstrap_port(prefill), decode)
+    try:
+        pd, ref = both(sglang_url, mixed.base_url)
+        assert [m.id for m in pd.models.list().data] == [MODEL_NAME]
+        for prompt in ("The capital of France is", "Kubernetes schedules pods"):
+            kwargs = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            assert pd.completions.create(**kwargs).choices[0].text == ref.completions.create(**kwargs).choices[0].text
+        messages = [{"role": "user", "content": "hi"}]
+        chat = {"model": MODEL_NAME, "messages": messages, "max_tokens": 12, "temperature": 0}
+        streamed = pd.chat.completions.create(**chat, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+            ref.chat.completions.create(**chat).choices[0].message.content
+        native = {"text": "hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        assert httpx.post(sglang_url + "/generate", json=native, timeout=60).json()["output_ids"] == \
+            httpx.post(mixed.base_url + "/generate", json=native).json()["output_ids"]
+        for server in (prefill, decode):
+            server.wait_idle()
+    finally:
+        os.killpg(router.pid, signal.SIGKILL)
+        router.wait()
+
+
 def test_what_the_engines_say_about_rooms(pd_stack):
     url, mixed, prefill, decode = pd_stack
     room = random.getrandbits(63)
