@@ -266,3 +266,29 @@ def test_pd_on_one_gpu_moves_kv_vram_to_vram_and_equals_a_mixed_engine(backend, 
     finally:
         for server in (mixed, prefill, decode):
             server.stop()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_prefill_and_decode_pair_rank_by_rank(pd_stack, tiny_model, tmp_path):
+    """TP 2 on both sides (gloo on the CPU): each prefill rank writes its shard of the heads
+    into the same decode rank, and the output equals a TP 1 mixed engine's."""
+    _, mixed, _, _ = pd_stack
+    tp = ("--tp-size", "2")
+    prefill, decode, bootstrap = start_pd_pair(tiny_model("llama"), tmp_path, prefill_args=tp, decode_args=tp)
+    try:
+        rng = random.Random(0)
+        for length in (5, 300):
+            body = {"input_ids": [rng.randrange(10, 600) for _ in range(length)],
+                    "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
+            paired = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap,
+                      "bootstrap_room": random.getrandbits(63)}
+            answers = send_to_both(prefill, decode, "/generate", paired)
+            assert answers["d"].status_code == 200, answers["d"].text
+            assert answers["d"].json()["output_ids"] == httpx.post(mixed.base_url + "/generate", json=body).json()[
+                "output_ids"]
+        for server in (prefill, decode):
+            server.wait_idle()
+    finally:
+        for server in (prefill, decode):
+            assert server.stop() == 0
+

@@ -232,3 +232,15 @@ def test_a_prefill_engine_that_stops_answering_fails_its_rooms_after_the_silence
     _, arrived = p.run(released(17))
     assert arrived[0].reason is FailureReason.PEER_LOST and "has not answered" in arrived[0].error
     assert 0.5 < time.monotonic() - started < 8  # the silence counts from the last answer, just before
+
+
+def test_a_decode_engine_of_another_tensor_parallel_size_is_refused_with_the_reason(pair):
+    p = pair()
+    mine = RankAgent(p.decode_agent.metadata, p.decode_agent.layout)
+    p.decode.link.close()  # the same agent, announced as the two ranks of one engine
+    p.decode = DecodeTransfers(p.decode_agent, RankConsensus(), LocalLink(), 10.0,
+                               ConnectBootstrap("decode-tp2", (mine, mine)))
+    p.decode.expect(p.target(18), [1])
+    _, [outcome] = p.run(released(18))
+    assert outcome.reason is FailureReason.REFUSED and "tensor-parallel size 2" in outcome.error
+
