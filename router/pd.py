@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation (DESIGN.md): one request, sent to a prefill and a decode
+"""Prefill/decode disaggregation (docs/disaggregation.md): one request, sent to a prefill and a decode
 worker at once, tied together by `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
 
 The decode worker's answer goes to the client; the prefill worker's is drained. A prefill
@@ -31,14 +31,16 @@ log = logging.getLogger("kubesgl.router")
 _END: Any = object()  # what anext() returns once a stream is exhausted
 
 
-def bootstrap_payload(body: dict[str, Any], prefill: Worker, room: int) -> bytes:
-    """The request both workers get: the client's JSON plus the three bootstrap fields."""
+def bootstrap_payload(request: ParsedRequest, prefill: Worker) -> bytes:
+    """The request both workers get: the client's JSON plus the three bootstrap fields, with
+    a new room for every attempt and one per choice (a list when there are several)."""
+    rooms = [draw_bootstrap_room() for _ in range(request.choices)]
     return json.dumps(
         {
-            **body,
+            **request.body,
             "bootstrap_host": prefill.host,
             "bootstrap_port": prefill.bootstrap_port,
-            "bootstrap_room": room,
+            "bootstrap_room": rooms[0] if request.choices == 1 else rooms,
         }
     ).encode()
 
@@ -56,7 +58,7 @@ class PrefillDecodePair:
     async def exchange(
         self, request: ParsedRequest, prefill: Worker, decode: Worker, headers: Headers
     ) -> Reply:
-        payload = bootstrap_payload(request.body, prefill, draw_bootstrap_room())
+        payload = bootstrap_payload(request, prefill)
         prefill_task = asyncio.create_task(
             self.upstream.drain(prefill, request.path, payload, headers)
         )

@@ -28,7 +28,7 @@ class ParsedRequest:
     raw: bytes
     routing_text: str
     stream: bool
-    batched: bool  # more than one prompt (a list of prompts) or `n` > 1
+    choices: int  # sequences the request asks for: prompts x n
 
 
 def _token_ids_text(ids: list[Any], param: str) -> str:
@@ -38,16 +38,16 @@ def _token_ids_text(ids: list[Any], param: str) -> str:
     return "".join(chr(i % 0x110000) for i in ids)
 
 
-def _prompt_text(prompt: Any, param: str) -> tuple[str, bool]:
-    """Text of a `prompt`/`text`/`input_ids` value, and whether it holds several prompts."""
+def _prompt_text(prompt: Any, param: str) -> tuple[str, int]:
+    """Text of (the first prompt of) a `prompt`/`text`/`input_ids` value, and how many prompts it holds."""
     if isinstance(prompt, str):
-        return prompt, False
+        return prompt, 1
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return prompt[0], len(prompt) > 1
+            return prompt[0], len(prompt)
         if all(isinstance(p, list) for p in prompt):
-            return _token_ids_text(prompt[0], param), len(prompt) > 1
-        return _token_ids_text(prompt, param), False
+            return _token_ids_text(prompt[0], param), len(prompt)
+        return _token_ids_text(prompt, param), 1
     raise bad_request(
         f"`{param}` must be a string, a list of strings, or a non-empty list of token ids", param
     )
@@ -101,16 +101,16 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
     n = _sample_count(body.get("n"), "n")
 
     if path == CHAT_PATH:
-        text, several = _chat_text(body), False
+        text, prompts = _chat_text(body), 1
     elif path == COMPLETIONS_PATH:
         if "prompt" not in body:
             raise bad_request("`prompt` is required", "prompt")
-        text, several = _prompt_text(body["prompt"], "prompt")
+        text, prompts = _prompt_text(body["prompt"], "prompt")
     else:
         if "text" in body:
-            text, several = _prompt_text(body["text"], "text")
+            text, prompts = _prompt_text(body["text"], "text")
         elif "input_ids" in body:
-            text, several = _prompt_text(body["input_ids"], "input_ids")
+            text, prompts = _prompt_text(body["input_ids"], "input_ids")
         else:
             raise bad_request("`text` or `input_ids` is required", "text")
         sampling = body.get("sampling_params", {})
@@ -118,4 +118,4 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
             raise bad_request("`sampling_params` must be an object", "sampling_params")
         if "n" in sampling:
             n = _sample_count(sampling["n"], "sampling_params.n")
-    return ParsedRequest(path, body, raw, text, stream, several or n > 1)
+    return ParsedRequest(path, body, raw, text, stream, prompts * n)

@@ -7,7 +7,7 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from kubesgl.router.errors import RouterError, bad_request, no_worker
+from kubesgl.router.errors import RouterError, no_worker
 from kubesgl.router.metrics import RouterMetrics
 from kubesgl.router.pd import PrefillDecodePair
 from kubesgl.router.policies import Choice, Policy
@@ -65,11 +65,6 @@ class Forwarder:
 
     async def generate(self, request: ParsedRequest, headers: Headers) -> Reply:
         if self.workers.is_disaggregated():
-            if request.batched:
-                raise bad_request(
-                    "in prefill/decode mode each request carries one prompt and n=1; "
-                    "send several prompts as separate requests"
-                )
             return await self._with_retries(lambda excluded: self._pd_once(request, headers, excluded))
         return await self._with_retries(lambda excluded: self._mixed_once(request, headers, excluded))
 

@@ -151,12 +151,12 @@ class FakeEngine:
             problem = _bootstrap_problem(body)
             if problem:
                 return _error(400, problem)
-            key = (body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"])
             assert self.kv is not None
             try:
-                await self.kv.wait(key, timeout=5.0)
+                for room in _rooms(body):
+                    await self.kv.wait((body["bootstrap_host"], body["bootstrap_port"], room), timeout=5.0)
             except TimeoutError:
-                return _error(500, f"{self.name}: KV cache of room {key[2]} never arrived")
+                return _error(500, f"{self.name}: KV cache of room {room} never arrived")
             except asyncio.CancelledError:
                 self.client_gone.set()
                 raise
@@ -177,7 +177,8 @@ class FakeEngine:
         if body["bootstrap_host"] != "127.0.0.1" or body["bootstrap_port"] != self.bootstrap_port:
             return _error(400, f"{self.name}: bootstrap address is not mine")
         assert self.kv is not None
-        self.kv.fill((body["bootstrap_host"], body["bootstrap_port"], body["bootstrap_room"]), self.name)
+        for room in _rooms(body):
+            self.kv.fill((body["bootstrap_host"], body["bootstrap_port"], room), self.name)
         if self.hold is not None:  # the KV cache is sent, the answer is not
             await self.hold.wait()
         return web.json_response(self._completion(request.path))
@@ -255,6 +256,12 @@ def _bootstrap_problem(body: dict[str, Any]) -> str | None:
         return "bootstrap_host must be a non-empty string"
     if not isinstance(port, int) or isinstance(port, bool):
         return "bootstrap_port must be an integer"
-    if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
-        return "bootstrap_room must be a 63-bit non-negative integer"
+    rooms = room if isinstance(room, list) and room else [room]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 2**63 for r in rooms):
+        return "bootstrap_room must be a 63-bit non-negative integer, or a list of them"
     return None
+
+
+def _rooms(body: dict[str, Any]) -> list[int]:
+    room = body["bootstrap_room"]
+    return room if isinstance(room, list) else [room]

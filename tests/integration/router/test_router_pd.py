@@ -121,15 +121,17 @@ async def test_prefill_dying_mid_stream_ends_the_stream_with_an_error(engines, k
         await d.client_gone.wait()
 
 
-async def test_batched_requests_are_refused_in_pd_mode(engines, kv_table, start_router, client):
+async def test_batched_requests_get_one_room_per_choice(engines, kv_table, start_router, client):
     (p,), (d,) = await pd_pool(engines, kv_table)
     async with start_router(**pd_config([p], [d])) as router:
         await router.ready()
-        several = await client.post(router.url + "/v1/completions", json={"prompt": ["a", "b"]})
-        with_n = await client.post(router.url + "/v1/completions", json={"prompt": "a", "n": 2})
-    assert several.status_code == 400 and with_n.status_code == 400
-    assert "one prompt" in several.json()["error"]["message"]
-    assert p.requests == [] and d.requests == []
+        several = await client.post(router.url + "/v1/completions", json={"prompt": ["a", "b"], "n": 2})
+        single = await client.post(router.url + "/v1/completions", json={"prompt": "a"})
+    assert several.status_code == 200 and single.status_code == 200
+    rooms = [r["body"]["bootstrap_room"] for r in p.requests]
+    assert [r["body"]["bootstrap_room"] for r in d.requests] == rooms
+    assert isinstance(rooms[0], list) and len(set(rooms[0])) == 4  # prompts x n, each new
+    assert isinstance(rooms[1], int) and rooms[1] not in rooms[0]
 
 
 async def test_health_needs_both_roles(engines, kv_table, start_router, client):

@@ -23,10 +23,11 @@ def test_content_parts_and_prompts():
     assert "hi" in parts.routing_text
     assert parse("/v1/completions", {"prompt": "abc"}).routing_text == "abc"
     ids = parse("/v1/completions", {"prompt": [1, 2, 3]})
-    assert ids.routing_text == "\x01\x02\x03" and not ids.batched
-    assert parse("/v1/completions", {"prompt": ["a", "b"]}).batched
-    assert parse("/generate", {"input_ids": [[5], [6]]}).batched
-    assert parse("/generate", {"text": "t", "sampling_params": {"n": 3}}).batched
+    assert ids.routing_text == "\x01\x02\x03" and ids.choices == 1
+    assert parse("/v1/completions", {"prompt": ["a", "b"]}).choices == 2
+    assert parse("/v1/completions", {"prompt": ["a", "b"], "n": 3}).choices == 6
+    assert parse("/generate", {"input_ids": [[5], [6]]}).choices == 2
+    assert parse("/generate", {"text": "t", "sampling_params": {"n": 3}}).choices == 3
     assert parse("/v1/completions", {"prompt": "p", "stream": True}).stream
 
 
