@@ -81,8 +81,8 @@ def stack(mode: str, opts: argparse.Namespace, log_dir: str):
             processes[role] = start(engine + ["--port", str(port)] + extra, log_dir, role)
             wait_healthy(urls[role], processes[role], log_dir, role)
         port = free_port()
-        workers = (["--worker", urls["mixed"]] if mode == "mixed" else
-                   ["--prefill", f"{urls['prefill']}@{bootstrap}", "--decode", urls["decode"]])
+        workers = (["--worker", urls["mixed"]] if mode == "mixed" else  # every request disaggregated:
+                   ["--prefill", f"{urls['prefill']}@{bootstrap}", "--decode", urls["decode"], "--pd-min-prefill-tokens", "0"])
         processes["router"] = start(["router", "--port", str(port), "--host", "127.0.0.1", "--log-level", "warning",
                                      *workers], log_dir, "router")
         router = f"http://127.0.0.1:{port}"

@@ -100,7 +100,7 @@ class RouterApp:
         policy = lambda name: make_policy(name or c.policy, c.cache_aware)  # noqa: E731
         policies = Policies(policy(c.policy), policy(c.prefill_policy), policy(c.decode_policy))
         upstream = UpstreamClient(self._session, self.metrics, on_worker_lost=self.workers.mark_lost)
-        self._forwarder = Forwarder(self.workers, policies, upstream, self.metrics, c.retry)
+        self._forwarder = Forwarder(self.workers, policies, upstream, self.metrics, c.retry, c.disaggregation)
         self._health = HealthChecker(self.workers, self._session, c.health)
         for url in c.workers:
             self.workers.add(url, Role.MIXED)

@@ -6,11 +6,12 @@ import argparse
 import logging
 import sys
 
+from kubesgl import contract
 from kubesgl.router.config import KubeDiscoverySettings, RouterConfig, parse_prefill_spec
-from kubesgl.router.discovery import DEFAULT_WORKER_PORT, parse_selector
+from kubesgl.router.discovery import parse_selector
 from kubesgl.router.health import HealthSettings
 from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings
-from kubesgl.router.routing import RetrySettings
+from kubesgl.router.routing import DisaggregationSettings, RetrySettings
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 # On SIGTERM, streams still running get this long to finish (Kubernetes' default grace is 30 s).
@@ -27,19 +28,19 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker", action="extend", nargs="+", default=[], metavar="URL",
                    help="a mixed-role engine")
     w.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL[@BOOTSTRAP_PORT]",
-                   help="a prefill engine and its bootstrap port (default 8998)")
+                   help=f"a prefill engine and its bootstrap port (default {contract.BOOTSTRAP_PORT})")
     w.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
                    help="a decode engine")
     w.add_argument("--kube-namespace", default=None,
                    help="namespace of the engine pods (default: the router pod's own, else `default`)")
     w.add_argument("--kube-selector", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="label selector of engine pods; turns Kubernetes discovery on")
-    w.add_argument("--kube-worker-port", type=int, default=DEFAULT_WORKER_PORT,
+    w.add_argument("--kube-worker-port", type=int, default=contract.ENGINE_PORT,
                    help="engine port in pods that name no container port `http`")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=contract.ROUTER_PORT)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--admin-api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /workers (default: open)")
@@ -57,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache_aware: in-flight ratio (max / min) beyond which loads are balanced")
     r.add_argument("--max-tree-chars", type=int, default=cache.max_tree_chars,
                    help="cache_aware: characters remembered per worker (LRU eviction beyond)")
+
+    d = p.add_argument_group("prefill/decode: when a decode worker prefills a request itself")
+    pd = DisaggregationSettings()
+    d.add_argument("--pd-min-prefill-tokens", type=int, default=pd.min_prefill_tokens, metavar="N",
+                   help="requests whose uncached prompt is shorter (estimated at 4 characters a token for "
+                        "text) go to a decode worker alone; 0: always disaggregate")
+    d.add_argument("--pd-max-prefill-in-flight", type=int, default=pd.max_prefill_in_flight, metavar="N",
+                   help="when every prefill worker has this many requests in flight, new ones go to a "
+                        "decode worker alone")
 
     h = p.add_argument_group("health, circuit breaker, retries, timeouts")
     health, retry = HealthSettings(), RetrySettings()
@@ -109,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             args.health_failure_threshold, args.health_success_threshold,
         ),
         retry=RetrySettings(args.max_retries, args.retry_initial_backoff, args.retry_max_backoff),
+        disaggregation=DisaggregationSettings(args.pd_min_prefill_tokens, args.pd_max_prefill_in_flight),
         breaker_failure_threshold=args.breaker_failure_threshold,
         breaker_cooldown_s=args.breaker_cooldown,
         connect_timeout_s=args.connect_timeout,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kubesgl.router.discovery import DEFAULT_WORKER_PORT
+from kubesgl import contract
 from kubesgl.router.health import HealthSettings
 from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings
-from kubesgl.router.routing import RetrySettings
+from kubesgl.router.routing import DisaggregationSettings, RetrySettings
 from kubesgl.router.workers import normalize_url
 
 
@@ -25,7 +25,7 @@ def parse_prefill_spec(spec: str) -> tuple[str, int | None]:
 class KubeDiscoverySettings:
     namespace: str
     selector: dict[str, str]
-    worker_port: int = DEFAULT_WORKER_PORT
+    worker_port: int = contract.ENGINE_PORT
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class RouterConfig:
     cache_aware: CacheAwareSettings = field(default_factory=CacheAwareSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
     retry: RetrySettings = field(default_factory=RetrySettings)
+    disaggregation: DisaggregationSettings = field(default_factory=DisaggregationSettings)
     breaker_failure_threshold: int = 5
     breaker_cooldown_s: float = 10.0
     connect_timeout_s: float = 5.0

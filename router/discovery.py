@@ -2,7 +2,8 @@
 
 A pod's role comes from its `kubesgl.io/role` label (prefill, decode or mixed; other roles,
 such as the router's own pods, are ignored) and a prefill pod's bootstrap port from its
-`kubesgl.io/bootstrap-port` annotation (DESIGN.md, Kubernetes objects). The watcher lists
+`kubesgl.io/bootstrap-port` annotation, or SGLang's `sglang.ai/bootstrap-port`
+(docs/architecture.md, Kubernetes objects). The watcher lists
 the pods, then follows a watch from that list's resource version; whenever the watch ends
 or fails it lists again, so the pool converges on the cluster's state.
 """
@@ -19,14 +20,13 @@ from typing import Any
 
 import aiohttp
 
-from kubesgl.router.workers import DEFAULT_BOOTSTRAP_PORT, Role, WorkerRegistry
+from kubesgl import contract
+from kubesgl.router.workers import Role, WorkerRegistry
 
 log = logging.getLogger("kubesgl.router")
 
-ROLE_LABEL = "kubesgl.io/role"
-BOOTSTRAP_PORT_ANNOTATION = "kubesgl.io/bootstrap-port"
-# The engine's default --port (DESIGN.md): used when a pod names no container port `http`.
-DEFAULT_WORKER_PORT = 30000
+# kubesgl's own first; SGLang's lets the router take prefill pods deployed for SGLang's router
+BOOTSTRAP_PORT_ANNOTATIONS = (contract.BOOTSTRAP_PORT_ANNOTATION, contract.SGLANG_BOOTSTRAP_PORT_ANNOTATION)
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; the watcher lists again
 
 
@@ -76,7 +76,7 @@ def worker_from_pod(
     if any(labels.get(k) != v for k, v in selector.items()):
         return None
     try:
-        role = Role(labels.get(ROLE_LABEL, Role.MIXED.value))
+        role = Role(labels.get(contract.ROLE_LABEL, Role.MIXED.value))
     except ValueError:
         return None  # a router pod, or a role this router does not route to
     ip = pod.get("status", {}).get("podIP")
@@ -84,11 +84,12 @@ def worker_from_pod(
         return None
     bootstrap_port = None
     if role is Role.PREFILL:
-        annotation = (meta.get("annotations", {}) or {}).get(BOOTSTRAP_PORT_ANNOTATION)
+        annotations = meta.get("annotations", {}) or {}
+        key = next((key for key in BOOTSTRAP_PORT_ANNOTATIONS if annotations.get(key)), None)
         try:
-            bootstrap_port = int(annotation) if annotation else DEFAULT_BOOTSTRAP_PORT
+            bootstrap_port = int(annotations[key]) if key else contract.BOOTSTRAP_PORT
         except ValueError:
-            log.warning("pod %s: bad %s annotation %r", meta.get("name"), BOOTSTRAP_PORT_ANNOTATION, annotation)
+            log.warning("pod %s: bad %s annotation %r", meta.get("name"), key, annotations[key])
             return None
     host = f"[{ip}]" if ":" in ip else ip
     return PodWorker(f"http://{host}:{_pod_port(pod, default_port)}", role, bootstrap_port)
@@ -134,7 +135,7 @@ class PodWatcher:
         workers: WorkerRegistry,
         namespace: str,
         selector: dict[str, str],
-        worker_port: int = DEFAULT_WORKER_PORT,
+        worker_port: int = contract.ENGINE_PORT,
         retry_delay_s: float = 2.0,
     ) -> None:
         self.workers = workers

@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (names from DESIGN.md), in a registry of its own.
+"""The router's Prometheus metrics (docs/router.md), in a registry of its own.
 
 Per-worker health and load are read from the pool at scrape time instead of being updated
 on every request: nothing on the hot path, and removed workers vanish from the output.
@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from kubesgl.router.workers import WorkerRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PD_ROUTES = ("disaggregated", "decode_only_short", "decode_only_saturated")
 
 # Seconds: from a few milliseconds (short completions) to long streamed generations.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -69,6 +70,15 @@ class RouterMetrics:
             "Requests sent again to another worker after a failure before any byte reached the client",
             registry=self.registry,
         )
+        self.pd_routes = Counter(
+            "kubesgl_router_pd_routes",
+            "P/D mode: requests sent to a prefill and a decode worker (disaggregated), or to a "
+            "decode worker alone (short uncached prompt, or no prefill capacity)",
+            ["route"],
+            registry=self.registry,
+        )
+        for route in PD_ROUTES:
+            self.pd_routes.labels(route)  # present from the start: rate() sees the first one
         self.registry.register(_WorkerCollector(workers))
 
     def render(self) -> bytes:

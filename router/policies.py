@@ -28,6 +28,10 @@ class Policy(ABC):
     def forget(self, worker: Worker) -> None:  # noqa: B027 - stateless policies keep nothing
         """Drops what the policy remembers about a worker that left the pool."""
 
+    def cached_length(self, workers: Sequence[Worker], text: str) -> int:
+        """How much of `text` the policy believes one of `workers` has cached (0: it keeps no track)."""
+        return 0
+
 
 class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
@@ -93,6 +97,9 @@ class CacheAwarePolicy(Policy):
 
     def forget(self, worker: Worker) -> None:
         self._trees.pop(worker.url, None)
+
+    def cached_length(self, workers: Sequence[Worker], text: str) -> int:
+        return max((self.tree(w).match_length(text) for w in workers), default=0)
 
     def _imbalanced(self, workers: Sequence[Worker]) -> bool:
         loads = [w.in_flight for w in workers]

@@ -17,6 +17,9 @@ COMPLETIONS_PATH = "/v1/completions"
 GENERATE_PATH = "/generate"
 GENERATION_PATHS = (CHAT_PATH, COMPLETIONS_PATH, GENERATE_PATH)
 
+# Characters per token of typical BPE vocabularies on English text: how the router, which
+# does not tokenize, estimates a text prompt's length in tokens.
+CHARS_PER_TOKEN = 4
 # Separators that cannot occur in ordinary text keep message boundaries apart in the key.
 _ROLE_SEP, _MESSAGE_SEP = "\x1f", "\x1e"
 
@@ -29,6 +32,12 @@ class ParsedRequest:
     routing_text: str
     stream: bool
     choices: int  # sequences the request asks for: prompts x n
+    token_ids: bool  # the routing text holds one character per prompt token (a token-id prompt)
+
+    def tokens(self, chars: int) -> int:
+        """Prompt tokens that `chars` characters of the routing text stand for: exact for a
+        token-id prompt, an estimate (CHARS_PER_TOKEN) for text, which the router does not tokenize."""
+        return chars if self.token_ids else -(-chars // CHARS_PER_TOKEN)
 
 
 def _token_ids_text(ids: list[Any], param: str) -> str:
@@ -38,16 +47,17 @@ def _token_ids_text(ids: list[Any], param: str) -> str:
     return "".join(chr(i % 0x110000) for i in ids)
 
 
-def _prompt_text(prompt: Any, param: str) -> tuple[str, int]:
-    """Text of (the first prompt of) a `prompt`/`text`/`input_ids` value, and how many prompts it holds."""
+def _prompt_text(prompt: Any, param: str) -> tuple[str, int, bool]:
+    """Text of (the first prompt of) a `prompt`/`text`/`input_ids` value, how many prompts it
+    holds, and whether they are token ids."""
     if isinstance(prompt, str):
-        return prompt, 1
+        return prompt, 1, False
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return prompt[0], len(prompt)
+            return prompt[0], len(prompt), False
         if all(isinstance(p, list) for p in prompt):
-            return _token_ids_text(prompt[0], param), len(prompt)
-        return _token_ids_text(prompt, param), 1
+            return _token_ids_text(prompt[0], param), len(prompt), True
+        return _token_ids_text(prompt, param), 1, True
     raise bad_request(
         f"`{param}` must be a string, a list of strings, or a non-empty list of token ids", param
     )
@@ -101,16 +111,16 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
     n = _sample_count(body.get("n"), "n")
 
     if path == CHAT_PATH:
-        text, prompts = _chat_text(body), 1
+        text, prompts, token_ids = _chat_text(body), 1, False
     elif path == COMPLETIONS_PATH:
         if "prompt" not in body:
             raise bad_request("`prompt` is required", "prompt")
-        text, prompts = _prompt_text(body["prompt"], "prompt")
+        text, prompts, token_ids = _prompt_text(body["prompt"], "prompt")
     else:
         if "text" in body:
-            text, prompts = _prompt_text(body["text"], "text")
+            text, prompts, token_ids = _prompt_text(body["text"], "text")
         elif "input_ids" in body:
-            text, prompts = _prompt_text(body["input_ids"], "input_ids")
+            text, prompts, token_ids = _prompt_text(body["input_ids"], "input_ids")
         else:
             raise bad_request("`text` or `input_ids` is required", "text")
         sampling = body.get("sampling_params", {})
@@ -118,4 +128,4 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
             raise bad_request("`sampling_params` must be an object", "sampling_params")
         if "n" in sampling:
             n = _sample_count(sampling["n"], "sampling_params.n")
-    return ParsedRequest(path, body, raw, text, stream, prompts * n)
+    return ParsedRequest(path, body, raw, text, stream, prompts * n, token_ids)

@@ -9,18 +9,17 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from urllib.parse import urlsplit
 
+from kubesgl import contract
 from kubesgl.router.breaker import CircuitBreaker
 
 log = logging.getLogger("kubesgl.router")
 
-# The engine's default `--disaggregation-bootstrap-port` (DESIGN.md, command line).
-DEFAULT_BOOTSTRAP_PORT = 8998
-
-
 class Role(StrEnum):
-    MIXED = "mixed"
-    PREFILL = "prefill"
-    DECODE = "decode"
+    """The engine roles the router sends requests to (kubesgl.contract names them)."""
+
+    MIXED = contract.MIXED
+    PREFILL = contract.PREFILL
+    DECODE = contract.DECODE
 
 
 def normalize_url(url: str) -> str:
@@ -92,7 +91,7 @@ class WorkerRegistry:
         """Adds a worker, or replaces one with the same URL whose role or port changed."""
         url = normalize_url(url)
         if role is Role.PREFILL and bootstrap_port is None:
-            bootstrap_port = DEFAULT_BOOTSTRAP_PORT
+            bootstrap_port = contract.BOOTSTRAP_PORT  # the engine's default
         if role is not Role.PREFILL:
             bootstrap_port = None
         existing = self._workers.get(url)

@@ -54,7 +54,8 @@ def pd_stack(tiny_model, tmp_path_factory):
     model = tiny_model("llama")
     mixed = start_server(model, "--served-model-name", MODEL_NAME, tmp_path=tmp_path)
     prefill, decode, bootstrap = start_pd_pair(model, tmp_path)
-    router, url = start_router(tmp_path, "--prefill", f"{prefill.base_url}@{bootstrap}", "--decode", decode.base_url)
+    router, url = start_router(tmp_path, "--prefill", f"{prefill.base_url}@{bootstrap}", "--decode", decode.base_url,
+                               "--pd-min-prefill-tokens", "0")  # these short prompts too
     yield url, mixed, prefill, decode
     os.killpg(router.pid, signal.SIGTERM)
     router.wait(timeout=30)

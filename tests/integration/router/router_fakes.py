@@ -147,7 +147,7 @@ class FakeEngine:
             self._record_prompt(_prompt_of(request.path, body))
         if self.role == "prefill":
             return await self._prefill(request, body)
-        if self.role == "decode":
+        if self.role == "decode" and "bootstrap_room" in body:  # without a room: it prefills itself
             problem = _bootstrap_problem(body)
             if problem:
                 return _error(400, problem)

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from kubesgl.router.routing import DisaggregationSettings
+
 pytestmark = pytest.mark.asyncio
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}]}
@@ -19,9 +21,11 @@ async def pd_pool(engines, kv_table, prefills=1, decodes=1):
 
 
 def pd_config(prefill, decode, **overrides):
+    """Every request disaggregated, however short, unless `disaggregation` says otherwise."""
     return {
         "prefill": [(e.url, e.bootstrap_port) for e in prefill],
         "decode": [e.url for e in decode],
+        "disaggregation": DisaggregationSettings(min_prefill_tokens=0),
         **overrides,
     }
 
@@ -145,3 +149,35 @@ async def test_health_needs_both_roles(engines, kv_table, start_router, client):
         assert (await client.get(router.url + "/health")).status_code == 503
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
         assert response.status_code == 503 and "no prefill worker can serve" in response.json()["error"]["message"]
+
+
+async def test_short_uncached_prompts_go_to_a_decode_worker_alone(engines, kv_table, start_router, client):
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    settings = DisaggregationSettings(min_prefill_tokens=8)
+    async with start_router(**pd_config([p], [d], policy="cache_aware", disaggregation=settings)) as router:
+        await router.ready()
+        short = await client.post(router.url + "/v1/completions", json={"prompt": "a short one"})  # ~3 tokens
+        ids = await client.post(router.url + "/v1/completions", json={"prompt": list(range(1, 40))})
+        metrics = (await client.get(router.url + "/metrics")).text
+    assert short.status_code == 200 and ids.status_code == 200
+    assert len(p.requests) == 1 and p.requests[0]["body"]["prompt"] == list(range(1, 40))
+    assert "bootstrap_room" not in d.requests[0]["body"] and "bootstrap_room" in d.requests[1]["body"]
+    assert 'kubesgl_router_pd_routes_total{route="decode_only_short"} 1.0' in metrics
+    assert 'kubesgl_router_pd_routes_total{route="disaggregated"} 1.0' in metrics
+
+
+async def test_a_saturated_prefill_pool_sends_new_requests_to_a_decode_worker_alone(engines, kv_table, start_router,
+                                                                                    client):
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.hold = asyncio.Event()  # the prefill worker keeps its first request
+    settings = DisaggregationSettings(min_prefill_tokens=0, max_prefill_in_flight=1)
+    async with start_router(**pd_config([p], [d], disaggregation=settings)) as router:
+        await router.ready()
+        first = asyncio.ensure_future(client.post(router.url + "/v1/completions", json={"prompt": "one"}))
+        await p.wait_for_requests(1)
+        second = await client.post(router.url + "/v1/completions", json={"prompt": "two"})
+        p.hold.set()
+        assert (await first).status_code == 200
+    assert second.status_code == 200 and len(p.requests) == 1
+    assert "bootstrap_room" not in d.requests[-1]["body"]
+

@@ -51,6 +51,10 @@ def test_worker_from_pod():
     prefill = worker_from_pod(pod("prefill", annotations={"kubesgl.io/bootstrap-port": "9001"}), selector, 30000)
     assert prefill is not None and prefill.bootstrap_port == 9001
     assert worker_from_pod(pod("prefill"), selector, 30000).bootstrap_port == 8998
+    sglang = worker_from_pod(pod("prefill", annotations={"sglang.ai/bootstrap-port": "9002"}), selector, 30000)
+    assert sglang is not None and sglang.bootstrap_port == 9002  # pods annotated for SGLang's router
+    both = {"kubesgl.io/bootstrap-port": "9001", "sglang.ai/bootstrap-port": "9002"}
+    assert worker_from_pod(pod("prefill", annotations=both), selector, 30000).bootstrap_port == 9001
     assert worker_from_pod(pod(ip="fd00::1"), selector, 1).url == "http://[fd00::1]:1"
     for excluded in (pod(ready=False), pod(ip=""), pod(deleting=True), pod("router"),
                      pod(labels={"app": "y"}), pod("prefill", annotations={"kubesgl.io/bootstrap-port": "x"})):  # fmt: skip
