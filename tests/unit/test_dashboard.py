@@ -39,7 +39,7 @@ def exported_metric_names() -> set[str]:
 
     engine = EngineMetrics("mixed")
     engine.requests.labels(role="mixed", finish_reason="stop").inc()
-    texts = [generate_latest(engine.registry).decode()]
+    texts = [generate_latest(engine.registry).decode(), generate_latest(EngineMetrics("prefill").registry).decode()]
     workers = WorkerRegistry()
     workers.add("http://worker:30000", Role.MIXED)
     router = RouterMetrics(workers)

@@ -49,6 +49,13 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         (gauge("kubesgl_prefix_cache_hit_ratio", "max", "pod, role"), "{{pod}}")]),
     ("KV transfer (prefill to decode)", "Bps", [(rate("kubesgl_kv_transfer_bytes_total", "role"), "{{role}}")]),
     ("KV transfer time", "s", latency("kubesgl_kv_transfer_seconds", "role")),
+    ("P/D: requests with a room, by state", "short", [
+        (gauge("kubesgl_disagg_requests", "sum", "role, state"), "{{role}} {{state}}")]),
+    ("P/D: failed rooms by reason", "ops", [(rate("kubesgl_disagg_failures_total", "role, reason"),
+                                             "{{role}} {{reason}}")]),
+    ("P/D: wait for the other engine (decode: for the KV; prefill: for the slots)", "s",
+     latency("kubesgl_kv_transfer_wait_seconds", "role")),
+    ("Router: P/D routes", "reqps", [(rate("kubesgl_router_pd_routes_total", "route"), "{{route}}")]),
     ("Router requests by status", "reqps", [(rate("kubesgl_router_requests_total", "status"), "{{status}}")]),
     ("Router request duration", "s", latency("kubesgl_router_request_duration_seconds", "pod")),
     ("Router: healthy workers", "short", [(gauge("kubesgl_router_worker_healthy", "max", "worker"), "{{worker}}")]),
