@@ -11,16 +11,23 @@ from kubesgl.engine.llm import LLM
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubesgl generate", description=__doc__)
     add_engine_args(parser)
-    parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", type=int, default=None)
-    args = parser.parse_args(argv)
+    sampling = parser.add_argument_group("generation")
+    sampling.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    sampling.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                          help="tokens generated per prompt (default: 64)")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="X",
+                          help="0 is greedy (default: 0.0)")
+    sampling.add_argument("--top-p", type=float, default=1.0, metavar="X", help="(default: 1.0)")
+    sampling.add_argument("--top-k", type=int, default=-1, metavar="N", help="-1: no limit (default: -1)")
+    sampling.add_argument("--seed", type=int, default=None, metavar="N", help="sampling seed (default: unseeded)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     config = engine_config_from_args(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)

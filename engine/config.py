@@ -1,52 +1,173 @@
-"""Engine options: the flags of `kubesgl serve` (DESIGN.md, command line) as one dataclass,
-shared by the offline `LLM` and the server."""
+"""Engine options: the one declaration of every option of `kubesgl serve` and `kubesgl generate`
+(docs/architecture.md, Command line).
+
+Each field of `EngineConfig` carries its type, default and help text; a `Literal` type is its
+list of choices. The command line (cli_args.py), `EngineConfig.validate`, the operator's
+`spec.engine` block and the option table in docs/server.md are derived from these fields or
+checked against them (tests/unit/test_engine_options.py), so a new option is one field here.
+
+This module imports nothing heavy: the torch-free operator reads it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kubesgl.contract import BOOTSTRAP_PORT, EngineRole
+
+Device = Literal["cuda", "cpu"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KvCacheDtype = Literal["auto", "fp8_e4m3"]
+LoadFormat = Literal["auto", "dummy"]
+AttentionBackendName = Literal["torch", "triton", "flashinfer"]
+
+_OPTION = "kubesgl.option"  # the key of an option's declaration in a field's metadata
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Limits of a number: ge/le inclusive, gt/lt exclusive (pydantic's names)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def holds(self, value: float) -> bool:
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def describe(self) -> str:
+        """'at least 1', 'in (0, 1)', ...: what a value must be."""
+        low = (f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None)
+        high = (f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else None)
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return f"at least {self.ge}" if self.ge is not None else f"more than {self.gt}"
+        return f"at most {self.le}" if self.le is not None else f"less than {self.lt}"
+
+
+@dataclass(frozen=True)
+class _Declared:
+    help: str
+    bounds: Bounds
+    cli: bool
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = None, gt: float | None = None,
+           le: float | None = None, lt: float | None = None, cli: bool = True) -> Any:
+    """An EngineConfig field: its default and help text, and the bounds of a number. `cli=False`
+    keeps it off the command line (the offline `LLM` API sets it)."""
+    declared = _Declared(help, Bounds(ge, gt, le, lt), cli)
+    return field(default=default, metadata={_OPTION: declared})
 
 
 @dataclass
 class EngineConfig:
-    model: str
-    tp_size: int = 1
-    role: str = "mixed"  # mixed | prefill | decode
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8_e4m3
-    load_format: str = "auto"  # auto | dummy
-    seed: int = 0  # seeds dummy weights, and sampling (the same on every tensor-parallel rank)
-    page_size: int = 1
-    max_running_requests: int = 256
-    chunked_prefill_size: int = 8192  # tokens of prompt per prefill step; <= 0 disables chunking
-    max_prefill_tokens: int = 16384  # tokens of prompt admitted in one prefill step
-    max_total_tokens: int | None = None  # KV pool size in tokens; None: from available memory
-    mem_fraction_static: float = 0.85  # share of device memory for weights and KV when sizing from memory
-    context_length: int | None = None  # None: the model's max_position_embeddings
-    default_max_tokens: int = 4096  # output limit of requests that set none
-    attention_backend: str = "auto"  # auto (attention.auto_backend) | torch | triton | flashinfer
-    disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = False
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph
-    disaggregation_bootstrap_port: int = 8998  # prefill: its bootstrap server; decode: for bootstrap_port null
-    disaggregation_timeout: float = 60.0  # seconds either side waits on its partner for one request's KV
+    model: str = option(help="Hugging Face checkpoint directory")
+    tp_size: int = option(1, help="tensor-parallel ranks: one process and one device each", ge=1)
+    role: EngineRole = option("mixed", help="mixed runs whole requests; prefill and decode engines split "
+                                            "each request between them (prefill/decode disaggregation)")
+    device: Literal["auto", Device] = option("auto", help="auto: cuda where a GPU is available, else cpu")
+    dtype: Dtype = option("auto", help="of weights and activations; auto: the checkpoint's half-precision "
+                                       "dtype, a float32 checkpoint in float32 on the CPU and bfloat16 on a GPU")
+    kv_cache_dtype: KvCacheDtype = option("auto", help="storage of the KV cache: auto = the model's dtype; "
+                                                       "fp8_e4m3 halves its bytes")
+    load_format: LoadFormat = option("auto", help="dummy: random weights from the config, no weight files read")
+    # `kubesgl generate --seed` is the requests' sampling seed; the engine's own stays 0 there.
+    seed: int = option(0, help="seeds dummy weights, and sampling (the same on every tensor-parallel rank)",
+                       cli=False)
+    page_size: int = option(1, help="tokens per KV page", ge=1)
+    max_running_requests: int = option(256, help="requests admitted at once (each holds its KV until it ends)",
+                                       ge=1)
+    chunked_prefill_size: int = option(8192, help="prompt tokens per prefill step; 0 or less disables chunking")
+    max_prefill_tokens: int = option(16384, help="prompt tokens admitted in one prefill step", ge=1)
+    max_total_tokens: int | None = option(None, help="KV pool size in tokens; unset: sized from free memory "
+                                                     "(--mem-fraction-static)")
+    mem_fraction_static: float = option(0.85, help="share of device memory for weights and KV cache when the "
+                                                   "pool is sized from memory", gt=0, lt=1)
+    context_length: int | None = option(None, help="longest prompt plus output; unset: the model's "
+                                                   "max_position_embeddings")
+    default_max_tokens: int = option(4096, help="output limit of requests that give no max_tokens", ge=1)
+    attention_backend: Literal["auto", AttentionBackendName] = option(
+        "auto", help="auto: flashinfer on CUDA where installed, else triton; torch on the CPU")
+    disable_radix_cache: bool = option(False, help="no prefix cache: every prompt is computed in full")
+    disable_overlap_schedule: bool = option(False, help="build each step only after the previous one ended")
+    disable_cuda_graph: bool = option(False, help="run decode steps eagerly, without CUDA graphs")
+    cuda_graph_max_bs: int = option(256, help="largest decode batch captured in a CUDA graph")
+    disaggregation_bootstrap_port: int = option(
+        BOOTSTRAP_PORT, help="port of this engine's KV bootstrap server (prefill role); for decode engines, "
+                             "the port assumed when a request's bootstrap_port is null", ge=0, le=65535)
+    disaggregation_timeout: float = option(
+        60.0, help="seconds a prefill or decode engine waits for its partner's side of one request's KV "
+                   "transfer before failing it", gt=0)
 
     def validate(self) -> None:
-        checks = [
-            (self.tp_size >= 1, "--tp-size must be at least 1"),
-            (self.role in ("mixed", "prefill", "decode"), f"--role must be mixed, prefill or decode, got {self.role!r}"),
-            (self.device in ("auto", "cpu", "cuda"), f"--device must be auto, cpu or cuda, got {self.device!r}"),
-            (self.kv_cache_dtype in ("auto", "fp8_e4m3"),
-             f"--kv-cache-dtype must be auto or fp8_e4m3, got {self.kv_cache_dtype!r}"),
-            (self.page_size >= 1, "--page-size must be at least 1"),
-            (self.max_running_requests >= 1, "--max-running-requests must be at least 1"),
-            (self.max_prefill_tokens >= 1, "--max-prefill-tokens must be at least 1"),
-            (self.default_max_tokens >= 1, "--default-max-tokens must be at least 1"),
-            (self.max_total_tokens is None or self.max_total_tokens >= 2 * self.page_size,
-             "--max-total-tokens must hold at least two pages"),
-            (0 < self.mem_fraction_static < 1, "--mem-fraction-static must be in (0, 1)"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+        for opt in ENGINE_OPTIONS.values():
+            problem = opt.problem(getattr(self, opt.name))
+            if problem:
+                raise ValueError(problem)
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
+            raise ValueError("--max-total-tokens must hold at least two pages")
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One EngineConfig field as the command line, the operator and the docs see it."""
+
+    name: str
+    type: type  # of a value: str, int, float or bool
+    default: Any  # dataclasses.MISSING for a required option
+    help: str
+    choices: tuple[str, ...]  # empty: any value of the type
+    optional: bool  # None is a value: left to the engine (a model's or the machine's)
+    bounds: Bounds
+    cli: bool
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def required(self) -> bool:
+        return self.default is dataclasses.MISSING
+
+    @property
+    def is_switch(self) -> bool:
+        return self.type is bool
+
+    def problem(self, value: Any) -> str | None:
+        """Why `value` is not a valid value of this option, or None."""
+        if value is None and self.optional:
+            return None
+        if self.choices and value not in self.choices:
+            *most, last = self.choices
+            one_of = f"{', '.join(most)} or {last}" if most else last
+            return f"{self.flag} must be {one_of}, got {value!r}"
+        if self.type in (int, float) and not self.bounds.holds(value):
+            return f"{self.flag} must be {self.bounds.describe()}, got {value!r}"
+        return None
+
+
+def _engine_options() -> dict[str, EngineOption]:
+    hints = typing.get_type_hints(EngineConfig)
+    options = {}
+    for f in dataclasses.fields(EngineConfig):
+        hint, optional = hints[f.name], False
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):  # `int | None`
+            (hint,), optional = [arg for arg in typing.get_args(hint) if arg is not type(None)], True
+        choices: tuple[str, ...] = ()
+        if typing.get_origin(hint) is Literal:
+            hint, choices = str, typing.get_args(hint)
+        declared: _Declared = f.metadata[_OPTION]
+        options[f.name] = EngineOption(f.name, hint, f.default, declared.help, choices, optional,
+                                       declared.bounds, declared.cli)
+    return options
+
+
+ENGINE_OPTIONS: dict[str, EngineOption] = _engine_options()

@@ -12,14 +12,13 @@ from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 from pydantic.alias_generators import to_camel
 
+from kubesgl.contract import DECODE, MIXED, PREFILL, EngineRole
+from kubesgl.engine.config import AttentionBackendName, Device, Dtype, KvCacheDtype, LoadFormat
+
 API_GROUP = "kubesgl.io"
 API_VERSION = "v1alpha1"
 KIND = "InferenceService"
 PLURAL = "inferenceservices"
-
-EngineRole = Literal["prefill", "decode", "mixed"]
-ENGINE_ROLES: tuple[EngineRole, ...] = ("prefill", "decode", "mixed")
-
 
 class SpecModel(BaseModel):
     """Base of every spec block: camelCase on the wire, unknown fields are errors."""
@@ -64,18 +63,30 @@ class ModelSpec(SpecModel):
 
 
 class EngineSpec(SpecModel):
-    device: Literal["cuda", "cpu"] = "cuda"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    load_format: Literal["auto", "dummy"] = "auto"
+    """Options of every engine pod. A field named like an EngineConfig field (engine/config.py)
+    is that `kubesgl serve` option, rendered when set (None: the engine's default); its choices
+    come from the engine and tests/unit/test_engine_options.py checks it against the engine's
+    declaration. The fields after them are the pod's own settings."""
+
+    device: Device = "cuda"  # no `auto`: the operator must know whether to request GPUs
+    dtype: Dtype = "auto"
+    load_format: LoadFormat = "auto"
     page_size: int | None = Field(default=None, ge=1)
     max_running_requests: int | None = Field(default=None, ge=1)
     chunked_prefill_size: int | None = Field(default=None, ge=1)
     max_total_tokens: int | None = Field(default=None, ge=1)
-    attention_backend: Literal["torch", "triton", "flashinfer"] | None = None
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] | None = None
+    attention_backend: AttentionBackendName | None = None  # None: the engine's auto
+    kv_cache_dtype: KvCacheDtype | None = None
+    context_length: int | None = Field(default=None, ge=1)
+    max_prefill_tokens: int | None = Field(default=None, ge=1)
+    mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
+    default_max_tokens: int | None = Field(default=None, ge=1)
+    cuda_graph_max_bs: int | None = Field(default=None, ge=1)
+    disaggregation_timeout: float | None = Field(default=None, gt=0)
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False
+
     api_key_secret: SecretKeyRef | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     shutdown_timeout_seconds: int = Field(default=60, ge=1)
@@ -203,12 +214,12 @@ class InferenceServiceSpec(SpecModel):
     def engine_roles(self) -> dict[EngineRole, RoleSpec]:
         """The engine roles this mode runs; mixed mode runs one role, by default with 1 replica."""
         if self.mode == "mixed":
-            return {"mixed": self.mixed or RoleSpec()}
+            return {MIXED: self.mixed or RoleSpec()}
         roles: dict[EngineRole, RoleSpec] = {}
         if self.prefill is not None:
-            roles["prefill"] = self.prefill
+            roles[PREFILL] = self.prefill
         if self.decode is not None:
-            roles["decode"] = self.decode
+            roles[DECODE] = self.decode
         return roles
 
     def autoscaling_for(self, role: EngineRole) -> RoleAutoscaling | None:

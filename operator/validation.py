@@ -14,7 +14,9 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 from pydantic import ValidationError
 
-from kubesgl.operator.spec import ENGINE_ROLES, InferenceService, InferenceServiceSpec
+from kubesgl import contract
+from kubesgl.contract import ENGINE_ROLES
+from kubesgl.operator.spec import InferenceService, InferenceServiceSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -69,13 +71,13 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
 def _mode_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems = []
     if spec.mode == "disaggregated":
-        for role in ("prefill", "decode"):
+        for role in (contract.PREFILL, contract.DECODE):
             if getattr(spec, role) is None:
                 problems.append(Problem(f"spec.{role}", "required when mode is disaggregated"))
         if spec.mixed is not None:
             problems.append(Problem("spec.mixed", "only used when mode is mixed"))
     else:
-        for role in ("prefill", "decode"):
+        for role in (contract.PREFILL, contract.DECODE):
             if getattr(spec, role) is not None:
                 problems.append(Problem(f"spec.{role}", "only used when mode is disaggregated"))
     return problems

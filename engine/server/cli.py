@@ -13,15 +13,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubesgl serve", description=__doc__)
     add_engine_args(parser)
     defaults = ServerOptions()
-    parser.add_argument("--host", default=defaults.host)
-    parser.add_argument("--port", type=int, default=defaults.port)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    parser.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
-    parser.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
-                        help="seconds requests in flight get to finish after SIGTERM")
-    parser.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
-                        help="bootstrap port of a prefill engine (prefill/decode serving)")
-    parser.add_argument("--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"])
+    server = parser.add_argument_group("server options")
+    server.add_argument("--host", default=defaults.host, help=f"address to listen on (default: {defaults.host})")
+    server.add_argument("--port", type=int, default=defaults.port,
+                        help=f"port of the HTTP API (default: {defaults.port})")
+    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    server.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
+    server.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
+                        help=f"seconds requests in flight get to finish after SIGTERM (default: {defaults.shutdown_timeout})")
+    server.add_argument("--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"],
+                        help=f"(default: {defaults.log_level})")
     return parser
 
 
@@ -30,7 +31,6 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = engine_config_from_args(args)
-    config.disaggregation_bootstrap_port = args.disaggregation_bootstrap_port
     try:
         config.validate()
     except ValueError as exc:

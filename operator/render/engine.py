@@ -3,6 +3,8 @@ Service per role."""
 
 from __future__ import annotations
 
+from kubesgl import contract
+from kubesgl.engine.config import ENGINE_OPTIONS
 from kubesgl.operator import naming
 from kubesgl.operator.render.common import (
     Object,
@@ -14,7 +16,7 @@ from kubesgl.operator.render.common import (
     pod_security_context,
     scrape_annotations,
 )
-from kubesgl.operator.spec import EngineRole, InferenceService, RoleSpec
+from kubesgl.operator.spec import EngineSpec, InferenceService, RoleSpec
 from kubesgl.operator.validation import GPU_RESOURCE
 
 MODEL_ROOT = "/models"
@@ -44,41 +46,47 @@ def served_model_name(isvc: InferenceService) -> str:
     return isvc.metadata.name
 
 
-def engine_args(isvc: InferenceService, role: EngineRole, block: RoleSpec) -> list[str]:
+# spec.engine's engine options, in the order of their flags: those with a CRD default first, the
+# rest after the pod's own flags. Running Deployments carry this order; changing it restarts them.
+_SPEC_OPTIONS = [name for name in EngineSpec.model_fields if name in ENGINE_OPTIONS]
+_ALWAYS_SET = [name for name in _SPEC_OPTIONS
+               if EngineSpec.model_fields[name].default is not None and not ENGINE_OPTIONS[name].is_switch]
+_SET_WHEN_GIVEN = [name for name in _SPEC_OPTIONS if name not in _ALWAYS_SET]
+
+
+def _flag(option: str) -> str:
+    return ENGINE_OPTIONS[option].flag
+
+
+def _option_args(engine: EngineSpec, names: list[str]) -> list[str]:
+    """A switch when it is on, a flag and its value when the value is set."""
+    args = []
+    for name in names:
+        value = getattr(engine, name)
+        if ENGINE_OPTIONS[name].is_switch:
+            args += [_flag(name)] if value else []
+        elif value is not None:
+            args += [_flag(name), str(value)]
+    return args
+
+
+def engine_args(isvc: InferenceService, role: contract.EngineRole, block: RoleSpec) -> list[str]:
     engine = isvc.spec.engine
     args = [
         "serve",
-        "--model", model_path(isvc),
+        _flag("model"), model_path(isvc),
         "--served-model-name", served_model_name(isvc),
-        "--role", role,
-        "--tp-size", str(block.tensor_parallel_size),
+        _flag("role"), role,
+        _flag("tp_size"), str(block.tensor_parallel_size),
         "--host", "0.0.0.0",
-        "--port", str(naming.ENGINE_PORT),
-        "--device", engine.device,
-        "--dtype", engine.dtype,
-        "--load-format", engine.load_format,
+        "--port", str(contract.ENGINE_PORT),
+        *_option_args(engine, _ALWAYS_SET),
         "--log-level", engine.log_level,
         "--shutdown-timeout", str(engine.shutdown_timeout_seconds),
     ]
-    if role == "prefill":
-        args += ["--disaggregation-bootstrap-port", str(naming.BOOTSTRAP_PORT)]
-    valued_options = {
-        "--page-size": engine.page_size,
-        "--max-running-requests": engine.max_running_requests,
-        "--chunked-prefill-size": engine.chunked_prefill_size,
-        "--max-total-tokens": engine.max_total_tokens,
-        "--attention-backend": engine.attention_backend,
-        "--kv-cache-dtype": engine.kv_cache_dtype,
-    }
-    for flag, value in valued_options.items():
-        if value is not None:
-            args += [flag, str(value)]
-    switches = {
-        "--disable-radix-cache": engine.disable_radix_cache,
-        "--disable-overlap-schedule": engine.disable_overlap_schedule,
-        "--disable-cuda-graph": engine.disable_cuda_graph,
-    }
-    args += [flag for flag, on in switches.items() if on]
+    if role == contract.PREFILL:
+        args += [_flag("disaggregation_bootstrap_port"), str(contract.BOOTSTRAP_PORT)]
+    args += _option_args(engine, _SET_WHEN_GIVEN)
     if engine.api_key_secret is not None:
         # The kubelet expands $(VAR) from the container's env: the key stays out of the pod spec.
         args += ["--api-key", f"$({API_KEY_ENV})"]
@@ -160,14 +168,16 @@ def _download_container(isvc: InferenceService) -> Object | None:
     }
 
 
-def engine_deployment(isvc: InferenceService, role: EngineRole, block: RoleSpec) -> Object:
+def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: RoleSpec) -> Object:
     instance = isvc.metadata.name
     name = naming.role_object_name(instance, role)
-    ports: list[Object] = [{"name": "http", "containerPort": naming.ENGINE_PORT}]
-    annotations = scrape_annotations(naming.ENGINE_PORT)
-    if role == "prefill":
-        ports.append({"name": "bootstrap", "containerPort": naming.BOOTSTRAP_PORT})
-        annotations[naming.BOOTSTRAP_PORT_ANNOTATION] = str(naming.BOOTSTRAP_PORT)
+    ports: list[Object] = [{"name": "http", "containerPort": contract.ENGINE_PORT}]
+    annotations = scrape_annotations(contract.ENGINE_PORT)
+    if role == contract.PREFILL:
+        ports.append({"name": "bootstrap", "containerPort": contract.BOOTSTRAP_PORT})
+        # under SGLang's name too, so that SGLang's router can discover the pod as well
+        for key in (contract.BOOTSTRAP_PORT_ANNOTATION, contract.SGLANG_BOOTSTRAP_PORT_ANNOTATION):
+            annotations[key] = str(contract.BOOTSTRAP_PORT)
     model_read_only = isvc.spec.model.pvc is None or isvc.spec.model.pvc.read_only
     pull, pod_pull = image_pull(isvc)
     container: Object = {
@@ -233,16 +243,16 @@ def engine_deployment(isvc: InferenceService, role: EngineRole, block: RoleSpec)
     }
 
 
-def headless_service(isvc: InferenceService, role: EngineRole) -> Object:
+def headless_service(isvc: InferenceService, role: contract.EngineRole) -> Object:
     """Stable DNS names for a role's pods (one record per ready pod)."""
     ports: list[Object] = [
-        {"name": "http", "port": naming.ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
+        {"name": "http", "port": contract.ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
     ]
-    if role == "prefill":
+    if role == contract.PREFILL:
         ports.append(
             {
                 "name": "bootstrap",
-                "port": naming.BOOTSTRAP_PORT,
+                "port": contract.BOOTSTRAP_PORT,
                 "targetPort": "bootstrap",
                 "protocol": "TCP",
             }

@@ -50,10 +50,11 @@ def _canonical(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     for key in ("enum", "minimum", "maximum", "pattern", "minLength", "maxLength"):
         if key in schema:
             result[key] = schema[key]
-    if schema.get("exclusiveMinimum") is True:  # OpenAPI v3.0 (CRD) form
-        result["exclusiveMinimum"] = result.pop("minimum")
-    elif "exclusiveMinimum" in schema:  # JSON Schema (pydantic) form
-        result["exclusiveMinimum"] = schema["exclusiveMinimum"]
+    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if schema.get(exclusive) is True:  # OpenAPI v3.0 (CRD) form
+            result[exclusive] = result.pop(bound)
+        elif exclusive in schema:  # JSON Schema (pydantic) form
+            result[exclusive] = schema[exclusive]
     if "const" in schema:
         result["enum"] = [schema["const"]]
     if schema.get("default") not in (None, {}, []):

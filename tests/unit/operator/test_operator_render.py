@@ -97,8 +97,9 @@ def test_engine_pod_contract() -> None:
     assert prefill["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     prefill_args = prefill["spec"]["containers"][0]["args"]
     assert prefill_args[prefill_args.index("--disaggregation-bootstrap-port") + 1] == "8998"
-    assert prefill["metadata"]["annotations"]["kubesgl.io/bootstrap-port"] == "8998"
-    assert "kubesgl.io/bootstrap-port" not in decode["metadata"]["annotations"]
+    for annotation in ("kubesgl.io/bootstrap-port", "sglang.ai/bootstrap-port"):  # kubesgl's and SGLang's routers
+        assert prefill["metadata"]["annotations"][annotation] == "8998"
+        assert annotation not in decode["metadata"]["annotations"]
     assert decode["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
     assert decode["metadata"]["labels"] == {
         "app.kubernetes.io/name": "kubesgl",

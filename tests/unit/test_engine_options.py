@@ -1,0 +1,184 @@
+"""Every engine option is declared once, as an EngineConfig field (engine/config.py). The
+command lines of `kubesgl serve` and `kubesgl generate`, the CRD's `spec.engine` block, the
+operator's render and the option table of docs/server.md must each agree with that
+declaration: an option present in one of them but not in the others fails here."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import types
+import typing
+from pathlib import Path
+
+import pydantic
+import pytest
+import yaml
+from pydantic.alias_generators import to_camel
+
+from kubesgl import contract
+from kubesgl.engine.cli_args import CLI_OPTIONS, engine_config_from_args, help_text
+from kubesgl.engine.config import ENGINE_OPTIONS, Bounds, EngineConfig, EngineOption
+from kubesgl.operator.render import render
+from kubesgl.operator.spec import EngineSpec
+from kubesgl.operator.validation import parse_inference_service
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVER_DOCS = ROOT / "docs" / "server.md"
+
+# EngineConfig fields that an InferenceService does not set through spec.engine, and where
+# their value comes from instead (the docs' table shows these words).
+NOT_IN_CRD = {
+    "model": "`spec.model` (the mounted weights)",
+    "tp_size": "`tensorParallelSize` of the role",
+    "role": "the role (`spec.mode`)",
+    "seed": "",  # not a command-line option either: only the offline LLM API sets it
+    "disaggregation_bootstrap_port": f"set by the operator ({contract.BOOTSTRAP_PORT})",
+}
+# spec.engine fields that are the pod's own settings (server flags, the pod spec), not EngineConfig's
+POD_SETTINGS = {"api_key_secret", "log_level", "shutdown_timeout_seconds", "extra_args"}
+# Flags of the commands that are not engine options
+SERVE_ONLY_FLAGS = {"--host", "--port", "--api-key", "--served-model-name", "--shutdown-timeout", "--log-level"}
+GENERATE_ONLY_FLAGS = {"--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed"}
+# A value other than the default for each engine option of spec.engine, to follow it into the pod
+CRD_SAMPLES = {
+    "device": "cpu", "dtype": "float16", "loadFormat": "dummy", "pageSize": 16, "maxRunningRequests": 8,
+    "chunkedPrefillSize": 512, "maxTotalTokens": 4096, "attentionBackend": "flashinfer",
+    "kvCacheDtype": "fp8_e4m3", "contextLength": 2048, "maxPrefillTokens": 1024, "memFractionStatic": 0.7,
+    "defaultMaxTokens": 256, "cudaGraphMaxBs": 64, "disaggregationTimeout": 30.0,
+    "disableRadixCache": True, "disableOverlapSchedule": True, "disableCudaGraph": True,
+}
+SPEC_OPTIONS = [name for name in EngineSpec.model_fields if name in ENGINE_OPTIONS]
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    from kubesgl.engine.cli import build_parser as generate_parser
+    from kubesgl.engine.server.cli import build_parser as serve_parser
+
+    return {"serve": serve_parser, "generate": generate_parser}[command]()
+
+
+@pytest.mark.parametrize(("command", "own_flags", "required"), [
+    ("serve", SERVE_ONLY_FLAGS, ["--model", "m"]),
+    ("generate", GENERATE_ONLY_FLAGS, ["--model", "m", "--prompt", "p"]),
+])
+def test_the_command_line_has_exactly_the_engine_options_and_its_own(command, own_flags, required):
+    parser = _parser(command)
+    flags = {flag for action in parser._actions for flag in action.option_strings} - {"-h", "--help"}
+    assert flags - own_flags == {opt.flag for opt in CLI_OPTIONS}
+    assert engine_config_from_args(parser.parse_args(required)) == EngineConfig(model="m")
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_help_shows_every_flags_help_and_its_default_once(command):
+    parser = _parser(command)
+    for action in parser._actions:
+        assert action.help, f"{action.option_strings} has no help"
+        assert action.help.count("(default:") <= 1, action.help
+    for opt in CLI_OPTIONS:
+        shown = not (opt.required or opt.is_switch or opt.default is None)
+        assert help_text(opt).count(f"(default: {opt.default})") == shown, opt.name
+    text = parser.format_help()
+    assert text.count("(default:") == sum("(default:" in action.help for action in parser._actions)
+
+
+def test_every_engine_option_is_in_the_crd_or_deliberately_not():
+    assert set(SPEC_OPTIONS).isdisjoint(NOT_IN_CRD)
+    assert set(SPEC_OPTIONS) | set(NOT_IN_CRD) == set(ENGINE_OPTIONS), "add it to EngineSpec or to NOT_IN_CRD"
+    assert set(EngineSpec.model_fields) == set(SPEC_OPTIONS) | POD_SETTINGS, "spec.engine field of no option"
+    crd = yaml.safe_load((ROOT / "crds" / "inferenceservice.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    crd_fields = set(spec["properties"]["engine"]["properties"])
+    assert crd_fields == {to_camel(name) for name in EngineSpec.model_fields}
+
+
+def _just_outside(bounds: Bounds, step: float) -> list[float]:
+    """For each limit, the value nearest to it that it excludes."""
+    values = []
+    if bounds.ge is not None:
+        values.append(bounds.ge - step)
+    if bounds.gt is not None:
+        values.append(bounds.gt)
+    if bounds.le is not None:
+        values.append(bounds.le + step)
+    if bounds.lt is not None:
+        values.append(bounds.lt)
+    return values
+
+
+@pytest.mark.parametrize("name", SPEC_OPTIONS)
+def test_the_crd_field_takes_only_what_the_engine_takes(name):
+    opt, field = ENGINE_OPTIONS[name], EngineSpec.model_fields[name]
+    value_type = field.annotation
+    if typing.get_origin(value_type) in (typing.Union, types.UnionType):  # `X | None`: None is unset
+        (value_type,) = [t for t in typing.get_args(value_type) if t is not type(None)]
+    if typing.get_origin(value_type) is typing.Literal:
+        assert set(typing.get_args(value_type)) <= set(opt.choices), f"{name}: choices the engine lacks"
+        assert typing.get_args(value_type) == tuple(c for c in opt.choices if c in typing.get_args(value_type))
+    else:
+        assert value_type is opt.type and not opt.choices, name
+    if field.default is not None:
+        assert opt.problem(field.default) is None, name
+    for value in _just_outside(opt.bounds, step=1 if opt.type is int else 1e-6):
+        assert opt.problem(opt.type(value)) is not None
+        with pytest.raises(pydantic.ValidationError):
+            EngineSpec(**{name: opt.type(value)})
+
+
+def _serve_args(engine: dict) -> argparse.Namespace:
+    from kubesgl.engine.server.cli import build_parser
+
+    isvc = yaml.safe_load((ROOT / "examples" / "mixed.yaml").read_text())
+    isvc["spec"]["engine"] = engine
+    (deployment,) = [o for o in render(parse_inference_service(isvc))
+                     if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-mixed")]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    return build_parser().parse_args(args[1:])
+
+
+def test_every_engine_option_of_the_crd_reaches_kubesgl_serve():
+    assert set(CRD_SAMPLES) == {to_camel(name) for name in SPEC_OPTIONS}, "give CRD_SAMPLES a value"
+    for name in SPEC_OPTIONS:
+        value = CRD_SAMPLES[to_camel(name)]
+        assert value != ENGINE_OPTIONS[name].default and value != EngineSpec.model_fields[name].default
+        assert getattr(_serve_args({to_camel(name): value}), name) == value, name
+    parsed = _serve_args({})
+    for name in SPEC_OPTIONS:  # unset: the engine's own default (device and dtype have CRD defaults)
+        default = EngineSpec.model_fields[name].default
+        expected = ENGINE_OPTIONS[name].default if default is None else default
+        assert getattr(parsed, name) == expected, name
+
+
+def _values(opt: EngineOption) -> str:
+    if opt.choices:
+        return ", ".join(f"`{choice}`" for choice in opt.choices)
+    kind = {int: "integer", float: "number", bool: "switch", str: "text"}[opt.type]
+    limits = opt.bounds.describe() if opt.bounds != Bounds() else ""
+    return f"{kind}, {limits}" if limits else kind
+
+
+def _default(opt: EngineOption) -> str:
+    if opt.required:
+        return "required"
+    if opt.is_switch:
+        return "off"
+    return "unset" if opt.default is None else f"`{opt.default}`"
+
+
+def option_table() -> str:
+    """The markdown table of engine options that docs/server.md must contain."""
+    rows = ["| option | values | default | `spec.engine` | meaning |", "| --- | --- | --- | --- | --- |"]
+    for opt in CLI_OPTIONS:
+        crd = f"`{to_camel(opt.name)}`" if opt.name in SPEC_OPTIONS else NOT_IN_CRD[opt.name]
+        rows.append(f"| `{opt.flag}` | {_values(opt)} | {_default(opt)} | {crd} | {opt.help} |")
+    return "\n".join(rows)
+
+
+def test_the_docs_table_lists_every_engine_option():
+    docs = SERVER_DOCS.read_text()
+    found = re.search(r"<!-- engine options.*?-->\n(.*?)\n<!-- end of engine options -->", docs, flags=re.S)
+    assert found, "docs/server.md lost its engine option table"
+    assert found.group(1) == option_table(), "docs/server.md: replace the table with\n" + option_table()
+    for flag in SERVE_ONLY_FLAGS:
+        assert f"`{flag}`" in docs, f"docs/server.md does not document {flag}"
+
