@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
+from kubesgl.contract import MIXED
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.engine import Engine
 from kubesgl.engine.io import FinishReason, GenerateRequest, TokenLogprob
@@ -33,7 +34,7 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine options {unknown}; known: {sorted(known - {'model'})}")
         config = EngineConfig(model=model, **options)
-        if config.role != "mixed":
+        if config.role != MIXED:
             raise ValueError(f"role {config.role!r}: offline generation runs the whole request in one engine; "
                              "prefill and decode engines are served (kubesgl serve --role ...)")
         self.engine = Engine(config)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kubesgl.contract import MIXED
 from kubesgl.engine.disagg.protocol import FailureReason
 from kubesgl.engine.io import DisaggStats, SchedulerStats
 
@@ -55,7 +56,7 @@ class EngineMetrics:
                        self.generation_tokens, self.ttft, self.itl, self.e2e, self.kv_transfer_bytes,
                        self.kv_transfer_seconds, self.kv_transfer_wait):
             metric.labels(role=role)  # present from the start, at zero
-        if role != "mixed":  # every known label value from the start, so rate() sees the first one
+        if role != MIXED:  # every known label value from the start, so rate() sees the first one
             for state in DISAGG_STATES:
                 self.disagg_requests.labels(role=role, state=state)
             for reason in FailureReason:

@@ -20,6 +20,7 @@ from typing import Any
 
 import kopf
 
+from kubesgl import contract
 from kubesgl.operator import naming
 from kubesgl.operator.drift import has_drifted
 from kubesgl.operator.kube import CHILD_KINDS, DEPLOYMENT, INFERENCE_SERVICE, KubeApi, MissingApi
@@ -30,7 +31,7 @@ from kubesgl.operator.status import Rollout, compute_status, status_patch
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 
 ISVC = (INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural)
-OURS = {naming.MANAGED_BY_LABEL: naming.MANAGER}
+OURS = {contract.MANAGED_BY_LABEL: naming.MANAGER}
 # Retry delay when the cluster lacks an API the spec needs (KEDA, prometheus-operator).
 MISSING_API_RETRY_SECONDS = 60
 
@@ -139,7 +140,7 @@ def build_registry(state: OperatorState | None = None) -> kopf.OperatorRegistry:
             except InvalidSpec as error:
                 roles, endpoint, problems = sorted(mine), None, str(error)
             else:
-                roles = [*isvc.spec.engine_roles(), "router"]
+                roles = [*isvc.spec.engine_roles(), contract.ROUTER]
                 endpoint, problems = naming.router_endpoint(name, namespace), None
             previous = state.written_status.get(key, isvc_body.get("status") or {})
             new = compute_status(

@@ -14,6 +14,7 @@ from typing import Any
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
+from kubesgl import contract
 from kubesgl.operator import naming
 from kubesgl.operator.spec import API_GROUP, API_VERSION, KIND, PLURAL
 
@@ -126,7 +127,7 @@ class KubeApi:
 
     def list_children(self, kind: Kind, namespace: str, instance: str) -> list[Object]:
         """Objects of one kind that this operator made for an instance; [] if the kind is absent."""
-        selector = f"{naming.INSTANCE_LABEL}={instance},{naming.MANAGED_BY_LABEL}={naming.MANAGER}"
+        selector = f"{contract.INSTANCE_LABEL}={instance},{contract.MANAGED_BY_LABEL}={naming.MANAGER}"
         try:
             listing = self._call("GET", kind.path(namespace), query=[("labelSelector", selector)])
         except ApiException as error:

@@ -1,29 +1,25 @@
-"""Names, labels and annotations of the children (DESIGN.md, Kubernetes objects).
+"""Names and labels of the children (docs/architecture.md, Kubernetes objects).
 
-The router discovers engine pods by these labels, so they are a contract, not decoration.
+The router discovers engine pods by these labels, so they are a contract, not decoration:
+the keys live in kubesgl.contract, which the router reads too.
 """
 
 from __future__ import annotations
 
-from typing import Literal
-
-Role = Literal["prefill", "decode", "mixed", "router"]
-
-NAME_LABEL = "app.kubernetes.io/name"
-INSTANCE_LABEL = "app.kubernetes.io/instance"
-MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
-ROLE_LABEL = "kubesgl.io/role"
-BOOTSTRAP_PORT_ANNOTATION = "kubesgl.io/bootstrap-port"
+from kubesgl.contract import (
+    INSTANCE_LABEL,
+    MANAGED_BY_LABEL,
+    NAME_LABEL,
+    ROLE_LABEL,
+    ROUTER_PORT,
+    PodRole,
+)
 
 APP_NAME = "kubesgl"
 MANAGER = "kubesgl-operator"  # the managed-by label and the server-side-apply field manager
 
-ENGINE_PORT = 30000
-BOOTSTRAP_PORT = 8998
-ROUTER_PORT = 8000
 
-
-def selector_labels(instance: str, role: Role | None = None) -> dict[str, str]:
+def selector_labels(instance: str, role: PodRole | None = None) -> dict[str, str]:
     """Labels that select an instance's pods (of one role); immutable once a Deployment exists."""
     labels = {NAME_LABEL: APP_NAME, INSTANCE_LABEL: instance}
     if role is not None:
@@ -31,11 +27,11 @@ def selector_labels(instance: str, role: Role | None = None) -> dict[str, str]:
     return labels
 
 
-def object_labels(instance: str, role: Role | None = None) -> dict[str, str]:
+def object_labels(instance: str, role: PodRole | None = None) -> dict[str, str]:
     return {**selector_labels(instance, role), MANAGED_BY_LABEL: MANAGER}
 
 
-def role_object_name(instance: str, role: Role) -> str:
+def role_object_name(instance: str, role: PodRole) -> str:
     return f"{instance}-{role}"
 
 

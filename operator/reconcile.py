@@ -6,7 +6,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from kubesgl.operator import naming
+from kubesgl import contract
 from kubesgl.operator.kube import CHILD_KINDS, KubeApi, kind_of
 from kubesgl.operator.render import Object, render
 from kubesgl.operator.spec import InferenceService
@@ -48,7 +48,7 @@ def delete_children(api: KubeApi, namespace: str, instance: str, uid: str) -> in
     rank = {kind: position for position, kind in enumerate(_DELETION_ORDER)}
 
     def order(obj: Object) -> tuple[int, int]:
-        is_engine = obj["metadata"].get("labels", {}).get(naming.ROLE_LABEL) != "router"
+        is_engine = obj["metadata"].get("labels", {}).get(contract.ROLE_LABEL) != contract.ROUTER
         return rank[obj["kind"]], int(is_engine)
 
     for child in sorted(children, key=order):

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubesgl.operator import naming
+from kubesgl import contract
 
 Object = dict[str, Any]
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
@@ -36,7 +36,7 @@ class Rollout:
         spec = deployment.get("spec", {})
         status = deployment.get("status") or {}
         return cls(
-            role=meta.get("labels", {}).get(naming.ROLE_LABEL, ""),
+            role=meta.get("labels", {}).get(contract.ROLE_LABEL, ""),
             desired=spec.get("replicas", 1),
             generation=meta.get("generation", 0),
             observed_generation=status.get("observedGeneration", 0),

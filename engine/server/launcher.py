@@ -22,6 +22,7 @@ from pathlib import Path
 
 import uvicorn
 
+from kubesgl.contract import ENGINE_PORT, MIXED
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.bootstrap import run_bootstrap
 from kubesgl.engine.metrics import EngineMetrics
@@ -37,7 +38,7 @@ logger = logging.getLogger("kubesgl.serve")
 @dataclass
 class ServerOptions:
     host: str = "0.0.0.0"
-    port: int = 30000
+    port: int = ENGINE_PORT
     api_key: str | None = None
     served_model_name: str | None = None
     shutdown_timeout: float = 30.0
@@ -78,7 +79,7 @@ class Server:
                 args=(self.config, rank, self.endpoints, init_method, self.options.log_level, self.options.host))
         self.children["tokenizer"] = ctx.Process(target=run_tokenizer, name="kubesgl-tokenizer",
                                                  args=(self.config.model, self.endpoints, self.options.log_level))
-        if self.config.role != "mixed":  # the HTTP side of the KV handshake, off the schedulers' GIL
+        if self.config.role != MIXED:  # the HTTP side of the KV handshake, off the schedulers' GIL
             self.children["bootstrap"] = ctx.Process(target=run_bootstrap, name="kubesgl-bootstrap",
                                                      args=(self.endpoints, self.options.log_level))
         for child in self.children.values():

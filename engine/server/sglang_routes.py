@@ -11,6 +11,7 @@ from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kubesgl import __version__
+from kubesgl.contract import DECODE, MIXED, PREFILL
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.io import TokenizeRequest
 from kubesgl.engine.sampling_params import SamplingParams
@@ -18,7 +19,7 @@ from kubesgl.engine.server.engine_client import EngineClient
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 # SGLang's name for the role of an engine that does both phases
-_DISAGGREGATION_MODE = {"mixed": "null", "prefill": "prefill", "decode": "decode"}
+_DISAGGREGATION_MODE = {MIXED: "null", PREFILL: "prefill", DECODE: "decode"}
 
 
 def add_sglang_routes(app: FastAPI, client: EngineClient, config: EngineConfig, served_model_name: str,

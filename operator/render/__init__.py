@@ -6,6 +6,7 @@ again (an operator restart, a resync) changes nothing and starts no rollout.
 
 from __future__ import annotations
 
+from kubesgl import contract
 from kubesgl.operator.render.autoscaling import autoscaler
 from kubesgl.operator.render.common import Object, pod_disruption_budget
 from kubesgl.operator.render.engine import engine_deployment, headless_service
@@ -36,7 +37,7 @@ def render(isvc: InferenceService) -> list[Object]:
     for role, block in roles.items():
         objects.append(engine_deployment(isvc, role, block))
     objects.append(router_deployment(isvc))
-    for role in [*roles, "router"]:
+    for role in [*roles, contract.ROUTER]:
         objects.append(pod_disruption_budget(isvc, role))
     for role in roles:
         scaler = autoscaler(isvc, role)

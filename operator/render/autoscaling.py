@@ -3,9 +3,10 @@ with a Prometheus trigger. Either one then owns the role's replica count."""
 
 from __future__ import annotations
 
+from kubesgl.contract import EngineRole
 from kubesgl.operator import naming
 from kubesgl.operator.render.common import Object, metadata
-from kubesgl.operator.spec import AutoscalingSpec, EngineRole, InferenceService, RoleAutoscaling
+from kubesgl.operator.spec import AutoscalingSpec, InferenceService, RoleAutoscaling
 
 # Engine gauges by spec metric name (DESIGN.md, Metrics). For the HPA they are per-pod metrics
 # served by a metrics adapter; timeToFirstToken needs the adapter rule in docs/operator.md.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kubesgl import contract
 from kubesgl.operator import naming
 from kubesgl.operator.spec import API_GROUP, API_VERSION, KIND, InferenceService, Placement
 
@@ -13,7 +14,7 @@ Object = dict[str, Any]
 RUN_AS_USER = 1000
 
 
-def metadata(isvc: InferenceService, name: str, role: naming.Role | None = None) -> Object:
+def metadata(isvc: InferenceService, name: str, role: contract.PodRole | None = None) -> Object:
     meta: Object = {
         "name": name,
         "namespace": isvc.metadata.namespace,
@@ -94,7 +95,7 @@ def image_pull(isvc: InferenceService) -> tuple[Object, Object]:
     return container, pod
 
 
-def pod_disruption_budget(isvc: InferenceService, role: naming.Role) -> Object:
+def pod_disruption_budget(isvc: InferenceService, role: contract.PodRole) -> Object:
     name = naming.role_object_name(isvc.metadata.name, role)
     return {
         "apiVersion": "policy/v1",

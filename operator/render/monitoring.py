@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kubesgl import contract
 from kubesgl.operator import naming
 from kubesgl.operator.render.common import Object, metadata
 from kubesgl.operator.spec import InferenceService
@@ -23,6 +24,6 @@ def pod_monitor(isvc: InferenceService) -> Object | None:
             "podMetricsEndpoints": [
                 {"port": "http", "path": "/metrics", "interval": settings.interval}
             ],
-            "podTargetLabels": [naming.INSTANCE_LABEL, naming.ROLE_LABEL],
+            "podTargetLabels": [contract.INSTANCE_LABEL, contract.ROLE_LABEL],
         },
     }

@@ -3,6 +3,7 @@ Service, and the narrowest RBAC that discovery needs (get, list, watch pods in o
 
 from __future__ import annotations
 
+from kubesgl import contract
 from kubesgl.operator import naming
 from kubesgl.operator.render.common import (
     Object,
@@ -23,7 +24,7 @@ def router_args(isvc: InferenceService) -> list[str]:
     args = [
         "router",
         "--host", "0.0.0.0",
-        "--port", str(naming.ROUTER_PORT),
+        "--port", str(contract.ROUTER_PORT),
         "--policy", router.policy,
         "--kube-namespace", isvc.metadata.namespace,
     ]
@@ -41,14 +42,14 @@ def router_args(isvc: InferenceService) -> list[str]:
 
 
 def _router_name(isvc: InferenceService) -> str:
-    return naming.role_object_name(isvc.metadata.name, "router")
+    return naming.role_object_name(isvc.metadata.name, contract.ROUTER)
 
 
 def service_account(isvc: InferenceService) -> Object:
     return {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
-        "metadata": metadata(isvc, _router_name(isvc), "router"),
+        "metadata": metadata(isvc, _router_name(isvc), contract.ROUTER),
     }
 
 
@@ -56,7 +57,7 @@ def pod_reader_role(isvc: InferenceService) -> Object:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": metadata(isvc, _router_name(isvc), "router"),
+        "metadata": metadata(isvc, _router_name(isvc), contract.ROUTER),
         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
     }
 
@@ -65,7 +66,7 @@ def role_binding(isvc: InferenceService) -> Object:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": metadata(isvc, _router_name(isvc), "router"),
+        "metadata": metadata(isvc, _router_name(isvc), contract.ROUTER),
         "roleRef": {
             "apiGroup": "rbac.authorization.k8s.io",
             "kind": "Role",
@@ -92,7 +93,7 @@ def router_deployment(isvc: InferenceService) -> Object:
         "command": ["kubesgl"],
         "args": router_args(isvc),
         "env": [{"name": "HOME", "value": "/tmp"}],
-        "ports": [{"name": "http", "containerPort": naming.ROUTER_PORT}],
+        "ports": [{"name": "http", "containerPort": contract.ROUTER_PORT}],
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "readinessProbe": http_probe("http", period=5, failures=2),
         "livenessProbe": http_probe("http", period=15, failures=4, timeout=5),
@@ -105,14 +106,14 @@ def router_deployment(isvc: InferenceService) -> Object:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": metadata(isvc, _router_name(isvc), "router"),
+        "metadata": metadata(isvc, _router_name(isvc), contract.ROUTER),
         "spec": {
             "replicas": router.replicas,
-            "selector": {"matchLabels": naming.selector_labels(instance, "router")},
+            "selector": {"matchLabels": naming.selector_labels(instance, contract.ROUTER)},
             "template": {
                 "metadata": {
-                    "labels": naming.object_labels(instance, "router"),
-                    "annotations": scrape_annotations(naming.ROUTER_PORT),
+                    "labels": naming.object_labels(instance, contract.ROUTER),
+                    "annotations": scrape_annotations(contract.ROUTER_PORT),
                 },
                 "spec": {
                     "serviceAccountName": _router_name(isvc),
@@ -132,12 +133,12 @@ def router_service(isvc: InferenceService) -> Object:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": metadata(isvc, naming.router_service_name(isvc.metadata.name), "router"),
+        "metadata": metadata(isvc, naming.router_service_name(isvc.metadata.name), contract.ROUTER),
         "spec": {
             "type": isvc.spec.router.service_type,
-            "selector": naming.selector_labels(isvc.metadata.name, "router"),
+            "selector": naming.selector_labels(isvc.metadata.name, contract.ROUTER),
             "ports": [
-                {"name": "http", "port": naming.ROUTER_PORT, "targetPort": "http",
+                {"name": "http", "port": contract.ROUTER_PORT, "targetPort": "http",
                  "protocol": "TCP"}
             ],
         },
