@@ -10,6 +10,7 @@ memory (DRAM) for pools on the CPU and device memory (VRAM) for pools on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from dataclasses import dataclass
 
@@ -37,6 +38,22 @@ def slot_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((s, d, 1))
     return runs
+
+
+class TransferError(RuntimeError):
+    """NIXL could not do what was asked (a peer that disconnected, a failed write, ...)."""
+
+
+@contextlib.contextmanager
+def _nixl(what: str):
+    """NIXL's bindings raise plain Exceptions of their own (nixlRemoteDisconnectError, ...):
+    one request's failed transfer, never a reason for the engine to stop."""
+    try:
+        yield
+    except TransferError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - see above
+        raise TransferError(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass
@@ -67,7 +84,8 @@ class KVTransferAgent:
 
     def connect(self, peer_metadata: bytes, peer: PoolLayout) -> None:
         self.layout.check_compatible(peer)
-        name = self.agent.add_remote_agent(peer_metadata)
+        with _nixl("adding the peer's agent"):
+            name = self.agent.add_remote_agent(peer_metadata)
         name = name.decode() if isinstance(name, bytes) else name
         if name != peer.agent:
             raise ValueError(f"NIXL metadata of agent {name!r} came with the layout of {peer.agent!r}")
@@ -84,34 +102,45 @@ class KVTransferAgent:
             for here, there in zip(self.layout.k_addresses + self.layout.v_addresses, peer.k_addresses + peer.v_addresses):
                 local.append((here + s * size, n * size, self.layout.device_id))
                 remote.append((there + d * size, n * size, peer.device_id))
-        handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.layout.memory),
-                                            self.agent.get_xfer_descs(remote, peer.memory), peer.agent, notification)
-        if self.agent.transfer(handle) == "ERR":
-            self.agent.release_xfer_handle(handle)
-            raise RuntimeError(f"NIXL could not start the KV transfer to {peer.agent}")
+        with _nixl(f"starting the KV write to {peer.agent}"):
+            handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.layout.memory),
+                                                self.agent.get_xfer_descs(remote, peer.memory), peer.agent,
+                                                notification)
+            try:
+                started = self.agent.transfer(handle)
+            except Exception:
+                self.agent.release_xfer_handle(handle)
+                raise
+            if started == "ERR":
+                self.agent.release_xfer_handle(handle)
+                raise TransferError(f"NIXL could not start the KV write to {peer.agent}")
         return Transfer(handle, len(local), sum(length for _, length, _ in local))
 
     def done(self, transfer: Transfer) -> bool:
         """True once the transfer has completed (its handle is then released); raises if it failed."""
-        state = self.agent.check_xfer_state(transfer.handle)
-        if state == "PROC":
-            return False
-        self.agent.release_xfer_handle(transfer.handle)
+        with _nixl("the KV write"):
+            state = self.agent.check_xfer_state(transfer.handle)
+            if state == "PROC":
+                return False
+            self.agent.release_xfer_handle(transfer.handle)
         if state != "DONE":
-            raise RuntimeError(f"KV transfer failed ({state})")
+            raise TransferError(f"the KV write failed ({state})")
         return True
 
     def abort(self, transfer: Transfer) -> None:
         """Gives up on a transfer still in flight (releasing its handle cancels it)."""
-        self.agent.release_xfer_handle(transfer.handle)
+        with _nixl("cancelling the KV write"):
+            self.agent.release_xfer_handle(transfer.handle)
 
     def notify(self, peer_name: str, message: bytes) -> None:
         """A notification without a transfer (a room that ends without its KV)."""
-        self.agent.send_notif(peer_name, message)
+        with _nixl(f"notifying {peer_name}"):
+            self.agent.send_notif(peer_name, message)
 
     def notifications(self) -> list[bytes]:
         """Notifications of transfers peers completed into this pool, since the last call."""
-        return [message for messages in self.agent.get_new_notifs().values() for message in messages]
+        with _nixl("reading notifications"):
+            return [message for messages in self.agent.get_new_notifs().values() for message in messages]
 
     def close(self) -> None:
         for peer in self.peers:

@@ -10,11 +10,12 @@ writes of all ranks are done.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
 
-from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, Transfer
+from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, Transfer, TransferError
 from kubesgl.engine.disagg.link import BootstrapLink
 from kubesgl.engine.disagg.protocol import (
     FailureReason,
@@ -277,7 +278,8 @@ class PrefillTransfers:
                 ended.append(WriteEnded(self.consensus.rank, room, transfer.nbytes, now - started_at))
             elif now - started_at > self.timeout:
                 del self._writes[room]
-                self.agent.abort(transfer)
+                with contextlib.suppress(TransferError):  # it failed anyway
+                    self.agent.abort(transfer)
                 ended.append(self._failed_write(room, engine, f"the KV write did not finish within {self.timeout:g} s"))
         return ended
 

@@ -242,6 +242,47 @@ def test_a_prefill_engine_killed_during_a_long_prefill_fails_the_decode_request_
                 os.killpg(server.process.pid, signal.SIGKILL)
 
 
+def test_a_decode_engine_killed_while_the_prefill_engine_holds_kv_leaves_the_prefill_engine_serving(
+        tiny_model, tmp_path):
+    model = tiny_model("llama")
+    prefill, decode, bootstrap = start_pd_pair(model, tmp_path, prefill_args=("--chunked-prefill-size", "4"))
+    try:
+        prompt = [random.randrange(3, 500) for _ in range(600)]
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bootstrap, "bootstrap_room": random.getrandbits(63)}
+        answers = {}
+        thread = threading.Thread(target=lambda: answers.__setitem__(
+            "p", httpx.post(prefill.base_url + "/generate", json=body, timeout=120)))
+        thread.start()
+        decode_side = threading.Thread(target=_post_quietly, args=(decode, body))
+        decode_side.start()
+        deadline = time.monotonic() + 30
+        while prefill.metric("kubesgl_num_running_requests") < 1:  # it is prefilling; the room is posted
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.killpg(decode.process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        thread.join(timeout=90)
+        answer = answers["p"]
+        assert time.monotonic() - killed_at < 15
+        assert answer.status_code in (502, 504), answer.text  # its write failed, or nobody took it
+        concurrent = httpx.post(prefill.base_url + "/generate", json={"text": "still serving",
+                                                                      "sampling_params": {"max_new_tokens": 4}})
+        assert concurrent.status_code == 200 and len(concurrent.json()["output_ids"]) == 4
+        prefill.wait_idle()
+    finally:
+        for server in (prefill, decode):
+            if server.process.poll() is None:
+                os.killpg(server.process.pid, signal.SIGKILL)
+
+
+def _post_quietly(server, body: dict) -> None:
+    try:
+        httpx.post(server.base_url + "/generate", json=body, timeout=120)
+    except httpx.HTTPError:
+        pass  # its engine is killed on purpose
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_pd_on_one_gpu_moves_kv_vram_to_vram_and_equals_a_mixed_engine(backend, tiny_model, tmp_path):

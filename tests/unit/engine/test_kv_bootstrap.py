@@ -190,6 +190,23 @@ def test_a_failed_write_fails_the_room_on_both_sides(pair, monkeypatch):
     assert arrived[0].reason is FailureReason.TRANSFER and arrived[-1].released
 
 
+def test_a_decode_engine_that_disconnected_fails_the_write_not_the_prefill_engine(pair, monkeypatch):
+    """NIXL raises exceptions of its own (not RuntimeError) when the peer is gone mid-write."""
+    p = pair()
+    remote_disconnect = type("nixlRemoteDisconnectError", (Exception,), {})
+
+    def gone(handle):
+        raise remote_disconnect("NIXL_ERR_REMOTE_DISCONNECT")
+
+    monkeypatch.setattr(p.prefill_agent.agent, "transfer", gone)
+    p.prefill.open(19)
+    p.prefill.prefilled(19, [1], note(19))
+    p.decode.expect(p.target(19), [2])
+    sent, _ = p.run(lambda s, a: s)
+    assert sent[0].reason is FailureReason.TRANSFER and "NIXL_ERR_REMOTE_DISCONNECT" in sent[0].error
+    assert not p.prefill.busy(19)
+
+
 def test_a_dead_prefill_engine_fails_its_rooms_within_the_heartbeat_window(pair):
     p = pair(dead_after_s=0.5)
     p.decode.expect(p.target(14), [1])
