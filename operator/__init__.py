@@ -6,7 +6,8 @@ pyyaml and the kubernetes client.
 
 if __name__ == "operator":
     # Python started in the repository root has the root on sys.path, so `import operator`
-    # finds this folder before the standard library (DESIGN.md keeps the folder's name).
+    # finds this folder before the standard library (the folder keeps its name:
+    # docs/architecture.md, Layout).
     # Hand the importer the standard module instead. Only modules that never import
     # `operator` may be used here: that name is this half-made module until the swap.
     import os

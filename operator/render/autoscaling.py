@@ -8,8 +8,9 @@ from kubesgl.operator import naming
 from kubesgl.operator.render.common import Object, metadata
 from kubesgl.operator.spec import AutoscalingSpec, InferenceService, RoleAutoscaling
 
-# Engine gauges by spec metric name (DESIGN.md, Metrics). For the HPA they are per-pod metrics
-# served by a metrics adapter; timeToFirstToken needs the adapter rule in docs/operator.md.
+# Engine gauges by spec metric name (docs/architecture.md, Metrics). For the HPA they are
+# per-pod metrics served by a metrics adapter; timeToFirstToken needs the adapter rule in
+# docs/operator.md.
 HPA_METRICS = {
     "waitingRequests": "kubesgl_num_waiting_requests",
     "runningRequests": "kubesgl_num_running_requests",

@@ -24,7 +24,7 @@ def test_every_package_folder_is_listed_in_pyproject():
 
 def test_the_operator_folder_never_shadows_the_standard_library():
     """Python run from the repository root puts the root on sys.path; `import operator` must
-    still find the standard library's module, not the folder operator/ (DESIGN.md, Layout),
+    still find the standard library's module, not the folder operator/ (docs/architecture.md, Layout),
     so operator/ is a namespace package (no __init__.py) that only kubesgl.operator names."""
     import subprocess
     import sys

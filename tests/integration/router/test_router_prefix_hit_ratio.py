@@ -57,7 +57,7 @@ def _free_port() -> int:
 
 @contextlib.asynccontextmanager
 async def real_engines(model_dir: str, count: int, max_total_tokens: int) -> AsyncIterator[list[str]]:
-    """`kubesgl serve` engines on loopback ports (DESIGN.md command line)."""
+    """`kubesgl serve` engines on loopback ports (docs/architecture.md, Command line)."""
     ports = [_free_port() for _ in range(count)]
     processes = [
         subprocess.Popen(
