@@ -1,5 +1,5 @@
 """Engine options: the one declaration of every option of `kubesgl serve` and `kubesgl generate`
-(docs/architecture.md, Command line).
+(the table of docs/server.md, Engine options, lists them).
 
 Each field of `EngineConfig` carries its type, default and help text; a `Literal` type is its
 list of choices. The command line (cli_args.py), `EngineConfig.validate`, the operator's
@@ -17,7 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kubesgl.contract import BOOTSTRAP_PORT, EngineRole
+from kubesgl.contract import BOOTSTRAP_PORT, MIXED, EngineRole
 
 Device = Literal["cuda", "cpu"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -71,7 +71,7 @@ def option(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = 
 class EngineConfig:
     model: str = option(help="Hugging Face checkpoint directory")
     tp_size: int = option(1, help="tensor-parallel ranks: one process and one device each", ge=1)
-    role: EngineRole = option("mixed", help="mixed runs whole requests; prefill and decode engines split "
+    role: EngineRole = option(MIXED, help="mixed runs whole requests; prefill and decode engines split "
                                             "each request between them (prefill/decode disaggregation)")
     device: Literal["auto", Device] = option("auto", help="auto: cuda where a GPU is available, else cpu")
     dtype: Dtype = option("auto", help="of weights and activations; auto: the checkpoint's half-precision "
