@@ -76,6 +76,12 @@ def _mode_problems(spec: InferenceServiceSpec) -> list[Problem]:
                 problems.append(Problem(f"spec.{role}", "required when mode is disaggregated"))
         if spec.mixed is not None:
             problems.append(Problem("spec.mixed", "only used when mode is mixed"))
+        if spec.prefill is not None and spec.decode is not None and (
+                spec.prefill.tensor_parallel_size != spec.decode.tensor_parallel_size):
+            # Rank r of a prefill pod writes its shard of the heads into rank r of a decode pod.
+            problems.append(Problem("spec.decode.tensorParallelSize", (
+                f"must equal spec.prefill.tensorParallelSize ({spec.prefill.tensor_parallel_size}): prefill and "
+                "decode engines pair rank by rank (docs/disaggregation.md)")))
     else:
         for role in (contract.PREFILL, contract.DECODE):
             if getattr(spec, role) is not None:

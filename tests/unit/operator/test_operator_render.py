@@ -81,7 +81,10 @@ def engine_pod(objects, name: str) -> dict[str, Any]:
 
 
 def test_engine_pod_contract() -> None:
-    objects = objects_of(load_example("disaggregated.yaml"))
+    document = load_example("disaggregated.yaml")
+    for role in ("prefill", "decode"):  # both roles on two GPUs: one per tensor-parallel rank
+        document["spec"][role]["tensorParallelSize"] = 2
+    objects = objects_of(document)
     prefill = engine_pod(objects, "llama-pd-prefill")
     decode = engine_pod(objects, "llama-pd-decode")
     container = decode["spec"]["containers"][0]
@@ -94,7 +97,7 @@ def test_engine_pod_contract() -> None:
     assert options["--chunked-prefill-size"] == "8192"
     assert options["--served-model-name"] == "meta-llama/Llama-3.1-8B-Instruct"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
-    assert prefill["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert prefill["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
     prefill_args = prefill["spec"]["containers"][0]["args"]
     assert prefill_args[prefill_args.index("--disaggregation-bootstrap-port") + 1] == "8998"
     for annotation in ("kubesgl.io/bootstrap-port", "sglang.ai/bootstrap-port"):  # kubesgl's and SGLang's routers

@@ -63,6 +63,12 @@ def problems_of(document) -> list[str]:
             {"replicas": 1},
             "spec.prefill: only used when mode is disaggregated",
         ),
+        (
+            "disaggregated.yaml",
+            "spec.decode.tensorParallelSize",
+            2,
+            "spec.decode.tensorParallelSize: must equal spec.prefill.tensorParallelSize (1)",
+        ),
         ("mixed.yaml", "spec.model.hostPath", {"path": "/m"}, "spec.model: set exactly one of"),
         ("mixed.yaml", "spec.model.pvc", ..., "spec.model: set exactly one of"),
         (
