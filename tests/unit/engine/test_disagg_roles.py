@@ -76,7 +76,7 @@ def assert_idle(*engines):
         assert scheduler.kv.committed_tokens() == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3-moe"])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_greedy_output_through_prefill_and_decode_equals_a_mixed_engine(arch, page_size, tiny_model, make_engine,
                                                                         random_prompts):
