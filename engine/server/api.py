@@ -182,10 +182,10 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
             card["max_model_len"] = client.info.context_length
         return {"object": "list", "data": [card]}
 
-    def bootstrap(body, count: int) -> list[BootstrapTarget | None]:
+    def bootstrap(body, prompts: int, n: int) -> list[BootstrapTarget | None]:
         try:
             # `bootstrap_port: null` means this engine's own --disaggregation-bootstrap-port
-            return body.bootstrap_targets(count, state.config.disaggregation_bootstrap_port)
+            return body.bootstrap_targets(prompts, n, state.config.disaggregation_bootstrap_port)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
 
@@ -195,7 +195,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
         params = validated(body.to_sampling_params())
         messages = [m.as_template_input() for m in body.messages]
         subs = fan_out([TokenizeRequest("", params, messages=messages)], body.n, params, "chatcmpl",
-                       bootstrap(body, body.n))
+                       bootstrap(body, 1, body.n))
         meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": state.served_model_name}
         return await respond(request, subs, body.stream, body.include_usage, chat_formatter(meta, body.logprobs))
 
@@ -205,7 +205,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
         params = validated(body.to_sampling_params())
         bases = [TokenizeRequest("", params, **({"text": p} if isinstance(p, str) else {"input_ids": p}))
                  for p in body.prompts()]
-        subs = fan_out(bases, body.n, params, "cmpl", bootstrap(body, len(bases) * body.n))
+        subs = fan_out(bases, body.n, params, "cmpl", bootstrap(body, len(bases), body.n))
         meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": state.served_model_name}
         return await respond(request, subs, body.stream, body.include_usage,
                              completion_formatter(meta, body.logprobs is not None))
@@ -215,7 +215,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
         serving()
         params = validated(body.to_sampling_params())
         rid = body.rid or EngineClient.new_rid("gen")
-        sub = TokenizeRequest(rid, params, text=body.text, input_ids=body.input_ids, bootstrap=bootstrap(body, 1)[0])
+        sub = TokenizeRequest(rid, params, text=body.text, input_ids=body.input_ids, bootstrap=bootstrap(body, 1, 1)[0])
         return await respond(request, [sub], body.stream, False, native_formatter(rid))
 
     def fan_out(bases: list[TokenizeRequest], n: int, params: SamplingParams, prefix: str,

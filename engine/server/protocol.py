@@ -39,29 +39,35 @@ class _Bootstrap(_Lenient):
     bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | list[Annotated[int, Field(ge=1, le=65535)] | None] | None = None
     bootstrap_room: Room | list[Room] | None = None
 
-    def bootstrap_targets(self, count: int, default_port: int) -> list[BootstrapTarget | None]:
-        """One target per choice (prompts x n, in that order); None everywhere without rooms.
-        Raises InvalidRequestError for lists that do not match the choices."""
+    def bootstrap_targets(self, prompts: int, n: int, default_port: int) -> list[BootstrapTarget | None]:
+        """One target per choice, choice p * n + i being copy i of prompt p; None everywhere
+        without rooms. Each field may give one value per choice, one per prompt, or one for
+        all; a room given per prompt (or for all) numbers its copies room + i, as SGLang's
+        engines do (its router sends a single room with n > 1). Raises InvalidRequestError for
+        lists that fit neither."""
         if self.bootstrap_room is None:
             if self.bootstrap_host is not None or self.bootstrap_port is not None:
                 raise InvalidRequestError("bootstrap_room is missing (bootstrap_host and bootstrap_port come with it)",
                                           param="bootstrap_room")
-            return [None] * count
-        rooms, hosts, ports = (_per_choice(name, getattr(self, name), count)
+            return [None] * (prompts * n)
+        rooms, hosts, ports = (_per_choice(name, getattr(self, name), prompts, n)
                                for name in ("bootstrap_room", "bootstrap_host", "bootstrap_port"))
-        if isinstance(self.bootstrap_room, int) and count > 1:
-            raise InvalidRequestError(f"{count} choices (prompts x n) need {count} bootstrap rooms, one per choice, "
-                                      "as a list", param="bootstrap_room")
-        return [BootstrapTarget(room, host, default_port if port is None else port)
-                for room, host, port in zip(rooms, hosts, ports)]
+        return [BootstrapTarget((room + copy) % (MAX_ROOM + 1), host, default_port if port is None else port)
+                for (room, copy), (host, _), (port, _) in zip(rooms, hosts, ports)]
 
 
-def _per_choice(name: str, value, count: int) -> list:
-    if not isinstance(value, list):
-        return [value] * count
-    if len(value) != count:
-        raise InvalidRequestError(f"{name} lists {len(value)} values for {count} choices (prompts x n)", param=name)
-    return value
+def _per_choice(name: str, value, prompts: int, n: int) -> list[tuple[Any, int]]:
+    """(value, the offset a room adds) for each choice: per choice as given, or spread over
+    the copies of each prompt (or of all prompts) with offsets 0, 1, ..."""
+    choices = prompts * n
+    if isinstance(value, list) and len(value) == choices:
+        return [(v, 0) for v in value]
+    if isinstance(value, list) and len(value) == prompts:
+        return [(v, i) for v in value for i in range(n)]
+    if isinstance(value, list):
+        raise InvalidRequestError(f"{name} lists {len(value)} values for {prompts} prompts x n={n}: give one per "
+                                  "choice, one per prompt, or one for all", param=name)
+    return [(value, c) for c in range(choices)]
 
 
 class StreamOptions(_Lenient):
