@@ -1,2 +1,2 @@
-"""Prefill/decode disaggregation (DESIGN.md, P/D protocol): moving a request's KV from a
+"""Prefill/decode disaggregation (docs/disaggregation.md): moving a request's KV from a
 prefill engine's pool into a decode engine's pool."""

@@ -31,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import zmq
 
+from kubesgl import contract
 from kubesgl.engine.disagg.protocol import (
     BootstrapFact,
     BootstrapRequest,
@@ -67,7 +68,8 @@ UNKNOWN_ROOM = "unknown_room"  # DELETE /kv/rooms/{room} of a room never posted 
 class BootstrapServer:
     """HTTP endpoint of a prefill engine for the decode engines; what arrives, it emits."""
 
-    def __init__(self, emit: Emit, layout: PoolLayout, tp_size: int, host: str = "0.0.0.0", port: int = 8998,
+    def __init__(self, emit: Emit, layout: PoolLayout, tp_size: int, host: str = "0.0.0.0",
+                 port: int = contract.BOOTSTRAP_PORT,
                  room_memory_s: float = 120.0):
         self.emit, self.layout, self.tp_size = emit, layout, tp_size
         self.instance = uuid.uuid4().hex  # a restarted engine is a new instance

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from kubesgl import contract
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.link import ProcessLink
 from kubesgl.engine.disagg.protocol import BootstrapFact
@@ -56,7 +57,7 @@ def run_scheduler(config: EngineConfig, rank: int, endpoints: Endpoints, dist_in
     torch.manual_seed(config.seed)
     context = zmq.Context()
     link = None
-    if rank == 0 and config.role != "mixed":
+    if rank == 0 and config.role != contract.MIXED:
         link = ProcessLink(push(context, endpoints.bootstrap_in))
     engine = Engine(config, bootstrap_host, link)
     _warm_up(engine)

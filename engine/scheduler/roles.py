@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from kubesgl import contract
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.decode import DecodeTransfers
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
@@ -80,7 +81,7 @@ def failure(error: str, reason: FailureReason, status: int | None = None) -> Fin
 class MixedRole:
     """Prefill and decode in one engine: every request runs from prompt to last token here."""
 
-    name = "mixed"
+    name = contract.MIXED
     transfers_kv = False  # a role that does polls its transfers every turn, idle or not
 
     def __init__(self, kv: KVManager):
@@ -187,7 +188,7 @@ class _RoomRole(MixedRole):
 
 
 class PrefillRole(_RoomRole):
-    name = "prefill"
+    name = contract.PREFILL
 
     def __init__(self, kv: KVManager, transfers: PrefillTransfers):
         super().__init__(kv)
@@ -263,7 +264,7 @@ class PrefillRole(_RoomRole):
 
 
 class DecodeRole(_RoomRole):
-    name = "decode"
+    name = contract.DECODE
 
     def __init__(self, kv: KVManager, transfers: DecodeTransfers):
         super().__init__(kv)
@@ -342,14 +343,14 @@ def create_role(config: EngineConfig, kv: KVManager, pool: KVPool, tp: TensorPar
     """The role `config.role` names, with its KV transfer wired to this rank's pool. Rank 0
     talks to the engine's bootstrap process through `link`; without one, it runs the
     bootstrap service in this process (an engine driven in process)."""
-    if config.role == "mixed":
+    if config.role == contract.MIXED:
         return MixedRole(kv)
     agent = KVTransferAgent(pool)
     consensus = RankConsensus(tp.rank, tp.size, tp.control)
     if consensus.is_leader and link is None:
         link = LocalLink()
     timeout = config.disaggregation_timeout
-    if config.role == "prefill":
+    if config.role == contract.PREFILL:
         transfers = PrefillTransfers(agent, consensus, link, timeout, bootstrap_host, config.disaggregation_bootstrap_port)
         return PrefillRole(kv, transfers)
     # The bootstrap process registers every rank's agent with the prefill engines: it needs them all.

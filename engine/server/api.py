@@ -1,4 +1,4 @@
-"""The HTTP surface (DESIGN.md): OpenAI chat completions and completions, SGLang's
+"""The HTTP surface (docs/server.md): OpenAI chat completions and completions, SGLang's
 /generate, /v1/models, /health and /metrics."""
 
 from __future__ import annotations
