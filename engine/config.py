@@ -26,6 +26,10 @@ LoadFormat = Literal["auto", "dummy"]
 AttentionBackendName = Literal["torch", "triton", "flashinfer"]
 
 _OPTION = "kubesgl.option"  # the key of an option's declaration in a field's metadata
+# --mem-fraction-static when unset. On the CPU a modest share of the free memory, so that two
+# engines of a 1B model fit on a laptop beside everything else.
+GPU_MEM_FRACTION = 0.85
+CPU_MEM_FRACTION = 0.3
 
 
 @dataclass(frozen=True)
@@ -89,8 +93,11 @@ class EngineConfig:
     max_prefill_tokens: int = option(16384, help="prompt tokens admitted in one prefill step", ge=1)
     max_total_tokens: int | None = option(None, help="KV pool size in tokens; unset: sized from free memory "
                                                      "(--mem-fraction-static)")
-    mem_fraction_static: float = option(0.85, help="share of device memory for weights and KV cache when the "
-                                                   "pool is sized from memory", gt=0, lt=1)
+    mem_fraction_static: float | None = option(
+        None, help=f"when the KV pool is sized from memory: on a GPU, the share of its memory for weights and KV "
+                   f"cache (unset: {GPU_MEM_FRACTION}); on the CPU, the share of the memory still free to this "
+                   f"process, its cgroup limit included, for the KV cache (unset: {CPU_MEM_FRACTION})",
+        gt=0, lt=1)
     context_length: int | None = option(None, help="longest prompt plus output; unset: the model's "
                                                    "max_position_embeddings")
     default_max_tokens: int = option(4096, help="output limit of requests that give no max_tokens", ge=1)

@@ -5,17 +5,17 @@ scheduler process."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from kubesgl.engine.attention import auto_backend
-from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.config import CPU_MEM_FRACTION, GPU_MEM_FRACTION, EngineConfig
 from kubesgl.engine.disagg.link import BootstrapLink
 from kubesgl.engine.distributed import get_tp_group
 from kubesgl.engine.executor.model_runner import ModelRunner
 from kubesgl.engine.executor.worker import OverlapExecutor, SyncExecutor
+from kubesgl.engine.host_memory import host_memory
 from kubesgl.engine.io import GenerateRequest, TokenOutput
 from kubesgl.engine.kvcache.allocator import PageAllocator
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
@@ -43,12 +43,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _available_memory(device: torch.device) -> tuple[int, int]:
-    """(free, total) bytes of the device's memory."""
+    """(free, total) bytes of the device's memory; on the CPU, of the memory this process may use
+    (its cgroup's limit where one is set)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)
-    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    kib = lambda key: int(fields[key].split()[0]) * 1024  # noqa: E731
-    return kib("MemAvailable"), kib("MemTotal")
+    memory = host_memory()
+    return memory.available, memory.total
 
 
 def kv_pool_tokens(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -59,7 +59,12 @@ def kv_pool_tokens(config: EngineConfig, model_config: ModelConfig, dtype: torch
         return config.max_total_tokens
     per_token = KVPool.bytes_per_slot(model_config.num_layers, kv_heads, model_config.head_dim, dtype)
     free, total = _available_memory(device)
-    budget = free - total * (1 - config.mem_fraction_static)
+    if device.type == "cuda":
+        budget = free - total * (1 - (config.mem_fraction_static or GPU_MEM_FRACTION))
+    else:
+        # The host is shared (other engines, the desktop): a share of what is still free, so that
+        # a second engine started beside this one finds memory too.
+        budget = free * (config.mem_fraction_static or CPU_MEM_FRACTION)
     tokens = min(int(budget // per_token), config.max_running_requests * context_length)
     if tokens < 2 * config.page_size:
         raise RuntimeError(

@@ -127,6 +127,6 @@ def test_kv_pool_sized_from_memory(tiny_model):
     config = EngineConfig(model="", max_running_requests=4)
     # capped by what the running requests can use: 4 requests x the context length
     assert kv_pool_tokens(config, model_config, torch.float32, torch.device("cpu"), 2, 2048) == 4 * 2048
-    config.mem_fraction_static = 0.0001
+    config.mem_fraction_static = 1e-9
     with pytest.raises(RuntimeError, match="no memory left for the KV cache"):
         kv_pool_tokens(config, model_config, torch.float32, torch.device("cpu"), 2, 2048)
