@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 import kopf
 
 from kubesgl.operator.handlers import build_registry
+from kubesgl.operator.kube import NoCluster, check_reachable, load_credentials
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -33,6 +35,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    # kopf would log each failed attempt with a traceback and retry forever: say it once instead
+    try:
+        load_credentials()
+        check_reachable()
+    except NoCluster as error:
+        print(f"kubesgl operator: no Kubernetes cluster reachable: {error}", file=sys.stderr)
+        return 1
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

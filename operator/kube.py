@@ -7,11 +7,13 @@ The kinds are known in advance, so their URL paths come from a table rather than
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import kubernetes
+import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from kubesgl import contract
@@ -72,17 +74,49 @@ class MissingApi(RuntimeError):
     """The cluster does not serve a kind the spec needs (e.g. KEDA is not installed)."""
 
 
+class NoCluster(RuntimeError):
+    """No Kubernetes API to talk to; the message says what was tried."""
+
+
+def load_credentials() -> None:
+    """In-cluster credentials inside a pod, otherwise the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException as not_in_pod:
+        try:
+            kubernetes.config.load_kube_config()
+        except kubernetes.config.ConfigException as no_kubeconfig:
+            path = os.environ.get("KUBECONFIG", kubernetes.config.KUBE_CONFIG_DEFAULT_LOCATION)
+            raise NoCluster(f"tried in-cluster credentials ({not_in_pod}) and the kubeconfig {path} "
+                            f"({no_kubeconfig})") from None
+
+
+def check_reachable(timeout_s: float = 5.0) -> None:
+    """One GET /version to the API server of the loaded credentials, not retried; raises NoCluster
+    when nothing answers. Any HTTP answer, an error status too, means a server is there."""
+    configuration = kubernetes.client.Configuration.get_default_copy()
+    configuration.retries = False
+    client = kubernetes.client.ApiClient(configuration)
+    try:
+        client.call_api(*client.param_serialize("GET", "/version"), _request_timeout=timeout_s)
+        return
+    except urllib3.exceptions.HTTPError as error:
+        reason = str(error.__cause__ or error)
+    except ApiException as error:
+        if error.status:
+            return
+        reason = str(error.reason)  # status 0: the client's own failure, a TLS error for example
+    reason = " ".join(reason.split())  # one line
+    raise NoCluster(f"tried the Kubernetes API at {configuration.host}: {reason}")
+
+
 class KubeApi:
     def __init__(self, client: kubernetes.client.ApiClient):
         self._client = client
 
     @classmethod
     def from_environment(cls) -> KubeApi:
-        """In-cluster credentials inside a pod, otherwise the kubeconfig (KUBECONFIG or ~/.kube)."""
-        try:
-            kubernetes.config.load_incluster_config()
-        except kubernetes.config.ConfigException:
-            kubernetes.config.load_kube_config()
+        load_credentials()
         return cls(kubernetes.client.ApiClient())
 
     def _call(
