@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 import httpx
 from common import report
@@ -38,10 +39,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str], log_dir: str, name: str) -> subprocess.Popen:
+def start(args: list[str], log_dir: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(os.path.join(log_dir, f"{name}.log"), "w")
     return subprocess.Popen([sys.executable, "-m", "kubesgl", *args], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, **(env or {})})
 
 
 def wait_healthy(url: str, process: subprocess.Popen, log_dir: str, name: str, timeout: float = 900) -> None:
@@ -58,33 +59,37 @@ def wait_healthy(url: str, process: subprocess.Popen, log_dir: str, name: str, t
     raise SystemExit(f"{name} not healthy after {timeout} s")
 
 
+@dataclass(frozen=True)
+class EngineProcess:
+    name: str  # also the key of its URL
+    args: tuple[str, ...] = ()  # beyond the common engine options
+    gpu: str | None = None  # CUDA_VISIBLE_DEVICES for it; None: all devices
+
+
+def engine_command(opts: argparse.Namespace) -> list[str]:
+    command = ["serve", "--model", opts.model, "--load-format", opts.load_format, "--dtype", opts.dtype,
+               "--device", opts.device, "--max-total-tokens", str(opts.max_total_tokens),
+               "--context-length", str(opts.context_length), "--served-model-name", "bench", "--host", "127.0.0.1",
+               "--log-level", "warning"]
+    return command + (["--attention-backend", opts.attention_backend] if opts.attention_backend else [])
+
+
 @contextlib.contextmanager
-def stack(mode: str, opts: argparse.Namespace, log_dir: str):
-    """Engines and a router for `mode` (mixed | pd); yields the router's URL and the engines' URLs."""
-    engine = ["serve", "--model", opts.model, "--load-format", opts.load_format, "--dtype", opts.dtype,
-              "--device", opts.device, "--max-total-tokens", str(opts.max_total_tokens),
-              "--context-length", str(opts.context_length), "--served-model-name", "bench", "--host", "127.0.0.1",
-              "--log-level", "warning"]
-    if opts.attention_backend:
-        engine += ["--attention-backend", opts.attention_backend]
+def serving_stack(engines: list[EngineProcess], router_workers, opts: argparse.Namespace, log_dir: str):
+    """`engines` started one at a time (each sizes itself after the ones before), then a router
+    given `router_workers(urls)`; yields the router's URL and the engines' URLs by name."""
     processes, urls = {}, {}
-    if mode == "mixed":
-        roles = {"mixed": []}
-    else:
-        bootstrap = free_port()
-        roles = {"prefill": ["--role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)],
-                 "decode": ["--role", "decode"]}
     try:
-        for role, extra in roles.items():  # one at a time: the second sizes itself after the first
+        for engine in engines:
             port = free_port()
-            urls[role] = f"http://127.0.0.1:{port}"
-            processes[role] = start(engine + ["--port", str(port)] + extra, log_dir, role)
-            wait_healthy(urls[role], processes[role], log_dir, role)
+            urls[engine.name] = f"http://127.0.0.1:{port}"
+            env = {"CUDA_VISIBLE_DEVICES": engine.gpu} if engine.gpu is not None else {}
+            processes[engine.name] = start(engine_command(opts) + ["--port", str(port), *engine.args], log_dir,
+                                           engine.name, env)
+            wait_healthy(urls[engine.name], processes[engine.name], log_dir, engine.name)
         port = free_port()
-        workers = (["--worker", urls["mixed"]] if mode == "mixed" else  # every request disaggregated:
-                   ["--prefill", f"{urls['prefill']}@{bootstrap}", "--decode", urls["decode"], "--pd-min-prefill-tokens", "0"])
         processes["router"] = start(["router", "--port", str(port), "--host", "127.0.0.1", "--log-level", "warning",
-                                     *workers], log_dir, "router")
+                                     *router_workers(urls)], log_dir, "router")
         router = f"http://127.0.0.1:{port}"
         wait_healthy(router, processes["router"], log_dir, "router")
         yield router, urls
@@ -97,6 +102,17 @@ def stack(mode: str, opts: argparse.Namespace, log_dir: str):
                 process.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
+
+
+def stack(mode: str, opts: argparse.Namespace, log_dir: str):
+    """One mixed engine, or a prefill and a decode engine, on the same device behind the router."""
+    if mode == "mixed":
+        return serving_stack([EngineProcess("mixed")], lambda urls: ["--worker", urls["mixed"]], opts, log_dir)
+    bootstrap = free_port()
+    engines = [EngineProcess("prefill", ("--role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap))),
+               EngineProcess("decode", ("--role", "decode",))]
+    return serving_stack(engines, lambda urls: ["--prefill", f"{urls['prefill']}@{bootstrap}", "--decode",
+                                                urls["decode"], "--pd-min-prefill-tokens", "0"], opts, log_dir)
 
 
 def metric(url: str, name: str) -> float:

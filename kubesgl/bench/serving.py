@@ -99,7 +99,22 @@ def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
     return {"mean": statistics.mean(values) * scale, "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
 
 
-def summarize(results: list[RequestResult], duration: float) -> dict:
+@dataclass(frozen=True)
+class Slo:
+    """A request meets it when its TTFT and the 99th percentile of its own inter-token gaps
+    are within bounds: goodput counts such requests per second."""
+
+    ttft_s: float
+    itl_s: float
+
+    def met_by(self, result: RequestResult) -> bool:
+        if not result.ok or result.ttft > self.ttft_s:
+            return False
+        gaps = sorted(result.itls)
+        return not gaps or gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] <= self.itl_s
+
+
+def summarize(results: list[RequestResult], duration: float, slo: Slo | None = None) -> dict:
     done = [r for r in results if r.ok]
     tpots = [(r.e2e - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1]
     output_tokens = sum(r.output_len for r in done)
@@ -115,6 +130,9 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "tpot_ms": percentiles(tpots),
         "itl_ms": percentiles([x for r in done for x in r.itls]),
         "e2e_ms": percentiles([r.e2e for r in done]),
+        **({"slo": {"ttft_ms": slo.ttft_s * 1e3, "itl_ms": slo.itl_s * 1e3},
+            "slo_attainment": sum(map(slo.met_by, results)) / len(results),
+            "goodput_requests_per_s": sum(map(slo.met_by, results)) / duration} if slo else {}),
     }
 
 
@@ -148,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--goodput", nargs=2, type=float, default=None, metavar=("TTFT_MS", "ITL_MS"),
+                        help="also count requests whose TTFT and own ITL p99 are within these bounds (goodput)")
     parser.add_argument("--output-file", default=None, help="write the results as JSON here")
     return parser
 
@@ -164,7 +184,9 @@ def main(argv: list[str]) -> int:
     requests = build_requests(args, args.vocab_size)
     results, duration = asyncio.run(run(args.base_url, model, requests, args.request_rate, args.max_concurrency,
                                         args.seed))
-    summary = {"config": {k: v for k, v in vars(args).items() if k != "api_key"}, **summarize(results, duration)}
+    slo = Slo(args.goodput[0] / 1e3, args.goodput[1] / 1e3) if args.goodput else None
+    summary = {"config": {k: v for k, v in vars(args).items() if k != "api_key"},
+               **summarize(results, duration, slo)}
     summary["config"]["request_rate"] = str(args.request_rate)
     print(format_table(summary))
     if args.output_file:
@@ -181,6 +203,9 @@ def format_table(summary: dict) -> str:
         p = summary[name]
         if p:
             lines.append(f"{name:8} mean {p['mean']:9.2f}  p50 {p['p50']:9.2f}  p90 {p['p90']:9.2f}  p99 {p['p99']:9.2f}")
+    if "slo" in summary:
+        lines.append(f"goodput {summary['goodput_requests_per_s']:.2f} req/s ({summary['slo_attainment']:.0%} of "
+                     f"requests within TTFT {summary['slo']['ttft_ms']:g} ms and ITL p99 {summary['slo']['itl_ms']:g} ms)")
     lines += [f"error: {e}" for e in summary["errors"]]
     return "\n".join(lines)
 
