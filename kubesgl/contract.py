@@ -1,5 +1,6 @@
 """The names and numbers the engine, the router and the operator agree on
-(docs/architecture.md, Contracts): default ports, role names, pod labels and annotations.
+(docs/architecture.md, Contracts): default ports, role names, pod labels and annotations, the
+architectures of the tiny model.
 
 Constants only, and no imports beyond typing: every component imports this module, the
 torch-free router and operator included.
@@ -33,3 +34,8 @@ ROLE_LABEL: Final = "kubesgl.io/role"
 # discovers prefill pods' bootstrap ports by the latter); pods carry both
 BOOTSTRAP_PORT_ANNOTATION: Final = "kubesgl.io/bootstrap-port"
 SGLANG_BOOTSTRAP_PORT_ANNOTATION: Final = "sglang.ai/bootstrap-port"
+
+# Architectures `kubesgl make-tiny-model --arch` writes: the operator renders that command for
+# `spec.model.tiny`, and `kubesgl up` runs it
+TinyArch = Literal["llama", "mistral", "qwen2", "qwen3", "qwen3-moe"]
+TINY_ARCHS: Final[tuple[TinyArch, ...]] = ("llama", "mistral", "qwen2", "qwen3", "qwen3-moe")

@@ -12,7 +12,7 @@ from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 from pydantic.alias_generators import to_camel
 
-from kubesgl.contract import DECODE, MIXED, PREFILL, EngineRole
+from kubesgl.contract import DECODE, MIXED, PREFILL, EngineRole, TinyArch
 from kubesgl.engine.config import AttentionBackendName, Device, Dtype, KvCacheDtype, LoadFormat
 
 API_GROUP = "kubesgl.io"
@@ -55,11 +55,19 @@ class HuggingFaceSource(SpecModel):
     size_limit: str | None = None
 
 
+class TinySource(SpecModel):
+    """A small model with random weights, made by `kubesgl make-tiny-model`: nothing to download
+    (the quickstart)."""
+
+    arch: TinyArch = "llama"
+
+
 class ModelSpec(SpecModel):
     served_name: str | None = None
     pvc: PvcSource | None = None
     host_path: HostPathSource | None = None
     hugging_face: HuggingFaceSource | None = None
+    tiny: TinySource | None = None
 
 
 class EngineSpec(SpecModel):
@@ -136,6 +144,7 @@ class RouterSpec(Placement):
     cache_threshold: float | None = Field(default=None, ge=0, le=1)
     balance_abs_threshold: int | None = Field(default=None, ge=0)
     balance_rel_threshold: float | None = Field(default=None, ge=1)
+    pd_min_prefill_tokens: int | None = Field(default=None, ge=0)
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
 
 

@@ -91,10 +91,10 @@ def _mode_problems(spec: InferenceServiceSpec) -> list[Problem]:
 
 def _model_problems(spec: InferenceServiceSpec) -> list[Problem]:
     model = spec.model
-    sources = [model.pvc, model.host_path, model.hugging_face]
+    sources = [model.pvc, model.host_path, model.hugging_face, model.tiny]
     problems = []
     if sum(source is not None for source in sources) != 1:
-        problems.append(Problem("spec.model", "set exactly one of pvc, hostPath, huggingFace"))
+        problems.append(Problem("spec.model", "set exactly one of pvc, hostPath, huggingFace, tiny"))
     size_limit = model.hugging_face.size_limit if model.hugging_face else None
     if size_limit is not None and not _is_quantity(size_limit):
         problems.append(

@@ -1,6 +1,8 @@
 """`kubesgl make-tiny-model DIR --arch ...`: a small model with seeded random weights, a
 byte-level BPE tokenizer trained here, and a chat template. The directory is a regular
-Hugging Face checkpoint: transformers' AutoModelForCausalLM and AutoTokenizer load it."""
+Hugging Face checkpoint: transformers' AutoModelForCausalLM and AutoTokenizer load it. Its
+files are readable by every user: in a pod, an init container writes it for the engine
+(`spec.model.tiny`, docs/operator.md)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kubesgl.contract import TINY_ARCHS, TinyArch
 from kubesgl.engine.models.config import parse_model_config
 from kubesgl.engine.models.weights import synthetic_checkpoint
 
@@ -36,7 +39,7 @@ Count from one to ten: one, two, three, four, five, six, seven, eight, nine, ten
 def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5
 """
 
-_ARCHS: dict[str, dict[str, Any]] = {
+_ARCHS: dict[TinyArch, dict[str, Any]] = {
     "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False},
     "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
     "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
@@ -91,13 +94,17 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, head_dim: int
         "bos_token": None, "unk_token": None, "chat_template": CHAT_TEMPLATE, "model_max_length": 2048,
         "clean_up_tokenization_spaces": False,
     }, indent=2))
+    # whatever the umask: the engine that reads it may run as another user (uid 1000 in a pod)
+    out.chmod(0o755)
+    for file in out.iterdir():
+        file.chmod(0o644)
     return out
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kubesgl make-tiny-model", description=__doc__)
     parser.add_argument("dir", help="output directory")
-    parser.add_argument("--arch", required=True, choices=sorted(_ARCHS))
+    parser.add_argument("--arch", required=True, choices=TINY_ARCHS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--head-dim", type=int, default=16,
                         help="per-head width (FlashInfer's kernels need 64, 128 or 256)")

@@ -21,6 +21,7 @@ from kubesgl.operator.validation import GPU_RESOURCE
 
 MODEL_ROOT = "/models"
 HF_DOWNLOAD_DIR = f"{MODEL_ROOT}/hf"
+TINY_MODEL_DIR = f"{MODEL_ROOT}/tiny"
 API_KEY_ENV = "KUBESGL_API_KEY"
 # Time for routers and endpoints to stop sending new requests before SIGTERM starts the drain.
 PRESTOP_SLEEP_SECONDS = 10
@@ -34,6 +35,8 @@ def model_path(isvc: InferenceService) -> str:
         return f"{MODEL_ROOT}/{model.pvc.path}".rstrip("/") if model.pvc.path else MODEL_ROOT
     if model.hugging_face is not None:
         return HF_DOWNLOAD_DIR
+    if model.tiny is not None:
+        return TINY_MODEL_DIR
     return MODEL_ROOT
 
 
@@ -136,36 +139,47 @@ def _model_volume(isvc: InferenceService) -> Object:
         return {"name": "model", "persistentVolumeClaim": claim}
     if model.host_path is not None:
         return {"name": "model", "hostPath": {"path": model.host_path.path, "type": "Directory"}}
-    assert model.hugging_face is not None  # validation guarantees exactly one source
+    # downloaded or made at each pod start (validation guarantees exactly one source)
     empty_dir: Object = {}
-    if model.hugging_face.size_limit:
+    if model.hugging_face is not None and model.hugging_face.size_limit:
         empty_dir["sizeLimit"] = model.hugging_face.size_limit
     return {"name": "model", "emptyDir": empty_dir}
 
 
-def _download_container(isvc: InferenceService) -> Object | None:
-    """Fetches a Hugging Face model into the shared emptyDir before the engine starts."""
-    source = isvc.spec.model.hugging_face
-    if source is None:
-        return None
-    env: list[Object] = [{"name": "HOME", "value": "/tmp"}]
-    if source.token_secret is not None:
-        ref = {"name": source.token_secret.name, "key": source.token_secret.key}
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+def _model_container(isvc: InferenceService, name: str, command: list[str], args: list[str],
+                     env: list[Object]) -> Object:
+    """An init container that writes the model into the shared emptyDir before the engine starts."""
     pull, _ = image_pull(isvc)
     return {
-        "name": "download-model",
+        "name": name,
         "image": isvc.spec.image,
         **pull,
-        "command": ["hf", "download", source.repo],
-        "args": ["--revision", source.revision, "--local-dir", HF_DOWNLOAD_DIR],
-        "env": env,
+        "command": command,
+        "args": args,
+        "env": [{"name": "HOME", "value": "/tmp"}, *env],
         "volumeMounts": [
             {"name": "model", "mountPath": MODEL_ROOT},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
         "securityContext": container_security_context(),
     }
+
+
+def _model_init_container(isvc: InferenceService) -> Object | None:
+    """Downloads a Hugging Face model, or makes the tiny one; None for mounted sources."""
+    model = isvc.spec.model
+    if model.hugging_face is not None:
+        source = model.hugging_face
+        env: list[Object] = []
+        if source.token_secret is not None:
+            ref = {"name": source.token_secret.name, "key": source.token_secret.key}
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+        return _model_container(isvc, "download-model", ["hf", "download", source.repo],
+                                ["--revision", source.revision, "--local-dir", HF_DOWNLOAD_DIR], env)
+    if model.tiny is not None:
+        return _model_container(isvc, "make-model", ["kubesgl"],
+                                ["make-tiny-model", TINY_MODEL_DIR, "--arch", model.tiny.arch], [])
+    return None
 
 
 def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: RoleSpec) -> Object:
@@ -219,9 +233,9 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
         **pod_pull,
         **placement(block),
     }
-    download = _download_container(isvc)
-    if download is not None:
-        pod_spec["initContainers"] = [download]
+    init = _model_init_container(isvc)
+    if init is not None:
+        pod_spec["initContainers"] = [init]
     spec: Object = {
         "selector": {"matchLabels": naming.selector_labels(instance, role)},
         "template": {

@@ -30,12 +30,13 @@ def router_args(isvc: InferenceService) -> list[str]:
     ]
     for key, value in selectors.items():
         args += ["--kube-selector", f"{key}={value}"]
-    thresholds = {
+    options = {
         "--cache-threshold": router.cache_threshold,
         "--balance-abs-threshold": router.balance_abs_threshold,
         "--balance-rel-threshold": router.balance_rel_threshold,
+        "--pd-min-prefill-tokens": router.pd_min_prefill_tokens,
     }
-    for flag, value in thresholds.items():
+    for flag, value in options.items():
         if value is not None:
             args += [flag, str(value)]
     return args + list(router.extra_args)

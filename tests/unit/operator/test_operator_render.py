@@ -141,6 +141,16 @@ def test_model_sources() -> None:
     model = next(v for v in host["volumes"] if v["name"] == "model")
     assert model["hostPath"]["path"] == "/mnt/models/llama-3.1-8b-instruct"
 
+    # the tiny model: made by `kubesgl make-tiny-model` into an emptyDir at each pod start
+    tiny = engine_pod(objects_of(load_example("quickstart.yaml")), "quickstart-prefill")["spec"]
+    (make,) = tiny["initContainers"]
+    assert make["command"] + make["args"] == ["kubesgl", "make-tiny-model", "/models/tiny", "--arch", "llama"]
+    assert make["image"] == load_example("quickstart.yaml")["spec"]["image"]
+    assert {"name": "model", "mountPath": "/models"} in make["volumeMounts"]
+    assert next(v for v in tiny["volumes"] if v["name"] == "model") == {"name": "model", "emptyDir": {}}
+    args = tiny["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/tiny"
+
 
 def test_cpu_device_requests_no_gpu() -> None:
     document = with_changes(load_example("mixed.yaml"), "spec.engine.device", "cpu")
@@ -162,6 +172,10 @@ def test_router_discovers_pods_with_read_only_rbac() -> None:
     selectors = [args[i + 1] for i, arg in enumerate(args) if arg == "--kube-selector"]
     assert selectors == ["app.kubernetes.io/name=kubesgl", "app.kubernetes.io/instance=llama-pd"]
     assert args[args.index("--cache-threshold") + 1] == "0.5"
+    assert "--pd-min-prefill-tokens" not in args  # unset: the router's default
+    quickstart = objects_of(load_example("quickstart.yaml"))[("Deployment", "quickstart-router")]
+    args = quickstart["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--pd-min-prefill-tokens") + 1] == "0"
     service = objects[("Service", "llama-pd")]
     assert service["spec"]["ports"][0]["port"] == 8000
     assert objects[("Service", "llama-pd-decode")]["spec"]["clusterIP"] == "None"

@@ -71,6 +71,11 @@ def problems_of(document) -> list[str]:
         ),
         ("mixed.yaml", "spec.model.hostPath", {"path": "/m"}, "spec.model: set exactly one of"),
         ("mixed.yaml", "spec.model.pvc", ..., "spec.model: set exactly one of"),
+        ("quickstart.yaml", "spec.model.pvc", {"claimName": "m"}, "spec.model: set exactly one of pvc, hostPath, "
+                                                                   "huggingFace, tiny"),
+        ("quickstart.yaml", "spec.model.tiny.arch", "gpt", "spec.model.tiny.arch: Input should be 'llama'"),
+        ("quickstart.yaml", "spec.router.pdMinPrefillTokens", -1, "spec.router.pdMinPrefillTokens: Input should "
+                                                                  "be greater than or equal to 0"),
         (
             "mixed.yaml",
             "spec.mixed.replicas",
