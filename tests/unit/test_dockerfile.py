@@ -43,5 +43,17 @@ def test_copies_every_folder_the_package_is_built_from():
 
 def test_entrypoint_is_the_kubesgl_command_that_pods_run():
     assert json.loads(instructions("ENTRYPOINT")[-1]) == ["kubesgl"]
-    assert ".[flashinfer,disagg]" in DOCKERFILE  # auto attention takes FlashInfer on GPUs; NIXL moves KV
     assert instructions("USER")[-1] != "root"
+
+
+def test_one_dockerfile_builds_the_gpu_image_and_its_cpu_variant():
+    """--build-arg DEVICE=cpu picks the CPU stage (the quickstart on kind); the default is CUDA,
+    where auto attention takes FlashInfer."""
+    assert instructions("ARG")[0] == "DEVICE=cuda"
+    stages = {line.split()[-1]: line.split()[0] for line in instructions("FROM") if " AS " in line}
+    assert stages["base-cuda"].startswith("nvidia/cuda:") and stages["base-cpu"].startswith("ubuntu:")
+    assert instructions("FROM")[-1] == "base-${DEVICE}"
+    cuda, cpu = DOCKERFILE.split("AS base-cuda")[1].split("AS base-cpu")
+    assert "whl/cu130" in cuda and "KUBESGL_EXTRAS=flashinfer" in cuda
+    assert "whl/cpu" in cpu.split("FROM base-")[0]
+    assert '".[$KUBESGL_EXTRAS]"' in DOCKERFILE
