@@ -21,16 +21,19 @@ async def client():
     endpoints = Endpoints.create()
     engine_client = EngineClient(endpoints, EngineMetrics("mixed"))
     engine_client.start()
-    yield engine_client, endpoints
+    detokenizer = push(zmq.Context.instance(), endpoints.api_in)
+    yield engine_client, detokenizer
     await engine_client.shutdown()
+    # Close the sockets now: a context collected later with sockets open waits for them forever.
+    detokenizer.close(linger=0)
+    engine_client._context.destroy(linger=0)
     shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
 
 
 @pytest.mark.asyncio
 async def test_outputs_that_arrive_together_all_reach_the_reader(client):
-    engine_client, endpoints = client
+    engine_client, detokenizer = client
     stream = engine_client.generate(TokenizeRequest("r1", SamplingParams()))
-    detokenizer = push(zmq.Context.instance(), endpoints.api_in)
     # The first token and the last arrive in one batch, before the reader has run once.
     detokenizer.send_pyobj(TextBatch([TextOutput("r1", "a", [5], None, 3, 0, 1),
                                       TextOutput("r1", "b", [6], FinishReason("length"), 3, 0, 2)]))
