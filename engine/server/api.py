@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.protocol import BootstrapTarget
@@ -28,6 +30,7 @@ from kubesgl.engine.server.protocol import (
 )
 from kubesgl.engine.server.sglang_routes import add_sglang_routes
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class ServerState:
@@ -116,11 +119,38 @@ def validation_error(errors: Sequence[dict]) -> APIError:
     union fail on it too, less helpfully), else the first error; the field path without
     pydantic's union-member tags (`prompt.list[int]`), which are no field names."""
     error = next((e for e in errors if e.get("type") == UTF8_ERROR), errors[0])
+    if error.get("type") == "json_invalid":  # its location is a character offset, not a field
+        where = error.get("loc", ("body", "?"))[-1]
+        reason = (error.get("ctx") or {}).get("error", "invalid syntax")
+        return APIError(400, f"the request body is not valid JSON: {reason} at character {where}")
     loc = [str(part) for part in error.get("loc", ()) if part != "body" and "[" not in str(part)]
     message = error.get("msg", "invalid request")
-    if error.get("type") == "json_invalid":
-        message = "the request body is not valid JSON"
     return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None)
+
+
+ERROR_SCHEMA = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+    "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+    "code": {"type": ["string", "integer", "null"]}}}}}
+
+
+def document_errors_as_answered(app: FastAPI) -> None:
+    """FastAPI documents a bad request as a 422 with its own body; this server answers 400 with
+    OpenAI's error body: say so in the served OpenAPI schema."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    if operation.get("responses", {}).pop("422", None) is not None:
+                        operation["responses"]["400"] = {"description": "Bad request (OpenAI's error body)",
+                                                         "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def sse(payload: dict | str) -> str:
@@ -134,6 +164,7 @@ async def wait_for_disconnect(request: Request) -> None:
 
 def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     app = FastAPI(title="kubesgl engine", docs_url=None, redoc_url=None)
+    document_errors_as_answered(app)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -142,6 +173,16 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown path, wrong method
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type_).response()
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}", "server_error").response()
 
     def authorized(request: Request) -> None:
         if state.api_key is not None and request.headers.get("authorization") != f"Bearer {state.api_key}":

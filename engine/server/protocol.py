@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
 from kubesgl.engine.disagg.protocol import MAX_ROOM, BootstrapTarget
@@ -22,6 +22,9 @@ def _utf8(value: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8)]
 """Every string a request carries: valid UTF-8, or a 400 that names the field."""
+
+TokenId = StrictInt
+"""A token id: an integer, never a boolean (`true` is no token)."""
 
 
 class _Lenient(BaseModel):
@@ -83,7 +86,7 @@ class _SamplingFields(_Bootstrap):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     seed: int | None = None
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
@@ -147,8 +150,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[int], Field(min_length=1)] | Annotated[
-        list[list[int]], Field(min_length=1)]
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | Annotated[
+        list[list[TokenId]], Field(min_length=1)]
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
@@ -179,7 +182,7 @@ class NativeSamplingParams(_Lenient):
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     seed: int | None = None
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -191,7 +194,7 @@ class GenerateRequestBody(_Bootstrap):
     """SGLang's native request. The bootstrap fields belong to prefill/decode serving."""
 
     text: Text | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     rid: Text | None = None
