@@ -4,6 +4,7 @@ socket, so messages are queued, never dropped, and arrive in order."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -20,9 +21,34 @@ class Endpoints:
 
     @classmethod
     def create(cls) -> Endpoints:
-        folder = tempfile.mkdtemp(prefix="kubesgl-ipc-")
+        """Sockets in a new folder named after this process; folders of servers that died
+        without cleaning up (kill -9) are removed first."""
+        remove_stale_folders()
+        folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")
         names = ("tokenizer", "scheduler", "detokenizer", "api", "bootstrap")
         return cls(*(f"ipc://{os.path.join(folder, name)}" for name in names))
+
+
+FOLDER_PREFIX = "kubesgl-ipc-"
+
+
+def remove_stale_folders(root: str | None = None) -> None:
+    """Remove socket folders whose server process is gone."""
+    root = root or tempfile.gettempdir()
+    for entry in os.scandir(root):
+        owner = entry.name.removeprefix(FOLDER_PREFIX).split("-", 1)[0]
+        if entry.name.startswith(FOLDER_PREFIX) and owner.isdigit() and not _alive(int(owner)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's, and alive
+        return True
+    return True
 
 
 def pull(context: zmq.Context, address: str) -> zmq.Socket:
