@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kubesgl.router.cli", "run the cache-aware router"),
     "operator": ("kubesgl.operator.cli", "run the Kubernetes operator"),
     "render": ("kubesgl.operator.render_cli", "print the objects an InferenceService becomes"),
+    "up": ("kubesgl.up.cli", "run an InferenceService on this machine (engines and router as processes)"),
     "bench": ("kubesgl.bench.cli", "benchmarks (bench serving ...)"),
 }
 

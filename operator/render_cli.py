@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import yaml
 
@@ -18,6 +19,19 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
+def read_documents(filename: str) -> list[Any]:
+    """The YAML documents of a file, or of standard input for -; raises OSError or yaml.YAMLError."""
+    text = sys.stdin.read() if filename == "-" else open(filename).read()
+    return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+
+
+def print_problems(prog: str, filename: str, document: dict[str, Any], error: InvalidSpec) -> None:
+    name = (document.get("metadata") or {}).get("name", "?")
+    print(f"{prog}: {filename}: InferenceService {name}:", file=sys.stderr)
+    for problem in error.problems:
+        print(f"  {problem}", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kubesgl render",
@@ -28,8 +42,7 @@ def main(argv: list[str]) -> int:
                         help="InferenceService YAML file, or - for standard input")
     args = parser.parse_args(argv)
     try:
-        text = sys.stdin.read() if args.filename == "-" else open(args.filename).read()
-        documents = [doc for doc in yaml.safe_load_all(text) if doc is not None]
+        documents = read_documents(args.filename)
     except (OSError, yaml.YAMLError) as error:
         print(f"kubesgl render: cannot read {args.filename}: {error}", file=sys.stderr)
         return 2
@@ -41,10 +54,7 @@ def main(argv: list[str]) -> int:
         try:
             objects += render(parse_inference_service(document))
         except InvalidSpec as error:
-            name = (document.get("metadata") or {}).get("name", "?")
-            print(f"kubesgl render: {args.filename}: InferenceService {name}:", file=sys.stderr)
-            for problem in error.problems:
-                print(f"  {problem}", file=sys.stderr)
+            print_problems("kubesgl render", args.filename, document, error)
             return 2
     yaml.dump_all(objects, sys.stdout, Dumper=_Dumper, sort_keys=False)
     return 0

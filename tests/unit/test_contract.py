@@ -1,6 +1,7 @@
 """kubesgl.contract, the vocabulary the engine, the router and the operator share: its typing
 aliases agree with its constants, and it, the router and the operator import without torch
-(their pods carry no GPU stack, and `kubesgl render` runs where torch is not installed)."""
+(their pods carry no GPU stack, and `kubesgl render` runs where torch is not installed), as does
+`kubesgl up` (which loads torch only to count GPUs, for a spec that asks for them)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from kubesgl import contract
 # Every module of the two packages, imported in a fresh interpreter (this one may hold torch).
 IMPORT_ALL = """
 import importlib, pkgutil, sys
-import kubesgl.contract, kubesgl.operator, kubesgl.router
-for package in (kubesgl.router, kubesgl.operator):
+import kubesgl.contract, kubesgl.operator, kubesgl.router, kubesgl.up
+for package in (kubesgl.router, kubesgl.operator, kubesgl.up):
     for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(module.name)
         assert "torch" not in sys.modules, f"importing {module.name} imported torch"

@@ -39,10 +39,32 @@ def test_the_operator_folder_never_shadows_the_standard_library():
     assert installed.returncode == 0, installed.stderr
 
 
-def test_ci_runs_the_readme_test_command():
+def readme_commands() -> list[str]:
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)\n```", readme, flags=re.S)
     assert len(blocks) >= 2, "README must start with the run command and the test command"
-    test_command = blocks[1].strip()
+    return [block.strip() for block in blocks]
+
+
+def test_ci_runs_the_readme_test_command():
+    test_command = readme_commands()[1]
     ci_lines = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
     assert test_command in ci_lines
+
+
+def test_the_readme_first_command_needs_nothing_a_fresh_machine_lacks():
+    """A plain install (torch's CPU build first, no extras) and `kubesgl up` on the quickstart:
+    an InferenceService on the CPU with the tiny model (no download, no GPU), whose prefill and
+    decode engines need NIXL from the plain install."""
+    import yaml
+
+    from kubesgl.cli import SUBCOMMANDS
+
+    assert readme_commands()[0] == \
+        "pip install torch==2.13.0 && pip install -e . && kubesgl up -f examples/quickstart.yaml"
+    assert "up" in SUBCOMMANDS
+    spec = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())["spec"]
+    assert spec["engine"]["device"] == "cpu" and "tiny" in spec["model"]
+    assert spec["mode"] == "disaggregated"
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"nixl\b.*sys_platform == 'linux'", dependency) for dependency in dependencies)

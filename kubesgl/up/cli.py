@@ -1,0 +1,116 @@
+"""`kubesgl up -f FILE`: run an InferenceService on this machine until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import yaml
+
+from kubesgl import contract
+from kubesgl.operator.render_cli import print_problems, read_documents
+from kubesgl.operator.validation import InvalidSpec, parse_inference_service
+from kubesgl.up.gpus import visible_gpus
+from kubesgl.up.model import ModelStepFailed, ensure_model
+from kubesgl.up.plan import LocalSettings, NotEnoughGpus, plan
+from kubesgl.up.status import StatusView
+from kubesgl.up.supervisor import Supervisor
+
+PROG = "kubesgl up"
+TICK_S = 0.5
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Run an InferenceService on this machine: every replica of its engine roles and "
+        "the router, as local processes started from the command lines the operator puts in pods. Runs until "
+        "Ctrl-C or SIGTERM, which drain and stop everything.")
+    parser.add_argument("-f", "--filename", required=True, help="InferenceService YAML file, or - for standard input")
+    parser.add_argument("--port", type=int, default=contract.ROUTER_PORT,
+                        help=f"port of the router, the OpenAI endpoint (default: {contract.ROUTER_PORT})")
+    parser.add_argument("--host", default="127.0.0.1", help="address the router listens on (default: 127.0.0.1)")
+    parser.add_argument("--logs", metavar="DIR", default=None,
+                        help="folder for each process's log (default: a new temporary folder)")
+    parser.add_argument("--model", metavar="DIR", default=None,
+                        help="serve this local model folder instead of spec.model (needed for a pvc source)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        documents = read_documents(args.filename)
+    except (OSError, yaml.YAMLError) as error:
+        print(f"{PROG}: cannot read {args.filename}: {error}", file=sys.stderr)
+        return 2
+    if len(documents) != 1 or not isinstance(documents[0], dict):
+        print(f"{PROG}: {args.filename}: expected one InferenceService, found {len(documents)} documents",
+              file=sys.stderr)
+        return 2
+    try:
+        isvc = parse_inference_service(documents[0])
+        gpus = visible_gpus() if isvc.spec.engine.device == "cuda" else ()
+        settings = LocalSettings(host=args.host, port=args.port, gpus=gpus, model=args.model, environ=os.environ)
+        local = plan(isvc, settings)
+    except InvalidSpec as error:
+        print_problems(PROG, args.filename, documents[0], error)
+        return 2
+    except NotEnoughGpus as error:
+        print(f"{PROG}: {args.filename}: {error}", file=sys.stderr)
+        return 2
+    if not _can_listen(args.host, args.port):
+        print(f"{PROG}: {args.host}:{args.port} is in use: choose another --port", file=sys.stderr)
+        return 1
+
+    log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix=f"kubesgl-up-{local.name}-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    view = StatusView(local, log_dir, sys.stdout, live=sys.stdout.isatty())
+    for note in local.notes:
+        view.note(note)
+    step = local.model_step
+    if step is not None and not step.path.exists():
+        view.note(f"making the model, once: {shlex.join(step.argv(step.path))}")
+        try:
+            ensure_model(step, log_dir / "model.log")
+        except ModelStepFailed as error:
+            print(f"{PROG}: {error}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+
+    supervisor = Supervisor(local.processes, log_dir, on_event=view.event)
+    stop, force = threading.Event(), threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        # the first Ctrl-C drains; a second one kills what is still running
+        (force if stop.is_set() else stop).set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    try:
+        while not stop.is_set():
+            supervisor.tick()
+            view.refresh(supervisor.replicas)
+            stop.wait(TICK_S)
+        view.note("stopping: the router, then the engines (Ctrl-C again kills them at once)")
+    finally:
+        supervisor.stop(force, on_tick=lambda: view.refresh(supervisor.replicas))
+        view.close()
+    return 0
+
+
+def _can_listen(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router's server does
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True

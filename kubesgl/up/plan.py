@@ -1,0 +1,266 @@
+"""From an InferenceService to the processes that serve it on this machine: every replica of
+every engine role, and one router in front of them.
+
+Each command line is the one the operator renders into the pod (kubesgl.operator.render), with
+only what must differ on one machine replaced (docs/up.md, What differs from a cluster): the
+model's path, the engines' host and ports, the prefill engines' bootstrap ports, the device when
+there is no GPU, and the router's pod discovery, which becomes the list of engines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubesgl import contract
+from kubesgl.engine.config import ENGINE_OPTIONS
+from kubesgl.operator.render import render
+from kubesgl.operator.render.engine import API_KEY_ENV
+from kubesgl.operator.spec import InferenceService, ModelSpec
+from kubesgl.operator.validation import InvalidSpec, Problem
+
+ENGINE_HOST = "127.0.0.1"  # engines serve the router only; the router listens on --host
+# A pod's grace period when its spec sets none (the router's)
+KUBERNETES_GRACE_PERIOD_S = 30
+_MODEL_FLAG = ENGINE_OPTIONS["model"].flag
+_DEVICE_FLAG = ENGINE_OPTIONS["device"].flag
+_BOOTSTRAP_FLAG = ENGINE_OPTIONS["disaggregation_bootstrap_port"].flag
+_DISCOVERY_FLAGS = ("--kube-namespace", "--kube-selector")  # each with one value
+_ROUTER_WORKER_FLAGS = {contract.MIXED: "--worker", contract.PREFILL: "--prefill", contract.DECODE: "--decode"}
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kubesgl"
+
+
+def pick_free_port() -> int:
+    with socket.socket() as s:
+        s.bind((ENGINE_HOST, 0))
+        return s.getsockname()[1]
+
+
+class NotEnoughGpus(Exception):
+    """The spec asks for more GPUs than this machine lets us hand out."""
+
+
+@dataclass(frozen=True)
+class LocalProcess:
+    """One replica, as the supervisor starts it."""
+
+    name: str  # prefill-0, decode-1, router
+    role: contract.PodRole
+    argv: tuple[str, ...]
+    env: Mapping[str, str]  # set over the environment of `kubesgl up`
+    port: int
+    stop_timeout_s: float  # from SIGTERM to SIGKILL: the pod's grace period, less what only pods need
+    bootstrap_port: int | None = None  # prefill engines
+    gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES; none: the CPU
+    waits_for: tuple[contract.EngineRole, ...] = ()  # roles that need a ready replica before this starts
+    host: str = ENGINE_HOST  # where it answers on this machine
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    """What a pod's init container does to its model volume, done here into a local folder."""
+
+    command: tuple[str, ...]
+    args: tuple[str, ...]
+    pod_path: str  # the model's path in the pod, which `argv` replaces
+    env: Mapping[str, str]
+    path: Path  # the model's folder on this machine once the step has run
+
+    def argv(self, into: Path) -> list[str]:
+        return [*self.command, *(str(into) if arg == self.pod_path else arg for arg in self.args)]
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    host: str = "127.0.0.1"  # of the router
+    port: int = contract.ROUTER_PORT
+    gpus: tuple[str, ...] = ()  # the GPUs to hand out, as CUDA_VISIBLE_DEVICES names them
+    model: str | None = None  # a local folder that replaces spec.model
+    cache_dir: Path = field(default_factory=default_cache_dir)  # models made or downloaded here
+    environ: Mapping[str, str] = field(default_factory=dict)  # where Secrets' values come from
+    free_port: Callable[[], int] = pick_free_port
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    name: str
+    mode: str
+    model_path: str
+    model_step: ModelStep | None  # None: the model is there already
+    engines: tuple[LocalProcess, ...]
+    router: LocalProcess
+    notes: tuple[str, ...]  # what a person should know, e.g. that the engines run on the CPU
+
+    @property
+    def processes(self) -> tuple[LocalProcess, ...]:
+        return (*self.engines, self.router)
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL clients use."""
+        return self.router.url + "/v1"
+
+
+def plan(isvc: InferenceService, settings: LocalSettings) -> LocalPlan:
+    """Raises InvalidSpec naming the field for what cannot run outside a cluster, and
+    NotEnoughGpus."""
+    pods = _rendered_pods(isvc)
+    roles = isvc.spec.engine_roles()
+    replicas = {role: _replicas(isvc, role) for role in roles}
+    notes = []
+    use_gpus = isvc.spec.engine.device == "cuda" and bool(settings.gpus)
+    gpus_needed = sum(replicas[role] * block.tensor_parallel_size for role, block in roles.items())
+    if use_gpus and gpus_needed > len(settings.gpus):
+        wanted = ", ".join(f"{role}: {replicas[role]} x {block.tensor_parallel_size}" for role, block in roles.items())
+        raise NotEnoughGpus(f"the spec needs {gpus_needed} GPUs (replicas x tensorParallelSize: {wanted}); "
+                            f"this machine has {len(settings.gpus)} ({', '.join(settings.gpus)})")
+    if isvc.spec.engine.device == "cuda" and not use_gpus:
+        notes.append("no GPU here: the engines run on the CPU")
+    if isvc.spec.engine.api_key_secret is not None and API_KEY_ENV not in settings.environ:
+        raise InvalidSpec([Problem("spec.engine.apiKeySecret",
+                                   f"kubesgl up reads no Secrets: set {API_KEY_ENV} in the environment")])
+
+    first_pod = pods[next(iter(roles))]
+    model_path, model_step = _local_model(isvc.spec.model, first_pod, settings)
+    free_gpus = list(settings.gpus)
+    engines = []
+    for role, block in roles.items():
+        for index in range(replicas[role]):
+            gpus: tuple[str, ...] = ()
+            if use_gpus:
+                gpus = tuple(free_gpus[:block.tensor_parallel_size])
+                del free_gpus[:block.tensor_parallel_size]
+            engines.append(_engine(f"{role}-{index}", role, pods[role], model_path, gpus, settings))
+    router = _router(pods[contract.ROUTER], tuple(engines), tuple(r for r in roles if replicas[r]), settings)
+    return LocalPlan(isvc.metadata.name, isvc.spec.mode, model_path, model_step, tuple(engines), router,
+                     tuple(notes))
+
+
+def _rendered_pods(isvc: InferenceService) -> dict[str, dict[str, Any]]:
+    """The pod spec of each role's Deployment, as the operator renders it."""
+    return {obj["metadata"]["labels"][contract.ROLE_LABEL]: obj["spec"]["template"]["spec"]
+            for obj in render(isvc) if obj["kind"] == "Deployment"}
+
+
+def _replicas(isvc: InferenceService, role: contract.EngineRole) -> int:
+    """The Deployment's replicas, or the least an autoscaler keeps where one owns the count."""
+    scaling = isvc.spec.autoscaling_for(role)
+    return scaling.min_replicas if scaling is not None else isvc.spec.engine_roles()[role].replicas
+
+
+def _local_model(model: ModelSpec, pod: dict[str, Any], settings: LocalSettings) -> tuple[str, ModelStep | None]:
+    if settings.model is not None:
+        return settings.model, None
+    if model.host_path is not None:  # the node's folder is this machine's
+        return model.host_path.path, None
+    if model.pvc is not None:
+        raise InvalidSpec([Problem("spec.model.pvc", "a PersistentVolumeClaim exists only in a cluster: give "
+                                                     "kubesgl up --model DIR, a local copy of the model")])
+    # Downloaded or made by an init container into an emptyDir: here, once, into the cache.
+    (init,) = pod["initContainers"]
+    pod_path = _flag_value(pod["containers"][0]["args"], _MODEL_FLAG)
+    step = ModelStep(tuple(_local_command(init["command"])), tuple(init["args"]), pod_path,
+                     _local_env(init, settings.environ), settings.cache_dir / "models" / _cache_key(model))
+    return str(step.path), step
+
+
+def _cache_key(model: ModelSpec) -> str:
+    if model.tiny is not None:
+        return f"tiny-{model.tiny.arch}"
+    assert model.hugging_face is not None  # the other sources need no init container
+    return f"hf/{model.hugging_face.repo}/{model.hugging_face.revision}"
+
+
+def _engine(name: str, role: contract.EngineRole, pod: dict[str, Any], model_path: str, gpus: tuple[str, ...],
+            settings: LocalSettings) -> LocalProcess:
+    container = pod["containers"][0]
+    args = list(container["args"])
+    port = settings.free_port()
+    _set_flag_value(args, _MODEL_FLAG, model_path)
+    _set_flag_value(args, "--host", ENGINE_HOST)
+    _set_flag_value(args, "--port", str(port))
+    bootstrap_port = None
+    if role == contract.PREFILL:
+        bootstrap_port = settings.free_port()
+        _set_flag_value(args, _BOOTSTRAP_FLAG, str(bootstrap_port))
+    if not gpus:
+        _set_flag_value(args, _DEVICE_FLAG, "cpu")
+    env = {**_local_env(container, settings.environ), "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    return LocalProcess(name, role, (*_local_command(container["command"]), *_expand(args, env)), env, port,
+                        _stop_timeout(pod), bootstrap_port, gpus)
+
+
+def _router(pod: dict[str, Any], engines: tuple[LocalProcess, ...], roles: tuple[contract.EngineRole, ...],
+            settings: LocalSettings) -> LocalProcess:
+    container = pod["containers"][0]
+    args = _without_discovery(container["args"])
+    _set_flag_value(args, "--host", settings.host)
+    _set_flag_value(args, "--port", str(settings.port))
+    for engine in engines:  # the engines by flag, as `kubesgl router --prefill URL@PORT --decode URL`
+        bootstrap = f"@{engine.bootstrap_port}" if engine.bootstrap_port is not None else ""
+        args += [_ROUTER_WORKER_FLAGS[engine.role], engine.url + bootstrap]
+    env = _local_env(container, settings.environ)
+    # Started once every role can serve: its first health check then finds the engines ready.
+    return LocalProcess(contract.ROUTER, contract.ROUTER, (*_local_command(container["command"]), *args), env,
+                        settings.port, _stop_timeout(pod), waits_for=roles,
+                        host=ENGINE_HOST if settings.host in ("0.0.0.0", "::") else settings.host)
+
+
+def _local_command(command: list[str]) -> list[str]:
+    """`kubesgl` runs with this interpreter, so a virtual environment need not be on PATH."""
+    return [sys.executable, "-m", "kubesgl", *command[1:]] if command[0] == "kubesgl" else list(command)
+
+
+def _local_env(container: dict[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
+    """The container's variables: plain values as rendered, except HOME (pods point it at /tmp for
+    their read-only root filesystem; here caches stay in the user's home); values from Secrets
+    come from this environment under the same name, where set."""
+    env = {}
+    for variable in container.get("env", []):
+        name = variable["name"]
+        if "value" in variable and name != "HOME":
+            env[name] = variable["value"]
+        elif "valueFrom" in variable and name in environ:
+            env[name] = environ[name]
+    return env
+
+
+def _expand(args: list[str], env: Mapping[str, str]) -> list[str]:
+    """$(VAR) references to the container's variables, expanded as the kubelet does."""
+    reference = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+    return [reference.sub(lambda m: env.get(m.group(1), m.group(0)), arg) for arg in args]
+
+
+def _stop_timeout(pod: dict[str, Any]) -> float:
+    """The pod's grace period less its preStop pause: locally the router stops before the
+    engines instead, so no pause is needed for it to stop sending them requests."""
+    grace = pod.get("terminationGracePeriodSeconds", KUBERNETES_GRACE_PERIOD_S)
+    pause = pod["containers"][0].get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    return float(grace - pause)
+
+
+def _flag_value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _set_flag_value(args: list[str], flag: str, value: str) -> None:
+    args[args.index(flag) + 1] = value
+
+
+def _without_discovery(args: list[str]) -> list[str]:
+    """The arguments less each discovery flag and its value."""
+    dropped = {i + offset for i, arg in enumerate(args) if arg in _DISCOVERY_FLAGS for offset in (0, 1)}
+    return [arg for i, arg in enumerate(args) if i not in dropped]

@@ -1,0 +1,147 @@
+"""What `kubesgl up` shows: on a terminal, a table redrawn in place (each replica's state, pid,
+ports, device, restarts, and requests and tokens/s read from its /metrics) above the latest
+events; elsewhere (a log file, a pipe), each event as a line."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kubesgl import contract
+from kubesgl.up.plan import LocalPlan
+from kubesgl.up.supervisor import Replica, State
+
+SCRAPE_INTERVAL_S = 1.0
+SHOWN_EVENTS = 8
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A process's request and token counts at one moment (engines; the router counts requests)."""
+
+    requests: float  # finished (engines) or answered (router)
+    running: float
+    tokens: float  # generated
+    at: float
+
+
+def read_counters(client: httpx.Client, url: str, role: contract.PodRole) -> Counters | None:
+    try:
+        text = client.get(url + "/metrics", timeout=1.0).text
+    except httpx.HTTPError:
+        return None
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    if role == contract.ROUTER:
+        # client requests: the requests counter counts each upstream attempt (two per P/D request)
+        return Counters(totals.get("kubesgl_router_request_duration_seconds_count", 0.0), 0.0, 0.0, time.monotonic())
+    return Counters(totals.get("kubesgl_requests_total", 0.0), totals.get("kubesgl_num_running_requests", 0.0),
+                    totals.get("kubesgl_generation_tokens_total", 0.0), time.monotonic())
+
+
+class StatusView:
+    def __init__(self, plan: LocalPlan, log_dir: Path, out: TextIO, live: bool):
+        self.plan = plan
+        self.out = out
+        self.live = live
+        self.started = time.monotonic()
+        self.ready_once = False
+        self.header = [
+            f"kubesgl up: {plan.name} ({plan.mode})   Ctrl-C stops everything",
+            f"OpenAI base URL: {plan.base_url}",
+            f"model: {plan.model_path}",
+            f"logs: {log_dir}",
+        ]
+        self.events: deque[str] = deque(maxlen=SHOWN_EVENTS)
+        self._client = httpx.Client()
+        self._counters: dict[str, tuple[Counters | None, Counters | None]] = {}  # name: (previous, latest)
+        self._scraped_at = 0.0
+        self._drawn_lines = 0
+        if not live:
+            self._print(*self.header)
+
+    def note(self, message: str) -> None:
+        self._event(message)
+
+    def event(self, replica: Replica, message: str) -> None:
+        self._event(f"{replica.process.name}: {message}")
+
+    def refresh(self, replicas: list[Replica]) -> None:
+        if not self.ready_once and replicas and all(r.state == State.READY for r in replicas):
+            self.ready_once = True
+            self._event(f"ready in {time.monotonic() - self.started:.1f} s: OpenAI base URL {self.plan.base_url}")
+        if not self.live:
+            return
+        if time.monotonic() - self._scraped_at >= SCRAPE_INTERVAL_S:
+            self._scrape(replicas)
+        lines = [*self.header, "", *format_table(replicas, self._counters), "", *self.events]
+        width = shutil.get_terminal_size().columns
+        # back to the top of the previous drawing, which is cleared: the table stays in place
+        prefix = f"\x1b[{self._drawn_lines}F\x1b[J" if self._drawn_lines else ""
+        self.out.write(prefix + "".join(line[:width] + "\n" for line in lines))
+        self.out.flush()
+        self._drawn_lines = len(lines)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _event(self, message: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {message}"
+        self.events.append(line)
+        if not self.live:
+            self._print(line)
+
+    def _print(self, *lines: str) -> None:
+        self.out.write("".join(line + "\n" for line in lines))
+        self.out.flush()
+
+    def _scrape(self, replicas: list[Replica]) -> None:
+        self._scraped_at = time.monotonic()
+        for replica in replicas:
+            name = replica.process.name
+            latest = None
+            if replica.state in (State.READY, State.UNREADY):
+                latest = read_counters(self._client, replica.process.url, replica.process.role)
+            self._counters[name] = (self._counters.get(name, (None, None))[1], latest)
+
+
+# REQS: requests finished (engines) or answered (router); BOOT: a prefill engine's bootstrap port
+COLUMNS = ("NAME", "STATE", "PID", "PORT", "BOOT", "DEVICE", "RESTARTS", "REQS", "RUNNING", "TOK/S")
+
+
+def format_table(replicas: list[Replica], counters: dict[str, tuple[Counters | None, Counters | None]]) -> list[str]:
+    rows = [COLUMNS]
+    for replica in replicas:
+        process = replica.process
+        previous, latest = counters.get(process.name, (None, None))
+        if process.role == contract.ROUTER:
+            device = "-"
+        else:
+            device = f"gpu {','.join(process.gpus)}" if process.gpus else "cpu"
+        state = replica.state.value
+        if replica.state == State.BACKOFF:
+            state += f" ({max(0.0, replica.restart_at - time.monotonic()):.0f} s)"
+        requests = running = tokens_per_s = "-"
+        if latest is not None:
+            requests = f"{latest.requests:.0f}"
+            if process.role != contract.ROUTER:
+                running = f"{latest.running:.0f}"
+                if previous is not None and latest.at > previous.at:
+                    tokens_per_s = f"{(latest.tokens - previous.tokens) / (latest.at - previous.at):.1f}"
+        rows.append((process.name, state, str(replica.pid or "-"), str(process.port), str(process.bootstrap_port or "-"),
+                     device, str(replica.restarts), requests, running, tokens_per_s))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    for replica in replicas:
+        if replica.last_exit:
+            lines.append(f"{replica.process.name} last exited: {replica.last_exit}")
+    return lines

@@ -1,0 +1,206 @@
+"""Runs a plan's processes as Deployments run pods: a replica that dies is started again after a
+delay that doubles with each death in a row (Kubernetes' CrashLoopBackOff, on a shorter scale),
+and the reason is reported; `stop` drains everything, the router first, and leaves no process
+behind, also when one hangs.
+
+Each process leads a process group of its own: the engines' scheduler and tokenizer processes
+are in it, and the terminal's Ctrl-C reaches `kubesgl up` alone, which stops them in order.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+
+import httpx
+
+from kubesgl import contract
+from kubesgl.up.plan import LocalProcess
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+# A replica that ran this long before it died starts its backoff over (the kubelet: 10 minutes).
+BACKOFF_RESET_S = 120.0
+HEALTH_TIMEOUT_S = 1.0
+# How long the processes of a group may take to be gone after SIGKILL.
+KILL_WAIT_S = 5.0
+
+
+class State(StrEnum):
+    WAITING = "waiting"  # for a ready replica of each role it waits for
+    STARTING = "starting"  # running, /health not answered yet
+    READY = "ready"
+    UNREADY = "unready"  # was ready, /health fails now
+    BACKOFF = "backoff"  # died; starts again at restart_at
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass(eq=False)
+class Replica:
+    process: LocalProcess
+    log_path: Path
+    state: State = State.WAITING
+    popen: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    last_exit: str | None = None  # why it died the last time
+    started_at: float = 0.0
+    restart_at: float = 0.0
+    deaths_in_a_row: int = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen is not None else None
+
+
+def http_health(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Supervisor:
+    def __init__(self, processes: Sequence[LocalProcess], log_dir: Path,
+                 on_event: Callable[[Replica, str], None] = lambda replica, message: None,
+                 healthy: Callable[[str], bool] = http_health, clock: Callable[[], float] = time.monotonic):
+        self.replicas = [Replica(p, log_dir / f"{p.name}.log") for p in processes]
+        self.on_event = on_event
+        self.healthy = healthy
+        self.clock = clock
+
+    def all_ready(self) -> bool:
+        return all(replica.state == State.READY for replica in self.replicas)
+
+    def tick(self) -> None:
+        """Notices deaths, starts what is due and probes the health of what runs."""
+        for replica in self.replicas:
+            if replica.popen is not None and replica.popen.poll() is not None:
+                self._died(replica)
+            due = replica.state == State.BACKOFF and self.clock() >= replica.restart_at
+            if due or (replica.state == State.WAITING and self._may_start(replica)):
+                self._start(replica)
+            elif replica.state in (State.STARTING, State.READY, State.UNREADY):
+                self._probe(replica)
+
+    def stop(self, force: threading.Event, on_tick: Callable[[], None] = lambda: None) -> None:
+        """The router first, so that no new request reaches an engine, then the engines. Each
+        gets SIGTERM (its drain) and, after its pod's grace period or at once when `force` is
+        set, SIGKILL for its whole process group."""
+        routers = [r for r in self.replicas if r.process.role == contract.ROUTER]
+        for group in (routers, [r for r in self.replicas if r not in routers]):
+            deadlines = {}
+            for replica in group:
+                if replica.popen is None:
+                    replica.state = State.STOPPED
+                    continue
+                replica.state = State.STOPPING
+                replica.popen.send_signal(signal.SIGTERM)  # the leader only, as the kubelet does
+                deadlines[replica] = self.clock() + replica.process.stop_timeout_s
+            while deadlines:
+                for replica, deadline in list(deadlines.items()):
+                    if replica.popen.poll() is not None or force.is_set() or self.clock() >= deadline:
+                        self._kill(replica, "at once, as asked" if force.is_set() else
+                                   f"it did not stop within {replica.process.stop_timeout_s:g} s")
+                        del deadlines[replica]
+                on_tick()
+                if deadlines:
+                    time.sleep(0.1)
+
+    def _may_start(self, replica: Replica) -> bool:
+        return all(any(other.process.role == role and other.state == State.READY for other in self.replicas)
+                   for role in replica.process.waits_for)
+
+    def _start(self, replica: Replica) -> None:
+        process = replica.process
+        if replica.state == State.BACKOFF:
+            replica.restarts += 1
+        with replica.log_path.open("ab") as log:
+            what = f"restart {replica.restarts}" if replica.restarts else "start"
+            log.write(f"--- kubesgl up, {time.strftime('%H:%M:%S')}, {what}: {shlex.join(process.argv)}\n".encode())
+            log.flush()
+            replica.popen = subprocess.Popen(process.argv, env={**os.environ, **process.env}, stdin=subprocess.DEVNULL,
+                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        replica.state = State.STARTING
+        replica.started_at = self.clock()
+        self.on_event(replica, f"started, pid {replica.pid}")
+
+    def _died(self, replica: Replica) -> None:
+        assert replica.popen is not None
+        code = replica.popen.returncode
+        _kill_group(replica.popen.pid)  # what it leaves behind, its scheduler processes for example
+        replica.popen = None
+        ran = self.clock() - replica.started_at
+        replica.deaths_in_a_row = 1 if ran >= BACKOFF_RESET_S else replica.deaths_in_a_row + 1
+        delay = min(BACKOFF_FIRST_S * 2 ** (replica.deaths_in_a_row - 1), BACKOFF_MAX_S)
+        replica.last_exit = exit_reason(code, replica.log_path)
+        replica.state, replica.restart_at = State.BACKOFF, self.clock() + delay
+        self.on_event(replica, f"exited ({replica.last_exit}); restarting in {delay:g} s")
+
+    def _probe(self, replica: Replica) -> None:
+        healthy = self.healthy(replica.process.url)
+        if healthy and replica.state != State.READY:
+            replica.state = State.READY
+            self.on_event(replica, f"ready on {replica.process.url}")
+        elif not healthy and replica.state == State.READY:
+            replica.state = State.UNREADY
+            self.on_event(replica, "not ready: /health fails")
+
+    def _kill(self, replica: Replica, why: str) -> None:
+        assert replica.popen is not None
+        running = replica.popen.poll() is None
+        _kill_group(replica.popen.pid)  # also when the leader has exited: its children may not have
+        replica.popen.wait()
+        replica.popen = None
+        replica.state = State.STOPPED
+        self.on_event(replica, f"killed: {why}" if running else "stopped")
+
+
+def exit_reason(returncode: int, log_path: Path) -> str:
+    """'killed by SIGKILL', or 'exit code 1' and the last line of the process's log (an error
+    that ends a Python process is its last line)."""
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    with log_path.open("rb") as log:
+        log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
+        lines = [line.strip() for line in log.read().decode(errors="replace").splitlines() if line.strip()]
+    return f"exit code {returncode}: {lines[-1][:160]}" if lines else f"exit code {returncode}"
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL to every process of the group, then a bounded wait until none runs."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + KILL_WAIT_S
+    while _group_runs(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _group_runs(pgid: int) -> bool:
+    """Whether a process of the group runs, zombies aside (their parents reap them); Linux's
+    /proc tells, elsewhere the signal's delivery is trusted."""
+    try:
+        entries = os.listdir("/proc")
+    except FileNotFoundError:
+        return False
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, _, group = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False

@@ -1,0 +1,68 @@
+"""`kubesgl up` refuses, before starting anything, what cannot run: the operator's validation
+errors (status 2, each field named), more GPUs than there are, a source only a cluster has, a
+port in use."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubesgl.up import cli
+
+QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "quickstart.yaml"
+
+
+def spec_file(tmp_path: Path, **changes) -> str:
+    document = yaml.safe_load(QUICKSTART.read_text())
+    document["spec"].update(changes)
+    path = tmp_path / "isvc.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return str(path)
+
+
+def test_the_operators_validation_errors_name_each_field(tmp_path, capsys):
+    path = spec_file(tmp_path, prefill={"replicas": -1}, router={"policy": "fastest"})
+    assert cli.main(["-f", path]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"kubesgl up: {path}: InferenceService quickstart:"
+    assert "  spec.prefill.replicas: Input should be greater than or equal to 0" in err
+    assert any(line.startswith("  spec.router.policy: Input should be ") for line in err)
+
+    path = spec_file(tmp_path, decode=None)
+    assert cli.main(["-f", path]) == 2
+    assert "  spec.decode: required when mode is disaggregated" in capsys.readouterr().err
+
+
+def test_more_gpus_than_this_machine_has(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "visible_gpus", lambda: ("0",))
+    path = spec_file(tmp_path, engine={"device": "cuda"})
+    assert cli.main(["-f", path]) == 2
+    assert capsys.readouterr().err == (f"kubesgl up: {path}: the spec needs 2 GPUs (replicas x tensorParallelSize: "
+                                       "prefill: 1 x 1, decode: 1 x 1); this machine has 1 (0)\n")
+
+
+def test_a_claim_needs_a_local_copy(tmp_path, capsys):
+    path = spec_file(tmp_path, model={"pvc": {"claimName": "models"}})
+    assert cli.main(["-f", path]) == 2
+    assert "  spec.model.pvc: a PersistentVolumeClaim exists only in a cluster: give kubesgl up --model DIR" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["", "kind: A\n---\nkind: B\n", "- a list\n"])
+def test_one_inference_service_per_file(tmp_path, capsys, text):
+    path = tmp_path / "isvc.yaml"
+    path.write_text(text)
+    assert cli.main(["-f", str(path)]) == 2
+    assert "expected one InferenceService" in capsys.readouterr().err
+
+
+def test_a_port_in_use(tmp_path, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["-f", str(QUICKSTART), "--port", str(port), "--logs", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"kubesgl up: 127.0.0.1:{port} is in use: choose another --port\n"

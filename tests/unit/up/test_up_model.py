@@ -1,0 +1,38 @@
+"""The model step of `kubesgl up`: run once into the cache, into a fresh folder renamed into place
+only when the step succeeds, so that a failed or interrupted step leaves nothing half-made."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kubesgl.up.model import ModelStepFailed, ensure_model
+from kubesgl.up.plan import ModelStep
+
+WRITE = "import pathlib, sys; pathlib.Path(sys.argv[1], 'config.json').write_text('{}')"
+
+
+def step(tmp_path: Path, code: str) -> ModelStep:
+    return ModelStep((sys.executable, "-c", code), ("/models/tiny",), "/models/tiny", {},
+                     tmp_path / "cache" / "models" / "tiny-llama")
+
+
+def test_runs_once_into_the_cache(tmp_path):
+    made = step(tmp_path, WRITE)
+    ensure_model(made, tmp_path / "model.log")
+    assert (made.path / "config.json").read_text() == "{}"
+    assert [p.name for p in made.path.parent.iterdir()] == ["tiny-llama"]  # no partial folder left
+    ensure_model(step(tmp_path, "raise SystemExit(9)"), tmp_path / "model.log")  # there already: not run
+
+
+def test_a_failed_step_leaves_nothing_and_says_where_its_log_is(tmp_path):
+    failing = step(tmp_path, "import sys; print('no space left'); sys.exit(3)")
+    with pytest.raises(ModelStepFailed, match=r"exited with code 3 \(log: .*model.log\)"):
+        ensure_model(failing, tmp_path / "model.log")
+    assert not failing.path.exists() and list(failing.path.parent.iterdir()) == []
+    assert "no space left" in (tmp_path / "model.log").read_text()
+    missing = ModelStep(("no-such-command-here",), (), "/models/hf", {}, tmp_path / "hf")
+    with pytest.raises(ModelStepFailed, match="no-such-command-here is not installed"):
+        ensure_model(missing, tmp_path / "model.log")

@@ -1,0 +1,99 @@
+"""What `kubesgl up` shows: the counters read from the engines' and the router's /metrics, the
+table with tokens/s and the reason of the last exit, redrawn in place on a terminal; events as
+lines elsewhere."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import httpx
+
+from kubesgl import contract
+from kubesgl.up.plan import LocalPlan, LocalProcess
+from kubesgl.up.status import Counters, StatusView, format_table, read_counters
+from kubesgl.up.supervisor import Replica, State
+
+ENGINE_METRICS = """\
+# TYPE kubesgl_num_running_requests gauge
+kubesgl_num_running_requests{role="decode"} 2.0
+# TYPE kubesgl_generation_tokens counter
+kubesgl_generation_tokens_total{role="decode"} 340.0
+# TYPE kubesgl_requests counter
+kubesgl_requests_total{finish_reason="length",role="decode"} 3.0
+kubesgl_requests_total{finish_reason="stop",role="decode"} 4.0
+"""
+ROUTER_METRICS = """\
+# TYPE kubesgl_router_requests counter
+kubesgl_router_requests_total{status="200",worker="http://127.0.0.1:1"} 5.0
+kubesgl_router_requests_total{status="200",worker="http://127.0.0.1:2"} 5.0
+# TYPE kubesgl_router_request_duration_seconds histogram
+kubesgl_router_request_duration_seconds_bucket{le="+Inf"} 5.0
+kubesgl_router_request_duration_seconds_count 5.0
+kubesgl_router_request_duration_seconds_sum 2.5
+"""
+
+
+def process(name: str, role: contract.PodRole, port: int, bootstrap: int | None = None) -> LocalProcess:
+    return LocalProcess(name, role, ("kubesgl",), {}, port, 10, bootstrap)
+
+
+def test_counters_from_the_metrics_of_engines_and_router():
+    pages = {"http://e/metrics": ENGINE_METRICS, "http://r/metrics": ROUTER_METRICS}
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, text=pages[str(request.url)])))
+    engine = read_counters(client, "http://e", contract.DECODE)
+    assert engine is not None and (engine.requests, engine.running, engine.tokens) == (7, 2, 340)
+    router = read_counters(client, "http://r", contract.ROUTER)
+    assert router is not None and router.requests == 5  # client requests, not upstream attempts
+    assert read_counters(httpx.Client(transport=httpx.MockTransport(refuse)), "http://e", contract.DECODE) is None
+
+
+def refuse(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+def test_the_table_shows_states_ports_devices_rates_and_the_last_exit(tmp_path):
+    prefill = Replica(process("prefill-0", contract.PREFILL, 30001, bootstrap=30002), tmp_path / "p.log", State.READY)
+    decode = Replica(process("decode-0", contract.DECODE, 30003), tmp_path / "d.log", State.STARTING, restarts=1,
+                     last_exit="killed by SIGKILL")
+    counters = {"prefill-0": (Counters(1, 0, 100, at=10.0), Counters(3, 1, 160, at=12.0))}
+    lines = format_table([prefill, decode], counters)
+    assert lines[0].split() == ["NAME", "STATE", "PID", "PORT", "BOOT", "DEVICE", "RESTARTS", "REQS", "RUNNING",
+                                "TOK/S"]
+    assert lines[1].split() == ["prefill-0", "ready", "-", "30001", "30002", "cpu", "0", "3", "1", "30.0"]
+    assert lines[2].split() == ["decode-0", "starting", "-", "30003", "-", "cpu", "1", "-", "-", "-"]
+    assert max(map(len, lines[:3])) <= 80  # a terminal's width
+    assert lines[3] == "decode-0 last exited: killed by SIGKILL"
+
+
+def local_plan() -> LocalPlan:
+    return LocalPlan("demo", "mixed", "/models/tiny", None, (process("mixed-0", contract.MIXED, 30001),),
+                     process("router", contract.ROUTER, 8000), ())
+
+
+def test_on_a_terminal_the_view_is_redrawn_in_place(tmp_path):
+    out = io.StringIO()
+    view = StatusView(local_plan(), Path("/logs"), out, live=True)
+    replicas = [Replica(p, tmp_path / "x.log", State.STARTING) for p in local_plan().processes]
+    view.refresh(replicas)
+    first = out.getvalue()
+    assert first.startswith("kubesgl up: demo (mixed)   Ctrl-C stops everything\nOpenAI base URL: ")
+    assert "OpenAI base URL: http://127.0.0.1:8000/v1" in first and "\x1b[" not in first
+    view.refresh(replicas)
+    assert out.getvalue()[len(first):].startswith(f"\x1b[{first.count(chr(10))}F\x1b[J")  # back up, clear, redraw
+    view.close()
+
+
+def test_elsewhere_events_are_lines(tmp_path):
+    out = io.StringIO()
+    view = StatusView(local_plan(), Path("/logs"), out, live=False)
+    replicas = [Replica(p, tmp_path / "x.log", State.READY) for p in local_plan().processes]
+    view.event(replicas[0], "ready on http://127.0.0.1:30001")
+    view.refresh(replicas)
+    view.refresh(replicas)
+    lines = out.getvalue().splitlines()
+    assert lines[1:4] == ["OpenAI base URL: http://127.0.0.1:8000/v1", "model: /models/tiny", "logs: /logs"]
+    assert lines[4].endswith(" mixed-0: ready on http://127.0.0.1:30001")
+    assert "ready in " in lines[5] and lines[5].endswith("OpenAI base URL http://127.0.0.1:8000/v1")
+    assert len(lines) == 6  # said once
+    view.close()

@@ -1,0 +1,164 @@
+"""`kubesgl up`'s supervisor with small stand-in processes (an HTTP server with a child process,
+as an engine has its scheduler): restarts with a doubling delay and the reason, the start order,
+and a stop that drains the router first and leaves no process behind, a hung one included."""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kubesgl import contract
+from kubesgl.up.plan import LocalProcess
+from kubesgl.up.supervisor import State, Supervisor
+
+STAND_IN = r'''
+import http.server, signal, subprocess, sys
+port, behaviour = int(sys.argv[1]), sys.argv[2]
+if behaviour == "crash":
+    print("loading the model", flush=True)
+    print("RuntimeError: no memory left for the KV cache", flush=True)
+    sys.exit(3)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # same process group
+print(f"child {child.pid}", flush=True)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if behaviour == "hang" else lambda *_: sys.exit(0))
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def stand_in(tmp_path):
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+
+    def make(name: str, behaviour: str, role: contract.PodRole = contract.MIXED, stop_timeout_s: float = 10,
+             waits_for: tuple[contract.EngineRole, ...] = ()) -> LocalProcess:
+        port = free_port()
+        return LocalProcess(name, role, (sys.executable, str(script), str(port), behaviour), {}, port,
+                            stop_timeout_s, waits_for=waits_for)
+
+    return make
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(check, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+    return result
+
+
+def children(replica) -> list[int]:
+    """The stand-in's child, once it has written its pid."""
+    return [int(pid) for pid in re.findall(r"^child (\d+)$", replica.log_path.read_text(), re.M)]
+
+
+def test_a_replica_that_dies_is_restarted_with_a_doubling_delay_and_its_reason(stand_in, tmp_path):
+    clock, events = FakeClock(), []
+    supervisor = Supervisor([stand_in("mixed-0", "crash")], tmp_path, lambda r, m: events.append(m), clock=clock)
+    (replica,) = supervisor.replicas
+    for delay in (1, 2, 4):
+        supervisor.tick()
+        assert replica.state == State.STARTING
+        replica.popen.wait()
+        supervisor.tick()
+        assert replica.state == State.BACKOFF and replica.popen is None
+        assert events[-1] == (f"exited (exit code 3: RuntimeError: no memory left for the KV cache); "
+                              f"restarting in {delay} s")
+        clock.now += delay - 0.01
+        supervisor.tick()
+        assert replica.state == State.BACKOFF  # not before its time
+        clock.now += 0.01
+    supervisor.tick()
+    assert replica.restarts == 3 and replica.state == State.STARTING
+    replica.popen.wait()
+    clock.now += 300  # it ran long enough this time: the delay starts over
+    supervisor.tick()
+    assert events[-1].endswith("restarting in 1 s")
+    assert "restart 3: " in replica.log_path.read_text()  # each start is marked in the log
+
+
+def test_the_router_starts_once_every_role_has_a_ready_replica(stand_in, tmp_path):
+    ready: set[str] = set()
+    prefill, decode = stand_in("prefill-0", "ok", contract.PREFILL), stand_in("decode-0", "ok", contract.DECODE)
+    router = stand_in("router", "ok", contract.ROUTER, waits_for=(contract.PREFILL, contract.DECODE))
+    supervisor = Supervisor([prefill, decode, router], tmp_path, healthy=lambda url: url in ready)
+    try:
+        supervisor.tick()
+        assert [r.state for r in supervisor.replicas] == [State.STARTING, State.STARTING, State.WAITING]
+        ready.add(prefill.url)
+        supervisor.tick()
+        assert [r.state for r in supervisor.replicas] == [State.READY, State.STARTING, State.WAITING]
+        ready.add(decode.url)
+        supervisor.tick()
+        supervisor.tick()
+        assert [r.state for r in supervisor.replicas] == [State.READY, State.READY, State.STARTING]
+    finally:
+        supervisor.stop(threading.Event())
+
+
+def test_stop_drains_the_router_first_and_leaves_nothing_behind_a_hung_replica_included(stand_in, tmp_path):
+    events: list[str] = []
+    processes = [stand_in("mixed-0", "hang", stop_timeout_s=0.5), stand_in("mixed-1", "ok"),
+                 stand_in("router", "ok", contract.ROUTER)]
+    supervisor = Supervisor(processes, tmp_path, lambda r, m: events.append(f"{r.process.name}: {m}"))
+    wait_for(lambda: supervisor.tick() or supervisor.all_ready())
+    pids = [r.pid for r in supervisor.replicas]
+    pids += [pid for r in supervisor.replicas for pid in wait_for(lambda r=r: children(r))]
+    started = time.monotonic()
+    supervisor.stop(threading.Event())
+    assert time.monotonic() - started < 5
+    stops = [e for e in events if "stopped" in e or "killed" in e]
+    assert stops[0] == "router: stopped"  # before any engine is asked to stop
+    assert sorted(stops[1:]) == ["mixed-0: killed: it did not stop within 0.5 s", "mixed-1: stopped"]
+    assert [pid for pid in pids if running(pid)] == []  # the children too: they were in the groups
+    assert all(r.state == State.STOPPED and r.popen is None for r in supervisor.replicas)
+
+
+def test_a_second_signal_kills_at_once(stand_in, tmp_path):
+    events: list[str] = []
+    supervisor = Supervisor([stand_in("mixed-0", "hang", stop_timeout_s=120)], tmp_path,
+                            lambda r, m: events.append(m))
+    wait_for(lambda: supervisor.tick() or supervisor.all_ready())
+    child = wait_for(lambda: children(supervisor.replicas[0]))[0]
+    force = threading.Event()
+    threading.Timer(0.3, force.set).start()
+    started = time.monotonic()
+    supervisor.stop(force)
+    assert time.monotonic() - started < 5
+    assert events[-1] == "killed: at once, as asked" and not running(child)
