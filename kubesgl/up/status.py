@@ -70,15 +70,18 @@ class StatusView:
             self._print(*self.header)
 
     def note(self, message: str) -> None:
-        self._event(message)
+        line = f"{time.strftime('%H:%M:%S')} {message}"
+        self.events.append(line)
+        if not self.live:
+            self._print(line)
 
     def event(self, replica: Replica, message: str) -> None:
-        self._event(f"{replica.process.name}: {message}")
+        self.note(f"{replica.process.name}: {message}")
 
     def refresh(self, replicas: list[Replica]) -> None:
         if not self.ready_once and replicas and all(r.state == State.READY for r in replicas):
             self.ready_once = True
-            self._event(f"ready in {time.monotonic() - self.started:.1f} s: OpenAI base URL {self.plan.base_url}")
+            self.note(f"ready in {time.monotonic() - self.started:.1f} s: OpenAI base URL {self.plan.base_url}")
         if not self.live:
             return
         if time.monotonic() - self._scraped_at >= SCRAPE_INTERVAL_S:
@@ -93,12 +96,6 @@ class StatusView:
 
     def close(self) -> None:
         self._client.close()
-
-    def _event(self, message: str) -> None:
-        line = f"{time.strftime('%H:%M:%S')} {message}"
-        self.events.append(line)
-        if not self.live:
-            self._print(line)
 
     def _print(self, *lines: str) -> None:
         self.out.write("".join(line + "\n" for line in lines))

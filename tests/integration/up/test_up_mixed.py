@@ -1,4 +1,4 @@
-"""`kubesgl up` on a mixed spec: two replicas behind the router answer as a plain engine; Ctrl-C
+"""`kubesgl up` on a mixed spec: two replicas behind the router answer as a plain engine; SIGTERM
 while one replica hangs (stopped, it cannot drain) still leaves no process behind, the hung one
 killed after its pod's grace period."""
 
@@ -44,9 +44,9 @@ def test_two_replicas_answer_as_a_plain_engine(mixed, plain_engine_answers):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain_engine_answers["chat"]
 
 
-def test_ctrl_c_with_a_hung_replica_leaves_no_process(mixed):
+def test_sigterm_with_a_hung_replica_leaves_no_process(mixed):
     os.kill(mixed.engine_pid("mixed-0"), signal.SIGSTOP)  # it cannot act on SIGTERM any more
-    status, left = mixed.interrupt()
+    status, left = mixed.interrupt(signal.SIGTERM)
     assert status == 0 and left == []
     output = mixed.output()
     # the engine's drain, then 5 s to exit: its pod's grace period without the preStop pause

@@ -86,10 +86,10 @@ class RunningUp:
         return httpx.post(self.base_url + "/v1/completions", timeout=60,
                           json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
 
-    def interrupt(self, timeout: float = 120) -> tuple[int, list[int]]:
-        """Ctrl-C: (the exit status, the processes of the tree still running afterwards)."""
+    def interrupt(self, signum: int = signal.SIGINT, timeout: float = 120) -> tuple[int, list[int]]:
+        """Ctrl-C (or `signum`): (the exit status, the processes of the tree still running afterwards)."""
         tree = descendants(self.process.pid)
-        self.process.send_signal(signal.SIGINT)
+        self.process.send_signal(signum)
         status = self.process.wait(timeout=timeout)
         return status, [pid for pid in tree if running(pid)]
 
