@@ -34,7 +34,7 @@ from kubesgl.engine.io import (
     TokenOutput,
 )
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
-from kubesgl.engine.server.children import exit_with_parent
+from kubesgl.engine.server.children import exit_for_start_failure, exit_with_parent
 from kubesgl.engine.server.ipc import Endpoints, pull, push
 
 logger = logging.getLogger(__name__)
@@ -50,17 +50,20 @@ def run_scheduler(config: EngineConfig, rank: int, endpoints: Endpoints, dist_in
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s scheduler[{rank}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when to stop
     exit_with_parent()
-    on_gpu = config.device in ("auto", "cuda") and torch.cuda.is_available()
-    if on_gpu:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    init_tensor_parallel(rank, config.tp_size, dist_init_method, backend="nccl" if on_gpu else "gloo")
-    torch.manual_seed(config.seed)
-    context = zmq.Context()
-    link = None
-    if rank == 0 and config.role != contract.MIXED:
-        link = ProcessLink(push(context, endpoints.bootstrap_in))
-    engine = Engine(config, bootstrap_host, link)
-    _warm_up(engine)
+    try:
+        on_gpu = config.device in ("auto", "cuda") and torch.cuda.is_available()
+        if on_gpu:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        init_tensor_parallel(rank, config.tp_size, dist_init_method, backend="nccl" if on_gpu else "gloo")
+        torch.manual_seed(config.seed)
+        context = zmq.Context()
+        link = None
+        if rank == 0 and config.role != contract.MIXED:
+            link = ProcessLink(push(context, endpoints.bootstrap_in))
+        engine = Engine(config, bootstrap_host, link)
+        _warm_up(engine)
+    except Exception as exc:  # what the server could not check before starting this process
+        exit_for_start_failure(endpoints, f"scheduler rank {rank}", exc)
     loop = SchedulerLoop(engine, rank, endpoints, get_tp_group().control, context, link)
     loop.run()
 

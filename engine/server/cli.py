@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
+from kubesgl.engine.preflight import StartupError, check_bootstrap_port, check_engine, listen_socket
 from kubesgl.engine.server.launcher import Server, ServerOptions
 
 
@@ -35,7 +37,18 @@ def main(argv: list[str]) -> int:
         config.validate()
     except ValueError as exc:
         parser.error(str(exc))
+    try:  # what can be found before a child starts: one line and status 2, as kubesgl generate
+        check_engine(config)
+        check_bootstrap_port(config, args.host)
+        sock = listen_socket(args.host, args.port)
+    except StartupError as exc:
+        print(f"kubesgl serve: {exc}", file=sys.stderr)
+        return 2
     options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
                             served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
                             log_level=args.log_level)
-    return Server(config, options).run()
+    server = Server(config, options, sock)
+    status = server.run()
+    if server.failure:  # the last line of the log names the problem (kubesgl up shows it)
+        print(f"kubesgl serve: {server.failure}", file=sys.stderr)
+    return status

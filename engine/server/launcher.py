@@ -28,6 +28,7 @@ from kubesgl.engine.disagg.bootstrap import run_bootstrap
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.scheduler.process import run_scheduler
 from kubesgl.engine.server.api import ServerState, build_app
+from kubesgl.engine.server.children import start_failure
 from kubesgl.engine.server.engine_client import EngineClient
 from kubesgl.engine.server.ipc import Endpoints
 from kubesgl.engine.tokenizer.process import run_tokenizer
@@ -62,9 +63,13 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, config: EngineConfig, options: ServerOptions):
+    def __init__(self, config: EngineConfig, options: ServerOptions, listen_socket: socket.socket | None = None):
+        """`listen_socket`: the HTTP API's, bound already (preflight.listen_socket); without
+        one, uvicorn binds host:port itself."""
         self.config = config
         self.options = options
+        self.listen_socket = listen_socket
+        self.failure: str | None = None  # why a child ended the server: its own line, where it left one
         self.endpoints = Endpoints.create()
         self.children: dict[str, mp.process.BaseProcess] = {}
         self._stopping = threading.Event()
@@ -90,6 +95,9 @@ class Server:
             for name, child in self.children.items():
                 if child.exitcode is not None:
                     logger.error("%s exited with code %s; shutting the server down", name, child.exitcode)
+                    reason = start_failure(self.endpoints, name)
+                    self.failure = f"{name} could not start: {reason}" if reason else \
+                        f"{name} exited with code {child.exitcode}"
                     self.exit_code = 1
                     self._stopping.set()
                     server.should_exit = True
@@ -119,7 +127,11 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self._drain(server, client, state)))
         threading.Thread(target=self._watch_children, args=(server,), name="child-watch", daemon=True).start()
-        await server.serve()
+        if self.listen_socket is not None:  # uvicorn names no address when given a socket
+            host, port = self.listen_socket.getsockname()[:2]
+            logger.info("HTTP API on http://%s:%d (/health answers 200 once the engine is ready)",
+                        f"[{host}]" if ":" in host else host, port)
+        await server.serve(sockets=[self.listen_socket] if self.listen_socket is not None else None)
         if not self._stopping.is_set():
             await client.shutdown()
 

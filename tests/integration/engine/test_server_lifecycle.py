@@ -76,6 +76,27 @@ def test_a_model_that_fails_to_load_exits_non_zero(server_factory, tmp_path):
         server_factory(str(tmp_path), timeout=60)
 
 
+def test_a_problem_only_a_child_finds_is_one_line_and_the_servers_last(tiny_model, tmp_path):
+    """Weights that cannot be read are found by the scheduler while it loads them: its line names
+    the problem, no traceback, and the server repeats it as its last line (kubesgl up shows that
+    line as the reason) and exits non-zero as soon as the child has ended."""
+    import shutil
+    import subprocess
+    import sys
+
+    from serve_harness import free_port
+
+    path = tmp_path / "bad-weights"
+    shutil.copytree(tiny_model("llama"), path)
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    run = subprocess.run([sys.executable, "-m", "kubesgl", "serve", "--model", str(path), "--device", "cpu",
+                          "--host", "127.0.0.1", "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=120)
+    log = run.stdout + run.stderr
+    assert run.returncode == 1 and "Traceback" not in log, log
+    assert run.stderr.splitlines()[-1].startswith("kubesgl serve: scheduler rank 0 could not start: SafetensorError: ")
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3-moe"])
 def test_tensor_parallel_2_gives_the_same_greedy_tokens_as_1(arch, server_factory, tiny_model):
     path = tiny_model(arch)

@@ -1,0 +1,183 @@
+"""What can be checked of an engine's options before anything starts: the model, tensor
+parallelism against its heads, the device, the attention backend, and the ports.
+
+`kubesgl serve` runs these checks in its own process before it starts a child (a scheduler
+that finds a mistake would print a traceback after the HTTP server came up), the offline
+`LLM` before it loads weights. Each mistake is a `StartupError` whose message is one line
+naming it and what to do instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+from kubesgl.contract import MIXED
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.models.config import ModelConfig, ModelConfigError, load_model_config
+
+
+class StartupError(ValueError):
+    """An option this model or machine cannot run; the message is one line."""
+
+
+def check_engine(config: EngineConfig) -> ModelConfig:
+    """Raise StartupError for the first option the engine could not start with; return the
+    model's config. Reads the model's JSON files only (no weights)."""
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    model_config = read_model_config(config)
+    check_tensor_parallel(model_config, config.tp_size)
+    device = _device(config)
+    _check_attention_backend(config, model_config, device)
+    return model_config
+
+
+def read_model_config(config: EngineConfig) -> ModelConfig:
+    path = Path(config.model)
+    if not path.exists():
+        raise StartupError(f"--model {config.model}: no such directory (give a Hugging Face checkpoint directory)")
+    if not path.is_dir():
+        raise StartupError(f"--model {config.model}: not a directory (give a Hugging Face checkpoint directory)")
+    try:
+        model_config = load_model_config(path)
+    except ModelConfigError as exc:
+        raise StartupError(f"--model {config.model}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise StartupError(f"--model {config.model}: a JSON file of the checkpoint is not valid JSON ({exc})") from None
+    except KeyError as exc:
+        raise StartupError(f"--model {config.model}: config.json has no {exc.args[0]!r}") from None
+    if config.load_format == "auto":
+        from kubesgl.engine.models.weights import safetensors_files
+
+        try:
+            files = safetensors_files(path)
+        except FileNotFoundError as exc:
+            raise StartupError(f"--model {config.model}: {exc}") from None
+        missing = [file.name for file in files if not file.is_file()]
+        if missing:
+            raise StartupError(f"--model {config.model}: weight files listed in its index are missing: "
+                               f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+    return model_config
+
+
+def tensor_parallel_problem(model: ModelConfig, tp_size: int) -> str | None:
+    """Why the model's layers cannot be split over `tp_size` ranks, or None: the attention
+    heads split evenly, the KV heads split or are replicated, the MLP's intermediate size
+    (an expert's too) splits evenly."""
+    if model.num_heads % tp_size:
+        return f"its {model.num_heads} attention heads do not divide over {tp_size} ranks"
+    if model.num_kv_heads % tp_size and tp_size % model.num_kv_heads:
+        return f"its {model.num_kv_heads} KV heads can be neither split nor replicated over {tp_size} ranks"
+    if model.intermediate_size % tp_size:
+        return f"its MLP's intermediate size {model.intermediate_size} does not divide over {tp_size} ranks"
+    if model.moe is not None and model.moe.intermediate_size % tp_size:
+        return f"its experts' intermediate size {model.moe.intermediate_size} does not divide over {tp_size} ranks"
+    return None
+
+
+def check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
+    problem = tensor_parallel_problem(model, tp_size)
+    if problem:
+        fits = [n for n in range(1, model.num_heads + 1) if tensor_parallel_problem(model, n) is None]
+        raise StartupError(f"--tp-size {tp_size} does not fit this model: {problem} "
+                           f"(sizes that fit: {', '.join(map(str, fits))})")
+
+
+def _device(config: EngineConfig) -> str:
+    """cpu or cuda, as the engine will resolve it; a CUDA engine needs a GPU per rank."""
+    import torch
+
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise StartupError("--device cuda was given but no CUDA device is available")
+    gpus = torch.cuda.device_count()
+    if config.tp_size > gpus:
+        raise StartupError(f"--tp-size {config.tp_size} needs a GPU per rank; this machine has {gpus} "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    return "cuda"
+
+
+def _check_attention_backend(config: EngineConfig, model: ModelConfig, device: str) -> None:
+    backend = config.attention_backend
+    if backend == "triton":
+        from kubesgl.engine.attention import triton_supports
+
+        if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise StartupError("--attention-backend triton runs on CUDA GPUs; on the CPU use torch (or auto)")
+        if not triton_supports(model.head_dim):
+            raise StartupError(f"--attention-backend triton needs a power-of-two head size of at least 16, and "
+                               f"this model's is {model.head_dim}; use torch (or auto)")
+    elif backend == "flashinfer":
+        import importlib.util
+
+        import torch
+
+        from kubesgl.engine.attention import FLASHINFER_HEAD_DIMS
+        from kubesgl.engine.models.loader import resolve_dtype
+
+        if device == "cpu":
+            raise StartupError("--attention-backend flashinfer runs on CUDA GPUs; on the CPU use torch (or auto)")
+        if importlib.util.find_spec("flashinfer") is None:
+            raise StartupError("--attention-backend flashinfer needs the flashinfer-python package "
+                               "(pip install 'kubesgl[flashinfer]')")
+        if resolve_dtype(config.dtype, model, torch.device("cuda")) not in (torch.float16, torch.bfloat16):
+            raise StartupError("--attention-backend flashinfer needs --dtype bfloat16 or float16")
+        if model.head_dim not in FLASHINFER_HEAD_DIMS:
+            raise StartupError(f"--attention-backend flashinfer needs a head size in {FLASHINFER_HEAD_DIMS}, and "
+                               f"this model's is {model.head_dim}; use triton, torch or auto")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP API's listening socket, bound now, so that a port in use is found before
+    anything starts (uvicorn serves on this socket)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise StartupError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)  # uvicorn's backlog; only a listening socket keeps a second server off the port
+    except OSError as exc:
+        sock.close()
+        raise StartupError(_bind_problem(f"--port {port}", host, port, exc)) from None
+    return sock
+
+
+def check_bootstrap_port(config: EngineConfig, host: str) -> None:
+    """A prefill engine's KV bootstrap port must be free too (its bootstrap server binds it
+    once the model is loaded)."""
+    port = config.disaggregation_bootstrap_port
+    if config.role == MIXED or config.role == "decode" or port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror:
+        return  # listen_socket names the host
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise StartupError(_bind_problem("--disaggregation-bootstrap-port", host, port, exc)) from None
+
+
+def _bind_problem(what: str, host: str, port: int, exc: OSError) -> str:
+    import errno
+
+    if exc.errno == errno.EADDRINUSE:
+        return f"{what}: port {port} on {host} is already in use (another server?); choose another port"
+    if exc.errno == errno.EACCES:
+        return f"{what}: not allowed to listen on port {port} (ports below 1024 need privileges)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host}: not an address of this machine"
+    return f"{what}: cannot listen on {host}:{port}: {exc.strerror}"

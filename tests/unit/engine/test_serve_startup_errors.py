@@ -1,0 +1,109 @@
+"""`kubesgl serve` checks what it can before it starts a child process: a missing model, a
+--tp-size the model's heads do not divide, an attention backend the device cannot run and a
+port already taken each end with one line naming the problem and status 2, and nothing is
+started. (A problem only a child can find is tests/integration/engine/test_server_lifecycle.py's.)"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.preflight import StartupError, check_engine, listen_socket
+from kubesgl.engine.server import cli as serve_cli
+
+
+@pytest.fixture
+def serve(monkeypatch, capsys):
+    """serve(*args) -> (status, stderr lines) of `kubesgl serve`, which must not start a server."""
+    def no_server(self):
+        raise AssertionError("the server was started")
+
+    monkeypatch.setattr(serve_cli.Server, "run", no_server)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def run(*args: str) -> tuple[int, list[str]]:
+        status = serve_cli.main([*args, "--host", "127.0.0.1"])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return status, err.splitlines()
+
+    return run
+
+
+def test_a_missing_model_directory(serve, tmp_path):
+    status, err = serve("--model", str(tmp_path / "nowhere"), "--device", "cpu")
+    assert status == 2 and err == [f"kubesgl serve: --model {tmp_path / 'nowhere'}: no such directory "
+                                   "(give a Hugging Face checkpoint directory)"]
+
+
+def test_a_directory_without_a_checkpoint(serve, tmp_path):
+    status, err = serve("--model", str(tmp_path), "--device", "cpu")
+    assert status == 2 and len(err) == 1 and "has no config.json" in err[0]
+
+
+def test_a_checkpoint_without_weights(serve, tiny_model, tmp_path):
+    import shutil
+
+    path = tmp_path / "no-weights"
+    shutil.copytree(tiny_model("llama"), path)
+    (path / "model.safetensors").unlink()
+    status, err = serve("--model", str(path), "--device", "cpu")
+    assert status == 2 and len(err) == 1 and "has no *.safetensors files" in err[0]
+    assert "--load-format dummy" in err[0]
+
+
+def test_a_tp_size_that_does_not_divide_the_heads(serve, tiny_model):
+    status, err = serve("--model", tiny_model("llama"), "--device", "cpu", "--tp-size", "3")
+    assert status == 2 and err == ["kubesgl serve: --tp-size 3 does not fit this model: its 4 attention heads "
+                                   "do not divide over 3 ranks (sizes that fit: 1, 2, 4)"]
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_a_gpu_attention_backend_on_the_cpu(serve, tiny_model, backend):
+    status, err = serve("--model", tiny_model("llama"), "--device", "cpu", "--attention-backend", backend)
+    assert status == 2 and err == [f"kubesgl serve: --attention-backend {backend} runs on CUDA GPUs; "
+                                   "on the CPU use torch (or auto)"]
+
+
+def test_a_port_already_taken(serve, tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status, err = serve("--model", tiny_model("llama"), "--device", "cpu", "--port", str(port))
+    assert status == 2 and err == [f"kubesgl serve: --port {port}: port {port} on 127.0.0.1 is already in use "
+                                   "(another server?); choose another port"]
+
+
+def test_a_prefill_engines_bootstrap_port_already_taken(serve, tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status, err = serve("--model", tiny_model("llama"), "--device", "cpu", "--port", "0", "--role", "prefill",
+                            "--disaggregation-bootstrap-port", str(port))
+    assert status == 2 and len(err) == 1 and err[0].startswith("kubesgl serve: --disaggregation-bootstrap-port: ")
+
+
+def test_the_listening_socket_is_bound_before_anything_starts():
+    sock = listen_socket("127.0.0.1", 0)
+    try:
+        with pytest.raises(StartupError, match="already in use"):
+            listen_socket("127.0.0.1", sock.getsockname()[1]).close()
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(("arch", "tp_size", "fits"), [
+    ("llama", 2, True), ("llama", 4, True),  # 4 heads, 2 KV heads: replicated over 4 ranks
+    ("llama", 8, False), ("qwen3-moe", 2, True), ("qwen3-moe", 3, False),
+])
+def test_tensor_parallel_fit(tiny_model, arch, tp_size, fits):
+    config = EngineConfig(model=tiny_model(arch), device="cpu", tp_size=tp_size)
+    if fits:
+        check_engine(config)
+    else:
+        with pytest.raises(StartupError, match=f"--tp-size {tp_size} does not fit this model"):
+            check_engine(config)
