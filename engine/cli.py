@@ -11,9 +11,22 @@ from kubesgl.engine.llm import LLM
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 
 
+# Engine options that offline generation cannot honour, and why: a value other than the default
+# is refused (an option is never ignored); `kubesgl generate --help` leaves them out.
+REFUSED = {
+    "tp_size": "kubesgl generate runs one engine process on one device; "
+               "tensor parallelism is served (kubesgl serve --tp-size N)",
+    "role": "kubesgl generate runs the whole request in one engine; "
+            "prefill and decode engines are served (kubesgl serve --role ...)",
+    "disaggregation_bootstrap_port": "only prefill and decode engines, which are served, have a bootstrap server",
+    "disaggregation_timeout": "only prefill and decode engines, which are served, transfer KV",
+    "default_max_tokens": "kubesgl generate gives every prompt --max-tokens",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubesgl generate", description=__doc__)
-    add_engine_args(parser)
+    add_engine_args(parser, refused=REFUSED)
     sampling = parser.add_argument_group("generation")
     sampling.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     sampling.add_argument("--max-tokens", type=int, default=64, metavar="N",

@@ -19,10 +19,30 @@ def help_text(opt: EngineOption) -> str:
     return f"{opt.help} (default: {opt.default})"
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+class _Refused(argparse.Action):
+    """An engine option the command cannot honour: its default is accepted, any other value is
+    refused with the reason (never ignored). Not shown in --help."""
+
+    def __init__(self, option_strings, dest, reason: str, **kwargs):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values != self.default:
+            raise argparse.ArgumentError(self, f"{values} cannot be honoured here: {self.reason}")
+        setattr(namespace, self.dest, values)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, refused: dict[str, str] | None = None) -> None:
+    """One flag per engine option. `refused`: options (by name) that this command cannot
+    honour, each with the reason a value other than the default is refused."""
+    refused = refused or {}
     group = parser.add_argument_group("engine options")
     for opt in CLI_OPTIONS:
-        if opt.is_switch:
+        if opt.name in refused:
+            group.add_argument(opt.flag, type=opt.type, default=opt.default, metavar=_METAVARS.get(opt.type),
+                               action=_Refused, reason=refused[opt.name])
+        elif opt.is_switch:
             group.add_argument(opt.flag, action="store_true", help=opt.help)
         elif opt.required:
             group.add_argument(opt.flag, type=opt.type, required=True, help=help_text(opt))

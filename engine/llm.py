@@ -10,6 +10,7 @@ from kubesgl.contract import MIXED
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.engine import Engine
 from kubesgl.engine.io import FinishReason, GenerateRequest, TokenLogprob
+from kubesgl.engine.preflight import check_engine
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams, is_utf8
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
 from kubesgl.engine.tokenizer.loader import load_tokenizer
@@ -37,6 +38,10 @@ class LLM:
         if config.role != MIXED:
             raise ValueError(f"role {config.role!r}: offline generation runs the whole request in one engine; "
                              "prefill and decode engines are served (kubesgl serve --role ...)")
+        if config.tp_size != 1:
+            raise ValueError(f"tp_size {config.tp_size}: offline generation runs one engine process on one device; "
+                             "tensor parallelism is served (kubesgl serve --tp-size N)")
+        check_engine(config)  # a mistake in one line (a StartupError) before any weight is read
         self.engine = Engine(config)
         self._tokenizer = None
 

@@ -75,6 +75,11 @@ def test_help_shows_every_flags_help_and_its_default_once(command):
     for action in parser._actions:
         assert action.help, f"{action.option_strings} has no help"
         assert action.help.count("(default:") <= 1, action.help
+    if command == "generate":  # the options generate refuses are left out of its help
+        from kubesgl.engine.cli import REFUSED
+
+        hidden = {a.dest for a in parser._actions if a.help == argparse.SUPPRESS}
+        assert hidden == set(REFUSED)
     for opt in CLI_OPTIONS:
         shown = not (opt.required or opt.is_switch or opt.default is None)
         assert help_text(opt).count(f"(default: {opt.default})") == shown, opt.name

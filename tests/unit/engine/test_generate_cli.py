@@ -1,9 +1,12 @@
 """`kubesgl generate`: prints each prompt's continuation; options this machine or model cannot
-run, and a missing model, end with a one-line error and status 2, not a traceback."""
+run, and a missing model, end with a one-line error and status 2, not a traceback; options the
+command cannot honour (tensor parallelism, a prefill or decode role) are refused, not ignored."""
 
 from __future__ import annotations
 
-from kubesgl.engine.cli import main
+import pytest
+
+from kubesgl.engine.cli import build_parser, main
 
 
 def test_generates_for_each_prompt(tiny_model, capsys):
@@ -26,3 +29,42 @@ def test_a_missing_model_is_a_clear_error(tmp_path, capsys):
     status = main(["--model", str(tmp_path / "nowhere"), "--device", "cpu", "--prompt", "hi"])
     err = capsys.readouterr().err
     assert status == 2 and err.startswith("kubesgl generate: ") and "nowhere" in err
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--tp-size", "64"], "--tp-size"),
+    (["--role", "prefill"], "--role"),
+    (["--tp-size", "64", "--role", "prefill"], "--tp-size"),
+    (["--tp", "2"], "--tp-size"),  # an abbreviation is the same flag
+    (["--disaggregation-timeout", "5"], "--disaggregation-timeout"),
+    (["--disaggregation-bootstrap-port", "9000"], "--disaggregation-bootstrap-port"),
+    (["--default-max-tokens", "8"], "--default-max-tokens"),
+])
+def test_an_option_generate_cannot_honour_is_refused_not_ignored(args, flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "m", "--prompt", "hi", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {flag}: " in err and "cannot be honoured here" in err
+    assert "Traceback" not in err
+
+
+def test_the_default_of_a_refused_option_is_accepted_and_they_are_not_in_help(tiny_model, capsys):
+    status = main(["--model", tiny_model("llama"), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
+                   "--tp-size", "1", "--role", "mixed"])
+    assert status == 0
+    help_ = build_parser().format_help()
+    assert all(flag not in help_ for flag in ("--tp-size", "--role", "--disaggregation-", "--default-max-tokens"))
+
+
+def test_the_offline_llm_refuses_tensor_parallelism(tiny_model):
+    from kubesgl.engine import LLM
+
+    with pytest.raises(ValueError, match="tp_size 2: offline generation runs one engine process"):
+        LLM(tiny_model("llama"), device="cpu", tp_size=2)
+
+
+def test_triton_attention_on_the_cpu_is_a_clear_error(tiny_model, capsys, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    status = main(["--model", tiny_model("llama"), "--device", "cpu", "--attention-backend", "triton", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert status == 2 and err == "kubesgl generate: --attention-backend triton runs on CUDA GPUs; on the CPU use torch (or auto)\n"
