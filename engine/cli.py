@@ -10,7 +10,6 @@ from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.llm import LLM
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 
-
 # Engine options that offline generation cannot honour, and why: a value other than the default
 # is refused (an option is never ignored); `kubesgl generate --help` leaves them out.
 REFUSED = {

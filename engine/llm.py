@@ -13,7 +13,6 @@ from kubesgl.engine.io import FinishReason, GenerateRequest, TokenLogprob
 from kubesgl.engine.preflight import check_engine
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams, is_utf8
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
-from kubesgl.engine.tokenizer.loader import load_tokenizer
 
 _ids = itertools.count()
 
@@ -43,14 +42,12 @@ class LLM:
                              "tensor parallelism is served (kubesgl serve --tp-size N)")
         check_engine(config)  # a mistake in one line (a StartupError) before any weight is read
         self.engine = Engine(config)
-        self._tokenizer = None
 
     @property
     def tokenizer(self):
-        """The model's tokenizer; None for a directory without one (token ids only)."""
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.engine.config.model) or False
-        return self._tokenizer or None
+        """The model's tokenizer, loaded with the engine; None for a directory without one
+        (token ids only)."""
+        return self.engine.scheduler.stop_checker.tokenizer
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

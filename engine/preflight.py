@@ -23,6 +23,10 @@ class StartupError(ValueError):
     """An option this model or machine cannot run; the message is one line."""
 
 
+class ModelStartupError(StartupError, ModelConfigError):
+    """The checkpoint cannot be served (still a ModelConfigError to the offline LLM's callers)."""
+
+
 def check_engine(config: EngineConfig) -> ModelConfig:
     """Raise StartupError for the first option the engine could not start with; return the
     model's config. Reads the model's JSON files only (no weights)."""
@@ -46,7 +50,7 @@ def read_model_config(config: EngineConfig) -> ModelConfig:
     try:
         model_config = load_model_config(path)
     except ModelConfigError as exc:
-        raise StartupError(f"--model {config.model}: {exc}") from None
+        raise ModelStartupError(f"--model {config.model}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise StartupError(f"--model {config.model}: a JSON file of the checkpoint is not valid JSON ({exc})") from None
     except KeyError as exc:

@@ -70,8 +70,11 @@ def run_scheduler(config: EngineConfig, rank: int, endpoints: Endpoints, dist_in
 
 def _warm_up(engine: Engine) -> None:
     """One tiny request through every stage, so the first real request pays no first-use
-    cost; then the cache and counters are cleared so metrics count real traffic only."""
-    engine.add_request(GenerateRequest("warmup", [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True)))
+    cost (a stop string too, where the model has a tokenizer); then the cache and counters are
+    cleared so metrics count real traffic only."""
+    stop = ["\x00"] if engine.scheduler.stop_checker.tokenizer is not None else []
+    engine.add_request(GenerateRequest("warmup", [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True,
+                                                                             stop=stop)))
     while engine.has_work():
         engine.step()
     engine.scheduler.reset()

@@ -102,6 +102,8 @@ class Scheduler:
         if any(not 0 <= t < limits.vocab_size for t in request.input_ids):
             raise InvalidRequestError(f"the prompt has token ids outside the vocabulary (size {limits.vocab_size})", param="prompt")
         request.params.validate(limits.vocab_size)
+        if request.params.stop and self.stop_checker.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: stop strings cannot be matched", param="stop")
         self.role.validate(request)
         if n >= limits.context_length:
             raise InvalidRequestError(

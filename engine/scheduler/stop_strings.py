@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from functools import cached_property
-
 from kubesgl.engine.scheduler.request import Req
+from kubesgl.engine.tokenizer.loader import load_tokenizer
 
 
 class StopStringChecker:
     def __init__(self, model_path: str):
         self.model_path = model_path
-
-    @cached_property
-    def tokenizer(self):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.model_path)
+        # Loaded now, with the engine, not at the first request with a stop string: that load held
+        # every running request (1.3 s; 3.2 s at TP 2). None for a model without a tokenizer, whose
+        # requests cannot have stop strings (Scheduler.validate).
+        self.tokenizer = load_tokenizer(model_path, warn=False)
 
     def match(self, req: Req) -> str | None:
         """The stop string that the newest token completed, if any."""

@@ -7,13 +7,15 @@ import logging
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(model_path: str):
+def load_tokenizer(model_path: str, warn: bool = True):
     """The checkpoint's tokenizer, or None for a directory without one (a config-only model
-    run with --load-format dummy): such an engine takes token ids and returns token ids."""
+    run with --load-format dummy): such an engine takes token ids and returns token ids.
+    `warn=False`: no warning for its absence (another process of the engine gives it)."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:
-        logger.warning("no tokenizer in %s (%s): only token-id prompts will be served", model_path, exc)
+        if warn:
+            logger.warning("no tokenizer in %s (%s): only token-id prompts will be served", model_path, exc)
         return None
