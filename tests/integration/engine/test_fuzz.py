@@ -105,7 +105,7 @@ def test_schemathesis_finds_no_server_error(fuzzed_server, mode):
             response = case.call(base_url=fuzzed_server.base_url, headers=HEADERS, timeout=120)
             statuses[response.status_code // 100] += 1
             if response.status_code >= 500:
-                server_errors.append(f"{operation.label} {case.body!r:.300} -> {response.status_code} {response.text:.300}")
+                server_errors.append(f"{case.operation.label} {case.body!r:.300} -> {response.status_code} {response.text:.300}")
 
         call()
     assert server_errors == []
