@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 import aiohttp
 
@@ -28,15 +28,23 @@ from kubesgl.router.metrics import RouterMetrics
 from kubesgl.router.policies import make_policy
 from kubesgl.router.request_parsing import GENERATION_PATHS, parse_generation_request
 from kubesgl.router.routing import Forwarder, Policies
+from kubesgl.router.security import (
+    ADMIN_KEY_ENV,
+    BearerKey,
+    Resolve,
+    literal_address,
+    resolve_host,
+    resolved_problem,
+)
 from kubesgl.router.upstream import (
     BufferedReply,
     Reply,
     UpstreamClient,
     UpstreamError,
-    end_to_end_headers,
+    forwarded_headers,
     make_session,
 )
-from kubesgl.router.workers import Role, WorkerRegistry
+from kubesgl.router.workers import Role, WorkerRegistry, validate_worker_url
 
 log = logging.getLogger("kubesgl.router")
 
@@ -46,6 +54,10 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 Handler = Callable[[Scope, bytes], Awaitable[Reply]]
 
 _JSON = [(b"content-type", b"application/json")]
+ADMIN_PATH = "/workers"
+# The engine's routes that check its API key: with one set, the router checks it in their place.
+CLIENT_PATHS = frozenset({*GENERATION_PATHS, "/v1/models"})
+_BEARER_CHALLENGE = [(b"www-authenticate", b"Bearer")]
 
 
 def json_reply(status: int, payload: object) -> BufferedReply:
@@ -78,12 +90,18 @@ class RouterApp:
         self._forwarder: Forwarder | None = None
         self._health: HealthChecker | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._admin_key = BearerKey(config.admin_api_key) if config.admin_api_key is not None else None
+        self._client_key = BearerKey(config.api_key) if config.api_key is not None else None
+        # What engines get in place of the client's credentials.
+        self._credentials = [self._client_key.header] if self._client_key is not None else []
+        # How the admin API looks up a worker's host name; tests replace it.
+        self.resolve: Resolve = resolve_host
         self._routes: dict[str, dict[str, Handler]] = {
             **{path: {"POST": self._generate} for path in GENERATION_PATHS},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health_status},
             "/metrics": {"GET": self._metrics},
-            "/workers": {"GET": self._list_workers, "POST": self._add_worker, "DELETE": self._remove_worker},
+            ADMIN_PATH: {"GET": self._list_workers, "POST": self._add_worker, "DELETE": self._remove_worker},
         }
 
     @property
@@ -101,7 +119,8 @@ class RouterApp:
         policies = Policies(policy(c.policy), policy(c.prefill_policy), policy(c.decode_policy))
         upstream = UpstreamClient(self._session, self.metrics, on_worker_lost=self.workers.mark_lost)
         self._forwarder = Forwarder(self.workers, policies, upstream, self.metrics, c.retry, c.disaggregation)
-        self._health = HealthChecker(self.workers, self._session, c.health)
+        probe_headers = {k.decode(): v.decode() for k, v in self._credentials}
+        self._health = HealthChecker(self.workers, self._session, c.health, probe_headers)
         for url in c.workers:
             self.workers.add(url, Role.MIXED)
         for url, port in c.prefill:
@@ -158,6 +177,11 @@ class RouterApp:
             error = RouterError(405, f"{scope['path']} accepts {allowed}", "invalid_request_error")
             await self._send(send, _error_reply(error))
             return
+        try:
+            self._authorize(scope)  # before the body is read: strangers' bodies are not buffered
+        except RouterError as error:
+            await self._send(send, _error_reply(error))
+            return
         started = time.perf_counter()
         try:
             body = await _read_body(receive, self.config.max_request_bytes)
@@ -204,12 +228,44 @@ class RouterApp:
 
     # -- handlers ----------------------------------------------------------------------------
 
+    def _authorize(self, scope: Scope) -> None:
+        """The client's key on the engine's protected routes (when the router has the engines'
+        key), the admin key on the admin API."""
+        path = scope["path"]
+        if path == ADMIN_PATH:
+            self._check_admin(scope)
+        elif path in CLIENT_PATHS and self._client_key is not None and not self._client_key.admits(scope["headers"]):
+            raise RouterError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key",
+                              headers=list(_BEARER_CHALLENGE))
+
+    def _check_admin(self, scope: Scope) -> None:
+        """With an admin key, every /workers call needs it. Without one, the pool cannot be
+        changed at all (403), and GET /workers stays open: it shows the URLs, health and load
+        that the open /metrics shows already, plus role, bootstrap port and circuit state."""
+        if self._admin_key is None:
+            if scope["method"] == "GET":
+                return
+            raise RouterError(
+                403,
+                f"the admin API is off: this router was started without an admin key. Start it with the "
+                f"environment variable {ADMIN_KEY_ENV} set to a secret key (on Kubernetes: the InferenceService's "
+                f"spec.router.adminKeySecret), "
+                f"then send `Authorization: Bearer <key>`",
+                "permission_error",
+            )
+        if not self._admin_key.admits(scope["headers"]):
+            raise RouterError(401, "admin endpoints need `Authorization: Bearer <admin key>`", "authentication_error",
+                              headers=list(_BEARER_CHALLENGE))
+
+    def _upstream_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        return forwarded_headers(scope["headers"], self._credentials)
+
     async def _generate(self, scope: Scope, body: bytes) -> Reply:
         request = parse_generation_request(scope["path"], body)
-        return await self.forwarder.generate(request, end_to_end_headers(scope["headers"]))
+        return await self.forwarder.generate(request, self._upstream_headers(scope))
 
     async def _models(self, scope: Scope, body: bytes) -> Reply:
-        return await self.forwarder.models(end_to_end_headers(scope["headers"]))
+        return await self.forwarder.models(self._upstream_headers(scope))
 
     def can_serve(self) -> bool:
         if self.workers.is_disaggregated():
@@ -224,20 +280,10 @@ class RouterApp:
     async def _metrics(self, scope: Scope, body: bytes) -> Reply:
         return BufferedReply(200, [(b"content-type", METRICS_CONTENT_TYPE.encode())], self.metrics.render())
 
-    def _check_admin(self, scope: Scope) -> None:
-        key = self.config.admin_api_key
-        if key is None:
-            return
-        headers = dict(scope["headers"])
-        if headers.get(b"authorization", b"").decode(errors="replace") != f"Bearer {key}":
-            raise RouterError(401, "admin endpoints need `Authorization: Bearer <admin key>`", "authentication_error")
-
     async def _list_workers(self, scope: Scope, body: bytes) -> Reply:
-        self._check_admin(scope)
         return json_reply(200, {"workers": [w.describe() for w in self.workers.all()]})
 
     async def _add_worker(self, scope: Scope, body: bytes) -> Reply:
-        self._check_admin(scope)
         try:
             spec = json.loads(body)
         except ValueError:
@@ -252,13 +298,32 @@ class RouterApp:
         if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
             raise bad_request("`bootstrap_port` must be a port number", "bootstrap_port")
         try:
-            worker = self.workers.add(spec["url"], role, port, source="admin")
+            url = validate_worker_url(spec["url"])
         except ValueError as exc:
             raise bad_request(str(exc), "url") from None
+        await self._check_resolved(url)
+        worker = self.workers.add(url, role, port, source="admin")
         return json_reply(200, {"worker": worker.describe()})
 
+    async def _check_resolved(self, url: str) -> None:
+        """A host name must resolve, and to no link-local or metadata address (the connection
+        pool checks again at every connection: a name may change its answer)."""
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        if literal_address(host) is not None:
+            return  # an address, checked as written
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                addresses = await self.resolve(host, port)
+        except (OSError, TimeoutError) as exc:
+            raise bad_request(f"the worker's host {host} does not resolve ({str(exc) or type(exc).__name__}); "
+                              "add it once it does", "url") from None
+        problem = resolved_problem(host, addresses)
+        if problem is not None:
+            raise bad_request(f"worker URL {url!r}: {problem}; the router never sends requests there", "url")
+
     async def _remove_worker(self, scope: Scope, body: bytes) -> Reply:
-        self._check_admin(scope)
         urls = parse_qs(scope.get("query_string", b"").decode()).get("url", [])
         if len(urls) != 1:
             raise bad_request("name the worker to remove: DELETE /workers?url=URL", "url")
@@ -272,7 +337,8 @@ class RouterApp:
 
 
 def _error_reply(error: RouterError | UpstreamError) -> BufferedReply:
-    return BufferedReply(error.status, list(_JSON), error.body())
+    extra = error.headers if isinstance(error, RouterError) else []
+    return BufferedReply(error.status, list(_JSON) + extra, error.body())
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

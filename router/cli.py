@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from collections.abc import Mapping
 
 from kubesgl import contract
+from kubesgl.cli_help import DefaultsOnce
 from kubesgl.router.config import KubeDiscoverySettings, RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import parse_selector
 from kubesgl.router.health import HealthSettings
 from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings
 from kubesgl.router.routing import DisaggregationSettings, RetrySettings
+from kubesgl.router.security import ADMIN_KEY_ENV, API_KEY_ENV, check_key
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 # On SIGTERM, streams still running get this long to finish (Kubernetes' default grace is 30 s).
@@ -22,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kubesgl router",
         description="Cache-aware router and prefill/decode orchestrator in front of kubesgl engines.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"Keys come from the environment: {ADMIN_KEY_ENV} opens POST/DELETE /workers (without it they "
+               f"answer 403); {API_KEY_ENV}, the engines' API key, is what clients must send and what the router "
+               "sends engines in place of the client's credentials.",
+        formatter_class=DefaultsOnce,
     )
     w = p.add_argument_group("workers (fixed URLs, or Kubernetes discovery, or both)")
     w.add_argument("--worker", action="extend", nargs="+", default=[], metavar="URL",
@@ -31,32 +38,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"a prefill engine and its bootstrap port (default {contract.BOOTSTRAP_PORT})")
     w.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
                    help="a decode engine")
-    w.add_argument("--kube-namespace", default=None,
+    w.add_argument("--kube-namespace", default=None, metavar="NS",
                    help="namespace of the engine pods (default: the router pod's own, else `default`)")
     w.add_argument("--kube-selector", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="label selector of engine pods; turns Kubernetes discovery on")
-    w.add_argument("--kube-worker-port", type=int, default=contract.ENGINE_PORT,
+    w.add_argument("--kube-worker-port", type=int, default=contract.ENGINE_PORT, metavar="PORT",
                    help="engine port in pods that name no container port `http`")
 
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=contract.ROUTER_PORT)
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.add_argument("--admin-api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /workers (default: open)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface, as in a pod)")
+    s.add_argument("--port", type=int, default=contract.ROUTER_PORT, help="port of the OpenAI-compatible API")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
+    s.add_argument("--admin-api-key", default=None, metavar="KEY",
+                   help=f"the admin key, as SGLang's router takes it; prefer ${ADMIN_KEY_ENV} (a key on the "
+                        "command line shows in `ps`). Without a key, POST/DELETE /workers answer 403")
 
     r = p.add_argument_group("routing")
     cache = CacheAwareSettings()
-    r.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES)
+    r.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES,
+                   help="how a worker is picked for a request (docs/router.md, Policies)")
     r.add_argument("--prefill-policy", default=None, choices=POLICY_NAMES, help="default: --policy")
     r.add_argument("--decode-policy", default=None, choices=POLICY_NAMES, help="default: --policy")
-    r.add_argument("--cache-threshold", type=float, default=cache.cache_threshold,
+    r.add_argument("--cache-threshold", type=float, default=cache.cache_threshold, metavar="X",
                    help="cache_aware: least matched share of a request to follow its cache")
-    r.add_argument("--balance-abs-threshold", type=int, default=cache.balance_abs_threshold,
+    r.add_argument("--balance-abs-threshold", type=int, default=cache.balance_abs_threshold, metavar="N",
                    help="cache_aware: in-flight gap (max - min) beyond which loads are balanced")
-    r.add_argument("--balance-rel-threshold", type=float, default=cache.balance_rel_threshold,
+    r.add_argument("--balance-rel-threshold", type=float, default=cache.balance_rel_threshold, metavar="X",
                    help="cache_aware: in-flight ratio (max / min) beyond which loads are balanced")
-    r.add_argument("--max-tree-chars", type=int, default=cache.max_tree_chars,
+    r.add_argument("--max-tree-chars", type=int, default=cache.max_tree_chars, metavar="N",
                    help="cache_aware: characters remembered per worker (LRU eviction beyond)")
 
     d = p.add_argument_group("prefill/decode: when a decode worker prefills a request itself")
@@ -70,21 +80,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     h = p.add_argument_group("health, circuit breaker, retries, timeouts")
     health, retry = HealthSettings(), RetrySettings()
-    h.add_argument("--health-check-interval", type=float, default=health.interval_s, metavar="S")
-    h.add_argument("--health-check-timeout", type=float, default=health.timeout_s, metavar="S")
-    h.add_argument("--health-failure-threshold", type=int, default=health.failure_threshold)
-    h.add_argument("--health-success-threshold", type=int, default=health.success_threshold)
-    h.add_argument("--breaker-failure-threshold", type=int, default=5,
+    h.add_argument("--health-check-interval", type=float, default=health.interval_s, metavar="S",
+                   help="seconds between two health checks of a worker")
+    h.add_argument("--health-check-timeout", type=float, default=health.timeout_s, metavar="S",
+                   help="seconds a health check may take before it counts as failed")
+    h.add_argument("--health-failure-threshold", type=int, default=health.failure_threshold, metavar="N",
+                   help="consecutive failed checks before a worker leaves the pool")
+    h.add_argument("--health-success-threshold", type=int, default=health.success_threshold, metavar="N",
+                   help="consecutive passed checks before it comes back")
+    h.add_argument("--breaker-failure-threshold", type=int, default=5, metavar="N",
                    help="consecutive failed requests that open a worker's circuit")
     h.add_argument("--breaker-cooldown", type=float, default=10.0, metavar="S",
                    help="seconds an open circuit keeps a worker out")
-    h.add_argument("--max-retries", type=int, default=retry.max_retries)
-    h.add_argument("--retry-initial-backoff", type=float, default=retry.initial_backoff_s, metavar="S")
-    h.add_argument("--retry-max-backoff", type=float, default=retry.max_backoff_s, metavar="S")
-    h.add_argument("--connect-timeout", type=float, default=5.0, metavar="S")
+    h.add_argument("--max-retries", type=int, default=retry.max_retries, metavar="N",
+                   help="times a request that failed before its first byte is sent again, to another worker "
+                        "where there is one")
+    h.add_argument("--retry-initial-backoff", type=float, default=retry.initial_backoff_s, metavar="S",
+                   help="seconds before the first retry; each next one waits twice as long")
+    h.add_argument("--retry-max-backoff", type=float, default=retry.max_backoff_s, metavar="S",
+                   help="longest wait before a retry")
+    h.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds to open a connection to a worker")
     h.add_argument("--request-timeout", type=float, default=1800.0, metavar="S",
                    help="longest wait for the next byte of a worker's answer")
-    h.add_argument("--max-connections", type=int, default=4096, help="to all workers together")
+    h.add_argument("--max-connections", type=int, default=4096, metavar="N",
+                   help="open connections to all workers together")
     return p
 
 
@@ -96,7 +116,19 @@ def _default_namespace() -> str:
         return "default"
 
 
-def config_from_args(args: argparse.Namespace) -> RouterConfig:
+def _keys(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(admin key, engines' key) from the environment, or the admin key from its flag. A
+    variable that is set must hold a key: an empty one is an error, as in the engine."""
+    admin = environ.get(ADMIN_KEY_ENV)
+    if admin is not None and args.admin_api_key is not None:
+        raise ValueError(f"the admin key is given twice: set {ADMIN_KEY_ENV} or pass --admin-api-key, not both")
+    if admin is None and args.admin_api_key is not None:
+        admin = check_key("--admin-api-key", args.admin_api_key)
+    return admin, environ.get(API_KEY_ENV)  # RouterConfig checks them
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterConfig:
+    admin_api_key, api_key = _keys(args, os.environ if environ is None else environ)
     kube = None
     if args.kube_selector or args.kube_namespace:
         kube = KubeDiscoverySettings(
@@ -125,7 +157,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout,
         max_connections=args.max_connections,
-        admin_api_key=args.admin_api_key,
+        admin_api_key=admin_api_key,
+        api_key=api_key,
         kube=kube,
     )
 
@@ -137,8 +170,13 @@ def main(argv: list[str]) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.admin_api_key is not None:
+        print(f"kubesgl router: --admin-api-key shows the admin key to anyone who can list processes; "
+              f"set {ADMIN_KEY_ENV} instead", file=sys.stderr)
     if not (config.workers or config.prefill or config.kube):
-        print("kubesgl router: no workers yet; add them with POST /workers", file=sys.stderr)
+        how = ("add them with POST /workers" if config.admin_api_key is not None
+               else f"set {ADMIN_KEY_ENV} to add them with POST /workers")
+        print(f"kubesgl router: no workers yet; {how}", file=sys.stderr)
 
     import uvicorn  # imported late: `--help` stays fast
 

@@ -8,17 +8,24 @@ from kubesgl import contract
 from kubesgl.router.health import HealthSettings
 from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings
 from kubesgl.router.routing import DisaggregationSettings, RetrySettings
-from kubesgl.router.workers import normalize_url
+from kubesgl.router.security import ADMIN_KEY_ENV, API_KEY_ENV, check_key
+from kubesgl.router.workers import validate_worker_url
 
 
 def parse_prefill_spec(spec: str) -> tuple[str, int | None]:
-    """`URL[@BOOTSTRAP_PORT]` -> (URL, port or None for the default)."""
+    """`URL[@BOOTSTRAP_PORT]` -> (URL, port or None for the default). Errors never repeat the
+    value: what precedes an `@` may be a password."""
     url, sep, port = spec.rpartition("@")
     if not sep:
-        return normalize_url(spec), None
+        return validate_worker_url(spec), None
+    if not port.isdigit():  # no port: the `@` belongs to the URL, which says why it is refused
+        try:
+            validate_worker_url(spec)
+        except ValueError as exc:
+            raise ValueError(f"bad --prefill URL[@BOOTSTRAP_PORT]: {exc}") from None
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bad bootstrap port in {spec!r}: expected URL@PORT")
-    return normalize_url(url), int(port)
+        raise ValueError(f"bad --prefill URL@BOOTSTRAP_PORT: the bootstrap port {port!r} is no port number")
+    return validate_worker_url(url), int(port)
 
 
 @dataclass(frozen=True)
@@ -46,7 +53,11 @@ class RouterConfig:
     request_timeout_s: float = 1800.0  # longest wait for the next byte of an answer
     max_connections: int = 4096
     max_request_bytes: int = 64 * 1024 * 1024
+    # Opens the admin endpoints that change the pool (POST/DELETE /workers); None: they answer 403.
     admin_api_key: str | None = None
+    # The engines' API key: clients must present it, and the router presents it to engines in
+    # place of the client's credentials. None: no check, and engines get no Authorization.
+    api_key: str | None = None
     kube: KubeDiscoverySettings | None = None
 
     def __post_init__(self) -> None:
@@ -59,5 +70,11 @@ class RouterConfig:
             raise ValueError("P/D mode needs at least one --prefill and one --decode worker")
         if self.breaker_failure_threshold < 1 or self.breaker_cooldown_s < 0:
             raise ValueError("breaker: failure threshold >= 1 and cooldown >= 0")
+        for urls in (self.workers, self.decode, [url for url, _ in self.prefill]):
+            for url in urls:
+                validate_worker_url(url)
+        for name, key in ((ADMIN_KEY_ENV, self.admin_api_key), (API_KEY_ENV, self.api_key)):
+            if key is not None:
+                check_key(name, key)
         if self.connect_timeout_s <= 0 or self.request_timeout_s <= 0 or self.max_connections < 1:
             raise ValueError("timeouts and the connection limit must be positive")

@@ -221,5 +221,9 @@ class PodWatcher:
             self.workers.remove(current.url)
             del self._pods[name]
         if wanted is not None:
-            self.workers.add(wanted.url, wanted.role, wanted.bootstrap_port, source="kubernetes")
+            try:
+                self.workers.add(wanted.url, wanted.role, wanted.bootstrap_port, source="kubernetes")
+            except ValueError as exc:  # a link-local pod IP: this pod stays out, the others come in
+                log.warning("pod %s is not a worker: %s", name, exc)
+                return
             self._pods[name] = wanted

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
-def error_body(message: str, status: int, *, error_type: str, param: str | None = None) -> bytes:
-    """The OpenAI error shape shared with the engines: {"error": {message, type, param, code}}."""
+def error_body(
+    message: str, status: int, *, error_type: str, param: str | None = None, code: str | int | None = None
+) -> bytes:
+    """The OpenAI error shape shared with the engines: {"error": {message, type, param, code}};
+    `code` is the status unless another is given (OpenAI's `invalid_api_key`)."""
     return json.dumps(
-        {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+        {"error": {"message": message, "type": error_type, "param": param, "code": status if code is None else code}}
     ).encode()
 
 
@@ -26,12 +29,14 @@ class RouterError(Exception):
     message: str
     error_type: str = "invalid_request_error"
     param: str | None = None
+    code: str | None = None  # None: the status
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # beside content-type
 
     def __str__(self) -> str:
         return self.message
 
     def body(self) -> bytes:
-        return error_body(self.message, self.status, error_type=self.error_type, param=self.param)
+        return error_body(self.message, self.status, error_type=self.error_type, param=self.param, code=self.code)
 
 
 def bad_request(message: str, param: str | None = None) -> RouterError:

@@ -30,11 +30,18 @@ class HealthSettings:
 
 class HealthChecker:
     def __init__(
-        self, workers: WorkerRegistry, session: aiohttp.ClientSession, settings: HealthSettings
+        self,
+        workers: WorkerRegistry,
+        session: aiohttp.ClientSession,
+        settings: HealthSettings,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.workers = workers
         self.session = session
         self.settings = settings
+        # The router's key: engines answer /health without one today, but a probe must not fail
+        # (and take every worker out) the day they ask for it. It goes only where requests go.
+        self.headers = headers or {}
         self._probes: set[asyncio.Task[None]] = set()
         # A new worker is probed at once instead of waiting up to a full interval.
         workers.on_added(self.probe_soon)
@@ -55,7 +62,9 @@ class HealthChecker:
     async def check(self, worker: Worker) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
         try:
-            async with self.session.get(worker.url + self.settings.path, timeout=timeout) as response:
+            async with self.session.get(
+                worker.url + self.settings.path, timeout=timeout, headers=self.headers
+            ) as response:
                 await response.read()
                 passed = response.status == 200
         except (TimeoutError, aiohttp.ClientError) as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -16,7 +17,10 @@ import aiohttp
 
 from kubesgl.router.errors import error_body, sse_error_event
 from kubesgl.router.metrics import RouterMetrics
+from kubesgl.router.security import API_KEY_ENV, GuardedResolver
 from kubesgl.router.workers import Worker
+
+log = logging.getLogger("kubesgl.router")
 
 # Statuses that say the worker refused the request before working on it (overloaded, still
 # loading, draining): another worker may take it. Any other failure of a request that reached
@@ -32,6 +36,10 @@ _HOP_BY_HOP = frozenset(
     }
 )  # fmt: skip
 
+# The client's credentials: the router checks them (docs/router.md, Security) and engines never
+# see them; they get the router's own key instead.
+_CLIENT_CREDENTIALS = frozenset({b"authorization", b"cookie"})
+
 Headers = list[tuple[bytes, bytes]]
 # Failures of a worker connection: refused, reset, cut mid-body, too slow to answer.
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
@@ -44,14 +52,21 @@ def end_to_end_headers(headers: Headers) -> Headers:
     return [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP]
 
 
+def forwarded_headers(headers: Headers, credentials: Headers) -> Headers:
+    """The client's end-to-end headers for an engine: its credentials replaced by the router's."""
+    kept = [(k, v) for k, v in end_to_end_headers(headers) if k.lower() not in _CLIENT_CREDENTIALS]
+    return kept + credentials
+
+
 def _as_text(headers: Headers) -> list[tuple[str, str]]:
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
 
 
 def make_session(max_connections: int, connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
-    """The pooled client for all worker traffic: keep-alive connections, bytes passed as they are."""
+    """The pooled client for all worker traffic: keep-alive connections, bytes passed as they are,
+    never to a link-local or metadata address, whatever a worker's name resolves to."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0),
+        connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, resolver=GuardedResolver()),
         timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s),
         auto_decompress=False,  # compressed answers go to the client compressed, as sent
         skip_auto_headers=("Accept-Encoding", "User-Agent"),  # only what the client itself sent
@@ -91,6 +106,11 @@ class UpstreamError(Exception):
             message = str(json.loads(body)["error"]["message"])
         except (ValueError, KeyError, TypeError):
             message = body.decode(errors="replace").strip()[:500] or f"HTTP {status}"
+        if status == 401:  # clients' credentials never reach engines: the router's own were refused
+            message = (f"{worker.role.value} worker {worker.url} refused the router's credentials ({message}): "
+                       f"start the router with {API_KEY_ENV} set to the engines' API key")
+            log.error("%s", message)
+            return cls(worker, 502, message, retryable=False)
         if status < 500:
             return cls(worker, status, message, retryable=status in RETRYABLE_STATUSES, body=body)
         message = f"{worker.role.value} worker {worker.url} answered {status}: {message}"

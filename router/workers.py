@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from kubesgl import contract
 from kubesgl.router.breaker import CircuitBreaker
+from kubesgl.router.security import host_problem
 
 log = logging.getLogger("kubesgl.router")
 
@@ -28,12 +29,27 @@ def normalize_url(url: str) -> str:
     if "://" not in url:
         url = "http://" + url
     parts = urlsplit(url)
+    if "@" in parts.netloc:  # before anything that names the URL: its password stays out of errors and logs
+        redacted = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+        raise ValueError(f"a worker URL carries no user name or password: {redacted!r} (the router sends "
+                         "engines its own key, from KUBESGL_API_KEY)")
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not a worker URL: {url!r} (expected http://HOST:PORT)")
+        raise ValueError(f"not a worker URL: {url!r} (expected http://HOST:PORT or https://HOST:PORT)")
     if parts.path or parts.query or parts.fragment:
         raise ValueError(f"a worker URL has no path or query: {url!r}")
     if parts.port == 0:  # reading .port also raises ValueError for a malformed port
         raise ValueError(f"a worker URL needs a real port: {url!r}")
+    return url
+
+
+def validate_worker_url(url: str) -> str:
+    """normalize_url, and a host that is no link-local or cloud metadata address (as written:
+    the admin API also checks what a name resolves to, the connection pool every connection)."""
+    url = normalize_url(url)
+    host = urlsplit(url).hostname or ""
+    problem = host_problem(host)
+    if problem is not None:
+        raise ValueError(f"worker URL {url!r}: {host} is {problem}; the router never sends requests there")
     return url
 
 
@@ -88,8 +104,9 @@ class WorkerRegistry:
     def add(
         self, url: str, role: Role, bootstrap_port: int | None = None, source: str = "static"
     ) -> Worker:
-        """Adds a worker, or replaces one with the same URL whose role or port changed."""
-        url = normalize_url(url)
+        """Adds a worker, or replaces one with the same URL whose role or port changed; ValueError
+        for a URL the router refuses (validate_worker_url)."""
+        url = validate_worker_url(url)
         if role is Role.PREFILL and bootstrap_port is None:
             bootstrap_port = contract.BOOTSTRAP_PORT  # the engine's default
         if role is not Role.PREFILL:

@@ -58,6 +58,7 @@ class FakeEngine:
         kv: KVTransferTable | None = None,
         bootstrap_port: int = 8998,
         prefix_cache_chars: int = 0,
+        api_key: str | None = None,
     ) -> None:
         self.name = name
         self.role = role
@@ -71,6 +72,10 @@ class FakeEngine:
         self.hold: asyncio.Event | None = None
         self.hold_after_chunks = 1
         self.requests: list[dict[str, Any]] = []
+        # As `kubesgl serve --api-key`: generation and /v1/models need `Authorization: Bearer KEY`.
+        self.api_key = api_key
+        self.probe_headers: list[dict[str, str]] = []  # of every /health request
+        self.models_headers: list[dict[str, str]] = []  # of every /v1/models request
         self.stream_started = asyncio.Event()
         self.client_gone = asyncio.Event()  # a client hung up mid-answer
         self._received = asyncio.Event()
@@ -124,7 +129,13 @@ class FakeEngine:
 
     # -- handlers ----------------------------------------------------------------------------
 
+    def _unauthorized(self, request: web.Request) -> web.Response | None:
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return _error(401, "missing or wrong API key")
+        return None
+
     async def _health(self, request: web.Request) -> web.Response:
+        self.probe_headers.append(dict(request.headers))
         return web.json_response({"status": "ok"}) if self.healthy else _error(503, "not ready")
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -135,12 +146,19 @@ class FakeEngine:
         return web.Response(text=text, content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
+        self.models_headers.append(dict(request.headers))
+        unauthorized = self._unauthorized(request)
+        if unauthorized is not None:
+            return unauthorized
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append({"path": request.path, "body": body, "headers": dict(request.headers)})
         self._received.set()
+        unauthorized = self._unauthorized(request)
+        if unauthorized is not None:
+            return unauthorized
         if self.fail_status is not None:
             return _error(self.fail_status, f"{self.name} fails on purpose")
         if self.prefix_cache_chars:

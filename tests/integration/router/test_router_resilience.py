@@ -17,7 +17,7 @@ def served_by(response) -> str:
 async def test_worker_killed_mid_run(engines, start_router, client):
     a, b, c = await engines("a"), await engines("b", tokens=3), await engines("c")
     b.hold = asyncio.Event()
-    async with start_router(workers=[b.url], policy="round_robin") as router:
+    async with start_router(workers=[b.url], policy="round_robin", admin_api_key="k") as router:
         await router.ready()
         # A stream that b has started, and a plain request b is still working on.
         stream_cm = client.stream("POST", router.url + "/v1/completions", json={"prompt": "s", "stream": True})
@@ -27,7 +27,8 @@ async def test_worker_killed_mid_run(engines, start_router, client):
         pending = asyncio.ensure_future(client.post(router.url + "/v1/completions", json={"prompt": "n"}))
         await b.wait_for_requests(2)
         for other in (a, c):
-            added = await client.post(router.url + "/workers", json={"url": other.url})
+            added = await client.post(router.url + "/workers", json={"url": other.url},
+                                      headers={"Authorization": "Bearer k"})
             assert added.status_code == 200
         await router.all_healthy()
 
