@@ -8,6 +8,7 @@ import sys
 
 import kopf
 
+from kubesgl.cli_help import DefaultsOnce
 from kubesgl.operator.handlers import build_registry
 from kubesgl.operator.kube import NoCluster, check_reachable, load_credentials
 
@@ -17,6 +18,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="kubesgl operator",
         description="Reconcile InferenceService objects into engine, router and autoscaler"
         " objects.",
+        formatter_class=DefaultsOnce,
     )
     parser.add_argument(
         "--namespace", "-n", action="append", default=[], metavar="NS",
@@ -24,11 +26,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         " default: all namespaces",
     )
     parser.add_argument(
-        "--liveness-port", type=int, default=8080,
+        "--liveness-port", type=int, default=8080, metavar="PORT",
         help="port of the /healthz endpoint for the pod's liveness probe (0 disables it)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level"
     )
     return parser.parse_args(argv)
 

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("routing")
     cache = CacheAwareSettings()
     r.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES,
-                   help="how a worker is picked for a request (docs/router.md, Policies)")
+                   help="how a worker is picked for a request (docs/router.md, Routing policies)")
     r.add_argument("--prefill-policy", default=None, choices=POLICY_NAMES, help="default: --policy")
     r.add_argument("--decode-policy", default=None, choices=POLICY_NAMES, help="default: --policy")
     r.add_argument("--cache-threshold", type=float, default=cache.cache_threshold, metavar="X",
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--breaker-cooldown", type=float, default=10.0, metavar="S",
                    help="seconds an open circuit keeps a worker out")
     h.add_argument("--max-retries", type=int, default=retry.max_retries, metavar="N",
-                   help="times a request that failed before its first byte is sent again, to another worker "
+                   help="times a request a worker failed before answering is sent again, to another worker "
                         "where there is one")
     h.add_argument("--retry-initial-backoff", type=float, default=retry.initial_backoff_s, metavar="S",
                    help="seconds before the first retry; each next one waits twice as long")

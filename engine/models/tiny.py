@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kubesgl.cli_help import DefaultsOnce
 from kubesgl.contract import TINY_ARCHS, TinyArch
 from kubesgl.engine.models.config import parse_model_config
 from kubesgl.engine.models.weights import synthetic_checkpoint
@@ -102,11 +103,11 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, head_dim: int
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kubesgl make-tiny-model", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kubesgl make-tiny-model", description=__doc__, formatter_class=DefaultsOnce)
     parser.add_argument("dir", help="output directory")
-    parser.add_argument("--arch", required=True, choices=TINY_ARCHS)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--head-dim", type=int, default=16,
+    parser.add_argument("--arch", required=True, choices=TINY_ARCHS, help="the architecture of config.json")
+    parser.add_argument("--seed", type=int, default=0, metavar="N", help="seeds the random weights")
+    parser.add_argument("--head-dim", type=int, default=16, metavar="N",
                         help="per-head width (FlashInfer's kernels need 64, 128 or 256)")
     args = parser.parse_args(argv)
     path = make_tiny_model(args.dir, args.arch, args.seed, args.head_dim)

@@ -22,6 +22,7 @@ from kubesgl.bench.datasets import (
     shared_prefix_requests,
     sharegpt_like_requests,
 )
+from kubesgl.cli_help import DefaultsOnce
 
 
 @dataclass
@@ -148,27 +149,38 @@ def build_requests(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kubesgl bench serving", description=__doc__)
-    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000")
+    parser = argparse.ArgumentParser(prog="kubesgl bench serving", description=__doc__, formatter_class=DefaultsOnce)
+    parser.add_argument("--base-url", required=True, metavar="URL",
+                        help="the server (an engine or the router), e.g. http://127.0.0.1:30000")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--dataset", choices=["random", "shared-prefix", "sharegpt"], default="random")
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=1.0,
+    parser.add_argument("--api-key", default=None, metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument("--dataset", choices=["random", "shared-prefix", "sharegpt"], default="random",
+                        help="random lengths; a few long system prompts shared by many questions; or "
+                             "conversation-like lengths (kubesgl/bench/datasets.py)")
+    parser.add_argument("--num-prompts", type=int, default=100, metavar="N", help="requests sent")
+    parser.add_argument("--random-input-len", type=int, default=1024, metavar="N",
+                        help="random: prompt tokens (the most, with --random-range-ratio)")
+    parser.add_argument("--random-output-len", type=int, default=128, metavar="N",
+                        help="random and shared-prefix: output tokens (the most, with --random-range-ratio)")
+    parser.add_argument("--random-range-ratio", type=float, default=1.0, metavar="X",
                         help="lengths are drawn in [ratio * len, len]; 1.0 makes them fixed")
-    parser.add_argument("--prefix-groups", type=int, default=8)
-    parser.add_argument("--system-prompt-len", type=int, default=1024)
-    parser.add_argument("--question-len", type=int, default=64)
-    parser.add_argument("--max-context-len", type=int, default=4096, help="sharegpt: longest prompt + output")
-    parser.add_argument("--vocab-size", type=int, default=32000, help="prompt token ids are drawn below this")
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix-groups", type=int, default=8, metavar="N",
+                        help="shared-prefix: system prompts the requests share")
+    parser.add_argument("--system-prompt-len", type=int, default=1024, metavar="N",
+                        help="shared-prefix: tokens of each system prompt")
+    parser.add_argument("--question-len", type=int, default=64, metavar="N",
+                        help="shared-prefix: tokens of each question after its system prompt")
+    parser.add_argument("--max-context-len", type=int, default=4096, metavar="N",
+                        help="sharegpt: longest prompt + output")
+    parser.add_argument("--vocab-size", type=int, default=32000, metavar="N", help="prompt token ids are drawn below this")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), metavar="X",
+                        help="requests/s (Poisson); inf = all at once")
+    parser.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                        help="requests in flight at most (default: no limit)")
+    parser.add_argument("--seed", type=int, default=0, metavar="N", help="seeds the request set and the arrivals")
     parser.add_argument("--goodput", nargs=2, type=float, default=None, metavar=("TTFT_MS", "ITL_MS"),
                         help="also count requests whose TTFT and own ITL p99 are within these bounds (goodput)")
-    parser.add_argument("--output-file", default=None, help="write the results as JSON here")
+    parser.add_argument("--output-file", default=None, metavar="FILE", help="write the results as JSON here")
     return parser
 
 

@@ -1,0 +1,25 @@
+"""The help of every `kubesgl` command: each flag has help text and shows its default once.
+
+`DefaultsOnce` adds " (default: X)" to a flag's help unless the help already says what its
+default is (mentions "default") or there is nothing to show: no value (None), a switch that is
+off (False), an empty list, or a required flag. tests/unit/test_help.py checks every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def shows_default(action: argparse.Action) -> bool:
+    """Whether the default of `action` is a value worth showing in its help."""
+    default = action.default
+    return not (action.required or not action.option_strings or default is None or default is False
+                or default == [] or default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction))
+
+
+class DefaultsOnce(argparse.HelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_ = action.help or ""
+        if shows_default(action) and "default" not in help_:
+            help_ += " (default: %(default)s)"
+        return help_

@@ -1,0 +1,63 @@
+"""Every `kubesgl` command's --help: exits 0, every flag has help text, and every default worth
+showing (not unset, not a switch that is off, not an empty list) is shown once. The parsers are
+the ones the commands build, caught as they parse `--help`, so a new command or flag is checked
+without being listed here."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from kubesgl.cli import SUBCOMMANDS, main
+from kubesgl.cli_help import shows_default
+
+DEFAULT_SAID = re.compile(r"\(?\bdefault\b[: ]")  # "(default: X)", "(default X)", "default: X"
+COMMANDS = [[name] for name in SUBCOMMANDS] + [["bench", "serving"]]
+
+
+def _help(argv: list[str], monkeypatch, capsys) -> tuple[int, str, list[argparse.ArgumentParser]]:
+    """(exit status, stdout, the parsers that parsed) of `kubesgl ARGV --help`."""
+    parsers = []
+    parse = argparse.ArgumentParser.parse_known_args
+
+    def caught(self, *args, **kwargs):
+        parsers.append(self)
+        return parse(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", caught)
+    try:
+        status = main([*argv, "--help"])
+    except SystemExit as exit_:
+        status = exit_.code
+    return status, capsys.readouterr().out, parsers
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
+def test_help_exits_0_and_every_flag_has_help_and_its_default_once(argv, monkeypatch, capsys):
+    status, out, parsers = _help(argv, monkeypatch, capsys)
+    assert status == 0, out
+    if argv == ["bench"]:  # a list of kinds, no parser
+        assert "kubesgl bench serving --help" in out
+        return
+    (parser,) = parsers
+    assert out == parser.format_help()
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help and action.help.strip(), f"{' '.join(argv)} {name} has no help"
+        shown = formatter._expand_help(action)
+        assert len(DEFAULT_SAID.findall(shown)) <= 1, f"{' '.join(argv)} {name} says its default twice: {shown}"
+        if shows_default(action):
+            assert "default" in shown, f"{' '.join(argv)} {name} does not show its default: {shown}"
+
+
+def test_the_top_level_help_exits_0(capsys):
+    assert main(["--help"]) == 0 and "kubesgl <command>" in capsys.readouterr().out
+
+
+def test_bench_without_a_kind_is_a_usage_error(capsys):
+    assert main(["bench"]) == 2 and "kubesgl bench serving" in capsys.readouterr().err
