@@ -7,6 +7,8 @@ is not installed. Each entry names a module exposing `main(argv: list[str]) -> i
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
 
 import kubesgl
@@ -51,4 +53,16 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kubesgl: command {name!r} is not available in this build", file=sys.stderr)
         return 2
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except BrokenPipeError:  # `kubesgl render ... | head`: the reader has gone, which is no error of ours
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """Standard output's reader closed it: no traceback, and none at exit either (Python flushes
+    stdout then), and the status of a process ended by SIGPIPE, as other command-line tools."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE

@@ -46,6 +46,9 @@ def main(argv: list[str]) -> int:
     except (OSError, yaml.YAMLError) as error:
         print(f"kubesgl render: cannot read {args.filename}: {error}", file=sys.stderr)
         return 2
+    if not documents:
+        print(f"kubesgl render: {args.filename}: no InferenceService in it (no YAML document)", file=sys.stderr)
+        return 2
     objects = []
     for document in documents:
         if not isinstance(document, dict):

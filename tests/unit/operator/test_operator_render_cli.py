@@ -53,3 +53,25 @@ def test_render_does_not_import_torch_or_kopf() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_an_empty_file_is_an_error(tmp_path) -> None:
+    for text in ("", "---\n---\n", "# only a comment\n"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        result = run_render("-f", str(empty))
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr == f"kubesgl render: {empty}: no InferenceService in it (no YAML document)\n"
+
+
+def test_a_reader_that_goes_away_is_no_traceback() -> None:
+    """`kubesgl render ... | head`: the pipe's reader is gone before the objects are written."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    process = subprocess.run([sys.executable, "-m", "kubesgl", "render", "-f", "examples/disaggregated.yaml"],
+                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO)
+    os.close(write)
+    assert process.stderr == ""
+    assert process.returncode == 141  # as a tool that SIGPIPE ended
