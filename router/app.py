@@ -56,7 +56,9 @@ Handler = Callable[[Scope, bytes], Awaitable[Reply]]
 _JSON = [(b"content-type", b"application/json")]
 ADMIN_PATH = "/workers"
 # The engine's routes that check its API key: with one set, the router checks it in their place.
-CLIENT_PATHS = frozenset({*GENERATION_PATHS, "/v1/models"})
+# SGLang's description of the model (its vocabulary size, say): answered by a worker, as /v1/models.
+MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
+CLIENT_PATHS = frozenset({*GENERATION_PATHS, "/v1/models", *MODEL_INFO_PATHS})
 _BEARER_CHALLENGE = [(b"www-authenticate", b"Bearer")]
 
 
@@ -98,7 +100,7 @@ class RouterApp:
         self.resolve: Resolve = resolve_host
         self._routes: dict[str, dict[str, Handler]] = {
             **{path: {"POST": self._generate} for path in GENERATION_PATHS},
-            "/v1/models": {"GET": self._models},
+            **{path: {"GET": self._models} for path in ("/v1/models", *MODEL_INFO_PATHS)},
             "/health": {"GET": self._health_status},
             "/metrics": {"GET": self._metrics},
             ADMIN_PATH: {"GET": self._list_workers, "POST": self._add_worker, "DELETE": self._remove_worker},
@@ -265,7 +267,7 @@ class RouterApp:
         return await self.forwarder.generate(request, self._upstream_headers(scope))
 
     async def _models(self, scope: Scope, body: bytes) -> Reply:
-        return await self.forwarder.models(self._upstream_headers(scope))
+        return await self.forwarder.models(self._upstream_headers(scope), scope["path"])
 
     def can_serve(self) -> bool:
         if self.workers.is_disaggregated():

@@ -86,14 +86,14 @@ class Forwarder:
             return await self._with_retries(lambda excluded: self._pd_once(request, headers, excluded))
         return await self._with_retries(lambda excluded: self._mixed_once(request, headers, excluded))
 
-    async def models(self, headers: Headers) -> Reply:
-        """GET /v1/models from the least loaded worker that answers it."""
+    async def models(self, headers: Headers, path: str = "/v1/models") -> Reply:
+        """GET /v1/models (or SGLang's /model_info) from the least loaded worker that answers it."""
         role = Role.DECODE if self.workers.is_disaggregated() else Role.MIXED
 
         async def once(excluded: set[Worker]) -> Reply:
             candidates = self._candidates(role, excluded)
             worker = min(candidates, key=lambda w: w.in_flight)
-            return await self.upstream.exchange(worker, "GET", "/v1/models", None, headers, stream=False)
+            return await self.upstream.exchange(worker, "GET", path, None, headers, stream=False)
 
         return await self._with_retries(once)
 

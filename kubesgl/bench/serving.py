@@ -172,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="shared-prefix: tokens of each question after its system prompt")
     parser.add_argument("--max-context-len", type=int, default=4096, metavar="N",
                         help="sharegpt: longest prompt + output")
-    parser.add_argument("--vocab-size", type=int, default=32000, metavar="N", help="prompt token ids are drawn below this")
+    parser.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                        help="prompt token ids are drawn below this (default: the server's vocabulary size, "
+                             "from SGLang's GET /model_info, which kubesgl's engines and router answer)")
     parser.add_argument("--request-rate", type=float, default=float("inf"), metavar="X",
                         help="requests/s (Poisson); inf = all at once")
     parser.add_argument("--max-concurrency", type=int, default=None, metavar="N",
@@ -184,22 +186,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class BenchSetupError(Exception):
+    """What the server did not tell before the benchmark could start; one line."""
+
+
+def _ask(base_url: str, path: str, headers: dict[str, str]) -> dict:
+    try:
+        answer = httpx.get(base_url + path, headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise BenchSetupError(f"cannot reach {base_url}: {type(exc).__name__}: {exc}") from None
+    if answer.status_code != 200:
+        hint = " (give --api-key)" if answer.status_code == 401 else ""
+        raise BenchSetupError(f"GET {base_url}{path}: HTTP {answer.status_code}{hint}: {answer.text[:200]}")
+    try:
+        return answer.json()
+    except ValueError:
+        raise BenchSetupError(f"GET {base_url}{path}: the answer is not JSON") from None
+
+
+def vocab_size_of(base_url: str, headers: dict[str, str]) -> int:
+    """The server's vocabulary size, from SGLang's GET /model_info: prompt token ids must be
+    below it (a fixed guess such as 32000 fails every request to a model with a smaller one)."""
+    try:
+        vocab = _ask(base_url, "/model_info", headers).get("vocab_size")
+    except BenchSetupError as exc:
+        raise BenchSetupError(f"{exc}; give the model's vocabulary size with --vocab-size N") from None
+    if not isinstance(vocab, int) or vocab <= 10:
+        raise BenchSetupError(f"GET {base_url}/model_info names no vocabulary size (got {vocab!r}); "
+                              "give it with --vocab-size N")
+    return vocab
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.num_prompts < 1 or args.request_rate <= 0:
         print("kubesgl bench serving: --num-prompts and --request-rate must be positive", file=sys.stderr)
         return 2
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    model = args.model
-    if model is None:
-        model = httpx.get(args.base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    requests = build_requests(args, args.vocab_size)
+    try:
+        model = args.model or _ask(args.base_url, "/v1/models", headers)["data"][0]["id"]
+        vocab = args.vocab_size or vocab_size_of(args.base_url, headers)
+    except BenchSetupError as exc:
+        print(f"kubesgl bench serving: {exc}", file=sys.stderr)
+        return 2
+    requests = build_requests(args, vocab)
     results, duration = asyncio.run(run(args.base_url, model, requests, args.request_rate, args.max_concurrency,
                                         args.seed))
     slo = Slo(args.goodput[0] / 1e3, args.goodput[1] / 1e3) if args.goodput else None
     summary = {"config": {k: v for k, v in vars(args).items() if k != "api_key"},
                **summarize(results, duration, slo)}
     summary["config"]["request_rate"] = str(args.request_rate)
+    summary["config"]["vocab_size"] = vocab
     print(format_table(summary))
     if args.output_file:
         with open(args.output_file, "w") as f:

@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 
-def bench(base_url: str, tmp_path, *args: str) -> tuple[int, dict]:
+def bench(base_url: str, tmp_path, *args: str, vocab: str | None = "600") -> tuple[int, dict]:
     out = tmp_path / "bench.json"
+    vocab_args = ["--vocab-size", vocab] if vocab else []
     result = subprocess.run([sys.executable, "-m", "kubesgl", "bench", "serving", "--base-url", base_url,
-                             "--vocab-size", "600", "--output-file", str(out), *args],
+                             *vocab_args, "--output-file", str(out), *args],
                             capture_output=True, text=True, timeout=300)
+    assert out.exists(), result.stderr
     return result.returncode, json.loads(out.read_text())
 
 
@@ -48,3 +51,44 @@ def test_bench_serving_reports_failures(server_factory, tiny_model, tmp_path):
     code, summary = bench(server.base_url, tmp_path, "--model", "m", "--num-prompts", "3",
                           "--random-input-len", "8", "--random-output-len", "2")
     assert code == 1 and summary["failed"] == 3 and "HTTP 401" in summary["errors"][0]
+
+
+def test_the_vocabulary_size_comes_from_the_server_or_through_the_router(server_factory, tiny_model, tmp_path):
+    """The README's tiny model has 636 tokens: the 32000 that bench serving used to assume failed
+    every request. Without --vocab-size it asks the server (SGLang's GET /model_info), which the
+    router answers from a worker."""
+    import httpx
+    from serve_harness import free_port
+
+    server = server_factory(tiny_model("llama"))
+    port = free_port()
+    router = subprocess.Popen([sys.executable, "-m", "kubesgl", "router", "--worker", server.base_url,
+                               "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        router_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(router_url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        for url in (server.base_url, router_url):
+            code, summary = bench(url, tmp_path, "--num-prompts", "8", "--random-input-len", "64",
+                                  "--random-output-len", "2", vocab=None)
+            assert code == 0 and summary["completed"] == 8, summary["errors"]
+            assert summary["config"]["vocab_size"] == 636
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+
+
+def test_a_server_that_does_not_say_its_vocabulary_size_is_a_clear_error(server_factory, tiny_model, tmp_path):
+    server = server_factory(tiny_model("llama"), "--api-key", "secret")
+    result = subprocess.run([sys.executable, "-m", "kubesgl", "bench", "serving", "--base-url", server.base_url,
+                             "--model", "m", "--num-prompts", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"kubesgl bench serving: GET {server.base_url}/model_info: HTTP 401 (give --api-key)")
+    assert result.stderr.rstrip().endswith("give the model's vocabulary size with --vocab-size N")
