@@ -57,3 +57,14 @@ def test_one_dockerfile_builds_the_gpu_image_and_its_cpu_variant():
     assert "whl/cu130" in cuda and "KUBESGL_EXTRAS=flashinfer" in cuda
     assert "whl/cpu" in cpu.split("FROM base-")[0]
     assert '".[$KUBESGL_EXTRAS]"' in DOCKERFILE
+
+
+def test_the_images_torch_pin_is_the_one_the_readme_explains():
+    """The image's torch and the README's install differ (issue 16, item 8): the README says
+    why, and the GPU figures it points to were measured with the image's version."""
+    (image,) = re.findall(r"torch==([\d.]+)", DOCKERFILE)
+    readme = (ROOT / "README.md").read_text()
+    (installed,) = set(re.findall(r"pip install torch==([\d.]+)", readme))
+    if image != installed:
+        assert f"The image pins torch {image}, not the {installed} of the commands above" in readme
+        assert f"torch {image}+cu130" in (ROOT / "benchmarks" / "README.md").read_text()
