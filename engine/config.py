@@ -73,7 +73,8 @@ def option(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = 
 
 @dataclass
 class EngineConfig:
-    model: str = option(help="Hugging Face checkpoint directory")
+    model: str = option(help="checkpoint directory, or a Hugging Face id (Qwen/Qwen3-0.6B) that huggingface_hub "
+                             "downloads into its cache; with HF_HUB_OFFLINE=1 the cached copy, no network")
     tp_size: int = option(1, help="tensor-parallel ranks: one process and one device each", ge=1)
     role: EngineRole = option(MIXED, help="mixed runs whole requests; prefill and decode engines split "
                                             "each request between them (prefill/decode disaggregation)")

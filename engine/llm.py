@@ -40,7 +40,9 @@ class LLM:
         if config.tp_size != 1:
             raise ValueError(f"tp_size {config.tp_size}: offline generation runs one engine process on one device; "
                              "tensor parallelism is served (kubesgl serve --tp-size N)")
-        check_engine(config)  # a mistake in one line (a StartupError) before any weight is read
+        # A mistake in one line (a StartupError) before any weight is read; a Hugging Face id
+        # becomes the folder of its snapshot in the Hub's cache.
+        config = check_engine(config)
         self.engine = Engine(config)
 
     @property

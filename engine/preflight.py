@@ -9,6 +9,7 @@ naming it and what to do instead.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ from pathlib import Path
 from kubesgl.contract import MIXED
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.models.config import ModelConfig, ModelConfigError, load_model_config
+from kubesgl.engine.models.hub import HubError, resolve_model
 
 
 class StartupError(ValueError):
@@ -27,24 +29,36 @@ class ModelStartupError(StartupError, ModelConfigError):
     """The checkpoint cannot be served (still a ModelConfigError to the offline LLM's callers)."""
 
 
-def check_engine(config: EngineConfig) -> ModelConfig:
+def check_engine(config: EngineConfig) -> EngineConfig:
     """Raise StartupError for the first option the engine could not start with; return the
-    model's config. Reads the model's JSON files only (no weights)."""
+    config with `model` a local folder (a Hugging Face id is resolved to its snapshot in the
+    Hub's cache, downloaded where it is not there). Reads the model's JSON files, no weights."""
     try:
         config.validate()
     except ValueError as exc:
         raise StartupError(str(exc)) from None
+    config = resolve_model_folder(config)
     model_config = read_model_config(config)
     check_tensor_parallel(model_config, config.tp_size)
     device = _device(config)
     _check_attention_backend(config, model_config, device)
-    return model_config
+    return config
+
+
+def resolve_model_folder(config: EngineConfig) -> EngineConfig:
+    """`config` with `--model` a local folder: a Hugging Face id becomes its snapshot's folder."""
+    try:
+        folder = resolve_model(config.model, weights=config.load_format != "dummy")
+    except HubError as exc:
+        raise StartupError(str(exc)) from None
+    return config if folder == config.model else dataclasses.replace(config, model=folder)
 
 
 def read_model_config(config: EngineConfig) -> ModelConfig:
     path = Path(config.model)
     if not path.exists():
-        raise StartupError(f"--model {config.model}: no such directory (give a Hugging Face checkpoint directory)")
+        raise StartupError(f"--model {config.model}: no such directory (give a checkpoint directory or a "
+                           "Hugging Face id such as Qwen/Qwen3-0.6B)")
     if not path.is_dir():
         raise StartupError(f"--model {config.model}: not a directory (give a Hugging Face checkpoint directory)")
     try:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from kubesgl.engine.distributed import get_tp_group
 from kubesgl.engine.models.config import ModelConfig
 from kubesgl.engine.models.decoder import CausalLM
 from kubesgl.engine.models.weights import read_safetensors, synthetic_checkpoint
@@ -35,5 +36,5 @@ def load_model(model_path: str | Path, config: ModelConfig, dtype: torch.dtype, 
     if load_format == "dummy":
         model.load_weights(synthetic_checkpoint(config, seed, dtype, device))
     else:
-        model.load_weights(read_safetensors(Path(model_path), dtype))
+        model.load_weights(read_safetensors(Path(model_path), dtype, log=get_tp_group().rank == 0))
     return model.eval()

@@ -8,6 +8,8 @@ tensor-parallel size and `make-tiny-model` can write a real checkpoint from it.
 from __future__ import annotations
 
 import json
+import logging
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,8 @@ import torch
 from safetensors import safe_open
 
 from kubesgl.engine.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -84,8 +88,26 @@ def safetensors_files(model_path: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(model_path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    for file in safetensors_files(model_path):
+PROGRESS_EVERY_S = 5.0  # a log line this often while weights load (a 1B model took 15 s without one)
+
+
+def read_safetensors(model_path: Path, dtype: torch.dtype, log: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors in `dtype`. `log`: say how much there is, how far the reading
+    is every PROGRESS_EVERY_S seconds, and how long it took."""
+    files = safetensors_files(model_path)
+    total = sum(file.stat().st_size for file in files)
+    say = logger.info if log else logger.debug
+    say("loading weights: %d file(s), %.2f GiB from %s", len(files), total / 2**30, model_path)
+    start = last = time.monotonic()
+    done = 0
+    for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                tensor = f.get_tensor(name)
+                done += tensor.nbytes
+                yield name, tensor.to(dtype)
+                if time.monotonic() - last >= PROGRESS_EVERY_S:
+                    last = time.monotonic()
+                    say("loading weights: %.2f of %.2f GiB (%.0f%%), %.0f s", done / 2**30, total / 2**30,
+                        100 * done / max(total, 1), last - start)
+    say("weights loaded: %.2f GiB in %.1f s", done / 2**30, time.monotonic() - start)

@@ -38,14 +38,14 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:  # what can be found before a child starts: one line and status 2, as kubesgl generate
-        check_engine(config)
+        config = check_engine(config)  # a Hugging Face id becomes its snapshot's folder
         check_bootstrap_port(config, args.host)
         sock = listen_socket(args.host, args.port)
     except StartupError as exc:
         print(f"kubesgl serve: {exc}", file=sys.stderr)
         return 2
     options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
-                            served_model_name=args.served_model_name, shutdown_timeout=args.shutdown_timeout,
+                            served_model_name=args.served_model_name or args.model, shutdown_timeout=args.shutdown_timeout,
                             log_level=args.log_level)
     server = Server(config, options, sock)
     status = server.run()

@@ -35,7 +35,7 @@ def serve(monkeypatch, capsys):
 def test_a_missing_model_directory(serve, tmp_path):
     status, err = serve("--model", str(tmp_path / "nowhere"), "--device", "cpu")
     assert status == 2 and err == [f"kubesgl serve: --model {tmp_path / 'nowhere'}: no such directory "
-                                   "(give a Hugging Face checkpoint directory)"]
+                                   "(give a checkpoint directory or a Hugging Face id such as Qwen/Qwen3-0.6B)"]
 
 
 def test_a_directory_without_a_checkpoint(serve, tmp_path):
