@@ -108,6 +108,15 @@ class EngineConfig:
     disable_overlap_schedule: bool = option(False, help="build each step only after the previous one ended")
     disable_cuda_graph: bool = option(False, help="run decode steps eagerly, without CUDA graphs")
     cuda_graph_max_bs: int = option(256, help="largest decode batch captured in a CUDA graph")
+    # What one request may ask for, so that none holds up the others (docs/server.md, Limits)
+    max_sequences_per_request: int = option(
+        256, help="sequences one request may ask for: its prompts times n; more is a 400", ge=1)
+    max_stop_string_length: int = option(1024, help="characters of one stop string; longer is a 400", ge=1)
+    max_request_body_bytes: int = option(
+        16 * 1024 * 1024, help="bytes of one request body (16 MiB); larger is a 413", ge=1024)
+    max_prompt_chars_per_token: int = option(
+        16, help="a text prompt (chat: its messages' text) longer than the context length times this many "
+                 "characters is a 400 before it is tokenized (text averages about 4 characters per token)", ge=1)
     disaggregation_bootstrap_port: int = option(
         BOOTSTRAP_PORT, help="port of this engine's KV bootstrap server (prefill role); for decode engines, "
                              "the port assumed when a request's bootstrap_port is null", ge=0, le=65535)

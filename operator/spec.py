@@ -91,6 +91,10 @@ class EngineSpec(SpecModel):
     default_max_tokens: int | None = Field(default=None, ge=1)
     cuda_graph_max_bs: int | None = Field(default=None, ge=1)
     disaggregation_timeout: float | None = Field(default=None, gt=0)
+    max_sequences_per_request: int | None = Field(default=None, ge=1)
+    max_stop_string_length: int | None = Field(default=None, ge=1)
+    max_request_body_bytes: int | None = Field(default=None, ge=1024)
+    max_prompt_chars_per_token: int | None = Field(default=None, ge=1)
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False

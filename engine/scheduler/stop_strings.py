@@ -1,9 +1,22 @@
-"""Finds stop strings at the end of a request's output, by decoding only its tail."""
+"""Finds stop strings in a request's output as it grows, reading each new character once."""
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+from functools import cached_property
+
 from kubesgl.engine.scheduler.request import Req
+from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
 from kubesgl.engine.tokenizer.loader import load_tokenizer
+
+
+@dataclass
+class _Progress:
+    """How far one request's output has been read."""
+
+    text: DecodeState  # the incremental decoding, as the detokenizer does it
+    tokens_read: int = 0
 
 
 class StopStringChecker:
@@ -13,13 +26,27 @@ class StopStringChecker:
         # every running request (1.3 s; 3.2 s at TP 2). None for a model without a tokenizer, whose
         # requests cannot have stop strings (Scheduler.validate).
         self.tokenizer = load_tokenizer(model_path, warn=False)
+        # per request, and gone with it: a Req is hashed by identity
+        self._progress: weakref.WeakKeyDictionary[Req, _Progress] = weakref.WeakKeyDictionary()
+
+    @cached_property
+    def _detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer)
 
     def match(self, req: Req) -> str | None:
-        """The stop string that the newest token completed, if any."""
-        stops = req.params.stop
-        # Each token adds at least one byte: this many tokens cover the longest stop string,
-        # plus a few for a multi-byte character cut at the start of the window.
-        window = max(len(s.encode()) for s in stops) + 4
-        tail = self.tokenizer.decode(req.output_ids[-window:], skip_special_tokens=req.params.skip_special_tokens)
-        # Checked after every token, so any match was completed by the newest one.
-        return next((stop for stop in stops if stop in tail), None)
+        """The stop string that the newest tokens completed, if any. Only the text they add is
+        read: the tokens are decoded in a short window (as the detokenizer does, so both see the
+        same text) and the stop strings are found by an automaton that carries its state from
+        one call to the next."""
+        progress = self._progress.get(req)
+        if progress is None:
+            state = DecodeState(skip_special_tokens=req.params.skip_special_tokens, stop=list(req.params.stop))
+            progress = self._progress[req] = _Progress(state)
+        state = progress.text
+        new_ids = req.output_ids[progress.tokens_read:]
+        progress.tokens_read = len(req.output_ids)
+        new_text = self._detokenizer.settle(state, new_ids, finished=False)
+        if state.matcher is None or not new_text:
+            return None
+        state.stop_state, matched = state.matcher.find(state.stop_state, new_text)
+        return matched

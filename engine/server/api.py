@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import time
@@ -22,6 +23,12 @@ from kubesgl.engine.disagg.protocol import BootstrapTarget
 from kubesgl.engine.io import FinishReason, TextOutput, TokenizeRequest
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient
+from kubesgl.engine.server.limits import (
+    BodyLimit,
+    check_prompt_chars,
+    check_sequences,
+    check_stop_strings,
+)
 from kubesgl.engine.server.protocol import (
     UTF8_ERROR,
     ChatCompletionRequest,
@@ -36,7 +43,7 @@ logger = logging.getLogger(__name__)
 class ServerState:
     config: EngineConfig
     served_model_name: str
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never logged
     draining: bool = False
 
 
@@ -165,6 +172,7 @@ async def wait_for_disconnect(request: Request) -> None:
 def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     app = FastAPI(title="kubesgl engine", docs_url=None, redoc_url=None)
     document_errors_as_answered(app)
+    app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -185,7 +193,8 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
         return APIError(500, f"internal server error: {type(exc).__name__}", "server_error").response()
 
     def authorized(request: Request) -> None:
-        if state.api_key is not None and request.headers.get("authorization") != f"Bearer {state.api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if state.api_key is not None and not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
             raise APIError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
 
     def serving(model: str | None = None) -> None:
@@ -203,6 +212,17 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
         return params
+
+    def within_limits(params: SamplingParams, prompts: int, n: int, texts: list[tuple[int, str]]) -> None:
+        """The request's size against the server's limits (limits.py); `texts` holds the
+        characters of each text prompt and the field that holds it."""
+        try:
+            check_sequences(state.config, prompts, n)
+            check_stop_strings(state.config, params)
+            for chars, param in texts:
+                check_prompt_chars(state.config, client.info.context_length, chars, param)
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
 
     @app.get("/health")
     async def health() -> Response:
@@ -235,6 +255,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
         serving(body.model)
         params = validated(body.to_sampling_params())
         messages = [m.as_template_input() for m in body.messages]
+        within_limits(params, 1, body.n, [(sum(len(m["content"]) for m in messages), "messages")])
         subs = fan_out([TokenizeRequest("", params, messages=messages)], body.n, params, "chatcmpl",
                        bootstrap(body, 1, body.n))
         meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": state.served_model_name}
@@ -244,8 +265,12 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         serving(body.model)
         params = validated(body.to_sampling_params())
+        prompts = body.prompts()
+        one = isinstance(body.prompt, str)
+        within_limits(params, len(prompts), body.n, [(len(p), "prompt" if one else f"prompt.{i}")
+                                                     for i, p in enumerate(prompts) if isinstance(p, str)])
         bases = [TokenizeRequest("", params, **({"text": p} if isinstance(p, str) else {"input_ids": p}))
-                 for p in body.prompts()]
+                 for p in prompts]
         subs = fan_out(bases, body.n, params, "cmpl", bootstrap(body, len(bases), body.n))
         meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": state.served_model_name}
         return await respond(request, subs, body.stream, body.include_usage,
@@ -255,6 +280,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     async def generate(body: GenerateRequestBody, request: Request) -> Response:
         serving()
         params = validated(body.to_sampling_params())
+        within_limits(params, 1, 1, [(len(body.text), "text")] if body.text is not None else [])
         rid = body.rid or EngineClient.new_rid("gen")
         sub = TokenizeRequest(rid, params, text=body.text, input_ids=body.input_ids, bootstrap=bootstrap(body, 1, 1)[0])
         return await respond(request, [sub], body.stream, False, native_formatter(rid))

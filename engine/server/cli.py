@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.preflight import StartupError, check_bootstrap_port, check_engine, listen_socket
+from kubesgl.engine.server.api_key import API_KEY_ENV, add_api_key_args, resolve_api_key
 from kubesgl.engine.server.launcher import Server, ServerOptions
 
 
@@ -19,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default=defaults.host, help=f"address to listen on (default: {defaults.host})")
     server.add_argument("--port", type=int, default=defaults.port,
                         help=f"port of the HTTP API (default: {defaults.port})")
-    server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    add_api_key_args(server)
     server.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
     server.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
                         help=f"seconds requests in flight get to finish after SIGTERM (default: {defaults.shutdown_timeout})")
@@ -37,6 +39,11 @@ def main(argv: list[str]) -> int:
         config.validate()
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        api_key = resolve_api_key(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    os.environ.pop(API_KEY_ENV, None)  # the server's child processes need no key
     try:  # what can be found before a child starts: one line and status 2, as kubesgl generate
         config = check_engine(config)  # a Hugging Face id becomes its snapshot's folder
         check_bootstrap_port(config, args.host)
@@ -44,7 +51,7 @@ def main(argv: list[str]) -> int:
     except StartupError as exc:
         print(f"kubesgl serve: {exc}", file=sys.stderr)
         return 2
-    options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
+    options = ServerOptions(host=args.host, port=args.port, api_key=api_key,
                             served_model_name=args.served_model_name or args.model, shutdown_timeout=args.shutdown_timeout,
                             log_level=args.log_level)
     server = Server(config, options, sock)

@@ -17,7 +17,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -38,9 +38,9 @@ logger = logging.getLogger("kubesgl.serve")
 
 @dataclass
 class ServerOptions:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback, as SGLang: pods pass --host 0.0.0.0
     port: int = ENGINE_PORT
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # never logged
     served_model_name: str | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"

@@ -38,7 +38,8 @@ NOT_IN_CRD = {
 # spec.engine fields that are the pod's own settings (server flags, the pod spec), not EngineConfig's
 POD_SETTINGS = {"api_key_secret", "log_level", "shutdown_timeout_seconds", "extra_args"}
 # Flags of the commands that are not engine options
-SERVE_ONLY_FLAGS = {"--host", "--port", "--api-key", "--served-model-name", "--shutdown-timeout", "--log-level"}
+SERVE_ONLY_FLAGS = {"--host", "--port", "--api-key", "--api-key-file", "--served-model-name", "--shutdown-timeout",
+                    "--log-level"}
 GENERATE_ONLY_FLAGS = {"--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed"}
 # A value other than the default for each engine option of spec.engine, to follow it into the pod
 CRD_SAMPLES = {
@@ -46,6 +47,8 @@ CRD_SAMPLES = {
     "chunkedPrefillSize": 512, "maxTotalTokens": 4096, "attentionBackend": "flashinfer",
     "kvCacheDtype": "fp8_e4m3", "contextLength": 2048, "maxPrefillTokens": 1024, "memFractionStatic": 0.7,
     "defaultMaxTokens": 256, "cudaGraphMaxBs": 64, "disaggregationTimeout": 30.0,
+    "maxSequencesPerRequest": 32, "maxStopStringLength": 64, "maxRequestBodyBytes": 1 << 20,
+    "maxPromptCharsPerToken": 8,
     "disableRadixCache": True, "disableOverlapSchedule": True, "disableCudaGraph": True,
 }
 SPEC_OPTIONS = [name for name in EngineSpec.model_fields if name in ENGINE_OPTIONS]
