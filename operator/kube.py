@@ -59,6 +59,7 @@ CHILD_KINDS: tuple[Kind, ...] = (
     Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
     Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
     Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
+    Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
 )
 _BY_KIND = {kind.kind: kind for kind in CHILD_KINDS}
 

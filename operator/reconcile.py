@@ -14,9 +14,11 @@ from kubesgl.operator.spec import InferenceService
 log = logging.getLogger(__name__)
 
 # Teardown order: autoscalers first so that nothing scales a role being removed, the router
-# before the engines so that no new requests reach draining engines, the rest after them.
+# before the engines so that no new requests reach draining engines, the rest after them, the
+# NetworkPolicies once no pods are meant to run.
 _DELETION_ORDER = ("HorizontalPodAutoscaler", "ScaledObject", "PodMonitor", "Deployment",
-                   "Service", "PodDisruptionBudget", "RoleBinding", "Role", "ServiceAccount")
+                   "Service", "PodDisruptionBudget", "NetworkPolicy", "RoleBinding", "Role",
+                   "ServiceAccount")
 
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:

@@ -140,6 +140,16 @@ class Placement(SpecModel):
 class RoleSpec(Placement):
     replicas: int = Field(default=1, ge=0)
     tensor_parallel_size: int = Field(default=1, ge=1)
+    # Size limit of the pod's memory-backed /dev/shm (a Kubernetes quantity); None: 1Gi per
+    # tensor-parallel rank (operator/render/engine.py, shm_size_limit).
+    shm_size_limit: str | None = None
+
+
+# The router pod's resources when spec.router.resources is not given (docs/operator.md, Router).
+ROUTER_DEFAULT_RESOURCES = Resources(
+    requests={"cpu": "500m", "memory": "512Mi"},
+    limits={"cpu": "2", "memory": "2Gi"},
+)
 
 
 class RouterSpec(Placement):
@@ -150,6 +160,9 @@ class RouterSpec(Placement):
     balance_rel_threshold: float | None = Field(default=None, ge=1)
     pd_min_prefill_tokens: int | None = Field(default=None, ge=0)
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    # The key of the router's admin API (/workers); None: no worker can be added or removed.
+    admin_key_secret: SecretKeyRef | None = None
+    resources: Resources = ROUTER_DEFAULT_RESOURCES
 
 
 class UcxSpec(SpecModel):
@@ -209,6 +222,37 @@ class MonitoringSpec(SpecModel):
     pod_monitor: PodMonitorSpec | None = None
 
 
+class LabelSelector(SpecModel):
+    """A Kubernetes label selector of equality terms; empty selects everything."""
+
+    match_labels: dict[str, str] = Field(default_factory=dict)
+
+
+class NetworkPeer(SpecModel):
+    """A NetworkPolicy peer: pods by label, in namespaces by label. No namespaceSelector: the
+    InferenceService's namespace only; an empty one: every namespace."""
+
+    namespace_selector: LabelSelector | None = None
+    pod_selector: LabelSelector | None = None
+
+
+# Prometheus as kube-prometheus-stack and the prometheus chart label its pods, in any namespace.
+PROMETHEUS_PEER = NetworkPeer(
+    namespace_selector=LabelSelector(),
+    pod_selector=LabelSelector(match_labels={"app.kubernetes.io/name": "prometheus"}),
+)
+
+
+class NetworkPolicySpec(SpecModel):
+    """The NetworkPolicies of the instance's pods (docs/operator.md, Security)."""
+
+    enabled: bool = True
+    # Who may reach the router's port; empty: any source.
+    clients_from: list[NetworkPeer] = Field(default_factory=list)
+    # Who may scrape /metrics on the engines' (and, with clientsFrom, the router's) HTTP port.
+    metrics_from: list[NetworkPeer] = [PROMETHEUS_PEER]
+
+
 class InferenceServiceSpec(SpecModel):
     model: ModelSpec
     image: str = Field(min_length=1)
@@ -223,6 +267,7 @@ class InferenceServiceSpec(SpecModel):
     kv_transfer: KvTransferSpec = Field(default_factory=KvTransferSpec)
     autoscaling: AutoscalingSpec | None = None
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
 
     def engine_roles(self) -> dict[EngineRole, RoleSpec]:
         """The engine roles this mode runs; mixed mode runs one role, by default with 1 replica."""

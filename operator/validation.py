@@ -65,6 +65,27 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems += _model_problems(spec)
     problems += _gpu_problems(spec)
     problems += _autoscaling_problems(spec)
+    problems += _shm_problems(spec)
+    problems += _network_policy_problems(spec)
+    return problems
+
+
+def _shm_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    return [
+        Problem(f"spec.{role}.shmSizeLimit", f"{block.shm_size_limit!r} is not a quantity")
+        for role, block in spec.engine_roles().items()
+        if block.shm_size_limit is not None and not _is_quantity(block.shm_size_limit)
+    ]
+
+
+def _network_policy_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    settings = spec.network_policy
+    problems = []
+    for name, peers in (("clientsFrom", settings.clients_from), ("metricsFrom", settings.metrics_from)):
+        for index, peer in enumerate(peers):
+            if peer.namespace_selector is None and peer.pod_selector is None:
+                problems.append(Problem(f"spec.networkPolicy.{name}.{index}",
+                                        "set namespaceSelector, podSelector or both"))
     return problems
 
 

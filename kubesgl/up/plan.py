@@ -22,6 +22,7 @@ from kubesgl import contract
 from kubesgl.engine.config import ENGINE_OPTIONS
 from kubesgl.operator.render import render
 from kubesgl.operator.render.engine import API_KEY_ENV
+from kubesgl.operator.render.router import ADMIN_KEY_ENV
 from kubesgl.operator.spec import InferenceService, ModelSpec
 from kubesgl.operator.validation import InvalidSpec, Problem
 
@@ -33,6 +34,9 @@ _DEVICE_FLAG = ENGINE_OPTIONS["device"].flag
 _BOOTSTRAP_FLAG = ENGINE_OPTIONS["disaggregation_bootstrap_port"].flag
 _DISCOVERY_FLAGS = ("--kube-namespace", "--kube-selector")  # each with one value
 _ROUTER_WORKER_FLAGS = {contract.MIXED: "--worker", contract.PREFILL: "--prefill", contract.DECODE: "--decode"}
+# Keys that pods take from Secrets, by the field naming the Secret: here they come from this
+# environment, and a process whose pod has no such variable does not inherit it either.
+_SECRET_KEYS = {API_KEY_ENV: "spec.engine.apiKeySecret", ADMIN_KEY_ENV: "spec.router.adminKeySecret"}
 
 
 def default_cache_dir() -> Path:
@@ -63,6 +67,11 @@ class LocalProcess:
     gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES; none: the CPU
     waits_for: tuple[contract.EngineRole, ...] = ()  # roles that need a ready replica before this starts
     host: str = ENGINE_HOST  # where it answers on this machine
+    unset_env: tuple[str, ...] = ()  # variables of the environment of `kubesgl up` it does not get
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """Its variables: `env` over `base` less `unset_env`."""
+        return {**{k: v for k, v in base.items() if k not in self.unset_env}, **self.env}
 
     @property
     def url(self) -> str:
@@ -129,9 +138,11 @@ def plan(isvc: InferenceService, settings: LocalSettings) -> LocalPlan:
                             f"this machine has {len(settings.gpus)} ({', '.join(settings.gpus)})")
     if isvc.spec.engine.device == "cuda" and not use_gpus:
         notes.append("no GPU here: the engines run on the CPU")
-    if isvc.spec.engine.api_key_secret is not None and API_KEY_ENV not in settings.environ:
-        raise InvalidSpec([Problem("spec.engine.apiKeySecret",
-                                   f"kubesgl up reads no Secrets: set {API_KEY_ENV} in the environment")])
+    secrets = {API_KEY_ENV: isvc.spec.engine.api_key_secret, ADMIN_KEY_ENV: isvc.spec.router.admin_key_secret}
+    missing = [Problem(_SECRET_KEYS[name], f"kubesgl up reads no Secrets: set {name} in the environment")
+               for name, secret in secrets.items() if secret is not None and name not in settings.environ]
+    if missing:
+        raise InvalidSpec(missing)
 
     first_pod = pods[next(iter(roles))]
     model_path, model_step = _local_model(isvc.spec.model, first_pod, settings)
@@ -200,7 +211,7 @@ def _engine(name: str, role: contract.EngineRole, pod: dict[str, Any], model_pat
         _set_flag_value(args, _DEVICE_FLAG, "cpu")
     env = {**_local_env(container, settings.environ), "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
     return LocalProcess(name, role, (*_local_command(container["command"]), *_expand(args, env)), env, port,
-                        _stop_timeout(pod), bootstrap_port, gpus)
+                        _stop_timeout(pod), bootstrap_port, gpus, unset_env=_unset_secret_keys(container))
 
 
 def _router(pod: dict[str, Any], engines: tuple[LocalProcess, ...], roles: tuple[contract.EngineRole, ...],
@@ -216,7 +227,8 @@ def _router(pod: dict[str, Any], engines: tuple[LocalProcess, ...], roles: tuple
     # Started once every role can serve: its first health check then finds the engines ready.
     return LocalProcess(contract.ROUTER, contract.ROUTER, (*_local_command(container["command"]), *args), env,
                         settings.port, _stop_timeout(pod), waits_for=roles,
-                        host=ENGINE_HOST if settings.host in ("0.0.0.0", "::") else settings.host)
+                        host=ENGINE_HOST if settings.host in ("0.0.0.0", "::") else settings.host,
+                        unset_env=_unset_secret_keys(container))
 
 
 def _local_command(command: list[str]) -> list[str]:
@@ -236,6 +248,13 @@ def _local_env(container: dict[str, Any], environ: Mapping[str, str]) -> dict[st
         elif "valueFrom" in variable and name in environ:
             env[name] = environ[name]
     return env
+
+
+def _unset_secret_keys(container: dict[str, Any]) -> tuple[str, ...]:
+    """The keys from Secrets that the pod does not have: an engine started with KUBESGL_API_KEY
+    in its environment would require it where the pod would not."""
+    present = {variable["name"] for variable in container.get("env", [])}
+    return tuple(name for name in _SECRET_KEYS if name not in present)
 
 
 def _expand(args: list[str], env: Mapping[str, str]) -> list[str]:

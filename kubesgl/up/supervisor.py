@@ -127,7 +127,7 @@ class Supervisor:
             what = f"restart {replica.restarts}" if replica.restarts else "start"
             log.write(f"--- kubesgl up, {time.strftime('%H:%M:%S')}, {what}: {shlex.join(process.argv)}\n".encode())
             log.flush()
-            replica.popen = subprocess.Popen(process.argv, env={**os.environ, **process.env}, stdin=subprocess.DEVNULL,
+            replica.popen = subprocess.Popen(process.argv, env=process.environment(os.environ), stdin=subprocess.DEVNULL,
                                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         replica.state = State.STARTING
         replica.started_at = self.clock()

@@ -11,6 +11,7 @@ from kubesgl.operator.render.autoscaling import autoscaler
 from kubesgl.operator.render.common import Object, pod_disruption_budget
 from kubesgl.operator.render.engine import engine_deployment, headless_service
 from kubesgl.operator.render.monitoring import pod_monitor
+from kubesgl.operator.render.network import network_policies
 from kubesgl.operator.render.router import (
     pod_reader_role,
     role_binding,
@@ -29,6 +30,7 @@ def render(isvc: InferenceService) -> list[Object]:
         service_account(isvc),
         pod_reader_role(isvc),
         role_binding(isvc),
+        *network_policies(isvc),  # before the pods they protect
     ]
     roles = isvc.spec.engine_roles()
     for role in roles:

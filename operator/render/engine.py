@@ -16,17 +16,43 @@ from kubesgl.operator.render.common import (
     pod_security_context,
     scrape_annotations,
 )
-from kubesgl.operator.spec import EngineSpec, InferenceService, RoleSpec
+from kubesgl.operator.spec import EngineSpec, InferenceService, RoleSpec, SecretKeyRef
 from kubesgl.operator.validation import GPU_RESOURCE
 
 MODEL_ROOT = "/models"
 HF_DOWNLOAD_DIR = f"{MODEL_ROOT}/hf"
 TINY_MODEL_DIR = f"{MODEL_ROOT}/tiny"
+# The engines read their API key from this variable (never from argv, which `ps` shows); the
+# router reads the same variable for the key it sends engines and checks clients against.
 API_KEY_ENV = "KUBESGL_API_KEY"
 # Time for routers and endpoints to stop sending new requests before SIGTERM starts the drain.
 PRESTOP_SLEEP_SECONDS = 10
-# Slack after the drain for the process to exit before the kubelet kills it.
+# What a draining engine may still take once its --shutdown-timeout is over, before its process
+# has exited (engine/server/launcher.py): 5 s for the aborted requests to end, 5 s for uvicorn
+# to close connections still open, 10 s for the scheduler and tokenizer processes to stop
+# before they are killed, and up to 2 s of polling and minimum waits (0.1 s per child).
+# tests/unit/test_termination_grace.py measures the engine against it.
+ENGINE_EXIT_AFTER_DRAIN_SECONDS = 22
+# Slack on top of that for the process to exit before the kubelet kills it.
 EXIT_SLACK_SECONDS = 5
+# The memory-backed /dev/shm of an engine pod, per tensor-parallel rank, when the role's
+# shmSizeLimit is not set: NCCL's shared-memory buffers between ranks of the pod, Python's
+# multiprocessing semaphores. NVIDIA recommends --shm-size=1g for NCCL containers.
+SHM_PER_RANK_GI = 1
+
+
+def engine_grace_period_seconds(shutdown_timeout_seconds: int) -> int:
+    """The pod's terminationGracePeriodSeconds: the preStop pause, the drain (the engine's
+    --shutdown-timeout), the engine's exit after it, and slack. The kubelet counts the grace
+    period from the start of the preStop hook, so a pod killed at its end has always had the
+    whole drain."""
+    return PRESTOP_SLEEP_SECONDS + shutdown_timeout_seconds + ENGINE_EXIT_AFTER_DRAIN_SECONDS + EXIT_SLACK_SECONDS
+
+
+def shm_size_limit(block: RoleSpec) -> str:
+    """sizeLimit of the pod's /dev/shm. A memory-backed emptyDir counts against the pod's memory;
+    without a size limit it may grow up to the pod's memory limit or, with none, the node's."""
+    return block.shm_size_limit or f"{SHM_PER_RANK_GI * block.tensor_parallel_size}Gi"
 
 
 def model_path(isvc: InferenceService) -> str:
@@ -90,9 +116,8 @@ def engine_args(isvc: InferenceService, role: contract.EngineRole, block: RoleSp
     if role == contract.PREFILL:
         args += [_flag("disaggregation_bootstrap_port"), str(contract.BOOTSTRAP_PORT)]
     args += _option_args(engine, _SET_WHEN_GIVEN)
-    if engine.api_key_secret is not None:
-        # The kubelet expands $(VAR) from the container's env: the key stays out of the pod spec.
-        args += ["--api-key", f"$({API_KEY_ENV})"]
+    # No --api-key: the engine reads the key from API_KEY_ENV (_env), so it is in neither the pod
+    # spec nor the process's argv.
     return args + list(engine.extra_args) + list(block.extra_args)
 
 
@@ -102,14 +127,7 @@ def _env(isvc: InferenceService) -> list[Object]:
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HUB_OFFLINE", "value": "1"},
     ]
-    secret = isvc.spec.engine.api_key_secret
-    if secret is not None:
-        env.append(
-            {
-                "name": API_KEY_ENV,
-                "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
-            }
-        )
+    env += api_key_env(isvc)
     if isvc.spec.mode == "disaggregated":
         ucx = isvc.spec.kv_transfer.ucx
         if ucx.transports:
@@ -117,6 +135,16 @@ def _env(isvc: InferenceService) -> list[Object]:
         if ucx.net_devices:
             env.append({"name": "UCX_NET_DEVICES", "value": ucx.net_devices})
     return env
+
+
+def secret_env(name: str, secret: SecretKeyRef) -> Object:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}}
+
+
+def api_key_env(isvc: InferenceService) -> list[Object]:
+    """The engines' API key from spec.engine.apiKeySecret, for engine and router pods alike."""
+    secret = isvc.spec.engine.api_key_secret
+    return [] if secret is None else [secret_env(API_KEY_ENV, secret)]
 
 
 def _resources(isvc: InferenceService, block: RoleSpec) -> Object:
@@ -221,13 +249,11 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
         "automountServiceAccountToken": False,  # engines never talk to the API server
         "enableServiceLinks": False,
         "securityContext": pod_security_context(),
-        "terminationGracePeriodSeconds": PRESTOP_SLEEP_SECONDS
-        + isvc.spec.engine.shutdown_timeout_seconds
-        + EXIT_SLACK_SECONDS,
+        "terminationGracePeriodSeconds": engine_grace_period_seconds(isvc.spec.engine.shutdown_timeout_seconds),
         "containers": [container],
         "volumes": [
             _model_volume(isvc),
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size_limit(block)}},
             {"name": "tmp", "emptyDir": {}},
         ],
         **pod_pull,

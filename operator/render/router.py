@@ -15,7 +15,15 @@ from kubesgl.operator.render.common import (
     pod_security_context,
     scrape_annotations,
 )
+from kubesgl.operator.render.engine import EXIT_SLACK_SECONDS, api_key_env, secret_env
 from kubesgl.operator.spec import InferenceService
+from kubesgl.router.cli import GRACEFUL_SHUTDOWN_S
+
+# The router reads its admin key (the /workers API) from this variable; without it no worker can
+# be added or removed through that API.
+ADMIN_KEY_ENV = "KUBESGL_ROUTER_ADMIN_KEY"
+# On SIGTERM the router gives streams still running GRACEFUL_SHUTDOWN_S to finish, then exits.
+ROUTER_GRACE_PERIOD_SECONDS = GRACEFUL_SHUTDOWN_S + EXIT_SLACK_SECONDS
 
 
 def router_args(isvc: InferenceService) -> list[str]:
@@ -83,6 +91,15 @@ def role_binding(isvc: InferenceService) -> Object:
     }
 
 
+def _router_env(isvc: InferenceService) -> list[Object]:
+    env: list[Object] = [{"name": "HOME", "value": "/tmp"}]
+    # the key the router sends engines and checks clients against, the engines' own
+    env += api_key_env(isvc)
+    if isvc.spec.router.admin_key_secret is not None:
+        env.append(secret_env(ADMIN_KEY_ENV, isvc.spec.router.admin_key_secret))
+    return env
+
+
 def router_deployment(isvc: InferenceService) -> Object:
     router = isvc.spec.router
     instance = isvc.metadata.name
@@ -93,7 +110,7 @@ def router_deployment(isvc: InferenceService) -> Object:
         **pull,
         "command": ["kubesgl"],
         "args": router_args(isvc),
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        "env": _router_env(isvc),
         "ports": [{"name": "http", "containerPort": contract.ROUTER_PORT}],
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "readinessProbe": http_probe("http", period=5, failures=2),
@@ -120,6 +137,7 @@ def router_deployment(isvc: InferenceService) -> Object:
                     "serviceAccountName": _router_name(isvc),
                     "enableServiceLinks": False,
                     "securityContext": pod_security_context(),
+                    "terminationGracePeriodSeconds": ROUTER_GRACE_PERIOD_SECONDS,
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {}}],
                     **pod_pull,

@@ -75,3 +75,23 @@ def test_engine_pods_name_the_port_the_router_looks_for():
         for container in containers(path):
             if container["args"][0] == "serve":
                 assert container["ports"][0]["name"] == "http"
+
+
+def test_the_key_variables_the_pods_get_are_the_ones_engine_and_router_read():
+    """The operator renders the keys as environment variables (never flags): by the names the
+    engine and the router read them under."""
+    from kubesgl.engine.server.api_key import API_KEY_ENV as ENGINE_READS
+    from kubesgl.operator.render.engine import API_KEY_ENV
+    from kubesgl.operator.render.router import ADMIN_KEY_ENV
+    from kubesgl.router.security import ADMIN_KEY_ENV as ROUTER_ADMIN_READS
+    from kubesgl.router.security import API_KEY_ENV as ROUTER_READS
+
+    assert API_KEY_ENV == ENGINE_READS == ROUTER_READS
+    assert ADMIN_KEY_ENV == ROUTER_ADMIN_READS
+    document = yaml.safe_load(EXAMPLES[0].read_text())
+    document["spec"].setdefault("engine", {})["apiKeySecret"] = {"name": "keys", "key": "api"}
+    document["spec"].setdefault("router", {})["adminKeySecret"] = {"name": "keys", "key": "admin"}
+    for container in containers(document):
+        names = {variable["name"] for variable in container["env"]}
+        assert API_KEY_ENV in names
+        assert (ADMIN_KEY_ENV in names) == (container["args"][0] == "router")

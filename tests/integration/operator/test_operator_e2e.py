@@ -279,3 +279,31 @@ def test_a_restart_changes_nothing(cluster: Cluster, operator: OperatorProcess) 
     assert isvc_after["status"] == isvc_before["status"]
     assert isvc_after["metadata"]["generation"] == isvc_before["metadata"]["generation"]
     assert INFERENCE_SERVICE.kind == isvc_after["kind"]
+
+
+def test_network_policies_are_kept_as_rendered_and_go_when_turned_off(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    created = cluster.create_isvc(example("disaggregated.yaml"))
+    children = settle(cluster, created)
+    policies = sorted(name for kind, name in children if kind == "NetworkPolicy")
+    assert policies == ["llama-pd-decode", "llama-pd-prefill", "llama-pd-router"]
+    network_policy = kind_of({"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy"})
+    wanted = rendered(created)[("NetworkPolicy", "llama-pd-prefill")]
+
+    cluster.delete(network_policy, "llama-pd-prefill")
+    wait_for(lambda: cluster.get(network_policy, "llama-pd-prefill"), what="the policy to come back")
+    # a hand edit opening the engines to every pod of the namespace is set back
+    cluster.patch(network_policy, "llama-pd-decode",
+                  {"spec": {"ingress": [{"from": [{"podSelector": {}}]}]}})
+    wait_for(
+        lambda: not has_drifted(rendered(created)[("NetworkPolicy", "llama-pd-decode")],
+                                cluster.get(network_policy, "llama-pd-decode")),
+        what="the hand-edited policy to be restored",
+    )
+    assert not has_drifted(wanted, cluster.get(network_policy, "llama-pd-prefill"))
+
+    cluster.patch_isvc("llama-pd", {"spec": {"networkPolicy": {"enabled": False}}})
+    children = settle(cluster, cluster.isvc("llama-pd"))
+    assert not [key for key in children if key[0] == "NetworkPolicy"]
+    assert ("Deployment", "llama-pd-prefill") in children

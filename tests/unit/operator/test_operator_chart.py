@@ -47,28 +47,28 @@ def test_the_chart_crd_is_the_one_in_crds() -> None:
     assert (CHART / "crds" / "inferenceservice.yaml").read_bytes() == CRD_PATH.read_bytes()
 
 
-@pytest.mark.parametrize("values", [[], ["--set", "watchNamespaces={ml,serving}"]])
+WATCH_TWO = ["--set", "watchNamespaces={ml,serving}"]
+
+
+def chart_objects(helm: Path, *values: str) -> list[dict]:
+    stream = helm_run(helm, "template", "kubesgl", str(CHART), "--namespace", "kubesgl-system", *values)
+    return [doc for doc in yaml.safe_load_all(stream) if doc]
+
+
+@pytest.mark.parametrize("values", [[], WATCH_TWO], ids=["all-namespaces", "two-namespaces"])
 def test_rendered_chart_objects_are_valid(helm: Path, values: list[str]) -> None:
-    stream = helm_run(
-        helm,
-        "template",
-        "kubesgl",
-        str(CHART),
-        "--namespace",
-        "kubesgl-system",
-        "--include-crds",
-        *values,
-    )
-    objects = [doc for doc in yaml.safe_load_all(stream) if doc]
+    objects = chart_objects(helm, "--include-crds", *values)
     kinds = sorted(obj["kind"] for obj in objects)
-    assert kinds == [
+    namespaced_rbac = ["Role", "Role", "RoleBinding", "RoleBinding"] if values else []
+    assert kinds == sorted([
         "ClusterRole",
         "ClusterRoleBinding",
         "ConfigMap",
         "CustomResourceDefinition",
         "Deployment",
         "ServiceAccount",
-    ]
+        *namespaced_rbac,
+    ])
     for obj in objects:
         kubernetes_validate.validate(obj, kubernetes_validate.utils.latest_version(), strict=True)
     crd = next(obj for obj in objects if obj["kind"] == "CustomResourceDefinition")
@@ -82,23 +82,66 @@ def test_rendered_chart_objects_are_valid(helm: Path, values: list[str]) -> None
         assert not [arg for arg in args if arg.startswith("--namespace")]
 
 
-def test_the_operator_may_write_every_kind_it_renders(helm: Path) -> None:
-    stream = helm_run(helm, "template", "kubesgl", str(CHART))
-    role = next(doc for doc in yaml.safe_load_all(stream) if doc and doc["kind"] == "ClusterRole")
-    granted = {
+def granted(role: dict) -> set[tuple[str, str, str]]:
+    return {
         (group, resource, verb)
         for rule in role["rules"]
         for group in rule["apiGroups"]
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
+
+
+def assert_may_write_every_kind_it_renders(rights: set[tuple[str, str, str]]) -> None:
     for kind in CHILD_KINDS:
         for verb in ("get", "list", "watch", "create", "patch", "delete"):
-            assert (kind.group, kind.plural, verb) in granted, (kind, verb)
-    assert ("kubesgl.io", "inferenceservices/status", "patch") in granted
+            assert (kind.group, kind.plural, verb) in rights, (kind, verb)
+    assert ("kubesgl.io", "inferenceservices/status", "patch") in rights
     # Needed to create the router's Role, which grants exactly these.
     for verb in ("get", "list", "watch"):
-        assert ("", "pods", verb) in granted
+        assert ("", "pods", verb) in rights
+
+
+# What stays cluster-wide with namespaces listed: reads of two cluster-scoped kinds kopf watches.
+CLUSTER_READS = {(group, resource, verb) for group, resource in
+                 (("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces"))
+                 for verb in ("get", "list", "watch")}
+
+
+def test_the_operator_may_write_every_kind_it_renders(helm: Path) -> None:
+    (role,) = [obj for obj in chart_objects(helm) if obj["kind"] == "ClusterRole"]
+    assert_may_write_every_kind_it_renders(granted(role))
+    assert not [obj for obj in chart_objects(helm) if obj["kind"] in ("Role", "RoleBinding")]
+
+
+def test_with_watched_namespaces_the_operator_writes_only_in_them(helm: Path) -> None:
+    objects = chart_objects(helm, *WATCH_TWO)
+    (cluster_role,) = [obj for obj in objects if obj["kind"] == "ClusterRole"]
+    assert granted(cluster_role) == CLUSTER_READS  # nothing namespaced, no write, cluster-wide
+    (cluster_binding,) = [obj for obj in objects if obj["kind"] == "ClusterRoleBinding"]
+    assert cluster_binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    roles = {obj["metadata"]["namespace"]: obj for obj in objects if obj["kind"] == "Role"}
+    bindings = {obj["metadata"]["namespace"]: obj for obj in objects if obj["kind"] == "RoleBinding"}
+    assert set(roles) == set(bindings) == {"ml", "serving"}
+    for namespace, role in roles.items():
+        assert_may_write_every_kind_it_renders(granted(role))
+        assert not granted(role) & CLUSTER_READS
+        binding = bindings[namespace]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                      "name": role["metadata"]["name"]}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kubesgl",
+                                        "namespace": "kubesgl-system"}]
+
+
+def test_namespace_patterns_need_cluster_wide_rbac(helm: Path) -> None:
+    result = subprocess.run([str(helm), "template", "kubesgl", str(CHART), "--set", "watchNamespaces={ml-*}"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert '"ml-*" is not a namespace name' in result.stderr and "clusterWideRbac=true" in result.stderr
+    objects = chart_objects(helm, "--set", "watchNamespaces={ml-*}", "--set", "clusterWideRbac=true")
+    (role,) = [obj for obj in objects if obj["kind"] == "ClusterRole"]
+    assert_may_write_every_kind_it_renders(granted(role))
+    assert not [obj for obj in objects if obj["kind"] == "Role"]
 
 
 def test_the_dashboard_ships_as_a_sidecar_configmap(helm: Path) -> None:

@@ -35,8 +35,11 @@ def test_names_columns_and_status_subresource() -> None:
 
 def _canonical(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """Reduce a CRD or pydantic JSON schema to what both must agree on."""
-    if "$ref" in schema:
+    if "$ref" in schema:  # pydantic puts a model-valued field's default beside the reference
+        default = schema.get("default")
         schema = defs[schema["$ref"].rsplit("/", 1)[1]]
+        if default is not None:
+            schema = {**schema, "default": default}
     options = schema.get("anyOf")
     if options:
         kinds = [option.get("type") for option in options if option.get("type") != "null"]

@@ -111,11 +111,12 @@ def test_engine_pod_contract() -> None:
         "app.kubernetes.io/managed-by": "kubesgl-operator",
     }
     shm = next(v for v in decode["spec"]["volumes"] if v["name"] == "dshm")
-    assert shm["emptyDir"] == {"medium": "Memory"}
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}  # 1Gi per rank
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/health"
     assert container["lifecycle"]["preStop"]["sleep"]["seconds"] == 10
-    assert decode["spec"]["terminationGracePeriodSeconds"] == 10 + 120 + 5
+    # preStop pause, drain (--shutdown-timeout), the engine's exit after it, slack
+    assert decode["spec"]["terminationGracePeriodSeconds"] == 10 + 120 + 22 + 5
     assert decode["spec"]["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc"} in container["env"]
@@ -232,3 +233,153 @@ def test_pod_monitor_only_when_asked() -> None:
     assert monitor["spec"]["podMetricsEndpoints"] == [
         {"port": "http", "path": "/metrics", "interval": "15s"}
     ]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {variable["name"]: variable.get("value", variable.get("valueFrom")) for variable in container["env"]}
+
+
+def test_api_keys_come_from_secrets_through_the_environment_never_argv() -> None:
+    document = with_changes(load_example("disaggregated.yaml"), "spec.engine.apiKeySecret",
+                            {"name": "keys", "key": "api"})
+    document = with_changes(document, "spec.router.adminKeySecret", {"name": "keys", "key": "admin"})
+    objects = objects_of(document)
+    api_key = {"secretKeyRef": {"name": "keys", "key": "api"}}
+    for role in ("prefill", "decode", "router"):
+        container = engine_pod(objects, f"llama-pd-{role}")["spec"]["containers"][0]
+        assert "--api-key" not in container["args"] and "--admin-api-key" not in container["args"]
+        assert not [arg for arg in container["args"] if "$(" in arg], "the kubelet would expand it into argv"
+        assert env_of(container)["KUBESGL_API_KEY"] == api_key  # the router sends it to engines
+    router = engine_pod(objects, "llama-pd-router")["spec"]["containers"][0]
+    assert env_of(router)["KUBESGL_ROUTER_ADMIN_KEY"] == {"secretKeyRef": {"name": "keys", "key": "admin"}}
+    decode = engine_pod(objects, "llama-pd-decode")["spec"]["containers"][0]
+    assert "KUBESGL_ROUTER_ADMIN_KEY" not in env_of(decode)
+    # the init container downloading the model gets neither key
+    (download,) = engine_pod(objects, "llama-pd-decode")["spec"]["initContainers"]
+    assert {"KUBESGL_API_KEY", "KUBESGL_ROUTER_ADMIN_KEY"}.isdisjoint(env_of(download))
+
+    plain = objects_of(load_example("disaggregated.yaml"))
+    for role in ("prefill", "decode", "router"):
+        env = env_of(engine_pod(plain, f"llama-pd-{role}")["spec"]["containers"][0])
+        assert {"KUBESGL_API_KEY", "KUBESGL_ROUTER_ADMIN_KEY"}.isdisjoint(env)
+
+
+def test_the_router_has_requests_and_limits() -> None:
+    router = engine_pod(objects_of(load_example("mixed.yaml")), "qwen3-mixed-router")["spec"]
+    assert router["containers"][0]["resources"] == {
+        "requests": {"cpu": "500m", "memory": "512Mi"},
+        "limits": {"cpu": "2", "memory": "2Gi"},
+    }
+    assert router["terminationGracePeriodSeconds"] == 30  # its 25 s of graceful shutdown and slack
+    given = {"requests": {"cpu": 2}, "limits": {"memory": "4Gi"}}
+    document = with_changes(load_example("mixed.yaml"), "spec.router.resources", given)
+    router = engine_pod(objects_of(document), "qwen3-mixed-router")["spec"]
+    assert router["containers"][0]["resources"] == given  # replaces the default as a whole
+
+
+def test_shm_size_follows_tensor_parallelism_unless_given() -> None:
+    def shm(document: dict[str, Any], name: str) -> dict[str, Any]:
+        volumes = engine_pod(objects_of(document), name)["spec"]["volumes"]
+        return next(v for v in volumes if v["name"] == "dshm")["emptyDir"]
+
+    assert shm(load_example("mixed.yaml"), "qwen3-mixed-mixed") == {"medium": "Memory", "sizeLimit": "1Gi"}
+    document = with_changes(load_example("mixed.yaml"), "spec.mixed.tensorParallelSize", 4)
+    assert shm(document, "qwen3-mixed-mixed")["sizeLimit"] == "4Gi"
+    document = with_changes(document, "spec.mixed.shmSizeLimit", "16Gi")
+    assert shm(document, "qwen3-mixed-mixed")["sizeLimit"] == "16Gi"
+
+
+# What a NetworkPolicy-enforcing CNI allows, for the rules the operator renders: a pod selected
+# by some policy takes ingress that one of their rules allows; other pods take everything.
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _peer_matches(peer: dict[str, Any], policy_namespace: str, source: dict[str, Any]) -> bool:
+    if "namespaceSelector" in peer:
+        if not _selects(peer["namespaceSelector"], source["namespace_labels"]):
+            return False
+    elif source["namespace"] != policy_namespace:
+        return False
+    return _selects(peer.get("podSelector", {}), source["labels"])
+
+
+def allowed(objects, source: dict[str, Any], target_labels: dict[str, str], port: int) -> bool:
+    policies = [o for kind_name, o in objects.items() if kind_name[0] == "NetworkPolicy"
+                and _selects(o["spec"]["podSelector"], target_labels)]
+    if not policies:
+        return True
+    for policy in policies:
+        for rule in policy["spec"]["ingress"]:
+            peers = rule.get("from")
+            if peers is not None and not any(
+                    _peer_matches(peer, policy["metadata"]["namespace"], source) for peer in peers):
+                continue
+            ports = rule.get("ports")
+            if ports is None or any(p["port"] == port and p["protocol"] == "TCP" for p in ports):
+                return True
+    return False
+
+
+def pod(instance: str, role: str | None, namespace: str = "default", **labels: str) -> dict[str, Any]:
+    own = {"app.kubernetes.io/name": "kubesgl", "app.kubernetes.io/instance": instance}
+    if role is not None:
+        own["kubesgl.io/role"] = role
+    return {"namespace": namespace, "namespace_labels": {"kubernetes.io/metadata.name": namespace},
+            "labels": {**own, **labels} if instance else labels}
+
+
+def test_network_policies_let_in_only_what_the_service_needs() -> None:
+    objects = objects_of(load_example("disaggregated.yaml"))
+    names = sorted(name for kind, name in objects if kind == "NetworkPolicy")
+    assert names == ["llama-pd-decode", "llama-pd-prefill", "llama-pd-router"]
+    for name in names:
+        assert objects[("NetworkPolicy", name)]["spec"]["policyTypes"] == ["Ingress"]
+    router, prefill, decode = (pod("llama-pd", role) for role in ("router", "prefill", "decode"))
+    client = pod("", None, "apps", app="web")
+    prometheus = pod("", None, "monitoring", **{"app.kubernetes.io/name": "prometheus"})
+    other_router = pod("other", "router")  # another InferenceService's router
+    targets = {role: pod("llama-pd", role)["labels"] for role in ("router", "prefill", "decode")}
+
+    def may(source, role, port) -> bool:
+        return allowed(objects, source, targets[role], port)
+
+    assert may(client, "router", 8000) and may(prometheus, "router", 8000)
+    assert not may(client, "router", 9000)
+    for role in ("prefill", "decode"):
+        assert may(router, role, 30000) and may(prometheus, role, 30000)  # requests, /metrics
+        assert not may(client, role, 30000) and not may(other_router, role, 30000)
+        assert not may(router, role, 8998) and not may(prometheus, role, 8998)
+    assert may(decode, "prefill", 8998)  # the bootstrap server
+    for port in (8998, 30000, 41234):  # and UCX's ports, both ways
+        assert may(decode, "prefill", port) and may(prefill, "decode", port)
+    assert not may(pod("other", "decode"), "prefill", 8998)
+    assert not may(prefill, "prefill", 41234) and not may(decode, "router", 8000 + 1)
+
+
+def test_network_policy_settings() -> None:
+    mixed = objects_of(load_example("mixed.yaml"))
+    assert sorted(name for kind, name in mixed if kind == "NetworkPolicy") == ["qwen3-mixed-mixed",
+                                                                              "qwen3-mixed-router"]
+    (rule,) = mixed[("NetworkPolicy", "qwen3-mixed-mixed")]["spec"]["ingress"]  # no peer engines
+    assert rule["ports"] == [{"protocol": "TCP", "port": 30000}]
+    assert rule["from"][1] == {"namespaceSelector": {},
+                               "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+    off = with_changes(load_example("mixed.yaml"), "spec.networkPolicy", {"enabled": False})
+    assert not [key for key in objects_of(off) if key[0] == "NetworkPolicy"]
+
+    gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+    scraper = {"podSelector": {"matchLabels": {"app": "vmagent"}}}  # this namespace only
+    document = with_changes(load_example("mixed.yaml"), "spec.networkPolicy",
+                            {"clientsFrom": [gateway], "metricsFrom": [scraper]})
+    objects = objects_of(document)
+    target = pod("qwen3-mixed", "router")["labels"]
+    engine = pod("qwen3-mixed", "mixed")["labels"]
+    assert allowed(objects, pod("", None, "gateway", app="envoy"), target, 8000)
+    assert not allowed(objects, pod("", None, "apps", app="web"), target, 8000)
+    assert allowed(objects, pod("", None, "default", app="vmagent"), target, 8000)
+    assert allowed(objects, pod("", None, "default", app="vmagent"), engine, 30000)
+    assert not allowed(objects, pod("", None, "other", app="vmagent"), engine, 30000)
+    prometheus = pod("", None, "monitoring", **{"app.kubernetes.io/name": "prometheus"})
+    assert not allowed(objects, prometheus, engine, 30000)

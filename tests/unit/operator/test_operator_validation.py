@@ -28,6 +28,13 @@ def test_defaults_follow_the_crd() -> None:
     assert spec.engine_roles()["mixed"].replicas == 1
     assert spec.engine.device == "cuda" and spec.engine.shutdown_timeout_seconds == 60
     assert spec.router.policy == "cache_aware" and spec.router.replicas == 1
+    assert spec.router.admin_key_secret is None
+    assert spec.router.resources.requests == {"cpu": "500m", "memory": "512Mi"}
+    assert spec.router.resources.limits == {"cpu": "2", "memory": "2Gi"}
+    assert spec.network_policy.enabled and spec.network_policy.clients_from == []
+    (prometheus,) = spec.network_policy.metrics_from
+    assert prometheus.pod_selector.match_labels == {"app.kubernetes.io/name": "prometheus"}
+    assert spec.engine_roles()["mixed"].shm_size_limit is None
 
 
 def problems_of(document) -> list[str]:
@@ -158,6 +165,15 @@ def problems_of(document) -> list[str]:
             "big",
             "spec.model.huggingFace.sizeLimit: 'big' is not a quantity",
         ),
+        ("quickstart.yaml", "spec.decode.shmSizeLimit", "lots", "spec.decode.shmSizeLimit: 'lots' is not a quantity"),
+        ("mixed.yaml", "spec.router.adminKeySecret", {"name": "keys"}, "spec.router.adminKeySecret.key: Field required"),
+        ("mixed.yaml", "spec.router.resources.limits", {"memory": "lots"},
+         "spec.router.resources.limits: Value error, memory: 'lots' is not a Kubernetes quantity"),
+        ("mixed.yaml", "spec.networkPolicy.enabled", "maybe", "spec.networkPolicy.enabled: Input should be a valid boolean"),
+        ("mixed.yaml", "spec.networkPolicy.metricsFrom", [{"podSelector": {"matchLabels": {"app": "p"}}}, {}],
+         "spec.networkPolicy.metricsFrom.1: set namespaceSelector, podSelector or both"),
+        ("mixed.yaml", "spec.networkPolicy.clientsFrom", [{"podSelector": {"labels": {}}}],
+         "spec.networkPolicy.clientsFrom.0.podSelector.labels: Extra inputs are not permitted"),
         (
             "disaggregated.yaml",
             "spec.model.huggingFace.repo",

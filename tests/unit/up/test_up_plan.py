@@ -142,9 +142,37 @@ def test_the_api_key_comes_from_the_environment_instead_of_the_secret():
     document["spec"]["engine"]["apiKeySecret"] = {"name": "keys", "key": "api"}
     with pytest.raises(InvalidSpec, match="spec.engine.apiKeySecret: .*set KUBESGL_API_KEY"):
         local_plan(document)
-    for engine in local_plan(document, environ={"KUBESGL_API_KEY": "sk-local"}).engines:
-        assert engine.argv[engine.argv.index("--api-key") + 1] == "sk-local"
-        assert engine.env["KUBESGL_API_KEY"] == "sk-local"
+    local = local_plan(document, environ={"KUBESGL_API_KEY": "sk-local"})
+    for process in local.processes:  # engines and router, in their environment and never in argv
+        assert process.env["KUBESGL_API_KEY"] == "sk-local" and "--api-key" not in process.argv
+        assert not [arg for arg in process.argv if "sk-local" in arg]
+        inherited = process.environment({"KUBESGL_API_KEY": "sk-local", "KUBESGL_ROUTER_ADMIN_KEY": "adm", "A": "1"})
+        assert inherited["KUBESGL_API_KEY"] == "sk-local" and "KUBESGL_ROUTER_ADMIN_KEY" not in inherited
+        assert inherited["A"] == "1"
+
+
+def test_the_router_admin_key_comes_from_the_environment_instead_of_the_secret():
+    document = example("quickstart")
+    document["spec"]["router"]["adminKeySecret"] = {"name": "keys", "key": "admin"}
+    document["spec"]["engine"]["apiKeySecret"] = {"name": "keys", "key": "api"}
+    with pytest.raises(InvalidSpec) as error:
+        local_plan(document)
+    assert [str(p) for p in error.value.problems] == [
+        "spec.engine.apiKeySecret: kubesgl up reads no Secrets: set KUBESGL_API_KEY in the environment",
+        "spec.router.adminKeySecret: kubesgl up reads no Secrets: set KUBESGL_ROUTER_ADMIN_KEY in the environment"]
+    local = local_plan(document, environ={"KUBESGL_API_KEY": "sk", "KUBESGL_ROUTER_ADMIN_KEY": "adm"})
+    assert local.router.env["KUBESGL_ROUTER_ADMIN_KEY"] == "adm"
+    for engine in local.engines:
+        assert "KUBESGL_ROUTER_ADMIN_KEY" not in engine.environment({"KUBESGL_ROUTER_ADMIN_KEY": "adm"})
+
+
+def test_keys_in_this_environment_reach_no_process_whose_pod_lacks_them():
+    """Without apiKeySecret the pods run without a key: so do the processes here, whatever this
+    environment holds."""
+    local = local_plan(example("quickstart"), environ={"KUBESGL_API_KEY": "sk"})
+    for process in local.processes:
+        environment = process.environment({"KUBESGL_API_KEY": "sk", "KUBESGL_ROUTER_ADMIN_KEY": "adm", "PATH": "/bin"})
+        assert environment == {**process.env, "PATH": "/bin"}
 
 
 def test_the_pods_environment_except_home():
@@ -176,6 +204,6 @@ def test_stop_timeouts_are_the_pods_grace_periods_without_the_prestop_pause():
     document = example("quickstart")
     document["spec"]["engine"]["shutdownTimeoutSeconds"] = 7
     local = local_plan(document)
-    assert {e.stop_timeout_s for e in local.engines} == {7 + 5}  # the drain, and 5 s to exit
-    assert local.router.stop_timeout_s == 30  # Kubernetes' default grace period
+    assert {e.stop_timeout_s for e in local.engines} == {7 + 22 + 5}  # the drain, the exit after it, slack
+    assert local.router.stop_timeout_s == 25 + 5  # the router's graceful shutdown, and slack
     assert local.router.waits_for == (contract.PREFILL, contract.DECODE)
