@@ -123,9 +123,15 @@ def usage(choices: list[Choice], prompts_counted: set[int]) -> dict:
 
 def validation_error(errors: Sequence[dict]) -> APIError:
     """One 400 for pydantic's errors: text that is not UTF-8 first (the other members of a
-    union fail on it too, less helpfully), else the first error; the field path without
-    pydantic's union-member tags (`prompt.list[int]`), which are no field names."""
-    error = next((e for e in errors if e.get("type") == UTF8_ERROR), errors[0])
+    union fail on it too, less helpfully), else of the first field's errors the one that got
+    deepest into the value (for a union, the member the value was meant for); the field path
+    without pydantic's union-member tags (`prompt.list[int]`), which are no field names."""
+    def path(e: dict) -> tuple:
+        return tuple(part for part in e.get("loc", ()) if part != "body")
+
+    field = path(errors[0])[:1]
+    deepest = max((e for e in errors if path(e)[:1] == field), key=lambda e: len(path(e)))
+    error = next((e for e in errors if e.get("type") == UTF8_ERROR), deepest)
     if error.get("type") == "json_invalid":  # its location is a character offset, not a field
         where = error.get("loc", ("body", "?"))[-1]
         reason = (error.get("ctx") or {}).get("error", "invalid syntax")
