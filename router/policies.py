@@ -60,8 +60,12 @@ class PowerOfTwoPolicy(Policy):
 class CacheAwareSettings:
     # Route to the longest match only when it covers more than this share of the request.
     cache_threshold: float = 0.3
-    # Loads are imbalanced when max - min > abs threshold AND max > min * rel threshold.
-    balance_abs_threshold: int = 64
+    # Loads are imbalanced when max - min > abs threshold AND max > min * rel threshold. SGLang's
+    # router takes 64, which a pool of a few engines at modest concurrency never reaches: every
+    # request behind a cached prefix then goes to one engine, also after another one (re)joins
+    # (48 of 48 in benchmarks/router/small_pool.py). 4 spreads such a pool for a few more prefills
+    # (docs/router.md, Routing policies); large pools at high load are balanced by the ratio anyway.
+    balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5
     # Characters remembered per worker before least recently used text is evicted.
     max_tree_chars: int = 2**24

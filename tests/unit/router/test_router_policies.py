@@ -84,3 +84,22 @@ def test_policy_names_and_settings_are_checked():
         CacheAwareSettings(cache_threshold=1.5)
     with pytest.raises(ValueError):
         CacheAwareSettings(balance_rel_threshold=0.5)
+
+
+@pytest.mark.parametrize(("threshold", "spreads"), [(None, True), (64, False)])
+def test_a_small_pool_spreads_after_a_worker_rejoins_by_default(threshold, spreads):
+    """Issue 16, item 9: worker A holds the pool's one system prompt; B (re)joins empty. Eight
+    requests behind that prompt arrive together: by default some reach B; with SGLang's 64 all
+    stay on A (benchmarks/router/small_pool.py measures both on real engines)."""
+    a, b = workers(2)
+    settings = CacheAwareSettings() if threshold is None else CacheAwareSettings(balance_abs_threshold=threshold)
+    policy = CacheAwarePolicy(settings)
+    system = "You are a helpful assistant. " * 20
+    assert policy.choose([a], system + "first question").worker is a
+    for i in range(8):
+        choice = policy.choose([a, b], system + f"question {i}")
+        choice.worker.in_flight += 1  # none has finished yet
+    assert (b.in_flight > 0) is spreads
+    assert a.in_flight + b.in_flight == 8
+    if spreads:
+        assert b.in_flight >= 2
