@@ -20,6 +20,8 @@ REFUSED = {
     "disaggregation_bootstrap_port": "only prefill and decode engines, which are served, have a bootstrap server",
     "disaggregation_timeout": "only prefill and decode engines, which are served, transfer KV",
     "default_max_tokens": "kubesgl generate gives every prompt --max-tokens",
+    **dict.fromkeys(("max_sequences_per_request", "max_stop_string_length", "max_request_body_bytes",
+                     "max_prompt_chars_per_token"), "a limit of the HTTP server's requests; kubesgl generate serves none"),
 }
 
 

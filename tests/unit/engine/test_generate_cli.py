@@ -68,3 +68,28 @@ def test_triton_attention_on_the_cpu_is_a_clear_error(tiny_model, capsys, monkey
     status = main(["--model", tiny_model("llama"), "--device", "cpu", "--attention-backend", "triton", "--prompt", "hi"])
     err = capsys.readouterr().err
     assert status == 2 and err == "kubesgl generate: --attention-backend triton runs on CUDA GPUs; on the CPU use torch (or auto)\n"
+
+
+# The engine options kubesgl generate honours; every other one must be in engine/cli.py's REFUSED.
+HONOURED = {"model", "device", "dtype", "kv_cache_dtype", "load_format", "page_size", "max_running_requests",
+            "chunked_prefill_size", "max_prefill_tokens", "max_total_tokens", "mem_fraction_static", "context_length",
+            "attention_backend", "disable_radix_cache", "disable_overlap_schedule", "disable_cuda_graph",
+            "cuda_graph_max_bs"}
+
+
+def test_every_engine_option_is_honoured_or_refused_by_generate():
+    """A new engine option must be placed: honoured by the offline engine, or refused with a reason."""
+    from kubesgl.engine.cli import REFUSED
+    from kubesgl.engine.cli_args import CLI_OPTIONS
+
+    names = {opt.name for opt in CLI_OPTIONS}
+    assert HONOURED.isdisjoint(REFUSED)
+    assert names == HONOURED | set(REFUSED), f"place {sorted(names - HONOURED - set(REFUSED))} in HONOURED or REFUSED"
+
+
+def test_a_request_limit_of_the_http_server_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "m", "--prompt", "hi", "--max-request-body-bytes", "2048"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --max-request-body-bytes: 2048 cannot be honoured here: a limit of " \
+        "the HTTP server's requests" in err
