@@ -16,6 +16,9 @@ from kubesgl.engine.io import DisaggStats, SchedulerStats
 # (the scheduler's ReqStatus names, lower case).
 DISAGG_STATES = ("waiting", "prefilling", "transferring", "awaiting_kv", "decoding", "finished")
 
+# finish_reason values of kubesgl_requests_total ("error" is counted by kubesgl_request_errors_total).
+FINISH_REASONS = ("stop", "length", "abort")
+
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 
@@ -56,6 +59,8 @@ class EngineMetrics:
                        self.generation_tokens, self.ttft, self.itl, self.e2e, self.kv_transfer_bytes,
                        self.kv_transfer_seconds, self.kv_transfer_wait):
             metric.labels(role=role)  # present from the start, at zero
+        for finish_reason in FINISH_REASONS:
+            self.requests.labels(role=role, finish_reason=finish_reason)
         if role != MIXED:  # every known label value from the start, so rate() sees the first one
             for state in DISAGG_STATES:
                 self.disagg_requests.labels(role=role, state=state)

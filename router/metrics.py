@@ -12,10 +12,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kubesgl.router.workers import WorkerRegistry
+from kubesgl.router.workers import Worker, WorkerRegistry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PD_ROUTES = ("disaggregated", "decode_only_short", "decode_only_saturated")
+CACHE_DECISIONS = ("hit", "miss", "balance")
+# The outcomes of kubesgl_router_requests_total that every worker's series start with, at
+# zero once the worker is known: rate() then sees the first success, failure or abort.
+WORKER_STATUSES = ("200", "error", "cancelled")
 
 # Seconds: from a few milliseconds (short completions) to long streamed generations.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -77,9 +81,20 @@ class RouterMetrics:
             ["route"],
             registry=self.registry,
         )
+        # Known label values present from the start, at zero: rate() sees the first increment
         for route in PD_ROUTES:
-            self.pd_routes.labels(route)  # present from the start: rate() sees the first one
+            self.pd_routes.labels(route)
+        for decision in CACHE_DECISIONS:
+            self.cache_decisions.labels(decision)
+        self.requests.labels("", "503")  # no worker could serve
+        for worker in workers.all():
+            self._worker_known(worker)
+        workers.on_added(self._worker_known)
         self.registry.register(_WorkerCollector(workers))
+
+    def _worker_known(self, worker: Worker) -> None:
+        for status in WORKER_STATUSES:
+            self.requests.labels(worker.url, status)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
