@@ -18,6 +18,11 @@ DISAGG_STATES = ("waiting", "prefilling", "transferring", "awaiting_kv", "decodi
 
 # finish_reason values of kubesgl_requests_total ("error" is counted by kubesgl_request_errors_total).
 FINISH_REASONS = ("stop", "length", "abort")
+# kubesgl_request_errors_total: error answers by status, the reason label naming each.
+ERROR_REASONS = {
+    400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+    413: "too_large", 500: "internal", 503: "unavailable",
+}
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
@@ -36,6 +41,10 @@ class EngineMetrics:
         self.prompt_tokens = Counter("kubesgl_prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
         self.generation_tokens = Counter("kubesgl_generation_tokens", "Generated tokens", labels, registry=r)
         self.requests = Counter("kubesgl_requests", "Finished requests", labels + ["finish_reason"], registry=r)
+        self.request_errors = Counter(
+            "kubesgl_request_errors", "Requests answered with an error (HTTP status >= 400, or an error "
+            "event ending a stream), by status; a client that leaves is an abort, not an error",
+            labels + ["status", "reason"], registry=r)
         self.ttft = Histogram("kubesgl_time_to_first_token_seconds", "Time to first token", labels,
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kubesgl_inter_token_latency_seconds", "Time between tokens", labels,
@@ -61,6 +70,8 @@ class EngineMetrics:
             metric.labels(role=role)  # present from the start, at zero
         for finish_reason in FINISH_REASONS:
             self.requests.labels(role=role, finish_reason=finish_reason)
+        for status, reason in ERROR_REASONS.items():
+            self.request_errors.labels(role=role, status=str(status), reason=reason)
         if role != MIXED:  # every known label value from the start, so rate() sees the first one
             for state in DISAGG_STATES:
                 self.disagg_requests.labels(role=role, state=state)
@@ -99,6 +110,10 @@ class EngineMetrics:
             count -= 1
         for _ in range(count):
             self.itl.labels(role=role).observe(since_last / max(count, 1))
+
+    def request_error(self, status: int) -> None:
+        reason = ERROR_REASONS.get(status, "client_error" if status < 500 else "server_error")
+        self.request_errors.labels(role=self.role, status=str(status), reason=reason).inc()
 
     def finished(self, seconds: float, finish_reason: str, prompt_tokens: int) -> None:
         self.e2e.labels(role=self.role).observe(seconds)

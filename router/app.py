@@ -171,18 +171,18 @@ class RouterApp:
         methods = self._routes.get(scope["path"])
         if methods is None:
             message = f"no route for {scope['method']} {scope['path']}"
-            await self._send(send, _error_reply(RouterError(404, message, "not_found_error")))
+            await self._send(send, self._rejected(RouterError(404, message, "not_found_error")))
             return
         handler = methods.get(scope["method"])
         if handler is None:
             allowed = ", ".join(methods)
             error = RouterError(405, f"{scope['path']} accepts {allowed}", "invalid_request_error")
-            await self._send(send, _error_reply(error))
+            await self._send(send, self._rejected(error))
             return
         try:
             self._authorize(scope)  # before the body is read: strangers' bodies are not buffered
         except RouterError as error:
-            await self._send(send, _error_reply(error))
+            await self._send(send, self._rejected(error))
             return
         started = time.perf_counter()
         try:
@@ -190,7 +190,7 @@ class RouterApp:
         except _ClientGone:
             return
         except RouterError as error:
-            await self._send(send, _error_reply(error))
+            await self._send(send, self._rejected(error))
             return
         exchange = _Exchange(asyncio.current_task())  # type: ignore[arg-type]
         watcher = asyncio.create_task(_watch_disconnect(receive, exchange))
@@ -198,10 +198,10 @@ class RouterApp:
             try:
                 reply = await handler(scope, body)
             except (RouterError, UpstreamError) as error:
-                reply = _error_reply(error)
+                reply = self._rejected(error)
             except Exception:
                 log.exception("unexpected error in %s %s", scope["method"], scope["path"])
-                reply = _error_reply(RouterError(500, "internal router error", "internal_error"))
+                reply = self._rejected(RouterError(500, "internal router error", "internal_error"))
             await self._send(send, reply, exchange)
         except asyncio.CancelledError:
             if not exchange.disconnected:
@@ -211,6 +211,12 @@ class RouterApp:
             watcher.cancel()
             if scope["path"] in GENERATION_PATHS:
                 self.metrics.request_duration.observe(time.perf_counter() - started)
+
+    def _rejected(self, error: RouterError | UpstreamError) -> BufferedReply:
+        """The error answer; one the router gives itself (no worker's) is counted as a rejection."""
+        if isinstance(error, RouterError):
+            self.metrics.rejected(error.status)
+        return _error_reply(error)
 
     async def _send(self, send: Send, reply: Reply, exchange: _Exchange | None = None) -> None:
         if isinstance(reply, BufferedReply):

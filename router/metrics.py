@@ -20,6 +20,11 @@ CACHE_DECISIONS = ("hit", "miss", "balance")
 # The outcomes of kubesgl_router_requests_total that every worker's series start with, at
 # zero once the worker is known: rate() then sees the first success, failure or abort.
 WORKER_STATUSES = ("200", "error", "cancelled")
+# Answers the router gives itself, without a worker, by status: the reason label names them.
+REJECTION_REASONS = {
+    400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+    405: "method_not_allowed", 413: "too_large", 500: "internal", 503: "no_worker",
+}
 
 # Seconds: from a few milliseconds (short completions) to long streamed generations.
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -69,6 +74,14 @@ class RouterMetrics:
             ["decision"],
             registry=self.registry,
         )
+        self.rejections = Counter(
+            "kubesgl_router_rejections",
+            "Requests the router answered itself with an error, sent to no worker: bad requests, "
+            "wrong keys, unknown paths, bodies over the limit, no worker that can serve (that one "
+            "is also kubesgl_router_requests{worker=\"\",status=\"503\"}), internal errors",
+            ["status", "reason"],
+            registry=self.registry,
+        )
         self.retries = Counter(
             "kubesgl_router_retries",
             "Requests sent again to another worker after a failure before any byte reached the client",
@@ -87,6 +100,8 @@ class RouterMetrics:
         for decision in CACHE_DECISIONS:
             self.cache_decisions.labels(decision)
         self.requests.labels("", "503")  # no worker could serve
+        for status, reason in REJECTION_REASONS.items():
+            self.rejections.labels(str(status), reason)
         for worker in workers.all():
             self._worker_known(worker)
         workers.on_added(self._worker_known)
@@ -95,6 +110,9 @@ class RouterMetrics:
     def _worker_known(self, worker: Worker) -> None:
         for status in WORKER_STATUSES:
             self.requests.labels(worker.url, status)
+
+    def rejected(self, status: int) -> None:
+        self.rejections.labels(str(status), REJECTION_REASONS.get(status, "other")).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,6 +22,7 @@ from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.protocol import BootstrapTarget
 from kubesgl.engine.io import FinishReason, TextOutput, TokenizeRequest
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.server.access import RequestAccounting
 from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient
 from kubesgl.engine.server.limits import (
     BodyLimit,
@@ -179,6 +180,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     app = FastAPI(title="kubesgl engine", docs_url=None, redoc_url=None)
     document_errors_as_answered(app)
     app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
+    app.add_middleware(RequestAccounting, metrics=client.metrics)  # outermost: sees the 413 too
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -326,7 +328,8 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
                 await asyncio.gather(*(s.aclose() for s in streams))
                 raise APIError.of(out.finish_reason)
         if stream:
-            return StreamingResponse(stream_events(streams, firsts, choices, first_of_prompt, include_usage, formatter),
+            return StreamingResponse(stream_events(streams, firsts, choices, first_of_prompt, include_usage, formatter,
+                                                   client.metrics.request_error),
                                      media_type="text/event-stream")
         collect = asyncio.create_task(collect_all(streams, firsts, choices))
         disconnect = asyncio.create_task(wait_for_disconnect(request))
@@ -358,7 +361,8 @@ async def collect_all(streams, firsts: list[TextOutput], choices: list[Choice]) 
 
 
 async def stream_events(streams, firsts, choices: list[Choice], first_of_prompt: set[int], include_usage: bool,
-                        formatter: Formatter) -> AsyncIterator[str]:
+                        formatter: Formatter, on_error: Callable[[int], None] = lambda status: None,
+                        ) -> AsyncIterator[str]:
     queue: asyncio.Queue[tuple[int, TextOutput | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[TextOutput], first: TextOutput) -> None:
@@ -384,6 +388,7 @@ async def stream_events(streams, firsts, choices: list[Choice], first_of_prompt:
             before = len(choice.text)
             choice.add(out)
             if out.finish_reason is not None and out.finish_reason.kind == "error":
+                on_error(out.finish_reason.status)  # the answer's status was 200: counted here
                 yield sse(APIError.of(out.finish_reason).body())
                 continue
             yield sse(formatter.chunk(choice, out, before))

@@ -3,6 +3,8 @@ first count is invisible to rate() and increase() (issue 15)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -54,3 +56,68 @@ def test_every_router_counter_has_its_series_at_zero_from_the_start():
     assert ("", "503") in requests
     assert all(value == 0 for family in text_string_to_metric_families(metrics.render().decode())
                if family.type == "counter" for value in (s.value for s in family.samples if s.name.endswith("_total")))
+
+
+# -- the router counts the answers it gives itself (issue 15, item 2) ------------------------
+
+
+async def _call(app, method: str, path: str, body: bytes = b"", headers=()) -> int:
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)  # the client stays until answered
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path, "headers": list(headers), "query_string": b""}
+    await app(scope, receive, send)
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+def _counter(metrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_the_routers_own_rejections_are_counted_by_status_and_reason():
+    from kubesgl.router.app import RouterApp
+    from kubesgl.router.config import RouterConfig
+    from kubesgl.router.metrics import REJECTION_REASONS
+
+    app = RouterApp(RouterConfig(api_key="k", max_request_bytes=100))
+    key = [(b"authorization", b"Bearer k")]
+    calls = [  # (expected status, request); no worker is registered
+        (404, ("GET", "/nowhere", b"", ())),
+        (404, ("GET", "/nowhere/else", b"", ())),
+        (405, ("GET", "/v1/completions", b"", ())),
+        (401, ("POST", "/v1/completions", b"{}", ())),
+        (413, ("POST", "/v1/completions", b"x" * 200, key)),
+        (400, ("POST", "/v1/completions", b"not json", key)),
+        (403, ("POST", "/workers", b"{}", ())),
+        (503, ("POST", "/v1/completions", b'{"prompt": "hi"}', key)),
+        (200, ("GET", "/metrics", b"", ())),  # answered: no rejection
+    ]
+
+    async def scenario() -> list[int]:
+        await app.startup()
+        try:
+            return [await _call(app, *request) for _, request in calls]
+        finally:
+            await app.shutdown()
+
+    assert asyncio.run(scenario()) == [status for status, _ in calls]
+    expected = {404: 2, 405: 1, 401: 1, 413: 1, 400: 1, 403: 1, 503: 1}
+    for status, count in expected.items():
+        got = _counter(app.metrics, "kubesgl_router_rejections_total", status=str(status),
+                       reason=REJECTION_REASONS[status])
+        assert got == count, (status, got)
+    total = sum(s.value for family in app.metrics.registry.collect() if family.name == "kubesgl_router_rejections"
+                for s in family.samples if s.name.endswith("_total"))
+    assert total == sum(expected.values())
+    # the no-worker answer is also the attempt counted without a worker, as before
+    assert _counter(app.metrics, "kubesgl_router_requests_total", worker="", status="503") == 1

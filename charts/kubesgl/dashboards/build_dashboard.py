@@ -35,6 +35,8 @@ def latency(histogram: str, by: str) -> list[tuple[str, str]]:
 # (title, unit, [(query, legend)]), laid out two to a row
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Finished requests by reason", "reqps", [(rate("kubesgl_requests_total", "finish_reason"), "{{finish_reason}}")]),
+    ("Engine errors by reason", "reqps", [(rate("kubesgl_request_errors_total", "role, status, reason"),
+                                           "{{role}} {{status}} {{reason}}")]),
     ("Tokens per second", "short", [(rate("kubesgl_prompt_tokens_total", "role"), "prompt {{role}}"),
                                     (rate("kubesgl_generation_tokens_total", "role"), "generated {{role}}")]),
     ("Time to first token", "s", latency("kubesgl_time_to_first_token_seconds", "role")),
@@ -56,7 +58,9 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("P/D: wait for the other engine (decode: for the KV; prefill: for the slots)", "s",
      latency("kubesgl_kv_transfer_wait_seconds", "role")),
     ("Router: P/D routes", "reqps", [(rate("kubesgl_router_pd_routes_total", "route"), "{{route}}")]),
-    ("Router requests by status", "reqps", [(rate("kubesgl_router_requests_total", "status"), "{{status}}")]),
+    ("Router answers by status: attempts on workers, and the router's own rejections", "reqps", [
+        (rate("kubesgl_router_requests_total", "status", 'worker!=""'), "{{status}} from a worker"),
+        (rate("kubesgl_router_rejections_total", "status, reason"), "{{status}} {{reason}} (router)")]),
     ("Router request duration", "s", latency("kubesgl_router_request_duration_seconds", "pod")),
     ("Router: healthy workers", "short", [(gauge("kubesgl_router_worker_healthy", "max", "worker"), "{{worker}}")]),
     ("Router: in-flight requests per worker", "short", [

@@ -1,0 +1,105 @@
+"""The HTTP server's own accounting (issue 15): error answers by status and reason,
+also the body limit's 413, a crash's 500 and an error that ends a stream already started."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.io import FinishReason, TextOutput
+from kubesgl.engine.metrics import ERROR_REASONS, EngineMetrics
+from kubesgl.engine.server.api import ServerState, build_app
+
+
+class FakeClient:
+    """What build_app uses of the EngineClient; `script` says how each request goes."""
+
+    def __init__(self, script: str = "ok"):
+        self.metrics = EngineMetrics("mixed")
+        self.ready = asyncio.Event()
+        self.ready.set()
+        self.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
+        self.script = script
+
+    def generate(self, request):
+        return self._outputs(request.rid)
+
+    async def _outputs(self, rid: str):
+        if self.script == "crash":
+            raise RuntimeError("boom")
+        if self.script == "fail_first":
+            yield TextOutput(rid, "", [], FinishReason("error", status=500, message="the step failed"), 3, 0, 0)
+            return
+        yield TextOutput(rid, "a", [5], None, 3, 0, 1)
+        if self.script == "fail_later":
+            yield TextOutput(rid, "", [], FinishReason("error", status=500, message="the step failed"), 3, 0, 1)
+            return
+        yield TextOutput(rid, "b", [6], FinishReason("length"), 3, 0, 2)
+
+    async def close(self, rid: str) -> None:
+        pass
+
+
+def _errors(metrics: EngineMetrics) -> dict[tuple[str, str], float]:
+    found = {}
+    for family in metrics.registry.collect():
+        if family.name == "kubesgl_request_errors":
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.value:
+                    found[(sample.labels["status"], sample.labels["reason"])] = sample.value
+    return found
+
+
+async def _requests(client: FakeClient, calls, api_key: str | None = None) -> list[int]:
+    config = EngineConfig(model="m", max_request_body_bytes=2000)
+    app = build_app(client, ServerState(config, "m", api_key=api_key))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
+        return [(await http.request(method, path, **kwargs)).status_code for method, path, kwargs in calls]
+
+
+def test_error_answers_are_counted_by_status_and_reason():
+    client = FakeClient()
+    calls = [
+        ("POST", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": 2}}),  # 200
+        ("POST", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": -1}}),  # 400
+        ("POST", "/v1/completions", {"json": {"prompt": "hi", "model": "other"}}),  # 404
+        ("GET", "/nowhere", {}),  # 404
+        ("GET", "/v1/completions", {}),  # 405
+        ("POST", "/v1/completions", {"content": b"x" * 5000}),  # 413
+        ("GET", "/health", {}),  # 200
+    ]
+    statuses = asyncio.run(_requests(client, calls))
+    assert statuses == [200, 400, 404, 404, 405, 413, 200]
+    assert _errors(client.metrics) == {("400", "invalid_request"): 1, ("404", "not_found"): 2,
+                                       ("405", "method_not_allowed"): 1, ("413", "too_large"): 1}
+
+
+def test_a_wrong_key_and_a_server_that_is_not_ready_are_counted():
+    client = FakeClient()
+    statuses = asyncio.run(_requests(client, [("POST", "/v1/completions", {"json": {"prompt": "hi"}})], "key"))
+    client.ready.clear()
+    statuses += asyncio.run(_requests(client, [("POST", "/v1/completions", {"json": {"prompt": "hi"}}),
+                                               ("GET", "/health", {})]))  # a probe's 503 is not counted
+    assert statuses == [401, 503, 503]
+    assert _errors(client.metrics) == {("401", "unauthorized"): 1, ("503", "unavailable"): 1}
+
+
+@pytest.mark.parametrize("script, stream, status", [("crash", False, 500), ("fail_first", False, 500),
+                                                    ("fail_later", False, 500), ("fail_later", True, 200)])
+def test_failed_generations_are_counted_once(script, stream, status):
+    client = FakeClient(script)
+    body = {"prompt": "hi", "max_tokens": 2, "stream": stream}
+    assert asyncio.run(_requests(client, [("POST", "/v1/completions", {"json": body})])) == [status]
+    assert _errors(client.metrics) == {("500", "internal"): 1}
+
+
+def test_every_known_reason_is_exported_at_zero_from_the_start():
+    metrics = EngineMetrics("decode")
+    for status, reason in ERROR_REASONS.items():
+        labels = {"role": "decode", "status": str(status), "reason": reason}
+        assert metrics.registry.get_sample_value("kubesgl_request_errors_total", labels) == 0
