@@ -102,14 +102,19 @@ class EngineMetrics:
             self.kv_transfer_wait.labels(role=role).observe(seconds)
 
     def tokens(self, count: int, since_last: float, first: bool) -> None:
-        """`count` new tokens, `since_last` seconds after the previous ones (or the arrival)."""
+        """`count` new tokens, `since_last` seconds after the previous ones (or the arrival).
+
+        The first output's time is the TTFT; tokens that arrive with the first one (a P/D
+        handoff, an output that several steps filled) came at no measured interval and are no
+        inter-token latency. A later output of n tokens counts n intervals of since_last / n
+        (SGLang's convention), so the ITL histogram counts every token after the first output."""
         role = self.role
         self.generation_tokens.labels(role=role).inc(count)
         if first:
             self.ttft.labels(role=role).observe(since_last)
-            count -= 1
+            return
         for _ in range(count):
-            self.itl.labels(role=role).observe(since_last / max(count, 1))
+            self.itl.labels(role=role).observe(since_last / count)
 
     def request_error(self, status: int) -> None:
         reason = ERROR_REASONS.get(status, "client_error" if status < 500 else "server_error")

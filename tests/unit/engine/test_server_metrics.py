@@ -103,3 +103,26 @@ def test_every_known_reason_is_exported_at_zero_from_the_start():
     for status, reason in ERROR_REASONS.items():
         labels = {"role": "decode", "status": str(status), "reason": reason}
         assert metrics.registry.get_sample_value("kubesgl_request_errors_total", labels) == 0
+
+
+# -- inter-token latency (issue 15, item 3) --------------------------------------------------
+
+
+def _histogram(metrics: EngineMetrics, name: str) -> tuple[float, float]:
+    labels = {"role": metrics.role}
+    return (metrics.registry.get_sample_value(f"{name}_count", labels),
+            metrics.registry.get_sample_value(f"{name}_sum", labels))
+
+
+def test_tokens_that_arrive_with_the_first_are_no_inter_token_latency():
+    metrics = EngineMetrics("mixed")
+    metrics.tokens(4, 0.9, first=True)  # the first output holds 4 tokens, 0.9 s after arrival
+    assert _histogram(metrics, "kubesgl_time_to_first_token_seconds") == (1, 0.9)
+    assert _histogram(metrics, "kubesgl_inter_token_latency_seconds") == (0, 0)  # not 3 x 0.3 s
+    metrics.tokens(1, 0.02, first=False)
+    metrics.tokens(2, 0.06, first=False)  # two tokens in one output: two intervals of 0.03 s
+    count, total = _histogram(metrics, "kubesgl_inter_token_latency_seconds")
+    assert count == 3 and total == pytest.approx(0.08)
+    assert metrics.registry.get_sample_value("kubesgl_inter_token_latency_seconds_bucket",
+                                             {"role": "mixed", "le": "0.03"}) == 3
+    assert metrics.registry.get_sample_value("kubesgl_generation_tokens_total", {"role": "mixed"}) == 7
