@@ -56,6 +56,10 @@ class TokenOutput:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # On a request's first output only: seconds from the scheduler's receipt to admission, and
+    # from admission to this output (prefill; on a decode engine, to the KV's arrival)
+    queue_seconds: float | None = None
+    prefill_seconds: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -140,6 +144,8 @@ class TextOutput:
     top_strings: list[list[str]] | None = None
     token_bytes: list[list[int]] | None = None  # their raw bytes (a token may hold part of a character)
     top_bytes: list[list[list[int]]] | None = None
+    queue_seconds: float | None = None  # see TokenOutput
+    prefill_seconds: float | None = None
 
 
 @dataclass

@@ -6,7 +6,7 @@ scheduler's state (running, waiting, KV usage, prefix hits) arrives with each st
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kubesgl.contract import MIXED
 from kubesgl.engine.disagg.protocol import FailureReason
@@ -25,6 +25,8 @@ ERROR_REASONS = {
 }
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Prompt and output lengths in tokens: 1 to 128k, roughly x2.5 apart
+_LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 
 
@@ -51,6 +53,24 @@ class EngineMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram("kubesgl_e2e_request_latency_seconds", "Request latency, arrival to last token", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("kubesgl_request_queue_time_seconds", "Time a request waited in the "
+                                    "scheduler's queue before admission", labels, buckets=_LATENCY_BUCKETS,
+                                    registry=r)
+        self.prefill_time = Histogram("kubesgl_request_prefill_time_seconds", "From admission to the first "
+                                      "output token (decode engines: to the KV's arrival)", labels,
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.decode_time = Histogram("kubesgl_request_decode_time_seconds", "From the first output token to "
+                                     "the last", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_length = Histogram("kubesgl_request_prompt_tokens", "Prompt length of finished requests, "
+                                       "in tokens", labels, buckets=_LENGTH_BUCKETS, registry=r)
+        self.output_length = Histogram("kubesgl_request_generation_tokens", "Tokens generated per finished "
+                                       "request", labels, buckets=_LENGTH_BUCKETS, registry=r)
+        self.cached_tokens = Counter("kubesgl_cached_prompt_tokens", "Prompt tokens of finished requests "
+                                     "found in the prefix cache (hit ratio: its rate over "
+                                     "kubesgl_prompt_tokens_total's)", labels, registry=r)
+        self.kv_capacity = Gauge("kubesgl_kv_cache_capacity_tokens", "Tokens the KV pool holds", labels,
+                                 registry=r)
+        self.build_info = Info("kubesgl_build", "The kubesgl version and the model served", labels, registry=r)
         self.kv_transfer_bytes = Counter("kubesgl_kv_transfer_bytes", "KV bytes moved between prefill and decode",
                                          labels, registry=r)
         self.kv_transfer_seconds = Histogram("kubesgl_kv_transfer_seconds", "Time to move one request's KV", labels,
@@ -66,7 +86,9 @@ class EngineMetrics:
         self.role = role
         for metric in (self.num_running, self.num_waiting, self.kv_usage, self.prefix_hit, self.prompt_tokens,
                        self.generation_tokens, self.ttft, self.itl, self.e2e, self.kv_transfer_bytes,
-                       self.kv_transfer_seconds, self.kv_transfer_wait):
+                       self.kv_transfer_seconds, self.kv_transfer_wait, self.queue_time, self.prefill_time,
+                       self.decode_time, self.prompt_length, self.output_length, self.cached_tokens,
+                       self.kv_capacity):
             metric.labels(role=role)  # present from the start, at zero
         for finish_reason in FINISH_REASONS:
             self.requests.labels(role=role, finish_reason=finish_reason)
@@ -84,6 +106,7 @@ class EngineMetrics:
         self.num_running.labels(role=role).set(stats.num_running)
         self.num_waiting.labels(role=role).set(stats.num_waiting)
         self.kv_usage.labels(role=role).set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
+        self.kv_capacity.labels(role=role).set(stats.kv_total_tokens)
         self.prefix_hit.labels(role=role).set(stats.cached_prompt_tokens / max(stats.prompt_tokens, 1))
         if stats.disagg is not None:
             self._update_disagg(stats.disagg)
@@ -120,7 +143,23 @@ class EngineMetrics:
         reason = ERROR_REASONS.get(status, "client_error" if status < 500 else "server_error")
         self.request_errors.labels(role=self.role, status=str(status), reason=reason).inc()
 
-    def finished(self, seconds: float, finish_reason: str, prompt_tokens: int) -> None:
-        self.e2e.labels(role=self.role).observe(seconds)
-        self.requests.labels(role=self.role, finish_reason=finish_reason).inc()
-        self.prompt_tokens.labels(role=self.role).inc(prompt_tokens)
+    def set_build_info(self, version: str, model: str) -> None:
+        self.build_info.labels(role=self.role).info({"version": version, "model": model})
+
+    def scheduled(self, queue_seconds: float, prefill_seconds: float) -> None:
+        """A request's times in the scheduler, which come with its first output."""
+        self.queue_time.labels(role=self.role).observe(queue_seconds)
+        self.prefill_time.labels(role=self.role).observe(prefill_seconds)
+
+    def finished(self, seconds: float, finish_reason: str, prompt_tokens: int, cached_tokens: int = 0,
+                 output_tokens: int = 0, decode_seconds: float | None = None) -> None:
+        role = self.role
+        self.e2e.labels(role=role).observe(seconds)
+        self.requests.labels(role=role, finish_reason=finish_reason).inc()
+        self.prompt_tokens.labels(role=role).inc(prompt_tokens)
+        self.cached_tokens.labels(role=role).inc(cached_tokens)
+        if prompt_tokens:  # an abort before tokenization knows none
+            self.prompt_length.labels(role=role).observe(prompt_tokens)
+        self.output_length.labels(role=role).observe(output_tokens)
+        if decode_seconds is not None:
+            self.decode_time.labels(role=role).observe(decode_seconds)

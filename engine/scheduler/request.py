@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -32,6 +33,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    arrived: float = field(default_factory=time.perf_counter)  # the scheduler's receipt
+    admitted: float | None = None  # when it left the waiting queue
+    timings_sent: bool = False  # queue and prefill seconds went out with its first output
 
     # KV state. slots[p] is the KV slot of position p. The first `num_cached` slots belong to
     # the radix tree (locked through `last_node`); the rest are this request's own pages.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -207,6 +208,7 @@ class Scheduler:
             if not self.role.admit(req):
                 break
             self.waiting.popleft()
+            req.admitted = time.perf_counter()
             if req.status is not ReqStatus.WAITING:
                 continue  # the role holds it (a decode engine's request awaiting its KV)
             req.status = ReqStatus.PREFILLING
@@ -323,10 +325,14 @@ class Scheduler:
         self.finished_unreleased = keep
 
     def _output(self, req: Req, tokens: list[int], logprobs) -> TokenOutput:
-        return TokenOutput(
+        out = TokenOutput(
             rid=req.rid, token_ids=tokens, finish_reason=req.finish_reason, logprobs=logprobs,
             prompt_tokens=req.prompt_len, cached_tokens=req.num_prefix_hit, completion_tokens=len(req.output_ids),
         )
+        if tokens and req.admitted is not None and not req.timings_sent:
+            req.timings_sent = True
+            out.queue_seconds, out.prefill_seconds = req.admitted - req.arrived, time.perf_counter() - req.admitted
+        return out
 
     def reset(self) -> None:
         """Empty the prefix cache and zero the counters (only while idle)."""

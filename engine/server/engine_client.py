@@ -38,7 +38,10 @@ class _Pending:
     queue: asyncio.Queue[TextOutput] = field(default_factory=asyncio.Queue)
     arrival: float = field(default_factory=time.perf_counter)
     last_token: float | None = None
+    first_token: float | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
     sent: bool = False  # the request reached the tokenizer
     finished: bool = False  # its final output arrived
 
@@ -84,14 +87,23 @@ class EngineClient:
 
     def _account(self, pending: _Pending, out: TextOutput) -> None:
         now = time.perf_counter()
-        pending.prompt_tokens = out.prompt_tokens
+        pending.prompt_tokens, pending.cached_tokens = out.prompt_tokens, out.cached_tokens
         pending.finished = out.finish_reason is not None
+        if out.queue_seconds is not None and out.prefill_seconds is not None:
+            self.metrics.scheduled(out.queue_seconds, out.prefill_seconds)
         if out.token_ids:
             first = pending.last_token is None
             self.metrics.tokens(len(out.token_ids), now - (pending.arrival if first else pending.last_token), first)
             pending.last_token = now
+            pending.first_token = pending.first_token or now
+            pending.output_tokens += len(out.token_ids)
         if out.finish_reason is not None and out.finish_reason.kind != "error":
-            self.metrics.finished(now - pending.arrival, out.finish_reason.kind, out.prompt_tokens)
+            self._finished(pending, out.finish_reason.kind, now)
+
+    def _finished(self, pending: _Pending, finish_reason: str, now: float) -> None:
+        decode = None if pending.first_token is None else now - pending.first_token
+        self.metrics.finished(now - pending.arrival, finish_reason, pending.prompt_tokens, pending.cached_tokens,
+                              pending.output_tokens, decode)
 
     def generate(self, request: TokenizeRequest) -> AsyncIterator[TextOutput]:
         """Outputs of one request until it finishes. The request id is taken at once (a
@@ -119,7 +131,7 @@ class EngineClient:
         if pending is None or pending.finished or not pending.sent:
             return
         await self.abort(rid, "the client disconnected")
-        self.metrics.finished(time.perf_counter() - pending.arrival, "abort", pending.prompt_tokens)
+        self._finished(pending, "abort", time.perf_counter())
 
     async def abort(self, rid: str, message: str) -> None:
         await self._to_tokenizer.send_pyobj(AbortRequest(rid, message))

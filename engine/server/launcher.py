@@ -22,6 +22,7 @@ from pathlib import Path
 
 import uvicorn
 
+import kubesgl
 from kubesgl.contract import ENGINE_PORT, MIXED
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.bootstrap import run_bootstrap
@@ -115,6 +116,7 @@ class Server:
 
     async def _serve(self) -> None:
         metrics = EngineMetrics(self.config.role)
+        metrics.set_build_info(kubesgl.__version__, self.options.served_model_name or self.config.model)
         client = EngineClient(self.endpoints, metrics)
         client.start()
         state = ServerState(self.config, served_model_name=self.options.served_model_name or self.config.model,

@@ -75,7 +75,8 @@ class Tokenizer:
             self.states.pop(out.rid, None)
         result = TextOutput(rid=out.rid, text=text, token_ids=out.token_ids, finish_reason=reason,
                             prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                            completion_tokens=out.completion_tokens, logprobs=out.logprobs)
+                            completion_tokens=out.completion_tokens, logprobs=out.logprobs,
+                            queue_seconds=out.queue_seconds, prefill_seconds=out.prefill_seconds)
         if out.logprobs:
             name, raw = self._token_text, self._raw_bytes
             result.token_strings = [name(lp.token_id) for lp in out.logprobs]

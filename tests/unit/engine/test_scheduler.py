@@ -268,3 +268,19 @@ def test_unset_max_tokens_defaults_and_usage_counts_reservations(tiny_model, mak
     assert engine.scheduler.stats().kv_used_tokens == 20 + 41 - 1  # held now plus reserved for later
     run_to_end(engine)
     assert engine.scheduler.stats().kv_used_tokens == 0
+
+
+def test_queue_and_prefill_seconds_come_with_the_first_output_only(tiny_model, make_llm, random_prompts):
+    """Issue 15: the scheduler's times behind kubesgl_request_queue_time_seconds and
+    kubesgl_request_prefill_time_seconds; a request that waits behind a full batch shows it."""
+    llm = make_llm(tiny_model("llama"), max_running_requests=1)
+    engine = llm.engine
+    for i, prompt in enumerate(random_prompts(2, 5, 20, seed=12)):
+        submit(engine, f"r{i}", prompt, max_tokens=4, temperature=0, ignore_eos=True)
+    outputs = run_to_end(engine)
+    for rid in ("r0", "r1"):
+        timed = [o for o in outputs[rid] if o.queue_seconds is not None]
+        assert timed == [outputs[rid][0]] and timed[0].prefill_seconds >= 0
+    # r1 waited while r0 ran all of its steps
+    assert outputs["r1"][0].queue_seconds > outputs["r0"][0].queue_seconds
+    assert outputs["r1"][0].queue_seconds >= outputs["r0"][0].prefill_seconds

@@ -126,3 +126,55 @@ def test_tokens_that_arrive_with_the_first_are_no_inter_token_latency():
     assert metrics.registry.get_sample_value("kubesgl_inter_token_latency_seconds_bucket",
                                              {"role": "mixed", "le": "0.03"}) == 3
     assert metrics.registry.get_sample_value("kubesgl_generation_tokens_total", {"role": "mixed"}) == 7
+
+
+# -- request times and lengths (issue 15, item 4) --------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_the_engine_client_records_times_lengths_and_cached_tokens():
+    import shutil
+    from pathlib import Path
+
+    import zmq
+
+    from kubesgl.engine.io import TextBatch, TokenizeRequest
+    from kubesgl.engine.sampling_params import SamplingParams
+    from kubesgl.engine.server.engine_client import EngineClient
+    from kubesgl.engine.server.ipc import Endpoints, push
+
+    endpoints = Endpoints.create()
+    client = EngineClient(endpoints, EngineMetrics("mixed"))
+    client.start()
+    detokenizer = push(zmq.Context.instance(), endpoints.api_in)
+    try:
+        stream = client.generate(TokenizeRequest("r1", SamplingParams()))
+        detokenizer.send_pyobj(TextBatch([TextOutput("r1", "ab", [5, 6], None, 40, 32, 2, queue_seconds=0.25,
+                                                     prefill_seconds=0.05)]))
+        detokenizer.send_pyobj(TextBatch([TextOutput("r1", "c", [7], FinishReason("stop"), 40, 32, 3)]))
+        assert [len(out.token_ids) async for out in stream] == [2, 1]
+    finally:
+        await client.shutdown()
+        detokenizer.close(linger=0)
+        client._context.destroy(linger=0)
+        shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+    metrics = client.metrics
+    assert _histogram(metrics, "kubesgl_request_queue_time_seconds") == (1, 0.25)
+    assert _histogram(metrics, "kubesgl_request_prefill_time_seconds") == (1, 0.05)
+    assert _histogram(metrics, "kubesgl_request_decode_time_seconds")[0] == 1
+    assert _histogram(metrics, "kubesgl_request_prompt_tokens") == (1, 40)
+    assert _histogram(metrics, "kubesgl_request_generation_tokens") == (1, 3)
+    labels = {"role": "mixed"}
+    assert metrics.registry.get_sample_value("kubesgl_cached_prompt_tokens_total", labels) == 32
+    assert metrics.registry.get_sample_value("kubesgl_prompt_tokens_total", labels) == 40
+
+
+def test_capacity_and_build_info():
+    from kubesgl.engine.io import SchedulerStats
+
+    metrics = EngineMetrics("decode")
+    metrics.set_build_info("0.1.0", "Qwen/Qwen3-0.6B")
+    metrics.update_scheduler(SchedulerStats(1, 0, 512, 8192, 0, 0))
+    get = metrics.registry.get_sample_value
+    assert get("kubesgl_kv_cache_capacity_tokens", {"role": "decode"}) == 8192
+    assert get("kubesgl_build_info", {"role": "decode", "version": "0.1.0", "model": "Qwen/Qwen3-0.6B"}) == 1
