@@ -161,6 +161,9 @@ def _autoscaling_problems(spec: InferenceServiceSpec) -> list[Problem]:
             problems.append(Problem(field, f"the {role} role does not run in {spec.mode} mode"))
         if scaling.min_replicas > scaling.max_replicas:
             problems.append(Problem(f"{field}.minReplicas", "greater than maxReplicas"))
+        if scaling.metric == "kvCacheUsage" and scaling.target > 1:
+            problems.append(Problem(f"{field}.target", f"kvCacheUsage is a ratio of the KV pool: the target "
+                                    f"must be in (0, 1], not {scaling.target:g}"))
     return problems
 
 

@@ -9,14 +9,20 @@ from kubesgl.operator.render.common import Object, metadata
 from kubesgl.operator.spec import AutoscalingSpec, InferenceService, RoleAutoscaling
 
 # Engine gauges by spec metric name (docs/architecture.md, Metrics). For the HPA they are
-# per-pod metrics served by a metrics adapter; timeToFirstToken needs the adapter rule in
-# docs/operator.md.
+# per-pod metrics served by a metrics adapter, but for kvCacheUsage; timeToFirstToken needs the
+# adapter rule in docs/operator.md.
 HPA_METRICS = {
     "waitingRequests": "kubesgl_num_waiting_requests",
     "runningRequests": "kubesgl_num_running_requests",
     "kvCacheUsage": "kubesgl_kv_cache_usage_ratio",
     "timeToFirstToken": "kubesgl_time_to_first_token_seconds_avg",
 }
+# Metrics whose fullest pod decides, not the average: one pod with a saturated KV pool refuses
+# admission however idle the others are. The HPA reads the maximum over the role's pods as an
+# External metric (the adapter's external rule in docs/operator.md), KEDA queries max().
+MAX_OVER_PODS = {"kvCacheUsage": "kubesgl_kv_cache_usage_ratio_max"}
+# The Prometheus label the PodMonitor copies from the pods' app.kubernetes.io/instance.
+INSTANCE_PROMETHEUS_LABEL = "app_kubernetes_io_instance"
 
 
 def hpa_quantity(target: float) -> str:
@@ -24,6 +30,25 @@ def hpa_quantity(target: float) -> str:
     if float(target).is_integer():
         return str(int(target))
     return f"{round(target * 1000)}m"
+
+
+def hpa_metric(isvc: InferenceService, role: EngineRole, scaling: RoleAutoscaling) -> Object:
+    if scaling.metric in MAX_OVER_PODS:
+        selector = {"matchLabels": {INSTANCE_PROMETHEUS_LABEL: isvc.metadata.name, "role": role}}
+        return {
+            "type": "External",
+            "external": {
+                "metric": {"name": MAX_OVER_PODS[scaling.metric], "selector": selector},
+                "target": {"type": "Value", "value": hpa_quantity(scaling.target)},
+            },
+        }
+    return {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": HPA_METRICS[scaling.metric]},
+            "target": {"type": "AverageValue", "averageValue": hpa_quantity(scaling.target)},
+        },
+    }
 
 
 def horizontal_pod_autoscaler(
@@ -38,18 +63,7 @@ def horizontal_pod_autoscaler(
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
-            "metrics": [
-                {
-                    "type": "Pods",
-                    "pods": {
-                        "metric": {"name": HPA_METRICS[scaling.metric]},
-                        "target": {
-                            "type": "AverageValue",
-                            "averageValue": hpa_quantity(scaling.target),
-                        },
-                    },
-                }
-            ],
+            "metrics": [hpa_metric(isvc, role, scaling)],
         },
     }
 
@@ -62,6 +76,8 @@ def prometheus_query(namespace: str, deployment: str, role: EngineRole, metric: 
             "histogram_quantile(0.9, sum by (le) "
             f"(rate(kubesgl_time_to_first_token_seconds_bucket{{{pods}}}[2m])))"
         )
+    if metric in MAX_OVER_PODS:
+        return f"max({HPA_METRICS[metric]}{{{pods}}})"
     return f"sum({HPA_METRICS[metric]}{{{pods}}})"
 
 
@@ -70,9 +86,10 @@ def scaled_object(
 ) -> Object:
     name = naming.role_object_name(isvc.metadata.name, role)
     assert spec.prometheus_address is not None  # validation requires it for KEDA
-    # Sums are divided by the replica count (AverageValue); a latency quantile is not additive,
-    # so it is compared as a whole (Value).
-    metric_type = "Value" if scaling.metric == "timeToFirstToken" else "AverageValue"
+    # Sums are divided by the replica count (AverageValue); a latency quantile is not additive
+    # and the fullest pod's KV usage is no sum, so those are compared as a whole (Value).
+    whole = scaling.metric == "timeToFirstToken" or scaling.metric in MAX_OVER_PODS
+    metric_type = "Value" if whole else "AverageValue"
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",

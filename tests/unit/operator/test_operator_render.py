@@ -3,6 +3,7 @@ details of each kind."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import kubernetes_validate
@@ -201,9 +202,14 @@ def test_hpa_owns_replicas_of_autoscaled_roles() -> None:
     decode = objects[("HorizontalPodAutoscaler", "llama-hpa-decode")]["spec"]
     assert decode["scaleTargetRef"]["name"] == "llama-hpa-decode"
     assert (decode["minReplicas"], decode["maxReplicas"]) == (2, 8)
-    metric = decode["metrics"][0]["pods"]
-    assert metric["metric"]["name"] == "kubesgl_kv_cache_usage_ratio"
-    assert metric["target"] == {"type": "AverageValue", "averageValue": "800m"}
+    # KV usage: the fullest pod's, an External metric (one saturated pod beside idle ones scales)
+    (metric,) = decode["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"] == {
+        "name": "kubesgl_kv_cache_usage_ratio_max",
+        "selector": {"matchLabels": {"app_kubernetes_io_instance": "llama-hpa", "role": "decode"}},
+    }
+    assert metric["external"]["target"] == {"type": "Value", "value": "800m"}
     prefill = objects[("HorizontalPodAutoscaler", "llama-hpa-prefill")]["spec"]["metrics"][0]
     assert prefill["pods"]["metric"]["name"] == "kubesgl_num_waiting_requests"
     assert prefill["pods"]["target"]["averageValue"] == "4"
@@ -224,6 +230,23 @@ def test_keda_scaled_objects_query_the_role_pods() -> None:
     assert prefill["metricType"] == "Value"
     assert "histogram_quantile(0.9" in prefill["metadata"]["query"]
     assert prefill["metadata"]["threshold"] == "0.5"
+
+
+def test_keda_kv_usage_is_the_fullest_pods() -> None:
+    """One pod at 0.96 beside an idle one: the average (0.48) never reaches a target of 0.8,
+    the maximum does (issue 15)."""
+    document = load_example("autoscaled-keda.yaml")
+    document["spec"]["autoscaling"]["decode"] = {"maxReplicas": 8, "metric": "kvCacheUsage", "target": 0.8}
+    trigger = objects_of(document)[("ScaledObject", "llama-keda-decode")]["spec"]["triggers"][0]
+    assert trigger["metricType"] == "Value" and trigger["metadata"]["threshold"] == "0.8"
+    assert trigger["metadata"]["query"] == (
+        'max(kubesgl_kv_cache_usage_ratio{namespace="default",'
+        'pod=~"llama-keda-decode-[a-z0-9]+-[a-z0-9]+",role="decode"})'
+    )
+    pods = [0.96, 0.0]
+    value = max(pods)  # what the query returns
+    replicas = len(pods)
+    assert math.ceil(replicas * value / 0.8) > replicas  # the HPA's rule for a Value target
 
 
 def test_pod_monitor_only_when_asked() -> None:

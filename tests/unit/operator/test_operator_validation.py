@@ -154,6 +154,12 @@ def problems_of(document) -> list[str]:
             "spec.autoscaling.prefill.target: Input should be greater than 0",
         ),
         (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.decode.target",
+            2,
+            "spec.autoscaling.decode.target: kvCacheUsage is a ratio of the KV pool: the target must be in (0, 1]",
+        ),
+        (
             "autoscaled-keda.yaml",
             "spec.autoscaling.prometheusAddress",
             ...,
