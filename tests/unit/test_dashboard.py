@@ -67,3 +67,18 @@ def test_every_metric_the_dashboard_reads_is_exported():
     exported = exported_metric_names()
     read = {name for expr in queries() for name in re.findall(r"\bkubesgl_[a-z0-9_]+", expr)}
     assert read and read <= exported, sorted(read - exported)
+
+
+def test_idle_intervals_give_no_nan_and_bursts_show():
+    """Issue 15: a quantile or a ratio over an interval without observations is NaN (the KV
+    transfer time while nothing transfers): each drops it; gauges where a short burst matters
+    read their peak over the interval; the in-flight load of a worker is the sum over router
+    replicas, each of which counts only its own."""
+    exprs = queries()
+    for expr in exprs:
+        if "histogram_quantile(" in expr or " / " in expr:
+            assert expr.endswith(">= 0"), expr
+    for metric in ("kubesgl_num_waiting_requests", "kubesgl_kv_cache_usage_ratio"):
+        assert any(f"max_over_time({metric}" in expr for expr in exprs), metric
+    (load,) = [expr for expr in exprs if "kubesgl_router_worker_load" in expr]
+    assert load.startswith("sum by (worker)")

@@ -21,11 +21,24 @@ def rate(metric: str, by: str, extra: str = "") -> str:
 
 
 def quantile(q: float, histogram: str, by: str) -> str:
-    return f"histogram_quantile({q}, sum by (le, {by}) (rate({histogram}_bucket{{{SELECTOR}}}[{RATE}])))"
+    """`>= 0` drops the NaN of an interval with no observation (KV transfer time while nothing
+    transfers): no point rather than NaN."""
+    return f"histogram_quantile({q}, sum by (le, {by}) (rate({histogram}_bucket{{{SELECTOR}}}[{RATE}]))) >= 0"
 
 
 def gauge(metric: str, how: str, by: str) -> str:
     return f"{how} by ({by}) ({metric}{{{SELECTOR}}})"
+
+
+def peak(metric: str, how: str, by: str) -> str:
+    """The highest sample of each series over the interval: a burst between two of Grafana's
+    points (which read one sample each) still shows."""
+    return f"{how} by ({by}) (max_over_time({metric}{{{SELECTOR}}}[{RATE}]))"
+
+
+def ratio(numerator: str, denominator: str, by: str) -> str:
+    """A ratio of two counters' rates; `>= 0` drops the NaN of an idle interval (0/0)."""
+    return f"({rate(numerator, by)} / {rate(denominator, by)}) >= 0"
 
 
 def latency(histogram: str, by: str) -> list[tuple[str, str]]:
@@ -42,13 +55,20 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Time to first token", "s", latency("kubesgl_time_to_first_token_seconds", "role")),
     ("Inter-token latency", "s", latency("kubesgl_inter_token_latency_seconds", "role")),
     ("End-to-end request latency", "s", latency("kubesgl_e2e_request_latency_seconds", "role")),
-    ("Running and waiting requests", "short", [
+    ("Running and waiting requests (peaks: the busiest pod's highest sample in the interval)", "short", [
         (gauge("kubesgl_num_running_requests", "sum", "role"), "running {{role}}"),
-        (gauge("kubesgl_num_waiting_requests", "sum", "role"), "waiting {{role}}")]),
-    ("KV cache usage (committed / pool)", "percentunit", [
-        (gauge("kubesgl_kv_cache_usage_ratio", "max", "pod, role"), "{{pod}}")]),
-    ("Prefix cache hit ratio", "percentunit", [
-        (gauge("kubesgl_prefix_cache_hit_ratio", "max", "pod, role"), "{{pod}}")]),
+        (gauge("kubesgl_num_waiting_requests", "sum", "role"), "waiting {{role}}"),
+        (peak("kubesgl_num_running_requests", "max", "role"), "peak running on one pod {{role}}"),
+        (peak("kubesgl_num_waiting_requests", "max", "role"), "peak waiting on one pod {{role}}")]),
+    ("KV cache usage (committed / pool), peak per pod", "percentunit", [
+        (peak("kubesgl_kv_cache_usage_ratio", "max", "pod, role"), "{{pod}}")]),
+    ("Queue, prefill and decode time", "s", [
+        (quantile(0.5, "kubesgl_request_queue_time_seconds", "role"), "queue p50 {{role}}"),
+        (quantile(0.99, "kubesgl_request_queue_time_seconds", "role"), "queue p99 {{role}}"),
+        (quantile(0.99, "kubesgl_request_prefill_time_seconds", "role"), "prefill p99 {{role}}"),
+        (quantile(0.99, "kubesgl_request_decode_time_seconds", "role"), "decode p99 {{role}}")]),
+    ("Prefix cache hit ratio (cached over prompt tokens)", "percentunit", [
+        (ratio("kubesgl_cached_prompt_tokens_total", "kubesgl_prompt_tokens_total", "role"), "{{role}}")]),
     ("KV transfer (prefill to decode)", "Bps", [(rate("kubesgl_kv_transfer_bytes_total", "role"), "{{role}}")]),
     ("KV transfer time", "s", latency("kubesgl_kv_transfer_seconds", "role")),
     ("P/D: requests with a room, by state", "short", [
@@ -63,10 +83,12 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         (rate("kubesgl_router_rejections_total", "status, reason"), "{{status}} {{reason}} (router)")]),
     ("Router request duration", "s", latency("kubesgl_router_request_duration_seconds", "pod")),
     ("Router: healthy workers", "short", [(gauge("kubesgl_router_worker_healthy", "max", "worker"), "{{worker}}")]),
-    ("Router: in-flight requests per worker", "short", [
-        (gauge("kubesgl_router_worker_load", "max", "worker"), "{{worker}}")]),
+    ("Router: in-flight requests per worker (summed over router replicas)", "short", [
+        (gauge("kubesgl_router_worker_load", "sum", "worker"), "{{worker}}")]),
     ("Router: cache-aware decisions", "ops", [(rate("kubesgl_router_cache_decisions_total", "decision"), "{{decision}}")]),
     ("Router: retries", "ops", [(rate("kubesgl_router_retries_total", "pod"), "{{pod}}")]),
+    ("Scrape health (1: Prometheus reached the pod's /metrics)", "short", [
+        (gauge("up", "min", "pod"), "{{pod}}")]),
 ]
 
 
