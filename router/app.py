@@ -10,7 +10,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,10 @@ from kubesgl.router.upstream import (
 from kubesgl.router.workers import Role, WorkerRegistry, validate_worker_url
 
 log = logging.getLogger("kubesgl.router")
+access_log = logging.getLogger("kubesgl.router.access")
+QUIET_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: logged at DEBUG
+# A client's X-Request-Id is kept (and passed to the engine) when it looks like an id.
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -168,6 +174,34 @@ class RouterApp:
                 return
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serves the request and writes its access log line: method, path, status, request id,
+        time to the first body byte and duration; never a body, a query string or a key."""
+        started = time.perf_counter()
+        rid = _request_id(scope)
+        status: int | None = None
+        first_byte: float | None = None
+
+        async def sending(message: dict[str, Any]) -> None:
+            nonlocal status, first_byte
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif first_byte is None and message.get("body"):
+                first_byte = time.perf_counter() - started
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, sending)
+        finally:
+            path = scope["path"]
+            if first_byte is not None and status == 200 and path in GENERATION_PATHS:
+                self.metrics.time_to_first_byte.observe(first_byte)
+            level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
+            if access_log.isEnabledFor(level):
+                access_log.log(level, "%s %s %s request_id=%s ttfb=%s duration=%.3fs", scope["method"], path,
+                               status if status is not None else "-", rid,
+                               "-" if first_byte is None else f"{first_byte:.3f}s", time.perf_counter() - started)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         methods = self._routes.get(scope["path"])
         if methods is None:
             message = f"no route for {scope['method']} {scope['path']}"
@@ -347,6 +381,17 @@ class RouterApp:
 def _error_reply(error: RouterError | UpstreamError) -> BufferedReply:
     extra = error.headers if isinstance(error, RouterError) else []
     return BufferedReply(error.status, list(_JSON) + extra, error.body())
+
+
+def _request_id(scope: Scope) -> str:
+    """The client's X-Request-Id, or a new one added to the request (engines get it too)."""
+    for name, value in scope["headers"]:
+        if name.lower() == b"x-request-id" and _REQUEST_ID.fullmatch(value):
+            return value.decode()
+    rid = uuid.uuid4().hex  # a client's value that is no id is replaced, never repeated
+    scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"x-request-id"]
+    scope["headers"].append((b"x-request-id", rid.encode()))
+    return rid
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:

@@ -68,6 +68,13 @@ class RouterMetrics:
             buckets=DURATION_BUCKETS,
             registry=self.registry,
         )
+        self.time_to_first_byte = Histogram(
+            "kubesgl_router_time_to_first_byte_seconds",
+            "Generation requests answered 200: time from receiving the request to sending the first "
+            "byte of the answer (for a stream, about the time to first token)",
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
         self.cache_decisions = Counter(
             "kubesgl_router_cache_decisions",
             "Decisions of the cache-aware policy",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from kubesgl.router.policies import Choice, Policy
 from kubesgl.router.request_parsing import ParsedRequest
 from kubesgl.router.upstream import Headers, Reply, UpstreamClient, UpstreamError
 from kubesgl.router.workers import Role, Worker, WorkerRegistry
+
+log = logging.getLogger("kubesgl.router")
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ class Forwarder:
                     raise
                 excluded.add(error.worker)
                 self.metrics.retries.inc()
+                log.info("retry %d of %d: %s", retry + 1, self.retry.max_retries, error)
                 await asyncio.sleep(self.retry.backoff_s(retry))
                 retry += 1
 

@@ -1,7 +1,14 @@
 """ASGI middleware that sees every request's answer: counts error answers in
-kubesgl_request_errors_total (docs/server.md, Metrics)."""
+kubesgl_request_errors_total (docs/server.md, Metrics) and writes the access log line, one per
+request: method, path, status, request id, token counts, TTFT and duration. Never the prompt,
+the output, a query string or a header but X-Request-Id."""
 
 from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -9,6 +16,37 @@ from kubesgl.engine.metrics import EngineMetrics
 
 CLIENT_LEFT = 499  # the client disconnected: an abort (kubesgl_requests_total), not an error
 UNCOUNTED_PATHS = frozenset({"/health"})  # probes: a 503 while loading or draining is no request error
+QUIET_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: logged at DEBUG
+# A client's X-Request-Id is logged when it looks like an id; anything else is not repeated.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+access_log = logging.getLogger("kubesgl.access")
+
+
+@dataclass
+class AccessRecord:
+    """What the handler learns about a request, for its log line (scope["state"]["access"])."""
+
+    started: float = field(default_factory=time.perf_counter)
+    rid: str | None = None
+    choices: list = field(default_factory=list)  # api.Choice: token counts, read when the answer is done
+    prompts_counted: set[int] = field(default_factory=set)  # the choices whose prompt counts
+    ttft: float | None = None
+
+    def first_tokens(self) -> None:
+        self.ttft = time.perf_counter() - self.started
+
+    def tokens(self) -> tuple[int, int]:
+        prompt = sum(c.prompt_tokens for c in self.choices if c.index in self.prompts_counted)
+        return prompt, sum(len(c.token_ids) for c in self.choices)
+
+
+def request_id(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"x-request-id":
+            text = value.decode("latin-1")
+            return text if _REQUEST_ID.fullmatch(text) else None
+    return None
 
 
 class RequestAccounting:
@@ -23,6 +61,7 @@ class RequestAccounting:
             await self.app(scope, receive, send)
             return
         status: int | None = None
+        record = scope.setdefault("state", {})["access"] = AccessRecord()
 
         async def sending(message: Message) -> None:
             nonlocal status
@@ -38,3 +77,16 @@ class RequestAccounting:
         finally:
             if status is not None and status >= 400 and status != CLIENT_LEFT and scope["path"] not in UNCOUNTED_PATHS:
                 self.metrics.request_error(status)
+            log_access(scope, status, record)
+
+
+def log_access(scope: Scope, status: int | None, record: AccessRecord) -> None:
+    level = logging.DEBUG if scope["path"] in QUIET_PATHS else logging.INFO
+    if not access_log.isEnabledFor(level):
+        return
+    prompt, output = record.tokens()
+    ttft = "-" if record.ttft is None else f"{record.ttft:.3f}s"
+    access_log.log(level, "%s %s %s request_id=%s rid=%s prompt_tokens=%d output_tokens=%d ttft=%s duration=%.3fs",
+                   scope["method"], scope["path"], status if status is not None else "-",
+                   request_id(scope) or "-", record.rid or "-", prompt, output, ttft,
+                   time.perf_counter() - record.started)

@@ -22,7 +22,7 @@ from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.protocol import BootstrapTarget
 from kubesgl.engine.io import FinishReason, TextOutput, TokenizeRequest
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
-from kubesgl.engine.server.access import RequestAccounting
+from kubesgl.engine.server.access import AccessRecord, RequestAccounting
 from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient
 from kubesgl.engine.server.limits import (
     BodyLimit,
@@ -318,11 +318,17 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
             raise APIError(400, str(exc), param="rid") from exc
         choices = [Choice(index=i) for i in range(len(subs))]
         first_of_prompt = {i for i, sub in enumerate(subs) if sub.prefix_leader is None}
+        record: AccessRecord | None = request.scope.get("state", {}).get("access")
+        if record is not None:
+            record.rid = subs[0].rid if len(subs) == 1 else subs[0].rid.rsplit("-", 1)[0]
+            record.choices, record.prompts_counted = choices, first_of_prompt
         try:
             firsts = await asyncio.gather(*(anext(s) for s in streams))
         except BaseException:
             await asyncio.gather(*(client.close(sub.rid) for sub in subs))
             raise
+        if record is not None:
+            record.first_tokens()
         for out in firsts:
             if out.finish_reason is not None and out.finish_reason.kind == "error":
                 await asyncio.gather(*(s.aclose() for s in streams))

@@ -27,6 +27,7 @@ from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.server.ipc import Endpoints, pull, push
 
 logger = logging.getLogger(__name__)
+STATS_LOG_INTERVAL_S = 10.0  # while busy, a line with the scheduler's state this often
 
 
 class DuplicateRequestId(ValueError):
@@ -58,6 +59,9 @@ class EngineClient:
         self._to_tokenizer = push(self._context, endpoints.tokenizer_in)
         self._from_detokenizer = pull(self._context, endpoints.api_in)
         self._reader: asyncio.Task | None = None
+        self.stats_log_interval_s = STATS_LOG_INTERVAL_S
+        self._stats_logged_at = time.perf_counter()
+        self._tokens_since_log = 0
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-outputs")
@@ -79,6 +83,7 @@ class EngineClient:
             if message.stats is not None:
                 self.stats = message.stats
                 self.metrics.update_scheduler(message.stats)
+                self._log_stats(message.stats)
             for out in message.outputs:
                 pending = self._pending.get(out.rid)
                 if pending is not None:
@@ -97,6 +102,7 @@ class EngineClient:
             pending.last_token = now
             pending.first_token = pending.first_token or now
             pending.output_tokens += len(out.token_ids)
+            self._tokens_since_log += len(out.token_ids)
         if out.finish_reason is not None and out.finish_reason.kind != "error":
             self._finished(pending, out.finish_reason.kind, now)
 
@@ -104,6 +110,19 @@ class EngineClient:
         decode = None if pending.first_token is None else now - pending.first_token
         self.metrics.finished(now - pending.arrival, finish_reason, pending.prompt_tokens, pending.cached_tokens,
                               pending.output_tokens, decode)
+
+    def _log_stats(self, stats: SchedulerStats) -> None:
+        """Every stats_log_interval_s while requests run or wait: running, waiting, KV usage and
+        the tokens generated per second since the last line."""
+        now = time.perf_counter()
+        elapsed = now - self._stats_logged_at
+        if elapsed < self.stats_log_interval_s:
+            return
+        if stats.num_running or stats.num_waiting:
+            logger.info("busy: running=%d waiting=%d kv_usage=%.2f generated=%.1f tok/s in_flight=%d",
+                        stats.num_running, stats.num_waiting, stats.kv_used_tokens / max(stats.kv_total_tokens, 1),
+                        self._tokens_since_log / elapsed, len(self._pending))
+        self._stats_logged_at, self._tokens_since_log = now, 0
 
     def generate(self, request: TokenizeRequest) -> AsyncIterator[TextOutput]:
         """Outputs of one request until it finishes. The request id is taken at once (a

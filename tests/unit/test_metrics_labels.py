@@ -121,3 +121,30 @@ def test_the_routers_own_rejections_are_counted_by_status_and_reason():
     assert total == sum(expected.values())
     # the no-worker answer is also the attempt counted without a worker, as before
     assert _counter(app.metrics, "kubesgl_router_requests_total", worker="", status="503") == 1
+
+
+def test_the_router_writes_one_access_line_per_request_without_keys(caplog):
+    from kubesgl.router.app import RouterApp, _request_id
+    from kubesgl.router.config import RouterConfig
+
+    app = RouterApp(RouterConfig(api_key="sk-secret"))
+    wrong = [(b"authorization", b"Bearer sk-wrong-secret"), (b"x-request-id", b"trace-7")]
+
+    async def scenario() -> list[int]:
+        await app.startup()
+        try:
+            return [await _call(app, "POST", "/v1/completions", b'{"prompt": "private words"}', wrong),
+                    await _call(app, "GET", "/health")]
+        finally:
+            await app.shutdown()
+
+    with caplog.at_level("INFO", logger="kubesgl.router.access"):
+        assert asyncio.run(scenario()) == [401, 503]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kubesgl.router.access"]
+    assert len(lines) == 1, lines  # /health at DEBUG
+    assert lines[0].startswith("POST /v1/completions 401 request_id=trace-7 ttfb=")
+    assert "secret" not in lines[0] and "private" not in lines[0]
+    # a request without an id gets one, which the engines get too; one that is no id is replaced
+    scope = {"headers": [(b"x-request-id", b"bad id\r\n")]}
+    rid = _request_id(scope)
+    assert len(rid) == 32 and scope["headers"] == [(b"x-request-id", rid.encode())]

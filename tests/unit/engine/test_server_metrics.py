@@ -178,3 +178,44 @@ def test_capacity_and_build_info():
     get = metrics.registry.get_sample_value
     assert get("kubesgl_kv_cache_capacity_tokens", {"role": "decode"}) == 8192
     assert get("kubesgl_build_info", {"role": "decode", "version": "0.1.0", "model": "Qwen/Qwen3-0.6B"}) == 1
+
+
+# -- logs (issue 15, item 7) ------------------------------------------------------------------
+
+
+def test_one_access_line_per_request_without_prompt_or_key(caplog):
+    client = FakeClient()
+    secret_prompt, key = "my secret prompt", "sk-very-secret"
+    auth = {"authorization": f"Bearer {key}"}
+    calls = [
+        ("POST", "/v1/completions", {"json": {"prompt": secret_prompt, "max_tokens": 2},
+                                     "headers": {**auth, "x-request-id": "trace-42"}}),
+        ("POST", "/v1/completions", {"json": {"prompt": secret_prompt, "max_tokens": -1}, "headers": auth}),
+        ("POST", "/v1/completions", {"json": {"prompt": secret_prompt}, "headers": {"x-request-id": "a b\nc"}}),
+        ("GET", "/health", {}),
+    ]
+    with caplog.at_level("INFO", logger="kubesgl.access"):
+        assert asyncio.run(_requests(client, calls, api_key=key)) == [200, 400, 401, 200]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kubesgl.access"]
+    assert len(lines) == 3, lines  # /health is logged at DEBUG only
+    ok, bad, unauthorized = lines
+    assert ok.startswith("POST /v1/completions 200 request_id=trace-42 rid=cmpl-")
+    assert "prompt_tokens=3 output_tokens=2 ttft=" in ok and "duration=" in ok
+    assert bad.startswith("POST /v1/completions 400 request_id=- rid=- prompt_tokens=0 output_tokens=0 ttft=-")
+    assert unauthorized.startswith("POST /v1/completions 401 request_id=- ")  # no id that is not an id
+    assert not [line for line in lines if secret_prompt in line or key in line or "my secret" in line]
+
+
+def test_a_stats_line_while_busy_only(caplog):
+    from kubesgl.engine.io import SchedulerStats
+    from kubesgl.engine.server.engine_client import EngineClient
+
+    client = EngineClient.__new__(EngineClient)  # only the stats log's state
+    client._pending, client.stats_log_interval_s = {}, 0.0
+    client._stats_logged_at, client._tokens_since_log = 0.0, 0
+    with caplog.at_level("INFO", logger="kubesgl.engine.server.engine_client"):
+        client._tokens_since_log = 500
+        client._log_stats(SchedulerStats(3, 2, 600, 1000, 0, 0))
+        client._log_stats(SchedulerStats(0, 0, 0, 1000, 0, 0))  # idle: nothing
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("busy: running=3 waiting=2 kv_usage=0.60 generated=")
