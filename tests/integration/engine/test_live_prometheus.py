@@ -1,0 +1,242 @@
+"""Issue 15: a real Prometheus scrapes two CPU engines and a router, with the labels the
+rendered PodMonitor gives, under a short scripted load with aborts, errors, rejections and a
+worker outage; then every dashboard query and every autoscaling query is evaluated: each
+returns data (but the P/D ones, on mixed engines), each value is in its range, and the counts
+equal what the load generator saw. Needs the `prometheus` binary (Debian's package; .ci/run
+installs it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from serve_harness import free_port
+
+from kubesgl.operator.render.autoscaling import HPA_METRICS, prometheus_query
+
+ROOT = Path(__file__).resolve().parents[3]
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs the prometheus binary (apt-get install prometheus)")
+
+NAMESPACE, INSTANCE = "ci", "live"
+# Pod names as a Deployment's: <deployment>-<replicaset hash>-<suffix> (the KEDA queries match them)
+PODS = {"a": "live-mixed-5f7c9-aaaaa", "b": "live-mixed-5f7c9-bbbbb", "router": "live-router-5f7c9-rrrrr"}
+# Panels of P/D engines and histograms of P/D transfers: nothing to show with mixed engines
+PD_ONLY = ("kubesgl_disagg_requests", "kubesgl_disagg_failures", "kubesgl_kv_transfer_seconds",
+           "kubesgl_kv_transfer_wait_seconds")
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    path = ROOT / "charts" / "kubesgl" / "dashboards" / "kubesgl.json"
+    dashboard = json.loads(path.read_text())
+    return [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel["targets"]]
+
+
+def grafana_free(expr: str, window: str) -> str:
+    return (expr.replace("$__rate_interval", window).replace("$namespace", NAMESPACE)
+            .replace("$instance", INSTANCE))
+
+
+class Prometheus:
+    def __init__(self, tmp_path: Path, targets: dict[str, str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        jobs = []
+        for name, url in targets.items():
+            labels = {"namespace": NAMESPACE, "pod": PODS[name], "app_kubernetes_io_instance": INSTANCE}
+            jobs.append(f"""  - job_name: {name}
+    scrape_interval: 1s
+    static_configs:
+      - targets: ["{url.removeprefix('http://')}"]
+        labels: {json.dumps(labels)}
+""")
+        config = tmp_path / "prometheus.yml"
+        config.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n" + "".join(jobs))
+        self.log = open(tmp_path / "prometheus.log", "w")
+        self.process = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/-/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("prometheus did not become ready")
+
+    def query(self, expr: str) -> list[tuple[dict, float]]:
+        answer = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10).json()
+        assert answer["status"] == "success", (expr, answer)
+        return [(r["metric"], float(r["value"][1])) for r in answer["data"]["result"]]
+
+    def total(self, expr: str) -> float:
+        """The sum of a counter's last values, also of series whose pod has gone."""
+        return sum(value for _, value in self.query(f"sum(max_over_time({expr}[10m]))"))
+
+    def catch_up(self, pod: str, url: str, timeout: float = 60) -> None:
+        """Until Prometheus holds the pod's latest counts (a scrape may fail on busy cores)."""
+        names = ("kubesgl_requests_total", "kubesgl_request_errors_total", "kubesgl_router_requests_total",
+                 "kubesgl_router_rejections_total")
+        deadline = time.monotonic() + timeout
+        while True:
+            text = httpx.get(url + "/metrics", timeout=10).text
+            own = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(names))
+            scraped = sum(self.total(f'{name}{{pod="{pod}"}}') for name in names)
+            if scraped == own:
+                return
+            assert time.monotonic() < deadline, f"{pod}: Prometheus has {scraped}, the pod {own}"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self.log.close()
+
+
+def start_router(tmp_path: Path, workers: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    log = open(tmp_path / "router.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubesgl", "router", "--worker", *workers, "--port", str(port), "--host", "127.0.0.1",
+         "--policy", "round_robin", "--health-check-interval", "0.5", "--health-failure-threshold", "1",
+         "--max-retries", "3", "--retry-initial-backoff", "0.01", "--log-level", "warning"],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise AssertionError("router not healthy")
+
+
+async def scripted_load(router: str, kill_b) -> dict[str, int]:
+    """The load; returns what the client saw."""
+    seen = {"ok": 0, "router_400": 0, "router_404": 0, "engine_400": 0, "aborted": 0}
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    async with httpx.AsyncClient(base_url=router, timeout=60) as http:
+        async def complete(**extra) -> int:
+            return (await http.post("/v1/completions", json={**body, **extra})).status_code
+
+        async def stream() -> int:
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as answer:
+                async for _ in answer.aiter_bytes():
+                    pass
+                return answer.status_code
+
+        async def abort() -> None:
+            request = {**body, "stream": True, "max_tokens": 2000, "ignore_eos": True}
+            async with http.stream("POST", "/v1/completions", json=request) as answer:
+                async for _ in answer.aiter_bytes():
+                    break  # the first chunk arrived: leave
+            seen["aborted"] += 1
+
+        statuses = await asyncio.gather(*(complete() for _ in range(20)), *(stream() for _ in range(10)))
+        seen["ok"] += sum(status == 200 for status in statuses)
+        for _ in range(5):
+            seen["router_400"] += (await http.post("/v1/completions", content=b"{not json")).status_code == 400
+        for _ in range(3):
+            seen["router_404"] += (await http.get("/nowhere")).status_code == 404
+        for _ in range(4):
+            seen["engine_400"] += await complete(temperature=-1) == 400
+        await asyncio.gather(*(abort() for _ in range(3)))
+        await asyncio.sleep(2)  # a few scrapes while both engines serve
+        kill_b()
+        statuses = await asyncio.gather(*(complete() for _ in range(10)))  # some first go to the dead one
+        seen["ok"] += sum(status == 200 for status in statuses)
+    return seen
+
+
+def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(server_factory, tiny_model, tmp_path):
+    model = tiny_model("llama")
+    engines = {name: server_factory(model, "--served-model-name", "tiny") for name in ("a", "b")}
+    router, router_url = start_router(tmp_path, [engines["a"].base_url, engines["b"].base_url])
+    prometheus = Prometheus(tmp_path, {"a": engines["a"].base_url, "b": engines["b"].base_url,
+                                       "router": router_url})
+    try:
+        time.sleep(3)  # first scrapes: every series at 0 before the load
+
+        def kill_b() -> None:
+            prometheus.catch_up(PODS["b"], engines["b"].base_url)
+            engines["b"].process.send_signal(signal.SIGKILL)
+            engines["b"].process.wait()
+
+        started = time.monotonic()
+        seen = asyncio.run(scripted_load(router_url, kill_b))
+        assert seen == {"ok": 40, "router_400": 5, "router_404": 3, "engine_400": 4, "aborted": 3}, seen
+        engines["a"].wait_idle()
+        prometheus.catch_up(PODS["a"], engines["a"].base_url)
+        prometheus.catch_up(PODS["router"], router_url)
+        time.sleep(2)
+        window = f"{math.ceil(time.monotonic() - started) + 10}s"  # rates over the whole load
+
+        # Every panel query returns data, in its range
+        for title, expr in dashboard_queries():
+            result = prometheus.query(grafana_free(expr, window))
+            if any(name in expr for name in PD_ONLY):
+                continue  # mixed engines: no rooms, no transfers (and no NaN either)
+            scrapes = prometheus.query(f"count_over_time(up[{window}])"), prometheus.query(f"sum_over_time(up[{window}])")
+            assert result, f"{title}: no data for {expr} (scrapes, successful: {scrapes})"
+            for labels, value in result:
+                assert not math.isnan(value), (title, expr, labels)
+                assert value >= 0, (title, expr, labels, value)
+                bounded = ("_ratio", "kubesgl_cached_prompt_tokens_total", "kubesgl_router_worker_healthy", "(up{")
+                if any(name in expr for name in bounded):
+                    assert value <= 1, (title, expr, labels, value)
+                if "histogram_quantile" in expr:
+                    assert value < 60, (title, expr, labels, value)
+        # the outage shows: engine b's scrapes fail, and its router-side health went to 0
+        up = dict((labels["pod"], value) for labels, value in prometheus.query(f'up{{namespace="{NAMESPACE}"}}'))
+        assert up == {PODS["a"]: 1, PODS["b"]: 0, PODS["router"]: 1}
+
+        # Every autoscaling query returns data, in its range
+        for metric in HPA_METRICS:
+            result = prometheus.query(prometheus_query(NAMESPACE, "live-mixed", "mixed", metric))
+            assert len(result) == 1, (metric, result)
+            value = result[0][1]
+            assert 0 <= value and not math.isnan(value), (metric, value)
+            if metric == "kvCacheUsage":
+                assert value <= 1
+            if metric == "timeToFirstToken":
+                assert 0 < value < 60
+
+        # The counts are what the client saw
+        total = prometheus.total
+        assert total('kubesgl_router_rejections_total{status="400"}') == seen["router_400"]
+        assert total('kubesgl_router_rejections_total{status="404"}') == seen["router_404"]
+        assert total("kubesgl_router_rejections_total") == seen["router_400"] + seen["router_404"]
+        assert total('kubesgl_router_requests_total{worker!="",status="200"}') == seen["ok"]
+        assert total('kubesgl_router_requests_total{worker!="",status="400"}') == seen["engine_400"]
+        assert total('kubesgl_router_requests_total{worker!="",status="cancelled"}') == seen["aborted"]
+        failed = total('kubesgl_router_requests_total{worker!="",status="error"}')
+        assert failed >= 1 and total("kubesgl_router_retries_total") == failed  # each failure retried
+        assert total('kubesgl_request_errors_total{status="400",reason="invalid_request"}') == seen["engine_400"]
+        assert total("kubesgl_request_errors_total") == seen["engine_400"]
+        assert total('kubesgl_requests_total{finish_reason=~"stop|length"}') == seen["ok"]
+        assert total('kubesgl_requests_total{finish_reason="abort"}') == seen["aborted"]
+        finished = seen["ok"] + seen["aborted"]
+        assert total("kubesgl_e2e_request_latency_seconds_count") == finished
+        assert total("kubesgl_request_queue_time_seconds_count") == finished
+        # the outage's failed attempts are seen by increase(): their series existed at 0 before
+        # (one that appeared holding its first count would show no increase)
+        errors = prometheus.query(f'sum(increase(kubesgl_router_requests_total{{status="error"}}[{window}]))')
+        assert errors and errors[0][1] > 0.5 * failed, (errors, failed)
+    finally:
+        prometheus.stop()
+        router.terminate()
+        router.wait(timeout=30)
