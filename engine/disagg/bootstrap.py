@@ -38,6 +38,7 @@ from kubesgl.engine.disagg.protocol import (
     CancelRoom,
     CancelUnknown,
     ConnectBootstrap,
+    FailureReason,
     ForgetRoom,
     PeerLost,
     PeerRegistered,
@@ -277,7 +278,11 @@ class BootstrapClient:
                     continue
                 _raise_for_status(answer)
                 return
-        except Exception as exc:  # noqa: BLE001 - any failure means the room was not taken
+        except httpx.TransportError as exc:  # nothing answered: the same as a peer lost mid-request
+            self.emit(PostFailed(room, f"the prefill engine at {address} could not be reached for room {room}: "
+                                       f"{_why(exc)}", FailureReason.PEER_LOST))
+            raise
+        except Exception as exc:  # noqa: BLE001 - any other failure means the room was not taken
             self.emit(PostFailed(room, f"the prefill engine at {address} refused room {room}: {_why(exc)}"))
             raise
 

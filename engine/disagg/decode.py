@@ -159,7 +159,7 @@ class DecodeTransfers:
             state = self._rooms.get(fact.room)
             if state is not None and self.link is not None:  # its request may run there all the same
                 self.link.send(CancelRoom(fact.room, state.target.address, fact.error))
-            return self._end(fact.room, fact.error, FailureReason.REFUSED)
+            return self._end(fact.room, fact.error, fact.reason)
         if isinstance(fact, CancelUnknown):
             return self._end(fact.room, None, None)
         if isinstance(fact, PeerLost):

@@ -193,10 +193,12 @@ class RoomsQueued:
 
 @dataclass(frozen=True)
 class PostFailed:
-    """The prefill engine never took the room, so no write into its slots can come."""
+    """The prefill engine never took the room, so no write into its slots can come: it said
+    no (REFUSED), or it could not be reached (PEER_LOST: it died or was never there)."""
 
     room: int
     error: str
+    reason: FailureReason = FailureReason.REFUSED
 
 
 @dataclass(frozen=True)
