@@ -217,8 +217,12 @@ def test_metrics_exact_for_a_known_workload(server_factory, tiny_model):
     assert server.metric("kubesgl_prefix_cache_hit_ratio") == pytest.approx(49 / 100)
     assert server.metric("kubesgl_prompt_tokens_total") == 100
     assert server.metric("kubesgl_generation_tokens_total") == 10
-    assert server.metric('kubesgl_requests_total') == 2
     text = httpx.get(server.base_url + "/metrics").text
+    finished = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("kubesgl_requests_total{")}
+    assert finished == {'kubesgl_requests_total{finish_reason="stop",role="mixed"}': 0,  # every reason from the
+                        'kubesgl_requests_total{finish_reason="length",role="mixed"}': 2,  # start (issue 15)
+                        'kubesgl_requests_total{finish_reason="abort",role="mixed"}': 0}
     assert 'role="mixed"' in text and "kubesgl_time_to_first_token_seconds_count" in text
     server.wait_idle()
     assert server.stop() == 0
