@@ -44,7 +44,7 @@ def attention_batch():
     positions, at the slots its row of the request table holds."""
     import torch
 
-    from kubesgl.engine.executor.forward_batch import ForwardBatch
+    from kubesgl.engine.forward_batch import ForwardBatch
 
     def make(mode, seq_lens, extend_lens, rows, table):
         long = lambda values: torch.tensor(values, dtype=torch.int64, device=table.device)  # noqa: E731

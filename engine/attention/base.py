@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubesgl.engine.executor.forward_batch import ForwardBatch
+from kubesgl.engine.forward_batch import ForwardBatch
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 
 

@@ -23,7 +23,7 @@ import torch
 from kubesgl.engine.attention import FLASHINFER_HEAD_DIMS
 from kubesgl.engine.attention.base import AttentionBackend, AttentionLayerSpec
 from kubesgl.engine.attention.triton_kernels.kv_indices import gather_kv_indices
-from kubesgl.engine.executor.forward_batch import ForwardBatch, ForwardMode
+from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's scratch space for split-KV partial results

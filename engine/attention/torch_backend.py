@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kubesgl.engine.attention.base import AttentionBackend, AttentionLayerSpec
-from kubesgl.engine.executor.forward_batch import ForwardBatch, ForwardMode
+from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass

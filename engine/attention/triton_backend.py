@@ -10,7 +10,7 @@ import torch
 from kubesgl.engine.attention.base import AttentionBackend, AttentionLayerSpec
 from kubesgl.engine.attention.triton_kernels.decode import decode_attention
 from kubesgl.engine.attention.triton_kernels.extend import extend_attention
-from kubesgl.engine.executor.forward_batch import ForwardBatch, ForwardMode
+from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass

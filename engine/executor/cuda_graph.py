@@ -15,7 +15,7 @@ import logging
 import torch
 
 from kubesgl.engine.attention import AttentionBackend
-from kubesgl.engine.executor.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
+from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode, SamplingBatch
 from kubesgl.engine.models.decoder import CausalLM
 
 logger = logging.getLogger(__name__)

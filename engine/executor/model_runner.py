@@ -10,8 +10,8 @@ import torch
 
 from kubesgl.engine.attention import create_backend
 from kubesgl.engine.executor.cuda_graph import CudaGraphRunner
-from kubesgl.engine.executor.forward_batch import ForwardBatch
 from kubesgl.engine.executor.sampler import PenaltyState, Sampler
+from kubesgl.engine.forward_batch import ForwardBatch
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 from kubesgl.engine.models.decoder import CausalLM
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubesgl.engine.executor.forward_batch import PenaltyBatch, SamplingBatch
+from kubesgl.engine.forward_batch import PenaltyBatch, SamplingBatch
 
 
 @dataclass

@@ -9,8 +9,8 @@ import queue
 import threading
 from concurrent.futures import Future
 
-from kubesgl.engine.executor.forward_batch import ForwardBatch
 from kubesgl.engine.executor.model_runner import ModelRunner, PendingStep
+from kubesgl.engine.forward_batch import ForwardBatch
 
 
 class SyncExecutor:

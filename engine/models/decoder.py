@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kubesgl.engine.attention import AttentionBackend, AttentionLayerSpec
-from kubesgl.engine.executor.forward_batch import ForwardBatch, ForwardMode
+from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 from kubesgl.engine.layers.activation import gated_activation
 from kubesgl.engine.layers.embedding import VocabParallelEmbedding
 from kubesgl.engine.layers.linear import (

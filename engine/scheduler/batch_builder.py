@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubesgl.engine.executor.forward_batch import (
+from kubesgl.engine.forward_batch import (
     ForwardBatch,
     ForwardMode,
     PenaltyBatch,

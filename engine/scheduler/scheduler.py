@@ -19,8 +19,8 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kubesgl.engine.executor.forward_batch import ForwardMode
 from kubesgl.engine.executor.model_runner import PendingStep
+from kubesgl.engine.forward_batch import ForwardMode
 from kubesgl.engine.io import (
     FinishReason,
     GenerateRequest,

@@ -14,7 +14,7 @@ import torch
 
 from kubesgl.engine import LLM, SamplingParams
 from kubesgl.engine.attention import AttentionLayerSpec, create_backend
-from kubesgl.engine.executor.forward_batch import ForwardMode
+from kubesgl.engine.forward_batch import ForwardMode
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 
 pytestmark = pytest.mark.gpu

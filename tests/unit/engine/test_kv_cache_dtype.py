@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from kubesgl.engine.attention import AttentionLayerSpec, create_backend  # noqa: E402
 from kubesgl.engine.config import EngineConfig  # noqa: E402
-from kubesgl.engine.executor.forward_batch import ForwardMode  # noqa: E402
+from kubesgl.engine.forward_batch import ForwardMode  # noqa: E402
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable  # noqa: E402
 from kubesgl.engine.kvcache.store_kv import store_kv  # noqa: E402
 
