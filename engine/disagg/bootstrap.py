@@ -32,6 +32,7 @@ import httpx
 import zmq
 
 from kubesgl import contract
+from kubesgl.engine.child_process import exit_with_parent
 from kubesgl.engine.disagg.protocol import (
     BootstrapFact,
     BootstrapRequest,
@@ -53,8 +54,7 @@ from kubesgl.engine.disagg.protocol import (
     StillQueued,
 )
 from kubesgl.engine.io import Shutdown
-from kubesgl.engine.server.children import exit_with_parent
-from kubesgl.engine.server.ipc import Endpoints, pull, push
+from kubesgl.engine.ipc import Endpoints, pull, push
 
 logger = logging.getLogger(__name__)
 

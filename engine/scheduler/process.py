@@ -18,6 +18,7 @@ import torch.distributed as dist
 import zmq
 
 from kubesgl import contract
+from kubesgl.engine.child_process import exit_for_start_failure, exit_with_parent
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.link import ProcessLink
 from kubesgl.engine.disagg.protocol import BootstrapFact
@@ -33,9 +34,8 @@ from kubesgl.engine.io import (
     StepOutputs,
     TokenOutput,
 )
+from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
-from kubesgl.engine.server.children import exit_for_start_failure, exit_with_parent
-from kubesgl.engine.server.ipc import Endpoints, pull, push
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from kubesgl.engine.io import (
     TextOutput,
     TokenizeRequest,
 )
+from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.metrics import EngineMetrics
-from kubesgl.engine.server.ipc import Endpoints, pull, push
 
 logger = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 10.0  # while busy, a line with the scheduler's state this often

@@ -24,14 +24,14 @@ import uvicorn
 
 import kubesgl
 from kubesgl.contract import ENGINE_PORT, MIXED
+from kubesgl.engine.child_process import start_failure
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.bootstrap import run_bootstrap
+from kubesgl.engine.ipc import Endpoints
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.scheduler.process import run_scheduler
 from kubesgl.engine.server.api import ServerState, build_app
-from kubesgl.engine.server.children import start_failure
 from kubesgl.engine.server.engine_client import EngineClient
-from kubesgl.engine.server.ipc import Endpoints
 from kubesgl.engine.tokenizer.process import run_tokenizer
 
 logger = logging.getLogger("kubesgl.serve")

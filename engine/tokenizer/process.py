@@ -8,6 +8,7 @@ import signal
 
 import zmq
 
+from kubesgl.engine.child_process import exit_with_parent
 from kubesgl.engine.io import (
     AbortRequest,
     EngineInfo,
@@ -20,8 +21,7 @@ from kubesgl.engine.io import (
     TokenizeRequest,
     TokenOutput,
 )
-from kubesgl.engine.server.children import exit_with_parent
-from kubesgl.engine.server.ipc import Endpoints, pull, push
+from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
 from kubesgl.engine.tokenizer.loader import load_tokenizer
 from kubesgl.engine.tokenizer.token_bytes import TokenBytes

@@ -10,10 +10,10 @@ import pytest
 import zmq
 
 from kubesgl.engine.io import FinishReason, TextBatch, TextOutput, TokenizeRequest
+from kubesgl.engine.ipc import Endpoints, push
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.sampling_params import SamplingParams
 from kubesgl.engine.server.engine_client import EngineClient
-from kubesgl.engine.server.ipc import Endpoints, push
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from kubesgl.engine.server.ipc import FOLDER_PREFIX, remove_stale_folders
+from kubesgl.engine.ipc import FOLDER_PREFIX, remove_stale_folders
 
 
 def test_folders_of_dead_servers_are_removed_and_live_ones_kept(tmp_path):

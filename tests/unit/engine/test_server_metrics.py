@@ -139,9 +139,9 @@ async def test_the_engine_client_records_times_lengths_and_cached_tokens():
     import zmq
 
     from kubesgl.engine.io import TextBatch, TokenizeRequest
+    from kubesgl.engine.ipc import Endpoints, push
     from kubesgl.engine.sampling_params import SamplingParams
     from kubesgl.engine.server.engine_client import EngineClient
-    from kubesgl.engine.server.ipc import Endpoints, push
 
     endpoints = Endpoints.create()
     client = EngineClient(endpoints, EngineMetrics("mixed"))

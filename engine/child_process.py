@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from kubesgl.engine.server.ipc import Endpoints
+from kubesgl.engine.ipc import Endpoints
 
 
 def exit_with_parent() -> None:
