@@ -222,7 +222,7 @@ class PodWatcher:
             del self._pods[name]
         if wanted is not None:
             try:
-                self.workers.add(wanted.url, wanted.role, wanted.bootstrap_port, source="kubernetes")
+                self.workers.add(wanted.url, wanted.role, wanted.bootstrap_port, source="kubernetes", pod=name)
             except ValueError as exc:  # a link-local pod IP: this pod stays out, the others come in
                 log.warning("pod %s is not a worker: %s", name, exc)
                 return

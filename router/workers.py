@@ -60,6 +60,7 @@ class Worker:
     breaker: CircuitBreaker
     bootstrap_port: int | None = None  # prefill workers only
     source: str = "static"  # static | admin | kubernetes
+    pod: str = ""  # the pod's name, when discovery found the worker
     healthy: bool = False  # false until the first health check passes
     in_flight: int = 0
     health_failures: int = 0  # consecutive failed health checks
@@ -79,6 +80,7 @@ class Worker:
             "role": self.role.value,
             "bootstrap_port": self.bootstrap_port,
             "source": self.source,
+            "pod": self.pod,
             "healthy": self.healthy,
             "circuit": self.breaker.state.value,
             "in_flight": self.in_flight,
@@ -102,7 +104,7 @@ class WorkerRegistry:
         self._on_removed.append(callback)
 
     def add(
-        self, url: str, role: Role, bootstrap_port: int | None = None, source: str = "static"
+        self, url: str, role: Role, bootstrap_port: int | None = None, source: str = "static", pod: str = ""
     ) -> Worker:
         """Adds a worker, or replaces one with the same URL whose role or port changed; ValueError
         for a URL the router refuses (validate_worker_url)."""
@@ -114,9 +116,10 @@ class WorkerRegistry:
         existing = self._workers.get(url)
         if existing is not None:
             if existing.role is role and existing.bootstrap_port == bootstrap_port:
+                existing.pod = pod or existing.pod
                 return existing
             self.remove(url)
-        worker = Worker(url, role, self.make_breaker(), bootstrap_port, source)
+        worker = Worker(url, role, self.make_breaker(), bootstrap_port, source, pod)
         self._workers[url] = worker
         log.info("worker added: %s (%s, from %s)", url, role.value, source)
         for callback in self._on_added:

@@ -148,3 +148,21 @@ def test_the_router_writes_one_access_line_per_request_without_keys(caplog):
     scope = {"headers": [(b"x-request-id", b"bad id\r\n")]}
     rid = _request_id(scope)
     assert len(rid) == 32 and scope["headers"] == [(b"x-request-id", rid.encode())]
+
+
+def test_the_routers_workers_are_named_by_pod_where_discovery_knows_it():
+    from kubesgl.router.discovery import PodWatcher
+
+    workers = WorkerRegistry()
+    metrics = RouterMetrics(workers)
+    workers.add("http://static:30000", Role.MIXED)
+    watcher = PodWatcher(workers, "ns", {"app": "engine"}, 30000)
+    pod = {"metadata": {"name": "llama-mixed-5f7c9-abcde", "labels": {"app": "engine", "kubesgl.io/role": "mixed"}},
+           "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 30000}]}]},
+           "status": {"phase": "Running", "podIP": "10.0.0.7",
+                      "conditions": [{"type": "Ready", "status": "True"}]}}
+    watcher._apply("llama-mixed-5f7c9-abcde", pod)
+    info = {(s.labels["worker"], s.labels["worker_pod"], s.labels["role"]) for family in metrics.registry.collect()
+            if family.name == "kubesgl_router_worker_info" for s in family.samples}
+    assert info == {("http://static:30000", "", "mixed"), ("http://10.0.0.7:30000", "llama-mixed-5f7c9-abcde", "mixed")}
+    assert workers.get("http://10.0.0.7:30000").describe()["pod"] == "llama-mixed-5f7c9-abcde"
