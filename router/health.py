@@ -67,9 +67,11 @@ class HealthChecker:
             ) as response:
                 await response.read()
                 passed = response.status == 200
+                problem = f"GET {self.settings.path} answered {response.status}"
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.debug("health check of %s failed: %r", worker.url, exc)
             passed = False
+            problem = f"GET {self.settings.path} failed: {type(exc).__name__}{f': {exc}' if str(exc) else ''}"
         if self.workers.get(worker.url) is not worker:
             return  # removed (or replaced) while the check was running
         if passed:
@@ -81,7 +83,8 @@ class HealthChecker:
             worker.health_successes = 0
             worker.health_failures += 1
             if worker.health_failures >= self.settings.failure_threshold:
-                self.workers.set_healthy(worker, False)
+                self.workers.set_healthy(worker, False, f"{worker.health_failures} failed health checks, "
+                                                        f"the last: {problem}")
 
     def close(self) -> None:
         for task in self._probes:

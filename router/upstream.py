@@ -151,7 +151,11 @@ class Attempt:
         self._finished = True
         self.worker.in_flight -= 1
         if worker_failed:
+            was_open = not self.worker.breaker.allows_requests()
             self.worker.breaker.record_failure()
+            if not was_open and not self.worker.breaker.allows_requests():
+                log.warning("worker %s: circuit breaker open after %d failed requests (%s)", self.worker.url,
+                            self.worker.breaker.consecutive_failures, status)
         else:
             self.worker.breaker.record_success()
         self._metrics.requests.labels(self.worker.url, status).inc()

@@ -152,18 +152,19 @@ class WorkerRegistry:
         """P/D mode as soon as any prefill or decode worker is registered, healthy or not."""
         return any(w.role is not Role.MIXED for w in self._workers.values())
 
-    def set_healthy(self, worker: Worker, healthy: bool) -> None:
+    def set_healthy(self, worker: Worker, healthy: bool, reason: str = "") -> None:
         if worker.healthy != healthy:
             worker.healthy = healthy
             level = logging.INFO if healthy else logging.WARNING
-            log.log(level, "worker %s is now %s", worker.url, "healthy" if healthy else "unhealthy")
+            log.log(level, "worker %s is now %s%s", worker.url, "healthy" if healthy else "unhealthy",
+                    f": {reason}" if reason else "")
             self._notify()
 
     def mark_lost(self, worker: Worker) -> None:
         """Its connection broke: out of the pool until health checks pass again."""
         if self._workers.get(worker.url) is worker:
             worker.health_successes = 0
-            self.set_healthy(worker, False)
+            self.set_healthy(worker, False, "its connection broke during a request")
 
     async def wait_for(self, condition: Callable[[], bool]) -> None:
         """Returns once `condition()` holds; re-checked after every change of the pool."""

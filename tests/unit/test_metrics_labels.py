@@ -4,6 +4,7 @@ first count is invisible to rate() and increase() (issue 15)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -166,3 +167,31 @@ def test_the_routers_workers_are_named_by_pod_where_discovery_knows_it():
             if family.name == "kubesgl_router_worker_info" for s in family.samples}
     assert info == {("http://static:30000", "", "mixed"), ("http://10.0.0.7:30000", "llama-mixed-5f7c9-abcde", "mixed")}
     assert workers.get("http://10.0.0.7:30000").describe()["pod"] == "llama-mixed-5f7c9-abcde"
+
+
+def test_a_worker_that_turns_unhealthy_is_logged_with_the_reason(caplog):
+    import aiohttp
+
+    from kubesgl.router.health import HealthChecker, HealthSettings
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there: refused
+    workers = WorkerRegistry()
+    worker = workers.add(f"http://127.0.0.1:{port}", Role.MIXED)
+    worker.healthy = True
+
+    async def check() -> None:
+        async with aiohttp.ClientSession() as session:
+            await HealthChecker(workers, session, HealthSettings(failure_threshold=1), {}).check(worker)
+
+    other = workers.add("http://127.0.0.2:30000", Role.MIXED)
+    other.healthy = True
+    with caplog.at_level("WARNING", logger="kubesgl.router"):
+        asyncio.run(check())
+        workers.mark_lost(other)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith(f"worker http://127.0.0.1:{port} is now unhealthy: 1 failed health checks, the "
+                               "last: GET /health failed: ") for line in lines), lines
+    assert "worker http://127.0.0.2:30000 is now unhealthy: its connection broke during a request" in lines
