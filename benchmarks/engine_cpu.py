@@ -21,7 +21,7 @@ from common import report
 
 from kubesgl.engine import LLM, SamplingParams
 from kubesgl.engine.executor.model_runner import PendingStep
-from kubesgl.engine.io import GenerateRequest
+from kubesgl.engine.messages import GenerateRequest
 from kubesgl.engine.models.tiny import make_tiny_model
 
 

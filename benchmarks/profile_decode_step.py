@@ -13,7 +13,7 @@ import torch
 from common import report
 
 from kubesgl.engine import LLM, SamplingParams
-from kubesgl.engine.io import GenerateRequest
+from kubesgl.engine.messages import GenerateRequest
 
 
 def main() -> None:

@@ -16,11 +16,11 @@ from kubesgl.engine.distributed import get_tp_group
 from kubesgl.engine.executor.model_runner import ModelRunner
 from kubesgl.engine.executor.worker import OverlapExecutor, SyncExecutor
 from kubesgl.engine.host_memory import host_memory
-from kubesgl.engine.io import GenerateRequest, TokenOutput
 from kubesgl.engine.kvcache.allocator import PageAllocator
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 from kubesgl.engine.kvcache.radix_cache import RadixCache
 from kubesgl.engine.layers.moe import SparseMoeBlock
+from kubesgl.engine.messages import GenerateRequest, TokenOutput
 from kubesgl.engine.models.config import ModelConfig, load_model_config
 from kubesgl.engine.models.loader import load_model, resolve_dtype
 from kubesgl.engine.scheduler.kv_manager import KVManager

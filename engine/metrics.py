@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from kubesgl.contract import MIXED
 from kubesgl.engine.disagg.protocol import FailureReason
-from kubesgl.engine.io import DisaggStats, SchedulerStats
+from kubesgl.engine.messages import DisaggStats, SchedulerStats
 
 # States of a request with a room that the kubesgl_disagg_requests gauge reports
 # (the scheduler's ReqStatus names, lower case).

@@ -53,8 +53,8 @@ from kubesgl.engine.disagg.protocol import (
     ServeBootstrap,
     StillQueued,
 )
-from kubesgl.engine.io import Shutdown
 from kubesgl.engine.ipc import Endpoints, pull, push
+from kubesgl.engine.messages import Shutdown
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
 from kubesgl.engine.disagg.link import BootstrapLink
 from kubesgl.engine.disagg.protocol import (
-    BootstrapTarget,
     CancelRoom,
     CancelUnknown,
     ConnectBootstrap,
@@ -32,6 +31,7 @@ from kubesgl.engine.disagg.protocol import (
     StillQueued,
 )
 from kubesgl.engine.disagg.ranks import RankConsensus
+from kubesgl.engine.messages import BootstrapTarget
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import zmq
 
 from kubesgl.engine.disagg.bootstrap import BootstrapService
 from kubesgl.engine.disagg.protocol import BootstrapFact, BootstrapRequest
-from kubesgl.engine.io import Shutdown
+from kubesgl.engine.messages import Shutdown
 
 
 class BootstrapLink:

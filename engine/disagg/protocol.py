@@ -1,7 +1,7 @@
 """What a prefill and a decode engine tell each other (docs/disaggregation.md), and what the
 scheduler and the engine's bootstrap process tell each other about it.
 
-A request carries its pairing as the router gave it (`BootstrapTarget`). The prefill engine
+A request carries its pairing as the router gave it (`BootstrapTarget`, engine/messages.py). The prefill engine
 tells the decode engine how each room ended with a `RoomNote`: the notification of the KV
 WRITE when it succeeded (with the first token), a plain notification when it did not. The
 HTTP side of the handshake runs in the engine's bootstrap process (bootstrap.py): the
@@ -27,19 +27,6 @@ class FailureReason(StrEnum):
     TRANSFER = "transfer"  # the KV write itself failed
     PEER_LOST = "peer_lost"  # the other engine died or restarted
     ABORTED = "aborted"  # the client left, or the engine shut down
-
-
-@dataclass(frozen=True)
-class BootstrapTarget:
-    """Where a request's KV comes from (decode side) or which room it fills (prefill side)."""
-
-    room: int
-    host: str | None  # the prefill engine's bootstrap host (needed by the decode side only)
-    port: int  # its bootstrap port
-
-    @property
-    def address(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
 
 class RoomStatus(StrEnum):

@@ -24,7 +24,8 @@ from kubesgl.engine.disagg.link import ProcessLink
 from kubesgl.engine.disagg.protocol import BootstrapFact
 from kubesgl.engine.distributed import get_tp_group, init_tensor_parallel
 from kubesgl.engine.engine import Engine
-from kubesgl.engine.io import (
+from kubesgl.engine.ipc import Endpoints, pull, push
+from kubesgl.engine.messages import (
     AbortRequest,
     EngineInfo,
     FinishReason,
@@ -34,7 +35,6 @@ from kubesgl.engine.io import (
     StepOutputs,
     TokenOutput,
 )
-from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -6,9 +6,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from kubesgl.engine.disagg.protocol import BootstrapTarget
-from kubesgl.engine.io import FinishReason, TokenLogprob
 from kubesgl.engine.kvcache.radix_cache import TreeNode
+from kubesgl.engine.messages import BootstrapTarget, FinishReason, TokenLogprob
 from kubesgl.engine.sampling_params import SamplingParams
 
 

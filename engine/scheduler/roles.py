@@ -37,8 +37,8 @@ from kubesgl.engine.disagg.protocol import (
 )
 from kubesgl.engine.disagg.ranks import RankConsensus
 from kubesgl.engine.distributed import TensorParallelGroup
-from kubesgl.engine.io import DisaggStats, FinishReason, GenerateRequest, TokenLogprob
 from kubesgl.engine.kvcache.pools import KVPool
+from kubesgl.engine.messages import DisaggStats, FinishReason, GenerateRequest, TokenLogprob
 from kubesgl.engine.sampling_params import InvalidRequestError
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req, ReqStatus

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kubesgl.engine.executor.model_runner import PendingStep
 from kubesgl.engine.forward_batch import ForwardMode
-from kubesgl.engine.io import (
+from kubesgl.engine.messages import (
     FinishReason,
     GenerateRequest,
     SchedulerStats,

@@ -19,8 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.disagg.protocol import BootstrapTarget
-from kubesgl.engine.io import FinishReason, TextOutput, TokenizeRequest
+from kubesgl.engine.messages import BootstrapTarget, FinishReason, TextOutput, TokenizeRequest
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 from kubesgl.engine.server.access import AccessRecord, RequestAccounting
 from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from kubesgl.engine.io import (
+from kubesgl.engine.ipc import Endpoints, pull, push
+from kubesgl.engine.messages import (
     AbortRequest,
     EngineInfo,
     FlushCache,
@@ -23,7 +24,6 @@ from kubesgl.engine.io import (
     TextOutput,
     TokenizeRequest,
 )
-from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kubesgl.engine.disagg.protocol import MAX_ROOM, BootstrapTarget
+from kubesgl.engine.disagg.protocol import MAX_ROOM
+from kubesgl.engine.messages import BootstrapTarget
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams, is_utf8
 
 UTF8_ERROR = "invalid_utf8"

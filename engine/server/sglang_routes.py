@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from kubesgl import __version__
 from kubesgl.contract import DECODE, MIXED, PREFILL
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.io import TokenizeRequest
+from kubesgl.engine.messages import TokenizeRequest
 from kubesgl.engine.sampling_params import SamplingParams
 from kubesgl.engine.server.engine_client import EngineClient
 

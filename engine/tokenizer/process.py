@@ -9,7 +9,8 @@ import signal
 import zmq
 
 from kubesgl.engine.child_process import exit_with_parent
-from kubesgl.engine.io import (
+from kubesgl.engine.ipc import Endpoints, pull, push
+from kubesgl.engine.messages import (
     AbortRequest,
     EngineInfo,
     FinishReason,
@@ -21,7 +22,6 @@ from kubesgl.engine.io import (
     TokenizeRequest,
     TokenOutput,
 )
-from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
 from kubesgl.engine.tokenizer.loader import load_tokenizer
 from kubesgl.engine.tokenizer.token_bytes import TokenBytes

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kubesgl.engine.disagg.protocol import MAX_ROOM, BootstrapTarget
+from kubesgl.engine.disagg.protocol import MAX_ROOM
+from kubesgl.engine.messages import BootstrapTarget
 from kubesgl.engine.sampling_params import InvalidRequestError
 from kubesgl.engine.server.protocol import CompletionRequest
 

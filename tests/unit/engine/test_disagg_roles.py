@@ -12,9 +12,9 @@ import pytest
 
 from kubesgl.engine import InvalidRequestError, SamplingParams
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.disagg.protocol import BootstrapTarget, RoomCancelled
+from kubesgl.engine.disagg.protocol import RoomCancelled
 from kubesgl.engine.engine import Engine
-from kubesgl.engine.io import GenerateRequest
+from kubesgl.engine.messages import BootstrapTarget, GenerateRequest
 
 _rooms = itertools.count(1)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kubesgl.engine.io import FinishReason, TextBatch, TextOutput, TokenizeRequest
 from kubesgl.engine.ipc import Endpoints, push
+from kubesgl.engine.messages import FinishReason, TextBatch, TextOutput, TokenizeRequest
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.sampling_params import SamplingParams
 from kubesgl.engine.server.engine_client import EngineClient

@@ -17,7 +17,6 @@ from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
 from kubesgl.engine.disagg.link import LocalLink
 from kubesgl.engine.disagg.prefill import PrefillTransfers
 from kubesgl.engine.disagg.protocol import (
-    BootstrapTarget,
     ConnectBootstrap,
     FailureReason,
     RankAgent,
@@ -25,6 +24,7 @@ from kubesgl.engine.disagg.protocol import (
     RoomStatus,
 )
 from kubesgl.engine.disagg.ranks import RankConsensus
+from kubesgl.engine.messages import BootstrapTarget
 
 
 class Pair:

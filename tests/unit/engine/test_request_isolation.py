@@ -8,7 +8,7 @@ import pytest
 from test_scheduler import run_to_end, submit
 
 from kubesgl.engine import InvalidRequestError, SamplingParams
-from kubesgl.engine.io import (
+from kubesgl.engine.messages import (
     AbortRequest,
     GenerateRequest,
     StepOutputs,

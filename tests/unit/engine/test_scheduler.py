@@ -11,7 +11,7 @@ from collections import defaultdict
 import pytest
 
 from kubesgl.engine import InvalidRequestError, SamplingParams
-from kubesgl.engine.io import GenerateRequest
+from kubesgl.engine.messages import GenerateRequest
 
 
 def run_to_end(engine, max_steps: int = 10_000):

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.io import FinishReason, TextOutput
+from kubesgl.engine.messages import FinishReason, TextOutput
 from kubesgl.engine.metrics import ERROR_REASONS, EngineMetrics
 from kubesgl.engine.server.api import ServerState, build_app
 
@@ -138,8 +138,8 @@ async def test_the_engine_client_records_times_lengths_and_cached_tokens():
 
     import zmq
 
-    from kubesgl.engine.io import TextBatch, TokenizeRequest
     from kubesgl.engine.ipc import Endpoints, push
+    from kubesgl.engine.messages import TextBatch, TokenizeRequest
     from kubesgl.engine.sampling_params import SamplingParams
     from kubesgl.engine.server.engine_client import EngineClient
 
@@ -170,7 +170,7 @@ async def test_the_engine_client_records_times_lengths_and_cached_tokens():
 
 
 def test_capacity_and_build_info():
-    from kubesgl.engine.io import SchedulerStats
+    from kubesgl.engine.messages import SchedulerStats
 
     metrics = EngineMetrics("decode")
     metrics.set_build_info("0.1.0", "Qwen/Qwen3-0.6B")
@@ -207,7 +207,7 @@ def test_one_access_line_per_request_without_prompt_or_key(caplog):
 
 
 def test_a_stats_line_while_busy_only(caplog):
-    from kubesgl.engine.io import SchedulerStats
+    from kubesgl.engine.messages import SchedulerStats
     from kubesgl.engine.server.engine_client import EngineClient
 
     client = EngineClient.__new__(EngineClient)  # only the stats log's state

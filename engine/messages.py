@@ -1,11 +1,25 @@
-"""Messages between the engine's layers: what enters the scheduler and what leaves it."""
+"""Messages between the engine's processes and layers: what enters the scheduler and what
+leaves it, and what the tokenizer, detokenizer and API server pass along."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kubesgl.engine.disagg.protocol import BootstrapTarget
 from kubesgl.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class BootstrapTarget:
+    """A request's prefill/decode pairing as the router gave it: where its KV comes from
+    (decode side) or which room it fills (prefill side)."""
+
+    room: int
+    host: str | None  # the prefill engine's bootstrap host (needed by the decode side only)
+    port: int  # its bootstrap port
+
+    @property
+    def address(self) -> str:
+        return f"http://{self.host}:{self.port}"
 
 
 @dataclass
