@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import report
 
-from kubesgl.engine.models.config import load_model_config
+from kubesgl.engine.model_config import load_model_config
 
 # `python -m kubesgl` must not pick up the repository's kubesgl/ folder from the working directory
 SUBPROCESS_ENV = {**os.environ, "PYTHONSAFEPATH": "1", "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off

@@ -13,7 +13,7 @@ import time
 import torch
 from common import report
 
-from kubesgl.engine.models.config import load_model_config
+from kubesgl.engine.model_config import load_model_config
 from kubesgl.engine.models.weights import synthetic_checkpoint
 
 

@@ -21,7 +21,7 @@ from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 from kubesgl.engine.kvcache.radix_cache import RadixCache
 from kubesgl.engine.layers.moe import SparseMoeBlock
 from kubesgl.engine.messages import GenerateRequest, TokenOutput
-from kubesgl.engine.models.config import ModelConfig, load_model_config
+from kubesgl.engine.model_config import ModelConfig, load_model_config
 from kubesgl.engine.models.loader import load_model, resolve_dtype
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.roles import create_role

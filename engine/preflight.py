@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kubesgl.contract import MIXED
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.models.config import ModelConfig, ModelConfigError, load_model_config
+from kubesgl.engine.model_config import ModelConfig, ModelConfigError, load_model_config
 from kubesgl.engine.models.hub import HubError, resolve_model
 
 

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from kubesgl.engine.models.config import RopeConfig
+from kubesgl.engine.model_config import RopeConfig
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

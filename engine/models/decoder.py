@@ -22,7 +22,7 @@ from kubesgl.engine.layers.linear import (
 from kubesgl.engine.layers.moe import SparseMoeBlock
 from kubesgl.engine.layers.norm import RMSNorm
 from kubesgl.engine.layers.rotary import RotaryEmbedding
-from kubesgl.engine.models.config import ModelConfig
+from kubesgl.engine.model_config import ModelConfig
 
 
 class Attention(nn.Module):

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from kubesgl.engine.distributed import get_tp_group
-from kubesgl.engine.models.config import ModelConfig
+from kubesgl.engine.model_config import ModelConfig
 from kubesgl.engine.models.decoder import CausalLM
 from kubesgl.engine.models.weights import read_safetensors, synthetic_checkpoint
 

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kubesgl.cli_help import DefaultsOnce
 from kubesgl.contract import TINY_ARCHS, TinyArch
-from kubesgl.engine.models.config import parse_model_config
+from kubesgl.engine.model_config import parse_model_config
 from kubesgl.engine.models.weights import synthetic_checkpoint
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kubesgl.engine.models.config import ModelConfig
+from kubesgl.engine.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

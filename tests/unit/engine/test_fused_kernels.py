@@ -18,7 +18,7 @@ from kubesgl.engine.layers.rotary import RotaryEmbedding, _rotate  # noqa: E402
 from kubesgl.engine.layers.triton_kernels.activation import silu_and_mul  # noqa: E402
 from kubesgl.engine.layers.triton_kernels.norm import rms_norm  # noqa: E402
 from kubesgl.engine.layers.triton_kernels.rotary import apply_rotary_inplace  # noqa: E402
-from kubesgl.engine.models.config import RopeConfig  # noqa: E402
+from kubesgl.engine.model_config import RopeConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]

@@ -69,7 +69,7 @@ def test_the_cpu_kv_pool_takes_a_modest_share_of_the_pods_memory(tmp_path, tiny_
 
     from kubesgl.engine import engine
     from kubesgl.engine.config import CPU_MEM_FRACTION, GPU_MEM_FRACTION, EngineConfig
-    from kubesgl.engine.models.config import load_model_config
+    from kubesgl.engine.model_config import load_model_config
 
     proc = fake_host(tmp_path, "0::/\n", {"memory.max": str(GIB), "memory.current": str(GIB // 2)})
     monkeypatch.setattr(engine, "host_memory", lambda: host_memory(proc, tmp_path / "cgroup"))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kubesgl.engine.layers.rotary import rope_inv_freq
-from kubesgl.engine.models.config import ModelConfigError, parse_model_config
+from kubesgl.engine.model_config import ModelConfigError, parse_model_config
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,

@@ -214,7 +214,7 @@ def test_unsupported_architecture_is_named(tmp_path, tiny_model):
     import shutil
 
     from kubesgl.engine import LLM
-    from kubesgl.engine.models.config import ModelConfigError
+    from kubesgl.engine.model_config import ModelConfigError
 
     path = tmp_path / "m"
     shutil.copytree(tiny_model("llama"), path)
