@@ -8,10 +8,10 @@ from dataclasses import dataclass, field, fields
 
 from kubesgl.contract import MIXED
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.engine import Engine
 from kubesgl.engine.messages import FinishReason, GenerateRequest, TokenLogprob
 from kubesgl.engine.preflight import check_engine
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams, is_utf8
+from kubesgl.engine.scheduler.engine import Engine
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
 
 _ids = itertools.count()

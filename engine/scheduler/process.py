@@ -23,7 +23,6 @@ from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.link import ProcessLink
 from kubesgl.engine.disagg.protocol import BootstrapFact
 from kubesgl.engine.distributed import get_tp_group, init_tensor_parallel
-from kubesgl.engine.engine import Engine
 from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.messages import (
     AbortRequest,
@@ -36,6 +35,7 @@ from kubesgl.engine.messages import (
     TokenOutput,
 )
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.scheduler.engine import Engine
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import pytest
 from kubesgl.engine import InvalidRequestError, SamplingParams
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.protocol import RoomCancelled
-from kubesgl.engine.engine import Engine
 from kubesgl.engine.messages import BootstrapTarget, GenerateRequest
+from kubesgl.engine.scheduler.engine import Engine
 
 _rooms = itertools.count(1)
 

@@ -120,8 +120,8 @@ def test_kv_pool_sized_from_memory(tiny_model):
     import torch
 
     from kubesgl.engine.config import EngineConfig
-    from kubesgl.engine.engine import kv_pool_tokens
     from kubesgl.engine.model_config import load_model_config
+    from kubesgl.engine.scheduler.engine import kv_pool_tokens
 
     model_config = load_model_config(tiny_model("llama"))
     config = EngineConfig(model="", max_running_requests=4)
