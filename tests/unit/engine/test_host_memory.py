@@ -67,9 +67,9 @@ def test_a_path_the_container_does_not_see_falls_back_to_the_mount(tmp_path):
 def test_the_cpu_kv_pool_takes_a_modest_share_of_the_pods_memory(tmp_path, tiny_model, monkeypatch):
     import torch
 
-    from kubesgl.engine import engine
     from kubesgl.engine.config import CPU_MEM_FRACTION, GPU_MEM_FRACTION, EngineConfig
     from kubesgl.engine.model_config import load_model_config
+    from kubesgl.engine.scheduler import engine
 
     proc = fake_host(tmp_path, "0::/\n", {"memory.max": str(GIB), "memory.current": str(GIB // 2)})
     monkeypatch.setattr(engine, "host_memory", lambda: host_memory(proc, tmp_path / "cgroup"))

@@ -103,7 +103,8 @@ def test_kv_cache_dtype_is_checked():
 
 
 def test_engine_with_an_fp8_cache_holds_more_tokens_in_the_same_memory(tiny_model, monkeypatch):
-    from kubesgl.engine import LLM, SamplingParams, engine
+    from kubesgl.engine import LLM, SamplingParams
+    from kubesgl.engine.scheduler import engine
 
     # the same free memory for both engines: 1 GiB of which 15% is held back
     monkeypatch.setattr(engine, "_available_memory", lambda device: (2**30, 2**30))
