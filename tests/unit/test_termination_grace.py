@@ -154,7 +154,8 @@ def _uvicorn_graceful_shutdown_s(launcher: types.ModuleType, monkeypatch: pytest
 
 
 def test_the_engine_exits_within_its_budget_after_the_drain(monkeypatch):
-    launcher = pytest.importorskip("kubesgl.engine.server.launcher")
+    # imported here, not at the top: the other tests need no engine
+    from kubesgl.engine.server import launcher
     clock = Clock()
     monkeypatch.setattr(launcher, "time", Overlay(launcher.time, monotonic=clock.monotonic))
     monkeypatch.setattr(launcher, "asyncio", Overlay(launcher.asyncio, sleep=clock.sleep))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,10 @@ from kubesgl.operator.render.autoscaling import HPA_METRICS, prometheus_query
 
 ROOT = Path(__file__).resolve().parents[3]
 PROMETHEUS = shutil.which("prometheus")
+# .ci/run installs Prometheus and sets this, so that CI fails rather than skips if the install broke.
+REQUIRED = os.environ.get("KUBESGL_REQUIRE_PROMETHEUS") == "1"
+if PROMETHEUS is None and REQUIRED:
+    raise RuntimeError("KUBESGL_REQUIRE_PROMETHEUS=1 but no prometheus binary is on PATH")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs the prometheus binary (apt-get install prometheus)")
 
 NAMESPACE, INSTANCE = "ci", "live"
