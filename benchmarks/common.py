@@ -1,11 +1,12 @@
-"""What the benchmark scripts share: the engine's own options, and printing and saving a
-result as JSON."""
+"""What the benchmark scripts share: the engine's own options, a free port for the servers
+they start, and printing and saving a result as JSON."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import socket
 
 from kubesgl.engine import LLM
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
@@ -23,6 +24,13 @@ def make_llm(args: argparse.Namespace, **workload) -> LLM:
     config = dataclasses.replace(engine_config_from_args(args), **workload)
     options = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
     return LLM(options.pop("model"), **options)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now, for a server the benchmark starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def report(result: dict, out: str | None) -> None:

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import tempfile
 import time
 
 import httpx
-from common import report
+from common import free_port, report
 
 API_KEY = "sk-bench"
 
@@ -40,12 +39,6 @@ def hostile_requests() -> dict[str, dict]:
         "1m_token_ids": {"prompt": [1] * 1_000_000, "max_tokens": 4},
         "lone_surrogate": {"prompt": "cut emoji \ud83d", "max_tokens": 4},
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Engine:

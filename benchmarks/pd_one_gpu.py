@@ -20,7 +20,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,13 +29,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
-from common import report
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from common import free_port, report
 
 
 def start(args: list[str], log_dir: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:

@@ -24,8 +24,8 @@ import sys
 import tempfile
 import time
 
-from common import report
-from pd_one_gpu import EngineProcess, free_port, metric, serving_stack
+from common import free_port, report
+from pd_one_gpu import EngineProcess, metric, serving_stack
 
 # NVLink multicast stays off on shared GPU hosts (benchmarks/README.md, two GPUs).
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

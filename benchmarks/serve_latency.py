@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -17,15 +16,9 @@ import tempfile
 import time
 
 import httpx
-from common import report
+from common import free_port, report
 
 from kubesgl.engine.models.tiny import make_tiny_model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_stream(client: httpx.Client, max_tokens: int) -> tuple[float, list[float]]:

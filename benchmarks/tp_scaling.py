@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,18 +30,12 @@ import httpx
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import report
+from common import free_port, report
 
 from kubesgl.engine.model_config import load_model_config
 
 # `python -m kubesgl` must not pick up the repository's kubesgl/ folder from the working directory
 SUBPROCESS_ENV = {**os.environ, "PYTHONSAFEPATH": "1", "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def allreduces_per_forward(model: str) -> dict:
