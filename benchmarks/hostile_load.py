@@ -19,12 +19,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 from common import free_port, report
+from pd_one_gpu import start, wait_healthy
 
 API_KEY = "sk-bench"
 
@@ -47,18 +47,10 @@ class Engine:
     def __init__(self, model: str, extra: list[str], log_dir: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "kubesgl", "serve", "--model", model, "--host", "127.0.0.1",
-                   "--port", str(self.port), "--api-key", API_KEY, "--served-model-name", "m", *extra]
-        self.log = open(os.path.join(log_dir, f"engine-{self.port}.log"), "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"the engine exited with {self.process.returncode}; see {self.log.name}")
-            if self.healthy():
-                return
-            time.sleep(0.2)
-        raise SystemExit(f"the engine did not become healthy; see {self.log.name}")
+        name = f"engine-{self.port}"
+        self.process = start(["serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+                              "--api-key", API_KEY, "--served-model-name", "m", *extra], log_dir, name)
+        wait_healthy(self.url, self.process, log_dir, name, timeout=300)
 
     def healthy(self) -> bool:
         try:
