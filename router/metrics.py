@@ -1,7 +1,8 @@
 """The router's Prometheus metrics (docs/router.md), in a registry of its own.
 
 Per-worker health and load are read from the pool at scrape time instead of being updated
-on every request: nothing on the hot path, and removed workers vanish from the output.
+on every request: nothing on the hot path, and removed workers vanish from the output. Their
+attempt counters go with them: a pool that discovery keeps changing leaves no stale series.
 """
 
 from __future__ import annotations
@@ -117,14 +118,31 @@ class RouterMetrics:
         self.requests.labels("", "503")  # no worker could serve
         for status, reason in REJECTION_REASONS.items():
             self.rejections.labels(str(status), reason)
+        # The statuses each worker's kubesgl_router_requests_total series hold, by worker URL.
+        self._worker_statuses: dict[str, set[str]] = {}
         for worker in workers.all():
-            self._worker_known(worker)
-        workers.on_added(self._worker_known)
+            self._worker_added(worker)
+        workers.on_added(self._worker_added)
+        workers.on_removed(self._worker_removed)
         self.registry.register(_WorkerCollector(workers))
 
-    def _worker_known(self, worker: Worker) -> None:
+    def _worker_added(self, worker: Worker) -> None:
+        self._worker_statuses[worker.url] = set(WORKER_STATUSES)
         for status in WORKER_STATUSES:
             self.requests.labels(worker.url, status)
+
+    def _worker_removed(self, worker: Worker) -> None:
+        for status in self._worker_statuses.pop(worker.url, ()):
+            self.requests.remove(worker.url, status)
+
+    def attempt_finished(self, worker: Worker, status: str) -> None:
+        """Counts an attempt's outcome, unless its worker left the pool while it ran: that would
+        bring the removed worker's series back, never to go again."""
+        statuses = self._worker_statuses.get(worker.url)
+        if statuses is None:
+            return
+        statuses.add(status)
+        self.requests.labels(worker.url, status).inc()
 
     def rejected(self, status: int) -> None:
         self.rejections.labels(str(status), REJECTION_REASONS.get(status, "other")).inc()

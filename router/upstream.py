@@ -158,7 +158,7 @@ class Attempt:
                             self.worker.breaker.consecutive_failures, status)
         else:
             self.worker.breaker.record_success()
-        self._metrics.requests.labels(self.worker.url, status).inc()
+        self._metrics.attempt_finished(self.worker, status)
 
 
 def _connection_lost(exc: BaseException) -> bool:

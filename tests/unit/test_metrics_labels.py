@@ -195,3 +195,41 @@ def test_a_worker_that_turns_unhealthy_is_logged_with_the_reason(caplog):
     assert any(line.startswith(f"worker http://127.0.0.1:{port} is now unhealthy: 1 failed health checks, the "
                                "last: GET /health failed: ") for line in lines), lines
     assert "worker http://127.0.0.2:30000 is now unhealthy: its connection broke during a request" in lines
+
+
+def test_a_removed_workers_series_go_with_it():
+    """A worker that leaves the pool (discovery drops its pod, or DELETE /workers) takes its
+    series along, also statuses it answered beyond the pre-created ones; an attempt that
+    finishes on it after its removal does not bring them back; other workers keep theirs."""
+    from kubesgl.router.discovery import PodWatcher
+    from kubesgl.router.upstream import Attempt
+
+    workers = WorkerRegistry()
+    metrics = RouterMetrics(workers)
+    kept = workers.add("http://kept:30000", Role.MIXED)
+    watcher = PodWatcher(workers, "ns", {"app": "engine"}, 30000)
+    pod = {"metadata": {"name": "llama-mixed-5f7c9-abcde", "labels": {"app": "engine"}},
+           "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 30000}]}]},
+           "status": {"phase": "Running", "podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}]}}
+    watcher._apply("llama-mixed-5f7c9-abcde", pod)
+    gone = workers.get("http://10.0.0.7:30000")
+    for worker, status in ((gone, "200"), (gone, "400"), (kept, "200")):
+        Attempt(worker, metrics).finish(status, worker_failed=False)
+    late = Attempt(gone, metrics)  # still running when the pod goes
+
+    def worker_urls() -> set[str]:
+        return {s.labels["worker"] for family in text_string_to_metric_families(metrics.render().decode())
+                for s in family.samples if "worker" in s.labels}
+
+    assert worker_urls() == {"", "http://kept:30000", "http://10.0.0.7:30000"}
+    watcher._apply("llama-mixed-5f7c9-abcde", None)  # the pod is deleted
+    late.finish("200", worker_failed=False)
+    assert worker_urls() == {"", "http://kept:30000"}
+    assert _counter(metrics, "kubesgl_router_requests_total", worker="http://kept:30000", status="200") == 1
+    # the same URL joining again starts from zero, with its known statuses
+    workers.add("http://10.0.0.7:30000", Role.MIXED, source="admin")
+    assert _counter(metrics, "kubesgl_router_requests_total", worker="http://10.0.0.7:30000", status="200") == 0
+    assert metrics.registry.get_sample_value(
+        "kubesgl_router_requests_total", {"worker": "http://10.0.0.7:30000", "status": "400"}) is None
+    workers.remove("http://10.0.0.7:30000")  # as DELETE /workers does
+    assert worker_urls() == {"", "http://kept:30000"}
