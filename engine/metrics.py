@@ -1,4 +1,5 @@
-"""The engine's Prometheus metrics (docs/server.md, metrics), all labelled with the role.
+"""The engine's Prometheus metrics (docs/server.md, metrics), all labelled with the role, and
+at /metrics with the served model's name (model_name, as vLLM labels them).
 
 Latencies are measured in the API server, where requests arrive and tokens leave; the
 scheduler's state (running, waiting, KV usage, prefix hits) arrives with each step's output.
@@ -6,7 +7,11 @@ scheduler's state (running, waiting, KV usage, prefix hits) arrives with each st
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from kubesgl.contract import MIXED
 from kubesgl.engine.disagg.protocol import FailureReason
@@ -30,9 +35,24 @@ _LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1638
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 
 
+class _WithLabel(Collector):
+    """Every sample of a registry with one more label, added at scrape time: prometheus_client
+    has no constant labels, and a label that each metric declared itself could be forgotten."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, value: str) -> None:
+        self._registry, self._name, self._value = registry, name, value
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():  # fresh objects on each collect: ours to change
+            family.samples = [s._replace(labels={**s.labels, self._name: self._value}) for s in family.samples]
+            yield family
+
+
 class EngineMetrics:
-    def __init__(self, role: str):
-        self.registry = CollectorRegistry()
+    def __init__(self, role: str, model_name: str = ""):
+        self.registry = CollectorRegistry()  # the metrics as recorded, by role
+        self._exported = CollectorRegistry(auto_describe=False)  # ... and at /metrics, by model too
+        self._exported.register(_WithLabel(self.registry, "model_name", model_name))
         r, labels = self.registry, ["role"]
         self.num_running = Gauge("kubesgl_num_running_requests", "Requests admitted and not finished", labels, registry=r)
         self.num_waiting = Gauge("kubesgl_num_waiting_requests", "Requests queued for admission", labels, registry=r)
@@ -100,6 +120,10 @@ class EngineMetrics:
             for reason in FailureReason:
                 self.disagg_failures.labels(role=role, reason=reason.value)
         self._failures_seen: dict[str, int] = {}
+
+    def render(self) -> bytes:
+        """The /metrics text: every sample carries model_name beside its own labels."""
+        return generate_latest(self._exported)
 
     def update_scheduler(self, stats: SchedulerStats) -> None:
         role = self.role

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kubesgl.engine.config import EngineConfig
@@ -239,7 +239,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(client.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     add_sglang_routes(app, client, state.config, state.served_model_name, [Depends(authorized)])
 

@@ -115,12 +115,12 @@ class Server:
         return self.exit_code
 
     async def _serve(self) -> None:
-        metrics = EngineMetrics(self.config.role)
-        metrics.set_build_info(kubesgl.__version__, self.options.served_model_name or self.config.model)
+        served_model_name = self.options.served_model_name or self.config.model
+        metrics = EngineMetrics(self.config.role, served_model_name)
+        metrics.set_build_info(kubesgl.__version__, served_model_name)
         client = EngineClient(self.endpoints, metrics)
         client.start()
-        state = ServerState(self.config, served_model_name=self.options.served_model_name or self.config.model,
-                            api_key=self.options.api_key)
+        state = ServerState(self.config, served_model_name=served_model_name, api_key=self.options.api_key)
         app = build_app(client, state)
         uv_config = uvicorn.Config(app, host=self.options.host, port=self.options.port, log_level=self.options.log_level,
                                    timeout_graceful_shutdown=5, access_log=False)

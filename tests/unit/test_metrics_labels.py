@@ -41,6 +41,24 @@ def test_engine_finish_reasons_start_at_zero():
         assert f'kubesgl_requests_total{{finish_reason="{reason}",role="mixed"}} 0.0' in text
 
 
+def test_every_engine_sample_names_the_served_model():
+    """As vLLM's: model_name on every sample at /metrics (one with labels of its own, a
+    histogram's buckets, the build info), beside the labels it was recorded with."""
+    metrics = EngineMetrics("decode", "Qwen/Qwen3-0.6B")
+    metrics.set_build_info("0.1.0", "Qwen/Qwen3-0.6B")
+    metrics.request_error(400)
+    metrics.tokens(3, 0.01, first=False)
+    families = list(text_string_to_metric_families(metrics.render().decode()))
+    exported = [s for family in families for s in family.samples]
+    assert len(exported) > 100
+    for sample in exported:
+        assert sample.labels["model_name"] == "Qwen/Qwen3-0.6B" and sample.labels["role"] == "decode", sample
+    assert {"status": "400", "reason": "invalid_request"}.items() <= next(
+        s.labels for s in exported if s.name == "kubesgl_request_errors_total" and s.value == 1).items()
+    recorded = [s for family in metrics.registry.collect() for s in family.samples]
+    assert len(recorded) == len(exported) and not any("model_name" in s.labels for s in recorded)
+
+
 def test_every_router_counter_has_its_series_at_zero_from_the_start():
     workers = WorkerRegistry()
     workers.add("http://before:30000", Role.MIXED)  # known when the metrics are made

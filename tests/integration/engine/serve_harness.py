@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def free_port() -> int:
@@ -33,12 +34,17 @@ class RunningServer:
         with open(self.log_path) as f:
             return f.read()
 
-    def metric(self, name: str) -> float:
-        text = httpx.get(self.base_url + "/metrics").text
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
+    def metric(self, selector: str) -> float:
+        """The first sample that `selector` (`name` or `name{label="value",...}`) picks: named so,
+        with those labels among its own (model_name and role are on every one)."""
+        name, _, matchers = selector.partition("{")
+        wanted = dict(m.split("=", 1) for m in matchers.rstrip("}").split(",") if m)
+        wanted = {label: value.strip('"') for label, value in wanted.items()}
+        for family in text_string_to_metric_families(httpx.get(self.base_url + "/metrics").text):
+            for sample in family.samples:
+                if sample.name == name and wanted.items() <= sample.labels.items():
+                    return sample.value
+        raise KeyError(selector)
 
     def wait_idle(self, timeout: float = 20) -> None:
         """Until the engine reports no running request and no KV held."""

@@ -7,6 +7,7 @@ import asyncio
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kubesgl.engine import LLM, SamplingParams
 
@@ -217,13 +218,15 @@ def test_metrics_exact_for_a_known_workload(server_factory, tiny_model):
     assert server.metric("kubesgl_prefix_cache_hit_ratio") == pytest.approx(49 / 100)
     assert server.metric("kubesgl_prompt_tokens_total") == 100
     assert server.metric("kubesgl_generation_tokens_total") == 10
-    text = httpx.get(server.base_url + "/metrics").text
-    finished = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("kubesgl_requests_total{")}
-    assert finished == {'kubesgl_requests_total{finish_reason="stop",role="mixed"}': 0,  # every reason from the
-                        'kubesgl_requests_total{finish_reason="length",role="mixed"}': 2,  # start (issue 15)
-                        'kubesgl_requests_total{finish_reason="abort",role="mixed"}': 0}
-    assert 'role="mixed"' in text and "kubesgl_time_to_first_token_seconds_count" in text
+    families = list(text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text))
+    finished = {s.labels["finish_reason"]: s.value for family in families for s in family.samples
+                if s.name == "kubesgl_requests_total"}
+    assert finished == {"stop": 0, "length": 2, "abort": 0}  # every reason from the start (issue 15)
+    # every sample names the role and, as vLLM's do, the served model
+    (model,) = [card["id"] for card in httpx.get(server.base_url + "/v1/models").json()["data"]]
+    labels = {(s.labels.get("role"), s.labels.get("model_name")) for family in families for s in family.samples}
+    assert labels == {("mixed", model)}
+    assert any(s.name == "kubesgl_time_to_first_token_seconds_count" for family in families for s in family.samples)
     server.wait_idle()
     assert server.stop() == 0
 
