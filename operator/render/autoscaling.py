@@ -9,8 +9,8 @@ from kubesgl.operator.render.common import Object, metadata
 from kubesgl.operator.spec import AutoscalingSpec, InferenceService, RoleAutoscaling
 
 # Engine gauges by spec metric name (docs/architecture.md, Metrics). For the HPA they are
-# per-pod metrics served by a metrics adapter, but for kvCacheUsage; timeToFirstToken needs the
-# adapter rule in docs/operator.md.
+# per-pod metrics served by a metrics adapter, but for kvCacheUsage; the prometheus-adapter rules
+# for all four are charts/kubesgl/prometheus-adapter-values.yaml.
 HPA_METRICS = {
     "waitingRequests": "kubesgl_num_waiting_requests",
     "runningRequests": "kubesgl_num_running_requests",
@@ -19,7 +19,7 @@ HPA_METRICS = {
 }
 # Metrics whose fullest pod decides, not the average: one pod with a saturated KV pool refuses
 # admission however idle the others are. The HPA reads the maximum over the role's pods as an
-# External metric (the adapter's external rule in docs/operator.md), KEDA queries max().
+# External metric (the adapter's external rule), KEDA queries max().
 MAX_OVER_PODS = {"kvCacheUsage": "kubesgl_kv_cache_usage_ratio_max"}
 # The Prometheus label the PodMonitor copies from the pods' app.kubernetes.io/instance.
 INSTANCE_PROMETHEUS_LABEL = "app_kubernetes_io_instance"

@@ -1,9 +1,10 @@
 """Issue 15: a real Prometheus scrapes two CPU engines and a router, with the labels the
 rendered PodMonitor gives, under a short scripted load with aborts, errors, rejections and a
-worker outage; then every dashboard query and every autoscaling query is evaluated: each
-returns data (but the P/D ones, on mixed engines), each value is in its range, and the counts
-equal what the load generator saw. Needs the `prometheus` binary (Debian's package; .ci/run
-installs it)."""
+worker outage; then every dashboard query, every autoscaling query (KEDA's, and each
+prometheus-adapter rule's as the adapter fills it in for the operator's HPAs) is evaluated:
+each returns data (but the prefill, decode and P/D ones, on mixed engines), each value is in
+its range, and the counts equal what the load generator saw. Needs the `prometheus` binary
+(Debian's package; .ci/run installs it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,9 +22,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from serve_harness import free_port
 
-from kubesgl.operator.render.autoscaling import HPA_METRICS, prometheus_query
+from kubesgl.operator.render.autoscaling import (
+    HPA_METRICS,
+    INSTANCE_PROMETHEUS_LABEL,
+    MAX_OVER_PODS,
+    prometheus_query,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 PROMETHEUS = shutil.which("prometheus")
@@ -38,17 +46,45 @@ PODS = {"a": "live-mixed-5f7c9-aaaaa", "b": "live-mixed-5f7c9-bbbbb", "router": 
 # Panels of P/D engines and histograms of P/D transfers: nothing to show with mixed engines
 PD_ONLY = ("kubesgl_disagg_requests", "kubesgl_disagg_failures", "kubesgl_kv_transfer_seconds",
            "kubesgl_kv_transfer_wait_seconds")
+ADAPTER_VALUES = ROOT / "charts" / "kubesgl" / "prometheus-adapter-values.yaml"
 
 
 def dashboard_queries() -> list[tuple[str, str]]:
     path = ROOT / "charts" / "kubesgl" / "dashboards" / "kubesgl.json"
     dashboard = json.loads(path.read_text())
-    return [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel["targets"]]
+    return [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel.get("targets", [])]
+
+
+def mixed_engines_show(expr: str) -> bool:
+    """With mixed engines, the prefill and decode rows and the P/D metrics have nothing to show."""
+    return not re.search(r'role=~?"[^"]*(prefill|decode)', expr) and not any(name in expr for name in PD_ONLY)
 
 
 def grafana_free(expr: str, window: str) -> str:
     return (expr.replace("$__rate_interval", window).replace("$namespace", NAMESPACE)
-            .replace("$instance", INSTANCE))
+            .replace("$instance", INSTANCE).replace("$model", ".*"))
+
+
+def adapter_rules() -> list[tuple[str, dict]]:
+    rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]
+    return [("custom", rule) for rule in rules["custom"]] + [("external", rule) for rule in rules["external"]]
+
+
+def adapter_metric_name(rule: dict, series: str) -> str | None:
+    """The name the adapter serves a series under: name.matches, expanded into name.as."""
+    match = re.search(rule["name"]["matches"], series)
+    return match.expand(re.sub(r"\$\{?(\d+)\}?", r"\\g<\1>", rule["name"]["as"])) if match else None
+
+
+def adapter_query(rule: dict, series: str, matchers: list[str], group_by: str) -> str:
+    """metricsQuery as prometheus-adapter fills it in: the series' name, the label matchers
+    joined by commas (the metric selector's, sorted by label, then the namespace, then for a
+    custom metric the pod names), and the label to group by (pod; none for an external metric)."""
+    query = rule["metricsQuery"]
+    for field, value in (("Series", series), ("LabelMatchers", ",".join(matchers)), ("GroupBy", group_by)):
+        query = query.replace(f"<<.{field}>>", value)
+    assert "<<" not in query, query
+    return query
 
 
 class Prometheus:
@@ -84,6 +120,11 @@ class Prometheus:
         answer = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10).json()
         assert answer["status"] == "success", (expr, answer)
         return [(r["metric"], float(r["value"][1])) for r in answer["data"]["result"]]
+
+    def series(self, match: str) -> list[dict]:
+        answer = httpx.get(self.url + "/api/v1/series", params={"match[]": match}, timeout=10).json()
+        assert answer["status"] == "success", (match, answer)
+        return answer["data"]
 
     def total(self, expr: str) -> float:
         """The sum of a counter's last values, also of series whose pod has gone."""
@@ -193,8 +234,8 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(server_factory, 
         # Every panel query returns data, in its range
         for title, expr in dashboard_queries():
             result = prometheus.query(grafana_free(expr, window))
-            if any(name in expr for name in PD_ONLY):
-                continue  # mixed engines: no rooms, no transfers (and no NaN either)
+            if not mixed_engines_show(expr):
+                continue  # no prefill or decode engine, no rooms, no transfers (and no NaN either)
             scrapes = prometheus.query(f"count_over_time(up[{window}])"), prometheus.query(f"sum_over_time(up[{window}])")
             assert result, f"{title}: no data for {expr} (scrapes, successful: {scrapes})"
             for labels, value in result:
@@ -219,6 +260,34 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(server_factory, 
                 assert value <= 1
             if metric == "timeToFirstToken":
                 assert 0 < value < 60
+
+        # Every prometheus-adapter rule finds its series and names exactly the metrics the
+        # operator's HPAs ask for; each query the adapter builds for them returns data in range
+        served: dict[str, tuple[str, dict, str]] = {}
+        for kind, rule in adapter_rules():
+            found = {series["__name__"] for series in prometheus.series(rule["seriesQuery"])}
+            assert found, rule["seriesQuery"]
+            served.update({adapter_metric_name(rule, series): (kind, rule, series) for series in found})
+        asked = {MAX_OVER_PODS.get(metric, name) for metric, name in HPA_METRICS.items()}
+        assert set(served) == asked, (sorted(served), sorted(asked))
+        pods = [PODS["a"], PODS["b"]]  # the Deployment's pods, as the HPA lists them
+        pod_names = "|".join(pods)
+        for name, (kind, rule, series) in served.items():
+            if kind == "custom":
+                query = adapter_query(rule, series, [f'namespace="{NAMESPACE}"', f'pod=~"{pod_names}"'], "pod")
+            else:  # the HPA's selector: the InferenceService and role
+                selector = {INSTANCE_PROMETHEUS_LABEL: INSTANCE, "role": "mixed"}
+                matchers = [f'{label}="{value}"' for label, value in sorted(selector.items())]
+                query = adapter_query(rule, series, [*matchers, f'namespace="{NAMESPACE}"'], "")
+            result = prometheus.query(query)
+            assert result, (name, query)
+            assert kind == "custom" or len(result) == 1, (name, result)
+            for labels, value in result:
+                assert kind == "external" or labels["pod"] in pods, (name, labels)
+                assert 0 <= value and not math.isnan(value), (name, query, value)
+                assert value <= (1 if name.startswith("kubesgl_kv_cache_usage") else 60), (name, value)
+            if name == "kubesgl_time_to_first_token_seconds_avg":
+                assert dict((labels["pod"], value) for labels, value in result)[PODS["a"]] > 0
 
         # The counts are what the client saw
         total = prometheus.total
