@@ -66,18 +66,23 @@ async def test_worker_killed_mid_run(engines, start_router, client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_failed_requests_are_retried_on_another_worker(engines, start_router, client, stream):
+async def test_failed_requests_are_retried_on_another_worker(engines, start_router, client, stream, caplog):
     a, b = await engines("a"), await engines("b")
     a.fail_status = 503
     async with start_router(workers=[a.url, b.url], policy="round_robin", breaker_cooldown_s=60) as router:
         await router.ready()
-        for _ in range(4):
-            response = await client.post(router.url + "/v1/completions", json={"prompt": "x", "stream": stream})
-            assert response.status_code == 200
-            assert "b-tok0" in response.text
+        with caplog.at_level("INFO", logger="kubesgl.router"):
+            for _ in range(4):
+                response = await client.post(router.url + "/v1/completions", json={"prompt": "x", "stream": stream})
+                assert response.status_code == 200
+                assert "b-tok0" in response.text
         metrics = (await client.get(router.url + "/metrics")).text
     assert len(a.requests) >= 1
     assert "kubesgl_router_retries_total 0.0" not in metrics
+    # each retry is logged with the failure behind it: the worker and its answer
+    retries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("retry 1 of 3: ")]
+    assert len(retries) == len(a.requests), retries
+    assert all(a.url in line and "503" in line for line in retries), retries
 
 
 async def test_client_errors_are_not_retried(engines, start_router, client):
@@ -104,7 +109,7 @@ async def test_a_request_that_fails_on_a_worker_is_not_sent_to_the_others(engine
     assert "kubesgl_router_retries_total 0.0" in metrics
 
 
-async def test_circuit_breaker_keeps_a_failing_worker_out(engines, start_router, client):
+async def test_circuit_breaker_keeps_a_failing_worker_out(engines, start_router, client, caplog):
     a, b = await engines("a"), await engines("b")
     a.fail_status = 500
     async with start_router(
@@ -112,10 +117,14 @@ async def test_circuit_breaker_keeps_a_failing_worker_out(engines, start_router,
     ) as router:
         await router.ready()
         statuses = []
-        for _ in range(10):
-            response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
-            statuses.append(response.status_code)
+        with caplog.at_level("WARNING", logger="kubesgl.router"):
+            for _ in range(10):
+                response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+                statuses.append(response.status_code)
         listing = (await client.get(router.url + "/workers")).json()["workers"]
+    # the worker going out of service is logged once, with the failures behind it
+    opened = [r.getMessage() for r in caplog.records if "circuit breaker open" in r.getMessage()]
+    assert opened == [f"worker {a.url}: circuit breaker open after 2 failed requests (500)"], opened
     assert len(a.requests) == 2  # then its circuit opened, although /health still passes
     assert statuses.count(500) == 2 and statuses.count(200) == 8
     state = {w["url"]: (w["healthy"], w["circuit"]) for w in listing}
