@@ -11,6 +11,7 @@ import aiohttp
 from kubesgl.router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("kubesgl.router")
+MODELS_PATH = "/v1/models"
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class HealthChecker:
             log.debug("health check of %s failed: %r", worker.url, exc)
             passed = False
             problem = f"GET {self.settings.path} failed: {type(exc).__name__}{f': {exc}' if str(exc) else ''}"
+        if passed and not worker.model_name:
+            await self._ask_model(worker)
         if self.workers.get(worker.url) is not worker:
             return  # removed (or replaced) while the check was running
         if passed:
@@ -85,6 +88,19 @@ class HealthChecker:
             if worker.health_failures >= self.settings.failure_threshold:
                 self.workers.set_healthy(worker, False, f"{worker.health_failures} failed health checks, "
                                                         f"the last: {problem}")
+
+    async def _ask_model(self, worker: Worker) -> None:
+        """The model a worker serves, for kubesgl_router_worker_info, asked before it joins the
+        pool. One that does not answer joins all the same and is asked again at its next check."""
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
+        try:
+            async with self.session.get(worker.url + MODELS_PATH, timeout=timeout, headers=self.headers) as response:
+                models = (await response.json(content_type=None)).get("data") if response.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
+            log.debug("GET %s of %s failed: %r", MODELS_PATH, worker.url, exc)
+            return
+        if isinstance(models, list) and models and isinstance(models[0], dict):
+            worker.model_name = str(models[0].get("id", ""))
 
     def close(self) -> None:
         for task in self._probes:

@@ -48,14 +48,15 @@ class _WorkerCollector(Collector):
         )
         info = GaugeMetricFamily(
             "kubesgl_router_worker_info",
-            "1 per worker: its role and, when discovery found it, its pod's name (worker_pod), to join "
-            "the worker label to the engines' own series: on (worker) group_left (worker_pod)",
-            labels=["worker", "role", "worker_pod"],
+            "1 per worker: its role, when discovery found it its pod's name (worker_pod), to join the "
+            "worker label to the engines' own series (on (worker) group_left (worker_pod)), and the "
+            "model it serves (model_name, from its /v1/models; empty until it answered)",
+            labels=["worker", "role", "worker_pod", "model_name"],
         )
         for worker in self._workers.all():
             healthy.add_metric([worker.url], 1.0 if worker.can_serve() else 0.0)
             load.add_metric([worker.url], float(worker.in_flight))
-            info.add_metric([worker.url, worker.role.value, worker.pod], 1.0)
+            info.add_metric([worker.url, worker.role.value, worker.pod, worker.model_name], 1.0)
         yield healthy
         yield load
         yield info

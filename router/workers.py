@@ -61,6 +61,7 @@ class Worker:
     bootstrap_port: int | None = None  # prefill workers only
     source: str = "static"  # static | admin | kubernetes
     pod: str = ""  # the pod's name, when discovery found the worker
+    model_name: str = ""  # the model it serves (its /v1/models), once a health check has asked
     healthy: bool = False  # false until the first health check passes
     in_flight: int = 0
     health_failures: int = 0  # consecutive failed health checks
@@ -81,6 +82,7 @@ class Worker:
             "bootstrap_port": self.bootstrap_port,
             "source": self.source,
             "pod": self.pod,
+            "model_name": self.model_name,
             "healthy": self.healthy,
             "circuit": self.breaker.state.value,
             "in_flight": self.in_flight,

@@ -25,6 +25,19 @@ async def test_non_streaming_chat_is_answered_by_a_worker(engines, start_router,
     assert len(response.headers.get_list("date")) == 1  # the router's, not also the worker's
 
 
+async def test_each_workers_model_is_named_in_its_info_series(engines, start_router, client):
+    """The router asks a worker's /v1/models before it joins the pool: kubesgl_router_worker_info
+    then names the model (model_name, as on the engines' series) and GET /workers shows it."""
+    a = await engines("a")
+    async with start_router(workers=[a.url], admin_api_key="k") as router:
+        await router.ready()
+        metrics = (await client.get(router.url + "/metrics")).text
+        listing = (await client.get(router.url + "/workers", headers={"Authorization": "Bearer k"})).json()
+    assert (f'kubesgl_router_worker_info{{model_name="fake-model",role="mixed",worker="{a.url}",worker_pod=""}} 1.0'
+            in metrics), metrics
+    assert [w["model_name"] for w in listing["workers"]] == ["fake-model"]
+
+
 async def test_each_generation_route_is_forwarded(engines, start_router, client):
     a = await engines("a")
     async with start_router(workers=[a.url]) as router:
