@@ -40,7 +40,7 @@ if PROMETHEUS is None and REQUIRED:
     raise RuntimeError("KUBESGL_REQUIRE_PROMETHEUS=1 but no prometheus binary is on PATH")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs the prometheus binary (apt-get install prometheus)")
 
-NAMESPACE, INSTANCE = "ci", "live"
+NAMESPACE, INSTANCE, MODEL = "ci", "live", "tiny"  # MODEL: the engines' --served-model-name
 # Pod names as a Deployment's: <deployment>-<replicaset hash>-<suffix> (the KEDA queries match them)
 PODS = {"a": "live-mixed-5f7c9-aaaaa", "b": "live-mixed-5f7c9-bbbbb", "router": "live-router-5f7c9-rrrrr"}
 # Panels of P/D engines and histograms of P/D transfers: nothing to show with mixed engines
@@ -62,7 +62,7 @@ def mixed_engines_show(expr: str) -> bool:
 
 def grafana_free(expr: str, window: str) -> str:
     return (expr.replace("$__rate_interval", window).replace("$namespace", NAMESPACE)
-            .replace("$instance", INSTANCE).replace("$model", ".*"))
+            .replace("$instance", INSTANCE).replace("$model", MODEL))
 
 
 def adapter_rules() -> list[tuple[str, dict]]:
@@ -174,7 +174,7 @@ def start_router(tmp_path: Path, workers: list[str]) -> tuple[subprocess.Popen, 
 async def scripted_load(router: str, kill_b) -> dict[str, int]:
     """The load; returns what the client saw."""
     seen = {"ok": 0, "router_400": 0, "router_404": 0, "engine_400": 0, "aborted": 0}
-    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
     async with httpx.AsyncClient(base_url=router, timeout=60) as http:
         async def complete(**extra) -> int:
             return (await http.post("/v1/completions", json={**body, **extra})).status_code
@@ -210,7 +210,7 @@ async def scripted_load(router: str, kill_b) -> dict[str, int]:
 
 def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(server_factory, tiny_model, tmp_path):
     model = tiny_model("llama")
-    engines = {name: server_factory(model, "--served-model-name", "tiny") for name in ("a", "b")}
+    engines = {name: server_factory(model, "--served-model-name", MODEL) for name in ("a", "b")}
     router, router_url = start_router(tmp_path, [engines["a"].base_url, engines["b"].base_url])
     prometheus = Prometheus(tmp_path, {"a": engines["a"].base_url, "b": engines["b"].base_url,
                                        "router": router_url})
@@ -246,6 +246,13 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(server_factory, 
                     assert value <= 1, (title, expr, labels, value)
                 if "histogram_quantile" in expr:
                     assert value < 60, (title, expr, labels, value)
+        # every engine series names the served model (the dashboard's model filter relies on it)
+        engine_series = prometheus.series(f'{{__name__=~"kubesgl_.+", __name__!~"kubesgl_router_.+", '
+                                          f'namespace="{NAMESPACE}"}}')
+        assert engine_series and {series.get("model_name") for series in engine_series} == {MODEL}
+        # ... and so does the router's info series of each worker, which asked the worker's /v1/models
+        info = prometheus.query(f'kubesgl_router_worker_info{{namespace="{NAMESPACE}"}}')
+        assert sorted(labels["model_name"] for labels, _ in info) == [MODEL, MODEL], info
         # the outage shows: engine b's scrapes fail, and its router-side health went to 0
         up = dict((labels["pod"], value) for labels, value in prometheus.query(f'up{{namespace="{NAMESPACE}"}}'))
         assert up == {PODS["a"]: 1, PODS["b"]: 0, PODS["router"]: 1}
