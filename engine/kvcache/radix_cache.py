@@ -188,3 +188,14 @@ class RadixCache:
                 f"counted evictable/protected {evictable}/{protected}, "
                 f"recorded {self.evictable_size}/{self.protected_size}"
             )
+
+
+class NoPrefixCache(RadixCache):
+    """The prefix cache of --disable-radix-cache: a tree that keeps nothing. Every match is
+    empty and every insert is refused, so a request's KV stays its own and is freed with it."""
+
+    def match_prefix(self, tokens: list[int]) -> PrefixMatch:
+        return PrefixMatch(slots=[], node=self.root)
+
+    def insert(self, tokens: list[int], slots: list[int]) -> int:
+        return 0
