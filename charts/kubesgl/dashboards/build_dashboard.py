@@ -62,6 +62,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         (peak("kubesgl_num_waiting_requests", "max", "role"), "peak waiting on one pod {{role}}")]),
     ("KV cache usage (committed / pool), peak per pod", "percentunit", [
         (peak("kubesgl_kv_cache_usage_ratio", "max", "pod, role"), "{{pod}}")]),
+    ("Retractions (running requests re-queued to free KV pages)", "ops", [
+        (rate("kubesgl_retractions_total", "role"), "{{role}}")]),
     ("Queue, prefill and decode time", "s", [
         (quantile(0.5, "kubesgl_request_queue_time_seconds", "role"), "queue p50 {{role}}"),
         (quantile(0.99, "kubesgl_request_queue_time_seconds", "role"), "queue p99 {{role}}"),
