@@ -78,6 +78,21 @@ class RadixCache:
             node = child
         return PrefixMatch(slots=slots, node=node)
 
+    def peek_prefix(self, tokens: list[int]) -> tuple[int, TreeNode]:
+        """Length of the longest cached, page-aligned prefix of `tokens`, and the deepest node
+        it covers whole; unlike `match_prefix`, changes nothing (no split, no LRU touch)."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None or len(tokens) - pos < self.page_size:
+                break
+            n = self._common_len(child.key, tokens, pos)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos, node
+
     # -- updates -----------------------------------------------------------------------
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut `node` after `at` tokens; returns the new upper part."""

@@ -128,6 +128,8 @@ class Engine:
             chunked_prefill_size=config.chunked_prefill_size,
             max_prefill_tokens=config.max_prefill_tokens,
             default_max_tokens=config.default_max_tokens,
+            schedule_policy=config.schedule_policy,
+            schedule_max_wait=config.schedule_max_wait,
         )
         kv = KVManager(allocator, radix, num_rows)
         self.role = create_role(config, kv, kv_pool, get_tp_group(), bootstrap_host, bootstrap_link)

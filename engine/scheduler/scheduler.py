@@ -39,6 +39,7 @@ from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req, ReqStatus
 from kubesgl.engine.scheduler.roles import KVArrived, KVSent, MixedRole
+from kubesgl.engine.scheduler.schedule_policy import SchedulePolicy
 from kubesgl.engine.scheduler.stop_strings import StopStringChecker
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ class SchedulerLimits:
     chunked_prefill_size: int  # <= 0: no chunking
     max_prefill_tokens: int
     default_max_tokens: int  # for requests that leave max_tokens unset
+    schedule_policy: str = "fcfs"  # see schedule_policy.py
+    schedule_max_wait: float = 10.0
 
 
 class Scheduler:
@@ -66,6 +69,7 @@ class Scheduler:
         self.overlap = overlap
         self.builder = BatchBuilder(kv, limits.vocab_size, future_capacity)
         self.waiting: deque[Req] = deque()
+        self.policy = SchedulePolicy(limits.schedule_policy, kv.radix, limits.schedule_max_wait)
         self.prefilling: list[Req] = []  # admitted, prompt not fully scheduled
         self.decoding: list[Req] = []
         self.finished_unreleased: list[Req] = []
@@ -207,6 +211,8 @@ class Scheduler:
             if req.num_scheduled < req.fill_len and not take(req):
                 break
         deferred: list[Req] = []
+        if budget > 0 and self._num_running() < limits.max_running_requests:
+            self.policy.reorder(self.waiting)
         while self.waiting and budget > 0:
             if self._num_running() >= limits.max_running_requests:
                 break
