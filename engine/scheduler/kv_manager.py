@@ -61,7 +61,7 @@ class KVManager:
             self.radix.unlock(node)
             return False
         req.row = self._free_rows.pop()
-        if not req.output_ids:  # a resumed request reports the hit of its first admission
+        if not req.retractions:  # a resumed request reports the hit of its first admission
             req.num_prefix_hit = len(slots)
         req.slots, req.num_cached, req.last_node = list(slots), len(slots), node
         req.num_scheduled = req.num_computed = len(slots)

@@ -359,8 +359,8 @@ class Scheduler:
         return None
 
     def _finish(self, req: Req) -> None:
-        if req.finish_reason is not None and req.finish_reason.kind in ("stop", "length"):
-            self.kv.estimate.finished(len(req.output_ids), req.params.max_tokens)
+        if req.bootstrap is None and req.finish_reason is not None and req.finish_reason.kind in ("stop", "length"):
+            self.kv.estimate.finished(len(req.output_ids), req.params.max_tokens)  # what the estimate is for
         if req in self.prefilling:
             self.prefilling.remove(req)
         if req in self.decoding:

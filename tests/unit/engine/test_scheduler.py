@@ -246,6 +246,19 @@ def test_admission_on_estimate_runs_more_without_over_committing(tiny_model, mak
     assert all(sum(len(o.token_ids) for o in outs) == 41 for outs in outputs.values())
 
 
+def test_output_estimate_follows_finished_requests_and_backs_off_on_retraction():
+    estimate = OutputEstimate(ratio=0.5)
+    assert estimate.outputs(100) == 50 and estimate.outputs(1) == 1 and estimate.outputs(0) == 1
+    for _ in range(100):
+        estimate.finished(10, 4096)  # short answers to requests that set no max_tokens
+    assert estimate.ratio == estimate.floor
+    estimate.retracted()
+    assert estimate.ratio == estimate.floor * estimate.backoff
+    for _ in range(100):
+        estimate.finished(200, 200)  # every request runs to max_tokens: reserve all of it again
+    assert estimate.outputs(100) == 100
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
