@@ -111,7 +111,7 @@ class EngineMetrics:
         self.kv_usage.labels(role=role).set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
         self.kv_capacity.labels(role=role).set(stats.kv_total_tokens)
         self.prefix_hit.labels(role=role).set(stats.cached_prompt_tokens / max(stats.prompt_tokens, 1))
-        self.retractions.labels(role=role).inc(stats.retractions - self._retractions_seen)
+        self.retractions.labels(role=role).inc(max(0, stats.retractions - self._retractions_seen))
         self._retractions_seen = stats.retractions
         if stats.disagg is not None:
             self._update_disagg(stats.disagg)

@@ -53,8 +53,8 @@ class SchedulerLimits:
     chunked_prefill_size: int  # <= 0: no chunking
     max_prefill_tokens: int
     default_max_tokens: int  # for requests that leave max_tokens unset
-    schedule_policy: str = "fcfs"  # see schedule_policy.py
-    schedule_max_wait: float = 10.0
+    schedule_policy: str  # see schedule_policy.py
+    schedule_max_wait: float
 
 
 class Scheduler:
