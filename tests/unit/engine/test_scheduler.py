@@ -266,12 +266,12 @@ def test_retraction_storm_finishes_every_request_exactly(overlap, radix, page_si
                                                           random_prompts):
     """24 requests on a pool that holds about one and a half of them whole: requests are
     retracted again and again, yet each returns exactly what it returns on a large pool
-    (greedy and seeded sampling alike), and the pages stay accounted for at every step."""
+    (greedy, seeded sampling, penalties alike), and the pages stay accounted for at every step."""
     path = tiny_model("llama")
     prompts = random_prompts(24, 10, 40, seed=21)
-    params = [SamplingParams(max_tokens=48, ignore_eos=True, **({"temperature": 0} if i % 2 else
-                                                                {"temperature": 0.9, "seed": i}))
-              for i in range(24)]
+    kinds = [{"temperature": 0}, {"temperature": 0.9, "seed": 7},
+             {"temperature": 0, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2}]
+    params = [SamplingParams(max_tokens=48, ignore_eos=True, **kinds[i % 3]) for i in range(24)]
     reference = make_llm(path, page_size=page_size).generate(prompts, params)
     llm = make_llm(path, page_size=page_size, max_total_tokens=128, disable_radix_cache=not radix,
                    disable_overlap_schedule=not overlap)
