@@ -246,6 +246,33 @@ def test_admission_on_estimate_runs_more_without_over_committing(tiny_model, mak
     assert all(sum(len(o.token_ids) for o in outs) == 41 for outs in outputs.values())
 
 
+def test_aborting_retracted_requests_leaves_nothing_behind(tiny_model, make_llm, random_prompts):
+    """A retracted request waits with its outputs and no KV: an abort then ends it at once with
+    the tokens it had, and the others still finish."""
+    llm = make_llm(tiny_model("llama"), max_total_tokens=96)
+    engine = llm.engine
+    engine.scheduler.kv.estimate = OutputEstimate(ratio=0.05, weight=0.0, backoff=1.0)
+    for i, prompt in enumerate(random_prompts(8, 10, 20, seed=23)):
+        submit(engine, f"r{i}", prompt, max_tokens=40, temperature=0, ignore_eos=True)
+    outputs = defaultdict(list)
+    aborted = set()
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.rid].append(out)
+        for req in list(engine.scheduler.waiting):
+            if req.retractions and req.rid not in aborted:
+                aborted.add(req.rid)
+                final = engine.abort_request(req.rid)
+                assert final[0].finish_reason.kind == "abort" and final[0].completion_tokens == len(req.output_ids) > 0
+                outputs[req.rid] += final
+        engine.scheduler.check_integrity()
+    assert aborted
+    assert_well_formed(outputs)
+    for rid, outs in outputs.items():
+        if rid not in aborted:
+            assert sum(len(o.token_ids) for o in outs) == 40
+
+
 def test_output_estimate_follows_finished_requests_and_backs_off_on_retraction():
     estimate = OutputEstimate(ratio=0.5)
     assert estimate.outputs(100) == 50 and estimate.outputs(1) == 1 and estimate.outputs(0) == 1
