@@ -110,14 +110,15 @@ class KVManager:
         req.slots += new
         return new
 
-    def pages_short(self, reqs: Iterable[Req], num_tokens: int = 1) -> int:
-        """Pages missing for `reqs` to grow by `num_tokens` each beyond their reservations
-        (0: the step fits)."""
-        p, unreserved = self.page_size, 0
-        for req in reqs:
-            pages = self.pages_for(num_tokens - min((-len(req.slots)) % p, num_tokens))
-            unreserved += max(0, pages - req.reserved_pages)
-        return max(0, unreserved - self.available_pages())
+    def pages_short(self, reqs: list[Req]) -> int:
+        """Pages missing for a decode step of `reqs` (one token each) beyond their
+        reservations; 0: the step fits."""
+        available = self.available_pages()
+        if available >= len(reqs):  # at most one page each: the common case costs nothing
+            return 0
+        p = self.page_size
+        unreserved = sum(1 for req in reqs if req.reserved_pages == 0 and len(req.slots) % p == 0)
+        return max(0, unreserved - available)
 
     # -- hand-over to the radix cache ------------------------------------------------------
     def cache_prefix(self, req: Req) -> None:
