@@ -54,10 +54,20 @@ class RadixCache:
         return tuple(tokens[start : start + self.page_size])
 
     def _common_len(self, key: list[int], tokens: list[int], start: int) -> int:
+        """Page-aligned length of the common prefix of `key` and `tokens[start:]`. Slices are
+        compared (in C), bisecting on a mismatch: a token-by-token loop cost ~50 ms per step
+        when --schedule-policy lpm matched 128 waiting prompts of 4096 tokens."""
         limit = min(len(key), len(tokens) - start)
-        n = 0
-        while n < limit and key[n] == tokens[start + n]:
-            n += 1
+        if key[:limit] == tokens[start : start + limit]:
+            n = limit
+        else:
+            n, mismatch = 0, limit  # key[:n] matches; key[:mismatch] does not
+            while mismatch - n > 1:
+                mid = (n + mismatch) // 2
+                if key[n:mid] == tokens[start + n : start + mid]:
+                    n = mid
+                else:
+                    mismatch = mid
         return n - n % self.page_size
 
     def match_prefix(self, tokens: list[int]) -> PrefixMatch:
