@@ -56,7 +56,7 @@ class Req:
     outputs_scheduled: int = 0  # sampled tokens scheduled, in flight included
     future_slot: int | None = None  # where the in-flight step leaves this request's newest token
     last_step: int = -1  # the latest step this request is part of
-    retractions: int = 0
+    retractions: int = 0  # times sent back to the queue to free KV (scheduler.py)
 
     def __post_init__(self) -> None:
         if self.fill_len < 0:
