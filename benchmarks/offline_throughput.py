@@ -43,6 +43,7 @@ def main() -> None:
         "attention_backend": args.attention_backend, "kv_cache_dtype": args.kv_cache_dtype, "cuda_graph": not args.disable_cuda_graph,
         "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
         "max_running_requests": args.max_running_requests, "kv_pool_tokens": llm.engine.scheduler.stats().kv_total_tokens,
+        "retractions": llm.engine.scheduler.stats().retractions,
         "seconds": elapsed, "output_tokens_per_s": args.num_prompts * args.output_len / elapsed,
         "total_tokens_per_s": args.num_prompts * (args.input_len + args.output_len) / elapsed,
     }

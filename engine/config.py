@@ -24,6 +24,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvCacheDtype = Literal["auto", "fp8_e4m3"]
 LoadFormat = Literal["auto", "dummy"]
 AttentionBackendName = Literal["torch", "triton", "flashinfer"]
+SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight"]
 
 _OPTION = "kubesgl.option"  # the key of an option's declaration in a field's metadata
 # --mem-fraction-static when unset. On the CPU a modest share of the free memory, so that two
@@ -104,6 +105,12 @@ class EngineConfig:
     default_max_tokens: int = option(4096, help="output limit of requests that give no max_tokens", ge=1)
     attention_backend: Literal["auto", AttentionBackendName] = option(
         "auto", help="auto: flashinfer on CUDA where installed, else triton; torch on the CPU")
+    schedule_policy: SchedulePolicyName = option(
+        "fcfs", help="order of the waiting queue: fcfs = arrival; lpm = longest prefix in the radix cache first; "
+                     "dfs-weight = requests sharing cached prefixes together, the largest group first")
+    schedule_max_wait: float = option(
+        10.0, help="seconds a waiting request may be passed over by --schedule-policy; past them it goes first",
+        gt=0)
     disable_radix_cache: bool = option(False, help="no prefix cache: every prompt is computed in full")
     disable_overlap_schedule: bool = option(False, help="build each step only after the previous one ended")
     disable_cuda_graph: bool = option(False, help="run decode steps eagerly, without CUDA graphs")

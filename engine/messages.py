@@ -132,6 +132,7 @@ class SchedulerStats:
     prompt_tokens: int  # since start
     cached_prompt_tokens: int  # of those, found in the prefix cache
     disagg: DisaggStats | None = None  # prefill and decode roles
+    retractions: int = 0  # since start: running requests sent back to the queue to free KV
 
 
 @dataclass

@@ -88,6 +88,8 @@ class EngineMetrics:
         self.cached_tokens = Counter("kubesgl_cached_prompt_tokens", "Prompt tokens of finished requests "
                                      "found in the prefix cache (hit ratio: its rate over "
                                      "kubesgl_prompt_tokens_total's)", labels, registry=r)
+        self.retractions = Counter("kubesgl_retractions", "Running requests sent back to the queue to free KV "
+                                   "pages (they resume later where they stopped)", labels, registry=r)
         self.kv_capacity = Gauge("kubesgl_kv_cache_capacity_tokens", "Tokens the KV pool holds", labels,
                                  registry=r)
         self.build_info = Info("kubesgl_build", "The kubesgl version and the model served", labels, registry=r)
@@ -108,7 +110,7 @@ class EngineMetrics:
                        self.generation_tokens, self.ttft, self.itl, self.e2e, self.kv_transfer_bytes,
                        self.kv_transfer_seconds, self.kv_transfer_wait, self.queue_time, self.prefill_time,
                        self.decode_time, self.prompt_length, self.output_length, self.cached_tokens,
-                       self.kv_capacity):
+                       self.kv_capacity, self.retractions):
             metric.labels(role=role)  # present from the start, at zero
         for finish_reason in FINISH_REASONS:
             self.requests.labels(role=role, finish_reason=finish_reason)
@@ -120,6 +122,7 @@ class EngineMetrics:
             for reason in FailureReason:
                 self.disagg_failures.labels(role=role, reason=reason.value)
         self._failures_seen: dict[str, int] = {}
+        self._retractions_seen = 0
 
     def render(self) -> bytes:
         """The /metrics text: every sample carries model_name beside its own labels."""
@@ -132,6 +135,8 @@ class EngineMetrics:
         self.kv_usage.labels(role=role).set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
         self.kv_capacity.labels(role=role).set(stats.kv_total_tokens)
         self.prefix_hit.labels(role=role).set(stats.cached_prompt_tokens / max(stats.prompt_tokens, 1))
+        self.retractions.labels(role=role).inc(max(0, stats.retractions - self._retractions_seen))
+        self._retractions_seen = stats.retractions
         if stats.disagg is not None:
             self._update_disagg(stats.disagg)
 

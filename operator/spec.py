@@ -13,7 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_v
 from pydantic.alias_generators import to_camel
 
 from kubesgl.contract import DECODE, MIXED, PREFILL, EngineRole, TinyArch
-from kubesgl.engine.config import AttentionBackendName, Device, Dtype, KvCacheDtype, LoadFormat
+from kubesgl.engine.config import (
+    AttentionBackendName,
+    Device,
+    Dtype,
+    KvCacheDtype,
+    LoadFormat,
+    SchedulePolicyName,
+)
 
 API_GROUP = "kubesgl.io"
 API_VERSION = "v1alpha1"
@@ -95,6 +102,8 @@ class EngineSpec(SpecModel):
     max_stop_string_length: int | None = Field(default=None, ge=1)
     max_request_body_bytes: int | None = Field(default=None, ge=1024)
     max_prompt_chars_per_token: int | None = Field(default=None, ge=1)
+    schedule_policy: SchedulePolicyName | None = None
+    schedule_max_wait: float | None = Field(default=None, gt=0)
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False

@@ -54,10 +54,20 @@ class RadixCache:
         return tuple(tokens[start : start + self.page_size])
 
     def _common_len(self, key: list[int], tokens: list[int], start: int) -> int:
+        """Page-aligned length of the common prefix of `key` and `tokens[start:]`. Slices are
+        compared (in C), bisecting on a mismatch: a token-by-token loop cost ~32 ms per step
+        when --schedule-policy lpm matched 128 waiting prompts of 4096 tokens."""
         limit = min(len(key), len(tokens) - start)
-        n = 0
-        while n < limit and key[n] == tokens[start + n]:
-            n += 1
+        if key[:limit] == tokens[start : start + limit]:
+            n = limit
+        else:
+            n, mismatch = 0, limit  # key[:n] matches; key[:mismatch] does not
+            while mismatch - n > 1:
+                mid = (n + mismatch) // 2
+                if key[n:mid] == tokens[start + n : start + mid]:
+                    n = mid
+                else:
+                    mismatch = mid
         return n - n % self.page_size
 
     def match_prefix(self, tokens: list[int]) -> PrefixMatch:
@@ -77,6 +87,21 @@ class RadixCache:
             pos += n
             node = child
         return PrefixMatch(slots=slots, node=node)
+
+    def peek_prefix(self, tokens: list[int]) -> tuple[int, TreeNode]:
+        """Length of the longest cached, page-aligned prefix of `tokens`, and the deepest node
+        it covers whole; unlike `match_prefix`, changes nothing (no split, no LRU touch)."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None or len(tokens) - pos < self.page_size:
+                break
+            n = self._common_len(child.key, tokens, pos)
+            pos += n
+            if n < len(child.key):
+                break
+            node = child
+        return pos, node
 
     # -- updates -----------------------------------------------------------------------
     def _split(self, node: TreeNode, at: int) -> TreeNode:
@@ -188,3 +213,14 @@ class RadixCache:
                 f"counted evictable/protected {evictable}/{protected}, "
                 f"recorded {self.evictable_size}/{self.protected_size}"
             )
+
+
+class NoPrefixCache(RadixCache):
+    """The prefix cache of --disable-radix-cache: a tree that keeps nothing. Every match is
+    empty and every insert is refused, so a request's KV stays its own and is freed with it."""
+
+    def match_prefix(self, tokens: list[int]) -> PrefixMatch:
+        return PrefixMatch(slots=[], node=self.root)
+
+    def insert(self, tokens: list[int], slots: list[int]) -> int:
+        return 0

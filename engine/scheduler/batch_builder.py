@@ -45,15 +45,15 @@ class BatchBuilder:
         return slots
 
     def extend(self, chunks: list[tuple[Req, int]]) -> ScheduledBatch:
-        """A prefill step: each request adds its next `n` prompt tokens."""
+        """A prefill step: each request adds its next `n` tokens to fill."""
         reqs, lens, emits, input_ids, positions = [], [], [], [], []
         for req, n in chunks:
             start = req.num_scheduled
-            input_ids += req.prompt_ids[start : start + n]
+            input_ids += req.fill_ids()[start : start + n]
             positions += range(start, start + n)
             reqs.append(req)
             lens.append(n)
-            emits.append(start + n == req.prompt_len)
+            emits.append(start + n == req.fill_len)
         return self._build(ForwardMode.EXTEND, reqs, lens, emits, input_ids, positions)
 
     def decode(self, reqs: list[Req]) -> ScheduledBatch:

@@ -18,7 +18,7 @@ from kubesgl.engine.executor.worker import OverlapExecutor, SyncExecutor
 from kubesgl.engine.host_memory import host_memory
 from kubesgl.engine.kvcache.allocator import PageAllocator
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
-from kubesgl.engine.kvcache.radix_cache import RadixCache
+from kubesgl.engine.kvcache.radix_cache import NoPrefixCache, RadixCache
 from kubesgl.engine.layers.moe import SparseMoeBlock
 from kubesgl.engine.messages import GenerateRequest, TokenOutput
 from kubesgl.engine.model_config import ModelConfig, load_model_config
@@ -110,7 +110,7 @@ class Engine:
         num_rows = 2 * config.max_running_requests
         table = ReqToTokenTable(num_rows + 1, self.context_length, self.device)
         allocator = PageAllocator(num_pages, page)
-        radix = None if config.disable_radix_cache else RadixCache(allocator)
+        radix = NoPrefixCache(allocator) if config.disable_radix_cache else RadixCache(allocator)
         future_capacity = 4 * config.max_running_requests
         backend = config.attention_backend
         if backend == "auto":
@@ -128,6 +128,8 @@ class Engine:
             chunked_prefill_size=config.chunked_prefill_size,
             max_prefill_tokens=config.max_prefill_tokens,
             default_max_tokens=config.default_max_tokens,
+            schedule_policy=config.schedule_policy,
+            schedule_max_wait=config.schedule_max_wait,
         )
         kv = KVManager(allocator, radix, num_rows)
         self.role = create_role(config, kv, kv_pool, get_tp_group(), bootstrap_host, bootstrap_link)
@@ -135,7 +137,7 @@ class Engine:
                                    future_capacity, StopStringChecker(config.model), self.role)
         logger.info("engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s, role %s",
                     self.model_config.architecture, self.device, self.dtype, (num_pages - 1) * page, page,
-                    overlap, radix is not None, config.role)
+                    overlap, not config.disable_radix_cache, config.role)
 
     def validate(self, request: GenerateRequest) -> None:
         """Raise InvalidRequestError if `request` cannot run here; changes nothing."""

@@ -1,9 +1,15 @@
-"""Who holds which KV pages: admission reservations, growth, radix-cache hand-over, release.
+"""Who holds which KV pages: admission reservations, growth, radix-cache hand-over, release
+and retraction.
 
 Every page is in exactly one place: free in the allocator, owned by the radix tree, or
-owned by one live request (its pages past `num_cached`). Admission reserves all the pages a
-request may ever need (prompt plus max_tokens), so a running request never runs out of KV
-and nothing is preempted.
+owned by one live request (its pages past `num_cached`). Admission reserves the pages of a
+request's prompt and of the outputs it is expected to generate (admission.py), never more
+than the free and evictable pages less the other reservations, so reservations can always be
+met. A request that outgrows its reservation takes unreserved pages; when there are none,
+the scheduler retracts a request (`retract`) to make room.
+
+With --disable-radix-cache the tree is a `NoPrefixCache`, which keeps nothing: the same code
+then frees every request's KV with it.
 """
 
 from __future__ import annotations
@@ -12,31 +18,32 @@ from collections.abc import Iterable
 
 from kubesgl.engine.kvcache.allocator import PageAllocator
 from kubesgl.engine.kvcache.radix_cache import CacheIntegrityError, RadixCache
+from kubesgl.engine.scheduler.admission import OutputEstimate
 from kubesgl.engine.scheduler.request import Req, ReqStatus
 
 
 class KVManager:
-    def __init__(self, allocator: PageAllocator, radix: RadixCache | None, num_rows: int):
+    def __init__(self, allocator: PageAllocator, radix: RadixCache, num_rows: int):
         self.allocator = allocator
         self.radix = radix
         self.page_size = allocator.page_size
         self.num_rows = num_rows
         self._free_rows = list(range(num_rows - 1, -1, -1))
         self.reserved_pages = 0
+        self.estimate = OutputEstimate()
 
     # -- capacity ----------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def available_pages(self) -> int:
-        evictable = self.radix.evictable_size // self.page_size if self.radix else 0
-        return self.allocator.num_free + evictable - self.reserved_pages
+        """Pages free or evictable that no reservation has promised."""
+        return self.allocator.num_free + self.radix.evictable_size // self.page_size - self.reserved_pages
 
     def committed_tokens(self) -> int:
         """KV tokens spoken for: held by requests, locked in the cache, or reserved for the
         outputs of running requests (evictable cache excluded). What admission is bound by."""
-        evictable = self.radix.evictable_size if self.radix else 0
-        held = (self.allocator.total_pages - self.allocator.num_free) * self.page_size - evictable
+        held = (self.allocator.total_pages - self.allocator.num_free) * self.page_size - self.radix.evictable_size
         return held + self.reserved_pages * self.page_size
 
     # -- admission ---------------------------------------------------------------------
@@ -45,19 +52,18 @@ class KVManager:
         positions in all, or nothing at all."""
         if not self._free_rows:
             return False
-        slots, node = [], None
-        if self.radix is not None:
-            # At least one prompt token is always computed: its logits give the first output.
-            match = self.radix.match_prefix(req.prompt_ids[:-1])
-            slots, node = match.slots, match.node
-            self.radix.lock(node)
+        # At least one token is always computed: its logits give the next output.
+        match = self.radix.match_prefix(req.fill_ids()[:-1])
+        slots, node = match.slots, match.node
+        self.radix.lock(node)
         need = self.pages_for(kv_tokens) - len(slots) // self.page_size
         if need > self.available_pages():
-            if node is not None:
-                self.radix.unlock(node)
+            self.radix.unlock(node)
             return False
         req.row = self._free_rows.pop()
-        req.slots, req.num_cached, req.num_prefix_hit, req.last_node = list(slots), len(slots), len(slots), node
+        if not req.retractions:  # a resumed request reports the hit of its first admission
+            req.num_prefix_hit = len(slots)
+        req.slots, req.num_cached, req.last_node = list(slots), len(slots), node
         req.num_scheduled = req.num_computed = len(slots)
         req.reserved_pages = need
         self.reserved_pages += need
@@ -73,8 +79,7 @@ class KVManager:
         if need > self.available_pages():
             return False
         req.row = self._free_rows.pop()
-        root = self.radix.root if self.radix is not None else None  # no prefix: the tree's root
-        req.slots, req.num_cached, req.num_prefix_hit, req.last_node = [], 0, 0, root
+        req.slots, req.num_cached, req.num_prefix_hit, req.last_node = [], 0, 0, self.radix.root
         req.num_scheduled = req.num_computed = 0
         req.reserved_pages = need
         self.reserved_pages += need
@@ -83,33 +88,45 @@ class KVManager:
 
     # -- growth ------------------------------------------------------------------------
     def grow(self, req: Req, num_tokens: int) -> list[int]:
-        """KV slots for the next `num_tokens` positions of `req`."""
+        """KV slots for the next `num_tokens` positions of `req`: from its reservation, then
+        from unreserved pages (the scheduler checks `pages_short` first)."""
         p = self.page_size
         room = (-len(req.slots)) % p  # free slots left in the request's last page
         in_page = min(room, num_tokens)
         new = [req.slots[-1] + 1 + i for i in range(in_page)]
         pages_needed = self.pages_for(num_tokens - in_page)
         if pages_needed:
-            if pages_needed > req.reserved_pages:
-                raise RuntimeError(f"request {req.rid} outgrew its KV reservation")
+            unreserved = pages_needed - min(pages_needed, req.reserved_pages)
+            if unreserved > self.available_pages():
+                raise RuntimeError(f"request {req.rid} outgrew its KV reservation and no page is unreserved")
             shortfall = pages_needed - self.allocator.num_free
-            if shortfall > 0 and self.radix is not None:
+            if shortfall > 0:
                 self.radix.evict(shortfall * p)
             pages = self.allocator.alloc(pages_needed)
-            req.reserved_pages -= pages_needed
-            self.reserved_pages -= pages_needed
+            from_reservation = pages_needed - unreserved
+            req.reserved_pages -= from_reservation
+            self.reserved_pages -= from_reservation
             new += self.allocator.slots_of(pages)[: num_tokens - in_page]
         req.slots += new
         return new
+
+    def pages_short(self, reqs: list[Req]) -> int:
+        """Pages missing for a decode step of `reqs` (one token each) beyond their
+        reservations; 0: the step fits."""
+        available = self.available_pages()
+        if available >= len(reqs):  # at most one page each: the common case costs nothing
+            return 0
+        p = self.page_size
+        unreserved = sum(1 for req in reqs if req.reserved_pages == 0 and len(req.slots) % p == 0)
+        return max(0, unreserved - available)
 
     # -- hand-over to the radix cache ------------------------------------------------------
     def cache_prefix(self, req: Req) -> None:
         """Put the computed, page-aligned part of the prompt into the tree, so that other
         requests (the n copies of one prompt, say) can share it while this one runs."""
-        if self.radix is not None:
-            aligned = min(req.num_computed, req.prompt_len) // self.page_size * self.page_size
-            if aligned > req.num_cached:
-                self._insert(req, req.prompt_ids[:aligned])
+        aligned = min(req.num_computed, req.fill_len) // self.page_size * self.page_size
+        if aligned > req.num_cached:
+            self._insert(req, req.fill_ids()[:aligned])
 
     def _insert(self, req: Req, tokens: list[int]) -> None:
         n = len(tokens)
@@ -119,41 +136,46 @@ class KVManager:
             self._free_slots(req.slots[req.num_cached : already_cached])
             req.table_len = min(req.table_len, req.num_cached)
         match = self.radix.match_prefix(tokens)
-        assert len(match.slots) == n
+        cached = len(match.slots)  # n, or 0 where the cache keeps nothing
         self.radix.lock(match.node)
         self.radix.unlock(req.last_node)
-        req.slots[:n] = match.slots
-        req.last_node, req.num_cached = match.node, n
+        req.slots[:cached] = match.slots
+        req.last_node, req.num_cached = match.node, cached
 
     # -- release -----------------------------------------------------------------------
     def release(self, req: Req) -> None:
         """Return everything `req` holds. Its computed KV stays in the tree for reuse."""
         if req.status is ReqStatus.RELEASED:
             raise RuntimeError(f"request {req.rid} released twice")
+        self._give_back(req)
+        req.status = ReqStatus.RELEASED
+
+    def retract(self, req: Req) -> None:
+        """Take back what a running request holds so that it can be re-admitted later: its
+        computed KV goes into the tree, where its re-admission finds it unless evicted meanwhile.
+        No step in flight may use `req` (its pages are reused at once)."""
+        self._give_back(req)
+
+    def _give_back(self, req: Req) -> None:
         if req.row is not None:
-            if self.radix is not None:
-                # KV is only reusable where the token it belongs to is known: an abort can leave
-                # the KV of a sampled token that was never appended.
-                tokens = req.all_tokens()
-                aligned = min(req.num_computed, len(tokens)) // self.page_size * self.page_size
-                if aligned > req.num_cached:
-                    self._insert(req, tokens[:aligned])
-                self._free_slots(req.slots[req.num_cached :])
-                self.radix.unlock(req.last_node)
-            else:
-                self._free_slots(req.slots)
+            # KV is only reusable where the token it belongs to is known: an abort can leave
+            # the KV of a sampled token that was never appended.
+            tokens = req.all_tokens()
+            aligned = min(req.num_computed, len(tokens)) // self.page_size * self.page_size
+            if aligned > req.num_cached:
+                self._insert(req, tokens[:aligned])
+            self._free_slots(req.slots[req.num_cached :])
+            self.radix.unlock(req.last_node)
             self.reserved_pages -= req.reserved_pages
             self._free_rows.append(req.row)
-        req.slots, req.row, req.last_node, req.reserved_pages = [], None, None, 0
-        req.status = ReqStatus.RELEASED
+        req.slots, req.row, req.last_node, req.reserved_pages, req.num_cached = [], None, None, 0, 0
 
     def _free_slots(self, slots: list[int]) -> None:
         """Free the pages of `slots`, which start on a page boundary."""
         self.allocator.free(slot // self.page_size for slot in slots[:: self.page_size])
 
     def flush_cache(self) -> None:
-        if self.radix is not None:
-            self.radix.flush()
+        self.radix.flush()
 
     # -- integrity ---------------------------------------------------------------------
     def check_integrity(self, live: Iterable[Req]) -> None:
@@ -169,9 +191,8 @@ class KVManager:
                 owners[page] = owner
 
         claim((pg for pg in range(1, self.allocator.num_pages) if self.allocator.is_free(pg)), "the free list")
-        if self.radix is not None:
-            self.radix.check_integrity([r.last_node for r in live])
-            claim(self.radix.cached_pages(), "the radix cache")
+        self.radix.check_integrity([r.last_node for r in live])
+        claim(self.radix.cached_pages(), "the radix cache")
         for req in live:
             claim((s // p for s in req.slots[req.num_cached :: p]), f"request {req.rid}")
         if len(owners) != self.allocator.total_pages:

@@ -12,7 +12,7 @@ from kubesgl.engine.sampling_params import SamplingParams
 
 
 class ReqStatus(Enum):
-    WAITING = auto()  # queued, holds no resources
+    WAITING = auto()  # queued (or retracted and queued again), holds no resources
     PREFILLING = auto()  # prompt chunks scheduled, not all of them yet
     DECODING = auto()  # whole prompt scheduled; produces one token per step
     TRANSFERRING = auto()  # prefill role: prompt done, its KV on the way to the decode engine
@@ -48,12 +48,19 @@ class Req:
     penalties_ready: bool = False  # the row's penalty state holds this request's tokens
 
     # Progress. Positions [0, num_scheduled) have been scheduled into some step; the KV of
-    # [0, num_computed) was written by steps whose results were processed.
+    # [0, num_computed) was written by steps whose results were processed. Prefill computes
+    # the first `fill_len` tokens: the prompt, and after a retraction the outputs so far too.
+    fill_len: int = -1  # -1: the prompt's length
     num_scheduled: int = 0
     num_computed: int = 0
     outputs_scheduled: int = 0  # sampled tokens scheduled, in flight included
     future_slot: int | None = None  # where the in-flight step leaves this request's newest token
     last_step: int = -1  # the latest step this request is part of
+    retractions: int = 0  # times sent back to the queue to free KV (scheduler.py)
+
+    def __post_init__(self) -> None:
+        if self.fill_len < 0:
+            self.fill_len = len(self.prompt_ids)
 
     @property
     def prompt_len(self) -> int:
@@ -65,3 +72,16 @@ class Req:
 
     def all_tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def fill_ids(self) -> list[int]:
+        """The tokens prefill computes (see fill_len)."""
+        return self.all_tokens()[: self.fill_len]
+
+    def requeue(self) -> None:
+        """Back to the queue after a retraction (its KV already given back): the next prefill
+        recomputes every token known so far, and its last one samples the next output."""
+        self.status = ReqStatus.WAITING
+        self.fill_len = len(self.prompt_ids) + len(self.output_ids)
+        self.num_scheduled = self.num_computed = self.table_len = 0
+        self.future_slot, self.penalties_ready = None, False
+        self.retractions += 1

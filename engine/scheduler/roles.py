@@ -11,7 +11,10 @@ runs it to the end. A request with a room:
 - on a decode engine reserves KV for the whole request, allocates the prompt's slots at
   once and is AWAITING_KV until the prefill engine's write lands; it then joins decoding
   with the first token the prefill engine sampled, counted as a mixed engine counts it.
-A room that fails ends its request with an error; slots the other engine may still touch
+Only requests without a room are admitted on an estimate of their outputs and may be
+retracted under memory pressure (admission.py, scheduler.py); a room's request keeps its
+whole reservation, because the other engine writes into or reads from its slots. A room
+that fails ends its request with an error; slots the other engine may still touch
 are kept until it is certain it no longer will (prefill.py, decode.py).
 """
 
@@ -105,7 +108,17 @@ class MixedRole:
     def admit(self, req: Req) -> bool:
         """Give `req` its KV, or nothing (False: it waits). A request the role holds for a
         transfer leaves with a status other than WAITING and PREFILLING."""
-        return self.kv.try_admit(req, self._kv_tokens(req))
+        return self.kv.try_admit(req, self._admission_tokens(req))
+
+    def _admission_tokens(self, req: Req) -> int:
+        """KV positions admission reserves. A room's request: all of kv_tokens, since the P/D
+        protocol promises its KV a place and such a request is never retracted. Any other:
+        what it has to prefill plus the outputs it is expected to generate; the scheduler
+        retracts a request when that guess proves short."""
+        if req.bootstrap is not None:
+            return self._kv_tokens(req)
+        remaining = req.params.max_tokens - len(req.output_ids)
+        return req.fill_len + self.kv.estimate.outputs(remaining) - 1
 
     def _kv_tokens(self, req: Req) -> int:
         return self.kv_tokens(req.prompt_len, req.params.max_tokens, req.bootstrap is not None)

@@ -8,6 +8,12 @@ waits for step N and handles its tokens. Three rules keep that safe:
 - a token from a step that ran after its request finished (or was aborted) is dropped;
 - a finished request's row and pages are released only after every step it is part of has
   completed, and exactly once.
+
+Admission reserves KV for an estimate of the outputs (admission.py). When the next decode
+step needs pages nobody reserved and none are free, the step in flight is finished first
+and requests are retracted (`_retract`) until it fits: their KV goes to the radix cache and
+they wait again at the front of the queue; re-admitted, they prefill prompt and outputs
+(mostly from the cache) and go on from the next token, as if never interrupted.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req, ReqStatus
 from kubesgl.engine.scheduler.roles import KVArrived, KVSent, MixedRole
+from kubesgl.engine.scheduler.schedule_policy import SchedulePolicy
 from kubesgl.engine.scheduler.stop_strings import StopStringChecker
 
 logger = logging.getLogger(__name__)
@@ -46,6 +53,8 @@ class SchedulerLimits:
     chunked_prefill_size: int  # <= 0: no chunking
     max_prefill_tokens: int
     default_max_tokens: int  # for requests that leave max_tokens unset
+    schedule_policy: str  # see schedule_policy.py
+    schedule_max_wait: float
 
 
 class Scheduler:
@@ -60,6 +69,7 @@ class Scheduler:
         self.overlap = overlap
         self.builder = BatchBuilder(kv, limits.vocab_size, future_capacity)
         self.waiting: deque[Req] = deque()
+        self.policy = SchedulePolicy(limits.schedule_policy, kv.radix, limits.schedule_max_wait)
         self.prefilling: list[Req] = []  # admitted, prompt not fully scheduled
         self.decoding: list[Req] = []
         self.finished_unreleased: list[Req] = []
@@ -67,6 +77,8 @@ class Scheduler:
         self._in_flight: tuple[ScheduledBatch, Future[PendingStep]] | None = None
         self._completed_step = 0
         self._prompt_tokens = self._cached_prompt_tokens = 0
+        self._retractions = 0
+        self._drained: list[TokenOutput] = []  # outputs of a step finished early to retract
 
     # -- input -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -85,8 +97,7 @@ class Scheduler:
 
     def _max_tokens(self, request: GenerateRequest) -> int:
         """The request's max_tokens. Unset: --default-max-tokens, or less where the context
-        or the pool ends first. (Admission reserves KV for all of it, so "the rest of a long
-        context" would let only a handful of requests run at once.)"""
+        or the pool ends first."""
         if request.params.max_tokens is not None:
             return request.params.max_tokens
         pool_tokens = self.kv.allocator.total_pages * self.kv.page_size
@@ -151,6 +162,8 @@ class Scheduler:
         overlap, handle the previous step's results."""
         outputs = self._apply_role_events()
         batch = self._schedule()
+        outputs += self._drained
+        self._drained = []
         launched = (batch, self.executor.launch(batch.forward)) if batch else None
         if self.overlap:
             if self._in_flight is not None:
@@ -175,7 +188,7 @@ class Scheduler:
         chunks = self._prefill_chunks()
         if chunks:
             return self.builder.extend(chunks)
-        ready = [r for r in self.decoding if r.outputs_scheduled < r.params.max_tokens]
+        ready = self._fit_decode([r for r in self.decoding if r.outputs_scheduled < r.params.max_tokens])
         return self.builder.decode(ready) if ready else None
 
     def _prefill_chunks(self) -> list[tuple[Req, int]]:
@@ -186,7 +199,7 @@ class Scheduler:
 
         def take(req: Req) -> bool:
             nonlocal budget
-            remaining = req.prompt_len - req.num_scheduled
+            remaining = req.fill_len - req.num_scheduled
             n = min(remaining, budget) if chunking else remaining
             if n <= 0 or (not chunking and chunks and n > budget):
                 return False
@@ -195,9 +208,11 @@ class Scheduler:
             return True
 
         for req in self.prefilling:
-            if req.num_scheduled < req.prompt_len and not take(req):
+            if req.num_scheduled < req.fill_len and not take(req):
                 break
         deferred: list[Req] = []
+        if budget > 0 and self._num_running() < limits.max_running_requests:
+            self.policy.reorder(self.waiting)
         while self.waiting and budget > 0:
             if self._num_running() >= limits.max_running_requests:
                 break
@@ -208,17 +223,56 @@ class Scheduler:
             if not self.role.admit(req):
                 break
             self.waiting.popleft()
-            req.admitted = time.perf_counter()
             if req.status is not ReqStatus.WAITING:
+                req.admitted = time.perf_counter()
                 continue  # the role holds it (a decode engine's request awaiting its KV)
             req.status = ReqStatus.PREFILLING
             self.prefilling.append(req)
-            self._prompt_tokens += req.prompt_len
-            self._cached_prompt_tokens += req.num_prefix_hit
+            if not req.retractions:
+                req.admitted = time.perf_counter()
+                self._prompt_tokens += req.prompt_len
+                self._cached_prompt_tokens += req.num_prefix_hit
             if not take(req):
                 break
         self.waiting.extendleft(reversed(deferred))
         return chunks
+
+    # -- retraction ----------------------------------------------------------------------
+    def _fit_decode(self, ready: list[Req]) -> list[Req]:
+        """The requests of the next decode step, after retracting others until their KV fits.
+        A request that cannot grow even then waits for pages (the KV transfers of a P/D
+        engine's rooms, which never outgrow their reservations, end in time)."""
+        if self.kv.pages_short(ready) == 0:
+            return ready
+        if self._in_flight is not None:  # retraction frees pages: no step may still use them
+            self._drained += self._process(*self._in_flight)
+            self._in_flight = None
+            self._release_completed()
+            ready = [r for r in ready if not r.finished]
+        while ready and self.kv.pages_short(ready) > 0:
+            victims = [r for r in self.prefilling + self.decoding if r.bootstrap is None]
+            if not victims or (len(ready) == 1 and victims == ready):
+                return []  # retracting the one request that needs the pages would gain nothing
+            victim = min(victims, key=self._redo_cost)
+            self._retract(victim)
+            if victim in ready:
+                ready.remove(victim)
+        return ready
+
+    @staticmethod
+    def _redo_cost(req: Req) -> tuple[int, int]:
+        """Decode steps lost, then (for a tie) pages kept: re-admission prefills its tokens in
+        one step, mostly from the radix cache, while its decode steps ran one at a time."""
+        return len(req.output_ids), -len(req.slots)
+
+    def _retract(self, req: Req) -> None:
+        (self.prefilling if req.status is ReqStatus.PREFILLING else self.decoding).remove(req)
+        self.kv.retract(req)
+        req.requeue()
+        self.waiting.appendleft(req)
+        self.kv.estimate.retracted()
+        self._retractions += 1
+        logger.debug("retracted request %s after %d outputs (KV pool full)", req.rid, len(req.output_ids))
 
     def _leader_prefilling(self, req: Req) -> bool:
         leader = self.requests.get(req.prefix_leader) if req.prefix_leader else None
@@ -305,6 +359,8 @@ class Scheduler:
         return None
 
     def _finish(self, req: Req) -> None:
+        if req.bootstrap is None and req.finish_reason is not None and req.finish_reason.kind in ("stop", "length"):
+            self.kv.estimate.finished(len(req.output_ids), req.params.max_tokens)  # what the estimate is for
         if req in self.prefilling:
             self.prefilling.remove(req)
         if req in self.decoding:
@@ -353,4 +409,5 @@ class Scheduler:
             prompt_tokens=self._prompt_tokens,
             cached_prompt_tokens=self._cached_prompt_tokens,
             disagg=self.role.stats(),
+            retractions=self._retractions,
         )

@@ -53,3 +53,28 @@ def test_sampling_with_every_option_on_cuda(tiny_model):
         second = llm.generate(prompts(16, seed=1), params)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
     assert all(len(o.token_ids) == 20 and len(o.logprobs) == 20 for o in first)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
+def test_retraction_storm_on_cuda_returns_what_a_large_pool_returns(backend, tiny_model):
+    """Retracted requests resume exactly with CUDA graphs and overlap on, for each backend:
+    24 greedy requests on a pool that holds one or two of them whole, the estimate pinned at
+    its most optimistic so that retractions come one after another."""
+    from kubesgl.engine.scheduler.admission import OutputEstimate
+
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    path, batch = tiny_model("llama"), prompts(24, seed=5)
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    common = dict(device="cuda", dtype="float32" if backend != "flashinfer" else "float16",
+                  attention_backend=backend, page_size=16)
+    with LLM(path, max_total_tokens=16384, **common) as llm:
+        reference = llm.generate(batch, params)
+    with LLM(path, max_total_tokens=256, **common) as llm:
+        scheduler = llm.engine.scheduler
+        scheduler.kv.estimate = OutputEstimate(ratio=0.05, weight=0.0, backoff=1.0)
+        outputs = llm.generate(batch, params)
+        assert scheduler.stats().retractions >= 5
+        scheduler.drain()
+        scheduler.check_integrity()
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]

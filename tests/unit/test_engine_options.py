@@ -48,7 +48,7 @@ CRD_SAMPLES = {
     "kvCacheDtype": "fp8_e4m3", "contextLength": 2048, "maxPrefillTokens": 1024, "memFractionStatic": 0.7,
     "defaultMaxTokens": 256, "cudaGraphMaxBs": 64, "disaggregationTimeout": 30.0,
     "maxSequencesPerRequest": 32, "maxStopStringLength": 64, "maxRequestBodyBytes": 1 << 20,
-    "maxPromptCharsPerToken": 8,
+    "maxPromptCharsPerToken": 8, "schedulePolicy": "lpm", "scheduleMaxWait": 2.5,
     "disableRadixCache": True, "disableOverlapSchedule": True, "disableCudaGraph": True,
 }
 SPEC_OPTIONS = [name for name in EngineSpec.model_fields if name in ENGINE_OPTIONS]

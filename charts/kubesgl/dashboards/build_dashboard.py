@@ -92,6 +92,8 @@ def engine_row(role: str) -> Row:
             (s.peak("kubesgl_num_waiting_requests", "max"), "peak waiting on one pod {{model_name}}")]),
         Panel("KV cache usage (committed / pool), peak per pod", "percentunit", [
             (s.peak("kubesgl_kv_cache_usage_ratio", "max", "pod"), "{{pod}}")]),
+        Panel("Retractions (running requests re-queued to free KV pages)", "ops", [
+            (s.rate("kubesgl_retractions_total"), "{{model_name}}")]),
         Panel("Prefix cache hit ratio (cached over prompt tokens)", "percentunit", [
             (s.ratio("kubesgl_cached_prompt_tokens_total", "kubesgl_prompt_tokens_total"), "{{model_name}}")]),
         Panel("Prompt and output lengths (tokens)", "short", [

@@ -309,3 +309,32 @@ def test_a_burst_above_the_decode_engines_capacity_does_not_time_out_queued_room
     for i in range(6):
         assert tokens(outputs, f"d{i}") == tokens(reference, f"m{i}")
     assert_idle(prefill, decode)
+
+
+def test_a_decode_engine_retracts_its_local_requests_never_a_rooms(tiny_model, make_engine, random_prompts):
+    """Under memory pressure a decode engine retracts requests it prefilled itself; a room's
+    request keeps its whole reservation (the prefill engine writes into its slots), and every
+    request still returns what a mixed engine returns."""
+    from kubesgl.engine.scheduler.admission import OutputEstimate
+
+    model = tiny_model("llama")
+    prompts = random_prompts(6, 15, 25, seed=41)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    reference = mixed_reference(model, prompts, [params] * 6, make_engine)
+    prefill = make_engine(model, "prefill")
+    decode = make_engine(model, "decode", max_total_tokens=200)
+    decode.scheduler.kv.estimate = OutputEstimate(ratio=0.05, weight=0.0, backoff=1.0)
+    port = prefill.role.transfers.link.port
+    for i in (0, 1):
+        target = BootstrapTarget(next(_rooms), "127.0.0.1", port)
+        decode.add_request(GenerateRequest(f"d{i}", prompts[i], params, bootstrap=target))
+        prefill.add_request(GenerateRequest(f"p{i}", prompts[i], params, bootstrap=target))
+    for i in range(2, 6):
+        decode.add_request(GenerateRequest(f"d{i}", prompts[i], params))
+    reqs = dict(decode.scheduler.requests)
+    outputs = run([prefill, decode], finished([f"d{i}" for i in range(6)] + ["p0", "p1"]))
+    for i in range(6):
+        assert tokens(outputs, f"d{i}") == tokens(reference, f"m{i}"), i
+    assert decode.scheduler.stats().retractions > 0
+    assert reqs["d0"].retractions == reqs["d1"].retractions == 0
+    assert_idle(prefill, decode)

@@ -49,6 +49,30 @@ def test_chunked_prefill_with_small_chunks(arch, page_size, overlap, tiny_model,
     _check(llm, path, random_prompts(4, 50, 130, seed=4), hf_greedy)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_retracted_requests_resume_exactly(arch, overlap, tiny_model, make_llm, hf_greedy, random_prompts):
+    """A pool that holds two of these requests whole: optimistic admission takes more, and
+    retracted requests later resume (prefilling their outputs) with the same greedy tokens."""
+    path = tiny_model(arch)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    llm = make_llm(path, max_total_tokens=160, disable_overlap_schedule=not overlap)
+    _check(llm, path, random_prompts(6, 20, 40, seed=9), hf_greedy, params)
+    assert llm.engine.scheduler.stats().retractions > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_retracted_requests_resume_exactly_in_small_chunks_and_pages(arch, tiny_model, make_llm, hf_greedy,
+                                                                    random_prompts):
+    """Resumption prefills prompt and outputs in several chunks, and the cached prefix ends
+    inside a page (page size 16)."""
+    path = tiny_model(arch)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    llm = make_llm(path, max_total_tokens=192, page_size=16, chunked_prefill_size=24)
+    _check(llm, path, random_prompts(6, 20, 40, seed=10), hf_greedy, params)
+    assert llm.engine.scheduler.stats().retractions > 0
+
+
 def test_checkpoint_saved_by_transformers_sharded(tmp_path, make_llm, hf_greedy, random_prompts):
     """A checkpoint written by transformers' save_pretrained, sharded with an index file."""
     import torch

@@ -117,3 +117,27 @@ def test_allocator_rejects_double_free_and_overdraw():
         allocator.free(pages[:1])
     with pytest.raises(KVAllocationError, match="not in the pool"):
         allocator.free([0])
+
+
+def test_no_prefix_cache_keeps_nothing_and_leaves_the_kv_with_its_owner():
+    """--disable-radix-cache: the KV manager's code is the same, the tree refuses every insert."""
+    from kubesgl.engine.kvcache.radix_cache import NoPrefixCache
+    from kubesgl.engine.sampling_params import SamplingParams
+    from kubesgl.engine.scheduler.kv_manager import KVManager
+    from kubesgl.engine.scheduler.request import Req
+
+    allocator = PageAllocator(16, 4)
+    kv = KVManager(allocator, NoPrefixCache(allocator), num_rows=2)
+    first, second = (Req(rid=r, prompt_ids=list(range(10)), params=SamplingParams()) for r in "ab")
+    for req in (first, second):
+        assert kv.try_admit(req, 12)
+        kv.grow(req, 10)
+        req.num_computed = 10
+        kv.cache_prefix(req)
+        assert req.num_cached == 0 and req.num_prefix_hit == 0 and req.last_node is kv.radix.root
+    kv.check_integrity([first, second])
+    assert kv.radix.cached_pages() == [] and kv.radix.peek_prefix(list(range(10))) == (0, kv.radix.root)
+    for req in (first, second):
+        kv.release(req)
+    kv.check_integrity([])
+    assert allocator.num_free == allocator.total_pages

@@ -12,6 +12,7 @@ import pytest
 
 from kubesgl.engine import InvalidRequestError, SamplingParams
 from kubesgl.engine.messages import GenerateRequest
+from kubesgl.engine.scheduler.admission import OutputEstimate
 
 
 def run_to_end(engine, max_steps: int = 10_000):
@@ -225,8 +226,10 @@ def test_unsupported_architecture_is_named(tmp_path, tiny_model):
         LLM(str(path), device="cpu")
 
 
-def test_requests_wait_for_kv_instead_of_over_committing(tiny_model, make_llm, random_prompts):
-    """A pool that fits two requests' full reservations runs two at a time, never more."""
+def test_admission_on_estimate_runs_more_without_over_committing(tiny_model, make_llm, random_prompts):
+    """A pool that fits two requests' full reservations runs more at once (admission reserves
+    the outputs it expects, not max_tokens), never commits more KV than it has, and every
+    request still returns all of its tokens."""
     llm = make_llm(tiny_model("llama"), max_total_tokens=2 * 60, disable_radix_cache=True)
     engine = llm.engine
     for i, p in enumerate(random_prompts(5, 20, 20, seed=17)):
@@ -239,8 +242,80 @@ def test_requests_wait_for_kv_instead_of_over_committing(tiny_model, make_llm, r
         stats = engine.scheduler.stats()
         peak = max(peak, stats.num_running)
         assert stats.kv_used_tokens <= stats.kv_total_tokens
-    assert peak == 2
+    assert peak > 2
     assert all(sum(len(o.token_ids) for o in outs) == 41 for outs in outputs.values())
+
+
+def test_aborting_retracted_requests_leaves_nothing_behind(tiny_model, make_llm, random_prompts):
+    """A retracted request waits with its outputs and no KV: an abort then ends it at once with
+    the tokens it had, and the others still finish."""
+    llm = make_llm(tiny_model("llama"), max_total_tokens=96)
+    engine = llm.engine
+    engine.scheduler.kv.estimate = OutputEstimate(ratio=0.05, weight=0.0, backoff=1.0)
+    for i, prompt in enumerate(random_prompts(8, 10, 20, seed=23)):
+        submit(engine, f"r{i}", prompt, max_tokens=40, temperature=0, ignore_eos=True)
+    outputs = defaultdict(list)
+    aborted = set()
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.rid].append(out)
+        for req in list(engine.scheduler.waiting):
+            if req.retractions and req.rid not in aborted:
+                aborted.add(req.rid)
+                final = engine.abort_request(req.rid)
+                assert final[0].finish_reason.kind == "abort" and final[0].completion_tokens == len(req.output_ids) > 0
+                outputs[req.rid] += final
+        engine.scheduler.check_integrity()
+    assert aborted
+    assert_well_formed(outputs)
+    for rid, outs in outputs.items():
+        if rid not in aborted:
+            assert sum(len(o.token_ids) for o in outs) == 40
+
+
+def test_output_estimate_follows_finished_requests_and_backs_off_on_retraction():
+    estimate = OutputEstimate(ratio=0.5)
+    assert estimate.outputs(100) == 50 and estimate.outputs(1) == 1 and estimate.outputs(0) == 1
+    for _ in range(100):
+        estimate.finished(10, 4096)  # short answers to requests that set no max_tokens
+    assert estimate.ratio == estimate.floor
+    estimate.retracted()
+    assert estimate.ratio == estimate.floor * estimate.backoff
+    for _ in range(100):
+        estimate.finished(200, 200)  # every request runs to max_tokens: reserve all of it again
+    assert estimate.outputs(100) == 100
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_retraction_storm_finishes_every_request_exactly(overlap, radix, page_size, tiny_model, make_llm,
+                                                          random_prompts):
+    """24 requests on a pool that holds about one and a half of them whole: requests are
+    retracted again and again, yet each returns exactly what it returns on a large pool
+    (greedy, seeded sampling, penalties alike), and the pages stay accounted for at every step."""
+    path = tiny_model("llama")
+    prompts = random_prompts(24, 10, 40, seed=21)
+    kinds = [{"temperature": 0}, {"temperature": 0.9, "seed": 7},
+             {"temperature": 0, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2}]
+    params = [SamplingParams(max_tokens=48, ignore_eos=True, **kinds[i % 3]) for i in range(24)]
+    reference = make_llm(path, page_size=page_size).generate(prompts, params)
+    llm = make_llm(path, page_size=page_size, max_total_tokens=128, disable_radix_cache=not radix,
+                   disable_overlap_schedule=not overlap)
+    engine = llm.engine
+    # An estimate that stays at its most optimistic (5 % of max_tokens) whatever happens
+    engine.scheduler.kv.estimate = OutputEstimate(ratio=0.05, weight=0.0, backoff=1.0)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(GenerateRequest(rid=f"r{i}", input_ids=prompt, params=p))
+    outputs = defaultdict(list)
+    while engine.has_work():
+        for out in engine.step():
+            outputs[out.rid].append(out)
+        engine.scheduler.check_integrity()
+    assert_well_formed(outputs)
+    got = [[t for o in outputs[f"r{i}"] for t in o.token_ids] for i in range(24)]
+    assert got == [r.token_ids for r in reference]
+    assert engine.scheduler.stats().retractions >= 20
 
 
 def test_offline_text_stops_before_the_stop_string(tiny_model, make_llm):
@@ -265,7 +340,8 @@ def test_unset_max_tokens_defaults_and_usage_counts_reservations(tiny_model, mak
     engine = llm.engine
     submit(engine, "r", [5] * 20, max_tokens=41, ignore_eos=True)
     engine.step()  # admitted and prefilled
-    assert engine.scheduler.stats().kv_used_tokens == 20 + 41 - 1  # held now plus reserved for later
+    expected = engine.scheduler.kv.estimate.outputs(41)
+    assert engine.scheduler.stats().kv_used_tokens == 20 + expected - 1  # held now plus reserved for later
     run_to_end(engine)
     assert engine.scheduler.stats().kv_used_tokens == 0
 

@@ -180,6 +180,17 @@ def test_capacity_and_build_info():
     assert get("kubesgl_build_info", {"role": "decode", "version": "0.1.0", "model": "Qwen/Qwen3-0.6B"}) == 1
 
 
+def test_retractions_count_what_the_scheduler_reports_since_start():
+    from kubesgl.engine.messages import SchedulerStats
+
+    metrics = EngineMetrics("mixed")
+    get = metrics.registry.get_sample_value
+    assert get("kubesgl_retractions_total", {"role": "mixed"}) == 0
+    for total in (0, 3, 3, 7):
+        metrics.update_scheduler(SchedulerStats(1, 0, 512, 8192, 0, 0, retractions=total))
+    assert get("kubesgl_retractions_total", {"role": "mixed"}) == 7
+
+
 # -- logs (issue 15, item 7) ------------------------------------------------------------------
 
 
