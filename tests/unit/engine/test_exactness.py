@@ -87,8 +87,9 @@ def test_rope_scaling_variants(rope, tmp_path, tiny_model, make_llm, hf_greedy, 
     _check(llm, str(path), random_prompts(3, 60, 150, seed=6), hf_greedy)
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_mistral_sliding_window(overlap, tmp_path, tiny_model, make_llm, hf_greedy, random_prompts):
+@pytest.mark.parametrize("overlap,mixed", [(True, False), (False, False), (True, True)],
+                         ids=["overlap", "no-overlap", "mixed-chunk"])
+def test_mistral_sliding_window(overlap, mixed, tmp_path, tiny_model, make_llm, hf_greedy, random_prompts):
     import json
     import shutil
 
@@ -97,7 +98,8 @@ def test_mistral_sliding_window(overlap, tmp_path, tiny_model, make_llm, hf_gree
     config = json.loads((path / "config.json").read_text())
     config["sliding_window"] = 16  # much shorter than the prompts: the window really cuts
     (path / "config.json").write_text(json.dumps(config))
-    llm = make_llm(str(path), chunked_prefill_size=20, disable_overlap_schedule=not overlap)
+    llm = make_llm(str(path), chunked_prefill_size=20, disable_overlap_schedule=not overlap, enable_mixed_chunk=mixed,
+                   max_running_requests=8)
     _check(llm, str(path), random_prompts(3, 40, 70, seed=7), hf_greedy)
 
 
