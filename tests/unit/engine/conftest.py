@@ -100,8 +100,9 @@ def long_prompt_while_decoding(hf_greedy, random_prompts):
     while three requests decode. Every request's greedy tokens must equal transformers'; the
     long prompt starts with the first short one and must reuse its cached KV; the first short
     one asks for logprobs (returned), whose tokens must be the ones sent. With mixed chunks on,
-    no step may leave the decodes out while the long prompt is prefilled. `modes`: the
-    ForwardMode names of the steps launched after the long prompt arrived."""
+    no step may leave the decodes out while the long prompt is prefilled, and the steps that
+    carry both fill --chunked-prefill-size exactly. `modes`: the ForwardMode names of the
+    steps launched after the long prompt arrived."""
     from kubesgl.engine import SamplingParams
     from kubesgl.engine.messages import GenerateRequest
 
@@ -109,7 +110,14 @@ def long_prompt_while_decoding(hf_greedy, random_prompts):
         engine = llm.engine
         modes: list[str] = []
         launch = engine.executor.launch
-        engine.executor.launch = lambda batch: modes.append(batch.mode.name) or launch(batch)
+        step_tokens: list[int] = []
+
+        def recorded(batch):
+            modes.append(batch.mode.name)
+            step_tokens.append(batch.num_tokens)
+            return launch(batch)
+
+        engine.executor.launch = recorded
         shorts = random_prompts(3, 16, 24, seed=seed)
         prompts = {f"short{i}": p for i, p in enumerate(shorts)}
         prompts["long"] = shorts[0] + random_prompts(1, long_len, long_len, seed=seed + 1)[0]
@@ -129,6 +137,7 @@ def long_prompt_while_decoding(hf_greedy, random_prompts):
         while not all(outputs[f"short{i}"] for i in range(3)):  # all three are decoding
             step()
         modes.clear()
+        step_tokens.clear()
         submit("long")
         while engine.has_work():
             step()
@@ -141,8 +150,10 @@ def long_prompt_while_decoding(hf_greedy, random_prompts):
         logprobs = [lp for out in outputs["short0"] for lp in out.logprobs]
         assert [lp.token_id for lp in logprobs] == tokens["short0"]
         assert all(lp.top[0][0] == lp.token_id for lp in logprobs)  # greedy: the most likely token
+        budget = engine.scheduler.limits.chunked_prefill_size
         if engine.scheduler.limits.mixed_chunk:
             assert "EXTEND" not in modes and modes.count("MIXED") >= 2, modes
+            assert max(step_tokens) == budget, step_tokens  # the decodes' tokens and the chunk fill the budget
         return modes, logprobs
 
     return run
