@@ -91,9 +91,9 @@ class EngineConfig:
     max_running_requests: int = option(256, help="requests admitted at once (each holds its KV until it ends)",
                                        ge=1)
     chunked_prefill_size: int = option(8192, help="prompt tokens per prefill step; 0 or less disables chunking")
-    enable_mixed_chunk: bool = option(False, help="a prefill chunk and the running decodes share one step, so "
-                                                  "decodes never wait for a prefill; the decodes' tokens count "
-                                                  "against --chunked-prefill-size")
+    enable_mixed_chunk: bool = option(False, help="prompt chunks and the running decodes share a step, so decodes "
+                                                  "go on while prompts are prefilled; the decodes' tokens count "
+                                                  "against --chunked-prefill-size, the step's budget")
     max_prefill_tokens: int = option(16384, help="prompt tokens admitted in one prefill step", ge=1)
     max_total_tokens: int | None = option(None, help="KV pool size in tokens; unset: sized from free memory "
                                                      "(--mem-fraction-static)")
