@@ -92,6 +92,9 @@ class EngineConfig:
     max_running_requests: int = option(256, help="requests admitted at once (each holds its KV until it ends)",
                                        ge=1)
     chunked_prefill_size: int = option(8192, help="prompt tokens per prefill step; 0 or less disables chunking")
+    enable_mixed_chunk: bool = option(False, help="prompt chunks and the running decodes share a step, so decodes "
+                                                  "go on while prompts are prefilled; the decodes' tokens count "
+                                                  "against --chunked-prefill-size, the step's budget")
     max_prefill_tokens: int = option(16384, help="prompt tokens admitted in one prefill step", ge=1)
     max_total_tokens: int | None = option(None, help="KV pool size in tokens; unset: sized from free memory "
                                                      "(--mem-fraction-static)")
@@ -138,6 +141,10 @@ class EngineConfig:
                 raise ValueError(problem)
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("--max-total-tokens must hold at least two pages")
+        if self.enable_mixed_chunk and 0 < self.chunked_prefill_size <= self.max_running_requests:
+            raise ValueError(f"--enable-mixed-chunk: --chunked-prefill-size ({self.chunked_prefill_size}) must be "
+                             f"larger than --max-running-requests ({self.max_running_requests}): a mixed step's "
+                             "decodes, one token each, count against it and leave the rest to the prefill chunk")
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 class ForwardMode(Enum):
     EXTEND = auto()  # prefill: each request adds one or more tokens after its cached prefix
     DECODE = auto()  # each request adds exactly one token
+    MIXED = auto()  # prefill chunks, then decodes (one token each): see ForwardBatch.prefill_rows
 
 
 @dataclass
@@ -62,6 +63,7 @@ class ForwardBatch:
     emits: torch.Tensor  # [B] bool, rows whose sampled token is a real output
     sampling: SamplingBatch
     attn: Any = None  # attention metadata, set by the attention backend
+    prefill_rows: int = 0  # MIXED: the first rows extend by prompt chunks, the rest decode
 
     @property
     def batch_size(self) -> int:
@@ -70,6 +72,23 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def split_mixed(self) -> tuple[ForwardBatch, ForwardBatch]:
+        """A MIXED batch as an EXTEND batch of its prefill rows and a DECODE batch of the rest,
+        for attention: views of this batch's rows and tokens (its table writes, sampling and
+        future slots stay with it, and apply once)."""
+        rows, tokens = self.prefill_rows, sum(self.extend_lens_cpu[: self.prefill_rows])
+
+        def part(mode: ForwardMode, row_range: slice, token_range: slice) -> ForwardBatch:
+            return dataclasses.replace(
+                self, mode=mode, input_ids=self.input_ids[token_range], positions=self.positions[token_range],
+                out_cache_loc=self.out_cache_loc[token_range], req_rows=self.req_rows[row_range],
+                seq_lens=self.seq_lens[row_range], seq_lens_cpu=self.seq_lens_cpu[row_range],
+                extend_lens_cpu=self.extend_lens_cpu[row_range], attn=None, prefill_rows=0,
+            )
+
+        return (part(ForwardMode.EXTEND, slice(None, rows), slice(None, tokens)),
+                part(ForwardMode.DECODE, slice(rows, None), slice(tokens, None)))
 
     def to(self, device: torch.device) -> ForwardBatch:
         if device.type == "cpu":

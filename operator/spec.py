@@ -107,6 +107,7 @@ class EngineSpec(SpecModel):
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False
+    enable_mixed_chunk: bool = False
 
     api_key_secret: SecretKeyRef | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"

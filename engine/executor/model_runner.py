@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from kubesgl.engine.attention import create_backend
+from kubesgl.engine.attention.mixed import MixedAttention
 from kubesgl.engine.executor.cuda_graph import CudaGraphRunner
 from kubesgl.engine.executor.sampler import PenaltyState, Sampler
-from kubesgl.engine.forward_batch import ForwardBatch
+from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 from kubesgl.engine.models.decoder import CausalLM
 
@@ -53,6 +54,7 @@ class ModelRunner:
         self.req_to_token = req_to_token
         self.backend = create_backend(attention_backend, kv_pool=kv_pool, req_to_token=req_to_token,
                                       layers=model.attention_specs())
+        self.mixed_attention = MixedAttention(self.backend)
         self.sampler = Sampler(PenaltyState(req_to_token.num_rows, model.config.vocab_size, self.device))
         # Tokens sampled by earlier steps, read by later ones through negative input ids, so
         # that step N+1 can be launched before step N's tokens reach the host.
@@ -73,8 +75,9 @@ class ModelRunner:
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             logits = self.cuda_graphs.run(input_ids, batch)
         else:
-            self.backend.prepare(batch)
-            logits = self.model(input_ids, batch.positions, batch, self.backend)
+            backend = self.mixed_attention if batch.mode is ForwardMode.MIXED else self.backend
+            backend.prepare(batch)
+            logits = self.model(input_ids, batch.positions, batch, backend)
         sample = self.sampler(logits, batch.sampling, batch.req_rows, batch.emits)
         self.future_tokens[batch.future_slots] = sample.token_ids
         outputs = {"token_ids": sample.token_ids, "logprobs": sample.logprobs, "top_ids": sample.top_ids,

@@ -113,7 +113,7 @@ class CausalLM(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, batch, backend)
-        if batch.mode is ForwardMode.EXTEND:
+        if batch.mode is not ForwardMode.DECODE:  # logits of each request's last new token only
             last = torch.tensor(batch.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
             hidden, residual = hidden[last], residual[last]
         hidden, _ = self.norm(hidden, residual)

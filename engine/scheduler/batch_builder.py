@@ -3,7 +3,7 @@ lists the request-table writes, and gathers their sampling options into tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,7 +26,19 @@ class ScheduledBatch:
     reqs: list[Req]
     extend_lens: list[int]
     emits: list[bool]  # whether row i samples a real output token
+    prefill_rows: int  # rows [0, prefill_rows) add prompt chunks; the rest decode
     forward: ForwardBatch
+
+
+@dataclass
+class _Rows:
+    """Rows of a step before their KV slots are allocated: a request, and the tokens it adds."""
+
+    reqs: list[Req] = field(default_factory=list)
+    lens: list[int] = field(default_factory=list)
+    emits: list[bool] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
 
 
 class BatchBuilder:
@@ -45,27 +57,42 @@ class BatchBuilder:
         return slots
 
     def extend(self, chunks: list[tuple[Req, int]]) -> ScheduledBatch:
-        """A prefill step: each request adds its next `n` tokens to fill."""
-        reqs, lens, emits, input_ids, positions = [], [], [], [], []
-        for req, n in chunks:
-            start = req.num_scheduled
-            input_ids += req.fill_ids()[start : start + n]
-            positions += range(start, start + n)
-            reqs.append(req)
-            lens.append(n)
-            emits.append(start + n == req.fill_len)
-        return self._build(ForwardMode.EXTEND, reqs, lens, emits, input_ids, positions)
+        """A prefill step: each request adds its next `n` tokens to fill (its prompt, and the
+        outputs it had when it was retracted)."""
+        return self._build(ForwardMode.EXTEND, self._prefill_rows(chunks), _Rows())
 
     def decode(self, reqs: list[Req]) -> ScheduledBatch:
         """A decode step: each request feeds its newest token, known or still in flight."""
+        return self._build(ForwardMode.DECODE, _Rows(), self._decode_rows(reqs))
+
+    def mixed(self, chunks: list[tuple[Req, int]], reqs: list[Req]) -> ScheduledBatch:
+        """Both in one step: the chunks' rows first, then the decodes'."""
+        return self._build(ForwardMode.MIXED, self._prefill_rows(chunks), self._decode_rows(reqs))
+
+    @staticmethod
+    def _prefill_rows(chunks: list[tuple[Req, int]]) -> _Rows:
+        rows = _Rows()
+        for req, n in chunks:
+            start = req.num_scheduled
+            rows.reqs.append(req)
+            rows.lens.append(n)
+            rows.emits.append(start + n == req.fill_len)
+            rows.input_ids += req.fill_ids()[start : start + n]
+            rows.positions += range(start, start + n)
+        return rows
+
+    @staticmethod
+    def _decode_rows(reqs: list[Req]) -> _Rows:
         input_ids = [
             req.output_ids[-1] if len(req.output_ids) == req.outputs_scheduled else -req.future_slot for req in reqs
         ]
         positions = [req.num_scheduled for req in reqs]
-        return self._build(ForwardMode.DECODE, reqs, [1] * len(reqs), [True] * len(reqs), input_ids, positions)
+        return _Rows(list(reqs), [1] * len(reqs), [True] * len(reqs), input_ids, positions)
 
-    def _build(self, mode, reqs, lens, emits, input_ids, positions) -> ScheduledBatch:
+    def _build(self, mode: ForwardMode, prefill: _Rows, decode: _Rows) -> ScheduledBatch:
         self._step += 1
+        reqs, lens, emits = prefill.reqs + decode.reqs, prefill.lens + decode.lens, prefill.emits + decode.emits
+        input_ids, positions = prefill.input_ids + decode.input_ids, prefill.positions + decode.positions
         out_cache_loc, seq_lens, rows, cols, slots = [], [], [], [], []
         for req, n in zip(reqs, lens):
             out_cache_loc += self.kv.grow(req, n)
@@ -98,8 +125,9 @@ class BatchBuilder:
             future_slots=as_long(future_slots),
             emits=torch.tensor(emits, dtype=torch.bool),
             sampling=sampling,
+            prefill_rows=len(prefill.reqs),
         )
-        return ScheduledBatch(self._step, mode, reqs, list(lens), list(emits), forward)
+        return ScheduledBatch(self._step, mode, reqs, list(lens), list(emits), len(prefill.reqs), forward)
 
     def _sampling(self, reqs: list[Req], emits: list[bool]) -> SamplingBatch:
         params = [req.params for req in reqs]

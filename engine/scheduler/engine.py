@@ -126,6 +126,7 @@ class Engine:
             vocab_size=self.model_config.vocab_size,
             max_running_requests=config.max_running_requests,
             chunked_prefill_size=config.chunked_prefill_size,
+            mixed_chunk=config.enable_mixed_chunk,
             max_prefill_tokens=config.max_prefill_tokens,
             default_max_tokens=config.default_max_tokens,
             schedule_policy=config.schedule_policy,

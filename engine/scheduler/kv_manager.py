@@ -120,6 +120,16 @@ class KVManager:
         unreserved = sum(1 for req in reqs if req.reserved_pages == 0 and len(req.slots) % p == 0)
         return max(0, unreserved - available)
 
+    def reserve_decode_pages(self, reqs: list[Req]) -> None:
+        """Reserve the page each of `reqs` takes in its next decode step beyond its reservation,
+        so that requests admitted in the same (mixed) step cannot take it. The scheduler checks
+        `pages_short(reqs) == 0` first."""
+        p = self.page_size
+        for req in reqs:
+            if req.reserved_pages == 0 and len(req.slots) % p == 0:
+                req.reserved_pages = 1
+                self.reserved_pages += 1
+
     # -- hand-over to the radix cache ------------------------------------------------------
     def cache_prefix(self, req: Req) -> None:
         """Put the computed, page-aligned part of the prompt into the tree, so that other

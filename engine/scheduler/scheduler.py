@@ -26,7 +26,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kubesgl.engine.executor.model_runner import PendingStep
-from kubesgl.engine.forward_batch import ForwardMode
 from kubesgl.engine.messages import (
     FinishReason,
     GenerateRequest,
@@ -55,6 +54,7 @@ class SchedulerLimits:
     default_max_tokens: int  # for requests that leave max_tokens unset
     schedule_policy: str  # see schedule_policy.py
     schedule_max_wait: float
+    mixed_chunk: bool  # prefill chunks and the ready decodes share a step
 
 
 class Scheduler:
@@ -185,16 +185,25 @@ class Scheduler:
 
     # -- scheduling --------------------------------------------------------------------
     def _schedule(self) -> ScheduledBatch | None:
-        chunks = self._prefill_chunks()
+        ready = [r for r in self.decoding if r.outputs_scheduled < r.params.max_tokens]
+        mixing = self.limits.mixed_chunk and bool(ready)
+        if mixing:
+            ready = self._fit_decode(ready)
+            self.kv.reserve_decode_pages(ready)  # the step's admissions must leave them their pages
+            mixing = bool(ready)
+        chunks = self._prefill_chunks(decode_tokens=len(ready) if mixing else 0)
         if chunks:
-            return self.builder.extend(chunks)
-        ready = self._fit_decode([r for r in self.decoding if r.outputs_scheduled < r.params.max_tokens])
+            return self.builder.mixed(chunks, ready) if mixing else self.builder.extend(chunks)
+        if not self.limits.mixed_chunk:
+            ready = self._fit_decode(ready)
         return self.builder.decode(ready) if ready else None
 
-    def _prefill_chunks(self) -> list[tuple[Req, int]]:
+    def _prefill_chunks(self, decode_tokens: int) -> list[tuple[Req, int]]:
+        """The prompt chunks of the next step. With chunking, the step's `decode_tokens` (the
+        decodes that ride along in a mixed step) come out of --chunked-prefill-size first."""
         limits = self.limits
         chunking = limits.chunked_prefill_size > 0
-        budget = limits.chunked_prefill_size if chunking else limits.max_prefill_tokens
+        budget = limits.chunked_prefill_size - decode_tokens if chunking else limits.max_prefill_tokens
         chunks: list[tuple[Req, int]] = []
 
         def take(req: Req) -> bool:
@@ -291,7 +300,7 @@ class Scheduler:
             if req.finished:
                 continue  # finished or aborted while this step ran: its token is dropped
             token, logprob = result.token_ids[i], self._logprob(result, i, req)
-            if batch.mode is ForwardMode.EXTEND:
+            if i < batch.prefill_rows:
                 self.kv.cache_prefix(req)
                 if not batch.emits[i]:
                     continue

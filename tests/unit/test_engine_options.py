@@ -49,7 +49,7 @@ CRD_SAMPLES = {
     "defaultMaxTokens": 256, "cudaGraphMaxBs": 64, "disaggregationTimeout": 30.0,
     "maxSequencesPerRequest": 32, "maxStopStringLength": 64, "maxRequestBodyBytes": 1 << 20,
     "maxPromptCharsPerToken": 8, "schedulePolicy": "lpm", "scheduleMaxWait": 2.5,
-    "disableRadixCache": True, "disableOverlapSchedule": True, "disableCudaGraph": True,
+    "disableRadixCache": True, "disableOverlapSchedule": True, "disableCudaGraph": True, "enableMixedChunk": True,
 }
 SPEC_OPTIONS = [name for name in EngineSpec.model_fields if name in ENGINE_OPTIONS]
 

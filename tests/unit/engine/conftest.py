@@ -91,3 +91,69 @@ def filled_kv_pool():
         return pool
 
     return make
+
+
+
+@pytest.fixture(scope="session")
+def long_prompt_while_decoding(hf_greedy, random_prompts):
+    """long_prompt_while_decoding(llm, path, seed) -> (modes, logprobs): a long prompt arrives
+    while three requests decode. Every request's greedy tokens must equal transformers'; the
+    long prompt starts with the first short one and must reuse its cached KV; the first short
+    one asks for logprobs (returned), whose tokens must be the ones sent. With mixed chunks on,
+    no step may leave the decodes out while the long prompt is prefilled, and the steps that
+    carry both fill --chunked-prefill-size exactly. `modes`: the ForwardMode names of the
+    steps launched after the long prompt arrived."""
+    from kubesgl.engine import SamplingParams
+    from kubesgl.engine.messages import GenerateRequest
+
+    def run(llm, path: str, seed: int, max_tokens: int = 12, long_len: int = 100):
+        engine = llm.engine
+        modes: list[str] = []
+        launch = engine.executor.launch
+        step_tokens: list[int] = []
+
+        def recorded(batch):
+            modes.append(batch.mode.name)
+            step_tokens.append(batch.num_tokens)
+            return launch(batch)
+
+        engine.executor.launch = recorded
+        shorts = random_prompts(3, 16, 24, seed=seed)
+        prompts = {f"short{i}": p for i, p in enumerate(shorts)}
+        prompts["long"] = shorts[0] + random_prompts(1, long_len, long_len, seed=seed + 1)[0]
+        outputs: dict[str, list] = {rid: [] for rid in prompts}
+
+        def submit(rid: str, **params) -> None:
+            engine.add_request(GenerateRequest(rid=rid, input_ids=prompts[rid], params=SamplingParams(
+                max_tokens=max_tokens, temperature=0, **params)))
+
+        def step() -> None:
+            for out in engine.step():
+                outputs[out.rid].append(out)
+
+        submit("short0", logprobs=2)
+        submit("short1")
+        submit("short2")
+        while not all(outputs[f"short{i}"] for i in range(3)):  # all three are decoding
+            step()
+        modes.clear()
+        step_tokens.clear()
+        submit("long")
+        while engine.has_work():
+            step()
+        engine.executor.launch = launch
+        tokens = {rid: [t for out in outs for t in out.token_ids] for rid, outs in outputs.items()}
+        for rid, prompt in prompts.items():
+            assert tokens[rid] == hf_greedy(path, prompt, max_tokens), rid
+        page = engine.scheduler.kv.page_size
+        assert outputs["long"][-1].cached_tokens == len(shorts[0]) // page * page
+        logprobs = [lp for out in outputs["short0"] for lp in out.logprobs]
+        assert [lp.token_id for lp in logprobs] == tokens["short0"]
+        assert all(lp.top[0][0] == lp.token_id for lp in logprobs)  # greedy: the most likely token
+        budget = engine.scheduler.limits.chunked_prefill_size
+        if engine.scheduler.limits.mixed_chunk:
+            assert "EXTEND" not in modes and modes.count("MIXED") >= 2, modes
+            assert max(step_tokens) == budget, step_tokens  # the decodes' tokens and the chunk fill the budget
+        return modes, logprobs
+
+    return run

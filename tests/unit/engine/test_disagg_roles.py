@@ -97,6 +97,40 @@ def test_greedy_output_through_prefill_and_decode_equals_a_mixed_engine(arch, pa
     assert_idle(prefill, decode)
 
 
+def test_a_decode_engine_with_mixed_chunks_prefills_whole_requests_beside_its_rooms(tiny_model, make_engine,
+                                                                                    random_prompts):
+    """The router sends short prompts to a decode engine whole: with --enable-mixed-chunk (which
+    the prefill engine accepts too, one spec.engine serving both pools) their prefill shares
+    steps with the rooms that decode there, and every answer equals a mixed engine's."""
+    model = tiny_model("llama")
+    options = {"chunked_prefill_size": 32, "max_running_requests": 16}
+    rooms, wholes = random_prompts(4, 3, 60, seed=40), random_prompts(3, 40, 80, seed=41)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    reference = mixed_reference(model, rooms + wholes, [params] * 7, make_engine, **options)
+    prefill = make_engine(model, "prefill", enable_mixed_chunk=True, **options)
+    decode = make_engine(model, "decode", enable_mixed_chunk=True, **options)
+    modes = []
+    launch = decode.executor.launch
+    decode.executor.launch = lambda batch: modes.append(batch.mode.name) or launch(batch)
+    port = prefill.role.transfers.link.port
+    for i, prompt in enumerate(rooms):
+        target = BootstrapTarget(next(_rooms), "127.0.0.1", port)
+        decode.add_request(GenerateRequest(f"d{i}", prompt, params, bootstrap=target))
+        prefill.add_request(GenerateRequest(f"p{i}", prompt, params, bootstrap=target))
+    outputs = run([prefill, decode], lambda outs: all(len(outs[f"d{i}"]) > 1 for i in range(len(rooms))))
+    for i, prompt in enumerate(wholes):
+        decode.add_request(GenerateRequest(f"w{i}", prompt, params))
+    rids = [f"d{i}" for i in range(len(rooms))] + [f"w{i}" for i in range(len(wholes))]
+    for rid, outs in run([prefill, decode], finished(rids)).items():
+        outputs[rid] += outs
+    assert "MIXED" in modes
+    for i in range(len(rooms)):
+        assert tokens(outputs, f"d{i}") == tokens(reference, f"m{i}"), i
+    for i in range(len(wholes)):
+        assert tokens(outputs, f"w{i}") == tokens(reference, f"m{len(rooms) + i}"), i
+    assert_idle(prefill, decode)
+
+
 def mixed_reference(model, prompts, params_list, make_engine, **options):
     mixed = make_engine(model, "mixed", **options)
     for i, (prompt, params) in enumerate(zip(prompts, params_list)):

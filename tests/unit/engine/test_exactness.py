@@ -111,8 +111,9 @@ def test_rope_scaling_variants(rope, tmp_path, tiny_model, make_llm, hf_greedy, 
     _check(llm, str(path), random_prompts(3, 60, 150, seed=6), hf_greedy)
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_mistral_sliding_window(overlap, tmp_path, tiny_model, make_llm, hf_greedy, random_prompts):
+@pytest.mark.parametrize("overlap,mixed", [(True, False), (False, False), (True, True)],
+                         ids=["overlap", "no-overlap", "mixed-chunk"])
+def test_mistral_sliding_window(overlap, mixed, tmp_path, tiny_model, make_llm, hf_greedy, random_prompts):
     import json
     import shutil
 
@@ -121,7 +122,8 @@ def test_mistral_sliding_window(overlap, tmp_path, tiny_model, make_llm, hf_gree
     config = json.loads((path / "config.json").read_text())
     config["sliding_window"] = 16  # much shorter than the prompts: the window really cuts
     (path / "config.json").write_text(json.dumps(config))
-    llm = make_llm(str(path), chunked_prefill_size=20, disable_overlap_schedule=not overlap)
+    llm = make_llm(str(path), chunked_prefill_size=20, disable_overlap_schedule=not overlap, enable_mixed_chunk=mixed,
+                   max_running_requests=8)
     _check(llm, str(path), random_prompts(3, 40, 70, seed=7), hf_greedy)
 
 
@@ -154,3 +156,42 @@ def test_kv_pool_sized_from_memory(tiny_model):
     config.mem_fraction_static = 1e-9
     with pytest.raises(RuntimeError, match="no memory left for the KV cache"):
         kv_pool_tokens(config, model_config, torch.float32, torch.device("cpu"), 2, 2048)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("page_size,overlap", [(1, True), (16, False)], ids=["page1-overlap", "page16-no-overlap"])
+def test_mixed_chunk_long_prompt_arrives_while_others_decode(arch, page_size, overlap, tiny_model, make_llm,
+                                                             long_prompt_while_decoding):
+    path = tiny_model(arch)
+    llm = make_llm(path, enable_mixed_chunk=True, chunked_prefill_size=32, max_running_requests=8,
+                   page_size=page_size, disable_overlap_schedule=not overlap)
+    long_prompt_while_decoding(llm, path, seed=30)
+
+
+def test_mixed_chunk_with_prompts_of_many_lengths(tiny_model, make_llm, hf_greedy, random_prompts):
+    """All prompts at once, in chunks smaller than most: those done first decode beside the rest.
+    (The prompts of test_mixed_lengths_in_one_batch, whose transformers outputs are cached.)"""
+    path = tiny_model("qwen3-moe")
+    llm = make_llm(path, enable_mixed_chunk=True, chunked_prefill_size=24, max_running_requests=8)
+    _check(llm, path, random_prompts(6, 1, 90, seed=1), hf_greedy)
+
+
+def test_mixed_chunk_logprobs_equal_separate_steps(tiny_model, make_llm, long_prompt_while_decoding):
+    path = tiny_model("llama")
+    options = dict(chunked_prefill_size=32, max_running_requests=8)
+    modes, mixed = long_prompt_while_decoding(make_llm(path, enable_mixed_chunk=True, **options), path, seed=32)
+    modes_off, separate = long_prompt_while_decoding(make_llm(path, **options), path, seed=32)
+    assert "MIXED" in modes and "MIXED" not in modes_off
+    assert [lp.token_id for lp in mixed] == [lp.token_id for lp in separate]
+    for a, b in zip(mixed, separate):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert [x for _, x in a.top] == pytest.approx([x for _, x in b.top], abs=1e-5)
+
+
+def test_mixed_chunk_needs_a_step_budget_above_the_running_requests(tiny_model):
+    from kubesgl.engine import LLM
+
+    with pytest.raises(ValueError, match=r"--chunked-prefill-size \(64\) must be larger than --max-running-requests"):
+        LLM(tiny_model("llama"), device="cpu", enable_mixed_chunk=True, chunked_prefill_size=64,
+            max_running_requests=64)

@@ -72,7 +72,7 @@ def test_triton_attention_on_the_cpu_is_a_clear_error(tiny_model, capsys, monkey
 
 # The engine options kubesgl generate honours; every other one must be in engine/cli.py's REFUSED.
 HONOURED = {"model", "device", "dtype", "kv_cache_dtype", "load_format", "page_size", "max_running_requests",
-            "chunked_prefill_size", "max_prefill_tokens", "max_total_tokens", "mem_fraction_static", "context_length",
+            "chunked_prefill_size", "enable_mixed_chunk", "max_prefill_tokens", "max_total_tokens", "mem_fraction_static", "context_length",
             "attention_backend", "disable_radix_cache", "disable_overlap_schedule", "disable_cuda_graph",
             "cuda_graph_max_bs", "schedule_policy", "schedule_max_wait"}
 

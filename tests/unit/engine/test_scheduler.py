@@ -294,14 +294,26 @@ def test_retraction_storm_finishes_every_request_exactly(overlap, radix, page_si
     """24 requests on a pool that holds about one and a half of them whole: requests are
     retracted again and again, yet each returns exactly what it returns on a large pool
     (greedy, seeded sampling, penalties alike), and the pages stay accounted for at every step."""
+    run_retraction_storm(tiny_model, make_llm, random_prompts, page_size, disable_radix_cache=not radix,
+                         disable_overlap_schedule=not overlap)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_retraction_storm_with_mixed_chunks(page_size, tiny_model, make_llm, random_prompts):
+    """The storm with prompt chunks and decodes sharing steps: the decodes of a mixed step keep
+    the pages they need although the step also admits requests (the admissions come after)."""
+    run_retraction_storm(tiny_model, make_llm, random_prompts, page_size, enable_mixed_chunk=True,
+                         chunked_prefill_size=24, max_running_requests=16)
+
+
+def run_retraction_storm(tiny_model, make_llm, random_prompts, page_size: int, **engine_args) -> None:
     path = tiny_model("llama")
     prompts = random_prompts(24, 10, 40, seed=21)
     kinds = [{"temperature": 0}, {"temperature": 0.9, "seed": 7},
              {"temperature": 0, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2}]
     params = [SamplingParams(max_tokens=48, ignore_eos=True, **kinds[i % 3]) for i in range(24)]
     reference = make_llm(path, page_size=page_size).generate(prompts, params)
-    llm = make_llm(path, page_size=page_size, max_total_tokens=128, disable_radix_cache=not radix,
-                   disable_overlap_schedule=not overlap)
+    llm = make_llm(path, page_size=page_size, max_total_tokens=128, **engine_args)
     engine = llm.engine
     # An estimate that stays at its most optimistic (5 % of max_tokens) whatever happens
     engine.scheduler.kv.estimate = OutputEstimate(ratio=0.05, weight=0.0, backoff=1.0)

@@ -103,6 +103,16 @@ def test_engine_with_triton_backend_equals_transformers(tiny_model, make_llm, hf
             assert out.token_ids == hf_greedy(path, prompt, 6)
 
 
+@ENGINE_ON_CPU
+def test_engine_with_triton_backend_mixes_chunks_and_decodes(tiny_model, make_llm, long_prompt_while_decoding):
+    """A mixed step's prefill rows through the extend kernel, its decode rows through the
+    decode kernel (tests/gpu runs the same on the GPU, with FlashInfer too)."""
+    path = tiny_model("qwen3")
+    llm = make_llm(path, attention_backend="triton", page_size=4, enable_mixed_chunk=True, chunked_prefill_size=24,
+                   max_running_requests=4)
+    long_prompt_while_decoding(llm, path, seed=22, max_tokens=6, long_len=40)
+
+
 @pytest.mark.parametrize("tokens,top_k,experts", [(1, 2, 8), (13, 2, 8), (40, 4, 6)])
 def test_fused_moe_matches_the_expert_loop(tokens, top_k, experts):
     from kubesgl.engine.layers.moe import SparseMoeBlock

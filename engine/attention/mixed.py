@@ -1,0 +1,43 @@
+"""Attention for MIXED steps (a prefill chunk and the running decodes in one forward pass),
+through any backend: the prefill rows run as an extend batch and the decode rows as a decode
+batch, each prepared and attended by the backend exactly as it runs such a batch alone. The
+decode rows so keep the backend's decode kernel (split KV, each KV head read once for its
+group of query heads), which an extend kernel's tiles of one query would not."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kubesgl.engine.attention.base import AttentionBackend, AttentionLayerSpec
+from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass
+class _MixedMeta:
+    extend: ForwardBatch  # the prefill rows, prepared by the backend
+    decode: ForwardBatch  # the decode rows, prepared by the backend
+    extend_tokens: int  # the prefill rows' tokens come first in q, k and v
+
+
+class MixedAttention(AttentionBackend):
+    def __init__(self, backend: AttentionBackend):
+        super().__init__(backend.kv_pool, backend.req_to_token, [])
+        self.backend = backend
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        assert batch.mode is ForwardMode.MIXED, batch.mode
+        extend, decode = batch.split_mixed()
+        self.backend.prepare(extend)
+        self.backend.prepare(decode)
+        batch.attn = _MixedMeta(extend, decode, extend.num_tokens)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                batch: ForwardBatch) -> torch.Tensor:
+        meta: _MixedMeta = batch.attn
+        n = meta.extend_tokens
+        out = torch.empty_like(q)
+        out[:n] = self.backend.forward(q[:n], k[:n], v[:n], layer, meta.extend)
+        out[n:] = self.backend.forward(q[n:], k[n:], v[n:], layer, meta.decode)
+        return out

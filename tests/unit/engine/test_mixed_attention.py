@@ -1,0 +1,48 @@
+"""MixedAttention: a mixed step's prefill rows through a backend's extend path and its decode
+rows through its decode path give what one extend pass over all rows gives (the torch
+backend's, the reference). On the CPU the Triton kernels run in Triton's interpreter;
+tests/gpu/test_mixed_chunk_cuda.py runs the same with FlashInfer and Triton on a GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+
+from kubesgl.engine.attention import AttentionLayerSpec, create_backend  # noqa: E402
+from kubesgl.engine.attention.mixed import MixedAttention  # noqa: E402
+from kubesgl.engine.forward_batch import ForwardMode  # noqa: E402
+from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable  # noqa: E402
+
+
+@pytest.mark.parametrize("backend,window", [("torch", None), ("torch", 7), ("triton", 7)])
+def test_mixed_attention_equals_one_extend_pass(backend, window, attention_batch):
+    heads, kv_heads, head_dim = 4, 2, 16
+    pool = KVPool(1024, 1, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    table = ReqToTokenTable(6, 128, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
+    table.table.copy_((torch.randperm(1023, generator=gen)[:6 * 128] + 1).view(6, 128))  # scattered slots
+    spec = [AttentionLayerSpec(0, heads, kv_heads, head_dim, head_dim**-0.5, window)]
+    # a whole prompt, a chunk after a cached prefix, then three decodes
+    seq_lens, extend_lens, rows = [40, 50, 1, 90, 17], [40, 12, 1, 1, 1], [4, 0, 3, 1, 5]
+    batch = dataclasses.replace(attention_batch(ForwardMode.MIXED, seq_lens, extend_lens, rows, table.table),
+                                prefill_rows=2)
+    q = torch.randn(sum(extend_lens), heads, head_dim, generator=gen)
+    k = torch.randn(sum(extend_lens), kv_heads, head_dim, generator=gen)
+    v = torch.randn(sum(extend_lens), kv_heads, head_dim, generator=gen)
+    reference = create_backend("torch", kv_pool=pool, req_to_token=table, layers=spec)
+    reference.prepare(batch)  # a MIXED batch is an extend batch to a backend that is given it whole
+    expected = reference.forward(q, k, v, spec[0], batch)
+    mixed = MixedAttention(create_backend(backend, kv_pool=pool, req_to_token=table, layers=spec))
+    mixed.prepare(batch)
+    extend, decode = batch.attn.extend, batch.attn.decode
+    assert (extend.mode, extend.batch_size, decode.mode, decode.batch_size) == (ForwardMode.EXTEND, 2,
+                                                                                 ForwardMode.DECODE, 3)
+    torch.testing.assert_close(mixed.forward(q, k, v, spec[0], batch), expected, rtol=1e-5, atol=1e-5)
