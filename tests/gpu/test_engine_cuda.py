@@ -64,7 +64,7 @@ def test_retraction_storm_on_cuda_returns_what_a_large_pool_returns(backend, tin
 
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
-    path, batch = tiny_model("llama"), prompts(24, seed=5)
+    path, batch = tiny_model("llama", head_dim=64), prompts(24, seed=5)  # FlashInfer needs 64, 128 or 256
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     common = dict(device="cuda", dtype="float32" if backend != "flashinfer" else "float16",
                   attention_backend=backend, page_size=16)
