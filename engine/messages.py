@@ -124,6 +124,16 @@ class DisaggStats:
 
 
 @dataclass
+class GrammarStats:
+    """Grammar compilations: cache lookups since start, and the compile times since the last
+    stats (each sample is sent once)."""
+
+    cache_hits: int = 0
+    cache_misses: int = 0
+    compile_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -132,6 +142,12 @@ class SchedulerStats:
     prompt_tokens: int  # since start
     cached_prompt_tokens: int  # of those, found in the prefix cache
     disagg: DisaggStats | None = None  # prefill and decode roles
+    grammar: GrammarStats | None = None  # models with a tokenizer
+
+    def has_samples(self) -> bool:
+        """Histogram samples that must go out even when nothing else changed."""
+        return (self.disagg is not None and self.disagg.has_samples()) or bool(
+            self.grammar and self.grammar.compile_seconds)
 
 
 @dataclass

@@ -8,25 +8,16 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import xgrammar
 
+from kubesgl.engine.messages import GrammarStats
 from kubesgl.engine.sampling_params import GrammarSpec, InvalidRequestError
 
 CACHE_ENTRIES = 512  # compiled grammars kept; a 128k vocabulary makes each tens of kB to a few MB
 _ANY_OBJECT = '{"type": "object"}'
 # xgrammar's errors start with a timestamp and its source file: "[08:51:28] /project/cpp/x.cc:94: "
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] [^:]+:\d+: ")
-
-
-@dataclass
-class GrammarStats:
-    """Counters since start and the compile times since the last stats (each sent once)."""
-
-    cache_hits: int = 0
-    cache_misses: int = 0
-    compile_seconds: list[float] = field(default_factory=list)
 
 
 class GrammarBackend:

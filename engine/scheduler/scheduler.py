@@ -425,4 +425,5 @@ class Scheduler:
             prompt_tokens=self._prompt_tokens,
             cached_prompt_tokens=self._cached_prompt_tokens,
             disagg=self.role.stats(),
+            grammar=self.grammars.take_stats() if self.grammars is not None else None,
         )

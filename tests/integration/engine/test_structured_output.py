@@ -119,3 +119,12 @@ def test_bad_grammars_are_400s_naming_the_problem(server, route, body, param, wo
     error = got.json()["error"]
     assert param in (error["param"] or ""), error
     assert words in error["message"], error
+
+
+def test_grammar_metrics_are_exported(server, client):
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+                                   response_format=_format("enum"), max_tokens=30)
+    assert server.metric("kubesgl_grammar_compile_seconds_count") >= 1
+    text = httpx.get(server.base_url + "/metrics").text
+    hits = [line for line in text.splitlines() if line.startswith("kubesgl_grammar_cache_total") and 'result="hit"' in line]
+    assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 1  # "enum" was compiled by an earlier test of this server

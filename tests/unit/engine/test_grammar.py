@@ -173,3 +173,22 @@ def test_compiling_does_not_hold_other_requests(llama, make_llm):
     while scheduler.has_work():
         finished |= {o.rid for o in scheduler.step() if o.finished}
     assert finished == {"p", "g"}
+
+
+def test_grammar_metrics_count_compiles_and_cache_lookups():
+    from prometheus_client import generate_latest
+
+    from kubesgl.engine.messages import GrammarStats, SchedulerStats
+    from kubesgl.engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics("mixed")
+    text = generate_latest(metrics.registry).decode()
+    for result in ("hit", "miss"):
+        assert f'kubesgl_grammar_cache_total{{result="{result}",role="mixed"}} 0.0' in text
+    metrics.update_scheduler(SchedulerStats(0, 0, 0, 1, 0, 0, grammar=GrammarStats(2, 1, [0.004])))
+    metrics.update_scheduler(SchedulerStats(0, 0, 0, 1, 0, 0, grammar=GrammarStats(5, 2, [0.2])))
+    text = generate_latest(metrics.registry).decode()
+    assert 'kubesgl_grammar_cache_total{result="hit",role="mixed"} 5.0' in text
+    assert 'kubesgl_grammar_cache_total{result="miss",role="mixed"} 2.0' in text
+    assert 'kubesgl_grammar_compile_seconds_count{role="mixed"} 2.0' in text
+    assert 'kubesgl_grammar_compile_seconds_bucket{le="0.005",role="mixed"} 1.0' in text
