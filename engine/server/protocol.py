@@ -14,6 +14,7 @@ from pydantic import (
     Field,
     StrictInt,
     Tag,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -202,6 +203,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if tools:  # refused, not ignored: a client relying on tool calls must not get plain text
+            raise ValueError("tools are not supported yet (docs/structured-output.md); "
+                             "response_format json_schema constrains the answer instead")
+        return tools
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(self.max_completion_tokens or self.max_tokens,

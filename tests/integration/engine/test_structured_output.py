@@ -109,6 +109,8 @@ def test_native_generate_regex_json_schema_ebnf(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      "response_format", "json_schema"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, "response_format", "json_object"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools", "not supported"),
     ("/generate", {"text": "x", "sampling_params": {"regex": "(ab"}}, "sampling_params.regex", "parenthesis"),
     ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= foo"}}, "sampling_params.ebnf", "foo"),
     ("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "sampling_params", "at most one"),
