@@ -92,6 +92,7 @@ class TokenizeRequest:
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict] | None = None  # chat: rendered with the tokenizer's chat template
+    tools: list[dict] | None = None  # chat: the tools the template describes to the model
     prefix_leader: str | None = None
     bootstrap: BootstrapTarget | None = None
 

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import BootstrapTarget, FinishReason, TextOutput, TokenizeRequest
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.server import tool_calls
 from kubesgl.engine.server.access import AccessRecord, RequestAccounting
 from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient
 from kubesgl.engine.server.limits import (
@@ -260,13 +261,27 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         serving(body.model)
-        params = validated(body.to_sampling_params())
+        params = body.to_sampling_params()
+        try:
+            mode, named = body.tool_mode()
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param) from exc
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if mode != "none" else None
+        if mode == "required":
+            params = dataclasses.replace(params, grammar=tool_calls.required_grammar(tools, body.parallel_tool_calls))
+        elif mode == "named":
+            params = dataclasses.replace(params, grammar=tool_calls.named_grammar(named))
+        params = validated(params)
+        tool_output = ToolOutput(mode, named["function"]["name"] if named else None,
+                                 tool_calls.format_for_model(state.config.model) if mode == "auto" else None)
         messages = [m.as_template_input() for m in body.messages]
         within_limits(params, 1, body.n, [(sum(len(m["content"]) for m in messages), "messages")])
-        subs = fan_out([TokenizeRequest("", params, messages=messages)], body.n, params, "chatcmpl",
+        subs = fan_out([TokenizeRequest("", params, messages=messages, tools=tools)], body.n, params, "chatcmpl",
                        bootstrap(body, 1, body.n))
         meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": state.served_model_name}
-        return await respond(request, subs, body.stream, body.include_usage, chat_formatter(meta, body.logprobs))
+        return await respond(request, subs, body.stream, body.include_usage,
+                             chat_formatter(meta, body.logprobs, tool_output))
+
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -304,7 +319,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
             for i in range(n):
                 copy = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
                 rid = f"{group}-{p * n + i}"
-                subs.append(TokenizeRequest(rid, copy, base.text, base.input_ids, base.messages, leader,
+                subs.append(TokenizeRequest(rid, copy, base.text, base.input_ids, base.messages, base.tools, leader,
                                             targets[p * n + i]))
                 leader = leader or rid
         return subs
@@ -414,12 +429,64 @@ class Formatter:
         self.final, self.chunk, self.stream_start, self.usage_chunk = final, chunk, stream_start, usage_chunk
 
 
-def chat_formatter(meta: dict, want_logprobs: bool) -> Formatter:
+@dataclass(frozen=True)
+class ToolOutput:
+    """How a chat answer becomes tool calls: never ("none"), always (a "required" list of calls,
+    or the "named" function's arguments), or where the model wrote its own format ("auto")."""
+
+    mode: str
+    name: str | None = None  # the named function
+    format: tool_calls.ToolCallFormat | None = None  # "auto": the model's format, if known
+
+    def split(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
+        """(content, calls) of a whole answer."""
+        if self.mode == "named":
+            return None, [tool_calls.ToolCall(self.name, text)]
+        if self.mode == "required":
+            try:
+                return None, tool_calls.parse_required(text)
+            except ValueError:  # cut by max_tokens: no whole call to give
+                return text, []
+        if self.mode == "auto" and self.format is not None:
+            return self.format.parse(text)
+        return text, []
+
+    def held_from(self, text: str) -> int:
+        """Where streamed content must stop until the answer is whole: what follows may be a call."""
+        if self.mode in ("named", "required"):
+            return 0
+        if self.mode != "auto" or self.format is None:
+            return len(text)
+        at = self.format.find_start(text)
+        if at >= 0:
+            return at
+        held = len(text)
+        for start in self.format.starts:  # a marker may be cut across chunks
+            for keep in range(min(len(start) - 1, len(text)), 0, -1):
+                if start.startswith(text[-keep:]):
+                    held = min(held, len(text) - keep)
+                    break
+        return held
+
+
+def _finish(reason: str | None, calls: list) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def chat_formatter(meta: dict, want_logprobs: bool, tools: ToolOutput = ToolOutput("none")) -> Formatter:
     def final(choices: list[Choice], usage_: dict) -> dict:
-        return {**meta, "object": "chat.completion", "usage": usage_, "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": {"content": c.logprobs} if want_logprobs else None, "finish_reason": c.finish_reason}
-            for c in choices]}
+        answers = []
+        for c in choices:
+            content, calls = tools.split(c.text) if c.finish_reason != "length" or tools.mode == "auto" else (c.text, [])
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [call.as_openai() for call in calls]
+            answers.append({"index": c.index, "message": message,
+                            "logprobs": {"content": c.logprobs} if want_logprobs else None,
+                            "finish_reason": _finish(c.finish_reason, calls)})
+        return {**meta, "object": "chat.completion", "usage": usage_, "choices": answers}
+
+    sent: dict[int, int] = {}  # characters of each choice's text streamed as content
 
     def chunk_of(choices: list[dict]) -> dict:
         return {**meta, "object": "chat.completion.chunk", "choices": choices}
@@ -430,9 +497,23 @@ def chat_formatter(meta: dict, want_logprobs: bool) -> Formatter:
 
     def chunk(choice: Choice, out: TextOutput, _: int) -> dict:
         logprobs = {"content": logprob_entries(out)} if want_logprobs and out.logprobs else None
-        delta = {"content": out.text} if out.text or out.finish_reason is None else {}
+        reason = out.finish_reason.kind if out.finish_reason else None
+        if tools.mode == "none":
+            delta = {"content": out.text} if out.text or out.finish_reason is None else {}
+            return chunk_of([{"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
+        done = sent.get(choice.index, 0)
+        calls = []
+        if reason is None:
+            upto = max(done, tools.held_from(choice.text))
+        else:  # the whole answer: what was held back is content, or calls with the content before them
+            _, calls = tools.split(choice.text) if reason != "length" or tools.mode == "auto" else (choice.text, [])
+            upto = max(done, tools.held_from(choice.text)) if calls else len(choice.text)
+        delta = {"content": choice.text[done:upto]} if upto > done else {}
+        sent[choice.index] = upto
+        if calls:
+            delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(calls)]
         return chunk_of([{"index": choice.index, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": out.finish_reason.kind if out.finish_reason else None}])
+                          "finish_reason": _finish(reason, calls)}])
 
     return Formatter(final, chunk, start, lambda u: {**chunk_of([]), "usage": u})
 

@@ -14,7 +14,6 @@ from pydantic import (
     Field,
     StrictInt,
     Tag,
-    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -187,15 +186,61 @@ class TextPart(_Lenient):
     text: Text
 
 
+class FunctionCall(_Lenient):
+    name: Text
+    arguments: Text  # JSON text
+
+
+class MessageToolCall(_Lenient):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool's answer: to which call
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:  # templates render arguments as an object (Hugging Face's convention)
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionSpec(_Lenient):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Lenient):
+    name: Text
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -203,16 +248,28 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if tools:  # refused, not ignored: a client relying on tool calls must not get plain text
-            raise ValueError("tools are not supported yet (docs/structured-output.md); "
-                             "response_format json_schema constrains the answer instead")
-        return tools
+    def tool_mode(self) -> tuple[str, dict[str, Any] | None]:
+        """("none" | "auto" | "required" | "named", the named tool); InvalidRequestError where
+        tool_choice and tools disagree."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice == "none":
+            return "none", None
+        if not self.tools:
+            raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+        if self.response_format is not None and self.response_format.type != "text" and choice != "auto":
+            raise InvalidRequestError("response_format and a required or named tool_choice cannot both "
+                                      "constrain the answer", param="tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            named = next((t for t in self.tools if t.function.name == choice.function.name), None)
+            if named is None:
+                raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                                          param="tool_choice")
+            return "named", named.model_dump()
+        return choice, None
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(self.max_completion_tokens or self.max_tokens,

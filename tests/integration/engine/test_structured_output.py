@@ -109,8 +109,6 @@ def test_native_generate_regex_json_schema_ebnf(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
      "response_format", "json_schema"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "yaml"}}, "response_format", "json_object"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools", "not supported"),
     ("/generate", {"text": "x", "sampling_params": {"regex": "(ab"}}, "sampling_params.regex", "parenthesis"),
     ("/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= foo"}}, "sampling_params.ebnf", "foo"),
     ("/generate", {"text": "x", "sampling_params": {"regex": "a", "ebnf": "root ::= \"a\""}}, "sampling_params", "at most one"),
@@ -130,3 +128,78 @@ def test_grammar_metrics_are_exported(server, client):
     text = httpx.get(server.base_url + "/metrics").text
     hits = [line for line in text.splitlines() if line.startswith("kubesgl_grammar_cache_total") and 'result="hit"' in line]
     assert hits and float(hits[0].rsplit(" ", 1)[1]) >= 1  # "enum" was compiled by an earlier test of this server
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+        "type": "object", "required": ["city", "unit"], "properties": {
+            "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}}}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "required": ["a", "b"], "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}},
+]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _assert_calls_validate(calls, names=None) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in (names or PARAMETERS)
+        jsonschema.validate(_parse(call.function.arguments), PARAMETERS[call.function.name])
+
+
+@pytest.mark.parametrize("temperature, parallel", [(0, True), (1.0, False)])
+def test_tool_choice_required_always_calls_a_tool_with_valid_arguments(client, temperature, parallel):
+    answer = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required", n=3,
+                                            max_tokens=200, temperature=temperature, parallel_tool_calls=parallel)
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        _assert_calls_validate(choice.message.tool_calls)
+        assert parallel or len(choice.message.tool_calls) == 1
+
+
+def test_a_named_function_is_called_with_valid_arguments_streaming_or_not(client):
+    choice = {"type": "function", "function": {"name": "add"}}
+    answer = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=100,
+                                            temperature=1.0)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    _assert_calls_validate(answer.choices[0].message.tool_calls, ["add"])
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                                max_tokens=100, temperature=1.0, stream=True):
+        for delta_choice in chunk.choices:
+            assert not delta_choice.delta.content  # a call is no content
+            for call in delta_choice.delta.tool_calls or []:
+                calls.setdefault(call.index, []).append(call)
+            finish = delta_choice.finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0]
+    call = calls[0][0]
+    assert call.function.name == "add"
+    jsonschema.validate(_parse("".join(c.function.arguments for c in calls[0])), PARAMETERS["add"])
+
+
+def test_auto_and_none_reach_the_chat_template(client):
+    plain = client.chat.completions.create(model="m", messages=ASK, max_tokens=8, temperature=0)
+    auto = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=8, temperature=0)
+    none = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=8,
+                                          temperature=0)
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens == none.usage.prompt_tokens  # the tools' description
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert auto.choices[0].message.tool_calls is None  # a random model writes no <tool_call> block here
+    assert auto.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "both"),
+    ({"tools": [{"type": "function", "function": {"name": "bad", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools", "nonsense"),
+])
+def test_bad_tool_requests_are_400s(server, body, param, words):
+    got = httpx.post(server.base_url + "/v1/chat/completions", headers=HEADERS, timeout=30,
+                     json={"messages": ASK, "max_tokens": 4, **body})
+    assert got.status_code == 400, got.text
+    assert param in (got.json()["error"]["param"] or "") and words in got.json()["error"]["message"], got.text
