@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kubesgl.engine.server.api import ToolOutput
+from kubesgl.engine.server.openai_format import ToolOutput
 from kubesgl.engine.server.tool_calls import (
     FORMATS,
     ToolCall,
@@ -68,7 +68,7 @@ def test_streamed_content_is_held_where_a_call_may_begin():
 
 def test_an_auto_call_streams_as_delta_tool_calls_after_the_content_before_it():
     from kubesgl.engine.messages import FinishReason, TextOutput
-    from kubesgl.engine.server.api import Choice, chat_formatter
+    from kubesgl.engine.server.openai_format import Choice, chat_formatter
 
     formatter = chat_formatter({"id": "x"}, False, ToolOutput("auto", format=QWEN))
     choice, deltas = Choice(index=0), []
@@ -89,7 +89,7 @@ def test_an_auto_call_streams_as_delta_tool_calls_after_the_content_before_it():
 
 def test_streamed_text_that_holds_no_call_is_all_sent_by_the_end():
     from kubesgl.engine.messages import FinishReason, TextOutput
-    from kubesgl.engine.server.api import Choice, chat_formatter
+    from kubesgl.engine.server.openai_format import Choice, chat_formatter
 
     formatter = chat_formatter({"id": "x"}, False, ToolOutput("auto", format=QWEN))
     choice, sent = Choice(index=0), ""
