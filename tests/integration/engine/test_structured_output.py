@@ -203,3 +203,34 @@ def test_bad_tool_requests_are_400s(server, body, param, words):
                      json={"messages": ASK, "max_tokens": 4, **body})
     assert got.status_code == 400, got.text
     assert param in (got.json()["error"]["param"] or "") and words in got.json()["error"]["message"], got.text
+
+
+def test_tensor_parallel_ranks_queue_grammar_requests_alike(server_factory, tiny_model):
+    """Every rank waits for its own compilation at arrival, so all ranks step the same batches:
+    concurrent grammar requests (each schema new) answer what one rank alone answers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kubesgl.engine import LLM, SamplingParams
+    from kubesgl.engine.sampling_params import GrammarSpec
+
+    path = tiny_model("llama")
+    server = server_factory(path, "--tp-size", "2")
+    schemas = [{**SCHEMAS["bounded"], "title": f"s{i}"} for i in range(6)]  # distinct texts: six compilations
+
+    def ask(schema):
+        got = httpx.post(server.base_url + "/generate", timeout=120, json={"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 60, "temperature": 0, "json_schema": json.dumps(schema)}})
+        assert got.status_code == 200, got.text
+        return got.json()["output_ids"]
+
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(ask, schemas))
+    with LLM(path, device="cpu", dtype="float32", max_total_tokens=4096) as llm:
+        want = [o.token_ids for o in llm.generate([[5, 6, 7]] * 6, [
+            SamplingParams(max_tokens=60, temperature=0, grammar=GrammarSpec("json_schema", json.dumps(s)))
+            for s in schemas])]
+    assert got == want
+    bad = httpx.post(server.base_url + "/generate", timeout=60,
+                     json={"text": "x", "sampling_params": {"regex": "(ab"}})
+    assert bad.status_code == 400
+    assert server.stop() == 0
