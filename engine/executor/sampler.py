@@ -84,6 +84,13 @@ class Sampler:
     def __init__(self, penalty_state: PenaltyState):
         self.penalty_state = penalty_state
 
+    @staticmethod
+    def warm_up_mask(vocab_size: int, device: torch.device) -> None:
+        """Run the grammar-mask kernel once (on a GPU, xgrammar's Triton kernel compiles at first use)."""
+        logits = torch.zeros(1, vocab_size, device=device)
+        xgrammar.apply_token_bitmask_inplace(logits, torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32,
+                                                                device=device))
+
     def __call__(self, logits: torch.Tensor, sampling: SamplingBatch, rows: torch.Tensor,
                  emits: torch.Tensor) -> SampleOutput:
         raw_logits = logits
