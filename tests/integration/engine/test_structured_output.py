@@ -234,3 +234,33 @@ def test_tensor_parallel_ranks_queue_grammar_requests_alike(server_factory, tiny
                      json={"text": "x", "sampling_params": {"regex": "(ab"}})
     assert bad.status_code == 400
     assert server.stop() == 0
+
+
+def test_unconstrained_answers_beside_constrained_ones_equal_transformers(client, tiny_model):
+    """Requests sent at once, every other one with a schema: the plain ones get transformers'
+    greedy tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompts = [[5, 6, 7, 8], list(range(40, 90)), [300, 12, 99], list(range(100, 130))]
+
+    def ask(i):
+        if i % 2:
+            return client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{i}"}],
+                                                  response_format=_format("nested"), max_tokens=120)
+        return client.completions.create(model="m", prompt=prompts[i // 2], max_tokens=12, temperature=0)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    path = tiny_model("llama")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    for i in range(0, 8, 2):
+        prompt = prompts[i // 2]
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+        assert answers[i].choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+    for i in range(1, 8, 2):
+        jsonschema.validate(_parse(answers[i].choices[0].message.content), SCHEMAS["nested"])
