@@ -168,6 +168,9 @@ def test_compiling_does_not_hold_other_requests(llama, make_llm):
     for _ in range(10):
         finished |= {o.rid for o in scheduler.step() if o.finished}
     assert finished == {"p"} and scheduler.requests["g"] in scheduler.compiling
+    scheduler.add_request(GenerateRequest("aborted", [5, 6], _schema_params("enum", temperature=0)))
+    (out,) = scheduler.abort_request("aborted")  # while its grammar compiles: ends at once, nothing held
+    assert out.finish_reason.kind == "abort" and [r.rid for r in scheduler.compiling] == ["g"]
     scheduler.grammars.compile = compile_
     blocked.set_result(compile_(GrammarSpec("json_schema", json.dumps(SCHEMAS["enum"]))).result())
     while scheduler.has_work():
