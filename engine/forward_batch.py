@@ -4,6 +4,7 @@ scheduler and moved to the device in one go. Nothing here refers to scheduler ob
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
@@ -29,6 +30,33 @@ class PenaltyBatch:
     resets: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
 
 
+class VocabMask:
+    """Which tokens each row may sample, as a bitmask (bit t of row i: token t allowed), filled
+    by the scheduler from its grammars. With overlap, a step is launched before the tokens of
+    the step before it are known, and those tokens decide this step's mask: the executor waits
+    for `wait` only when it samples, after the forward pass."""
+
+    def __init__(self, batch_size: int, vocab_size: int):
+        # every bit set: a row without a grammar (or that samples nothing) is unconstrained
+        self.bitmask = torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    def set_ready(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._ready.set()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set()
+
+    def wait(self) -> torch.Tensor:
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError("the scheduler could not fill this step's grammar mask") from self._error
+        return self.bitmask
+
+
 @dataclass
 class SamplingBatch:
     temperatures: torch.Tensor  # [B] float32; greedy rows hold 1.0 and are picked by argmax
@@ -44,6 +72,7 @@ class SamplingBatch:
     seeded_rows: list[tuple[int, int]] = field(default_factory=list)
     penalties: PenaltyBatch | None = None
     top_logprobs: int = -1  # -1: no logprobs in this batch; k >= 0: sampled token's and top k
+    vocab_mask: VocabMask | None = None  # rows with a grammar; None when the batch has none
 
 
 @dataclass

@@ -92,6 +92,7 @@ class TokenizeRequest:
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict] | None = None  # chat: rendered with the tokenizer's chat template
+    tools: list[dict] | None = None  # chat: the tools the template describes to the model
     prefix_leader: str | None = None
     bootstrap: BootstrapTarget | None = None
 
@@ -124,6 +125,16 @@ class DisaggStats:
 
 
 @dataclass
+class GrammarStats:
+    """Grammar compilations: cache lookups since start, and the compile times since the last
+    stats (each sample is sent once)."""
+
+    cache_hits: int = 0
+    cache_misses: int = 0
+    compile_seconds: list[float] = field(default_factory=list)
+
+
+@dataclass
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -133,6 +144,12 @@ class SchedulerStats:
     cached_prompt_tokens: int  # of those, found in the prefix cache
     disagg: DisaggStats | None = None  # prefill and decode roles
     retractions: int = 0  # since start: running requests sent back to the queue to free KV
+    grammar: GrammarStats | None = None  # models with a tokenizer
+
+    def has_samples(self) -> bool:
+        """Histogram samples that must go out even when nothing else changed."""
+        return (self.disagg is not None and self.disagg.has_samples()) or bool(
+            self.grammar and self.grammar.compile_seconds)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from kubesgl.contract import MIXED
 from kubesgl.engine.disagg.protocol import FailureReason
-from kubesgl.engine.messages import DisaggStats, SchedulerStats
+from kubesgl.engine.messages import DisaggStats, GrammarStats, SchedulerStats
 
 # States of a request with a room that the kubesgl_disagg_requests gauge reports
 # (the scheduler's ReqStatus names, lower case).
@@ -32,6 +32,10 @@ ERROR_REASONS = {
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Prompt and output lengths in tokens: 1 to 128k, roughly x2.5 apart
 _LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+# Grammar compilations: a regex in well under a millisecond, a large JSON schema over a 128k vocabulary in seconds
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# kubesgl_grammar_cache_total: whether a request's grammar was already compiled (or compiling)
+GRAMMAR_CACHE_RESULTS = ("hit", "miss")
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 
 
@@ -105,15 +109,22 @@ class EngineMetrics:
                                      labels + ["state"], registry=r)
         self.disagg_failures = Counter("kubesgl_disagg_failures", "Rooms that failed, by reason",
                                        labels + ["reason"], registry=r)
+        self.grammar_compile = Histogram("kubesgl_grammar_compile_seconds", "Time to compile one grammar "
+                                         "(response_format, regex, json_schema, ebnf)", labels,
+                                         buckets=_COMPILE_BUCKETS, registry=r)
+        self.grammar_cache = Counter("kubesgl_grammar_cache", "Requests with a grammar, by whether it was "
+                                     "already compiled", labels + ["result"], registry=r)
         self.role = role
         for metric in (self.num_running, self.num_waiting, self.kv_usage, self.prefix_hit, self.prompt_tokens,
                        self.generation_tokens, self.ttft, self.itl, self.e2e, self.kv_transfer_bytes,
                        self.kv_transfer_seconds, self.kv_transfer_wait, self.queue_time, self.prefill_time,
                        self.decode_time, self.prompt_length, self.output_length, self.cached_tokens,
-                       self.kv_capacity, self.retractions):
+                       self.kv_capacity, self.retractions, self.grammar_compile):
             metric.labels(role=role)  # present from the start, at zero
         for finish_reason in FINISH_REASONS:
             self.requests.labels(role=role, finish_reason=finish_reason)
+        for result in GRAMMAR_CACHE_RESULTS:
+            self.grammar_cache.labels(role=role, result=result)
         for status, reason in ERROR_REASONS.items():
             self.request_errors.labels(role=role, status=str(status), reason=reason)
         if role != MIXED:  # every known label value from the start, so rate() sees the first one
@@ -123,6 +134,7 @@ class EngineMetrics:
                 self.disagg_failures.labels(role=role, reason=reason.value)
         self._failures_seen: dict[str, int] = {}
         self._retractions_seen = 0
+        self._grammar_cache_seen = {"hit": 0, "miss": 0}
 
     def render(self) -> bytes:
         """The /metrics text: every sample carries model_name beside its own labels."""
@@ -139,6 +151,15 @@ class EngineMetrics:
         self._retractions_seen = stats.retractions
         if stats.disagg is not None:
             self._update_disagg(stats.disagg)
+        if stats.grammar is not None:
+            self._update_grammar(stats.grammar)
+
+    def _update_grammar(self, grammar: GrammarStats) -> None:
+        for result, total in (("hit", grammar.cache_hits), ("miss", grammar.cache_misses)):
+            self.grammar_cache.labels(role=self.role, result=result).inc(max(0, total - self._grammar_cache_seen[result]))
+            self._grammar_cache_seen[result] = total
+        for seconds in grammar.compile_seconds:
+            self.grammar_compile.labels(role=self.role).observe(seconds)
 
     def _update_disagg(self, disagg: DisaggStats) -> None:
         role = self.role

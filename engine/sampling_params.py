@@ -25,6 +25,20 @@ def is_utf8(text: str) -> bool:
     return True
 
 
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output: a JSON schema (text), any JSON object, a regex or an EBNF
+    grammar. `param` names the request field it came from, for errors; it is not part of the
+    grammar, so two requests with one schema share its compilation."""
+
+    kind: str  # one of GRAMMAR_KINDS
+    spec: str = ""  # the schema, regex or grammar; empty for json_object
+    param: str = field(default="response_format", compare=False)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16  # None: up to the end of the context (the server's default)
@@ -41,6 +55,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
     skip_special_tokens: bool = True
+    grammar: GrammarSpec | None = None  # constrained decoding: every output token keeps the text valid
 
     @property
     def greedy(self) -> bool:
@@ -69,5 +84,8 @@ class SamplingParams:
         check(all(isinstance(x, str) and x for x in self.stop), "stop", "must hold non-empty strings")
         check(all(is_utf8(x) for x in self.stop), "stop", "must be valid UTF-8 text (a lone surrogate is not)")
         check(len(self.stop) <= 16, "stop", f"may hold at most 16 strings, got {len(self.stop)}")
+        if self.grammar is not None:
+            check(self.grammar.kind in GRAMMAR_KINDS, self.grammar.param,
+                  f"kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.grammar.kind!r}")
         bad_ids = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         check(not bad_ids, "stop_token_ids", f"contains ids outside the vocabulary (size {vocab_size}): {bad_ids}")

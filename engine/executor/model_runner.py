@@ -56,6 +56,8 @@ class ModelRunner:
                                       layers=model.attention_specs())
         self.mixed_attention = MixedAttention(self.backend)
         self.sampler = Sampler(PenaltyState(req_to_token.num_rows, model.config.vocab_size, self.device))
+        if self.device.type == "cuda":  # at start, not in the first request with a grammar
+            self.sampler.warm_up_mask(model.config.vocab_size, self.device)
         # Tokens sampled by earlier steps, read by later ones through negative input ids, so
         # that step N+1 can be launched before step N's tokens reach the host.
         self.future_tokens = torch.zeros(future_capacity + 1, dtype=torch.int64, device=self.device)

@@ -1,4 +1,4 @@
-"""Turns logits into tokens: penalties, temperature, top-k, top-p, min-p, per-request seeds.
+"""Turns logits into tokens: penalties, grammar masks, temperature, top-k, top-p, min-p, per-request seeds.
 
 Sampling uses the exponential-race form of the categorical draw: argmax(p / E) with
 E ~ Exp(1) picks token i with probability p_i, and lets a seeded row draw its own noise.
@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import xgrammar
 
 from kubesgl.engine.forward_batch import PenaltyBatch, SamplingBatch
 
@@ -83,6 +84,13 @@ class Sampler:
     def __init__(self, penalty_state: PenaltyState):
         self.penalty_state = penalty_state
 
+    @staticmethod
+    def warm_up_mask(vocab_size: int, device: torch.device) -> None:
+        """Run the grammar-mask kernel once (on a GPU, xgrammar's Triton kernel compiles at first use)."""
+        logits = torch.zeros(1, vocab_size, device=device)
+        xgrammar.apply_token_bitmask_inplace(logits, torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32,
+                                                                device=device))
+
     def __call__(self, logits: torch.Tensor, sampling: SamplingBatch, rows: torch.Tensor,
                  emits: torch.Tensor) -> SampleOutput:
         raw_logits = logits
@@ -90,6 +98,13 @@ class Sampler:
             if sampling.penalties.resets:
                 self.penalty_state.reset(sampling.penalties.resets)
             logits = self.penalty_state.apply(logits, rows, sampling.penalties)
+        if sampling.vocab_mask is not None:
+            # Every mode below samples from these logits: a disallowed token is -inf, so neither
+            # argmax nor the temperature/top-k/top-p/min-p draw can pick it.
+            bitmask = sampling.vocab_mask.wait().to(logits.device, non_blocking=True)
+            if logits is raw_logits:
+                logits = logits.clone()  # logprobs stay those of the model's own distribution
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask)
         if sampling.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:

@@ -21,7 +21,12 @@ from kubesgl.engine.model_config import parse_model_config
 from kubesgl.engine.models.weights import synthetic_checkpoint
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen's shape: tools described in a system turn, calls written as <tool_call> JSON blocks
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson + '\\n' }}{% endfor %}"
+    "{{ '</tools>\\nCall a tool with <tool_call>\\n{\"name\": NAME, \"arguments\": ARGS}\\n</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"

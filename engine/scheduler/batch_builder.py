@@ -12,6 +12,7 @@ from kubesgl.engine.forward_batch import (
     ForwardMode,
     PenaltyBatch,
     SamplingBatch,
+    VocabMask,
 )
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req
@@ -165,4 +166,6 @@ class BatchBuilder:
             seeded_rows=seeded,
             penalties=penalties,
             top_logprobs=max(wanted) if wanted else -1,
+            # filled by the scheduler once every row's earlier tokens are known
+            vocab_mask=VocabMask(len(reqs), self.vocab_size) if any(r.grammar for r in reqs) else None,
         )

@@ -23,6 +23,7 @@ from kubesgl.engine.layers.moe import SparseMoeBlock
 from kubesgl.engine.messages import GenerateRequest, TokenOutput
 from kubesgl.engine.model_config import ModelConfig, load_model_config
 from kubesgl.engine.models.loader import load_model, resolve_dtype
+from kubesgl.engine.scheduler.grammar import GrammarBackend
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.roles import create_role
 from kubesgl.engine.scheduler.scheduler import Scheduler, SchedulerLimits
@@ -134,8 +135,14 @@ class Engine:
         )
         kv = KVManager(allocator, radix, num_rows)
         self.role = create_role(config, kv, kv_pool, get_tp_group(), bootstrap_host, bootstrap_link)
+        stop_checker = StopStringChecker(config.model)
+        grammars = None
+        if stop_checker.tokenizer is not None:
+            grammars = GrammarBackend(stop_checker.tokenizer, self.model_config.vocab_size,
+                                      sorted(self.model_config.eos_token_ids))
         self.scheduler = Scheduler(self.executor, kv, limits, self.model_config.eos_token_ids, overlap,
-                                   future_capacity, StopStringChecker(config.model), self.role)
+                                   future_capacity, stop_checker, self.role, grammars,
+                                   wait_for_grammars=config.tp_size > 1)
         logger.info("engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s, role %s",
                     self.model_config.architecture, self.device, self.dtype, (num_pages - 1) * page, page,
                     overlap, not config.disable_radix_cache, config.role)
@@ -160,3 +167,5 @@ class Engine:
         self.scheduler.drain()
         self.executor.shutdown()
         self.role.close()
+        if self.scheduler.grammars is not None:
+            self.scheduler.grammars.shutdown()

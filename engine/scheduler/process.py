@@ -134,7 +134,7 @@ class SchedulerLoop:
             if self.rank == 0:
                 stats = self.engine.scheduler.stats()
                 # gauges must follow releases that emit nothing; histogram samples go out once
-                if outputs or stats != last_stats or (stats.disagg is not None and stats.disagg.has_samples()):
+                if outputs or stats != last_stats or stats.has_samples():
                     self.outbox.send_pyobj(StepOutputs(outputs, stats))
                     last_stats = stats
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from kubesgl.engine.kvcache.radix_cache import TreeNode
 from kubesgl.engine.messages import BootstrapTarget, FinishReason, TokenLogprob
 from kubesgl.engine.sampling_params import SamplingParams
+from kubesgl.engine.scheduler.grammar import GrammarState
 
 
 class ReqStatus(Enum):
@@ -35,6 +37,10 @@ class Req:
     arrived: float = field(default_factory=time.perf_counter)  # the scheduler's receipt
     admitted: float | None = None  # when it left the waiting queue
     timings_sent: bool = False  # queue and prefill seconds went out with its first output
+    # Constrained decoding: the compilation it waits for before it is queued, then its matcher,
+    # which has accepted every token of output_ids.
+    grammar_compiling: Future | None = None
+    grammar: GrammarState | None = None
 
     # KV state. slots[p] is the KV slot of position p. The first `num_cached` slots belong to
     # the radix tree (locked through `last_node`); the rest are this request's own pages.

@@ -14,6 +14,11 @@ step needs pages nobody reserved and none are free, the step in flight is finish
 and requests are retracted (`_retract`) until it fits: their KV goes to the radix cache and
 they wait again at the front of the queue; re-admitted, they prefill prompt and outputs
 (mostly from the cache) and go on from the next token, as if never interrupted.
+
+A request with a grammar samples under a mask its matcher builds from its tokens so far. With
+overlap, step N+1 is launched before step N's tokens are known, so its mask is filled only
+after step N is processed; the executor waits for the mask after the forward pass, before it
+samples (`_fill_vocab_mask`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kubesgl.engine.executor.model_runner import PendingStep
+from kubesgl.engine.forward_batch import VocabMask
 from kubesgl.engine.messages import (
     FinishReason,
     GenerateRequest,
@@ -35,6 +41,7 @@ from kubesgl.engine.messages import (
 )
 from kubesgl.engine.sampling_params import InvalidRequestError
 from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
+from kubesgl.engine.scheduler.grammar import GrammarBackend, GrammarState
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req, ReqStatus
 from kubesgl.engine.scheduler.roles import KVArrived, KVSent, MixedRole
@@ -59,8 +66,13 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, executor, kv: KVManager, limits: SchedulerLimits, eos_token_ids: frozenset[int],
-                 overlap: bool, future_capacity: int, stop_checker: StopStringChecker, role: MixedRole | None = None):
+                 overlap: bool, future_capacity: int, stop_checker: StopStringChecker, role: MixedRole | None = None,
+                 grammars: GrammarBackend | None = None, wait_for_grammars: bool = False):
         self.executor = executor
+        self.grammars = grammars  # None: the model has no tokenizer, so no grammar can be compiled
+        # Tensor parallelism: every rank must queue a request at the same step, so each waits for
+        # its compilation at arrival instead of polling for it.
+        self.wait_for_grammars = wait_for_grammars
         self.stop_checker = stop_checker
         self.kv = kv
         self.role = role or MixedRole(kv)
@@ -70,6 +82,7 @@ class Scheduler:
         self.builder = BatchBuilder(kv, limits.vocab_size, future_capacity)
         self.waiting: deque[Req] = deque()
         self.policy = SchedulePolicy(limits.schedule_policy, kv.radix, limits.schedule_max_wait)
+        self.compiling: list[Req] = []  # waiting for their grammar, queued once it is compiled
         self.prefilling: list[Req] = []  # admitted, prompt not fully scheduled
         self.decoding: list[Req] = []
         self.finished_unreleased: list[Req] = []
@@ -93,7 +106,33 @@ class Scheduler:
                   prefix_leader=request.prefix_leader, bootstrap=request.bootstrap)
         self.requests[req.rid] = req
         self.role.accept(req)
-        self.waiting.append(req)
+        if params.grammar is None:
+            self.waiting.append(req)
+            return
+        req.grammar_compiling = self.grammars.compile(params.grammar)
+        if self.wait_for_grammars:
+            req.grammar_compiling.exception()  # blocks; the outcome is handled right below
+        self.compiling.append(req)  # queued by the next step that finds its grammar compiled
+
+    def _queue_compiled(self) -> list[TokenOutput]:
+        """Queue the requests whose grammar is compiled; end those whose grammar cannot be."""
+        outputs, still = [], []
+        for req in self.compiling:
+            if not req.grammar_compiling.done():
+                still.append(req)
+                continue
+            future, req.grammar_compiling = req.grammar_compiling, None
+            if (error := future.exception()) is not None:
+                param = getattr(error, "param", None)
+                status = getattr(error, "status", 500)
+                req.finish_reason = FinishReason("error", message=str(error), param=param, status=status)
+                self._finish(req)
+                outputs.append(self._output(req, [], None))
+                continue
+            req.grammar = GrammarState(future.result())
+            self.waiting.append(req)
+        self.compiling = still
+        return outputs
 
     def _max_tokens(self, request: GenerateRequest) -> int:
         """The request's max_tokens. Unset: --default-max-tokens, or less where the context
@@ -116,6 +155,9 @@ class Scheduler:
         request.params.validate(limits.vocab_size)
         if request.params.stop and self.stop_checker.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer: stop strings cannot be matched", param="stop")
+        if request.params.grammar is not None and self.grammars is None:
+            raise InvalidRequestError("this model has no tokenizer: its output cannot be constrained to a grammar",
+                                      param=request.params.grammar.param)
         self.role.validate(request)
         if n >= limits.context_length:
             raise InvalidRequestError(
@@ -141,7 +183,9 @@ class Scheduler:
         req = self.requests.get(rid)
         if req is None or req.finished:
             return []
-        if req.status is ReqStatus.WAITING:
+        if req in self.compiling:
+            self.compiling.remove(req)
+        elif req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
         req.finish_reason = FinishReason("abort", message=message)
         self._finish(req)
@@ -151,7 +195,7 @@ class Scheduler:
 
     # -- the loop ----------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.has_steps() or bool(self.finished_unreleased) or self.role.has_work()
+        return self.has_steps() or bool(self.finished_unreleased or self.compiling) or self.role.has_work()
 
     def has_steps(self) -> bool:
         """Work for the model; without it, a turn only polls the role's KV transfers."""
@@ -160,19 +204,44 @@ class Scheduler:
     def step(self) -> list[TokenOutput]:
         """Apply what the role's KV transfers report, schedule and launch one step; with
         overlap, handle the previous step's results."""
-        outputs = self._apply_role_events()
+        outputs = self._queue_compiled() if self.compiling else []
+        outputs += self._apply_role_events()
         batch = self._schedule()
         outputs += self._drained
         self._drained = []
+        if batch is not None and not self.overlap:
+            self._fill_vocab_mask(batch)
         launched = (batch, self.executor.launch(batch.forward)) if batch else None
         if self.overlap:
-            if self._in_flight is not None:
-                outputs += self._process(*self._in_flight)
+            try:
+                if self._in_flight is not None:
+                    outputs += self._process(*self._in_flight)
+            finally:  # the executor waits for this mask: it must be set even if processing failed
+                if batch is not None:
+                    self._fill_vocab_mask(batch)
             self._in_flight = launched
         elif launched is not None:
             outputs += self._process(*launched)
         self._release_completed()
         return outputs
+
+    def _fill_vocab_mask(self, batch: ScheduledBatch) -> None:
+        """Each grammar row's allowed tokens, from its matcher, which must have accepted every
+        earlier token of its request (with overlap: after the step before was processed)."""
+        mask: VocabMask | None = batch.forward.sampling.vocab_mask
+        if mask is None:
+            return
+        try:
+            for i, req in enumerate(batch.reqs):
+                if req.grammar is None or not batch.emits[i] or req.finished:
+                    continue  # all tokens allowed: a finished request's token is dropped anyway
+                # this step samples token number outputs_scheduled; all before it are accepted
+                assert len(req.output_ids) == req.outputs_scheduled - 1, (req.rid, len(req.output_ids))
+                req.grammar.fill_mask(mask.bitmask, i)
+        except BaseException as exc:
+            mask.set_ready(exc)
+            raise
+        mask.set_ready()
 
     def drain(self) -> list[TokenOutput]:
         """Finish the step in flight, if any (before shutdown or an integrity check)."""
@@ -361,6 +430,11 @@ class Scheduler:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return FinishReason("stop", matched_token=token)
+        if req.grammar is not None:
+            if not req.grammar.accept(token):
+                return FinishReason("error", message=f"token {token} breaks the request's grammar", status=500)
+            if req.grammar.terminated:  # the grammar's end: its stop token, not part of the text
+                return FinishReason("stop", matched_token=token)
         if params.stop and (matched := self.stop_checker.match(req)) is not None:
             return FinishReason("stop", matched_str=matched)
         if len(req.output_ids) >= params.max_tokens:
@@ -419,4 +493,5 @@ class Scheduler:
             cached_prompt_tokens=self._cached_prompt_tokens,
             disagg=self.role.stats(),
             retractions=self._retractions,
+            grammar=self.grammars.take_stats() if self.grammars is not None else None,
         )

@@ -11,8 +11,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import BootstrapTarget, FinishReason, TextOutput, TokenizeRequest
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.server import tool_calls
 from kubesgl.engine.server.access import AccessRecord, RequestAccounting
 from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient
 from kubesgl.engine.server.limits import (
@@ -28,6 +30,15 @@ from kubesgl.engine.server.limits import (
     check_prompt_chars,
     check_sequences,
     check_stop_strings,
+)
+from kubesgl.engine.server.openai_format import (
+    Choice,
+    Formatter,
+    ToolOutput,
+    chat_formatter,
+    completion_formatter,
+    native_formatter,
+    usage,
 )
 from kubesgl.engine.server.protocol import (
     UTF8_ERROR,
@@ -64,61 +75,6 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
-
-
-@dataclass
-class Choice:
-    """One generated sequence as it accumulates."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list[dict] = field(default_factory=list)
-    error: FinishReason | None = None  # how it failed, if it did
-
-    def add(self, out: TextOutput) -> None:
-        self.text += out.text
-        self.token_ids += out.token_ids
-        self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
-        if out.logprobs:
-            self.logprobs += logprob_entries(out)
-        if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason.kind
-            if out.finish_reason.kind == "error":
-                self.error = out.finish_reason
-
-
-def logprob_entries(out: TextOutput) -> list[dict]:
-    return [
-        {"token": token, "logprob": lp.logprob, "bytes": raw,
-         "top_logprobs": [{"token": t, "logprob": v, "bytes": b} for t, b, (_, v) in zip(tops, top_raw, lp.top)]}
-        for lp, token, raw, tops, top_raw in zip(out.logprobs, out.token_strings, out.token_bytes, out.top_strings,
-                                                 out.top_bytes)
-    ]
-
-
-def completion_logprobs(entries: list[dict], start_offset: int = 0) -> dict:
-    offsets, position = [], start_offset
-    for entry in entries:
-        offsets.append(position)
-        position += len(entry["token"])
-    return {
-        "tokens": [e["token"] for e in entries],
-        "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-        "text_offset": offsets,
-    }
-
-
-def usage(choices: list[Choice], prompts_counted: set[int]) -> dict:
-    prompt = sum(c.prompt_tokens for c in choices if c.index in prompts_counted)
-    completion = sum(len(c.token_ids) for c in choices)
-    cached = sum(c.cached_tokens for c in choices if c.index in prompts_counted)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def validation_error(errors: Sequence[dict]) -> APIError:
@@ -175,182 +131,235 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class Served:
+    """What the handlers serve with, kept on `app.state.served` by build_app."""
+
+    client: EngineClient
+    state: ServerState
+
+
+def served(request: Request) -> Served:
+    return request.app.state.served
+
+
 def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     app = FastAPI(title="kubesgl engine", docs_url=None, redoc_url=None)
+    app.state.served = Served(client, state)
     document_errors_as_answered(app)
     app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
     app.add_middleware(RequestAccounting, metrics=client.metrics)  # outermost: sees the 413 too
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown path, wrong method
-        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type_).response()
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("%s %s failed", request.method, request.url.path)
-        return APIError(500, f"internal server error: {type(exc).__name__}", "server_error").response()
-
-    def authorized(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if state.api_key is not None and not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
-            raise APIError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
-
-    def serving(model: str | None = None) -> None:
-        if state.draining:
-            raise APIError(503, "the server is shutting down", "service_unavailable")
-        if not client.ready.is_set():
-            raise APIError(503, "the model is still loading", "service_unavailable")
-        if model is not None and model != state.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{state.served_model_name!r}", param="model", code="model_not_found")
-
-    def validated(params: SamplingParams) -> SamplingParams:
-        try:
-            params.validate(client.info.vocab_size)
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), param=exc.param) from exc
-        return params
-
-    def within_limits(params: SamplingParams, prompts: int, n: int, texts: list[tuple[int, str]]) -> None:
-        """The request's size against the server's limits (limits.py); `texts` holds the
-        characters of each text prompt and the field that holds it."""
-        try:
-            check_sequences(state.config, prompts, n)
-            check_stop_strings(state.config, params)
-            for chars, param in texts:
-                check_prompt_chars(state.config, client.info.context_length, chars, param)
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), param=exc.param) from exc
-
-    @app.get("/health")
-    async def health() -> Response:
-        if state.draining or not client.ready.is_set():
-            return PlainTextResponse("not ready", status_code=503)
-        return PlainTextResponse("ok")
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _crash)
+    app.include_router(health_routes)
     add_sglang_routes(app, client, state.config, state.served_model_name, [Depends(authorized)])
-
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def models() -> dict:
-        card = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "kubesgl"}
-        if client.info is not None:
-            card["max_model_len"] = client.info.context_length
-        return {"object": "list", "data": [card]}
-
-    def bootstrap(body, prompts: int, n: int) -> list[BootstrapTarget | None]:
-        try:
-            # `bootstrap_port: null` means this engine's own --disaggregation-bootstrap-port
-            return body.bootstrap_targets(prompts, n, state.config.disaggregation_bootstrap_port)
-        except InvalidRequestError as exc:
-            raise APIError(400, str(exc), param=exc.param) from exc
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        serving(body.model)
-        params = validated(body.to_sampling_params())
-        messages = [m.as_template_input() for m in body.messages]
-        within_limits(params, 1, body.n, [(sum(len(m["content"]) for m in messages), "messages")])
-        subs = fan_out([TokenizeRequest("", params, messages=messages)], body.n, params, "chatcmpl",
-                       bootstrap(body, 1, body.n))
-        meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": state.served_model_name}
-        return await respond(request, subs, body.stream, body.include_usage, chat_formatter(meta, body.logprobs))
-
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        serving(body.model)
-        params = validated(body.to_sampling_params())
-        prompts = body.prompts()
-        one = isinstance(body.prompt, str)
-        within_limits(params, len(prompts), body.n, [(len(p), "prompt" if one else f"prompt.{i}")
-                                                     for i, p in enumerate(prompts) if isinstance(p, str)])
-        bases = [TokenizeRequest("", params, **({"text": p} if isinstance(p, str) else {"input_ids": p}))
-                 for p in prompts]
-        subs = fan_out(bases, body.n, params, "cmpl", bootstrap(body, len(bases), body.n))
-        meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": state.served_model_name}
-        return await respond(request, subs, body.stream, body.include_usage,
-                             completion_formatter(meta, body.logprobs is not None))
-
-    @app.post("/generate", dependencies=[Depends(authorized)])
-    async def generate(body: GenerateRequestBody, request: Request) -> Response:
-        serving()
-        params = validated(body.to_sampling_params())
-        within_limits(params, 1, 1, [(len(body.text), "text")] if body.text is not None else [])
-        rid = body.rid or EngineClient.new_rid("gen")
-        sub = TokenizeRequest(rid, params, text=body.text, input_ids=body.input_ids, bootstrap=bootstrap(body, 1, 1)[0])
-        return await respond(request, [sub], body.stream, False, native_formatter(rid))
-
-    def fan_out(bases: list[TokenizeRequest], n: int, params: SamplingParams, prefix: str,
-                targets: list[BootstrapTarget | None]) -> list[TokenizeRequest]:
-        """n copies of every prompt; copies after the first share its cached prompt, and
-        seeded copies get distinct seeds so that they differ. Choice p * n + i is copy i of
-        prompt p and takes targets[p * n + i]."""
-        group = EngineClient.new_rid(prefix)
-        subs = []
-        for p, base in enumerate(bases):
-            leader = None
-            for i in range(n):
-                copy = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
-                rid = f"{group}-{p * n + i}"
-                subs.append(TokenizeRequest(rid, copy, base.text, base.input_ids, base.messages, leader,
-                                            targets[p * n + i]))
-                leader = leader or rid
-        return subs
-
-    async def respond(request: Request, subs: list[TokenizeRequest], stream: bool, include_usage: bool,
-                      formatter: Formatter) -> Response:
-        try:
-            streams = [client.generate(sub) for sub in subs]  # only a client-given rid can clash
-        except DuplicateRequestId as exc:
-            raise APIError(400, str(exc), param="rid") from exc
-        choices = [Choice(index=i) for i in range(len(subs))]
-        first_of_prompt = {i for i, sub in enumerate(subs) if sub.prefix_leader is None}
-        record: AccessRecord | None = request.scope.get("state", {}).get("access")
-        if record is not None:
-            record.rid = subs[0].rid if len(subs) == 1 else subs[0].rid.rsplit("-", 1)[0]
-            record.choices, record.prompts_counted = choices, first_of_prompt
-        try:
-            firsts = await asyncio.gather(*(anext(s) for s in streams))
-        except BaseException:
-            await asyncio.gather(*(client.close(sub.rid) for sub in subs))
-            raise
-        if record is not None:
-            record.first_tokens()
-        for out in firsts:
-            if out.finish_reason is not None and out.finish_reason.kind == "error":
-                await asyncio.gather(*(s.aclose() for s in streams))
-                raise APIError.of(out.finish_reason)
-        if stream:
-            return StreamingResponse(stream_events(streams, firsts, choices, first_of_prompt, include_usage, formatter,
-                                                   client.metrics.request_error),
-                                     media_type="text/event-stream")
-        collect = asyncio.create_task(collect_all(streams, firsts, choices))
-        disconnect = asyncio.create_task(wait_for_disconnect(request))
-        done, _ = await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
-        if collect not in done:
-            collect.cancel()  # the client left: closing the streams aborts the requests
-            await asyncio.gather(collect, return_exceptions=True)
-            return Response(status_code=499)
-        disconnect.cancel()
-        collect.result()
-        failed = next((c.error for c in choices if c.error is not None), None)
-        if failed is not None:  # a request that failed after it started is no 200
-            raise APIError.of(failed)
-        return JSONResponse(formatter.final(choices, usage(choices, first_of_prompt)))
-
+    app.include_router(api_routes)
     return app
+
+
+async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return validation_error(exc.errors()).response()
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown path, wrong method
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), type_).response()
+
+
+async def _crash(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("%s %s failed", request.method, request.url.path)
+    return APIError(500, f"internal server error: {type(exc).__name__}", "server_error").response()
+
+
+def authorized(request: Request) -> None:
+    api_key = served(request).state.api_key
+    given = request.headers.get("authorization", "").encode()
+    if api_key is not None and not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+        raise APIError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
+
+
+def serving(ctx: Served, model: str | None = None) -> None:
+    state = ctx.state
+    if state.draining:
+        raise APIError(503, "the server is shutting down", "service_unavailable")
+    if not ctx.client.ready.is_set():
+        raise APIError(503, "the model is still loading", "service_unavailable")
+    if model is not None and model != state.served_model_name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{state.served_model_name!r}", param="model", code="model_not_found")
+
+
+def validated(ctx: Served, params: SamplingParams) -> SamplingParams:
+    try:
+        params.validate(ctx.client.info.vocab_size)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+    return params
+
+
+def within_limits(ctx: Served, params: SamplingParams, prompts: int, n: int, texts: list[tuple[int, str]]) -> None:
+    """The request's size against the server's limits (limits.py); `texts` holds the
+    characters of each text prompt and the field that holds it."""
+    config = ctx.state.config
+    try:
+        check_sequences(config, prompts, n)
+        check_stop_strings(config, params)
+        for chars, param in texts:
+            check_prompt_chars(config, ctx.client.info.context_length, chars, param)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+
+
+def bootstrap(ctx: Served, body, prompts: int, n: int) -> list[BootstrapTarget | None]:
+    try:
+        # `bootstrap_port: null` means this engine's own --disaggregation-bootstrap-port
+        return body.bootstrap_targets(prompts, n, ctx.state.config.disaggregation_bootstrap_port)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+
+
+ServedHere = Annotated[Served, Depends(served)]
+health_routes = APIRouter()
+api_routes = APIRouter(dependencies=[Depends(authorized)])
+
+
+@health_routes.get("/health")
+async def health(ctx: ServedHere) -> Response:
+    if ctx.state.draining or not ctx.client.ready.is_set():
+        return PlainTextResponse("not ready", status_code=503)
+    return PlainTextResponse("ok")
+
+
+@health_routes.get("/metrics")
+async def metrics(ctx: ServedHere) -> Response:
+    return Response(ctx.client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@api_routes.get("/v1/models")
+async def models(ctx: ServedHere) -> dict:
+    card = {"id": ctx.state.served_model_name, "object": "model", "created": 0, "owned_by": "kubesgl"}
+    if ctx.client.info is not None:
+        card["max_model_len"] = ctx.client.info.context_length
+    return {"object": "list", "data": [card]}
+
+
+@api_routes.post("/v1/chat/completions")
+async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -> Response:
+    serving(ctx, body.model)
+    params = body.to_sampling_params()
+    try:
+        mode, named = body.tool_mode()
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if mode != "none" else None
+    if mode == "required":
+        params = dataclasses.replace(params, grammar=tool_calls.required_grammar(tools, body.parallel_tool_calls))
+    elif mode == "named":
+        params = dataclasses.replace(params, grammar=tool_calls.named_grammar(named))
+    params = validated(ctx, params)
+    tool_output = ToolOutput(mode, named["function"]["name"] if named else None,
+                             tool_calls.format_for_model(ctx.state.config.model) if mode == "auto" else None)
+    messages = [m.as_template_input() for m in body.messages]
+    within_limits(ctx, params, 1, body.n, [(sum(len(m["content"]) for m in messages), "messages")])
+    subs = fan_out([TokenizeRequest("", params, messages=messages, tools=tools)], body.n, params, "chatcmpl",
+                   bootstrap(ctx, body, 1, body.n))
+    meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": ctx.state.served_model_name}
+    return await respond(ctx, request, subs, body.stream, body.include_usage,
+                         chat_formatter(meta, body.logprobs, tool_output))
+
+
+@api_routes.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request, ctx: ServedHere) -> Response:
+    serving(ctx, body.model)
+    params = validated(ctx, body.to_sampling_params())
+    prompts = body.prompts()
+    one = isinstance(body.prompt, str)
+    within_limits(ctx, params, len(prompts), body.n, [(len(p), "prompt" if one else f"prompt.{i}")
+                                                      for i, p in enumerate(prompts) if isinstance(p, str)])
+    bases = [TokenizeRequest("", params, **({"text": p} if isinstance(p, str) else {"input_ids": p}))
+             for p in prompts]
+    subs = fan_out(bases, body.n, params, "cmpl", bootstrap(ctx, body, len(bases), body.n))
+    meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": ctx.state.served_model_name}
+    return await respond(ctx, request, subs, body.stream, body.include_usage,
+                         completion_formatter(meta, body.logprobs is not None))
+
+
+@api_routes.post("/generate")
+async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere) -> Response:
+    serving(ctx)
+    params = validated(ctx, body.to_sampling_params())
+    within_limits(ctx, params, 1, 1, [(len(body.text), "text")] if body.text is not None else [])
+    rid = body.rid or EngineClient.new_rid("gen")
+    sub = TokenizeRequest(rid, params, text=body.text, input_ids=body.input_ids,
+                          bootstrap=bootstrap(ctx, body, 1, 1)[0])
+    return await respond(ctx, request, [sub], body.stream, False, native_formatter(rid))
+
+
+def fan_out(bases: list[TokenizeRequest], n: int, params: SamplingParams, prefix: str,
+            targets: list[BootstrapTarget | None]) -> list[TokenizeRequest]:
+    """n copies of every prompt; copies after the first share its cached prompt, and
+    seeded copies get distinct seeds so that they differ. Choice p * n + i is copy i of
+    prompt p and takes targets[p * n + i]."""
+    group = EngineClient.new_rid(prefix)
+    subs = []
+    for p, base in enumerate(bases):
+        leader = None
+        for i in range(n):
+            copy = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+            rid = f"{group}-{p * n + i}"
+            subs.append(TokenizeRequest(rid, copy, base.text, base.input_ids, base.messages, base.tools, leader,
+                                        targets[p * n + i]))
+            leader = leader or rid
+    return subs
+
+
+async def respond(ctx: Served, request: Request, subs: list[TokenizeRequest], stream: bool, include_usage: bool,
+                  formatter: Formatter) -> Response:
+    client = ctx.client
+    try:
+        streams = [client.generate(sub) for sub in subs]  # only a client-given rid can clash
+    except DuplicateRequestId as exc:
+        raise APIError(400, str(exc), param="rid") from exc
+    choices = [Choice(index=i) for i in range(len(subs))]
+    first_of_prompt = {i for i, sub in enumerate(subs) if sub.prefix_leader is None}
+    record: AccessRecord | None = request.scope.get("state", {}).get("access")
+    if record is not None:
+        record.rid = subs[0].rid if len(subs) == 1 else subs[0].rid.rsplit("-", 1)[0]
+        record.choices, record.prompts_counted = choices, first_of_prompt
+    try:
+        firsts = await asyncio.gather(*(anext(s) for s in streams))
+    except BaseException:
+        await asyncio.gather(*(client.close(sub.rid) for sub in subs))
+        raise
+    if record is not None:
+        record.first_tokens()
+    for out in firsts:
+        if out.finish_reason is not None and out.finish_reason.kind == "error":
+            await asyncio.gather(*(s.aclose() for s in streams))
+            raise APIError.of(out.finish_reason)
+    if stream:
+        return StreamingResponse(stream_events(streams, firsts, choices, first_of_prompt, include_usage, formatter,
+                                               client.metrics.request_error),
+                                 media_type="text/event-stream")
+    collect = asyncio.create_task(collect_all(streams, firsts, choices))
+    disconnect = asyncio.create_task(wait_for_disconnect(request))
+    done, _ = await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
+    if collect not in done:
+        collect.cancel()  # the client left: closing the streams aborts the requests
+        await asyncio.gather(collect, return_exceptions=True)
+        return Response(status_code=499)
+    disconnect.cancel()
+    collect.result()
+    failed = next((c.error for c in choices if c.error is not None), None)
+    if failed is not None:  # a request that failed after it started is no 200
+        raise APIError.of(failed)
+    return JSONResponse(formatter.final(choices, usage(choices, first_of_prompt)))
 
 
 async def collect_all(streams, firsts: list[TextOutput], choices: list[Choice]) -> None:
@@ -404,64 +413,3 @@ async def stream_events(streams, firsts, choices: list[Choice], first_of_prompt:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class Formatter:
-    """How one endpoint shapes its final body and its stream chunks."""
-
-    def __init__(self, final: Callable, chunk: Callable, stream_start: Callable = lambda n: [],
-                 usage_chunk: Callable = lambda u: {}):
-        self.final, self.chunk, self.stream_start, self.usage_chunk = final, chunk, stream_start, usage_chunk
-
-
-def chat_formatter(meta: dict, want_logprobs: bool) -> Formatter:
-    def final(choices: list[Choice], usage_: dict) -> dict:
-        return {**meta, "object": "chat.completion", "usage": usage_, "choices": [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": {"content": c.logprobs} if want_logprobs else None, "finish_reason": c.finish_reason}
-            for c in choices]}
-
-    def chunk_of(choices: list[dict]) -> dict:
-        return {**meta, "object": "chat.completion.chunk", "choices": choices}
-
-    def start(n: int) -> list[dict]:
-        return [chunk_of([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None} for i in range(n)])]
-
-    def chunk(choice: Choice, out: TextOutput, _: int) -> dict:
-        logprobs = {"content": logprob_entries(out)} if want_logprobs and out.logprobs else None
-        delta = {"content": out.text} if out.text or out.finish_reason is None else {}
-        return chunk_of([{"index": choice.index, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": out.finish_reason.kind if out.finish_reason else None}])
-
-    return Formatter(final, chunk, start, lambda u: {**chunk_of([]), "usage": u})
-
-
-def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
-    def final(choices: list[Choice], usage_: dict) -> dict:
-        return {**meta, "object": "text_completion", "usage": usage_, "choices": [
-            {"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
-             "finish_reason": c.finish_reason} for c in choices]}
-
-    def chunk(choice: Choice, out: TextOutput, offset: int) -> dict:
-        logprobs = completion_logprobs(logprob_entries(out), offset) if want_logprobs and out.logprobs else None
-        return {**meta, "object": "text_completion", "choices": [
-            {"index": choice.index, "text": out.text, "logprobs": logprobs,
-             "finish_reason": out.finish_reason.kind if out.finish_reason else None}]}
-
-    return Formatter(final, chunk, usage_chunk=lambda u: {**meta, "object": "text_completion", "choices": [],
-                                                          "usage": u})
-
-
-def native_formatter(rid: str) -> Formatter:
-    def body(choice: Choice) -> dict:
-        return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": {
-            "id": rid, "finish_reason": {"type": choice.finish_reason} if choice.finish_reason else None,
-            "prompt_tokens": choice.prompt_tokens, "completion_tokens": len(choice.token_ids),
-            "cached_tokens": choice.cached_tokens,
-            **({"output_token_logprobs": [[e["logprob"], token_id, e["token"]]
-                                          for e, token_id in zip(choice.logprobs, choice.token_ids)]}
-               if choice.logprobs else {}),
-        }}
-
-    return Formatter(lambda choices, _: body(choices[0]), lambda choice, out, _: body(choice))

@@ -3,6 +3,7 @@ accepted and ignored, as OpenAI does; wrong types and out-of-range values are 40
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -19,7 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from kubesgl.engine.disagg.protocol import MAX_ROOM
 from kubesgl.engine.messages import BootstrapTarget
-from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams, is_utf8
+from kubesgl.engine.sampling_params import GrammarSpec, InvalidRequestError, SamplingParams, is_utf8
 
 UTF8_ERROR = "invalid_utf8"
 
@@ -105,6 +106,34 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Lenient):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Text | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None  # the schema is always enforced (xgrammar's strict mode: no extra properties)
+
+
+class ResponseFormat(_Lenient):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON that fits a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs the json_schema field ({name, schema})")
+        return self
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.type == "json_schema":
+            return GrammarSpec("json_schema", json.dumps(self.json_schema.schema_), param="response_format")
+        if self.type == "json_object":
+            return GrammarSpec("json_object", param="response_format")
+        return None
+
+
 class _SamplingFields(_Bootstrap):
     model: Text | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -123,6 +152,7 @@ class _SamplingFields(_Bootstrap):
     n: Annotated[int, Field(ge=1, le=64)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -143,6 +173,7 @@ class _SamplingFields(_Bootstrap):
             repetition_penalty=pick(self.repetition_penalty, 1.0),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            grammar=self.response_format.grammar() if self.response_format else None,
         )
 
     @property
@@ -155,15 +186,61 @@ class TextPart(_Lenient):
     text: Text
 
 
+class FunctionCall(_Lenient):
+    name: Text
+    arguments: Text  # JSON text
+
+
+class MessageToolCall(_Lenient):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool's answer: to which call
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        if self.tool_calls:  # templates render arguments as an object (Hugging Face's convention)
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionSpec(_Lenient):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Lenient):
+    name: Text
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -171,6 +248,28 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_mode(self) -> tuple[str, dict[str, Any] | None]:
+        """("none" | "auto" | "required" | "named", the named tool); InvalidRequestError where
+        tool_choice and tools disagree."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice == "none":
+            return "none", None
+        if not self.tools:
+            raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
+        if self.response_format is not None and self.response_format.type != "text" and choice != "auto":
+            raise InvalidRequestError("response_format and a required or named tool_choice cannot both "
+                                      "constrain the answer", param="tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            named = next((t for t in self.tools if t.function.name == choice.function.name), None)
+            if named is None:
+                raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools",
+                                          param="tool_choice")
+            return "named", named.model_dump()
+        return choice, None
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(self.max_completion_tokens or self.max_tokens,
@@ -215,6 +314,23 @@ class NativeSamplingParams(_Lenient):
     frequency_penalty: float = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
     skip_special_tokens: bool = True
+    # SGLang's constraints on the output, at most one: a regex, a JSON schema (as text), an EBNF grammar
+    regex: Text | None = None
+    json_schema: Text | None = None
+    ebnf: Text | None = None
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> NativeSamplingParams:
+        given = [kind for kind in ("regex", "json_schema", "ebnf") if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give at most one of regex, json_schema and ebnf, got {' and '.join(given)}")
+        return self
+
+    def grammar(self) -> GrammarSpec | None:
+        for kind in ("regex", "json_schema", "ebnf"):
+            if (spec := getattr(self, kind)) is not None:
+                return GrammarSpec(kind, spec, param=f"sampling_params.{kind}")
+        return None
 
 
 class GenerateRequestBody(_Bootstrap):
@@ -244,5 +360,5 @@ class GenerateRequestBody(_Bootstrap):
             seed=sp.seed, stop=stop, stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
             presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
             repetition_penalty=sp.repetition_penalty, skip_special_tokens=sp.skip_special_tokens,
-            logprobs=self.top_logprobs_num if self.return_logprob else None,
+            logprobs=self.top_logprobs_num if self.return_logprob else None, grammar=sp.grammar(),
         )

@@ -54,8 +54,8 @@ class Tokenizer:
             if self.hf.chat_template is None:
                 raise TokenizerError("this model has no chat template; use /v1/completions", "messages")
             try:
-                return list(self.hf.apply_chat_template(request.messages, tokenize=True, add_generation_prompt=True,
-                                                        return_dict=False))
+                return list(self.hf.apply_chat_template(request.messages, tools=request.tools, tokenize=True,
+                                                        add_generation_prompt=True, return_dict=False))
             except Exception as exc:  # the template itself rejects the conversation
                 raise TokenizerError(f"the chat template rejected the messages: {exc}", "messages") from exc
         return self.hf.encode(request.text, add_special_tokens=True)

@@ -60,7 +60,7 @@ def test_sentencepiece_byte_fallback_and_spaces(sentencepiece_tokenizer):
 
 def test_the_api_reports_raw_bytes_of_a_partial_character():
     from kubesgl.engine.messages import TextOutput, TokenLogprob
-    from kubesgl.engine.server.api import logprob_entries
+    from kubesgl.engine.server.openai_format import logprob_entries
 
     out = TextOutput(rid="r", text="", token_ids=[143], finish_reason=None, prompt_tokens=1, cached_tokens=0,
                      completion_tokens=1, logprobs=[TokenLogprob(143, -0.5, [(143, -0.5), (9, -1.0)])],

@@ -1,0 +1,101 @@
+"""Grammars for constrained decoding, on xgrammar: compiled off the scheduler's loop, cached by
+what they constrain to, and one matcher per request that follows its output tokens."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import xgrammar
+
+from kubesgl.engine.messages import GrammarStats
+from kubesgl.engine.sampling_params import GrammarSpec, InvalidRequestError
+
+CACHE_ENTRIES = 512  # compiled grammars kept; a 128k vocabulary makes each tens of kB to a few MB
+_ANY_OBJECT = '{"type": "object"}'
+# xgrammar's errors start with a timestamp and its source file: "[08:51:28] /project/cpp/x.cc:94: "
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] [^:]+:\d+: ")
+
+
+class GrammarBackend:
+    """Compiles each distinct GrammarSpec once, on worker threads, and keeps the result
+    (a CompiledGrammar, or the InvalidRequestError saying why it cannot be one)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], workers: int = 2):
+        self._tokenizer, self._vocab_size, self._stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kubesgl-grammar")
+        self._cache: OrderedDict[GrammarSpec, Future[xgrammar.CompiledGrammar]] = OrderedDict()
+        self._stats_lock = threading.Lock()
+        self.stats = GrammarStats()
+
+    def compile(self, spec: GrammarSpec) -> Future[xgrammar.CompiledGrammar]:
+        future = self._cache.get(spec)
+        if future is not None:
+            self._cache.move_to_end(spec)
+            self.stats.cache_hits += 1
+            return future
+        self.stats.cache_misses += 1
+        future = self._pool.submit(self._compile, spec)
+        self._cache[spec] = future
+        if len(self._cache) > CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return future
+
+    def take_stats(self) -> GrammarStats:
+        with self._stats_lock:
+            samples, self.stats.compile_seconds = self.stats.compile_seconds, []
+            return GrammarStats(self.stats.cache_hits, self.stats.cache_misses, samples)
+
+    def _compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+        compiler = self._get_compiler()  # the tokenizer's info is built once, here, off the loop
+        start = time.perf_counter()
+        try:
+            if spec.kind == "json_schema":
+                compiled = compiler.compile_json_schema(spec.spec, any_whitespace=False)
+            elif spec.kind == "json_object":
+                # OpenAI's JSON mode: an object, of any properties
+                compiled = compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+            elif spec.kind == "regex":
+                compiled = compiler.compile_regex(spec.spec)
+            else:
+                compiled = compiler.compile_grammar(spec.spec)
+        except (RuntimeError, ValueError) as exc:
+            message = _XGRAMMAR_PREFIX.sub("", str(exc).strip())
+            raise InvalidRequestError(f"{spec.param}: the {spec.kind} cannot be compiled: {message}",
+                                      param=spec.param) from None
+        with self._stats_lock:
+            self.stats.compile_seconds.append(time.perf_counter() - start)
+        return compiled
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                               stop_token_ids=self._stop_token_ids)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class GrammarState:
+    """One request's place in its grammar."""
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar):
+        self._matcher = xgrammar.GrammarMatcher(compiled)
+
+    def accept(self, token: int) -> bool:
+        return self._matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def fill_mask(self, bitmask, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)

@@ -1,0 +1,146 @@
+"""Tool calling: the grammar that `tool_choice` "required" or a named function imposes, and the
+parsers that read a model's own tool-call format out of its answer (`tool_choice` "auto"),
+chosen from the model's chat template."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubesgl.engine.sampling_params import GrammarSpec
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def _call_of(obj: Any) -> ToolCall | None:
+    """{"name": ..., "arguments" or "parameters": {...}} as a call; None for anything else."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):
+        return ToolCall(obj["name"], arguments)
+    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """A model family's way of writing tool calls in its answer."""
+
+    name: str
+    template_marker: str  # the chat template of a model that writes this format holds this text
+    starts: tuple[str, ...]  # where a call may begin in the answer: text before it is the message's content
+
+    def find_start(self, text: str) -> int:
+        """Where the first call may begin, -1 if nowhere."""
+        found = [at for at in (text.find(s) for s in self.starts) if at >= 0]
+        return min(found, default=-1)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(the content, the calls) of an answer; no calls and the whole text where it holds none."""
+        at = self.find_start(text)
+        if at < 0:
+            return text, []
+        calls = _PARSERS[self.name](text[at:])
+        if not calls:
+            return text, []
+        content = text[:at].strip()
+        return content or None, calls
+
+
+def _parse_qwen(text: str) -> list[ToolCall]:
+    # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, one block per call
+    calls = []
+    for block in re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, flags=re.DOTALL):
+        try:
+            call = _call_of(json.loads(block))
+        except ValueError:
+            return []
+        if call is None:
+            return []
+        calls.append(call)
+    return calls
+
+
+def _parse_llama3_json(text: str) -> list[ToolCall]:
+    # Llama 3.1's JSON tool calls: {"name": ..., "parameters": {...}}, several separated by ";"
+    body = text.removeprefix("<|python_tag|>").strip()
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            obj, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return []
+        if (call := _call_of(obj)) is None:
+            return []
+        calls.append(call)
+        while at < len(body) and body[at] in "; \n\t":
+            at += 1
+    return calls
+
+
+_PARSERS = {"qwen": _parse_qwen, "llama3_json": _parse_llama3_json}
+# In order: the first whose marker the chat template holds is the model's format.
+FORMATS = (
+    ToolCallFormat("qwen", template_marker="<tool_call>", starts=("<tool_call>",)),
+    ToolCallFormat("llama3_json", template_marker="<|python_tag|>", starts=("<|python_tag|>", "{")),
+)
+
+
+def format_for_template(template: str | None) -> ToolCallFormat | None:
+    for fmt in FORMATS:
+        if template and fmt.template_marker in template:
+            return fmt
+    return None
+
+
+@functools.cache  # read once: a served model's template does not change
+def format_for_model(model_dir: str) -> ToolCallFormat | None:
+    return format_for_template(read_chat_template(model_dir))
+
+
+def read_chat_template(model_dir: str) -> str | None:
+    """The chat template text of a model folder (tokenizer_config.json or chat_template.jinja)."""
+    folder = Path(model_dir)
+    try:
+        template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError):
+        template = None
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = "\n".join(t.get("template", "") for t in template if isinstance(t, dict))
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    return template
+
+
+def required_grammar(tools: list[dict[str, Any]], parallel: bool = True) -> GrammarSpec:
+    """tool_choice "required": a JSON list of one or more calls of the given tools (exactly one
+    without parallel calls)."""
+    call = {"anyOf": [{"type": "object", "required": ["name", "parameters"], "properties": {
+        "name": {"enum": [t["function"]["name"]]},
+        "parameters": t["function"].get("parameters") or {"type": "object"}}} for t in tools]}
+    schema = {"type": "array", "minItems": 1, "items": call, **({} if parallel else {"maxItems": 1})}
+    return GrammarSpec("json_schema", json.dumps(schema), param="tools")
+
+
+def named_grammar(tool: dict[str, Any]) -> GrammarSpec:
+    """A named function: the answer is that function's arguments."""
+    return GrammarSpec("json_schema", json.dumps(tool["function"].get("parameters") or {"type": "object"}),
+                       param="tools")
+
+
+def parse_required(text: str) -> list[ToolCall]:
+    return [c for c in (_call_of(obj) for obj in json.loads(text, strict=False)) if c is not None]

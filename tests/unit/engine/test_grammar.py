@@ -1,0 +1,218 @@
+"""Constrained decoding: every output of a grammar request parses, in every sampling mode, with
+overlap on and off, chunked prefill and the radix cache; requests without a grammar in the same
+batch are untouched; the mask of each step follows the token of the step before."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from kubesgl.engine import SamplingParams
+from kubesgl.engine.sampling_params import GrammarSpec, InvalidRequestError
+
+SCHEMAS = {
+    "nested": {"type": "object", "required": ["user", "ok"], "properties": {
+        "user": {"type": "object", "required": ["name", "id"], "properties": {
+            "name": {"type": "string", "maxLength": 6}, "id": {"type": "integer", "minimum": 1, "maximum": 999}}},
+        "ok": {"type": "boolean"}}},
+    "array": {"type": "object", "required": ["items"], "properties": {
+        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "integer", "minimum": -5, "maximum": 5}}}},
+    "enum": {"type": "object", "required": ["color", "size"], "properties": {
+        "color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L"]}}},
+    "bounded": {"type": "object", "required": ["x", "p"], "properties": {
+        "x": {"type": "integer", "minimum": 10, "maximum": 20}, "p": {"type": "number", "minimum": 0, "maximum": 1}}},
+}
+MODES = {
+    "greedy": dict(temperature=0),
+    "temperature": dict(temperature=1.0, seed=7),
+    "top-k-top-p-min-p": dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05, seed=3),
+    "penalties": dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5),
+}
+PROMPTS = ["Give me JSON.", "a b c", "Once upon a time", "x"]
+
+
+def _schema_params(name: str, max_tokens: int = 120, **mode) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, grammar=GrammarSpec("json_schema", json.dumps(SCHEMAS[name])), **mode)
+
+
+def _assert_valid(out, schema: dict) -> None:
+    assert out.finish_reason.kind == "stop", (out.finish_reason, out.text)
+    try:
+        # strict=False: xgrammar 0.2.9 lets a string with maxLength hold control characters
+        # (its rule excludes only \r and \n), which strict JSON forbids raw
+        answer = json.loads(out.text, strict=False)
+    except ValueError as exc:
+        raise AssertionError(f"{out.text!r} {out.token_ids}") from exc
+    jsonschema.validate(answer, schema)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_every_answer_validates_in_every_sampling_mode(llama, make_llm, overlap, page_size):
+    llm = make_llm(llama, disable_overlap_schedule=not overlap, page_size=page_size)
+    cases = [(schema, mode) for schema in SCHEMAS for mode in MODES]
+    params = [_schema_params(schema, **MODES[mode]) for schema, mode in cases]
+    outputs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(cases))], params)
+    for (schema, _), out in zip(cases, outputs):
+        _assert_valid(out, SCHEMAS[schema])
+
+
+def test_regex_json_object_and_ebnf(llama, make_llm):
+    llm = make_llm(llama)
+    ebnf = 'root ::= "(" digit ("," digit)* ")"\ndigit ::= [0-9]'
+    outs = llm.generate(["a", "b", "c"], [
+        SamplingParams(max_tokens=40, temperature=1.0, seed=1, grammar=GrammarSpec("regex", r"(ab|cd){2,4}!")),
+        SamplingParams(max_tokens=200, temperature=0, grammar=GrammarSpec("json_object")),
+        SamplingParams(max_tokens=40, temperature=0, grammar=GrammarSpec("ebnf", ebnf)),
+    ])
+    import re
+
+    assert outs[0].finish_reason.kind == "stop" and re.fullmatch(r"(ab|cd){2,4}!", outs[0].text), outs[0].text
+    if outs[1].finish_reason.kind == "stop":  # any JSON may run past max_tokens; what is there stays a prefix
+        assert isinstance(json.loads(outs[1].text, strict=False), dict)
+    assert outs[1].text.startswith("{")
+    assert outs[2].finish_reason.kind == "stop" and re.fullmatch(r"\([0-9](,[0-9])*\)", outs[2].text), outs[2].text
+
+
+def test_unconstrained_requests_in_the_batch_equal_transformers(llama, make_llm, hf_greedy, random_prompts):
+    llm = make_llm(llama, chunked_prefill_size=24)  # chunked prefill of long prompts beside grammar rows
+    prompts = random_prompts(6, 5, 60, seed=11)
+    plain = SamplingParams(max_tokens=16, temperature=0)
+    params = [plain if i % 2 else _schema_params("nested") for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        if i % 2:
+            assert out.token_ids == hf_greedy(llama, prompt, 16)
+        else:
+            _assert_valid(out, SCHEMAS["nested"])
+
+
+def test_overlap_launches_before_the_mask_is_known_and_matches_no_overlap(llama, make_llm):
+    """With overlap, step N+1 is launched before step N's token (which decides its mask) is
+    known: the mask must be filled after, from the advanced matcher, giving the same tokens as
+    without overlap."""
+    params = [_schema_params(name, temperature=0) for name in SCHEMAS]
+    results, ready_at_launch = {}, []
+    for overlap in (True, False):
+        llm = make_llm(llama, disable_overlap_schedule=not overlap)
+        executor = llm.engine.executor
+        launch = executor.launch
+
+        def spy(batch, launch=launch, overlap=overlap):
+            if batch.sampling.vocab_mask is not None and overlap:
+                ready_at_launch.append(batch.sampling.vocab_mask.is_ready)
+            return launch(batch)
+
+        executor.launch = spy
+        results[overlap] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert results[True] == results[False]
+    assert ready_at_launch.count(False) > 10  # steps really overlapped their mask's fill
+
+
+def test_shared_prefix_and_cached_grammar(llama, make_llm):
+    llm = make_llm(llama)
+    grammars = llm.engine.scheduler.grammars
+    before = grammars.take_stats()
+    prompt = "the same long prefix " * 8
+    first = llm.generate([prompt], _schema_params("enum", temperature=0))[0]
+    again = llm.generate([prompt, prompt], _schema_params("enum", temperature=0))
+    assert [o.token_ids for o in again] == [first.token_ids] * 2
+    assert again[1].cached_tokens > 0  # the radix cache served the prompt
+    stats = grammars.take_stats()
+    assert stats.cache_misses - before.cache_misses == 1 and stats.cache_hits - before.cache_hits == 2
+    assert len(stats.compile_seconds) == 1
+
+
+@pytest.mark.parametrize("spec, words", [
+    (GrammarSpec("json_schema", '{"type": "nonsense"}'), "nonsense"),
+    (GrammarSpec("json_schema", "{not json"), "json_schema"),
+    (GrammarSpec("regex", "(ab", param="regex"), "parenthesis"),
+    (GrammarSpec("ebnf", "root ::= foo", param="ebnf"), "foo"),
+])
+def test_a_grammar_that_cannot_compile_is_a_400_naming_the_problem(llama, make_llm, spec, words):
+    llm = make_llm(llama)
+    out = llm.generate(["hi", "ok"], [SamplingParams(max_tokens=4, grammar=spec), SamplingParams(max_tokens=4)])
+    reason = out[0].finish_reason
+    assert (reason.kind, reason.status, reason.param) == ("error", 400, spec.param)
+    assert words in reason.message and "cannot be compiled" in reason.message
+    assert out[1].finish_reason.kind == "length"  # the other request is unharmed
+
+
+def test_unknown_kind_is_refused(llama, make_llm):
+    llm = make_llm(llama)
+    with pytest.raises(InvalidRequestError, match="kind must be one of"):
+        llm.generate(["hi"], SamplingParams(grammar=GrammarSpec("yaml", "x")))
+
+
+def test_compiling_does_not_hold_other_requests(llama, make_llm):
+    """A request whose grammar is still compiling waits aside; the others step on."""
+    from concurrent.futures import Future
+
+    from kubesgl.engine.messages import GenerateRequest
+
+    llm = make_llm(llama)
+    scheduler = llm.engine.scheduler
+    blocked: Future = Future()
+    compile_ = scheduler.grammars.compile
+    scheduler.grammars.compile = lambda spec: blocked
+    scheduler.add_request(GenerateRequest("g", [5, 6, 7], _schema_params("enum", temperature=0)))
+    scheduler.add_request(GenerateRequest("p", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0)))
+    finished = set()
+    for _ in range(10):
+        finished |= {o.rid for o in scheduler.step() if o.finished}
+    assert finished == {"p"} and scheduler.requests["g"] in scheduler.compiling
+    scheduler.add_request(GenerateRequest("aborted", [5, 6], _schema_params("enum", temperature=0)))
+    (out,) = scheduler.abort_request("aborted")  # while its grammar compiles: ends at once, nothing held
+    assert out.finish_reason.kind == "abort" and [r.rid for r in scheduler.compiling] == ["g"]
+    scheduler.grammars.compile = compile_
+    blocked.set_result(compile_(GrammarSpec("json_schema", json.dumps(SCHEMAS["enum"]))).result())
+    while scheduler.has_work():
+        finished |= {o.rid for o in scheduler.step() if o.finished}
+    assert finished == {"p", "g"}
+
+
+def test_grammar_metrics_count_compiles_and_cache_lookups():
+    from prometheus_client import generate_latest
+
+    from kubesgl.engine.messages import GrammarStats, SchedulerStats
+    from kubesgl.engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics("mixed")
+    text = generate_latest(metrics.registry).decode()
+    for result in ("hit", "miss"):
+        assert f'kubesgl_grammar_cache_total{{result="{result}",role="mixed"}} 0.0' in text
+    metrics.update_scheduler(SchedulerStats(0, 0, 0, 1, 0, 0, grammar=GrammarStats(2, 1, [0.004])))
+    metrics.update_scheduler(SchedulerStats(0, 0, 0, 1, 0, 0, grammar=GrammarStats(5, 2, [0.2])))
+    text = generate_latest(metrics.registry).decode()
+    assert 'kubesgl_grammar_cache_total{result="hit",role="mixed"} 5.0' in text
+    assert 'kubesgl_grammar_cache_total{result="miss",role="mixed"} 2.0' in text
+    assert 'kubesgl_grammar_compile_seconds_count{role="mixed"} 2.0' in text
+    assert 'kubesgl_grammar_compile_seconds_bucket{le="0.005",role="mixed"} 1.0' in text
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["", "mixed-chunk"])
+def test_answers_validate_and_match_under_retraction_and_mixed_chunks(llama, make_llm, mixed):
+    """Grammar requests retracted again and again on a tiny pool (their matchers keep the tokens
+    accepted so far while they wait), with prompt chunks and decodes sharing steps or not: each
+    answer validates and equals the answer of a large pool."""
+    from kubesgl.engine.scheduler.admission import OutputEstimate
+
+    cases = [(schema, mode) for schema in SCHEMAS for mode in ("greedy", "temperature")]
+    prompts = [PROMPTS[i % len(PROMPTS)] * 3 for i in range(len(cases))]
+    params = [_schema_params(schema, max_tokens=60, **MODES[mode]) for schema, mode in cases]
+    reference = make_llm(llama).generate(prompts, params)
+    llm = make_llm(llama, max_total_tokens=96, enable_mixed_chunk=mixed, chunked_prefill_size=24 if mixed else 8192,
+                   max_running_requests=16)
+    llm.engine.scheduler.kv.estimate = OutputEstimate(ratio=0.05, weight=0.0, backoff=1.0)
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.stats().retractions > 0
+    for (schema, _), out, ref in zip(cases, outputs, reference):
+        _assert_valid(out, SCHEMAS[schema])
+        assert out.token_ids == ref.token_ids
