@@ -76,7 +76,7 @@ def mask_step_costs(tokenizer, vocab_size: int, eos: list[int], batch: int, step
     bitmask = torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
     logits = torch.randn(batch, vocab_size, device=device)
     bits = torch.arange(32, dtype=torch.int32)
-    rng = random.Random(0)
+    walk = torch.Generator().manual_seed(0)
     fill_us, apply_us = [], []
     for _ in range(steps):
         t = time.perf_counter()
@@ -91,10 +91,11 @@ def mask_step_costs(tokenizer, vocab_size: int, eos: list[int], batch: int, step
         if device.type == "cuda":
             torch.cuda.synchronize()
         apply_us.append((time.perf_counter() - t) * 1e6)
-        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab_size].bool()
+        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab_size].float()
+        allowed[:, eos] = 0
         for row, matcher in enumerate(matchers):  # a random walk through the grammar, restarted at its end
-            choices = [t for t in allowed[row].nonzero().flatten().tolist() if t not in eos] or eos
-            token = rng.choice(choices)
+            weights = allowed[row]
+            token = int(torch.multinomial(weights, 1, generator=walk)) if weights.any() else eos[0]
             if not matcher.accept_token(token) or matcher.is_terminated():
                 matcher.reset()
     return {"batch": batch, "steps": steps, "compile_seconds": compile_s,
@@ -146,7 +147,10 @@ def main() -> None:
     tokenizer = llm.tokenizer
     eos = sorted(llm.engine.model_config.eos_token_ids)
     device = llm.engine.executor.runner.device
-    masks = [mask_step_costs(tokenizer, vocab_size, eos, b, args.mask_steps, device) for b in (1, 64)]
+    masks = []
+    for batch in (1, 64):
+        masks.append(mask_step_costs(tokenizer, vocab_size, eos, batch, args.mask_steps, device))
+        print(f"mask costs at batch {batch}: {masks[-1]}", flush=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(10, vocab_size - 10) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
