@@ -41,8 +41,8 @@ class GemvTiles:
 
 
 def default_tiles(rows: int) -> GemvTiles:
-    """CUDA-core path: about 8K products per step per program (BLOCK_M * BLOCK_N * BLOCK_K);
-    tensor-core path: 16 x 32 x 128 tiles."""
+    """CUDA-core path: 8K float32 partial sums per program (BLOCK_M * BLOCK_N * BLOCK_K, 64
+    registers a thread at 4 warps); tensor-core path: 16 x 32 x 128 tiles."""
     if rows > 4:
         return GemvTiles(block_n=32, block_k=128)
     return GemvTiles(block_n=16 // triton.next_power_of_2(rows), block_k=512)
@@ -94,7 +94,10 @@ def _norm_gemv(X, Residual, NormWeight, W, Bias, Y, SumOut, M, N, K, eps,
         sum_sq += tl.sum(hf * hf, axis=1)
     inv_rms = tl.rsqrt(sum_sq / K + eps)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:  # products summed over K once, after the loop: no cross-thread reduction per tile
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + kk
         k_mask = cols < K
@@ -111,13 +114,17 @@ def _norm_gemv(X, Residual, NormWeight, W, Bias, Y, SumOut, M, N, K, eps,
             else:
                 acc += tl.dot(a, tl.trans(w))
         else:
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         w = w_next
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+    if USE_DOT:
+        y = acc
+    else:
+        y = tl.sum(acc, axis=2)
     if HAS_BIAS:
-        acc += tl.load(Bias + feats, mask=feat_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + rows[:, None] * stride_y + feats[None, :], acc.to(Y.dtype.element_ty),
+        y += tl.load(Bias + feats, mask=feat_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + feats[None, :], y.to(Y.dtype.element_ty),
              mask=row_mask[:, None] & feat_mask[None, :])
 
 
