@@ -70,8 +70,8 @@ def make_layers(n: int, k: int, pred: tuple[int, int], rows: int, layers: int, d
                   weights=[rand(n, k, scale=k**-0.5) for _ in range(layers)])
 
 
-def variants(rows: int, pdl: bool) -> dict[str, Callable]:
-    """name -> step(layers, i): layer i's predecessor GEMV, then the variant."""
+def variants(rows: int, pdl: bool) -> dict[str, Callable | None]:
+    """name -> step(layers, i), what layer i runs after its predecessor GEMV (None: nothing)."""
 
     def norm_then_cublas(ls: Layers, i: int):
         normed, _ = rms_norm(ls.x, ls.norm_weights[i], EPS, ls.residual)
