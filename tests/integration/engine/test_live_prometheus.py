@@ -290,8 +290,9 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(server_factory, 
         # Every panel query returns data, in its range
         for title, expr in dashboard_queries():
             result = prometheus.query(grafana_free(expr, window), at)
-            scrapes = prometheus.query(f"count_over_time(up[{window}])", at), prometheus.query(f"sum_over_time(up[{window}])", at)
-            assert result, f"{title}: no data for {expr} (scrapes, successful: {scrapes})"
+            if not result:  # which targets were scraped, and how often successfully
+                scrapes = [prometheus.query(f"{over}_over_time(up[{window}])", at) for over in ("count", "sum")]
+                raise AssertionError(f"{title}: no data for {expr} (scrapes, successful: {scrapes})")
             for labels, value in result:
                 assert not math.isnan(value), (title, expr, labels)
                 assert value >= 0, (title, expr, labels, value)
