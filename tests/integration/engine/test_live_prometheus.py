@@ -1,10 +1,11 @@
-"""Issue 15: a real Prometheus scrapes two CPU engines and a router, with the labels the
-rendered PodMonitor gives, under a short scripted load with aborts, errors, rejections and a
-worker outage; then every dashboard query, every autoscaling query (KEDA's, and each
-prometheus-adapter rule's as the adapter fills it in for the operator's HPAs) is evaluated:
-each returns data (but the prefill, decode and P/D ones, on mixed engines), each value is in
-its range, and the counts equal what the load generator saw. Needs the `prometheus` binary
-(Debian's package; .ci/run installs it)."""
+"""Issue 15: a real Prometheus scrapes two mixed CPU engines behind a router and a
+prefill/decode pair behind a P/D router (a router takes either mixed or P/D workers, not both),
+with the labels the rendered PodMonitor gives, under a short scripted load with aborts, errors,
+rejections and a worker outage; then every dashboard query, every autoscaling query (KEDA's, and
+each prometheus-adapter rule's as the adapter fills it in for the operator's HPAs) is evaluated:
+each returns data, each value is in its range, and the counts (P/D transfers and rooms
+included) equal what the load generator saw. Needs the `prometheus` binary (Debian's package;
+.ci/run installs it)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from serve_harness import free_port
+from serve_harness import RunningServer, free_port
 
 from kubesgl.operator.render.autoscaling import (
     HPA_METRICS,
@@ -42,10 +44,10 @@ pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="needs the prometheus
 
 NAMESPACE, INSTANCE, MODEL = "ci", "live", "tiny"  # MODEL: the engines' --served-model-name
 # Pod names as a Deployment's: <deployment>-<replicaset hash>-<suffix> (the KEDA queries match them)
-PODS = {"a": "live-mixed-5f7c9-aaaaa", "b": "live-mixed-5f7c9-bbbbb", "router": "live-router-5f7c9-rrrrr"}
-# Panels of P/D engines and histograms of P/D transfers: nothing to show with mixed engines
-PD_ONLY = ("kubesgl_disagg_requests", "kubesgl_disagg_failures", "kubesgl_kv_transfer_seconds",
-           "kubesgl_kv_transfer_wait_seconds")
+PODS = {"a": "live-mixed-5f7c9-aaaaa", "b": "live-mixed-5f7c9-bbbbb", "router": "live-router-5f7c9-rrrrr",
+        "prefill": "live-prefill-5f7c9-ppppp", "decode": "live-decode-5f7c9-ddddd",
+        "pd_router": "live-router-5f7c9-sssss"}
+DEPLOYMENTS = {"mixed": "live-mixed", "prefill": "live-prefill", "decode": "live-decode"}
 ADAPTER_VALUES = ROOT / "charts" / "kubesgl" / "prometheus-adapter-values.yaml"
 
 
@@ -53,11 +55,6 @@ def dashboard_queries() -> list[tuple[str, str]]:
     path = ROOT / "charts" / "kubesgl" / "dashboards" / "kubesgl.json"
     dashboard = json.loads(path.read_text())
     return [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel.get("targets", [])]
-
-
-def mixed_engines_show(expr: str) -> bool:
-    """With mixed engines, the prefill and decode rows and the P/D metrics have nothing to show."""
-    return not re.search(r'role=~?"[^"]*(prefill|decode)', expr) and not any(name in expr for name in PD_ONLY)
 
 
 def grafana_free(expr: str, window: str) -> str:
@@ -116,8 +113,10 @@ class Prometheus:
             time.sleep(0.2)
         raise AssertionError("prometheus did not become ready")
 
-    def query(self, expr: str) -> list[tuple[dict, float]]:
-        answer = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10).json()
+    def query(self, expr: str, at: float | None = None) -> list[tuple[dict, float]]:
+        """The instant query's result at `at` (Unix time; now if None)."""
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        answer = httpx.get(self.url + "/api/v1/query", params=params, timeout=10).json()
         assert answer["status"] == "success", (expr, answer)
         return [(r["metric"], float(r["value"][1])) for r in answer["data"]["result"]]
 
@@ -129,6 +128,14 @@ class Prometheus:
     def total(self, expr: str) -> float:
         """The sum of a counter's last values, also of series whose pod has gone."""
         return sum(value for _, value in self.query(f"sum(max_over_time({expr}[10m]))"))
+
+    def wait_first_scrapes(self, targets: int, timeout: float = 60) -> None:
+        """Until every target was scraped once: Prometheus applies new targets only every 5 s,
+        and a counter whose first sample already holds the load's count shows no rate."""
+        deadline = time.monotonic() + timeout
+        while len(self.query("up == 1")) < targets:
+            assert time.monotonic() < deadline, f"only {self.query('up')} scraped"
+            time.sleep(0.2)
 
     def catch_up(self, pod: str, url: str, timeout: float = 60) -> None:
         """Until Prometheus holds the pod's latest counts (a scrape may fail on busy cores)."""
@@ -150,20 +157,28 @@ class Prometheus:
         self.log.close()
 
 
-def start_router(tmp_path: Path, workers: list[str]) -> tuple[subprocess.Popen, str]:
+def start_router(tmp_path: Path, name: str, *workers: str, health_check_interval: float = 0.5
+                 ) -> tuple[subprocess.Popen, str, int]:
+    """A router in front of `workers` (--worker URL ..., or --prefill URL@PORT --decode URL);
+    with the number of 503s its /health answered (rejections, until its workers are healthy)."""
     port = free_port()
-    log = open(tmp_path / "router.log", "w")
+    log = open(tmp_path / f"{name}.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "kubesgl", "router", "--worker", *workers, "--port", str(port), "--host", "127.0.0.1",
-         "--policy", "round_robin", "--health-check-interval", "0.5", "--health-failure-threshold", "1",
-         "--max-retries", "3", "--retry-initial-backoff", "0.01", "--log-level", "warning"],
+        [sys.executable, "-m", "kubesgl", "router", *workers, "--port", str(port), "--host", "127.0.0.1",
+         "--policy", "round_robin", "--health-check-interval", str(health_check_interval),
+         "--health-failure-threshold", "1",
+         "--max-retries", "3", "--retry-initial-backoff", "0.01", "--log-level", "warning",
+         "--pd-min-prefill-tokens", "0"],  # P/D: these short prompts too
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    unready, deadline = 0, time.monotonic() + 60
     while time.monotonic() < deadline:
+        assert process.poll() is None, (tmp_path / f"{name}.log").read_text()
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
+            status = httpx.get(url + "/health", timeout=1).status_code
+            if status == 200:
+                return process, url, unready
+            unready += status == 503
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
@@ -171,51 +186,87 @@ def start_router(tmp_path: Path, workers: list[str]) -> tuple[subprocess.Popen, 
     raise AssertionError("router not healthy")
 
 
-async def scripted_load(router: str, kill_b) -> dict[str, int]:
-    """The load; returns what the client saw."""
-    seen = {"ok": 0, "router_400": 0, "router_404": 0, "engine_400": 0, "aborted": 0}
+class Client:
+    """Completions through one router, counting what came back."""
+
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
-    async with httpx.AsyncClient(base_url=router, timeout=60) as http:
-        async def complete(**extra) -> int:
-            return (await http.post("/v1/completions", json={**body, **extra})).status_code
 
-        async def stream() -> int:
-            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as answer:
-                async for _ in answer.aiter_bytes():
-                    pass
-                return answer.status_code
+    def __init__(self, http: httpx.AsyncClient):
+        self.http = http
+        self.seen = {"ok": 0, "router_400": 0, "router_404": 0, "engine_400": 0, "aborted": 0}
 
-        async def abort() -> None:
-            request = {**body, "stream": True, "max_tokens": 2000, "ignore_eos": True}
-            async with http.stream("POST", "/v1/completions", json=request) as answer:
-                async for _ in answer.aiter_bytes():
-                    break  # the first chunk arrived: leave
-            seen["aborted"] += 1
+    async def complete(self, **extra) -> int:
+        return (await self.http.post("/v1/completions", json={**self.body, **extra})).status_code
 
-        statuses = await asyncio.gather(*(complete() for _ in range(20)), *(stream() for _ in range(10)))
-        seen["ok"] += sum(status == 200 for status in statuses)
+    async def stream(self) -> int:
+        async with self.http.stream("POST", "/v1/completions", json={**self.body, "stream": True}) as answer:
+            async for _ in answer.aiter_bytes():
+                pass
+            return answer.status_code
+
+    async def abort(self) -> None:
+        request = {**self.body, "stream": True, "max_tokens": 2000, "ignore_eos": True}
+        async with self.http.stream("POST", "/v1/completions", json=request) as answer:
+            async for _ in answer.aiter_bytes():
+                break  # the first chunk arrived: leave
+        self.seen["aborted"] += 1
+
+    async def burst(self, completions: int, streams: int, aborts: int = 0) -> None:
+        statuses = await asyncio.gather(*(self.complete() for _ in range(completions)),
+                                        *(self.stream() for _ in range(streams)),
+                                        *(self.abort() for _ in range(aborts)))
+        self.seen["ok"] += sum(status == 200 for status in statuses[:completions + streams])
+
+
+async def scripted_load(router: str, pd_router: str, decode: str, kill_b) -> tuple[dict[str, int], dict[str, int]]:
+    """The load; returns what the client saw at the mixed router and at the P/D router (and
+    at the decode engine, asked alone for a room whose prefill engine is not there)."""
+    async with httpx.AsyncClient(base_url=router, timeout=60) as http, \
+            httpx.AsyncClient(base_url=pd_router, timeout=60) as pd_http:
+        mixed, pd = Client(http), Client(pd_http)
+        # the P/D pair serves its burst (transfers, and a client that leaves mid-stream) while
+        # the mixed engines serve theirs
+        await asyncio.gather(mixed.burst(20, 10), pd.burst(4, 2, aborts=1))
+        seen, complete = mixed.seen, mixed.complete
         for _ in range(5):
             seen["router_400"] += (await http.post("/v1/completions", content=b"{not json")).status_code == 400
         for _ in range(3):
             seen["router_404"] += (await http.get("/nowhere")).status_code == 404
         for _ in range(4):
             seen["engine_400"] += await complete(temperature=-1) == 400
-        await asyncio.gather(*(abort() for _ in range(3)))
+        pd.seen["engine_400"] += await pd.complete(temperature=-1) == 400
+        no_prefill = {**Client.body, "bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 7}
+        lost = await pd_http.post(decode + "/v1/completions", json=no_prefill)
+        pd.seen["room_lost"] = lost.status_code
+        await asyncio.gather(*(mixed.abort() for _ in range(3)))
         await asyncio.sleep(2)  # a few scrapes while both engines serve
         kill_b()
         statuses = await asyncio.gather(*(complete() for _ in range(10)))  # some first go to the dead one
         seen["ok"] += sum(status == 200 for status in statuses)
-    return seen
+    return mixed.seen, pd.seen
 
 
 def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(server_factory, tiny_model, tmp_path):
     model = tiny_model("llama")
-    engines = {name: server_factory(model, "--served-model-name", MODEL) for name in ("a", "b")}
-    router, router_url = start_router(tmp_path, [engines["a"].base_url, engines["b"].base_url])
-    prometheus = Prometheus(tmp_path, {"a": engines["a"].base_url, "b": engines["b"].base_url,
-                                       "router": router_url})
+    bootstrap = free_port()
+    engine_args = {"a": (), "b": (), "prefill": ("--role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)),
+                   "decode": ("--role", "decode")}
+    with ThreadPoolExecutor(len(engine_args)) as pool:  # the engines load at once
+        started = {name: pool.submit(server_factory, model, "--served-model-name", MODEL, *args)
+                   for name, args in engine_args.items()}
+        engines: dict[str, RunningServer] = {name: future.result() for name, future in started.items()}
+    with ThreadPoolExecutor(2) as pool:
+        # checks seconds apart: the requests right after the outage find the dead worker first
+        mixed_router = pool.submit(start_router, tmp_path, "router", "--worker", engines["a"].base_url,
+                                   engines["b"].base_url, health_check_interval=3)
+        pd_router = pool.submit(start_router, tmp_path, "pd-router", "--prefill",
+                                f"{engines['prefill'].base_url}@{bootstrap}", "--decode", engines["decode"].base_url)
+        (router, router_url, router_unready), (pd_router, pd_router_url, pd_router_unready) = \
+            mixed_router.result(), pd_router.result()
+    prometheus = Prometheus(tmp_path, {**{name: engine.base_url for name, engine in engines.items()},
+                                       "router": router_url, "pd_router": pd_router_url})
     try:
-        time.sleep(3)  # first scrapes: every series at 0 before the load
+        prometheus.wait_first_scrapes(len(PODS))  # every series at 0 before the load
 
         def kill_b() -> None:
             prometheus.catch_up(PODS["b"], engines["b"].base_url)
@@ -223,50 +274,55 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(server_factory, 
             engines["b"].process.wait()
 
         started = time.monotonic()
-        seen = asyncio.run(scripted_load(router_url, kill_b))
+        seen, pd_seen = asyncio.run(scripted_load(router_url, pd_router_url, engines["decode"].base_url, kill_b))
         assert seen == {"ok": 40, "router_400": 5, "router_404": 3, "engine_400": 4, "aborted": 3}, seen
-        engines["a"].wait_idle()
-        prometheus.catch_up(PODS["a"], engines["a"].base_url)
+        assert pd_seen == {"ok": 6, "router_400": 0, "router_404": 0, "engine_400": 1, "aborted": 1,
+                           "room_lost": 502}, pd_seen
+        for name in ("a", "prefill", "decode"):
+            engines[name].wait_idle()
+            prometheus.catch_up(PODS[name], engines[name].base_url)
         prometheus.catch_up(PODS["router"], router_url)
+        prometheus.catch_up(PODS["pd_router"], pd_router_url)
         time.sleep(2)
         window = f"{math.ceil(time.monotonic() - started) + 10}s"  # rates over the whole load
+        at = time.time()  # the window ends here for every panel, however long their queries take
 
         # Every panel query returns data, in its range
         for title, expr in dashboard_queries():
-            result = prometheus.query(grafana_free(expr, window))
-            if not mixed_engines_show(expr):
-                continue  # no prefill or decode engine, no rooms, no transfers (and no NaN either)
-            scrapes = prometheus.query(f"count_over_time(up[{window}])"), prometheus.query(f"sum_over_time(up[{window}])")
-            assert result, f"{title}: no data for {expr} (scrapes, successful: {scrapes})"
+            result = prometheus.query(grafana_free(expr, window), at)
+            if not result:  # which targets were scraped, and how often successfully
+                scrapes = [prometheus.query(f"{over}_over_time(up[{window}])", at) for over in ("count", "sum")]
+                raise AssertionError(f"{title}: no data for {expr} (scrapes, successful: {scrapes})")
             for labels, value in result:
                 assert not math.isnan(value), (title, expr, labels)
                 assert value >= 0, (title, expr, labels, value)
                 bounded = ("_ratio", "kubesgl_cached_prompt_tokens_total", "kubesgl_router_worker_healthy", "(up{")
                 if any(name in expr for name in bounded):
                     assert value <= 1, (title, expr, labels, value)
-                if "histogram_quantile" in expr:
-                    assert value < 60, (title, expr, labels, value)
+                if "histogram_quantile" in expr:  # seconds, or lengths (max_tokens is at most 2000)
+                    assert value < (2048 if "_tokens_bucket" in expr else 60), (title, expr, labels, value)
         # every engine series names the served model (the dashboard's model filter relies on it)
         engine_series = prometheus.series(f'{{__name__=~"kubesgl_.+", __name__!~"kubesgl_router_.+", '
                                           f'namespace="{NAMESPACE}"}}')
         assert engine_series and {series.get("model_name") for series in engine_series} == {MODEL}
         # ... and so does the router's info series of each worker, which asked the worker's /v1/models
         info = prometheus.query(f'kubesgl_router_worker_info{{namespace="{NAMESPACE}"}}')
-        assert sorted(labels["model_name"] for labels, _ in info) == [MODEL, MODEL], info
+        assert sorted(labels["model_name"] for labels, _ in info) == [MODEL] * 4, info
         # the outage shows: engine b's scrapes fail, and its router-side health went to 0
         up = dict((labels["pod"], value) for labels, value in prometheus.query(f'up{{namespace="{NAMESPACE}"}}'))
-        assert up == {PODS["a"]: 1, PODS["b"]: 0, PODS["router"]: 1}
+        assert up == {pod: float(name != "b") for name, pod in PODS.items()}
 
-        # Every autoscaling query returns data, in its range
-        for metric in HPA_METRICS:
-            result = prometheus.query(prometheus_query(NAMESPACE, "live-mixed", "mixed", metric))
-            assert len(result) == 1, (metric, result)
-            value = result[0][1]
-            assert 0 <= value and not math.isnan(value), (metric, value)
-            if metric == "kvCacheUsage":
-                assert value <= 1
-            if metric == "timeToFirstToken":
-                assert 0 < value < 60
+        # Every autoscaling query of every role returns data, in its range
+        for role, deployment in DEPLOYMENTS.items():
+            for metric in HPA_METRICS:
+                result = prometheus.query(prometheus_query(NAMESPACE, deployment, role, metric))
+                assert len(result) == 1, (role, metric, result)
+                value = result[0][1]
+                assert 0 <= value and not math.isnan(value), (role, metric, value)
+                if metric == "kvCacheUsage":
+                    assert value <= 1
+                if metric == "timeToFirstToken":
+                    assert 0 < value < 60
 
         # Every prometheus-adapter rule finds its series and names exactly the metrics the
         # operator's HPAs ask for; each query the adapter builds for them returns data in range
@@ -297,27 +353,70 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(server_factory, 
                 assert dict((labels["pod"], value) for labels, value in result)[PODS["a"]] > 0
 
         # The counts are what the client saw
-        total = prometheus.total
-        assert total('kubesgl_router_rejections_total{status="400"}') == seen["router_400"]
-        assert total('kubesgl_router_rejections_total{status="404"}') == seen["router_404"]
-        assert total("kubesgl_router_rejections_total") == seen["router_400"] + seen["router_404"]
-        assert total('kubesgl_router_requests_total{worker!="",status="200"}') == seen["ok"]
-        assert total('kubesgl_router_requests_total{worker!="",status="400"}') == seen["engine_400"]
-        assert total('kubesgl_router_requests_total{worker!="",status="cancelled"}') == seen["aborted"]
-        failed = total('kubesgl_router_requests_total{worker!="",status="error"}')
-        assert failed >= 1 and total("kubesgl_router_retries_total") == failed  # each failure retried
-        assert total('kubesgl_request_errors_total{status="400",reason="invalid_request"}') == seen["engine_400"]
-        assert total("kubesgl_request_errors_total") == seen["engine_400"]
-        assert total('kubesgl_requests_total{finish_reason=~"stop|length"}') == seen["ok"]
-        assert total('kubesgl_requests_total{finish_reason="abort"}') == seen["aborted"]
+        def total(expr: str, pod: str) -> float:
+            """A counter of one pod (the name with its label matchers, if any)."""
+            name, _, matchers = expr.partition("{")
+            return prometheus.total(f'{name}{{pod="{PODS[pod]}",{matchers.rstrip("}")}}}')
+
+        assert total('kubesgl_router_rejections_total{status="400"}', "router") == seen["router_400"]
+        assert total('kubesgl_router_rejections_total{status="404"}', "router") == seen["router_404"]
+        assert total("kubesgl_router_rejections_total", "router") == \
+            seen["router_400"] + seen["router_404"] + router_unready
+        assert total('kubesgl_router_requests_total{worker!="",status="200"}', "router") == seen["ok"]
+        assert total('kubesgl_router_requests_total{worker!="",status="400"}', "router") == seen["engine_400"]
+        assert total('kubesgl_router_requests_total{worker!="",status="cancelled"}', "router") == seen["aborted"]
+        failed = total('kubesgl_router_requests_total{worker!="",status="error"}', "router")
+        assert failed >= 1 and total("kubesgl_router_retries_total", "router") == failed  # each failure retried
+        mixed_total = prometheus.total
+        role = '{role="mixed"}'
+        assert mixed_total('kubesgl_request_errors_total{role="mixed",status="400",reason="invalid_request"}') \
+            == seen["engine_400"]
+        assert mixed_total(f"kubesgl_request_errors_total{role}") == seen["engine_400"]
+        assert mixed_total('kubesgl_requests_total{role="mixed",finish_reason=~"stop|length"}') == seen["ok"]
+        assert mixed_total('kubesgl_requests_total{role="mixed",finish_reason="abort"}') == seen["aborted"]
         finished = seen["ok"] + seen["aborted"]
-        assert total("kubesgl_e2e_request_latency_seconds_count") == finished
-        assert total("kubesgl_request_queue_time_seconds_count") == finished
+        assert mixed_total(f"kubesgl_e2e_request_latency_seconds_count{role}") == finished
+        assert mixed_total(f"kubesgl_request_queue_time_seconds_count{role}") == finished
+        # P/D: each request is one room on either engine; the prefill engine wrote the KV of each
+        # P/D: the router sent each request to both engines; the prefill engine finished its part
+        # (the first token) of each, also of the one the client left, and wrote its KV; the
+        # room the load generator named with no prefill engine behind it failed on the decode
+        # engine as peer_lost, and no room is left in any state
+        sent = pd_seen["ok"] + pd_seen["aborted"]
+        assert total('kubesgl_router_pd_routes_total{route="disaggregated"}', "pd_router") == \
+            sent + pd_seen["engine_400"]
+        # two attempts per request, one per engine: the decode side of an aborted request is
+        # cancelled, its prefill side too unless it had answered; the side of a refused request
+        # that answers second is cancelled unless its 400 came first
+        attempts = {status: total(f'kubesgl_router_requests_total{{status="{status}"}}', "pd_router")
+                    for status in ("200", "400", "cancelled", "error")}
+        assert sum(attempts.values()) == 2 * (sent + pd_seen["engine_400"]), attempts
+        assert 2 * pd_seen["ok"] <= attempts["200"] <= 2 * pd_seen["ok"] + pd_seen["aborted"], attempts
+        assert pd_seen["engine_400"] <= attempts["400"] <= 2 * pd_seen["engine_400"], attempts
+        assert attempts["error"] == 0, attempts
+        assert total('kubesgl_router_rejections_total', "pd_router") == pd_router_unready
+        assert total('kubesgl_requests_total{finish_reason="length"}', "prefill") == sent
+        assert total('kubesgl_requests_total{finish_reason=~"stop|abort"}', "prefill") == 0
+        assert total('kubesgl_requests_total{finish_reason=~"stop|length"}', "decode") == pd_seen["ok"]
+        assert total('kubesgl_requests_total{finish_reason="abort"}', "decode") == pd_seen["aborted"]
+        assert total("kubesgl_kv_transfer_seconds_count", "prefill") == sent
+        assert total("kubesgl_kv_transfer_bytes_total", "prefill") > 0
+        for role in ("prefill", "decode"):
+            assert total("kubesgl_kv_transfer_wait_seconds_count", role) == sent, role
+            assert total('kubesgl_request_errors_total{status="400"}', role) == pd_seen["engine_400"], role
+        assert total('kubesgl_request_errors_total{status!="400"}', "prefill") == 0
+        assert total('kubesgl_request_errors_total{status!="400"}', "decode") == 1
+        assert total('kubesgl_disagg_failures_total{reason="peer_lost"}', "decode") == 1
+        assert total('kubesgl_disagg_failures_total{reason!="peer_lost"}', "decode") == 0
+        assert total("kubesgl_disagg_failures_total", "prefill") == 0
+        rooms = prometheus.query(f'sum(kubesgl_disagg_requests{{namespace="{NAMESPACE}"}})')
+        assert rooms == [({}, 0)], rooms
         # the outage's failed attempts are seen by increase(): their series existed at 0 before
         # (one that appeared holding its first count would show no increase)
-        errors = prometheus.query(f'sum(increase(kubesgl_router_requests_total{{status="error"}}[{window}]))')
+        errors = prometheus.query(f'sum(increase(kubesgl_router_requests_total{{status="error"}}[{window}]))', at)
         assert errors and errors[0][1] > 0.5 * failed, (errors, failed)
     finally:
         prometheus.stop()
-        router.terminate()
-        router.wait(timeout=30)
+        for process in (router, pd_router):
+            process.terminate()
+            process.wait(timeout=30)
