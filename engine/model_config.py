@@ -12,13 +12,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
+
+@dataclass(frozen=True)
+class Architecture:
+    """How a Llama-like architecture departs from Llama: the decoder reads these as data."""
+
+    qkv_bias: bool = False  # bias on q, k and v (not o) whatever `attention_bias` says (Qwen2)
+    qk_norm: bool = False  # RMS norms on q and k per head (Qwen3)
+    window_on_every_layer: bool = False  # `sliding_window` applies to all layers, unflagged (Mistral)
+    moe: bool = False  # sparse MoE blocks in place of the MLP (Qwen3-MoE)
+
+
+# The architectures the engine serves, by the name of config.json's `architectures`: one entry
+# adds a Llama-like one.
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture(),
+    "MistralForCausalLM": Architecture(window_on_every_layer=True),
+    "Qwen2ForCausalLM": Architecture(qkv_bias=True),
+    "Qwen3ForCausalLM": Architecture(qk_norm=True),
+    "Qwen3MoeForCausalLM": Architecture(qk_norm=True, moe=True),
+}
 
 
 class ModelConfigError(ValueError):
@@ -109,9 +122,9 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _sliding_windows(raw: dict[str, Any], architecture: str, num_layers: int) -> tuple[int | None, ...]:
+def _sliding_windows(raw: dict[str, Any], arch: Architecture, num_layers: int) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
-    if architecture == "MistralForCausalLM":
+    if arch.window_on_every_layer:
         return (window,) * num_layers
     layer_types = raw.get("layer_types")
     if not raw.get("use_sliding_window") or not window:
@@ -134,19 +147,20 @@ def _eos_ids(*values: Any) -> frozenset[int]:
 
 def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
     architectures = raw.get("architectures") or []
-    supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+    supported = [a for a in architectures if a in ARCHITECTURES]
     if not supported:
         raise ModelConfigError(
             f"unsupported architecture {architectures or '(none given)'}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(ARCHITECTURES)}"
         )
-    arch = supported[0]
+    name = supported[0]
+    arch = ARCHITECTURES[name]
     num_heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
     head_dim = raw.get("head_dim") or hidden // num_heads
     num_layers = raw["num_hidden_layers"]
     moe = None
-    if arch == "Qwen3MoeForCausalLM":
+    if arch.moe:
         step = raw.get("decoder_sparse_step", 1)
         mlp_only = set(raw.get("mlp_only_layers") or [])
         num_experts = raw.get("num_experts", raw.get("num_local_experts"))
@@ -161,7 +175,7 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         )
     generation = generation or {}
     return ModelConfig(
-        architecture=arch,
+        architecture=name,
         vocab_size=raw["vocab_size"],
         hidden_size=hidden,
         intermediate_size=raw["intermediate_size"],
@@ -174,10 +188,10 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
         rope=_rope_config(raw),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         hidden_act=raw.get("hidden_act", "silu"),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias")),
-        o_proj_bias=arch != "Qwen2ForCausalLM" and bool(raw.get("attention_bias")),
+        qkv_bias=arch.qkv_bias or bool(raw.get("attention_bias")),
+        o_proj_bias=not arch.qkv_bias and bool(raw.get("attention_bias")),
         mlp_bias=bool(raw.get("mlp_bias")),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        qk_norm=arch.qk_norm,
         sliding_windows=_sliding_windows(raw, arch, num_layers),
         moe=moe,
         eos_token_ids=_eos_ids(raw.get("eos_token_id"), generation.get("eos_token_id")),

@@ -9,7 +9,7 @@ import sys
 import kopf
 
 from kubesgl.cli_help import DefaultsOnce
-from kubesgl.operator.handlers import build_registry
+from kubesgl.operator.handlers import OperatorState, registry
 from kubesgl.operator.kube import NoCluster, check_reachable, load_credentials
 
 
@@ -51,7 +51,8 @@ def main(argv: list[str]) -> int:
     # standalone: one operator replica (the chart runs one, with the Recreate strategy), so no
     # peering objects are needed to keep two from acting at once.
     kopf.run(
-        registry=build_registry(),
+        registry=registry,
+        memo=OperatorState(),
         standalone=True,
         clusterwide=not args.namespace,
         namespaces=args.namespace,

@@ -6,6 +6,8 @@
   the owner's status from their replica counts.
 
 Blocking API calls run in threads; indexes and status bookkeeping stay on the event loop.
+The handlers are registered at import in `registry`, and keep their state in kopf's memo
+(`OperatorState`), so `kopf.run(registry=registry, memo=OperatorState())` runs them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ MISSING_API_RETRY_SECONDS = 60
 
 @dataclass
 class OperatorState:
+    """The operator's state, as kopf's memo: `kopf.run(memo=OperatorState())`. kopf hands each
+    resource's handlers a shallow copy, so the containers below are shared by all of them, and
+    the API client set at startup is seen by every resource memo made after it."""
+
     api: KubeApi | None = None
     # One status writer at a time per InferenceService, so the last one sees the newest counts.
     status_locks: dict[tuple[str, str], asyncio.Lock] = field(
@@ -88,142 +94,149 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def build_registry(state: OperatorState | None = None) -> kopf.OperatorRegistry:
-    state = state or OperatorState()
-    registry = kopf.OperatorRegistry()
+registry = kopf.OperatorRegistry()
 
-    @kopf.on.startup(registry=registry, id="configure")
-    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
-        settings.persistence.finalizer = "kubesgl.io/finalizer"
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-            prefix="kubesgl.io"
-        )
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix="kubesgl.io", key="last-handled-configuration"
-        )
-        # Only warnings become Kubernetes Events; the rest goes to the log.
-        settings.posting.level = logging.WARNING
-        state.api = KubeApi.from_environment()
 
-    @kopf.on.login(registry=registry, id="login")
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        return kopf.login_via_client(**kwargs)
+@kopf.on.startup(registry=registry, id="configure")
+def configure(settings: kopf.OperatorSettings, memo: OperatorState, **_: Any) -> None:
+    settings.persistence.finalizer = "kubesgl.io/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix="kubesgl.io"
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="kubesgl.io", key="last-handled-configuration"
+    )
+    # Only warnings become Kubernetes Events; the rest goes to the log.
+    settings.posting.level = logging.WARNING
+    memo.api = KubeApi.from_environment()
 
-    # Handlers receive each index as a keyword argument named by its id.
-    @kopf.index(*ISVC, registry=registry, id="inference_services")
-    def inference_services(body: kopf.Body, namespace: str, name: str, **_: Any) -> Any:
-        return {(namespace, name): _snapshot(body)}
 
-    @kopf.index(DEPLOYMENT.group, DEPLOYMENT.version, DEPLOYMENT.plural, labels=OURS,
-                registry=registry, id="rollouts")
-    def rollouts(body: kopf.Body, namespace: str, **_: Any) -> Any:
-        owner = _owner(body)
-        if owner is None:
-            return None
-        instance, uid = owner
-        return {(namespace, instance): (uid, Rollout.from_deployment(body))}
+@kopf.on.login(registry=registry, id="login")
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    return kopf.login_via_client(**kwargs)
 
-    async def publish_status(
-        namespace: str, name: str, inference_services: kopf.Index, rollouts: kopf.Index
-    ) -> None:
-        key = (namespace, name)
-        async with state.status_locks[key]:
-            stored = list(inference_services.get(key, []))
-            if not stored or stored[0]["metadata"].get("deletionTimestamp"):
-                return
-            isvc_body = stored[0]
-            uid = isvc_body["metadata"].get("uid")
-            mine = {rollout.role: rollout for owner_uid, rollout in rollouts.get(key, [])
-                    if owner_uid == uid}
-            try:
-                isvc = parse_inference_service(isvc_body)
-            except InvalidSpec as error:
-                roles, endpoint, problems = sorted(mine), None, str(error)
-            else:
-                roles = [*isvc.spec.engine_roles(), contract.ROUTER]
-                endpoint, problems = naming.router_endpoint(name, namespace), None
-            previous = state.written_status.get(key, isvc_body.get("status") or {})
-            new = compute_status(
-                generation=isvc_body["metadata"].get("generation", 0),
-                roles=roles,
-                rollouts=mine,
-                endpoint=endpoint,
-                problems=problems,
-                previous=previous,
-                now=_now(),
-            )
-            patch = status_patch(new, previous)
-            if patch is not None:
-                await asyncio.to_thread(state.kube().patch_status, namespace, name, patch)
-                state.written_status[key] = new
 
-    @kopf.on.resume(*ISVC, registry=registry, id="resume")
-    @kopf.on.create(*ISVC, registry=registry, id="create")
-    @kopf.on.update(*ISVC, registry=registry, id="update")
-    async def reconcile(
-        body: kopf.Body,
-        namespace: str,
-        name: str,
-        logger: logging.Logger,
-        inference_services: kopf.Index,
-        rollouts: kopf.Index,
-        **_: Any,
-    ) -> None:
+# Handlers receive each index as a keyword argument named by its id.
+@kopf.index(*ISVC, registry=registry, id="inference_services")
+def inference_services(body: kopf.Body, namespace: str, name: str, **_: Any) -> Any:
+    return {(namespace, name): _snapshot(body)}
+
+
+@kopf.index(DEPLOYMENT.group, DEPLOYMENT.version, DEPLOYMENT.plural, labels=OURS,
+            registry=registry, id="rollouts")
+def rollouts(body: kopf.Body, namespace: str, **_: Any) -> Any:
+    owner = _owner(body)
+    if owner is None:
+        return None
+    instance, uid = owner
+    return {(namespace, instance): (uid, Rollout.from_deployment(body))}
+
+
+async def publish_status(
+    memo: OperatorState, namespace: str, name: str, inference_services: kopf.Index, rollouts: kopf.Index
+) -> None:
+    key = (namespace, name)
+    async with memo.status_locks[key]:
+        stored = list(inference_services.get(key, []))
+        if not stored or stored[0]["metadata"].get("deletionTimestamp"):
+            return
+        isvc_body = stored[0]
+        uid = isvc_body["metadata"].get("uid")
+        mine = {rollout.role: rollout for owner_uid, rollout in rollouts.get(key, [])
+                if owner_uid == uid}
         try:
-            isvc = parse_inference_service(_snapshot(body))
+            isvc = parse_inference_service(isvc_body)
         except InvalidSpec as error:
-            kopf.warn(body, reason="InvalidSpec", message=f"nothing applied: {error}")
-            await publish_status(namespace, name, inference_services, rollouts)
-            return
-        try:
-            applied = await asyncio.to_thread(apply_children, state.kube(), isvc)
-        except MissingApi as error:
-            kopf.warn(body, reason="MissingAPI", message=str(error))
-            raise kopf.TemporaryError(str(error), delay=MISSING_API_RETRY_SECONDS) from None
-        logger.info("applied %d objects", len(applied))
-        await publish_status(namespace, name, inference_services, rollouts)
+            roles, endpoint, problems = sorted(mine), None, str(error)
+        else:
+            roles = [*isvc.spec.engine_roles(), contract.ROUTER]
+            endpoint, problems = naming.router_endpoint(name, namespace), None
+        previous = memo.written_status.get(key, isvc_body.get("status") or {})
+        new = compute_status(
+            generation=isvc_body["metadata"].get("generation", 0),
+            roles=roles,
+            rollouts=mine,
+            endpoint=endpoint,
+            problems=problems,
+            previous=previous,
+            now=_now(),
+        )
+        patch = status_patch(new, previous)
+        if patch is not None:
+            await asyncio.to_thread(memo.kube().patch_status, namespace, name, patch)
+            memo.written_status[key] = new
 
-    @kopf.on.delete(*ISVC, registry=registry, id="delete")
-    async def tear_down(
-        namespace: str, name: str, uid: str, logger: logging.Logger, **_: Any
-    ) -> None:
-        count = await asyncio.to_thread(delete_children, state.kube(), namespace, name, uid)
-        state.written_status.pop((namespace, name), None)
-        logger.info("deleted %d children", count)
 
-    async def repair_child(
-        event: Mapping[str, Any],
-        body: kopf.Body,
-        namespace: str,
-        resource: kopf.Resource,
-        logger: logging.Logger,
-        inference_services: kopf.Index,
-        rollouts: kopf.Index,
-        **_: Any,
-    ) -> None:
-        owner = _owner(body)
-        if owner is None:
-            return
-        instance, _ = owner
-        stored = list(inference_services.get((namespace, instance), []))
-        if not stored or not owned_by(body, stored[0]["metadata"].get("uid", "")):
-            return
-        if stored[0]["metadata"].get("deletionTimestamp"):
-            return
-        try:
-            isvc: InferenceService = parse_inference_service(stored[0])
-        except InvalidSpec:
-            return  # the InferenceService handler reports it; nothing is to be applied
-        wanted = {identity(obj): obj for obj in render(isvc)}
-        target = wanted.get((resource.kind, body["metadata"]["name"]))
-        if target is not None and (event.get("type") == "DELETED" or has_drifted(target, body)):
-            logger.info("restoring %s %s", *identity(target))
-            await asyncio.to_thread(state.kube().apply, target)
-        if resource.kind == DEPLOYMENT.kind:
-            await publish_status(namespace, instance, inference_services, rollouts)
+@kopf.on.resume(*ISVC, registry=registry, id="resume")
+@kopf.on.create(*ISVC, registry=registry, id="create")
+@kopf.on.update(*ISVC, registry=registry, id="update")
+async def reconcile(
+    body: kopf.Body,
+    namespace: str,
+    name: str,
+    logger: logging.Logger,
+    memo: OperatorState,
+    inference_services: kopf.Index,
+    rollouts: kopf.Index,
+    **_: Any,
+) -> None:
+    try:
+        isvc = parse_inference_service(_snapshot(body))
+    except InvalidSpec as error:
+        kopf.warn(body, reason="InvalidSpec", message=f"nothing applied: {error}")
+        await publish_status(memo, namespace, name, inference_services, rollouts)
+        return
+    try:
+        applied = await asyncio.to_thread(apply_children, memo.kube(), isvc)
+    except MissingApi as error:
+        kopf.warn(body, reason="MissingAPI", message=str(error))
+        raise kopf.TemporaryError(str(error), delay=MISSING_API_RETRY_SECONDS) from None
+    logger.info("applied %d objects", len(applied))
+    await publish_status(memo, namespace, name, inference_services, rollouts)
 
-    for kind in CHILD_KINDS:
-        kopf.on.event(kind.group, kind.version, kind.plural, labels=OURS, registry=registry,
-                      id=f"repair-{kind.plural}")(repair_child)
 
-    return registry
+@kopf.on.delete(*ISVC, registry=registry, id="delete")
+async def tear_down(
+    namespace: str, name: str, uid: str, logger: logging.Logger, memo: OperatorState, **_: Any
+) -> None:
+    count = await asyncio.to_thread(delete_children, memo.kube(), namespace, name, uid)
+    memo.written_status.pop((namespace, name), None)
+    logger.info("deleted %d children", count)
+
+
+async def repair_child(
+    event: Mapping[str, Any],
+    body: kopf.Body,
+    namespace: str,
+    resource: kopf.Resource,
+    logger: logging.Logger,
+    memo: OperatorState,
+    inference_services: kopf.Index,
+    rollouts: kopf.Index,
+    **_: Any,
+) -> None:
+    owner = _owner(body)
+    if owner is None:
+        return
+    instance, _ = owner
+    stored = list(inference_services.get((namespace, instance), []))
+    if not stored or not owned_by(body, stored[0]["metadata"].get("uid", "")):
+        return
+    if stored[0]["metadata"].get("deletionTimestamp"):
+        return
+    try:
+        isvc: InferenceService = parse_inference_service(stored[0])
+    except InvalidSpec:
+        return  # the InferenceService handler reports it; nothing is to be applied
+    wanted = {identity(obj): obj for obj in render(isvc)}
+    target = wanted.get((resource.kind, body["metadata"]["name"]))
+    if target is not None and (event.get("type") == "DELETED" or has_drifted(target, body)):
+        logger.info("restoring %s %s", *identity(target))
+        await asyncio.to_thread(memo.kube().apply, target)
+    if resource.kind == DEPLOYMENT.kind:
+        await publish_status(memo, namespace, instance, inference_services, rollouts)
+
+
+for _kind in CHILD_KINDS:
+    kopf.on.event(_kind.group, _kind.version, _kind.plural, labels=OURS, registry=registry,
+                  id=f"repair-{_kind.plural}")(repair_child)

@@ -13,6 +13,7 @@ from torch import nn
 
 from kubesgl.engine.distributed import get_tp_group
 from kubesgl.engine.layers.activation import gated_activation
+from kubesgl.engine.layers.kernels import LayerKernels
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,18 +27,18 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 normalize_top_k: bool, hidden_act: str, dtype: torch.dtype):
+                 normalize_top_k: bool, hidden_act: str, dtype: torch.dtype, kernels: LayerKernels = "torch"):
         super().__init__()
         tp = get_tp_group()
         self.top_k, self.normalize_top_k, self.num_experts = top_k, normalize_top_k, num_experts
         self.intermediate_size = intermediate_size
         self.local_intermediate = tp.shard(intermediate_size)[1]
-        self.act = gated_activation(hidden_act)
+        self.act = gated_activation(hidden_act, kernels)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
         self.gate.weight.requires_grad_(False)
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_intermediate, hidden_size, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_intermediate, dtype=dtype), requires_grad=False)
-        self.fused = False  # the grouped-GEMM Triton kernel instead of the loop over experts
+        self.fused = kernels == "triton"  # the grouped-GEMM Triton kernel instead of the loop over experts
 
     def load_expert(self, expert: int, projection: str, loaded: torch.Tensor) -> None:
         """Copy this rank's slice of one expert's gate_proj, up_proj or down_proj."""

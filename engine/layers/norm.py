@@ -1,21 +1,24 @@
 import torch
 from torch import nn
 
+from kubesgl.engine.layers.kernels import LayerKernels
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, as the reference implementations do.
 
     With `residual`, adds it first and returns (norm(x + residual), x + residual): the
-    residual stream of a decoder layer in one kernel on CUDA."""
+    residual stream of a decoder layer in one kernel with `kernels="triton"`."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, kernels: LayerKernels = "torch"):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor,
                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.is_cuda:
+        if self.kernels == "triton":
             from kubesgl.engine.layers.triton_kernels.norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)

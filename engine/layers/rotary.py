@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from kubesgl.engine.layers.kernels import LayerKernels
 from kubesgl.engine.model_config import RopeConfig
 
 
@@ -73,8 +74,10 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]
 class RotaryEmbedding(nn.Module):
     """Rotates q and k in place of their halves (the "rotate_half" layout of Llama)."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, device: torch.device):
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, device: torch.device,
+                 kernels: LayerKernels = "torch"):
         super().__init__()
+        self.kernels = kernels
         inv_freq, scale = rope_inv_freq(head_dim, rope)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
@@ -82,9 +85,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * scale).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. On CUDA, q and k
-        are rotated in place, in one kernel."""
-        if q.is_cuda:
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. With
+        `kernels="triton"`, q and k are rotated in place, in one kernel."""
+        if self.kernels == "triton":
             from kubesgl.engine.layers.triton_kernels.rotary import apply_rotary_inplace
 
             apply_rotary_inplace(positions, q, k, self.cos, self.sin)

@@ -13,6 +13,7 @@ from kubesgl.engine.attention import AttentionBackend, AttentionLayerSpec
 from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 from kubesgl.engine.layers.activation import gated_activation
 from kubesgl.engine.layers.embedding import VocabParallelEmbedding
+from kubesgl.engine.layers.kernels import LayerKernels
 from kubesgl.engine.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
@@ -27,13 +28,14 @@ from kubesgl.engine.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 kernels: LayerKernels):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
                                           config.num_kv_heads, config.qkv_bias, dtype)
         self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.o_proj_bias, dtype)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, kernels) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, kernels) if config.qk_norm else None
         self.rotary = rotary
         self.spec = AttentionLayerSpec(
             layer_id=layer_id,
@@ -61,11 +63,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, dtype: torch.dtype,
+                 kernels: LayerKernels):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias, dtype)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype)
-        self.act = gated_activation(hidden_act)
+        self.act = gated_activation(hidden_act, kernels)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up: the gate_up_proj's output (the decoder layer runs it, together with the norm)."""
@@ -73,17 +76,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 kernels: LayerKernels):
         super().__init__()
-        self.self_attn = Attention(config, layer_id, rotary, dtype)
+        self.self_attn = Attention(config, layer_id, rotary, dtype, kernels)
         moe = config.moe
         if moe is not None and layer_id in moe.sparse_layers:
             self.mlp: nn.Module = SparseMoeBlock(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
-                                                 moe.normalize_top_k, config.hidden_act, dtype)
+                                                 moe.normalize_top_k, config.hidden_act, dtype, kernels)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, dtype,
+                           kernels)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
 
     def forward(self, hidden, residual, positions, batch, backend):
         """Returns (this layer's output, the residual stream before it); the next norm adds them."""
@@ -97,13 +102,13 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: LayerKernels):
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope, device)
+        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope, device, kernels)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, dtype) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, dtype, kernels) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from kubesgl.engine.distributed import get_tp_group
+from kubesgl.engine.layers.kernels import layer_kernels
 from kubesgl.engine.model_config import ModelConfig
 from kubesgl.engine.models.decoder import CausalLM
 from kubesgl.engine.models.weights import read_safetensors, synthetic_checkpoint
@@ -32,7 +33,7 @@ def load_model(model_path: str | Path, config: ModelConfig, dtype: torch.dtype, 
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unsupported load format {load_format!r} (supported: auto, dummy)")
     with torch.device(device):
-        model = CausalLM(config, dtype, device)
+        model = CausalLM(config, dtype, device, layer_kernels(device))
     if load_format == "dummy":
         model.load_weights(synthetic_checkpoint(config, seed, dtype, device))
     else:

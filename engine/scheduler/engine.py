@@ -19,7 +19,6 @@ from kubesgl.engine.host_memory import host_memory
 from kubesgl.engine.kvcache.allocator import PageAllocator
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 from kubesgl.engine.kvcache.radix_cache import NoPrefixCache, RadixCache
-from kubesgl.engine.layers.moe import SparseMoeBlock
 from kubesgl.engine.messages import GenerateRequest, TokenOutput
 from kubesgl.engine.model_config import ModelConfig, load_model_config
 from kubesgl.engine.models.loader import load_model, resolve_dtype
@@ -90,10 +89,6 @@ class Engine:
                                   self.model_config.context_length)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device, config.load_format, config.seed)
-        if self.device.type == "cuda":
-            for module in self.model.modules():
-                if isinstance(module, SparseMoeBlock):
-                    module.fused = True
         attn = self.model.layers[0].self_attn.spec
 
         page = config.page_size

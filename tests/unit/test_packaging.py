@@ -10,16 +10,44 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# The component folders and the links in kubesgl/ that make them kubesgl's subpackages
+COMPONENTS = {"engine": "kubesgl/engine", "router": "kubesgl/router", "operator": "kubesgl/operator"}
+
+
+def test_the_component_folders_are_kubesgls_subpackages_through_links():
+    """kubesgl/ is the whole package: Python run from the root (pytest over tests/gpu beside a
+    regular install), static tools and the build all resolve kubesgl.engine.* to engine/ by the
+    links, which git keeps as links."""
+    for folder, link in COMPONENTS.items():
+        path = ROOT / link
+        assert path.is_symlink() and path.readlink() == Path("..") / folder, link
+        assert path.resolve() == ROOT / folder
+
+
 def test_every_package_folder_is_listed_in_pyproject():
+    """The build reads the folders through the links (wheel contents: kubesgl/engine/... from
+    engine/...); a package missing from the list would be left out of a regular install."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
-    mapping = config["package-dir"]
-    found = set()
-    for name, folder in mapping.items():
+    assert "package-dir" not in config, "kubesgl/ holds every package through its links"
+    found = {"kubesgl", "kubesgl.operator"}  # operator/ is a namespace package (below)
+    for init in (ROOT / "kubesgl").rglob("__init__.py"):
+        found.add(".".join(init.parent.relative_to(ROOT).parts))
+    for folder in COMPONENTS:  # rglob does not descend into links
         for init in (ROOT / folder).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / folder)
-            found.add(".".join([name, *rel.parts]))
-    assert found <= listed, f"missing from pyproject.toml: {sorted(found - listed)}"
+            found.add(".".join(["kubesgl", *init.parent.relative_to(ROOT).parts]))
+    assert found == listed, f"missing from pyproject.toml: {sorted(found - listed)}; not a package: {sorted(listed - found)}"
+
+
+def test_the_package_resolves_to_the_repositorys_files_from_the_root():
+    import subprocess
+    import sys
+
+    code = "import kubesgl.engine.config, kubesgl.router, kubesgl.operator.spec as s; print(kubesgl.engine.config.__file__, s.__file__)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(ROOT / "kubesgl" / "engine" / "config.py"),
+                                     str(ROOT / "kubesgl" / "operator" / "spec.py")]
 
 
 def test_the_operator_folder_never_shadows_the_standard_library():

@@ -3,14 +3,36 @@
 from __future__ import annotations
 
 import importlib.util
+import typing
 
 import pytest
 import torch
 
-from kubesgl.engine.attention import AttentionLayerSpec, auto_backend, create_backend
+from kubesgl.engine.attention import (
+    ATTENTION_BACKENDS,
+    AttentionBackend,
+    AttentionLayerSpec,
+    auto_backend,
+    create_backend,
+)
+from kubesgl.engine.config import ENGINE_OPTIONS, AttentionBackendName
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+
+
+def test_the_registry_has_exactly_the_backends_the_option_declares():
+    """engine/config.py declares the names torch-free (the CLI and the CRD read them); the registry
+    in engine/attention holds the classes: a backend in one but not the other fails here."""
+    assert set(ATTENTION_BACKENDS) == set(typing.get_args(AttentionBackendName))
+    assert set(ENGINE_OPTIONS["attention_backend"].choices) == {"auto", *ATTENTION_BACKENDS}
+    for name, entry in ATTENTION_BACKENDS.items():  # flashinfer itself is imported only when built
+        assert issubclass(entry.load(), AttentionBackend), name
+
+
+def test_an_unknown_backend_is_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="available: flashinfer, triton, torch"):
+        create_backend("xformers")
 
 
 def test_auto_picks_torch_on_the_cpu():
