@@ -7,10 +7,6 @@ roofline measured in the same run.
 
     python benchmarks/decode_latency.py --model benchmarks/models/llama-3.1-8b --load-format dummy \
         --batch 1 --input-len 128 --output-len 512 --out benchmarks/results/decode_latency.json
-
-`--fused-norm-gemv plain|pdl` runs the norm inside qkv_proj's and gate_up_proj's kernel for
-batches of up to 16 tokens (engine/layers/norm_linear.py, an experiment, off by default),
-`pdl` with programmatic dependent launch.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ import torch
 from common import add_engine_options, make_llm, report
 
 from kubesgl.engine import SamplingParams
-from kubesgl.engine.layers.norm_linear import FusedNormLinear, enable_fused_norm_linear
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
@@ -49,11 +44,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=512)
-    parser.add_argument("--fused-norm-gemv", choices=["plain", "pdl"], default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.fused_norm_gemv:
-        enable_fused_norm_linear(FusedNormLinear(pdl=args.fused_norm_gemv == "pdl"))
 
     llm = make_llm(args, max_running_requests=max(args.batch, 1), context_length=args.input_len + args.output_len + 16)
     device = llm.engine.device
@@ -77,7 +69,6 @@ def main() -> None:
         "model": args.model, "load_format": args.load_format, "dtype": str(llm.engine.dtype), "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "attention_backend": args.attention_backend, "kv_cache_dtype": args.kv_cache_dtype, "overlap": not args.disable_overlap_schedule,
-        "fused_norm_gemv": args.fused_norm_gemv,
         "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
         "first_token_ms": first_token_s * 1e3, "ms_per_decode_step": ms_per_step,
         "output_tokens_per_s": args.batch * args.output_len / total_s, "weight_bytes": weight_bytes,

@@ -22,7 +22,6 @@ from kubesgl.engine.layers.linear import (
 )
 from kubesgl.engine.layers.moe import SparseMoeBlock
 from kubesgl.engine.layers.norm import RMSNorm
-from kubesgl.engine.layers.norm_linear import norm_linear
 from kubesgl.engine.layers.rotary import RotaryEmbedding
 from kubesgl.engine.model_config import ModelConfig
 
@@ -46,12 +45,11 @@ class Attention(nn.Module):
             sliding_window=config.sliding_windows[layer_id],
         )
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                 backend: AttentionBackend) -> torch.Tensor:
-        """qkv: the qkv_proj's output (the decoder layer runs it, together with the norm)."""
         spec = self.spec
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, spec.num_heads, spec.head_dim)
         k = k.view(-1, spec.num_kv_heads, spec.head_dim)
         v = v.view(-1, spec.num_kv_heads, spec.head_dim)
@@ -70,9 +68,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype)
         self.act = gated_activation(hidden_act, kernels)
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up: the gate_up_proj's output (the decoder layer runs it, together with the norm)."""
-        return self.down_proj(self.act(gate_up))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -92,11 +89,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden, residual, positions, batch, backend):
         """Returns (this layer's output, the residual stream before it); the next norm adds them."""
-        qkv, residual = norm_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
-        hidden = self.self_attn(qkv, positions, batch, backend)
-        if isinstance(self.mlp, MLP):  # dense: the norm may run inside gate_up_proj's kernel
-            gate_up, residual = norm_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
-            return self.mlp(gate_up), residual
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, positions, batch, backend)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

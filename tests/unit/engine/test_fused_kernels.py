@@ -17,7 +17,6 @@ from kubesgl.engine.layers.norm import RMSNorm  # noqa: E402
 from kubesgl.engine.layers.rotary import RotaryEmbedding, _rotate  # noqa: E402
 from kubesgl.engine.layers.triton_kernels.activation import silu_and_mul  # noqa: E402
 from kubesgl.engine.layers.triton_kernels.norm import rms_norm  # noqa: E402
-from kubesgl.engine.layers.triton_kernels.norm_gemv import GemvTiles, rms_norm_linear  # noqa: E402
 from kubesgl.engine.layers.triton_kernels.rotary import apply_rotary_inplace  # noqa: E402
 from kubesgl.engine.model_config import RopeConfig  # noqa: E402
 
@@ -86,48 +85,6 @@ def test_silu_and_mul_matches_torch(dtype):
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(silu_and_mul(x.to(DEVICE)).cpu(), F.silu(gate) * up, **tolerance(dtype))
 
-
-def norm_linear_case(dtype, rows, k, n, bias, seed):
-    gen = torch.Generator().manual_seed(seed)
-    norm = RMSNorm(k, 1e-5, dtype)
-    norm.weight.copy_(torch.rand(k, generator=gen) + 0.5)
-    x = (torch.randn(rows, k, generator=gen) * 3).to(dtype)
-    residual = torch.randn(rows, k, generator=gen).to(dtype)
-    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
-    b = torch.randn(n, generator=gen).to(dtype) if bias else None
-    return norm, x, residual, weight, b
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 16])  # CUDA cores (1, 3 padded to 4), tensor cores (16)
-def test_rms_norm_linear_matches_norm_then_linear(dtype, rows):
-    """The Llama-3.1-8B qkv_proj scaled down 32x (hidden 128; 4 q heads and 1 kv head of 32):
-    the same output as the norm kernel's rounding followed by the linear layer, and the
-    residual stream itself."""
-    norm, x, residual, weight, _ = norm_linear_case(dtype, rows, 128, 192, False, rows)
-    out, summed = rms_norm_linear(x.to(DEVICE), norm.weight.to(DEVICE), 1e-5, weight.to(DEVICE),
-                                  residual=residual.to(DEVICE))
-    ref_normed, ref_summed = norm(x, residual)
-    torch.testing.assert_close(summed.cpu(), ref_summed, **tolerance(dtype))
-    torch.testing.assert_close(out.cpu(), F.linear(ref_normed, weight), **tolerance(dtype))
-
-
-@pytest.mark.parametrize("rows", [2, 5])
-def test_rms_norm_linear_ragged_tiles_bias_and_no_residual(rows):
-    """K and N not multiples of the tiles (K read over several tiles, the last one partial),
-    a bias, and the first layer's norm, which has no residual to add."""
-    norm, x, _, weight, bias = norm_linear_case(torch.float32, rows, 100, 70, True, 7)
-    tiles = GemvTiles(block_n=16 if rows > 4 else 4, block_k=32)
-    out, summed = rms_norm_linear(x.to(DEVICE), norm.weight.to(DEVICE), 1e-5, weight.to(DEVICE), bias.to(DEVICE),
-                                  tiles=tiles)
-    assert torch.equal(summed.cpu(), x)
-    torch.testing.assert_close(out.cpu(), F.linear(norm(x), weight, bias), atol=1e-5, rtol=1e-5)
-
-
-def test_rms_norm_linear_refuses_more_rows_than_it_serves():
-    norm, x, _, weight, _ = norm_linear_case(torch.float32, 17, 32, 16, False, 0)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        rms_norm_linear(x, norm.weight, 1e-5, weight)
 
 
 def test_offsets_past_two_to_the_31_do_not_wrap():
