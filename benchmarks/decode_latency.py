@@ -39,7 +39,9 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_engine_options(parser, dtype="bfloat16", attention_backend="torch")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
@@ -47,18 +49,27 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    llm = make_llm(args, max_running_requests=max(args.batch, 1), context_length=args.input_len + args.output_len + 16)
+    llm = make_llm(
+        args,
+        max_running_requests=max(args.batch, 1),
+        context_length=args.input_len + args.output_len + 16,
+    )
     device = llm.engine.device
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     vocab = llm.engine.model_config.vocab_size
-    prompts = [[(i * 131 + j * 17) % (vocab - 10) + 5 for j in range(args.input_len)] for i in range(args.batch)]
+    prompts = [
+        [(i * 131 + j * 17) % (vocab - 10) + 5 for j in range(args.input_len)]
+        for i in range(args.batch)
+    ]
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm up
 
     def timed(max_tokens: int) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        )
         assert all(len(o.token_ids) == max_tokens for o in outs)
         return time.perf_counter() - start
 
@@ -66,12 +77,21 @@ def main() -> None:
     total_s = timed(args.output_len)
     ms_per_step = (total_s - first_token_s) / (args.output_len - 1) * 1e3
     result = {
-        "model": args.model, "load_format": args.load_format, "dtype": str(llm.engine.dtype), "device": str(device),
+        "model": args.model,
+        "load_format": args.load_format,
+        "dtype": str(llm.engine.dtype),
+        "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "attention_backend": args.attention_backend, "kv_cache_dtype": args.kv_cache_dtype, "overlap": not args.disable_overlap_schedule,
-        "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
-        "first_token_ms": first_token_s * 1e3, "ms_per_decode_step": ms_per_step,
-        "output_tokens_per_s": args.batch * args.output_len / total_s, "weight_bytes": weight_bytes,
+        "attention_backend": args.attention_backend,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "overlap": not args.disable_overlap_schedule,
+        "batch": args.batch,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "first_token_ms": first_token_s * 1e3,
+        "ms_per_decode_step": ms_per_step,
+        "output_tokens_per_s": args.batch * args.output_len / total_s,
+        "weight_bytes": weight_bytes,
     }
     if device.type == "cuda":
         bandwidth = copy_bandwidth(device)

@@ -26,13 +26,25 @@ from kubesgl.engine.models.tiny import make_tiny_model
 
 
 def scheduler_cost(model: str, batch: int, overlap: bool, steps: int = 200) -> dict:
-    llm = LLM(model, device="cpu", dtype="float32", max_running_requests=batch, max_total_tokens=batch * 600,
-              disable_overlap_schedule=not overlap)
+    llm = LLM(
+        model,
+        device="cpu",
+        dtype="float32",
+        max_running_requests=batch,
+        max_total_tokens=batch * 600,
+        disable_overlap_schedule=not overlap,
+    )
     engine = llm.engine
     runner = engine.executor.runner
-    runner.run = lambda fb: PendingStep({"token_ids": torch.full((fb.batch_size,), 7)}, None)  # no forward pass
+    runner.run = lambda fb: PendingStep(
+        {"token_ids": torch.full((fb.batch_size,), 7)}, None
+    )  # no forward pass
     for i in range(batch):
-        engine.add_request(GenerateRequest(f"r{i}", [5] * 32, SamplingParams(max_tokens=steps + 50, ignore_eos=True)))
+        engine.add_request(
+            GenerateRequest(
+                f"r{i}", [5] * 32, SamplingParams(max_tokens=steps + 50, ignore_eos=True)
+            )
+        )
     while any(r.status.name != "DECODING" for r in engine.scheduler.requests.values()):
         engine.step()
     for _ in range(10):  # warm up
@@ -45,8 +57,12 @@ def scheduler_cost(model: str, batch: int, overlap: bool, steps: int = 200) -> d
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
     llm.shutdown()
-    return {"batch": batch, "overlap": overlap, "us_per_step_median": statistics.median(times) * 1e6,
-            "us_per_step_p90": sorted(times)[int(0.9 * len(times))] * 1e6}
+    return {
+        "batch": batch,
+        "overlap": overlap,
+        "us_per_step_median": statistics.median(times) * 1e6,
+        "us_per_step_p90": sorted(times)[int(0.9 * len(times))] * 1e6,
+    }
 
 
 def throughput(model: str, batch: int, input_len: int, output_len: int) -> dict:
@@ -66,18 +82,30 @@ def throughput(model: str, batch: int, input_len: int, output_len: int) -> dict:
     with torch.no_grad():
         hf.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, do_sample=False)
         start = time.perf_counter()
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                          min_new_tokens=output_len, do_sample=False)
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+        )
         hf_s = time.perf_counter() - start
     assert out.shape[1] == input_len + output_len
     tokens = batch * output_len
-    return {"batch": batch, "input_len": input_len, "output_len": output_len,
-            "engine_tokens_per_s": tokens / engine_s, "transformers_tokens_per_s": tokens / hf_s,
-            "speedup": hf_s / engine_s}
+    return {
+        "batch": batch,
+        "input_len": input_len,
+        "output_len": output_len,
+        "engine_tokens_per_s": tokens / engine_s,
+        "transformers_tokens_per_s": tokens / hf_s,
+        "speedup": hf_s / engine_s,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="benchmarks/results/engine_cpu.json")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -86,7 +114,9 @@ def main() -> None:
         results = {
             "date": time.strftime("%Y-%m-%d"),
             "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-            "scheduler_cost": [scheduler_cost(model, b, o) for b in (1, 64, 256) for o in (False, True)],
+            "scheduler_cost": [
+                scheduler_cost(model, b, o) for b in (1, 64, 256) for o in (False, True)
+            ],
             "throughput": [throughput(model, b, 128, 128) for b in (1, 16)],
         }
     report(results, args.out)

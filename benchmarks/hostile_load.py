@@ -33,8 +33,12 @@ def hostile_requests() -> dict[str, dict]:
     """Kind -> body for /v1/completions; each is one request that used to stall or kill an engine."""
     return {
         "fan_out_500_prompts_n_64": {"prompt": ["a"] * 500, "n": 64, "max_tokens": 16},
-        "16_stop_strings_of_100_kb": {"prompt": "once upon a time", "max_tokens": 200, "ignore_eos": True,
-                                      "stop": [f"{i}" + "x" * 100_000 for i in range(16)]},
+        "16_stop_strings_of_100_kb": {
+            "prompt": "once upon a time",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stop": [f"{i}" + "x" * 100_000 for i in range(16)],
+        },
         "5_mb_prompt": {"prompt": "a " * 2_500_000, "max_tokens": 4},
         "1m_token_ids": {"prompt": [1] * 1_000_000, "max_tokens": 4},
         "lone_surrogate": {"prompt": "cut emoji \ud83d", "max_tokens": 4},
@@ -48,8 +52,24 @@ class Engine:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         name = f"engine-{self.port}"
-        self.process = start(["serve", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-                              "--api-key", API_KEY, "--served-model-name", "m", *extra], log_dir, name)
+        self.process = start(
+            [
+                "serve",
+                "--model",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--api-key",
+                API_KEY,
+                "--served-model-name",
+                "m",
+                *extra,
+            ],
+            log_dir,
+            name,
+        )
         wait_healthy(self.url, self.process, log_dir, name, timeout=300)
 
     def healthy(self) -> bool:
@@ -70,13 +90,19 @@ class Engine:
 async def window(url: str, rate: float, seconds: float, hostile: dict | None) -> dict:
     """Normal requests at `rate` per second for `seconds`; `hostile` sent after one second."""
     headers = {"authorization": f"Bearer {API_KEY}"}
-    normal = {"model": "m", "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 16,
-              "temperature": 0}
+    normal = {
+        "model": "m",
+        "prompt": "The quick brown fox jumps over the lazy dog",
+        "max_tokens": 16,
+        "temperature": 0,
+    }
     latencies: list[float] = []
     failures: list[int] = []
     outcome: dict = {}
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=300,
-                                 limits=httpx.Limits(max_connections=None)) as client:
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=300, limits=httpx.Limits(max_connections=None)
+    ) as client:
+
         async def one_normal() -> None:
             started = time.perf_counter()
             try:
@@ -84,17 +110,28 @@ async def window(url: str, rate: float, seconds: float, hostile: dict | None) ->
                 status = response.status_code
             except httpx.HTTPError:
                 status = 0
-            (latencies.append(time.perf_counter() - started) if status == 200 else failures.append(status))
+            (
+                latencies.append(time.perf_counter() - started)
+                if status == 200
+                else failures.append(status)
+            )
 
         async def one_hostile() -> None:
             await asyncio.sleep(1.0)
             started = time.perf_counter()
             try:
                 # json.dumps escapes a lone surrogate as \ud83d, as a JavaScript client sends it
-                response = await client.post("/v1/completions", content=json.dumps({"model": "m", **hostile}),
-                                             headers={"content-type": "application/json"})
-                outcome.update(status=response.status_code, error=response.json().get("error", {}).get("type")
-                               if response.status_code != 200 else None)
+                response = await client.post(
+                    "/v1/completions",
+                    content=json.dumps({"model": "m", **hostile}),
+                    headers={"content-type": "application/json"},
+                )
+                outcome.update(
+                    status=response.status_code,
+                    error=response.json().get("error", {}).get("type")
+                    if response.status_code != 200
+                    else None,
+                )
             except (httpx.HTTPError, ValueError) as error:
                 outcome.update(status=None, error=type(error).__name__)
             outcome["seconds"] = round(time.perf_counter() - started, 3)
@@ -115,10 +152,15 @@ async def window(url: str, rate: float, seconds: float, hostile: dict | None) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", help="a model directory (default: the tiny llama, made here)")
-    parser.add_argument("--engine-args", default="--device cpu --dtype float32",
-                        help="more `kubesgl serve` options, one string")
+    parser.add_argument(
+        "--engine-args",
+        default="--device cpu --dtype float32",
+        help="more `kubesgl serve` options, one string",
+    )
     parser.add_argument("--rate", type=float, default=4.0, help="normal requests per second")
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each window")
     parser.add_argument("--kinds", nargs="*", help="hostile kinds to send (default: all)")
@@ -142,14 +184,24 @@ def main() -> None:
             result = asyncio.run(window(engine.url, opts.rate, opts.seconds, body))
             result["engine_survived"] = engine.healthy() and engine.process.poll() is None
             if result["normal_worst_s"] and idle["normal_worst_s"]:
-                result["worst_vs_idle"] = round(result["normal_worst_s"] / idle["normal_worst_s"], 2)
+                result["worst_vs_idle"] = round(
+                    result["normal_worst_s"] / idle["normal_worst_s"], 2
+                )
             kinds[kind] = result
             if not result["engine_survived"]:
                 engine.stop()
                 engine = Engine(model, extra, scratch)
         engine.stop()
-    report({"rate": opts.rate, "seconds": opts.seconds, "engine_args": opts.engine_args, "idle": idle,
-            "hostile": kinds}, opts.out)
+    report(
+        {
+            "rate": opts.rate,
+            "seconds": opts.seconds,
+            "engine_args": opts.engine_args,
+            "idle": idle,
+            "hostile": kinds,
+        },
+        opts.out,
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,11 @@ from pd_one_gpu import start, wait_healthy
 from kubesgl.bench.datasets import random_requests
 from kubesgl.bench.serving import run, summarize
 
-SETTINGS = ["off=", "mixed=--enable-mixed-chunk", "mixed-512=--enable-mixed-chunk --chunked-prefill-size 512"]
+SETTINGS = [
+    "off=",
+    "mixed=--enable-mixed-chunk",
+    "mixed-512=--enable-mixed-chunk --chunked-prefill-size 512",
+]
 WORKLOADS = ["4096/256@4:24", "512/256@16:96"]
 _WORKLOAD = re.compile(r"(\d+)/(\d+)@([\d.]+):(\d+)$")
 
@@ -49,7 +53,9 @@ def parse_workload(text: str) -> tuple[int, int, float, int]:
 def parse_setting(text: str) -> tuple[str, list[str]]:
     name, sep, flags = text.partition("=")
     if not sep or not name:
-        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=FLAGS, e.g. mixed=--enable-mixed-chunk")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not NAME=FLAGS, e.g. mixed=--enable-mixed-chunk"
+        )
     return name, shlex.split(flags)
 
 
@@ -78,25 +84,51 @@ def measure(url: str, workload: tuple[int, int, float, int], vocab: int, seed: i
     summary = summarize(results, duration)
     itl = summary["itl_ms"]
     return {
-        "completed": summary["completed"], "failed": summary["failed"], "errors": summary["errors"],
-        "duration_s": duration, "output_token_throughput": summary["output_token_throughput"],
-        "ttft_ms": summary["ttft_ms"], "itl_ms": itl, "tpot_ms": summary["tpot_ms"],
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+        "errors": summary["errors"],
+        "duration_s": duration,
+        "output_token_throughput": summary["output_token_throughput"],
+        "ttft_ms": summary["ttft_ms"],
+        "itl_ms": itl,
+        "tpot_ms": summary["tpot_ms"],
         "itl_p99_over_p50": itl["p99"] / itl["p50"] if itl else None,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a model directory (default: the tiny llama on the CPU, made here)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", help="a model directory (default: the tiny llama on the CPU, made here)"
+    )
     parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--engine-args", default="--context-length 8192",
-                        help="kubesgl serve flags of every setting, one string")
-    parser.add_argument("--setting", dest="settings", action="append", type=parse_setting,
-                        help=f"NAME=FLAGS, repeatable (default: {' '.join(SETTINGS)})")
-    parser.add_argument("--workload", dest="workloads", action="append", type=parse_workload,
-                        help=f"IN/OUT@RATE:N, repeatable (default: {' '.join(WORKLOADS)})")
-    parser.add_argument("--vocab-size", type=int, default=None, help="prompt token ids are drawn below this "
-                        "(default: the model's vocabulary)")
+    parser.add_argument(
+        "--engine-args",
+        default="--context-length 8192",
+        help="kubesgl serve flags of every setting, one string",
+    )
+    parser.add_argument(
+        "--setting",
+        dest="settings",
+        action="append",
+        type=parse_setting,
+        help=f"NAME=FLAGS, repeatable (default: {' '.join(SETTINGS)})",
+    )
+    parser.add_argument(
+        "--workload",
+        dest="workloads",
+        action="append",
+        type=parse_workload,
+        help=f"IN/OUT@RATE:N, repeatable (default: {' '.join(WORKLOADS)})",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="prompt token ids are drawn below this (default: the model's vocabulary)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
@@ -110,26 +142,54 @@ def main() -> None:
 
             model = str(make_tiny_model(os.path.join(scratch, "tiny"), "llama", 0, 16))
             engine_args += ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "32768"]
-        base = ["serve", "--model", model, "--load-format", opts.load_format, "--served-model-name", "bench",
-                "--host", "127.0.0.1", "--log-level", "warning", *engine_args]
+        base = [
+            "serve",
+            "--model",
+            model,
+            "--load-format",
+            opts.load_format,
+            "--served-model-name",
+            "bench",
+            "--host",
+            "127.0.0.1",
+            "--log-level",
+            "warning",
+            *engine_args,
+        ]
         results = {}
         for name, flags in settings:
             process, url, startup = serve(base + flags, scratch, name)
             try:
-                vocab = opts.vocab_size or httpx.get(url + "/model_info", timeout=30).json()["vocab_size"]
+                vocab = (
+                    opts.vocab_size
+                    or httpx.get(url + "/model_info", timeout=30).json()["vocab_size"]
+                )
                 for input_len, *_ in workloads:  # warm-up: compile and plan each prompt length once
                     measure(url, (input_len, 4, float("inf"), 2), vocab, opts.seed + 1)
-                runs = {f"{w[0]}/{w[1]}@{w[2]:g}": measure(url, w, vocab, opts.seed) for w in workloads}
+                runs = {
+                    f"{w[0]}/{w[1]}@{w[2]:g}": measure(url, w, vocab, opts.seed) for w in workloads
+                }
             finally:
                 stop(process)
             results[name] = {"flags": flags, "startup_s": startup, "workloads": runs}
             for workload, r in runs.items():
-                print(f"{name:>12} {workload:>14}: ITL p50 {r['itl_ms']['p50']:7.2f} p99 {r['itl_ms']['p99']:7.2f} ms, "
-                      f"TTFT p50 {r['ttft_ms']['p50']:8.1f} p99 {r['ttft_ms']['p99']:8.1f} ms, "
-                      f"{r['output_token_throughput']:8.1f} out tok/s, {r['failed']} failed", flush=True)
-    report({"date": time.strftime("%Y-%m-%d"), "model": opts.model or "tiny llama (make-tiny-model), float32, CPU",
-            "load_format": opts.load_format, "engine_args": engine_args, "settings": results,
-            "wall_s": time.perf_counter() - began}, opts.out)
+                print(
+                    f"{name:>12} {workload:>14}: ITL p50 {r['itl_ms']['p50']:7.2f} p99 {r['itl_ms']['p99']:7.2f} ms, "
+                    f"TTFT p50 {r['ttft_ms']['p50']:8.1f} p99 {r['ttft_ms']['p99']:8.1f} ms, "
+                    f"{r['output_token_throughput']:8.1f} out tok/s, {r['failed']} failed",
+                    flush=True,
+                )
+    report(
+        {
+            "date": time.strftime("%Y-%m-%d"),
+            "model": opts.model or "tiny llama (make-tiny-model), float32, CPU",
+            "load_format": opts.load_format,
+            "engine_args": engine_args,
+            "settings": results,
+            "wall_s": time.perf_counter() - began,
+        },
+        opts.out,
+    )
 
 
 if __name__ == "__main__":

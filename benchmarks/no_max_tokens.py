@@ -31,13 +31,17 @@ MODES = {
 }
 
 
-def run(llm, prompts: list[list[int]], stops: list[int], expected: list[list[int]], mode: str) -> dict:
+def run(
+    llm, prompts: list[list[int]], stops: list[int], expected: list[list[int]], mode: str
+) -> dict:
     engine = llm.engine
     engine.scheduler.reset()
     engine.scheduler.kv.estimate = MODES[mode]()
     retractions_before = engine.scheduler.stats().retractions
     for i, (prompt, stop) in enumerate(zip(prompts, stops)):
-        params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+        params = SamplingParams(
+            max_tokens=None, temperature=0, ignore_eos=True, stop_token_ids=[stop]
+        )
         engine.add_request(GenerateRequest(rid=f"{mode}-{i}", input_ids=prompt, params=params))
     outputs: dict[str, list[int]] = {f"{mode}-{i}": [] for i in range(len(prompts))}
     running: list[int] = []
@@ -52,8 +56,11 @@ def run(llm, prompts: list[list[int]], stops: list[int], expected: list[list[int
     got = [outputs[f"{mode}-{i}"] for i in range(len(prompts))]
     tokens = sum(len(g) for g in got)
     return {
-        "mode": mode, "seconds": elapsed, "output_tokens_per_s": tokens / elapsed,
-        "peak_running": max(running), "mean_running": sum(running) / len(running),
+        "mode": mode,
+        "seconds": elapsed,
+        "output_tokens_per_s": tokens / elapsed,
+        "peak_running": max(running),
+        "mean_running": sum(running) / len(running),
         "retractions": engine.scheduler.stats().retractions - retractions_before,
         "final_ratio": engine.scheduler.kv.estimate.ratio,
         "outputs_as_expected": sum(g == e for g, e in zip(got, expected)),
@@ -61,7 +68,9 @@ def run(llm, prompts: list[list[int]], stops: list[int], expected: list[list[int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_engine_options(parser, dtype="bfloat16", attention_backend="triton")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--input-len", type=int, default=512)
@@ -71,22 +80,38 @@ def main() -> None:
     llm = make_llm(args)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    prompts = [
+        [rng.randrange(10, vocab - 10) for _ in range(args.input_len)]
+        for _ in range(args.num_prompts)
+    ]
     cap = llm.engine.scheduler.limits.default_max_tokens
-    lengths = [min(cap, max(1, int(math.exp(rng.gauss(math.log(args.output_median), 0.9)))))
-               for _ in range(args.num_prompts)]
-    reference = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
+    lengths = [
+        min(cap, max(1, int(math.exp(rng.gauss(math.log(args.output_median), 0.9)))))
+        for _ in range(args.num_prompts)
+    ]
+    reference = llm.generate(
+        prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    )
     stops = [out.token_ids[-1] for out in reference]
     # a stop token may come earlier than the length it was taken at: the output ends there
-    expected = [out.token_ids[: out.token_ids.index(stop) + 1] for out, stop in zip(reference, stops)]
+    expected = [
+        out.token_ids[: out.token_ids.index(stop) + 1] for out, stop in zip(reference, stops)
+    ]
     results = [run(llm, prompts, stops, expected, mode) for mode in MODES]
     result = {
-        "model": args.model, "load_format": args.load_format, "dtype": str(llm.engine.dtype),
+        "model": args.model,
+        "load_format": args.load_format,
+        "dtype": str(llm.engine.dtype),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "attention_backend": args.attention_backend, "num_prompts": args.num_prompts, "input_len": args.input_len,
-        "output_median": args.output_median, "output_len_mean": sum(map(len, expected)) / len(expected),
-        "default_max_tokens": cap, "max_running_requests": args.max_running_requests,
-        "kv_pool_tokens": llm.engine.scheduler.stats().kv_total_tokens, "runs": results,
+        "attention_backend": args.attention_backend,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_median": args.output_median,
+        "output_len_mean": sum(map(len, expected)) / len(expected),
+        "default_max_tokens": cap,
+        "max_running_requests": args.max_running_requests,
+        "kv_pool_tokens": llm.engine.scheduler.stats().kv_total_tokens,
+        "runs": results,
     }
     llm.shutdown()
     report(result, args.out)

@@ -36,17 +36,30 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 def setups(opts: argparse.Namespace) -> dict:
     """name -> (engines, router workers from their URLs)."""
     bootstrap = free_port()
-    prefill = EngineProcess("prefill", ("--role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)), "0")
+    prefill = EngineProcess(
+        "prefill", ("--role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)), "0"
+    )
     decode = EngineProcess("decode", ("--role", "decode"), "1")
 
     def pd(min_prefill_tokens: int | None):
-        extra = [] if min_prefill_tokens is None else ["--pd-min-prefill-tokens", str(min_prefill_tokens)]
-        return [prefill, decode], lambda urls: ["--prefill", f"{urls['prefill']}@{bootstrap}", "--decode",
-                                                urls["decode"], *extra]
+        extra = (
+            []
+            if min_prefill_tokens is None
+            else ["--pd-min-prefill-tokens", str(min_prefill_tokens)]
+        )
+        return [prefill, decode], lambda urls: [
+            "--prefill",
+            f"{urls['prefill']}@{bootstrap}",
+            "--decode",
+            urls["decode"],
+            *extra,
+        ]
 
     return {
-        "mixed_x2": ([EngineProcess("mixed0", (), "0"), EngineProcess("mixed1", (), "1")],
-                     lambda urls: ["--worker", urls["mixed0"], urls["mixed1"]]),
+        "mixed_x2": (
+            [EngineProcess("mixed0", (), "0"), EngineProcess("mixed1", (), "1")],
+            lambda urls: ["--worker", urls["mixed0"], urls["mixed1"]],
+        ),
         "pd_1p1d": pd(0),
         "pd_1p1d_conditional": pd(None),
     }
@@ -62,65 +75,139 @@ def workloads(opts: argparse.Namespace) -> list[tuple[int, int, float]]:
     return runs
 
 
-def bench(router: str, input_len: int, output_len: int, rate: float, opts: argparse.Namespace, log_dir: str) -> dict:
+def bench(
+    router: str,
+    input_len: int,
+    output_len: int,
+    rate: float,
+    opts: argparse.Namespace,
+    log_dir: str,
+) -> dict:
     out = os.path.join(log_dir, "serving.json")
     num_prompts = max(opts.min_prompts, int(rate * opts.seconds_per_run))
-    subprocess.run([sys.executable, "-m", "kubesgl", "bench", "serving", "--base-url", router, "--model", "bench",
-                    "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-                    "--vocab-size", str(opts.vocab_size), "--request-rate", str(rate), "--num-prompts",
-                    str(num_prompts), "--goodput", str(opts.slo_ttft_ms), str(opts.slo_itl_ms),
-                    "--output-file", out], check=False, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kubesgl",
+            "bench",
+            "serving",
+            "--base-url",
+            router,
+            "--model",
+            "bench",
+            "--random-input-len",
+            str(input_len),
+            "--random-output-len",
+            str(output_len),
+            "--vocab-size",
+            str(opts.vocab_size),
+            "--request-rate",
+            str(rate),
+            "--num-prompts",
+            str(num_prompts),
+            "--goodput",
+            str(opts.slo_ttft_ms),
+            str(opts.slo_itl_ms),
+            "--output-file",
+            out,
+        ],
+        check=False,
+        stdout=subprocess.DEVNULL,
+    )
     with open(out) as f:
         return json.load(f)
 
 
-def handoff(urls: dict, before: tuple[float, float, float] | None) -> tuple[tuple[float, float, float], dict]:
+def handoff(
+    urls: dict, before: tuple[float, float, float] | None
+) -> tuple[tuple[float, float, float], dict]:
     """The prefill engine's KV write counters now, and their change since `before`."""
     if "prefill" not in urls:
         return (0.0, 0.0, 0.0), {}
-    now = tuple(metric(urls["prefill"], name) for name in (
-        "kubesgl_kv_transfer_seconds_sum", "kubesgl_kv_transfer_seconds_count", "kubesgl_kv_transfer_bytes_total"))
+    now = tuple(
+        metric(urls["prefill"], name)
+        for name in (
+            "kubesgl_kv_transfer_seconds_sum",
+            "kubesgl_kv_transfer_seconds_count",
+            "kubesgl_kv_transfer_bytes_total",
+        )
+    )
     if before is None:
         return now, {}
     seconds, writes, nbytes = (a - b for a, b in zip(now, before))
     if not writes:
         return now, {"writes": 0}
-    return now, {"writes": writes, "seconds_mean": seconds / writes, "bytes_per_request": nbytes / writes,
-                 "gbytes_per_s": nbytes / seconds / 1e9 if seconds else None}
+    return now, {
+        "writes": writes,
+        "seconds_mean": seconds / writes,
+        "bytes_per_request": nbytes / writes,
+        "gbytes_per_s": nbytes / seconds / 1e9 if seconds else None,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--attention-backend", default=None)
-    parser.add_argument("--max-total-tokens", type=int, default=400_000, help="KV pool of each engine, in tokens")
+    parser.add_argument(
+        "--max-total-tokens", type=int, default=400_000, help="KV pool of each engine, in tokens"
+    )
     parser.add_argument("--context-length", type=int, default=8192)
-    parser.add_argument("--vocab-size", type=int, default=128_000, help="prompt token ids are drawn below this")
-    parser.add_argument("--workloads", nargs="+", default=["4096x256@1,2,4", "512x256@4,16"],
-                        help="INPUTxOUTPUT@RATE,RATE,...")
-    parser.add_argument("--seconds-per-run", type=float, default=40.0, help="requests = rate x this")
+    parser.add_argument(
+        "--vocab-size", type=int, default=128_000, help="prompt token ids are drawn below this"
+    )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["4096x256@1,2,4", "512x256@4,16"],
+        help="INPUTxOUTPUT@RATE,RATE,...",
+    )
+    parser.add_argument(
+        "--seconds-per-run", type=float, default=40.0, help="requests = rate x this"
+    )
     parser.add_argument("--min-prompts", type=int, default=20)
     parser.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     parser.add_argument("--slo-itl-ms", type=float, default=20.0)
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
-    result = {"date": time.strftime("%Y-%m-%d"), "model": opts.model, "load_format": opts.load_format,
-              "attention_backend": opts.attention_backend, "slo_ms": [opts.slo_ttft_ms, opts.slo_itl_ms], "runs": []}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "model": opts.model,
+        "load_format": opts.load_format,
+        "attention_backend": opts.attention_backend,
+        "slo_ms": [opts.slo_ttft_ms, opts.slo_itl_ms],
+        "runs": [],
+    }
     for name, (engines, workers) in setups(opts).items():
-        with tempfile.TemporaryDirectory() as log_dir, serving_stack(engines, workers, opts, log_dir) as (router, urls):
+        with (
+            tempfile.TemporaryDirectory() as log_dir,
+            serving_stack(engines, workers, opts, log_dir) as (router, urls),
+        ):
             for input_len, output_len, rate in workloads(opts):
                 counters, _ = handoff(urls, None)
                 serving = bench(router, input_len, output_len, rate, opts, log_dir)
                 _, kv = handoff(urls, counters)
-                result["runs"].append({"setup": name, "input_len": input_len, "output_len": output_len, "rate": rate,
-                                       "ttft_ms": serving["ttft_ms"], "itl_ms": serving["itl_ms"],
-                                       "output_token_throughput": serving["output_token_throughput"],
-                                       "goodput_requests_per_s": serving["goodput_requests_per_s"],
-                                       "slo_attainment": serving["slo_attainment"], "failed": serving["failed"],
-                                       "kv_handoff": kv})
+                result["runs"].append(
+                    {
+                        "setup": name,
+                        "input_len": input_len,
+                        "output_len": output_len,
+                        "rate": rate,
+                        "ttft_ms": serving["ttft_ms"],
+                        "itl_ms": serving["itl_ms"],
+                        "output_token_throughput": serving["output_token_throughput"],
+                        "goodput_requests_per_s": serving["goodput_requests_per_s"],
+                        "slo_attainment": serving["slo_attainment"],
+                        "failed": serving["failed"],
+                        "kv_handoff": kv,
+                    }
+                )
     report(result, opts.out)
 
 

@@ -17,23 +17,39 @@ from kubesgl.engine.messages import GenerateRequest
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    llm = LLM(args.model, load_format=args.load_format, dtype="bfloat16", attention_backend="triton",
-              max_running_requests=args.batch, context_length=4096, max_total_tokens=args.batch * 4096)
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        dtype="bfloat16",
+        attention_backend="triton",
+        max_running_requests=args.batch,
+        context_length=4096,
+        max_total_tokens=args.batch * 4096,
+    )
     engine = llm.engine
     runner = engine.executor.runner
     for i in range(args.batch):
-        engine.add_request(GenerateRequest(f"r{i}", list(range(10, 10 + args.context)),
-                                           SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True)))
+        engine.add_request(
+            GenerateRequest(
+                f"r{i}",
+                list(range(10, 10 + args.context)),
+                SamplingParams(max_tokens=3000, temperature=0, ignore_eos=True),
+            )
+        )
     for _ in range(20):
         engine.step()
-    graph = runner.cuda_graphs.graphs[runner.cuda_graphs.batch_sizes[0] if args.batch == 1 else args.batch]
+    graph = runner.cuda_graphs.graphs[
+        runner.cuda_graphs.batch_sizes[0] if args.batch == 1 else args.batch
+    ]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -48,8 +64,14 @@ def main() -> None:
         engine.step()
     step_ms = (time.perf_counter() - t0) * 1e3 / 100
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    result = {"batch": args.batch, "context": args.context, "graph_replay_ms": replay_ms, "engine_step_ms": step_ms,
-              "weight_gb": weight_bytes / 1e9, "replay_bandwidth_tb_s": weight_bytes / replay_ms / 1e9}
+    result = {
+        "batch": args.batch,
+        "context": args.context,
+        "graph_replay_ms": replay_ms,
+        "engine_step_ms": step_ms,
+        "weight_gb": weight_bytes / 1e9,
+        "replay_bandwidth_tb_s": weight_bytes / replay_ms / 1e9,
+    }
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
     llm.shutdown()

@@ -22,8 +22,13 @@ from kubesgl.engine.models.tiny import make_tiny_model
 
 
 def one_stream(client: httpx.Client, max_tokens: int) -> tuple[float, list[float]]:
-    body = {"prompt": "The capital of France is", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0}
+    body = {
+        "prompt": "The capital of France is",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
     start = time.perf_counter()
     stamps = []
     with client.stream("POST", "/v1/completions", json=body) as response:
@@ -35,7 +40,9 @@ def one_stream(client: httpx.Client, max_tokens: int) -> tuple[float, list[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/serve_latency.json")
@@ -44,9 +51,26 @@ def main() -> None:
         model = str(make_tiny_model(tmp, "llama"))
         port = free_port()
         start = time.perf_counter()
-        server = subprocess.Popen([sys.executable, "-m", "kubesgl", "serve", "--model", model, "--port", str(port),
-                                   "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "16384",
-                                   "--log-level", "warning"])
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kubesgl",
+                "serve",
+                "--model",
+                model,
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+                "--max-total-tokens",
+                "16384",
+                "--log-level",
+                "warning",
+            ]
+        )
         base = f"http://127.0.0.1:{port}"
         while True:
             try:
@@ -69,10 +93,16 @@ def main() -> None:
         server.wait(timeout=60)
     ms = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] * 1e3  # noqa: E731
     result = {
-        "date": time.strftime("%Y-%m-%d"), "model": "tiny llama (make-tiny-model), float32, CPU",
-        "startup_to_healthy_s": startup, "requests": args.requests, "max_tokens": args.max_tokens,
-        "ttft_ms_p50": ms(ttfts, 0.5), "ttft_ms_p99": ms(ttfts, 0.99),
-        "itl_ms_p50": ms(itls, 0.5), "itl_ms_p99": ms(itls, 0.99), "itl_ms_mean": statistics.mean(itls) * 1e3,
+        "date": time.strftime("%Y-%m-%d"),
+        "model": "tiny llama (make-tiny-model), float32, CPU",
+        "startup_to_healthy_s": startup,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "ttft_ms_p50": ms(ttfts, 0.5),
+        "ttft_ms_p99": ms(ttfts, 0.99),
+        "itl_ms_p50": ms(itls, 0.5),
+        "itl_ms_p99": ms(itls, 0.99),
+        "itl_ms_mean": statistics.mean(itls) * 1e3,
     }
     report(result, args.out)
 

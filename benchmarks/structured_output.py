@@ -35,10 +35,24 @@ from kubesgl.engine import SamplingParams
 from kubesgl.engine.sampling_params import GrammarSpec
 from kubesgl.engine.tokenizer.loader import load_tokenizer
 
-SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
-    "type": "object", "required": ["name", "score", "kind"], "properties": {
-        "name": {"type": "string"}, "score": {"type": "number", "minimum": 0, "maximum": 100},
-        "kind": {"enum": ["alpha", "beta", "gamma"]}}}}}}
+SCHEMA = {
+    "type": "object",
+    "required": ["items"],
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "score", "kind"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "score": {"type": "number", "minimum": 0, "maximum": 100},
+                    "kind": {"enum": ["alpha", "beta", "gamma"]},
+                },
+            },
+        }
+    },
+}
 
 
 def synthetic_tokenizer_dir(model: Path, out: Path, vocab_size: int) -> Path:
@@ -54,20 +68,28 @@ def synthetic_tokenizer_dir(model: Path, out: Path, vocab_size: int) -> Path:
     rng = random.Random(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     while len(vocab) < vocab_size - len(specials):
-        piece = ("Ġ" if rng.random() < 0.5 else "") + "".join(rng.choices(letters, k=rng.randint(2, 9)))
+        piece = ("Ġ" if rng.random() < 0.5 else "") + "".join(
+            rng.choices(letters, k=rng.randint(2, 9))
+        )
         vocab.setdefault(piece, len(vocab))
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(specials)
     shutil.copy(model / "config.json", out / "config.json")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=specials[0], eos_token=specials[2]).save_pretrained(out)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token=specials[0], eos_token=specials[2]
+    ).save_pretrained(out)
     return out
 
 
-def mask_step_costs(tokenizer, vocab_size: int, eos: list[int], batch: int, steps: int, device: torch.device) -> dict:
+def mask_step_costs(
+    tokenizer, vocab_size: int, eos: list[int], batch: int, steps: int, device: torch.device
+) -> dict:
     """Median microseconds per step to fill `batch` rows' bitmasks and to apply them to logits."""
-    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos)
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=eos
+    )
     compiler = xgrammar.GrammarCompiler(info)
     start = time.perf_counter()
     compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
@@ -93,36 +115,61 @@ def mask_step_costs(tokenizer, vocab_size: int, eos: list[int], batch: int, step
         apply_us.append((time.perf_counter() - t) * 1e6)
         allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab_size].float()
         allowed[:, eos] = 0
-        for row, matcher in enumerate(matchers):  # a random walk through the grammar, restarted at its end
+        for row, matcher in enumerate(
+            matchers
+        ):  # a random walk through the grammar, restarted at its end
             weights = allowed[row]
             token = int(torch.multinomial(weights, 1, generator=walk)) if weights.any() else eos[0]
             if not matcher.accept_token(token) or matcher.is_terminated():
                 matcher.reset()
-    return {"batch": batch, "steps": steps, "compile_seconds": compile_s,
-            "fill_us_median": statistics.median(fill_us), "apply_us_median": statistics.median(apply_us)}
+    return {
+        "batch": batch,
+        "steps": steps,
+        "compile_seconds": compile_s,
+        "fill_us_median": statistics.median(fill_us),
+        "apply_us_median": statistics.median(apply_us),
+    }
 
 
 def throughput(llm, prompts: list[list[int]], output_len: int, constrained_share: float) -> dict:
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA))
     constrained = int(len(prompts) * constrained_share)
-    params = [SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True,
-                             grammar=grammar if i < constrained else None) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            max_tokens=output_len,
+            temperature=0,
+            ignore_eos=True,
+            grammar=grammar if i < constrained else None,
+        )
+        for i in range(len(prompts))
+    ]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
-    return {"constrained_share": constrained_share, "requests": len(prompts), "seconds": elapsed,
-            "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
-            "constrained_mean_tokens": statistics.mean(len(o.token_ids) for o in outputs[:constrained]) if constrained else None,
-            "finish_reasons": sorted({o.finish_reason.kind for o in outputs})}
+    return {
+        "constrained_share": constrained_share,
+        "requests": len(prompts),
+        "seconds": elapsed,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / elapsed,
+        "constrained_mean_tokens": statistics.mean(len(o.token_ids) for o in outputs[:constrained])
+        if constrained
+        else None,
+        "finish_reasons": sorted({o.finish_reason.kind for o in outputs}),
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_engine_options(parser, dtype="bfloat16")
-    parser.add_argument("--tokenizer-from", default=None, help="a folder with a real tokenizer for this vocabulary")
+    parser.add_argument(
+        "--tokenizer-from", default=None, help="a folder with a real tokenizer for this vocabulary"
+    )
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256)
@@ -152,16 +199,25 @@ def main() -> None:
         masks.append(mask_step_costs(tokenizer, vocab_size, eos, batch, args.mask_steps, device))
         print(f"mask costs at batch {batch}: {masks[-1]}", flush=True)
     rng = random.Random(0)
-    prompts = [[rng.randrange(10, vocab_size - 10) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    prompts = [
+        [rng.randrange(10, vocab_size - 10) for _ in range(args.input_len)]
+        for _ in range(args.num_prompts)
+    ]
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
     runs = [throughput(llm, prompts, args.output_len, share) for share in (0.0, 0.5)]
     result = {
-        "model": args.model, "load_format": args.load_format, "dtype": str(llm.engine.dtype),
+        "model": args.model,
+        "load_format": args.load_format,
+        "dtype": str(llm.engine.dtype),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "tokenizer": args.tokenizer_from or ("synthetic" if source is None else "model's"),
-        "vocab_size": vocab_size, "overlap": not args.disable_overlap_schedule, "schema": SCHEMA,
-        "mask_step_costs": masks, "throughput": runs,
-        "throughput_ratio_50pct_vs_none": runs[1]["output_tokens_per_s"] / runs[0]["output_tokens_per_s"],
+        "vocab_size": vocab_size,
+        "overlap": not args.disable_overlap_schedule,
+        "schema": SCHEMA,
+        "mask_step_costs": masks,
+        "throughput": runs,
+        "throughput_ratio_50pct_vs_none": runs[1]["output_tokens_per_s"]
+        / runs[0]["output_tokens_per_s"],
     }
     llm.shutdown()
     shutil.rmtree(workdir, ignore_errors=True)

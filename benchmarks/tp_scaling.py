@@ -35,7 +35,11 @@ from common import free_port, report
 from kubesgl.engine.model_config import load_model_config
 
 # `python -m kubesgl` must not pick up the repository's kubesgl/ folder from the working directory
-SUBPROCESS_ENV = {**os.environ, "PYTHONSAFEPATH": "1", "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off
+SUBPROCESS_ENV = {
+    **os.environ,
+    "PYTHONSAFEPATH": "1",
+    "NCCL_NVLS_ENABLE": "0",
+}  # NVLink multicast stays off
 
 
 def allreduces_per_forward(model: str) -> dict:
@@ -44,15 +48,32 @@ def allreduces_per_forward(model: str) -> dict:
 
 
 def start_server(args, tp: int, port: int, log) -> subprocess.Popen:
-    command = [sys.executable, "-m", "kubesgl", "serve", "--model", args.model, "--load-format", args.load_format,
-               "--tp-size", str(tp), "--port", str(port), "--device", args.device,
-               "--context-length", str(max(args.input + args.output, args.decode_input + args.decode_output) + 16),
-               *args.serve_arg]
+    command = [
+        sys.executable,
+        "-m",
+        "kubesgl",
+        "serve",
+        "--model",
+        args.model,
+        "--load-format",
+        args.load_format,
+        "--tp-size",
+        str(tp),
+        "--port",
+        str(port),
+        "--device",
+        args.device,
+        "--context-length",
+        str(max(args.input + args.output, args.decode_input + args.decode_output) + 16),
+        *args.serve_arg,
+    ]
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=SUBPROCESS_ENV)
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            raise RuntimeError(f"kubesgl serve --tp-size {tp} exited with {server.returncode}; see {log.name}")
+            raise RuntimeError(
+                f"kubesgl serve --tp-size {tp} exited with {server.returncode}; see {log.name}"
+            )
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return server
@@ -63,24 +84,47 @@ def start_server(args, tp: int, port: int, log) -> subprocess.Popen:
     raise RuntimeError(f"kubesgl serve --tp-size {tp} was not healthy after {args.start_timeout} s")
 
 
-def bench(port: int, vocab: int, prompts: int, input_len: int, output_len: int, concurrency: int | None) -> dict:
+def bench(
+    port: int, vocab: int, prompts: int, input_len: int, output_len: int, concurrency: int | None
+) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [sys.executable, "-m", "kubesgl", "bench", "serving", "--base-url", f"http://127.0.0.1:{port}",
-                   "--num-prompts", str(prompts), "--random-input-len", str(input_len),
-                   "--random-output-len", str(output_len), "--vocab-size", str(vocab), "--output-file", out.name]
+        command = [
+            sys.executable,
+            "-m",
+            "kubesgl",
+            "bench",
+            "serving",
+            "--base-url",
+            f"http://127.0.0.1:{port}",
+            "--num-prompts",
+            str(prompts),
+            "--random-input-len",
+            str(input_len),
+            "--random-output-len",
+            str(output_len),
+            "--vocab-size",
+            str(vocab),
+            "--output-file",
+            out.name,
+        ]
         if concurrency:
             command += ["--max-concurrency", str(concurrency)]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=SUBPROCESS_ENV)
         return json.loads(Path(out.name).read_text())
 
 
-def _time_allreduce(rank: int, size: int, port: int, shape: tuple[int, int], dtype: torch.dtype, device: str,
-                    result) -> None:
+def _time_allreduce(
+    rank: int, size: int, port: int, shape: tuple[int, int], dtype: torch.dtype, device: str, result
+) -> None:
     on_gpu = device == "cuda"
     if on_gpu:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size)
+    dist.init_process_group(
+        "nccl" if on_gpu else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=size,
+    )
     x = torch.ones(shape, dtype=dtype, device=f"cuda:{rank}" if on_gpu else "cpu")
     for _ in range(20):
         dist.all_reduce(x)
@@ -101,8 +145,10 @@ def allreduce_seconds(size: int, shape: tuple[int, int], dtype: torch.dtype, dev
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
     port = free_port()
-    workers = [ctx.Process(target=_time_allreduce, args=(r, size, port, shape, dtype, device, result))
-               for r in range(size)]
+    workers = [
+        ctx.Process(target=_time_allreduce, args=(r, size, port, shape, dtype, device, result))
+        for r in range(size)
+    ]
     for w in workers:
         w.start()
     seconds = result.get(timeout=300)
@@ -112,7 +158,9 @@ def allreduce_seconds(size: int, shape: tuple[int, int], dtype: torch.dtype, dev
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--device", default="cuda")
@@ -123,31 +171,54 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=200)
     parser.add_argument("--input", type=int, default=1024)
     parser.add_argument("--output", type=int, default=512)
-    parser.add_argument("--serve-arg", action="append", default=[], help="passed to kubesgl serve (repeatable)")
+    parser.add_argument(
+        "--serve-arg", action="append", default=[], help="passed to kubesgl serve (repeatable)"
+    )
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     config = load_model_config(args.model)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    result = {"model": args.model, "device": args.device, "allreduces_per_forward": allreduces_per_forward(args.model),
-              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "runs": {}}
+    result = {
+        "model": args.model,
+        "device": args.device,
+        "allreduces_per_forward": allreduces_per_forward(args.model),
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "runs": {},
+    }
     for tp in args.tp_sizes:
         port = free_port()
-        with tempfile.NamedTemporaryFile("w", prefix=f"serve-tp{tp}-", suffix=".log", delete=False) as log:
+        with tempfile.NamedTemporaryFile(
+            "w", prefix=f"serve-tp{tp}-", suffix=".log", delete=False
+        ) as log:
             server = start_server(args, tp, port, log)
             try:
-                decode = bench(port, config.vocab_size, args.decode_requests, args.decode_input, args.decode_output, 1)
-                throughput = bench(port, config.vocab_size, args.prompts, args.input, args.output, None)
+                decode = bench(
+                    port,
+                    config.vocab_size,
+                    args.decode_requests,
+                    args.decode_input,
+                    args.decode_output,
+                    1,
+                )
+                throughput = bench(
+                    port, config.vocab_size, args.prompts, args.input, args.output, None
+                )
             finally:
                 server.terminate()
                 server.wait(timeout=120)
-        run = {"batch1_ms_per_step": decode["tpot_ms"]["p50"], "batch1_itl_p99_ms": decode["itl_ms"]["p99"],
-               "throughput_output_tok_s": throughput["output_token_throughput"]}
+        run = {
+            "batch1_ms_per_step": decode["tpot_ms"]["p50"],
+            "batch1_itl_p99_ms": decode["itl_ms"]["p99"],
+            "throughput_output_tok_s": throughput["output_token_throughput"],
+        }
         if tp > 1:
             seconds = allreduce_seconds(tp, (1, config.hidden_size), dtype, args.device)
             count = result["allreduces_per_forward"]["all_reduce"]
             run["allreduce_us_batch1"] = seconds * 1e6
-            run["allreduce_share_of_batch1_step"] = count * seconds * 1e3 / run["batch1_ms_per_step"]
+            run["allreduce_share_of_batch1_step"] = (
+                count * seconds * 1e3 / run["batch1_ms_per_step"]
+            )
         result["runs"][str(tp)] = run
         print(f"tp {tp}: {run}", flush=True)
     report(result, args.out)

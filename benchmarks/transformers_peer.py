@@ -25,7 +25,9 @@ def build(model_path: str):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, tensor in synthetic_checkpoint(load_model_config(model_path), 0, torch.bfloat16, "cuda"):
+        for name, tensor in synthetic_checkpoint(
+            load_model_config(model_path), 0, torch.bfloat16, "cuda"
+        ):
             params[name].copy_(tensor)
     return model.eval()
 
@@ -37,7 +39,9 @@ def run(model, batch: int, input_len: int, output_len: int) -> dict:
     def generate(n: int) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
         torch.cuda.synchronize()
         assert out.shape[1] == input_len + n
         return time.perf_counter() - start
@@ -45,21 +49,30 @@ def run(model, batch: int, input_len: int, output_len: int) -> dict:
     generate(4)
     first = generate(1)
     total = generate(output_len)
-    return {"batch": batch, "input_len": input_len, "output_len": output_len,
-            "ms_per_decode_step": (total - first) / (output_len - 1) * 1e3,
-            "output_tokens_per_s": batch * output_len / total}
+    return {
+        "batch": batch,
+        "input_len": input_len,
+        "output_len": output_len,
+        "ms_per_decode_step": (total - first) / (output_len - 1) * 1e3,
+        "output_tokens_per_s": batch * output_len / total,
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import transformers
 
     model = build(args.model)
-    result = {"transformers": transformers.__version__, "gpu": torch.cuda.get_device_name(),
-              "runs": [run(model, 1, 128, 512), run(model, 64, 512, 256)]}
+    result = {
+        "transformers": transformers.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "runs": [run(model, 1, 128, 512), run(model, 64, 512, 256)],
+    }
     report(result, args.out)
 
 

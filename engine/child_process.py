@@ -35,7 +35,9 @@ def exit_for_start_failure(endpoints: Endpoints, name: str, exc: BaseException) 
     """A child that could not start: one line naming the problem (the traceback only at
     --log-level debug), left for the server to repeat as its last line, and exit status 1."""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if not isinstance(exc, (ValueError, OSError, RuntimeError, ImportError)):  # not one of the engine's own errors
+    if not isinstance(
+        exc, (ValueError, OSError, RuntimeError, ImportError)
+    ):  # not one of the engine's own errors
         message = f"{type(exc).__name__}: {message}"
     logger = logging.getLogger("kubesgl.serve")
     logger.error("%s could not start: %s", name, message)
@@ -46,7 +48,9 @@ def exit_for_start_failure(endpoints: Endpoints, name: str, exc: BaseException) 
         pass
     logging.shutdown()
     sys.stderr.flush()
-    os._exit(1)  # at once: unwinding torch and the rest at exit takes seconds, and there is nothing to keep
+    os._exit(
+        1
+    )  # at once: unwinding torch and the rest at exit takes seconds, and there is nothing to keep
 
 
 def start_failure(endpoints: Endpoints, name: str) -> str | None:

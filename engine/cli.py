@@ -14,14 +14,21 @@ from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 # is refused (an option is never ignored); `kubesgl generate --help` leaves them out.
 REFUSED = {
     "tp_size": "kubesgl generate runs one engine process on one device; "
-               "tensor parallelism is served (kubesgl serve --tp-size N)",
+    "tensor parallelism is served (kubesgl serve --tp-size N)",
     "role": "kubesgl generate runs the whole request in one engine; "
-            "prefill and decode engines are served (kubesgl serve --role ...)",
+    "prefill and decode engines are served (kubesgl serve --role ...)",
     "disaggregation_bootstrap_port": "only prefill and decode engines, which are served, have a bootstrap server",
     "disaggregation_timeout": "only prefill and decode engines, which are served, transfer KV",
     "default_max_tokens": "kubesgl generate gives every prompt --max-tokens",
-    **dict.fromkeys(("max_sequences_per_request", "max_stop_string_length", "max_request_body_bytes",
-                     "max_prompt_chars_per_token"), "a limit of the HTTP server's requests; kubesgl generate serves none"),
+    **dict.fromkeys(
+        (
+            "max_sequences_per_request",
+            "max_stop_string_length",
+            "max_request_body_bytes",
+            "max_prompt_chars_per_token",
+        ),
+        "a limit of the HTTP server's requests; kubesgl generate serves none",
+    ),
 }
 
 
@@ -29,26 +36,46 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubesgl generate", description=__doc__)
     add_engine_args(parser, refused=REFUSED)
     sampling = parser.add_argument_group("generation")
-    sampling.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    sampling.add_argument("--max-tokens", type=int, default=64, metavar="N",
-                          help="tokens generated per prompt (default: 64)")
-    sampling.add_argument("--temperature", type=float, default=0.0, metavar="X",
-                          help="0 is greedy (default: 0.0)")
+    sampling.add_argument(
+        "--prompt", action="append", required=True, help="a prompt (repeat for a batch)"
+    )
+    sampling.add_argument(
+        "--max-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="tokens generated per prompt (default: 64)",
+    )
+    sampling.add_argument(
+        "--temperature", type=float, default=0.0, metavar="X", help="0 is greedy (default: 0.0)"
+    )
     sampling.add_argument("--top-p", type=float, default=1.0, metavar="X", help="(default: 1.0)")
-    sampling.add_argument("--top-k", type=int, default=-1, metavar="N", help="-1: no limit (default: -1)")
-    sampling.add_argument("--seed", type=int, default=None, metavar="N", help="sampling seed (default: unseeded)")
+    sampling.add_argument(
+        "--top-k", type=int, default=-1, metavar="N", help="-1: no limit (default: -1)"
+    )
+    sampling.add_argument(
+        "--seed", type=int, default=None, metavar="N", help="sampling seed (default: unseeded)"
+    )
     return parser
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     config = engine_config_from_args(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
     options = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
     try:
         llm = LLM(config.model, **options)
-    except (ValueError, OSError) as exc:  # options this machine or model cannot run, a missing model
+    except (
+        ValueError,
+        OSError,
+    ) as exc:  # options this machine or model cannot run, a missing model
         print(f"kubesgl generate: {exc}", file=sys.stderr)
         return 2
     with llm:
@@ -58,5 +85,7 @@ def main(argv: list[str]) -> int:
             print(f"kubesgl generate: {exc}", file=sys.stderr)
             return 2
         for prompt, out in zip(args.prompt, outputs):
-            print(f"{prompt!r} -> {out.text!r}  [{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]")
+            print(
+                f"{prompt!r} -> {out.text!r}  [{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]"
+            )
     return 0

@@ -40,15 +40,27 @@ def add_engine_args(parser: argparse.ArgumentParser, refused: dict[str, str] | N
     group = parser.add_argument_group("engine options")
     for opt in CLI_OPTIONS:
         if opt.name in refused:
-            group.add_argument(opt.flag, type=opt.type, default=opt.default, metavar=_METAVARS.get(opt.type),
-                               action=_Refused, reason=refused[opt.name])
+            group.add_argument(
+                opt.flag,
+                type=opt.type,
+                default=opt.default,
+                metavar=_METAVARS.get(opt.type),
+                action=_Refused,
+                reason=refused[opt.name],
+            )
         elif opt.is_switch:
             group.add_argument(opt.flag, action="store_true", help=opt.help)
         elif opt.required:
             group.add_argument(opt.flag, type=opt.type, required=True, help=help_text(opt))
         else:
-            group.add_argument(opt.flag, type=opt.type, choices=opt.choices or None, default=opt.default,
-                               metavar=_METAVARS.get(opt.type), help=help_text(opt))
+            group.add_argument(
+                opt.flag,
+                type=opt.type,
+                choices=opt.choices or None,
+                default=opt.default,
+                metavar=_METAVARS.get(opt.type),
+                help=help_text(opt),
+            )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

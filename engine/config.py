@@ -43,13 +43,21 @@ class Bounds:
     lt: float | None = None
 
     def holds(self, value: float) -> bool:
-        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
 
     def describe(self) -> str:
         """'at least 1', 'in (0, 1)', ...: what a value must be."""
-        low = (f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None)
-        high = (f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else None)
+        low = (
+            f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None
+        )
+        high = (
+            f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else None
+        )
         if low and high:
             return f"in {low}, {high}"
         if low:
@@ -64,8 +72,16 @@ class _Declared:
     cli: bool
 
 
-def option(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = None, gt: float | None = None,
-           le: float | None = None, lt: float | None = None, cli: bool = True) -> Any:
+def option(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    cli: bool = True,
+) -> Any:
     """An EngineConfig field: its default and help text, and the bounds of a number. `cli=False`
     keeps it off the command line (the offline `LLM` API sets it)."""
     declared = _Declared(help, Bounds(ge, gt, le, lt), cli)
@@ -74,65 +90,117 @@ def option(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = 
 
 @dataclass
 class EngineConfig:
-    model: str = option(help="checkpoint directory, or a Hugging Face id (Qwen/Qwen3-0.6B) that huggingface_hub "
-                             "downloads into its cache; with HF_HUB_OFFLINE=1 the cached copy, no network")
+    model: str = option(
+        help="checkpoint directory, or a Hugging Face id (Qwen/Qwen3-0.6B) that huggingface_hub "
+        "downloads into its cache; with HF_HUB_OFFLINE=1 the cached copy, no network"
+    )
     tp_size: int = option(1, help="tensor-parallel ranks: one process and one device each", ge=1)
-    role: EngineRole = option(MIXED, help="mixed runs whole requests; prefill and decode engines split "
-                                            "each request between them (prefill/decode disaggregation)")
-    device: Literal["auto", Device] = option("auto", help="auto: cuda where a GPU is available, else cpu")
-    dtype: Dtype = option("auto", help="of weights and activations; auto: the checkpoint's half-precision "
-                                       "dtype, a float32 checkpoint in float32 on the CPU and bfloat16 on a GPU")
-    kv_cache_dtype: KvCacheDtype = option("auto", help="storage of the KV cache: auto = the model's dtype; "
-                                                       "fp8_e4m3 halves its bytes")
-    load_format: LoadFormat = option("auto", help="dummy: random weights from the config, no weight files read")
+    role: EngineRole = option(
+        MIXED,
+        help="mixed runs whole requests; prefill and decode engines split "
+        "each request between them (prefill/decode disaggregation)",
+    )
+    device: Literal["auto", Device] = option(
+        "auto", help="auto: cuda where a GPU is available, else cpu"
+    )
+    dtype: Dtype = option(
+        "auto",
+        help="of weights and activations; auto: the checkpoint's half-precision "
+        "dtype, a float32 checkpoint in float32 on the CPU and bfloat16 on a GPU",
+    )
+    kv_cache_dtype: KvCacheDtype = option(
+        "auto", help="storage of the KV cache: auto = the model's dtype; fp8_e4m3 halves its bytes"
+    )
+    load_format: LoadFormat = option(
+        "auto", help="dummy: random weights from the config, no weight files read"
+    )
     # `kubesgl generate --seed` is the requests' sampling seed; the engine's own stays 0 there.
-    seed: int = option(0, help="seeds dummy weights, and sampling (the same on every tensor-parallel rank)",
-                       cli=False)
+    seed: int = option(
+        0,
+        help="seeds dummy weights, and sampling (the same on every tensor-parallel rank)",
+        cli=False,
+    )
     page_size: int = option(1, help="tokens per KV page", ge=1)
-    max_running_requests: int = option(256, help="requests admitted at once (each holds its KV until it ends)",
-                                       ge=1)
-    chunked_prefill_size: int = option(8192, help="prompt tokens per prefill step; 0 or less disables chunking")
-    enable_mixed_chunk: bool = option(False, help="prompt chunks and the running decodes share a step, so decodes "
-                                                  "go on while prompts are prefilled; the decodes' tokens count "
-                                                  "against --chunked-prefill-size, the step's budget")
+    max_running_requests: int = option(
+        256, help="requests admitted at once (each holds its KV until it ends)", ge=1
+    )
+    chunked_prefill_size: int = option(
+        8192, help="prompt tokens per prefill step; 0 or less disables chunking"
+    )
+    enable_mixed_chunk: bool = option(
+        False,
+        help="prompt chunks and the running decodes share a step, so decodes "
+        "go on while prompts are prefilled; the decodes' tokens count "
+        "against --chunked-prefill-size, the step's budget",
+    )
     max_prefill_tokens: int = option(16384, help="prompt tokens admitted in one prefill step", ge=1)
-    max_total_tokens: int | None = option(None, help="KV pool size in tokens; unset: sized from free memory "
-                                                     "(--mem-fraction-static)")
+    max_total_tokens: int | None = option(
+        None, help="KV pool size in tokens; unset: sized from free memory (--mem-fraction-static)"
+    )
     mem_fraction_static: float | None = option(
-        None, help=f"when the KV pool is sized from memory: on a GPU, the share of its memory for weights and KV "
-                   f"cache (unset: {GPU_MEM_FRACTION}); on the CPU, the share of the memory still free to this "
-                   f"process, its cgroup limit included, for the KV cache (unset: {CPU_MEM_FRACTION})",
-        gt=0, lt=1)
-    context_length: int | None = option(None, help="longest prompt plus output; unset: the model's "
-                                                   "max_position_embeddings")
-    default_max_tokens: int = option(4096, help="output limit of requests that give no max_tokens", ge=1)
+        None,
+        help=f"when the KV pool is sized from memory: on a GPU, the share of its memory for weights and KV "
+        f"cache (unset: {GPU_MEM_FRACTION}); on the CPU, the share of the memory still free to this "
+        f"process, its cgroup limit included, for the KV cache (unset: {CPU_MEM_FRACTION})",
+        gt=0,
+        lt=1,
+    )
+    context_length: int | None = option(
+        None, help="longest prompt plus output; unset: the model's max_position_embeddings"
+    )
+    default_max_tokens: int = option(
+        4096, help="output limit of requests that give no max_tokens", ge=1
+    )
     attention_backend: Literal["auto", AttentionBackendName] = option(
-        "auto", help="auto: flashinfer on CUDA where installed, else triton; torch on the CPU")
+        "auto", help="auto: flashinfer on CUDA where installed, else triton; torch on the CPU"
+    )
     schedule_policy: SchedulePolicyName = option(
-        "fcfs", help="order of the waiting queue: fcfs = arrival; lpm = longest prefix in the radix cache first; "
-                     "dfs-weight = requests sharing cached prefixes together, the largest group first")
+        "fcfs",
+        help="order of the waiting queue: fcfs = arrival; lpm = longest prefix in the radix cache first; "
+        "dfs-weight = requests sharing cached prefixes together, the largest group first",
+    )
     schedule_max_wait: float = option(
-        10.0, help="seconds a waiting request may be passed over by --schedule-policy; past them it goes first",
-        gt=0)
-    disable_radix_cache: bool = option(False, help="no prefix cache: every prompt is computed in full")
-    disable_overlap_schedule: bool = option(False, help="build each step only after the previous one ended")
+        10.0,
+        help="seconds a waiting request may be passed over by --schedule-policy; past them it goes first",
+        gt=0,
+    )
+    disable_radix_cache: bool = option(
+        False, help="no prefix cache: every prompt is computed in full"
+    )
+    disable_overlap_schedule: bool = option(
+        False, help="build each step only after the previous one ended"
+    )
     disable_cuda_graph: bool = option(False, help="run decode steps eagerly, without CUDA graphs")
     cuda_graph_max_bs: int = option(256, help="largest decode batch captured in a CUDA graph")
     # What one request may ask for, so that none holds up the others (docs/server.md, Limits)
     max_sequences_per_request: int = option(
-        256, help="sequences one request may ask for: its prompts times n; more is a 400", ge=1)
-    max_stop_string_length: int = option(1024, help="characters of one stop string; longer is a 400", ge=1)
+        256, help="sequences one request may ask for: its prompts times n; more is a 400", ge=1
+    )
+    max_stop_string_length: int = option(
+        1024, help="characters of one stop string; longer is a 400", ge=1
+    )
     max_request_body_bytes: int = option(
-        16 * 1024 * 1024, help="bytes of one request body (16 MiB); larger is a 413", ge=1024)
+        16 * 1024 * 1024, help="bytes of one request body (16 MiB); larger is a 413", ge=1024
+    )
     max_prompt_chars_per_token: int = option(
-        16, help="a text prompt (chat: its messages' text) longer than the context length times this many "
-                 "characters is a 400 before it is tokenized (text averages about 4 characters per token)", ge=1)
+        16,
+        help="a text prompt (chat: its messages' text) longer than the context length times this many "
+        "characters is a 400 before it is tokenized (text averages about 4 characters per token)",
+        ge=1,
+    )
     disaggregation_bootstrap_port: int = option(
-        BOOTSTRAP_PORT, help="port of this engine's KV bootstrap server (prefill role); for decode engines, "
-                             "the port assumed when a request's bootstrap_port is null", ge=0, le=65535)
+        BOOTSTRAP_PORT,
+        help="port of this engine's KV bootstrap server (prefill role); for decode engines, "
+        "the port assumed when a request's bootstrap_port is null",
+        ge=0,
+        le=65535,
+    )
     disaggregation_timeout: float = option(
-        60.0, help="seconds a prefill or decode engine waits for its partner's side of one request's KV "
-                   "transfer before failing it", gt=0)
+        60.0,
+        help="seconds a prefill or decode engine waits for its partner's side of one request's KV "
+        "transfer before failing it",
+        gt=0,
+    )
 
     def validate(self) -> None:
         for opt in ENGINE_OPTIONS.values():
@@ -142,9 +210,11 @@ class EngineConfig:
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("--max-total-tokens must hold at least two pages")
         if self.enable_mixed_chunk and 0 < self.chunked_prefill_size <= self.max_running_requests:
-            raise ValueError(f"--enable-mixed-chunk: --chunked-prefill-size ({self.chunked_prefill_size}) must be "
-                             f"larger than --max-running-requests ({self.max_running_requests}): a mixed step's "
-                             "decodes, one token each, count against it and leave the rest to the prefill chunk")
+            raise ValueError(
+                f"--enable-mixed-chunk: --chunked-prefill-size ({self.chunked_prefill_size}) must be "
+                f"larger than --max-running-requests ({self.max_running_requests}): a mixed step's "
+                "decodes, one token each, count against it and leave the rest to the prefill chunk"
+            )
 
 
 @dataclass(frozen=True)
@@ -191,13 +261,17 @@ def _engine_options() -> dict[str, EngineOption]:
     for f in dataclasses.fields(EngineConfig):
         hint, optional = hints[f.name], False
         if typing.get_origin(hint) in (typing.Union, types.UnionType):  # `int | None`
-            (hint,), optional = [arg for arg in typing.get_args(hint) if arg is not type(None)], True
+            (hint,), optional = (
+                [arg for arg in typing.get_args(hint) if arg is not type(None)],
+                True,
+            )
         choices: tuple[str, ...] = ()
         if typing.get_origin(hint) is Literal:
             hint, choices = str, typing.get_args(hint)
         declared: _Declared = f.metadata[_OPTION]
-        options[f.name] = EngineOption(f.name, hint, f.default, declared.help, choices, optional,
-                                       declared.bounds, declared.cli)
+        options[f.name] = EngineOption(
+            f.name, hint, f.default, declared.help, choices, optional, declared.bounds, declared.cli
+        )
     return options
 
 

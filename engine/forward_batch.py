@@ -53,7 +53,9 @@ class VocabMask:
     def wait(self) -> torch.Tensor:
         self._ready.wait()
         if self._error is not None:
-            raise RuntimeError("the scheduler could not fill this step's grammar mask") from self._error
+            raise RuntimeError(
+                "the scheduler could not fill this step's grammar mask"
+            ) from self._error
         return self.bitmask
 
 
@@ -110,14 +112,23 @@ class ForwardBatch:
 
         def part(mode: ForwardMode, row_range: slice, token_range: slice) -> ForwardBatch:
             return dataclasses.replace(
-                self, mode=mode, input_ids=self.input_ids[token_range], positions=self.positions[token_range],
-                out_cache_loc=self.out_cache_loc[token_range], req_rows=self.req_rows[row_range],
-                seq_lens=self.seq_lens[row_range], seq_lens_cpu=self.seq_lens_cpu[row_range],
-                extend_lens_cpu=self.extend_lens_cpu[row_range], attn=None, prefill_rows=0,
+                self,
+                mode=mode,
+                input_ids=self.input_ids[token_range],
+                positions=self.positions[token_range],
+                out_cache_loc=self.out_cache_loc[token_range],
+                req_rows=self.req_rows[row_range],
+                seq_lens=self.seq_lens[row_range],
+                seq_lens_cpu=self.seq_lens_cpu[row_range],
+                extend_lens_cpu=self.extend_lens_cpu[row_range],
+                attn=None,
+                prefill_rows=0,
             )
 
-        return (part(ForwardMode.EXTEND, slice(None, rows), slice(None, tokens)),
-                part(ForwardMode.DECODE, slice(rows, None), slice(tokens, None)))
+        return (
+            part(ForwardMode.EXTEND, slice(None, rows), slice(None, tokens)),
+            part(ForwardMode.DECODE, slice(rows, None), slice(tokens, None)),
+        )
 
     def to(self, device: torch.device) -> ForwardBatch:
         if device.type == "cpu":
@@ -131,5 +142,8 @@ def _move(value: Any, device: torch.device) -> Any:
         # steps already queued on the device.
         return value.pin_memory().to(device, non_blocking=True)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _move(getattr(value, f.name), device) for f in dataclasses.fields(value)})
+        return dataclasses.replace(
+            value,
+            **{f.name: _move(getattr(value, f.name), device) for f in dataclasses.fields(value)},
+        )
     return value

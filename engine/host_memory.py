@@ -31,7 +31,9 @@ _V2 = _CgroupFiles("memory.max", "memory.current", "inactive_file")
 _V1 = _CgroupFiles("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
 
 
-def host_memory(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> HostMemory:
+def host_memory(
+    proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> HostMemory:
     meminfo = _meminfo(proc / "meminfo")
     available, total = meminfo["MemAvailable"], meminfo["MemTotal"]
     for limit, used in _cgroup_limits(proc / "self" / "cgroup", cgroup_root):

@@ -59,6 +59,8 @@ def pull(context: zmq.Context, address: str) -> zmq.Socket:
 
 def push(context: zmq.Context, address: str) -> zmq.Socket:
     socket = context.socket(zmq.PUSH)
-    socket.setsockopt(zmq.LINGER, 2000)  # deliver what was sent (Shutdown, say), but never hang on exit
+    socket.setsockopt(
+        zmq.LINGER, 2000
+    )  # deliver what was sent (Shutdown, say), but never hang on exit
     socket.connect(address)
     return socket

@@ -35,11 +35,15 @@ class LLM:
             raise TypeError(f"unknown engine options {unknown}; known: {sorted(known - {'model'})}")
         config = EngineConfig(model=model, **options)
         if config.role != MIXED:
-            raise ValueError(f"role {config.role!r}: offline generation runs the whole request in one engine; "
-                             "prefill and decode engines are served (kubesgl serve --role ...)")
+            raise ValueError(
+                f"role {config.role!r}: offline generation runs the whole request in one engine; "
+                "prefill and decode engines are served (kubesgl serve --role ...)"
+            )
         if config.tp_size != 1:
-            raise ValueError(f"tp_size {config.tp_size}: offline generation runs one engine process on one device; "
-                             "tensor parallelism is served (kubesgl serve --tp-size N)")
+            raise ValueError(
+                f"tp_size {config.tp_size}: offline generation runs one engine process on one device; "
+                "tensor parallelism is served (kubesgl serve --tp-size N)"
+            )
         # A mistake in one line (a StartupError) before any weight is read; a Hugging Face id
         # becomes the folder of its snapshot in the Hub's cache.
         config = check_engine(config)
@@ -51,8 +55,11 @@ class LLM:
         (token ids only)."""
         return self.engine.scheduler.stop_checker.tokenizer
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (strings, or lists of token ids) and return the results
         in prompt order. Raises InvalidRequestError, naming the problem, before anything runs
         if any request is invalid."""
@@ -86,17 +93,25 @@ class LLM:
             for request in requests:
                 # the same text a server client receives: cut before a matched stop string
                 result = results[request.rid]
-                state = DecodeState(skip_special_tokens=request.params.skip_special_tokens, stop=request.params.stop)
+                state = DecodeState(
+                    skip_special_tokens=request.params.skip_special_tokens, stop=request.params.stop
+                )
                 matched = result.finish_reason.matched_str if result.finish_reason else None
-                result.text = detokenizer.step(state, result.token_ids, finished=True, matched_stop=matched)
+                result.text = detokenizer.step(
+                    state, result.token_ids, finished=True, matched_stop=matched
+                )
         return [results[r.rid] for r in requests]
 
     def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: give prompts as token ids", param="prompt")
+                raise InvalidRequestError(
+                    "this model has no tokenizer: give prompts as token ids", param="prompt"
+                )
             if not is_utf8(prompt):
-                raise InvalidRequestError("the prompt is not valid UTF-8 text (a lone surrogate is not)", param="prompt")
+                raise InvalidRequestError(
+                    "the prompt is not valid UTF-8 text (a lone surrogate is not)", param="prompt"
+                )
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 

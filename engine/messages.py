@@ -118,7 +118,9 @@ class DisaggStats:
     requests_by_state: dict[str, int]  # transferring, awaiting_kv, ... (requests with a room)
     failures_by_reason: dict[str, int]  # since start
     transfers: list[tuple[int, float]]  # (bytes, seconds) of each KV write sent
-    kv_waits: list[float]  # seconds waited for the other engine (see kubesgl_kv_transfer_wait_seconds)
+    kv_waits: list[
+        float
+    ]  # seconds waited for the other engine (see kubesgl_kv_transfer_wait_seconds)
 
     def has_samples(self) -> bool:
         return bool(self.transfers or self.kv_waits)
@@ -149,7 +151,8 @@ class SchedulerStats:
     def has_samples(self) -> bool:
         """Histogram samples that must go out even when nothing else changed."""
         return (self.disagg is not None and self.disagg.has_samples()) or bool(
-            self.grammar and self.grammar.compile_seconds)
+            self.grammar and self.grammar.compile_seconds
+        )
 
 
 @dataclass
@@ -174,7 +177,9 @@ class TextOutput:
     logprobs: list[TokenLogprob] | None = None
     token_strings: list[str] | None = None  # the text of each token, and of each top alternative
     top_strings: list[list[str]] | None = None
-    token_bytes: list[list[int]] | None = None  # their raw bytes (a token may hold part of a character)
+    token_bytes: list[list[int]] | None = (
+        None  # their raw bytes (a token may hold part of a character)
+    )
     top_bytes: list[list[list[int]]] | None = None
     queue_seconds: float | None = None  # see TokenOutput
     prefill_seconds: float | None = None

@@ -25,15 +25,70 @@ DISAGG_STATES = ("waiting", "prefilling", "transferring", "awaiting_kv", "decodi
 FINISH_REASONS = ("stop", "length", "abort")
 # kubesgl_request_errors_total: error answers by status, the reason label naming each.
 ERROR_REASONS = {
-    400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-    413: "too_large", 500: "internal", 503: "unavailable",
+    400: "invalid_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "too_large",
+    500: "internal",
+    503: "unavailable",
 }
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 # Prompt and output lengths in tokens: 1 to 128k, roughly x2.5 apart
-_LENGTH_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_LENGTH_BUCKETS = (
+    1,
+    8,
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    32768,
+    65536,
+    131072,
+)
 # Grammar compilations: a regex in well under a millisecond, a large JSON schema over a 128k vocabulary in seconds
-_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_COMPILE_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 # kubesgl_grammar_cache_total: whether a request's grammar was already compiled (or compiling)
 GRAMMAR_CACHE_RESULTS = ("hit", "miss")
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
@@ -48,7 +103,9 @@ class _WithLabel(Collector):
 
     def collect(self) -> Iterator[Metric]:
         for family in self._registry.collect():  # fresh objects on each collect: ours to change
-            family.samples = [s._replace(labels={**s.labels, self._name: self._value}) for s in family.samples]
+            family.samples = [
+                s._replace(labels={**s.labels, self._name: self._value}) for s in family.samples
+            ]
             yield family
 
 
@@ -58,68 +115,188 @@ class EngineMetrics:
         self._exported = CollectorRegistry(auto_describe=False)  # ... and at /metrics, by model too
         self._exported.register(_WithLabel(self.registry, "model_name", model_name))
         r, labels = self.registry, ["role"]
-        self.num_running = Gauge("kubesgl_num_running_requests", "Requests admitted and not finished", labels, registry=r)
-        self.num_waiting = Gauge("kubesgl_num_waiting_requests", "Requests queued for admission", labels, registry=r)
-        self.kv_usage = Gauge("kubesgl_kv_cache_usage_ratio", "Share of KV pool pages held by requests or locked",
-                              labels, registry=r)
-        self.prefix_hit = Gauge("kubesgl_prefix_cache_hit_ratio", "Prompt tokens served from the prefix cache, "
-                                "over all prompt tokens since start", labels, registry=r)
-        self.prompt_tokens = Counter("kubesgl_prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
-        self.generation_tokens = Counter("kubesgl_generation_tokens", "Generated tokens", labels, registry=r)
-        self.requests = Counter("kubesgl_requests", "Finished requests", labels + ["finish_reason"], registry=r)
+        self.num_running = Gauge(
+            "kubesgl_num_running_requests", "Requests admitted and not finished", labels, registry=r
+        )
+        self.num_waiting = Gauge(
+            "kubesgl_num_waiting_requests", "Requests queued for admission", labels, registry=r
+        )
+        self.kv_usage = Gauge(
+            "kubesgl_kv_cache_usage_ratio",
+            "Share of KV pool pages held by requests or locked",
+            labels,
+            registry=r,
+        )
+        self.prefix_hit = Gauge(
+            "kubesgl_prefix_cache_hit_ratio",
+            "Prompt tokens served from the prefix cache, over all prompt tokens since start",
+            labels,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kubesgl_prompt_tokens", "Prompt tokens of finished requests", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            "kubesgl_generation_tokens", "Generated tokens", labels, registry=r
+        )
+        self.requests = Counter(
+            "kubesgl_requests", "Finished requests", labels + ["finish_reason"], registry=r
+        )
         self.request_errors = Counter(
-            "kubesgl_request_errors", "Requests answered with an error (HTTP status >= 400, or an error "
+            "kubesgl_request_errors",
+            "Requests answered with an error (HTTP status >= 400, or an error "
             "event ending a stream), by status; a client that leaves is an abort, not an error",
-            labels + ["status", "reason"], registry=r)
-        self.ttft = Histogram("kubesgl_time_to_first_token_seconds", "Time to first token", labels,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("kubesgl_inter_token_latency_seconds", "Time between tokens", labels,
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("kubesgl_e2e_request_latency_seconds", "Request latency, arrival to last token", labels,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("kubesgl_request_queue_time_seconds", "Time a request waited in the "
-                                    "scheduler's queue before admission", labels, buckets=_LATENCY_BUCKETS,
-                                    registry=r)
-        self.prefill_time = Histogram("kubesgl_request_prefill_time_seconds", "From admission to the first "
-                                      "output token (decode engines: to the KV's arrival)", labels,
-                                      buckets=_LATENCY_BUCKETS, registry=r)
-        self.decode_time = Histogram("kubesgl_request_decode_time_seconds", "From the first output token to "
-                                     "the last", labels, buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_length = Histogram("kubesgl_request_prompt_tokens", "Prompt length of finished requests, "
-                                       "in tokens", labels, buckets=_LENGTH_BUCKETS, registry=r)
-        self.output_length = Histogram("kubesgl_request_generation_tokens", "Tokens generated per finished "
-                                       "request", labels, buckets=_LENGTH_BUCKETS, registry=r)
-        self.cached_tokens = Counter("kubesgl_cached_prompt_tokens", "Prompt tokens of finished requests "
-                                     "found in the prefix cache (hit ratio: its rate over "
-                                     "kubesgl_prompt_tokens_total's)", labels, registry=r)
-        self.retractions = Counter("kubesgl_retractions", "Running requests sent back to the queue to free KV "
-                                   "pages (they resume later where they stopped)", labels, registry=r)
-        self.kv_capacity = Gauge("kubesgl_kv_cache_capacity_tokens", "Tokens the KV pool holds", labels,
-                                 registry=r)
-        self.build_info = Info("kubesgl_build", "The kubesgl version and the model served", labels, registry=r)
-        self.kv_transfer_bytes = Counter("kubesgl_kv_transfer_bytes", "KV bytes moved between prefill and decode",
-                                         labels, registry=r)
-        self.kv_transfer_seconds = Histogram("kubesgl_kv_transfer_seconds", "Time to move one request's KV", labels,
-                                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.kv_transfer_wait = Histogram("kubesgl_kv_transfer_wait_seconds", "Time a room waited for the other "
-                                          "engine: decode, from admission to the KV's arrival; prefill, from the "
-                                          "prompt's end to the decode side's slots", labels,
-                                          buckets=_LATENCY_BUCKETS, registry=r)
-        self.disagg_requests = Gauge("kubesgl_disagg_requests", "Requests with a bootstrap room, by state",
-                                     labels + ["state"], registry=r)
-        self.disagg_failures = Counter("kubesgl_disagg_failures", "Rooms that failed, by reason",
-                                       labels + ["reason"], registry=r)
-        self.grammar_compile = Histogram("kubesgl_grammar_compile_seconds", "Time to compile one grammar "
-                                         "(response_format, regex, json_schema, ebnf)", labels,
-                                         buckets=_COMPILE_BUCKETS, registry=r)
-        self.grammar_cache = Counter("kubesgl_grammar_cache", "Requests with a grammar, by whether it was "
-                                     "already compiled", labels + ["result"], registry=r)
+            labels + ["status", "reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kubesgl_time_to_first_token_seconds",
+            "Time to first token",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kubesgl_inter_token_latency_seconds",
+            "Time between tokens",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kubesgl_e2e_request_latency_seconds",
+            "Request latency, arrival to last token",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "kubesgl_request_queue_time_seconds",
+            "Time a request waited in the scheduler's queue before admission",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            "kubesgl_request_prefill_time_seconds",
+            "From admission to the first output token (decode engines: to the KV's arrival)",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            "kubesgl_request_decode_time_seconds",
+            "From the first output token to the last",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_length = Histogram(
+            "kubesgl_request_prompt_tokens",
+            "Prompt length of finished requests, in tokens",
+            labels,
+            buckets=_LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.output_length = Histogram(
+            "kubesgl_request_generation_tokens",
+            "Tokens generated per finished request",
+            labels,
+            buckets=_LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "kubesgl_cached_prompt_tokens",
+            "Prompt tokens of finished requests "
+            "found in the prefix cache (hit ratio: its rate over "
+            "kubesgl_prompt_tokens_total's)",
+            labels,
+            registry=r,
+        )
+        self.retractions = Counter(
+            "kubesgl_retractions",
+            "Running requests sent back to the queue to free KV "
+            "pages (they resume later where they stopped)",
+            labels,
+            registry=r,
+        )
+        self.kv_capacity = Gauge(
+            "kubesgl_kv_cache_capacity_tokens", "Tokens the KV pool holds", labels, registry=r
+        )
+        self.build_info = Info(
+            "kubesgl_build", "The kubesgl version and the model served", labels, registry=r
+        )
+        self.kv_transfer_bytes = Counter(
+            "kubesgl_kv_transfer_bytes",
+            "KV bytes moved between prefill and decode",
+            labels,
+            registry=r,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "kubesgl_kv_transfer_seconds",
+            "Time to move one request's KV",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer_wait = Histogram(
+            "kubesgl_kv_transfer_wait_seconds",
+            "Time a room waited for the other "
+            "engine: decode, from admission to the KV's arrival; prefill, from the "
+            "prompt's end to the decode side's slots",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.disagg_requests = Gauge(
+            "kubesgl_disagg_requests",
+            "Requests with a bootstrap room, by state",
+            labels + ["state"],
+            registry=r,
+        )
+        self.disagg_failures = Counter(
+            "kubesgl_disagg_failures",
+            "Rooms that failed, by reason",
+            labels + ["reason"],
+            registry=r,
+        )
+        self.grammar_compile = Histogram(
+            "kubesgl_grammar_compile_seconds",
+            "Time to compile one grammar (response_format, regex, json_schema, ebnf)",
+            labels,
+            buckets=_COMPILE_BUCKETS,
+            registry=r,
+        )
+        self.grammar_cache = Counter(
+            "kubesgl_grammar_cache",
+            "Requests with a grammar, by whether it was already compiled",
+            labels + ["result"],
+            registry=r,
+        )
         self.role = role
-        for metric in (self.num_running, self.num_waiting, self.kv_usage, self.prefix_hit, self.prompt_tokens,
-                       self.generation_tokens, self.ttft, self.itl, self.e2e, self.kv_transfer_bytes,
-                       self.kv_transfer_seconds, self.kv_transfer_wait, self.queue_time, self.prefill_time,
-                       self.decode_time, self.prompt_length, self.output_length, self.cached_tokens,
-                       self.kv_capacity, self.retractions, self.grammar_compile):
+        for metric in (
+            self.num_running,
+            self.num_waiting,
+            self.kv_usage,
+            self.prefix_hit,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.kv_transfer_bytes,
+            self.kv_transfer_seconds,
+            self.kv_transfer_wait,
+            self.queue_time,
+            self.prefill_time,
+            self.decode_time,
+            self.prompt_length,
+            self.output_length,
+            self.cached_tokens,
+            self.kv_capacity,
+            self.retractions,
+            self.grammar_compile,
+        ):
             metric.labels(role=role)  # present from the start, at zero
         for finish_reason in FINISH_REASONS:
             self.requests.labels(role=role, finish_reason=finish_reason)
@@ -146,7 +323,9 @@ class EngineMetrics:
         self.num_waiting.labels(role=role).set(stats.num_waiting)
         self.kv_usage.labels(role=role).set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
         self.kv_capacity.labels(role=role).set(stats.kv_total_tokens)
-        self.prefix_hit.labels(role=role).set(stats.cached_prompt_tokens / max(stats.prompt_tokens, 1))
+        self.prefix_hit.labels(role=role).set(
+            stats.cached_prompt_tokens / max(stats.prompt_tokens, 1)
+        )
         self.retractions.labels(role=role).inc(max(0, stats.retractions - self._retractions_seen))
         self._retractions_seen = stats.retractions
         if stats.disagg is not None:
@@ -156,7 +335,9 @@ class EngineMetrics:
 
     def _update_grammar(self, grammar: GrammarStats) -> None:
         for result, total in (("hit", grammar.cache_hits), ("miss", grammar.cache_misses)):
-            self.grammar_cache.labels(role=self.role, result=result).inc(max(0, total - self._grammar_cache_seen[result]))
+            self.grammar_cache.labels(role=self.role, result=result).inc(
+                max(0, total - self._grammar_cache_seen[result])
+            )
             self._grammar_cache_seen[result] = total
         for seconds in grammar.compile_seconds:
             self.grammar_compile.labels(role=self.role).observe(seconds)
@@ -164,9 +345,13 @@ class EngineMetrics:
     def _update_disagg(self, disagg: DisaggStats) -> None:
         role = self.role
         for state in DISAGG_STATES:
-            self.disagg_requests.labels(role=role, state=state).set(disagg.requests_by_state.get(state, 0))
+            self.disagg_requests.labels(role=role, state=state).set(
+                disagg.requests_by_state.get(state, 0)
+            )
         for reason, total in disagg.failures_by_reason.items():
-            self.disagg_failures.labels(role=role, reason=reason).inc(total - self._failures_seen.get(reason, 0))
+            self.disagg_failures.labels(role=role, reason=reason).inc(
+                total - self._failures_seen.get(reason, 0)
+            )
             self._failures_seen[reason] = total
         for nbytes, seconds in disagg.transfers:
             self.kv_transfer_bytes.labels(role=role).inc(nbytes)
@@ -201,8 +386,15 @@ class EngineMetrics:
         self.queue_time.labels(role=self.role).observe(queue_seconds)
         self.prefill_time.labels(role=self.role).observe(prefill_seconds)
 
-    def finished(self, seconds: float, finish_reason: str, prompt_tokens: int, cached_tokens: int = 0,
-                 output_tokens: int = 0, decode_seconds: float | None = None) -> None:
+    def finished(
+        self,
+        seconds: float,
+        finish_reason: str,
+        prompt_tokens: int,
+        cached_tokens: int = 0,
+        output_tokens: int = 0,
+        decode_seconds: float | None = None,
+    ) -> None:
         role = self.role
         self.e2e.labels(role=role).observe(seconds)
         self.requests.labels(role=role, finish_reason=finish_reason).inc()

@@ -19,7 +19,9 @@ class Architecture:
 
     qkv_bias: bool = False  # bias on q, k and v (not o) whatever `attention_bias` says (Qwen2)
     qk_norm: bool = False  # RMS norms on q and k per head (Qwen3)
-    window_on_every_layer: bool = False  # `sliding_window` applies to all layers, unflagged (Mistral)
+    window_on_every_layer: bool = (
+        False  # `sliding_window` applies to all layers, unflagged (Mistral)
+    )
     moe: bool = False  # sparse MoE blocks in place of the MLP (Qwen3-MoE)
 
 
@@ -99,7 +101,9 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "linear", "llama3", "yarn"):
-        raise ModelConfigError(f"unsupported rope type {rope_type!r} (supported: default, linear, llama3, yarn)")
+        raise ModelConfigError(
+            f"unsupported rope type {rope_type!r} (supported: default, linear, llama3, yarn)"
+        )
     original = params.get("original_max_position_embeddings")
     if original is None and rope_type in ("llama3", "yarn"):
         original = raw.get("original_max_position_embeddings", raw["max_position_embeddings"])
@@ -122,7 +126,9 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _sliding_windows(raw: dict[str, Any], arch: Architecture, num_layers: int) -> tuple[int | None, ...]:
+def _sliding_windows(
+    raw: dict[str, Any], arch: Architecture, num_layers: int
+) -> tuple[int | None, ...]:
     window = raw.get("sliding_window")
     if arch.window_on_every_layer:
         return (window,) * num_layers
@@ -131,7 +137,9 @@ def _sliding_windows(raw: dict[str, Any], arch: Architecture, num_layers: int) -
         return (None,) * num_layers
     if layer_types is None:  # Qwen2-style: layers from max_window_layers on use the window
         first = raw.get("max_window_layers", num_layers)
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        layer_types = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        ]
     return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
 
@@ -145,7 +153,9 @@ def _eos_ids(*values: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
-def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
+def parse_model_config(
+    raw: dict[str, Any], generation: dict[str, Any] | None = None
+) -> ModelConfig:
     architectures = raw.get("architectures") or []
     supported = [a for a in architectures if a in ARCHITECTURES]
     if not supported:
@@ -170,7 +180,9 @@ def parse_model_config(raw: dict[str, Any], generation: dict[str, Any] | None = 
             intermediate_size=raw["moe_intermediate_size"],
             normalize_top_k=bool(raw.get("norm_topk_prob", False)),
             sparse_layers=frozenset(
-                i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+                i
+                for i in range(num_layers)
+                if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
             ),
         )
     generation = generation or {}
@@ -203,7 +215,9 @@ def load_model_config(model_path: str | Path) -> ModelConfig:
     path = Path(model_path)
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ModelConfigError(f"{path} has no config.json (expected a Hugging Face checkpoint directory)")
+        raise ModelConfigError(
+            f"{path} has no config.json (expected a Hugging Face checkpoint directory)"
+        )
     raw = json.loads(config_file.read_text())
     generation_file = path / "generation_config.json"
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else None

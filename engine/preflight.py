@@ -57,16 +57,22 @@ def resolve_model_folder(config: EngineConfig) -> EngineConfig:
 def read_model_config(config: EngineConfig) -> ModelConfig:
     path = Path(config.model)
     if not path.exists():
-        raise StartupError(f"--model {config.model}: no such directory (give a checkpoint directory or a "
-                           "Hugging Face id such as Qwen/Qwen3-0.6B)")
+        raise StartupError(
+            f"--model {config.model}: no such directory (give a checkpoint directory or a "
+            "Hugging Face id such as Qwen/Qwen3-0.6B)"
+        )
     if not path.is_dir():
-        raise StartupError(f"--model {config.model}: not a directory (give a Hugging Face checkpoint directory)")
+        raise StartupError(
+            f"--model {config.model}: not a directory (give a Hugging Face checkpoint directory)"
+        )
     try:
         model_config = load_model_config(path)
     except ModelConfigError as exc:
         raise ModelStartupError(f"--model {config.model}: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise StartupError(f"--model {config.model}: a JSON file of the checkpoint is not valid JSON ({exc})") from None
+        raise StartupError(
+            f"--model {config.model}: a JSON file of the checkpoint is not valid JSON ({exc})"
+        ) from None
     except KeyError as exc:
         raise StartupError(f"--model {config.model}: config.json has no {exc.args[0]!r}") from None
     if config.load_format == "auto":
@@ -78,8 +84,10 @@ def read_model_config(config: EngineConfig) -> ModelConfig:
             raise StartupError(f"--model {config.model}: {exc}") from None
         missing = [file.name for file in files if not file.is_file()]
         if missing:
-            raise StartupError(f"--model {config.model}: weight files listed in its index are missing: "
-                               f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+            raise StartupError(
+                f"--model {config.model}: weight files listed in its index are missing: "
+                f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+            )
     return model_config
 
 
@@ -101,9 +109,13 @@ def tensor_parallel_problem(model: ModelConfig, tp_size: int) -> str | None:
 def check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
     problem = tensor_parallel_problem(model, tp_size)
     if problem:
-        fits = [n for n in range(1, model.num_heads + 1) if tensor_parallel_problem(model, n) is None]
-        raise StartupError(f"--tp-size {tp_size} does not fit this model: {problem} "
-                           f"(sizes that fit: {', '.join(map(str, fits))})")
+        fits = [
+            n for n in range(1, model.num_heads + 1) if tensor_parallel_problem(model, n) is None
+        ]
+        raise StartupError(
+            f"--tp-size {tp_size} does not fit this model: {problem} "
+            f"(sizes that fit: {', '.join(map(str, fits))})"
+        )
 
 
 def _device(config: EngineConfig) -> str:
@@ -116,8 +128,10 @@ def _device(config: EngineConfig) -> str:
         raise StartupError("--device cuda was given but no CUDA device is available")
     gpus = torch.cuda.device_count()
     if config.tp_size > gpus:
-        raise StartupError(f"--tp-size {config.tp_size} needs a GPU per rank; this machine has {gpus} "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+        raise StartupError(
+            f"--tp-size {config.tp_size} needs a GPU per rank; this machine has {gpus} "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+        )
     return "cuda"
 
 
@@ -127,10 +141,14 @@ def _check_attention_backend(config: EngineConfig, model: ModelConfig, device: s
         from kubesgl.engine.attention import triton_supports
 
         if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise StartupError("--attention-backend triton runs on CUDA GPUs; on the CPU use torch (or auto)")
+            raise StartupError(
+                "--attention-backend triton runs on CUDA GPUs; on the CPU use torch (or auto)"
+            )
         if not triton_supports(model.head_dim):
-            raise StartupError(f"--attention-backend triton needs a power-of-two head size of at least 16, and "
-                               f"this model's is {model.head_dim}; use torch (or auto)")
+            raise StartupError(
+                f"--attention-backend triton needs a power-of-two head size of at least 16, and "
+                f"this model's is {model.head_dim}; use torch (or auto)"
+            )
     elif backend == "flashinfer":
         import importlib.util
 
@@ -140,30 +158,44 @@ def _check_attention_backend(config: EngineConfig, model: ModelConfig, device: s
         from kubesgl.engine.models.loader import resolve_dtype
 
         if device == "cpu":
-            raise StartupError("--attention-backend flashinfer runs on CUDA GPUs; on the CPU use torch (or auto)")
+            raise StartupError(
+                "--attention-backend flashinfer runs on CUDA GPUs; on the CPU use torch (or auto)"
+            )
         if importlib.util.find_spec("flashinfer") is None:
-            raise StartupError("--attention-backend flashinfer needs the flashinfer-python package "
-                               "(pip install 'kubesgl[flashinfer]')")
-        if resolve_dtype(config.dtype, model, torch.device("cuda")) not in (torch.float16, torch.bfloat16):
+            raise StartupError(
+                "--attention-backend flashinfer needs the flashinfer-python package "
+                "(pip install 'kubesgl[flashinfer]')"
+            )
+        if resolve_dtype(config.dtype, model, torch.device("cuda")) not in (
+            torch.float16,
+            torch.bfloat16,
+        ):
             raise StartupError("--attention-backend flashinfer needs --dtype bfloat16 or float16")
         if model.head_dim not in FLASHINFER_HEAD_DIMS:
-            raise StartupError(f"--attention-backend flashinfer needs a head size in {FLASHINFER_HEAD_DIMS}, and "
-                               f"this model's is {model.head_dim}; use triton, torch or auto")
+            raise StartupError(
+                f"--attention-backend flashinfer needs a head size in {FLASHINFER_HEAD_DIMS}, and "
+                f"this model's is {model.head_dim}; use triton, torch or auto"
+            )
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
     """The HTTP API's listening socket, bound now, so that a port in use is found before
     anything starts (uvicorn serves on this socket)."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as exc:
-        raise StartupError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+        raise StartupError(
+            f"--host {host}: not an address of this machine ({exc.strerror})"
+        ) from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind(address)
-        sock.listen(2048)  # uvicorn's backlog; only a listening socket keeps a second server off the port
+        sock.listen(
+            2048
+        )  # uvicorn's backlog; only a listening socket keeps a second server off the port
     except OSError as exc:
         sock.close()
         raise StartupError(_bind_problem(f"--port {port}", host, port, exc)) from None
@@ -177,8 +209,9 @@ def check_bootstrap_port(config: EngineConfig, host: str) -> None:
     if config.role == MIXED or config.role == "decode" or port == 0:
         return
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror:
         return  # listen_socket names the host
     with socket.socket(family, kind, proto) as sock:
@@ -186,7 +219,9 @@ def check_bootstrap_port(config: EngineConfig, host: str) -> None:
         try:
             sock.bind(address)
         except OSError as exc:
-            raise StartupError(_bind_problem("--disaggregation-bootstrap-port", host, port, exc)) from None
+            raise StartupError(
+                _bind_problem("--disaggregation-bootstrap-port", host, port, exc)
+            ) from None
 
 
 def _bind_problem(what: str, host: str, port: int, exc: OSError) -> str:

@@ -55,7 +55,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
     skip_special_tokens: bool = True
-    grammar: GrammarSpec | None = None  # constrained decoding: every output token keeps the text valid
+    grammar: GrammarSpec | None = (
+        None  # constrained decoding: every output token keeps the text valid
+    )
 
     @property
     def greedy(self) -> bool:
@@ -64,28 +66,68 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     def validate(self, vocab_size: int) -> None:
         def check(ok: bool, param: str, message: str) -> None:
             if not ok:
                 raise InvalidRequestError(f"{param} {message}", param=param)
 
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "max_tokens",
-              f"must be at least 1, got {self.max_tokens!r}")
+        check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            f"must be at least 1, got {self.max_tokens!r}",
+        )
         check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        check(self.top_k == -1 or self.top_k >= 0, "top_k", f"must be -1 (off) or non-negative, got {self.top_k}")
+        check(
+            self.top_k == -1 or self.top_k >= 0,
+            "top_k",
+            f"must be -1 (off) or non-negative, got {self.top_k}",
+        )
         check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
-        check(self.repetition_penalty > 0, "repetition_penalty", f"must be positive, got {self.repetition_penalty}")
-        check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be in [0, 20], got {self.logprobs}")
-        check(all(isinstance(x, str) and x for x in self.stop), "stop", "must hold non-empty strings")
-        check(all(is_utf8(x) for x in self.stop), "stop", "must be valid UTF-8 text (a lone surrogate is not)")
+        check(
+            self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be positive, got {self.repetition_penalty}",
+        )
+        check(
+            -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            f"must be in [-2, 2], got {self.presence_penalty}",
+        )
+        check(
+            -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            f"must be in [-2, 2], got {self.frequency_penalty}",
+        )
+        check(
+            self.logprobs is None or 0 <= self.logprobs <= 20,
+            "logprobs",
+            f"must be in [0, 20], got {self.logprobs}",
+        )
+        check(
+            all(isinstance(x, str) and x for x in self.stop), "stop", "must hold non-empty strings"
+        )
+        check(
+            all(is_utf8(x) for x in self.stop),
+            "stop",
+            "must be valid UTF-8 text (a lone surrogate is not)",
+        )
         check(len(self.stop) <= 16, "stop", f"may hold at most 16 strings, got {len(self.stop)}")
         if self.grammar is not None:
-            check(self.grammar.kind in GRAMMAR_KINDS, self.grammar.param,
-                  f"kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.grammar.kind!r}")
+            check(
+                self.grammar.kind in GRAMMAR_KINDS,
+                self.grammar.param,
+                f"kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.grammar.kind!r}",
+            )
         bad_ids = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        check(not bad_ids, "stop_token_ids", f"contains ids outside the vocabulary (size {vocab_size}): {bad_ids}")
+        check(
+            not bad_ids,
+            "stop_token_ids",
+            f"contains ids outside the vocabulary (size {vocab_size}): {bad_ids}",
+        )

@@ -20,7 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("kubesgl.router.cli", "run the cache-aware router"),
     "operator": ("kubesgl.operator.cli", "run the Kubernetes operator"),
     "render": ("kubesgl.operator.render_cli", "print the objects an InferenceService becomes"),
-    "up": ("kubesgl.up.cli", "run an InferenceService on this machine (engines and router as processes)"),
+    "up": (
+        "kubesgl.up.cli",
+        "run an InferenceService on this machine (engines and router as processes)",
+    ),
     "bench": ("kubesgl.bench.cli", "benchmarks (bench serving ...)"),
 }
 
@@ -55,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(module.main(rest) or 0)
-    except BrokenPipeError:  # `kubesgl render ... | head`: the reader has gone, which is no error of ours
+    except (
+        BrokenPipeError
+    ):  # `kubesgl render ... | head`: the reader has gone, which is no error of ours
         return _reader_gone()
 
 

@@ -13,8 +13,15 @@ import argparse
 def shows_default(action: argparse.Action) -> bool:
     """Whether the default of `action` is a value worth showing in its help."""
     default = action.default
-    return not (action.required or not action.option_strings or default is None or default is False
-                or default == [] or default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction))
+    return not (
+        action.required
+        or not action.option_strings
+        or default is None
+        or default is False
+        or default == []
+        or default is argparse.SUPPRESS
+        or isinstance(action, argparse._HelpAction)
+    )
 
 
 class DefaultsOnce(argparse.HelpFormatter):

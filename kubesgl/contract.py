@@ -12,7 +12,9 @@ from typing import Final, Literal
 
 # Default ports
 ENGINE_PORT: Final = 30000  # `kubesgl serve --port`: the engine's HTTP API
-BOOTSTRAP_PORT: Final = 8998  # `--disaggregation-bootstrap-port`: a prefill engine's KV bootstrap server
+BOOTSTRAP_PORT: Final = (
+    8998  # `--disaggregation-bootstrap-port`: a prefill engine's KV bootstrap server
+)
 ROUTER_PORT: Final = 8000  # `kubesgl router --port`, and the port of the router's Service
 
 # Roles: an engine's `--role`, and the value of ROLE_LABEL on every pod the operator makes

@@ -21,16 +21,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         formatter_class=DefaultsOnce,
     )
     parser.add_argument(
-        "--namespace", "-n", action="append", default=[], metavar="NS",
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        metavar="NS",
         help="watch only this namespace (repeatable; kopf glob patterns allowed);"
         " default: all namespaces",
     )
     parser.add_argument(
-        "--liveness-port", type=int, default=8080, metavar="PORT",
+        "--liveness-port",
+        type=int,
+        default=8080,
+        metavar="PORT",
         help="port of the /healthz endpoint for the pod's liveness probe (0 disables it)",
     )
     parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level"
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level",
     )
     return parser.parse_args(argv)
 

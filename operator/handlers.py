@@ -100,9 +100,7 @@ registry = kopf.OperatorRegistry()
 @kopf.on.startup(registry=registry, id="configure")
 def configure(settings: kopf.OperatorSettings, memo: OperatorState, **_: Any) -> None:
     settings.persistence.finalizer = "kubesgl.io/finalizer"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix="kubesgl.io"
-    )
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kubesgl.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="kubesgl.io", key="last-handled-configuration"
     )
@@ -122,8 +120,14 @@ def inference_services(body: kopf.Body, namespace: str, name: str, **_: Any) -> 
     return {(namespace, name): _snapshot(body)}
 
 
-@kopf.index(DEPLOYMENT.group, DEPLOYMENT.version, DEPLOYMENT.plural, labels=OURS,
-            registry=registry, id="rollouts")
+@kopf.index(
+    DEPLOYMENT.group,
+    DEPLOYMENT.version,
+    DEPLOYMENT.plural,
+    labels=OURS,
+    registry=registry,
+    id="rollouts",
+)
 def rollouts(body: kopf.Body, namespace: str, **_: Any) -> Any:
     owner = _owner(body)
     if owner is None:
@@ -133,7 +137,11 @@ def rollouts(body: kopf.Body, namespace: str, **_: Any) -> Any:
 
 
 async def publish_status(
-    memo: OperatorState, namespace: str, name: str, inference_services: kopf.Index, rollouts: kopf.Index
+    memo: OperatorState,
+    namespace: str,
+    name: str,
+    inference_services: kopf.Index,
+    rollouts: kopf.Index,
 ) -> None:
     key = (namespace, name)
     async with memo.status_locks[key]:
@@ -142,8 +150,11 @@ async def publish_status(
             return
         isvc_body = stored[0]
         uid = isvc_body["metadata"].get("uid")
-        mine = {rollout.role: rollout for owner_uid, rollout in rollouts.get(key, [])
-                if owner_uid == uid}
+        mine = {
+            rollout.role: rollout
+            for owner_uid, rollout in rollouts.get(key, [])
+            if owner_uid == uid
+        }
         try:
             isvc = parse_inference_service(isvc_body)
         except InvalidSpec as error:
@@ -238,5 +249,11 @@ async def repair_child(
 
 
 for _kind in CHILD_KINDS:
-    kopf.on.event(_kind.group, _kind.version, _kind.plural, labels=OURS, registry=registry,
-                  id=f"repair-{_kind.plural}")(repair_child)
+    kopf.on.event(
+        _kind.group,
+        _kind.version,
+        _kind.plural,
+        labels=OURS,
+        registry=registry,
+        id=f"repair-{_kind.plural}",
+    )(repair_child)

@@ -88,8 +88,10 @@ def load_credentials() -> None:
             kubernetes.config.load_kube_config()
         except kubernetes.config.ConfigException as no_kubeconfig:
             path = os.environ.get("KUBECONFIG", kubernetes.config.KUBE_CONFIG_DEFAULT_LOCATION)
-            raise NoCluster(f"tried in-cluster credentials ({not_in_pod}) and the kubeconfig {path} "
-                            f"({no_kubeconfig})") from None
+            raise NoCluster(
+                f"tried in-cluster credentials ({not_in_pod}) and the kubeconfig {path} "
+                f"({no_kubeconfig})"
+            ) from None
 
 
 def check_reachable(timeout_s: float = 5.0) -> None:
@@ -162,7 +164,9 @@ class KubeApi:
 
     def list_children(self, kind: Kind, namespace: str, instance: str) -> list[Object]:
         """Objects of one kind that this operator made for an instance; [] if the kind is absent."""
-        selector = f"{contract.INSTANCE_LABEL}={instance},{contract.MANAGED_BY_LABEL}={naming.MANAGER}"
+        selector = (
+            f"{contract.INSTANCE_LABEL}={instance},{contract.MANAGED_BY_LABEL}={naming.MANAGER}"
+        )
         try:
             listing = self._call("GET", kind.path(namespace), query=[("labelSelector", selector)])
         except ApiException as error:

@@ -16,9 +16,18 @@ log = logging.getLogger(__name__)
 # Teardown order: autoscalers first so that nothing scales a role being removed, the router
 # before the engines so that no new requests reach draining engines, the rest after them, the
 # NetworkPolicies once no pods are meant to run.
-_DELETION_ORDER = ("HorizontalPodAutoscaler", "ScaledObject", "PodMonitor", "Deployment",
-                   "Service", "PodDisruptionBudget", "NetworkPolicy", "RoleBinding", "Role",
-                   "ServiceAccount")
+_DELETION_ORDER = (
+    "HorizontalPodAutoscaler",
+    "ScaledObject",
+    "PodMonitor",
+    "Deployment",
+    "Service",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "RoleBinding",
+    "Role",
+    "ServiceAccount",
+)
 
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -36,8 +45,9 @@ def apply_children(api: KubeApi, isvc: InferenceService) -> list[Object]:
     for obj in desired:
         api.apply(obj)
     wanted = {identity(obj) for obj in desired}
-    for stale in _owned_children(api, isvc.metadata.namespace, isvc.metadata.name,
-                                 isvc.metadata.uid or ""):
+    for stale in _owned_children(
+        api, isvc.metadata.namespace, isvc.metadata.name, isvc.metadata.uid or ""
+    ):
         if identity(stale) not in wanted:
             log.info("deleting %s %s: no longer in the spec", *identity(stale))
             api.delete(kind_of(stale), isvc.metadata.namespace, stale["metadata"]["name"])

@@ -38,8 +38,12 @@ def main(argv: list[str]) -> int:
         description="Print the Kubernetes objects an InferenceService becomes (a YAML stream)."
         " Owner references appear only when the input has metadata.uid.",
     )
-    parser.add_argument("-f", "--filename", required=True,
-                        help="InferenceService YAML file, or - for standard input")
+    parser.add_argument(
+        "-f",
+        "--filename",
+        required=True,
+        help="InferenceService YAML file, or - for standard input",
+    )
     args = parser.parse_args(argv)
     try:
         documents = read_documents(args.filename)
@@ -47,7 +51,10 @@ def main(argv: list[str]) -> int:
         print(f"kubesgl render: cannot read {args.filename}: {error}", file=sys.stderr)
         return 2
     if not documents:
-        print(f"kubesgl render: {args.filename}: no InferenceService in it (no YAML document)", file=sys.stderr)
+        print(
+            f"kubesgl render: {args.filename}: no InferenceService in it (no YAML document)",
+            file=sys.stderr,
+        )
         return 2
     objects = []
     for document in documents:

@@ -27,6 +27,7 @@ API_VERSION = "v1alpha1"
 KIND = "InferenceService"
 PLURAL = "inferenceservices"
 
+
 class SpecModel(BaseModel):
     """Base of every spec block: camelCase on the wire, unknown fields are errors."""
 
@@ -310,8 +311,9 @@ class Metadata(BaseModel):
 
 
 class InferenceService(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
-                              frozen=True)
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True
+    )
 
     api_version: Literal["kubesgl.io/v1alpha1"]
     kind: Literal["InferenceService"]

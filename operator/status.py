@@ -109,11 +109,14 @@ def _overall(per_role: Mapping[str, Mapping[str, Verdict]]) -> dict[str, Verdict
     progressing = summary("Progressing", True)
     degraded = summary("Degraded", True)
     return {
-        "Ready": Verdict(True, "AllRolesReady", "") if not not_ready
+        "Ready": Verdict(True, "AllRolesReady", "")
+        if not not_ready
         else Verdict(False, "RolesNotReady", not_ready),
-        "Progressing": Verdict(True, "RolesProgressing", progressing) if progressing
+        "Progressing": Verdict(True, "RolesProgressing", progressing)
+        if progressing
         else Verdict(False, "Reconciled", ""),
-        "Degraded": Verdict(True, "RolesDegraded", degraded) if degraded
+        "Degraded": Verdict(True, "RolesDegraded", degraded)
+        if degraded
         else Verdict(False, "AsExpected", ""),
     }
 

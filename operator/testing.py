@@ -52,8 +52,10 @@ def _without(obj: dict[str, Any], old: dict[str, Any], new: dict[str, Any]) -> d
     for key, value in old.items():
         if key not in new:
             result.pop(key, None)
-        elif isinstance(value, dict) and isinstance(new[key], dict) and isinstance(
-            result.get(key), dict
+        elif (
+            isinstance(value, dict)
+            and isinstance(new[key], dict)
+            and isinstance(result.get(key), dict)
         ):
             result[key] = _without(result[key], value, new[key])
     return result
@@ -90,7 +92,8 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
         listing = await super()._serve_list(request)
         selector = _parse_selector(request.params.get("labelSelector", ""))
         listing["items"] = [
-            item for item in listing["items"]
+            item
+            for item in listing["items"]
             if selector.items() <= (item.get("metadata", {}).get("labels") or {}).items()
         ]
         resource = request.resource
@@ -108,8 +111,10 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
             if content_type.startswith(APPLY_CONTENT_TYPE):
                 return await self._apply(request)
             self._prepare_update(request)
-        if request.resource is not None and request.method == "POST" and isinstance(
-            request.data, dict
+        if (
+            request.resource is not None
+            and request.method == "POST"
+            and isinstance(request.data, dict)
         ):
             self._prepare_create(request.data)
         return await super()._handle(request)
@@ -123,8 +128,10 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
 
     def _prepare_update(self, request: rendering.Request) -> None:
         key = (request.resource, request.namespace, request.name)
-        if key not in self.objects or self.objects[key].deleted or not isinstance(
-            request.data, dict
+        if (
+            key not in self.objects
+            or self.objects[key].deleted
+            or not isinstance(request.data, dict)
         ):
             return
         current = self.objects[key].raw
@@ -190,8 +197,9 @@ class RunningApiServer:
             "kind": "Config",
             "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
             "users": [{"name": "tester", "user": {"token": "emulator"}}],
-            "contexts": [{"name": "emulator", "context": {"cluster": "emulator",
-                                                          "user": "tester"}}],
+            "contexts": [
+                {"name": "emulator", "context": {"cluster": "emulator", "user": "tester"}}
+            ],
             "current-context": "emulator",
         }
         path.write_text(yaml.safe_dump(config))

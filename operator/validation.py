@@ -81,11 +81,18 @@ def _shm_problems(spec: InferenceServiceSpec) -> list[Problem]:
 def _network_policy_problems(spec: InferenceServiceSpec) -> list[Problem]:
     settings = spec.network_policy
     problems = []
-    for name, peers in (("clientsFrom", settings.clients_from), ("metricsFrom", settings.metrics_from)):
+    for name, peers in (
+        ("clientsFrom", settings.clients_from),
+        ("metricsFrom", settings.metrics_from),
+    ):
         for index, peer in enumerate(peers):
             if peer.namespace_selector is None and peer.pod_selector is None:
-                problems.append(Problem(f"spec.networkPolicy.{name}.{index}",
-                                        "set namespaceSelector, podSelector or both"))
+                problems.append(
+                    Problem(
+                        f"spec.networkPolicy.{name}.{index}",
+                        "set namespaceSelector, podSelector or both",
+                    )
+                )
     return problems
 
 
@@ -97,12 +104,21 @@ def _mode_problems(spec: InferenceServiceSpec) -> list[Problem]:
                 problems.append(Problem(f"spec.{role}", "required when mode is disaggregated"))
         if spec.mixed is not None:
             problems.append(Problem("spec.mixed", "only used when mode is mixed"))
-        if spec.prefill is not None and spec.decode is not None and (
-                spec.prefill.tensor_parallel_size != spec.decode.tensor_parallel_size):
+        if (
+            spec.prefill is not None
+            and spec.decode is not None
+            and (spec.prefill.tensor_parallel_size != spec.decode.tensor_parallel_size)
+        ):
             # Rank r of a prefill pod writes its shard of the heads into rank r of a decode pod.
-            problems.append(Problem("spec.decode.tensorParallelSize", (
-                f"must equal spec.prefill.tensorParallelSize ({spec.prefill.tensor_parallel_size}): prefill and "
-                "decode engines pair rank by rank (docs/disaggregation.md)")))
+            problems.append(
+                Problem(
+                    "spec.decode.tensorParallelSize",
+                    (
+                        f"must equal spec.prefill.tensorParallelSize ({spec.prefill.tensor_parallel_size}): prefill and "
+                        "decode engines pair rank by rank (docs/disaggregation.md)"
+                    ),
+                )
+            )
     else:
         for role in (contract.PREFILL, contract.DECODE):
             if getattr(spec, role) is not None:
@@ -115,7 +131,9 @@ def _model_problems(spec: InferenceServiceSpec) -> list[Problem]:
     sources = [model.pvc, model.host_path, model.hugging_face, model.tiny]
     problems = []
     if sum(source is not None for source in sources) != 1:
-        problems.append(Problem("spec.model", "set exactly one of pvc, hostPath, huggingFace, tiny"))
+        problems.append(
+            Problem("spec.model", "set exactly one of pvc, hostPath, huggingFace, tiny")
+        )
     size_limit = model.hugging_face.size_limit if model.hugging_face else None
     if size_limit is not None and not _is_quantity(size_limit):
         problems.append(
@@ -162,8 +180,13 @@ def _autoscaling_problems(spec: InferenceServiceSpec) -> list[Problem]:
         if scaling.min_replicas > scaling.max_replicas:
             problems.append(Problem(f"{field}.minReplicas", "greater than maxReplicas"))
         if scaling.metric == "kvCacheUsage" and scaling.target > 1:
-            problems.append(Problem(f"{field}.target", f"kvCacheUsage is a ratio of the KV pool: the target "
-                                    f"must be in (0, 1], not {scaling.target:g}"))
+            problems.append(
+                Problem(
+                    f"{field}.target",
+                    f"kvCacheUsage is a ratio of the KV pool: the target "
+                    f"must be in (0, 1], not {scaling.target:g}",
+                )
+            )
     return problems
 
 

@@ -98,7 +98,9 @@ class RouterApp:
         self._forwarder: Forwarder | None = None
         self._health: HealthChecker | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._admin_key = BearerKey(config.admin_api_key) if config.admin_api_key is not None else None
+        self._admin_key = (
+            BearerKey(config.admin_api_key) if config.admin_api_key is not None else None
+        )
         self._client_key = BearerKey(config.api_key) if config.api_key is not None else None
         # What engines get in place of the client's credentials.
         self._credentials = [self._client_key.header] if self._client_key is not None else []
@@ -109,7 +111,11 @@ class RouterApp:
             **{path: {"GET": self._models} for path in ("/v1/models", *MODEL_INFO_PATHS)},
             "/health": {"GET": self._health_status},
             "/metrics": {"GET": self._metrics},
-            ADMIN_PATH: {"GET": self._list_workers, "POST": self._add_worker, "DELETE": self._remove_worker},
+            ADMIN_PATH: {
+                "GET": self._list_workers,
+                "POST": self._add_worker,
+                "DELETE": self._remove_worker,
+            },
         }
 
     @property
@@ -125,8 +131,12 @@ class RouterApp:
         self._session = make_session(c.max_connections, c.connect_timeout_s, c.request_timeout_s)
         policy = lambda name: make_policy(name or c.policy, c.cache_aware)  # noqa: E731
         policies = Policies(policy(c.policy), policy(c.prefill_policy), policy(c.decode_policy))
-        upstream = UpstreamClient(self._session, self.metrics, on_worker_lost=self.workers.mark_lost)
-        self._forwarder = Forwarder(self.workers, policies, upstream, self.metrics, c.retry, c.disaggregation)
+        upstream = UpstreamClient(
+            self._session, self.metrics, on_worker_lost=self.workers.mark_lost
+        )
+        self._forwarder = Forwarder(
+            self.workers, policies, upstream, self.metrics, c.retry, c.disaggregation
+        )
         probe_headers = {k.decode(): v.decode() for k, v in self._credentials}
         self._health = HealthChecker(self.workers, self._session, c.health, probe_headers)
         for url in c.workers:
@@ -137,7 +147,9 @@ class RouterApp:
             self.workers.add(url, Role.DECODE)
         self._tasks.append(asyncio.create_task(self._health.run()))
         if c.kube is not None:
-            watcher = PodWatcher(self.workers, c.kube.namespace, c.kube.selector, c.kube.worker_port)
+            watcher = PodWatcher(
+                self.workers, c.kube.namespace, c.kube.selector, c.kube.worker_port
+            )
             self._tasks.append(asyncio.create_task(watcher.run()))
 
     async def shutdown(self) -> None:
@@ -197,9 +209,16 @@ class RouterApp:
                 self.metrics.time_to_first_byte.observe(first_byte)
             level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
             if access_log.isEnabledFor(level):
-                access_log.log(level, "%s %s %s request_id=%s ttfb=%s duration=%.3fs", scope["method"], path,
-                               status if status is not None else "-", rid,
-                               "-" if first_byte is None else f"{first_byte:.3f}s", time.perf_counter() - started)
+                access_log.log(
+                    level,
+                    "%s %s %s request_id=%s ttfb=%s duration=%.3fs",
+                    scope["method"],
+                    path,
+                    status if status is not None else "-",
+                    rid,
+                    "-" if first_byte is None else f"{first_byte:.3f}s",
+                    time.perf_counter() - started,
+                )
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         methods = self._routes.get(scope["path"])
@@ -261,7 +280,9 @@ class RouterApp:
             await send({"type": "http.response.body", "body": reply.body})
             return
         async with contextlib.aclosing(reply.chunks) as chunks:  # type: ignore[type-var]
-            await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
+            await send(
+                {"type": "http.response.start", "status": reply.status, "headers": reply.headers}
+            )
             async for chunk in chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if exchange is not None:
@@ -276,9 +297,18 @@ class RouterApp:
         path = scope["path"]
         if path == ADMIN_PATH:
             self._check_admin(scope)
-        elif path in CLIENT_PATHS and self._client_key is not None and not self._client_key.admits(scope["headers"]):
-            raise RouterError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key",
-                              headers=list(_BEARER_CHALLENGE))
+        elif (
+            path in CLIENT_PATHS
+            and self._client_key is not None
+            and not self._client_key.admits(scope["headers"])
+        ):
+            raise RouterError(
+                401,
+                "missing or wrong API key",
+                "authentication_error",
+                code="invalid_api_key",
+                headers=list(_BEARER_CHALLENGE),
+            )
 
     def _check_admin(self, scope: Scope) -> None:
         """With an admin key, every /workers call needs it. Without one, the pool cannot be
@@ -296,8 +326,12 @@ class RouterApp:
                 "permission_error",
             )
         if not self._admin_key.admits(scope["headers"]):
-            raise RouterError(401, "admin endpoints need `Authorization: Bearer <admin key>`", "authentication_error",
-                              headers=list(_BEARER_CHALLENGE))
+            raise RouterError(
+                401,
+                "admin endpoints need `Authorization: Bearer <admin key>`",
+                "authentication_error",
+                headers=list(_BEARER_CHALLENGE),
+            )
 
     def _upstream_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
         return forwarded_headers(scope["headers"], self._credentials)
@@ -311,7 +345,9 @@ class RouterApp:
 
     def can_serve(self) -> bool:
         if self.workers.is_disaggregated():
-            return bool(self.workers.available(Role.PREFILL) and self.workers.available(Role.DECODE))
+            return bool(
+                self.workers.available(Role.PREFILL) and self.workers.available(Role.DECODE)
+            )
         return bool(self.workers.available(Role.MIXED))
 
     async def _health_status(self, scope: Scope, body: bytes) -> Reply:
@@ -320,7 +356,9 @@ class RouterApp:
         return json_reply(200, {"status": "ok"})
 
     async def _metrics(self, scope: Scope, body: bytes) -> Reply:
-        return BufferedReply(200, [(b"content-type", METRICS_CONTENT_TYPE.encode())], self.metrics.render())
+        return BufferedReply(
+            200, [(b"content-type", METRICS_CONTENT_TYPE.encode())], self.metrics.render()
+        )
 
     async def _list_workers(self, scope: Scope, body: bytes) -> Reply:
         return json_reply(200, {"workers": [w.describe() for w in self.workers.all()]})
@@ -331,13 +369,18 @@ class RouterApp:
         except ValueError:
             raise bad_request("the request body is not valid JSON") from None
         if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
-            raise bad_request('expected {"url": URL, "role": "mixed|prefill|decode", "bootstrap_port": PORT}', "url")
+            raise bad_request(
+                'expected {"url": URL, "role": "mixed|prefill|decode", "bootstrap_port": PORT}',
+                "url",
+            )
         try:
             role = Role(spec.get("role", Role.MIXED.value))
         except ValueError:
             raise bad_request("`role` must be mixed, prefill or decode", "role") from None
         port = spec.get("bootstrap_port")
-        if port is not None and (not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536):
+        if port is not None and (
+            not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536
+        ):
             raise bad_request("`bootstrap_port` must be a port number", "bootstrap_port")
         try:
             url = validate_worker_url(spec["url"])
@@ -359,11 +402,16 @@ class RouterApp:
             async with asyncio.timeout(self.config.connect_timeout_s):
                 addresses = await self.resolve(host, port)
         except (OSError, TimeoutError) as exc:
-            raise bad_request(f"the worker's host {host} does not resolve ({str(exc) or type(exc).__name__}); "
-                              "add it once it does", "url") from None
+            raise bad_request(
+                f"the worker's host {host} does not resolve ({str(exc) or type(exc).__name__}); "
+                "add it once it does",
+                "url",
+            ) from None
         problem = resolved_problem(host, addresses)
         if problem is not None:
-            raise bad_request(f"worker URL {url!r}: {problem}; the router never sends requests there", "url")
+            raise bad_request(
+                f"worker URL {url!r}: {problem}; the router never sends requests there", "url"
+            )
 
     async def _remove_worker(self, scope: Scope, body: bytes) -> Reply:
         urls = parse_qs(scope.get("query_string", b"").decode()).get("url", [])
@@ -404,7 +452,9 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise RouterError(413, f"the request body is larger than {limit} bytes", "invalid_request_error")
+            raise RouterError(
+                413, f"the request body is larger than {limit} bytes", "invalid_request_error"
+            )
         chunks.append(chunk)
         more = message.get("more_body", False)
     return b"".join(chunks)

@@ -27,84 +27,220 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kubesgl router",
         description="Cache-aware router and prefill/decode orchestrator in front of kubesgl engines.",
         epilog=f"Keys come from the environment: {ADMIN_KEY_ENV} opens POST/DELETE /workers (without it they "
-               f"answer 403); {API_KEY_ENV}, the engines' API key, is what clients must send and what the router "
-               "sends engines in place of the client's credentials.",
+        f"answer 403); {API_KEY_ENV}, the engines' API key, is what clients must send and what the router "
+        "sends engines in place of the client's credentials.",
         formatter_class=DefaultsOnce,
     )
     w = p.add_argument_group("workers (fixed URLs, or Kubernetes discovery, or both)")
-    w.add_argument("--worker", action="extend", nargs="+", default=[], metavar="URL",
-                   help="a mixed-role engine")
-    w.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL[@BOOTSTRAP_PORT]",
-                   help=f"a prefill engine and its bootstrap port (default {contract.BOOTSTRAP_PORT})")
-    w.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
-                   help="a decode engine")
-    w.add_argument("--kube-namespace", default=None, metavar="NS",
-                   help="namespace of the engine pods (default: the router pod's own, else `default`)")
-    w.add_argument("--kube-selector", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="label selector of engine pods; turns Kubernetes discovery on")
-    w.add_argument("--kube-worker-port", type=int, default=contract.ENGINE_PORT, metavar="PORT",
-                   help="engine port in pods that name no container port `http`")
+    w.add_argument(
+        "--worker",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="a mixed-role engine",
+    )
+    w.add_argument(
+        "--prefill",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="URL[@BOOTSTRAP_PORT]",
+        help=f"a prefill engine and its bootstrap port (default {contract.BOOTSTRAP_PORT})",
+    )
+    w.add_argument(
+        "--decode", action="extend", nargs="+", default=[], metavar="URL", help="a decode engine"
+    )
+    w.add_argument(
+        "--kube-namespace",
+        default=None,
+        metavar="NS",
+        help="namespace of the engine pods (default: the router pod's own, else `default`)",
+    )
+    w.add_argument(
+        "--kube-selector",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="label selector of engine pods; turns Kubernetes discovery on",
+    )
+    w.add_argument(
+        "--kube-worker-port",
+        type=int,
+        default=contract.ENGINE_PORT,
+        metavar="PORT",
+        help="engine port in pods that name no container port `http`",
+    )
 
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (0.0.0.0: every interface, as in a pod)")
-    s.add_argument("--port", type=int, default=contract.ROUTER_PORT, help="port of the OpenAI-compatible API")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
-    s.add_argument("--admin-api-key", default=None, metavar="KEY",
-                   help=f"the admin key, as SGLang's router takes it; prefer ${ADMIN_KEY_ENV} (a key on the "
-                        "command line shows in `ps`). Without a key, POST/DELETE /workers answer 403")
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (0.0.0.0: every interface, as in a pod)",
+    )
+    s.add_argument(
+        "--port", type=int, default=contract.ROUTER_PORT, help="port of the OpenAI-compatible API"
+    )
+    s.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level",
+    )
+    s.add_argument(
+        "--admin-api-key",
+        default=None,
+        metavar="KEY",
+        help=f"the admin key, as SGLang's router takes it; prefer ${ADMIN_KEY_ENV} (a key on the "
+        "command line shows in `ps`). Without a key, POST/DELETE /workers answer 403",
+    )
 
     r = p.add_argument_group("routing")
     cache = CacheAwareSettings()
-    r.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES,
-                   help="how a worker is picked for a request (docs/router.md, Routing policies)")
+    r.add_argument(
+        "--policy",
+        default="cache_aware",
+        choices=POLICY_NAMES,
+        help="how a worker is picked for a request (docs/router.md, Routing policies)",
+    )
     r.add_argument("--prefill-policy", default=None, choices=POLICY_NAMES, help="default: --policy")
     r.add_argument("--decode-policy", default=None, choices=POLICY_NAMES, help="default: --policy")
-    r.add_argument("--cache-threshold", type=float, default=cache.cache_threshold, metavar="X",
-                   help="cache_aware: least matched share of a request to follow its cache")
-    r.add_argument("--balance-abs-threshold", type=int, default=cache.balance_abs_threshold, metavar="N",
-                   help="cache_aware: in-flight gap (max - min) beyond which loads are balanced")
-    r.add_argument("--balance-rel-threshold", type=float, default=cache.balance_rel_threshold, metavar="X",
-                   help="cache_aware: in-flight ratio (max / min) beyond which loads are balanced")
-    r.add_argument("--max-tree-chars", type=int, default=cache.max_tree_chars, metavar="N",
-                   help="cache_aware: characters remembered per worker (LRU eviction beyond)")
+    r.add_argument(
+        "--cache-threshold",
+        type=float,
+        default=cache.cache_threshold,
+        metavar="X",
+        help="cache_aware: least matched share of a request to follow its cache",
+    )
+    r.add_argument(
+        "--balance-abs-threshold",
+        type=int,
+        default=cache.balance_abs_threshold,
+        metavar="N",
+        help="cache_aware: in-flight gap (max - min) beyond which loads are balanced",
+    )
+    r.add_argument(
+        "--balance-rel-threshold",
+        type=float,
+        default=cache.balance_rel_threshold,
+        metavar="X",
+        help="cache_aware: in-flight ratio (max / min) beyond which loads are balanced",
+    )
+    r.add_argument(
+        "--max-tree-chars",
+        type=int,
+        default=cache.max_tree_chars,
+        metavar="N",
+        help="cache_aware: characters remembered per worker (LRU eviction beyond)",
+    )
 
     d = p.add_argument_group("prefill/decode: when a decode worker prefills a request itself")
     pd = DisaggregationSettings()
-    d.add_argument("--pd-min-prefill-tokens", type=int, default=pd.min_prefill_tokens, metavar="N",
-                   help="requests whose uncached prompt is shorter (estimated at 4 characters a token for "
-                        "text) go to a decode worker alone; 0: always disaggregate")
-    d.add_argument("--pd-max-prefill-in-flight", type=int, default=pd.max_prefill_in_flight, metavar="N",
-                   help="when every prefill worker has this many requests in flight, new ones go to a "
-                        "decode worker alone")
+    d.add_argument(
+        "--pd-min-prefill-tokens",
+        type=int,
+        default=pd.min_prefill_tokens,
+        metavar="N",
+        help="requests whose uncached prompt is shorter (estimated at 4 characters a token for "
+        "text) go to a decode worker alone; 0: always disaggregate",
+    )
+    d.add_argument(
+        "--pd-max-prefill-in-flight",
+        type=int,
+        default=pd.max_prefill_in_flight,
+        metavar="N",
+        help="when every prefill worker has this many requests in flight, new ones go to a "
+        "decode worker alone",
+    )
 
     h = p.add_argument_group("health, circuit breaker, retries, timeouts")
     health, retry = HealthSettings(), RetrySettings()
-    h.add_argument("--health-check-interval", type=float, default=health.interval_s, metavar="S",
-                   help="seconds between two health checks of a worker")
-    h.add_argument("--health-check-timeout", type=float, default=health.timeout_s, metavar="S",
-                   help="seconds a health check may take before it counts as failed")
-    h.add_argument("--health-failure-threshold", type=int, default=health.failure_threshold, metavar="N",
-                   help="consecutive failed checks before a worker leaves the pool")
-    h.add_argument("--health-success-threshold", type=int, default=health.success_threshold, metavar="N",
-                   help="consecutive passed checks before it comes back")
-    h.add_argument("--breaker-failure-threshold", type=int, default=5, metavar="N",
-                   help="consecutive failed requests that open a worker's circuit")
-    h.add_argument("--breaker-cooldown", type=float, default=10.0, metavar="S",
-                   help="seconds an open circuit keeps a worker out")
-    h.add_argument("--max-retries", type=int, default=retry.max_retries, metavar="N",
-                   help="times a request a worker failed before answering is sent again, to another worker "
-                        "where there is one")
-    h.add_argument("--retry-initial-backoff", type=float, default=retry.initial_backoff_s, metavar="S",
-                   help="seconds before the first retry; each next one waits twice as long")
-    h.add_argument("--retry-max-backoff", type=float, default=retry.max_backoff_s, metavar="S",
-                   help="longest wait before a retry")
-    h.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
-                   help="seconds to open a connection to a worker")
-    h.add_argument("--request-timeout", type=float, default=1800.0, metavar="S",
-                   help="longest wait for the next byte of a worker's answer")
-    h.add_argument("--max-connections", type=int, default=4096, metavar="N",
-                   help="open connections to all workers together")
+    h.add_argument(
+        "--health-check-interval",
+        type=float,
+        default=health.interval_s,
+        metavar="S",
+        help="seconds between two health checks of a worker",
+    )
+    h.add_argument(
+        "--health-check-timeout",
+        type=float,
+        default=health.timeout_s,
+        metavar="S",
+        help="seconds a health check may take before it counts as failed",
+    )
+    h.add_argument(
+        "--health-failure-threshold",
+        type=int,
+        default=health.failure_threshold,
+        metavar="N",
+        help="consecutive failed checks before a worker leaves the pool",
+    )
+    h.add_argument(
+        "--health-success-threshold",
+        type=int,
+        default=health.success_threshold,
+        metavar="N",
+        help="consecutive passed checks before it comes back",
+    )
+    h.add_argument(
+        "--breaker-failure-threshold",
+        type=int,
+        default=5,
+        metavar="N",
+        help="consecutive failed requests that open a worker's circuit",
+    )
+    h.add_argument(
+        "--breaker-cooldown",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds an open circuit keeps a worker out",
+    )
+    h.add_argument(
+        "--max-retries",
+        type=int,
+        default=retry.max_retries,
+        metavar="N",
+        help="times a request a worker failed before answering is sent again, to another worker "
+        "where there is one",
+    )
+    h.add_argument(
+        "--retry-initial-backoff",
+        type=float,
+        default=retry.initial_backoff_s,
+        metavar="S",
+        help="seconds before the first retry; each next one waits twice as long",
+    )
+    h.add_argument(
+        "--retry-max-backoff",
+        type=float,
+        default=retry.max_backoff_s,
+        metavar="S",
+        help="longest wait before a retry",
+    )
+    h.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds to open a connection to a worker",
+    )
+    h.add_argument(
+        "--request-timeout",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="longest wait for the next byte of a worker's answer",
+    )
+    h.add_argument(
+        "--max-connections",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="open connections to all workers together",
+    )
     return p
 
 
@@ -121,13 +257,17 @@ def _keys(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str | N
     variable that is set must hold a key: an empty one is an error, as in the engine."""
     admin = environ.get(ADMIN_KEY_ENV)
     if admin is not None and args.admin_api_key is not None:
-        raise ValueError(f"the admin key is given twice: set {ADMIN_KEY_ENV} or pass --admin-api-key, not both")
+        raise ValueError(
+            f"the admin key is given twice: set {ADMIN_KEY_ENV} or pass --admin-api-key, not both"
+        )
     if admin is None and args.admin_api_key is not None:
         admin = check_key("--admin-api-key", args.admin_api_key)
     return admin, environ.get(API_KEY_ENV)  # RouterConfig checks them
 
 
-def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterConfig:
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> RouterConfig:
     admin_api_key, api_key = _keys(args, os.environ if environ is None else environ)
     kube = None
     if args.kube_selector or args.kube_namespace:
@@ -144,14 +284,21 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
         cache_aware=CacheAwareSettings(
-            args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold, args.max_tree_chars
+            args.cache_threshold,
+            args.balance_abs_threshold,
+            args.balance_rel_threshold,
+            args.max_tree_chars,
         ),
         health=HealthSettings(
-            args.health_check_interval, args.health_check_timeout,
-            args.health_failure_threshold, args.health_success_threshold,
+            args.health_check_interval,
+            args.health_check_timeout,
+            args.health_failure_threshold,
+            args.health_success_threshold,
         ),
         retry=RetrySettings(args.max_retries, args.retry_initial_backoff, args.retry_max_backoff),
-        disaggregation=DisaggregationSettings(args.pd_min_prefill_tokens, args.pd_max_prefill_in_flight),
+        disaggregation=DisaggregationSettings(
+            args.pd_min_prefill_tokens, args.pd_max_prefill_in_flight
+        ),
         breaker_failure_threshold=args.breaker_failure_threshold,
         breaker_cooldown_s=args.breaker_cooldown,
         connect_timeout_s=args.connect_timeout,
@@ -171,11 +318,17 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.admin_api_key is not None:
-        print(f"kubesgl router: --admin-api-key shows the admin key to anyone who can list processes; "
-              f"set {ADMIN_KEY_ENV} instead", file=sys.stderr)
+        print(
+            f"kubesgl router: --admin-api-key shows the admin key to anyone who can list processes; "
+            f"set {ADMIN_KEY_ENV} instead",
+            file=sys.stderr,
+        )
     if not (config.workers or config.prefill or config.kube):
-        how = ("add them with POST /workers" if config.admin_api_key is not None
-               else f"set {ADMIN_KEY_ENV} to add them with POST /workers")
+        how = (
+            "add them with POST /workers"
+            if config.admin_api_key is not None
+            else f"set {ADMIN_KEY_ENV} to add them with POST /workers"
+        )
         print(f"kubesgl router: no workers yet; {how}", file=sys.stderr)
 
     import uvicorn  # imported late: `--help` stays fast

@@ -24,7 +24,9 @@ def parse_prefill_spec(spec: str) -> tuple[str, int | None]:
         except ValueError as exc:
             raise ValueError(f"bad --prefill URL[@BOOTSTRAP_PORT]: {exc}") from None
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bad --prefill URL@BOOTSTRAP_PORT: the bootstrap port {port!r} is no port number")
+        raise ValueError(
+            f"bad --prefill URL@BOOTSTRAP_PORT: the bootstrap port {port!r} is no port number"
+        )
     return validate_worker_url(url), int(port)
 
 
@@ -63,7 +65,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         for name in (self.policy, self.prefill_policy, self.decode_policy):
             if name is not None and name not in POLICY_NAMES:
-                raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+                raise ValueError(
+                    f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}"
+                )
         if self.workers and (self.prefill or self.decode):
             raise ValueError("give either --worker (mixed) or --prefill/--decode (P/D), not both")
         if bool(self.prefill) != bool(self.decode):

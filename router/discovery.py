@@ -26,7 +26,10 @@ from kubesgl.router.workers import Role, WorkerRegistry
 log = logging.getLogger("kubesgl.router")
 
 # kubesgl's own first; SGLang's lets the router take prefill pods deployed for SGLang's router
-BOOTSTRAP_PORT_ANNOTATIONS = (contract.BOOTSTRAP_PORT_ANNOTATION, contract.SGLANG_BOOTSTRAP_PORT_ANNOTATION)
+BOOTSTRAP_PORT_ANNOTATIONS = (
+    contract.BOOTSTRAP_PORT_ANNOTATION,
+    contract.SGLANG_BOOTSTRAP_PORT_ANNOTATION,
+)
 WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; the watcher lists again
 
 
@@ -157,7 +160,9 @@ class PodWatcher:
                     base_url=connection.base_url + "/",
                     headers=connection.headers,
                     connector=aiohttp.TCPConnector(ssl=connection.ssl),
-                    timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=WATCH_TIMEOUT_S + 30),
+                    timeout=aiohttp.ClientTimeout(
+                        total=None, connect=10, sock_read=WATCH_TIMEOUT_S + 30
+                    ),
                 ) as session:
                     version = await self._list(session)
                     await self._watch(session, version)
@@ -222,7 +227,9 @@ class PodWatcher:
             del self._pods[name]
         if wanted is not None:
             try:
-                self.workers.add(wanted.url, wanted.role, wanted.bootstrap_port, source="kubernetes", pod=name)
+                self.workers.add(
+                    wanted.url, wanted.role, wanted.bootstrap_port, source="kubernetes", pod=name
+                )
             except ValueError as exc:  # a link-local pod IP: this pod stays out, the others come in
                 log.warning("pod %s is not a worker: %s", name, exc)
                 return

@@ -7,12 +7,24 @@ from dataclasses import dataclass, field
 
 
 def error_body(
-    message: str, status: int, *, error_type: str, param: str | None = None, code: str | int | None = None
+    message: str,
+    status: int,
+    *,
+    error_type: str,
+    param: str | None = None,
+    code: str | int | None = None,
 ) -> bytes:
     """The OpenAI error shape shared with the engines: {"error": {message, type, param, code}};
     `code` is the status unless another is given (OpenAI's `invalid_api_key`)."""
     return json.dumps(
-        {"error": {"message": message, "type": error_type, "param": param, "code": status if code is None else code}}
+        {
+            "error": {
+                "message": message,
+                "type": error_type,
+                "param": param,
+                "code": status if code is None else code,
+            }
+        }
     ).encode()
 
 
@@ -36,7 +48,9 @@ class RouterError(Exception):
         return self.message
 
     def body(self) -> bytes:
-        return error_body(self.message, self.status, error_type=self.error_type, param=self.param, code=self.code)
+        return error_body(
+            self.message, self.status, error_type=self.error_type, param=self.param, code=self.code
+        )
 
 
 def bad_request(message: str, param: str | None = None) -> RouterError:

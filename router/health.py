@@ -86,16 +86,25 @@ class HealthChecker:
             worker.health_successes = 0
             worker.health_failures += 1
             if worker.health_failures >= self.settings.failure_threshold:
-                self.workers.set_healthy(worker, False, f"{worker.health_failures} failed health checks, "
-                                                        f"the last: {problem}")
+                self.workers.set_healthy(
+                    worker,
+                    False,
+                    f"{worker.health_failures} failed health checks, the last: {problem}",
+                )
 
     async def _ask_model(self, worker: Worker) -> None:
         """The model a worker serves, for kubesgl_router_worker_info, asked before it joins the
         pool. One that does not answer joins all the same and is asked again at its next check."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
         try:
-            async with self.session.get(worker.url + MODELS_PATH, timeout=timeout, headers=self.headers) as response:
-                models = (await response.json(content_type=None)).get("data") if response.status == 200 else None
+            async with self.session.get(
+                worker.url + MODELS_PATH, timeout=timeout, headers=self.headers
+            ) as response:
+                models = (
+                    (await response.json(content_type=None)).get("data")
+                    if response.status == 200
+                    else None
+                )
         except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
             log.debug("GET %s of %s failed: %r", MODELS_PATH, worker.url, exc)
             return

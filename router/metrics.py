@@ -23,8 +23,14 @@ CACHE_DECISIONS = ("hit", "miss", "balance")
 WORKER_STATUSES = ("200", "error", "cancelled")
 # Answers the router gives itself, without a worker, by status: the reason label names them.
 REJECTION_REASONS = {
-    400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-    405: "method_not_allowed", 413: "too_large", 500: "internal", 503: "no_worker",
+    400: "invalid_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "too_large",
+    500: "internal",
+    503: "no_worker",
 }
 
 # Seconds: from a few milliseconds (short completions) to long streamed generations.
@@ -95,7 +101,7 @@ class RouterMetrics:
             "kubesgl_router_rejections",
             "Requests the router answered itself with an error, sent to no worker: bad requests, "
             "wrong keys, unknown paths, bodies over the limit, no worker that can serve (that one "
-            "is also kubesgl_router_requests{worker=\"\",status=\"503\"}), internal errors",
+            'is also kubesgl_router_requests{worker="",status="503"}), internal errors',
             ["status", "reason"],
             registry=self.registry,
         )

@@ -90,7 +90,11 @@ class PrefillDecodePair:
             return await decode_task
         except BaseException:
             await _cancel(decode_task)
-            if decode_task.done() and not decode_task.cancelled() and decode_task.exception() is None:
+            if (
+                decode_task.done()
+                and not decode_task.cancelled()
+                and decode_task.exception() is None
+            ):
                 reply = decode_task.result()
                 if isinstance(reply, StreamingReply):
                     await reply.chunks.aclose()  # type: ignore[attr-defined]
@@ -105,7 +109,9 @@ class PrefillDecodePair:
             while not prefill_task.done():
                 next_chunk = asyncio.ensure_future(anext(chunks, _END))
                 try:
-                    await asyncio.wait({next_chunk, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+                    await asyncio.wait(
+                        {next_chunk, prefill_task}, return_when=asyncio.FIRST_COMPLETED
+                    )
                 except BaseException:
                     await _cancel(next_chunk)
                     raise

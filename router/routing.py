@@ -51,7 +51,9 @@ class DisaggregationSettings:
 
     def __post_init__(self) -> None:
         if self.min_prefill_tokens < 0 or self.max_prefill_in_flight < 1:
-            raise ValueError("P/D: the shortest prefill to hand over is >= 0 tokens, the in-flight limit >= 1")
+            raise ValueError(
+                "P/D: the shortest prefill to hand over is >= 0 tokens, the in-flight limit >= 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,12 @@ class Forwarder:
 
     async def generate(self, request: ParsedRequest, headers: Headers) -> Reply:
         if self.workers.is_disaggregated():
-            return await self._with_retries(lambda excluded: self._pd_once(request, headers, excluded))
-        return await self._with_retries(lambda excluded: self._mixed_once(request, headers, excluded))
+            return await self._with_retries(
+                lambda excluded: self._pd_once(request, headers, excluded)
+            )
+        return await self._with_retries(
+            lambda excluded: self._mixed_once(request, headers, excluded)
+        )
 
     async def models(self, headers: Headers, path: str = "/v1/models") -> Reply:
         """GET /v1/models (or SGLang's /model_info) from the least loaded worker that answers it."""
@@ -148,7 +154,9 @@ class Forwarder:
             worker, "POST", request.path, request.raw, headers, stream=request.stream
         )
 
-    async def _pd_once(self, request: ParsedRequest, headers: Headers, excluded: set[Worker]) -> Reply:
+    async def _pd_once(
+        self, request: ParsedRequest, headers: Headers, excluded: set[Worker]
+    ) -> Reply:
         text = request.routing_text
         # Check both pools before choosing, so that a policy never records a pair never sent.
         prefills = self._candidates(Role.PREFILL, excluded)
@@ -157,8 +165,9 @@ class Forwarder:
         self.metrics.pd_routes.labels(route).inc()
         decode = self._choose(Role.DECODE, self.policies.decode, text, excluded)
         if route != "disaggregated":  # a decode engine prefills a request without a room itself
-            return await self.upstream.exchange(decode, "POST", request.path, request.raw, headers,
-                                                stream=request.stream)
+            return await self.upstream.exchange(
+                decode, "POST", request.path, request.raw, headers, stream=request.stream
+            )
         prefill = self._choose(Role.PREFILL, self.policies.prefill, text, excluded)
         return await self.pd.exchange(request, prefill, decode, headers)
 

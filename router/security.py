@@ -75,7 +75,9 @@ class BearerKey:
 
 LINK_LOCAL_NETWORKS = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
 # AWS, GCP, Azure, OCI, DigitalOcean... (IPv4), and AWS's IPv6 instance metadata service.
-METADATA_ADDRESSES = frozenset({ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")})
+METADATA_ADDRESSES = frozenset(
+    {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")}
+)
 # GCP's metadata server names (`metadata` through the search domain).
 METADATA_HOST_NAMES = frozenset({"metadata.google.internal", "metadata"})
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
@@ -134,7 +136,9 @@ async def resolve_host(host: str, port: int) -> list[str]:
     """Every address `host` resolves to, as the connection pool would look it up."""
     resolver = DefaultResolver()
     try:
-        return [result["host"] for result in await resolver.resolve(host, port, family=socket.AF_UNSPEC)]
+        return [
+            result["host"] for result in await resolver.resolve(host, port, family=socket.AF_UNSPEC)
+        ]
     finally:
         await resolver.close()
 
@@ -167,7 +171,9 @@ class GuardedResolver(AbstractResolver):
         allowed = [r for r in results if _allowed(r)]
         if not allowed:
             refused = ", ".join(sorted({r["host"] for r in results}))
-            raise OSError(f"{host} resolves only to addresses the router refuses ({refused}): link-local or cloud metadata")
+            raise OSError(
+                f"{host} resolves only to addresses the router refuses ({refused}): link-local or cloud metadata"
+            )
         return allowed
 
     async def close(self) -> None:

@@ -62,12 +62,18 @@ def _as_text(headers: Headers) -> list[tuple[str, str]]:
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
 
 
-def make_session(max_connections: int, connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
+def make_session(
+    max_connections: int, connect_timeout_s: float, read_timeout_s: float
+) -> aiohttp.ClientSession:
     """The pooled client for all worker traffic: keep-alive connections, bytes passed as they are,
     never to a link-local or metadata address, whatever a worker's name resolves to."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, resolver=GuardedResolver()),
-        timeout=aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s),
+        connector=aiohttp.TCPConnector(
+            limit=max_connections, limit_per_host=0, resolver=GuardedResolver()
+        ),
+        timeout=aiohttp.ClientTimeout(
+            total=None, connect=connect_timeout_s, sock_read=read_timeout_s
+        ),
         auto_decompress=False,  # compressed answers go to the client compressed, as sent
         skip_auto_headers=("Accept-Encoding", "User-Agent"),  # only what the client itself sent
     )
@@ -81,7 +87,13 @@ class UpstreamError(Exception):
     """A worker failed a request before anything reached the client."""
 
     def __init__(
-        self, worker: Worker, status: int, message: str, *, retryable: bool, body: bytes | None = None
+        self,
+        worker: Worker,
+        status: int,
+        message: str,
+        *,
+        retryable: bool,
+        body: bytes | None = None,
     ) -> None:
         super().__init__(message)
         self.worker = worker
@@ -107,8 +119,10 @@ class UpstreamError(Exception):
         except (ValueError, KeyError, TypeError):
             message = body.decode(errors="replace").strip()[:500] or f"HTTP {status}"
         if status == 401:  # clients' credentials never reach engines: the router's own were refused
-            message = (f"{worker.role.value} worker {worker.url} refused the router's credentials ({message}): "
-                       f"start the router with {API_KEY_ENV} set to the engines' API key")
+            message = (
+                f"{worker.role.value} worker {worker.url} refused the router's credentials ({message}): "
+                f"start the router with {API_KEY_ENV} set to the engines' API key"
+            )
             log.error("%s", message)
             return cls(worker, 502, message, retryable=False)
         if status < 500:
@@ -154,8 +168,12 @@ class Attempt:
             was_open = not self.worker.breaker.allows_requests()
             self.worker.breaker.record_failure()
             if not was_open and not self.worker.breaker.allows_requests():
-                log.warning("worker %s: circuit breaker open after %d failed requests (%s)", self.worker.url,
-                            self.worker.breaker.consecutive_failures, status)
+                log.warning(
+                    "worker %s: circuit breaker open after %d failed requests (%s)",
+                    self.worker.url,
+                    self.worker.breaker.consecutive_failures,
+                    status,
+                )
         else:
             self.worker.breaker.record_success()
         self._metrics.attempt_finished(self.worker, status)
@@ -247,7 +265,10 @@ class UpstreamClient:
 
     async def _relay(
         self,
-        first: bytes, chunks: AsyncIterator[bytes], response: aiohttp.ClientResponse, attempt: Attempt
+        first: bytes,
+        chunks: AsyncIterator[bytes],
+        response: aiohttp.ClientResponse,
+        attempt: Attempt,
     ) -> AsyncIterator[bytes]:
         complete = False
         try:

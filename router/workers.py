@@ -15,6 +15,7 @@ from kubesgl.router.security import host_problem
 
 log = logging.getLogger("kubesgl.router")
 
+
 class Role(StrEnum):
     """The engine roles the router sends requests to (kubesgl.contract names them)."""
 
@@ -29,12 +30,18 @@ def normalize_url(url: str) -> str:
     if "://" not in url:
         url = "http://" + url
     parts = urlsplit(url)
-    if "@" in parts.netloc:  # before anything that names the URL: its password stays out of errors and logs
+    if (
+        "@" in parts.netloc
+    ):  # before anything that names the URL: its password stays out of errors and logs
         redacted = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
-        raise ValueError(f"a worker URL carries no user name or password: {redacted!r} (the router sends "
-                         "engines its own key, from KUBESGL_API_KEY)")
+        raise ValueError(
+            f"a worker URL carries no user name or password: {redacted!r} (the router sends "
+            "engines its own key, from KUBESGL_API_KEY)"
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"not a worker URL: {url!r} (expected http://HOST:PORT or https://HOST:PORT)")
+        raise ValueError(
+            f"not a worker URL: {url!r} (expected http://HOST:PORT or https://HOST:PORT)"
+        )
     if parts.path or parts.query or parts.fragment:
         raise ValueError(f"a worker URL has no path or query: {url!r}")
     if parts.port == 0:  # reading .port also raises ValueError for a malformed port
@@ -49,7 +56,9 @@ def validate_worker_url(url: str) -> str:
     host = urlsplit(url).hostname or ""
     problem = host_problem(host)
     if problem is not None:
-        raise ValueError(f"worker URL {url!r}: {host} is {problem}; the router never sends requests there")
+        raise ValueError(
+            f"worker URL {url!r}: {host} is {problem}; the router never sends requests there"
+        )
     return url
 
 
@@ -106,7 +115,12 @@ class WorkerRegistry:
         self._on_removed.append(callback)
 
     def add(
-        self, url: str, role: Role, bootstrap_port: int | None = None, source: str = "static", pod: str = ""
+        self,
+        url: str,
+        role: Role,
+        bootstrap_port: int | None = None,
+        source: str = "static",
+        pod: str = "",
     ) -> Worker:
         """Adds a worker, or replaces one with the same URL whose role or port changed; ValueError
         for a URL the router refuses (validate_worker_url)."""
@@ -158,8 +172,13 @@ class WorkerRegistry:
         if worker.healthy != healthy:
             worker.healthy = healthy
             level = logging.INFO if healthy else logging.WARNING
-            log.log(level, "worker %s is now %s%s", worker.url, "healthy" if healthy else "unhealthy",
-                    f": {reason}" if reason else "")
+            log.log(
+                level,
+                "worker %s is now %s%s",
+                worker.url,
+                "healthy" if healthy else "unhealthy",
+                f": {reason}" if reason else "",
+            )
             self._notify()
 
     def mark_lost(self, worker: Worker) -> None:

@@ -48,12 +48,26 @@ def attention_batch():
 
     def make(mode, seq_lens, extend_lens, rows, table):
         long = lambda values: torch.tensor(values, dtype=torch.int64, device=table.device)  # noqa: E731
-        slots = torch.cat([table[r, n - e:n] for r, n, e in zip(rows, seq_lens, extend_lens)])
-        positions = torch.cat([torch.arange(n - e, n) for n, e in zip(seq_lens, extend_lens)]).to(table.device)
+        slots = torch.cat([table[r, n - e : n] for r, n, e in zip(rows, seq_lens, extend_lens)])
+        positions = torch.cat([torch.arange(n - e, n) for n, e in zip(seq_lens, extend_lens)]).to(
+            table.device
+        )
         empty = long([])
-        return ForwardBatch(mode=mode, input_ids=torch.zeros_like(slots), positions=positions, out_cache_loc=slots,
-                            req_rows=long(rows), seq_lens=long(seq_lens), seq_lens_cpu=list(seq_lens),
-                            extend_lens_cpu=list(extend_lens), table_rows=empty, table_cols=empty,
-                            table_slots=empty, future_slots=empty, emits=empty, sampling=None)
+        return ForwardBatch(
+            mode=mode,
+            input_ids=torch.zeros_like(slots),
+            positions=positions,
+            out_cache_loc=slots,
+            req_rows=long(rows),
+            seq_lens=long(seq_lens),
+            seq_lens_cpu=list(seq_lens),
+            extend_lens_cpu=list(extend_lens),
+            table_rows=empty,
+            table_cols=empty,
+            table_slots=empty,
+            future_slots=empty,
+            emits=empty,
+            sampling=None,
+        )
 
     return make

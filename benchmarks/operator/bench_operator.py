@@ -71,12 +71,19 @@ class Bench:
         deployments = self.resources[DEPLOYMENT.kind]
         deployment = deployments.get(name=deployment_name, namespace=self.namespace).to_dict()
         replicas = deployment["spec"].get("replicas", 1)
-        status = {"observedGeneration": deployment["metadata"]["generation"],
-                  "replicas": replicas, "updatedReplicas": replicas,
-                  "readyReplicas": replicas, "availableReplicas": replicas}
-        deployments.status.patch(name=deployment_name, namespace=self.namespace,
-                                 body={"status": status},
-                                 content_type="application/merge-patch+json")
+        status = {
+            "observedGeneration": deployment["metadata"]["generation"],
+            "replicas": replicas,
+            "updatedReplicas": replicas,
+            "readyReplicas": replicas,
+            "availableReplicas": replicas,
+        }
+        deployments.status.patch(
+            name=deployment_name,
+            namespace=self.namespace,
+            body={"status": status},
+            content_type="application/merge-patch+json",
+        )
 
 
 def wait(check, timeout: float = 60.0) -> float:
@@ -97,8 +104,9 @@ def expected_children(created: list[dict[str, Any]]) -> dict[tuple[Kind, str], N
 
 
 def is_ready(status: dict[str, Any]) -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True"
-               for c in status.get("conditions") or [])
+    return any(
+        c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or []
+    )
 
 
 def summary(values_ms: list[float]) -> dict[str, float]:
@@ -116,9 +124,18 @@ def run(count: int, burst: int) -> dict[str, Any]:
         kubeconfig = server.write_kubeconfig(Path(scratch) / "kubeconfig")
         log = open(Path(scratch) / "operator.log", "wb")
         operator = subprocess.Popen(
-            [sys.executable, "-m", "kubesgl", "operator", "--liveness-port", "0",
-             "--log-level", "warning"],
-            env=dict(os.environ, KUBECONFIG=str(kubeconfig)), stdout=log,
+            [
+                sys.executable,
+                "-m",
+                "kubesgl",
+                "operator",
+                "--liveness-port",
+                "0",
+                "--log-level",
+                "warning",
+            ],
+            env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
+            stdout=log,
             stderr=subprocess.STDOUT,
         )
         try:
@@ -131,14 +148,22 @@ def run(count: int, burst: int) -> dict[str, Any]:
                 start = time.perf_counter()
                 created = bench.create(document)
                 expected = expected_children([created])
-                to_children.append((wait(lambda expected=expected: bench.children_present(expected)) - start) * 1e3)
-                to_status.append((wait(lambda name=name: bench.status_of(name).get("observedGeneration")
-                                       == 1) - start) * 1e3)
+                to_children.append(
+                    (wait(lambda expected=expected: bench.children_present(expected)) - start) * 1e3
+                )
+                to_status.append(
+                    (
+                        wait(lambda name=name: bench.status_of(name).get("observedGeneration") == 1)
+                        - start
+                    )
+                    * 1e3
+                )
                 start = time.perf_counter()
                 for role in ("prefill", "decode", "router"):
                     bench.mark_ready(f"{name}-{role}")
-                ready_to_status.append((wait(lambda name=name: is_ready(bench.status_of(name))) - start)
-                                       * 1e3)
+                ready_to_status.append(
+                    (wait(lambda name=name: is_ready(bench.status_of(name))) - start) * 1e3
+                )
 
             documents = []
             for index in range(burst):
@@ -148,10 +173,18 @@ def run(count: int, burst: int) -> dict[str, Any]:
             start = time.perf_counter()
             created = [bench.create(document) for document in documents]
             expected = expected_children(created)
-            burst_children = wait(lambda expected=expected: bench.children_present(expected)) - start
-            burst_status = wait(lambda: all(
-                bench.status_of(d["metadata"]["name"]).get("observedGeneration") == 1
-                for d in documents)) - start
+            burst_children = (
+                wait(lambda expected=expected: bench.children_present(expected)) - start
+            )
+            burst_status = (
+                wait(
+                    lambda: all(
+                        bench.status_of(d["metadata"]["name"]).get("observedGeneration") == 1
+                        for d in documents
+                    )
+                )
+                - start
+            )
         finally:
             operator.terminate()
             operator.wait(timeout=30)
@@ -160,8 +193,8 @@ def run(count: int, burst: int) -> dict[str, Any]:
     return {
         "command": "python benchmarks/operator/bench_operator.py " + " ".join(sys.argv[1:]),
         "setup": "kubesgl operator (kopf) in a subprocess against kubesgl.operator.testing's "
-                 "kmock-based API emulator on loopback, in this process; reads poll the "
-                 "emulator's memory every 10 ms",
+        "kmock-based API emulator on loopback, in this process; reads poll the "
+        "emulator's memory every 10 ms",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "example": "examples/disaggregated.yaml",
         "children_per_inference_service": children_per_isvc,
@@ -181,8 +214,9 @@ def run(count: int, burst: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--count", type=int, default=20,
-                        help="InferenceServices applied one after another")
+    parser.add_argument(
+        "--count", type=int, default=20, help="InferenceServices applied one after another"
+    )
     parser.add_argument("--burst", type=int, default=20, help="InferenceServices applied at once")
     parser.add_argument("--output", type=Path, help="write the results here as JSON")
     args = parser.parse_args()

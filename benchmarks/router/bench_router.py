@@ -47,9 +47,20 @@ def percentile(values: list[float], q: float) -> float:
 def make_bodies(count: int, stream: bool, seed: int = 0) -> list[bytes]:
     """Prompts with 8 shared ~600-character prefixes, so cache_aware has real work to do."""
     rng = random.Random(seed)
-    prefixes = [f"System prompt {g}: " + " ".join(rng.choices("alpha beta gamma delta kv cache page".split(), k=100)) for g in range(8)]
+    prefixes = [
+        f"System prompt {g}: "
+        + " ".join(rng.choices("alpha beta gamma delta kv cache page".split(), k=100))
+        for g in range(8)
+    ]
     return [
-        json.dumps({"model": "bench", "prompt": f"{rng.choice(prefixes)} question {i}", "max_tokens": 8, "stream": stream}).encode()
+        json.dumps(
+            {
+                "model": "bench",
+                "prompt": f"{rng.choice(prefixes)} question {i}",
+                "max_tokens": 8,
+                "stream": stream,
+            }
+        ).encode()
         for i in range(count)
     ]
 
@@ -72,7 +83,9 @@ class Connection:
         """(seconds to the first body byte, seconds to the last)."""
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-            self.writer.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.writer.transport.get_extra_info("socket").setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_NODELAY, 1
+            )
         assert self.reader is not None
         started = time.perf_counter()
         self.writer.write(
@@ -106,7 +119,9 @@ def split_base(base: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def sequential_latency(base: str, stream: bool, requests: int, warmup: int) -> dict[str, float]:
+async def sequential_latency(
+    base: str, stream: bool, requests: int, warmup: int
+) -> dict[str, float]:
     bodies = make_bodies(requests + warmup, stream)
     connection = Connection(*split_base(base))
     try:
@@ -121,7 +136,9 @@ async def sequential_latency(base: str, stream: bool, requests: int, warmup: int
             "first_byte_p50_ms": percentile(firsts, 0.5), "mean_ms": statistics.fmean(totals)}  # fmt: skip
 
 
-async def closed_loop_rate(base: str, stream: bool, concurrency: int, duration: float) -> dict[str, float]:
+async def closed_loop_rate(
+    base: str, stream: bool, concurrency: int, duration: float
+) -> dict[str, float]:
     bodies = make_bodies(4096, stream, seed=1)
     latencies: list[float] = []
     errors = 0
@@ -133,7 +150,10 @@ async def closed_loop_rate(base: str, stream: bool, concurrency: int, duration: 
         try:
             while time.perf_counter() < deadline:
                 try:
-                    latencies.append((await connection.post("/v1/completions", bodies[i % len(bodies)]))[1] * 1000)
+                    latencies.append(
+                        (await connection.post("/v1/completions", bodies[i % len(bodies)]))[1]
+                        * 1000
+                    )
                 except (RuntimeError, OSError, asyncio.IncompleteReadError):
                     errors += 1
                     connection.close()
@@ -185,12 +205,16 @@ async def measure(args: argparse.Namespace, base: str) -> dict[str, dict[str, di
     return result
 
 
-async def one_round(args: argparse.Namespace, workers: list[str], order: list[str]) -> dict[str, object]:
+async def one_round(
+    args: argparse.Namespace, workers: list[str], order: list[str]
+) -> dict[str, object]:
     results: dict[str, object] = {"direct": await measure(args, workers[0])}
     for kind in order:
         for policy in args.policies:
             port = free_port()
-            router = subprocess.Popen(router_command(kind, workers, policy, port), stdout=subprocess.DEVNULL)
+            router = subprocess.Popen(
+                router_command(kind, workers, policy, port), stdout=subprocess.DEVNULL
+            )
             try:
                 base = f"http://127.0.0.1:{port}"
                 await wait_healthy(base, router)
@@ -217,7 +241,14 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, object]]:
     ports = [free_port(), free_port()]
     workers = [f"http://127.0.0.1:{p}" for p in ports]
     backend = subprocess.Popen(
-        [sys.executable, str(HERE / "fast_backend.py"), "--ports", *map(str, ports), "--chunks", str(args.chunks)],
+        [
+            sys.executable,
+            str(HERE / "fast_backend.py"),
+            "--ports",
+            *map(str, ports),
+            "--chunks",
+            str(args.chunks),
+        ],
         stdout=subprocess.PIPE,
     )
     assert backend.stdout is not None and backend.stdout.readline().strip() == b"ready"
@@ -238,30 +269,50 @@ def added(results: dict[str, object], key: str, mode: str, field: str) -> float:
 
 
 def table(results: dict[str, object], args: argparse.Namespace) -> str:
-    lines = ["| router / policy | mode | added p50 (ms) | added p99 (ms) | max rate (req/s) |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| router / policy | mode | added p50 (ms) | added p99 (ms) | max rate (req/s) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for key in [k for k in results if k != "direct"]:
         for mode in ("non_streaming", "streaming"):
             rate = results[key][mode]["max_rate"]["requests_per_s"]  # type: ignore[index]
-            lines.append(f"| {key} | {mode} | {added(results, key, mode, 'p50_ms'):.3f} | {added(results, key, mode, 'p99_ms'):.3f} | {rate:.0f} |")
+            lines.append(
+                f"| {key} | {mode} | {added(results, key, mode, 'p50_ms'):.3f} | {added(results, key, mode, 'p99_ms'):.3f} | {rate:.0f} |"
+            )
     for mode in ("non_streaming", "streaming"):
         direct = results["direct"][mode]  # type: ignore[index]
-        lines.append(f"| direct (no router) | {mode} | p50 {direct['latency']['p50_ms']:.3f} | p99 {direct['latency']['p99_ms']:.3f} | {direct['max_rate']['requests_per_s']:.0f} |")
+        lines.append(
+            f"| direct (no router) | {mode} | p50 {direct['latency']['p50_ms']:.3f} | p99 {direct['latency']['p99_ms']:.3f} | {direct['max_rate']['requests_per_s']:.0f} |"
+        )
     ratios = []
     for policy in args.policies:
         for mode in ("non_streaming", "streaming"):
             ours, theirs = f"kubesgl/{policy}", f"sglang/{policy}"
             if ours in results and theirs in results:
-                p50 = added(results, ours, mode, "p50_ms") / max(added(results, theirs, mode, "p50_ms"), 1e-9)
-                rate = results[ours][mode]["max_rate"]["requests_per_s"] / results[theirs][mode]["max_rate"]["requests_per_s"]  # type: ignore[index]
-                ratios.append(f"{policy} {mode}: added p50 kubesgl/sglang = {p50:.2f}x, max rate kubesgl/sglang = {rate:.2f}x")
+                p50 = added(results, ours, mode, "p50_ms") / max(
+                    added(results, theirs, mode, "p50_ms"), 1e-9
+                )
+                rate = (
+                    results[ours][mode]["max_rate"]["requests_per_s"]
+                    / results[theirs][mode]["max_rate"]["requests_per_s"]
+                )  # type: ignore[index]
+                ratios.append(
+                    f"{policy} {mode}: added p50 kubesgl/sglang = {p50:.2f}x, max rate kubesgl/sglang = {rate:.2f}x"
+                )
     return "\n".join(lines + [""] + ratios)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--routers", nargs="+", default=["kubesgl", "sglang"], choices=["kubesgl", "sglang"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--routers", nargs="+", default=["kubesgl", "sglang"], choices=["kubesgl", "sglang"]
+    )
     parser.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware"])
-    parser.add_argument("--requests", type=int, default=1000, help="sequential requests for latency")
+    parser.add_argument(
+        "--requests", type=int, default=1000, help="sequential requests for latency"
+    )
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=64, help="users in the closed loop")
     parser.add_argument("--duration", type=float, default=8.0, help="seconds of closed loop")
@@ -279,8 +330,15 @@ def main() -> None:
         "benchmark": "router added latency and max request rate",
         "command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
         "settings": vars(args),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "versions": {name: md.version(name) for name in ("kubesgl", "sglang-router", "uvicorn", "httpx", "aiohttp")},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "versions": {
+            name: md.version(name)
+            for name in ("kubesgl", "sglang-router", "uvicorn", "httpx", "aiohttp")
+        },
         "results": results,
         "rounds": rounds,
     }

@@ -13,8 +13,12 @@ import asyncio
 import json
 
 COMPLETION = json.dumps(
-    {"id": "cmpl-bench", "object": "text_completion", "model": "bench",
-     "choices": [{"index": 0, "text": "hello world", "finish_reason": "stop"}]}  # fmt: skip
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "model": "bench",
+        "choices": [{"index": 0, "text": "hello world", "finish_reason": "stop"}],
+    }  # fmt: skip
 ).encode()
 OK = b'{"status":"ok"}'
 
@@ -46,7 +50,13 @@ class Backend(asyncio.Protocol):
             length = 0
             marker = head.find(b"content-length:")
             if marker >= 0:
-                length = int(head[marker + 15 : head.find(b"\r\n", marker) if head.find(b"\r\n", marker) > 0 else None])
+                length = int(
+                    head[
+                        marker + 15 : head.find(b"\r\n", marker)
+                        if head.find(b"\r\n", marker) > 0
+                        else None
+                    ]
+                )
             if len(self.buffer) < head_end + 4 + length:
                 return
             body = self.buffer[head_end + 4 : head_end + 4 + length]
@@ -67,7 +77,6 @@ class Backend(asyncio.Protocol):
             % (len(payload), payload)
         )
 
-
     def send_events(self, index: int) -> None:
         if self.transport.is_closing():
             return
@@ -79,7 +88,10 @@ class Backend(asyncio.Protocol):
 async def serve(ports: list[int], chunks: int) -> None:
     loop = asyncio.get_running_loop()
     events = sse_chunks(chunks)
-    servers = [await loop.create_server(lambda: Backend(events), "127.0.0.1", p, backlog=4096) for p in ports]
+    servers = [
+        await loop.create_server(lambda: Backend(events), "127.0.0.1", p, backlog=4096)
+        for p in ports
+    ]
     print("ready", flush=True)
     await asyncio.gather(*(s.serve_forever() for s in servers))
 

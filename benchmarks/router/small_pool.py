@@ -30,8 +30,10 @@ from pathlib import Path
 import httpx
 
 ADMIN_KEY = "small-pool-bench"
-WORDS = ("cache prefix token decode prefill router engine batch kernel tensor memory page radix schedule latency "
-         "stream request worker model layer attention value key query").split()
+WORDS = (
+    "cache prefix token decode prefill router engine batch kernel tensor memory page radix schedule latency "
+    "stream request worker model layer attention value key query"
+).split()
 # (name, router flags): SGLang's thresholds, kubesgl's defaults, and round robin for reference
 SETTINGS = {
     "cache_aware abs 64 (SGLang)": ["--policy", "cache_aware", "--balance-abs-threshold", "64"],
@@ -49,13 +51,26 @@ def free_port() -> int:
 def conversations(groups: int, questions: range, system_words: int) -> list[dict]:
     """Chat requests: `questions` behind each of `groups` system prompts (the same prompts for the
     same arguments), shuffled."""
-    systems = [f"You are assistant number {g}. " + " ".join(random.Random(g).choices(WORDS, k=system_words))
-               for g in range(groups)]
+    systems = [
+        f"You are assistant number {g}. "
+        + " ".join(random.Random(g).choices(WORDS, k=system_words))
+        for g in range(groups)
+    ]
     rng = random.Random(questions.start)
-    requests = [{"model": "default", "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-                 "messages": [{"role": "system", "content": system},
-                              {"role": "user", "content": f"Question {q}: " + " ".join(rng.choices(WORDS, k=12))}]}
-                for q in questions for system in systems]
+    requests = [
+        {
+            "model": "default",
+            "max_tokens": 16,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Question {q}: " + " ".join(rng.choices(WORDS, k=12))},
+            ],
+        }
+        for q in questions
+        for system in systems
+    ]
     rng.shuffle(requests)
     return requests
 
@@ -82,7 +97,11 @@ def engine_counters(url: str) -> tuple[float, float, float]:
         base = name.split("{", 1)[0]
         values[base] = values.get(base, 0.0) + float(value)
     prompt = values.get("kubesgl_prompt_tokens_total", 0.0)
-    return values.get("kubesgl_requests_total", 0.0), prompt, prompt * values.get("kubesgl_prefix_cache_hit_ratio", 0.0)
+    return (
+        values.get("kubesgl_requests_total", 0.0),
+        prompt,
+        prompt * values.get("kubesgl_prefix_cache_hit_ratio", 0.0),
+    )
 
 
 async def send_all(url: str, requests: list[dict], concurrency: int) -> list[float]:
@@ -102,27 +121,69 @@ async def send_all(url: str, requests: list[dict], concurrency: int) -> list[flo
 def run_once(model: str, flags: list[str], args: argparse.Namespace, log_dir: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KUBESGL_ROUTER_ADMIN_KEY": ADMIN_KEY}
     ports = [free_port() for _ in range(2)]
-    engines = [subprocess.Popen([sys.executable, "-m", "kubesgl", "serve", "--model", model, "--device", "cpu",
-                                 "--port", str(port), "--max-total-tokens", "40000", "--served-model-name", "default"],
-                                env=env, stdout=open(log_dir / f"engine-{port}.log", "w"), stderr=subprocess.STDOUT)
-               for port in ports]
+    engines = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kubesgl",
+                "serve",
+                "--model",
+                model,
+                "--device",
+                "cpu",
+                "--port",
+                str(port),
+                "--max-total-tokens",
+                "40000",
+                "--served-model-name",
+                "default",
+            ],
+            env=env,
+            stdout=open(log_dir / f"engine-{port}.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
+        for port in ports
+    ]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     router_port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "kubesgl", "router", "--worker", urls[0], "--port", str(router_port),
-                               "--health-check-interval", "0.5", *flags], env=env,
-                              stdout=open(log_dir / f"router-{router_port}.log", "w"), stderr=subprocess.STDOUT)
+    router = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kubesgl",
+            "router",
+            "--worker",
+            urls[0],
+            "--port",
+            str(router_port),
+            "--health-check-interval",
+            "0.5",
+            *flags,
+        ],
+        env=env,
+        stdout=open(log_dir / f"router-{router_port}.log", "w"),
+        stderr=subprocess.STDOUT,
+    )
     router_url = f"http://127.0.0.1:{router_port}"
     try:
         for url in (*urls, router_url):
             wait_healthy(url)
-        warm = conversations(args.groups, range(2), args.system_words)  # the prompts' first questions, on A
+        warm = conversations(
+            args.groups, range(2), args.system_words
+        )  # the prompts' first questions, on A
         asyncio.run(send_all(router_url, warm, 1))
-        joined = httpx.post(router_url + "/workers", json={"url": urls[1], "role": "mixed"},
-                            headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        joined = httpx.post(
+            router_url + "/workers",
+            json={"url": urls[1], "role": "mixed"},
+            headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        )
         joined.raise_for_status()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            pool = httpx.get(router_url + "/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+            pool = httpx.get(
+                router_url + "/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+            ).json()
             if all(w.get("healthy", True) for w in pool["workers"]) and len(pool["workers"]) == 2:
                 break
             time.sleep(0.2)
@@ -141,14 +202,22 @@ def run_once(model: str, flags: list[str], args: argparse.Namespace, log_dir: Pa
     prompt = sum(a[1] - b[1] for a, b in zip(after, before))
     cached = sum(a[2] - b[2] for a, b in zip(after, before))
     ordered = sorted(latencies)
-    return {"requests_per_engine": served, "prefix_hit_ratio": cached / prompt if prompt else 0.0,
-            "wall_s": wall, "latency_p50_s": statistics.median(latencies),
-            "latency_p90_s": ordered[int(0.9 * (len(ordered) - 1))]}
+    return {
+        "requests_per_engine": served,
+        "prefix_hit_ratio": cached / prompt if prompt else 0.0,
+        "wall_s": wall,
+        "latency_p50_s": statistics.median(latencies),
+        "latency_p90_s": ordered[int(0.9 * (len(ordered) - 1))],
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model folder (default: a tiny llama made here)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model", default=None, help="model folder (default: a tiny llama made here)"
+    )
     parser.add_argument("--groups", type=int, default=2, help="system prompts")
     parser.add_argument("--questions", type=int, default=24, help="questions per system prompt")
     parser.add_argument("--system-words", type=int, default=400)
@@ -160,21 +229,35 @@ def main() -> None:
     model = args.model
     if model is None:
         model = str(work / "tiny")
-        subprocess.run([sys.executable, "-m", "kubesgl", "make-tiny-model", model, "--arch", "llama"], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "kubesgl", "make-tiny-model", model, "--arch", "llama"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     rounds: dict[str, list[dict]] = {name: [] for name in SETTINGS}
     for round_ in range(args.rounds):
         for name, flags in SETTINGS.items():
             result = run_once(model, flags, args, work)
             rounds[name].append(result)
             print(f"round {round_ + 1} {name}: {json.dumps(result)}", flush=True)
-    summary = {name: {key: statistics.median(r[key] for r in results)
-                      for key in ("prefix_hit_ratio", "wall_s", "latency_p50_s", "latency_p90_s")}
-               | {"requests_per_engine": [statistics.median(r["requests_per_engine"][i] for r in results)
-                                          for i in range(2)]}
-               for name, results in rounds.items()}
-    report = {"config": vars(args), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "median_of_rounds": summary, "rounds": rounds}
+    summary = {
+        name: {
+            key: statistics.median(r[key] for r in results)
+            for key in ("prefix_hit_ratio", "wall_s", "latency_p50_s", "latency_p90_s")
+        }
+        | {
+            "requests_per_engine": [
+                statistics.median(r["requests_per_engine"][i] for r in results) for i in range(2)
+            ]
+        }
+        for name, results in rounds.items()
+    }
+    report = {
+        "config": vars(args),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "median_of_rounds": summary,
+        "rounds": rounds,
+    }
     print(json.dumps(summary, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

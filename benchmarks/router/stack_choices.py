@@ -34,9 +34,12 @@ async def drive_httpx(url: str, concurrency: int, total: int) -> None:
     import httpx
 
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency)) as client:
+
         async def user(n: int) -> None:
             for _ in range(n):
-                response = await client.post(url, content=BODY, headers={"content-type": "application/json"})
+                response = await client.post(
+                    url, content=BODY, headers={"content-type": "application/json"}
+                )
                 await response.aread()
 
         await asyncio.gather(*(user(total // concurrency) for _ in range(concurrency)))
@@ -46,9 +49,12 @@ async def drive_aiohttp(url: str, concurrency: int, total: int) -> None:
     import aiohttp
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
         async def user(n: int) -> None:
             for _ in range(n):
-                async with session.post(url, data=BODY, headers={"content-type": "application/json"}) as response:
+                async with session.post(
+                    url, data=BODY, headers={"content-type": "application/json"}
+                ) as response:
                     await response.read()
 
         await asyncio.gather(*(user(total // concurrency) for _ in range(concurrency)))
@@ -94,15 +100,29 @@ def server_main(kind: str, port: int) -> None:
     import uvicorn
 
     app = raw_asgi if kind == "asgi" else fastapi_app()
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, loop="uvloop", http="httptools")
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        loop="uvloop",
+        http="httptools",
+    )
 
 
 def run_json(args: list[str]) -> dict[str, float]:
-    return json.loads(subprocess.run([sys.executable, __file__, *args], check=True, capture_output=True, text=True).stdout)
+    return json.loads(
+        subprocess.run(
+            [sys.executable, __file__, *args], check=True, capture_output=True, text=True
+        ).stdout
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=3, help="figures are medians over the rounds")
@@ -118,9 +138,14 @@ def main() -> None:
         return server_main(args.kind, args.port)
 
     samples: dict[str, list[dict[str, float]]] = {}
-    for _ in range(args.rounds):  # interleaved rounds, medians below: robust to bursts of other load
+    for _ in range(
+        args.rounds
+    ):  # interleaved rounds, medians below: robust to bursts of other load
         port = free_port()
-        backend = subprocess.Popen([sys.executable, str(HERE / "fast_backend.py"), "--ports", str(port)], stdout=subprocess.PIPE)
+        backend = subprocess.Popen(
+            [sys.executable, str(HERE / "fast_backend.py"), "--ports", str(port)],
+            stdout=subprocess.PIPE,
+        )
         assert backend.stdout is not None and backend.stdout.readline().strip() == b"ready"
         try:
             for kind in ("httpx", "aiohttp"):
@@ -132,21 +157,30 @@ def main() -> None:
             backend.wait()
         for kind in ("asgi", "fastapi"):
             port = free_port()
-            server = subprocess.Popen([sys.executable, __file__, "--role", "server", "--kind", kind, "--port", str(port)])
+            server = subprocess.Popen(
+                [sys.executable, __file__, "--role", "server", "--kind", kind, "--port", str(port)]
+            )
             try:
-                time.sleep(2)  # a separate process: no event to wait on; /v1/completions answers once up
+                time.sleep(
+                    2
+                )  # a separate process: no event to wait on; /v1/completions answers once up
                 samples.setdefault(f"server/{kind}", []).append(run_json(
                     ["--role", "client", "--kind", "aiohttp", "--url", f"http://127.0.0.1:{port}/v1/completions",
                      "--concurrency", str(args.concurrency), "--requests", str(args.requests)]))  # fmt: skip
             finally:
                 server.terminate()
                 server.wait()
-    results = {name: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for name, runs in samples.items()}
+    results = {
+        name: {k: statistics.median(s[k] for s in runs) for k in runs[0]}
+        for name, runs in samples.items()
+    }
     document = {"command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
                 "settings": vars(args), "results": results, "rounds": samples}  # fmt: skip
     Path(args.output).write_text(json.dumps(document, indent=2) + "\n")
     for name, figures in results.items():
-        print(f"{name:16} {figures['requests_per_s']:8.0f} req/s  {figures['cpu_us_per_request']:6.0f} us CPU/request (client side)")
+        print(
+            f"{name:16} {figures['requests_per_s']:8.0f} req/s  {figures['cpu_us_per_request']:6.0f} us CPU/request (client side)"
+        )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,11 @@ def triton_supports(head_dim: int) -> bool:
 
 
 def _flashinfer_fits(dtype: torch.dtype, head_dim: int) -> bool:
-    return (importlib.util.find_spec("flashinfer") is not None and dtype in (torch.float16, torch.bfloat16)
-            and head_dim in FLASHINFER_HEAD_DIMS)
+    return (
+        importlib.util.find_spec("flashinfer") is not None
+        and dtype in (torch.float16, torch.bfloat16)
+        and head_dim in FLASHINFER_HEAD_DIMS
+    )
 
 
 @dataclass(frozen=True)
@@ -45,12 +48,21 @@ class BackendEntry:
 
 # In order of preference for `auto` on CUDA: the fastest on the H200 first (benchmarks/README.md).
 ATTENTION_BACKENDS: dict[AttentionBackendName, BackendEntry] = {
-    "flashinfer": BackendEntry("kubesgl.engine.attention.flashinfer_backend", "FlashInferAttentionBackend",
-                               _flashinfer_fits),
-    "triton": BackendEntry("kubesgl.engine.attention.triton_backend", "TritonAttentionBackend",
-                           lambda dtype, head_dim: triton_supports(head_dim)),
-    "torch": BackendEntry("kubesgl.engine.attention.torch_backend", "TorchAttentionBackend",
-                          lambda dtype, head_dim: True),
+    "flashinfer": BackendEntry(
+        "kubesgl.engine.attention.flashinfer_backend",
+        "FlashInferAttentionBackend",
+        _flashinfer_fits,
+    ),
+    "triton": BackendEntry(
+        "kubesgl.engine.attention.triton_backend",
+        "TritonAttentionBackend",
+        lambda dtype, head_dim: triton_supports(head_dim),
+    ),
+    "torch": BackendEntry(
+        "kubesgl.engine.attention.torch_backend",
+        "TorchAttentionBackend",
+        lambda dtype, head_dim: True,
+    ),
 }
 
 
@@ -60,15 +72,26 @@ def auto_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> Att
     sizes, else torch)."""
     if device.type != "cuda":
         return "torch"
-    return next(name for name, entry in ATTENTION_BACKENDS.items() if entry.auto_on_cuda(dtype, head_dim))
+    return next(
+        name for name, entry in ATTENTION_BACKENDS.items() if entry.auto_on_cuda(dtype, head_dim)
+    )
 
 
 def create_backend(name: str, **kwargs) -> AttentionBackend:
     for known, entry in ATTENTION_BACKENDS.items():
         if known == name:
             return entry.load()(**kwargs)
-    raise ValueError(f"attention backend {name!r} is not available (available: {', '.join(ATTENTION_BACKENDS)})")
+    raise ValueError(
+        f"attention backend {name!r} is not available (available: {', '.join(ATTENTION_BACKENDS)})"
+    )
 
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionLayerSpec", "BackendEntry", "auto_backend",
-           "create_backend", "triton_supports"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "AttentionLayerSpec",
+    "BackendEntry",
+    "auto_backend",
+    "create_backend",
+    "triton_supports",
+]

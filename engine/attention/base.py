@@ -30,7 +30,9 @@ class AttentionBackend(ABC):
 
     supports_cuda_graph = False  # decode reads only device tensors (no host values, no syncs)
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, layers: Sequence[AttentionLayerSpec]):
+    def __init__(
+        self, kv_pool: KVPool, req_to_token: ReqToTokenTable, layers: Sequence[AttentionLayerSpec]
+    ):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
 
@@ -48,6 +50,12 @@ class AttentionBackend(ABC):
         self.prepare(batch)
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim]. Returns [T, heads, dim]."""

@@ -33,8 +33,10 @@ def _import_flashinfer():
     try:
         import flashinfer
     except ImportError as exc:
-        raise ValueError("--attention-backend flashinfer needs the flashinfer-python package "
-                         "(pip install 'kubesgl[flashinfer]')") from exc
+        raise ValueError(
+            "--attention-backend flashinfer needs the flashinfer-python package "
+            "(pip install 'kubesgl[flashinfer]')"
+        ) from exc
     return flashinfer
 
 
@@ -65,7 +67,9 @@ class _Planned:
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
 
-    def __init__(self, kv_pool: KVPool, req_to_token: ReqToTokenTable, layers: Sequence[AttentionLayerSpec]):
+    def __init__(
+        self, kv_pool: KVPool, req_to_token: ReqToTokenTable, layers: Sequence[AttentionLayerSpec]
+    ):
         super().__init__(kv_pool, req_to_token, layers)
         self._flashinfer = _import_flashinfer()
         self.device = req_to_token.table.device
@@ -73,34 +77,64 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self.device.type != "cuda":
             raise ValueError("--attention-backend flashinfer runs on CUDA devices only")
         if self.q_dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"--attention-backend flashinfer needs --dtype bfloat16 or float16, not {self.q_dtype}")
-        shapes = {(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) for layer in layers}
+            raise ValueError(
+                f"--attention-backend flashinfer needs --dtype bfloat16 or float16, not {self.q_dtype}"
+            )
+        shapes = {
+            (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling) for layer in layers
+        }
         if len(shapes) != 1:
-            raise ValueError("--attention-backend flashinfer needs every layer to have the same attention shape")
+            raise ValueError(
+                "--attention-backend flashinfer needs every layer to have the same attention shape"
+            )
         self.num_heads, self.num_kv_heads, self.head_dim, self.scaling = shapes.pop()
         if self.head_dim not in FLASHINFER_HEAD_DIMS:
-            raise ValueError(f"--attention-backend flashinfer needs a head_dim in {FLASHINFER_HEAD_DIMS}, "
-                             f"not {self.head_dim}")
+            raise ValueError(
+                f"--attention-backend flashinfer needs a head_dim in {FLASHINFER_HEAD_DIMS}, "
+                f"not {self.head_dim}"
+            )
         self.windows = sorted({layer.sliding_window for layer in layers}, key=lambda w: w or 0)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         fi = self._flashinfer
-        self.prefill = {w: _Planned(fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2"))
-                        for w in self.windows}
-        self.decode = {w: _Planned(fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True))
-                       for w in self.windows}
+        self.prefill = {
+            w: _Planned(
+                fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+            )
+            for w in self.windows
+        }
+        self.decode = {
+            w: _Planned(
+                fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+            )
+            for w in self.windows
+        }
         self.graph_decode: dict[int, dict[int | None, _Planned]] = {}
         self.graph_indices: torch.Tensor | None = None
 
     def _kv_indices(self, batch: ForwardBatch) -> torch.Tensor:
-        return gather_kv_indices(self.req_to_token.table, batch.req_rows, batch.seq_lens, sum(batch.seq_lens_cpu))
+        return gather_kv_indices(
+            self.req_to_token.table, batch.req_rows, batch.seq_lens, sum(batch.seq_lens_cpu)
+        )
 
-    def _plan_decode(self, wrappers: dict[int | None, _Planned], batch: ForwardBatch, indices: torch.Tensor) -> None:
+    def _plan_decode(
+        self, wrappers: dict[int | None, _Planned], batch: ForwardBatch, indices: torch.Tensor
+    ) -> None:
         kv_indptr = _indptr(batch.seq_lens_cpu)
         last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)
         for window, planned in wrappers.items():
-            planned.plan(kv_indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim, 1,
-                         window_left=_window_left(window), q_data_type=self.q_dtype, kv_data_type=self.kv_dtype,
-                         sm_scale=self.scaling)
+            planned.plan(
+                kv_indptr,
+                indices,
+                last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                1,
+                window_left=_window_left(window),
+                q_data_type=self.q_dtype,
+                kv_data_type=self.kv_dtype,
+                sm_scale=self.scaling,
+            )
         batch.attn = wrappers
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -111,15 +145,30 @@ class FlashInferAttentionBackend(AttentionBackend):
         qo_indptr, kv_indptr = _indptr(batch.extend_lens_cpu), _indptr(batch.seq_lens_cpu)
         last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)
         for window, planned in self.prefill.items():
-            planned.plan(qo_indptr, kv_indptr, indices, last_page_len, self.num_heads, self.num_kv_heads, self.head_dim,
-                         1, causal=True, sm_scale=self.scaling, window_left=_window_left(window),
-                         q_data_type=self.q_dtype, kv_data_type=self.kv_dtype)
+            planned.plan(
+                qo_indptr,
+                kv_indptr,
+                indices,
+                last_page_len,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                1,
+                causal=True,
+                sm_scale=self.scaling,
+                window_left=_window_left(window),
+                q_data_type=self.q_dtype,
+                kv_data_type=self.kv_dtype,
+            )
         batch.attn = self.prefill
 
     def init_cuda_graph(self, max_batch_size: int) -> None:
         # Requests may share cached prefixes, so a batch can list more slots than the pool has.
-        self.graph_indices = torch.zeros(max_batch_size * self.req_to_token.max_context_len, dtype=torch.int32,
-                                         device=self.device)
+        self.graph_indices = torch.zeros(
+            max_batch_size * self.req_to_token.max_context_len,
+            dtype=torch.int32,
+            device=self.device,
+        )
 
     def prepare_cuda_graph(self, batch: ForwardBatch) -> None:
         bs = batch.batch_size
@@ -127,10 +176,19 @@ class FlashInferAttentionBackend(AttentionBackend):
             fi = self._flashinfer
             last_page_len = torch.ones(bs, dtype=torch.int32, device=self.device)
             self.graph_decode[bs] = {
-                w: _Planned(fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-                    paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
-                    paged_kv_indices_buffer=self.graph_indices, paged_kv_last_page_len_buffer=last_page_len))
+                w: _Planned(
+                    fi.BatchDecodeWithPagedKVCacheWrapper(
+                        self.workspace,
+                        "NHD",
+                        use_cuda_graph=True,
+                        use_tensor_cores=True,
+                        paged_kv_indptr_buffer=torch.zeros(
+                            bs + 1, dtype=torch.int32, device=self.device
+                        ),
+                        paged_kv_indices_buffer=self.graph_indices,
+                        paged_kv_last_page_len_buffer=last_page_len,
+                    )
+                )
                 for w in self.windows
             }
         # The wrappers copy the indices into graph_indices, their fixed buffer, when planned.
@@ -138,7 +196,10 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         self.kv_pool.write(layer.layer_id, batch.out_cache_loc, k, v)
-        kv = (self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id])  # [slots, kv_heads, dim]: pages of 1
+        kv = (
+            self.kv_pool.k[layer.layer_id],
+            self.kv_pool.v[layer.layer_id],
+        )  # [slots, kv_heads, dim]: pages of 1
         return batch.attn[layer.sliding_window].run(q.contiguous(), kv)
 
 

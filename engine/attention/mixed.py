@@ -33,8 +33,14 @@ class MixedAttention(AttentionBackend):
         self.backend.prepare(decode)
         batch.attn = _MixedMeta(extend, decode, extend.num_tokens)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayerSpec,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         meta: _MixedMeta = batch.attn
         n = meta.extend_tokens
         out = torch.empty_like(q)

@@ -64,18 +64,30 @@ class TorchAttentionBackend(AttentionBackend):
         if isinstance(meta, _DecodeMeta):
             keys = k_cache[meta.kv_slots].to(q.dtype).transpose(1, 2)  # [B, kv_heads, max_len, dim]
             values = v_cache[meta.kv_slots].to(q.dtype).transpose(1, 2)
-            mask = meta.valid & _mask(meta.query_positions, meta.key_positions, layer.sliding_window)
+            mask = meta.valid & _mask(
+                meta.query_positions, meta.key_positions, layer.sliding_window
+            )
             out = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], scale=layer.scaling, enable_gqa=gqa
+                q.unsqueeze(2),
+                keys,
+                values,
+                attn_mask=mask[:, None, None, :],
+                scale=layer.scaling,
+                enable_gqa=gqa,
             )
             return out.squeeze(2)
         out = torch.empty_like(q)
-        for (start, end), slots, query_pos in zip(meta.query_ranges, meta.kv_slots, meta.query_positions):
+        for (start, end), slots, query_pos in zip(
+            meta.query_ranges, meta.kv_slots, meta.query_positions
+        ):
             key_pos = torch.arange(slots.shape[0], device=q.device)
             mask = _mask(query_pos, key_pos, layer.sliding_window)
             out[start:end] = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k_cache[slots].to(q.dtype).transpose(0, 1),
+                q[start:end].transpose(0, 1),
+                k_cache[slots].to(q.dtype).transpose(0, 1),
                 v_cache[slots].to(q.dtype).transpose(0, 1),
-                attn_mask=mask, scale=layer.scaling, enable_gqa=gqa,
+                attn_mask=mask,
+                scale=layer.scaling,
+                enable_gqa=gqa,
             ).transpose(0, 1)
         return out

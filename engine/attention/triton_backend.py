@@ -29,8 +29,10 @@ class TritonAttentionBackend(AttentionBackend):
 
         if not all(triton_supports(layer.head_dim) for layer in layers):
             sizes = sorted({layer.head_dim for layer in layers})
-            raise ValueError(f"--attention-backend triton needs power-of-two head sizes of at least 16, not {sizes}; "
-                             "use --attention-backend torch or flashinfer")
+            raise ValueError(
+                f"--attention-backend triton needs power-of-two head sizes of at least 16, not {sizes}; "
+                "use --attention-backend torch or flashinfer"
+            )
 
     def prepare(self, batch: ForwardBatch) -> None:
         if batch.mode is ForwardMode.DECODE:
@@ -45,8 +47,27 @@ class TritonAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         table = self.req_to_token.table
         if batch.mode is ForwardMode.DECODE:
-            return decode_attention(q, k_cache, v_cache, table, batch.req_rows, batch.seq_lens, layer.scaling,
-                                    layer.sliding_window)
+            return decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                table,
+                batch.req_rows,
+                batch.seq_lens,
+                layer.scaling,
+                layer.sliding_window,
+            )
         meta: _ExtendMeta = batch.attn
-        return extend_attention(q, k_cache, v_cache, table, batch.req_rows, batch.seq_lens, meta.extend_lens,
-                                meta.q_starts, meta.max_extend, layer.scaling, layer.sliding_window)
+        return extend_attention(
+            q,
+            k_cache,
+            v_cache,
+            table,
+            batch.req_rows,
+            batch.seq_lens,
+            meta.extend_lens,
+            meta.q_starts,
+            meta.max_extend,
+            layer.scaling,
+            layer.sliding_window,
+        )

@@ -64,14 +64,18 @@ UNKNOWN_PEER = "unknown_peer"  # POST /kv/rooms from an engine this instance has
 UNKNOWN_ROOM = "unknown_room"  # DELETE /kv/rooms/{room} of a room never posted here
 
 
-
-
 class BootstrapServer:
     """HTTP endpoint of a prefill engine for the decode engines; what arrives, it emits."""
 
-    def __init__(self, emit: Emit, layout: PoolLayout, tp_size: int, host: str = "0.0.0.0",
-                 port: int = contract.BOOTSTRAP_PORT,
-                 room_memory_s: float = 120.0):
+    def __init__(
+        self,
+        emit: Emit,
+        layout: PoolLayout,
+        tp_size: int,
+        host: str = "0.0.0.0",
+        port: int = contract.BOOTSTRAP_PORT,
+        room_memory_s: float = 120.0,
+    ):
         self.emit, self.layout, self.tp_size = emit, layout, tp_size
         self.instance = uuid.uuid4().hex  # a restarted engine is a new instance
         self._room_memory_s = room_memory_s
@@ -81,7 +85,9 @@ class BootstrapServer:
         self._http = ThreadingHTTPServer((host, port), self._handler())
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
-        self._thread = threading.Thread(target=self._http.serve_forever, name="kubesgl-bootstrap", daemon=True)
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, name="kubesgl-bootstrap", daemon=True
+        )
         self._thread.start()
 
     # Each method answers (status, body); the handler does the HTTP.
@@ -89,11 +95,15 @@ class BootstrapServer:
         return 200, {"instance": self.instance, "tp_size": self.tp_size}
 
     def register(self, body: dict) -> tuple[int, dict]:
-        ranks = tuple(RankAgent(base64.b64decode(r["metadata"]), PoolLayout.from_json(r["layout"]))
-                      for r in body["ranks"])
+        ranks = tuple(
+            RankAgent(base64.b64decode(r["metadata"]), PoolLayout.from_json(r["layout"]))
+            for r in body["ranks"]
+        )
         if len(ranks) != self.tp_size:
-            return 400, {"error": f"the decode engine has tensor-parallel size {len(ranks)}, this prefill engine "
-                                  f"{self.tp_size}: they must be equal"}
+            return 400, {
+                "error": f"the decode engine has tensor-parallel size {len(ranks)}, this prefill engine "
+                f"{self.tp_size}: they must be equal"
+            }
         for rank in ranks:
             self.layout.check_compatible(rank.layout)
         with self._lock:
@@ -102,12 +112,18 @@ class BootstrapServer:
         return 200, {"instance": self.instance}
 
     def post_room(self, body: dict) -> tuple[int, dict]:
-        room, engine, slots = int(body["room"]), str(body["engine"]), tuple(int(s) for s in body["slots"])
+        room, engine, slots = (
+            int(body["room"]),
+            str(body["engine"]),
+            tuple(int(s) for s in body["slots"]),
+        )
         now = time.monotonic()
         with self._lock:
             if engine not in self._engines:
-                return 404, {"error": f"decode engine {engine} is not registered with this prefill engine",
-                             "code": UNKNOWN_PEER}
+                return 404, {
+                    "error": f"decode engine {engine} is not registered with this prefill engine",
+                    "code": UNKNOWN_PEER,
+                }
             self._rooms = {r: t for r, t in self._rooms.items() if now - t < self._room_memory_s}
             if room in self._rooms:
                 return 409, {"error": f"room {room} is already in use"}
@@ -159,7 +175,11 @@ class BootstrapServer:
                 prefix = "/kv/rooms/"
                 if not self.path.startswith(prefix):
                     return self._reply(404, {"error": f"no such path {self.path}"})
-                self._answer(lambda: server.cancel_room(int(self.path[len(prefix):]), self._body().get("reason", "")))
+                self._answer(
+                    lambda: server.cancel_room(
+                        int(self.path[len(prefix) :]), self._body().get("reason", "")
+                    )
+                )
 
             def _answer(self, handle) -> None:
                 try:
@@ -190,8 +210,6 @@ class BootstrapServer:
         self._http.server_close()
 
 
-
-
 @dataclass(eq=False)
 class _Peer:
     """One registration with a prefill engine, and the rooms posted under it."""
@@ -204,8 +222,14 @@ class _Peer:
 class BootstrapClient:
     """Decode side: all HTTP to prefill engines, on worker threads. What it learns, it emits."""
 
-    def __init__(self, emit: Emit, engine: str, ranks: tuple[RankAgent, ...], heartbeat_s: float = 2.0,
-                 dead_after_s: float = 10.0):
+    def __init__(
+        self,
+        emit: Emit,
+        engine: str,
+        ranks: tuple[RankAgent, ...],
+        heartbeat_s: float = 2.0,
+        dead_after_s: float = 10.0,
+    ):
         self.emit, self.engine, self.ranks = emit, engine, ranks
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, connect=3.0))
@@ -214,7 +238,9 @@ class BootstrapClient:
         self._peers: dict[str, _Peer] = {}  # prefill engine address -> its current registration
         self._posts: dict[int, Future] = {}
         self._stop = threading.Event()
-        self._watcher = threading.Thread(target=self._watch, name="kubesgl-kv-heartbeat", daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch, name="kubesgl-kv-heartbeat", daemon=True
+        )
         self._watcher.start()
 
     def post(self, room: int, address: str, slots: list[int]) -> None:
@@ -255,8 +281,13 @@ class BootstrapClient:
         self.emit(PeerLost(rooms, error))
 
     def _register(self, address: str) -> str:
-        ranks = [{"metadata": base64.b64encode(r.metadata).decode(), "layout": dataclasses.asdict(r.layout)}
-                 for r in self.ranks]
+        ranks = [
+            {
+                "metadata": base64.b64encode(r.metadata).decode(),
+                "layout": dataclasses.asdict(r.layout),
+            }
+            for r in self.ranks
+        ]
         answer = self._http.put(f"{address}/kv/peers", json={"engine": self.engine, "ranks": ranks})
         _raise_for_status(answer)
         return answer.json()["instance"]
@@ -279,18 +310,34 @@ class BootstrapClient:
                 _raise_for_status(answer)
                 return
         except httpx.TransportError as exc:  # nothing answered: the same as a peer lost mid-request
-            self.emit(PostFailed(room, f"the prefill engine at {address} could not be reached for room {room}: "
-                                       f"{_why(exc)}", FailureReason.PEER_LOST))
+            self.emit(
+                PostFailed(
+                    room,
+                    f"the prefill engine at {address} could not be reached for room {room}: "
+                    f"{_why(exc)}",
+                    FailureReason.PEER_LOST,
+                )
+            )
             raise
         except Exception as exc:  # noqa: BLE001 - any other failure means the room was not taken
-            self.emit(PostFailed(room, f"the prefill engine at {address} refused room {room}: {_why(exc)}"))
+            self.emit(
+                PostFailed(
+                    room, f"the prefill engine at {address} refused room {room}: {_why(exc)}"
+                )
+            )
             raise
 
     def _still_queued(self, address: str, rooms: list[int]) -> None:
         try:
-            _raise_for_status(self._http.post(f"{address}/kv/rooms/queued", json={"engine": self.engine, "rooms": rooms}))
+            _raise_for_status(
+                self._http.post(
+                    f"{address}/kv/rooms/queued", json={"engine": self.engine, "rooms": rooms}
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - at worst the prefill engine times the rooms out
-            logger.warning("telling %s about %d queued rooms failed: %s", address, len(rooms), _why(exc))
+            logger.warning(
+                "telling %s about %d queued rooms failed: %s", address, len(rooms), _why(exc)
+            )
 
     def _cancel(self, post: Future | None, room: int, address: str, reason: str) -> None:
         if post is not None:
@@ -299,7 +346,9 @@ class BootstrapClient:
             except Exception:  # noqa: BLE001 - not posted: the prefill engine may still run the request
                 pass
         try:
-            answer = self._http.request("DELETE", f"{address}/kv/rooms/{room}", json={"reason": reason})
+            answer = self._http.request(
+                "DELETE", f"{address}/kv/rooms/{room}", json={"reason": reason}
+            )
             if answer.status_code == 404 and _code(answer) == UNKNOWN_ROOM:
                 self.emit(CancelUnknown(room))
         except httpx.HTTPError as exc:  # unreachable: the heartbeat will tell whether it is dead
@@ -310,7 +359,9 @@ class BootstrapClient:
         registered with, or its rooms fail (within about `dead_after_s`)."""
         while not self._stop.wait(self.heartbeat_s):
             with self._lock:
-                watched = [(a, p) for a, p in self._peers.items() if p.rooms and p.registration.done()]
+                watched = [
+                    (a, p) for a, p in self._peers.items() if p.rooms and p.registration.done()
+                ]
             for address, peer in watched:
                 error = self._check(address, peer)
                 if error is not None:
@@ -322,7 +373,9 @@ class BootstrapClient:
             answer = self._http.get(f"{address}/health", timeout=min(self.heartbeat_s, 3.0))
             answer.raise_for_status()
             instance = answer.json()["instance"]
-        except httpx.ConnectError as exc:  # nothing listens there: the engine is gone, its rooms with it
+        except (
+            httpx.ConnectError
+        ) as exc:  # nothing listens there: the engine is gone, its rooms with it
             return f"the prefill engine at {address} is gone ({_why(exc)})"
         except Exception as exc:  # noqa: BLE001 - slow or confused: give it until dead_after_s
             silent = time.monotonic() - peer.last_ok
@@ -349,12 +402,19 @@ class BootstrapService:
 
     def handle(self, request: BootstrapRequest) -> None:
         if isinstance(request, ServeBootstrap):
-            self.server = BootstrapServer(self.emit, request.layout, request.tp_size, request.host, request.port,
-                                          request.room_memory_s)
+            self.server = BootstrapServer(
+                self.emit,
+                request.layout,
+                request.tp_size,
+                request.host,
+                request.port,
+                request.room_memory_s,
+            )
             logger.info("bootstrap server listening on %s:%d", request.host, self.server.port)
         elif isinstance(request, ConnectBootstrap):
-            self.client = BootstrapClient(self.emit, request.engine, request.ranks, request.heartbeat_s,
-                                          request.dead_after_s)
+            self.client = BootstrapClient(
+                self.emit, request.engine, request.ranks, request.heartbeat_s, request.dead_after_s
+            )
         elif isinstance(request, PostRoom):
             self.client.post(request.room, request.address, list(request.slots))
         elif isinstance(request, CancelRoom):
@@ -375,7 +435,9 @@ class BootstrapService:
 
 def run_bootstrap(endpoints: Endpoints, log_level: str) -> None:
     """The bootstrap process: requests from scheduler rank 0 in, facts out to its inbox."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s bootstrap %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s bootstrap %(levelname)s %(message)s"
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent()
     context = zmq.Context()

@@ -72,8 +72,14 @@ class _Room:
 
 
 class DecodeTransfers:
-    def __init__(self, agent: KVTransferAgent, consensus: RankConsensus, link: BootstrapLink | None,
-                 timeout: float, connect: ConnectBootstrap):
+    def __init__(
+        self,
+        agent: KVTransferAgent,
+        consensus: RankConsensus,
+        link: BootstrapLink | None,
+        timeout: float,
+        connect: ConnectBootstrap,
+    ):
         """`link` (rank 0, and rank 0 alone): the bootstrap process, which talks to the
         prefill engines as `connect` says."""
         if consensus.is_leader != (link is not None):
@@ -124,8 +130,9 @@ class DecodeTransfers:
 
     def poll(self) -> list[DecodeOutcome]:
         """Applies what every rank saw since the last turn. A collective on more than one rank."""
-        local: list[DecodeFact] = [NoteArrived(self.consensus.rank, RoomNote.decode(m))
-                                   for m in self.agent.notifications()]
+        local: list[DecodeFact] = [
+            NoteArrived(self.consensus.rank, RoomNote.decode(m)) for m in self.agent.notifications()
+        ]
         if self.link is not None:
             local += self.link.drain()
             now = time.monotonic()
@@ -157,13 +164,19 @@ class DecodeTransfers:
             return [DecodeOutcome(fact.room, error=error, reason=FailureReason.TIMEOUT)]
         if isinstance(fact, PostFailed):
             state = self._rooms.get(fact.room)
-            if state is not None and self.link is not None:  # its request may run there all the same
+            if (
+                state is not None and self.link is not None
+            ):  # its request may run there all the same
                 self.link.send(CancelRoom(fact.room, state.target.address, fact.error))
             return self._end(fact.room, fact.error, fact.reason)
         if isinstance(fact, CancelUnknown):
             return self._end(fact.room, None, None)
         if isinstance(fact, PeerLost):
-            return [outcome for room in fact.rooms for outcome in self._end(room, fact.error, FailureReason.PEER_LOST)]
+            return [
+                outcome
+                for room in fact.rooms
+                for outcome in self._end(room, fact.error, FailureReason.PEER_LOST)
+            ]
         raise TypeError(f"not a decode-side fact: {fact!r}")
 
     def _note(self, fact: NoteArrived) -> list[DecodeOutcome]:
@@ -179,13 +192,26 @@ class DecodeTransfers:
         if complete:
             self._forget(note.room)
             if state.waiting:  # every rank's shard is here
-                return [DecodeOutcome(note.room, note=state.notes[0], waited=time.monotonic() - state.asked_at)]
+                return [
+                    DecodeOutcome(
+                        note.room, note=state.notes[0], waited=time.monotonic() - state.asked_at
+                    )
+                ]
         if failed_now:
-            return [DecodeOutcome(note.room, error=note.error, reason=note.reason or FailureReason.REFUSED,
-                                  http_status=note.http_status, released=complete)]
+            return [
+                DecodeOutcome(
+                    note.room,
+                    error=note.error,
+                    reason=note.reason or FailureReason.REFUSED,
+                    http_status=note.http_status,
+                    released=complete,
+                )
+            ]
         return [DecodeOutcome(note.room, released=True)] if complete else []
 
-    def _end(self, room: int, error: str | None, reason: FailureReason | None) -> list[DecodeOutcome]:
+    def _end(
+        self, room: int, error: str | None, reason: FailureReason | None
+    ) -> list[DecodeOutcome]:
         """No write into the room's slots can come any more."""
         state = self._rooms.get(room)
         if state is None:

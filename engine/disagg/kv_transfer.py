@@ -21,10 +21,15 @@ from kubesgl.engine.kvcache.pools import KVPool
 def layout_of(pool: KVPool, agent: str) -> PoolLayout:
     """Where `pool`'s buffers are, as a peer must know to write into them."""
     first = pool.k[0]
-    return PoolLayout(agent=agent, memory="VRAM" if first.device.type == "cuda" else "DRAM",
-                      device_id=first.device.index or 0, slot_bytes=first[0].numel() * first.element_size(),
-                      num_slots=pool.num_slots, k_addresses=tuple(t.data_ptr() for t in pool.k),
-                      v_addresses=tuple(t.data_ptr() for t in pool.v))
+    return PoolLayout(
+        agent=agent,
+        memory="VRAM" if first.device.type == "cuda" else "DRAM",
+        device_id=first.device.index or 0,
+        slot_bytes=first[0].numel() * first.element_size(),
+        num_slots=pool.num_slots,
+        k_addresses=tuple(t.data_ptr() for t in pool.k),
+        v_addresses=tuple(t.data_ptr() for t in pool.v),
+    )
 
 
 def slot_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -69,12 +74,16 @@ class KVTransferAgent:
     def __init__(self, pool: KVPool, name: str | None = None):
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.name = name or f"kubesgl-{uuid.uuid4().hex[:12]}"  # unique among every engine it talks to
+        self.name = (
+            name or f"kubesgl-{uuid.uuid4().hex[:12]}"
+        )  # unique among every engine it talks to
         self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
         self.layout = layout_of(pool, self.name)
         layout = self.layout
-        buffers = [(address, layout.num_slots * layout.slot_bytes, layout.device_id, "")
-                   for address in layout.k_addresses + layout.v_addresses]
+        buffers = [
+            (address, layout.num_slots * layout.slot_bytes, layout.device_id, "")
+            for address in layout.k_addresses + layout.v_addresses
+        ]
         self._registered = self.agent.register_memory(buffers, layout.memory)
         self.peers: dict[str, PoolLayout] = {}
 
@@ -88,24 +97,38 @@ class KVTransferAgent:
             name = self.agent.add_remote_agent(peer_metadata)
         name = name.decode() if isinstance(name, bytes) else name
         if name != peer.agent:
-            raise ValueError(f"NIXL metadata of agent {name!r} came with the layout of {peer.agent!r}")
+            raise ValueError(
+                f"NIXL metadata of agent {name!r} came with the layout of {peer.agent!r}"
+            )
         self.peers[peer.agent] = peer
 
-    def write(self, peer_name: str, src_slots: list[int], dst_slots: list[int], notification: bytes) -> Transfer:
+    def write(
+        self, peer_name: str, src_slots: list[int], dst_slots: list[int], notification: bytes
+    ) -> Transfer:
         """Starts writing slots `src_slots` of every layer here into `dst_slots` at the peer."""
         peer = self.peers[peer_name]
-        if max(dst_slots, default=0) >= peer.num_slots or max(src_slots, default=0) >= self.layout.num_slots:
+        if (
+            max(dst_slots, default=0) >= peer.num_slots
+            or max(src_slots, default=0) >= self.layout.num_slots
+        ):
             raise ValueError("a slot is outside its pool")
         size = self.layout.slot_bytes
         local, remote = [], []
         for s, d, n in slot_runs(src_slots, dst_slots):
-            for here, there in zip(self.layout.k_addresses + self.layout.v_addresses, peer.k_addresses + peer.v_addresses):
+            for here, there in zip(
+                self.layout.k_addresses + self.layout.v_addresses,
+                peer.k_addresses + peer.v_addresses,
+            ):
                 local.append((here + s * size, n * size, self.layout.device_id))
                 remote.append((there + d * size, n * size, peer.device_id))
         with _nixl(f"starting the KV write to {peer.agent}"):
-            handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, self.layout.memory),
-                                                self.agent.get_xfer_descs(remote, peer.memory), peer.agent,
-                                                notification)
+            handle = self.agent.initialize_xfer(
+                "WRITE",
+                self.agent.get_xfer_descs(local, self.layout.memory),
+                self.agent.get_xfer_descs(remote, peer.memory),
+                peer.agent,
+                notification,
+            )
             try:
                 started = self.agent.transfer(handle)
             except Exception:
@@ -140,7 +163,9 @@ class KVTransferAgent:
     def notifications(self) -> list[bytes]:
         """Notifications of transfers peers completed into this pool, since the last call."""
         with _nixl("reading notifications"):
-            return [message for messages in self.agent.get_new_notifs().values() for message in messages]
+            return [
+                message for messages in self.agent.get_new_notifs().values() for message in messages
+            ]
 
     def close(self) -> None:
         for peer in self.peers:

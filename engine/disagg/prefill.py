@@ -54,7 +54,15 @@ class RoomsForgotten:
     rooms: tuple[int, ...]
 
 
-PrefillFact = PeerRegistered | RoomPosted | RoomCancelled | RoomsQueued | WriteEnded | RoomTimedOut | RoomsForgotten
+PrefillFact = (
+    PeerRegistered
+    | RoomPosted
+    | RoomCancelled
+    | RoomsQueued
+    | WriteEnded
+    | RoomTimedOut
+    | RoomsForgotten
+)
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,9 @@ class PrefillOutcome:
     reason: FailureReason | None = None
     nbytes: int = 0  # KV bytes written, over all ranks, and the write's time
     seconds: float = 0.0
-    waited: float = 0.0  # from the prompt's end to the write's start: waiting for the decode side's slots
+    waited: float = (
+        0.0  # from the prompt's end to the write's start: waiting for the decode side's slots
+    )
 
     @property
     def ok(self) -> bool:
@@ -90,21 +100,34 @@ class _Room:
 
 
 class PrefillTransfers:
-    def __init__(self, agent: KVTransferAgent, consensus: RankConsensus, link: BootstrapLink | None,
-                 timeout: float, host: str, port: int):
+    def __init__(
+        self,
+        agent: KVTransferAgent,
+        consensus: RankConsensus,
+        link: BootstrapLink | None,
+        timeout: float,
+        host: str,
+        port: int,
+    ):
         """`link` (rank 0, and rank 0 alone): the bootstrap process, which serves the
         bootstrap server on host:port for this engine."""
         if consensus.is_leader != (link is not None):
             raise ValueError("rank 0, and rank 0 alone, talks to the bootstrap process")
         self.agent, self.consensus, self.link, self.timeout = agent, consensus, link, timeout
         if link is not None:
-            link.send(ServeBootstrap(agent.layout, consensus.tp_size, host, port, room_memory_s=2 * timeout))
+            link.send(
+                ServeBootstrap(
+                    agent.layout, consensus.tp_size, host, port, room_memory_s=2 * timeout
+                )
+            )
         self._peer_agents: dict[str, str] = {}  # decode engine -> its agent of this rank
         self._rooms: dict[int, _Room] = {}
         self._posted: dict[int, RoomPosted] = {}  # posts whose request has not come (yet)
         self._closed: dict[int, RoomNote] = {}  # rooms that ended here before their post came
         self._seen_at: dict[int, float] = {}  # rank 0: when each post or closed room appeared
-        self._queued_at: dict[int, float] = {}  # rank 0: when a decode engine last said it queued the room
+        self._queued_at: dict[
+            int, float
+        ] = {}  # rank 0: when a decode engine last said it queued the room
         self._writes: dict[int, tuple[Transfer, float]] = {}  # this rank's writes in flight
         self._local: list[PrefillFact] = []  # this rank's facts for the next turn
 
@@ -127,14 +150,18 @@ class PrefillTransfers:
         state = self._rooms[room]
         state.src_slots, state.note, state.prefilled_at = list(src_slots), note, time.monotonic()
 
-    def abandon(self, room: int, reason: FailureReason, error: str, http_status: int | None = None) -> None:
+    def abandon(
+        self, room: int, reason: FailureReason, error: str, http_status: int | None = None
+    ) -> None:
         """The request of `room` ended here without its KV sent (refused, aborted, failed):
         tell the decode engine now, or when its post arrives."""
         state = self._rooms.get(room)
         if state is not None and state.writing:
             return  # the write in flight ends the room and tells the decode side
         self._rooms.pop(room, None)
-        note = RoomNote(room, RoomStatus.FAILED, error=error, reason=reason, http_status=http_status)
+        note = RoomNote(
+            room, RoomStatus.FAILED, error=error, reason=reason, http_status=http_status
+        )
         target = state.target if state is not None else self._posted.pop(room, None)
         if target is not None:
             self._notify(target.engine, note)
@@ -187,8 +214,12 @@ class PrefillTransfers:
             state = self._rooms.get(fact.room)
             if state is not None and not state.started:
                 del self._rooms[fact.room]
-                self._close(fact.room, RoomNote(fact.room, RoomStatus.FAILED, error=fact.error,
-                                                reason=FailureReason.TIMEOUT))
+                self._close(
+                    fact.room,
+                    RoomNote(
+                        fact.room, RoomStatus.FAILED, error=fact.error, reason=FailureReason.TIMEOUT
+                    ),
+                )
                 return [PrefillOutcome(fact.room, fact.error, FailureReason.TIMEOUT)]
         elif isinstance(fact, RoomsForgotten):
             for room in fact.rooms:
@@ -240,8 +271,11 @@ class PrefillTransfers:
         if not state.writing:
             del self._rooms[fact.room]
             if not state.failed:
-                outcomes.append(PrefillOutcome(fact.room, nbytes=state.nbytes, seconds=state.seconds,
-                                               waited=state.waited))
+                outcomes.append(
+                    PrefillOutcome(
+                        fact.room, nbytes=state.nbytes, seconds=state.seconds, waited=state.waited
+                    )
+                )
         return outcomes
 
     def _start_writes(self) -> None:
@@ -255,12 +289,18 @@ class PrefillTransfers:
                 if peer is None:
                     raise RuntimeError(f"decode engine {state.target.engine} is not connected")
                 if len(state.target.slots) != len(state.src_slots):
-                    raise ValueError(f"the decode engine allocated {len(state.target.slots)} slots for a "
-                                     f"{len(state.src_slots)}-token prompt")
-                transfer = self.agent.write(peer, state.src_slots, list(state.target.slots), state.note.encode())
+                    raise ValueError(
+                        f"the decode engine allocated {len(state.target.slots)} slots for a "
+                        f"{len(state.src_slots)}-token prompt"
+                    )
+                transfer = self.agent.write(
+                    peer, state.src_slots, list(state.target.slots), state.note.encode()
+                )
                 self._writes[room] = (transfer, time.monotonic())
             except (KeyError, ValueError, RuntimeError) as exc:
-                self._local.append(self._failed_write(room, state.target.engine, f"KV transfer not started: {exc}"))
+                self._local.append(
+                    self._failed_write(room, state.target.engine, f"KV transfer not started: {exc}")
+                )
 
     def _ended_writes(self) -> list[WriteEnded]:
         ended = []
@@ -275,18 +315,26 @@ class PrefillTransfers:
                 continue
             if done:
                 del self._writes[room]
-                ended.append(WriteEnded(self.consensus.rank, room, transfer.nbytes, now - started_at))
+                ended.append(
+                    WriteEnded(self.consensus.rank, room, transfer.nbytes, now - started_at)
+                )
             elif now - started_at > self.timeout:
                 del self._writes[room]
                 with contextlib.suppress(TransferError):  # it failed anyway
                     self.agent.abort(transfer)
-                ended.append(self._failed_write(room, engine, f"the KV write did not finish within {self.timeout:g} s"))
+                ended.append(
+                    self._failed_write(
+                        room, engine, f"the KV write did not finish within {self.timeout:g} s"
+                    )
+                )
         return ended
 
     def _failed_write(self, room: int, engine: str, error: str) -> WriteEnded:
         """This rank's write failed: its decode rank gets no notification from the write, so
         it gets one saying so."""
-        self._notify(engine, RoomNote(room, RoomStatus.FAILED, error=error, reason=FailureReason.TRANSFER))
+        self._notify(
+            engine, RoomNote(room, RoomStatus.FAILED, error=error, reason=FailureReason.TRANSFER)
+        )
         return WriteEnded(self.consensus.rank, room, 0, 0.0, error)
 
     def _leader_clock(self) -> list[PrefillFact]:
@@ -296,12 +344,16 @@ class PrefillTransfers:
         facts: list[PrefillFact] = [
             RoomTimedOut(room, f"no decode engine asked for room {room} within {self.timeout:g} s")
             for room, state in self._rooms.items()
-            if state.src_slots is not None and state.target is None
+            if state.src_slots is not None
+            and state.target is None
             and now - max(state.prefilled_at, self._queued_at.get(room, 0.0)) > self.timeout
         ]
         old = tuple(room for room, seen in self._seen_at.items() if now - seen > 2 * self.timeout)
-        old += tuple(room for room, queued in self._queued_at.items()
-                     if now - queued > 2 * self.timeout and room not in self._seen_at)
+        old += tuple(
+            room
+            for room, queued in self._queued_at.items()
+            if now - queued > 2 * self.timeout and room not in self._seen_at
+        )
         if old:
             facts.append(RoomsForgotten(old))
         return facts
@@ -317,12 +369,19 @@ class PrefillTransfers:
     def _notify(self, engine: str, note: RoomNote) -> None:
         peer = self._peer_agents.get(engine)
         if peer is None:
-            logger.warning("room %d ended (%s) but decode engine %s is not connected", note.room, note.status, engine)
+            logger.warning(
+                "room %d ended (%s) but decode engine %s is not connected",
+                note.room,
+                note.status,
+                engine,
+            )
             return
         try:
             self.agent.notify(peer, note.encode())
         except Exception:  # noqa: BLE001 - the decode side times the room out instead
-            logger.exception("telling decode engine %s that room %d ended failed", engine, note.room)
+            logger.exception(
+                "telling decode engine %s that room %d ended failed", engine, note.room
+            )
 
     def close(self) -> None:
         if self.link is not None:

@@ -56,9 +56,14 @@ class RoomNote:
     @classmethod
     def decode(cls, data: bytes) -> RoomNote:
         body = json.loads(data)
-        return cls(**{**body, "status": RoomStatus(body["status"]),
-                      "top_logprobs": [tuple(pair) for pair in body["top_logprobs"]],
-                      "reason": FailureReason(body["reason"]) if body["reason"] else None})
+        return cls(
+            **{
+                **body,
+                "status": RoomStatus(body["status"]),
+                "top_logprobs": [tuple(pair) for pair in body["top_logprobs"]],
+                "reason": FailureReason(body["reason"]) if body["reason"] else None,
+            }
+        )
 
 
 @dataclass(frozen=True)
@@ -76,13 +81,21 @@ class PoolLayout:
     @classmethod
     def from_json(cls, body: dict) -> PoolLayout:
         """The layout a peer sent (dataclasses.asdict of its own)."""
-        return cls(**{**body, "k_addresses": tuple(body["k_addresses"]), "v_addresses": tuple(body["v_addresses"])})
+        return cls(
+            **{
+                **body,
+                "k_addresses": tuple(body["k_addresses"]),
+                "v_addresses": tuple(body["v_addresses"]),
+            }
+        )
 
     def check_compatible(self, peer: PoolLayout) -> None:
         if len(self.k_addresses) != len(peer.k_addresses) or self.slot_bytes != peer.slot_bytes:
-            raise ValueError(f"KV pools differ: {len(self.k_addresses)} layers of {self.slot_bytes} bytes per slot "
-                             f"here, {len(peer.k_addresses)} of {peer.slot_bytes} at {peer.agent} (same model, "
-                             "dtype, KV cache dtype and tensor-parallel size are needed on both sides)")
+            raise ValueError(
+                f"KV pools differ: {len(self.k_addresses)} layers of {self.slot_bytes} bytes per slot "
+                f"here, {len(peer.k_addresses)} of {peer.slot_bytes} at {peer.agent} (same model, "
+                "dtype, KV cache dtype and tensor-parallel size are needed on both sides)"
+            )
 
 
 @dataclass(frozen=True)
@@ -143,7 +156,9 @@ class StillQueued:
     rooms: tuple[int, ...]
 
 
-BootstrapRequest = ServeBootstrap | ConnectBootstrap | PostRoom | CancelRoom | ForgetRoom | StillQueued
+BootstrapRequest = (
+    ServeBootstrap | ConnectBootstrap | PostRoom | CancelRoom | ForgetRoom | StillQueued
+)
 
 
 # -- bootstrap process -> scheduler: what arrived at a prefill engine's bootstrap server ----
@@ -204,5 +219,12 @@ class PeerLost:
     error: str
 
 
-BootstrapFact = PeerRegistered | RoomPosted | RoomCancelled | RoomsQueued | PostFailed | CancelUnknown | PeerLost
-
+BootstrapFact = (
+    PeerRegistered
+    | RoomPosted
+    | RoomCancelled
+    | RoomsQueued
+    | PostFailed
+    | CancelUnknown
+    | PeerLost
+)

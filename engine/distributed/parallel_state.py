@@ -22,7 +22,9 @@ class TensorParallelGroup:
     # KV transfers ended), apart from the model's collectives, which may run on NCCL
     control: dist.ProcessGroup | None = None
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM
+    ) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(tensor, op=op)
         return tensor
@@ -37,7 +39,9 @@ class TensorParallelGroup:
     def shard(self, total: int) -> tuple[int, int]:
         """(start, size) of this rank's even share of `total` items."""
         if total % self.size:
-            raise ValueError(f"{total} does not divide evenly over {self.size} tensor-parallel ranks")
+            raise ValueError(
+                f"{total} does not divide evenly over {self.size} tensor-parallel ranks"
+            )
         part = total // self.size
         return self.rank * part, part
 
@@ -45,7 +49,9 @@ class TensorParallelGroup:
 _group = TensorParallelGroup()
 
 
-def init_tensor_parallel(rank: int, size: int, init_method: str | None = None, backend: str | None = None) -> None:
+def init_tensor_parallel(
+    rank: int, size: int, init_method: str | None = None, backend: str | None = None
+) -> None:
     """Join the group. `init_method` is a torch.distributed URL such as tcp://127.0.0.1:PORT."""
     global _group
     control = None

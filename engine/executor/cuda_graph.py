@@ -27,13 +27,20 @@ def default_batch_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model: CausalLM, backend: AttentionBackend, padding_row: int, max_batch_size: int):
+    def __init__(
+        self, model: CausalLM, backend: AttentionBackend, padding_row: int, max_batch_size: int
+    ):
         self.model, self.backend, self.padding_row = model, backend, padding_row
         self.batch_sizes = default_batch_sizes(max_batch_size)
         device = backend.req_to_token.table.device
         n = self.batch_sizes[-1]
         long = lambda: torch.zeros(n, dtype=torch.int64, device=device)  # noqa: E731
-        self.input_ids, self.positions, self.out_cache_loc, self.seq_lens = long(), long(), long(), long()
+        self.input_ids, self.positions, self.out_cache_loc, self.seq_lens = (
+            long(),
+            long(),
+            long(),
+            long(),
+        )
         self.req_rows = torch.full((n,), padding_row, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -43,10 +50,20 @@ class CudaGraphRunner:
     def _batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         empty = torch.empty(0, dtype=torch.int64, device=self.input_ids.device)
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], req_rows=self.req_rows[:bs], seq_lens=self.seq_lens[:bs],
-            seq_lens_cpu=seq_lens_cpu, extend_lens_cpu=[1] * bs, table_rows=empty, table_cols=empty, table_slots=empty,
-            future_slots=empty, emits=empty, sampling=_NO_SAMPLING,
+            mode=ForwardMode.DECODE,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_rows=self.req_rows[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=seq_lens_cpu,
+            extend_lens_cpu=[1] * bs,
+            table_rows=empty,
+            table_cols=empty,
+            table_slots=empty,
+            future_slots=empty,
+            emits=empty,
+            sampling=_NO_SAMPLING,
         )
 
     @torch.inference_mode()
@@ -63,7 +80,9 @@ class CudaGraphRunner:
                     self.model(batch.input_ids, batch.positions, batch, self.backend)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.logits[bs] = self.model(batch.input_ids, batch.positions, batch, self.backend)
+                    self.logits[bs] = self.model(
+                        batch.input_ids, batch.positions, batch, self.backend
+                    )
                 self.graphs[bs] = graph
         torch.cuda.current_stream().wait_stream(stream)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
@@ -85,13 +104,21 @@ class CudaGraphRunner:
             self.out_cache_loc[bs:padded].zero_()
             self.req_rows[bs:padded].fill_(self.padding_row)
             self.seq_lens[bs:padded].fill_(1)
-        self.backend.prepare_cuda_graph(self._batch(padded, batch.seq_lens_cpu + [1] * (padded - bs)))
+        self.backend.prepare_cuda_graph(
+            self._batch(padded, batch.seq_lens_cpu + [1] * (padded - bs))
+        )
         self.graphs[padded].replay()
         return self.logits[padded][:bs]
 
 
 _NO_SAMPLING = SamplingBatch(
-    temperatures=torch.empty(0), greedy=torch.empty(0, dtype=torch.bool), top_ps=torch.empty(0),
-    top_ks=torch.empty(0, dtype=torch.int64), min_ps=torch.empty(0), all_greedy=True, use_top_p=False,
-    use_top_k=False, use_min_p=False,
+    temperatures=torch.empty(0),
+    greedy=torch.empty(0, dtype=torch.bool),
+    top_ps=torch.empty(0),
+    top_ks=torch.empty(0, dtype=torch.int64),
+    min_ps=torch.empty(0),
+    all_greedy=True,
+    use_top_p=False,
+    use_top_k=False,
+    use_min_p=False,
 )

@@ -46,16 +46,29 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_pool: KVPool, req_to_token: ReqToTokenTable, attention_backend: str,
-                 future_capacity: int, cuda_graph_max_bs: int = 0):
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_pool: KVPool,
+        req_to_token: ReqToTokenTable,
+        attention_backend: str,
+        future_capacity: int,
+        cuda_graph_max_bs: int = 0,
+    ):
         self.model = model
         self.device = req_to_token.table.device
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token
-        self.backend = create_backend(attention_backend, kv_pool=kv_pool, req_to_token=req_to_token,
-                                      layers=model.attention_specs())
+        self.backend = create_backend(
+            attention_backend,
+            kv_pool=kv_pool,
+            req_to_token=req_to_token,
+            layers=model.attention_specs(),
+        )
         self.mixed_attention = MixedAttention(self.backend)
-        self.sampler = Sampler(PenaltyState(req_to_token.num_rows, model.config.vocab_size, self.device))
+        self.sampler = Sampler(
+            PenaltyState(req_to_token.num_rows, model.config.vocab_size, self.device)
+        )
         if self.device.type == "cuda":  # at start, not in the first request with a grammar
             self.sampler.warm_up_mask(model.config.vocab_size, self.device)
         # Tokens sampled by earlier steps, read by later ones through negative input ids, so
@@ -63,17 +76,25 @@ class ModelRunner:
         self.future_tokens = torch.zeros(future_capacity + 1, dtype=torch.int64, device=self.device)
         self.cuda_graphs = None
         if cuda_graph_max_bs > 0 and not self.backend.supports_cuda_graph:
-            logger.info("CUDA graphs off: the %s attention backend is not capturable", attention_backend)
+            logger.info(
+                "CUDA graphs off: the %s attention backend is not capturable", attention_backend
+            )
         elif cuda_graph_max_bs > 0:
             # the table's last row is never handed out: padded graph rows read it (all slot 0)
-            self.cuda_graphs = CudaGraphRunner(model, self.backend, req_to_token.num_rows - 1, cuda_graph_max_bs)
+            self.cuda_graphs = CudaGraphRunner(
+                model, self.backend, req_to_token.num_rows - 1, cuda_graph_max_bs
+            )
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> PendingStep:
         batch = batch.to(self.device)
         if batch.table_rows.numel():
             self.req_to_token.write(batch.table_rows, batch.table_cols, batch.table_slots)
-        input_ids = torch.where(batch.input_ids < 0, self.future_tokens[(-batch.input_ids).clamp(min=0)], batch.input_ids)
+        input_ids = torch.where(
+            batch.input_ids < 0,
+            self.future_tokens[(-batch.input_ids).clamp(min=0)],
+            batch.input_ids,
+        )
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             logits = self.cuda_graphs.run(input_ids, batch)
         else:
@@ -82,13 +103,19 @@ class ModelRunner:
             logits = self.model(input_ids, batch.positions, batch, backend)
         sample = self.sampler(logits, batch.sampling, batch.req_rows, batch.emits)
         self.future_tokens[batch.future_slots] = sample.token_ids
-        outputs = {"token_ids": sample.token_ids, "logprobs": sample.logprobs, "top_ids": sample.top_ids,
-                   "top_logprobs": sample.top_logprobs}
+        outputs = {
+            "token_ids": sample.token_ids,
+            "logprobs": sample.logprobs,
+            "top_ids": sample.top_ids,
+            "top_logprobs": sample.top_logprobs,
+        }
         outputs = {name: tensor for name, tensor in outputs.items() if tensor is not None}
         if self.device.type != "cuda":
             return PendingStep(outputs, None)
-        host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                for name, t in outputs.items()}
+        host = {
+            name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for name, t in outputs.items()
+        }
         done = torch.cuda.Event()
         done.record()
         return PendingStep(host, done)

@@ -33,8 +33,12 @@ class PenaltyState:
 
     def _ensure(self) -> None:
         if self._output_counts is None:  # allocated on first use: most deployments never penalise
-            self._output_counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
-            self._seen = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device)
+            self._output_counts = torch.zeros(
+                self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device
+            )
+            self._seen = torch.zeros(
+                self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device
+            )
 
     def reset(self, resets: list[tuple[int, list[int], list[int]]]) -> None:
         self._ensure()
@@ -47,7 +51,9 @@ class PenaltyState:
                 self._output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
                 self._seen[row, ids] = True
 
-    def apply(self, logits: torch.Tensor, rows: torch.Tensor, penalties: PenaltyBatch) -> torch.Tensor:
+    def apply(
+        self, logits: torch.Tensor, rows: torch.Tensor, penalties: PenaltyBatch
+    ) -> torch.Tensor:
         self._ensure()
         counts = self._output_counts[rows].float()
         seen = self._seen[rows]
@@ -63,8 +69,9 @@ class PenaltyState:
         self._seen[rows, tokens] = True
 
 
-def top_k_top_p_min_p_mask(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                           min_ps: torch.Tensor) -> torch.Tensor:
+def top_k_top_p_min_p_mask(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
     """True for the tokens each row may sample.
 
     top-k keeps the k most likely tokens; top-p keeps the smallest set of most likely tokens
@@ -88,11 +95,13 @@ class Sampler:
     def warm_up_mask(vocab_size: int, device: torch.device) -> None:
         """Run the grammar-mask kernel once (on a GPU, xgrammar's Triton kernel compiles at first use)."""
         logits = torch.zeros(1, vocab_size, device=device)
-        xgrammar.apply_token_bitmask_inplace(logits, torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32,
-                                                                device=device))
+        xgrammar.apply_token_bitmask_inplace(
+            logits, torch.full((1, (vocab_size + 31) // 32), -1, dtype=torch.int32, device=device)
+        )
 
-    def __call__(self, logits: torch.Tensor, sampling: SamplingBatch, rows: torch.Tensor,
-                 emits: torch.Tensor) -> SampleOutput:
+    def __call__(
+        self, logits: torch.Tensor, sampling: SamplingBatch, rows: torch.Tensor, emits: torch.Tensor
+    ) -> SampleOutput:
         raw_logits = logits
         if sampling.penalties is not None:
             if sampling.penalties.resets:
@@ -128,6 +137,8 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_()
         for row, seed in sampling.seeded_rows:
             generator = torch.Generator(device=probs.device).manual_seed(seed)
-            noise[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=generator)
+            noise[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(
+                generator=generator
+            )
         sampled = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)  # a zero draw would make 0/0
         return torch.where(sampling.greedy, logits.argmax(dim=-1), sampled)

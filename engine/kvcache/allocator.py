@@ -18,7 +18,9 @@ class KVAllocationError(RuntimeError):
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
-            raise ValueError("the KV pool needs at least two pages (page 0 is reserved for padding)")
+            raise ValueError(
+                "the KV pool needs at least two pages (page 0 is reserved for padding)"
+            )
         self.page_size = page_size
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low pages first

@@ -11,8 +11,16 @@ class KVPool:
     Stored in `dtype`, which may be narrower than the model's (`--kv-cache-dtype fp8_e4m3`
     halves the bytes per token); attention reads values back as `compute_dtype`."""
 
-    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, compute_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        compute_dtype: torch.dtype | None = None,
+    ):
         shape = (num_slots, num_kv_heads, head_dim)
         self.num_slots = num_slots
         self.dtype = dtype
@@ -21,8 +29,12 @@ class KVPool:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
-    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_slot(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return (
+            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        )
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if k.is_cuda and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (k, v)):

@@ -108,8 +108,13 @@ class RadixCache:
         """Cut `node` after `at` tokens; returns the new upper part."""
         parent = node.parent
         assert parent is not None and 0 < at < len(node.key)
-        upper = TreeNode(key=node.key[:at], slots=node.slots[:at], parent=parent, lock_ref=node.lock_ref,
-                         last_access=node.last_access)
+        upper = TreeNode(
+            key=node.key[:at],
+            slots=node.slots[:at],
+            parent=parent,
+            lock_ref=node.lock_ref,
+            last_access=node.last_access,
+        )
         parent.children[self._page_key(upper.key)] = upper
         node.key, node.slots, node.parent = node.key[at:], node.slots[at:], upper
         upper.children[self._page_key(node.key)] = node
@@ -156,7 +161,9 @@ class RadixCache:
 
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` tokens of unlocked leaves, least recently used first."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heap = [
+            (n.last_access, id(n), n) for n in self._nodes() if not n.children and n.lock_ref == 0
+        ]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -183,7 +190,9 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def cached_pages(self) -> list[int]:
-        return [slot // self.page_size for n in self._nodes() for slot in n.slots[:: self.page_size]]
+        return [
+            slot // self.page_size for n in self._nodes() for slot in n.slots[:: self.page_size]
+        ]
 
     def check_integrity(self, locked_nodes: list[TreeNode]) -> None:
         """Walk the tree and check it against the nodes live requests hold locks on."""
@@ -195,14 +204,20 @@ class RadixCache:
         evictable = protected = 0
         for node in self._nodes():
             if node.lock_ref != expected[id(node)]:
-                raise CacheIntegrityError(f"node holds {node.lock_ref} locks, live requests hold {expected[id(node)]}")
+                raise CacheIntegrityError(
+                    f"node holds {node.lock_ref} locks, live requests hold {expected[id(node)]}"
+                )
             if len(node.key) != len(node.slots) or not node.key or len(node.key) % self.page_size:
                 raise CacheIntegrityError("node key and slots disagree or are not page-aligned")
             if node.parent.children.get(self._page_key(node.key)) is not node:
-                raise CacheIntegrityError("node is not reachable from its parent under its first page")
+                raise CacheIntegrityError(
+                    "node is not reachable from its parent under its first page"
+                )
             for i in range(0, len(node.slots), self.page_size):
                 page = node.slots[i] // self.page_size
-                if node.slots[i : i + self.page_size] != list(range(page * self.page_size, (page + 1) * self.page_size)):
+                if node.slots[i : i + self.page_size] != list(
+                    range(page * self.page_size, (page + 1) * self.page_size)
+                ):
                     raise CacheIntegrityError("node slots do not cover whole pages")
             if node.lock_ref:
                 protected += len(node.key)

@@ -3,7 +3,11 @@ import torch.nn.functional as F
 
 from kubesgl.engine.layers.kernels import LayerKernels
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def gated_activation(name: str, kernels: LayerKernels = "torch"):

@@ -17,12 +17,16 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.padded_vocab = -(-vocab_size // tp.size) * tp.size
         self.start, self.local_vocab = tp.shard(self.padded_vocab)
-        self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.zeros(self.local_vocab, hidden_size, dtype=dtype), requires_grad=False
+        )
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape != (self.vocab_size, param.shape[1]):
-            raise ValueError(f"embedding {tuple(loaded.shape)} does not fit ({self.vocab_size}, {param.shape[1]})")
+            raise ValueError(
+                f"embedding {tuple(loaded.shape)} does not fit ({self.vocab_size}, {param.shape[1]})"
+            )
         rows = loaded[self.start : self.start + self.local_vocab]
         param.data[: rows.shape[0]].copy_(rows)
 

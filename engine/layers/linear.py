@@ -24,7 +24,9 @@ def _attach_loader(param: nn.Parameter, loader) -> nn.Parameter:
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
+        raise ValueError(
+            f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -35,15 +37,22 @@ class ColumnParallelLinear(nn.Module):
     up); each is split separately so that rank r holds the r-th slice of every one.
     """
 
-    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype):
+    def __init__(
+        self, input_size: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype
+    ):
         super().__init__()
         tp = get_tp_group()
         self.output_sizes = list(output_sizes)
         self.local_sizes = [tp.shard(size)[1] for size in self.output_sizes]
         out_local = sum(self.local_sizes)
-        self.weight = _attach_loader(nn.Parameter(torch.empty(out_local, input_size, dtype=dtype), requires_grad=False), self._load)
+        self.weight = _attach_loader(
+            nn.Parameter(torch.empty(out_local, input_size, dtype=dtype), requires_grad=False),
+            self._load,
+        )
         self.bias = (
-            _attach_loader(nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False), self._load)
+            _attach_loader(
+                nn.Parameter(torch.empty(out_local, dtype=dtype), requires_grad=False), self._load
+            )
             if bias
             else None
         )
@@ -74,18 +83,30 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     SHARDS = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype: torch.dtype):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        dtype: torch.dtype,
+    ):
         tp = get_tp_group()
         if num_heads % tp.size:
             raise ValueError(f"{num_heads} attention heads do not divide over {tp.size} ranks")
         if num_kv_heads % tp.size and tp.size % num_kv_heads:
-            raise ValueError(f"{num_kv_heads} KV heads cannot be split or replicated over {tp.size} ranks")
+            raise ValueError(
+                f"{num_kv_heads} KV heads cannot be split or replicated over {tp.size} ranks"
+            )
         self.num_heads = num_heads // tp.size
         self.num_kv_heads = max(1, num_kv_heads // tp.size)
         self.total_kv_heads = num_kv_heads
         self.head_dim = head_dim
         kv_total_local = self.num_kv_heads * head_dim * tp.size  # replicated heads counted per rank
-        super().__init__(hidden_size, [num_heads * head_dim, kv_total_local, kv_total_local], bias, dtype)
+        super().__init__(
+            hidden_size, [num_heads * head_dim, kv_total_local, kv_total_local], bias, dtype
+        )
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str = 0) -> None:
         shard = self.SHARDS[shard_id] if isinstance(shard_id, str) else shard_id
@@ -96,9 +117,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         size = self.local_sizes[shard]
         expected = self.total_kv_heads * self.head_dim
         if loaded.shape[0] != expected:
-            raise ValueError(f"checkpoint {'kv'[shard - 1]}_proj has {loaded.shape[0]} rows, expected {expected}")
+            raise ValueError(
+                f"checkpoint {'kv'[shard - 1]}_proj has {loaded.shape[0]} rows, expected {expected}"
+            )
         # Rank r serves KV head r * total // size (a run of heads when the group is smaller).
-        head = tp.rank * self.total_kv_heads // tp.size if tp.size > self.total_kv_heads else tp.rank * self.num_kv_heads
+        head = (
+            tp.rank * self.total_kv_heads // tp.size
+            if tp.size > self.total_kv_heads
+            else tp.rank * self.num_kv_heads
+        )
         start = head * self.head_dim
         param.data[offset : offset + size].copy_(loaded[start : start + size])
 
@@ -107,22 +134,39 @@ class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's columns (input features) split over ranks; partial sums are
     all-reduced, and the bias added once after the reduction."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, dtype: torch.dtype, reduce_results: bool = True):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        reduce_results: bool = True,
+    ):
         super().__init__()
         tp = get_tp_group()
         self.input_size = input_size
         self.local_input = tp.shard(input_size)[1]
         self.reduce_results = reduce_results
-        self.weight = _attach_loader(nn.Parameter(torch.empty(output_size, self.local_input, dtype=dtype), requires_grad=False), self._load)
+        self.weight = _attach_loader(
+            nn.Parameter(
+                torch.empty(output_size, self.local_input, dtype=dtype), requires_grad=False
+            ),
+            self._load,
+        )
         self.bias = (
-            _attach_loader(nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False), default_weight_loader)
+            _attach_loader(
+                nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False),
+                default_weight_loader,
+            )
             if bias
             else None
         )
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape != (param.shape[0], self.input_size):
-            raise ValueError(f"checkpoint tensor {tuple(loaded.shape)} does not fit ({param.shape[0]}, {self.input_size})")
+            raise ValueError(
+                f"checkpoint tensor {tuple(loaded.shape)} does not fit ({param.shape[0]}, {self.input_size})"
+            )
         start = get_tp_group().rank * self.local_input
         param.data.copy_(loaded[:, start : start + self.local_input])
 

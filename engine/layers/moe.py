@@ -16,7 +16,9 @@ from kubesgl.engine.layers.activation import gated_activation
 from kubesgl.engine.layers.kernels import LayerKernels
 
 
-def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router_logits: torch.Tensor, top_k: int, normalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, expert ids), both [tokens, top_k]; probabilities from a float32 softmax."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
@@ -26,8 +28,17 @@ def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[tor
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 normalize_top_k: bool, hidden_act: str, dtype: torch.dtype, kernels: LayerKernels = "torch"):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        normalize_top_k: bool,
+        hidden_act: str,
+        dtype: torch.dtype,
+        kernels: LayerKernels = "torch",
+    ):
         super().__init__()
         tp = get_tp_group()
         self.top_k, self.normalize_top_k, self.num_experts = top_k, normalize_top_k, num_experts
@@ -36,9 +47,17 @@ class SparseMoeBlock(nn.Module):
         self.act = gated_activation(hidden_act, kernels)
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
         self.gate.weight.requires_grad_(False)
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.local_intermediate, hidden_size, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_intermediate, dtype=dtype), requires_grad=False)
-        self.fused = kernels == "triton"  # the grouped-GEMM Triton kernel instead of the loop over experts
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * self.local_intermediate, hidden_size, dtype=dtype),
+            requires_grad=False,
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.local_intermediate, dtype=dtype),
+            requires_grad=False,
+        )
+        self.fused = (
+            kernels == "triton"
+        )  # the grouped-GEMM Triton kernel instead of the loop over experts
 
     def load_expert(self, expert: int, projection: str, loaded: torch.Tensor) -> None:
         """Copy this rank's slice of one expert's gate_proj, up_proj or down_proj."""
@@ -65,7 +84,9 @@ class SparseMoeBlock(nn.Module):
         if self.fused:
             from kubesgl.engine.layers.triton_kernels.fused_moe import fused_moe
 
-            return get_tp_group().all_reduce(fused_moe(x, self.w13, self.w2, weights, experts, self.act))
+            return get_tp_group().all_reduce(
+                fused_moe(x, self.w13, self.w2, weights, experts, self.act)
+            )
         out = torch.zeros_like(x)
         # Loop over the experts that received tokens: the CPU path, and the reference.
         for expert in experts.unique().tolist():

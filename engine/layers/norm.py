@@ -16,8 +16,9 @@ class RMSNorm(nn.Module):
         self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.kernels == "triton":
             from kubesgl.engine.layers.triton_kernels.norm import rms_norm
 

@@ -39,12 +39,18 @@ def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     if rope.attention_factor is not None:
         attention_factor = float(rope.attention_factor)
     elif rope.mscale and rope.mscale_all_dim:
-        attention_factor = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
+        attention_factor = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(
+            factor, rope.mscale_all_dim
+        )
     else:
         attention_factor = _yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        return (
+            dim
+            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:
@@ -56,14 +62,18 @@ def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep_extrapolated = 1 - ramp
-    return interpolation * (1 - keep_extrapolated) + extrapolation * keep_extrapolated, attention_factor
+    return interpolation * (
+        1 - keep_extrapolated
+    ) + extrapolation * keep_extrapolated, attention_factor
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, factor applied to cos and sin)."""
     if rope.rope_type == "yarn":
         return _yarn_inv_freq(head_dim, rope)
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (
+        rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    )
     if rope.rope_type == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.rope_type == "llama3":
@@ -74,8 +84,14 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]
 class RotaryEmbedding(nn.Module):
     """Rotates q and k in place of their halves (the "rotate_half" layout of Llama)."""
 
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, device: torch.device,
-                 kernels: LayerKernels = "torch"):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        rope: RopeConfig,
+        device: torch.device,
+        kernels: LayerKernels = "torch",
+    ):
         super().__init__()
         self.kernels = kernels
         inv_freq, scale = rope_inv_freq(head_dim, rope)
@@ -84,7 +100,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (freqs.cos() * scale).to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * scale).to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. With
         `kernels="triton"`, q and k are rotated in place, in one kernel."""
         if self.kernels == "triton":

@@ -27,14 +27,36 @@ from kubesgl.engine.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 kernels: LayerKernels):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        kernels: LayerKernels,
+    ):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_heads,
-                                          config.num_kv_heads, config.qkv_bias, dtype)
-        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.o_proj_bias, dtype)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, kernels) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, kernels) if config.qk_norm else None
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            config.qkv_bias,
+            dtype,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, config.o_proj_bias, dtype
+        )
+        self.q_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, dtype, kernels)
+            if config.qk_norm
+            else None
+        )
+        self.k_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, dtype, kernels)
+            if config.qk_norm
+            else None
+        )
         self.rotary = rotary
         self.spec = AttentionLayerSpec(
             layer_id=layer_id,
@@ -45,8 +67,13 @@ class Attention(nn.Module):
             sliding_window=config.sliding_windows[layer_id],
         )
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         spec = self.spec
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
@@ -61,10 +88,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool, dtype: torch.dtype,
-                 kernels: LayerKernels):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool,
+        dtype: torch.dtype,
+        kernels: LayerKernels,
+    ):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias, dtype)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], bias, dtype
+        )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype)
         self.act = gated_activation(hidden_act, kernels)
 
@@ -73,19 +109,41 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 kernels: LayerKernels):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        kernels: LayerKernels,
+    ):
         super().__init__()
         self.self_attn = Attention(config, layer_id, rotary, dtype, kernels)
         moe = config.moe
         if moe is not None and layer_id in moe.sparse_layers:
-            self.mlp: nn.Module = SparseMoeBlock(config.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k,
-                                                 moe.normalize_top_k, config.hidden_act, dtype, kernels)
+            self.mlp: nn.Module = SparseMoeBlock(
+                config.hidden_size,
+                moe.intermediate_size,
+                moe.num_experts,
+                moe.top_k,
+                moe.normalize_top_k,
+                config.hidden_act,
+                dtype,
+                kernels,
+            )
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.mlp_bias, dtype,
-                           kernels)
+            self.mlp = MLP(
+                config.hidden_size,
+                config.intermediate_size,
+                config.hidden_act,
+                config.mlp_bias,
+                dtype,
+                kernels,
+            )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, kernels
+        )
 
     def forward(self, hidden, residual, positions, batch, backend):
         """Returns (this layer's output, the residual stream before it); the next norm adds them."""
@@ -99,12 +157,18 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: LayerKernels):
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, kernels: LayerKernels
+    ):
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope, device, kernels)
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope, device, kernels
+        )
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, dtype, kernels) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, rotary, dtype, kernels) for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, kernels)
         self.lm_head = (
             self.embed_tokens
@@ -112,8 +176,13 @@ class CausalLM(nn.Module):
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                backend: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
         """Float32 logits at the last new token of every request: [B, vocab]."""
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
@@ -142,7 +211,9 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if "rotary_emb" in name or (self.config.tie_word_embeddings and name.startswith("lm_head.")):
+            if "rotary_emb" in name or (
+                self.config.tie_word_embeddings and name.startswith("lm_head.")
+            ):
                 continue  # recomputed, or tied to the embedding
             parts = name.split(".")
             if ".mlp.experts." in name:
@@ -159,18 +230,24 @@ class CausalLM(nn.Module):
                 loaded.add(name)
         missing = [name for name in params if not self._expected_entries(name) <= loaded]
         if missing:
-            raise ValueError(f"checkpoint lacks tensors for {len(missing)} parameters, for example {missing[:3]}")
+            raise ValueError(
+                f"checkpoint lacks tensors for {len(missing)} parameters, for example {missing[:3]}"
+            )
 
     def _param(self, params: dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
         if target not in params:
-            raise ValueError(f"checkpoint tensor {source!r} has no place in {self.config.architecture}")
+            raise ValueError(
+                f"checkpoint tensor {source!r} has no place in {self.config.architecture}"
+            )
         return params[target]
 
     def _load_expert(self, parts: list[str], tensor: torch.Tensor) -> set[str]:
         layer = int(parts[1])
         block = self.layers[layer].mlp
         if not isinstance(block, SparseMoeBlock):
-            raise ValueError(f"layer {layer} has no experts but the checkpoint has {'.'.join(parts)}")
+            raise ValueError(
+                f"layer {layer} has no experts but the checkpoint has {'.'.join(parts)}"
+            )
         prefix = f"layers.{layer}.mlp.experts"
         if parts[-1] == "weight":  # one expert: layers.L.mlp.experts.E.gate_proj.weight
             expert = int(parts[-3])

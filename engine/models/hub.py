@@ -17,7 +17,15 @@ logger = logging.getLogger(__name__)
 
 # What the engine reads of a checkpoint: its config, tokenizer and chat template, and (unless
 # --load-format dummy) its safetensors weights; never *.bin, *.pt, ONNX or GGUF copies.
-CONFIG_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "merges.txt", "vocab*", "*.jinja"]
+CONFIG_PATTERNS = [
+    "*.json",
+    "tokenizer*",
+    "*.model",
+    "*.tiktoken",
+    "merges.txt",
+    "vocab*",
+    "*.jinja",
+]
 WEIGHT_PATTERNS = ["*.safetensors"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # name, or owner/name
 
@@ -47,23 +55,37 @@ def resolve_model(model: str, weights: bool = True) -> str:
 
     offline = constants.HF_HUB_OFFLINE
     where = "in the Hugging Face cache" if offline else "from the Hugging Face Hub"
-    logger.info("--model %s: no local directory; looking it up %s (cache %s)", model, where, constants.HF_HUB_CACHE)
+    logger.info(
+        "--model %s: no local directory; looking it up %s (cache %s)",
+        model,
+        where,
+        constants.HF_HUB_CACHE,
+    )
     patterns = CONFIG_PATTERNS + (WEIGHT_PATTERNS if weights else [])
     try:
         path = snapshot_download(model, allow_patterns=patterns)
     except GatedRepoError:
-        raise HubError(f"--model {model}: a gated model on the Hugging Face Hub: accept its terms on its page "
-                       "and set HF_TOKEN") from None
+        raise HubError(
+            f"--model {model}: a gated model on the Hugging Face Hub: accept its terms on its page "
+            "and set HF_TOKEN"
+        ) from None
     except RepositoryNotFoundError:
-        raise HubError(f"--model {model}: no such directory, and no such model on the Hugging Face Hub "
-                       "(a private one needs HF_TOKEN)") from None
+        raise HubError(
+            f"--model {model}: no such directory, and no such model on the Hugging Face Hub "
+            "(a private one needs HF_TOKEN)"
+        ) from None
     except RevisionNotFoundError as exc:
         raise HubError(f"--model {model}: {_first_line(exc)}") from None
     except LocalEntryNotFoundError as exc:
-        why = ("HF_HUB_OFFLINE is set" if offline else
-               f"the Hub could not be reached ({_first_line(exc.__cause__ or exc)})")
-        raise HubError(f"--model {model}: no such directory, and no complete copy in the Hugging Face cache "
-                       f"({constants.HF_HUB_CACHE}); {why}") from None
+        why = (
+            "HF_HUB_OFFLINE is set"
+            if offline
+            else f"the Hub could not be reached ({_first_line(exc.__cause__ or exc)})"
+        )
+        raise HubError(
+            f"--model {model}: no such directory, and no complete copy in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}); {why}"
+        ) from None
     except (HfHubHTTPError, OSError) as exc:
         raise HubError(f"--model {model}: the Hugging Face Hub: {_first_line(exc)}") from None
     logger.info("--model %s: %s", model, path)

@@ -28,8 +28,14 @@ def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch
     return stored
 
 
-def load_model(model_path: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0) -> CausalLM:
+def load_model(
+    model_path: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> CausalLM:
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"unsupported load format {load_format!r} (supported: auto, dummy)")
     with torch.device(device):

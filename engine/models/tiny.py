@@ -25,7 +25,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>\\n' }}"
     "{% for tool in tools %}{{ tool | tojson + '\\n' }}{% endfor %}"
-    "{{ '</tools>\\nCall a tool with <tool_call>\\n{\"name\": NAME, \"arguments\": ARGS}\\n</tool_call><|im_end|>\\n' }}"
+    '{{ \'</tools>\\nCall a tool with <tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call><|im_end|>\\n\' }}'
     "{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -46,14 +46,38 @@ def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5
 """
 
 _ARCHS: dict[TinyArch, dict[str, Any]] = {
-    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False},
-    "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
-    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False},
-    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False},
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "mlp_bias": False,
+    },
+    "mistral": {
+        "architectures": ["MistralForCausalLM"],
+        "model_type": "mistral",
+        "sliding_window": None,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "use_sliding_window": False,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+    },
     "qwen3-moe": {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
-        "num_experts": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "attention_bias": False,
+        "num_experts": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
     },
 }
 
@@ -63,7 +87,9 @@ def train_tokenizer(vocab_size: int = 1024) -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
@@ -74,11 +100,23 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int, head_dim: int = 16) -> 
     if arch not in _ARCHS:
         raise ValueError(f"unknown --arch {arch!r} (choose from {', '.join(_ARCHS)})")
     return {
-        "vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": head_dim, "hidden_act": "silu",
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": eos_id, "pad_token_id": None,
-        "torch_dtype": "float32", **_ARCHS[arch],
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+        "torch_dtype": "float32",
+        **_ARCHS[arch],
     }
 
 
@@ -90,16 +128,30 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, head_dim: int
     endoftext = tokenizer.token_to_id("<|endoftext|>")
     raw = tiny_config(arch, tokenizer.get_vocab_size(), eos, head_dim)
     config = parse_model_config(raw)
-    tensors = {name: t.contiguous() for name, t in synthetic_checkpoint(config, seed, torch.float32)}
+    tensors = {
+        name: t.contiguous() for name, t in synthetic_checkpoint(config, seed, torch.float32)
+    }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(raw, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, endoftext]}, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [eos, endoftext]}, indent=2)
+    )
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "bos_token": None, "unk_token": None, "chat_template": CHAT_TEMPLATE, "model_max_length": 2048,
-        "clean_up_tokenization_spaces": False,
-    }, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "unk_token": None,
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 2048,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )
     # whatever the umask: the engine that reads it may run as another user (uid 1000 in a pod)
     out.chmod(0o755)
     for file in out.iterdir():
@@ -108,12 +160,21 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, head_dim: int
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kubesgl make-tiny-model", description=__doc__, formatter_class=DefaultsOnce)
+    parser = argparse.ArgumentParser(
+        prog="kubesgl make-tiny-model", description=__doc__, formatter_class=DefaultsOnce
+    )
     parser.add_argument("dir", help="output directory")
-    parser.add_argument("--arch", required=True, choices=TINY_ARCHS, help="the architecture of config.json")
+    parser.add_argument(
+        "--arch", required=True, choices=TINY_ARCHS, help="the architecture of config.json"
+    )
     parser.add_argument("--seed", type=int, default=0, metavar="N", help="seeds the random weights")
-    parser.add_argument("--head-dim", type=int, default=16, metavar="N",
-                        help="per-head width (FlashInfer's kernels need 64, 128 or 256)")
+    parser.add_argument(
+        "--head-dim",
+        type=int,
+        default=16,
+        metavar="N",
+        help="per-head width (FlashInfer's kernels need 64, 128 or 256)",
+    )
     args = parser.parse_args(argv)
     path = make_tiny_model(args.dir, args.arch, args.seed, args.head_dim)
     print(f"wrote a tiny {args.arch} model to {path}")

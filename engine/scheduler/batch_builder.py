@@ -85,15 +85,23 @@ class BatchBuilder:
     @staticmethod
     def _decode_rows(reqs: list[Req]) -> _Rows:
         input_ids = [
-            req.output_ids[-1] if len(req.output_ids) == req.outputs_scheduled else -req.future_slot for req in reqs
+            req.output_ids[-1] if len(req.output_ids) == req.outputs_scheduled else -req.future_slot
+            for req in reqs
         ]
         positions = [req.num_scheduled for req in reqs]
         return _Rows(list(reqs), [1] * len(reqs), [True] * len(reqs), input_ids, positions)
 
     def _build(self, mode: ForwardMode, prefill: _Rows, decode: _Rows) -> ScheduledBatch:
         self._step += 1
-        reqs, lens, emits = prefill.reqs + decode.reqs, prefill.lens + decode.lens, prefill.emits + decode.emits
-        input_ids, positions = prefill.input_ids + decode.input_ids, prefill.positions + decode.positions
+        reqs, lens, emits = (
+            prefill.reqs + decode.reqs,
+            prefill.lens + decode.lens,
+            prefill.emits + decode.emits,
+        )
+        input_ids, positions = (
+            prefill.input_ids + decode.input_ids,
+            prefill.positions + decode.positions,
+        )
         out_cache_loc, seq_lens, rows, cols, slots = [], [], [], [], []
         for req, n in zip(reqs, lens):
             out_cache_loc += self.kv.grow(req, n)
@@ -128,7 +136,9 @@ class BatchBuilder:
             sampling=sampling,
             prefill_rows=len(prefill.reqs),
         )
-        return ScheduledBatch(self._step, mode, reqs, list(lens), list(emits), len(prefill.reqs), forward)
+        return ScheduledBatch(
+            self._step, mode, reqs, list(lens), list(emits), len(prefill.reqs), forward
+        )
 
     def _sampling(self, reqs: list[Req], emits: list[bool]) -> SamplingBatch:
         params = [req.params for req in reqs]
@@ -143,18 +153,26 @@ class BatchBuilder:
         if any(p.has_penalties for p in params):
             # A row's state starts from its request's tokens the first time a batch with
             # penalties holds it: the prompt, and the first token where another engine sampled it.
-            resets = [(req.row, req.prompt_ids, list(req.output_ids)) for req in reqs if not req.penalties_ready]
+            resets = [
+                (req.row, req.prompt_ids, list(req.output_ids))
+                for req in reqs
+                if not req.penalties_ready
+            ]
             for req in reqs:
                 req.penalties_ready = True
             penalties = PenaltyBatch(
-                repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+                repetition=torch.tensor(
+                    [p.repetition_penalty for p in params], dtype=torch.float32
+                ),
                 frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
                 presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
                 resets=resets,
             )
         wanted = [p.logprobs for p, emit in zip(params, emits) if p.logprobs is not None and emit]
         return SamplingBatch(
-            temperatures=torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32),
+            temperatures=torch.tensor(
+                [1.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32
+            ),
             greedy=torch.tensor(greedy, dtype=torch.bool),
             top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             top_ks=torch.tensor(top_ks, dtype=torch.int64),
@@ -167,5 +185,7 @@ class BatchBuilder:
             penalties=penalties,
             top_logprobs=max(wanted) if wanted else -1,
             # filled by the scheduler once every row's earlier tokens are known
-            vocab_mask=VocabMask(len(reqs), self.vocab_size) if any(r.grammar for r in reqs) else None,
+            vocab_mask=VocabMask(len(reqs), self.vocab_size)
+            if any(r.grammar for r in reqs)
+            else None,
         )

@@ -51,13 +51,21 @@ def _available_memory(device: torch.device) -> tuple[int, int]:
     return memory.available, memory.total
 
 
-def kv_pool_tokens(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                   kv_heads: int, context_length: int) -> int:
+def kv_pool_tokens(
+    config: EngineConfig,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_heads: int,
+    context_length: int,
+) -> int:
     """Size of the KV pool in tokens: --max-total-tokens, or what the memory left after the
     weights allows under --mem-fraction-static (never more than the running requests can use)."""
     if config.max_total_tokens is not None:
         return config.max_total_tokens
-    per_token = KVPool.bytes_per_slot(model_config.num_layers, kv_heads, model_config.head_dim, dtype)
+    per_token = KVPool.bytes_per_slot(
+        model_config.num_layers, kv_heads, model_config.head_dim, dtype
+    )
     free, total = _available_memory(device)
     if device.type == "cuda":
         budget = free - total * (1 - (config.mem_fraction_static or GPU_MEM_FRACTION))
@@ -75,7 +83,12 @@ def kv_pool_tokens(config: EngineConfig, model_config: ModelConfig, dtype: torch
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, bootstrap_host: str = "0.0.0.0", bootstrap_link: BootstrapLink | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        bootstrap_host: str = "0.0.0.0",
+        bootstrap_link: BootstrapLink | None = None,
+    ):
         """Prefill and decode roles: `bootstrap_host` is the address a prefill engine's
         bootstrap server listens on; `bootstrap_link`, rank 0's line to the engine's bootstrap
         process (without one, the bootstrap service runs in this process)."""
@@ -85,22 +98,50 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model_config = load_model_config(config.model)
-        self.context_length = min(config.context_length or self.model_config.context_length,
-                                  self.model_config.context_length)
+        self.context_length = min(
+            config.context_length or self.model_config.context_length,
+            self.model_config.context_length,
+        )
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
-        self.model = load_model(config.model, self.model_config, self.dtype, self.device, config.load_format, config.seed)
+        self.model = load_model(
+            config.model,
+            self.model_config,
+            self.dtype,
+            self.device,
+            config.load_format,
+            config.seed,
+        )
         attn = self.model.layers[0].self_attn.spec
 
         page = config.page_size
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
-        if kv_dtype == torch.float8_e4m3fn and self.device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-            raise ValueError("--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer (Ada, Hopper)")
-        tokens = kv_pool_tokens(config, self.model_config, kv_dtype, self.device, attn.num_kv_heads, self.context_length)
+        if (
+            kv_dtype == torch.float8_e4m3fn
+            and self.device.type == "cuda"
+            and torch.cuda.get_device_capability() < (8, 9)
+        ):
+            raise ValueError(
+                "--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer (Ada, Hopper)"
+            )
+        tokens = kv_pool_tokens(
+            config, self.model_config, kv_dtype, self.device, attn.num_kv_heads, self.context_length
+        )
         # Every rank must schedule alike, so all take the smallest pool any rank can hold.
-        tokens = int(get_tp_group().all_reduce(torch.tensor([tokens], device=self.device), dist.ReduceOp.MIN).item())
+        tokens = int(
+            get_tp_group()
+            .all_reduce(torch.tensor([tokens], device=self.device), dist.ReduceOp.MIN)
+            .item()
+        )
         num_pages = tokens // page + 1  # + the padding page
-        kv_pool = KVPool(num_pages * page, self.model_config.num_layers, attn.num_kv_heads, attn.head_dim, kv_dtype,
-                         self.device, compute_dtype=self.dtype)
+        kv_pool = KVPool(
+            num_pages * page,
+            self.model_config.num_layers,
+            attn.num_kv_heads,
+            attn.head_dim,
+            kv_dtype,
+            self.device,
+            compute_dtype=self.dtype,
+        )
         # Finished requests keep their row until the step in flight completes: leave room.
         # One more row, never handed out, is the padding row of CUDA-graph replays.
         num_rows = 2 * config.max_running_requests
@@ -114,7 +155,9 @@ class Engine:
         cuda_graph_max_bs = 0
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             cuda_graph_max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
-        runner = ModelRunner(self.model, kv_pool, table, backend, future_capacity, cuda_graph_max_bs)
+        runner = ModelRunner(
+            self.model, kv_pool, table, backend, future_capacity, cuda_graph_max_bs
+        )
         overlap = not config.disable_overlap_schedule
         self.executor = OverlapExecutor(runner) if overlap else SyncExecutor(runner)
         limits = SchedulerLimits(
@@ -133,14 +176,34 @@ class Engine:
         stop_checker = StopStringChecker(config.model)
         grammars = None
         if stop_checker.tokenizer is not None:
-            grammars = GrammarBackend(stop_checker.tokenizer, self.model_config.vocab_size,
-                                      sorted(self.model_config.eos_token_ids))
-        self.scheduler = Scheduler(self.executor, kv, limits, self.model_config.eos_token_ids, overlap,
-                                   future_capacity, stop_checker, self.role, grammars,
-                                   wait_for_grammars=config.tp_size > 1)
-        logger.info("engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s, role %s",
-                    self.model_config.architecture, self.device, self.dtype, (num_pages - 1) * page, page,
-                    overlap, not config.disable_radix_cache, config.role)
+            grammars = GrammarBackend(
+                stop_checker.tokenizer,
+                self.model_config.vocab_size,
+                sorted(self.model_config.eos_token_ids),
+            )
+        self.scheduler = Scheduler(
+            self.executor,
+            kv,
+            limits,
+            self.model_config.eos_token_ids,
+            overlap,
+            future_capacity,
+            stop_checker,
+            self.role,
+            grammars,
+            wait_for_grammars=config.tp_size > 1,
+        )
+        logger.info(
+            "engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s, role %s",
+            self.model_config.architecture,
+            self.device,
+            self.dtype,
+            (num_pages - 1) * page,
+            page,
+            overlap,
+            not config.disable_radix_cache,
+            config.role,
+        )
 
     def validate(self, request: GenerateRequest) -> None:
         """Raise InvalidRequestError if `request` cannot run here; changes nothing."""

@@ -25,7 +25,11 @@ class GrammarBackend:
     (a CompiledGrammar, or the InvalidRequestError saying why it cannot be one)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], workers: int = 2):
-        self._tokenizer, self._vocab_size, self._stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self._tokenizer, self._vocab_size, self._stop_token_ids = (
+            tokenizer,
+            vocab_size,
+            stop_token_ids,
+        )
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kubesgl-grammar")
@@ -59,15 +63,18 @@ class GrammarBackend:
                 compiled = compiler.compile_json_schema(spec.spec, any_whitespace=False)
             elif spec.kind == "json_object":
                 # OpenAI's JSON mode: an object, of any properties
-                compiled = compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
+                compiled = compiler.compile_json_schema(
+                    _ANY_OBJECT, any_whitespace=False, strict_mode=False
+                )
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.spec)
             else:
                 compiled = compiler.compile_grammar(spec.spec)
         except (RuntimeError, ValueError) as exc:
             message = _XGRAMMAR_PREFIX.sub("", str(exc).strip())
-            raise InvalidRequestError(f"{spec.param}: the {spec.kind} cannot be compiled: {message}",
-                                      param=spec.param) from None
+            raise InvalidRequestError(
+                f"{spec.param}: the {spec.kind} cannot be compiled: {message}", param=spec.param
+            ) from None
         with self._stats_lock:
             self.stats.compile_seconds.append(time.perf_counter() - start)
         return compiled
@@ -75,8 +82,11 @@ class GrammarBackend:
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
-                info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                               stop_token_ids=self._stop_token_ids)
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self._tokenizer,
+                    vocab_size=self._vocab_size,
+                    stop_token_ids=self._stop_token_ids,
+                )
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 

@@ -38,12 +38,18 @@ class KVManager:
 
     def available_pages(self) -> int:
         """Pages free or evictable that no reservation has promised."""
-        return self.allocator.num_free + self.radix.evictable_size // self.page_size - self.reserved_pages
+        return (
+            self.allocator.num_free
+            + self.radix.evictable_size // self.page_size
+            - self.reserved_pages
+        )
 
     def committed_tokens(self) -> int:
         """KV tokens spoken for: held by requests, locked in the cache, or reserved for the
         outputs of running requests (evictable cache excluded). What admission is bound by."""
-        held = (self.allocator.total_pages - self.allocator.num_free) * self.page_size - self.radix.evictable_size
+        held = (
+            self.allocator.total_pages - self.allocator.num_free
+        ) * self.page_size - self.radix.evictable_size
         return held + self.reserved_pages * self.page_size
 
     # -- admission ---------------------------------------------------------------------
@@ -98,7 +104,9 @@ class KVManager:
         if pages_needed:
             unreserved = pages_needed - min(pages_needed, req.reserved_pages)
             if unreserved > self.available_pages():
-                raise RuntimeError(f"request {req.rid} outgrew its KV reservation and no page is unreserved")
+                raise RuntimeError(
+                    f"request {req.rid} outgrew its KV reservation and no page is unreserved"
+                )
             shortfall = pages_needed - self.allocator.num_free
             if shortfall > 0:
                 self.radix.evict(shortfall * p)
@@ -197,17 +205,24 @@ class KVManager:
         def claim(pages: Iterable[int], owner: str) -> None:
             for page in pages:
                 if page in owners:
-                    raise CacheIntegrityError(f"page {page} held by both {owners[page]} and {owner}")
+                    raise CacheIntegrityError(
+                        f"page {page} held by both {owners[page]} and {owner}"
+                    )
                 owners[page] = owner
 
-        claim((pg for pg in range(1, self.allocator.num_pages) if self.allocator.is_free(pg)), "the free list")
+        claim(
+            (pg for pg in range(1, self.allocator.num_pages) if self.allocator.is_free(pg)),
+            "the free list",
+        )
         self.radix.check_integrity([r.last_node for r in live])
         claim(self.radix.cached_pages(), "the radix cache")
         for req in live:
             claim((s // p for s in req.slots[req.num_cached :: p]), f"request {req.rid}")
         if len(owners) != self.allocator.total_pages:
             lost = sorted(set(range(1, self.allocator.num_pages)) - owners.keys())
-            raise CacheIntegrityError(f"{len(lost)} pages are neither free, cached nor held, e.g. {lost[:5]}")
+            raise CacheIntegrityError(
+                f"{len(lost)} pages are neither free, cached nor held, e.g. {lost[:5]}"
+            )
         if self.reserved_pages != sum(r.reserved_pages for r in live):
             raise CacheIntegrityError("reserved page count differs from the requests' reservations")
         rows = sorted(self._free_rows + [r.row for r in live])

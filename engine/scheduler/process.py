@@ -45,16 +45,26 @@ IDLE_POLL_MS = 1000  # an idle rank 0 still broadcasts this often, so other rank
 TRANSFER_POLL_MS = 2
 
 
-def run_scheduler(config: EngineConfig, rank: int, endpoints: Endpoints, dist_init_method: str,
-                  log_level: str, bootstrap_host: str) -> None:
-    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s scheduler[{rank}] %(levelname)s %(message)s")
+def run_scheduler(
+    config: EngineConfig,
+    rank: int,
+    endpoints: Endpoints,
+    dist_init_method: str,
+    log_level: str,
+    bootstrap_host: str,
+) -> None:
+    logging.basicConfig(
+        level=log_level.upper(), format=f"%(asctime)s scheduler[{rank}] %(levelname)s %(message)s"
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API server decides when to stop
     exit_with_parent()
     try:
         on_gpu = config.device in ("auto", "cuda") and torch.cuda.is_available()
         if on_gpu:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        init_tensor_parallel(rank, config.tp_size, dist_init_method, backend="nccl" if on_gpu else "gloo")
+        init_tensor_parallel(
+            rank, config.tp_size, dist_init_method, backend="nccl" if on_gpu else "gloo"
+        )
         torch.manual_seed(config.seed)
         context = zmq.Context()
         link = None
@@ -73,16 +83,26 @@ def _warm_up(engine: Engine) -> None:
     cost (a stop string too, where the model has a tokenizer); then the cache and counters are
     cleared so metrics count real traffic only."""
     stop = ["\x00"] if engine.scheduler.stop_checker.tokenizer is not None else []
-    engine.add_request(GenerateRequest("warmup", [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True,
-                                                                             stop=stop)))
+    engine.add_request(
+        GenerateRequest(
+            "warmup", [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True, stop=stop)
+        )
+    )
     while engine.has_work():
         engine.step()
     engine.scheduler.reset()
 
 
 class SchedulerLoop:
-    def __init__(self, engine: Engine, rank: int, endpoints: Endpoints, control, context: zmq.Context,
-                 link: ProcessLink | None):
+    def __init__(
+        self,
+        engine: Engine,
+        rank: int,
+        endpoints: Endpoints,
+        control,
+        context: zmq.Context,
+        link: ProcessLink | None,
+    ):
         self.engine = engine
         self.rank = rank
         self.control = control
@@ -91,23 +111,32 @@ class SchedulerLoop:
         if rank == 0:
             self.inbox = pull(self.context, endpoints.scheduler_in)
             self.outbox = push(self.context, endpoints.detokenizer_in)
-            self.outbox.send_pyobj(EngineInfo(
-                model_path=engine.config.model, context_length=engine.context_length,
-                vocab_size=engine.model_config.vocab_size,
-                max_total_tokens=engine.scheduler.stats().kv_total_tokens, tp_size=engine.config.tp_size,
-                architecture=engine.model_config.architecture, eos_token_ids=sorted(engine.model_config.eos_token_ids),
-            ))
+            self.outbox.send_pyobj(
+                EngineInfo(
+                    model_path=engine.config.model,
+                    context_length=engine.context_length,
+                    vocab_size=engine.model_config.vocab_size,
+                    max_total_tokens=engine.scheduler.stats().kv_total_tokens,
+                    tp_size=engine.config.tp_size,
+                    architecture=engine.model_config.architecture,
+                    eos_token_ids=sorted(engine.model_config.eos_token_ids),
+                )
+            )
 
     def _receive(self) -> list:
         """Rank 0: what arrived since the last turn (waits while idle). Others: rank 0's list."""
         messages = []
         if self.rank == 0:
-            if not self.engine.scheduler.has_steps():  # sleep until a message arrives or it is time to turn
+            if (
+                not self.engine.scheduler.has_steps()
+            ):  # sleep until a message arrives or it is time to turn
                 self.inbox.poll(self._idle_poll_ms())
             while self.inbox.poll(0):
                 message = self.inbox.recv_pyobj()
                 if isinstance(message, BootstrapFact):
-                    self.link.deliver(message)  # rank 0's own: the KV transfers share it with every rank
+                    self.link.deliver(
+                        message
+                    )  # rank 0's own: the KV transfers share it with every rank
                 else:
                     messages.append(message)
         if self.control is not None:
@@ -129,7 +158,9 @@ class SchedulerLoop:
                     self.engine.shutdown()
                     return
                 outputs += self._apply(message)
-            if self.engine.has_work() or self.engine.role.transfers_kv:  # such roles poll every turn
+            if (
+                self.engine.has_work() or self.engine.role.transfers_kv
+            ):  # such roles poll every turn
                 outputs += self.engine.step()
             if self.rank == 0:
                 stats = self.engine.scheduler.stats()
@@ -154,8 +185,18 @@ class SchedulerLoop:
             reason = FinishReason("error", message=str(exc), param=exc.param, status=exc.status)
         except Exception as exc:  # one request's fault must not stop the others
             logger.exception("admitting request %s failed", message.rid)
-            reason = FinishReason("error", message=f"internal error admitting the request: {type(exc).__name__}: {exc}",
-                                  status=500)
+            reason = FinishReason(
+                "error",
+                message=f"internal error admitting the request: {type(exc).__name__}: {exc}",
+                status=500,
+            )
         else:
             return []
-        return [TokenOutput(rid=message.rid, token_ids=[], finish_reason=reason, prompt_tokens=len(message.input_ids))]
+        return [
+            TokenOutput(
+                rid=message.rid,
+                token_ids=[],
+                finish_reason=reason,
+                prompt_tokens=len(message.input_ids),
+            )
+        ]

@@ -18,7 +18,9 @@ class ReqStatus(Enum):
     PREFILLING = auto()  # prompt chunks scheduled, not all of them yet
     DECODING = auto()  # whole prompt scheduled; produces one token per step
     TRANSFERRING = auto()  # prefill role: prompt done, its KV on the way to the decode engine
-    AWAITING_KV = auto()  # decode role: prompt slots allocated, its KV on the way from the prefill engine
+    AWAITING_KV = (
+        auto()
+    )  # decode role: prompt slots allocated, its KV on the way from the prefill engine
     FINISHED = auto()  # result sent; resources go back once no in-flight step uses them
     RELEASED = auto()
 
@@ -47,7 +49,9 @@ class Req:
     row: int | None = None  # row of the request-to-token table
     slots: list[int] = field(default_factory=list)
     num_cached: int = 0  # page-aligned
-    num_prefix_hit: int = 0  # prompt tokens found in the cache at admission (the prefill engine's, for a room)
+    num_prefix_hit: int = (
+        0  # prompt tokens found in the cache at admission (the prefill engine's, for a room)
+    )
     last_node: TreeNode | None = None
     reserved_pages: int = 0  # pages still promised to this request for its remaining tokens
     table_len: int = 0  # leading slots already written to the device table row

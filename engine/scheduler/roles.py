@@ -78,7 +78,9 @@ RoleEvent = KVArrived | KVSent | RoomFailed
 
 
 def failure(error: str, reason: FailureReason, status: int | None = None) -> FinishReason:
-    return FinishReason("error", message=error, status=status or _FAILURE_STATUS.get(reason, _PEER_FAILURE))
+    return FinishReason(
+        "error", message=error, status=status or _FAILURE_STATUS.get(reason, _PEER_FAILURE)
+    )
 
 
 class MixedRole:
@@ -92,8 +94,11 @@ class MixedRole:
 
     def validate(self, request: GenerateRequest) -> None:
         if request.bootstrap is not None:
-            raise InvalidRequestError(f"this engine's role is {self.name}: bootstrap_room is only for prefill and "
-                                      "decode engines", param="bootstrap_room")
+            raise InvalidRequestError(
+                f"this engine's role is {self.name}: bootstrap_room is only for prefill and "
+                "decode engines",
+                param="bootstrap_room",
+            )
 
     def kv_tokens(self, prompt_len: int, max_tokens: int, room: bool) -> int:
         """KV positions a request may fill here: its prompt and all outputs but the last."""
@@ -165,8 +170,11 @@ class _RoomRole(MixedRole):
 
     def validate(self, request: GenerateRequest) -> None:
         if request.bootstrap is not None and request.bootstrap.room in self.rooms:
-            raise InvalidRequestError(f"bootstrap_room {request.bootstrap.room} is already in use on this engine",
-                                      param="bootstrap_room", status=409)
+            raise InvalidRequestError(
+                f"bootstrap_room {request.bootstrap.room} is already in use on this engine",
+                param="bootstrap_room",
+                status=409,
+            )
 
     def accept(self, req: Req) -> None:
         if req.bootstrap is not None:
@@ -183,7 +191,9 @@ class _RoomRole(MixedRole):
     def _busy(self, req: Req) -> bool:
         raise NotImplementedError
 
-    def _failed(self, req: Req, error: str, reason: FailureReason, status: int | None = None) -> RoomFailed:
+    def _failed(
+        self, req: Req, error: str, reason: FailureReason, status: int | None = None
+    ) -> RoomFailed:
         self._failures[reason.value] = self._failures.get(reason.value, 0) + 1
         return RoomFailed(req, failure(error, reason, status))
 
@@ -210,7 +220,9 @@ class PrefillRole(_RoomRole):
 
     def validate(self, request: GenerateRequest) -> None:
         super().validate(request)
-        if request.bootstrap is not None and (closed := self.transfers.closed(request.bootstrap.room)):
+        if request.bootstrap is not None and (
+            closed := self.transfers.closed(request.bootstrap.room)
+        ):
             raise InvalidRequestError(closed, param="bootstrap_room", status=409)
 
     def kv_tokens(self, prompt_len: int, max_tokens: int, room: bool) -> int:
@@ -224,8 +236,12 @@ class PrefillRole(_RoomRole):
 
     def refused(self, request: GenerateRequest, error: InvalidRequestError) -> None:
         if request.bootstrap is not None and request.bootstrap.room not in self.rooms:
-            self.transfers.abandon(request.bootstrap.room, FailureReason.REFUSED,
-                                   f"the prefill engine refused the request: {error}", error.status)
+            self.transfers.abandon(
+                request.bootstrap.room,
+                FailureReason.REFUSED,
+                f"the prefill engine refused the request: {error}",
+                error.status,
+            )
 
     def prompt_done(self, req: Req, token: int, logprob: TokenLogprob | None) -> bool:
         if req.bootstrap is None:
@@ -234,9 +250,14 @@ class PrefillRole(_RoomRole):
         req.output_ids.append(token)
         if logprob is not None:
             req.logprobs.append(logprob)
-        note = RoomNote(req.bootstrap.room, RoomStatus.DONE, first_token=token,
-                        logprob=logprob.logprob if logprob else None, top_logprobs=logprob.top if logprob else [],
-                        cached_tokens=req.num_prefix_hit)
+        note = RoomNote(
+            req.bootstrap.room,
+            RoomStatus.DONE,
+            first_token=token,
+            logprob=logprob.logprob if logprob else None,
+            top_logprobs=logprob.top if logprob else [],
+            cached_tokens=req.num_prefix_hit,
+        )
         self.transfers.prefilled(req.bootstrap.room, req.slots[: req.prompt_len], note)
         return True
 
@@ -263,8 +284,14 @@ class PrefillRole(_RoomRole):
             self._sent.discard(room)
             return
         message = req.finish_reason.message if req.finish_reason else None
-        reason = FailureReason.ABORTED if req.finish_reason and req.finish_reason.kind == "abort" else FailureReason.REFUSED
-        self.transfers.abandon(room, reason, f"the prefill engine ended the request: {message or reason.value}")
+        reason = (
+            FailureReason.ABORTED
+            if req.finish_reason and req.finish_reason.kind == "abort"
+            else FailureReason.REFUSED
+        )
+        self.transfers.abandon(
+            room, reason, f"the prefill engine ended the request: {message or reason.value}"
+        )
 
     def _busy(self, req: Req) -> bool:
         return self.transfers.busy(req.bootstrap.room)
@@ -282,16 +309,25 @@ class DecodeRole(_RoomRole):
     def __init__(self, kv: KVManager, transfers: DecodeTransfers):
         super().__init__(kv)
         self.transfers = transfers
-        self._held: set[int] = set()  # rooms of ended requests whose slots the prefill engine may still write
+        self._held: set[int] = (
+            set()
+        )  # rooms of ended requests whose slots the prefill engine may still write
 
     def validate(self, request: GenerateRequest) -> None:
         super().validate(request)
         if request.bootstrap is not None and not request.bootstrap.host:
-            raise InvalidRequestError("bootstrap_host is missing: a decode engine fetches the prompt's KV from that "
-                                      "prefill engine", param="bootstrap_host")
+            raise InvalidRequestError(
+                "bootstrap_host is missing: a decode engine fetches the prompt's KV from that "
+                "prefill engine",
+                param="bootstrap_host",
+            )
 
     def refused(self, request: GenerateRequest, error: InvalidRequestError) -> None:
-        if request.bootstrap is not None and request.bootstrap.host and request.bootstrap.room not in self.rooms:
+        if (
+            request.bootstrap is not None
+            and request.bootstrap.host
+            and request.bootstrap.room not in self.rooms
+        ):
             self.transfers.refuse(request.bootstrap, str(error))
 
     def accept(self, req: Req) -> None:
@@ -319,14 +355,23 @@ class DecodeRole(_RoomRole):
             if outcome.note is not None:
                 self._kv_waits.append(outcome.waited)
                 note = outcome.note
-                logprob = TokenLogprob(note.first_token, note.logprob, list(note.top_logprobs)) \
-                    if req.params.logprobs is not None and note.logprob is not None else None
+                logprob = (
+                    TokenLogprob(note.first_token, note.logprob, list(note.top_logprobs))
+                    if req.params.logprobs is not None and note.logprob is not None
+                    else None
+                )
                 events.append(KVArrived(req, note.first_token, logprob, note.cached_tokens))
             elif outcome.error is not None:
                 if not outcome.released:
                     self._held.add(outcome.room)
-                events.append(self._failed(req, f"prefill/decode transfer failed: {outcome.error}", outcome.reason,
-                                           outcome.http_status))
+                events.append(
+                    self._failed(
+                        req,
+                        f"prefill/decode transfer failed: {outcome.error}",
+                        outcome.reason,
+                        outcome.http_status,
+                    )
+                )
         return events
 
     def finished(self, req: Req) -> None:
@@ -351,8 +396,14 @@ class DecodeRole(_RoomRole):
         return self.transfers.has_rooms()
 
 
-def create_role(config: EngineConfig, kv: KVManager, pool: KVPool, tp: TensorParallelGroup, bootstrap_host: str,
-                link: BootstrapLink | None) -> MixedRole:
+def create_role(
+    config: EngineConfig,
+    kv: KVManager,
+    pool: KVPool,
+    tp: TensorParallelGroup,
+    bootstrap_host: str,
+    link: BootstrapLink | None,
+) -> MixedRole:
     """The role `config.role` names, with its KV transfer wired to this rank's pool. Rank 0
     talks to the engine's bootstrap process through `link`; without one, it runs the
     bootstrap service in this process (an engine driven in process)."""
@@ -364,7 +415,9 @@ def create_role(config: EngineConfig, kv: KVManager, pool: KVPool, tp: TensorPar
         link = LocalLink()
     timeout = config.disaggregation_timeout
     if config.role == contract.PREFILL:
-        transfers = PrefillTransfers(agent, consensus, link, timeout, bootstrap_host, config.disaggregation_bootstrap_port)
+        transfers = PrefillTransfers(
+            agent, consensus, link, timeout, bootstrap_host, config.disaggregation_bootstrap_port
+        )
         return PrefillRole(kv, transfers)
     # The bootstrap process registers every rank's agent with the prefill engines: it needs them all.
     ranks = [RankAgent(agent.metadata, agent.layout)]

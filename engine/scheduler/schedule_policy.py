@@ -57,7 +57,12 @@ def dfs_weight(waiting: list[Req], cache: RadixCache) -> list[Req]:
             continue
         stack.append((node, True))
         # pushed lightest first: the heaviest branch is walked next
-        stack += [(c, False) for c in sorted((c for c in node.children.values() if weight[c]), key=lambda c: weight[c])]
+        stack += [
+            (c, False)
+            for c in sorted(
+                (c for c in node.children.values() if weight[c]), key=lambda c: weight[c]
+            )
+        ]
     return ordered
 
 
@@ -69,9 +74,17 @@ SCHEDULE_POLICIES: dict[str, Ordering] = {
 
 
 class SchedulePolicy:
-    def __init__(self, name: str, cache: RadixCache, max_wait: float, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        name: str,
+        cache: RadixCache,
+        max_wait: float,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         if name not in SCHEDULE_POLICIES:
-            raise ValueError(f"unknown schedule policy {name!r}: one of {', '.join(SCHEDULE_POLICIES)}")
+            raise ValueError(
+                f"unknown schedule policy {name!r}: one of {', '.join(SCHEDULE_POLICIES)}"
+            )
         self.name = name
         self._order = SCHEDULE_POLICIES[name]
         self.cache = cache

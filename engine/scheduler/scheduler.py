@@ -65,9 +65,19 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, executor, kv: KVManager, limits: SchedulerLimits, eos_token_ids: frozenset[int],
-                 overlap: bool, future_capacity: int, stop_checker: StopStringChecker, role: MixedRole | None = None,
-                 grammars: GrammarBackend | None = None, wait_for_grammars: bool = False):
+    def __init__(
+        self,
+        executor,
+        kv: KVManager,
+        limits: SchedulerLimits,
+        eos_token_ids: frozenset[int],
+        overlap: bool,
+        future_capacity: int,
+        stop_checker: StopStringChecker,
+        role: MixedRole | None = None,
+        grammars: GrammarBackend | None = None,
+        wait_for_grammars: bool = False,
+    ):
         self.executor = executor
         self.grammars = grammars  # None: the model has no tokenizer, so no grammar can be compiled
         # Tensor parallelism: every rank must queue a request at the same step, so each waits for
@@ -102,8 +112,13 @@ class Scheduler:
             self.role.refused(request, exc)
             raise
         params = dataclasses.replace(request.params, max_tokens=self._max_tokens(request))
-        req = Req(rid=request.rid, prompt_ids=list(request.input_ids), params=params,
-                  prefix_leader=request.prefix_leader, bootstrap=request.bootstrap)
+        req = Req(
+            rid=request.rid,
+            prompt_ids=list(request.input_ids),
+            params=params,
+            prefix_leader=request.prefix_leader,
+            bootstrap=request.bootstrap,
+        )
         self.requests[req.rid] = req
         self.role.accept(req)
         if params.grammar is None:
@@ -125,7 +140,9 @@ class Scheduler:
             if (error := future.exception()) is not None:
                 param = getattr(error, "param", None)
                 status = getattr(error, "status", 500)
-                req.finish_reason = FinishReason("error", message=str(error), param=param, status=status)
+                req.finish_reason = FinishReason(
+                    "error", message=str(error), param=param, status=status
+                )
                 self._finish(req)
                 outputs.append(self._output(req, [], None))
                 continue
@@ -151,17 +168,25 @@ class Scheduler:
         if n == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         if any(not 0 <= t < limits.vocab_size for t in request.input_ids):
-            raise InvalidRequestError(f"the prompt has token ids outside the vocabulary (size {limits.vocab_size})", param="prompt")
+            raise InvalidRequestError(
+                f"the prompt has token ids outside the vocabulary (size {limits.vocab_size})",
+                param="prompt",
+            )
         request.params.validate(limits.vocab_size)
         if request.params.stop and self.stop_checker.tokenizer is None:
-            raise InvalidRequestError("this model has no tokenizer: stop strings cannot be matched", param="stop")
+            raise InvalidRequestError(
+                "this model has no tokenizer: stop strings cannot be matched", param="stop"
+            )
         if request.params.grammar is not None and self.grammars is None:
-            raise InvalidRequestError("this model has no tokenizer: its output cannot be constrained to a grammar",
-                                      param=request.params.grammar.param)
+            raise InvalidRequestError(
+                "this model has no tokenizer: its output cannot be constrained to a grammar",
+                param=request.params.grammar.param,
+            )
         self.role.validate(request)
         if n >= limits.context_length:
             raise InvalidRequestError(
-                f"the prompt is {n} tokens long; this model's context length is {limits.context_length}", param="prompt"
+                f"the prompt is {n} tokens long; this model's context length is {limits.context_length}",
+                param="prompt",
             )
         max_tokens = self._max_tokens(request)
         if n + max_tokens > limits.context_length:
@@ -175,7 +200,8 @@ class Scheduler:
         if need > pool:
             raise InvalidRequestError(
                 f"the request needs {need * self.kv.page_size} tokens of KV cache; the pool holds "
-                f"{pool * self.kv.page_size}", param="max_tokens",
+                f"{pool * self.kv.page_size}",
+                param="max_tokens",
             )
 
     def abort_request(self, rid: str, message: str = "aborted") -> list[TokenOutput]:
@@ -195,7 +221,11 @@ class Scheduler:
 
     # -- the loop ----------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.has_steps() or bool(self.finished_unreleased or self.compiling) or self.role.has_work()
+        return (
+            self.has_steps()
+            or bool(self.finished_unreleased or self.compiling)
+            or self.role.has_work()
+        )
 
     def has_steps(self) -> bool:
         """Work for the model; without it, a turn only polls the role's KV transfers."""
@@ -236,7 +266,10 @@ class Scheduler:
                 if req.grammar is None or not batch.emits[i] or req.finished:
                     continue  # all tokens allowed: a finished request's token is dropped anyway
                 # this step samples token number outputs_scheduled; all before it are accepted
-                assert len(req.output_ids) == req.outputs_scheduled - 1, (req.rid, len(req.output_ids))
+                assert len(req.output_ids) == req.outputs_scheduled - 1, (
+                    req.rid,
+                    len(req.output_ids),
+                )
                 req.grammar.fill_mask(mask.bitmask, i)
         except BaseException as exc:
             mask.set_ready(exc)
@@ -272,7 +305,9 @@ class Scheduler:
         decodes that ride along in a mixed step) come out of --chunked-prefill-size first."""
         limits = self.limits
         chunking = limits.chunked_prefill_size > 0
-        budget = limits.chunked_prefill_size - decode_tokens if chunking else limits.max_prefill_tokens
+        budget = (
+            limits.chunked_prefill_size - decode_tokens if chunking else limits.max_prefill_tokens
+        )
         chunks: list[tuple[Req, int]] = []
 
         def take(req: Req) -> bool:
@@ -296,7 +331,9 @@ class Scheduler:
                 break
             req = self.waiting[0]
             if self._leader_prefilling(req):
-                deferred.append(self.waiting.popleft())  # admitted once the leader's prompt is cached
+                deferred.append(
+                    self.waiting.popleft()
+                )  # admitted once the leader's prompt is cached
                 continue
             if not self.role.admit(req):
                 break
@@ -350,7 +387,9 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.kv.estimate.retracted()
         self._retractions += 1
-        logger.debug("retracted request %s after %d outputs (KV pool full)", req.rid, len(req.output_ids))
+        logger.debug(
+            "retracted request %s after %d outputs (KV pool full)", req.rid, len(req.output_ids)
+        )
 
     def _leader_prefilling(self, req: Req) -> bool:
         leader = self.requests.get(req.prefix_leader) if req.prefix_leader else None
@@ -398,8 +437,11 @@ class Scheduler:
             reason = self._finish_reason(req, token)
         except Exception as exc:  # stop-string matching of one request must not stop the others
             logger.exception("checking request %s for its end failed", req.rid)
-            reason = FinishReason("error", message=f"internal error checking for stop strings: "
-                                  f"{type(exc).__name__}: {exc}", status=500)
+            reason = FinishReason(
+                "error",
+                message=f"internal error checking for stop strings: {type(exc).__name__}: {exc}",
+                status=500,
+            )
         if reason is not None:
             req.finish_reason = reason
             self._finish(req)
@@ -428,11 +470,15 @@ class Scheduler:
 
     def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
         params = req.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
             return FinishReason("stop", matched_token=token)
         if req.grammar is not None:
             if not req.grammar.accept(token):
-                return FinishReason("error", message=f"token {token} breaks the request's grammar", status=500)
+                return FinishReason(
+                    "error", message=f"token {token} breaks the request's grammar", status=500
+                )
             if req.grammar.terminated:  # the grammar's end: its stop token, not part of the text
                 return FinishReason("stop", matched_token=token)
         if params.stop and (matched := self.stop_checker.match(req)) is not None:
@@ -442,8 +488,14 @@ class Scheduler:
         return None
 
     def _finish(self, req: Req) -> None:
-        if req.bootstrap is None and req.finish_reason is not None and req.finish_reason.kind in ("stop", "length"):
-            self.kv.estimate.finished(len(req.output_ids), req.params.max_tokens)  # what the estimate is for
+        if (
+            req.bootstrap is None
+            and req.finish_reason is not None
+            and req.finish_reason.kind in ("stop", "length")
+        ):
+            self.kv.estimate.finished(
+                len(req.output_ids), req.params.max_tokens
+            )  # what the estimate is for
         if req in self.prefilling:
             self.prefilling.remove(req)
         if req in self.decoding:
@@ -465,12 +517,20 @@ class Scheduler:
 
     def _output(self, req: Req, tokens: list[int], logprobs) -> TokenOutput:
         out = TokenOutput(
-            rid=req.rid, token_ids=tokens, finish_reason=req.finish_reason, logprobs=logprobs,
-            prompt_tokens=req.prompt_len, cached_tokens=req.num_prefix_hit, completion_tokens=len(req.output_ids),
+            rid=req.rid,
+            token_ids=tokens,
+            finish_reason=req.finish_reason,
+            logprobs=logprobs,
+            prompt_tokens=req.prompt_len,
+            cached_tokens=req.num_prefix_hit,
+            completion_tokens=len(req.output_ids),
         )
         if tokens and req.admitted is not None and not req.timings_sent:
             req.timings_sent = True
-            out.queue_seconds, out.prefill_seconds = req.admitted - req.arrived, time.perf_counter() - req.admitted
+            out.queue_seconds, out.prefill_seconds = (
+                req.admitted - req.arrived,
+                time.perf_counter() - req.admitted,
+            )
         return out
 
     def reset(self) -> None:

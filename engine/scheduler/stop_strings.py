@@ -40,10 +40,12 @@ class StopStringChecker:
         one call to the next."""
         progress = self._progress.get(req)
         if progress is None:
-            state = DecodeState(skip_special_tokens=req.params.skip_special_tokens, stop=list(req.params.stop))
+            state = DecodeState(
+                skip_special_tokens=req.params.skip_special_tokens, stop=list(req.params.stop)
+            )
             progress = self._progress[req] = _Progress(state)
         state = progress.text
-        new_ids = req.output_ids[progress.tokens_read:]
+        new_ids = req.output_ids[progress.tokens_read :]
         progress.tokens_read = len(req.output_ids)
         new_text = self._detokenizer.settle(state, new_ids, finished=False)
         if state.matcher is None or not new_text:

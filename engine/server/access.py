@@ -15,7 +15,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kubesgl.engine.metrics import EngineMetrics
 
 CLIENT_LEFT = 499  # the client disconnected: an abort (kubesgl_requests_total), not an error
-UNCOUNTED_PATHS = frozenset({"/health"})  # probes: a 503 while loading or draining is no request error
+UNCOUNTED_PATHS = frozenset(
+    {"/health"}
+)  # probes: a 503 while loading or draining is no request error
 QUIET_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: logged at DEBUG
 # A client's X-Request-Id is logged when it looks like an id; anything else is not repeated.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -29,7 +31,9 @@ class AccessRecord:
 
     started: float = field(default_factory=time.perf_counter)
     rid: str | None = None
-    choices: list = field(default_factory=list)  # api.Choice: token counts, read when the answer is done
+    choices: list = field(
+        default_factory=list
+    )  # api.Choice: token counts, read when the answer is done
     prompts_counted: set[int] = field(default_factory=set)  # the choices whose prompt counts
     ttft: float | None = None
 
@@ -75,7 +79,12 @@ class RequestAccounting:
             status = status or 500
             raise
         finally:
-            if status is not None and status >= 400 and status != CLIENT_LEFT and scope["path"] not in UNCOUNTED_PATHS:
+            if (
+                status is not None
+                and status >= 400
+                and status != CLIENT_LEFT
+                and scope["path"] not in UNCOUNTED_PATHS
+            ):
                 self.metrics.request_error(status)
             log_access(scope, status, record)
 
@@ -86,7 +95,16 @@ def log_access(scope: Scope, status: int | None, record: AccessRecord) -> None:
         return
     prompt, output = record.tokens()
     ttft = "-" if record.ttft is None else f"{record.ttft:.3f}s"
-    access_log.log(level, "%s %s %s request_id=%s rid=%s prompt_tokens=%d output_tokens=%d ttft=%s duration=%.3fs",
-                   scope["method"], scope["path"], status if status is not None else "-",
-                   request_id(scope) or "-", record.rid or "-", prompt, output, ttft,
-                   time.perf_counter() - record.started)
+    access_log.log(
+        level,
+        "%s %s %s request_id=%s rid=%s prompt_tokens=%d output_tokens=%d ttft=%s duration=%.3fs",
+        scope["method"],
+        scope["path"],
+        status if status is not None else "-",
+        request_id(scope) or "-",
+        record.rid or "-",
+        prompt,
+        output,
+        ttft,
+        time.perf_counter() - record.started,
+    )

@@ -50,6 +50,7 @@ from kubesgl.engine.server.sglang_routes import add_sglang_routes
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class ServerState:
     config: EngineConfig
@@ -59,10 +60,22 @@ class ServerState:
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
 
     @classmethod
     def of(cls, reason: FinishReason) -> APIError:
@@ -71,7 +84,14 @@ class APIError(Exception):
         return cls(reason.status, reason.message or "generation failed", type_, param=reason.param)
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
@@ -82,6 +102,7 @@ def validation_error(errors: Sequence[dict]) -> APIError:
     union fail on it too, less helpfully), else of the first field's errors the one that got
     deepest into the value (for a union, the member the value was meant for); the field path
     without pydantic's union-member tags (`prompt.list[int]`), which are no field names."""
+
     def path(e: dict) -> tuple:
         return tuple(part for part in e.get("loc", ()) if part != "body")
 
@@ -94,12 +115,25 @@ def validation_error(errors: Sequence[dict]) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {reason} at character {where}")
     loc = [str(part) for part in error.get("loc", ()) if part != "body" and "[" not in str(part)]
     message = error.get("msg", "invalid request")
-    return APIError(400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None)
+    return APIError(
+        400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None
+    )
 
 
-ERROR_SCHEMA = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-    "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
-    "code": {"type": ["string", "integer", "null"]}}}}}
+ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "integer", "null"]},
+            },
+        }
+    },
+}
 
 
 def document_errors_as_answered(app: FastAPI) -> None:
@@ -113,8 +147,10 @@ def document_errors_as_answered(app: FastAPI) -> None:
             for operations in schema["paths"].values():
                 for operation in operations.values():
                     if operation.get("responses", {}).pop("422", None) is not None:
-                        operation["responses"]["400"] = {"description": "Bad request (OpenAI's error body)",
-                                                         "content": {"application/json": {"schema": ERROR_SCHEMA}}}
+                        operation["responses"]["400"] = {
+                            "description": "Bad request (OpenAI's error body)",
+                            "content": {"application/json": {"schema": ERROR_SCHEMA}},
+                        }
             for unused in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(unused, None)
         return app.openapi_schema
@@ -167,7 +203,9 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown path, wrong method
+async def _http_error(
+    _: Request, exc: StarletteHTTPException
+) -> JSONResponse:  # unknown path, wrong method
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return APIError(exc.status_code, str(exc.detail), type_).response()
 
@@ -181,7 +219,9 @@ def authorized(request: Request) -> None:
     api_key = served(request).state.api_key
     given = request.headers.get("authorization", "").encode()
     if api_key is not None and not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
-        raise APIError(401, "missing or wrong API key", "authentication_error", code="invalid_api_key")
+        raise APIError(
+            401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
+        )
 
 
 def serving(ctx: Served, model: str | None = None) -> None:
@@ -191,8 +231,12 @@ def serving(ctx: Served, model: str | None = None) -> None:
     if not ctx.client.ready.is_set():
         raise APIError(503, "the model is still loading", "service_unavailable")
     if model is not None and model != state.served_model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                            f"{state.served_model_name!r}", param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {state.served_model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def validated(ctx: Served, params: SamplingParams) -> SamplingParams:
@@ -203,7 +247,9 @@ def validated(ctx: Served, params: SamplingParams) -> SamplingParams:
     return params
 
 
-def within_limits(ctx: Served, params: SamplingParams, prompts: int, n: int, texts: list[tuple[int, str]]) -> None:
+def within_limits(
+    ctx: Served, params: SamplingParams, prompts: int, n: int, texts: list[tuple[int, str]]
+) -> None:
     """The request's size against the server's limits (limits.py); `texts` holds the
     characters of each text prompt and the field that holds it."""
     config = ctx.state.config
@@ -243,7 +289,12 @@ async def metrics(ctx: ServedHere) -> Response:
 
 @api_routes.get("/v1/models")
 async def models(ctx: ServedHere) -> dict:
-    card = {"id": ctx.state.served_model_name, "object": "model", "created": 0, "owned_by": "kubesgl"}
+    card = {
+        "id": ctx.state.served_model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "kubesgl",
+    }
     if ctx.client.info is not None:
         card["max_model_len"] = ctx.client.info.context_length
     return {"object": "list", "data": [card]}
@@ -259,19 +310,39 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         raise APIError(400, str(exc), param=exc.param) from exc
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if mode != "none" else None
     if mode == "required":
-        params = dataclasses.replace(params, grammar=tool_calls.required_grammar(tools, body.parallel_tool_calls))
+        params = dataclasses.replace(
+            params, grammar=tool_calls.required_grammar(tools, body.parallel_tool_calls)
+        )
     elif mode == "named":
         params = dataclasses.replace(params, grammar=tool_calls.named_grammar(named))
     params = validated(ctx, params)
-    tool_output = ToolOutput(mode, named["function"]["name"] if named else None,
-                             tool_calls.format_for_model(ctx.state.config.model) if mode == "auto" else None)
+    tool_output = ToolOutput(
+        mode,
+        named["function"]["name"] if named else None,
+        tool_calls.format_for_model(ctx.state.config.model) if mode == "auto" else None,
+    )
     messages = [m.as_template_input() for m in body.messages]
     within_limits(ctx, params, 1, body.n, [(sum(len(m["content"]) for m in messages), "messages")])
-    subs = fan_out([TokenizeRequest("", params, messages=messages, tools=tools)], body.n, params, "chatcmpl",
-                   bootstrap(ctx, body, 1, body.n))
-    meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": ctx.state.served_model_name}
-    return await respond(ctx, request, subs, body.stream, body.include_usage,
-                         chat_formatter(meta, body.logprobs, tool_output))
+    subs = fan_out(
+        [TokenizeRequest("", params, messages=messages, tools=tools)],
+        body.n,
+        params,
+        "chatcmpl",
+        bootstrap(ctx, body, 1, body.n),
+    )
+    meta = {
+        "id": subs[0].rid.rsplit("-", 1)[0],
+        "created": int(time.time()),
+        "model": ctx.state.served_model_name,
+    }
+    return await respond(
+        ctx,
+        request,
+        subs,
+        body.stream,
+        body.include_usage,
+        chat_formatter(meta, body.logprobs, tool_output),
+    )
 
 
 @api_routes.post("/v1/completions")
@@ -280,14 +351,35 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServedHere
     params = validated(ctx, body.to_sampling_params())
     prompts = body.prompts()
     one = isinstance(body.prompt, str)
-    within_limits(ctx, params, len(prompts), body.n, [(len(p), "prompt" if one else f"prompt.{i}")
-                                                      for i, p in enumerate(prompts) if isinstance(p, str)])
-    bases = [TokenizeRequest("", params, **({"text": p} if isinstance(p, str) else {"input_ids": p}))
-             for p in prompts]
+    within_limits(
+        ctx,
+        params,
+        len(prompts),
+        body.n,
+        [
+            (len(p), "prompt" if one else f"prompt.{i}")
+            for i, p in enumerate(prompts)
+            if isinstance(p, str)
+        ],
+    )
+    bases = [
+        TokenizeRequest("", params, **({"text": p} if isinstance(p, str) else {"input_ids": p}))
+        for p in prompts
+    ]
     subs = fan_out(bases, body.n, params, "cmpl", bootstrap(ctx, body, len(bases), body.n))
-    meta = {"id": subs[0].rid.rsplit("-", 1)[0], "created": int(time.time()), "model": ctx.state.served_model_name}
-    return await respond(ctx, request, subs, body.stream, body.include_usage,
-                         completion_formatter(meta, body.logprobs is not None))
+    meta = {
+        "id": subs[0].rid.rsplit("-", 1)[0],
+        "created": int(time.time()),
+        "model": ctx.state.served_model_name,
+    }
+    return await respond(
+        ctx,
+        request,
+        subs,
+        body.stream,
+        body.include_usage,
+        completion_formatter(meta, body.logprobs is not None),
+    )
 
 
 @api_routes.post("/generate")
@@ -296,13 +388,23 @@ async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere)
     params = validated(ctx, body.to_sampling_params())
     within_limits(ctx, params, 1, 1, [(len(body.text), "text")] if body.text is not None else [])
     rid = body.rid or EngineClient.new_rid("gen")
-    sub = TokenizeRequest(rid, params, text=body.text, input_ids=body.input_ids,
-                          bootstrap=bootstrap(ctx, body, 1, 1)[0])
+    sub = TokenizeRequest(
+        rid,
+        params,
+        text=body.text,
+        input_ids=body.input_ids,
+        bootstrap=bootstrap(ctx, body, 1, 1)[0],
+    )
     return await respond(ctx, request, [sub], body.stream, False, native_formatter(rid))
 
 
-def fan_out(bases: list[TokenizeRequest], n: int, params: SamplingParams, prefix: str,
-            targets: list[BootstrapTarget | None]) -> list[TokenizeRequest]:
+def fan_out(
+    bases: list[TokenizeRequest],
+    n: int,
+    params: SamplingParams,
+    prefix: str,
+    targets: list[BootstrapTarget | None],
+) -> list[TokenizeRequest]:
     """n copies of every prompt; copies after the first share its cached prompt, and
     seeded copies get distinct seeds so that they differ. Choice p * n + i is copy i of
     prompt p and takes targets[p * n + i]."""
@@ -311,16 +413,34 @@ def fan_out(bases: list[TokenizeRequest], n: int, params: SamplingParams, prefix
     for p, base in enumerate(bases):
         leader = None
         for i in range(n):
-            copy = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+            copy = dataclasses.replace(
+                params, seed=None if params.seed is None else params.seed + i
+            )
             rid = f"{group}-{p * n + i}"
-            subs.append(TokenizeRequest(rid, copy, base.text, base.input_ids, base.messages, base.tools, leader,
-                                        targets[p * n + i]))
+            subs.append(
+                TokenizeRequest(
+                    rid,
+                    copy,
+                    base.text,
+                    base.input_ids,
+                    base.messages,
+                    base.tools,
+                    leader,
+                    targets[p * n + i],
+                )
+            )
             leader = leader or rid
     return subs
 
 
-async def respond(ctx: Served, request: Request, subs: list[TokenizeRequest], stream: bool, include_usage: bool,
-                  formatter: Formatter) -> Response:
+async def respond(
+    ctx: Served,
+    request: Request,
+    subs: list[TokenizeRequest],
+    stream: bool,
+    include_usage: bool,
+    formatter: Formatter,
+) -> Response:
     client = ctx.client
     try:
         streams = [client.generate(sub) for sub in subs]  # only a client-given rid can clash
@@ -344,9 +464,18 @@ async def respond(ctx: Served, request: Request, subs: list[TokenizeRequest], st
             await asyncio.gather(*(s.aclose() for s in streams))
             raise APIError.of(out.finish_reason)
     if stream:
-        return StreamingResponse(stream_events(streams, firsts, choices, first_of_prompt, include_usage, formatter,
-                                               client.metrics.request_error),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            stream_events(
+                streams,
+                firsts,
+                choices,
+                first_of_prompt,
+                include_usage,
+                formatter,
+                client.metrics.request_error,
+            ),
+            media_type="text/event-stream",
+        )
     collect = asyncio.create_task(collect_all(streams, firsts, choices))
     disconnect = asyncio.create_task(wait_for_disconnect(request))
     done, _ = await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
@@ -374,9 +503,15 @@ async def collect_all(streams, firsts: list[TextOutput], choices: list[Choice]) 
     await asyncio.gather(*(one(s, f, c) for s, f, c in zip(streams, firsts, choices)))
 
 
-async def stream_events(streams, firsts, choices: list[Choice], first_of_prompt: set[int], include_usage: bool,
-                        formatter: Formatter, on_error: Callable[[int], None] = lambda status: None,
-                        ) -> AsyncIterator[str]:
+async def stream_events(
+    streams,
+    firsts,
+    choices: list[Choice],
+    first_of_prompt: set[int],
+    include_usage: bool,
+    formatter: Formatter,
+    on_error: Callable[[int], None] = lambda status: None,
+) -> AsyncIterator[str]:
     queue: asyncio.Queue[tuple[int, TextOutput | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[TextOutput], first: TextOutput) -> None:

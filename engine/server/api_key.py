@@ -14,15 +14,25 @@ API_KEY_ENV = "KUBESGL_API_KEY"
 
 
 def add_api_key_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--api-key", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' on /v1/* and /generate; other users of this "
-                            f"machine can read a command line: prefer --api-key-file or ${API_KEY_ENV} "
-                            f"(default: ${API_KEY_ENV} where set, else no key)")
-    group.add_argument("--api-key-file", default=None, metavar="PATH",
-                       help="read the API key from this file (surrounding whitespace removed)")
+    group.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* and /generate; other users of this "
+        f"machine can read a command line: prefer --api-key-file or ${API_KEY_ENV} "
+        f"(default: ${API_KEY_ENV} where set, else no key)",
+    )
+    group.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="read the API key from this file (surrounding whitespace removed)",
+    )
 
 
-def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> str | None:
+def resolve_api_key(
+    args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> str | None:
     """The key the server requires, or None: --api-key, else --api-key-file, else the
     environment. Raises ValueError for both flags, an unreadable file, or an empty key (a
     Secret without its value must not open the server)."""
@@ -41,6 +51,9 @@ def resolve_api_key(args: argparse.Namespace, environ: Mapping[str, str] = os.en
     else:
         return None
     if not key:
-        raise ValueError(f"the API key of {source} is empty (unset {API_KEY_ENV} to serve without a key)"
-                         if source == f"${API_KEY_ENV}" else f"the API key of {source} is empty")
+        raise ValueError(
+            f"the API key of {source} is empty (unset {API_KEY_ENV} to serve without a key)"
+            if source == f"${API_KEY_ENV}"
+            else f"the API key of {source} is empty"
+        )
     return key

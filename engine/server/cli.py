@@ -18,22 +18,40 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(parser)
     defaults = ServerOptions()
     server = parser.add_argument_group("server options")
-    server.add_argument("--host", default=defaults.host, help=f"address to listen on (default: {defaults.host})")
-    server.add_argument("--port", type=int, default=defaults.port,
-                        help=f"port of the HTTP API (default: {defaults.port})")
+    server.add_argument(
+        "--host", default=defaults.host, help=f"address to listen on (default: {defaults.host})"
+    )
+    server.add_argument(
+        "--port",
+        type=int,
+        default=defaults.port,
+        help=f"port of the HTTP API (default: {defaults.port})",
+    )
     add_api_key_args(server)
-    server.add_argument("--served-model-name", default=None, help="model name in the API (default: --model)")
-    server.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout,
-                        help=f"seconds requests in flight get to finish after SIGTERM (default: {defaults.shutdown_timeout})")
-    server.add_argument("--log-level", default=defaults.log_level, choices=["debug", "info", "warning", "error"],
-                        help=f"(default: {defaults.log_level})")
+    server.add_argument(
+        "--served-model-name", default=None, help="model name in the API (default: --model)"
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=defaults.shutdown_timeout,
+        help=f"seconds requests in flight get to finish after SIGTERM (default: {defaults.shutdown_timeout})",
+    )
+    server.add_argument(
+        "--log-level",
+        default=defaults.log_level,
+        choices=["debug", "info", "warning", "error"],
+        help=f"(default: {defaults.log_level})",
+    )
     return parser
 
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     config = engine_config_from_args(args)
     try:
         config.validate()
@@ -51,9 +69,14 @@ def main(argv: list[str]) -> int:
     except StartupError as exc:
         print(f"kubesgl serve: {exc}", file=sys.stderr)
         return 2
-    options = ServerOptions(host=args.host, port=args.port, api_key=api_key,
-                            served_model_name=args.served_model_name or args.model, shutdown_timeout=args.shutdown_timeout,
-                            log_level=args.log_level)
+    options = ServerOptions(
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        served_model_name=args.served_model_name or args.model,
+        shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level,
+    )
     server = Server(config, options, sock)
     status = server.run()
     if server.failure:  # the last line of the log names the problem (kubesgl up shows it)

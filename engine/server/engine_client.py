@@ -76,8 +76,11 @@ class EngineClient:
             if isinstance(message, EngineInfo):
                 self.info = message
                 self.ready.set()
-                logger.info("engine ready: context %d, KV pool %d tokens", message.context_length,
-                            message.max_total_tokens)
+                logger.info(
+                    "engine ready: context %d, KV pool %d tokens",
+                    message.context_length,
+                    message.max_total_tokens,
+                )
                 continue
             assert isinstance(message, TextBatch)
             if message.stats is not None:
@@ -98,7 +101,9 @@ class EngineClient:
             self.metrics.scheduled(out.queue_seconds, out.prefill_seconds)
         if out.token_ids:
             first = pending.last_token is None
-            self.metrics.tokens(len(out.token_ids), now - (pending.arrival if first else pending.last_token), first)
+            self.metrics.tokens(
+                len(out.token_ids), now - (pending.arrival if first else pending.last_token), first
+            )
             pending.last_token = now
             pending.first_token = pending.first_token or now
             pending.output_tokens += len(out.token_ids)
@@ -108,8 +113,14 @@ class EngineClient:
 
     def _finished(self, pending: _Pending, finish_reason: str, now: float) -> None:
         decode = None if pending.first_token is None else now - pending.first_token
-        self.metrics.finished(now - pending.arrival, finish_reason, pending.prompt_tokens, pending.cached_tokens,
-                              pending.output_tokens, decode)
+        self.metrics.finished(
+            now - pending.arrival,
+            finish_reason,
+            pending.prompt_tokens,
+            pending.cached_tokens,
+            pending.output_tokens,
+            decode,
+        )
 
     def _log_stats(self, stats: SchedulerStats) -> None:
         """Every stats_log_interval_s while requests run or wait: running, waiting, KV usage and
@@ -119,9 +130,14 @@ class EngineClient:
         if elapsed < self.stats_log_interval_s:
             return
         if stats.num_running or stats.num_waiting:
-            logger.info("busy: running=%d waiting=%d kv_usage=%.2f generated=%.1f tok/s in_flight=%d",
-                        stats.num_running, stats.num_waiting, stats.kv_used_tokens / max(stats.kv_total_tokens, 1),
-                        self._tokens_since_log / elapsed, len(self._pending))
+            logger.info(
+                "busy: running=%d waiting=%d kv_usage=%.2f generated=%.1f tok/s in_flight=%d",
+                stats.num_running,
+                stats.num_waiting,
+                stats.kv_used_tokens / max(stats.kv_total_tokens, 1),
+                self._tokens_since_log / elapsed,
+                len(self._pending),
+            )
         self._stats_logged_at, self._tokens_since_log = now, 0
 
     def generate(self, request: TokenizeRequest) -> AsyncIterator[TextOutput]:
@@ -132,7 +148,9 @@ class EngineClient:
         pending = self._pending[request.rid] = _Pending()
         return self._outputs(request, pending)
 
-    async def _outputs(self, request: TokenizeRequest, pending: _Pending) -> AsyncIterator[TextOutput]:
+    async def _outputs(
+        self, request: TokenizeRequest, pending: _Pending
+    ) -> AsyncIterator[TextOutput]:
         try:
             await self._to_tokenizer.send_pyobj(request)
             pending.sent = True

@@ -64,13 +64,20 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, config: EngineConfig, options: ServerOptions, listen_socket: socket.socket | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        options: ServerOptions,
+        listen_socket: socket.socket | None = None,
+    ):
         """`listen_socket`: the HTTP API's, bound already (preflight.listen_socket); without
         one, uvicorn binds host:port itself."""
         self.config = config
         self.options = options
         self.listen_socket = listen_socket
-        self.failure: str | None = None  # why a child ended the server: its own line, where it left one
+        self.failure: str | None = (
+            None  # why a child ended the server: its own line, where it left one
+        )
         self.endpoints = Endpoints.create()
         self.children: dict[str, mp.process.BaseProcess] = {}
         self._stopping = threading.Event()
@@ -81,13 +88,28 @@ class Server:
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         for rank in range(self.config.tp_size):
             self.children[f"scheduler rank {rank}"] = ctx.Process(
-                target=run_scheduler, name=f"kubesgl-scheduler-{rank}",
-                args=(self.config, rank, self.endpoints, init_method, self.options.log_level, self.options.host))
-        self.children["tokenizer"] = ctx.Process(target=run_tokenizer, name="kubesgl-tokenizer",
-                                                 args=(self.config.model, self.endpoints, self.options.log_level))
+                target=run_scheduler,
+                name=f"kubesgl-scheduler-{rank}",
+                args=(
+                    self.config,
+                    rank,
+                    self.endpoints,
+                    init_method,
+                    self.options.log_level,
+                    self.options.host,
+                ),
+            )
+        self.children["tokenizer"] = ctx.Process(
+            target=run_tokenizer,
+            name="kubesgl-tokenizer",
+            args=(self.config.model, self.endpoints, self.options.log_level),
+        )
         if self.config.role != MIXED:  # the HTTP side of the KV handshake, off the schedulers' GIL
-            self.children["bootstrap"] = ctx.Process(target=run_bootstrap, name="kubesgl-bootstrap",
-                                                     args=(self.endpoints, self.options.log_level))
+            self.children["bootstrap"] = ctx.Process(
+                target=run_bootstrap,
+                name="kubesgl-bootstrap",
+                args=(self.endpoints, self.options.log_level),
+            )
         for child in self.children.values():
             child.start()
 
@@ -95,10 +117,15 @@ class Server:
         while not self._stopping.wait(0.2):
             for name, child in self.children.items():
                 if child.exitcode is not None:
-                    logger.error("%s exited with code %s; shutting the server down", name, child.exitcode)
+                    logger.error(
+                        "%s exited with code %s; shutting the server down", name, child.exitcode
+                    )
                     reason = start_failure(self.endpoints, name)
-                    self.failure = f"{name} could not start: {reason}" if reason else \
-                        f"{name} exited with code {child.exitcode}"
+                    self.failure = (
+                        f"{name} could not start: {reason}"
+                        if reason
+                        else f"{name} exited with code {child.exitcode}"
+                    )
                     self.exit_code = 1
                     self._stopping.set()
                     server.should_exit = True
@@ -111,7 +138,9 @@ class Server:
         finally:
             self._stopping.set()
             self._stop_children()
-            shutil.rmtree(Path(self.endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+            shutil.rmtree(
+                Path(self.endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True
+            )
         return self.exit_code
 
     async def _serve(self) -> None:
@@ -120,33 +149,56 @@ class Server:
         metrics.set_build_info(kubesgl.__version__, served_model_name)
         client = EngineClient(self.endpoints, metrics)
         client.start()
-        state = ServerState(self.config, served_model_name=served_model_name, api_key=self.options.api_key)
+        state = ServerState(
+            self.config, served_model_name=served_model_name, api_key=self.options.api_key
+        )
         app = build_app(client, state)
-        uv_config = uvicorn.Config(app, host=self.options.host, port=self.options.port, log_level=self.options.log_level,
-                                   timeout_graceful_shutdown=5, access_log=False)
+        uv_config = uvicorn.Config(
+            app,
+            host=self.options.host,
+            port=self.options.port,
+            log_level=self.options.log_level,
+            timeout_graceful_shutdown=5,
+            access_log=False,
+        )
         server = _UvicornServer(uv_config)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self._drain(server, client, state)))
-        threading.Thread(target=self._watch_children, args=(server,), name="child-watch", daemon=True).start()
+            loop.add_signal_handler(
+                sig, lambda: asyncio.ensure_future(self._drain(server, client, state))
+            )
+        threading.Thread(
+            target=self._watch_children, args=(server,), name="child-watch", daemon=True
+        ).start()
         if self.listen_socket is not None:  # uvicorn names no address when given a socket
             host, port = self.listen_socket.getsockname()[:2]
-            logger.info("HTTP API on http://%s:%d (/health answers 200 once the engine is ready)",
-                        f"[{host}]" if ":" in host else host, port)
+            logger.info(
+                "HTTP API on http://%s:%d (/health answers 200 once the engine is ready)",
+                f"[{host}]" if ":" in host else host,
+                port,
+            )
         await server.serve(sockets=[self.listen_socket] if self.listen_socket is not None else None)
         if not self._stopping.is_set():
             await client.shutdown()
 
-    async def _drain(self, server: uvicorn.Server, client: EngineClient, state: ServerState) -> None:
+    async def _drain(
+        self, server: uvicorn.Server, client: EngineClient, state: ServerState
+    ) -> None:
         if state.draining:
             return
         state.draining = True
         deadline = time.monotonic() + self.options.shutdown_timeout
-        logger.info("draining: %d requests in flight, %.0f s to finish", client.in_flight, self.options.shutdown_timeout)
+        logger.info(
+            "draining: %d requests in flight, %.0f s to finish",
+            client.in_flight,
+            self.options.shutdown_timeout,
+        )
         while client.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if client.in_flight:
-            logger.warning("aborting %d requests still running at the shutdown deadline", client.in_flight)
+            logger.warning(
+                "aborting %d requests still running at the shutdown deadline", client.in_flight
+            )
             await client.abort_all("the server is shutting down")
             while client.in_flight and time.monotonic() < deadline + 5:
                 await asyncio.sleep(0.05)

@@ -68,13 +68,28 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, receive: Receive, send: Send, size: str) -> None:
-        body = json.dumps({"error": {
-            "message": f"the request body is {size}; this server takes at most {self.limit} bytes "
-                       "(--max-request-body-bytes)",
-            "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close")]})
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"the request body is {size}; this server takes at most {self.limit} bytes "
+                    "(--max-request-body-bytes)",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_too_large",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
         await _drain(receive)
 
@@ -110,16 +125,22 @@ def check_sequences(config: EngineConfig, prompts: int, n: int) -> None:
     limit = config.max_sequences_per_request
     if prompts * n > limit:
         asked = f"{prompts} prompts x n={n} = {prompts * n}" if prompts > 1 else f"n={n}"
-        raise InvalidRequestError(f"this request asks for {asked} sequences; this server takes at most {limit} "
-                                  "per request (--max-sequences-per-request)", param="n" if n > 1 else "prompt")
+        raise InvalidRequestError(
+            f"this request asks for {asked} sequences; this server takes at most {limit} "
+            "per request (--max-sequences-per-request)",
+            param="n" if n > 1 else "prompt",
+        )
 
 
 def check_stop_strings(config: EngineConfig, params: SamplingParams) -> None:
     limit = config.max_stop_string_length
     longest = max(params.stop, key=len, default="")
     if len(longest) > limit:
-        raise InvalidRequestError(f"stop strings may be at most {limit} characters long (--max-stop-string-length); "
-                                  f"one is {len(longest)}", param="stop")
+        raise InvalidRequestError(
+            f"stop strings may be at most {limit} characters long (--max-stop-string-length); "
+            f"one is {len(longest)}",
+            param="stop",
+        )
 
 
 def check_prompt_chars(config: EngineConfig, context_length: int, chars: int, param: str) -> None:
@@ -131,4 +152,5 @@ def check_prompt_chars(config: EngineConfig, context_length: int, chars: int, pa
         raise InvalidRequestError(
             f"the prompt is {chars} characters long; this model's context is {context_length} tokens, and a "
             f"prompt over {limit} characters ({per_token} per token, --max-prompt-chars-per-token) cannot fit",
-            param=param)
+            param=param,
+        )

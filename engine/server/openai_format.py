@@ -37,10 +37,18 @@ class Choice:
 
 def logprob_entries(out: TextOutput) -> list[dict]:
     return [
-        {"token": token, "logprob": lp.logprob, "bytes": raw,
-         "top_logprobs": [{"token": t, "logprob": v, "bytes": b} for t, b, (_, v) in zip(tops, top_raw, lp.top)]}
-        for lp, token, raw, tops, top_raw in zip(out.logprobs, out.token_strings, out.token_bytes, out.top_strings,
-                                                 out.top_bytes)
+        {
+            "token": token,
+            "logprob": lp.logprob,
+            "bytes": raw,
+            "top_logprobs": [
+                {"token": t, "logprob": v, "bytes": b}
+                for t, b, (_, v) in zip(tops, top_raw, lp.top)
+            ],
+        }
+        for lp, token, raw, tops, top_raw in zip(
+            out.logprobs, out.token_strings, out.token_bytes, out.top_strings, out.top_bytes
+        )
     ]
 
 
@@ -61,8 +69,12 @@ def usage(choices: list[Choice], prompts_counted: set[int]) -> dict:
     prompt = sum(c.prompt_tokens for c in choices if c.index in prompts_counted)
     completion = sum(len(c.token_ids) for c in choices)
     cached = sum(c.cached_tokens for c in choices if c.index in prompts_counted)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 @dataclass(frozen=True)
@@ -70,8 +82,12 @@ class Formatter:
     """How one endpoint shapes its final body and its stream chunks."""
 
     final: Callable[[list[Choice], dict], dict]  # (choices, usage) -> the whole answer
-    chunk: Callable[[Choice, TextOutput, int], dict]  # (choice, its new output, its text's length before) -> a chunk
-    stream_start: Callable[[int], list[dict]] = lambda n: []  # (choices) -> chunks before any output
+    chunk: Callable[
+        [Choice, TextOutput, int], dict
+    ]  # (choice, its new output, its text's length before) -> a chunk
+    stream_start: Callable[[int], list[dict]] = (
+        lambda n: []
+    )  # (choices) -> chunks before any output
     usage_chunk: Callable[[dict], dict] = lambda u: {}  # (usage) -> the chunk that carries it
 
 
@@ -119,17 +135,28 @@ def _finish(reason: str | None, calls: list) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def chat_formatter(meta: dict, want_logprobs: bool, tools: ToolOutput = ToolOutput("none")) -> Formatter:
+def chat_formatter(
+    meta: dict, want_logprobs: bool, tools: ToolOutput = ToolOutput("none")
+) -> Formatter:
     def final(choices: list[Choice], usage_: dict) -> dict:
         answers = []
         for c in choices:
-            content, calls = tools.split(c.text) if c.finish_reason != "length" or tools.mode == "auto" else (c.text, [])
+            content, calls = (
+                tools.split(c.text)
+                if c.finish_reason != "length" or tools.mode == "auto"
+                else (c.text, [])
+            )
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
-            answers.append({"index": c.index, "message": message,
-                            "logprobs": {"content": c.logprobs} if want_logprobs else None,
-                            "finish_reason": _finish(c.finish_reason, calls)})
+            answers.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": {"content": c.logprobs} if want_logprobs else None,
+                    "finish_reason": _finish(c.finish_reason, calls),
+                }
+            )
         return {**meta, "object": "chat.completion", "usage": usage_, "choices": answers}
 
     sent: dict[int, int] = {}  # characters of each choice's text streamed as content
@@ -138,57 +165,129 @@ def chat_formatter(meta: dict, want_logprobs: bool, tools: ToolOutput = ToolOutp
         return {**meta, "object": "chat.completion.chunk", "choices": choices}
 
     def start(n: int) -> list[dict]:
-        return [chunk_of([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None} for i in range(n)])]
+        return [
+            chunk_of(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(n)
+                ]
+            )
+        ]
 
     def chunk(choice: Choice, out: TextOutput, _: int) -> dict:
         logprobs = {"content": logprob_entries(out)} if want_logprobs and out.logprobs else None
         reason = out.finish_reason.kind if out.finish_reason else None
         if tools.mode == "none":
             delta = {"content": out.text} if out.text or out.finish_reason is None else {}
-            return chunk_of([{"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}])
+            return chunk_of(
+                [
+                    {
+                        "index": choice.index,
+                        "delta": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": reason,
+                    }
+                ]
+            )
         done = sent.get(choice.index, 0)
         calls = []
         if reason is None:
             upto = max(done, tools.held_from(choice.text))
         else:  # the whole answer: what was held back is content, or calls with the content before them
-            _, calls = tools.split(choice.text) if reason != "length" or tools.mode == "auto" else (choice.text, [])
+            _, calls = (
+                tools.split(choice.text)
+                if reason != "length" or tools.mode == "auto"
+                else (choice.text, [])
+            )
             upto = max(done, tools.held_from(choice.text)) if calls else len(choice.text)
         delta = {"content": choice.text[done:upto]} if upto > done else {}
         sent[choice.index] = upto
         if calls:
             delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(calls)]
-        return chunk_of([{"index": choice.index, "delta": delta, "logprobs": logprobs,
-                          "finish_reason": _finish(reason, calls)}])
+        return chunk_of(
+            [
+                {
+                    "index": choice.index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": _finish(reason, calls),
+                }
+            ]
+        )
 
     return Formatter(final, chunk, start, lambda u: {**chunk_of([]), "usage": u})
 
 
 def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
     def final(choices: list[Choice], usage_: dict) -> dict:
-        return {**meta, "object": "text_completion", "usage": usage_, "choices": [
-            {"index": c.index, "text": c.text, "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
-             "finish_reason": c.finish_reason} for c in choices]}
+        return {
+            **meta,
+            "object": "text_completion",
+            "usage": usage_,
+            "choices": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+        }
 
     def chunk(choice: Choice, out: TextOutput, offset: int) -> dict:
-        logprobs = completion_logprobs(logprob_entries(out), offset) if want_logprobs and out.logprobs else None
-        return {**meta, "object": "text_completion", "choices": [
-            {"index": choice.index, "text": out.text, "logprobs": logprobs,
-             "finish_reason": out.finish_reason.kind if out.finish_reason else None}]}
+        logprobs = (
+            completion_logprobs(logprob_entries(out), offset)
+            if want_logprobs and out.logprobs
+            else None
+        )
+        return {
+            **meta,
+            "object": "text_completion",
+            "choices": [
+                {
+                    "index": choice.index,
+                    "text": out.text,
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason.kind if out.finish_reason else None,
+                }
+            ],
+        }
 
-    return Formatter(final, chunk, usage_chunk=lambda u: {**meta, "object": "text_completion", "choices": [],
-                                                          "usage": u})
+    return Formatter(
+        final,
+        chunk,
+        usage_chunk=lambda u: {**meta, "object": "text_completion", "choices": [], "usage": u},
+    )
 
 
 def native_formatter(rid: str) -> Formatter:
     def body(choice: Choice) -> dict:
-        return {"text": choice.text, "output_ids": choice.token_ids, "meta_info": {
-            "id": rid, "finish_reason": {"type": choice.finish_reason} if choice.finish_reason else None,
-            "prompt_tokens": choice.prompt_tokens, "completion_tokens": len(choice.token_ids),
-            "cached_tokens": choice.cached_tokens,
-            **({"output_token_logprobs": [[e["logprob"], token_id, e["token"]]
-                                          for e, token_id in zip(choice.logprobs, choice.token_ids)]}
-               if choice.logprobs else {}),
-        }}
+        return {
+            "text": choice.text,
+            "output_ids": choice.token_ids,
+            "meta_info": {
+                "id": rid,
+                "finish_reason": {"type": choice.finish_reason} if choice.finish_reason else None,
+                "prompt_tokens": choice.prompt_tokens,
+                "completion_tokens": len(choice.token_ids),
+                "cached_tokens": choice.cached_tokens,
+                **(
+                    {
+                        "output_token_logprobs": [
+                            [e["logprob"], token_id, e["token"]]
+                            for e, token_id in zip(choice.logprobs, choice.token_ids)
+                        ]
+                    }
+                    if choice.logprobs
+                    else {}
+                ),
+            },
+        }
 
     return Formatter(lambda choices, _: body(choices[0]), lambda choice, out, _: body(choice))

@@ -45,13 +45,22 @@ def _prompt_list_form(value: Any) -> str | None:
     if not isinstance(value, list):
         return None
     first = value[0] if value else ""
-    return "list[int]" if type(first) is int else "list[list[int]]" if isinstance(first, list) else "list[str]"
+    return (
+        "list[int]"
+        if type(first) is int
+        else "list[list[int]]"
+        if isinstance(first, list)
+        else "list[str]"
+    )
 
 
 PromptList = Annotated[
     Annotated[Annotated[list[Text], Field(min_length=1)], Tag("list[str]")]
     | Annotated[Annotated[list[TokenId], Field(min_length=1)], Tag("list[int]")]
-    | Annotated[Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)], Tag("list[list[int]]")],
+    | Annotated[
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)],
+        Tag("list[list[int]]"),
+    ],
     Discriminator(_prompt_list_form),
 ]
 
@@ -68,10 +77,16 @@ class _Bootstrap(_Lenient):
     (SGLang's field names; one room per choice, as a list, when there are several)."""
 
     bootstrap_host: Text | list[Text] | None = None
-    bootstrap_port: Annotated[int, Field(ge=1, le=65535)] | list[Annotated[int, Field(ge=1, le=65535)] | None] | None = None
+    bootstrap_port: (
+        Annotated[int, Field(ge=1, le=65535)]
+        | list[Annotated[int, Field(ge=1, le=65535)] | None]
+        | None
+    ) = None
     bootstrap_room: Room | list[Room] | None = None
 
-    def bootstrap_targets(self, prompts: int, n: int, default_port: int) -> list[BootstrapTarget | None]:
+    def bootstrap_targets(
+        self, prompts: int, n: int, default_port: int
+    ) -> list[BootstrapTarget | None]:
         """One target per choice, choice p * n + i being copy i of prompt p; None everywhere
         without rooms. Each field may give one value per choice, one per prompt, or one for
         all; a room given per prompt (or for all) numbers its copies room + i, as SGLang's
@@ -79,13 +94,21 @@ class _Bootstrap(_Lenient):
         lists that fit neither."""
         if self.bootstrap_room is None:
             if self.bootstrap_host is not None or self.bootstrap_port is not None:
-                raise InvalidRequestError("bootstrap_room is missing (bootstrap_host and bootstrap_port come with it)",
-                                          param="bootstrap_room")
+                raise InvalidRequestError(
+                    "bootstrap_room is missing (bootstrap_host and bootstrap_port come with it)",
+                    param="bootstrap_room",
+                )
             return [None] * (prompts * n)
-        rooms, hosts, ports = (_per_choice(name, getattr(self, name), prompts, n)
-                               for name in ("bootstrap_room", "bootstrap_host", "bootstrap_port"))
-        return [BootstrapTarget((room + copy) % (MAX_ROOM + 1), host, default_port if port is None else port)
-                for (room, copy), (host, _), (port, _) in zip(rooms, hosts, ports)]
+        rooms, hosts, ports = (
+            _per_choice(name, getattr(self, name), prompts, n)
+            for name in ("bootstrap_room", "bootstrap_host", "bootstrap_port")
+        )
+        return [
+            BootstrapTarget(
+                (room + copy) % (MAX_ROOM + 1), host, default_port if port is None else port
+            )
+            for (room, copy), (host, _), (port, _) in zip(rooms, hosts, ports)
+        ]
 
 
 def _per_choice(name: str, value, prompts: int, n: int) -> list[tuple[Any, int]]:
@@ -97,8 +120,11 @@ def _per_choice(name: str, value, prompts: int, n: int) -> list[tuple[Any, int]]
     if isinstance(value, list) and len(value) == prompts:
         return [(v, i) for v in value for i in range(n)]
     if isinstance(value, list):
-        raise InvalidRequestError(f"{name} lists {len(value)} values for {prompts} prompts x n={n}: give one per "
-                                  "choice, one per prompt, or one for all", param=name)
+        raise InvalidRequestError(
+            f"{name} lists {len(value)} values for {prompts} prompts x n={n}: give one per "
+            "choice, one per prompt, or one for all",
+            param=name,
+        )
     return [(value, c) for c in range(choices)]
 
 
@@ -111,7 +137,9 @@ class JSONSchemaFormat(_Lenient):
 
     name: Text | None = None
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None  # the schema is always enforced (xgrammar's strict mode: no extra properties)
+    strict: bool | None = (
+        None  # the schema is always enforced (xgrammar's strict mode: no extra properties)
+    )
 
 
 class ResponseFormat(_Lenient):
@@ -128,7 +156,9 @@ class ResponseFormat(_Lenient):
 
     def grammar(self) -> GrammarSpec | None:
         if self.type == "json_schema":
-            return GrammarSpec("json_schema", json.dumps(self.json_schema.schema_), param="response_format")
+            return GrammarSpec(
+                "json_schema", json.dumps(self.json_schema.schema_), param="response_format"
+            )
         if self.type == "json_object":
             return GrammarSpec("json_object", param="response_format")
         return None
@@ -207,10 +237,22 @@ class ChatMessage(_Lenient):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        message = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": content or "",
+        }
         if self.tool_calls:  # templates render arguments as an object (Hugging Face's convention)
-            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _json_or_text(c.function.arguments),
+                    },
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -260,20 +302,31 @@ class ChatCompletionRequest(_SamplingFields):
             return "none", None
         if not self.tools:
             raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
-        if self.response_format is not None and self.response_format.type != "text" and choice != "auto":
-            raise InvalidRequestError("response_format and a required or named tool_choice cannot both "
-                                      "constrain the answer", param="tool_choice")
+        if (
+            self.response_format is not None
+            and self.response_format.type != "text"
+            and choice != "auto"
+        ):
+            raise InvalidRequestError(
+                "response_format and a required or named tool_choice cannot both "
+                "constrain the answer",
+                param="tool_choice",
+            )
         if isinstance(choice, NamedToolChoice):
             named = next((t for t in self.tools if t.function.name == choice.function.name), None)
             if named is None:
-                raise InvalidRequestError(f"tool_choice names {choice.function.name!r}, which is not in tools",
-                                          param="tool_choice")
+                raise InvalidRequestError(
+                    f"tool_choice names {choice.function.name!r}, which is not in tools",
+                    param="tool_choice",
+                )
             return "named", named.model_dump()
         return choice, None
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_completion_tokens or self.max_tokens,
-                                    (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling_params(
+            self.max_completion_tokens or self.max_tokens,
+            (self.top_logprobs or 0) if self.logprobs else None,
+        )
 
 
 class CompletionRequest(_SamplingFields):
@@ -321,9 +374,13 @@ class NativeSamplingParams(_Lenient):
 
     @model_validator(mode="after")
     def _one_grammar(self) -> NativeSamplingParams:
-        given = [kind for kind in ("regex", "json_schema", "ebnf") if getattr(self, kind) is not None]
+        given = [
+            kind for kind in ("regex", "json_schema", "ebnf") if getattr(self, kind) is not None
+        ]
         if len(given) > 1:
-            raise ValueError(f"give at most one of regex, json_schema and ebnf, got {' and '.join(given)}")
+            raise ValueError(
+                f"give at most one of regex, json_schema and ebnf, got {' and '.join(given)}"
+            )
         return self
 
     def grammar(self) -> GrammarSpec | None:
@@ -356,9 +413,19 @@ class GenerateRequestBody(_Bootstrap):
         sp = self.sampling_params
         stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
         return SamplingParams(
-            max_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
-            seed=sp.seed, stop=stop, stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
-            presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
-            repetition_penalty=sp.repetition_penalty, skip_special_tokens=sp.skip_special_tokens,
-            logprobs=self.top_logprobs_num if self.return_logprob else None, grammar=sp.grammar(),
+            max_tokens=sp.max_new_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            seed=sp.seed,
+            stop=stop,
+            stop_token_ids=list(sp.stop_token_ids or []),
+            ignore_eos=sp.ignore_eos,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            skip_special_tokens=sp.skip_special_tokens,
+            logprobs=self.top_logprobs_num if self.return_logprob else None,
+            grammar=sp.grammar(),
         )

@@ -22,8 +22,13 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 _DISAGGREGATION_MODE = {MIXED: "null", PREFILL: "prefill", DECODE: "decode"}
 
 
-def add_sglang_routes(app: FastAPI, client: EngineClient, config: EngineConfig, served_model_name: str,
-                      dependencies: list) -> None:
+def add_sglang_routes(
+    app: FastAPI,
+    client: EngineClient,
+    config: EngineConfig,
+    served_model_name: str,
+    dependencies: list,
+) -> None:
     router = APIRouter(dependencies=dependencies)
 
     def server_info() -> dict:
@@ -44,38 +49,63 @@ def add_sglang_routes(app: FastAPI, client: EngineClient, config: EngineConfig, 
     def model_info() -> dict:
         """The fields of SGLang's answer (its router reads them to name the served model)."""
         info = client.info
-        return {"model_path": config.model, "tokenizer_path": config.model, "served_model_name": served_model_name,
-                "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
-                "supports_vision": False, "model_type": None,
-                "architectures": [info.architecture] if info else None,
-                "max_context_length": info.context_length if info else None,
-                "max_req_input_len": info.context_length - 1 if info else None,
-                "vocab_size": info.vocab_size if info else None,
-                "eos_token_ids": info.eos_token_ids if info else None}
+        return {
+            "model_path": config.model,
+            "tokenizer_path": config.model,
+            "served_model_name": served_model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "supports_vision": False,
+            "model_type": None,
+            "architectures": [info.architecture] if info else None,
+            "max_context_length": info.context_length if info else None,
+            "max_req_input_len": info.context_length - 1 if info else None,
+            "vocab_size": info.vocab_size if info else None,
+            "eos_token_ids": info.eos_token_ids if info else None,
+        }
 
     def load() -> list[dict]:
         stats = client.stats
-        running, waiting, tokens = (stats.num_running, stats.num_waiting, stats.kv_used_tokens) if stats else (0, 0, 0)
-        return [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": tokens}]
+        running, waiting, tokens = (
+            (stats.num_running, stats.num_waiting, stats.kv_used_tokens) if stats else (0, 0, 0)
+        )
+        return [
+            {
+                "dp_rank": 0,
+                "num_reqs": running + waiting,
+                "num_waiting_reqs": waiting,
+                "num_tokens": tokens,
+            }
+        ]
 
     async def health_generate() -> Response:
         """Healthy only if one token can be generated end to end."""
         if not client.ready.is_set():
             return PlainTextResponse("the model is still loading", status_code=503)
-        request = TokenizeRequest(EngineClient.new_rid("health"), SamplingParams(max_tokens=1, temperature=0),
-                                  input_ids=[1])
+        request = TokenizeRequest(
+            EngineClient.new_rid("health"),
+            SamplingParams(max_tokens=1, temperature=0),
+            input_ids=[1],
+        )
         try:
             async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
                 async for out in client.generate(request):
                     if out.finish_reason is not None and out.finish_reason.kind == "error":
-                        return PlainTextResponse(f"generation failed: {out.finish_reason.message}", status_code=503)
+                        return PlainTextResponse(
+                            f"generation failed: {out.finish_reason.message}", status_code=503
+                        )
         except TimeoutError:
-            return PlainTextResponse(f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s", status_code=503)
+            return PlainTextResponse(
+                f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s", status_code=503
+            )
         return PlainTextResponse("ok")
 
     async def flush_cache() -> Response:
         if client.in_flight:
-            return PlainTextResponse(f"not flushed: {client.in_flight} requests are running", status_code=400)
+            return PlainTextResponse(
+                f"not flushed: {client.in_flight} requests are running", status_code=400
+            )
         await client.flush_cache()
         return PlainTextResponse("Cache flushed.")
 

@@ -21,8 +21,11 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI sends it
 
     def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        call = {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return call if index is None else {"index": index, **call}
 
 
@@ -42,7 +45,9 @@ class ToolCallFormat:
 
     name: str
     template_marker: str  # the chat template of a model that writes this format holds this text
-    starts: tuple[str, ...]  # where a call may begin in the answer: text before it is the message's content
+    starts: tuple[
+        str, ...
+    ]  # where a call may begin in the answer: text before it is the message's content
 
     def find_start(self, text: str) -> int:
         """Where the first call may begin, -1 if nowhere."""
@@ -129,17 +134,35 @@ def read_chat_template(model_dir: str) -> str | None:
 def required_grammar(tools: list[dict[str, Any]], parallel: bool = True) -> GrammarSpec:
     """tool_choice "required": a JSON list of one or more calls of the given tools (exactly one
     without parallel calls)."""
-    call = {"anyOf": [{"type": "object", "required": ["name", "parameters"], "properties": {
-        "name": {"enum": [t["function"]["name"]]},
-        "parameters": t["function"].get("parameters") or {"type": "object"}}} for t in tools]}
-    schema = {"type": "array", "minItems": 1, "items": call, **({} if parallel else {"maxItems": 1})}
+    call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "required": ["name", "parameters"],
+                "properties": {
+                    "name": {"enum": [t["function"]["name"]]},
+                    "parameters": t["function"].get("parameters") or {"type": "object"},
+                },
+            }
+            for t in tools
+        ]
+    }
+    schema = {
+        "type": "array",
+        "minItems": 1,
+        "items": call,
+        **({} if parallel else {"maxItems": 1}),
+    }
     return GrammarSpec("json_schema", json.dumps(schema), param="tools")
 
 
 def named_grammar(tool: dict[str, Any]) -> GrammarSpec:
     """A named function: the answer is that function's arguments."""
-    return GrammarSpec("json_schema", json.dumps(tool["function"].get("parameters") or {"type": "object"}),
-                       param="tools")
+    return GrammarSpec(
+        "json_schema",
+        json.dumps(tool["function"].get("parameters") or {"type": "object"}),
+        param="tools",
+    )
 
 
 def parse_required(text: str) -> list[ToolCall]:

@@ -43,7 +43,9 @@ class StopMatcher:
         self._branches: dict[int, dict[int, int]] = {}
         self._parent, self._in_char = array("i", [0]), array("i", [-1])
         self._depth = array("i", [0])
-        self._match = array("i", [-1])  # the longest stop string (its index) the node's text ends with
+        self._match = array(
+            "i", [-1]
+        )  # the longest stop string (its index) the node's text ends with
         for index, stop in enumerate(self._stops):
             codes = array("i", map(ord, stop))
             node, known = 0, 0
@@ -52,7 +54,7 @@ class StopMatcher:
             if known < len(codes):  # the rest of the stop string is a chain of new nodes
                 first, count = len(self._depth), len(codes) - known
                 self._add_edge(node, codes[known], first)
-                self._char.extend(codes[known + 1:])
+                self._char.extend(codes[known + 1 :])
                 self._char.append(-1)
                 self._child.extend(range(first + 1, first + count))
                 self._child.append(-1)
@@ -79,7 +81,11 @@ class StopMatcher:
             code, link = in_char[node], fail[up]
             while True:
                 edges = branches.get(link)
-                found = edges.get(code, -1) if edges is not None else (child[link] if char[link] == code else -1)
+                found = (
+                    edges.get(code, -1)
+                    if edges is not None
+                    else (child[link] if char[link] == code else -1)
+                )
                 if found >= 0 or link == 0:
                     break
                 link = fail[link]
@@ -171,12 +177,18 @@ class IncrementalDetokenizer:
         full = self._decode(state.token_ids[state.prefix_offset :], state)
         grew = len(full) > len(before)
         pending = len(state.token_ids) - state.read_offset
-        if finished or pending > MAX_PENDING_TOKENS or (grew and not full.endswith(REPLACEMENT_CHAR)):
+        if (
+            finished
+            or pending > MAX_PENDING_TOKENS
+            or (grew and not full.endswith(REPLACEMENT_CHAR))
+        ):
             state.prefix_offset, state.read_offset = state.read_offset, len(state.token_ids)
             return full[len(before) :] if grew else ""
         return ""  # nothing new yet, or the newest tokens end inside a character: wait for the rest
 
-    def step(self, state: DecodeState, new_ids: list[int], finished: bool, matched_stop: str | None) -> str:
+    def step(
+        self, state: DecodeState, new_ids: list[int], finished: bool, matched_stop: str | None
+    ) -> str:
         """Add tokens; returns the text that may now be sent."""
         new_text = self.settle(state, new_ids, finished)
         text = state.held + new_text

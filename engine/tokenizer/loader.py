@@ -17,5 +17,7 @@ def load_tokenizer(model_path: str, warn: bool = True):
         return AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as exc:
         if warn:
-            logger.warning("no tokenizer in %s (%s): only token-id prompts will be served", model_path, exc)
+            logger.warning(
+                "no tokenizer in %s (%s): only token-id prompts will be served", model_path, exc
+            )
         return None

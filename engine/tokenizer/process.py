@@ -45,24 +45,40 @@ class Tokenizer:
     def encode(self, request: TokenizeRequest) -> list[int]:
         if self.hf is None:
             if request.input_ids is None:
-                raise TokenizerError("this model has no tokenizer: send the prompt as token ids", "prompt")
+                raise TokenizerError(
+                    "this model has no tokenizer: send the prompt as token ids", "prompt"
+                )
             if request.params.stop:
-                raise TokenizerError("this model has no tokenizer: stop strings cannot be matched", "stop")
+                raise TokenizerError(
+                    "this model has no tokenizer: stop strings cannot be matched", "stop"
+                )
         if request.input_ids is not None:
             return list(request.input_ids)
         if request.messages is not None:
             if self.hf.chat_template is None:
-                raise TokenizerError("this model has no chat template; use /v1/completions", "messages")
+                raise TokenizerError(
+                    "this model has no chat template; use /v1/completions", "messages"
+                )
             try:
-                return list(self.hf.apply_chat_template(request.messages, tools=request.tools, tokenize=True,
-                                                        add_generation_prompt=True, return_dict=False))
+                return list(
+                    self.hf.apply_chat_template(
+                        request.messages,
+                        tools=request.tools,
+                        tokenize=True,
+                        add_generation_prompt=True,
+                        return_dict=False,
+                    )
+                )
             except Exception as exc:  # the template itself rejects the conversation
-                raise TokenizerError(f"the chat template rejected the messages: {exc}", "messages") from exc
+                raise TokenizerError(
+                    f"the chat template rejected the messages: {exc}", "messages"
+                ) from exc
         return self.hf.encode(request.text, add_special_tokens=True)
 
     def start(self, request: TokenizeRequest) -> None:
-        self.states[request.rid] = DecodeState(skip_special_tokens=request.params.skip_special_tokens,
-                                               stop=list(request.params.stop))
+        self.states[request.rid] = DecodeState(
+            skip_special_tokens=request.params.skip_special_tokens, stop=list(request.params.stop)
+        )
 
     def decode(self, out: TokenOutput) -> TextOutput:
         state = self.states.get(out.rid)
@@ -70,13 +86,23 @@ class Tokenizer:
         reason = out.finish_reason
         if state is not None and self.detokenizer is not None:
             matched = reason.matched_str if reason else None
-            text = self.detokenizer.step(state, out.token_ids, finished=out.finished, matched_stop=matched)
+            text = self.detokenizer.step(
+                state, out.token_ids, finished=out.finished, matched_stop=matched
+            )
         if out.finished:
             self.states.pop(out.rid, None)
-        result = TextOutput(rid=out.rid, text=text, token_ids=out.token_ids, finish_reason=reason,
-                            prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                            completion_tokens=out.completion_tokens, logprobs=out.logprobs,
-                            queue_seconds=out.queue_seconds, prefill_seconds=out.prefill_seconds)
+        result = TextOutput(
+            rid=out.rid,
+            text=text,
+            token_ids=out.token_ids,
+            finish_reason=reason,
+            prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+            completion_tokens=out.completion_tokens,
+            logprobs=out.logprobs,
+            queue_seconds=out.queue_seconds,
+            prefill_seconds=out.prefill_seconds,
+        )
         if out.logprobs:
             name, raw = self._token_text, self._raw_bytes
             result.token_strings = [name(lp.token_id) for lp in out.logprobs]
@@ -119,8 +145,11 @@ class TokenizerLoop:
             self._fail(message.rid, _internal_error("tokenizing the request", exc))
             return True
         self.tokenizer.start(message)
-        self.to_scheduler.send_pyobj(GenerateRequest(message.rid, input_ids, message.params, message.prefix_leader,
-                                                     message.bootstrap))
+        self.to_scheduler.send_pyobj(
+            GenerateRequest(
+                message.rid, input_ids, message.params, message.prefix_leader, message.bootstrap
+            )
+        )
         return True
 
     def from_scheduler(self, message) -> None:
@@ -136,7 +165,9 @@ class TokenizerLoop:
                 self.tokenizer.states.pop(out.rid, None)
                 if not out.finished:  # stop it in the scheduler too; its later tokens are dropped
                     self.to_scheduler.send_pyobj(AbortRequest(out.rid, "detokenizing failed"))
-                texts.append(_error_output(out.rid, _internal_error("detokenizing the output", exc)))
+                texts.append(
+                    _error_output(out.rid, _internal_error("detokenizing the output", exc))
+                )
         self.to_api.send_pyobj(TextBatch(texts, message.stats))
 
     def _fail(self, rid: str, reason: FinishReason) -> None:
@@ -144,7 +175,9 @@ class TokenizerLoop:
 
 
 def _internal_error(what: str, exc: Exception) -> FinishReason:
-    return FinishReason("error", message=f"internal error {what}: {type(exc).__name__}: {exc}", status=500)
+    return FinishReason(
+        "error", message=f"internal error {what}: {type(exc).__name__}: {exc}", status=500
+    )
 
 
 def _error_output(rid: str, reason: FinishReason) -> TextOutput:
@@ -152,13 +185,19 @@ def _error_output(rid: str, reason: FinishReason) -> TextOutput:
 
 
 def run_tokenizer(model_path: str, endpoints: Endpoints, log_level: str) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s tokenizer %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s tokenizer %(levelname)s %(message)s"
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent()
     context = zmq.Context()
     from_api = pull(context, endpoints.tokenizer_in)
     from_scheduler = pull(context, endpoints.detokenizer_in)
-    loop = TokenizerLoop(Tokenizer(model_path), push(context, endpoints.scheduler_in), push(context, endpoints.api_in))
+    loop = TokenizerLoop(
+        Tokenizer(model_path),
+        push(context, endpoints.scheduler_in),
+        push(context, endpoints.api_in),
+    )
     poller = zmq.Poller()
     poller.register(from_api, zmq.POLLIN)
     poller.register(from_scheduler, zmq.POLLIN)

@@ -23,7 +23,9 @@ class TokenBytes:
         self.byte_of = None
         self.sentencepiece = False
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-        decoder = (json.loads(backend.to_str()).get("decoder") if backend is not None else None) or {}
+        decoder = (
+            json.loads(backend.to_str()).get("decoder") if backend is not None else None
+        ) or {}
         kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
         if "ByteLevel" in kinds:
             from transformers.convert_slow_tokenizer import bytes_to_unicode

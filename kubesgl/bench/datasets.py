@@ -20,25 +20,44 @@ class BenchRequest:
     output_len: int
 
 
-def random_requests(count: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
-                    rng: random.Random) -> list[BenchRequest]:
+def random_requests(
+    count: int, input_len: int, output_len: int, range_ratio: float, vocab: int, rng: random.Random
+) -> list[BenchRequest]:
     def length(n: int) -> int:
         return rng.randint(max(1, int(n * range_ratio)), n)
 
-    return [BenchRequest([rng.randrange(10, vocab) for _ in range(length(input_len))], length(output_len))
-            for _ in range(count)]
+    return [
+        BenchRequest(
+            [rng.randrange(10, vocab) for _ in range(length(input_len))], length(output_len)
+        )
+        for _ in range(count)
+    ]
 
 
-def shared_prefix_requests(count: int, groups: int, system_len: int, question_len: int, output_len: int,
-                           vocab: int, rng: random.Random) -> list[BenchRequest]:
+def shared_prefix_requests(
+    count: int,
+    groups: int,
+    system_len: int,
+    question_len: int,
+    output_len: int,
+    vocab: int,
+    rng: random.Random,
+) -> list[BenchRequest]:
     systems = [[rng.randrange(10, vocab) for _ in range(system_len)] for _ in range(groups)]
-    requests = [BenchRequest(systems[i % groups] + [rng.randrange(10, vocab) for _ in range(question_len)],
-                             output_len) for i in range(count)]
+    requests = [
+        BenchRequest(
+            systems[i % groups] + [rng.randrange(10, vocab) for _ in range(question_len)],
+            output_len,
+        )
+        for i in range(count)
+    ]
     rng.shuffle(requests)
     return requests
 
 
-def sharegpt_like_requests(count: int, max_len: int, vocab: int, rng: random.Random) -> list[BenchRequest]:
+def sharegpt_like_requests(
+    count: int, max_len: int, vocab: int, rng: random.Random
+) -> list[BenchRequest]:
     def lognormal(median: float, sigma: float) -> int:
         return max(4, int(math.exp(rng.gauss(math.log(median), sigma))))
 

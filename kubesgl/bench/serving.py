@@ -37,14 +37,23 @@ class RequestResult:
 
 
 async def send(client: httpx.AsyncClient, model: str, request: BenchRequest) -> RequestResult:
-    body = {"model": model, "prompt": request.prompt, "max_tokens": request.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": request.prompt,
+        "max_tokens": request.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     result = RequestResult(ok=False, prompt_len=len(request.prompt))
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                result.error = (
+                    f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                )
                 return result
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -69,12 +78,22 @@ async def send(client: httpx.AsyncClient, model: str, request: BenchRequest) -> 
     return result
 
 
-async def run(base_url: str, model: str, requests: list[BenchRequest], rate: float, concurrency: int | None,
-              seed: int) -> tuple[list[RequestResult], float]:
+async def run(
+    base_url: str,
+    model: str,
+    requests: list[BenchRequest],
+    rate: float,
+    concurrency: int | None,
+    seed: int,
+) -> tuple[list[RequestResult], float]:
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=concurrency or 1000, max_keepalive_connections=concurrency or 1000)
+    limits = httpx.Limits(
+        max_connections=concurrency or 1000, max_keepalive_connections=concurrency or 1000
+    )
     semaphore = asyncio.Semaphore(concurrency) if concurrency else None
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600), limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=httpx.Timeout(3600), limits=limits
+    ) as client:
 
         async def one(request: BenchRequest) -> RequestResult:
             if semaphore is None:
@@ -97,7 +116,12 @@ def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
         return {}
     ordered = sorted(values)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * scale  # noqa: E731
-    return {"mean": statistics.mean(values) * scale, "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+    return {
+        "mean": statistics.mean(values) * scale,
+        "p50": pick(0.5),
+        "p90": pick(0.9),
+        "p99": pick(0.99),
+    }
 
 
 @dataclass(frozen=True)
@@ -120,7 +144,8 @@ def summarize(results: list[RequestResult], duration: float, slo: Slo | None = N
     tpots = [(r.e2e - r.ttft) / (r.output_len - 1) for r in done if r.output_len > 1]
     output_tokens = sum(r.output_len for r in done)
     return {
-        "completed": len(done), "failed": len(results) - len(done),
+        "completed": len(done),
+        "failed": len(results) - len(done),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "duration_s": duration,
         "request_throughput": len(done) / duration,
@@ -131,58 +156,151 @@ def summarize(results: list[RequestResult], duration: float, slo: Slo | None = N
         "tpot_ms": percentiles(tpots),
         "itl_ms": percentiles([x for r in done for x in r.itls]),
         "e2e_ms": percentiles([r.e2e for r in done]),
-        **({"slo": {"ttft_ms": slo.ttft_s * 1e3, "itl_ms": slo.itl_s * 1e3},
-            "slo_attainment": sum(map(slo.met_by, results)) / len(results),
-            "goodput_requests_per_s": sum(map(slo.met_by, results)) / duration} if slo else {}),
+        **(
+            {
+                "slo": {"ttft_ms": slo.ttft_s * 1e3, "itl_ms": slo.itl_s * 1e3},
+                "slo_attainment": sum(map(slo.met_by, results)) / len(results),
+                "goodput_requests_per_s": sum(map(slo.met_by, results)) / duration,
+            }
+            if slo
+            else {}
+        ),
     }
 
 
 def build_requests(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
     rng = random.Random(args.seed)
     if args.dataset == "random":
-        return random_requests(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
-                               vocab, rng)
+        return random_requests(
+            args.num_prompts,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            vocab,
+            rng,
+        )
     if args.dataset == "shared-prefix":
-        return shared_prefix_requests(args.num_prompts, args.prefix_groups, args.system_prompt_len,
-                                      args.question_len, args.random_output_len, vocab, rng)
+        return shared_prefix_requests(
+            args.num_prompts,
+            args.prefix_groups,
+            args.system_prompt_len,
+            args.question_len,
+            args.random_output_len,
+            vocab,
+            rng,
+        )
     return sharegpt_like_requests(args.num_prompts, args.max_context_len, vocab, rng)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kubesgl bench serving", description=__doc__, formatter_class=DefaultsOnce)
-    parser.add_argument("--base-url", required=True, metavar="URL",
-                        help="the server (an engine or the router), e.g. http://127.0.0.1:30000")
-    parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    parser.add_argument("--api-key", default=None, metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument("--dataset", choices=["random", "shared-prefix", "sharegpt"], default="random",
-                        help="random lengths; a few long system prompts shared by many questions; or "
-                             "conversation-like lengths (kubesgl/bench/datasets.py)")
+    parser = argparse.ArgumentParser(
+        prog="kubesgl bench serving", description=__doc__, formatter_class=DefaultsOnce
+    )
+    parser.add_argument(
+        "--base-url",
+        required=True,
+        metavar="URL",
+        help="the server (an engine or the router), e.g. http://127.0.0.1:30000",
+    )
+    parser.add_argument(
+        "--model", default=None, help="model name to send (default: the server's first model)"
+    )
+    parser.add_argument(
+        "--api-key", default=None, metavar="KEY", help="sent as 'Authorization: Bearer KEY'"
+    )
+    parser.add_argument(
+        "--dataset",
+        choices=["random", "shared-prefix", "sharegpt"],
+        default="random",
+        help="random lengths; a few long system prompts shared by many questions; or "
+        "conversation-like lengths (kubesgl/bench/datasets.py)",
+    )
     parser.add_argument("--num-prompts", type=int, default=100, metavar="N", help="requests sent")
-    parser.add_argument("--random-input-len", type=int, default=1024, metavar="N",
-                        help="random: prompt tokens (the most, with --random-range-ratio)")
-    parser.add_argument("--random-output-len", type=int, default=128, metavar="N",
-                        help="random and shared-prefix: output tokens (the most, with --random-range-ratio)")
-    parser.add_argument("--random-range-ratio", type=float, default=1.0, metavar="X",
-                        help="lengths are drawn in [ratio * len, len]; 1.0 makes them fixed")
-    parser.add_argument("--prefix-groups", type=int, default=8, metavar="N",
-                        help="shared-prefix: system prompts the requests share")
-    parser.add_argument("--system-prompt-len", type=int, default=1024, metavar="N",
-                        help="shared-prefix: tokens of each system prompt")
-    parser.add_argument("--question-len", type=int, default=64, metavar="N",
-                        help="shared-prefix: tokens of each question after its system prompt")
-    parser.add_argument("--max-context-len", type=int, default=4096, metavar="N",
-                        help="sharegpt: longest prompt + output")
-    parser.add_argument("--vocab-size", type=int, default=None, metavar="N",
-                        help="prompt token ids are drawn below this (default: the server's vocabulary size, "
-                             "from SGLang's GET /model_info, which kubesgl's engines and router answer)")
-    parser.add_argument("--request-rate", type=float, default=float("inf"), metavar="X",
-                        help="requests/s (Poisson); inf = all at once")
-    parser.add_argument("--max-concurrency", type=int, default=None, metavar="N",
-                        help="requests in flight at most (default: no limit)")
-    parser.add_argument("--seed", type=int, default=0, metavar="N", help="seeds the request set and the arrivals")
-    parser.add_argument("--goodput", nargs=2, type=float, default=None, metavar=("TTFT_MS", "ITL_MS"),
-                        help="also count requests whose TTFT and own ITL p99 are within these bounds (goodput)")
-    parser.add_argument("--output-file", default=None, metavar="FILE", help="write the results as JSON here")
+    parser.add_argument(
+        "--random-input-len",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="random: prompt tokens (the most, with --random-range-ratio)",
+    )
+    parser.add_argument(
+        "--random-output-len",
+        type=int,
+        default=128,
+        metavar="N",
+        help="random and shared-prefix: output tokens (the most, with --random-range-ratio)",
+    )
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=1.0,
+        metavar="X",
+        help="lengths are drawn in [ratio * len, len]; 1.0 makes them fixed",
+    )
+    parser.add_argument(
+        "--prefix-groups",
+        type=int,
+        default=8,
+        metavar="N",
+        help="shared-prefix: system prompts the requests share",
+    )
+    parser.add_argument(
+        "--system-prompt-len",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="shared-prefix: tokens of each system prompt",
+    )
+    parser.add_argument(
+        "--question-len",
+        type=int,
+        default=64,
+        metavar="N",
+        help="shared-prefix: tokens of each question after its system prompt",
+    )
+    parser.add_argument(
+        "--max-context-len",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="sharegpt: longest prompt + output",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt token ids are drawn below this (default: the server's vocabulary size, "
+        "from SGLang's GET /model_info, which kubesgl's engines and router answer)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        metavar="X",
+        help="requests/s (Poisson); inf = all at once",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests in flight at most (default: no limit)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="N", help="seeds the request set and the arrivals"
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs=2,
+        type=float,
+        default=None,
+        metavar=("TTFT_MS", "ITL_MS"),
+        help="also count requests whose TTFT and own ITL p99 are within these bounds (goodput)",
+    )
+    parser.add_argument(
+        "--output-file", default=None, metavar="FILE", help="write the results as JSON here"
+    )
     return parser
 
 
@@ -197,7 +315,9 @@ def _ask(base_url: str, path: str, headers: dict[str, str]) -> dict:
         raise BenchSetupError(f"cannot reach {base_url}: {type(exc).__name__}: {exc}") from None
     if answer.status_code != 200:
         hint = " (give --api-key)" if answer.status_code == 401 else ""
-        raise BenchSetupError(f"GET {base_url}{path}: HTTP {answer.status_code}{hint}: {answer.text[:200]}")
+        raise BenchSetupError(
+            f"GET {base_url}{path}: HTTP {answer.status_code}{hint}: {answer.text[:200]}"
+        )
     try:
         return answer.json()
     except ValueError:
@@ -210,17 +330,24 @@ def vocab_size_of(base_url: str, headers: dict[str, str]) -> int:
     try:
         vocab = _ask(base_url, "/model_info", headers).get("vocab_size")
     except BenchSetupError as exc:
-        raise BenchSetupError(f"{exc}; give the model's vocabulary size with --vocab-size N") from None
+        raise BenchSetupError(
+            f"{exc}; give the model's vocabulary size with --vocab-size N"
+        ) from None
     if not isinstance(vocab, int) or vocab <= 10:
-        raise BenchSetupError(f"GET {base_url}/model_info names no vocabulary size (got {vocab!r}); "
-                              "give it with --vocab-size N")
+        raise BenchSetupError(
+            f"GET {base_url}/model_info names no vocabulary size (got {vocab!r}); "
+            "give it with --vocab-size N"
+        )
     return vocab
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.num_prompts < 1 or args.request_rate <= 0:
-        print("kubesgl bench serving: --num-prompts and --request-rate must be positive", file=sys.stderr)
+        print(
+            "kubesgl bench serving: --num-prompts and --request-rate must be positive",
+            file=sys.stderr,
+        )
         return 2
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
@@ -230,11 +357,14 @@ def main(argv: list[str]) -> int:
         print(f"kubesgl bench serving: {exc}", file=sys.stderr)
         return 2
     requests = build_requests(args, vocab)
-    results, duration = asyncio.run(run(args.base_url, model, requests, args.request_rate, args.max_concurrency,
-                                        args.seed))
+    results, duration = asyncio.run(
+        run(args.base_url, model, requests, args.request_rate, args.max_concurrency, args.seed)
+    )
     slo = Slo(args.goodput[0] / 1e3, args.goodput[1] / 1e3) if args.goodput else None
-    summary = {"config": {k: v for k, v in vars(args).items() if k != "api_key"},
-               **summarize(results, duration, slo)}
+    summary = {
+        "config": {k: v for k, v in vars(args).items() if k != "api_key"},
+        **summarize(results, duration, slo),
+    }
     summary["config"]["request_rate"] = str(args.request_rate)
     summary["config"]["vocab_size"] = vocab
     print(format_table(summary))
@@ -245,18 +375,21 @@ def main(argv: list[str]) -> int:
 
 
 def format_table(summary: dict) -> str:
-    lines = [f"completed {summary['completed']}, failed {summary['failed']} in {summary['duration_s']:.2f} s",
-             f"request throughput {summary['request_throughput']:.2f} req/s, output "
-             f"{summary['output_token_throughput']:.1f} tok/s, input {summary['input_token_throughput']:.1f} tok/s"]
+    lines = [
+        f"completed {summary['completed']}, failed {summary['failed']} in {summary['duration_s']:.2f} s",
+        f"request throughput {summary['request_throughput']:.2f} req/s, output "
+        f"{summary['output_token_throughput']:.1f} tok/s, input {summary['input_token_throughput']:.1f} tok/s",
+    ]
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         p = summary[name]
         if p:
-            lines.append(f"{name:8} mean {p['mean']:9.2f}  p50 {p['p50']:9.2f}  p90 {p['p90']:9.2f}  p99 {p['p99']:9.2f}")
+            lines.append(
+                f"{name:8} mean {p['mean']:9.2f}  p50 {p['p50']:9.2f}  p90 {p['p90']:9.2f}  p99 {p['p99']:9.2f}"
+            )
     if "slo" in summary:
-        lines.append(f"goodput {summary['goodput_requests_per_s']:.2f} req/s ({summary['slo_attainment']:.0%} of "
-                     f"requests within TTFT {summary['slo']['ttft_ms']:g} ms and ITL p99 {summary['slo']['itl_ms']:g} ms)")
+        lines.append(
+            f"goodput {summary['goodput_requests_per_s']:.2f} req/s ({summary['slo_attainment']:.0%} of "
+            f"requests within TTFT {summary['slo']['ttft_ms']:g} ms and ITL p99 {summary['slo']['itl_ms']:g} ms)"
+        )
     lines += [f"error: {e}" for e in summary["errors"]]
     return "\n".join(lines)
-
-
-

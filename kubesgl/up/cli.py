@@ -29,17 +29,38 @@ TICK_S = 0.5
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Run an InferenceService on this machine: every replica of its engine roles and "
+        prog=PROG,
+        description="Run an InferenceService on this machine: every replica of its engine roles and "
         "the router, as local processes started from the command lines the operator puts in pods. Runs until "
-        "Ctrl-C or SIGTERM, which drain and stop everything.")
-    parser.add_argument("-f", "--filename", required=True, help="InferenceService YAML file, or - for standard input")
-    parser.add_argument("--port", type=int, default=contract.ROUTER_PORT,
-                        help=f"port of the router, the OpenAI endpoint (default: {contract.ROUTER_PORT})")
-    parser.add_argument("--host", default="127.0.0.1", help="address the router listens on (default: 127.0.0.1)")
-    parser.add_argument("--logs", metavar="DIR", default=None,
-                        help="folder for each process's log (default: a new temporary folder)")
-    parser.add_argument("--model", metavar="DIR", default=None,
-                        help="serve this local model folder instead of spec.model (needed for a pvc source)")
+        "Ctrl-C or SIGTERM, which drain and stop everything.",
+    )
+    parser.add_argument(
+        "-f",
+        "--filename",
+        required=True,
+        help="InferenceService YAML file, or - for standard input",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=contract.ROUTER_PORT,
+        help=f"port of the router, the OpenAI endpoint (default: {contract.ROUTER_PORT})",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address the router listens on (default: 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--logs",
+        metavar="DIR",
+        default=None,
+        help="folder for each process's log (default: a new temporary folder)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="serve this local model folder instead of spec.model (needed for a pvc source)",
+    )
     return parser
 
 
@@ -51,13 +72,17 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: cannot read {args.filename}: {error}", file=sys.stderr)
         return 2
     if len(documents) != 1 or not isinstance(documents[0], dict):
-        print(f"{PROG}: {args.filename}: expected one InferenceService, found {len(documents)} documents",
-              file=sys.stderr)
+        print(
+            f"{PROG}: {args.filename}: expected one InferenceService, found {len(documents)} documents",
+            file=sys.stderr,
+        )
         return 2
     try:
         isvc = parse_inference_service(documents[0])
         gpus = visible_gpus() if isvc.spec.engine.device == "cuda" else ()
-        settings = LocalSettings(host=args.host, port=args.port, gpus=gpus, model=args.model, environ=os.environ)
+        settings = LocalSettings(
+            host=args.host, port=args.port, gpus=gpus, model=args.model, environ=os.environ
+        )
         local = plan(isvc, settings)
     except InvalidSpec as error:
         print_problems(PROG, args.filename, documents[0], error)
@@ -69,7 +94,9 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: {args.host}:{args.port} is in use: choose another --port", file=sys.stderr)
         return 1
 
-    log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix=f"kubesgl-up-{local.name}-"))
+    log_dir = (
+        Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix=f"kubesgl-up-{local.name}-"))
+    )
     log_dir.mkdir(parents=True, exist_ok=True)
     view = StatusView(local, log_dir, sys.stdout, live=sys.stdout.isatty())
     for note in local.notes:

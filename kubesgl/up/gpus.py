@@ -12,5 +12,9 @@ def visible_gpus() -> tuple[str, ...]:
 
     count = torch.cuda.device_count()
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    names = [name.strip() for name in listed.split(",")] if listed is not None else [str(i) for i in range(count)]
+    names = (
+        [name.strip() for name in listed.split(",")]
+        if listed is not None
+        else [str(i) for i in range(count)]
+    )
     return tuple(names[:count])

@@ -29,11 +29,17 @@ def ensure_model(step: ModelStep, log_path: Path) -> None:
     try:
         with log_path.open("ab") as log:
             try:
-                result = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **step.env})
+                result = subprocess.run(
+                    argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **step.env}
+                )
             except FileNotFoundError:
-                raise ModelStepFailed(f"{argv[0]} is not installed; the model needs {shlex.join(argv)}") from None
+                raise ModelStepFailed(
+                    f"{argv[0]} is not installed; the model needs {shlex.join(argv)}"
+                ) from None
         if result.returncode != 0:
-            raise ModelStepFailed(f"{shlex.join(argv)} exited with code {result.returncode} (log: {log_path})")
+            raise ModelStepFailed(
+                f"{shlex.join(argv)} exited with code {result.returncode} (log: {log_path})"
+            )
         try:
             partial.rename(step.path)
         except OSError:

@@ -33,10 +33,17 @@ _MODEL_FLAG = ENGINE_OPTIONS["model"].flag
 _DEVICE_FLAG = ENGINE_OPTIONS["device"].flag
 _BOOTSTRAP_FLAG = ENGINE_OPTIONS["disaggregation_bootstrap_port"].flag
 _DISCOVERY_FLAGS = ("--kube-namespace", "--kube-selector")  # each with one value
-_ROUTER_WORKER_FLAGS = {contract.MIXED: "--worker", contract.PREFILL: "--prefill", contract.DECODE: "--decode"}
+_ROUTER_WORKER_FLAGS = {
+    contract.MIXED: "--worker",
+    contract.PREFILL: "--prefill",
+    contract.DECODE: "--decode",
+}
 # Keys that pods take from Secrets, by the field naming the Secret: here they come from this
 # environment, and a process whose pod has no such variable does not inherit it either.
-_SECRET_KEYS = {API_KEY_ENV: "spec.engine.apiKeySecret", ADMIN_KEY_ENV: "spec.router.adminKeySecret"}
+_SECRET_KEYS = {
+    API_KEY_ENV: "spec.engine.apiKeySecret",
+    ADMIN_KEY_ENV: "spec.router.adminKeySecret",
+}
 
 
 def default_cache_dir() -> Path:
@@ -62,10 +69,14 @@ class LocalProcess:
     argv: tuple[str, ...]
     env: Mapping[str, str]  # set over the environment of `kubesgl up`
     port: int
-    stop_timeout_s: float  # from SIGTERM to SIGKILL: the pod's grace period, less what only pods need
+    stop_timeout_s: (
+        float  # from SIGTERM to SIGKILL: the pod's grace period, less what only pods need
+    )
     bootstrap_port: int | None = None  # prefill engines
     gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES; none: the CPU
-    waits_for: tuple[contract.EngineRole, ...] = ()  # roles that need a ready replica before this starts
+    waits_for: tuple[
+        contract.EngineRole, ...
+    ] = ()  # roles that need a ready replica before this starts
     host: str = ENGINE_HOST  # where it answers on this machine
     unset_env: tuple[str, ...] = ()  # variables of the environment of `kubesgl up` it does not get
 
@@ -133,14 +144,25 @@ def plan(isvc: InferenceService, settings: LocalSettings) -> LocalPlan:
     use_gpus = isvc.spec.engine.device == "cuda" and bool(settings.gpus)
     gpus_needed = sum(replicas[role] * block.tensor_parallel_size for role, block in roles.items())
     if use_gpus and gpus_needed > len(settings.gpus):
-        wanted = ", ".join(f"{role}: {replicas[role]} x {block.tensor_parallel_size}" for role, block in roles.items())
-        raise NotEnoughGpus(f"the spec needs {gpus_needed} GPUs (replicas x tensorParallelSize: {wanted}); "
-                            f"this machine has {len(settings.gpus)} ({', '.join(settings.gpus)})")
+        wanted = ", ".join(
+            f"{role}: {replicas[role]} x {block.tensor_parallel_size}"
+            for role, block in roles.items()
+        )
+        raise NotEnoughGpus(
+            f"the spec needs {gpus_needed} GPUs (replicas x tensorParallelSize: {wanted}); "
+            f"this machine has {len(settings.gpus)} ({', '.join(settings.gpus)})"
+        )
     if isvc.spec.engine.device == "cuda" and not use_gpus:
         notes.append("no GPU here: the engines run on the CPU")
-    secrets = {API_KEY_ENV: isvc.spec.engine.api_key_secret, ADMIN_KEY_ENV: isvc.spec.router.admin_key_secret}
-    missing = [Problem(_SECRET_KEYS[name], f"kubesgl up reads no Secrets: set {name} in the environment")
-               for name, secret in secrets.items() if secret is not None and name not in settings.environ]
+    secrets = {
+        API_KEY_ENV: isvc.spec.engine.api_key_secret,
+        ADMIN_KEY_ENV: isvc.spec.router.admin_key_secret,
+    }
+    missing = [
+        Problem(_SECRET_KEYS[name], f"kubesgl up reads no Secrets: set {name} in the environment")
+        for name, secret in secrets.items()
+        if secret is not None and name not in settings.environ
+    ]
     if missing:
         raise InvalidSpec(missing)
 
@@ -152,18 +174,30 @@ def plan(isvc: InferenceService, settings: LocalSettings) -> LocalPlan:
         for index in range(replicas[role]):
             gpus: tuple[str, ...] = ()
             if use_gpus:
-                gpus = tuple(free_gpus[:block.tensor_parallel_size])
-                del free_gpus[:block.tensor_parallel_size]
+                gpus = tuple(free_gpus[: block.tensor_parallel_size])
+                del free_gpus[: block.tensor_parallel_size]
             engines.append(_engine(f"{role}-{index}", role, pods[role], model_path, gpus, settings))
-    router = _router(pods[contract.ROUTER], tuple(engines), tuple(r for r in roles if replicas[r]), settings)
-    return LocalPlan(isvc.metadata.name, isvc.spec.mode, model_path, model_step, tuple(engines), router,
-                     tuple(notes))
+    router = _router(
+        pods[contract.ROUTER], tuple(engines), tuple(r for r in roles if replicas[r]), settings
+    )
+    return LocalPlan(
+        isvc.metadata.name,
+        isvc.spec.mode,
+        model_path,
+        model_step,
+        tuple(engines),
+        router,
+        tuple(notes),
+    )
 
 
 def _rendered_pods(isvc: InferenceService) -> dict[str, dict[str, Any]]:
     """The pod spec of each role's Deployment, as the operator renders it."""
-    return {obj["metadata"]["labels"][contract.ROLE_LABEL]: obj["spec"]["template"]["spec"]
-            for obj in render(isvc) if obj["kind"] == "Deployment"}
+    return {
+        obj["metadata"]["labels"][contract.ROLE_LABEL]: obj["spec"]["template"]["spec"]
+        for obj in render(isvc)
+        if obj["kind"] == "Deployment"
+    }
 
 
 def _replicas(isvc: InferenceService, role: contract.EngineRole) -> int:
@@ -172,19 +206,33 @@ def _replicas(isvc: InferenceService, role: contract.EngineRole) -> int:
     return scaling.min_replicas if scaling is not None else isvc.spec.engine_roles()[role].replicas
 
 
-def _local_model(model: ModelSpec, pod: dict[str, Any], settings: LocalSettings) -> tuple[str, ModelStep | None]:
+def _local_model(
+    model: ModelSpec, pod: dict[str, Any], settings: LocalSettings
+) -> tuple[str, ModelStep | None]:
     if settings.model is not None:
         return settings.model, None
     if model.host_path is not None:  # the node's folder is this machine's
         return model.host_path.path, None
     if model.pvc is not None:
-        raise InvalidSpec([Problem("spec.model.pvc", "a PersistentVolumeClaim exists only in a cluster: give "
-                                                     "kubesgl up --model DIR, a local copy of the model")])
+        raise InvalidSpec(
+            [
+                Problem(
+                    "spec.model.pvc",
+                    "a PersistentVolumeClaim exists only in a cluster: give "
+                    "kubesgl up --model DIR, a local copy of the model",
+                )
+            ]
+        )
     # Downloaded or made by an init container into an emptyDir: here, once, into the cache.
     (init,) = pod["initContainers"]
     pod_path = _flag_value(pod["containers"][0]["args"], _MODEL_FLAG)
-    step = ModelStep(tuple(_local_command(init["command"])), tuple(init["args"]), pod_path,
-                     _local_env(init, settings.environ), settings.cache_dir / "models" / _cache_key(model))
+    step = ModelStep(
+        tuple(_local_command(init["command"])),
+        tuple(init["args"]),
+        pod_path,
+        _local_env(init, settings.environ),
+        settings.cache_dir / "models" / _cache_key(model),
+    )
     return str(step.path), step
 
 
@@ -195,8 +243,14 @@ def _cache_key(model: ModelSpec) -> str:
     return f"hf/{model.hugging_face.repo}/{model.hugging_face.revision}"
 
 
-def _engine(name: str, role: contract.EngineRole, pod: dict[str, Any], model_path: str, gpus: tuple[str, ...],
-            settings: LocalSettings) -> LocalProcess:
+def _engine(
+    name: str,
+    role: contract.EngineRole,
+    pod: dict[str, Any],
+    model_path: str,
+    gpus: tuple[str, ...],
+    settings: LocalSettings,
+) -> LocalProcess:
     container = pod["containers"][0]
     args = list(container["args"])
     port = settings.free_port()
@@ -210,30 +264,56 @@ def _engine(name: str, role: contract.EngineRole, pod: dict[str, Any], model_pat
     if not gpus:
         _set_flag_value(args, _DEVICE_FLAG, "cpu")
     env = {**_local_env(container, settings.environ), "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
-    return LocalProcess(name, role, (*_local_command(container["command"]), *_expand(args, env)), env, port,
-                        _stop_timeout(pod), bootstrap_port, gpus, unset_env=_unset_secret_keys(container))
+    return LocalProcess(
+        name,
+        role,
+        (*_local_command(container["command"]), *_expand(args, env)),
+        env,
+        port,
+        _stop_timeout(pod),
+        bootstrap_port,
+        gpus,
+        unset_env=_unset_secret_keys(container),
+    )
 
 
-def _router(pod: dict[str, Any], engines: tuple[LocalProcess, ...], roles: tuple[contract.EngineRole, ...],
-            settings: LocalSettings) -> LocalProcess:
+def _router(
+    pod: dict[str, Any],
+    engines: tuple[LocalProcess, ...],
+    roles: tuple[contract.EngineRole, ...],
+    settings: LocalSettings,
+) -> LocalProcess:
     container = pod["containers"][0]
     args = _without_discovery(container["args"])
     _set_flag_value(args, "--host", settings.host)
     _set_flag_value(args, "--port", str(settings.port))
-    for engine in engines:  # the engines by flag, as `kubesgl router --prefill URL@PORT --decode URL`
+    for (
+        engine
+    ) in engines:  # the engines by flag, as `kubesgl router --prefill URL@PORT --decode URL`
         bootstrap = f"@{engine.bootstrap_port}" if engine.bootstrap_port is not None else ""
         args += [_ROUTER_WORKER_FLAGS[engine.role], engine.url + bootstrap]
     env = _local_env(container, settings.environ)
     # Started once every role can serve: its first health check then finds the engines ready.
-    return LocalProcess(contract.ROUTER, contract.ROUTER, (*_local_command(container["command"]), *args), env,
-                        settings.port, _stop_timeout(pod), waits_for=roles,
-                        host=ENGINE_HOST if settings.host in ("0.0.0.0", "::") else settings.host,
-                        unset_env=_unset_secret_keys(container))
+    return LocalProcess(
+        contract.ROUTER,
+        contract.ROUTER,
+        (*_local_command(container["command"]), *args),
+        env,
+        settings.port,
+        _stop_timeout(pod),
+        waits_for=roles,
+        host=ENGINE_HOST if settings.host in ("0.0.0.0", "::") else settings.host,
+        unset_env=_unset_secret_keys(container),
+    )
 
 
 def _local_command(command: list[str]) -> list[str]:
     """`kubesgl` runs with this interpreter, so a virtual environment need not be on PATH."""
-    return [sys.executable, "-m", "kubesgl", *command[1:]] if command[0] == "kubesgl" else list(command)
+    return (
+        [sys.executable, "-m", "kubesgl", *command[1:]]
+        if command[0] == "kubesgl"
+        else list(command)
+    )
 
 
 def _local_env(container: dict[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
@@ -267,7 +347,13 @@ def _stop_timeout(pod: dict[str, Any]) -> float:
     """The pod's grace period less its preStop pause: locally the router stops before the
     engines instead, so no pause is needed for it to stop sending them requests."""
     grace = pod.get("terminationGracePeriodSeconds", KUBERNETES_GRACE_PERIOD_S)
-    pause = pod["containers"][0].get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    pause = (
+        pod["containers"][0]
+        .get("lifecycle", {})
+        .get("preStop", {})
+        .get("sleep", {})
+        .get("seconds", 0)
+    )
     return float(grace - pause)
 
 
@@ -281,5 +367,7 @@ def _set_flag_value(args: list[str], flag: str, value: str) -> None:
 
 def _without_discovery(args: list[str]) -> list[str]:
     """The arguments less each discovery flag and its value."""
-    dropped = {i + offset for i, arg in enumerate(args) if arg in _DISCOVERY_FLAGS for offset in (0, 1)}
+    dropped = {
+        i + offset for i, arg in enumerate(args) if arg in _DISCOVERY_FLAGS for offset in (0, 1)
+    }
     return [arg for i, arg in enumerate(args) if i not in dropped]

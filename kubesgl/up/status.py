@@ -43,9 +43,18 @@ def read_counters(client: httpx.Client, url: str, role: contract.PodRole) -> Cou
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     if role == contract.ROUTER:
         # client requests: the requests counter counts each upstream attempt (two per P/D request)
-        return Counters(totals.get("kubesgl_router_request_duration_seconds_count", 0.0), 0.0, 0.0, time.monotonic())
-    return Counters(totals.get("kubesgl_requests_total", 0.0), totals.get("kubesgl_num_running_requests", 0.0),
-                    totals.get("kubesgl_generation_tokens_total", 0.0), time.monotonic())
+        return Counters(
+            totals.get("kubesgl_router_request_duration_seconds_count", 0.0),
+            0.0,
+            0.0,
+            time.monotonic(),
+        )
+    return Counters(
+        totals.get("kubesgl_requests_total", 0.0),
+        totals.get("kubesgl_num_running_requests", 0.0),
+        totals.get("kubesgl_generation_tokens_total", 0.0),
+        time.monotonic(),
+    )
 
 
 class StatusView:
@@ -63,7 +72,9 @@ class StatusView:
         ]
         self.events: deque[str] = deque(maxlen=SHOWN_EVENTS)
         self._client = httpx.Client()
-        self._counters: dict[str, tuple[Counters | None, Counters | None]] = {}  # name: (previous, latest)
+        self._counters: dict[
+            str, tuple[Counters | None, Counters | None]
+        ] = {}  # name: (previous, latest)
         self._scraped_at = 0.0
         self._drawn_lines = 0
         if not live:
@@ -81,7 +92,9 @@ class StatusView:
     def refresh(self, replicas: list[Replica]) -> None:
         if not self.ready_once and replicas and all(r.state == State.READY for r in replicas):
             self.ready_once = True
-            self.note(f"ready in {time.monotonic() - self.started:.1f} s: OpenAI base URL {self.plan.base_url}")
+            self.note(
+                f"ready in {time.monotonic() - self.started:.1f} s: OpenAI base URL {self.plan.base_url}"
+            )
         if not self.live:
             return
         if time.monotonic() - self._scraped_at >= SCRAPE_INTERVAL_S:
@@ -115,7 +128,9 @@ class StatusView:
 COLUMNS = ("NAME", "STATE", "PID", "PORT", "BOOT", "DEVICE", "RESTARTS", "REQS", "RUNNING", "TOK/S")
 
 
-def format_table(replicas: list[Replica], counters: dict[str, tuple[Counters | None, Counters | None]]) -> list[str]:
+def format_table(
+    replicas: list[Replica], counters: dict[str, tuple[Counters | None, Counters | None]]
+) -> list[str]:
     rows = [COLUMNS]
     for replica in replicas:
         process = replica.process
@@ -133,11 +148,27 @@ def format_table(replicas: list[Replica], counters: dict[str, tuple[Counters | N
             if process.role != contract.ROUTER:
                 running = f"{latest.running:.0f}"
                 if previous is not None and latest.at > previous.at:
-                    tokens_per_s = f"{(latest.tokens - previous.tokens) / (latest.at - previous.at):.1f}"
-        rows.append((process.name, state, str(replica.pid or "-"), str(process.port), str(process.bootstrap_port or "-"),
-                     device, str(replica.restarts), requests, running, tokens_per_s))
+                    tokens_per_s = (
+                        f"{(latest.tokens - previous.tokens) / (latest.at - previous.at):.1f}"
+                    )
+        rows.append(
+            (
+                process.name,
+                state,
+                str(replica.pid or "-"),
+                str(process.port),
+                str(process.bootstrap_port or "-"),
+                device,
+                str(replica.restarts),
+                requests,
+                running,
+                tokens_per_s,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
+    ]
     for replica in replicas:
         if replica.last_exit:
             lines.append(f"{replica.process.name} last exited: {replica.last_exit}")

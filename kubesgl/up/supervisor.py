@@ -69,9 +69,14 @@ def http_health(url: str) -> bool:
 
 
 class Supervisor:
-    def __init__(self, processes: Sequence[LocalProcess], log_dir: Path,
-                 on_event: Callable[[Replica, str], None] = lambda replica, message: None,
-                 healthy: Callable[[str], bool] = http_health, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        processes: Sequence[LocalProcess],
+        log_dir: Path,
+        on_event: Callable[[Replica, str], None] = lambda replica, message: None,
+        healthy: Callable[[str], bool] = http_health,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.replicas = [Replica(p, log_dir / f"{p.name}.log") for p in processes]
         self.on_event = on_event
         self.healthy = healthy
@@ -107,17 +112,29 @@ class Supervisor:
                 deadlines[replica] = self.clock() + replica.process.stop_timeout_s
             while deadlines:
                 for replica, deadline in list(deadlines.items()):
-                    if replica.popen.poll() is not None or force.is_set() or self.clock() >= deadline:
-                        self._kill(replica, "at once, as asked" if force.is_set() else
-                                   f"it did not stop within {replica.process.stop_timeout_s:g} s")
+                    if (
+                        replica.popen.poll() is not None
+                        or force.is_set()
+                        or self.clock() >= deadline
+                    ):
+                        self._kill(
+                            replica,
+                            "at once, as asked"
+                            if force.is_set()
+                            else f"it did not stop within {replica.process.stop_timeout_s:g} s",
+                        )
                         del deadlines[replica]
                 on_tick()
                 if deadlines:
                     time.sleep(0.1)
 
     def _may_start(self, replica: Replica) -> bool:
-        return all(any(other.process.role == role and other.state == State.READY for other in self.replicas)
-                   for role in replica.process.waits_for)
+        return all(
+            any(
+                other.process.role == role and other.state == State.READY for other in self.replicas
+            )
+            for role in replica.process.waits_for
+        )
 
     def _start(self, replica: Replica) -> None:
         process = replica.process
@@ -125,10 +142,18 @@ class Supervisor:
             replica.restarts += 1
         with replica.log_path.open("ab") as log:
             what = f"restart {replica.restarts}" if replica.restarts else "start"
-            log.write(f"--- kubesgl up, {time.strftime('%H:%M:%S')}, {what}: {shlex.join(process.argv)}\n".encode())
+            log.write(
+                f"--- kubesgl up, {time.strftime('%H:%M:%S')}, {what}: {shlex.join(process.argv)}\n".encode()
+            )
             log.flush()
-            replica.popen = subprocess.Popen(process.argv, env=process.environment(os.environ), stdin=subprocess.DEVNULL,
-                                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            replica.popen = subprocess.Popen(
+                process.argv,
+                env=process.environment(os.environ),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         replica.state = State.STARTING
         replica.started_at = self.clock()
         self.on_event(replica, f"started, pid {replica.pid}")
@@ -171,7 +196,11 @@ def exit_reason(returncode: int, log_path: Path) -> str:
         return f"killed by {signal.Signals(-returncode).name}"
     with log_path.open("rb") as log:
         log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
-        lines = [line.strip() for line in log.read().decode(errors="replace").splitlines() if line.strip()]
+        lines = [
+            line.strip()
+            for line in log.read().decode(errors="replace").splitlines()
+            if line.strip()
+        ]
     return f"exit code {returncode}: {lines[-1][:160]}" if lines else f"exit code {returncode}"
 
 

@@ -46,7 +46,12 @@ def engine_grace_period_seconds(shutdown_timeout_seconds: int) -> int:
     --shutdown-timeout), the engine's exit after it, and slack. The kubelet counts the grace
     period from the start of the preStop hook, so a pod killed at its end has always had the
     whole drain."""
-    return PRESTOP_SLEEP_SECONDS + shutdown_timeout_seconds + ENGINE_EXIT_AFTER_DRAIN_SECONDS + EXIT_SLACK_SECONDS
+    return (
+        PRESTOP_SLEEP_SECONDS
+        + shutdown_timeout_seconds
+        + ENGINE_EXIT_AFTER_DRAIN_SECONDS
+        + EXIT_SLACK_SECONDS
+    )
 
 
 def shm_size_limit(block: RoleSpec) -> str:
@@ -78,8 +83,11 @@ def served_model_name(isvc: InferenceService) -> str:
 # spec.engine's engine options, in the order of their flags: those with a CRD default first, the
 # rest after the pod's own flags. Running Deployments carry this order; changing it restarts them.
 _SPEC_OPTIONS = [name for name in EngineSpec.model_fields if name in ENGINE_OPTIONS]
-_ALWAYS_SET = [name for name in _SPEC_OPTIONS
-               if EngineSpec.model_fields[name].default is not None and not ENGINE_OPTIONS[name].is_switch]
+_ALWAYS_SET = [
+    name
+    for name in _SPEC_OPTIONS
+    if EngineSpec.model_fields[name].default is not None and not ENGINE_OPTIONS[name].is_switch
+]
 _SET_WHEN_GIVEN = [name for name in _SPEC_OPTIONS if name not in _ALWAYS_SET]
 
 
@@ -103,15 +111,23 @@ def engine_args(isvc: InferenceService, role: contract.EngineRole, block: RoleSp
     engine = isvc.spec.engine
     args = [
         "serve",
-        _flag("model"), model_path(isvc),
-        "--served-model-name", served_model_name(isvc),
-        _flag("role"), role,
-        _flag("tp_size"), str(block.tensor_parallel_size),
-        "--host", "0.0.0.0",
-        "--port", str(contract.ENGINE_PORT),
+        _flag("model"),
+        model_path(isvc),
+        "--served-model-name",
+        served_model_name(isvc),
+        _flag("role"),
+        role,
+        _flag("tp_size"),
+        str(block.tensor_parallel_size),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(contract.ENGINE_PORT),
         *_option_args(engine, _ALWAYS_SET),
-        "--log-level", engine.log_level,
-        "--shutdown-timeout", str(engine.shutdown_timeout_seconds),
+        "--log-level",
+        engine.log_level,
+        "--shutdown-timeout",
+        str(engine.shutdown_timeout_seconds),
     ]
     if role == contract.PREFILL:
         args += [_flag("disaggregation_bootstrap_port"), str(contract.BOOTSTRAP_PORT)]
@@ -174,8 +190,9 @@ def _model_volume(isvc: InferenceService) -> Object:
     return {"name": "model", "emptyDir": empty_dir}
 
 
-def _model_container(isvc: InferenceService, name: str, command: list[str], args: list[str],
-                     env: list[Object]) -> Object:
+def _model_container(
+    isvc: InferenceService, name: str, command: list[str], args: list[str], env: list[Object]
+) -> Object:
     """An init container that writes the model into the shared emptyDir before the engine starts."""
     pull, _ = image_pull(isvc)
     return {
@@ -202,11 +219,21 @@ def _model_init_container(isvc: InferenceService) -> Object | None:
         if source.token_secret is not None:
             ref = {"name": source.token_secret.name, "key": source.token_secret.key}
             env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
-        return _model_container(isvc, "download-model", ["hf", "download", source.repo],
-                                ["--revision", source.revision, "--local-dir", HF_DOWNLOAD_DIR], env)
+        return _model_container(
+            isvc,
+            "download-model",
+            ["hf", "download", source.repo],
+            ["--revision", source.revision, "--local-dir", HF_DOWNLOAD_DIR],
+            env,
+        )
     if model.tiny is not None:
-        return _model_container(isvc, "make-model", ["kubesgl"],
-                                ["make-tiny-model", TINY_MODEL_DIR, "--arch", model.tiny.arch], [])
+        return _model_container(
+            isvc,
+            "make-model",
+            ["kubesgl"],
+            ["make-tiny-model", TINY_MODEL_DIR, "--arch", model.tiny.arch],
+            [],
+        )
     return None
 
 
@@ -249,7 +276,9 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
         "automountServiceAccountToken": False,  # engines never talk to the API server
         "enableServiceLinks": False,
         "securityContext": pod_security_context(),
-        "terminationGracePeriodSeconds": engine_grace_period_seconds(isvc.spec.engine.shutdown_timeout_seconds),
+        "terminationGracePeriodSeconds": engine_grace_period_seconds(
+            isvc.spec.engine.shutdown_timeout_seconds
+        ),
         "containers": [container],
         "volumes": [
             _model_volume(isvc),

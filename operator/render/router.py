@@ -31,10 +31,14 @@ def router_args(isvc: InferenceService) -> list[str]:
     selectors = naming.selector_labels(isvc.metadata.name)
     args = [
         "router",
-        "--host", "0.0.0.0",
-        "--port", str(contract.ROUTER_PORT),
-        "--policy", router.policy,
-        "--kube-namespace", isvc.metadata.namespace,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(contract.ROUTER_PORT),
+        "--policy",
+        router.policy,
+        "--kube-namespace",
+        isvc.metadata.namespace,
     ]
     for key, value in selectors.items():
         args += ["--kube-selector", f"{key}={value}"]
@@ -157,8 +161,12 @@ def router_service(isvc: InferenceService) -> Object:
             "type": isvc.spec.router.service_type,
             "selector": naming.selector_labels(isvc.metadata.name, contract.ROUTER),
             "ports": [
-                {"name": "http", "port": contract.ROUTER_PORT, "targetPort": "http",
-                 "protocol": "TCP"}
+                {
+                    "name": "http",
+                    "port": contract.ROUTER_PORT,
+                    "targetPort": "http",
+                    "protocol": "TCP",
+                }
             ],
         },
     }

@@ -29,8 +29,16 @@ def test_greedy_equals_transformers_on_cuda(arch, overlap, page_size, tiny_model
     path = tiny_model(arch)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     batch = prompts(6, seed=len(arch))
-    with LLM(path, device="cuda", dtype="float32", attention_backend="torch", page_size=page_size, chunked_prefill_size=48,
-             disable_overlap_schedule=not overlap, max_total_tokens=8192) as llm:
+    with LLM(
+        path,
+        device="cuda",
+        dtype="float32",
+        attention_backend="torch",
+        page_size=page_size,
+        chunked_prefill_size=48,
+        disable_overlap_schedule=not overlap,
+        max_total_tokens=8192,
+    ) as llm:
         outputs = llm.generate(batch, SamplingParams(max_tokens=24, temperature=0))
         # the same prompts again: now served from the radix cache
         again = llm.generate(batch, SamplingParams(max_tokens=24, temperature=0))
@@ -39,16 +47,31 @@ def test_greedy_equals_transformers_on_cuda(arch, overlap, page_size, tiny_model
         scheduler.check_integrity()
     for prompt, out, cached in zip(batch, outputs, again):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24, do_sample=False)
-        assert out.token_ids == ref[0, len(prompt):].tolist()
+            ref = hf.generate(
+                torch.tensor([prompt], device="cuda"), max_new_tokens=24, do_sample=False
+            )
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
         assert cached.token_ids == out.token_ids
 
 
 def test_sampling_with_every_option_on_cuda(tiny_model):
     with LLM(tiny_model("qwen3"), device="cuda", dtype="bfloat16", max_total_tokens=8192) as llm:
-        params = [SamplingParams(max_tokens=20, temperature=0.9, top_k=20, top_p=0.9, min_p=0.05, seed=s,
-                                 repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.3,
-                                 ignore_eos=True, logprobs=3) for s in range(16)]
+        params = [
+            SamplingParams(
+                max_tokens=20,
+                temperature=0.9,
+                top_k=20,
+                top_p=0.9,
+                min_p=0.05,
+                seed=s,
+                repetition_penalty=1.2,
+                frequency_penalty=0.3,
+                presence_penalty=0.3,
+                ignore_eos=True,
+                logprobs=3,
+            )
+            for s in range(16)
+        ]
         first = llm.generate(prompts(16, seed=1), params)
         second = llm.generate(prompts(16, seed=1), params)
     assert [o.token_ids for o in first] == [o.token_ids for o in second]
@@ -64,10 +87,17 @@ def test_retraction_storm_on_cuda_returns_what_a_large_pool_returns(backend, tin
 
     if backend == "flashinfer":
         pytest.importorskip("flashinfer")
-    path, batch = tiny_model("llama", head_dim=64), prompts(24, seed=5)  # FlashInfer needs 64, 128 or 256
+    path, batch = (
+        tiny_model("llama", head_dim=64),
+        prompts(24, seed=5),
+    )  # FlashInfer needs 64, 128 or 256
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    common = dict(device="cuda", dtype="float32" if backend != "flashinfer" else "float16",
-                  attention_backend=backend, page_size=16)
+    common = dict(
+        device="cuda",
+        dtype="float32" if backend != "flashinfer" else "float16",
+        attention_backend=backend,
+        page_size=16,
+    )
     with LLM(path, max_total_tokens=16384, **common) as llm:
         reference = llm.generate(batch, params)
     with LLM(path, max_total_tokens=256, **common) as llm:

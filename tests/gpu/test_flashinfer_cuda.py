@@ -18,17 +18,26 @@ from kubesgl.engine.forward_batch import ForwardMode
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 
 pytestmark = pytest.mark.gpu
-pytest.importorskip("flashinfer", reason="FlashInfer is not installed here: pip install 'kubesgl[flashinfer]'")
+pytest.importorskip(
+    "flashinfer", reason="FlashInfer is not installed here: pip install 'kubesgl[flashinfer]'"
+)
 
 
-@pytest.mark.parametrize("dtype,kv_dtype,head_dim,window", [
-    (torch.float16, torch.float16, 64, None), (torch.float16, torch.float16, 64, 37),
-    (torch.bfloat16, torch.bfloat16, 128, None), (torch.bfloat16, torch.bfloat16, 128, 37),
-    (torch.bfloat16, torch.float8_e4m3fn, 128, None),  # --kv-cache-dtype fp8_e4m3
-])
+@pytest.mark.parametrize(
+    "dtype,kv_dtype,head_dim,window",
+    [
+        (torch.float16, torch.float16, 64, None),
+        (torch.float16, torch.float16, 64, 37),
+        (torch.bfloat16, torch.bfloat16, 128, None),
+        (torch.bfloat16, torch.bfloat16, 128, 37),
+        (torch.bfloat16, torch.float8_e4m3fn, 128, None),  # --kv-cache-dtype fp8_e4m3
+    ],
+)
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 @pytest.mark.parametrize("backend", ["flashinfer", "triton"])
-def test_attention_matches_torch_backend(backend, dtype, kv_dtype, head_dim, window, mode, attention_batch):
+def test_attention_matches_torch_backend(
+    backend, dtype, kv_dtype, head_dim, window, mode, attention_batch
+):
     device = torch.device("cuda")
     heads, kv_heads, layers = 8, 2, 2
     pool = KVPool(16384, layers, kv_heads, head_dim, kv_dtype, device, compute_dtype=dtype)
@@ -37,11 +46,17 @@ def test_attention_matches_torch_backend(backend, dtype, kv_dtype, head_dim, win
     for layer in range(layers):
         pool.k[layer].copy_(torch.randn(pool.k[layer].shape, generator=gen))
         pool.v[layer].copy_(torch.randn(pool.v[layer].shape, generator=gen))
-    table.table.copy_((torch.randperm(16383, generator=gen)[:8 * 1024] + 1).view(8, 1024))  # scattered slots
-    specs = [AttentionLayerSpec(i, heads, kv_heads, head_dim, head_dim**-0.5, window if i else None)
-             for i in range(layers)]
+    table.table.copy_(
+        (torch.randperm(16383, generator=gen)[: 8 * 1024] + 1).view(8, 1024)
+    )  # scattered slots
+    specs = [
+        AttentionLayerSpec(i, heads, kv_heads, head_dim, head_dim**-0.5, window if i else None)
+        for i in range(layers)
+    ]
     seq_lens, rows = [300, 1, 77, 1000], [5, 0, 3, 7]
-    extend_lens = [1] * 4 if mode is ForwardMode.DECODE else [300, 1, 20, 129]  # whole prompts and cached prefixes
+    extend_lens = (
+        [1] * 4 if mode is ForwardMode.DECODE else [300, 1, 20, 129]
+    )  # whole prompts and cached prefixes
     batch = attention_batch(mode, seq_lens, extend_lens, rows, table.table)
     q = torch.randn(sum(extend_lens), heads, head_dim, generator=gen).to(dtype).to(device)
     k = torch.randn(sum(extend_lens), kv_heads, head_dim, generator=gen).to(dtype).to(device)
@@ -62,7 +77,9 @@ def agreed_until_near_tie(reference, candidate, tie: float = 0.05) -> bool:
     for step, (a, b) in enumerate(zip(reference.token_ids, candidate.token_ids)):
         if a != b:
             (_, first), (_, second) = sorted(reference.logprobs[step].top, key=lambda t: -t[1])[:2]
-            assert first - second < tie, f"step {step}: {a} != {b} with a margin of {first - second:.3f}"
+            assert first - second < tie, (
+                f"step {step}: {a} != {b} with a margin of {first - second:.3f}"
+            )
             return False
     assert len(reference.token_ids) == len(candidate.token_ids)
     return True
@@ -74,11 +91,19 @@ def test_flashinfer_generations_equal_torch_backend(arch, tiny_model):
     rng = random.Random(3)
     batch = [[rng.randrange(3, 600) for _ in range(rng.randint(1, 150))] for _ in range(12)]
     params = SamplingParams(max_tokens=32, temperature=0, logprobs=2)
-    common = dict(device="cuda", dtype="float16", page_size=16, max_total_tokens=16384, max_running_requests=16)
+    common = dict(
+        device="cuda",
+        dtype="float16",
+        page_size=16,
+        max_total_tokens=16384,
+        max_running_requests=16,
+    )
     with LLM(path, attention_backend="torch", **common) as reference:
         expected = reference.generate(batch, params)
     for cuda_graph in (True, False):
-        with LLM(path, attention_backend="flashinfer", disable_cuda_graph=not cuda_graph, **common) as llm:
+        with LLM(
+            path, attention_backend="flashinfer", disable_cuda_graph=not cuda_graph, **common
+        ) as llm:
             assert (llm.engine.executor.runner.cuda_graphs is not None) == cuda_graph
             got = llm.generate(batch, params)
             again = llm.generate(batch, params)  # served from the prefix cache

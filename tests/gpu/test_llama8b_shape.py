@@ -20,8 +20,15 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0, logprobs=5, ignore_eos=True
 def generate(backend: str):
     rng = random.Random(5)
     batch = [[rng.randrange(3, 128000) for _ in range(rng.randint(1, 150))] for _ in range(4)]
-    with LLM(LLAMA_8B, load_format="dummy", dtype="bfloat16", attention_backend=backend, max_total_tokens=8192,
-             max_running_requests=8, context_length=1024) as llm:
+    with LLM(
+        LLAMA_8B,
+        load_format="dummy",
+        dtype="bfloat16",
+        attention_backend=backend,
+        max_total_tokens=8192,
+        max_running_requests=8,
+        context_length=1024,
+    ) as llm:
         outputs = llm.generate(batch, PARAMS)
     torch.cuda.empty_cache()
     return outputs
@@ -32,11 +39,19 @@ def reference():
     return generate("torch")
 
 
-@pytest.mark.parametrize("backend", [
-    "triton",
-    pytest.param("flashinfer", marks=pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
-                                                         reason="FlashInfer is not installed here: pip install 'kubesgl[flashinfer]'")),
-])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "triton",
+        pytest.param(
+            "flashinfer",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("flashinfer") is None,
+                reason="FlashInfer is not installed here: pip install 'kubesgl[flashinfer]'",
+            ),
+        ),
+    ],
+)
 def test_first_token_distribution_within_bf16_tolerance(backend, reference):
     for ref, got in zip(reference, generate(backend)):
         # first token: same context, so the distributions must agree within bf16 rounding

@@ -20,9 +20,16 @@ from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 from kubesgl.engine.messages import GenerateRequest
 
 pytestmark = pytest.mark.gpu
-BACKENDS = ["triton", pytest.param("flashinfer", marks=pytest.mark.skipif(
-    importlib.util.find_spec("flashinfer") is None, reason="FlashInfer is not installed here: "
-                                                          "pip install 'kubesgl[flashinfer]'"))]
+BACKENDS = [
+    "triton",
+    pytest.param(
+        "flashinfer",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("flashinfer") is None,
+            reason="FlashInfer is not installed here: pip install 'kubesgl[flashinfer]'",
+        ),
+    ),
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -34,21 +41,26 @@ def test_mixed_attention_matches_the_torch_extend_path(backend, window, attentio
     gen = torch.Generator().manual_seed(0)
     pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
     pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
-    table.table.copy_((torch.randperm(16383, generator=gen)[:8 * 1024] + 1).view(8, 1024))
+    table.table.copy_((torch.randperm(16383, generator=gen)[: 8 * 1024] + 1).view(8, 1024))
     spec = [AttentionLayerSpec(0, heads, kv_heads, head_dim, head_dim**-0.5, window)]
     # two prompt chunks (one after a cached prefix), then three decodes
     seq_lens, extend_lens, rows = [300, 77, 1000, 1, 513], [300, 20, 1, 1, 1], [5, 0, 3, 7, 2]
-    batch = dataclasses.replace(attention_batch(ForwardMode.MIXED, seq_lens, extend_lens, rows, table.table),
-                                prefill_rows=2)
+    batch = dataclasses.replace(
+        attention_batch(ForwardMode.MIXED, seq_lens, extend_lens, rows, table.table), prefill_rows=2
+    )
     q = torch.randn(sum(extend_lens), heads, head_dim, generator=gen).to(dtype).to(device)
     k = torch.randn(sum(extend_lens), kv_heads, head_dim, generator=gen).to(dtype).to(device)
     v = torch.randn(sum(extend_lens), kv_heads, head_dim, generator=gen).to(dtype).to(device)
-    reference = create_backend("torch", kv_pool=pool, req_to_token=table, layers=spec)  # MIXED as one extend
+    reference = create_backend(
+        "torch", kv_pool=pool, req_to_token=table, layers=spec
+    )  # MIXED as one extend
     reference.prepare(batch)
     expected = reference.forward(q, k, v, spec[0], batch).float()
     mixed = MixedAttention(create_backend(backend, kv_pool=pool, req_to_token=table, layers=spec))
     mixed.prepare(batch)
-    torch.testing.assert_close(mixed.forward(q, k, v, spec[0], batch).float(), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        mixed.forward(q, k, v, spec[0], batch).float(), expected, atol=2e-2, rtol=2e-2
+    )
 
 
 def long_prompts_while_decoding(llm: LLM, seed: int) -> tuple[dict[str, list], list[str]]:
@@ -63,8 +75,13 @@ def long_prompts_while_decoding(llm: LLM, seed: int) -> tuple[dict[str, list], l
     def submit(rid: str, length: int) -> None:
         prompt = [rng.randrange(3, 600) for _ in range(length)]
         tokens[rid] = []
-        engine.add_request(GenerateRequest(rid=rid, input_ids=prompt, params=SamplingParams(
-            max_tokens=48, temperature=0, ignore_eos=True, logprobs=2)))
+        engine.add_request(
+            GenerateRequest(
+                rid=rid,
+                input_ids=prompt,
+                params=SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, logprobs=2),
+            )
+        )
 
     def step() -> None:
         for out in engine.step():
@@ -90,7 +107,9 @@ def agreed_until_near_tie(reference: list, candidate: list, tie: float = 0.05) -
     for step, (a, b) in enumerate(zip(reference, candidate)):
         if a.token_id != b.token_id:
             (_, first), (_, second) = sorted(a.top, key=lambda t: -t[1])[:2]
-            assert first - second < tie, f"step {step}: {a.token_id} != {b.token_id}, margin {first - second:.3f}"
+            assert first - second < tie, (
+                f"step {step}: {a.token_id} != {b.token_id}, margin {first - second:.3f}"
+            )
             return False
     assert len(reference) == len(candidate)
     return True
@@ -104,8 +123,15 @@ def test_mixed_chunk_generations_equal_separate_steps(arch, backend, page_size, 
     differently (float32 for Triton, float16 for FlashInfer, which has no float32 kernels):
     the runs must agree until a near tie, and most of them throughout."""
     dtype = "float32" if backend == "triton" else "float16"
-    common = dict(device="cuda", dtype=dtype, page_size=page_size, max_total_tokens=32768, max_running_requests=16,
-                  chunked_prefill_size=128, attention_backend=backend)
+    common = dict(
+        device="cuda",
+        dtype=dtype,
+        page_size=page_size,
+        max_total_tokens=32768,
+        max_running_requests=16,
+        chunked_prefill_size=128,
+        attention_backend=backend,
+    )
     path = tiny_model(arch, head_dim=64)
     with LLM(path, **common) as llm:
         expected, modes = long_prompts_while_decoding(llm, seed=5)

@@ -23,7 +23,13 @@ def test_triton_backend_greedy_equals_torch_backend(arch, cuda_graph, tiny_model
     path = tiny_model(arch)
     batch = prompts(12, seed=3)
     params = SamplingParams(max_tokens=32, temperature=0)
-    common = dict(device="cuda", dtype="float32", page_size=16, max_total_tokens=16384, max_running_requests=16)
+    common = dict(
+        device="cuda",
+        dtype="float32",
+        page_size=16,
+        max_total_tokens=16384,
+        max_running_requests=16,
+    )
     with LLM(path, attention_backend="torch", **common) as reference:
         expected = [o.token_ids for o in reference.generate(batch, params)]
     with LLM(path, attention_backend="triton", disable_cuda_graph=not cuda_graph, **common) as llm:

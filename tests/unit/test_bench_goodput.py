@@ -6,7 +6,9 @@ from kubesgl.bench.serving import RequestResult, Slo, format_table, summarize
 
 
 def result(ttft: float, itls: list[float], ok: bool = True) -> RequestResult:
-    return RequestResult(ok=ok, prompt_len=8, output_len=len(itls) + 1, ttft=ttft, e2e=ttft + sum(itls), itls=itls)
+    return RequestResult(
+        ok=ok, prompt_len=8, output_len=len(itls) + 1, ttft=ttft, e2e=ttft + sum(itls), itls=itls
+    )
 
 
 def test_goodput_counts_the_requests_within_both_bounds():

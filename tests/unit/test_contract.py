@@ -23,7 +23,9 @@ for package in (kubesgl.router, kubesgl.operator, kubesgl.up):
 
 
 def test_contract_router_and_operator_import_without_torch():
-    result = subprocess.run([sys.executable, "-c", IMPORT_ALL], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -44,10 +44,21 @@ def test_rendered_engine_args_parse_with_kubesgl_serve(path):
 def test_every_engine_option_of_the_crd_reaches_the_engine():
     """Each `spec.engine` field set to a non-default value changes the rendered command line."""
     base = yaml.safe_load(EXAMPLES[0].read_text())
-    values = {"dtype": "float16", "loadFormat": "dummy", "pageSize": 16, "maxRunningRequests": 8,
-              "chunkedPrefillSize": 512, "maxTotalTokens": 4096, "attentionBackend": "flashinfer",
-              "kvCacheDtype": "fp8_e4m3", "disableRadixCache": True, "disableOverlapSchedule": True,
-              "disableCudaGraph": True, "logLevel": "debug", "shutdownTimeoutSeconds": 7}
+    values = {
+        "dtype": "float16",
+        "loadFormat": "dummy",
+        "pageSize": 16,
+        "maxRunningRequests": 8,
+        "chunkedPrefillSize": 512,
+        "maxTotalTokens": 4096,
+        "attentionBackend": "flashinfer",
+        "kvCacheDtype": "fp8_e4m3",
+        "disableRadixCache": True,
+        "disableOverlapSchedule": True,
+        "disableCudaGraph": True,
+        "logLevel": "debug",
+        "shutdownTimeoutSeconds": 7,
+    }
     from kubesgl.engine.server.cli import build_parser
 
     unchanged = build_parser().parse_args(engine_args(base))

@@ -16,7 +16,9 @@ DASHBOARDS = ROOT / "charts" / "kubesgl" / "dashboards"
 
 
 def builder():
-    spec = importlib.util.spec_from_file_location("build_dashboard", DASHBOARDS / "build_dashboard.py")
+    spec = importlib.util.spec_from_file_location(
+        "build_dashboard", DASHBOARDS / "build_dashboard.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -56,7 +58,10 @@ def exported_metric_names() -> set[str]:
 
     engine = EngineMetrics("mixed")
     engine.requests.labels(role="mixed", finish_reason="stop").inc()
-    texts = [generate_latest(engine.registry).decode(), generate_latest(EngineMetrics("prefill").registry).decode()]
+    texts = [
+        generate_latest(engine.registry).decode(),
+        generate_latest(EngineMetrics("prefill").registry).decode(),
+    ]
     workers = WorkerRegistry()
     workers.add("http://worker:30000", Role.MIXED)
     router = RouterMetrics(workers)
@@ -65,7 +70,12 @@ def exported_metric_names() -> set[str]:
     router.cache_decisions.labels(decision="hit").inc()
     router.retries.inc()
     texts.append(router.render().decode())
-    return {sample.name for text in texts for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {
+        sample.name
+        for text in texts
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 def test_committed_dashboard_is_the_generated_one():
@@ -99,7 +109,11 @@ def test_idle_intervals_give_no_nan_and_bursts_show():
             assert expr.endswith(">= 0"), expr
     for role in ("Mixed", "Prefill", "Decode"):
         row = [target["expr"] for panel in rows()[f"{role} engines"] for target in panel["targets"]]
-        for metric in ("kubesgl_num_waiting_requests", "kubesgl_num_running_requests", "kubesgl_kv_cache_usage_ratio"):
+        for metric in (
+            "kubesgl_num_waiting_requests",
+            "kubesgl_num_running_requests",
+            "kubesgl_kv_cache_usage_ratio",
+        ):
             assert any(f"max_over_time({metric}" in expr for expr in row), (role, metric)
     load = [expr for expr in exprs if "kubesgl_router_worker_load" in expr]
     assert load and all(expr.startswith("sum by (worker)") for expr in load)
@@ -110,19 +124,33 @@ def test_a_row_per_role_for_the_router_pd_and_scrape_health():
     """Issue 15, Build 2: each engine row reads its own role only, every engine query follows the
     model variable (the router's series and `up` have no model_name: they must not), and the
     P/D, router and scrape rows read what they are named after."""
-    by_row = {title: [target["expr"] for panel in panels for target in panel["targets"]]
-              for title, panels in rows().items()}
-    assert list(by_row) == ["Router", "Mixed engines", "Prefill engines", "Decode engines",
-                            "Prefill/decode: KV transfers and rooms", "Scrape health"]
+    by_row = {
+        title: [target["expr"] for panel in panels for target in panel["targets"]]
+        for title, panels in rows().items()
+    }
+    assert list(by_row) == [
+        "Router",
+        "Mixed engines",
+        "Prefill engines",
+        "Decode engines",
+        "Prefill/decode: KV transfers and rooms",
+        "Scrape health",
+    ]
     for role in ("mixed", "prefill", "decode"):
         for expr in by_row[f"{role.capitalize()} engines"]:
             assert re.findall(r'role=~?"([^"]*)"', expr) == [role] * expr.count("role="), expr
             assert "kubesgl_router_" not in expr and "kubesgl_disagg_" not in expr, expr
-    engine_metrics = [expr for expr in queries() if re.search(r"\bkubesgl_(?!router_)", expr)
-                      and not expr.startswith("label_values(")]
+    engine_metrics = [
+        expr
+        for expr in queries()
+        if re.search(r"\bkubesgl_(?!router_)", expr) and not expr.startswith("label_values(")
+    ]
     assert all('model_name=~"$model"' in expr for expr in engine_metrics)
     assert not any("model_name" in expr for expr in by_row["Router"] + by_row["Scrape health"])
-    assert all(re.search(r"\bkubesgl_(kv_transfer|disagg)_", expr) for expr in by_row["Prefill/decode: KV transfers and rooms"])
+    assert all(
+        re.search(r"\bkubesgl_(kv_transfer|disagg)_", expr)
+        for expr in by_row["Prefill/decode: KV transfers and rooms"]
+    )
     assert all("kubesgl_router_" in expr for expr in by_row["Router"])
     assert any(expr.startswith("min by (pod) (up{") for expr in by_row["Scrape health"])
     # the router shows per-worker failures by pod name where discovery knows it
@@ -135,6 +163,10 @@ def test_panels_do_not_overlap():
     taken: set[tuple[int, int]] = set()
     for panel in committed()["panels"]:
         grid = panel["gridPos"]
-        cells = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        cells = {
+            (x, y)
+            for x in range(grid["x"], grid["x"] + grid["w"])
+            for y in range(grid["y"], grid["y"] + grid["h"])
+        }
         assert not cells & taken, panel["title"]
         taken |= cells

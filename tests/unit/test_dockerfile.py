@@ -35,8 +35,11 @@ def test_copies_every_folder_the_package_is_built_from():
     assert needed <= copied
     for source in copied:
         assert (ROOT / source).exists(), source
-    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.startswith("!")}
+    allowed = {
+        line[1:].rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
     assert needed <= allowed
 
 
@@ -50,7 +53,9 @@ def test_one_dockerfile_builds_the_gpu_image_and_its_cpu_variant():
     where auto attention takes FlashInfer."""
     assert instructions("ARG")[0] == "DEVICE=cuda"
     stages = {line.split()[-1]: line.split()[0] for line in instructions("FROM") if " AS " in line}
-    assert stages["base-cuda"].startswith("nvidia/cuda:") and stages["base-cpu"].startswith("ubuntu:")
+    assert stages["base-cuda"].startswith("nvidia/cuda:") and stages["base-cpu"].startswith(
+        "ubuntu:"
+    )
     assert instructions("FROM")[-1] == "base-${DEVICE}"
     cuda, cpu = DOCKERFILE.split("AS base-cuda")[1].split("AS base-cpu")
     assert "whl/cu130" in cuda and "KUBESGL_EXTRAS=flashinfer" in cuda

@@ -16,7 +16,11 @@ import pytest
 from kubesgl.cli import SUBCOMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
+PAGES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "benchmarks" / "README.md",
+]
 COMMANDS = [name for name in SUBCOMMANDS if name != "bench"] + ["bench serving"]
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
@@ -48,7 +52,9 @@ def quoted_code(text: str) -> list[str]:
     """Shell blocks (bash, console, sh; continued lines joined) and inline code spans."""
     blocks = re.findall(r"```(?:bash|console|sh)\n(.*?)```", text, flags=re.S)
     text_outside = re.sub(r"```.*?```", "", text, flags=re.S)
-    return [block.replace("\\\n", " ") for block in blocks] + re.findall(r"`([^`\n]+)`", text_outside)
+    return [block.replace("\\\n", " ") for block in blocks] + re.findall(
+        r"`([^`\n]+)`", text_outside
+    )
 
 
 def command_lines(code: str) -> list[tuple[str, str]]:
@@ -58,31 +64,60 @@ def command_lines(code: str) -> list[tuple[str, str]]:
     for line in code.splitlines():
         for part in re.split(r"\bkubesgl\b", line)[1:]:
             part = re.split(r"&&|\|\||[|;]", part)[0].strip()
-            command = next((c for c in sorted(COMMANDS, key=len, reverse=True)
-                            if part == c or part.startswith(c + " ")), None)
+            command = next(
+                (
+                    c
+                    for c in sorted(COMMANDS, key=len, reverse=True)
+                    if part == c or part.startswith(c + " ")
+                ),
+                None,
+            )
             if command is not None:
-                found.append((command, part[len(command):]))
+                found.append((command, part[len(command) :]))
     return found
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_flag_of_a_quoted_command_is_the_commands(page, flags):
-    quoted = [(command, args) for code in quoted_code(page.read_text()) for command, args in command_lines(code)]
-    unknown = [f"kubesgl {command}{args}: {flag}" for command, args in quoted for flag in FLAG.findall(args)
-               if flag not in flags[command]]
+    quoted = [
+        (command, args)
+        for code in quoted_code(page.read_text())
+        for command, args in command_lines(code)
+    ]
+    unknown = [
+        f"kubesgl {command}{args}: {flag}"
+        for command, args in quoted
+        for flag in FLAG.findall(args)
+        if flag not in flags[command]
+    ]
     assert not unknown, f"{page.name} quotes flags its commands do not have:\n" + "\n".join(unknown)
 
 
-@pytest.mark.parametrize(("page", "command"), [("docs/server.md", "serve"), ("docs/router.md", "router")])
+@pytest.mark.parametrize(
+    ("page", "command"), [("docs/server.md", "serve"), ("docs/router.md", "router")]
+)
 def test_the_flags_a_commands_page_quotes_are_the_commands(page, command, flags):
-    spans = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", (ROOT / page).read_text(), flags=re.S))
-    unknown = sorted({flag for span in spans if "kubesgl" not in span and "sglang" not in span
-                      for flag in FLAG.findall(span)} - flags[command])
+    spans = re.findall(
+        r"`([^`\n]+)`", re.sub(r"```.*?```", "", (ROOT / page).read_text(), flags=re.S)
+    )
+    unknown = sorted(
+        {
+            flag
+            for span in spans
+            if "kubesgl" not in span and "sglang" not in span
+            for flag in FLAG.findall(span)
+        }
+        - flags[command]
+    )
     assert not unknown, f"{page} quotes flags `kubesgl {command}` does not have: {unknown}"
 
 
 def test_the_check_finds_a_flag_a_command_lacks(flags):
-    (command, args), = command_lines("kubesgl serve --model m --no-such-flag 1 && kubesgl router --port 1")[:1]
+    ((command, args),) = command_lines(
+        "kubesgl serve --model m --no-such-flag 1 && kubesgl router --port 1"
+    )[:1]
     assert command == "serve" and "--no-such-flag" in FLAG.findall(args)
     assert "--no-such-flag" not in flags["serve"]
-    assert command_lines("kubesgl bench serving --base-url u") == [("bench serving", " --base-url u")]
+    assert command_lines("kubesgl bench serving --base-url u") == [
+        ("bench serving", " --base-url u")
+    ]

@@ -38,18 +38,43 @@ NOT_IN_CRD = {
 # spec.engine fields that are the pod's own settings (server flags, the pod spec), not EngineConfig's
 POD_SETTINGS = {"api_key_secret", "log_level", "shutdown_timeout_seconds", "extra_args"}
 # Flags of the commands that are not engine options
-SERVE_ONLY_FLAGS = {"--host", "--port", "--api-key", "--api-key-file", "--served-model-name", "--shutdown-timeout",
-                    "--log-level"}
+SERVE_ONLY_FLAGS = {
+    "--host",
+    "--port",
+    "--api-key",
+    "--api-key-file",
+    "--served-model-name",
+    "--shutdown-timeout",
+    "--log-level",
+}
 GENERATE_ONLY_FLAGS = {"--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed"}
 # A value other than the default for each engine option of spec.engine, to follow it into the pod
 CRD_SAMPLES = {
-    "device": "cpu", "dtype": "float16", "loadFormat": "dummy", "pageSize": 16, "maxRunningRequests": 8,
-    "chunkedPrefillSize": 512, "maxTotalTokens": 4096, "attentionBackend": "flashinfer",
-    "kvCacheDtype": "fp8_e4m3", "contextLength": 2048, "maxPrefillTokens": 1024, "memFractionStatic": 0.7,
-    "defaultMaxTokens": 256, "cudaGraphMaxBs": 64, "disaggregationTimeout": 30.0,
-    "maxSequencesPerRequest": 32, "maxStopStringLength": 64, "maxRequestBodyBytes": 1 << 20,
-    "maxPromptCharsPerToken": 8, "schedulePolicy": "lpm", "scheduleMaxWait": 2.5,
-    "disableRadixCache": True, "disableOverlapSchedule": True, "disableCudaGraph": True, "enableMixedChunk": True,
+    "device": "cpu",
+    "dtype": "float16",
+    "loadFormat": "dummy",
+    "pageSize": 16,
+    "maxRunningRequests": 8,
+    "chunkedPrefillSize": 512,
+    "maxTotalTokens": 4096,
+    "attentionBackend": "flashinfer",
+    "kvCacheDtype": "fp8_e4m3",
+    "contextLength": 2048,
+    "maxPrefillTokens": 1024,
+    "memFractionStatic": 0.7,
+    "defaultMaxTokens": 256,
+    "cudaGraphMaxBs": 64,
+    "disaggregationTimeout": 30.0,
+    "maxSequencesPerRequest": 32,
+    "maxStopStringLength": 64,
+    "maxRequestBodyBytes": 1 << 20,
+    "maxPromptCharsPerToken": 8,
+    "schedulePolicy": "lpm",
+    "scheduleMaxWait": 2.5,
+    "disableRadixCache": True,
+    "disableOverlapSchedule": True,
+    "disableCudaGraph": True,
+    "enableMixedChunk": True,
 }
 SPEC_OPTIONS = [name for name in EngineSpec.model_fields if name in ENGINE_OPTIONS]
 
@@ -61,13 +86,19 @@ def _parser(command: str) -> argparse.ArgumentParser:
     return {"serve": serve_parser, "generate": generate_parser}[command]()
 
 
-@pytest.mark.parametrize(("command", "own_flags", "required"), [
-    ("serve", SERVE_ONLY_FLAGS, ["--model", "m"]),
-    ("generate", GENERATE_ONLY_FLAGS, ["--model", "m", "--prompt", "p"]),
-])
+@pytest.mark.parametrize(
+    ("command", "own_flags", "required"),
+    [
+        ("serve", SERVE_ONLY_FLAGS, ["--model", "m"]),
+        ("generate", GENERATE_ONLY_FLAGS, ["--model", "m", "--prompt", "p"]),
+    ],
+)
 def test_the_command_line_has_exactly_the_engine_options_and_its_own(command, own_flags, required):
     parser = _parser(command)
-    flags = {flag for action in parser._actions for flag in action.option_strings} - {"-h", "--help"}
+    flags = {flag for action in parser._actions for flag in action.option_strings} - {
+        "-h",
+        "--help",
+    }
     assert flags - own_flags == {opt.flag for opt in CLI_OPTIONS}
     assert engine_config_from_args(parser.parse_args(required)) == EngineConfig(model="m")
 
@@ -92,8 +123,12 @@ def test_help_shows_every_flags_help_and_its_default_once(command):
 
 def test_every_engine_option_is_in_the_crd_or_deliberately_not():
     assert set(SPEC_OPTIONS).isdisjoint(NOT_IN_CRD)
-    assert set(SPEC_OPTIONS) | set(NOT_IN_CRD) == set(ENGINE_OPTIONS), "add it to EngineSpec or to NOT_IN_CRD"
-    assert set(EngineSpec.model_fields) == set(SPEC_OPTIONS) | POD_SETTINGS, "spec.engine field of no option"
+    assert set(SPEC_OPTIONS) | set(NOT_IN_CRD) == set(ENGINE_OPTIONS), (
+        "add it to EngineSpec or to NOT_IN_CRD"
+    )
+    assert set(EngineSpec.model_fields) == set(SPEC_OPTIONS) | POD_SETTINGS, (
+        "spec.engine field of no option"
+    )
     crd = yaml.safe_load((ROOT / "crds" / "inferenceservice.yaml").read_text())
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     crd_fields = set(spec["properties"]["engine"]["properties"])
@@ -118,11 +153,18 @@ def _just_outside(bounds: Bounds, step: float) -> list[float]:
 def test_the_crd_field_takes_only_what_the_engine_takes(name):
     opt, field = ENGINE_OPTIONS[name], EngineSpec.model_fields[name]
     value_type = field.annotation
-    if typing.get_origin(value_type) in (typing.Union, types.UnionType):  # `X | None`: None is unset
+    if typing.get_origin(value_type) in (
+        typing.Union,
+        types.UnionType,
+    ):  # `X | None`: None is unset
         (value_type,) = [t for t in typing.get_args(value_type) if t is not type(None)]
     if typing.get_origin(value_type) is typing.Literal:
-        assert set(typing.get_args(value_type)) <= set(opt.choices), f"{name}: choices the engine lacks"
-        assert typing.get_args(value_type) == tuple(c for c in opt.choices if c in typing.get_args(value_type))
+        assert set(typing.get_args(value_type)) <= set(opt.choices), (
+            f"{name}: choices the engine lacks"
+        )
+        assert typing.get_args(value_type) == tuple(
+            c for c in opt.choices if c in typing.get_args(value_type)
+        )
     else:
         assert value_type is opt.type and not opt.choices, name
     if field.default is not None:
@@ -138,8 +180,11 @@ def _serve_args(engine: dict) -> argparse.Namespace:
 
     isvc = yaml.safe_load((ROOT / "examples" / "mixed.yaml").read_text())
     isvc["spec"]["engine"] = engine
-    (deployment,) = [o for o in render(parse_inference_service(isvc))
-                     if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-mixed")]
+    (deployment,) = [
+        o
+        for o in render(parse_inference_service(isvc))
+        if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-mixed")
+    ]
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     return build_parser().parse_args(args[1:])
 
@@ -148,10 +193,14 @@ def test_every_engine_option_of_the_crd_reaches_kubesgl_serve():
     assert set(CRD_SAMPLES) == {to_camel(name) for name in SPEC_OPTIONS}, "give CRD_SAMPLES a value"
     for name in SPEC_OPTIONS:
         value = CRD_SAMPLES[to_camel(name)]
-        assert value != ENGINE_OPTIONS[name].default and value != EngineSpec.model_fields[name].default
+        assert (
+            value != ENGINE_OPTIONS[name].default and value != EngineSpec.model_fields[name].default
+        )
         assert getattr(_serve_args({to_camel(name): value}), name) == value, name
     parsed = _serve_args({})
-    for name in SPEC_OPTIONS:  # unset: the engine's own default (device and dtype have CRD defaults)
+    for (
+        name
+    ) in SPEC_OPTIONS:  # unset: the engine's own default (device and dtype have CRD defaults)
         default = EngineSpec.model_fields[name].default
         expected = ENGINE_OPTIONS[name].default if default is None else default
         assert getattr(parsed, name) == expected, name
@@ -175,7 +224,10 @@ def _default(opt: EngineOption) -> str:
 
 def option_table() -> str:
     """The markdown table of engine options that docs/server.md must contain."""
-    rows = ["| option | values | default | `spec.engine` | meaning |", "| --- | --- | --- | --- | --- |"]
+    rows = [
+        "| option | values | default | `spec.engine` | meaning |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for opt in CLI_OPTIONS:
         crd = f"`{to_camel(opt.name)}`" if opt.name in SPEC_OPTIONS else NOT_IN_CRD[opt.name]
         rows.append(f"| `{opt.flag}` | {_values(opt)} | {_default(opt)} | {crd} | {opt.help} |")
@@ -184,9 +236,12 @@ def option_table() -> str:
 
 def test_the_docs_table_lists_every_engine_option():
     docs = SERVER_DOCS.read_text()
-    found = re.search(r"<!-- engine options.*?-->\n(.*?)\n<!-- end of engine options -->", docs, flags=re.S)
+    found = re.search(
+        r"<!-- engine options.*?-->\n(.*?)\n<!-- end of engine options -->", docs, flags=re.S
+    )
     assert found, "docs/server.md lost its engine option table"
-    assert found.group(1) == option_table(), "docs/server.md: replace the table with\n" + option_table()
+    assert found.group(1) == option_table(), (
+        "docs/server.md: replace the table with\n" + option_table()
+    )
     for flag in SERVE_ONLY_FLAGS:
         assert f"`{flag}`" in docs, f"docs/server.md does not document {flag}"
-

@@ -50,7 +50,9 @@ def test_help_exits_0_and_every_flag_has_help_and_its_default_once(argv, monkeyp
         name = "/".join(action.option_strings) or action.dest
         assert action.help and action.help.strip(), f"{' '.join(argv)} {name} has no help"
         shown = formatter._expand_help(action)
-        assert len(DEFAULT_SAID.findall(shown)) <= 1, f"{' '.join(argv)} {name} says its default twice: {shown}"
+        assert len(DEFAULT_SAID.findall(shown)) <= 1, (
+            f"{' '.join(argv)} {name} says its default twice: {shown}"
+        )
         if shows_default(action):
             assert "default" in shown, f"{' '.join(argv)} {name} does not show its default: {shown}"
 

@@ -52,9 +52,12 @@ def test_every_engine_sample_names_the_served_model():
     exported = [s for family in families for s in family.samples]
     assert len(exported) > 100
     for sample in exported:
-        assert sample.labels["model_name"] == "Qwen/Qwen3-0.6B" and sample.labels["role"] == "decode", sample
+        assert (
+            sample.labels["model_name"] == "Qwen/Qwen3-0.6B" and sample.labels["role"] == "decode"
+        ), sample
     assert {"status": "400", "reason": "invalid_request"}.items() <= next(
-        s.labels for s in exported if s.name == "kubesgl_request_errors_total" and s.value == 1).items()
+        s.labels for s in exported if s.name == "kubesgl_request_errors_total" and s.value == 1
+    ).items()
     recorded = [s for family in metrics.registry.collect() for s in family.samples]
     assert len(recorded) == len(exported) and not any("model_name" in s.labels for s in recorded)
 
@@ -68,13 +71,19 @@ def test_every_router_counter_has_its_series_at_zero_from_the_start():
     for name, series in counters.items():
         assert series, f"{name} has no series before its first increment"
     assert {s["route"] for s in counters["kubesgl_router_pd_routes"]} == set(PD_ROUTES)
-    assert {s["decision"] for s in counters["kubesgl_router_cache_decisions"]} == set(CACHE_DECISIONS)
+    assert {s["decision"] for s in counters["kubesgl_router_cache_decisions"]} == set(
+        CACHE_DECISIONS
+    )
     requests = {(s["worker"], s["status"]) for s in counters["kubesgl_router_requests"]}
     for url in ("http://before:30000", "http://after:30000"):
         assert {(url, status) for status in WORKER_STATUSES} <= requests
     assert ("", "503") in requests
-    assert all(value == 0 for family in text_string_to_metric_families(metrics.render().decode())
-               if family.type == "counter" for value in (s.value for s in family.samples if s.name.endswith("_total")))
+    assert all(
+        value == 0
+        for family in text_string_to_metric_families(metrics.render().decode())
+        if family.type == "counter"
+        for value in (s.value for s in family.samples if s.name.endswith("_total"))
+    )
 
 
 # -- the router counts the answers it gives itself (issue 15, item 2) ------------------------
@@ -93,7 +102,13 @@ async def _call(app, method: str, path: str, body: bytes = b"", headers=()) -> i
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": method, "path": path, "headers": list(headers), "query_string": b""}
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "headers": list(headers),
+        "query_string": b"",
+    }
     await app(scope, receive, send)
     return next(m["status"] for m in sent if m["type"] == "http.response.start")
 
@@ -132,11 +147,20 @@ def test_the_routers_own_rejections_are_counted_by_status_and_reason():
     assert asyncio.run(scenario()) == [status for status, _ in calls]
     expected = {404: 2, 405: 1, 401: 1, 413: 1, 400: 1, 403: 1, 503: 1}
     for status, count in expected.items():
-        got = _counter(app.metrics, "kubesgl_router_rejections_total", status=str(status),
-                       reason=REJECTION_REASONS[status])
+        got = _counter(
+            app.metrics,
+            "kubesgl_router_rejections_total",
+            status=str(status),
+            reason=REJECTION_REASONS[status],
+        )
         assert got == count, (status, got)
-    total = sum(s.value for family in app.metrics.registry.collect() if family.name == "kubesgl_router_rejections"
-                for s in family.samples if s.name.endswith("_total"))
+    total = sum(
+        s.value
+        for family in app.metrics.registry.collect()
+        if family.name == "kubesgl_router_rejections"
+        for s in family.samples
+        if s.name.endswith("_total")
+    )
     assert total == sum(expected.values())
     # the no-worker answer is also the attempt counted without a worker, as before
     assert _counter(app.metrics, "kubesgl_router_requests_total", worker="", status="503") == 1
@@ -152,8 +176,10 @@ def test_the_router_writes_one_access_line_per_request_without_keys(caplog):
     async def scenario() -> list[int]:
         await app.startup()
         try:
-            return [await _call(app, "POST", "/v1/completions", b'{"prompt": "private words"}', wrong),
-                    await _call(app, "GET", "/health")]
+            return [
+                await _call(app, "POST", "/v1/completions", b'{"prompt": "private words"}', wrong),
+                await _call(app, "GET", "/health"),
+            ]
         finally:
             await app.shutdown()
 
@@ -176,14 +202,29 @@ def test_the_routers_workers_are_named_by_pod_where_discovery_knows_it():
     metrics = RouterMetrics(workers)
     workers.add("http://static:30000", Role.MIXED)
     watcher = PodWatcher(workers, "ns", {"app": "engine"}, 30000)
-    pod = {"metadata": {"name": "llama-mixed-5f7c9-abcde", "labels": {"app": "engine", "kubesgl.io/role": "mixed"}},
-           "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 30000}]}]},
-           "status": {"phase": "Running", "podIP": "10.0.0.7",
-                      "conditions": [{"type": "Ready", "status": "True"}]}}
+    pod = {
+        "metadata": {
+            "name": "llama-mixed-5f7c9-abcde",
+            "labels": {"app": "engine", "kubesgl.io/role": "mixed"},
+        },
+        "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 30000}]}]},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.7",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
     watcher._apply("llama-mixed-5f7c9-abcde", pod)
-    info = {(s.labels["worker"], s.labels["worker_pod"], s.labels["role"]) for family in metrics.registry.collect()
-            if family.name == "kubesgl_router_worker_info" for s in family.samples}
-    assert info == {("http://static:30000", "", "mixed"), ("http://10.0.0.7:30000", "llama-mixed-5f7c9-abcde", "mixed")}
+    info = {
+        (s.labels["worker"], s.labels["worker_pod"], s.labels["role"])
+        for family in metrics.registry.collect()
+        if family.name == "kubesgl_router_worker_info"
+        for s in family.samples
+    }
+    assert info == {
+        ("http://static:30000", "", "mixed"),
+        ("http://10.0.0.7:30000", "llama-mixed-5f7c9-abcde", "mixed"),
+    }
     assert workers.get("http://10.0.0.7:30000").describe()["pod"] == "llama-mixed-5f7c9-abcde"
 
 
@@ -202,7 +243,9 @@ def test_a_worker_that_turns_unhealthy_is_logged_with_the_reason(caplog):
 
     async def check() -> None:
         async with aiohttp.ClientSession() as session:
-            await HealthChecker(workers, session, HealthSettings(failure_threshold=1), {}).check(worker)
+            await HealthChecker(workers, session, HealthSettings(failure_threshold=1), {}).check(
+                worker
+            )
 
     other = workers.add("http://127.0.0.2:30000", Role.MIXED)
     other.healthy = True
@@ -210,9 +253,17 @@ def test_a_worker_that_turns_unhealthy_is_logged_with_the_reason(caplog):
         asyncio.run(check())
         workers.mark_lost(other)
     lines = [r.getMessage() for r in caplog.records]
-    assert any(line.startswith(f"worker http://127.0.0.1:{port} is now unhealthy: 1 failed health checks, the "
-                               "last: GET /health failed: ") for line in lines), lines
-    assert "worker http://127.0.0.2:30000 is now unhealthy: its connection broke during a request" in lines
+    assert any(
+        line.startswith(
+            f"worker http://127.0.0.1:{port} is now unhealthy: 1 failed health checks, the "
+            "last: GET /health failed: "
+        )
+        for line in lines
+    ), lines
+    assert (
+        "worker http://127.0.0.2:30000 is now unhealthy: its connection broke during a request"
+        in lines
+    )
 
 
 def test_a_removed_workers_series_go_with_it():
@@ -226,9 +277,15 @@ def test_a_removed_workers_series_go_with_it():
     metrics = RouterMetrics(workers)
     kept = workers.add("http://kept:30000", Role.MIXED)
     watcher = PodWatcher(workers, "ns", {"app": "engine"}, 30000)
-    pod = {"metadata": {"name": "llama-mixed-5f7c9-abcde", "labels": {"app": "engine"}},
-           "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 30000}]}]},
-           "status": {"phase": "Running", "podIP": "10.0.0.7", "conditions": [{"type": "Ready", "status": "True"}]}}
+    pod = {
+        "metadata": {"name": "llama-mixed-5f7c9-abcde", "labels": {"app": "engine"}},
+        "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 30000}]}]},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.7",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
     watcher._apply("llama-mixed-5f7c9-abcde", pod)
     gone = workers.get("http://10.0.0.7:30000")
     for worker, status in ((gone, "200"), (gone, "400"), (kept, "200")):
@@ -236,18 +293,34 @@ def test_a_removed_workers_series_go_with_it():
     late = Attempt(gone, metrics)  # still running when the pod goes
 
     def worker_urls() -> set[str]:
-        return {s.labels["worker"] for family in text_string_to_metric_families(metrics.render().decode())
-                for s in family.samples if "worker" in s.labels}
+        return {
+            s.labels["worker"]
+            for family in text_string_to_metric_families(metrics.render().decode())
+            for s in family.samples
+            if "worker" in s.labels
+        }
 
     assert worker_urls() == {"", "http://kept:30000", "http://10.0.0.7:30000"}
     watcher._apply("llama-mixed-5f7c9-abcde", None)  # the pod is deleted
     late.finish("200", worker_failed=False)
     assert worker_urls() == {"", "http://kept:30000"}
-    assert _counter(metrics, "kubesgl_router_requests_total", worker="http://kept:30000", status="200") == 1
+    assert (
+        _counter(metrics, "kubesgl_router_requests_total", worker="http://kept:30000", status="200")
+        == 1
+    )
     # the same URL joining again starts from zero, with its known statuses
     workers.add("http://10.0.0.7:30000", Role.MIXED, source="admin")
-    assert _counter(metrics, "kubesgl_router_requests_total", worker="http://10.0.0.7:30000", status="200") == 0
-    assert metrics.registry.get_sample_value(
-        "kubesgl_router_requests_total", {"worker": "http://10.0.0.7:30000", "status": "400"}) is None
+    assert (
+        _counter(
+            metrics, "kubesgl_router_requests_total", worker="http://10.0.0.7:30000", status="200"
+        )
+        == 0
+    )
+    assert (
+        metrics.registry.get_sample_value(
+            "kubesgl_router_requests_total", {"worker": "http://10.0.0.7:30000", "status": "400"}
+        )
+        is None
+    )
     workers.remove("http://10.0.0.7:30000")  # as DELETE /workers does
     assert worker_urls() == {"", "http://kept:30000"}

@@ -11,7 +11,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # The component folders and the links in kubesgl/ that make them kubesgl's subpackages
-COMPONENTS = {"engine": "kubesgl/engine", "router": "kubesgl/router", "operator": "kubesgl/operator"}
+COMPONENTS = {
+    "engine": "kubesgl/engine",
+    "router": "kubesgl/router",
+    "operator": "kubesgl/operator",
+}
 
 
 def test_the_component_folders_are_kubesgls_subpackages_through_links():
@@ -36,7 +40,9 @@ def test_every_package_folder_is_listed_in_pyproject():
     for folder in COMPONENTS:  # rglob does not descend into links
         for init in (ROOT / folder).rglob("__init__.py"):
             found.add(".".join(["kubesgl", *init.parent.relative_to(ROOT).parts]))
-    assert found == listed, f"missing from pyproject.toml: {sorted(found - listed)}; not a package: {sorted(listed - found)}"
+    assert found == listed, (
+        f"missing from pyproject.toml: {sorted(found - listed)}; not a package: {sorted(listed - found)}"
+    )
 
 
 def test_the_package_resolves_to_the_repositorys_files_from_the_root():
@@ -46,8 +52,10 @@ def test_the_package_resolves_to_the_repositorys_files_from_the_root():
     code = "import kubesgl.engine.config, kubesgl.router, kubesgl.operator.spec as s; print(kubesgl.engine.config.__file__, s.__file__)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == [str(ROOT / "kubesgl" / "engine" / "config.py"),
-                                     str(ROOT / "kubesgl" / "operator" / "spec.py")]
+    assert result.stdout.split() == [
+        str(ROOT / "kubesgl" / "engine" / "config.py"),
+        str(ROOT / "kubesgl" / "operator" / "spec.py"),
+    ]
 
 
 def test_the_operator_folder_never_shadows_the_standard_library():
@@ -58,12 +66,22 @@ def test_the_operator_folder_never_shadows_the_standard_library():
     import sys
 
     # -S: no site hooks, which may import the standard module first and hide the problem
-    bare = subprocess.run([sys.executable, "-S", "-c", "import operator; print(operator.__file__)"], cwd=ROOT,
-                          capture_output=True, text=True)
+    bare = subprocess.run(
+        [sys.executable, "-S", "-c", "import operator; print(operator.__file__)"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert bare.returncode == 0, bare.stderr
-    assert str(ROOT / "operator") not in bare.stdout, f"operator/ shadows the standard library: {bare.stdout}"
-    installed = subprocess.run([sys.executable, "-c", "import kubesgl.operator.render, operator; operator.itemgetter"],
-                               cwd=ROOT, capture_output=True, text=True)
+    assert str(ROOT / "operator") not in bare.stdout, (
+        f"operator/ shadows the standard library: {bare.stdout}"
+    )
+    installed = subprocess.run(
+        [sys.executable, "-c", "import kubesgl.operator.render, operator; operator.itemgetter"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert installed.returncode == 0, installed.stderr
 
 
@@ -88,11 +106,15 @@ def test_the_readme_first_command_needs_nothing_a_fresh_machine_lacks():
 
     from kubesgl.cli import SUBCOMMANDS
 
-    assert readme_commands()[0] == \
-        "pip install torch==2.13.0 && pip install -e . && kubesgl up -f examples/quickstart.yaml"
+    assert (
+        readme_commands()[0]
+        == "pip install torch==2.13.0 && pip install -e . && kubesgl up -f examples/quickstart.yaml"
+    )
     assert "up" in SUBCOMMANDS
     spec = yaml.safe_load((ROOT / "examples" / "quickstart.yaml").read_text())["spec"]
     assert spec["engine"]["device"] == "cpu" and "tiny" in spec["model"]
     assert spec["mode"] == "disaggregated"
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert any(re.match(r"nixl\b.*sys_platform == 'linux'", dependency) for dependency in dependencies)
+    assert any(
+        re.match(r"nixl\b.*sys_platform == 'linux'", dependency) for dependency in dependencies
+    )

@@ -28,8 +28,11 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yam
 
 
 def pods(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {obj["metadata"]["labels"]["kubesgl.io/role"]: obj["spec"]["template"]["spec"]
-            for obj in render(parse_inference_service(document)) if obj["kind"] == "Deployment"}
+    return {
+        obj["metadata"]["labels"]["kubesgl.io/role"]: obj["spec"]["template"]["spec"]
+        for obj in render(parse_inference_service(document))
+        if obj["kind"] == "Deployment"
+    }
 
 
 @pytest.mark.parametrize("shutdown_timeout", [1, 60, 600])
@@ -49,16 +52,21 @@ def test_engine_grace_period_is_pause_plus_drain_plus_exit(path, shutdown_timeou
         pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]
         assert drain == shutdown_timeout
         assert pod["terminationGracePeriodSeconds"] == (
-            pause + drain + ENGINE_EXIT_AFTER_DRAIN_SECONDS + EXIT_SLACK_SECONDS)
+            pause + drain + ENGINE_EXIT_AFTER_DRAIN_SECONDS + EXIT_SLACK_SECONDS
+        )
 
 
 def test_kubesgl_up_stops_processes_within_the_same_budget():
     document = yaml.safe_load((EXAMPLES[0].parent / "quickstart.yaml").read_text())
     document["spec"]["engine"]["shutdownTimeoutSeconds"] = 42
-    local = plan(parse_inference_service(document), LocalSettings(free_port=iter(range(41000, 41100)).__next__))
+    local = plan(
+        parse_inference_service(document),
+        LocalSettings(free_port=iter(range(41000, 41100)).__next__),
+    )
     # no preStop pause here: the router is stopped before the engines
     assert {engine.stop_timeout_s for engine in local.engines} == {
-        42 + ENGINE_EXIT_AFTER_DRAIN_SECONDS + EXIT_SLACK_SECONDS}
+        42 + ENGINE_EXIT_AFTER_DRAIN_SECONDS + EXIT_SLACK_SECONDS
+    }
 
 
 class Clock:
@@ -130,10 +138,14 @@ def server_of(launcher: types.ModuleType, options: Any) -> Iterator[Any]:
     try:
         yield server
     finally:
-        shutil.rmtree(Path(server.endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+        shutil.rmtree(
+            Path(server.endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True
+        )
 
 
-def _uvicorn_graceful_shutdown_s(launcher: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> float:
+def _uvicorn_graceful_shutdown_s(
+    launcher: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> float:
     """How long the engine's uvicorn waits for open connections once it is told to exit."""
     captured: dict[str, Any] = {}
 
@@ -156,6 +168,7 @@ def _uvicorn_graceful_shutdown_s(launcher: types.ModuleType, monkeypatch: pytest
 def test_the_engine_exits_within_its_budget_after_the_drain(monkeypatch):
     # imported here, not at the top: the other tests need no engine
     from kubesgl.engine.server import launcher
+
     clock = Clock()
     monkeypatch.setattr(launcher, "time", Overlay(launcher.time, monotonic=clock.monotonic))
     monkeypatch.setattr(launcher, "asyncio", Overlay(launcher.asyncio, sleep=clock.sleep))
@@ -168,18 +181,24 @@ def test_the_engine_exits_within_its_budget_after_the_drain(monkeypatch):
         state = types.SimpleNamespace(draining=False)
 
         _real_run(server._drain(uvicorn_server, StuckClient(), state))  # SIGTERM at clock 0
-        assert uvicorn_server.should_exit and clock.now >= shutdown_timeout  # the whole drain was given
+        assert (
+            uvicorn_server.should_exit and clock.now >= shutdown_timeout
+        )  # the whole drain was given
         drained = clock.now
         server._stop_children()
         assert all(child.killed for child in server.children.values())
         stopping_children = clock.now - drained
     monkeypatch.undo()
 
-    after_drain = (drained - shutdown_timeout) + _uvicorn_graceful_shutdown_s(launcher, monkeypatch) \
+    after_drain = (
+        (drained - shutdown_timeout)
+        + _uvicorn_graceful_shutdown_s(launcher, monkeypatch)
         + stopping_children
+    )
     assert after_drain <= ENGINE_EXIT_AFTER_DRAIN_SECONDS, (
         f"the engine may take {after_drain:g} s to exit after its drain: more than the "
-        f"{ENGINE_EXIT_AFTER_DRAIN_SECONDS} s the pods' grace period allows")
+        f"{ENGINE_EXIT_AFTER_DRAIN_SECONDS} s the pods' grace period allows"
+    )
 
 
 _real_run = asyncio.run

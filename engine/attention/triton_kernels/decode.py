@@ -23,12 +23,34 @@ from kubesgl.engine.attention.triton_kernels.online_softmax import (
 
 @triton.jit
 def _decode_partial(
-    Q, K, V, Table, Rows, SeqLens, PartOut, PartLse,
-    sm_scale, window,
-    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_table,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    Q,
+    K,
+    V,
+    Table,
+    Rows,
+    SeqLens,
+    PartOut,
+    PartLse,
+    sm_scale,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_table,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -39,7 +61,11 @@ def _decode_partial(
     d = tl.arange(0, HEAD_DIM)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(Rows + b)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_mask[:, None], other=0.0)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=head_mask[:, None],
+        other=0.0,
+    )
 
     per_split = tl.cdiv(seq_len, NUM_SPLITS)
     start = split * per_split
@@ -53,22 +79,46 @@ def _decode_partial(
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         valid = offs < end
-        k, v = load_kv_block(K, V, Table, row * stride_table, offs, valid, kv_head, stride_kn, stride_kh, stride_vn,
-                             stride_vh, d, q.dtype)
+        k, v = load_kv_block(
+            K,
+            V,
+            Table,
+            row * stride_table,
+            offs,
+            valid,
+            kv_head,
+            stride_kn,
+            stride_kh,
+            stride_vn,
+            stride_vh,
+            d,
+            q.dtype,
+        )
         s = tl.where(valid[None, :], block_scores(q, k, IEEE) * sm_scale, float("-inf"))
         acc, m_i, l_i = online_softmax_step(s, v, acc, m_i, l_i, IEEE)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-    tl.store(PartOut + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
-             mask=head_mask[:, None])
+    tl.store(
+        PartOut + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :],
+        out,
+        mask=head_mask[:, None],
+    )
     tl.store(PartLse + b * stride_lb + heads * stride_lh + split, lse, mask=head_mask)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                     rows: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float, window: int | None,
-                     num_splits: int = 8) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    window: int | None,
+    num_splits: int = 8,
+) -> torch.Tensor:
     """q: [B, heads, dim]; caches: [slots, kv_heads, dim]. Returns [B, heads, dim]."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -76,13 +126,34 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_out = torch.empty((batch, heads, num_splits, dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
     _decode_partial[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, table, rows, seq_lens, part_out, part_lse,
-        sm_scale, window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=32, HEAD_DIM=dim,
-        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        seq_lens,
+        part_out,
+        part_lse,
+        sm_scale,
+        window or 0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=32,
+        HEAD_DIM=dim,
+        NUM_SPLITS=num_splits,
+        IEEE=q.dtype == torch.float32,
     )
     weights = torch.softmax(part_lse, dim=-1).unsqueeze(-1)  # empty splits have lse -inf: weight 0
     return (part_out * weights).sum(dim=2).to(q.dtype)

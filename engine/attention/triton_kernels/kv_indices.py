@@ -22,9 +22,13 @@ def _gather_kv_indices(Table, stride_table, Rows, Starts, SeqLens, Out, BLOCK: t
         tl.store(Out + start + offsets, slots.to(tl.int32), mask=mask)
 
 
-def gather_kv_indices(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor, total: int) -> torch.Tensor:
+def gather_kv_indices(
+    table: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor, total: int
+) -> torch.Tensor:
     """int32 slots of rows `req_rows` up to `seq_lens`, concatenated; `total` = sum(seq_lens)."""
     out = torch.empty(total, dtype=torch.int32, device=table.device)
     starts = torch.cumsum(seq_lens, 0) - seq_lens
-    _gather_kv_indices[(len(req_rows),)](table, table.stride(0), req_rows, starts, seq_lens, out, BLOCK=512)
+    _gather_kv_indices[(len(req_rows),)](
+        table, table.stride(0), req_rows, starts, seq_lens, out, BLOCK=512
+    )
     return out

@@ -8,13 +8,34 @@ import triton.language as tl
 
 
 @triton.jit
-def load_kv_block(K, V, Table, row_offset, k_pos, valid, kv_head, stride_kn, stride_kh, stride_vn, stride_vh, d,
-                  dtype: tl.constexpr):
+def load_kv_block(
+    K,
+    V,
+    Table,
+    row_offset,
+    k_pos,
+    valid,
+    kv_head,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    d,
+    dtype: tl.constexpr,
+):
     """Keys and values at positions `k_pos` of one request (its table row starts at
     `row_offset`), as [BLOCK_N, HEAD_DIM] in `dtype`: a narrower cache (FP8) is widened here."""
     slots = tl.load(Table + row_offset + k_pos, mask=valid, other=0)
-    k = tl.load(K + slots[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(V + slots[:, None] * stride_vn + kv_head * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
+    k = tl.load(
+        K + slots[:, None] * stride_kn + kv_head * stride_kh + d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        V + slots[:, None] * stride_vn + kv_head * stride_vh + d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
     return k.to(dtype), v.to(dtype)
 
 

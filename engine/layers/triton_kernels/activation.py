@@ -17,7 +17,9 @@ def _silu_and_mul(X, Out, stride_x, width, BLOCK: tl.constexpr):
     up = tl.load(X + t * stride_x + width + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(Out + t * width + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    tl.store(
+        Out + t * width + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask
+    )
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -28,5 +30,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], width), dtype=x.dtype, device=x.device)
     block = 1024
     if x2.shape[0]:
-        _silu_and_mul[(x2.shape[0], triton.cdiv(width, block))](x2, out, x2.stride(0), width, BLOCK=block)
+        _silu_and_mul[(x2.shape[0], triton.cdiv(width, block))](
+            x2, out, x2.stride(0), width, BLOCK=block
+        )
     return out.view(*x.shape[:-1], width)

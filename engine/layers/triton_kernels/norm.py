@@ -11,25 +11,43 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm(X, Residual, Weight, Out, SumOut, stride_x, stride_r, N, eps,
-              HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm(
+    X,
+    Residual,
+    Weight,
+    Out,
+    SumOut,
+    stride_x,
+    stride_r,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)  # times a stride can pass 2**31
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(Residual + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(Residual + row * stride_r + cols, mask=mask, other=0.0).to(
+            tl.float32
+        )
         x = x.to(SumOut.dtype.element_ty)
         tl.store(SumOut + row * N + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
     normed = (xf * inv_rms).to(Out.dtype.element_ty)
     weight = tl.load(Weight + cols, mask=mask)
-    tl.store(Out + row * N + cols, (normed.to(tl.float32) * weight.to(tl.float32)).to(Out.dtype.element_ty), mask=mask)
+    tl.store(
+        Out + row * N + cols,
+        (normed.to(tl.float32) * weight.to(tl.float32)).to(Out.dtype.element_ty),
+        mask=mask,
+    )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x) or, with a residual, (norm(x + residual), x + residual). Rows are the last dim."""
     shape, n = x.shape, x.shape[-1]
     x2 = x.reshape(-1, n)
@@ -38,11 +56,35 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(n)
     if residual is None:
-        _rms_norm[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, n, eps,
-                                  HAS_RESIDUAL=False, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+        _rms_norm[(x2.shape[0],)](
+            x2,
+            x2,
+            weight,
+            out,
+            out,
+            x2.stride(0),
+            0,
+            n,
+            eps,
+            HAS_RESIDUAL=False,
+            BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8),
+        )
         return out.view(shape)
     r2 = residual.reshape(-1, n)
     summed = torch.empty_like(out)
-    _rms_norm[(x2.shape[0],)](x2, r2, weight, out, summed, x2.stride(0), r2.stride(0), n, eps,
-                              HAS_RESIDUAL=True, BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+    _rms_norm[(x2.shape[0],)](
+        x2,
+        r2,
+        weight,
+        out,
+        summed,
+        x2.stride(0),
+        r2.stride(0),
+        n,
+        eps,
+        HAS_RESIDUAL=True,
+        BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8),
+    )
     return out.view(shape), summed.view(shape)

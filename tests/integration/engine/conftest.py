@@ -24,7 +24,13 @@ def server_factory(tmp_path):
 
 @pytest.fixture(scope="module")
 def llama_server(tiny_model, tmp_path_factory):
-    server = start_server(tiny_model("llama"), "--api-key", "sk-test", "--served-model-name", "tiny",
-                          tmp_path=tmp_path_factory.mktemp("serve"))
+    server = start_server(
+        tiny_model("llama"),
+        "--api-key",
+        "sk-test",
+        "--served-model-name",
+        "tiny",
+        tmp_path=tmp_path_factory.mktemp("serve"),
+    )
     yield server
     assert server.stop() == 0

@@ -48,7 +48,11 @@ class FakeHub:
 
     def _files(self, repo: str) -> dict[str, bytes]:
         folder = self.repos[repo]
-        return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+        return {
+            str(p.relative_to(folder)): p.read_bytes()
+            for p in sorted(folder.rglob("*"))
+            if p.is_file()
+        }
 
     def _answer(self, handler: BaseHTTPRequestHandler, body: bool) -> None:
         path = unquote(urlparse(handler.path).path)
@@ -56,13 +60,24 @@ class FakeHub:
         for repo in self.repos:
             files = self._files(repo)
             if path.startswith(f"/api/models/{repo}/revision/"):
-                return self._json(handler, {"id": repo, "modelId": repo, "sha": COMMIT, "private": False,
-                                            "siblings": [{"rfilename": name} for name in files]}, body)
+                return self._json(
+                    handler,
+                    {
+                        "id": repo,
+                        "modelId": repo,
+                        "sha": COMMIT,
+                        "private": False,
+                        "siblings": [{"rfilename": name} for name in files],
+                    },
+                    body,
+                )
             if path.startswith(f"/api/models/{repo}/tree/"):
-                return self._json(handler, [self._entry(name, data) for name, data in files.items()], body)
+                return self._json(
+                    handler, [self._entry(name, data) for name, data in files.items()], body
+                )
             prefix = f"/{repo}/resolve/"
             if path.startswith(prefix):
-                name = path[len(prefix):].split("/", 1)[1]
+                name = path[len(prefix) :].split("/", 1)[1]
                 if name not in files:
                     return self._error(handler, 404, "EntryNotFound", body)
                 data = files[name]
@@ -85,7 +100,11 @@ class FakeHub:
     def _entry(name: str, data: bytes) -> dict:
         entry = {"type": "file", "path": name, "size": len(data), "oid": _git_blob_id(data)}
         if name.endswith(".safetensors"):
-            entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+            entry["lfs"] = {
+                "oid": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+                "pointerSize": 134,
+            }
         return entry
 
     @staticmethod

@@ -50,7 +50,10 @@ class RunningServer:
         """Until the engine reports no running request and no KV held."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.metric("kubesgl_num_running_requests") == 0 and self.metric("kubesgl_kv_cache_usage_ratio") == 0:
+            if (
+                self.metric("kubesgl_num_running_requests") == 0
+                and self.metric("kubesgl_kv_cache_usage_ratio") == 0
+            ):
                 return
             time.sleep(0.05)
         raise AssertionError("engine did not become idle")
@@ -61,14 +64,38 @@ class RunningServer:
         return self.process.wait(timeout=timeout)
 
 
-def start_server(model: str, *args: str, tmp_path, env: dict | None = None, timeout: float = 120) -> RunningServer:
+def start_server(
+    model: str, *args: str, tmp_path, env: dict | None = None, timeout: float = 120
+) -> RunningServer:
     port = free_port()
     log_path = str(tmp_path / f"serve-{port}.log")
-    command = [sys.executable, "-m", "kubesgl", "serve", "--model", model, "--port", str(port), "--host", "127.0.0.1",
-               "--device", "cpu", "--dtype", "float32", "--max-total-tokens", "32768", *args]
+    command = [
+        sys.executable,
+        "-m",
+        "kubesgl",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "32768",
+        *args,
+    ]
     log = open(log_path, "w")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -22,27 +22,71 @@ EXAMPLES = int(os.environ.get("KUBESGL_FUZZ_EXAMPLES", "40"))
 HEADERS = {"authorization": "Bearer sk-test"}
 # Valid requests may ask for thousands of tokens; these bound the work per example (the corpus
 # below sends the extreme values) so that the fuzzing spends its time on variety, not on decoding.
-GENERATION_BOUNDS = {"max_tokens": 16, "max_completion_tokens": 16, "max_new_tokens": 16, "n": 4, "best_of": 4,
-                     "top_logprobs": 5, "logprobs": 5}
+GENERATION_BOUNDS = {
+    "max_tokens": 16,
+    "max_completion_tokens": 16,
+    "max_new_tokens": 16,
+    "n": 4,
+    "best_of": 4,
+    "top_logprobs": 5,
+    "logprobs": 5,
+}
 
 HOSTILE_VALUES = [
-    None, True, -1, 0, 2**63, -(2**63), 2**64 + 1, 1e308, -1e308, 1e-320, "NaN", "Infinity",
-    "", "\ud800", "\udfff a", "\x00", "\x00" * 64, "‮right-to-left", "🤖" * 100, "a" * 65536,
-    [], [None], [[[[[[[[[[[]]]]]]]]]]], ["\ud800"], [-1], [2**40], {}, {"": None}, {"role": "system"},
-    [{"role": "user", "content": "\ud800"}], [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}],
+    None,
+    True,
+    -1,
+    0,
+    2**63,
+    -(2**63),
+    2**64 + 1,
+    1e308,
+    -1e308,
+    1e-320,
+    "NaN",
+    "Infinity",
+    "",
+    "\ud800",
+    "\udfff a",
+    "\x00",
+    "\x00" * 64,
+    "‮right-to-left",
+    "🤖" * 100,
+    "a" * 65536,
+    [],
+    [None],
+    [[[[[[[[[[[]]]]]]]]]]],
+    ["\ud800"],
+    [-1],
+    [2**40],
+    {},
+    {"": None},
+    {"role": "system"},
+    [{"role": "user", "content": "\ud800"}],
+    [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}],
 ]
 
 BASE_BODIES = {
     "/v1/completions": {"model": "tiny", "prompt": "hello", "max_tokens": 4},
-    "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4},
+    "/v1/chat/completions": {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+    },
     "/generate": {"text": "hello", "sampling_params": {"max_new_tokens": 4}},
 }
 
 
 @pytest.fixture(scope="module")
 def fuzzed_server(tiny_model, tmp_path_factory):
-    server = start_server(tiny_model("llama"), "--api-key", "sk-test", "--served-model-name", "tiny",
-                          tmp_path=tmp_path_factory.mktemp("fuzz"))
+    server = start_server(
+        tiny_model("llama"),
+        "--api-key",
+        "sk-test",
+        "--served-model-name",
+        "tiny",
+        tmp_path=tmp_path_factory.mktemp("fuzz"),
+    )
     yield server
     assert server.stop() == 0
 
@@ -52,12 +96,22 @@ def body_fields(schema: dict, path: str) -> list[str]:
     components = schema["components"]["schemas"]
 
     def properties(ref_holder: dict) -> dict:
-        ref = ref_holder.get("$ref") or next((s["$ref"] for s in ref_holder.get("anyOf", []) if "$ref" in s), None)
-        return components[ref.rsplit("/", 1)[1]].get("properties", {}) if ref else ref_holder.get("properties", {})
+        ref = ref_holder.get("$ref") or next(
+            (s["$ref"] for s in ref_holder.get("anyOf", []) if "$ref" in s), None
+        )
+        return (
+            components[ref.rsplit("/", 1)[1]].get("properties", {})
+            if ref
+            else ref_holder.get("properties", {})
+        )
 
     request = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
     fields = properties(request)
-    nested = [f"sampling_params.{name}" for name in properties(fields["sampling_params"])] if "sampling_params" in fields else []
+    nested = (
+        [f"sampling_params.{name}" for name in properties(fields["sampling_params"])]
+        if "sampling_params" in fields
+        else []
+    )
     return list(fields) + nested
 
 
@@ -72,15 +126,22 @@ def with_value(body: dict, field: str, value) -> dict:
 
 
 def assert_still_serving(server: RunningServer) -> None:
-    answer = httpx.post(server.base_url + "/v1/completions", headers=HEADERS, timeout=60,
-                        json={"model": "tiny", "prompt": "still here", "max_tokens": 4})
+    answer = httpx.post(
+        server.base_url + "/v1/completions",
+        headers=HEADERS,
+        timeout=60,
+        json={"model": "tiny", "prompt": "still here", "max_tokens": 4},
+    )
     assert answer.status_code == 200, answer.text
     server.wait_idle()
 
 
 def bounded(case):
     """The case with its generation sizes clamped to GENERATION_BOUNDS where they are numbers."""
-    for body in (case.body, case.body.get("sampling_params") if isinstance(case.body, dict) else None):
+    for body in (
+        case.body,
+        case.body.get("sampling_params") if isinstance(case.body, dict) else None,
+    ):
         if isinstance(body, dict):
             for name, bound in GENERATION_BOUNDS.items():
                 if type(body.get(name)) is int and body[name] > bound:
@@ -88,7 +149,9 @@ def bounded(case):
     return case
 
 
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"])
+@pytest.mark.parametrize(
+    "mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"]
+)
 def test_schemathesis_finds_no_server_error(fuzzed_server, mode):
     schema = schemathesis.openapi.from_url(fuzzed_server.base_url + "/openapi.json")
     statuses: Counter = Counter()
@@ -98,14 +161,21 @@ def test_schemathesis_finds_no_server_error(fuzzed_server, mode):
         if mode == GenerationMode.NEGATIVE and not operation.body:
             continue  # no parameters and no body: nothing can be made invalid
 
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy(generation_mode=mode).map(bounded))
         def call(case):
             response = case.call(base_url=fuzzed_server.base_url, headers=HEADERS, timeout=120)
             statuses[response.status_code // 100] += 1
             if response.status_code >= 500:
-                server_errors.append(f"{case.operation.label} {case.body!r:.300} -> {response.status_code} {response.text:.300}")
+                server_errors.append(
+                    f"{case.operation.label} {case.body!r:.300} -> {response.status_code} {response.text:.300}"
+                )
 
         call()
     assert server_errors == []
@@ -125,6 +195,8 @@ def test_hostile_values_in_every_field_are_answered_without_a_server_error(fuzze
                 body = with_value(BASE_BODIES[path], field, value)
                 response = client.post(path, content=json.dumps(body))
                 if response.status_code >= 500:
-                    server_errors.append(f"{field}={value!r:.60} -> {response.status_code} {response.text:.200}")
+                    server_errors.append(
+                        f"{field}={value!r:.60} -> {response.status_code} {response.text:.200}"
+                    )
     assert server_errors == []
     assert_still_serving(fuzzed_server)

@@ -17,20 +17,41 @@ CASES = [
     ("/v1/completions", {"prompt": "hi", "stop": SURROGATE}, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop": ["ok", SURROGATE]}, "stop.1"),
     ("/v1/completions", {"prompt": "hi", "model": SURROGATE}, "model"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": SURROGATE}]}, "messages.0.content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]},
-     "messages.0.content.0.text"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": SURROGATE}, "stop"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [SURROGATE]}, "stop.0"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": SURROGATE}]},
+        "messages.0.content",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}]},
+        "messages.0.content.0.text",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "stop": SURROGATE},
+        "stop",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "stop": [SURROGATE]},
+        "stop.0",
+    ),
     ("/generate", {"text": SURROGATE}, "text"),
     ("/generate", {"text": "hi", "sampling_params": {"stop": SURROGATE}}, "sampling_params.stop"),
-    ("/generate", {"text": "hi", "sampling_params": {"stop": ["x", SURROGATE]}}, "sampling_params.stop.1"),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"stop": ["x", SURROGATE]}},
+        "sampling_params.stop.1",
+    ),
     ("/generate", {"text": "hi", "rid": SURROGATE}, "rid"),
 ]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_text_that_is_not_utf8_is_a_400_naming_the_field_and_the_engine_goes_on(llama_server, stream):
+def test_text_that_is_not_utf8_is_a_400_naming_the_field_and_the_engine_goes_on(
+    llama_server, stream
+):
     headers = {"authorization": "Bearer sk-test", "content-type": "application/json"}
     with httpx.Client(base_url=llama_server.base_url, headers=headers, timeout=30) as client:
         for path, body, field in CASES:
@@ -42,8 +63,10 @@ def test_text_that_is_not_utf8_is_a_400_naming_the_field_and_the_engine_goes_on(
             error = response.json()["error"]
             assert error["param"] == field and "UTF-8" in error["message"], (path, error)
         assert client.get("/health").status_code == 200
-        answer = client.post("/v1/completions", json={"model": "tiny", "prompt": "still here", "max_tokens": 4,
-                                                      "stream": stream})
+        answer = client.post(
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "still here", "max_tokens": 4, "stream": stream},
+        )
         assert answer.status_code == 200
     llama_server.wait_idle()
 
@@ -54,15 +77,26 @@ def test_every_error_has_openais_body_and_the_schema_says_400(llama_server):
         missing = client.get("/v1/nothing-here")
         wrong_method = client.get("/v1/completions")
         not_json = client.post("/v1/completions", content=b'{"model": "tiny", "prompt": ')
-        bools = client.post("/v1/completions", json={"model": "tiny", "prompt": [True, False], "max_tokens": 2})
-        bool_stop_ids = client.post("/generate", json={"text": "hi", "sampling_params": {"stop_token_ids": [True]}})
+        bools = client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": [True, False], "max_tokens": 2}
+        )
+        bool_stop_ids = client.post(
+            "/generate", json={"text": "hi", "sampling_params": {"stop_token_ids": [True]}}
+        )
         schema = client.get("/openapi.json").json()
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
     error = not_json.json()["error"]
-    assert not_json.status_code == 400 and error["param"] is None and "not valid JSON" in error["message"]
+    assert (
+        not_json.status_code == 400
+        and error["param"] is None
+        and "not valid JSON" in error["message"]
+    )
     assert "at character" in error["message"]
     assert bools.status_code == 400 and bools.json()["error"]["param"].startswith("prompt")
-    assert bool_stop_ids.status_code == 400 and "stop_token_ids" in bool_stop_ids.json()["error"]["param"]
+    assert (
+        bool_stop_ids.status_code == 400
+        and "stop_token_ids" in bool_stop_ids.json()["error"]["param"]
+    )
     responses = schema["paths"]["/v1/completions"]["post"]["responses"]
     assert "400" in responses and "422" not in responses

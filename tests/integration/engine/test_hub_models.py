@@ -20,9 +20,29 @@ REPO = "kubesgl-test/tiny-llama"
 
 
 def generate(model: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kubesgl", "generate", "--model", model, "--device", "cpu",
-                           "--dtype", "float32", "--prompt", "The capital of France is", "--max-tokens", "8", *args],
-                          capture_output=True, text=True, timeout=180, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kubesgl",
+            "generate",
+            "--model",
+            model,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
 
 
 @dataclass
@@ -42,7 +62,10 @@ def hub_cache(tiny_model, tmp_path_factory) -> HubCache:
     with FakeHub({REPO: Path(tiny_model("llama"))}) as hub:
         downloaded = generate(REPO, {**env, "HF_ENDPOINT": hub.url})
         assert downloaded.returncode == 0, downloaded.stderr
-        assert any("/resolve/" in request and request.endswith("model.safetensors") for request in hub.requests)
+        assert any(
+            "/resolve/" in request and request.endswith("model.safetensors")
+            for request in hub.requests
+        )
     snapshots = list((home / "hub" / "models--kubesgl-test--tiny-llama" / "snapshots").iterdir())
     assert len(snapshots) == 1 and (snapshots[0] / "model.safetensors").is_file()
     return HubCache({**env, "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}, downloaded.stdout)
@@ -66,7 +89,8 @@ def test_an_id_not_in_the_cache_offline_is_one_line(hub_cache):
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert missing.stderr.splitlines()[-1].startswith(
         "kubesgl generate: --model kubesgl-test/not-there: no such directory, and no complete copy in the "
-        "Hugging Face cache (")
+        "Hugging Face cache ("
+    )
     assert missing.stderr.rstrip().endswith("HF_HUB_OFFLINE is set")
 
 
@@ -78,14 +102,19 @@ def test_an_id_the_hub_does_not_have_is_one_line(tiny_model, tmp_path):
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     assert missing.stderr.splitlines()[-1] == (
         "kubesgl generate: --model kubesgl-test/no-such-model: no such directory, and no such model on the "
-        "Hugging Face Hub (a private one needs HF_TOKEN)")
+        "Hugging Face Hub (a private one needs HF_TOKEN)"
+    )
 
 
 def test_kubesgl_serve_serves_a_cached_id_offline_under_its_name(hub_cache, server_factory):
     server = server_factory(REPO, env={**hub_cache.env, "HF_HUB_OFFLINE": "1"})
-    assert [card["id"] for card in httpx.get(server.openai_url + "/models").json()["data"]] == [REPO]
-    answer = httpx.post(server.openai_url + "/completions", json={"model": REPO, "prompt": "hi", "max_tokens": 4,
-                                                                  "ignore_eos": True})
+    assert [card["id"] for card in httpx.get(server.openai_url + "/models").json()["data"]] == [
+        REPO
+    ]
+    answer = httpx.post(
+        server.openai_url + "/completions",
+        json={"model": REPO, "prompt": "hi", "max_tokens": 4, "ignore_eos": True},
+    )
     assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
     assert "loading weights: 1 file(s)" in server.log() and "weights loaded: " in server.log()
     assert server.stop() == 0

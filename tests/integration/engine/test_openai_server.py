@@ -11,7 +11,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubesgl.engine import LLM, SamplingParams
 
-PROMPTS = ["The capital of France is", "Count from one to ten:", "Kubernetes schedules pods", "🙂 naïve café"]
+PROMPTS = [
+    "The capital of France is",
+    "Count from one to ten:",
+    "Kubernetes schedules pods",
+    "🙂 naïve café",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +33,9 @@ def client(llama_server):
 
 @pytest.fixture
 async def async_client(llama_server):
-    async with openai.AsyncOpenAI(base_url=llama_server.openai_url, api_key="sk-test", max_retries=0) as client:
+    async with openai.AsyncOpenAI(
+        base_url=llama_server.openai_url, api_key="sk-test", max_retries=0
+    ) as client:
         yield client
 
 
@@ -44,81 +51,129 @@ def test_completions_equal_offline_llm(client, offline):
         assert got.choices[0].text == ref.text
         assert got.choices[0].finish_reason == "length"
         assert got.usage.prompt_tokens == len(offline.tokenizer.encode(prompt))
-        assert got.usage.completion_tokens == 24 and got.usage.total_tokens == got.usage.prompt_tokens + 24
+        assert (
+            got.usage.completion_tokens == 24
+            and got.usage.total_tokens == got.usage.prompt_tokens + 24
+        )
 
 
 def test_streaming_completion_equals_non_streaming(client):
     full = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=30, temperature=0)
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=30, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPTS[3],
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == 30 and not chunks[-1].choices
 
 
 def test_chat_uses_the_chat_template(client, offline):
-    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "weather?"}]
-    ids = offline.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "weather?"},
+    ]
+    ids = offline.tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     ref = greedy_offline(offline, list(ids), 16)
-    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    got = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=16, temperature=0
+    )
     assert got.choices[0].message.content == ref.text
     assert got.choices[0].message.role == "assistant"
     assert got.usage.prompt_tokens == len(ids)
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream) == ref.text
 
 
 async def test_async_client_concurrent(async_client, offline):
-    results = await asyncio.gather(*(async_client.completions.create(model="tiny", prompt=p, max_tokens=12,
-                                                                     temperature=0) for p in PROMPTS))
-    assert [r.choices[0].text for r in results] == [greedy_offline(offline, p, 12).text for p in PROMPTS]
+    results = await asyncio.gather(
+        *(
+            async_client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)
+            for p in PROMPTS
+        )
+    )
+    assert [r.choices[0].text for r in results] == [
+        greedy_offline(offline, p, 12).text for p in PROMPTS
+    ]
 
 
 def test_stop_strings_across_token_boundaries(client, offline):
     ref = greedy_offline(offline, PROMPTS[0], 30).text
     stop = ref[10:14]  # four characters in the middle of the text, wherever tokens split them
-    got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=[stop])
+    got = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=[stop]
+    )
     assert got.choices[0].text == ref[: ref.index(stop)]
     assert got.choices[0].finish_reason == "stop"
     streamed = ""
-    for chunk in client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0,
-                                           stop=[stop], stream=True):
+    for chunk in client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=[stop], stream=True
+    ):
         streamed += chunk.choices[0].text
         assert stop not in streamed  # not even for a moment
     assert streamed == ref[: ref.index(stop)]
 
 
 def test_n_copies_share_the_cached_prompt(client):
-    prompt = "Prefill computes the cache of a whole prompt at once; decode adds one token at a time." * 2
-    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, n=4, temperature=1.0, seed=7)
+    prompt = (
+        "Prefill computes the cache of a whole prompt at once; decode adds one token at a time." * 2
+    )
+    got = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, n=4, temperature=1.0, seed=7
+    )
     assert sorted(c.index for c in got.choices) == [0, 1, 2, 3]
     assert len({c.text for c in got.choices}) > 1  # seeded copies differ
     assert got.usage.completion_tokens == 32
     assert got.usage.prompt_tokens_details.cached_tokens == 0  # counted once, for the first copy
-    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, n=4, temperature=1.0, seed=7)
+    again = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, n=4, temperature=1.0, seed=7
+    )
     assert [c.text for c in again.choices] == [c.text for c in got.choices]  # seeded: reproducible
 
 
 def test_logprobs(client):
-    got = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                         temperature=0, logprobs=True, top_logprobs=3)
+    got = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = got.choices[0].logprobs.content
     assert len(content) == 5
     for entry in content:
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
-        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy picks the top token
+        assert entry.logprob == pytest.approx(
+            entry.top_logprobs[0].logprob
+        )  # greedy picks the top token
     # raw token bytes, not the UTF-8 of each token's text alone: together they spell the reply
     text = b"".join(bytes(entry.bytes) for entry in content).decode(errors="replace")
     assert text == got.choices[0].message.content
-    completion = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0, logprobs=2)
+    completion = client.completions.create(
+        model="tiny", prompt="hi", max_tokens=4, temperature=0, logprobs=2
+    )
     assert len(completion.choices[0].logprobs.token_logprobs) == 4
     assert all(len(t) == 2 for t in completion.choices[0].logprobs.top_logprobs)
 
 
 def test_native_generate(llama_server, offline):
     body = {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
-    got = httpx.post(llama_server.base_url + "/generate", json=body, headers={"authorization": "Bearer sk-test"})
+    got = httpx.post(
+        llama_server.base_url + "/generate", json=body, headers={"authorization": "Bearer sk-test"}
+    )
     assert got.status_code == 200
     ref = greedy_offline(offline, PROMPTS[1], 10)
     assert got.json()["text"] == ref.text and got.json()["output_ids"] == ref.token_ids
@@ -129,27 +184,41 @@ def test_models_and_api_key(llama_server, client):
     bad = openai.OpenAI(base_url=llama_server.openai_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model="tiny", prompt="x", max_tokens=1)
-    assert httpx.post(llama_server.base_url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+    assert (
+        httpx.post(llama_server.base_url + "/v1/completions", json={"prompt": "x"}).status_code
+        == 401
+    )
     assert httpx.get(llama_server.base_url + "/health").status_code == 200  # health needs no key
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x", max_tokens=1)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "top_p": 1.5}, "top_p"),
-    ({"prompt": "x" * 5000, "max_tokens": 4}, "prompt"),
-    ({"prompt": "x", "max_tokens": 3000}, "max_tokens"),
-    ({"prompt": "x", "stop_token_ids": [10**7]}, "stop_token_ids"),
-    ({"prompt": []}, "prompt"),
-    ({"max_tokens": 3}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x" * 5000, "max_tokens": 4}, "prompt"),
+        ({"prompt": "x", "max_tokens": 3000}, "max_tokens"),
+        ({"prompt": "x", "stop_token_ids": [10**7]}, "stop_token_ids"),
+        ({"prompt": []}, "prompt"),
+        ({"max_tokens": 3}, "prompt"),
+    ],
+)
 def test_bad_completion_requests_get_400(llama_server, body, param):
-    got = httpx.post(llama_server.base_url + "/v1/completions", json=body, headers={"authorization": "Bearer sk-test"})
+    got = httpx.post(
+        llama_server.base_url + "/v1/completions",
+        json=body,
+        headers={"authorization": "Bearer sk-test"},
+    )
     assert got.status_code == 400, got.text
     error = got.json()["error"]
-    assert error["type"] == "invalid_request_error" and param in (error["param"] or "") and error["message"]
+    assert (
+        error["type"] == "invalid_request_error"
+        and param in (error["param"] or "")
+        and error["message"]
+    )
 
 
 def test_bad_chat_requests_get_400(llama_server):
@@ -157,10 +226,18 @@ def test_bad_chat_requests_get_400(llama_server):
     url = llama_server.base_url + "/v1/chat/completions"
     assert httpx.post(url, content=b"{not json", headers=headers).status_code == 400
     assert httpx.post(url, json={"messages": []}, headers=headers).status_code == 400
-    assert httpx.post(url, json={"messages": [{"role": "wizard", "content": "x"}]}, headers=headers).status_code == 400
+    assert (
+        httpx.post(
+            url, json={"messages": [{"role": "wizard", "content": "x"}]}, headers=headers
+        ).status_code
+        == 400
+    )
     # unknown fields are accepted and ignored, as OpenAI does
-    ok = httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "frobnicate": 1},
-                    headers=headers)
+    ok = httpx.post(
+        url,
+        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "frobnicate": 1},
+        headers=headers,
+    )
     assert ok.status_code == 200
 
 
@@ -169,7 +246,9 @@ async def test_bad_request_does_not_harm_a_concurrent_good_one(async_client, off
         with pytest.raises(openai.BadRequestError):
             await async_client.completions.create(model="tiny", prompt="x" * 5000, max_tokens=4)
 
-    good = async_client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    good = async_client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=0
+    )
     result, *_ = await asyncio.gather(good, bad(), bad())
     assert result.choices[0].text == greedy_offline(offline, PROMPTS[0], 20).text
 
@@ -177,10 +256,15 @@ async def test_bad_request_does_not_harm_a_concurrent_good_one(async_client, off
 async def test_200_concurrent_streams_complete_and_free_the_pool(async_client, llama_server):
     async def one(i: int) -> int:
         count = 0
-        stream = await async_client.completions.create(model="tiny", prompt=f"request {i}", max_tokens=5 + i % 20,
-                                                       temperature=0.7, stream=True,
-                                                       stream_options={"include_usage": True},
-                                                       extra_body={"ignore_eos": True})
+        stream = await async_client.completions.create(
+            model="tiny",
+            prompt=f"request {i}",
+            max_tokens=5 + i % 20,
+            temperature=0.7,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if chunk.usage:
                 count = chunk.usage.completion_tokens
@@ -192,17 +276,29 @@ async def test_200_concurrent_streams_complete_and_free_the_pool(async_client, l
 
 
 async def test_abort_mid_stream_frees_everything(llama_server):
-    async with httpx.AsyncClient(base_url=llama_server.base_url, headers={"authorization": "Bearer sk-test"}) as http:
+    async with httpx.AsyncClient(
+        base_url=llama_server.base_url, headers={"authorization": "Bearer sk-test"}
+    ) as http:
         for _ in range(3):
-            async with http.stream("POST", "/v1/completions", json={
-                    "prompt": "a long one", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as response:
+            async with http.stream(
+                "POST",
+                "/v1/completions",
+                json={
+                    "prompt": "a long one",
+                    "max_tokens": 1500,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ) as response:
                 lines = response.aiter_lines()
                 for _ in range(6):
                     await anext(lines)
             # leaving the block closes the connection mid-stream
         body = {"prompt": "a long one", "max_tokens": 1500, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
-            await http.post("/v1/completions", json=body, timeout=0.5)  # non-streaming, client gives up
+            await http.post(
+                "/v1/completions", json=body, timeout=0.5
+            )  # non-streaming, client gives up
     llama_server.wait_idle()
 
 
@@ -211,48 +307,83 @@ def test_metrics_exact_for_a_known_workload(server_factory, tiny_model):
     assert server.metric("kubesgl_prefix_cache_hit_ratio") == 0
     prompt = list(range(10, 60))  # 50 tokens
     for _ in range(2):
-        got = httpx.post(server.base_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 5,
-                                                                   "ignore_eos": True})
+        got = httpx.post(
+            server.base_url + "/v1/completions",
+            json={"prompt": prompt, "max_tokens": 5, "ignore_eos": True},
+        )
         assert got.status_code == 200
     # the second request found 49 of its 50 tokens cached (the last is always computed)
     assert server.metric("kubesgl_prefix_cache_hit_ratio") == pytest.approx(49 / 100)
     assert server.metric("kubesgl_prompt_tokens_total") == 100
     assert server.metric("kubesgl_generation_tokens_total") == 10
     families = list(text_string_to_metric_families(httpx.get(server.base_url + "/metrics").text))
-    finished = {s.labels["finish_reason"]: s.value for family in families for s in family.samples
-                if s.name == "kubesgl_requests_total"}
-    assert finished == {"stop": 0, "length": 2, "abort": 0}  # every reason from the start (issue 15)
+    finished = {
+        s.labels["finish_reason"]: s.value
+        for family in families
+        for s in family.samples
+        if s.name == "kubesgl_requests_total"
+    }
+    assert finished == {
+        "stop": 0,
+        "length": 2,
+        "abort": 0,
+    }  # every reason from the start (issue 15)
     # every sample names the role and, as vLLM's do, the served model
     (model,) = [card["id"] for card in httpx.get(server.base_url + "/v1/models").json()["data"]]
-    labels = {(s.labels.get("role"), s.labels.get("model_name")) for family in families for s in family.samples}
+    labels = {
+        (s.labels.get("role"), s.labels.get("model_name"))
+        for family in families
+        for s in family.samples
+    }
     assert labels == {("mixed", model)}
-    assert any(s.name == "kubesgl_time_to_first_token_seconds_count" for family in families for s in family.samples)
+    assert any(
+        s.name == "kubesgl_time_to_first_token_seconds_count"
+        for family in families
+        for s in family.samples
+    )
     server.wait_idle()
     assert server.stop() == 0
 
 
 async def test_a_reused_request_id_is_refused_and_the_first_request_is_unharmed(llama_server):
     headers = {"authorization": "Bearer sk-test"}
-    body = {"input_ids": [5, 6, 7], "rid": "mine", "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}}
-    async with httpx.AsyncClient(base_url=llama_server.base_url, headers=headers, timeout=60) as http:
+    body = {
+        "input_ids": [5, 6, 7],
+        "rid": "mine",
+        "sampling_params": {"max_new_tokens": 600, "ignore_eos": True},
+    }
+    async with httpx.AsyncClient(
+        base_url=llama_server.base_url, headers=headers, timeout=60
+    ) as http:
         first = asyncio.create_task(http.post("/generate", json=body))
         while llama_server.metric("kubesgl_num_running_requests") < 1:
             await asyncio.sleep(0.01)
         second = await http.post("/generate", json=body)
         assert second.status_code == 400 and "already in use" in second.json()["error"]["message"]
         result = (await first).json()
-    assert len(result["output_ids"]) == 600 and result["meta_info"]["finish_reason"]["type"] == "length"
+    assert (
+        len(result["output_ids"]) == 600
+        and result["meta_info"]["finish_reason"]["type"] == "length"
+    )
 
 
 def test_disconnects_are_counted_as_aborts(llama_server):
     def aborts() -> float:
         text = httpx.get(llama_server.base_url + "/metrics").text
-        lines = [line for line in text.splitlines() if line.startswith("kubesgl_requests_total") and "abort" in line]
+        lines = [
+            line
+            for line in text.splitlines()
+            if line.startswith("kubesgl_requests_total") and "abort" in line
+        ]
         return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 
     before = aborts()
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(llama_server.base_url + "/v1/completions", headers={"authorization": "Bearer sk-test"},
-                   json={"prompt": "x", "max_tokens": 1500, "ignore_eos": True}, timeout=0.3)
+        httpx.post(
+            llama_server.base_url + "/v1/completions",
+            headers={"authorization": "Bearer sk-test"},
+            json={"prompt": "x", "max_tokens": 1500, "ignore_eos": True},
+            timeout=0.3,
+        )
     llama_server.wait_idle()
     assert aborts() == before + 1

@@ -22,9 +22,24 @@ MODEL_NAME = "tiny"
 def start_router(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(tmp_path / f"router-{port}.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "kubesgl", "router", "--port", str(port), "--host", "127.0.0.1",
-                                "--health-check-interval", "0.5", *args], stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kubesgl",
+            "router",
+            "--port",
+            str(port),
+            "--host",
+            "127.0.0.1",
+            "--health-check-interval",
+            "0.5",
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -40,10 +55,26 @@ def start_router(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
 
 def start_pd_pair(model, tmp_path, prefill_args=(), decode_args=()):
     bootstrap = free_port()
-    prefill = start_server(model, "--role", "prefill", "--disaggregation-bootstrap-port", str(bootstrap),
-                           "--served-model-name", MODEL_NAME, *prefill_args, tmp_path=tmp_path)
-    decode = start_server(model, "--role", "decode", "--served-model-name", MODEL_NAME, *decode_args,
-                          tmp_path=tmp_path)
+    prefill = start_server(
+        model,
+        "--role",
+        "prefill",
+        "--disaggregation-bootstrap-port",
+        str(bootstrap),
+        "--served-model-name",
+        MODEL_NAME,
+        *prefill_args,
+        tmp_path=tmp_path,
+    )
+    decode = start_server(
+        model,
+        "--role",
+        "decode",
+        "--served-model-name",
+        MODEL_NAME,
+        *decode_args,
+        tmp_path=tmp_path,
+    )
     return prefill, decode, bootstrap
 
 
@@ -54,8 +85,15 @@ def pd_stack(tiny_model, tmp_path_factory):
     model = tiny_model("llama")
     mixed = start_server(model, "--served-model-name", MODEL_NAME, tmp_path=tmp_path)
     prefill, decode, bootstrap = start_pd_pair(model, tmp_path)
-    router, url = start_router(tmp_path, "--prefill", f"{prefill.base_url}@{bootstrap}", "--decode", decode.base_url,
-                               "--pd-min-prefill-tokens", "0")  # these short prompts too
+    router, url = start_router(
+        tmp_path,
+        "--prefill",
+        f"{prefill.base_url}@{bootstrap}",
+        "--decode",
+        decode.base_url,
+        "--pd-min-prefill-tokens",
+        "0",
+    )  # these short prompts too
     yield url, mixed, prefill, decode
     os.killpg(router.pid, signal.SIGTERM)
     router.wait(timeout=30)
@@ -73,7 +111,10 @@ def send_to_both(prefill, decode, path: str, body: dict) -> dict[str, httpx.Resp
         except httpx.HTTPError as exc:
             answers[name] = exc
 
-    threads = [threading.Thread(target=send, args=(n, s.base_url)) for n, s in (("p", prefill), ("d", decode))]
+    threads = [
+        threading.Thread(target=send, args=(n, s.base_url))
+        for n, s in (("p", prefill), ("d", decode))
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -84,7 +125,9 @@ def send_to_both(prefill, decode, path: str, body: dict) -> dict[str, httpx.Resp
 def both(url_a: str, url_b: str):
     import openai  # here: the GPU machine runs this file's GPU test without the SDK
 
-    return (openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) for url in (url_a, url_b))
+    return (
+        openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0) for url in (url_a, url_b)
+    )
 
 
 def test_completions_and_chat_through_the_router_equal_a_mixed_engine(pd_stack):
@@ -92,28 +135,50 @@ def test_completions_and_chat_through_the_router_equal_a_mixed_engine(pd_stack):
     pd, ref = both(url, mixed.base_url)
     prompts = ["The capital of France is", "Count from one to ten:", "🙂 naïve café " * 20]
     for prompt in prompts:
-        kwargs = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 2}
+        kwargs = {
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": 24,
+            "temperature": 0,
+            "logprobs": 2,
+        }
         got, want = pd.completions.create(**kwargs), ref.completions.create(**kwargs)
         assert got.choices[0].text == want.choices[0].text
         assert got.choices[0].finish_reason == want.choices[0].finish_reason
         assert got.usage.completion_tokens == want.usage.completion_tokens == 24
         assert got.usage.prompt_tokens == want.usage.prompt_tokens
         assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens
-        assert got.choices[0].logprobs.token_logprobs == pytest.approx(want.choices[0].logprobs.token_logprobs, abs=1e-4)
+        assert got.choices[0].logprobs.token_logprobs == pytest.approx(
+            want.choices[0].logprobs.token_logprobs, abs=1e-4
+        )
         streamed = pd.completions.create(**kwargs, stream=True)
         assert "".join(c.choices[0].text for c in streamed if c.choices) == want.choices[0].text
     messages = [{"role": "user", "content": "hello there"}]
-    seeded = {"model": MODEL_NAME, "messages": messages, "max_tokens": 20, "temperature": 0.9, "seed": 5}
-    assert pd.chat.completions.create(**seeded).choices[0].message.content == \
-        ref.chat.completions.create(**seeded).choices[0].message.content
-    chunks = pd.chat.completions.create(**seeded, stream=True, stream_options={"include_usage": True})
+    seeded = {
+        "model": MODEL_NAME,
+        "messages": messages,
+        "max_tokens": 20,
+        "temperature": 0.9,
+        "seed": 5,
+    }
+    assert (
+        pd.chat.completions.create(**seeded).choices[0].message.content
+        == ref.chat.completions.create(**seeded).choices[0].message.content
+    )
+    chunks = pd.chat.completions.create(
+        **seeded, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(chunks)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
-        ref.chat.completions.create(**seeded).choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == ref.chat.completions.create(**seeded).choices[0].message.content
+    )
     assert chunks[-1].usage.completion_tokens == 20
     native = {"text": prompts[0], "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
-    assert httpx.post(url + "/generate", json=native).json()["output_ids"] == \
-        httpx.post(mixed.base_url + "/generate", json=native).json()["output_ids"]
+    assert (
+        httpx.post(url + "/generate", json=native).json()["output_ids"]
+        == httpx.post(mixed.base_url + "/generate", json=native).json()["output_ids"]
+    )
     for server in (prefill, decode):
         server.wait_idle()
     assert decode.metric("kubesgl_kv_transfer_wait_seconds_count") >= 8
@@ -129,28 +194,53 @@ def test_structured_output_through_the_router_equals_a_mixed_engine(pd_stack):
 
     url, mixed, prefill, decode = pd_stack
     pd, ref = both(url, mixed.base_url)
-    schema = {"type": "object", "required": ["id", "tags"], "properties": {
-        "id": {"type": "integer", "minimum": 1, "maximum": 99},
-        "tags": {"type": "array", "maxItems": 2, "items": {"enum": ["x", "y"]}}}}
+    schema = {
+        "type": "object",
+        "required": ["id", "tags"],
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 99},
+            "tags": {"type": "array", "maxItems": 2, "items": {"enum": ["x", "y"]}},
+        },
+    }
     response_format = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
     for temperature, stream in ((0, False), (0, True), (0.8, False)):
-        kwargs = {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"json {temperature}"}],
-                  "max_tokens": 60, "temperature": temperature, "seed": 3, "response_format": response_format}
+        kwargs = {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": f"json {temperature}"}],
+            "max_tokens": 60,
+            "temperature": temperature,
+            "seed": 3,
+            "response_format": response_format,
+        }
         want = ref.chat.completions.create(**kwargs).choices[0].message.content
         if stream:
-            got = "".join(c.choices[0].delta.content or "" for c in pd.chat.completions.create(**kwargs, stream=True)
-                          if c.choices)
+            got = "".join(
+                c.choices[0].delta.content or ""
+                for c in pd.chat.completions.create(**kwargs, stream=True)
+                if c.choices
+            )
         else:
             answer = pd.chat.completions.create(**kwargs).choices[0]
             assert answer.finish_reason == "stop"
             got = answer.message.content
         assert got == want
         jsonschema.validate(json.loads(got, strict=False), schema)
-    native = {"text": "regex", "sampling_params": {"max_new_tokens": 30, "temperature": 0, "regex": "(ab|cd){3}!"}}
-    assert httpx.post(url + "/generate", json=native).json()["text"] == \
-        httpx.post(mixed.base_url + "/generate", json=native).json()["text"]
-    bad = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}],
-           "response_format": {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "nonsense"}}}}
+    native = {
+        "text": "regex",
+        "sampling_params": {"max_new_tokens": 30, "temperature": 0, "regex": "(ab|cd){3}!"},
+    }
+    assert (
+        httpx.post(url + "/generate", json=native).json()["text"]
+        == httpx.post(mixed.base_url + "/generate", json=native).json()["text"]
+    )
+    bad = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "x"}],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "b", "schema": {"type": "nonsense"}},
+        },
+    }
     got = httpx.post(url + "/v1/chat/completions", json=bad, timeout=60)
     assert got.status_code == 400 and "nonsense" in got.json()["error"]["message"], got.text
     for server in (prefill, decode):
@@ -162,10 +252,29 @@ def start_sglang_router(tmp_path, prefill, bootstrap: int, decode) -> tuple[subp
     port, metrics_port = free_port(), free_port()
     log = open(tmp_path / "sglang-router.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-         "--prefill", prefill.base_url, str(bootstrap), "--decode", decode.base_url, "--host", "127.0.0.1",
-         "--port", str(port), "--prometheus-port", str(metrics_port), "--health-check-interval-secs", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--prefill",
+            prefill.base_url,
+            str(bootstrap),
+            "--decode",
+            decode.base_url,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(metrics_port),
+            "--health-check-interval-secs",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # ready once it has found the model on its workers
@@ -181,21 +290,30 @@ def start_sglang_router(tmp_path, prefill, bootstrap: int, decode) -> tuple[subp
 
 def test_sglangs_own_router_drives_kubesgl_engines(pd_stack, tmp_path):
     url, mixed, prefill, decode = pd_stack
-    router, sglang_url = start_sglang_router(tmp_path, prefill, prefill_bootstrap_port(prefill), decode)
+    router, sglang_url = start_sglang_router(
+        tmp_path, prefill, prefill_bootstrap_port(prefill), decode
+    )
     try:
         pd, ref = both(sglang_url, mixed.base_url)
         assert [m.id for m in pd.models.list().data] == [MODEL_NAME]
         for prompt in ("The capital of France is", "Kubernetes schedules pods"):
             kwargs = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 16, "temperature": 0}
-            assert pd.completions.create(**kwargs).choices[0].text == ref.completions.create(**kwargs).choices[0].text
+            assert (
+                pd.completions.create(**kwargs).choices[0].text
+                == ref.completions.create(**kwargs).choices[0].text
+            )
         messages = [{"role": "user", "content": "hi"}]
         chat = {"model": MODEL_NAME, "messages": messages, "max_tokens": 12, "temperature": 0}
         streamed = pd.chat.completions.create(**chat, stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
-            ref.chat.completions.create(**chat).choices[0].message.content
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+            == ref.chat.completions.create(**chat).choices[0].message.content
+        )
         native = {"text": "hello", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-        assert httpx.post(sglang_url + "/generate", json=native, timeout=60).json()["output_ids"] == \
-            httpx.post(mixed.base_url + "/generate", json=native).json()["output_ids"]
+        assert (
+            httpx.post(sglang_url + "/generate", json=native, timeout=60).json()["output_ids"]
+            == httpx.post(mixed.base_url + "/generate", json=native).json()["output_ids"]
+        )
         for server in (prefill, decode):
             server.wait_idle()
     finally:
@@ -206,11 +324,19 @@ def test_sglangs_own_router_drives_kubesgl_engines(pd_stack, tmp_path):
 def test_what_the_engines_say_about_rooms(pd_stack):
     url, mixed, prefill, decode = pd_stack
     room = random.getrandbits(63)
-    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": 1, "bootstrap_room": room}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "hi",
+        "max_tokens": 2,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": 1,
+        "bootstrap_room": room,
+    }
     refused = httpx.post(mixed.base_url + "/v1/completions", json=body)
     assert refused.status_code == 400 and "role is mixed" in refused.json()["error"]["message"]
-    wrong_list = httpx.post(decode.base_url + "/v1/completions", json={**body, "n": 2, "bootstrap_room": [1, 2, 3]})
+    wrong_list = httpx.post(
+        decode.base_url + "/v1/completions", json={**body, "n": 2, "bootstrap_room": [1, 2, 3]}
+    )
     assert wrong_list.status_code == 400 and wrong_list.json()["error"]["param"] == "bootstrap_room"
     no_host = httpx.post(decode.base_url + "/generate", json={"text": "hi", "bootstrap_room": room})
     assert no_host.status_code == 400 and no_host.json()["error"]["param"] == "bootstrap_host"
@@ -220,14 +346,29 @@ def test_requests_sent_to_both_engines_as_sglangs_router_does(pd_stack):
     """No kubesgl router in between: the engines alone pair up; n > 1 with one room, as SGLang's
     router sends it (the copies take room + 1, ...)."""
     url, mixed, prefill, decode = pd_stack
-    body = {"model": MODEL_NAME, "prompt": "two choices", "max_tokens": 8, "n": 2, "temperature": 0.8, "seed": 1,
-            "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill_bootstrap_port(prefill),
-            "bootstrap_room": random.getrandbits(62)}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "two choices",
+        "max_tokens": 8,
+        "n": 2,
+        "temperature": 0.8,
+        "seed": 1,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": prefill_bootstrap_port(prefill),
+        "bootstrap_room": random.getrandbits(62),
+    }
     answers = send_to_both(prefill, decode, "/v1/completions", body)
-    assert answers["p"].status_code == 200 and answers["d"].status_code == 200, (answers["p"].text, answers["d"].text)
-    want = httpx.post(mixed.base_url + "/v1/completions",
-                      json={k: v for k, v in body.items() if not k.startswith("bootstrap")}).json()
-    assert [c["text"] for c in answers["d"].json()["choices"]] == [c["text"] for c in want["choices"]], (answers["d"].json(), want)
+    assert answers["p"].status_code == 200 and answers["d"].status_code == 200, (
+        answers["p"].text,
+        answers["d"].text,
+    )
+    want = httpx.post(
+        mixed.base_url + "/v1/completions",
+        json={k: v for k, v in body.items() if not k.startswith("bootstrap")},
+    ).json()
+    assert [c["text"] for c in answers["d"].json()["choices"]] == [
+        c["text"] for c in want["choices"]
+    ], (answers["d"].json(), want)
     decode.wait_idle()
     prefill.wait_idle()
 
@@ -237,14 +378,25 @@ def prefill_bootstrap_port(prefill) -> int:
     return int(args[args.index("--disaggregation-bootstrap-port") + 1])
 
 
-def test_a_prefill_engine_killed_during_a_long_prefill_fails_the_decode_request_within_seconds(tiny_model, tmp_path):
+def test_a_prefill_engine_killed_during_a_long_prefill_fails_the_decode_request_within_seconds(
+    tiny_model, tmp_path
+):
     model = tiny_model("llama")
-    prefill, decode, bootstrap = start_pd_pair(model, tmp_path, prefill_args=("--chunked-prefill-size", "4"))
+    prefill, decode, bootstrap = start_pd_pair(
+        model, tmp_path, prefill_args=("--chunked-prefill-size", "4")
+    )
     try:
         room = random.getrandbits(63)
-        prompt = [random.randrange(3, 500) for _ in range(2000)]  # 500 chunks: seconds of prefill here
-        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": bootstrap, "bootstrap_room": room}
+        prompt = [
+            random.randrange(3, 500) for _ in range(2000)
+        ]  # 500 chunks: seconds of prefill here
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap,
+            "bootstrap_room": room,
+        }
         answers = {}
 
         def send(name, base):
@@ -253,7 +405,10 @@ def test_a_prefill_engine_killed_during_a_long_prefill_fails_the_decode_request_
             except httpx.HTTPError as exc:
                 answers[name] = exc
 
-        threads = [threading.Thread(target=send, args=(n, s.base_url)) for n, s in (("p", prefill), ("d", decode))]
+        threads = [
+            threading.Thread(target=send, args=(n, s.base_url))
+            for n, s in (("p", prefill), ("d", decode))
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 30
@@ -267,8 +422,10 @@ def test_a_prefill_engine_killed_during_a_long_prefill_fails_the_decode_request_
         assert time.monotonic() - killed_at < 12
         assert answer.status_code == 502, answer.text
         assert "prefill engine" in answer.json()["error"]["message"]
-        concurrent = httpx.post(decode.base_url + "/generate", json={"text": "still serving",
-                                                                     "sampling_params": {"max_new_tokens": 4}})
+        concurrent = httpx.post(
+            decode.base_url + "/generate",
+            json={"text": "still serving", "sampling_params": {"max_new_tokens": 4}},
+        )
         assert concurrent.status_code == 200 and len(concurrent.json()["output_ids"]) == 4
         decode.wait_idle()
         assert decode.metric('kubesgl_disagg_failures_total{reason="peer_lost",role="decode"}') == 1
@@ -279,24 +436,38 @@ def test_a_prefill_engine_killed_during_a_long_prefill_fails_the_decode_request_
 
 
 def test_a_decode_engine_killed_while_the_prefill_engine_holds_kv_leaves_the_prefill_engine_serving(
-        tiny_model, tmp_path):
+    tiny_model, tmp_path
+):
     model = tiny_model("llama")
     # If the decode engine dies before it posted the room, nothing tells the prefill engine
     # (SGLang's router does not cancel it): its timeout frees the KV, shortened here.
-    prefill, decode, bootstrap = start_pd_pair(model, tmp_path, prefill_args=(
-        "--chunked-prefill-size", "4", "--disaggregation-timeout", "5"))
+    prefill, decode, bootstrap = start_pd_pair(
+        model,
+        tmp_path,
+        prefill_args=("--chunked-prefill-size", "4", "--disaggregation-timeout", "5"),
+    )
     try:
         prompt = [random.randrange(3, 500) for _ in range(1500)]
-        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": bootstrap, "bootstrap_room": random.getrandbits(63)}
+        body = {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap,
+            "bootstrap_room": random.getrandbits(63),
+        }
         answers = {}
-        thread = threading.Thread(target=lambda: answers.__setitem__(
-            "p", httpx.post(prefill.base_url + "/generate", json=body, timeout=120)))
+        thread = threading.Thread(
+            target=lambda: answers.__setitem__(
+                "p", httpx.post(prefill.base_url + "/generate", json=body, timeout=120)
+            )
+        )
         thread.start()
         decode_side = threading.Thread(target=_post_quietly, args=(decode, body))
         decode_side.start()
         deadline = time.monotonic() + 60
-        while prefill.metric('kubesgl_disagg_requests{role="prefill",state="prefilling"}') < 1:  # it holds KV
+        while (
+            prefill.metric('kubesgl_disagg_requests{role="prefill",state="prefilling"}') < 1
+        ):  # it holds KV
             assert time.monotonic() < deadline and thread.is_alive(), answers
             time.sleep(0.02)
         os.killpg(decode.process.pid, signal.SIGKILL)
@@ -305,8 +476,10 @@ def test_a_decode_engine_killed_while_the_prefill_engine_holds_kv_leaves_the_pre
         answer = answers["p"]
         assert time.monotonic() - killed_at < 15
         assert answer.status_code in (502, 504), answer.text  # its write failed, or nobody took it
-        concurrent = httpx.post(prefill.base_url + "/generate", json={"text": "still serving",
-                                                                      "sampling_params": {"max_new_tokens": 4}})
+        concurrent = httpx.post(
+            prefill.base_url + "/generate",
+            json={"text": "still serving", "sampling_params": {"max_new_tokens": 4}},
+        )
         assert concurrent.status_code == 200 and len(concurrent.json()["output_ids"]) == 4
         prefill.wait_idle()
     finally:
@@ -324,11 +497,24 @@ def _post_quietly(server, body: dict) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
-def test_pd_on_one_gpu_moves_kv_vram_to_vram_and_equals_a_mixed_engine(backend, tiny_model, tmp_path):
+def test_pd_on_one_gpu_moves_kv_vram_to_vram_and_equals_a_mixed_engine(
+    backend, tiny_model, tmp_path
+):
     if backend == "flashinfer":
-        pytest.importorskip("flashinfer", reason="FlashInfer is not installed (pip install 'kubesgl[flashinfer]')")
+        pytest.importorskip(
+            "flashinfer", reason="FlashInfer is not installed (pip install 'kubesgl[flashinfer]')"
+        )
     model = tiny_model("llama", head_dim=64)
-    gpu = ("--device", "cuda", "--dtype", "bfloat16", "--attention-backend", backend, "--page-size", "16")
+    gpu = (
+        "--device",
+        "cuda",
+        "--dtype",
+        "bfloat16",
+        "--attention-backend",
+        backend,
+        "--page-size",
+        "16",
+    )
     mixed = start_server(model, "--served-model-name", MODEL_NAME, *gpu, tmp_path=tmp_path)
     prefill, decode, bootstrap = start_pd_pair(model, tmp_path, prefill_args=gpu, decode_args=gpu)
     try:
@@ -336,10 +522,20 @@ def test_pd_on_one_gpu_moves_kv_vram_to_vram_and_equals_a_mixed_engine(backend, 
         for length in (5, 100, 700):
             prompt = [rng.randrange(3, 600) for _ in range(length)]
             room = random.getrandbits(63)
-            body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}
-            paired = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": room}
+            body = {
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+            }
+            paired = {
+                **body,
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bootstrap,
+                "bootstrap_room": room,
+            }
             answers = send_to_both(prefill, decode, "/generate", paired)
-            want = httpx.post(mixed.base_url + "/generate", json=body, timeout=120).json()["output_ids"]
+            want = httpx.post(mixed.base_url + "/generate", json=body, timeout=120).json()[
+                "output_ids"
+            ]
             assert answers["d"].json()["output_ids"] == want, length
         assert prefill.metric("kubesgl_kv_transfer_bytes_total") > 0
         for server in (prefill, decode):
@@ -355,21 +551,30 @@ def test_tensor_parallel_prefill_and_decode_pair_rank_by_rank(pd_stack, tiny_mod
     into the same decode rank, and the output equals a TP 1 mixed engine's."""
     _, mixed, _, _ = pd_stack
     tp = ("--tp-size", "2")
-    prefill, decode, bootstrap = start_pd_pair(tiny_model("llama"), tmp_path, prefill_args=tp, decode_args=tp)
+    prefill, decode, bootstrap = start_pd_pair(
+        tiny_model("llama"), tmp_path, prefill_args=tp, decode_args=tp
+    )
     try:
         rng = random.Random(0)
         for length in (5, 300):
-            body = {"input_ids": [rng.randrange(10, 600) for _ in range(length)],
-                    "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}
-            paired = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap,
-                      "bootstrap_room": random.getrandbits(63)}
+            body = {
+                "input_ids": [rng.randrange(10, 600) for _ in range(length)],
+                "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+            }
+            paired = {
+                **body,
+                "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bootstrap,
+                "bootstrap_room": random.getrandbits(63),
+            }
             answers = send_to_both(prefill, decode, "/generate", paired)
             assert answers["d"].status_code == 200, answers["d"].text
-            assert answers["d"].json()["output_ids"] == httpx.post(mixed.base_url + "/generate", json=body).json()[
-                "output_ids"]
+            assert (
+                answers["d"].json()["output_ids"]
+                == httpx.post(mixed.base_url + "/generate", json=body).json()["output_ids"]
+            )
         for server in (prefill, decode):
             server.wait_idle()
     finally:
         for server in (prefill, decode):
             assert server.stop() == 0
-

@@ -21,7 +21,11 @@ def test_sigterm_drains_in_flight_requests_then_exits_clean(server_factory, tiny
     result = {}
 
     def long_request():
-        body = {"prompt": "drain me", "max_tokens": 1800, "ignore_eos": True}  # a couple of seconds here
+        body = {
+            "prompt": "drain me",
+            "max_tokens": 1800,
+            "ignore_eos": True,
+        }  # a couple of seconds here
         result["response"] = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
 
     worker = threading.Thread(target=long_request)
@@ -32,7 +36,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_clean(server_factory, tiny
     server.process.send_signal(signal.SIGTERM)
     time.sleep(0.1)
     assert httpx.get(server.base_url + "/health").status_code == 503
-    refused = httpx.post(server.base_url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
+    refused = httpx.post(
+        server.base_url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}
+    )
     assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
     worker.join(timeout=60)
     response = result["response"]
@@ -62,7 +68,11 @@ def test_shutdown_deadline_aborts_what_is_left(server_factory, tiny_model):
 def test_a_dying_child_takes_the_server_down_with_a_clear_log(server_factory, tiny_model):
     server = server_factory(tiny_model("llama"))
     children = process_tree_alive(server.process.pid)
-    schedulers = [pid for pid in children if "spawn_main" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")]
+    schedulers = [
+        pid
+        for pid in children
+        if "spawn_main" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    ]
     assert schedulers
     os.kill(schedulers[0], signal.SIGKILL)
     assert server.process.wait(timeout=30) != 0
@@ -89,12 +99,30 @@ def test_a_problem_only_a_child_finds_is_one_line_and_the_servers_last(tiny_mode
     path = tmp_path / "bad-weights"
     shutil.copytree(tiny_model("llama"), path)
     (path / "model.safetensors").write_bytes(b"not a safetensors file")
-    run = subprocess.run([sys.executable, "-m", "kubesgl", "serve", "--model", str(path), "--device", "cpu",
-                          "--host", "127.0.0.1", "--port", str(free_port())],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kubesgl",
+            "serve",
+            "--model",
+            str(path),
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     log = run.stdout + run.stderr
     assert run.returncode == 1 and "Traceback" not in log, log
-    assert run.stderr.splitlines()[-1].startswith("kubesgl serve: scheduler rank 0 could not start: SafetensorError: ")
+    assert run.stderr.splitlines()[-1].startswith(
+        "kubesgl serve: scheduler rank 0 could not start: SafetensorError: "
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3-moe"])
@@ -103,15 +131,26 @@ def test_tensor_parallel_2_gives_the_same_greedy_tokens_as_1(arch, server_factor
     server = server_factory(path, "--tp-size", "2")
     prompts = [[5, 6, 7], list(range(20, 70)), [300, 12, 99, 4]]
     # the very first request right after start-up reaches both ranks
-    got = [httpx.post(server.base_url + "/generate", json={
-        "input_ids": p, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}).json()["output_ids"]
-        for p in prompts]
+    got = [
+        httpx.post(
+            server.base_url + "/generate",
+            json={"input_ids": p, "sampling_params": {"max_new_tokens": 16, "temperature": 0}},
+        ).json()["output_ids"]
+        for p in prompts
+    ]
     with LLM(path, device="cpu", dtype="float32", max_total_tokens=4096) as llm:
-        expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))]
+        expected = [
+            o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+        ]
     assert got == expected
     # seeded sampling agrees across ranks too (a rank that drew differently would deadlock or diverge)
-    sampled = httpx.post(server.base_url + "/generate", json={
-        "input_ids": prompts[1], "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "seed": 3}})
+    sampled = httpx.post(
+        server.base_url + "/generate",
+        json={
+            "input_ids": prompts[1],
+            "sampling_params": {"max_new_tokens": 16, "temperature": 1.0, "seed": 3},
+        },
+    )
     assert sampled.status_code == 200 and len(sampled.json()["output_ids"]) == 16
     assert server.stop() == 0
 
@@ -125,7 +164,9 @@ def test_a_model_without_tokenizer_serves_token_ids(server_factory, tiny_model, 
         (path / name).unlink()
     server = server_factory(str(path))
     url = server.base_url + "/v1/completions"
-    got = httpx.post(url, json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "logprobs": 1})
+    got = httpx.post(
+        url, json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "logprobs": 1}
+    )
     assert got.status_code == 200 and got.json()["usage"]["completion_tokens"] == 4
     assert got.json()["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
     refused = httpx.post(url, json={"prompt": "text", "max_tokens": 4})

@@ -292,13 +292,20 @@ def test_network_policies_are_kept_as_rendered_and_go_when_turned_off(
     wanted = rendered(created)[("NetworkPolicy", "llama-pd-prefill")]
 
     cluster.delete(network_policy, "llama-pd-prefill")
-    wait_for(lambda: cluster.get(network_policy, "llama-pd-prefill"), what="the policy to come back")
-    # a hand edit opening the engines to every pod of the namespace is set back
-    cluster.patch(network_policy, "llama-pd-decode",
-                  {"spec": {"ingress": [{"from": [{"podSelector": {}}]}]}})
     wait_for(
-        lambda: not has_drifted(rendered(created)[("NetworkPolicy", "llama-pd-decode")],
-                                cluster.get(network_policy, "llama-pd-decode")),
+        lambda: cluster.get(network_policy, "llama-pd-prefill"), what="the policy to come back"
+    )
+    # a hand edit opening the engines to every pod of the namespace is set back
+    cluster.patch(
+        network_policy, "llama-pd-decode", {"spec": {"ingress": [{"from": [{"podSelector": {}}]}]}}
+    )
+    wait_for(
+        lambda: (
+            not has_drifted(
+                rendered(created)[("NetworkPolicy", "llama-pd-decode")],
+                cluster.get(network_policy, "llama-pd-decode"),
+            )
+        ),
         what="the hand-edited policy to be restored",
     )
     assert not has_drifted(wanted, cluster.get(network_policy, "llama-pd-prefill"))

@@ -58,12 +58,16 @@ class RouterHarness:
     async def all_healthy(self, timeout: float = 10.0) -> None:
         async with asyncio.timeout(timeout):
             await self.app.workers.wait_for(
-                lambda: bool(self.app.workers.all()) and all(w.healthy for w in self.app.workers.all())
+                lambda: (
+                    bool(self.app.workers.all()) and all(w.healthy for w in self.app.workers.all())
+                )
             )
 
 
 @pytest_asyncio.fixture
-async def start_router() -> AsyncIterator[Callable[..., contextlib.AbstractAsyncContextManager[RouterHarness]]]:
+async def start_router() -> AsyncIterator[
+    Callable[..., contextlib.AbstractAsyncContextManager[RouterHarness]]
+]:
     @contextlib.asynccontextmanager
     async def start(**overrides: object) -> AsyncIterator[RouterHarness]:
         app = RouterApp(replace(FAST, **overrides))

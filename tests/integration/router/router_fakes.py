@@ -104,7 +104,10 @@ class FakeEngine:
             app.router.add_post(path, self._generate)
         self._runner = web.AppRunner(
             # handler_cancellation: a client hanging up cancels the handler, as in an engine
-            app, shutdown_timeout=0.2, access_log=None, handler_cancellation=True
+            app,
+            shutdown_timeout=0.2,
+            access_log=None,
+            handler_cancellation=True,
         )
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
@@ -130,7 +133,10 @@ class FakeEngine:
     # -- handlers ----------------------------------------------------------------------------
 
     def _unauthorized(self, request: web.Request) -> web.Response | None:
-        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+        if (
+            self.api_key is not None
+            and request.headers.get("Authorization") != f"Bearer {self.api_key}"
+        ):
             return _error(401, "missing or wrong API key")
         return None
 
@@ -150,7 +156,9 @@ class FakeEngine:
         unauthorized = self._unauthorized(request)
         if unauthorized is not None:
             return unauthorized
-        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+        )
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -172,7 +180,9 @@ class FakeEngine:
             assert self.kv is not None
             try:
                 for room in _rooms(body):
-                    await self.kv.wait((body["bootstrap_host"], body["bootstrap_port"], room), timeout=5.0)
+                    await self.kv.wait(
+                        (body["bootstrap_host"], body["bootstrap_port"], room), timeout=5.0
+                    )
             except TimeoutError:
                 return _error(500, f"{self.name}: KV cache of room {room} never arrived")
             except asyncio.CancelledError:
@@ -207,7 +217,11 @@ class FakeEngine:
     def _completion(self, path: str) -> dict[str, Any]:
         text = "".join(self._text(i) for i in range(self.tokens))
         if path == "/v1/chat/completions":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop",
+            }
             return {"id": "chatcmpl-fake", "object": "chat.completion", "model": "fake-model",
                     "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": self.tokens, "total_tokens": 1 + self.tokens}}  # fmt: skip
         if path == "/v1/completions":
@@ -269,7 +283,11 @@ def _prompt_of(path: str, body: dict[str, Any]) -> str:
 
 
 def _bootstrap_problem(body: dict[str, Any]) -> str | None:
-    host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
+    host, port, room = (
+        body.get("bootstrap_host"),
+        body.get("bootstrap_port"),
+        body.get("bootstrap_room"),
+    )
     if not isinstance(host, str) or not host:
         return "bootstrap_host must be a non-empty string"
     if not isinstance(port, int) or isinstance(port, bool):

@@ -43,7 +43,11 @@ class SharedPrefixWorkload:
                 "model": "default",
                 "messages": [
                     {"role": "system", "content": system},
-                    {"role": "user", "content": f"Question {q}: " + " ".join(rng.choices(_WORDS, k=self.question_words))},
+                    {
+                        "role": "user",
+                        "content": f"Question {q}: "
+                        + " ".join(rng.choices(_WORDS, k=self.question_words)),
+                    },
                 ],
                 "max_tokens": self.max_tokens,
                 "temperature": 0,
@@ -68,7 +72,9 @@ def _series(text: str, name: str) -> list[float]:
     return [float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)]
 
 
-async def run_workload(router_url: str, requests: list[dict[str, object]], concurrency: int) -> WorkloadResult:
+async def run_workload(
+    router_url: str, requests: list[dict[str, object]], concurrency: int
+) -> WorkloadResult:
     result = WorkloadResult()
     queue: asyncio.Queue[dict[str, object]] = asyncio.Queue()
     for request in requests:

@@ -19,7 +19,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def wait_until_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
+async def wait_until_ready(
+    url: str, process: subprocess.Popen[bytes], timeout: float = 20.0
+) -> None:
     """Polls /health: the only readiness signal another process offers."""
     async with httpx.AsyncClient() as client, asyncio.timeout(timeout):
         while True:
@@ -37,8 +39,23 @@ async def test_router_process_serves_openai_clients(engines):
     a, b = await engines("a", tokens=3), await engines("b", tokens=3)
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "kubesgl", "router", "--worker", a.url, b.url, "--port", str(port),
-         "--policy", "round_robin", "--health-check-interval", "0.2", "--log-level", "warning"],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kubesgl",
+            "router",
+            "--worker",
+            a.url,
+            b.url,
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            "--health-check-interval",
+            "0.2",
+            "--log-level",
+            "warning",
+        ],  # fmt: skip
     )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -29,7 +29,9 @@ INSTANCE = {"app.kubernetes.io/name": "kubesgl", "app.kubernetes.io/instance": "
 @pytest_asyncio.fixture
 async def core_api(tmp_path, monkeypatch) -> AsyncIterator[k8s.CoreV1Api]:
     async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
-        emulator.resources["v1/pods"] = kmock.ResourceInfo(namespaced=True, kind="Pod", singular="pod")
+        emulator.resources["v1/pods"] = kmock.ResourceInfo(
+            namespaced=True, kind="Pod", singular="pod"
+        )
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(yaml.safe_dump({
             "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
@@ -55,7 +57,15 @@ def pod(name: str, role: str, port: int, *, ready: bool, labels: dict[str, str] 
             "labels": {**INSTANCE, "kubesgl.io/role": role, **(labels or {})},
             "annotations": annotations or {},
         },
-        "spec": {"containers": [{"name": "engine", "image": "kubesgl", "ports": [{"name": "http", "containerPort": port}]}]},
+        "spec": {
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": "kubesgl",
+                    "ports": [{"name": "http", "containerPort": port}],
+                }
+            ]
+        },
         "status": pod_status(ready),
     }
 
@@ -63,7 +73,11 @@ def pod(name: str, role: str, port: int, *, ready: bool, labels: dict[str, str] 
 def pod_status(ready: bool) -> dict[str, Any]:
     if not ready:
         return {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]}
-    return {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
+    return {
+        "phase": "Running",
+        "podIP": "127.0.0.1",
+        "conditions": [{"type": "Ready", "status": "True"}],
+    }
 
 
 async def create(api: k8s.CoreV1Api, body: dict[str, Any]) -> None:
@@ -71,7 +85,9 @@ async def create(api: k8s.CoreV1Api, body: dict[str, Any]) -> None:
 
 
 async def set_ready(api: k8s.CoreV1Api, name: str, ready: bool) -> None:
-    await asyncio.to_thread(api.patch_namespaced_pod_status, name, NAMESPACE, {"status": pod_status(ready)})
+    await asyncio.to_thread(
+        api.patch_namespaced_pod_status, name, NAMESPACE, {"status": pod_status(ready)}
+    )
 
 
 async def test_pods_join_and_leave_the_pool(core_api, engines, start_router, client):

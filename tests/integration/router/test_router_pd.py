@@ -15,7 +15,10 @@ BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}
 
 
 async def pd_pool(engines, kv_table, prefills=1, decodes=1):
-    p = [await engines(f"p{i}", "prefill", kv=kv_table, bootstrap_port=9100 + i) for i in range(prefills)]
+    p = [
+        await engines(f"p{i}", "prefill", kv=kv_table, bootstrap_port=9100 + i)
+        for i in range(prefills)
+    ]
     d = [await engines(f"d{i}", "decode", kv=kv_table, tokens=3) for i in range(decodes)]
     return p, d
 
@@ -30,11 +33,15 @@ def pd_config(prefill, decode, **overrides):
     }
 
 
-async def test_streamed_answer_comes_from_decode_with_bootstrap_fields(engines, kv_table, start_router, client):
+async def test_streamed_answer_comes_from_decode_with_bootstrap_fields(
+    engines, kv_table, start_router, client
+):
     (p,), (d,) = await pd_pool(engines, kv_table)
     async with start_router(**pd_config([p], [d])) as router:
         await router.ready()
-        response = await client.post(router.url + "/v1/chat/completions", json={**BODY, "stream": True})
+        response = await client.post(
+            router.url + "/v1/chat/completions", json={**BODY, "stream": True}
+        )
     assert response.status_code == 200
     events = [line for line in response.text.splitlines() if line]
     contents = [json.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:-1]]
@@ -44,7 +51,10 @@ async def test_streamed_answer_comes_from_decode_with_bootstrap_fields(engines, 
     assert prefill_body["bootstrap_host"] == "127.0.0.1"
     assert prefill_body["bootstrap_port"] == p.bootstrap_port
     assert 0 <= prefill_body["bootstrap_room"] < 2**63
-    assert {k: v for k, v in prefill_body.items() if not k.startswith("bootstrap_")} == {**BODY, "stream": True}
+    assert {k: v for k, v in prefill_body.items() if not k.startswith("bootstrap_")} == {
+        **BODY,
+        "stream": True,
+    }
 
 
 async def test_pairs_spread_and_rooms_differ(engines, kv_table, start_router, client):
@@ -62,12 +72,16 @@ async def test_pairs_spread_and_rooms_differ(engines, kv_table, start_router, cl
         assert {r["body"]["bootstrap_port"] for r in e.requests} == {e.bootstrap_port}
 
 
-async def test_prefill_client_error_reaches_the_client_and_stops_decode(engines, kv_table, start_router, client):
+async def test_prefill_client_error_reaches_the_client_and_stops_decode(
+    engines, kv_table, start_router, client
+):
     (p,), (d,) = await pd_pool(engines, kv_table)
     p.fail_status = 400
     async with start_router(**pd_config([p], [d])) as router:
         await router.ready()
-        response = await client.post(router.url + "/v1/chat/completions", json={**BODY, "stream": True})
+        response = await client.post(
+            router.url + "/v1/chat/completions", json={**BODY, "stream": True}
+        )
         assert response.status_code == 400
         assert response.json()["error"]["message"] == "p0 fails on purpose"
         async with asyncio.timeout(2):  # well before the decode's own 5 s KV timeout
@@ -75,7 +89,9 @@ async def test_prefill_client_error_reaches_the_client_and_stops_decode(engines,
         assert all(w.in_flight == 0 for w in router.app.workers.all())
 
 
-async def test_prefill_server_error_names_the_prefill_worker(engines, kv_table, start_router, client):
+async def test_prefill_server_error_names_the_prefill_worker(
+    engines, kv_table, start_router, client
+):
     (p,), (d,) = await pd_pool(engines, kv_table)
     p.fail_status = 500
     async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
@@ -90,7 +106,9 @@ async def test_decode_error_names_the_decode_worker(engines, kv_table, start_rou
     d.fail_status = 503
     async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
         await router.ready()
-        response = await client.post(router.url + "/v1/completions", json={"prompt": "x", "stream": True})
+        response = await client.post(
+            router.url + "/v1/completions", json={"prompt": "x", "stream": True}
+        )
     assert response.status_code == 503
     assert response.json()["error"]["message"].startswith(f"decode worker {d.url} answered 503")
 
@@ -106,7 +124,9 @@ async def test_dead_prefill_is_retried_on_another(engines, kv_table, start_route
     assert len(p1.requests) == 3
 
 
-async def test_prefill_dying_mid_stream_ends_the_stream_with_an_error(engines, kv_table, start_router, client):
+async def test_prefill_dying_mid_stream_ends_the_stream_with_an_error(
+    engines, kv_table, start_router, client
+):
     (p,), (d,) = await pd_pool(engines, kv_table)
     p.hold = asyncio.Event()  # the prefill sends the KV cache, then never answers
     d.hold = asyncio.Event()
@@ -129,7 +149,9 @@ async def test_batched_requests_get_one_room_per_choice(engines, kv_table, start
     (p,), (d,) = await pd_pool(engines, kv_table)
     async with start_router(**pd_config([p], [d])) as router:
         await router.ready()
-        several = await client.post(router.url + "/v1/completions", json={"prompt": ["a", "b"], "n": 2})
+        several = await client.post(
+            router.url + "/v1/completions", json={"prompt": ["a", "b"], "n": 2}
+        )
         single = await client.post(router.url + "/v1/completions", json={"prompt": "a"})
     assert several.status_code == 200 and single.status_code == 200
     rooms = [r["body"]["bootstrap_room"] for r in p.requests]
@@ -148,36 +170,49 @@ async def test_health_needs_both_roles(engines, kv_table, start_router, client):
             await router.app.workers.wait_for(lambda: not router.app.can_serve())
         assert (await client.get(router.url + "/health")).status_code == 503
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
-        assert response.status_code == 503 and "no prefill worker can serve" in response.json()["error"]["message"]
+        assert (
+            response.status_code == 503
+            and "no prefill worker can serve" in response.json()["error"]["message"]
+        )
 
 
-async def test_short_uncached_prompts_go_to_a_decode_worker_alone(engines, kv_table, start_router, client):
+async def test_short_uncached_prompts_go_to_a_decode_worker_alone(
+    engines, kv_table, start_router, client
+):
     (p,), (d,) = await pd_pool(engines, kv_table)
     settings = DisaggregationSettings(min_prefill_tokens=8)
-    async with start_router(**pd_config([p], [d], policy="cache_aware", disaggregation=settings)) as router:
+    async with start_router(
+        **pd_config([p], [d], policy="cache_aware", disaggregation=settings)
+    ) as router:
         await router.ready()
-        short = await client.post(router.url + "/v1/completions", json={"prompt": "a short one"})  # ~3 tokens
+        short = await client.post(
+            router.url + "/v1/completions", json={"prompt": "a short one"}
+        )  # ~3 tokens
         ids = await client.post(router.url + "/v1/completions", json={"prompt": list(range(1, 40))})
         metrics = (await client.get(router.url + "/metrics")).text
     assert short.status_code == 200 and ids.status_code == 200
     assert len(p.requests) == 1 and p.requests[0]["body"]["prompt"] == list(range(1, 40))
-    assert "bootstrap_room" not in d.requests[0]["body"] and "bootstrap_room" in d.requests[1]["body"]
+    assert (
+        "bootstrap_room" not in d.requests[0]["body"] and "bootstrap_room" in d.requests[1]["body"]
+    )
     assert 'kubesgl_router_pd_routes_total{route="decode_only_short"} 1.0' in metrics
     assert 'kubesgl_router_pd_routes_total{route="disaggregated"} 1.0' in metrics
 
 
-async def test_a_saturated_prefill_pool_sends_new_requests_to_a_decode_worker_alone(engines, kv_table, start_router,
-                                                                                    client):
+async def test_a_saturated_prefill_pool_sends_new_requests_to_a_decode_worker_alone(
+    engines, kv_table, start_router, client
+):
     (p,), (d,) = await pd_pool(engines, kv_table)
     p.hold = asyncio.Event()  # the prefill worker keeps its first request
     settings = DisaggregationSettings(min_prefill_tokens=0, max_prefill_in_flight=1)
     async with start_router(**pd_config([p], [d], disaggregation=settings)) as router:
         await router.ready()
-        first = asyncio.ensure_future(client.post(router.url + "/v1/completions", json={"prompt": "one"}))
+        first = asyncio.ensure_future(
+            client.post(router.url + "/v1/completions", json={"prompt": "one"})
+        )
         await p.wait_for_requests(1)
         second = await client.post(router.url + "/v1/completions", json={"prompt": "two"})
         p.hold.set()
         assert (await first).status_code == 200
     assert second.status_code == 200 and len(p.requests) == 1
     assert "bootstrap_room" not in d.requests[-1]["body"]
-

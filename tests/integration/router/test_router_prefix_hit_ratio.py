@@ -40,7 +40,10 @@ async def test_cache_aware_doubles_the_hit_ratio_on_fake_engines(engines, start_
     ratios = {}
     for policy in ("round_robin", "cache_aware"):
         # Each engine's cache holds about two system prompts, as a small KV pool would.
-        fakes = [await engines(f"{policy}-{i}", prefix_cache_chars=int(2.5 * system_chars)) for i in range(4)]
+        fakes = [
+            await engines(f"{policy}-{i}", prefix_cache_chars=int(2.5 * system_chars))
+            for i in range(4)
+        ]
         ratios[policy], gap = await measure(start_router, [f.url for f in fakes], policy)
         assert gap <= BALANCE.balance_abs_threshold + 1
         for fake in fakes:
@@ -56,13 +59,29 @@ def _free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def real_engines(model_dir: str, count: int, max_total_tokens: int) -> AsyncIterator[list[str]]:
+async def real_engines(
+    model_dir: str, count: int, max_total_tokens: int
+) -> AsyncIterator[list[str]]:
     """`kubesgl serve` engines on loopback ports (docs/architecture.md, Command line)."""
     ports = [_free_port() for _ in range(count)]
     processes = [
         subprocess.Popen(
-            [sys.executable, "-m", "kubesgl", "serve", "--model", model_dir, "--port", str(port),
-             "--device", "cpu", "--max-total-tokens", str(max_total_tokens), "--served-model-name", "default"],  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "kubesgl",
+                "serve",
+                "--model",
+                model_dir,
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+                "--max-total-tokens",
+                str(max_total_tokens),
+                "--served-model-name",
+                "default",
+            ],  # fmt: skip
             env={**os.environ, "OMP_NUM_THREADS": "1"},
         )
         for port in ports
@@ -79,7 +98,10 @@ async def real_engines(model_dir: str, count: int, max_total_tokens: int) -> Asy
 @pytest.mark.slow
 async def test_cache_aware_doubles_the_hit_ratio_on_real_engines(start_router, tmp_path):
     model_dir = str(tmp_path / "tiny")
-    subprocess.run([sys.executable, "-m", "kubesgl", "make-tiny-model", model_dir, "--arch", "llama"], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "kubesgl", "make-tiny-model", model_dir, "--arch", "llama"],
+        check=True,
+    )
     ratios = {}
     for policy in ("round_robin", "cache_aware"):
         # Fresh engines per policy: the hit ratio counts from an empty cache. The KV pool holds

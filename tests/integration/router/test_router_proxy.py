@@ -32,9 +32,13 @@ async def test_each_workers_model_is_named_in_its_info_series(engines, start_rou
     async with start_router(workers=[a.url], admin_api_key="k") as router:
         await router.ready()
         metrics = (await client.get(router.url + "/metrics")).text
-        listing = (await client.get(router.url + "/workers", headers={"Authorization": "Bearer k"})).json()
-    assert (f'kubesgl_router_worker_info{{model_name="fake-model",role="mixed",worker="{a.url}",worker_pod=""}} 1.0'
-            in metrics), metrics
+        listing = (
+            await client.get(router.url + "/workers", headers={"Authorization": "Bearer k"})
+        ).json()
+    assert (
+        f'kubesgl_router_worker_info{{model_name="fake-model",role="mixed",worker="{a.url}",worker_pod=""}} 1.0'
+        in metrics
+    ), metrics
     assert [w["model_name"] for w in listing["workers"]] == ["fake-model"]
 
 
@@ -64,7 +68,9 @@ async def test_openai_sdk_streams_through_the_router(engines, start_router):
     assert pieces == [f"a-tok{i} " for i in range(5)]
 
 
-async def test_stream_chunks_reach_the_client_before_the_worker_finishes(engines, start_router, client):
+async def test_stream_chunks_reach_the_client_before_the_worker_finishes(
+    engines, start_router, client
+):
     a = await engines("a", tokens=4)
     a.hold, a.hold_after_chunks = asyncio.Event(), 2
     async with start_router(workers=[a.url]) as router:
@@ -75,7 +81,9 @@ async def test_stream_chunks_reach_the_client_before_the_worker_finishes(engines
             async with asyncio.timeout(5):  # buffering would hold these until the worker ends
                 first, second = await anext(events), await anext(events)
             assert not a.hold.is_set()
-            texts = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in (first, second)]
+            texts = [
+                json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in (first, second)
+            ]
             assert texts == ["a-tok0 ", "a-tok1 "]
             a.hold.set()
             rest = [line async for line in events]
@@ -89,7 +97,9 @@ async def test_client_disconnect_cancels_the_upstream_request(engines, start_rou
         await router.ready()
         async with httpx.AsyncClient() as own_client:
             body = {"prompt": "x", "stream": True}
-            async with own_client.stream("POST", router.url + "/v1/completions", json=body) as response:
+            async with own_client.stream(
+                "POST", router.url + "/v1/completions", json=body
+            ) as response:
                 await anext(response.aiter_lines())
         # The client is gone (its connection closed); the worker must see its request dropped.
         async with asyncio.timeout(5):
@@ -121,7 +131,9 @@ async def test_bad_json_is_a_400_with_an_openai_error_body(engines, start_router
         await router.ready()
         not_json = await client.post(router.url + "/v1/chat/completions", content=b"{nope")
         no_messages = await client.post(router.url + "/v1/chat/completions", json={"model": "m"})
-        bad_stream = await client.post(router.url + "/v1/completions", json={"prompt": "x", "stream": "yes"})
+        bad_stream = await client.post(
+            router.url + "/v1/completions", json={"prompt": "x", "stream": "yes"}
+        )
     for response in (not_json, no_messages, bad_stream):
         assert response.status_code == 400
         error = response.json()["error"]

@@ -20,15 +20,22 @@ async def test_worker_killed_mid_run(engines, start_router, client):
     async with start_router(workers=[b.url], policy="round_robin", admin_api_key="k") as router:
         await router.ready()
         # A stream that b has started, and a plain request b is still working on.
-        stream_cm = client.stream("POST", router.url + "/v1/completions", json={"prompt": "s", "stream": True})
+        stream_cm = client.stream(
+            "POST", router.url + "/v1/completions", json={"prompt": "s", "stream": True}
+        )
         stream = await stream_cm.__aenter__()
         lines = (line async for line in stream.aiter_lines() if line)
         assert "b-tok0" in await anext(lines)
-        pending = asyncio.ensure_future(client.post(router.url + "/v1/completions", json={"prompt": "n"}))
+        pending = asyncio.ensure_future(
+            client.post(router.url + "/v1/completions", json={"prompt": "n"})
+        )
         await b.wait_for_requests(2)
         for other in (a, c):
-            added = await client.post(router.url + "/workers", json={"url": other.url},
-                                      headers={"Authorization": "Bearer k"})
+            added = await client.post(
+                router.url + "/workers",
+                json={"url": other.url},
+                headers={"Authorization": "Bearer k"},
+            )
             assert added.status_code == 200
         await router.all_healthy()
 
@@ -66,21 +73,29 @@ async def test_worker_killed_mid_run(engines, start_router, client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_failed_requests_are_retried_on_another_worker(engines, start_router, client, stream, caplog):
+async def test_failed_requests_are_retried_on_another_worker(
+    engines, start_router, client, stream, caplog
+):
     a, b = await engines("a"), await engines("b")
     a.fail_status = 503
-    async with start_router(workers=[a.url, b.url], policy="round_robin", breaker_cooldown_s=60) as router:
+    async with start_router(
+        workers=[a.url, b.url], policy="round_robin", breaker_cooldown_s=60
+    ) as router:
         await router.ready()
         with caplog.at_level("INFO", logger="kubesgl.router"):
             for _ in range(4):
-                response = await client.post(router.url + "/v1/completions", json={"prompt": "x", "stream": stream})
+                response = await client.post(
+                    router.url + "/v1/completions", json={"prompt": "x", "stream": stream}
+                )
                 assert response.status_code == 200
                 assert "b-tok0" in response.text
         metrics = (await client.get(router.url + "/metrics")).text
     assert len(a.requests) >= 1
     assert "kubesgl_router_retries_total 0.0" not in metrics
     # each retry is logged with the failure behind it: the worker and its answer
-    retries = [r.getMessage() for r in caplog.records if r.getMessage().startswith("retry 1 of 3: ")]
+    retries = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("retry 1 of 3: ")
+    ]
     assert len(retries) == len(a.requests), retries
     assert all(a.url in line and "503" in line for line in retries), retries
 
@@ -95,12 +110,16 @@ async def test_client_errors_are_not_retried(engines, start_router, client):
     assert len(a.requests) == 1 and b.requests == []
 
 
-async def test_a_request_that_fails_on_a_worker_is_not_sent_to_the_others(engines, start_router, client):
+async def test_a_request_that_fails_on_a_worker_is_not_sent_to_the_others(
+    engines, start_router, client
+):
     """A 500 means the request reached an engine and broke there: it may be a request that
     crashes engines, so it must not visit every worker in turn."""
     a, b = await engines("a"), await engines("b")
     a.fail_status = b.fail_status = 500
-    async with start_router(workers=[a.url, b.url], policy="round_robin", breaker_failure_threshold=100) as router:
+    async with start_router(
+        workers=[a.url, b.url], policy="round_robin", breaker_failure_threshold=100
+    ) as router:
         await router.ready()
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
         metrics = (await client.get(router.url + "/metrics")).text
@@ -113,7 +132,10 @@ async def test_circuit_breaker_keeps_a_failing_worker_out(engines, start_router,
     a, b = await engines("a"), await engines("b")
     a.fail_status = 500
     async with start_router(
-        workers=[a.url, b.url], policy="round_robin", breaker_failure_threshold=2, breaker_cooldown_s=60
+        workers=[a.url, b.url],
+        policy="round_robin",
+        breaker_failure_threshold=2,
+        breaker_cooldown_s=60,
     ) as router:
         await router.ready()
         statuses = []
@@ -172,14 +194,18 @@ async def test_admin_endpoints_add_list_and_remove_workers(engines, start_router
     async with start_router(admin_api_key="s3cret") as router:
         auth = {"Authorization": "Bearer s3cret"}
         assert (await client.get(router.url + "/workers")).status_code == 401
-        bad = await client.post(router.url + "/workers", json={"url": a.url, "role": "chef"}, headers=auth)
+        bad = await client.post(
+            router.url + "/workers", json={"url": a.url, "role": "chef"}, headers=auth
+        )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "role"
         bad_url = await client.post(router.url + "/workers", json={"url": "ftp://x"}, headers=auth)
         assert bad_url.status_code == 400
         added = await client.post(router.url + "/workers", json={"url": a.url}, headers=auth)
         assert added.json()["worker"]["url"] == a.url
         await router.ready()
-        assert (await client.post(router.url + "/v1/completions", json={"prompt": "x"})).status_code == 200
+        assert (
+            await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        ).status_code == 200
         listing = (await client.get(router.url + "/workers", headers=auth)).json()["workers"]
         assert [(w["url"], w["role"], w["source"]) for w in listing] == [(a.url, "mixed", "admin")]
         removed = await client.delete(router.url + "/workers", params={"url": a.url}, headers=auth)

@@ -33,7 +33,9 @@ def lowercase(headers: dict[str, str]) -> dict[str, str]:
 
 def error_of(response: httpx.Response) -> dict:
     body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, (
+        body
+    )
     return body["error"]
 
 
@@ -64,10 +66,14 @@ async def test_the_admin_key_opens_the_admin_api(engines, start_router, client):
                          client.post(router.url + "/workers", json={"url": a.url}, headers=headers),
                          client.delete(router.url + "/workers", params={"url": a.url}, headers=headers)):  # fmt: skip
                 refused = await call
-                assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+                assert (
+                    refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+                )
                 assert error_of(refused)["type"] == "authentication_error"
         assert router.app.workers.all() == []
-        added = await client.post(router.url + "/workers", json={"url": a.url}, headers={"Authorization": "bearer adm1n"})
+        added = await client.post(
+            router.url + "/workers", json={"url": a.url}, headers={"Authorization": "bearer adm1n"}
+        )
         assert added.status_code == 200
         removed = await client.delete(router.url + "/workers", params={"url": a.url}, headers=ADMIN)
         assert removed.json() == {"removed": a.url}
@@ -109,22 +115,39 @@ async def test_the_admin_api_refuses_worker_urls_that_lead_elsewhere(engines, st
             assert error["param"] == "url" and reason in error["message"], (url, error)
             assert "hunter2" not in response.text
         assert router.app.workers.all() == []
-        assert sorted(looked_up) == ["link.test", "nowhere.test", "rebind.test"]  # addresses are not looked up
+        assert sorted(looked_up) == [
+            "link.test",
+            "nowhere.test",
+            "rebind.test",
+        ]  # addresses are not looked up
         # a name that resolves to loopback is fine
-        added = await client.post(router.url + "/workers", json={"url": f"localhost:{a.port}"}, headers=ADMIN)
-        assert added.status_code == 200 and added.json()["worker"]["url"] == f"http://localhost:{a.port}"
+        added = await client.post(
+            router.url + "/workers", json={"url": f"localhost:{a.port}"}, headers=ADMIN
+        )
+        assert (
+            added.status_code == 200
+            and added.json()["worker"]["url"] == f"http://localhost:{a.port}"
+        )
         await router.ready()
-        assert (await client.post(router.url + "/v1/completions", json={"prompt": "x"})).status_code == 200
+        assert (
+            await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        ).status_code == 200
 
 
 async def test_engines_never_see_the_clients_credentials(engines, start_router, client):
     a = await engines("a")
     async with start_router(workers=[a.url]) as router:
         await router.ready()
-        headers = {"Authorization": "Bearer client-secret", "Cookie": "session=client-secret", "X-Trace": "7"}
+        headers = {
+            "Authorization": "Bearer client-secret",
+            "Cookie": "session=client-secret",
+            "X-Trace": "7",
+        }
         for path, body in (("/v1/completions", {"prompt": "x"}), ("/generate", {"text": "x"}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True})):  # fmt: skip
-            assert (await client.post(router.url + path, json=body, headers=headers)).status_code == 200
+            assert (
+                await client.post(router.url + path, json=body, headers=headers)
+            ).status_code == 200
         assert (await client.get(router.url + "/v1/models", headers=headers)).status_code == 200
     # the clients' requests (X-Trace), and the router's own /v1/models probes, which ask the model
     seen = [lowercase(r["headers"]) for r in a.requests] + [lowercase(h) for h in a.models_headers]
@@ -133,14 +156,22 @@ async def test_engines_never_see_the_clients_credentials(engines, start_router, 
         assert "client-secret" not in str(received) and "authorization" not in received
 
 
-async def test_with_the_engines_key_the_router_checks_clients_and_presents_its_own(engines, start_router, client, kv_table):
+async def test_with_the_engines_key_the_router_checks_clients_and_presents_its_own(
+    engines, start_router, client, kv_table
+):
     key = "eng1ne-key"
     p = await engines("p", "prefill", kv=kv_table, api_key=key)
     d = await engines("d", "decode", kv=kv_table, api_key=key)
-    async with start_router(prefill=[(p.url, p.bootstrap_port)], decode=[d.url], api_key=key) as router:
+    async with start_router(
+        prefill=[(p.url, p.bootstrap_port)], decode=[d.url], api_key=key
+    ) as router:
         await router.ready()  # health probes pass
         body = {"prompt": "x" * 2000}  # long enough to be disaggregated
-        for credentials in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {key}"}):
+        for credentials in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": f"Basic {key}"},
+        ):
             headers = {**credentials, "X-Trace": "refused"}
             for call in (client.post(router.url + "/v1/completions", json=body, headers=headers),
                          client.post(router.url + "/generate", json={"text": "x"}, headers=headers),
@@ -154,21 +185,31 @@ async def test_with_the_engines_key_the_router_checks_clients_and_presents_its_o
         # /health and /metrics stay open, as on an engine
         assert (await client.get(router.url + "/health")).status_code == 200
         assert (await client.get(router.url + "/metrics")).status_code == 200
-        ok = await client.post(router.url + "/v1/completions", json=body, headers={"Authorization": f"bearer {key}"})
-        models = await client.get(router.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        ok = await client.post(
+            router.url + "/v1/completions", json=body, headers={"Authorization": f"bearer {key}"}
+        )
+        models = await client.get(
+            router.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}
+        )
     assert ok.status_code == 200 and models.status_code == 200
     for received in [p.requests[0]["headers"], d.requests[0]["headers"], d.models_headers[-1],
                      p.probe_headers[-1], d.probe_headers[-1]]:  # fmt: skip
-        assert lowercase(received)["authorization"] == f"Bearer {key}"  # the router's own, as it spells it
+        assert (
+            lowercase(received)["authorization"] == f"Bearer {key}"
+        )  # the router's own, as it spells it
 
 
 async def test_engines_refusing_the_routers_key_make_a_clear_error(engines, start_router, client):
     a = await engines("a", api_key="the-engines-key")
-    async with start_router(workers=[a.url], api_key="another-key", breaker_failure_threshold=1) as router:
+    async with start_router(
+        workers=[a.url], api_key="another-key", breaker_failure_threshold=1
+    ) as router:
         await router.ready()
         auth = {"Authorization": "Bearer another-key"}
         for _ in range(3):
-            response = await client.post(router.url + "/v1/completions", json={"prompt": "x"}, headers=auth)
+            response = await client.post(
+                router.url + "/v1/completions", json={"prompt": "x"}, headers=auth
+            )
             assert response.status_code == 502
             assert API_KEY_ENV in error_of(response)["message"] and a.url in response.text
         # not the worker's fault: its circuit stays closed
@@ -188,9 +229,15 @@ async def test_router_process_reads_its_keys_from_the_environment(engines, clien
         await wait_until_ready(url, process)
         assert b"adm1n" not in Path(f"/proc/{process.pid}/cmdline").read_bytes()  # not in `ps`
         assert (await client.post(url + "/workers", json={"url": b.url})).status_code == 401
-        assert (await client.post(url + "/workers", json={"url": b.url}, headers=ADMIN)).status_code == 200
+        assert (
+            await client.post(url + "/workers", json={"url": b.url}, headers=ADMIN)
+        ).status_code == 200
         assert (await client.post(url + "/v1/completions", json={"prompt": "x"})).status_code == 401
-        answer = await client.post(url + "/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer eng1ne"})
+        answer = await client.post(
+            url + "/v1/completions",
+            json={"prompt": "x"},
+            headers={"Authorization": "Bearer eng1ne"},
+        )
         assert answer.status_code == 200
     finally:
         process.terminate()
@@ -221,7 +268,10 @@ async def test_the_admin_key_flag_still_works_with_a_warning(engines, client):
     finally:
         process.terminate()
         _, stderr = process.communicate(timeout=30)
-    assert f"--admin-api-key shows the admin key to anyone who can list processes; set {ADMIN_KEY_ENV}" in stderr.decode()
+    assert (
+        f"--admin-api-key shows the admin key to anyone who can list processes; set {ADMIN_KEY_ENV}"
+        in stderr.decode()
+    )
 
 
 @pytest.mark.slow
@@ -252,19 +302,27 @@ async def test_a_real_engine_takes_the_routers_key_and_never_sees_the_clients(ti
             await wait_until_ready(f"http://127.0.0.1:{port}", process)
 
         def sdk(port: int, api_key: str) -> openai.AsyncOpenAI:
-            return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0)
+            return openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key=api_key, max_retries=0
+            )
 
-        completion = await sdk(with_key, key).completions.create(model="default", prompt="hi", max_tokens=2)
+        completion = await sdk(with_key, key).completions.create(
+            model="default", prompt="hi", max_tokens=2
+        )
         assert completion.choices[0].finish_reason == "length"
         models = await sdk(with_key, key).models.list()
         assert [m.id for m in models.data] == ["default"]
         with pytest.raises(openai.AuthenticationError) as refused:
-            await sdk(with_key, "sk-wrong").completions.create(model="default", prompt="hi", max_tokens=2)
+            await sdk(with_key, "sk-wrong").completions.create(
+                model="default", prompt="hi", max_tokens=2
+            )
         assert refused.value.code == "invalid_api_key"
         # A router without the engines' key forwards no credentials, not even the right key from
         # the client: the engine refuses, and the client learns what to set.
         with pytest.raises(openai.APIStatusError) as gateway:
-            await sdk(without_key, key).completions.create(model="default", prompt="hi", max_tokens=2)
+            await sdk(without_key, key).completions.create(
+                model="default", prompt="hi", max_tokens=2
+            )
         assert gateway.value.status_code == 502 and API_KEY_ENV in gateway.value.message
     finally:
         for process in (*routers, engine):

@@ -34,15 +34,21 @@ def engine_url(up: RunningUp, name: str) -> str:
     return up.wait_for(rf"^\S+ {name}: ready on (\S+)$").group(1)
 
 
-def test_answers_through_the_sdk_equal_a_plain_engine_through_both_engines(quickstart, plain_engine_answers):
+def test_answers_through_the_sdk_equal_a_plain_engine_through_both_engines(
+    quickstart, plain_engine_answers
+):
     output = quickstart.output()
     assert "making the model, once: " in output and "make-tiny-model" in output
     assert f"OpenAI base URL: {quickstart.base_url}/v1" in output
     client = openai.OpenAI(base_url=quickstart.base_url + "/v1", api_key="none", max_retries=0)
     for prompt in PROMPTS:
-        answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        answer = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
         assert answer.choices[0].text == plain_engine_answers[prompt]
-    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0
+    )
     assert chat.choices[0].message.content == plain_engine_answers["chat"]
 
     # pdMinPrefillTokens: 0 in the quickstart: each short prompt too was prefilled by the prefill
@@ -65,9 +71,14 @@ def test_a_killed_replica_is_restarted_and_serves_again(quickstart, plain_engine
     quickstart.wait_for(r"decode-0: ready on ", after=before)
     assert quickstart.engine_pid("decode-0") != killed
     deadline = time.monotonic() + 60  # the router takes the replica back at its next health check
-    while (answer := quickstart.completion(PROMPTS[0])).status_code != 200 and time.monotonic() < deadline:
+    while (
+        answer := quickstart.completion(PROMPTS[0])
+    ).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == plain_engine_answers[PROMPTS[0]]
+    assert (
+        answer.status_code == 200
+        and answer.json()["choices"][0]["text"] == plain_engine_answers[PROMPTS[0]]
+    )
 
 
 def test_ctrl_c_stops_everything_and_leaves_no_process(quickstart):

@@ -19,16 +19,29 @@ ADMIN_KEY = "admin-up-test-77d1"
 def keyed(tmp_path_factory, tiny_model):
     tmp_path = tmp_path_factory.mktemp("up-keys")
     spec = tmp_path / "keys.yaml"
-    spec.write_text(yaml.safe_dump({
-        "apiVersion": "kubesgl.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "local-keys"},
-        "spec": {
-            "image": "ghcr.io/kubesgl/kubesgl:0.1.0", "mode": "mixed",
-            "model": {"servedName": "tiny", "hostPath": {"path": tiny_model("llama")}},
-            "engine": {"device": "cpu", "maxTotalTokens": 4096, "apiKeySecret": {"name": "keys", "key": "api"}},
-            "router": {"adminKeySecret": {"name": "keys", "key": "admin"}},
-        },
-    }))
-    up = RunningUp(spec, tmp_path, env={"KUBESGL_API_KEY": API_KEY, "KUBESGL_ROUTER_ADMIN_KEY": ADMIN_KEY})
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kubesgl.io/v1alpha1",
+                "kind": "InferenceService",
+                "metadata": {"name": "local-keys"},
+                "spec": {
+                    "image": "ghcr.io/kubesgl/kubesgl:0.1.0",
+                    "mode": "mixed",
+                    "model": {"servedName": "tiny", "hostPath": {"path": tiny_model("llama")}},
+                    "engine": {
+                        "device": "cpu",
+                        "maxTotalTokens": 4096,
+                        "apiKeySecret": {"name": "keys", "key": "api"},
+                    },
+                    "router": {"adminKeySecret": {"name": "keys", "key": "admin"}},
+                },
+            }
+        )
+    )
+    up = RunningUp(
+        spec, tmp_path, env={"KUBESGL_API_KEY": API_KEY, "KUBESGL_ROUTER_ADMIN_KEY": ADMIN_KEY}
+    )
     up.wait_for(r"ready in [\d.]+ s: OpenAI base URL ")
     yield up
     up.kill()
@@ -64,4 +77,9 @@ def test_clients_and_the_admin_api_need_their_keys(keyed):
     (engine,) = [worker["url"] for worker in listing.json()["workers"]]
     # the engine itself: the same key, which the router presented on the client's behalf
     assert httpx.post(engine + "/v1/completions", json=body, timeout=60).status_code == 401
-    assert httpx.post(engine + "/v1/completions", json=body, headers=bearer(API_KEY), timeout=60).status_code == 200
+    assert (
+        httpx.post(
+            engine + "/v1/completions", json=body, headers=bearer(API_KEY), timeout=60
+        ).status_code
+        == 200
+    )

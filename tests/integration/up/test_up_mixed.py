@@ -21,15 +21,26 @@ SHUTDOWN_TIMEOUT_S = 1
 def mixed(tmp_path_factory, tiny_model):
     tmp_path = tmp_path_factory.mktemp("up-mixed")
     spec = tmp_path / "mixed.yaml"
-    spec.write_text(yaml.safe_dump({
-        "apiVersion": "kubesgl.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "local-mixed"},
-        "spec": {
-            "image": "ghcr.io/kubesgl/kubesgl:0.1.0", "mode": "mixed",
-            "model": {"servedName": "tiny", "hostPath": {"path": tiny_model("llama")}},
-            "engine": {"device": "cpu", "maxTotalTokens": 4096, "shutdownTimeoutSeconds": SHUTDOWN_TIMEOUT_S},
-            "mixed": {"replicas": 2},
-        },
-    }))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kubesgl.io/v1alpha1",
+                "kind": "InferenceService",
+                "metadata": {"name": "local-mixed"},
+                "spec": {
+                    "image": "ghcr.io/kubesgl/kubesgl:0.1.0",
+                    "mode": "mixed",
+                    "model": {"servedName": "tiny", "hostPath": {"path": tiny_model("llama")}},
+                    "engine": {
+                        "device": "cpu",
+                        "maxTotalTokens": 4096,
+                        "shutdownTimeoutSeconds": SHUTDOWN_TIMEOUT_S,
+                    },
+                    "mixed": {"replicas": 2},
+                },
+            }
+        )
+    )
     up = RunningUp(spec, tmp_path)
     up.wait_for(r"ready in [\d.]+ s: OpenAI base URL ")
     yield up
@@ -39,11 +50,17 @@ def mixed(tmp_path_factory, tiny_model):
 def test_two_replicas_answer_as_a_plain_engine(mixed, plain_engine_answers):
     client = openai.OpenAI(base_url=mixed.base_url + "/v1", api_key="none", max_retries=0)
     for prompt in PROMPTS:
-        answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+        answer = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
         assert answer.choices[0].text == plain_engine_answers[prompt]
-    streamed = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
-                                              stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == plain_engine_answers["chat"]
+    streamed = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        == plain_engine_answers["chat"]
+    )
 
 
 def test_sigterm_with_a_hung_replica_leaves_no_process(mixed):

@@ -32,7 +32,9 @@ def descendants(pid: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                parents[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents[int(entry)] = int(
+                    Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
             except (OSError, IndexError):
                 continue
     found, frontier = [], [pid]
@@ -60,9 +62,23 @@ class RunningUp:
         self.started = time.monotonic()
         with self.out_path.open("wb") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "kubesgl", "up", "-f", str(spec), "--port", str(self.port),
-                 "--logs", str(self.log_dir)],
-                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "kubesgl",
+                    "up",
+                    "-f",
+                    str(spec),
+                    "--port",
+                    str(self.port),
+                    "--logs",
+                    str(self.log_dir),
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
 
     def output(self) -> str:
         return self.out_path.read_text()
@@ -74,8 +90,12 @@ class RunningUp:
             found = re.search(pattern, self.output()[after:], re.M)
             if found:
                 return found
-            assert self.process.poll() is None, f"kubesgl up exited with {self.process.returncode}:\n{self.output()}"
-            assert time.monotonic() < deadline, f"no {pattern!r} after {timeout} s:\n{self.output()}"
+            assert self.process.poll() is None, (
+                f"kubesgl up exited with {self.process.returncode}:\n{self.output()}"
+            )
+            assert time.monotonic() < deadline, (
+                f"no {pattern!r} after {timeout} s:\n{self.output()}"
+            )
             time.sleep(0.2)
 
     def engine_pid(self, name: str) -> int:
@@ -83,8 +103,11 @@ class RunningUp:
         return int(re.findall(rf"^\S+ {name}: started, pid (\d+)$", self.output(), re.M)[-1])
 
     def completion(self, prompt: str, max_tokens: int = 16) -> httpx.Response:
-        return httpx.post(self.base_url + "/v1/completions", timeout=60,
-                          json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        return httpx.post(
+            self.base_url + "/v1/completions",
+            timeout=60,
+            json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        )
 
     def interrupt(self, signum: int = signal.SIGINT, timeout: float = 120) -> tuple[int, list[int]]:
         """Ctrl-C (or `signum`): (the exit status, the processes of the tree still running afterwards)."""

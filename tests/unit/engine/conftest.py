@@ -23,7 +23,9 @@ def hf_greedy():
     def run(path: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
         model = _hf_model(path)
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False
+            )
         return tuple(out[0, len(prompt) :].tolist())
 
     return lambda path, prompt, n: list(run(path, tuple(prompt), n))
@@ -33,9 +35,14 @@ def hf_greedy():
 def random_prompts():
     """random_prompts(count, min_len, max_len, vocab=600, seed=0) -> lists of token ids."""
 
-    def make(count: int, min_len: int, max_len: int, vocab: int = 600, seed: int = 0) -> list[list[int]]:
+    def make(
+        count: int, min_len: int, max_len: int, vocab: int = 600, seed: int = 0
+    ) -> list[list[int]]:
         rng = random.Random(seed)
-        return [[rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+        return [
+            [rng.randrange(3, vocab) for _ in range(rng.randint(min_len, max_len))]
+            for _ in range(count)
+        ]
 
     return make
 
@@ -73,7 +80,9 @@ def _assert_pool_clean(llm) -> None:
     scheduler.kv.flush_cache()
     scheduler.check_integrity()
     allocator = scheduler.kv.allocator
-    assert allocator.num_free == allocator.total_pages, "pages still held after every request finished"
+    assert allocator.num_free == allocator.total_pages, (
+        "pages still held after every request finished"
+    )
 
 
 @pytest.fixture
@@ -91,7 +100,6 @@ def filled_kv_pool():
         return pool
 
     return make
-
 
 
 @pytest.fixture(scope="session")
@@ -124,8 +132,13 @@ def long_prompt_while_decoding(hf_greedy, random_prompts):
         outputs: dict[str, list] = {rid: [] for rid in prompts}
 
         def submit(rid: str, **params) -> None:
-            engine.add_request(GenerateRequest(rid=rid, input_ids=prompts[rid], params=SamplingParams(
-                max_tokens=max_tokens, temperature=0, **params)))
+            engine.add_request(
+                GenerateRequest(
+                    rid=rid,
+                    input_ids=prompts[rid],
+                    params=SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+                )
+            )
 
         def step() -> None:
             for out in engine.step():
@@ -153,7 +166,9 @@ def long_prompt_while_decoding(hf_greedy, random_prompts):
         budget = engine.scheduler.limits.chunked_prefill_size
         if engine.scheduler.limits.mixed_chunk:
             assert "EXTEND" not in modes and modes.count("MIXED") >= 2, modes
-            assert max(step_tokens) == budget, step_tokens  # the decodes' tokens and the chunk fill the budget
+            assert max(step_tokens) == budget, (
+                step_tokens
+            )  # the decodes' tokens and the chunk fill the budget
         return modes, logprobs
 
     return run

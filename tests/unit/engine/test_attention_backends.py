@@ -39,18 +39,28 @@ def test_auto_picks_torch_on_the_cpu():
     assert auto_backend(torch.device("cpu"), torch.bfloat16, 128) == "torch"
 
 
-@pytest.mark.parametrize("dtype,head_dim,installed,expected", [
-    (torch.bfloat16, 128, True, "flashinfer"),
-    (torch.float16, 64, True, "flashinfer"),
-    (torch.float32, 128, True, "triton"),  # FlashInfer has no float32 kernels
-    (torch.bfloat16, 80, True, "torch"),  # nor this head size, which Triton's kernels lack too
-    (torch.bfloat16, 128, False, "triton"),
-    (torch.float16, 96, False, "torch"),
-])
-def test_auto_on_cuda_prefers_flashinfer_where_it_can(monkeypatch, dtype, head_dim, installed, expected):
+@pytest.mark.parametrize(
+    "dtype,head_dim,installed,expected",
+    [
+        (torch.bfloat16, 128, True, "flashinfer"),
+        (torch.float16, 64, True, "flashinfer"),
+        (torch.float32, 128, True, "triton"),  # FlashInfer has no float32 kernels
+        (torch.bfloat16, 80, True, "torch"),  # nor this head size, which Triton's kernels lack too
+        (torch.bfloat16, 128, False, "triton"),
+        (torch.float16, 96, False, "torch"),
+    ],
+)
+def test_auto_on_cuda_prefers_flashinfer_where_it_can(
+    monkeypatch, dtype, head_dim, installed, expected
+):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: (object() if installed else None) if name == "flashinfer" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (
+            (object() if installed else None) if name == "flashinfer" else real(name, *a)
+        ),
+    )
     assert auto_backend(torch.device("cuda"), dtype, head_dim) == expected
 
 
@@ -58,7 +68,9 @@ def test_flashinfer_backend_refuses_what_it_cannot_run_with_a_clear_error():
     pool = KVPool(64, 1, 2, 64, torch.bfloat16, torch.device("cpu"))
     table = ReqToTokenTable(4, 32, torch.device("cpu"))
     layers = [AttentionLayerSpec(0, 4, 2, 64, 0.125, None)]
-    match = "runs on CUDA devices only" if HAS_FLASHINFER else r"pip install 'kubesgl\[flashinfer\]'"
+    match = (
+        "runs on CUDA devices only" if HAS_FLASHINFER else r"pip install 'kubesgl\[flashinfer\]'"
+    )
     with pytest.raises(ValueError, match=match):
         create_backend("flashinfer", kv_pool=pool, req_to_token=table, layers=layers)
 
@@ -72,4 +84,9 @@ def test_triton_backend_refuses_head_sizes_its_kernels_cannot_run():
     pool = KVPool(64, 1, 2, 80, torch.float32, torch.device("cpu"))
     table = ReqToTokenTable(4, 32, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"power-of-two head sizes of at least 16, not \[80\]"):
-        create_backend("triton", kv_pool=pool, req_to_token=table, layers=[AttentionLayerSpec(0, 4, 2, 80, 0.1, None)])
+        create_backend(
+            "triton",
+            kv_pool=pool,
+            req_to_token=table,
+            layers=[AttentionLayerSpec(0, 4, 2, 80, 0.1, None)],
+        )

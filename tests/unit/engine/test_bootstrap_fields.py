@@ -25,14 +25,26 @@ def test_no_room_means_no_targets_and_a_lone_host_is_refused():
 
 def test_one_room_for_all_numbers_the_copies_as_sglang_does():
     assert targets(1, 3, bootstrap_host="p", bootstrap_room=10) == [
-        BootstrapTarget(10, "p", 8998), BootstrapTarget(11, "p", 8998), BootstrapTarget(12, "p", 8998)]
-    assert [t.room for t in targets(1, 2, bootstrap_host="p", bootstrap_room=MAX_ROOM)] == [MAX_ROOM, 0]
+        BootstrapTarget(10, "p", 8998),
+        BootstrapTarget(11, "p", 8998),
+        BootstrapTarget(12, "p", 8998),
+    ]
+    assert [t.room for t in targets(1, 2, bootstrap_host="p", bootstrap_room=MAX_ROOM)] == [
+        MAX_ROOM,
+        0,
+    ]
 
 
 def test_rooms_per_prompt_number_each_prompts_copies_and_per_choice_are_taken_as_given():
-    per_prompt = targets(2, 2, bootstrap_host=["a", "b"], bootstrap_port=[1, None], bootstrap_room=[100, 200])
-    assert [(t.room, t.host, t.port) for t in per_prompt] == [(100, "a", 1), (101, "a", 1), (200, "b", 8998),
-                                                             (201, "b", 8998)]
+    per_prompt = targets(
+        2, 2, bootstrap_host=["a", "b"], bootstrap_port=[1, None], bootstrap_room=[100, 200]
+    )
+    assert [(t.room, t.host, t.port) for t in per_prompt] == [
+        (100, "a", 1),
+        (101, "a", 1),
+        (200, "b", 8998),
+        (201, "b", 8998),
+    ]
     per_choice = targets(2, 2, bootstrap_host="h", bootstrap_room=[5, 9, 7, 3])
     assert [t.room for t in per_choice] == [5, 9, 7, 3]
 

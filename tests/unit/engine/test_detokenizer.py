@@ -18,11 +18,17 @@ def stream(tokenizer, ids, stop=(), matched=None, chunk=1):
     pieces = []
     for i in range(0, len(ids), chunk):
         last = i + chunk >= len(ids)
-        pieces.append(detok.step(state, ids[i : i + chunk], finished=last, matched_stop=matched if last else None))
+        pieces.append(
+            detok.step(
+                state, ids[i : i + chunk], finished=last, matched_stop=matched if last else None
+            )
+        )
     return pieces
 
 
-@pytest.mark.parametrize("text", ["Hello world, this is kubesgl.", "東京 と 大阪 🙂 naïve café", "🙂🙂 résumé 東京"])
+@pytest.mark.parametrize(
+    "text", ["Hello world, this is kubesgl.", "東京 と 大阪 🙂 naïve café", "🙂🙂 résumé 東京"]
+)
 @pytest.mark.parametrize("chunk", [1, 3])
 def test_streamed_text_equals_full_decode(tokenizer, text, chunk):
     ids = tokenizer.encode(text)

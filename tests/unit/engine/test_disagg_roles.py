@@ -25,8 +25,10 @@ def make_engine():
 
     def make(model: str, role: str, **options) -> Engine:
         options = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096, **options}
-        engine = Engine(EngineConfig(model=model, role=role, disaggregation_bootstrap_port=0, **options),
-                        bootstrap_host="127.0.0.1")
+        engine = Engine(
+            EngineConfig(model=model, role=role, disaggregation_bootstrap_port=0, **options),
+            bootstrap_host="127.0.0.1",
+        )
         made.append(engine)
         return engine
 
@@ -52,7 +54,9 @@ def finished(rids):
     return lambda outputs: all(outputs[r] and outputs[r][-1].finished for r in rids)
 
 
-def pd_generate(prefill: Engine, decode: Engine, prompts, params: SamplingParams, port: int | None = None):
+def pd_generate(
+    prefill: Engine, decode: Engine, prompts, params: SamplingParams, port: int | None = None
+):
     port = port or prefill.role.transfers.link.port
     rids = []
     for i, prompt in enumerate(prompts):
@@ -78,12 +82,16 @@ def assert_idle(*engines):
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "qwen3-moe"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_greedy_output_through_prefill_and_decode_equals_a_mixed_engine(arch, page_size, tiny_model, make_engine,
-                                                                        random_prompts):
+def test_greedy_output_through_prefill_and_decode_equals_a_mixed_engine(
+    arch, page_size, tiny_model, make_engine, random_prompts
+):
     model = tiny_model(arch)
     options = {"page_size": page_size, "chunked_prefill_size": 32}
     mixed = make_engine(model, "mixed", **options)
-    prefill, decode = make_engine(model, "prefill", **options), make_engine(model, "decode", **options)
+    prefill, decode = (
+        make_engine(model, "prefill", **options),
+        make_engine(model, "decode", **options),
+    )
     prompts = random_prompts(6, 3, 90, seed=4)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
@@ -93,12 +101,15 @@ def test_greedy_output_through_prefill_and_decode_equals_a_mixed_engine(arch, pa
     for i in range(len(prompts)):
         assert tokens(outputs, f"d{i}") == tokens(reference, f"m{i}"), i
         assert outputs[f"d{i}"][-1].finish_reason.kind == "length"
-        assert tokens(outputs, f"p{i}") == tokens(reference, f"m{i}")[:1]  # the prefill answer: the first token
+        assert (
+            tokens(outputs, f"p{i}") == tokens(reference, f"m{i}")[:1]
+        )  # the prefill answer: the first token
     assert_idle(prefill, decode)
 
 
-def test_a_decode_engine_with_mixed_chunks_prefills_whole_requests_beside_its_rooms(tiny_model, make_engine,
-                                                                                    random_prompts):
+def test_a_decode_engine_with_mixed_chunks_prefills_whole_requests_beside_its_rooms(
+    tiny_model, make_engine, random_prompts
+):
     """The router sends short prompts to a decode engine whole: with --enable-mixed-chunk (which
     the prefill engine accepts too, one spec.engine serving both pools) their prefill shares
     steps with the rooms that decode there, and every answer equals a mixed engine's."""
@@ -117,7 +128,9 @@ def test_a_decode_engine_with_mixed_chunks_prefills_whole_requests_beside_its_ro
         target = BootstrapTarget(next(_rooms), "127.0.0.1", port)
         decode.add_request(GenerateRequest(f"d{i}", prompt, params, bootstrap=target))
         prefill.add_request(GenerateRequest(f"p{i}", prompt, params, bootstrap=target))
-    outputs = run([prefill, decode], lambda outs: all(len(outs[f"d{i}"]) > 1 for i in range(len(rooms))))
+    outputs = run(
+        [prefill, decode], lambda outs: all(len(outs[f"d{i}"]) > 1 for i in range(len(rooms)))
+    )
     for i, prompt in enumerate(wholes):
         decode.add_request(GenerateRequest(f"w{i}", prompt, params))
     rids = [f"d{i}" for i in range(len(rooms))] + [f"w{i}" for i in range(len(wholes))]
@@ -138,21 +151,34 @@ def mixed_reference(model, prompts, params_list, make_engine, **options):
     return run([mixed], finished([f"m{i}" for i in range(len(prompts))]))
 
 
-def test_sampling_options_through_prefill_and_decode_equal_a_mixed_engine(tiny_model, make_engine, random_prompts):
+def test_sampling_options_through_prefill_and_decode_equal_a_mixed_engine(
+    tiny_model, make_engine, random_prompts
+):
     """The first token is sampled on the prefill engine, the rest on the decode engine: seeds,
     penalties, logprobs, stop strings and the end of generation must count it exactly as a
     mixed engine does."""
     model = tiny_model("llama")
     prompts = random_prompts(6, 4, 40, seed=21)
-    reference_greedy = mixed_reference(model, prompts[4:5], [SamplingParams(max_tokens=1, temperature=0)], make_engine)
+    reference_greedy = mixed_reference(
+        model, prompts[4:5], [SamplingParams(max_tokens=1, temperature=0)], make_engine
+    )
     first_token = tokens(reference_greedy, "m0")[0]
     params_list = [
         SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True),
-        SamplingParams(max_tokens=24, temperature=0.7, seed=3, repetition_penalty=1.3, frequency_penalty=0.5,
-                       presence_penalty=0.4, ignore_eos=True),
+        SamplingParams(
+            max_tokens=24,
+            temperature=0.7,
+            seed=3,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.4,
+            ignore_eos=True,
+        ),
         SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True),
         SamplingParams(max_tokens=1, temperature=0, logprobs=0),
-        SamplingParams(max_tokens=30, temperature=0, stop_token_ids=[first_token]),  # the first token ends it
+        SamplingParams(
+            max_tokens=30, temperature=0, stop_token_ids=[first_token]
+        ),  # the first token ends it
         SamplingParams(max_tokens=30, temperature=0.8, seed=11, stop=["e"], ignore_eos=True),
     ]
     reference = mixed_reference(model, prompts, params_list, make_engine)
@@ -170,9 +196,12 @@ def test_sampling_options_through_prefill_and_decode_equal_a_mixed_engine(tiny_m
         assert got[-1].finish_reason == want[-1].finish_reason, i
         got_lp = [lp for out in got for lp in out.logprobs or []]
         want_lp = [lp for out in want for lp in out.logprobs or []]
-        assert [(lp.token_id, lp.top and [t for t, _ in lp.top]) for lp in got_lp] == \
-            [(lp.token_id, lp.top and [t for t, _ in lp.top]) for lp in want_lp], i
-        assert [lp.logprob for lp in got_lp] == pytest.approx([lp.logprob for lp in want_lp], abs=1e-5)
+        assert [(lp.token_id, lp.top and [t for t, _ in lp.top]) for lp in got_lp] == [
+            (lp.token_id, lp.top and [t for t, _ in lp.top]) for lp in want_lp
+        ], i
+        assert [lp.logprob for lp in got_lp] == pytest.approx(
+            [lp.logprob for lp in want_lp], abs=1e-5
+        )
     assert outputs["d4"][-1].finish_reason.kind == "stop" and len(tokens(outputs, "d4")) == 1
     assert_idle(prefill, decode)
 
@@ -180,15 +209,21 @@ def test_sampling_options_through_prefill_and_decode_equal_a_mixed_engine(tiny_m
 def test_n_copies_each_with_its_own_room(tiny_model, make_engine, random_prompts):
     model = tiny_model("llama")
     [prompt] = random_prompts(1, 20, 20, seed=5)
-    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=40 + i, ignore_eos=True) for i in range(3)]
+    params = [
+        SamplingParams(max_tokens=10, temperature=1.0, seed=40 + i, ignore_eos=True)
+        for i in range(3)
+    ]
     reference = mixed_reference(model, [prompt] * 3, params, make_engine)
     prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
     rids = []
     for i in range(3):
         target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
         decode.add_request(GenerateRequest(f"d{i}", prompt, params[i], bootstrap=target))
-        prefill.add_request(GenerateRequest(f"p{i}", prompt, params[i], bootstrap=target,
-                                            prefix_leader=None if i == 0 else "p0"))
+        prefill.add_request(
+            GenerateRequest(
+                f"p{i}", prompt, params[i], bootstrap=target, prefix_leader=None if i == 0 else "p0"
+            )
+        )
         rids += [f"d{i}", f"p{i}"]
     outputs = run([prefill, decode], finished(rids))
     for i in range(3):
@@ -218,16 +253,22 @@ def step_until(engines, condition, timeout: float = 30.0):
 
 @pytest.mark.parametrize("when", ["before the write", "after the write"])
 def test_a_decode_request_aborted_while_its_kv_may_come_keeps_its_slots_until_no_write_can(
-        when, tiny_model, make_engine, random_prompts):
+    when, tiny_model, make_engine, random_prompts
+):
     model = tiny_model("llama")
     options = {"max_total_tokens": 160}  # small: the next request reuses the aborted one's slots
-    prefill, decode = make_engine(model, "prefill", **options), make_engine(model, "decode", **options)
+    prefill, decode = (
+        make_engine(model, "prefill", **options),
+        make_engine(model, "decode", **options),
+    )
     first, second = random_prompts(2, 60, 60, seed=8)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
     decode.add_request(GenerateRequest("d0", first, params, bootstrap=target))
     step_until([decode], lambda: decode.scheduler.requests["d0"].status.name == "AWAITING_KV")
-    if when == "after the write":  # the KV and its notification are on their way when the client leaves
+    if (
+        when == "after the write"
+    ):  # the KV and its notification are on their way when the client leaves
         prefill.add_request(GenerateRequest("p0", first, params, bootstrap=target))
         step_until([prefill], lambda: "p0" not in prefill.scheduler.requests)
     [aborted] = decode.abort_request("d0", "the client disconnected")
@@ -237,9 +278,15 @@ def test_a_decode_request_aborted_while_its_kv_may_come_keeps_its_slots_until_no
         facts = prefill.role.transfers.link._facts.queue
         step_until([decode], lambda: any(isinstance(fact, RoomCancelled) for fact in facts))
         prefill.add_request(GenerateRequest("p0", first, params, bootstrap=target))
-    outputs = step_until([prefill, decode], lambda: not decode.scheduler.has_work() and not prefill.scheduler.has_work())
+    outputs = step_until(
+        [prefill, decode],
+        lambda: not decode.scheduler.has_work() and not prefill.scheduler.has_work(),
+    )
     if when == "before the write":  # the prefill engine dropped the room instead of prefilling it
-        assert outputs["p0"][-1].finish_reason.kind == "error" and "cancelled" in outputs["p0"][-1].finish_reason.message
+        assert (
+            outputs["p0"][-1].finish_reason.kind == "error"
+            and "cancelled" in outputs["p0"][-1].finish_reason.message
+        )
     assert_idle(prefill, decode)
     reference = mixed_reference(model, [second], [params], make_engine, **options)
     outputs = pd_generate(prefill, decode, [second], params)
@@ -247,15 +294,20 @@ def test_a_decode_request_aborted_while_its_kv_may_come_keeps_its_slots_until_no
     assert_idle(prefill, decode)
 
 
-def test_a_request_the_prefill_engine_refuses_fails_on_the_decode_engine_at_once(tiny_model, make_engine,
-                                                                                   random_prompts):
+def test_a_request_the_prefill_engine_refuses_fails_on_the_decode_engine_at_once(
+    tiny_model, make_engine, random_prompts
+):
     model = tiny_model("llama")
     prefill, decode = make_engine(model, "prefill", context_length=64), make_engine(model, "decode")
     [prompt] = random_prompts(1, 80, 80, seed=2)
     target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
-    decode.add_request(GenerateRequest("d0", prompt, SamplingParams(max_tokens=8), bootstrap=target))
+    decode.add_request(
+        GenerateRequest("d0", prompt, SamplingParams(max_tokens=8), bootstrap=target)
+    )
     with pytest.raises(InvalidRequestError, match="context length"):
-        prefill.add_request(GenerateRequest("p0", prompt, SamplingParams(max_tokens=8), bootstrap=target))
+        prefill.add_request(
+            GenerateRequest("p0", prompt, SamplingParams(max_tokens=8), bootstrap=target)
+        )
     started = time.monotonic()
     outputs = run([prefill, decode], finished(["d0"]))
     reason = outputs["d0"][-1].finish_reason
@@ -265,19 +317,28 @@ def test_a_request_the_prefill_engine_refuses_fails_on_the_decode_engine_at_once
     assert_idle(prefill, decode)
 
 
-def test_a_request_the_decode_engine_refuses_releases_the_prefill_engine_at_once(tiny_model, make_engine,
-                                                                                  random_prompts):
+def test_a_request_the_decode_engine_refuses_releases_the_prefill_engine_at_once(
+    tiny_model, make_engine, random_prompts
+):
     model = tiny_model("llama")
-    prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode", max_total_tokens=64)
+    prefill, decode = (
+        make_engine(model, "prefill"),
+        make_engine(model, "decode", max_total_tokens=64),
+    )
     [prompt] = random_prompts(1, 40, 40, seed=3)
-    params = SamplingParams(max_tokens=100)  # fits the prefill engine (prompt only), not the decode pool
+    params = SamplingParams(
+        max_tokens=100
+    )  # fits the prefill engine (prompt only), not the decode pool
     target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
     prefill.add_request(GenerateRequest("p0", prompt, params, bootstrap=target))
     with pytest.raises(InvalidRequestError, match="KV cache"):
         decode.add_request(GenerateRequest("d0", prompt, params, bootstrap=target))
     started = time.monotonic()
     outputs = run([prefill, decode], finished(["p0"]))
-    assert outputs["p0"][-1].finish_reason.kind == "error" and "cancelled" in outputs["p0"][-1].finish_reason.message
+    assert (
+        outputs["p0"][-1].finish_reason.kind == "error"
+        and "cancelled" in outputs["p0"][-1].finish_reason.message
+    )
     assert time.monotonic() - started < 5
     assert_idle(prefill, decode)
 
@@ -289,14 +350,18 @@ def test_a_room_already_in_use_is_a_409_on_both_engines(tiny_model, make_engine,
     target = submit_pair(prefill, decode, "0", first, SamplingParams(max_tokens=4))
     for engine in (prefill, decode):
         with pytest.raises(InvalidRequestError, match="already in use") as caught:
-            engine.add_request(GenerateRequest("again", second, SamplingParams(max_tokens=4), bootstrap=target))
+            engine.add_request(
+                GenerateRequest("again", second, SamplingParams(max_tokens=4), bootstrap=target)
+            )
         assert caught.value.status == 409
     outputs = run([prefill, decode], finished(["d0", "p0"]))
     assert len(tokens(outputs, "d0")) == 4  # the first request was not disturbed
     assert_idle(prefill, decode)
 
 
-def test_a_failed_kv_write_fails_the_request_on_both_engines(tiny_model, make_engine, random_prompts, monkeypatch):
+def test_a_failed_kv_write_fails_the_request_on_both_engines(
+    tiny_model, make_engine, random_prompts, monkeypatch
+):
     model = tiny_model("llama")
     prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
 
@@ -309,13 +374,19 @@ def test_a_failed_kv_write_fails_the_request_on_both_engines(tiny_model, make_en
     outputs = run([prefill, decode], finished(["d0", "p0"]))
     for rid in ("d0", "p0"):
         reason = outputs[rid][-1].finish_reason
-        assert reason.kind == "error" and reason.status == 502 and "injected transfer error" in reason.message
+        assert (
+            reason.kind == "error"
+            and reason.status == 502
+            and "injected transfer error" in reason.message
+        )
     step_until([prefill, decode], lambda: not decode.scheduler.has_work())
     assert_idle(prefill, decode)
     assert decode.role.stats().failures_by_reason == {"transfer": 1}
 
 
-def test_engines_whose_pools_differ_fail_the_request_with_the_reason(tiny_model, make_engine, random_prompts):
+def test_engines_whose_pools_differ_fail_the_request_with_the_reason(
+    tiny_model, make_engine, random_prompts
+):
     prefill = make_engine(tiny_model("llama", head_dim=32), "prefill")
     decode = make_engine(tiny_model("llama"), "decode")
     [prompt] = random_prompts(1, 12, 12, seed=7)
@@ -328,8 +399,9 @@ def test_engines_whose_pools_differ_fail_the_request_with_the_reason(tiny_model,
     assert_idle(prefill, decode)
 
 
-def test_a_burst_above_the_decode_engines_capacity_does_not_time_out_queued_rooms(tiny_model, make_engine,
-                                                                                   random_prompts):
+def test_a_burst_above_the_decode_engines_capacity_does_not_time_out_queued_rooms(
+    tiny_model, make_engine, random_prompts
+):
     model = tiny_model("llama")
     timeout = 1.5
     prefill = make_engine(model, "prefill", disaggregation_timeout=timeout)
@@ -345,7 +417,9 @@ def test_a_burst_above_the_decode_engines_capacity_does_not_time_out_queued_room
     assert_idle(prefill, decode)
 
 
-def test_a_decode_engine_retracts_its_local_requests_never_a_rooms(tiny_model, make_engine, random_prompts):
+def test_a_decode_engine_retracts_its_local_requests_never_a_rooms(
+    tiny_model, make_engine, random_prompts
+):
     """Under memory pressure a decode engine retracts requests it prefilled itself; a room's
     request keeps its whole reservation (the prefill engine writes into its slots), and every
     request still returns what a mixed engine returns."""

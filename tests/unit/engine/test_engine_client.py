@@ -35,8 +35,14 @@ async def test_outputs_that_arrive_together_all_reach_the_reader(client):
     engine_client, detokenizer = client
     stream = engine_client.generate(TokenizeRequest("r1", SamplingParams()))
     # The first token and the last arrive in one batch, before the reader has run once.
-    detokenizer.send_pyobj(TextBatch([TextOutput("r1", "a", [5], None, 3, 0, 1),
-                                      TextOutput("r1", "b", [6], FinishReason("length"), 3, 0, 2)]))
+    detokenizer.send_pyobj(
+        TextBatch(
+            [
+                TextOutput("r1", "a", [5], None, 3, 0, 1),
+                TextOutput("r1", "b", [6], FinishReason("length"), 3, 0, 2),
+            ]
+        )
+    )
     outputs = [out async for out in stream]
     assert [out.token_ids for out in outputs] == [[5], [6]]
     assert outputs[-1].finish_reason.kind == "length"

@@ -40,7 +40,9 @@ def test_rms_norm_with_and_without_residual(dtype, size):
     x = (torch.randn(5, size, generator=gen) * 3).to(dtype)
     residual = torch.randn(5, size, generator=gen).to(dtype)
     weight = norm.weight.to(DEVICE)
-    torch.testing.assert_close(rms_norm(x.to(DEVICE), weight, 1e-6).cpu(), norm(x), **tolerance(dtype))
+    torch.testing.assert_close(
+        rms_norm(x.to(DEVICE), weight, 1e-6).cpu(), norm(x), **tolerance(dtype)
+    )
     normed, summed = rms_norm(x.to(DEVICE), weight, 1e-6, residual.to(DEVICE))
     ref_normed, ref_summed = norm(x, residual)
     if DEVICE == "cuda":
@@ -55,7 +57,9 @@ def test_rms_norm_of_strided_heads():
     qkv = torch.randn(3, 6 * 16)
     q = qkv[:, : 4 * 16].view(3, 4, 16)
     norm = RMSNorm(16, 1e-6, torch.float32)
-    torch.testing.assert_close(rms_norm(q.to(DEVICE), norm.weight.to(DEVICE), 1e-6).cpu(), norm(q), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        rms_norm(q.to(DEVICE), norm.weight.to(DEVICE), 1e-6).cpu(), norm(q), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -81,10 +85,13 @@ def test_rotary_in_place_matches_torch(dtype, heads, kv_heads, head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_torch(dtype):
-    x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(dtype)  # width across two blocks
+    x = torch.randn(3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(
+        dtype
+    )  # width across two blocks
     gate, up = x.chunk(2, dim=-1)
-    torch.testing.assert_close(silu_and_mul(x.to(DEVICE)).cpu(), F.silu(gate) * up, **tolerance(dtype))
-
+    torch.testing.assert_close(
+        silu_and_mul(x.to(DEVICE)).cpu(), F.silu(gate) * up, **tolerance(dtype)
+    )
 
 
 def test_offsets_past_two_to_the_31_do_not_wrap():
@@ -95,5 +102,9 @@ def test_offsets_past_two_to_the_31_do_not_wrap():
     x = storage.as_strided((3, 128), (stride, 1))
     x.copy_(torch.randn(3, 128).to(torch.float16))
     gate, up = x.float().chunk(2, dim=-1)
-    torch.testing.assert_close(silu_and_mul(x).float().cpu(), (F.silu(gate).half().float() * up).cpu(),
-                               atol=4e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        silu_and_mul(x).float().cpu(),
+        (F.silu(gate).half().float() * up).cpu(),
+        atol=4e-2,
+        rtol=2e-2,
+    )

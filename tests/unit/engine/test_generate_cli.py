@@ -10,16 +10,40 @@ from kubesgl.engine.cli import build_parser, main
 
 
 def test_generates_for_each_prompt(tiny_model, capsys):
-    status = main(["--model", tiny_model("llama"), "--device", "cpu", "--prompt", "hi", "--prompt", "the",
-                   "--max-tokens", "3"])
+    status = main(
+        [
+            "--model",
+            tiny_model("llama"),
+            "--device",
+            "cpu",
+            "--prompt",
+            "hi",
+            "--prompt",
+            "the",
+            "--max-tokens",
+            "3",
+        ]
+    )
     lines = capsys.readouterr().out.splitlines()
     assert status == 0 and len(lines) == 2
     assert lines[0].startswith("'hi' -> ") and "[3 tokens, finish_reason=length]" in lines[0]
 
 
 def test_a_backend_this_machine_cannot_run_is_a_clear_error(tiny_model, capsys):
-    status = main(["--model", tiny_model("llama", head_dim=64), "--device", "cpu", "--dtype", "bfloat16",
-                   "--attention-backend", "flashinfer", "--prompt", "hi"])
+    status = main(
+        [
+            "--model",
+            tiny_model("llama", head_dim=64),
+            "--device",
+            "cpu",
+            "--dtype",
+            "bfloat16",
+            "--attention-backend",
+            "flashinfer",
+            "--prompt",
+            "hi",
+        ]
+    )
     err = capsys.readouterr().err
     assert status == 2 and err.startswith("kubesgl generate: --attention-backend flashinfer")
     assert "Traceback" not in err
@@ -31,29 +55,51 @@ def test_a_missing_model_is_a_clear_error(tmp_path, capsys):
     assert status == 2 and err.startswith("kubesgl generate: ") and "nowhere" in err
 
 
-@pytest.mark.parametrize(("args", "flag"), [
-    (["--tp-size", "64"], "--tp-size"),
-    (["--role", "prefill"], "--role"),
-    (["--tp-size", "64", "--role", "prefill"], "--tp-size"),
-    (["--tp", "2"], "--tp-size"),  # an abbreviation is the same flag
-    (["--disaggregation-timeout", "5"], "--disaggregation-timeout"),
-    (["--disaggregation-bootstrap-port", "9000"], "--disaggregation-bootstrap-port"),
-    (["--default-max-tokens", "8"], "--default-max-tokens"),
-])
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--tp-size", "64"], "--tp-size"),
+        (["--role", "prefill"], "--role"),
+        (["--tp-size", "64", "--role", "prefill"], "--tp-size"),
+        (["--tp", "2"], "--tp-size"),  # an abbreviation is the same flag
+        (["--disaggregation-timeout", "5"], "--disaggregation-timeout"),
+        (["--disaggregation-bootstrap-port", "9000"], "--disaggregation-bootstrap-port"),
+        (["--default-max-tokens", "8"], "--default-max-tokens"),
+    ],
+)
 def test_an_option_generate_cannot_honour_is_refused_not_ignored(args, flag, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--model", "m", "--prompt", "hi", *args])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and f"argument {flag}: " in err and "cannot be honoured here" in err
+    assert (
+        exit_.value.code == 2 and f"argument {flag}: " in err and "cannot be honoured here" in err
+    )
     assert "Traceback" not in err
 
 
 def test_the_default_of_a_refused_option_is_accepted_and_they_are_not_in_help(tiny_model, capsys):
-    status = main(["--model", tiny_model("llama"), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
-                   "--tp-size", "1", "--role", "mixed"])
+    status = main(
+        [
+            "--model",
+            tiny_model("llama"),
+            "--device",
+            "cpu",
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "2",
+            "--tp-size",
+            "1",
+            "--role",
+            "mixed",
+        ]
+    )
     assert status == 0
     help_ = build_parser().format_help()
-    assert all(flag not in help_ for flag in ("--tp-size", "--role", "--disaggregation-", "--default-max-tokens"))
+    assert all(
+        flag not in help_
+        for flag in ("--tp-size", "--role", "--disaggregation-", "--default-max-tokens")
+    )
 
 
 def test_the_offline_llm_refuses_tensor_parallelism(tiny_model):
@@ -65,16 +111,49 @@ def test_the_offline_llm_refuses_tensor_parallelism(tiny_model):
 
 def test_triton_attention_on_the_cpu_is_a_clear_error(tiny_model, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    status = main(["--model", tiny_model("llama"), "--device", "cpu", "--attention-backend", "triton", "--prompt", "hi"])
+    status = main(
+        [
+            "--model",
+            tiny_model("llama"),
+            "--device",
+            "cpu",
+            "--attention-backend",
+            "triton",
+            "--prompt",
+            "hi",
+        ]
+    )
     err = capsys.readouterr().err
-    assert status == 2 and err == "kubesgl generate: --attention-backend triton runs on CUDA GPUs; on the CPU use torch (or auto)\n"
+    assert (
+        status == 2
+        and err
+        == "kubesgl generate: --attention-backend triton runs on CUDA GPUs; on the CPU use torch (or auto)\n"
+    )
 
 
 # The engine options kubesgl generate honours; every other one must be in engine/cli.py's REFUSED.
-HONOURED = {"model", "device", "dtype", "kv_cache_dtype", "load_format", "page_size", "max_running_requests",
-            "chunked_prefill_size", "enable_mixed_chunk", "max_prefill_tokens", "max_total_tokens", "mem_fraction_static", "context_length",
-            "attention_backend", "disable_radix_cache", "disable_overlap_schedule", "disable_cuda_graph",
-            "cuda_graph_max_bs", "schedule_policy", "schedule_max_wait"}
+HONOURED = {
+    "model",
+    "device",
+    "dtype",
+    "kv_cache_dtype",
+    "load_format",
+    "page_size",
+    "max_running_requests",
+    "chunked_prefill_size",
+    "enable_mixed_chunk",
+    "max_prefill_tokens",
+    "max_total_tokens",
+    "mem_fraction_static",
+    "context_length",
+    "attention_backend",
+    "disable_radix_cache",
+    "disable_overlap_schedule",
+    "disable_cuda_graph",
+    "cuda_graph_max_bs",
+    "schedule_policy",
+    "schedule_max_wait",
+}
 
 
 def test_every_engine_option_is_honoured_or_refused_by_generate():
@@ -84,12 +163,18 @@ def test_every_engine_option_is_honoured_or_refused_by_generate():
 
     names = {opt.name for opt in CLI_OPTIONS}
     assert HONOURED.isdisjoint(REFUSED)
-    assert names == HONOURED | set(REFUSED), f"place {sorted(names - HONOURED - set(REFUSED))} in HONOURED or REFUSED"
+    assert names == HONOURED | set(REFUSED), (
+        f"place {sorted(names - HONOURED - set(REFUSED))} in HONOURED or REFUSED"
+    )
 
 
 def test_a_request_limit_of_the_http_server_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--model", "m", "--prompt", "hi", "--max-request-body-bytes", "2048"])
     err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "argument --max-request-body-bytes: 2048 cannot be honoured here: a limit of " \
-        "the HTTP server's requests" in err
+    assert (
+        exit_.value.code == 2
+        and "argument --max-request-body-bytes: 2048 cannot be honoured here: a limit of "
+        "the HTTP server's requests"
+        in err
+    )

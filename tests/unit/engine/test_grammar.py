@@ -13,28 +13,65 @@ from kubesgl.engine import SamplingParams
 from kubesgl.engine.sampling_params import GrammarSpec, InvalidRequestError
 
 SCHEMAS = {
-    "nested": {"type": "object", "required": ["user", "ok"], "properties": {
-        "user": {"type": "object", "required": ["name", "id"], "properties": {
-            "name": {"type": "string", "maxLength": 6}, "id": {"type": "integer", "minimum": 1, "maximum": 999}}},
-        "ok": {"type": "boolean"}}},
-    "array": {"type": "object", "required": ["items"], "properties": {
-        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "integer", "minimum": -5, "maximum": 5}}}},
-    "enum": {"type": "object", "required": ["color", "size"], "properties": {
-        "color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L"]}}},
-    "bounded": {"type": "object", "required": ["x", "p"], "properties": {
-        "x": {"type": "integer", "minimum": 10, "maximum": 20}, "p": {"type": "number", "minimum": 0, "maximum": 1}}},
+    "nested": {
+        "type": "object",
+        "required": ["user", "ok"],
+        "properties": {
+            "user": {
+                "type": "object",
+                "required": ["name", "id"],
+                "properties": {
+                    "name": {"type": "string", "maxLength": 6},
+                    "id": {"type": "integer", "minimum": 1, "maximum": 999},
+                },
+            },
+            "ok": {"type": "boolean"},
+        },
+    },
+    "array": {
+        "type": "object",
+        "required": ["items"],
+        "properties": {
+            "items": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {"type": "integer", "minimum": -5, "maximum": 5},
+            }
+        },
+    },
+    "enum": {
+        "type": "object",
+        "required": ["color", "size"],
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "string", "enum": ["S", "M", "L"]},
+        },
+    },
+    "bounded": {
+        "type": "object",
+        "required": ["x", "p"],
+        "properties": {
+            "x": {"type": "integer", "minimum": 10, "maximum": 20},
+            "p": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+    },
 }
 MODES = {
     "greedy": dict(temperature=0),
     "temperature": dict(temperature=1.0, seed=7),
     "top-k-top-p-min-p": dict(temperature=0.9, top_k=50, top_p=0.9, min_p=0.05, seed=3),
-    "penalties": dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5),
+    "penalties": dict(
+        temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.5
+    ),
 }
 PROMPTS = ["Give me JSON.", "a b c", "Once upon a time", "x"]
 
 
 def _schema_params(name: str, max_tokens: int = 120, **mode) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, grammar=GrammarSpec("json_schema", json.dumps(SCHEMAS[name])), **mode)
+    return SamplingParams(
+        max_tokens=max_tokens, grammar=GrammarSpec("json_schema", json.dumps(SCHEMAS[name])), **mode
+    )
 
 
 def _assert_valid(out, schema: dict) -> None:
@@ -67,22 +104,40 @@ def test_every_answer_validates_in_every_sampling_mode(llama, make_llm, overlap,
 def test_regex_json_object_and_ebnf(llama, make_llm):
     llm = make_llm(llama)
     ebnf = 'root ::= "(" digit ("," digit)* ")"\ndigit ::= [0-9]'
-    outs = llm.generate(["a", "b", "c"], [
-        SamplingParams(max_tokens=40, temperature=1.0, seed=1, grammar=GrammarSpec("regex", r"(ab|cd){2,4}!")),
-        SamplingParams(max_tokens=200, temperature=0, grammar=GrammarSpec("json_object")),
-        SamplingParams(max_tokens=40, temperature=0, grammar=GrammarSpec("ebnf", ebnf)),
-    ])
+    outs = llm.generate(
+        ["a", "b", "c"],
+        [
+            SamplingParams(
+                max_tokens=40,
+                temperature=1.0,
+                seed=1,
+                grammar=GrammarSpec("regex", r"(ab|cd){2,4}!"),
+            ),
+            SamplingParams(max_tokens=200, temperature=0, grammar=GrammarSpec("json_object")),
+            SamplingParams(max_tokens=40, temperature=0, grammar=GrammarSpec("ebnf", ebnf)),
+        ],
+    )
     import re
 
-    assert outs[0].finish_reason.kind == "stop" and re.fullmatch(r"(ab|cd){2,4}!", outs[0].text), outs[0].text
-    if outs[1].finish_reason.kind == "stop":  # any JSON may run past max_tokens; what is there stays a prefix
+    assert outs[0].finish_reason.kind == "stop" and re.fullmatch(r"(ab|cd){2,4}!", outs[0].text), (
+        outs[0].text
+    )
+    if (
+        outs[1].finish_reason.kind == "stop"
+    ):  # any JSON may run past max_tokens; what is there stays a prefix
         assert isinstance(json.loads(outs[1].text, strict=False), dict)
     assert outs[1].text.startswith("{")
-    assert outs[2].finish_reason.kind == "stop" and re.fullmatch(r"\([0-9](,[0-9])*\)", outs[2].text), outs[2].text
+    assert outs[2].finish_reason.kind == "stop" and re.fullmatch(
+        r"\([0-9](,[0-9])*\)", outs[2].text
+    ), outs[2].text
 
 
-def test_unconstrained_requests_in_the_batch_equal_transformers(llama, make_llm, hf_greedy, random_prompts):
-    llm = make_llm(llama, chunked_prefill_size=24)  # chunked prefill of long prompts beside grammar rows
+def test_unconstrained_requests_in_the_batch_equal_transformers(
+    llama, make_llm, hf_greedy, random_prompts
+):
+    llm = make_llm(
+        llama, chunked_prefill_size=24
+    )  # chunked prefill of long prompts beside grammar rows
     prompts = random_prompts(6, 5, 60, seed=11)
     plain = SamplingParams(max_tokens=16, temperature=0)
     params = [plain if i % 2 else _schema_params("nested") for i in range(len(prompts))]
@@ -126,19 +181,26 @@ def test_shared_prefix_and_cached_grammar(llama, make_llm):
     assert [o.token_ids for o in again] == [first.token_ids] * 2
     assert again[1].cached_tokens > 0  # the radix cache served the prompt
     stats = grammars.take_stats()
-    assert stats.cache_misses - before.cache_misses == 1 and stats.cache_hits - before.cache_hits == 2
+    assert (
+        stats.cache_misses - before.cache_misses == 1 and stats.cache_hits - before.cache_hits == 2
+    )
     assert len(stats.compile_seconds) == 1
 
 
-@pytest.mark.parametrize("spec, words", [
-    (GrammarSpec("json_schema", '{"type": "nonsense"}'), "nonsense"),
-    (GrammarSpec("json_schema", "{not json"), "json_schema"),
-    (GrammarSpec("regex", "(ab", param="regex"), "parenthesis"),
-    (GrammarSpec("ebnf", "root ::= foo", param="ebnf"), "foo"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (GrammarSpec("json_schema", '{"type": "nonsense"}'), "nonsense"),
+        (GrammarSpec("json_schema", "{not json"), "json_schema"),
+        (GrammarSpec("regex", "(ab", param="regex"), "parenthesis"),
+        (GrammarSpec("ebnf", "root ::= foo", param="ebnf"), "foo"),
+    ],
+)
 def test_a_grammar_that_cannot_compile_is_a_400_naming_the_problem(llama, make_llm, spec, words):
     llm = make_llm(llama)
-    out = llm.generate(["hi", "ok"], [SamplingParams(max_tokens=4, grammar=spec), SamplingParams(max_tokens=4)])
+    out = llm.generate(
+        ["hi", "ok"], [SamplingParams(max_tokens=4, grammar=spec), SamplingParams(max_tokens=4)]
+    )
     reason = out[0].finish_reason
     assert (reason.kind, reason.status, reason.param) == ("error", 400, spec.param)
     assert words in reason.message and "cannot be compiled" in reason.message
@@ -163,13 +225,17 @@ def test_compiling_does_not_hold_other_requests(llama, make_llm):
     compile_ = scheduler.grammars.compile
     scheduler.grammars.compile = lambda spec: blocked
     scheduler.add_request(GenerateRequest("g", [5, 6, 7], _schema_params("enum", temperature=0)))
-    scheduler.add_request(GenerateRequest("p", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0)))
+    scheduler.add_request(
+        GenerateRequest("p", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+    )
     finished = set()
     for _ in range(10):
         finished |= {o.rid for o in scheduler.step() if o.finished}
     assert finished == {"p"} and scheduler.requests["g"] in scheduler.compiling
     scheduler.add_request(GenerateRequest("aborted", [5, 6], _schema_params("enum", temperature=0)))
-    (out,) = scheduler.abort_request("aborted")  # while its grammar compiles: ends at once, nothing held
+    (out,) = scheduler.abort_request(
+        "aborted"
+    )  # while its grammar compiles: ends at once, nothing held
     assert out.finish_reason.kind == "abort" and [r.rid for r in scheduler.compiling] == ["g"]
     scheduler.grammars.compile = compile_
     blocked.set_result(compile_(GrammarSpec("json_schema", json.dumps(SCHEMAS["enum"]))).result())
@@ -208,8 +274,13 @@ def test_answers_validate_and_match_under_retraction_and_mixed_chunks(llama, mak
     prompts = [PROMPTS[i % len(PROMPTS)] * 3 for i in range(len(cases))]
     params = [_schema_params(schema, max_tokens=60, **MODES[mode]) for schema, mode in cases]
     reference = make_llm(llama).generate(prompts, params)
-    llm = make_llm(llama, max_total_tokens=96, enable_mixed_chunk=mixed, chunked_prefill_size=24 if mixed else 8192,
-                   max_running_requests=16)
+    llm = make_llm(
+        llama,
+        max_total_tokens=96,
+        enable_mixed_chunk=mixed,
+        chunked_prefill_size=24 if mixed else 8192,
+        max_running_requests=16,
+    )
     llm.engine.scheduler.kv.estimate = OutputEstimate(ratio=0.05, weight=0.0, backoff=1.0)
     outputs = llm.generate(prompts, params)
     assert llm.engine.scheduler.stats().retractions > 0

@@ -36,7 +36,7 @@ def _unit(module: str) -> str | None:
         return "__init__"
     if not module.startswith(PACKAGE + "."):
         return None
-    return module[len(PACKAGE) + 1:].split(".")[0]
+    return module[len(PACKAGE) + 1 :].split(".")[0]
 
 
 def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
@@ -51,12 +51,20 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
         else:
             target = node.module or ""
         # `from kubesgl.engine import config` imports the module config, not the facade.
-        return [f"{target}.{alias.name}" if _is_engine_module(f"{target}.{alias.name}") else target
-                for alias in node.names]
-    if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-            and isinstance(node.args[0].value, str)
-            and (getattr(node.func, "attr", None) == "import_module"
-                 or getattr(node.func, "id", None) in ("import_module", "__import__"))):
+        return [
+            f"{target}.{alias.name}" if _is_engine_module(f"{target}.{alias.name}") else target
+            for alias in node.names
+        ]
+    if (
+        isinstance(node, ast.Call)
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+        and (
+            getattr(node.func, "attr", None) == "import_module"
+            or getattr(node.func, "id", None) in ("import_module", "__import__")
+        )
+    ):
         return [node.args[0].value]
     return []
 
@@ -64,7 +72,7 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
 def _is_engine_module(name: str) -> bool:
     if not name.startswith(PACKAGE + "."):
         return False
-    path = ENGINE.joinpath(*name[len(PACKAGE) + 1:].split("."))
+    path = ENGINE.joinpath(*name[len(PACKAGE) + 1 :].split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
@@ -97,7 +105,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -120,12 +128,16 @@ def documented_layers() -> list[list[str]]:
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
         if len(cells) < 2 or not cells[0].isdigit():
             continue
-        layers.append([re.sub(r"(\.py|/)$", "", name) for name in re.findall(r"`([^`]+)`", cells[1])])
+        layers.append(
+            [re.sub(r"(\.py|/)$", "", name) for name in re.findall(r"`([^`]+)`", cells[1])]
+        )
     return layers
 
 
 def _describe(cycle: list[str], where: dict[tuple[str, str], list[str]]) -> str:
-    return "\n".join(f"  {a} -> {b}: {', '.join(where[(a, b)][:3])}" for a, b in zip(cycle, cycle[1:]))
+    return "\n".join(
+        f"  {a} -> {b}: {', '.join(where[(a, b)][:3])}" for a, b in zip(cycle, cycle[1:])
+    )
 
 
 def test_the_engine_import_graph_has_no_cycle():
@@ -142,9 +154,14 @@ def test_imports_follow_the_documented_layers():
     assert len(named) == len(set(named)), f"a unit is named in two layers: {named}"
     assert set(layer_of) == set(edges), (
         f"docs/architecture.md's engine layers name {sorted(set(layer_of) - set(edges))} that do not "
-        f"exist and miss {sorted(set(edges) - set(layer_of))}")
-    upward = [f"{a} (layer {layer_of[a] + 1}) -> {b} (layer {layer_of[b] + 1}): {', '.join(where[(a, b)][:3])}"
-              for a in sorted(edges) for b in sorted(edges[a]) if layer_of[b] > layer_of[a]]
+        f"exist and miss {sorted(set(edges) - set(layer_of))}"
+    )
+    upward = [
+        f"{a} (layer {layer_of[a] + 1}) -> {b} (layer {layer_of[b] + 1}): {', '.join(where[(a, b)][:3])}"
+        for a in sorted(edges)
+        for b in sorted(edges[a])
+        if layer_of[b] > layer_of[a]
+    ]
     assert not upward, "imports into a higher layer:\n" + "\n".join(upward)
 
 

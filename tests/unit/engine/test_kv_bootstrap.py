@@ -30,15 +30,35 @@ from kubesgl.engine.messages import BootstrapTarget
 class Pair:
     """A prefill side and a decode side over loopback, each as one rank."""
 
-    def __init__(self, filled_kv_pool, timeout: float, decode_kv_heads: int = 2, port: int = 0,
-                 dead_after_s: float = 10.0):
-        self.prefill_pool, self.decode_pool = filled_kv_pool(1), filled_kv_pool(None, kv_heads=decode_kv_heads)
-        self.prefill_agent, self.decode_agent = KVTransferAgent(self.prefill_pool), KVTransferAgent(self.decode_pool)
-        self.prefill = PrefillTransfers(self.prefill_agent, RankConsensus(), LocalLink(), timeout, "127.0.0.1", port)
+    def __init__(
+        self,
+        filled_kv_pool,
+        timeout: float,
+        decode_kv_heads: int = 2,
+        port: int = 0,
+        dead_after_s: float = 10.0,
+    ):
+        self.prefill_pool, self.decode_pool = (
+            filled_kv_pool(1),
+            filled_kv_pool(None, kv_heads=decode_kv_heads),
+        )
+        self.prefill_agent, self.decode_agent = (
+            KVTransferAgent(self.prefill_pool),
+            KVTransferAgent(self.decode_pool),
+        )
+        self.prefill = PrefillTransfers(
+            self.prefill_agent, RankConsensus(), LocalLink(), timeout, "127.0.0.1", port
+        )
         self.server = self.prefill.link.service.server
-        connect = ConnectBootstrap("decode-test", (RankAgent(self.decode_agent.metadata, self.decode_agent.layout),),
-                                   heartbeat_s=0.1, dead_after_s=dead_after_s)
-        self.decode = DecodeTransfers(self.decode_agent, RankConsensus(), LocalLink(), timeout, connect)
+        connect = ConnectBootstrap(
+            "decode-test",
+            (RankAgent(self.decode_agent.metadata, self.decode_agent.layout),),
+            heartbeat_s=0.1,
+            dead_after_s=dead_after_s,
+        )
+        self.decode = DecodeTransfers(
+            self.decode_agent, RankConsensus(), LocalLink(), timeout, connect
+        )
 
     def target(self, room: int) -> BootstrapTarget:
         return BootstrapTarget(room, "127.0.0.1", self.server.port)
@@ -73,7 +93,14 @@ def pair(filled_kv_pool):
 
 
 def note(room, token=7):
-    return RoomNote(room, RoomStatus.DONE, first_token=token, logprob=-0.5, top_logprobs=[(token, -0.5)], cached_tokens=3)
+    return RoomNote(
+        room,
+        RoomStatus.DONE,
+        first_token=token,
+        logprob=-0.5,
+        top_logprobs=[(token, -0.5)],
+        cached_tokens=3,
+    )
 
 
 def released(room):
@@ -87,9 +114,15 @@ def test_a_room_moves_its_prompt_kv_and_first_token(pair):
     p.prefill.open(77)
     p.prefill.prefilled(77, src, note(77, token=1234))
     sent, arrived = p.run(lambda s, a: s and a)
-    assert [(o.room, o.ok) for o in sent] == [(77, True)] and sent[0].nbytes == 5 * 2 * 2 * 2 * 8 * 2
+    assert [(o.room, o.ok) for o in sent] == [(77, True)] and sent[
+        0
+    ].nbytes == 5 * 2 * 2 * 2 * 8 * 2
     [outcome] = arrived
-    assert outcome.note.first_token == 1234 and outcome.note.cached_tokens == 3 and outcome.note.top_logprobs == [(1234, -0.5)]
+    assert (
+        outcome.note.first_token == 1234
+        and outcome.note.cached_tokens == 3
+        and outcome.note.top_logprobs == [(1234, -0.5)]
+    )
     for here, there in zip(p.prefill_pool.k + p.prefill_pool.v, p.decode_pool.k + p.decode_pool.v):
         assert torch.equal(there[dst], here[src])
     assert not p.prefill.busy(77) and not p.prefill.has_rooms() and not p.decode.has_rooms()
@@ -115,7 +148,9 @@ def test_a_decode_side_that_never_asks_times_the_prefill_side_out(pair):
     p.prefill.open(8)
     p.prefill.prefilled(8, [1, 2], note(8))
     sent, _ = p.run(lambda s, a: s)
-    assert [(o.room, o.reason) for o in sent] == [(8, FailureReason.TIMEOUT)] and "within 0.3 s" in sent[0].error
+    assert [(o.room, o.reason) for o in sent] == [
+        (8, FailureReason.TIMEOUT)
+    ] and "within 0.3 s" in sent[0].error
     assert not p.prefill.has_rooms()
 
 
@@ -124,8 +159,13 @@ def test_a_room_the_prefill_side_never_runs_times_out_and_is_released_once_it_co
     p.decode.expect(p.target(9), [4])
     _, arrived = p.run(released(9))
     failure, release = arrived
-    assert (failure.reason, failure.released) == (FailureReason.TIMEOUT, False) and "did not arrive" in failure.error
-    assert release.released and not p.decode.has_rooms()  # the prefill side cancelled the room and said so
+    assert (failure.reason, failure.released) == (
+        FailureReason.TIMEOUT,
+        False,
+    ) and "did not arrive" in failure.error
+    assert (
+        release.released and not p.decode.has_rooms()
+    )  # the prefill side cancelled the room and said so
 
 
 def test_a_decode_pool_of_another_shape_is_refused_with_the_reason(pair):
@@ -149,8 +189,10 @@ def test_a_room_posted_twice_is_refused(pair):
     p = pair()
     p.decode.expect(p.target(3), [1])
     p.run(lambda s, a: p.server._rooms)
-    answer = httpx.post(f"http://127.0.0.1:{p.server.port}/kv/rooms",
-                        json={"room": 3, "engine": "decode-test", "slots": [2]})
+    answer = httpx.post(
+        f"http://127.0.0.1:{p.server.port}/kv/rooms",
+        json={"room": 3, "engine": "decode-test", "slots": [2]},
+    )
     assert answer.status_code == 409 and "already in use" in answer.json()["error"]
     with pytest.raises(ValueError, match="already in use"):
         p.decode.expect(p.target(3), [2])
@@ -163,7 +205,9 @@ def test_a_cancel_before_the_write_reaches_the_prefill_side_and_releases_the_slo
     p.run(lambda s, a: p.prefill._rooms[11].target is not None)
     p.decode.cancel(11, "the client disconnected")
     sent, arrived = p.run(lambda s, a: s and a)
-    assert [(o.room, o.reason) for o in sent] == [(11, FailureReason.REFUSED)] and "client disconnected" in sent[0].error
+    assert [(o.room, o.reason) for o in sent] == [
+        (11, FailureReason.REFUSED)
+    ] and "client disconnected" in sent[0].error
     assert [(o.room, o.released) for o in arrived] == [(11, True)]
     assert not p.prefill.has_rooms() and not p.decode.has_rooms()
 
@@ -174,7 +218,11 @@ def test_a_prefill_side_failure_reaches_the_decode_side_at_once(pair):
     p.run(lambda s, a: 12 in p.prefill._posted)
     p.prefill.abandon(12, FailureReason.REFUSED, "the prompt is too long here", 400)
     _, [outcome] = p.run(lambda s, a: a)
-    assert (outcome.reason, outcome.http_status, outcome.released) == (FailureReason.REFUSED, 400, True)
+    assert (outcome.reason, outcome.http_status, outcome.released) == (
+        FailureReason.REFUSED,
+        400,
+        True,
+    )
     assert "too long" in outcome.error
 
 
@@ -193,7 +241,9 @@ def test_a_failed_write_fails_the_room_on_both_sides(pair, monkeypatch):
     assert arrived[0].reason is FailureReason.TRANSFER and arrived[-1].released
 
 
-def test_a_decode_engine_that_disconnected_fails_the_write_not_the_prefill_engine(pair, monkeypatch):
+def test_a_decode_engine_that_disconnected_fails_the_write_not_the_prefill_engine(
+    pair, monkeypatch
+):
     """NIXL raises exceptions of its own (not RuntimeError) when the peer is gone mid-write."""
     p = pair()
     remote_disconnect = type("nixlRemoteDisconnectError", (Exception,), {})
@@ -206,7 +256,9 @@ def test_a_decode_engine_that_disconnected_fails_the_write_not_the_prefill_engin
     p.prefill.prefilled(19, [1], note(19))
     p.decode.expect(p.target(19), [2])
     sent, _ = p.run(lambda s, a: s)
-    assert sent[0].reason is FailureReason.TRANSFER and "NIXL_ERR_REMOTE_DISCONNECT" in sent[0].error
+    assert (
+        sent[0].reason is FailureReason.TRANSFER and "NIXL_ERR_REMOTE_DISCONNECT" in sent[0].error
+    )
     assert not p.prefill.busy(19)
 
 
@@ -234,11 +286,16 @@ def test_a_restarted_prefill_engine_is_registered_with_again(pair, filled_kv_poo
         p.decode.expect(p.target(16), [2, 3])
         p.prefill.open(16)
         p.prefill.prefilled(16, [5, 6], note(16, 9))
-        _, arrived = p.run(lambda s, a: any(o.room == 16 and o.note for o in a) and any(o.room == 15 for o in a))
+        _, arrived = p.run(
+            lambda s, a: any(o.room == 16 and o.note for o in a) and any(o.room == 15 for o in a)
+        )
         by_room = {o.room: o for o in arrived}
         assert by_room[16].note.first_token == 9
         # gone while it was down, or restarted once it was back: its rooms are lost either way
-        assert by_room[15].reason is FailureReason.PEER_LOST and f"127.0.0.1:{port}" in by_room[15].error
+        assert (
+            by_room[15].reason is FailureReason.PEER_LOST
+            and f"127.0.0.1:{port}" in by_room[15].error
+        )
     finally:
         restarted.decode.close()
 
@@ -251,16 +308,22 @@ def test_a_prefill_engine_that_stops_answering_fails_its_rooms_after_the_silence
     started = time.monotonic()
     _, arrived = p.run(released(17))
     assert arrived[0].reason is FailureReason.PEER_LOST and "has not answered" in arrived[0].error
-    assert 0.5 < time.monotonic() - started < 8  # the silence counts from the last answer, just before
+    assert (
+        0.5 < time.monotonic() - started < 8
+    )  # the silence counts from the last answer, just before
 
 
 def test_a_decode_engine_of_another_tensor_parallel_size_is_refused_with_the_reason(pair):
     p = pair()
     mine = RankAgent(p.decode_agent.metadata, p.decode_agent.layout)
     p.decode.link.close()  # the same agent, announced as the two ranks of one engine
-    p.decode = DecodeTransfers(p.decode_agent, RankConsensus(), LocalLink(), 10.0,
-                               ConnectBootstrap("decode-tp2", (mine, mine)))
+    p.decode = DecodeTransfers(
+        p.decode_agent,
+        RankConsensus(),
+        LocalLink(),
+        10.0,
+        ConnectBootstrap("decode-tp2", (mine, mine)),
+    )
     p.decode.expect(p.target(18), [1])
     _, [outcome] = p.run(released(18))
     assert outcome.reason is FailureReason.REFUSED and "tensor-parallel size 2" in outcome.error
-

@@ -24,7 +24,9 @@ FP8 = torch.float8_e4m3fn
 
 
 def test_fp8_halves_the_bytes_of_a_token():
-    assert KVPool.bytes_per_slot(32, 8, 128, FP8) * 2 == KVPool.bytes_per_slot(32, 8, 128, torch.bfloat16)
+    assert KVPool.bytes_per_slot(32, 8, 128, FP8) * 2 == KVPool.bytes_per_slot(
+        32, 8, 128, torch.bfloat16
+    )
 
 
 def test_write_stores_the_fp8_rounding_and_saturates():
@@ -40,21 +42,33 @@ def test_write_stores_the_fp8_rounding_and_saturates():
 @pytest.mark.parametrize("cache_dtype", [torch.float32, FP8])
 def test_store_kv_kernel_equals_indexed_writes(cache_dtype):
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(5, 3 * 2 * 8, generator=gen) * 300  # k and v are strided views, as in the model
+    qkv = (
+        torch.randn(5, 3 * 2 * 8, generator=gen) * 300
+    )  # k and v are strided views, as in the model
     k, v = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
     slots = torch.tensor([3, 0, 9, 4, 12])
-    k_cache, v_cache = torch.zeros(16, 2, 8, dtype=cache_dtype), torch.zeros(16, 2, 8, dtype=cache_dtype)
+    k_cache, v_cache = (
+        torch.zeros(16, 2, 8, dtype=cache_dtype),
+        torch.zeros(16, 2, 8, dtype=cache_dtype),
+    )
     got_k, got_v = k_cache.to(DEVICE), v_cache.to(DEVICE)
     store_kv(got_k, got_v, slots.to(DEVICE), k.to(DEVICE), v.to(DEVICE))
     limit = 448.0 if cache_dtype == FP8 else float("inf")  # FP8: clamped to its range, never NaN
-    k_cache[slots], v_cache[slots] = k.clamp(-limit, limit).to(cache_dtype), v.clamp(-limit, limit).to(cache_dtype)
+    k_cache[slots], v_cache[slots] = (
+        k.clamp(-limit, limit).to(cache_dtype),
+        v.clamp(-limit, limit).to(cache_dtype),
+    )
     assert not got_k.float().isnan().any()
-    assert torch.equal(got_k.cpu().float(), k_cache.float()) and torch.equal(got_v.cpu().float(), v_cache.float())
+    assert torch.equal(got_k.cpu().float(), k_cache.float()) and torch.equal(
+        got_v.cpu().float(), v_cache.float()
+    )
 
 
 @pytest.mark.parametrize("path", ["kernel", "indexed"])
 def test_fp8_writes_keep_nan_and_clamp_infinities(path):
-    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 460.0, -3.0, 0.0, 1e-9, 448.0])
+    special = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 460.0, -3.0, 0.0, 1e-9, 448.0]
+    )
     k = special.view(1, 2, 4).to(DEVICE)
     if path == "kernel":
         k_cache, v_cache = (torch.zeros(4, 2, 4, dtype=FP8, device=DEVICE) for _ in range(2))
@@ -64,7 +78,9 @@ def test_fp8_writes_keep_nan_and_clamp_infinities(path):
         pool = KVPool(4, 1, 2, 4, FP8, torch.device("cpu"), compute_dtype=torch.float32)
         pool.write(0, torch.tensor([2]), k.cpu(), k.cpu())
         got = pool.k[0][2].flatten().float()
-    if path == "indexed" or DEVICE.type == "cuda":  # the interpreter's own FP8 conversion makes NaN finite
+    if (
+        path == "indexed" or DEVICE.type == "cuda"
+    ):  # the interpreter's own FP8 conversion makes NaN finite
         assert got[0].isnan()  # a NaN is not hidden as a plausible value
     assert got[1:4].tolist() == [448.0, -448.0, 448.0]
     assert got[4:].tolist() == special[4:].to(FP8).float().tolist()
@@ -82,11 +98,17 @@ def test_attention_over_fp8_equals_attention_over_its_values(backend, mode, atte
     extend_lens = [1, 1, 1] if mode is ForwardMode.DECODE else [40, 3, 10]
     batch = attention_batch(mode, seq_lens, extend_lens, rows, table.table)
     total = sum(extend_lens)
-    q, k, v = (torch.randn(total, h, dim, generator=gen).to(DEVICE) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(total, h, dim, generator=gen).to(DEVICE) for h in (heads, kv_heads, kv_heads)
+    )
     outputs = []
     for cache_dtype in (FP8, torch.float32):
         pool = KVPool(512, 1, kv_heads, dim, cache_dtype, DEVICE, compute_dtype=torch.float32)
-        values = torch.randn(2, 512, kv_heads, dim, generator=torch.Generator().manual_seed(2)).mul(4).to(FP8)
+        values = (
+            torch.randn(2, 512, kv_heads, dim, generator=torch.Generator().manual_seed(2))
+            .mul(4)
+            .to(FP8)
+        )
         pool.k[0].copy_(values[0].to(cache_dtype))
         pool.v[0].copy_(values[1].to(cache_dtype))
         attention = create_backend(backend, kv_pool=pool, req_to_token=table, layers=spec)
@@ -111,13 +133,23 @@ def test_engine_with_an_fp8_cache_holds_more_tokens_in_the_same_memory(tiny_mode
     path = tiny_model("llama")
     pools = {}
     for kv_dtype in ("auto", "fp8_e4m3"):
-        with LLM(path, dtype="bfloat16", device="cpu", kv_cache_dtype=kv_dtype, max_running_requests=4096,
-                 context_length=2048) as llm:
-            out = llm.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        with LLM(
+            path,
+            dtype="bfloat16",
+            device="cpu",
+            kv_cache_dtype=kv_dtype,
+            max_running_requests=4096,
+            context_length=2048,
+        ) as llm:
+            out = llm.generate(
+                [[5, 6, 7, 8]] * 2, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+            )
             assert all(len(o.token_ids) == 8 for o in out)
             pool = llm.engine.executor.runner.kv_pool
             pools[kv_dtype] = (pool.dtype, pool.num_slots)
             llm.engine.scheduler.drain()
             llm.engine.scheduler.check_integrity()
     assert pools["auto"][0] == torch.bfloat16 and pools["fp8_e4m3"][0] == FP8
-    assert abs(pools["fp8_e4m3"][1] - 2 * pools["auto"][1]) <= 2  # twice the slots, but for rounding
+    assert (
+        abs(pools["fp8_e4m3"][1] - 2 * pools["auto"][1]) <= 2
+    )  # twice the slots, but for rounding

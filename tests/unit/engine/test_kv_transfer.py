@@ -13,7 +13,11 @@ from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, slot_runs
 
 
 def test_slot_runs_merge_what_is_consecutive_on_both_sides():
-    assert slot_runs([4, 5, 6, 9, 10, 3], [20, 21, 22, 23, 24, 30]) == [(4, 20, 3), (9, 23, 2), (3, 30, 1)]
+    assert slot_runs([4, 5, 6, 9, 10, 3], [20, 21, 22, 23, 24, 30]) == [
+        (4, 20, 3),
+        (9, 23, 2),
+        (3, 30, 1),
+    ]
     assert slot_runs([], []) == []
     with pytest.raises(ValueError, match="3 source slots for 2"):
         slot_runs([1, 2, 3], [1, 2])
@@ -52,7 +56,9 @@ def test_pools_of_different_shapes_are_refused(filled_kv_pool):
     prefill = KVTransferAgent(filled_kv_pool(1, layers=3, kv_heads=2))
     decode = KVTransferAgent(filled_kv_pool(None, layers=3, kv_heads=4))
     try:
-        with pytest.raises(ValueError, match="KV pools differ: 3 layers of 32 bytes per slot here, 3 of 64"):
+        with pytest.raises(
+            ValueError, match="KV pools differ: 3 layers of 32 bytes per slot here, 3 of 64"
+        ):
             prefill.connect(decode.metadata, decode.layout)
     finally:
         prefill.close()

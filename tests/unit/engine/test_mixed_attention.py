@@ -28,12 +28,15 @@ def test_mixed_attention_equals_one_extend_pass(backend, window, attention_batch
     gen = torch.Generator().manual_seed(0)
     pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))
     pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
-    table.table.copy_((torch.randperm(1023, generator=gen)[:6 * 128] + 1).view(6, 128))  # scattered slots
+    table.table.copy_(
+        (torch.randperm(1023, generator=gen)[: 6 * 128] + 1).view(6, 128)
+    )  # scattered slots
     spec = [AttentionLayerSpec(0, heads, kv_heads, head_dim, head_dim**-0.5, window)]
     # a whole prompt, a chunk after a cached prefix, then three decodes
     seq_lens, extend_lens, rows = [40, 50, 1, 90, 17], [40, 12, 1, 1, 1], [4, 0, 3, 1, 5]
-    batch = dataclasses.replace(attention_batch(ForwardMode.MIXED, seq_lens, extend_lens, rows, table.table),
-                                prefill_rows=2)
+    batch = dataclasses.replace(
+        attention_batch(ForwardMode.MIXED, seq_lens, extend_lens, rows, table.table), prefill_rows=2
+    )
     q = torch.randn(sum(extend_lens), heads, head_dim, generator=gen)
     k = torch.randn(sum(extend_lens), kv_heads, head_dim, generator=gen)
     v = torch.randn(sum(extend_lens), kv_heads, head_dim, generator=gen)
@@ -43,6 +46,12 @@ def test_mixed_attention_equals_one_extend_pass(backend, window, attention_batch
     mixed = MixedAttention(create_backend(backend, kv_pool=pool, req_to_token=table, layers=spec))
     mixed.prepare(batch)
     extend, decode = batch.attn.extend, batch.attn.decode
-    assert (extend.mode, extend.batch_size, decode.mode, decode.batch_size) == (ForwardMode.EXTEND, 2,
-                                                                                 ForwardMode.DECODE, 3)
-    torch.testing.assert_close(mixed.forward(q, k, v, spec[0], batch), expected, rtol=1e-5, atol=1e-5)
+    assert (extend.mode, extend.batch_size, decode.mode, decode.batch_size) == (
+        ForwardMode.EXTEND,
+        2,
+        ForwardMode.DECODE,
+        3,
+    )
+    torch.testing.assert_close(
+        mixed.forward(q, k, v, spec[0], batch), expected, rtol=1e-5, atol=1e-5
+    )

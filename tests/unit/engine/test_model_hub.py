@@ -13,11 +13,21 @@ from kubesgl.engine.models import weights
 from kubesgl.engine.models.hub import looks_like_hub_id, resolve_model
 
 
-@pytest.mark.parametrize(("model", "is_id"), [
-    ("Qwen/Qwen3-0.6B", True), ("meta-llama/Llama-3.1-8B-Instruct", True), ("gpt2", True),
-    ("/models/qwen", False), ("./qwen", False), ("~/models/qwen", False), ("a/b/c", False), ("../qwen", False),
-    ("qwen/", False), ("", False),
-])
+@pytest.mark.parametrize(
+    ("model", "is_id"),
+    [
+        ("Qwen/Qwen3-0.6B", True),
+        ("meta-llama/Llama-3.1-8B-Instruct", True),
+        ("gpt2", True),
+        ("/models/qwen", False),
+        ("./qwen", False),
+        ("~/models/qwen", False),
+        ("a/b/c", False),
+        ("../qwen", False),
+        ("qwen/", False),
+        ("", False),
+    ],
+)
 def test_what_a_hub_id_looks_like(model, is_id):
     assert looks_like_hub_id(model) is is_id
 
@@ -26,7 +36,9 @@ def test_a_local_folder_is_itself_even_if_it_looks_like_an_id(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     (tmp_path / "org" / "name").mkdir(parents=True)
     assert resolve_model("org/name") == "org/name"  # never sent to the Hub
-    assert resolve_model("/no/such/folder") == "/no/such/folder"  # a path: the caller says it is missing
+    assert (
+        resolve_model("/no/such/folder") == "/no/such/folder"
+    )  # a path: the caller says it is missing
 
 
 def test_weights_loading_is_logged_from_start_to_end(tiny_model, monkeypatch, caplog):

@@ -14,25 +14,31 @@ from kubesgl.engine.server.api import validation_error
 from kubesgl.engine.server.protocol import CompletionRequest
 
 
-@pytest.mark.parametrize("prompt, prompts", [
-    ("hi", ["hi"]),
-    (["a", "b"], ["a", "b"]),
-    ([1, 2, 3], [[1, 2, 3]]),
-    ([[1, 2], [3]], [[1, 2], [3]]),
-])
+@pytest.mark.parametrize(
+    "prompt, prompts",
+    [
+        ("hi", ["hi"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+    ],
+)
 def test_each_form_parses_to_its_prompts(prompt, prompts):
     assert CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompts() == prompts
 
 
-@pytest.mark.parametrize("prompt, param, words", [
-    ([1, "a"], "prompt.1", "integer"),
-    (["a", 1], "prompt.1", "string"),
-    ([[1], ["a"]], "prompt.1.0", "integer"),
-    ([1, True], "prompt.1", "integer"),
-    ([[]], "prompt.0", "at least 1"),
-    (["ok", "\ud800"], "prompt.1", "UTF-8"),
-    (5, "prompt", "string"),
-])
+@pytest.mark.parametrize(
+    "prompt, param, words",
+    [
+        ([1, "a"], "prompt.1", "integer"),
+        (["a", 1], "prompt.1", "string"),
+        ([[1], ["a"]], "prompt.1.0", "integer"),
+        ([1, True], "prompt.1", "integer"),
+        ([[]], "prompt.0", "at least 1"),
+        (["ok", "\ud800"], "prompt.1", "UTF-8"),
+        (5, "prompt", "string"),
+    ],
+)
 def test_an_error_names_the_element_at_fault(prompt, param, words):
     with pytest.raises(ValidationError) as raised:
         CompletionRequest.model_validate({"model": "m", "prompt": prompt})

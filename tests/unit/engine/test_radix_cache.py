@@ -18,7 +18,7 @@ def put(cache, allocator, tokens):
     pages = allocator.alloc(len(tokens) // allocator.page_size)
     slots = allocator.slots_of(pages)
     already = cache.insert(tokens, slots)
-    allocator.free(s // allocator.page_size for s in slots[:already:allocator.page_size])
+    allocator.free(s // allocator.page_size for s in slots[: already : allocator.page_size])
     return slots
 
 
@@ -136,7 +136,10 @@ def test_no_prefix_cache_keeps_nothing_and_leaves_the_kv_with_its_owner():
         kv.cache_prefix(req)
         assert req.num_cached == 0 and req.num_prefix_hit == 0 and req.last_node is kv.radix.root
     kv.check_integrity([first, second])
-    assert kv.radix.cached_pages() == [] and kv.radix.peek_prefix(list(range(10))) == (0, kv.radix.root)
+    assert kv.radix.cached_pages() == [] and kv.radix.peek_prefix(list(range(10))) == (
+        0,
+        kv.radix.root,
+    )
     for req in (first, second):
         kv.release(req)
     kv.check_integrity([])

@@ -33,7 +33,9 @@ def loop(tiny_model):
     return TokenizerLoop(tokenizer, Outbox(), Outbox())
 
 
-def test_a_request_the_tokenizer_raises_on_gets_a_500_and_the_next_one_goes_through(loop, monkeypatch):
+def test_a_request_the_tokenizer_raises_on_gets_a_500_and_the_next_one_goes_through(
+    loop, monkeypatch
+):
     encode = loop.tokenizer.encode
 
     def flaky(request):
@@ -54,12 +56,16 @@ def test_a_request_the_tokenizer_raises_on_gets_a_500_and_the_next_one_goes_thro
 
 def test_a_bad_request_is_a_400_that_names_the_field(loop):
     loop.tokenizer.hf.chat_template = None
-    loop.from_api(TokenizeRequest("chat", SamplingParams(), messages=[{"role": "user", "content": "hi"}]))
+    loop.from_api(
+        TokenizeRequest("chat", SamplingParams(), messages=[{"role": "user", "content": "hi"}])
+    )
     reason = loop.to_api.sent[0].outputs[0].finish_reason
     assert (reason.status, reason.param) == (400, "messages")
 
 
-def test_a_failing_detokenization_fails_its_request_and_aborts_it_in_the_scheduler(loop, monkeypatch):
+def test_a_failing_detokenization_fails_its_request_and_aborts_it_in_the_scheduler(
+    loop, monkeypatch
+):
     for rid in ("a", "b"):
         loop.from_api(TokenizeRequest(rid, SamplingParams(), text="hello"))
     decode = loop.tokenizer.decode
@@ -85,7 +91,9 @@ def test_stop_strings_that_are_not_utf8_are_refused_before_they_reach_the_schedu
     assert caught.value.param == "stop"
 
 
-def test_an_exception_while_checking_one_request_fails_it_alone(tiny_model, make_llm, random_prompts, monkeypatch):
+def test_an_exception_while_checking_one_request_fails_it_alone(
+    tiny_model, make_llm, random_prompts, monkeypatch
+):
     llm = make_llm(tiny_model("llama"))
     engine = llm.engine
     checker = engine.scheduler.stop_checker
@@ -103,6 +111,11 @@ def test_an_exception_while_checking_one_request_fails_it_alone(tiny_model, make
     submit(engine, "ok2", prompts[2], max_tokens=8, ignore_eos=True)
     outputs = run_to_end(engine)
     poison = outputs["poison"][-1].finish_reason
-    assert poison.kind == "error" and poison.status == 500 and "UnicodeEncodeError" in poison.message
+    assert (
+        poison.kind == "error" and poison.status == 500 and "UnicodeEncodeError" in poison.message
+    )
     for rid in ("ok1", "ok2"):
-        assert sum(len(o.token_ids) for o in outputs[rid]) == 8 and outputs[rid][-1].finish_reason.kind == "length"
+        assert (
+            sum(len(o.token_ids) for o in outputs[rid]) == 8
+            and outputs[rid][-1].finish_reason.kind == "length"
+        )

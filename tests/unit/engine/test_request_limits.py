@@ -104,7 +104,9 @@ def test_a_prompt_is_refused_by_its_characters_before_it_is_tokenized():
 def test_the_defaults_are_generous():
     config = EngineConfig(model="m")
     assert config.max_sequences_per_request >= 128  # OpenAI's largest n
-    assert config.max_request_body_bytes >= 8 * 1024 * 1024  # a 1M-token prompt as text, 128K as token ids
+    assert (
+        config.max_request_body_bytes >= 8 * 1024 * 1024
+    )  # a 1M-token prompt as text, 128K as token ids
     assert config.max_prompt_chars_per_token >= 8  # text averages about 4 characters per token
     assert config.max_stop_string_length >= 256
 
@@ -120,7 +122,9 @@ def test_the_rendered_engine_pods_listen_on_every_address():
     from kubesgl.operator.render import render
     from kubesgl.operator.validation import parse_inference_service
 
-    isvc = yaml.safe_load((Path(__file__).resolve().parents[3] / "examples" / "mixed.yaml").read_text())
+    isvc = yaml.safe_load(
+        (Path(__file__).resolve().parents[3] / "examples" / "mixed.yaml").read_text()
+    )
     for obj in render(parse_inference_service(isvc)):
         if obj["kind"] == "Deployment" and obj["metadata"]["name"].endswith("-mixed"):
             args = obj["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -141,12 +145,15 @@ def test_the_api_key_comes_from_the_flag_then_a_file_then_the_environment(tmp_pa
     assert _key(["--api-key", "sk-flag"], env) == "sk-flag"
 
 
-@pytest.mark.parametrize(("argv", "environ", "problem"), [
-    (["--api-key", "a", "--api-key-file", "f"], {}, "not both"),
-    (["--api-key-file", "/nonexistent/key"], {}, "cannot read"),
-    ([], {API_KEY_ENV: ""}, "empty"),
-    (["--api-key", ""], {}, "empty"),
-])
+@pytest.mark.parametrize(
+    ("argv", "environ", "problem"),
+    [
+        (["--api-key", "a", "--api-key-file", "f"], {}, "not both"),
+        (["--api-key-file", "/nonexistent/key"], {}, "cannot read"),
+        ([], {API_KEY_ENV: ""}, "empty"),
+        (["--api-key", ""], {}, "empty"),
+    ],
+)
 def test_an_api_key_that_cannot_be_used_stops_the_server(argv, environ, problem):
     with pytest.raises(ValueError, match=problem):
         _key(argv, environ)

@@ -19,11 +19,16 @@ def reference_support(probs: list[float], top_k: int, top_p: float, min_p: float
     return keep | {order[0]}
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(3, 1.0, 0.0), (100, 0.5, 0.0), (100, 1.0, 0.2), (4, 0.7, 0.05), (1, 1.0, 0.0)])
+@pytest.mark.parametrize(
+    "top_k,top_p,min_p",
+    [(3, 1.0, 0.0), (100, 0.5, 0.0), (100, 1.0, 0.2), (4, 0.7, 0.05), (1, 1.0, 0.0)],
+)
 def test_mask_matches_definitions(top_k, top_p, min_p):
     generator = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(5, 12, generator=generator) * 2, dim=-1)
-    mask = top_k_top_p_min_p_mask(probs, torch.full((5,), top_k), torch.full((5,), top_p), torch.full((5,), min_p))
+    mask = top_k_top_p_min_p_mask(
+        probs, torch.full((5,), top_k), torch.full((5,), top_p), torch.full((5,), min_p)
+    )
     for row in range(5):
         expected = reference_support(probs[row].tolist(), top_k, top_p, min_p)
         assert set(torch.nonzero(mask[row]).flatten().tolist()) == expected
@@ -54,11 +59,16 @@ def test_seeded_sampling_is_reproducible(llm):
     params = SamplingParams(max_tokens=30, temperature=1.5, seed=1234, ignore_eos=True)
     first = llm.generate([prompt], params)[0].token_ids
     again = llm.generate([prompt], params)[0].token_ids
-    other = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=1.5, seed=99, ignore_eos=True))[0].token_ids
+    other = llm.generate(
+        [prompt], SamplingParams(max_tokens=30, temperature=1.5, seed=99, ignore_eos=True)
+    )[0].token_ids
     assert first == again
     assert first != other
     # the seed's draws do not depend on what else is in the batch
-    batch = llm.generate([prompt, [9, 9, 9], prompt], [params, SamplingParams(max_tokens=30, temperature=1.0), params])
+    batch = llm.generate(
+        [prompt, [9, 9, 9], prompt],
+        [params, SamplingParams(max_tokens=30, temperature=1.0), params],
+    )
     assert batch[0].token_ids == first and batch[2].token_ids == first
 
 
@@ -66,27 +76,50 @@ def test_seeded_sampling_is_reproducible(llm):
 def test_sampled_tokens_stay_in_the_allowed_support(llm, tiny_model, option):
     prompt, temperature = [11, 12, 13], 0.7
     probs = next_token_probs(tiny_model("llama"), prompt, temperature)
-    allowed = reference_support(probs.tolist(), option.get("top_k", 10**6), option.get("top_p", 1.0),
-                                option.get("min_p", 0.0))
-    params = [SamplingParams(max_tokens=1, temperature=temperature, seed=s, **option) for s in range(200)]
+    allowed = reference_support(
+        probs.tolist(),
+        option.get("top_k", 10**6),
+        option.get("top_p", 1.0),
+        option.get("min_p", 0.0),
+    )
+    params = [
+        SamplingParams(max_tokens=1, temperature=temperature, seed=s, **option) for s in range(200)
+    ]
     seen = {o.token_ids[0] for o in llm.generate([prompt] * 200, params)}
     assert seen <= allowed
     assert len(seen) >= min(2, len(allowed))
-    unrestricted = {o.token_ids[0] for o in llm.generate(
-        [prompt] * 200, [SamplingParams(max_tokens=1, temperature=temperature, seed=s) for s in range(200)])}
+    unrestricted = {
+        o.token_ids[0]
+        for o in llm.generate(
+            [prompt] * 200,
+            [SamplingParams(max_tokens=1, temperature=temperature, seed=s) for s in range(200)],
+        )
+    }
     assert not unrestricted <= allowed  # the option really cut something away
 
 
 def test_penalties_change_greedy_output_as_defined(llm):
     prompt = [20, 21, 22, 23]
-    plain = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0].token_ids
+    plain = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[
+        0
+    ].token_ids
     assert len(set(plain)) < len(plain)  # the tiny model repeats itself
-    no_repeats = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
-                                                        presence_penalty=2.0, repetition_penalty=100.0))[0].token_ids
+    no_repeats = llm.generate(
+        [prompt],
+        SamplingParams(
+            max_tokens=40,
+            temperature=0,
+            ignore_eos=True,
+            presence_penalty=2.0,
+            repetition_penalty=100.0,
+        ),
+    )[0].token_ids
     assert len(set(no_repeats)) == len(no_repeats)  # every seen token is pushed far down
     assert not set(no_repeats) & set(prompt)  # repetition penalty covers the prompt too
-    freq = llm.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True,
-                                                  frequency_penalty=0.5))[0].token_ids
+    freq = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, frequency_penalty=0.5),
+    )[0].token_ids
     assert freq != plain
 
 
@@ -94,9 +127,15 @@ def test_huge_top_k_and_tiny_temperature_are_harmless(llm):
     """top_k beyond the vocabulary means no cut (it once overflowed the int64 batch tensor
     and killed the scheduler); a temperature near zero is greedy (it once gave NaNs)."""
     prompt = [5, 6, 7]
-    greedy = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].token_ids
-    huge = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, top_k=2**64, ignore_eos=True))
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[
+        0
+    ].token_ids
+    huge = llm.generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=0, top_k=2**64, ignore_eos=True)
+    )
     tiny = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1e-40, ignore_eos=True))
     assert huge[0].token_ids == greedy and tiny[0].token_ids == greedy
-    sampled = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, top_k=2**63, seed=1))
+    sampled = llm.generate(
+        [prompt], SamplingParams(max_tokens=8, temperature=1.0, top_k=2**63, seed=1)
+    )
     assert len(sampled[0].token_ids) == 8

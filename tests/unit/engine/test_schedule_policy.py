@@ -48,7 +48,13 @@ def test_lpm_takes_the_longest_cached_prefix_first(page_size):
 
 
 def test_dfs_weight_groups_requests_by_shared_prefix_largest_group_first():
-    reqs = [req("b1", B + [1]), req("a1", A + [1]), req("none", [7, 7, 7]), req("a2", A + [2]), req("a3", A + [3])]
+    reqs = [
+        req("b1", B + [1]),
+        req("a1", A + [1]),
+        req("none", [7, 7, 7]),
+        req("a2", A + [2]),
+        req("a3", A + [3]),
+    ]
     assert order("dfs-weight", cache_with(A, B), reqs) == ["a1", "a2", "a3", "b1", "none"]
 
 
@@ -61,7 +67,11 @@ def test_peeking_changes_nothing_in_the_tree():
 
 @pytest.mark.parametrize("name", ["lpm", "dfs-weight"])
 def test_an_overdue_request_goes_first(name):
-    reqs = [req("b", B + [1], arrived=0.5), req("old", [7, 7, 7], arrived=0.0), req("a", A + [1], arrived=0.6)]
+    reqs = [
+        req("b", B + [1], arrived=0.5),
+        req("old", [7, 7, 7], arrived=0.0),
+        req("a", A + [1], arrived=0.6),
+    ]
     assert order(name, cache_with(A, B), reqs, now=1.0, max_wait=10.0)[-1] == "old"
     assert order(name, cache_with(A, B), reqs, now=10.2, max_wait=10.0)[0] == "old"
 
@@ -72,12 +82,21 @@ def test_without_a_prefix_cache_prefix_policies_keep_arrival_order():
     assert order("lpm", cache, reqs) == order("dfs-weight", cache, reqs) == ["x", "y"]
 
 
-@pytest.mark.parametrize("max_wait, admitted", [(0.05, True), (1e6, False)], ids=["bounded", "unbounded"])
-def test_a_request_with_no_cached_prefix_is_not_starved(max_wait, admitted, tiny_model, make_llm, random_prompts):
+@pytest.mark.parametrize(
+    "max_wait, admitted", [(0.05, True), (1e6, False)], ids=["bounded", "unbounded"]
+)
+def test_a_request_with_no_cached_prefix_is_not_starved(
+    max_wait, admitted, tiny_model, make_llm, random_prompts
+):
     """With lpm and one request at a time, a steady stream of requests that hit the cache
     always matches better than a lone unrelated request: only the wait bound admits it.
     (The unbounded case shows the stream would starve it.)"""
-    llm = make_llm(tiny_model("llama"), schedule_policy="lpm", schedule_max_wait=max_wait, max_running_requests=1)
+    llm = make_llm(
+        tiny_model("llama"),
+        schedule_policy="lpm",
+        schedule_max_wait=max_wait,
+        max_running_requests=1,
+    )
     engine = llm.engine
     shared, lone = random_prompts(2, 40, 40, seed=31)
     greedy = SamplingParams(max_tokens=1, temperature=0)
@@ -85,7 +104,9 @@ def test_a_request_with_no_cached_prefix_is_not_starved(max_wait, admitted, tiny
     engine.add_request(GenerateRequest(rid="lone", input_ids=lone, params=greedy))
     done = False
     for i in range(200):
-        engine.add_request(GenerateRequest(rid=f"s{i}", input_ids=shared + [3 + i % 500], params=greedy))
+        engine.add_request(
+            GenerateRequest(rid=f"s{i}", input_ids=shared + [3 + i % 500], params=greedy)
+        )
         done = done or any(out.rid == "lone" for out in engine.step())
         if done and admitted:
             break

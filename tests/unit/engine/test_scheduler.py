@@ -39,12 +39,22 @@ def assert_well_formed(outputs_by_rid):
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_64_concurrent_requests_return_exactly_max_tokens(overlap, page_size, tiny_model, make_llm, random_prompts):
-    llm = make_llm(tiny_model("llama"), page_size=page_size, disable_overlap_schedule=not overlap,
-                   max_running_requests=64, max_total_tokens=64 * 400)
+def test_64_concurrent_requests_return_exactly_max_tokens(
+    overlap, page_size, tiny_model, make_llm, random_prompts
+):
+    llm = make_llm(
+        tiny_model("llama"),
+        page_size=page_size,
+        disable_overlap_schedule=not overlap,
+        max_running_requests=64,
+        max_total_tokens=64 * 400,
+    )
     prompts = random_prompts(64, 1, 40, seed=10)
     counts = [1 + (i * 199) // 63 for i in range(64)]  # 1 .. 200
-    params = [SamplingParams(max_tokens=n, temperature=0.8, seed=i, ignore_eos=True) for i, n in enumerate(counts)]
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.8, seed=i, ignore_eos=True)
+        for i, n in enumerate(counts)
+    ]
     outputs = llm.generate(prompts, params)
     assert [len(o.token_ids) for o in outputs] == counts
     assert all(o.finish_reason.kind == "length" for o in outputs)
@@ -60,7 +70,15 @@ def test_one_step_per_token_and_no_reply_after_finish(tiny_model, make_llm, rand
     for i, (prompt, ref) in enumerate(zip(prompts, reference)):
         stop_at = 3 + i  # stop on the token greedy decoding produces at this index
         stop_token = ref.token_ids[stop_at]
-        submit(engine, f"r{i}", prompt, max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[stop_token])
+        submit(
+            engine,
+            f"r{i}",
+            prompt,
+            max_tokens=30,
+            temperature=0,
+            ignore_eos=True,
+            stop_token_ids=[stop_token],
+        )
     outputs = run_to_end(engine)
     assert_well_formed(outputs)
     for i, ref in enumerate(reference):
@@ -71,14 +89,23 @@ def test_one_step_per_token_and_no_reply_after_finish(tiny_model, make_llm, rand
 
 
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
-@pytest.mark.parametrize("device,backend", [("cpu", "torch"), pytest.param("cuda", "triton", marks=pytest.mark.gpu)])
-def test_finished_request_resources_not_reused_while_in_flight(radix, device, backend, tiny_model, make_llm,
-                                                               random_prompts):
+@pytest.mark.parametrize(
+    "device,backend", [("cpu", "torch"), pytest.param("cuda", "triton", marks=pytest.mark.gpu)]
+)
+def test_finished_request_resources_not_reused_while_in_flight(
+    radix, device, backend, tiny_model, make_llm, random_prompts
+):
     """Overlap pitfall: a request that finishes on step N is still part of step N+1, which
     is running; its table row and KV pages must not go to a request of step N+2 before
     step N+1 completes. On the GPU the steps run asynchronously for real (CUDA graphs)."""
-    llm = make_llm(tiny_model("llama"), max_running_requests=4, disable_radix_cache=not radix, max_total_tokens=4096,
-                   device=device, attention_backend=backend)
+    llm = make_llm(
+        tiny_model("llama"),
+        max_running_requests=4,
+        disable_radix_cache=not radix,
+        max_total_tokens=4096,
+        device=device,
+        attention_backend=backend,
+    )
     engine = llm.engine
     builder = engine.scheduler.builder
     launched = []  # per built batch: {row: rid}, {slot: rid}; the newest is in flight
@@ -93,7 +120,9 @@ def test_finished_request_resources_not_reused_while_in_flight(radix, device, ba
             for row, rid in rows.items():
                 assert in_flight_rows.get(row, rid) == rid, f"row {row} reused while step in flight"
             for slot, rid in slots.items():
-                assert in_flight_slots.get(slot, rid) == rid, f"KV slot {slot} reused while step in flight"
+                assert in_flight_slots.get(slot, rid) == rid, (
+                    f"KV slot {slot} reused while step in flight"
+                )
         launched.append((batch.step, rows, slots))
         return batch
 
@@ -102,8 +131,15 @@ def test_finished_request_resources_not_reused_while_in_flight(radix, device, ba
     reference = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     launched.clear()
     for i, (prompt, ref) in enumerate(zip(prompts, reference)):
-        submit(engine, f"r{i}", prompt, max_tokens=12, temperature=0, ignore_eos=True,
-               stop_token_ids=[ref.token_ids[1 + i % 5]])
+        submit(
+            engine,
+            f"r{i}",
+            prompt,
+            max_tokens=12,
+            temperature=0,
+            ignore_eos=True,
+            stop_token_ids=[ref.token_ids[1 + i % 5]],
+        )
     assert_well_formed(run_to_end(engine))
     assert len(launched) > 10
 
@@ -119,7 +155,10 @@ def test_abort_during_in_flight_prefill_releases_once(chunk, tiny_model, make_ll
     submit(engine, "bystander", prompt[:30], max_tokens=20, temperature=0, ignore_eos=True)
     assert engine.step() == []  # prefill launched, in flight
     (aborted,) = engine.abort_request("victim", "client went away")
-    assert aborted.finish_reason.kind == "abort" and aborted.finish_reason.message == "client went away"
+    assert (
+        aborted.finish_reason.kind == "abort"
+        and aborted.finish_reason.message == "client went away"
+    )
     engine.scheduler.check_integrity()
     outputs = run_to_end(engine)
     assert "victim" not in outputs  # nothing more after the abort
@@ -129,8 +168,12 @@ def test_abort_during_in_flight_prefill_releases_once(chunk, tiny_model, make_ll
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_abort_waiting_prefilling_and_running(overlap, tiny_model, make_llm, random_prompts):
-    llm = make_llm(tiny_model("qwen3"), max_running_requests=2, chunked_prefill_size=8,
-                   disable_overlap_schedule=not overlap)
+    llm = make_llm(
+        tiny_model("qwen3"),
+        max_running_requests=2,
+        chunked_prefill_size=8,
+        disable_overlap_schedule=not overlap,
+    )
     engine, scheduler = llm.engine, llm.engine.scheduler
     outputs = defaultdict(list)
 
@@ -155,24 +198,38 @@ def test_abort_waiting_prefilling_and_running(overlap, tiny_model, make_llm, ran
     while engine.has_work():
         steps(1)
     assert_well_formed(outputs)
-    assert [outputs[r][-1].finish_reason.kind for r in ("r0", "r1", "r2", "r3")] == ["abort", "abort", "length", "abort"]
+    assert [outputs[r][-1].finish_reason.kind for r in ("r0", "r1", "r2", "r3")] == [
+        "abort",
+        "abort",
+        "length",
+        "abort",
+    ]
     assert sum(len(o.token_ids) for o in outputs["r2"]) == 50
     assert sum(len(o.token_ids) for o in outputs["r0"] + outputs["r3"]) == 0
 
 
-def test_eos_from_generation_config_ends_a_request_unless_ignored(tmp_path, tiny_model, make_llm, random_prompts):
+def test_eos_from_generation_config_ends_a_request_unless_ignored(
+    tmp_path, tiny_model, make_llm, random_prompts
+):
     import json
     import shutil
 
     path = tmp_path / "m"
     shutil.copytree(tiny_model("llama"), path)
     prompt = random_prompts(1, 10, 10, seed=15)[0]
-    greedy = make_llm(str(path)).generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    greedy = make_llm(str(path)).generate(
+        [prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    )
     eos = greedy[0].token_ids[4]
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
     llm = make_llm(str(path))
-    stopped, ignored = llm.generate([prompt, prompt], [SamplingParams(max_tokens=20, temperature=0),
-                                                      SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)])
+    stopped, ignored = llm.generate(
+        [prompt, prompt],
+        [
+            SamplingParams(max_tokens=20, temperature=0),
+            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        ],
+    )
     first_eos = greedy[0].token_ids.index(eos)
     assert stopped.token_ids == greedy[0].token_ids[: first_eos + 1]
     assert stopped.finish_reason.kind == "stop" and stopped.finish_reason.matched_token == eos
@@ -226,7 +283,9 @@ def test_unsupported_architecture_is_named(tmp_path, tiny_model):
         LLM(str(path), device="cpu")
 
 
-def test_admission_on_estimate_runs_more_without_over_committing(tiny_model, make_llm, random_prompts):
+def test_admission_on_estimate_runs_more_without_over_committing(
+    tiny_model, make_llm, random_prompts
+):
     """A pool that fits two requests' full reservations runs more at once (admission reserves
     the outputs it expects, not max_tokens), never commits more KV than it has, and every
     request still returns all of its tokens."""
@@ -263,7 +322,10 @@ def test_aborting_retracted_requests_leaves_nothing_behind(tiny_model, make_llm,
             if req.retractions and req.rid not in aborted:
                 aborted.add(req.rid)
                 final = engine.abort_request(req.rid)
-                assert final[0].finish_reason.kind == "abort" and final[0].completion_tokens == len(req.output_ids) > 0
+                assert (
+                    final[0].finish_reason.kind == "abort"
+                    and final[0].completion_tokens == len(req.output_ids) > 0
+                )
                 outputs[req.rid] += final
         engine.scheduler.check_integrity()
     assert aborted
@@ -289,28 +351,52 @@ def test_output_estimate_follows_finished_requests_and_backs_off_on_retraction()
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_retraction_storm_finishes_every_request_exactly(overlap, radix, page_size, tiny_model, make_llm,
-                                                          random_prompts):
+def test_retraction_storm_finishes_every_request_exactly(
+    overlap, radix, page_size, tiny_model, make_llm, random_prompts
+):
     """24 requests on a pool that holds about one and a half of them whole: requests are
     retracted again and again, yet each returns exactly what it returns on a large pool
     (greedy, seeded sampling, penalties alike), and the pages stay accounted for at every step."""
-    run_retraction_storm(tiny_model, make_llm, random_prompts, page_size, disable_radix_cache=not radix,
-                         disable_overlap_schedule=not overlap)
+    run_retraction_storm(
+        tiny_model,
+        make_llm,
+        random_prompts,
+        page_size,
+        disable_radix_cache=not radix,
+        disable_overlap_schedule=not overlap,
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_retraction_storm_with_mixed_chunks(page_size, tiny_model, make_llm, random_prompts):
     """The storm with prompt chunks and decodes sharing steps: the decodes of a mixed step keep
     the pages they need although the step also admits requests (the admissions come after)."""
-    run_retraction_storm(tiny_model, make_llm, random_prompts, page_size, enable_mixed_chunk=True,
-                         chunked_prefill_size=24, max_running_requests=16)
+    run_retraction_storm(
+        tiny_model,
+        make_llm,
+        random_prompts,
+        page_size,
+        enable_mixed_chunk=True,
+        chunked_prefill_size=24,
+        max_running_requests=16,
+    )
 
 
-def run_retraction_storm(tiny_model, make_llm, random_prompts, page_size: int, **engine_args) -> None:
+def run_retraction_storm(
+    tiny_model, make_llm, random_prompts, page_size: int, **engine_args
+) -> None:
     path = tiny_model("llama")
     prompts = random_prompts(24, 10, 40, seed=21)
-    kinds = [{"temperature": 0}, {"temperature": 0.9, "seed": 7},
-             {"temperature": 0, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2}]
+    kinds = [
+        {"temperature": 0},
+        {"temperature": 0.9, "seed": 7},
+        {
+            "temperature": 0,
+            "repetition_penalty": 1.3,
+            "frequency_penalty": 0.5,
+            "presence_penalty": 0.2,
+        },
+    ]
     params = [SamplingParams(max_tokens=48, ignore_eos=True, **kinds[i % 3]) for i in range(24)]
     reference = make_llm(path, page_size=page_size).generate(prompts, params)
     llm = make_llm(path, page_size=page_size, max_total_tokens=128, **engine_args)
@@ -334,31 +420,45 @@ def test_offline_text_stops_before_the_stop_string(tiny_model, make_llm):
     """LLM.generate cuts its text where the server's stream would: before the stop string."""
     llm = make_llm(tiny_model("llama"))
     prompt = "The capital of France is"
-    full = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0].text
+    full = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[
+        0
+    ].text
     stop = full[12:15]
-    got = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    got = llm.generate(
+        [prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
+    )[0]
     assert got.finish_reason.matched_str == stop
     assert got.text == full[: full.index(stop)]
     ids = llm.tokenizer.encode(prompt)
-    assert llm.generate([ids], SamplingParams(max_tokens=5, temperature=0))[0].text  # token-id prompts get text too
+    assert llm.generate([ids], SamplingParams(max_tokens=5, temperature=0))[
+        0
+    ].text  # token-id prompts get text too
 
 
 def test_unset_max_tokens_defaults_and_usage_counts_reservations(tiny_model, make_llm):
     """A request without max_tokens gets --default-max-tokens (not the whole context, which
     admission would reserve), and KV usage counts what admission reserved."""
-    llm = make_llm(tiny_model("llama"), default_max_tokens=8, max_total_tokens=4096, disable_radix_cache=True)
-    out = llm.generate([[5] * 20], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
+    llm = make_llm(
+        tiny_model("llama"), default_max_tokens=8, max_total_tokens=4096, disable_radix_cache=True
+    )
+    out = llm.generate([[5] * 20], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[
+        0
+    ]
     assert len(out.token_ids) == 8 and out.finish_reason.kind == "length"
     engine = llm.engine
     submit(engine, "r", [5] * 20, max_tokens=41, ignore_eos=True)
     engine.step()  # admitted and prefilled
     expected = engine.scheduler.kv.estimate.outputs(41)
-    assert engine.scheduler.stats().kv_used_tokens == 20 + expected - 1  # held now plus reserved for later
+    assert (
+        engine.scheduler.stats().kv_used_tokens == 20 + expected - 1
+    )  # held now plus reserved for later
     run_to_end(engine)
     assert engine.scheduler.stats().kv_used_tokens == 0
 
 
-def test_queue_and_prefill_seconds_come_with_the_first_output_only(tiny_model, make_llm, random_prompts):
+def test_queue_and_prefill_seconds_come_with_the_first_output_only(
+    tiny_model, make_llm, random_prompts
+):
     """Issue 15: the scheduler's times behind kubesgl_request_queue_time_seconds and
     kubesgl_request_prefill_time_seconds; a request that waits behind a full batch shows it."""
     llm = make_llm(tiny_model("llama"), max_running_requests=1)

@@ -17,6 +17,7 @@ from kubesgl.engine.server import cli as serve_cli
 @pytest.fixture
 def serve(monkeypatch, capsys):
     """serve(*args) -> (status, stderr lines) of `kubesgl serve`, which must not start a server."""
+
     def no_server(self):
         raise AssertionError("the server was started")
 
@@ -34,8 +35,10 @@ def serve(monkeypatch, capsys):
 
 def test_a_missing_model_directory(serve, tmp_path):
     status, err = serve("--model", str(tmp_path / "nowhere"), "--device", "cpu")
-    assert status == 2 and err == [f"kubesgl serve: --model {tmp_path / 'nowhere'}: no such directory "
-                                   "(give a checkpoint directory or a Hugging Face id such as Qwen/Qwen3-0.6B)"]
+    assert status == 2 and err == [
+        f"kubesgl serve: --model {tmp_path / 'nowhere'}: no such directory "
+        "(give a checkpoint directory or a Hugging Face id such as Qwen/Qwen3-0.6B)"
+    ]
 
 
 def test_a_directory_without_a_checkpoint(serve, tmp_path):
@@ -56,15 +59,21 @@ def test_a_checkpoint_without_weights(serve, tiny_model, tmp_path):
 
 def test_a_tp_size_that_does_not_divide_the_heads(serve, tiny_model):
     status, err = serve("--model", tiny_model("llama"), "--device", "cpu", "--tp-size", "3")
-    assert status == 2 and err == ["kubesgl serve: --tp-size 3 does not fit this model: its 4 attention heads "
-                                   "do not divide over 3 ranks (sizes that fit: 1, 2, 4)"]
+    assert status == 2 and err == [
+        "kubesgl serve: --tp-size 3 does not fit this model: its 4 attention heads "
+        "do not divide over 3 ranks (sizes that fit: 1, 2, 4)"
+    ]
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_a_gpu_attention_backend_on_the_cpu(serve, tiny_model, backend):
-    status, err = serve("--model", tiny_model("llama"), "--device", "cpu", "--attention-backend", backend)
-    assert status == 2 and err == [f"kubesgl serve: --attention-backend {backend} runs on CUDA GPUs; "
-                                   "on the CPU use torch (or auto)"]
+    status, err = serve(
+        "--model", tiny_model("llama"), "--device", "cpu", "--attention-backend", backend
+    )
+    assert status == 2 and err == [
+        f"kubesgl serve: --attention-backend {backend} runs on CUDA GPUs; "
+        "on the CPU use torch (or auto)"
+    ]
 
 
 def test_a_port_already_taken(serve, tiny_model):
@@ -73,8 +82,10 @@ def test_a_port_already_taken(serve, tiny_model):
         taken.listen()
         port = taken.getsockname()[1]
         status, err = serve("--model", tiny_model("llama"), "--device", "cpu", "--port", str(port))
-    assert status == 2 and err == [f"kubesgl serve: --port {port}: port {port} on 127.0.0.1 is already in use "
-                                   "(another server?); choose another port"]
+    assert status == 2 and err == [
+        f"kubesgl serve: --port {port}: port {port} on 127.0.0.1 is already in use "
+        "(another server?); choose another port"
+    ]
 
 
 def test_a_prefill_engines_bootstrap_port_already_taken(serve, tiny_model):
@@ -82,9 +93,23 @@ def test_a_prefill_engines_bootstrap_port_already_taken(serve, tiny_model):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        status, err = serve("--model", tiny_model("llama"), "--device", "cpu", "--port", "0", "--role", "prefill",
-                            "--disaggregation-bootstrap-port", str(port))
-    assert status == 2 and len(err) == 1 and err[0].startswith("kubesgl serve: --disaggregation-bootstrap-port: ")
+        status, err = serve(
+            "--model",
+            tiny_model("llama"),
+            "--device",
+            "cpu",
+            "--port",
+            "0",
+            "--role",
+            "prefill",
+            "--disaggregation-bootstrap-port",
+            str(port),
+        )
+    assert (
+        status == 2
+        and len(err) == 1
+        and err[0].startswith("kubesgl serve: --disaggregation-bootstrap-port: ")
+    )
 
 
 def test_the_listening_socket_is_bound_before_anything_starts():
@@ -96,10 +121,16 @@ def test_the_listening_socket_is_bound_before_anything_starts():
         sock.close()
 
 
-@pytest.mark.parametrize(("arch", "tp_size", "fits"), [
-    ("llama", 2, True), ("llama", 4, True),  # 4 heads, 2 KV heads: replicated over 4 ranks
-    ("llama", 8, False), ("qwen3-moe", 2, True), ("qwen3-moe", 3, False),
-])
+@pytest.mark.parametrize(
+    ("arch", "tp_size", "fits"),
+    [
+        ("llama", 2, True),
+        ("llama", 4, True),  # 4 heads, 2 KV heads: replicated over 4 ranks
+        ("llama", 8, False),
+        ("qwen3-moe", 2, True),
+        ("qwen3-moe", 3, False),
+    ],
+)
 def test_tensor_parallel_fit(tiny_model, arch, tp_size, fits):
     config = EngineConfig(model=tiny_model(arch), device="cpu", tp_size=tp_size)
     if fits:

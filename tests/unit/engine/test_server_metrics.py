@@ -32,11 +32,15 @@ class FakeClient:
         if self.script == "crash":
             raise RuntimeError("boom")
         if self.script == "fail_first":
-            yield TextOutput(rid, "", [], FinishReason("error", status=500, message="the step failed"), 3, 0, 0)
+            yield TextOutput(
+                rid, "", [], FinishReason("error", status=500, message="the step failed"), 3, 0, 0
+            )
             return
         yield TextOutput(rid, "a", [5], None, 3, 0, 1)
         if self.script == "fail_later":
-            yield TextOutput(rid, "", [], FinishReason("error", status=500, message="the step failed"), 3, 0, 1)
+            yield TextOutput(
+                rid, "", [], FinishReason("error", status=500, message="the step failed"), 3, 0, 1
+            )
             return
         yield TextOutput(rid, "b", [6], FinishReason("length"), 3, 0, 2)
 
@@ -59,7 +63,10 @@ async def _requests(client: FakeClient, calls, api_key: str | None = None) -> li
     app = build_app(client, ServerState(config, "m", api_key=api_key))
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
-        return [(await http.request(method, path, **kwargs)).status_code for method, path, kwargs in calls]
+        return [
+            (await http.request(method, path, **kwargs)).status_code
+            for method, path, kwargs in calls
+        ]
 
 
 def test_error_answers_are_counted_by_status_and_reason():
@@ -75,22 +82,39 @@ def test_error_answers_are_counted_by_status_and_reason():
     ]
     statuses = asyncio.run(_requests(client, calls))
     assert statuses == [200, 400, 404, 404, 405, 413, 200]
-    assert _errors(client.metrics) == {("400", "invalid_request"): 1, ("404", "not_found"): 2,
-                                       ("405", "method_not_allowed"): 1, ("413", "too_large"): 1}
+    assert _errors(client.metrics) == {
+        ("400", "invalid_request"): 1,
+        ("404", "not_found"): 2,
+        ("405", "method_not_allowed"): 1,
+        ("413", "too_large"): 1,
+    }
 
 
 def test_a_wrong_key_and_a_server_that_is_not_ready_are_counted():
     client = FakeClient()
-    statuses = asyncio.run(_requests(client, [("POST", "/v1/completions", {"json": {"prompt": "hi"}})], "key"))
+    statuses = asyncio.run(
+        _requests(client, [("POST", "/v1/completions", {"json": {"prompt": "hi"}})], "key")
+    )
     client.ready.clear()
-    statuses += asyncio.run(_requests(client, [("POST", "/v1/completions", {"json": {"prompt": "hi"}}),
-                                               ("GET", "/health", {})]))  # a probe's 503 is not counted
+    statuses += asyncio.run(
+        _requests(
+            client,
+            [("POST", "/v1/completions", {"json": {"prompt": "hi"}}), ("GET", "/health", {})],
+        )
+    )  # a probe's 503 is not counted
     assert statuses == [401, 503, 503]
     assert _errors(client.metrics) == {("401", "unauthorized"): 1, ("503", "unavailable"): 1}
 
 
-@pytest.mark.parametrize("script, stream, status", [("crash", False, 500), ("fail_first", False, 500),
-                                                    ("fail_later", False, 500), ("fail_later", True, 200)])
+@pytest.mark.parametrize(
+    "script, stream, status",
+    [
+        ("crash", False, 500),
+        ("fail_first", False, 500),
+        ("fail_later", False, 500),
+        ("fail_later", True, 200),
+    ],
+)
 def test_failed_generations_are_counted_once(script, stream, status):
     client = FakeClient(script)
     body = {"prompt": "hi", "max_tokens": 2, "stream": stream}
@@ -110,8 +134,10 @@ def test_every_known_reason_is_exported_at_zero_from_the_start():
 
 def _histogram(metrics: EngineMetrics, name: str) -> tuple[float, float]:
     labels = {"role": metrics.role}
-    return (metrics.registry.get_sample_value(f"{name}_count", labels),
-            metrics.registry.get_sample_value(f"{name}_sum", labels))
+    return (
+        metrics.registry.get_sample_value(f"{name}_count", labels),
+        metrics.registry.get_sample_value(f"{name}_sum", labels),
+    )
 
 
 def test_tokens_that_arrive_with_the_first_are_no_inter_token_latency():
@@ -123,9 +149,15 @@ def test_tokens_that_arrive_with_the_first_are_no_inter_token_latency():
     metrics.tokens(2, 0.06, first=False)  # two tokens in one output: two intervals of 0.03 s
     count, total = _histogram(metrics, "kubesgl_inter_token_latency_seconds")
     assert count == 3 and total == pytest.approx(0.08)
-    assert metrics.registry.get_sample_value("kubesgl_inter_token_latency_seconds_bucket",
-                                             {"role": "mixed", "le": "0.03"}) == 3
-    assert metrics.registry.get_sample_value("kubesgl_generation_tokens_total", {"role": "mixed"}) == 7
+    assert (
+        metrics.registry.get_sample_value(
+            "kubesgl_inter_token_latency_seconds_bucket", {"role": "mixed", "le": "0.03"}
+        )
+        == 3
+    )
+    assert (
+        metrics.registry.get_sample_value("kubesgl_generation_tokens_total", {"role": "mixed"}) == 7
+    )
 
 
 # -- request times and lengths (issue 15, item 4) --------------------------------------------
@@ -149,9 +181,26 @@ async def test_the_engine_client_records_times_lengths_and_cached_tokens():
     detokenizer = push(zmq.Context.instance(), endpoints.api_in)
     try:
         stream = client.generate(TokenizeRequest("r1", SamplingParams()))
-        detokenizer.send_pyobj(TextBatch([TextOutput("r1", "ab", [5, 6], None, 40, 32, 2, queue_seconds=0.25,
-                                                     prefill_seconds=0.05)]))
-        detokenizer.send_pyobj(TextBatch([TextOutput("r1", "c", [7], FinishReason("stop"), 40, 32, 3)]))
+        detokenizer.send_pyobj(
+            TextBatch(
+                [
+                    TextOutput(
+                        "r1",
+                        "ab",
+                        [5, 6],
+                        None,
+                        40,
+                        32,
+                        2,
+                        queue_seconds=0.25,
+                        prefill_seconds=0.05,
+                    )
+                ]
+            )
+        )
+        detokenizer.send_pyobj(
+            TextBatch([TextOutput("r1", "c", [7], FinishReason("stop"), 40, 32, 3)])
+        )
         assert [len(out.token_ids) async for out in stream] == [2, 1]
     finally:
         await client.shutdown()
@@ -177,7 +226,12 @@ def test_capacity_and_build_info():
     metrics.update_scheduler(SchedulerStats(1, 0, 512, 8192, 0, 0))
     get = metrics.registry.get_sample_value
     assert get("kubesgl_kv_cache_capacity_tokens", {"role": "decode"}) == 8192
-    assert get("kubesgl_build_info", {"role": "decode", "version": "0.1.0", "model": "Qwen/Qwen3-0.6B"}) == 1
+    assert (
+        get(
+            "kubesgl_build_info", {"role": "decode", "version": "0.1.0", "model": "Qwen/Qwen3-0.6B"}
+        )
+        == 1
+    )
 
 
 def test_retractions_count_what_the_scheduler_reports_since_start():
@@ -199,10 +253,24 @@ def test_one_access_line_per_request_without_prompt_or_key(caplog):
     secret_prompt, key = "my secret prompt", "sk-very-secret"
     auth = {"authorization": f"Bearer {key}"}
     calls = [
-        ("POST", "/v1/completions", {"json": {"prompt": secret_prompt, "max_tokens": 2},
-                                     "headers": {**auth, "x-request-id": "trace-42"}}),
-        ("POST", "/v1/completions", {"json": {"prompt": secret_prompt, "max_tokens": -1}, "headers": auth}),
-        ("POST", "/v1/completions", {"json": {"prompt": secret_prompt}, "headers": {"x-request-id": "a b\nc"}}),
+        (
+            "POST",
+            "/v1/completions",
+            {
+                "json": {"prompt": secret_prompt, "max_tokens": 2},
+                "headers": {**auth, "x-request-id": "trace-42"},
+            },
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            {"json": {"prompt": secret_prompt, "max_tokens": -1}, "headers": auth},
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            {"json": {"prompt": secret_prompt}, "headers": {"x-request-id": "a b\nc"}},
+        ),
         ("GET", "/health", {}),
     ]
     with caplog.at_level("INFO", logger="kubesgl.access"):
@@ -212,9 +280,15 @@ def test_one_access_line_per_request_without_prompt_or_key(caplog):
     ok, bad, unauthorized = lines
     assert ok.startswith("POST /v1/completions 200 request_id=trace-42 rid=cmpl-")
     assert "prompt_tokens=3 output_tokens=2 ttft=" in ok and "duration=" in ok
-    assert bad.startswith("POST /v1/completions 400 request_id=- rid=- prompt_tokens=0 output_tokens=0 ttft=-")
-    assert unauthorized.startswith("POST /v1/completions 401 request_id=- ")  # no id that is not an id
-    assert not [line for line in lines if secret_prompt in line or key in line or "my secret" in line]
+    assert bad.startswith(
+        "POST /v1/completions 400 request_id=- rid=- prompt_tokens=0 output_tokens=0 ttft=-"
+    )
+    assert unauthorized.startswith(
+        "POST /v1/completions 401 request_id=- "
+    )  # no id that is not an id
+    assert not [
+        line for line in lines if secret_prompt in line or key in line or "my secret" in line
+    ]
 
 
 def test_a_stats_line_while_busy_only(caplog):
@@ -229,4 +303,6 @@ def test_a_stats_line_while_busy_only(caplog):
         client._log_stats(SchedulerStats(3, 2, 600, 1000, 0, 0))
         client._log_stats(SchedulerStats(0, 0, 0, 1000, 0, 0))  # idle: nothing
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and lines[0].startswith("busy: running=3 waiting=2 kv_usage=0.60 generated=")
+    assert len(lines) == 1 and lines[0].startswith(
+        "busy: running=3 waiting=2 kv_usage=0.60 generated="
+    )

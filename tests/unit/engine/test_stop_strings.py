@@ -63,18 +63,24 @@ def naive_first_match(text: str, stops: list[str]) -> tuple[int, str] | None:
 
 
 def naive_held(text: str, stops: list[str]) -> int:
-    return max((n for s in stops for n in range(1, min(len(s), len(text)) + 1) if s.startswith(text[-n:])), default=0)
+    return max(
+        (n for s in stops for n in range(1, min(len(s), len(text)) + 1) if s.startswith(text[-n:])),
+        default=0,
+    )
 
 
 @pytest.mark.parametrize("seed", range(30))
 def test_the_automaton_finds_what_a_search_finds_reading_in_pieces(seed):
     rng = random.Random(seed)
-    stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 5))]
+    stops = [
+        "".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+        for _ in range(rng.randint(1, 5))
+    ]
     text = "".join(rng.choice("abc") for _ in range(60))
     matcher = StopMatcher(tuple(stops))
     state, read, found = 0, 0, None
     while read < len(text) and found is None:
-        piece = text[read:read + rng.randint(1, 4)]
+        piece = text[read : read + rng.randint(1, 4)]
         state, matched = matcher.find(state, piece)
         if matched is None:
             read += len(piece)
@@ -88,7 +94,9 @@ def test_the_automaton_finds_what_a_search_finds_reading_in_pieces(seed):
 def test_held_text_is_the_longest_tail_that_begins_a_stop_string():
     matcher = StopMatcher(("abcd", "bc", "xyz"))
     assert matcher.held(matcher.advance(0, "zzab")) == 2
-    assert matcher.held(matcher.advance(0, "zzabc")) == 3  # "abc" begins "abcd" (and ends with "bc")
+    assert (
+        matcher.held(matcher.advance(0, "zzabc")) == 3
+    )  # "abc" begins "abcd" (and ends with "bc")
     assert matcher.held(matcher.advance(0, "zzx")) == 1
     assert matcher.held(matcher.advance(0, "zzq")) == 0
     assert matcher.find(0, "zzabc") == (matcher.advance(0, "zzabc"), "bc")
@@ -112,8 +120,12 @@ def _long_stops(count: int, length: int) -> list[str]:
     return [f"{i:02d}" + "q" * (length - 2) for i in range(count)]  # never in the output
 
 
-def test_the_scheduler_reads_each_character_once_however_long_the_stop_strings(tiny_model, tokenizer, reads):
-    output = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 60)  # about 2,000 tokens
+def test_the_scheduler_reads_each_character_once_however_long_the_stop_strings(
+    tiny_model, tokenizer, reads
+):
+    output = tokenizer.encode(
+        "The quick brown fox jumps over the lazy dog. " * 60
+    )  # about 2,000 tokens
     checker = StopStringChecker(tiny_model("llama"))
     counting = Counting(tokenizer)
     checker.__dict__["tokenizer"] = counting  # the checker's own is loaded on first use
@@ -140,7 +152,7 @@ def test_the_scheduler_finds_a_stop_string_as_the_detokenizer_cuts_it(tiny_model
         if (matched := checker.match(req)) is not None:
             break
     index = len(req.output_ids) - 1  # the token that completed it
-    assert matched == "e fo" and "e fo" in tokenizer.decode(output[:index + 1])
+    assert matched == "e fo" and "e fo" in tokenizer.decode(output[: index + 1])
     assert "e fo" not in tokenizer.decode(output[:index])
     detok = IncrementalDetokenizer(tokenizer)
     state = DecodeState(skip_special_tokens=True, stop=["nine", "e fo"])
@@ -149,7 +161,9 @@ def test_the_scheduler_finds_a_stop_string_as_the_detokenizer_cuts_it(tiny_model
     assert "".join(pieces) == "one two thre"
 
 
-def test_the_detokenizer_reads_each_character_once_and_holds_back_no_more_than_a_stop_string(tokenizer, reads):
+def test_the_detokenizer_reads_each_character_once_and_holds_back_no_more_than_a_stop_string(
+    tokenizer, reads
+):
     output = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 60)
     stops = _long_stops(16, 5000) + ["dog. The quick brown fox jumps over the lazy cat"]
     counting = Counting(tokenizer)
@@ -169,13 +183,22 @@ def _tokens_without_text(tokenizer) -> dict[str, int]:
     """A token that is no UTF-8 on its own (a lone continuation byte), and one that decodes to
     nothing (a special token, skipped)."""
     vocab = tokenizer.get_vocab()
-    lone_byte = next(i for i in sorted(vocab.values()) if tokenizer.decode([i]) == detokenizer.REPLACEMENT_CHAR
-                     and tokenizer.decode([i, i]) == detokenizer.REPLACEMENT_CHAR * 2)
-    return {"invalid bytes": lone_byte, "skipped special tokens": tokenizer.convert_tokens_to_ids("<|endoftext|>")}
+    lone_byte = next(
+        i
+        for i in sorted(vocab.values())
+        if tokenizer.decode([i]) == detokenizer.REPLACEMENT_CHAR
+        and tokenizer.decode([i, i]) == detokenizer.REPLACEMENT_CHAR * 2
+    )
+    return {
+        "invalid bytes": lone_byte,
+        "skipped special tokens": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    }
 
 
 @pytest.mark.parametrize("kind", ["invalid bytes", "skipped special tokens"])
-def test_output_that_never_settles_into_text_keeps_the_decoded_window_short(tiny_model, tokenizer, kind):
+def test_output_that_never_settles_into_text_keeps_the_decoded_window_short(
+    tiny_model, tokenizer, kind
+):
     """Text that keeps ending in U+FFFD waits for the rest of a character; a model can emit bytes
     that never complete one, and the window must not grow with them."""
     token = _tokens_without_text(tokenizer)[kind]
@@ -200,8 +223,13 @@ def test_a_character_split_over_tokens_still_waits_for_its_last_byte(tokenizer):
     ids = tokenizer.encode("🙂🙂🙂 東京")
     detok = IncrementalDetokenizer(tokenizer)
     state = DecodeState(skip_special_tokens=True, stop=[])
-    pieces = [detok.step(state, [t], finished=i == len(ids) - 1, matched_stop=None) for i, t in enumerate(ids)]
-    assert "".join(pieces) == "🙂🙂🙂 東京" and not any(detokenizer.REPLACEMENT_CHAR in p for p in pieces)
+    pieces = [
+        detok.step(state, [t], finished=i == len(ids) - 1, matched_stop=None)
+        for i, t in enumerate(ids)
+    ]
+    assert "".join(pieces) == "🙂🙂🙂 東京" and not any(
+        detokenizer.REPLACEMENT_CHAR in p for p in pieces
+    )
 
 
 def test_the_checker_forgets_a_request_with_it(tiny_model, tokenizer):

@@ -51,8 +51,15 @@ def test_moe_experts_shard_their_intermediate_dimension(as_rank):
     gate, up, down = torch.randn(8, 4), torch.randn(8, 4), torch.randn(4, 8)
     for rank in range(2):
         as_rank(rank, 2)
-        block = SparseMoeBlock(4, 8, num_experts=2, top_k=1, normalize_top_k=False, hidden_act="silu",
-                               dtype=torch.float32)
+        block = SparseMoeBlock(
+            4,
+            8,
+            num_experts=2,
+            top_k=1,
+            normalize_top_k=False,
+            hidden_act="silu",
+            dtype=torch.float32,
+        )
         for name, tensor in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
             block.load_expert(1, name, tensor)
         rows = slice(rank * 4, rank * 4 + 4)
@@ -97,6 +104,8 @@ def test_collectives_per_forward_pass(arch, tiny_model, monkeypatch):
     with LLM(path, dtype="float32", device="cpu", max_total_tokens=1024) as llm:
         group = CountingGroup(rank=0, size=2)
         monkeypatch.setattr(parallel_state, "_group", group)
-        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1))  # one prefill step: one forward pass
+        llm.generate(
+            [[5, 6, 7]], SamplingParams(max_tokens=1)
+        )  # one prefill step: one forward pass
         monkeypatch.setattr(parallel_state, "_group", TensorParallelGroup())
     assert group.calls == allreduces_per_forward(path)

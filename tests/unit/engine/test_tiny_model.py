@@ -18,10 +18,20 @@ def test_makes_every_architecture_of_the_contract():
 
 def test_files_are_readable_by_other_users_under_a_strict_umask(tmp_path):
     out = tmp_path / "models" / "tiny"
-    subprocess.run([sys.executable, "-m", "kubesgl", "make-tiny-model", str(out), "--arch", "llama"],
-                   check=True, capture_output=True, umask=0o077, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "kubesgl", "make-tiny-model", str(out), "--arch", "llama"],
+        check=True,
+        capture_output=True,
+        umask=0o077,
+        timeout=300,
+    )
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     files = list(out.iterdir())
-    assert {f.name for f in files} >= {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert {f.name for f in files} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     for file in files:
         assert stat.S_IMODE(file.stat().st_mode) == 0o644, file.name

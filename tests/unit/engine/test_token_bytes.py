@@ -18,7 +18,10 @@ def test_byte_level_bpe_tokens_concatenate_to_the_text(tiny_model):
     ids = hf.encode(TEXT, add_special_tokens=False)
     pieces = [token_bytes(i) for i in ids]
     assert b"".join(pieces) == TEXT.encode()
-    assert pieces[:2] == [b"\xd0", b"\xb6"]  # "ж" is in none of the tiny vocabulary's merges: two byte tokens
+    assert pieces[:2] == [
+        b"\xd0",
+        b"\xb6",
+    ]  # "ж" is in none of the tiny vocabulary's merges: two byte tokens
 
 
 def test_every_byte_level_token_has_its_vocabulary_bytes(tiny_model):
@@ -43,9 +46,17 @@ def sentencepiece_tokenizer():
     model = models.BPE(vocab=vocab, merges=[("▁", "a")], unk_token="<unk>", byte_fallback=True)
     tok = Tokenizer(model)
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def test_sentencepiece_byte_fallback_and_spaces(sentencepiece_tokenizer):
@@ -62,9 +73,22 @@ def test_the_api_reports_raw_bytes_of_a_partial_character():
     from kubesgl.engine.messages import TextOutput, TokenLogprob
     from kubesgl.engine.server.openai_format import logprob_entries
 
-    out = TextOutput(rid="r", text="", token_ids=[143], finish_reason=None, prompt_tokens=1, cached_tokens=0,
-                     completion_tokens=1, logprobs=[TokenLogprob(143, -0.5, [(143, -0.5), (9, -1.0)])],
-                     token_strings=["\ufffd"], top_strings=[["\ufffd", "a"]], token_bytes=[[0xD0]],
-                     top_bytes=[[[0xD0], [0x61]]])
+    out = TextOutput(
+        rid="r",
+        text="",
+        token_ids=[143],
+        finish_reason=None,
+        prompt_tokens=1,
+        cached_tokens=0,
+        completion_tokens=1,
+        logprobs=[TokenLogprob(143, -0.5, [(143, -0.5), (9, -1.0)])],
+        token_strings=["\ufffd"],
+        top_strings=[["\ufffd", "a"]],
+        token_bytes=[[0xD0]],
+        top_bytes=[[[0xD0], [0x61]]],
+    )
     [entry] = logprob_entries(out)
-    assert entry["bytes"] == [0xD0] and [t["bytes"] for t in entry["top_logprobs"]] == [[0xD0], [0x61]]
+    assert entry["bytes"] == [0xD0] and [t["bytes"] for t in entry["top_logprobs"]] == [
+        [0xD0],
+        [0x61],
+    ]

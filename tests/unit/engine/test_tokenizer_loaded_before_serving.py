@@ -15,7 +15,9 @@ from kubesgl.engine.scheduler.process import _warm_up
 from kubesgl.engine.scheduler.stop_strings import StopStringChecker
 
 
-def test_the_tokenizer_is_loaded_once_with_the_engine_and_never_while_serving(tiny_model, make_llm, monkeypatch):
+def test_the_tokenizer_is_loaded_once_with_the_engine_and_never_while_serving(
+    tiny_model, make_llm, monkeypatch
+):
     loads = []
     load = transformers.AutoTokenizer.from_pretrained
 
@@ -31,10 +33,14 @@ def test_the_tokenizer_is_loaded_once_with_the_engine_and_never_while_serving(ti
         raise AssertionError("a tokenizer was loaded while serving")
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", refused)
-    free = llm.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0))[0]
+    free = llm.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0))[
+        0
+    ]
     stop = free.text[3:6]
     assert stop.strip()
-    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0, stop=[stop]))[0]
+    out = llm.generate(
+        ["The capital of France is"], SamplingParams(max_tokens=12, temperature=0, stop=[stop])
+    )[0]
     assert out.finish_reason.kind == "stop" and out.finish_reason.matched_str == stop
     assert out.text == free.text[: free.text.index(stop)]
 
@@ -53,7 +59,9 @@ def test_the_servers_warm_up_takes_the_stop_string_path(tiny_model, make_llm, mo
     assert checked and set(checked) == {"warmup"}
 
 
-def test_a_model_without_a_tokenizer_starts_and_refuses_stop_strings(tiny_model, make_llm, tmp_path):
+def test_a_model_without_a_tokenizer_starts_and_refuses_stop_strings(
+    tiny_model, make_llm, tmp_path
+):
     path = tmp_path / "no-tokenizer"
     shutil.copytree(tiny_model("llama"), path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -61,6 +69,9 @@ def test_a_model_without_a_tokenizer_starts_and_refuses_stop_strings(tiny_model,
     llm = make_llm(str(path))
     assert llm.tokenizer is None
     _warm_up(llm.engine)  # without a stop string
-    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3
+    assert (
+        len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids)
+        == 3
+    )
     with pytest.raises(InvalidRequestError, match="no tokenizer: stop strings cannot be matched"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, stop=["x"]))

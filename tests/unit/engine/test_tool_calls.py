@@ -26,25 +26,49 @@ def test_the_format_comes_from_the_chat_template():
     assert format_for_template(None) is None
 
 
-@pytest.mark.parametrize("text, content, calls", [
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None,
-     [ToolCall("get_weather", '{"city": "Paris"}')]),
-    ('Let me look.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n'
-     '{"name": "b", "arguments": {"x": 1}}\n</tool_call>', "Let me look.", [ToolCall("a", "{}"), ToolCall("b", '{"x": 1}')]),
-    ("No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
-    ('<tool_call>\n{"name": "a", "argu', '<tool_call>\n{"name": "a", "argu', []),  # cut short: text, no call
-])
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            None,
+            [ToolCall("get_weather", '{"city": "Paris"}')],
+        ),
+        (
+            'Let me look.\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+            '{"name": "b", "arguments": {"x": 1}}\n</tool_call>',
+            "Let me look.",
+            [ToolCall("a", "{}"), ToolCall("b", '{"x": 1}')],
+        ),
+        ("No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
+        (
+            '<tool_call>\n{"name": "a", "argu',
+            '<tool_call>\n{"name": "a", "argu',
+            [],
+        ),  # cut short: text, no call
+    ],
+)
 def test_qwen_tool_calls(text, content, calls):
     assert QWEN.parse(text) == (content, calls)
 
 
-@pytest.mark.parametrize("text, content, calls", [
-    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [ToolCall("get_weather", '{"city": "Paris"}')]),
-    ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"n": 2}}', None,
-     [ToolCall("a", "{}"), ToolCall("b", '{"n": 2}')]),
-    ("The set {1, 2} has two elements.", "The set {1, 2} has two elements.", []),
-    ('{"answer": 42}', '{"answer": 42}', []),  # JSON that is no call
-])
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        (
+            '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+            None,
+            [ToolCall("get_weather", '{"city": "Paris"}')],
+        ),
+        (
+            '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"n": 2}}',
+            None,
+            [ToolCall("a", "{}"), ToolCall("b", '{"n": 2}')],
+        ),
+        ("The set {1, 2} has two elements.", "The set {1, 2} has two elements.", []),
+        ('{"answer": 42}', '{"answer": 42}', []),  # JSON that is no call
+    ],
+)
 def test_llama3_json_tool_calls(text, content, calls):
     assert LLAMA.parse(text) == (content, calls)
 
@@ -52,7 +76,9 @@ def test_llama3_json_tool_calls(text, content, calls):
 def test_required_calls_follow_the_grammars_list():
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     schema = json.loads(required_grammar(tools).spec)
-    assert schema["type"] == "array" and schema["items"]["anyOf"][0]["properties"]["name"] == {"enum": ["f"]}
+    assert schema["type"] == "array" and schema["items"]["anyOf"][0]["properties"]["name"] == {
+        "enum": ["f"]
+    }
     assert parse_required('[{"name": "f", "parameters": {"a": 1}}]') == [ToolCall("f", '{"a": 1}')]
 
 
@@ -62,7 +88,9 @@ def test_streamed_content_is_held_where_a_call_may_begin():
     assert auto.held_from("Sure, <tool") == len("Sure, ")  # maybe the marker, cut across chunks
     assert auto.held_from('Sure, <tool_call>\n{"na') == len("Sure, ")
     assert ToolOutput("required").held_from("[{") == 0
-    assert ToolOutput("auto").held_from("anything <tool") == len("anything <tool")  # no known format
+    assert ToolOutput("auto").held_from("anything <tool") == len(
+        "anything <tool"
+    )  # no known format
     assert ToolOutput("named", name="f").split('{"x": 1}') == (None, [ToolCall("f", '{"x": 1}')])
 
 
@@ -72,7 +100,13 @@ def test_an_auto_call_streams_as_delta_tool_calls_after_the_content_before_it():
 
     formatter = chat_formatter({"id": "x"}, False, ToolOutput("auto", format=QWEN))
     choice, deltas = Choice(index=0), []
-    pieces = ["Sure, ", "<tool", '_call>\n{"name": "a", "argu', 'ments": {"k": 1}}\n</tool_call>', ""]
+    pieces = [
+        "Sure, ",
+        "<tool",
+        '_call>\n{"name": "a", "argu',
+        'ments": {"k": 1}}\n</tool_call>',
+        "",
+    ]
     for i, piece in enumerate(pieces):
         reason = FinishReason("stop", matched_token=2) if i == len(pieces) - 1 else None
         out = TextOutput("r", piece, [i], reason, 1, 0, i + 1)

@@ -53,7 +53,9 @@ def paged_setup(seq_lens, heads, kv_heads, dim, dtype, seed=0):
 def test_gather_kv_indices_concatenates_each_rows_prefix():
     table = torch.arange(5 * 1200, dtype=torch.int64).reshape(5, 1200).to(DEVICE)
     rows, lens = [3, 0, 4], [1, 1100, 513]  # lengths across the kernel's 512-slot blocks
-    got = gather_kv_indices(table, torch.tensor(rows, device=DEVICE), torch.tensor(lens, device=DEVICE), sum(lens))
+    got = gather_kv_indices(
+        table, torch.tensor(rows, device=DEVICE), torch.tensor(lens, device=DEVICE), sum(lens)
+    )
     expected = torch.cat([table[r, :n] for r, n in zip(rows, lens)])
     assert got.dtype == torch.int32 and got.tolist() == expected.tolist()
 
@@ -64,11 +66,27 @@ def test_decode_matches_reference(heads, kv_heads, window):
     dim, seq_lens = 16, [1, 37, 90]
     k_cache, v_cache, table, rows = paged_setup(seq_lens, heads, kv_heads, dim, torch.float32)
     q = torch.randn(len(seq_lens), heads, dim, device=DEVICE)
-    out = decode_attention(q, k_cache, v_cache, table, rows, torch.tensor(seq_lens, device=DEVICE), 0.25, window,
-                           num_splits=4)
+    out = decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        torch.tensor(seq_lens, device=DEVICE),
+        0.25,
+        window,
+        num_splits=4,
+    )
     for i, (row, n) in enumerate(zip(rows.tolist(), seq_lens)):
         slots = table[row, :n]
-        ref = reference(q[i : i + 1], k_cache[slots], v_cache[slots], torch.tensor([n - 1], device=DEVICE), 0.25, window)
+        ref = reference(
+            q[i : i + 1],
+            k_cache[slots],
+            v_cache[slots],
+            torch.tensor([n - 1], device=DEVICE),
+            0.25,
+            window,
+        )
         torch.testing.assert_close(out[i], ref[0], rtol=1e-5, atol=1e-5)
 
 
@@ -76,11 +94,24 @@ def test_decode_matches_reference(heads, kv_heads, window):
 def test_extend_with_cached_prefixes_matches_reference(window):
     heads, kv_heads, dim = 4, 2, 16
     seq_lens, extend_lens = [40, 5, 70], [40, 3, 33]  # no prefix, short new part, long prefix
-    k_cache, v_cache, table, rows = paged_setup(seq_lens, heads, kv_heads, dim, torch.float32, seed=1)
+    k_cache, v_cache, table, rows = paged_setup(
+        seq_lens, heads, kv_heads, dim, torch.float32, seed=1
+    )
     q = torch.randn(sum(extend_lens), heads, dim, device=DEVICE)
     lens = torch.tensor(extend_lens, device=DEVICE)
-    out = extend_attention(q, k_cache, v_cache, table, rows, torch.tensor(seq_lens, device=DEVICE), lens,
-                           torch.cumsum(lens, 0) - lens, max(extend_lens), 0.25, window)
+    out = extend_attention(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        rows,
+        torch.tensor(seq_lens, device=DEVICE),
+        lens,
+        torch.cumsum(lens, 0) - lens,
+        max(extend_lens),
+        0.25,
+        window,
+    )
     start = 0
     for row, n, e in zip(rows.tolist(), seq_lens, extend_lens):
         slots = table[row, :n]
@@ -91,7 +122,9 @@ def test_extend_with_cached_prefixes_matches_reference(window):
 
 
 @ENGINE_ON_CPU
-def test_engine_with_triton_backend_equals_transformers(tiny_model, make_llm, hf_greedy, random_prompts):
+def test_engine_with_triton_backend_equals_transformers(
+    tiny_model, make_llm, hf_greedy, random_prompts
+):
     path = tiny_model("qwen3")
     llm = make_llm(path, attention_backend="triton", page_size=4, chunked_prefill_size=32)
     from kubesgl.engine import SamplingParams
@@ -104,12 +137,20 @@ def test_engine_with_triton_backend_equals_transformers(tiny_model, make_llm, hf
 
 
 @ENGINE_ON_CPU
-def test_engine_with_triton_backend_mixes_chunks_and_decodes(tiny_model, make_llm, long_prompt_while_decoding):
+def test_engine_with_triton_backend_mixes_chunks_and_decodes(
+    tiny_model, make_llm, long_prompt_while_decoding
+):
     """A mixed step's prefill rows through the extend kernel, its decode rows through the
     decode kernel (tests/gpu runs the same on the GPU, with FlashInfer too)."""
     path = tiny_model("qwen3")
-    llm = make_llm(path, attention_backend="triton", page_size=4, enable_mixed_chunk=True, chunked_prefill_size=24,
-                   max_running_requests=4)
+    llm = make_llm(
+        path,
+        attention_backend="triton",
+        page_size=4,
+        enable_mixed_chunk=True,
+        chunked_prefill_size=24,
+        max_running_requests=4,
+    )
     long_prompt_while_decoding(llm, path, seed=22, max_tokens=6, long_len=40)
 
 
@@ -118,8 +159,15 @@ def test_fused_moe_matches_the_expert_loop(tokens, top_k, experts):
     from kubesgl.engine.layers.moe import SparseMoeBlock
 
     torch.manual_seed(tokens)
-    block = SparseMoeBlock(32, 48, num_experts=experts, top_k=top_k, normalize_top_k=True, hidden_act="silu",
-                           dtype=torch.float32).to(DEVICE)
+    block = SparseMoeBlock(
+        32,
+        48,
+        num_experts=experts,
+        top_k=top_k,
+        normalize_top_k=True,
+        hidden_act="silu",
+        dtype=torch.float32,
+    ).to(DEVICE)
     for p in (block.gate.weight, block.w13, block.w2):
         p.data.normal_(std=0.3)
     x = torch.randn(tokens, 32, device=DEVICE)
@@ -151,5 +199,7 @@ def test_engine_with_fused_moe_equals_transformers(tiny_model, make_llm, hf_gree
         if isinstance(module, SparseMoeBlock):
             module.fused = True
     prompts = random_prompts(3, 5, 40, seed=21)
-    for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))):
+    for prompt, out in zip(
+        prompts, llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+    ):
         assert out.token_ids == hf_greedy(path, prompt, 6)

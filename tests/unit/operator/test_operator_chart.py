@@ -51,7 +51,9 @@ WATCH_TWO = ["--set", "watchNamespaces={ml,serving}"]
 
 
 def chart_objects(helm: Path, *values: str) -> list[dict]:
-    stream = helm_run(helm, "template", "kubesgl", str(CHART), "--namespace", "kubesgl-system", *values)
+    stream = helm_run(
+        helm, "template", "kubesgl", str(CHART), "--namespace", "kubesgl-system", *values
+    )
     return [doc for doc in yaml.safe_load_all(stream) if doc]
 
 
@@ -60,15 +62,17 @@ def test_rendered_chart_objects_are_valid(helm: Path, values: list[str]) -> None
     objects = chart_objects(helm, "--include-crds", *values)
     kinds = sorted(obj["kind"] for obj in objects)
     namespaced_rbac = ["Role", "Role", "RoleBinding", "RoleBinding"] if values else []
-    assert kinds == sorted([
-        "ClusterRole",
-        "ClusterRoleBinding",
-        "ConfigMap",
-        "CustomResourceDefinition",
-        "Deployment",
-        "ServiceAccount",
-        *namespaced_rbac,
-    ])
+    assert kinds == sorted(
+        [
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ConfigMap",
+            "CustomResourceDefinition",
+            "Deployment",
+            "ServiceAccount",
+            *namespaced_rbac,
+        ]
+    )
     for obj in objects:
         kubernetes_validate.validate(obj, kubernetes_validate.utils.latest_version(), strict=True)
     crd = next(obj for obj in objects if obj["kind"] == "CustomResourceDefinition")
@@ -103,9 +107,14 @@ def assert_may_write_every_kind_it_renders(rights: set[tuple[str, str, str]]) ->
 
 
 # What stays cluster-wide with namespaces listed: reads of two cluster-scoped kinds kopf watches.
-CLUSTER_READS = {(group, resource, verb) for group, resource in
-                 (("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces"))
-                 for verb in ("get", "list", "watch")}
+CLUSTER_READS = {
+    (group, resource, verb)
+    for group, resource in (
+        ("apiextensions.k8s.io", "customresourcedefinitions"),
+        ("", "namespaces"),
+    )
+    for verb in ("get", "list", "watch")
+}
 
 
 def test_the_operator_may_write_every_kind_it_renders(helm: Path) -> None:
@@ -121,34 +130,53 @@ def test_with_watched_namespaces_the_operator_writes_only_in_them(helm: Path) ->
     (cluster_binding,) = [obj for obj in objects if obj["kind"] == "ClusterRoleBinding"]
     assert cluster_binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
     roles = {obj["metadata"]["namespace"]: obj for obj in objects if obj["kind"] == "Role"}
-    bindings = {obj["metadata"]["namespace"]: obj for obj in objects if obj["kind"] == "RoleBinding"}
+    bindings = {
+        obj["metadata"]["namespace"]: obj for obj in objects if obj["kind"] == "RoleBinding"
+    }
     assert set(roles) == set(bindings) == {"ml", "serving"}
     for namespace, role in roles.items():
         assert_may_write_every_kind_it_renders(granted(role))
         assert not granted(role) & CLUSTER_READS
         binding = bindings[namespace]
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                      "name": role["metadata"]["name"]}
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kubesgl",
-                                        "namespace": "kubesgl-system"}]
+        assert binding["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "kubesgl", "namespace": "kubesgl-system"}
+        ]
 
 
 def test_namespace_patterns_need_cluster_wide_rbac(helm: Path) -> None:
-    result = subprocess.run([str(helm), "template", "kubesgl", str(CHART), "--set", "watchNamespaces={ml-*}"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(helm), "template", "kubesgl", str(CHART), "--set", "watchNamespaces={ml-*}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode != 0
-    assert '"ml-*" is not a namespace name' in result.stderr and "clusterWideRbac=true" in result.stderr
-    objects = chart_objects(helm, "--set", "watchNamespaces={ml-*}", "--set", "clusterWideRbac=true")
+    assert (
+        '"ml-*" is not a namespace name' in result.stderr
+        and "clusterWideRbac=true" in result.stderr
+    )
+    objects = chart_objects(
+        helm, "--set", "watchNamespaces={ml-*}", "--set", "clusterWideRbac=true"
+    )
     (role,) = [obj for obj in objects if obj["kind"] == "ClusterRole"]
     assert_may_write_every_kind_it_renders(granted(role))
     assert not [obj for obj in objects if obj["kind"] == "Role"]
 
 
 def test_the_dashboard_ships_as_a_sidecar_configmap(helm: Path) -> None:
-    objects = [doc for doc in yaml.safe_load_all(helm_run(helm, "template", "kubesgl", str(CHART))) if doc]
+    objects = [
+        doc for doc in yaml.safe_load_all(helm_run(helm, "template", "kubesgl", str(CHART))) if doc
+    ]
     (configmap,) = [obj for obj in objects if obj["kind"] == "ConfigMap"]
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
     dashboard = CHART / "dashboards" / "kubesgl.json"
     assert configmap["data"]["kubesgl.json"] == dashboard.read_text().rstrip("\n")
-    disabled = helm_run(helm, "template", "kubesgl", str(CHART), "--set", "dashboards.enabled=false")
+    disabled = helm_run(
+        helm, "template", "kubesgl", str(CHART), "--set", "dashboards.enabled=false"
+    )
     assert "ConfigMap" not in [doc["kind"] for doc in yaml.safe_load_all(disabled) if doc]

@@ -12,9 +12,16 @@ import yaml
 
 
 def run_operator(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
-    return subprocess.run([sys.executable, "-m", "kubesgl", "operator", "--liveness-port", "0"],
-                          env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "kubesgl", "operator", "--liveness-port", "0"],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_without_credentials_it_names_what_it_tried(tmp_path):
@@ -22,7 +29,9 @@ def test_without_credentials_it_names_what_it_tried(tmp_path):
     result = run_operator({"KUBECONFIG": str(missing)})
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-    assert result.stderr.startswith("kubesgl operator: no Kubernetes cluster reachable: tried in-cluster credentials")
+    assert result.stderr.startswith(
+        "kubesgl operator: no Kubernetes cluster reachable: tried in-cluster credentials"
+    )
     assert str(missing) in result.stderr
 
 
@@ -32,12 +41,18 @@ def test_an_api_server_that_does_not_answer_is_named(tmp_path):
         port = s.getsockname()[1]
     server = f"https://127.0.0.1:{port}"
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "c", "cluster": {"server": server}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
-    }))
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [{"name": "c", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            }
+        )
+    )
     result = run_operator({"KUBECONFIG": str(kubeconfig)})
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr

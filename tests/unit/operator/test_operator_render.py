@@ -101,7 +101,10 @@ def test_engine_pod_contract() -> None:
     assert prefill["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
     prefill_args = prefill["spec"]["containers"][0]["args"]
     assert prefill_args[prefill_args.index("--disaggregation-bootstrap-port") + 1] == "8998"
-    for annotation in ("kubesgl.io/bootstrap-port", "sglang.ai/bootstrap-port"):  # kubesgl's and SGLang's routers
+    for annotation in (
+        "kubesgl.io/bootstrap-port",
+        "sglang.ai/bootstrap-port",
+    ):  # kubesgl's and SGLang's routers
         assert prefill["metadata"]["annotations"][annotation] == "8998"
         assert annotation not in decode["metadata"]["annotations"]
     assert decode["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
@@ -146,10 +149,19 @@ def test_model_sources() -> None:
     # the tiny model: made by `kubesgl make-tiny-model` into an emptyDir at each pod start
     tiny = engine_pod(objects_of(load_example("quickstart.yaml")), "quickstart-prefill")["spec"]
     (make,) = tiny["initContainers"]
-    assert make["command"] + make["args"] == ["kubesgl", "make-tiny-model", "/models/tiny", "--arch", "llama"]
+    assert make["command"] + make["args"] == [
+        "kubesgl",
+        "make-tiny-model",
+        "/models/tiny",
+        "--arch",
+        "llama",
+    ]
     assert make["image"] == load_example("quickstart.yaml")["spec"]["image"]
     assert {"name": "model", "mountPath": "/models"} in make["volumeMounts"]
-    assert next(v for v in tiny["volumes"] if v["name"] == "model") == {"name": "model", "emptyDir": {}}
+    assert next(v for v in tiny["volumes"] if v["name"] == "model") == {
+        "name": "model",
+        "emptyDir": {},
+    }
     args = tiny["containers"][0]["args"]
     assert args[args.index("--model") + 1] == "/models/tiny"
 
@@ -236,7 +248,11 @@ def test_keda_kv_usage_is_the_fullest_pods() -> None:
     """One pod at 0.96 beside an idle one: the average (0.48) never reaches a target of 0.8,
     the maximum does (issue 15)."""
     document = load_example("autoscaled-keda.yaml")
-    document["spec"]["autoscaling"]["decode"] = {"maxReplicas": 8, "metric": "kvCacheUsage", "target": 0.8}
+    document["spec"]["autoscaling"]["decode"] = {
+        "maxReplicas": 8,
+        "metric": "kvCacheUsage",
+        "target": 0.8,
+    }
     trigger = objects_of(document)[("ScaledObject", "llama-keda-decode")]["spec"]["triggers"][0]
     assert trigger["metricType"] == "Value" and trigger["metadata"]["threshold"] == "0.8"
     assert trigger["metadata"]["query"] == (
@@ -259,22 +275,34 @@ def test_pod_monitor_only_when_asked() -> None:
 
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
-    return {variable["name"]: variable.get("value", variable.get("valueFrom")) for variable in container["env"]}
+    return {
+        variable["name"]: variable.get("value", variable.get("valueFrom"))
+        for variable in container["env"]
+    }
 
 
 def test_api_keys_come_from_secrets_through_the_environment_never_argv() -> None:
-    document = with_changes(load_example("disaggregated.yaml"), "spec.engine.apiKeySecret",
-                            {"name": "keys", "key": "api"})
-    document = with_changes(document, "spec.router.adminKeySecret", {"name": "keys", "key": "admin"})
+    document = with_changes(
+        load_example("disaggregated.yaml"),
+        "spec.engine.apiKeySecret",
+        {"name": "keys", "key": "api"},
+    )
+    document = with_changes(
+        document, "spec.router.adminKeySecret", {"name": "keys", "key": "admin"}
+    )
     objects = objects_of(document)
     api_key = {"secretKeyRef": {"name": "keys", "key": "api"}}
     for role in ("prefill", "decode", "router"):
         container = engine_pod(objects, f"llama-pd-{role}")["spec"]["containers"][0]
         assert "--api-key" not in container["args"] and "--admin-api-key" not in container["args"]
-        assert not [arg for arg in container["args"] if "$(" in arg], "the kubelet would expand it into argv"
+        assert not [arg for arg in container["args"] if "$(" in arg], (
+            "the kubelet would expand it into argv"
+        )
         assert env_of(container)["KUBESGL_API_KEY"] == api_key  # the router sends it to engines
     router = engine_pod(objects, "llama-pd-router")["spec"]["containers"][0]
-    assert env_of(router)["KUBESGL_ROUTER_ADMIN_KEY"] == {"secretKeyRef": {"name": "keys", "key": "admin"}}
+    assert env_of(router)["KUBESGL_ROUTER_ADMIN_KEY"] == {
+        "secretKeyRef": {"name": "keys", "key": "admin"}
+    }
     decode = engine_pod(objects, "llama-pd-decode")["spec"]["containers"][0]
     assert "KUBESGL_ROUTER_ADMIN_KEY" not in env_of(decode)
     # the init container downloading the model gets neither key
@@ -305,7 +333,10 @@ def test_shm_size_follows_tensor_parallelism_unless_given() -> None:
         volumes = engine_pod(objects_of(document), name)["spec"]["volumes"]
         return next(v for v in volumes if v["name"] == "dshm")["emptyDir"]
 
-    assert shm(load_example("mixed.yaml"), "qwen3-mixed-mixed") == {"medium": "Memory", "sizeLimit": "1Gi"}
+    assert shm(load_example("mixed.yaml"), "qwen3-mixed-mixed") == {
+        "medium": "Memory",
+        "sizeLimit": "1Gi",
+    }
     document = with_changes(load_example("mixed.yaml"), "spec.mixed.tensorParallelSize", 4)
     assert shm(document, "qwen3-mixed-mixed")["sizeLimit"] == "4Gi"
     document = with_changes(document, "spec.mixed.shmSizeLimit", "16Gi")
@@ -328,15 +359,19 @@ def _peer_matches(peer: dict[str, Any], policy_namespace: str, source: dict[str,
 
 
 def allowed(objects, source: dict[str, Any], target_labels: dict[str, str], port: int) -> bool:
-    policies = [o for kind_name, o in objects.items() if kind_name[0] == "NetworkPolicy"
-                and _selects(o["spec"]["podSelector"], target_labels)]
+    policies = [
+        o
+        for kind_name, o in objects.items()
+        if kind_name[0] == "NetworkPolicy" and _selects(o["spec"]["podSelector"], target_labels)
+    ]
     if not policies:
         return True
     for policy in policies:
         for rule in policy["spec"]["ingress"]:
             peers = rule.get("from")
             if peers is not None and not any(
-                    _peer_matches(peer, policy["metadata"]["namespace"], source) for peer in peers):
+                _peer_matches(peer, policy["metadata"]["namespace"], source) for peer in peers
+            ):
                 continue
             ports = rule.get("ports")
             if ports is None or any(p["port"] == port and p["protocol"] == "TCP" for p in ports):
@@ -344,12 +379,17 @@ def allowed(objects, source: dict[str, Any], target_labels: dict[str, str], port
     return False
 
 
-def pod(instance: str, role: str | None, namespace: str = "default", **labels: str) -> dict[str, Any]:
+def pod(
+    instance: str, role: str | None, namespace: str = "default", **labels: str
+) -> dict[str, Any]:
     own = {"app.kubernetes.io/name": "kubesgl", "app.kubernetes.io/instance": instance}
     if role is not None:
         own["kubesgl.io/role"] = role
-    return {"namespace": namespace, "namespace_labels": {"kubernetes.io/metadata.name": namespace},
-            "labels": {**own, **labels} if instance else labels}
+    return {
+        "namespace": namespace,
+        "namespace_labels": {"kubernetes.io/metadata.name": namespace},
+        "labels": {**own, **labels} if instance else labels,
+    }
 
 
 def test_network_policies_let_in_only_what_the_service_needs() -> None:
@@ -382,20 +422,27 @@ def test_network_policies_let_in_only_what_the_service_needs() -> None:
 
 def test_network_policy_settings() -> None:
     mixed = objects_of(load_example("mixed.yaml"))
-    assert sorted(name for kind, name in mixed if kind == "NetworkPolicy") == ["qwen3-mixed-mixed",
-                                                                              "qwen3-mixed-router"]
+    assert sorted(name for kind, name in mixed if kind == "NetworkPolicy") == [
+        "qwen3-mixed-mixed",
+        "qwen3-mixed-router",
+    ]
     (rule,) = mixed[("NetworkPolicy", "qwen3-mixed-mixed")]["spec"]["ingress"]  # no peer engines
     assert rule["ports"] == [{"protocol": "TCP", "port": 30000}]
-    assert rule["from"][1] == {"namespaceSelector": {},
-                               "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    assert rule["from"][1] == {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
 
     off = with_changes(load_example("mixed.yaml"), "spec.networkPolicy", {"enabled": False})
     assert not [key for key in objects_of(off) if key[0] == "NetworkPolicy"]
 
     gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
     scraper = {"podSelector": {"matchLabels": {"app": "vmagent"}}}  # this namespace only
-    document = with_changes(load_example("mixed.yaml"), "spec.networkPolicy",
-                            {"clientsFrom": [gateway], "metricsFrom": [scraper]})
+    document = with_changes(
+        load_example("mixed.yaml"),
+        "spec.networkPolicy",
+        {"clientsFrom": [gateway], "metricsFrom": [scraper]},
+    )
     objects = objects_of(document)
     target = pod("qwen3-mixed", "router")["labels"]
     engine = pod("qwen3-mixed", "mixed")["labels"]

@@ -61,7 +61,10 @@ def test_an_empty_file_is_an_error(tmp_path) -> None:
         empty.write_text(text)
         result = run_render("-f", str(empty))
         assert result.returncode == 2 and result.stdout == ""
-        assert result.stderr == f"kubesgl render: {empty}: no InferenceService in it (no YAML document)\n"
+        assert (
+            result.stderr
+            == f"kubesgl render: {empty}: no InferenceService in it (no YAML document)\n"
+        )
 
 
 def test_a_reader_that_goes_away_is_no_traceback() -> None:
@@ -70,8 +73,14 @@ def test_a_reader_that_goes_away_is_no_traceback() -> None:
 
     read, write = os.pipe()
     os.close(read)
-    process = subprocess.run([sys.executable, "-m", "kubesgl", "render", "-f", "examples/disaggregated.yaml"],
-                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO)
+    process = subprocess.run(
+        [sys.executable, "-m", "kubesgl", "render", "-f", "examples/disaggregated.yaml"],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     os.close(write)
     assert process.stderr == ""
     assert process.returncode == 141  # as a tool that SIGPIPE ended

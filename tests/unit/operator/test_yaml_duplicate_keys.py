@@ -9,9 +9,19 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
-FILES = sorted({p.resolve() for pattern in ("crds/*.yaml", "examples/*.yaml", "charts/*/values.yaml",
-                                              "charts/*/Chart.yaml", "charts/*/crds/*.yaml")
-                for p in ROOT.glob(pattern)})
+FILES = sorted(
+    {
+        p.resolve()
+        for pattern in (
+            "crds/*.yaml",
+            "examples/*.yaml",
+            "charts/*/values.yaml",
+            "charts/*/Chart.yaml",
+            "charts/*/crds/*.yaml",
+        )
+        for p in ROOT.glob(pattern)
+    }
+)
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -19,8 +29,9 @@ class _StrictLoader(yaml.SafeLoader):
         keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
         duplicates = {k for k in keys if keys.count(k) > 1}
         if duplicates:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate keys {sorted(duplicates)}",
-                                                    node.start_mark)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate keys {sorted(duplicates)}", node.start_mark
+            )
         return super().construct_mapping(node, deep=deep)
 
 

@@ -24,7 +24,11 @@ def test_cli_builds_the_config_and_rejects_mixed_modes():
     )  # fmt: skip
     config = config_from_args(args)
     assert config.prefill == [("http://p:1", 9000)] and config.decode == ["http://d:1"]
-    assert (config.policy, config.decode_policy, config.cache_aware.cache_threshold) == ("round_robin", "power_of_two", 0.7)
+    assert (config.policy, config.decode_policy, config.cache_aware.cache_threshold) == (
+        "round_robin",
+        "power_of_two",
+        0.7,
+    )
     assert config.kube is not None and config.kube.selector == {"a": "b", "c": "d"}
     with pytest.raises(ValueError, match="not both"):
         RouterConfig(workers=["http://w:1"], prefill=[("http://p:1", None)], decode=["http://d:1"])
@@ -41,18 +45,28 @@ def pod(role="mixed", *, ready=True, ip="10.0.0.7", annotations=None, labels=Non
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     status = {"phase": "Running" if ready else "Pending", "podIP": ip,
               "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}  # fmt: skip
-    return {"metadata": meta, "spec": {"containers": [{"ports": [{"name": "metrics", "containerPort": 9}]}]}, "status": status}
+    return {
+        "metadata": meta,
+        "spec": {"containers": [{"ports": [{"name": "metrics", "containerPort": 9}]}]},
+        "status": status,
+    }
 
 
 def test_worker_from_pod():
     selector = {"app": "x"}
     worker = worker_from_pod(pod(), selector, 30000)
     assert worker is not None and (worker.url, worker.role) == ("http://10.0.0.7:30000", Role.MIXED)
-    prefill = worker_from_pod(pod("prefill", annotations={"kubesgl.io/bootstrap-port": "9001"}), selector, 30000)
+    prefill = worker_from_pod(
+        pod("prefill", annotations={"kubesgl.io/bootstrap-port": "9001"}), selector, 30000
+    )
     assert prefill is not None and prefill.bootstrap_port == 9001
     assert worker_from_pod(pod("prefill"), selector, 30000).bootstrap_port == 8998
-    sglang = worker_from_pod(pod("prefill", annotations={"sglang.ai/bootstrap-port": "9002"}), selector, 30000)
-    assert sglang is not None and sglang.bootstrap_port == 9002  # pods annotated for SGLang's router
+    sglang = worker_from_pod(
+        pod("prefill", annotations={"sglang.ai/bootstrap-port": "9002"}), selector, 30000
+    )
+    assert (
+        sglang is not None and sglang.bootstrap_port == 9002
+    )  # pods annotated for SGLang's router
     both = {"kubesgl.io/bootstrap-port": "9001", "sglang.ai/bootstrap-port": "9002"}
     assert worker_from_pod(pod("prefill", annotations=both), selector, 30000).bootstrap_port == 9001
     assert worker_from_pod(pod(ip="fd00::1"), selector, 1).url == "http://[fd00::1]:1"

@@ -58,7 +58,9 @@ def test_cache_aware_hit_needs_the_match_rate_above_the_threshold():
 
 def test_cache_aware_balances_when_both_thresholds_are_crossed():
     pool = workers(2)
-    policy = CacheAwarePolicy(CacheAwareSettings(balance_abs_threshold=4, balance_rel_threshold=2.0))
+    policy = CacheAwarePolicy(
+        CacheAwareSettings(balance_abs_threshold=4, balance_rel_threshold=2.0)
+    )
     owner = policy.choose(pool, "P" * 50).worker
     other = pool[1] if owner is pool[0] else pool[0]
     owner.in_flight, other.in_flight = 6, 3  # gap 3: within the absolute threshold
@@ -92,7 +94,11 @@ def test_a_small_pool_spreads_after_a_worker_rejoins_by_default(threshold, sprea
     requests behind that prompt arrive together: by default some reach B; with SGLang's 64 all
     stay on A (benchmarks/router/small_pool.py measures both on real engines)."""
     a, b = workers(2)
-    settings = CacheAwareSettings() if threshold is None else CacheAwareSettings(balance_abs_threshold=threshold)
+    settings = (
+        CacheAwareSettings()
+        if threshold is None
+        else CacheAwareSettings(balance_abs_threshold=threshold)
+    )
     policy = CacheAwarePolicy(settings)
     system = "You are a helpful assistant. " * 20
     assert policy.choose([a], system + "first question").worker is a

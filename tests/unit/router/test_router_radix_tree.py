@@ -6,7 +6,9 @@ def test_match_length_follows_inserted_prefixes():
     tree.insert("system: be brief\nuser: hi")
     tree.insert("system: be brief\nuser: bye")
     assert tree.match_length("system: be brief\nuser: hello") == len("system: be brief\nuser: h")
-    assert tree.match_length("system: be brief\nuser: bye now") == len("system: be brief\nuser: bye")
+    assert tree.match_length("system: be brief\nuser: bye now") == len(
+        "system: be brief\nuser: bye"
+    )
     assert tree.match_length("other") == 0
     assert tree.match_length("") == 0
     # Shared text is stored once: the two inserts share 23 characters.

@@ -11,15 +11,24 @@ def parse(path: str, body: object):
 
 
 def test_chat_routing_text_keeps_roles_and_order():
-    a = parse("/v1/chat/completions", {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]})
-    b = parse("/v1/chat/completions", {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "R"}]})
+    a = parse(
+        "/v1/chat/completions",
+        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]},
+    )
+    b = parse(
+        "/v1/chat/completions",
+        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "R"}]},
+    )
     assert a.routing_text.startswith("system") and a.routing_text != b.routing_text
     common = len(a.routing_text) - 2
     assert a.routing_text[:common] == b.routing_text[:common]
 
 
 def test_content_parts_and_prompts():
-    parts = parse("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    parts = parse(
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+    )
     assert "hi" in parts.routing_text
     assert parse("/v1/completions", {"prompt": "abc"}).routing_text == "abc"
     ids = parse("/v1/completions", {"prompt": [1, 2, 3]})

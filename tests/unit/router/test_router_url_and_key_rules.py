@@ -68,14 +68,24 @@ def test_cloud_metadata_hosts_are_refused(url):
         validate_worker_url(url)
 
 
-@pytest.mark.parametrize("url", ["ftp://h:1", "file:///etc/passwd", "gopher://h:70", "unix:///tmp/s", "ws://h:1"])
+@pytest.mark.parametrize(
+    "url", ["ftp://h:1", "file:///etc/passwd", "gopher://h:70", "unix:///tmp/s", "ws://h:1"]
+)
 def test_only_http_and_https(url):
     with pytest.raises(ValueError, match="http://HOST:PORT"):
         validate_worker_url(url)
 
 
-@pytest.mark.parametrize("url", ["http://admin:hunter2@127.0.0.1:1", "http://hunter2@127.0.0.1:1",
-                                 "admin:hunter2@127.0.0.1:1", "https://:hunter2@h:1", "ftp://u:hunter2@h:1"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://admin:hunter2@127.0.0.1:1",
+        "http://hunter2@127.0.0.1:1",
+        "admin:hunter2@127.0.0.1:1",
+        "https://:hunter2@h:1",
+        "ftp://u:hunter2@h:1",
+    ],
+)
 def test_credentials_in_a_url_are_refused_and_never_repeated(url):
     with pytest.raises(ValueError, match="no user name or password") as refused:
         validate_worker_url(url)
@@ -120,7 +130,9 @@ def test_discovery_leaves_out_a_pod_with_a_link_local_ip():
 
 def test_resolved_addresses_are_checked():
     assert resolved_problem("engine", ["127.0.0.1", "::1"]) is None
-    assert "169.254.169.254, a cloud metadata address" in resolved_problem("evil", ["127.0.0.1", "169.254.169.254"])
+    assert "169.254.169.254, a cloud metadata address" in resolved_problem(
+        "evil", ["127.0.0.1", "169.254.169.254"]
+    )
     assert "link-local" in resolved_problem("evil", ["fe80::1%2"])
     assert host_problem("engine.llm.svc.cluster.local") is None  # a name: the admin API resolves it
 
@@ -170,7 +182,9 @@ def test_bearer_keys_are_compared_in_constant_time(monkeypatch):
     key = BearerKey("s3cret")
     assert key.admits([(b"authorization", b"Bearer s3cret")])
     assert key.admits([(b"authorization", b"bearer s3cret")])  # the scheme is case-insensitive
-    assert len(compared) == 2 and all(len(a) == len(b) == 32 for a, b in compared)  # digests: no length leak
+    assert len(compared) == 2 and all(
+        len(a) == len(b) == 32 for a, b in compared
+    )  # digests: no length leak
     for headers in ([], [(b"authorization", b"Bearer s3cre")], [(b"authorization", b"Bearer s3crett")],
                     [(b"authorization", b"Basic s3cret")], [(b"authorization", b"s3cret")],
                     [(b"authorization", b"Bearer s3cret"), (b"authorization", b"Bearer other")]):  # fmt: skip
@@ -193,7 +207,9 @@ def test_keys_come_from_the_environment():
     # --admin-api-key still works (SGLang's router has it)
     config = config_from_args(parser.parse_args(["--admin-api-key", "flag"]), {})
     assert (config.admin_api_key, config.api_key) == ("flag", None)
-    assert config_from_args(parser.parse_args([]), {}).admin_api_key is None  # the default: admin closed
+    assert (
+        config_from_args(parser.parse_args([]), {}).admin_api_key is None
+    )  # the default: admin closed
     with pytest.raises(ValueError, match="not both"):
         config_from_args(parser.parse_args(["--admin-api-key", "flag"]), {ADMIN_KEY_ENV: "adm"})
     # a variable that is set holds a key: an empty Secret must not turn the client check off
@@ -214,7 +230,10 @@ def test_the_router_reads_the_engines_key_under_the_operators_name():
 def test_engines_get_the_routers_credentials_never_the_clients():
     client = [(b"host", b"router"), (b"authorization", b"Bearer client-key"), (b"Authorization", b"Basic x"),
               (b"cookie", b"session=1"), (b"content-type", b"application/json"), (b"x-request-id", b"7")]  # fmt: skip
-    assert forwarded_headers(client, []) == [(b"content-type", b"application/json"), (b"x-request-id", b"7")]
+    assert forwarded_headers(client, []) == [
+        (b"content-type", b"application/json"),
+        (b"x-request-id", b"7"),
+    ]
     mine = [BearerKey("engine-key").header]
     assert forwarded_headers(client, mine) == [
         (b"content-type", b"application/json"), (b"x-request-id", b"7"), (b"authorization", b"Bearer engine-key"),
@@ -223,7 +242,9 @@ def test_engines_get_the_routers_credentials_never_the_clients():
 
 def test_an_engine_refusing_the_routers_key_is_a_gateway_error_naming_the_variable():
     worker = WorkerRegistry().add("http://127.0.0.1:1", Role.MIXED)
-    body = json.dumps({"error": {"message": "missing or wrong API key", "type": "authentication_error"}}).encode()
+    body = json.dumps(
+        {"error": {"message": "missing or wrong API key", "type": "authentication_error"}}
+    ).encode()
     error = UpstreamError.from_answer(worker, 401, body)
     assert error.status == 502 and not error.retryable
     assert API_KEY_ENV in error.message and worker.url in error.message

@@ -40,15 +40,19 @@ def test_more_gpus_than_this_machine_has(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(cli, "visible_gpus", lambda: ("0",))
     path = spec_file(tmp_path, engine={"device": "cuda"})
     assert cli.main(["-f", path]) == 2
-    assert capsys.readouterr().err == (f"kubesgl up: {path}: the spec needs 2 GPUs (replicas x tensorParallelSize: "
-                                       "prefill: 1 x 1, decode: 1 x 1); this machine has 1 (0)\n")
+    assert capsys.readouterr().err == (
+        f"kubesgl up: {path}: the spec needs 2 GPUs (replicas x tensorParallelSize: "
+        "prefill: 1 x 1, decode: 1 x 1); this machine has 1 (0)\n"
+    )
 
 
 def test_a_claim_needs_a_local_copy(tmp_path, capsys):
     path = spec_file(tmp_path, model={"pvc": {"claimName": "models"}})
     assert cli.main(["-f", path]) == 2
-    assert "  spec.model.pvc: a PersistentVolumeClaim exists only in a cluster: give kubesgl up --model DIR" in \
-        capsys.readouterr().err
+    assert (
+        "  spec.model.pvc: a PersistentVolumeClaim exists only in a cluster: give kubesgl up --model DIR"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("text", ["", "kind: A\n---\nkind: B\n", "- a list\n"])
@@ -65,4 +69,7 @@ def test_a_port_in_use(tmp_path, capsys):
         taken.listen()
         port = taken.getsockname()[1]
         assert cli.main(["-f", str(QUICKSTART), "--port", str(port), "--logs", str(tmp_path)]) == 1
-    assert capsys.readouterr().err == f"kubesgl up: 127.0.0.1:{port} is in use: choose another --port\n"
+    assert (
+        capsys.readouterr().err
+        == f"kubesgl up: 127.0.0.1:{port} is in use: choose another --port\n"
+    )

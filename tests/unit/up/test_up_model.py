@@ -15,8 +15,13 @@ WRITE = "import pathlib, sys; pathlib.Path(sys.argv[1], 'config.json').write_tex
 
 
 def step(tmp_path: Path, code: str) -> ModelStep:
-    return ModelStep((sys.executable, "-c", code), ("/models/tiny",), "/models/tiny", {},
-                     tmp_path / "cache" / "models" / "tiny-llama")
+    return ModelStep(
+        (sys.executable, "-c", code),
+        ("/models/tiny",),
+        "/models/tiny",
+        {},
+        tmp_path / "cache" / "models" / "tiny-llama",
+    )
 
 
 def test_runs_once_into_the_cache(tmp_path):
@@ -24,7 +29,9 @@ def test_runs_once_into_the_cache(tmp_path):
     ensure_model(made, tmp_path / "model.log")
     assert (made.path / "config.json").read_text() == "{}"
     assert [p.name for p in made.path.parent.iterdir()] == ["tiny-llama"]  # no partial folder left
-    ensure_model(step(tmp_path, "raise SystemExit(9)"), tmp_path / "model.log")  # there already: not run
+    ensure_model(
+        step(tmp_path, "raise SystemExit(9)"), tmp_path / "model.log"
+    )  # there already: not run
 
 
 def test_a_failed_step_leaves_nothing_and_says_where_its_log_is(tmp_path):

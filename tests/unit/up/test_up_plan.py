@@ -43,13 +43,25 @@ def local_plan(document: dict[str, Any], gpus: int = 0, **settings: Any) -> Loca
     isvc = parse_inference_service(document)
     if isvc.spec.model.pvc is not None:
         settings.setdefault("model", "/local/copy")
-    return plan(isvc, LocalSettings(gpus=tuple(str(i) for i in range(gpus)), cache_dir=Path("/cache"),
-                                    free_port=counting_ports(), **settings))
+    return plan(
+        isvc,
+        LocalSettings(
+            gpus=tuple(str(i) for i in range(gpus)),
+            cache_dir=Path("/cache"),
+            free_port=counting_ports(),
+            **settings,
+        ),
+    )
 
 
 def rendered_containers(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {obj["metadata"]["labels"][contract.ROLE_LABEL]: obj["spec"]["template"]["spec"]["containers"][0]
-            for obj in render(parse_inference_service(document)) if obj["kind"] == "Deployment"}
+    return {
+        obj["metadata"]["labels"][contract.ROLE_LABEL]: obj["spec"]["template"]["spec"][
+            "containers"
+        ][0]
+        for obj in render(parse_inference_service(document))
+        if obj["kind"] == "Deployment"
+    }
 
 
 @pytest.mark.parametrize("gpus", [0, 8], ids=["no-gpu", "8-gpus"])
@@ -66,34 +78,63 @@ def test_local_command_lines_are_the_rendered_pods_args(path, gpus):
         assert container["command"] == ["kubesgl"] and list(engine.argv[:3]) == KUBESGL
         assert engine.argv[3] == container["args"][0] == "serve"
         ours = vars(serve_parser().parse_args(engine.argv[4:]))
-        theirs = vars(serve_parser().parse_args([a.replace("$(KUBESGL_API_KEY)", "k") for a in container["args"][1:]]))
-        assert {k: v for k, v in ours.items() if k not in ENGINE_LOCAL} == \
-            {k: v for k, v in theirs.items() if k not in ENGINE_LOCAL}
-        assert (ours["model"], ours["host"], ours["port"]) == (local.model_path, ENGINE_HOST, engine.port)
+        theirs = vars(
+            serve_parser().parse_args(
+                [a.replace("$(KUBESGL_API_KEY)", "k") for a in container["args"][1:]]
+            )
+        )
+        assert {k: v for k, v in ours.items() if k not in ENGINE_LOCAL} == {
+            k: v for k, v in theirs.items() if k not in ENGINE_LOCAL
+        }
+        assert (ours["model"], ours["host"], ours["port"]) == (
+            local.model_path,
+            ENGINE_HOST,
+            engine.port,
+        )
         assert ours["device"] == ("cuda" if on_gpus else "cpu")
-        assert len(engine.gpus) == (isvc.spec.engine_roles()[engine.role].tensor_parallel_size if on_gpus else 0)
+        assert len(engine.gpus) == (
+            isvc.spec.engine_roles()[engine.role].tensor_parallel_size if on_gpus else 0
+        )
         if engine.role == contract.PREFILL:
-            assert ours["disaggregation_bootstrap_port"] == engine.bootstrap_port != theirs["disaggregation_bootstrap_port"]
+            assert (
+                ours["disaggregation_bootstrap_port"]
+                == engine.bootstrap_port
+                != theirs["disaggregation_bootstrap_port"]
+            )
 
     router = local.router
     ours = vars(router_parser().parse_args(router.argv[4:]))
     theirs = vars(router_parser().parse_args(pods[contract.ROUTER]["args"][1:]))
     assert router.argv[3] == "router"
-    assert {k: v for k, v in ours.items() if k not in ROUTER_LOCAL} == \
-        {k: v for k, v in theirs.items() if k not in ROUTER_LOCAL}
-    assert (ours["host"], ours["port"], ours["kube_selector"], ours["kube_namespace"]) == ("0.0.0.0", 9000, [], None)
+    assert {k: v for k, v in ours.items() if k not in ROUTER_LOCAL} == {
+        k: v for k, v in theirs.items() if k not in ROUTER_LOCAL
+    }
+    assert (ours["host"], ours["port"], ours["kube_selector"], ours["kube_namespace"]) == (
+        "0.0.0.0",
+        9000,
+        [],
+        None,
+    )
     by_role = {role: [e for e in local.engines if e.role == role] for role in contract.ENGINE_ROLES}
     assert ours["worker"] == [e.url for e in by_role[contract.MIXED]]
     assert ours["prefill"] == [f"{e.url}@{e.bootstrap_port}" for e in by_role[contract.PREFILL]]
     assert ours["decode"] == [e.url for e in by_role[contract.DECODE]]
     assert local.base_url == "http://127.0.0.1:9000/v1"
-    assert len({p.port for p in local.processes} | {e.bootstrap_port for e in by_role[contract.PREFILL]}) == \
-        len(local.processes) + len(by_role[contract.PREFILL])  # every port its own
+    assert len(
+        {p.port for p in local.processes} | {e.bootstrap_port for e in by_role[contract.PREFILL]}
+    ) == len(local.processes) + len(by_role[contract.PREFILL])  # every port its own
 
 
 def test_replicas_are_the_deployments_or_the_autoscalers_minimum():
-    counts = lambda local: {r: sum(e.role == r for e in local.engines) for r in (contract.PREFILL, contract.DECODE)}  # noqa: E731
-    assert counts(local_plan(example("autoscaled-hpa"), gpus=8)) == {"prefill": 1, "decode": 2}  # minReplicas
+    def counts(local):
+        return {
+            r: sum(e.role == r for e in local.engines) for r in (contract.PREFILL, contract.DECODE)
+        }
+
+    assert counts(local_plan(example("autoscaled-hpa"), gpus=8)) == {
+        "prefill": 1,
+        "decode": 2,
+    }  # minReplicas
     document = example("autoscaled-hpa")
     del document["spec"]["autoscaling"]
     document["spec"]["decode"]["replicas"] = 3
@@ -108,15 +149,24 @@ def tp2_spec() -> dict[str, Any]:
 
 
 def test_each_replica_gets_its_own_gpus_as_cuda_visible_devices_names_them():
-    local = plan(parse_inference_service(tp2_spec()),
-                 LocalSettings(gpus=("3", "5", "GPU-6", "GPU-7"), free_port=counting_ports()))
-    assert [(e.name, e.env["CUDA_VISIBLE_DEVICES"]) for e in local.engines] == \
-        [("prefill-0", "3,5"), ("decode-0", "GPU-6,GPU-7")]
+    local = plan(
+        parse_inference_service(tp2_spec()),
+        LocalSettings(gpus=("3", "5", "GPU-6", "GPU-7"), free_port=counting_ports()),
+    )
+    assert [(e.name, e.env["CUDA_VISIBLE_DEVICES"]) for e in local.engines] == [
+        ("prefill-0", "3,5"),
+        ("decode-0", "GPU-6,GPU-7"),
+    ]
 
 
 def test_more_gpus_than_there_are_is_a_clear_error():
-    with pytest.raises(NotEnoughGpus, match=r"needs 4 GPUs .*prefill: 1 x 2, decode: 1 x 2.*has 3 \(0, 1, 2\)"):
-        plan(parse_inference_service(tp2_spec()), LocalSettings(gpus=("0", "1", "2"), free_port=counting_ports()))
+    with pytest.raises(
+        NotEnoughGpus, match=r"needs 4 GPUs .*prefill: 1 x 2, decode: 1 x 2.*has 3 \(0, 1, 2\)"
+    ):
+        plan(
+            parse_inference_service(tp2_spec()),
+            LocalSettings(gpus=("0", "1", "2"), free_port=counting_ports()),
+        )
 
 
 def test_without_a_gpu_or_with_device_cpu_the_engines_run_on_the_cpu():
@@ -133,7 +183,9 @@ def test_a_claim_exists_only_in_a_cluster():
     document = example("mixed")
     with pytest.raises(InvalidSpec) as error:
         plan(parse_inference_service(document), LocalSettings(free_port=counting_ports()))
-    assert str(error.value).startswith("spec.model.pvc: a PersistentVolumeClaim exists only in a cluster")
+    assert str(error.value).startswith(
+        "spec.model.pvc: a PersistentVolumeClaim exists only in a cluster"
+    )
     assert local_plan(document).model_path == "/local/copy"
 
 
@@ -146,8 +198,13 @@ def test_the_api_key_comes_from_the_environment_instead_of_the_secret():
     for process in local.processes:  # engines and router, in their environment and never in argv
         assert process.env["KUBESGL_API_KEY"] == "sk-local" and "--api-key" not in process.argv
         assert not [arg for arg in process.argv if "sk-local" in arg]
-        inherited = process.environment({"KUBESGL_API_KEY": "sk-local", "KUBESGL_ROUTER_ADMIN_KEY": "adm", "A": "1"})
-        assert inherited["KUBESGL_API_KEY"] == "sk-local" and "KUBESGL_ROUTER_ADMIN_KEY" not in inherited
+        inherited = process.environment(
+            {"KUBESGL_API_KEY": "sk-local", "KUBESGL_ROUTER_ADMIN_KEY": "adm", "A": "1"}
+        )
+        assert (
+            inherited["KUBESGL_API_KEY"] == "sk-local"
+            and "KUBESGL_ROUTER_ADMIN_KEY" not in inherited
+        )
         assert inherited["A"] == "1"
 
 
@@ -159,11 +216,16 @@ def test_the_router_admin_key_comes_from_the_environment_instead_of_the_secret()
         local_plan(document)
     assert [str(p) for p in error.value.problems] == [
         "spec.engine.apiKeySecret: kubesgl up reads no Secrets: set KUBESGL_API_KEY in the environment",
-        "spec.router.adminKeySecret: kubesgl up reads no Secrets: set KUBESGL_ROUTER_ADMIN_KEY in the environment"]
-    local = local_plan(document, environ={"KUBESGL_API_KEY": "sk", "KUBESGL_ROUTER_ADMIN_KEY": "adm"})
+        "spec.router.adminKeySecret: kubesgl up reads no Secrets: set KUBESGL_ROUTER_ADMIN_KEY in the environment",
+    ]
+    local = local_plan(
+        document, environ={"KUBESGL_API_KEY": "sk", "KUBESGL_ROUTER_ADMIN_KEY": "adm"}
+    )
     assert local.router.env["KUBESGL_ROUTER_ADMIN_KEY"] == "adm"
     for engine in local.engines:
-        assert "KUBESGL_ROUTER_ADMIN_KEY" not in engine.environment({"KUBESGL_ROUTER_ADMIN_KEY": "adm"})
+        assert "KUBESGL_ROUTER_ADMIN_KEY" not in engine.environment(
+            {"KUBESGL_ROUTER_ADMIN_KEY": "adm"}
+        )
 
 
 def test_keys_in_this_environment_reach_no_process_whose_pod_lacks_them():
@@ -171,7 +233,9 @@ def test_keys_in_this_environment_reach_no_process_whose_pod_lacks_them():
     environment holds."""
     local = local_plan(example("quickstart"), environ={"KUBESGL_API_KEY": "sk"})
     for process in local.processes:
-        environment = process.environment({"KUBESGL_API_KEY": "sk", "KUBESGL_ROUTER_ADMIN_KEY": "adm", "PATH": "/bin"})
+        environment = process.environment(
+            {"KUBESGL_API_KEY": "sk", "KUBESGL_ROUTER_ADMIN_KEY": "adm", "PATH": "/bin"}
+        )
         assert environment == {**process.env, "PATH": "/bin"}
 
 
@@ -185,25 +249,46 @@ def test_models_made_or_downloaded_by_init_containers_go_to_the_cache():
     quickstart = example("quickstart")
     step = local_plan(quickstart).model_step
     assert step is not None and step.path == Path("/cache/models/tiny-llama")
-    prefill = next(o for o in render(parse_inference_service(quickstart)) if o["kind"] == "Deployment")
+    prefill = next(
+        o for o in render(parse_inference_service(quickstart)) if o["kind"] == "Deployment"
+    )
     (init,) = prefill["spec"]["template"]["spec"]["initContainers"]
-    assert init["command"] + init["args"] == ["kubesgl", "make-tiny-model", "/models/tiny", "--arch", "llama"]
+    assert init["command"] + init["args"] == [
+        "kubesgl",
+        "make-tiny-model",
+        "/models/tiny",
+        "--arch",
+        "llama",
+    ]
     assert step.argv(Path("/tmp/x")) == [*KUBESGL, "make-tiny-model", "/tmp/x", "--arch", "llama"]
 
     hf = local_plan(example("disaggregated"), environ={"HF_TOKEN": "hf_x"}).model_step
-    assert hf is not None and hf.path == Path("/cache/models/hf/meta-llama/Llama-3.1-8B-Instruct/main")
-    assert hf.argv(Path("/tmp/x")) == ["hf", "download", "meta-llama/Llama-3.1-8B-Instruct", "--revision", "main",
-                                       "--local-dir", "/tmp/x"]
+    assert hf is not None and hf.path == Path(
+        "/cache/models/hf/meta-llama/Llama-3.1-8B-Instruct/main"
+    )
+    assert hf.argv(Path("/tmp/x")) == [
+        "hf",
+        "download",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "--revision",
+        "main",
+        "--local-dir",
+        "/tmp/x",
+    ]
     assert hf.env == {"HF_TOKEN": "hf_x"}
 
     keda = local_plan(example("autoscaled-keda"), gpus=4)
-    assert keda.model_step is None and keda.model_path == "/mnt/models/llama-3.1-8b-instruct"  # hostPath
+    assert (
+        keda.model_step is None and keda.model_path == "/mnt/models/llama-3.1-8b-instruct"
+    )  # hostPath
 
 
 def test_stop_timeouts_are_the_pods_grace_periods_without_the_prestop_pause():
     document = example("quickstart")
     document["spec"]["engine"]["shutdownTimeoutSeconds"] = 7
     local = local_plan(document)
-    assert {e.stop_timeout_s for e in local.engines} == {7 + 22 + 5}  # the drain, the exit after it, slack
+    assert {e.stop_timeout_s for e in local.engines} == {
+        7 + 22 + 5
+    }  # the drain, the exit after it, slack
     assert local.router.stop_timeout_s == 25 + 5  # the router's graceful shutdown, and slack
     assert local.router.waits_for == (contract.PREFILL, contract.DECODE)

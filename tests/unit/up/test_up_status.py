@@ -34,18 +34,29 @@ kubesgl_router_request_duration_seconds_sum 2.5
 """
 
 
-def process(name: str, role: contract.PodRole, port: int, bootstrap: int | None = None) -> LocalProcess:
+def process(
+    name: str, role: contract.PodRole, port: int, bootstrap: int | None = None
+) -> LocalProcess:
     return LocalProcess(name, role, ("kubesgl",), {}, port, 10, bootstrap)
 
 
 def test_counters_from_the_metrics_of_engines_and_router():
     pages = {"http://e/metrics": ENGINE_METRICS, "http://r/metrics": ROUTER_METRICS}
-    client = httpx.Client(transport=httpx.MockTransport(lambda request: httpx.Response(200, text=pages[str(request.url)])))
+    client = httpx.Client(
+        transport=httpx.MockTransport(
+            lambda request: httpx.Response(200, text=pages[str(request.url)])
+        )
+    )
     engine = read_counters(client, "http://e", contract.DECODE)
     assert engine is not None and (engine.requests, engine.running, engine.tokens) == (7, 2, 340)
     router = read_counters(client, "http://r", contract.ROUTER)
     assert router is not None and router.requests == 5  # client requests, not upstream attempts
-    assert read_counters(httpx.Client(transport=httpx.MockTransport(refuse)), "http://e", contract.DECODE) is None
+    assert (
+        read_counters(
+            httpx.Client(transport=httpx.MockTransport(refuse)), "http://e", contract.DECODE
+        )
+        is None
+    )
 
 
 def refuse(request: httpx.Request) -> httpx.Response:
@@ -53,22 +64,70 @@ def refuse(request: httpx.Request) -> httpx.Response:
 
 
 def test_the_table_shows_states_ports_devices_rates_and_the_last_exit(tmp_path):
-    prefill = Replica(process("prefill-0", contract.PREFILL, 30001, bootstrap=30002), tmp_path / "p.log", State.READY)
-    decode = Replica(process("decode-0", contract.DECODE, 30003), tmp_path / "d.log", State.STARTING, restarts=1,
-                     last_exit="killed by SIGKILL")
+    prefill = Replica(
+        process("prefill-0", contract.PREFILL, 30001, bootstrap=30002),
+        tmp_path / "p.log",
+        State.READY,
+    )
+    decode = Replica(
+        process("decode-0", contract.DECODE, 30003),
+        tmp_path / "d.log",
+        State.STARTING,
+        restarts=1,
+        last_exit="killed by SIGKILL",
+    )
     counters = {"prefill-0": (Counters(1, 0, 100, at=10.0), Counters(3, 1, 160, at=12.0))}
     lines = format_table([prefill, decode], counters)
-    assert lines[0].split() == ["NAME", "STATE", "PID", "PORT", "BOOT", "DEVICE", "RESTARTS", "REQS", "RUNNING",
-                                "TOK/S"]
-    assert lines[1].split() == ["prefill-0", "ready", "-", "30001", "30002", "cpu", "0", "3", "1", "30.0"]
-    assert lines[2].split() == ["decode-0", "starting", "-", "30003", "-", "cpu", "1", "-", "-", "-"]
+    assert lines[0].split() == [
+        "NAME",
+        "STATE",
+        "PID",
+        "PORT",
+        "BOOT",
+        "DEVICE",
+        "RESTARTS",
+        "REQS",
+        "RUNNING",
+        "TOK/S",
+    ]
+    assert lines[1].split() == [
+        "prefill-0",
+        "ready",
+        "-",
+        "30001",
+        "30002",
+        "cpu",
+        "0",
+        "3",
+        "1",
+        "30.0",
+    ]
+    assert lines[2].split() == [
+        "decode-0",
+        "starting",
+        "-",
+        "30003",
+        "-",
+        "cpu",
+        "1",
+        "-",
+        "-",
+        "-",
+    ]
     assert max(map(len, lines[:3])) <= 80  # a terminal's width
     assert lines[3] == "decode-0 last exited: killed by SIGKILL"
 
 
 def local_plan() -> LocalPlan:
-    return LocalPlan("demo", "mixed", "/models/tiny", None, (process("mixed-0", contract.MIXED, 30001),),
-                     process("router", contract.ROUTER, 8000), ())
+    return LocalPlan(
+        "demo",
+        "mixed",
+        "/models/tiny",
+        None,
+        (process("mixed-0", contract.MIXED, 30001),),
+        process("router", contract.ROUTER, 8000),
+        (),
+    )
 
 
 def test_on_a_terminal_the_view_is_redrawn_in_place(tmp_path):
@@ -80,7 +139,9 @@ def test_on_a_terminal_the_view_is_redrawn_in_place(tmp_path):
     assert first.startswith("kubesgl up: demo (mixed)   Ctrl-C stops everything\nOpenAI base URL: ")
     assert "OpenAI base URL: http://127.0.0.1:8000/v1" in first and "\x1b[" not in first
     view.refresh(replicas)
-    assert out.getvalue()[len(first):].startswith(f"\x1b[{first.count(chr(10))}F\x1b[J")  # back up, clear, redraw
+    assert out.getvalue()[len(first) :].startswith(
+        f"\x1b[{first.count(chr(10))}F\x1b[J"
+    )  # back up, clear, redraw
     view.close()
 
 
@@ -92,7 +153,11 @@ def test_elsewhere_events_are_lines(tmp_path):
     view.refresh(replicas)
     view.refresh(replicas)
     lines = out.getvalue().splitlines()
-    assert lines[1:4] == ["OpenAI base URL: http://127.0.0.1:8000/v1", "model: /models/tiny", "logs: /logs"]
+    assert lines[1:4] == [
+        "OpenAI base URL: http://127.0.0.1:8000/v1",
+        "model: /models/tiny",
+        "logs: /logs",
+    ]
     assert lines[4].endswith(" mixed-0: ready on http://127.0.0.1:30001")
     assert "ready in " in lines[5] and lines[5].endswith("OpenAI base URL http://127.0.0.1:8000/v1")
     assert len(lines) == 6  # said once

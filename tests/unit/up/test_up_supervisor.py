@@ -17,7 +17,7 @@ from kubesgl import contract
 from kubesgl.up.plan import LocalProcess
 from kubesgl.up.supervisor import State, Supervisor
 
-STAND_IN = r'''
+STAND_IN = r"""
 import http.server, signal, subprocess, sys
 port, behaviour = int(sys.argv[1]), sys.argv[2]
 if behaviour == "crash":
@@ -37,7 +37,7 @@ class Health(http.server.BaseHTTPRequestHandler):
         pass
 
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
-'''
+"""
 
 
 def free_port() -> int:
@@ -51,11 +51,23 @@ def stand_in(tmp_path):
     script = tmp_path / "stand_in.py"
     script.write_text(STAND_IN)
 
-    def make(name: str, behaviour: str, role: contract.PodRole = contract.MIXED, stop_timeout_s: float = 10,
-             waits_for: tuple[contract.EngineRole, ...] = ()) -> LocalProcess:
+    def make(
+        name: str,
+        behaviour: str,
+        role: contract.PodRole = contract.MIXED,
+        stop_timeout_s: float = 10,
+        waits_for: tuple[contract.EngineRole, ...] = (),
+    ) -> LocalProcess:
         port = free_port()
-        return LocalProcess(name, role, (sys.executable, str(script), str(port), behaviour), {}, port,
-                            stop_timeout_s, waits_for=waits_for)
+        return LocalProcess(
+            name,
+            role,
+            (sys.executable, str(script), str(port), behaviour),
+            {},
+            port,
+            stop_timeout_s,
+            waits_for=waits_for,
+        )
 
     return make
 
@@ -90,7 +102,9 @@ def children(replica) -> list[int]:
 
 def test_a_replica_that_dies_is_restarted_with_a_doubling_delay_and_its_reason(stand_in, tmp_path):
     clock, events = FakeClock(), []
-    supervisor = Supervisor([stand_in("mixed-0", "crash")], tmp_path, lambda r, m: events.append(m), clock=clock)
+    supervisor = Supervisor(
+        [stand_in("mixed-0", "crash")], tmp_path, lambda r, m: events.append(m), clock=clock
+    )
     (replica,) = supervisor.replicas
     for delay in (1, 2, 4):
         supervisor.tick()
@@ -98,8 +112,10 @@ def test_a_replica_that_dies_is_restarted_with_a_doubling_delay_and_its_reason(s
         replica.popen.wait()
         supervisor.tick()
         assert replica.state == State.BACKOFF and replica.popen is None
-        assert events[-1] == (f"exited (exit code 3: RuntimeError: no memory left for the KV cache); "
-                              f"restarting in {delay} s")
+        assert events[-1] == (
+            f"exited (exit code 3: RuntimeError: no memory left for the KV cache); "
+            f"restarting in {delay} s"
+        )
         clock.now += delay - 0.01
         supervisor.tick()
         assert replica.state == State.BACKOFF  # not before its time
@@ -115,15 +131,28 @@ def test_a_replica_that_dies_is_restarted_with_a_doubling_delay_and_its_reason(s
 
 def test_the_router_starts_once_every_role_has_a_ready_replica(stand_in, tmp_path):
     ready: set[str] = set()
-    prefill, decode = stand_in("prefill-0", "ok", contract.PREFILL), stand_in("decode-0", "ok", contract.DECODE)
-    router = stand_in("router", "ok", contract.ROUTER, waits_for=(contract.PREFILL, contract.DECODE))
+    prefill, decode = (
+        stand_in("prefill-0", "ok", contract.PREFILL),
+        stand_in("decode-0", "ok", contract.DECODE),
+    )
+    router = stand_in(
+        "router", "ok", contract.ROUTER, waits_for=(contract.PREFILL, contract.DECODE)
+    )
     supervisor = Supervisor([prefill, decode, router], tmp_path, healthy=lambda url: url in ready)
     try:
         supervisor.tick()
-        assert [r.state for r in supervisor.replicas] == [State.STARTING, State.STARTING, State.WAITING]
+        assert [r.state for r in supervisor.replicas] == [
+            State.STARTING,
+            State.STARTING,
+            State.WAITING,
+        ]
         ready.add(prefill.url)
         supervisor.tick()
-        assert [r.state for r in supervisor.replicas] == [State.READY, State.STARTING, State.WAITING]
+        assert [r.state for r in supervisor.replicas] == [
+            State.READY,
+            State.STARTING,
+            State.WAITING,
+        ]
         ready.add(decode.url)
         supervisor.tick()
         supervisor.tick()
@@ -132,11 +161,18 @@ def test_the_router_starts_once_every_role_has_a_ready_replica(stand_in, tmp_pat
         supervisor.stop(threading.Event())
 
 
-def test_stop_drains_the_router_first_and_leaves_nothing_behind_a_hung_replica_included(stand_in, tmp_path):
+def test_stop_drains_the_router_first_and_leaves_nothing_behind_a_hung_replica_included(
+    stand_in, tmp_path
+):
     events: list[str] = []
-    processes = [stand_in("mixed-0", "hang", stop_timeout_s=0.5), stand_in("mixed-1", "ok"),
-                 stand_in("router", "ok", contract.ROUTER)]
-    supervisor = Supervisor(processes, tmp_path, lambda r, m: events.append(f"{r.process.name}: {m}"))
+    processes = [
+        stand_in("mixed-0", "hang", stop_timeout_s=0.5),
+        stand_in("mixed-1", "ok"),
+        stand_in("router", "ok", contract.ROUTER),
+    ]
+    supervisor = Supervisor(
+        processes, tmp_path, lambda r, m: events.append(f"{r.process.name}: {m}")
+    )
     wait_for(lambda: supervisor.tick() or supervisor.all_ready())
     pids = [r.pid for r in supervisor.replicas]
     pids += [pid for r in supervisor.replicas for pid in wait_for(lambda r=r: children(r))]
@@ -145,15 +181,19 @@ def test_stop_drains_the_router_first_and_leaves_nothing_behind_a_hung_replica_i
     assert time.monotonic() - started < 5
     stops = [e for e in events if "stopped" in e or "killed" in e]
     assert stops[0] == "router: stopped"  # before any engine is asked to stop
-    assert sorted(stops[1:]) == ["mixed-0: killed: it did not stop within 0.5 s", "mixed-1: stopped"]
+    assert sorted(stops[1:]) == [
+        "mixed-0: killed: it did not stop within 0.5 s",
+        "mixed-1: stopped",
+    ]
     assert [pid for pid in pids if running(pid)] == []  # the children too: they were in the groups
     assert all(r.state == State.STOPPED and r.popen is None for r in supervisor.replicas)
 
 
 def test_a_second_signal_kills_at_once(stand_in, tmp_path):
     events: list[str] = []
-    supervisor = Supervisor([stand_in("mixed-0", "hang", stop_timeout_s=120)], tmp_path,
-                            lambda r, m: events.append(m))
+    supervisor = Supervisor(
+        [stand_in("mixed-0", "hang", stop_timeout_s=120)], tmp_path, lambda r, m: events.append(m)
+    )
     wait_for(lambda: supervisor.tick() or supervisor.all_ready())
     child = wait_for(lambda: children(supervisor.replicas[0]))[0]
     force = threading.Event()
