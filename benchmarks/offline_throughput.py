@@ -18,7 +18,9 @@ from kubesgl.engine import SamplingParams
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_engine_options(parser, dtype="bfloat16", attention_backend="triton")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--input-len", type=int, default=1024)
@@ -28,23 +30,38 @@ def main() -> None:
     llm = make_llm(args, context_length=args.input_len + args.output_len + 16)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(10, vocab - 10) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    prompts = [
+        [rng.randrange(10, vocab - 10) for _ in range(args.input_len)]
+        for _ in range(args.num_prompts)
+    ]
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
     llm.engine.scheduler.reset()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True))
+    outputs = llm.generate(
+        prompts, SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    )
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == args.output_len for o in outputs)
     result = {
-        "model": args.model, "load_format": args.load_format, "dtype": str(llm.engine.dtype),
+        "model": args.model,
+        "load_format": args.load_format,
+        "dtype": str(llm.engine.dtype),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "attention_backend": args.attention_backend, "kv_cache_dtype": args.kv_cache_dtype, "cuda_graph": not args.disable_cuda_graph,
-        "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-        "max_running_requests": args.max_running_requests, "kv_pool_tokens": llm.engine.scheduler.stats().kv_total_tokens,
+        "attention_backend": args.attention_backend,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "cuda_graph": not args.disable_cuda_graph,
+        "enable_mixed_chunk": args.enable_mixed_chunk,
+        "chunked_prefill_size": args.chunked_prefill_size,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "max_running_requests": args.max_running_requests,
+        "kv_pool_tokens": llm.engine.scheduler.stats().kv_total_tokens,
         "retractions": llm.engine.scheduler.stats().retractions,
-        "seconds": elapsed, "output_tokens_per_s": args.num_prompts * args.output_len / elapsed,
+        "seconds": elapsed,
+        "output_tokens_per_s": args.num_prompts * args.output_len / elapsed,
         "total_tokens_per_s": args.num_prompts * (args.input_len + args.output_len) / elapsed,
     }
     llm.shutdown()
