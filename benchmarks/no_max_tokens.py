@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import sys
 import time
 
 import torch
@@ -47,11 +48,20 @@ def run(
     running: list[int] = []
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = last_report = time.perf_counter()
     while engine.has_work():
         for out in engine.step():
             outputs[out.rid] += out.token_ids
-        running.append(engine.scheduler.stats().num_running)
+        stats = engine.scheduler.stats()
+        running.append(stats.num_running)
+        if time.perf_counter() - last_report > 10:  # progress, so a slow run shows where it is
+            last_report = time.perf_counter()
+            print(
+                f"{mode}: {len(running)} steps, {stats.num_running} running, "
+                f"{stats.num_waiting} waiting, {stats.retractions - retractions_before} retractions",
+                file=sys.stderr,
+                flush=True,
+            )
     elapsed = time.perf_counter() - start
     got = [outputs[f"{mode}-{i}"] for i in range(len(prompts))]
     tokens = sum(len(g) for g in got)
@@ -89,9 +99,11 @@ def main() -> None:
         min(cap, max(1, int(math.exp(rng.gauss(math.log(args.output_median), 0.9)))))
         for _ in range(args.num_prompts)
     ]
+    began = time.perf_counter()
     reference = llm.generate(
         prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     )
+    print(f"reference run: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     stops = [out.token_ids[-1] for out in reference]
     # a stop token may come earlier than the length it was taken at: the output ends there
     expected = [
