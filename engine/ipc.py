@@ -7,8 +7,12 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import zmq
+
+# The socket class of the context: zmq.Socket, or zmq.asyncio.Socket whose sends are awaited.
+SocketT = TypeVar("SocketT", bound="zmq.Socket[Any]")
 
 
 @dataclass(frozen=True)
@@ -51,13 +55,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def pull(context: zmq.Context, address: str) -> zmq.Socket:
+def pull(context: zmq.Context[SocketT], address: str) -> SocketT:
     socket = context.socket(zmq.PULL)
     socket.bind(address)
     return socket
 
 
-def push(context: zmq.Context, address: str) -> zmq.Socket:
+def push(context: zmq.Context[SocketT], address: str) -> SocketT:
     socket = context.socket(zmq.PUSH)
     socket.setsockopt(
         zmq.LINGER, 2000

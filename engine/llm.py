@@ -63,14 +63,14 @@ class LLM:
         """Generate for every prompt (strings, or lists of token ids) and return the results
         in prompt order. Raises InvalidRequestError, naming the problem, before anything runs
         if any request is invalid."""
-        prompts = list(prompts)
+        prompt_list: list[str | Sequence[int]] = list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+            params = [params or SamplingParams()] * len(prompt_list)
+        if len(params) != len(prompt_list):
+            raise ValueError(f"{len(prompt_list)} prompts but {len(params)} sampling params")
         requests = [
             GenerateRequest(rid=f"llm-{next(_ids)}", input_ids=self._token_ids(prompt), params=p)
-            for prompt, p in zip(prompts, params)
+            for prompt, p in zip(prompt_list, params)
         ]
         for request in requests:
             self.engine.validate(request)

@@ -173,7 +173,7 @@ def parse_model_config(
     if arch.moe:
         step = raw.get("decoder_sparse_step", 1)
         mlp_only = set(raw.get("mlp_only_layers") or [])
-        num_experts = raw.get("num_experts", raw.get("num_local_experts"))
+        num_experts: int = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
         moe = MoeConfig(
             num_experts=num_experts,
             top_k=raw["num_experts_per_tok"],

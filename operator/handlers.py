@@ -116,7 +116,7 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 # Handlers receive each index as a keyword argument named by its id.
 @kopf.index(*ISVC, registry=registry, id="inference_services")
-def inference_services(body: kopf.Body, namespace: str, name: str, **_: Any) -> Any:
+def inference_services(body: kopf.Body, namespace: str | None, name: str, **_: Any) -> Any:
     return {(namespace, name): _snapshot(body)}
 
 
@@ -128,7 +128,7 @@ def inference_services(body: kopf.Body, namespace: str, name: str, **_: Any) -> 
     registry=registry,
     id="rollouts",
 )
-def rollouts(body: kopf.Body, namespace: str, **_: Any) -> Any:
+def rollouts(body: kopf.Body, namespace: str | None, **_: Any) -> Any:
     owner = _owner(body)
     if owner is None:
         return None
@@ -155,6 +155,8 @@ async def publish_status(
             for owner_uid, rollout in rollouts.get(key, [])
             if owner_uid == uid
         }
+        endpoint: str | None
+        problems: str | None
         try:
             isvc = parse_inference_service(isvc_body)
         except InvalidSpec as error:
@@ -180,17 +182,19 @@ async def publish_status(
 
 @kopf.on.resume(*ISVC, registry=registry, id="resume")
 @kopf.on.create(*ISVC, registry=registry, id="create")
-@kopf.on.update(*ISVC, registry=registry, id="update")
+# kopf's handler protocols (ChangingFn, WatchingFn) leave out the index arguments it passes.
+@kopf.on.update(*ISVC, registry=registry, id="update")  # type: ignore[arg-type]
 async def reconcile(
     body: kopf.Body,
-    namespace: str,
+    namespace: str | None,
     name: str,
-    logger: logging.Logger,
+    logger: kopf.Logger,
     memo: OperatorState,
     inference_services: kopf.Index,
     rollouts: kopf.Index,
     **_: Any,
 ) -> None:
+    assert namespace is not None  # InferenceServices are namespaced
     try:
         isvc = parse_inference_service(_snapshot(body))
     except InvalidSpec as error:
@@ -208,28 +212,30 @@ async def reconcile(
 
 @kopf.on.delete(*ISVC, registry=registry, id="delete")
 async def tear_down(
-    namespace: str, name: str, uid: str, logger: logging.Logger, memo: OperatorState, **_: Any
+    namespace: str | None, name: str, uid: str, logger: kopf.Logger, memo: OperatorState, **_: Any
 ) -> None:
+    assert namespace is not None  # InferenceServices are namespaced
     count = await asyncio.to_thread(delete_children, memo.kube(), namespace, name, uid)
     memo.written_status.pop((namespace, name), None)
     logger.info("deleted %d children", count)
 
 
 async def repair_child(
-    event: Mapping[str, Any],
+    event: kopf.RawEvent,
     body: kopf.Body,
-    namespace: str,
+    namespace: str | None,
     resource: kopf.Resource,
-    logger: logging.Logger,
+    logger: kopf.Logger,
     memo: OperatorState,
     inference_services: kopf.Index,
     rollouts: kopf.Index,
     **_: Any,
 ) -> None:
     owner = _owner(body)
-    if owner is None:
+    # Children live in their owner's namespace; kopf knows the kind of a watched resource.
+    if owner is None or namespace is None or resource.kind is None:
         return
-    instance, _ = owner
+    instance = owner[0]
     stored = list(inference_services.get((namespace, instance), []))
     if not stored or not owned_by(body, stored[0]["metadata"].get("uid", "")):
         return
@@ -256,4 +262,4 @@ for _kind in CHILD_KINDS:
         labels=OURS,
         registry=registry,
         id=f"repair-{_kind.plural}",
-    )(repair_child)
+    )(repair_child)  # type: ignore[arg-type]  # the index arguments, as for reconcile

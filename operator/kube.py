@@ -139,12 +139,12 @@ class KubeApi:
             auth_settings=["BearerToken"],
         )
         response = self._client.call_api(*request)
-        response.read()
+        data = response.read()
         if not 200 <= response.status <= 299:
             raise ApiException.from_response(
-                http_resp=response, body=response.data.decode(errors="replace"), data=None
+                http_resp=response, body=data.decode(errors="replace"), data=None
             )
-        return json.loads(response.data) if response.data else {}
+        return json.loads(data) if data else {}
 
     def apply(self, obj: Object) -> Object:
         """Server-side apply as the operator's field manager, taking over conflicting fields."""

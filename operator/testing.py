@@ -90,6 +90,7 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
         # Label selectors filter as on the real server (equality terms only); the list names its
         # kind, which clients such as the dynamic client need.
         listing = await super()._serve_list(request)
+        assert isinstance(listing, dict)  # kmock lists are {"metadata": ..., "items": [...]}
         selector = _parse_selector(request.params.get("labelSelector", ""))
         listing["items"] = [
             item
@@ -127,7 +128,7 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
         self._stamp(meta)
 
     def _prepare_update(self, request: rendering.Request) -> None:
-        key = (request.resource, request.namespace, request.name)
+        key = _object_key(request)
         if (
             key not in self.objects
             or self.objects[key].deleted
@@ -144,8 +145,9 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
 
     async def _apply(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         applied = request.data
+        assert isinstance(applied, dict)  # an apply's body is a YAML or JSON object
         manager = request.params.get("fieldManager", "")
-        key = (request.resource, request.namespace, request.name)
+        key = _object_key(request)
         async with self._lock:
             exists = key in self.objects and not self.objects[key].deleted
             if not exists:
@@ -171,8 +173,14 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
             else:
                 self.objects[key] = obj
             raw = self.objects[key].raw
-            await self._buses[request.resource].put({"type": event, "object": raw})
+            await self._buses[key[0]].put({"type": event, "object": raw})
         return aiohttp.web.json_response(raw)
+
+
+def _object_key(request: rendering.Request) -> tuple[kmock.resource, str | None, str]:
+    """The key of the object a PATCH names (its resource, namespace and name)."""
+    assert request.resource is not None and request.name is not None
+    return request.resource, request.namespace, request.name
 
 
 def _parse_selector(selector: str) -> dict[str, str]:

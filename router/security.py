@@ -18,7 +18,6 @@ import ipaddress
 import re
 import socket
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
@@ -181,6 +180,6 @@ class GuardedResolver(AbstractResolver):
             await self._inner.close()
 
 
-def _allowed(result: dict[str, Any]) -> bool:
+def _allowed(result: ResolveResult) -> bool:
     address = literal_address(str(result["host"]))
     return address is None or address_problem(address) is None

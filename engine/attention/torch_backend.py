@@ -48,13 +48,16 @@ class TorchAttentionBackend(AttentionBackend):
             slots = table[batch.req_rows, :max_len].masked_fill(~valid, 0)
             batch.attn = _DecodeMeta(slots, key_positions, batch.seq_lens - 1, valid)
             return
-        ranges, slots, positions, start = [], [], [], 0
+        ranges: list[tuple[int, int]] = []
+        req_slots: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        start = 0
         for i, (seq_len, extend_len) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
             ranges.append((start, start + extend_len))
-            slots.append(table[batch.req_rows[i], :seq_len])
+            req_slots.append(table[batch.req_rows[i], :seq_len])
             positions.append(torch.arange(seq_len - extend_len, seq_len, device=table.device))
             start += extend_len
-        batch.attn = _ExtendMeta(ranges, slots, positions)
+        batch.attn = _ExtendMeta(ranges, req_slots, positions)
 
     def forward(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         self.kv_pool.write(layer.layer_id, batch.out_cache_loc, k, v)

@@ -415,16 +415,21 @@ class BootstrapService:
             self.client = BootstrapClient(
                 self.emit, request.engine, request.ranks, request.heartbeat_s, request.dead_after_s
             )
-        elif isinstance(request, PostRoom):
+        elif isinstance(request, PostRoom | CancelRoom | ForgetRoom | StillQueued):
+            self._handle_room(request)
+        else:
+            raise TypeError(f"not a bootstrap request: {request!r}")
+
+    def _handle_room(self, request: PostRoom | CancelRoom | ForgetRoom | StillQueued) -> None:
+        assert self.client is not None, "ConnectBootstrap comes before any room request"
+        if isinstance(request, PostRoom):
             self.client.post(request.room, request.address, list(request.slots))
         elif isinstance(request, CancelRoom):
             self.client.cancel(request.room, request.address, request.reason)
         elif isinstance(request, ForgetRoom):
             self.client.forget(request.room, request.address)
-        elif isinstance(request, StillQueued):
-            self.client.still_queued(request.address, list(request.rooms))
         else:
-            raise TypeError(f"not a bootstrap request: {request!r}")
+            self.client.still_queued(request.address, list(request.rooms))
 
     def close(self) -> None:
         if self.server is not None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
 from kubesgl.engine.disagg.link import BootstrapLink
 from kubesgl.engine.disagg.protocol import (
+    BootstrapFact,
     CancelRoom,
     CancelUnknown,
     ConnectBootstrap,
@@ -130,7 +131,7 @@ class DecodeTransfers:
 
     def poll(self) -> list[DecodeOutcome]:
         """Applies what every rank saw since the last turn. A collective on more than one rank."""
-        local: list[DecodeFact] = [
+        local: list[DecodeFact | BootstrapFact] = [
             NoteArrived(self.consensus.rank, RoomNote.decode(m)) for m in self.agent.notifications()
         ]
         if self.link is not None:
@@ -152,7 +153,7 @@ class DecodeTransfers:
             outcomes += self._apply(fact)
         return outcomes
 
-    def _apply(self, fact: DecodeFact) -> list[DecodeOutcome]:
+    def _apply(self, fact: DecodeFact | BootstrapFact) -> list[DecodeOutcome]:
         if isinstance(fact, NoteArrived):
             return self._note(fact)
         if isinstance(fact, KVTimedOut):

@@ -60,6 +60,7 @@ class LocalLink(BootstrapLink):
     @property
     def port(self) -> int:
         """The bootstrap server's port (prefill role)."""
+        assert self.service.server is not None, "ServeBootstrap comes first"
         return self.service.server.port
 
     def close(self) -> None:

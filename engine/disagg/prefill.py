@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, Transfer, TransferError
 from kubesgl.engine.disagg.link import BootstrapLink
 from kubesgl.engine.disagg.protocol import (
+    BootstrapFact,
     FailureReason,
     PeerRegistered,
     RoomCancelled,
@@ -129,7 +130,9 @@ class PrefillTransfers:
             int, float
         ] = {}  # rank 0: when a decode engine last said it queued the room
         self._writes: dict[int, tuple[Transfer, float]] = {}  # this rank's writes in flight
-        self._local: list[PrefillFact] = []  # this rank's facts for the next turn
+        # this rank's facts for the next turn; facts the bootstrap link brings that are not the
+        # prefill side's (the decode side's PostFailed...) are ignored
+        self._local: list[PrefillFact | BootstrapFact] = []
 
     # -- the scheduler's side ----------------------------------------------------------
     def closed(self, room: int) -> str | None:
@@ -191,7 +194,7 @@ class PrefillTransfers:
         self._start_writes()
         return outcomes
 
-    def _apply(self, fact: PrefillFact) -> list[PrefillOutcome]:
+    def _apply(self, fact: PrefillFact | BootstrapFact) -> list[PrefillOutcome]:
         if isinstance(fact, PeerRegistered):
             self._connect(fact)
         elif isinstance(fact, RoomPosted):
@@ -280,7 +283,13 @@ class PrefillTransfers:
 
     def _start_writes(self) -> None:
         for room, state in self._rooms.items():
-            if state.started or state.src_slots is None or state.target is None:
+            # src_slots and note are set together, once the prompt is prefilled
+            if (
+                state.started
+                or state.src_slots is None
+                or state.note is None
+                or state.target is None
+            ):
                 continue
             state.started, state.writing = True, set(range(self.consensus.tp_size))
             state.waited = time.monotonic() - state.prefilled_at
@@ -306,7 +315,9 @@ class PrefillTransfers:
         ended = []
         now = time.monotonic()
         for room, (transfer, started_at) in list(self._writes.items()):
-            engine = self._rooms[room].target.engine
+            target = self._rooms[room].target
+            assert target is not None  # a write starts only once the decode engine posted the room
+            engine = target.engine
             try:
                 done = self.agent.done(transfer)
             except RuntimeError as exc:

@@ -23,7 +23,7 @@ class TensorParallelGroup:
     control: dist.ProcessGroup | None = None
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
     ) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(tensor, op=op)

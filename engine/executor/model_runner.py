@@ -103,13 +103,13 @@ class ModelRunner:
             logits = self.model(input_ids, batch.positions, batch, backend)
         sample = self.sampler(logits, batch.sampling, batch.req_rows, batch.emits)
         self.future_tokens[batch.future_slots] = sample.token_ids
-        outputs = {
+        optional = {
             "token_ids": sample.token_ids,
             "logprobs": sample.logprobs,
             "top_ids": sample.top_ids,
             "top_logprobs": sample.top_logprobs,
         }
-        outputs = {name: tensor for name, tensor in outputs.items() if tensor is not None}
+        outputs = {name: tensor for name, tensor in optional.items() if tensor is not None}
         if self.device.type != "cuda":
             return PendingStep(outputs, None)
         host = {

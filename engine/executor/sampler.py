@@ -31,32 +31,35 @@ class PenaltyState:
         self._output_counts: torch.Tensor | None = None  # [rows, vocab] int32
         self._seen: torch.Tensor | None = None  # [rows, vocab] bool: in the prompt or the output
 
-    def _ensure(self) -> None:
-        if self._output_counts is None:  # allocated on first use: most deployments never penalise
+    def _ensure(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output counts and the seen mask, allocated on first use: most deployments never
+        penalise."""
+        if self._output_counts is None or self._seen is None:
             self._output_counts = torch.zeros(
                 self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device
             )
             self._seen = torch.zeros(
                 self.num_rows, self.vocab_size, dtype=torch.bool, device=self.device
             )
+        return self._output_counts, self._seen
 
     def reset(self, resets: list[tuple[int, list[int], list[int]]]) -> None:
-        self._ensure()
+        output_counts, seen = self._ensure()
         for row, prompt, outputs in resets:
-            self._output_counts[row].zero_()
-            self._seen[row].zero_()
-            self._seen[row, torch.tensor(prompt, dtype=torch.int64, device=self.device)] = True
+            output_counts[row].zero_()
+            seen[row].zero_()
+            seen[row, torch.tensor(prompt, dtype=torch.int64, device=self.device)] = True
             if outputs:
                 ids = torch.tensor(outputs, dtype=torch.int64, device=self.device)
-                self._output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-                self._seen[row, ids] = True
+                output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+                seen[row, ids] = True
 
     def apply(
         self, logits: torch.Tensor, rows: torch.Tensor, penalties: PenaltyBatch
     ) -> torch.Tensor:
-        self._ensure()
-        counts = self._output_counts[rows].float()
-        seen = self._seen[rows]
+        output_counts, seen_rows = self._ensure()
+        counts = output_counts[rows].float()
+        seen = seen_rows[rows]
         rep = penalties.repetition.unsqueeze(1)
         # Repetition penalty (CTRL): shrink the logit of every token already seen.
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
@@ -64,9 +67,10 @@ class PenaltyState:
         return logits - penalties.presence.unsqueeze(1) * (counts > 0).float()
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, emits: torch.Tensor) -> None:
+        output_counts, seen = self._ensure()
         rows, tokens = rows[emits], tokens[emits]
-        self._output_counts[rows, tokens] += 1
-        self._seen[rows, tokens] = True
+        output_counts[rows, tokens] += 1
+        seen[rows, tokens] = True
 
 
 def top_k_top_p_min_p_mask(

@@ -31,6 +31,11 @@ class TreeNode:
         self.last_access = next(_clock)
 
 
+def _parent(node: TreeNode) -> TreeNode:
+    assert node.parent is not None  # every node but the root has one
+    return node.parent
+
+
 @dataclass(frozen=True)
 class PrefixMatch:
     slots: list[int]
@@ -147,7 +152,7 @@ class RadixCache:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
             node.lock_ref += 1
-            node = node.parent
+            node = _parent(node)
 
     def unlock(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -157,7 +162,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
                 self.protected_size -= len(node.key)
-            node = node.parent
+            node = _parent(node)
 
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` tokens of unlocked leaves, least recently used first."""
@@ -200,7 +205,7 @@ class RadixCache:
         for node in locked_nodes:
             while node is not self.root:
                 expected[id(node)] += 1
-                node = node.parent
+                node = _parent(node)
         evictable = protected = 0
         for node in self._nodes():
             if node.lock_ref != expected[id(node)]:
@@ -209,7 +214,7 @@ class RadixCache:
                 )
             if len(node.key) != len(node.slots) or not node.key or len(node.key) % self.page_size:
                 raise CacheIntegrityError("node key and slots disagree or are not page-aligned")
-            if node.parent.children.get(self._page_key(node.key)) is not node:
+            if _parent(node).children.get(self._page_key(node.key)) is not node:
                 raise CacheIntegrityError(
                     "node is not reachable from its parent under its first page"
                 )

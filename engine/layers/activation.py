@@ -1,16 +1,20 @@
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from kubesgl.engine.layers.kernels import LayerKernels
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 
 
-def gated_activation(name: str, kernels: LayerKernels = "torch"):
+def gated_activation(
+    name: str, kernels: LayerKernels = "torch"
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """act(gate) * up over a tensor whose last dimension is [gate | up]; silu in one Triton
     kernel with `kernels="triton"`."""
     if name not in _ACTIVATIONS:

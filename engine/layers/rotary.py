@@ -17,12 +17,14 @@ from kubesgl.engine.model_config import RopeConfig
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
-    low_freq_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
-    high_freq_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+    original = rope.original_max_position_embeddings
+    assert original is not None  # the config parser sets it for llama3 and yarn
+    low_freq_wavelen = original / rope.low_freq_factor
+    high_freq_wavelen = original / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
     # Between the two wavelengths, interpolate smoothly between scaled and unscaled.
-    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+    smooth = (original / wavelen - rope.low_freq_factor) / (
         rope.high_freq_factor - rope.low_freq_factor
     )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
@@ -36,6 +38,8 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     factor, base = rope.factor, rope.theta
+    original = rope.original_max_position_embeddings
+    assert original is not None  # the config parser sets it for llama3 and yarn
     if rope.attention_factor is not None:
         attention_factor = float(rope.attention_factor)
     elif rope.mscale and rope.mscale_all_dim:
@@ -46,11 +50,7 @@ def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
         attention_factor = _yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
-        return (
-            dim
-            * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
-            / (2 * math.log(base))
-        )
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
     if rope.truncate:
@@ -97,6 +97,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq, scale = rope_inv_freq(head_dim, rope)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", (freqs.cos() * scale).to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * scale).to(device), persistent=False)
 

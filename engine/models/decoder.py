@@ -5,6 +5,7 @@ RMS norms on q and k, sliding windows, and a sparse MoE block in place of the ML
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -80,7 +81,7 @@ class Attention(nn.Module):
         q = q.view(-1, spec.num_heads, spec.head_dim)
         k = k.view(-1, spec.num_kv_heads, spec.head_dim)
         v = v.view(-1, spec.num_kv_heads, spec.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = backend.forward(q, k, v, spec, batch)
@@ -187,6 +188,7 @@ class CausalLM(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, batch, backend)
+        assert residual is not None  # set by the first layer
         if batch.mode is not ForwardMode.DECODE:  # logits of each request's last new token only
             last = torch.tensor(batch.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
             hidden, residual = hidden[last], residual[last]
@@ -194,7 +196,7 @@ class CausalLM(nn.Module):
         return self.lm_head.logits(hidden)
 
     def attention_specs(self) -> list[AttentionLayerSpec]:
-        return [layer.self_attn.spec for layer in self.layers]
+        return [cast(DecoderLayer, layer).self_attn.spec for layer in self.layers]
 
     # -- weights ---------------------------------------------------------------------
     _STACKED = {  # checkpoint projection -> (fused parameter, shard)
@@ -222,7 +224,7 @@ class CausalLM(nn.Module):
                 fused, shard = self._STACKED[parts[-2]]
                 target = ".".join(parts[:-2] + [fused, parts[-1]])
                 param = self._param(params, target, name)
-                param.weight_loader(param, tensor, shard)
+                param.weight_loader(param, tensor, shard)  # type: ignore[attr-defined]  # _attach_loader
                 loaded.add(f"{target}#{shard}")
             else:
                 param = self._param(params, name, name)
@@ -262,6 +264,7 @@ class CausalLM(nn.Module):
         if name.endswith((".w13", ".w2")):
             prefix = name.rsplit(".", 1)[0] + ".experts"
             projections = ["down_proj"] if name.endswith(".w2") else ["gate_proj", "up_proj"]
+            assert self.config.moe is not None  # expert weights exist in MoE models only
             num_experts = self.config.moe.num_experts
             return {f"{prefix}.{e}.{p}" for e in range(num_experts) for p in projections}
         if ".qkv_proj." in name:

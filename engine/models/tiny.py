@@ -126,6 +126,7 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, head_dim: int
     tokenizer = train_tokenizer()
     eos = tokenizer.token_to_id("<|im_end|>")
     endoftext = tokenizer.token_to_id("<|endoftext|>")
+    assert eos is not None  # one of train_tokenizer's special tokens
     raw = tiny_config(arch, tokenizer.get_vocab_size(), eos, head_dim)
     config = parse_model_config(raw)
     tensors = {

@@ -84,10 +84,7 @@ class BatchBuilder:
 
     @staticmethod
     def _decode_rows(reqs: list[Req]) -> _Rows:
-        input_ids = [
-            req.output_ids[-1] if len(req.output_ids) == req.outputs_scheduled else -req.future_slot
-            for req in reqs
-        ]
+        input_ids = [_decode_input(req) for req in reqs]
         positions = [req.num_scheduled for req in reqs]
         return _Rows(list(reqs), [1] * len(reqs), [True] * len(reqs), input_ids, positions)
 
@@ -102,12 +99,16 @@ class BatchBuilder:
             prefill.input_ids + decode.input_ids,
             prefill.positions + decode.positions,
         )
-        out_cache_loc, seq_lens, rows, cols, slots = [], [], [], [], []
+        out_cache_loc: list[int] = []
+        seq_lens: list[int] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        slots: list[int] = []
         for req, n in zip(reqs, lens):
             out_cache_loc += self.kv.grow(req, n)
             req.num_scheduled += n
             seq_lens.append(req.num_scheduled)
-            rows += [req.row] * (req.num_scheduled - req.table_len)
+            rows += [req.table_row] * (req.num_scheduled - req.table_len)
             cols += range(req.table_len, req.num_scheduled)
             slots += req.slots[req.table_len : req.num_scheduled]
             req.table_len = req.num_scheduled
@@ -124,7 +125,7 @@ class BatchBuilder:
             input_ids=as_long(input_ids),
             positions=as_long(positions),
             out_cache_loc=as_long(out_cache_loc),
-            req_rows=as_long([req.row for req in reqs]),
+            req_rows=as_long([req.table_row for req in reqs]),
             seq_lens=as_long(seq_lens),
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=list(lens),
@@ -154,7 +155,7 @@ class BatchBuilder:
             # A row's state starts from its request's tokens the first time a batch with
             # penalties holds it: the prompt, and the first token where another engine sampled it.
             resets = [
-                (req.row, req.prompt_ids, list(req.output_ids))
+                (req.table_row, req.prompt_ids, list(req.output_ids))
                 for req in reqs
                 if not req.penalties_ready
             ]
@@ -189,3 +190,12 @@ class BatchBuilder:
             if any(r.grammar for r in reqs)
             else None,
         )
+
+
+def _decode_input(req: Req) -> int:
+    """The token a decode step feeds: the newest output, or, while the step that samples it is
+    in flight, minus its future slot (the model runner reads the token from there)."""
+    if len(req.output_ids) == req.outputs_scheduled:
+        return req.output_ids[-1]
+    assert req.future_slot is not None  # set when the step in flight was scheduled
+    return -req.future_slot

@@ -111,7 +111,7 @@ class Engine:
             config.load_format,
             config.seed,
         )
-        attn = self.model.layers[0].self_attn.spec
+        attn = self.model.attention_specs()[0]
 
         page = config.page_size
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype

@@ -156,6 +156,7 @@ class KVManager:
         match = self.radix.match_prefix(tokens)
         cached = len(match.slots)  # n, or 0 where the cache keeps nothing
         self.radix.lock(match.node)
+        assert req.last_node is not None  # set at admission, with the row
         self.radix.unlock(req.last_node)
         req.slots[:cached] = match.slots
         req.last_node, req.num_cached = match.node, cached
@@ -183,6 +184,7 @@ class KVManager:
             if aligned > req.num_cached:
                 self._insert(req, tokens[:aligned])
             self._free_slots(req.slots[req.num_cached :])
+            assert req.last_node is not None  # set at admission, with the row
             self.radix.unlock(req.last_node)
             self.reserved_pages -= req.reserved_pages
             self._free_rows.append(req.row)
@@ -199,6 +201,10 @@ class KVManager:
     def check_integrity(self, live: Iterable[Req]) -> None:
         """Every page and row accounted for exactly once; the tree's locks match the requests."""
         live = [r for r in live if r.row is not None]
+        held_rows = [r.row for r in live if r.row is not None]
+        locked_nodes = [r.last_node for r in live if r.last_node is not None]
+        if len(locked_nodes) != len(live):
+            raise CacheIntegrityError("a request holds a table row but no radix node")
         p = self.page_size
         owners: dict[int, str] = {}
 
@@ -214,7 +220,7 @@ class KVManager:
             (pg for pg in range(1, self.allocator.num_pages) if self.allocator.is_free(pg)),
             "the free list",
         )
-        self.radix.check_integrity([r.last_node for r in live])
+        self.radix.check_integrity(locked_nodes)
         claim(self.radix.cached_pages(), "the radix cache")
         for req in live:
             claim((s // p for s in req.slots[req.num_cached :: p]), f"request {req.rid}")
@@ -225,6 +231,6 @@ class KVManager:
             )
         if self.reserved_pages != sum(r.reserved_pages for r in live):
             raise CacheIntegrityError("reserved page count differs from the requests' reservations")
-        rows = sorted(self._free_rows + [r.row for r in live])
+        rows = sorted(self._free_rows + held_rows)
         if rows != list(range(self.num_rows)):
             raise CacheIntegrityError("request table rows lost or held twice")

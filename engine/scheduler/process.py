@@ -134,6 +134,7 @@ class SchedulerLoop:
             while self.inbox.poll(0):
                 message = self.inbox.recv_pyobj()
                 if isinstance(message, BootstrapFact):
+                    assert self.link is not None  # only P/D engines have a bootstrap process
                     self.link.deliver(
                         message
                     )  # rank 0's own: the KV transfers share it with every rank

@@ -77,6 +77,19 @@ class Req:
         return len(self.prompt_ids)
 
     @property
+    def max_tokens(self) -> int:
+        """params.max_tokens, which the scheduler sets when the request arrives (the
+        default where the request left it unset)."""
+        assert self.params.max_tokens is not None, "the scheduler resolves max_tokens"
+        return self.params.max_tokens
+
+    @property
+    def table_row(self) -> int:
+        """`row`, of a request holding one (admitted, its KV not given back)."""
+        assert self.row is not None, f"request {self.rid} holds no table row"
+        return self.row
+
+    @property
     def finished(self) -> bool:
         return self.status in (ReqStatus.FINISHED, ReqStatus.RELEASED)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
+from typing import cast
 
 import torch.distributed as dist
 
@@ -122,11 +123,11 @@ class MixedRole:
         retracts a request when that guess proves short."""
         if req.bootstrap is not None:
             return self._kv_tokens(req)
-        remaining = req.params.max_tokens - len(req.output_ids)
+        remaining = req.max_tokens - len(req.output_ids)
         return req.fill_len + self.kv.estimate.outputs(remaining) - 1
 
     def _kv_tokens(self, req: Req) -> int:
-        return self.kv_tokens(req.prompt_len, req.params.max_tokens, req.bootstrap is not None)
+        return self.kv_tokens(req.prompt_len, req.max_tokens, req.bootstrap is not None)
 
     def prompt_done(self, req: Req, token: int, logprob: TokenLogprob | None) -> bool:
         """The prompt is computed and `token` sampled. True: the role keeps the request."""
@@ -183,12 +184,13 @@ class _RoomRole(MixedRole):
     def can_release(self, req: Req) -> bool:
         if req.bootstrap is None:
             return True
-        if self._busy(req):
+        if self._busy(req.bootstrap.room):
             return False
         self.rooms.pop(req.bootstrap.room, None)
         return True
 
-    def _busy(self, req: Req) -> bool:
+    def _busy(self, room: int) -> bool:
+        """Whether the room's slots may still be written to or read (its request waits)."""
         raise NotImplementedError
 
     def _failed(
@@ -273,6 +275,7 @@ class PrefillRole(_RoomRole):
                 self._kv_waits.append(outcome.waited)
                 events.append(KVSent(req))
             else:
+                assert outcome.error is not None and outcome.reason is not None  # not ok: both set
                 events.append(self._failed(req, outcome.error, outcome.reason))
         return events
 
@@ -293,8 +296,8 @@ class PrefillRole(_RoomRole):
             room, reason, f"the prefill engine ended the request: {message or reason.value}"
         )
 
-    def _busy(self, req: Req) -> bool:
-        return self.transfers.busy(req.bootstrap.room)
+    def _busy(self, room: int) -> bool:
+        return self.transfers.busy(room)
 
     def close(self) -> None:
         self.transfers.close()
@@ -355,6 +358,7 @@ class DecodeRole(_RoomRole):
             if outcome.note is not None:
                 self._kv_waits.append(outcome.waited)
                 note = outcome.note
+                assert note.first_token is not None  # a DONE note carries the first token
                 logprob = (
                     TokenLogprob(note.first_token, note.logprob, list(note.top_logprobs))
                     if req.params.logprobs is not None and note.logprob is not None
@@ -362,6 +366,7 @@ class DecodeRole(_RoomRole):
                 )
                 events.append(KVArrived(req, note.first_token, logprob, note.cached_tokens))
             elif outcome.error is not None:
+                assert outcome.reason is not None  # set with the error
                 if not outcome.released:
                     self._held.add(outcome.room)
                 events.append(
@@ -386,8 +391,8 @@ class DecodeRole(_RoomRole):
             self._held.add(req.bootstrap.room)
             self.transfers.cancel(req.bootstrap.room, message)
 
-    def _busy(self, req: Req) -> bool:
-        return req.bootstrap.room in self._held
+    def _busy(self, room: int) -> bool:
+        return room in self._held
 
     def close(self) -> None:
         self.transfers.close()
@@ -424,6 +429,6 @@ def create_role(
     if tp.size > 1:
         gathered: list[RankAgent | None] = [None] * tp.size
         dist.all_gather_object(gathered, ranks[0], group=tp.control)
-        ranks = list(gathered)
+        ranks = cast(list[RankAgent], gathered)  # all_gather_object filled every entry
     connect = ConnectBootstrap(f"decode-{uuid.uuid4().hex[:12]}", tuple(ranks))
     return DecodeRole(kv, DecodeTransfers(agent, consensus, link, timeout, connect))

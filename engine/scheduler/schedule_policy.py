@@ -41,8 +41,9 @@ def dfs_weight(waiting: list[Req], cache: RadixCache) -> list[Req]:
     at_node: dict[TreeNode, list[Req]] = defaultdict(list)
     weight: Counter[TreeNode] = Counter()
     for req in waiting:
-        node: TreeNode | None = cache.peek_prefix(req.fill_ids()[:-1])[1]
-        at_node[node].append(req)
+        leaf = cache.peek_prefix(req.fill_ids()[:-1])[1]
+        at_node[leaf].append(req)
+        node: TreeNode | None = leaf
         while node is not None:
             weight[node] += 1
             node = node.parent

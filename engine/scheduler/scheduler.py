@@ -124,6 +124,7 @@ class Scheduler:
         if params.grammar is None:
             self.waiting.append(req)
             return
+        assert self.grammars is not None  # validate() refuses grammars without a backend
         req.grammar_compiling = self.grammars.compile(params.grammar)
         if self.wait_for_grammars:
             req.grammar_compiling.exception()  # blocks; the outcome is handled right below
@@ -133,10 +134,12 @@ class Scheduler:
         """Queue the requests whose grammar is compiled; end those whose grammar cannot be."""
         outputs, still = [], []
         for req in self.compiling:
-            if not req.grammar_compiling.done():
+            future = req.grammar_compiling
+            assert future is not None  # set before the request joined self.compiling
+            if not future.done():
                 still.append(req)
                 continue
-            future, req.grammar_compiling = req.grammar_compiling, None
+            req.grammar_compiling = None
             if (error := future.exception()) is not None:
                 param = getattr(error, "param", None)
                 status = getattr(error, "status", 500)
@@ -287,7 +290,7 @@ class Scheduler:
 
     # -- scheduling --------------------------------------------------------------------
     def _schedule(self) -> ScheduledBatch | None:
-        ready = [r for r in self.decoding if r.outputs_scheduled < r.params.max_tokens]
+        ready = [r for r in self.decoding if r.outputs_scheduled < r.max_tokens]
         mixing = self.limits.mixed_chunk and bool(ready)
         if mixing:
             ready = self._fit_decode(ready)
@@ -483,7 +486,7 @@ class Scheduler:
                 return FinishReason("stop", matched_token=token)
         if params.stop and (matched := self.stop_checker.match(req)) is not None:
             return FinishReason("stop", matched_str=matched)
-        if len(req.output_ids) >= params.max_tokens:
+        if len(req.output_ids) >= req.max_tokens:
             return FinishReason("length")
         return None
 
@@ -494,7 +497,7 @@ class Scheduler:
             and req.finish_reason.kind in ("stop", "length")
         ):
             self.kv.estimate.finished(
-                len(req.output_ids), req.params.max_tokens
+                len(req.output_ids), req.max_tokens
             )  # what the estimate is for
         if req in self.prefilling:
             self.prefilling.remove(req)

@@ -9,9 +9,9 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,7 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.messages import BootstrapTarget, FinishReason, TextOutput, TokenizeRequest
+from kubesgl.engine.messages import (
+    BootstrapTarget,
+    EngineInfo,
+    FinishReason,
+    TextOutput,
+    TokenizeRequest,
+)
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 from kubesgl.engine.server import tool_calls
 from kubesgl.engine.server.access import AccessRecord, RequestAccounting
@@ -141,21 +147,22 @@ def document_errors_as_answered(app: FastAPI) -> None:
     OpenAI's error body: say so in the served OpenAPI schema."""
     generate = app.openapi
 
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = generate()
-            for operations in schema["paths"].values():
-                for operation in operations.values():
-                    if operation.get("responses", {}).pop("422", None) is not None:
-                        operation["responses"]["400"] = {
-                            "description": "Bad request (OpenAI's error body)",
-                            "content": {"application/json": {"schema": ERROR_SCHEMA}},
-                        }
-            for unused in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(unused, None)
-        return app.openapi_schema
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()  # FastAPI's: also keeps it as app.openapi_schema
+        for operations in schema["paths"].values():
+            for operation in operations.values():
+                if operation.get("responses", {}).pop("422", None) is not None:
+                    operation["responses"]["400"] = {
+                        "description": "Bad request (OpenAI's error body)",
+                        "content": {"application/json": {"schema": ERROR_SCHEMA}},
+                    }
+        for unused in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        return schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented customisation
 
 
 def sse(payload: dict | str) -> str:
@@ -185,10 +192,12 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     document_errors_as_answered(app)
     app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
     app.add_middleware(RequestAccounting, metrics=client.metrics)  # outermost: sees the 413 too
-    app.add_exception_handler(RequestValidationError, _invalid)
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Exception, _crash)
+    # (FastAPI's exception_handler accepts handlers typed for their exception class; Starlette's
+    # add_exception_handler, which it calls, is typed for Exception only)
+    app.exception_handler(RequestValidationError)(_invalid)
+    app.exception_handler(APIError)(_api_error)
+    app.exception_handler(StarletteHTTPException)(_http_error)
+    app.exception_handler(Exception)(_crash)
     app.include_router(health_routes)
     add_sglang_routes(app, client, state.config, state.served_model_name, [Depends(authorized)])
     app.include_router(api_routes)
@@ -239,9 +248,15 @@ def serving(ctx: Served, model: str | None = None) -> None:
         )
 
 
+def engine_info(ctx: Served) -> EngineInfo:
+    info = ctx.client.info
+    assert info is not None  # sent with `ready`, before which serving() answers 503
+    return info
+
+
 def validated(ctx: Served, params: SamplingParams) -> SamplingParams:
     try:
-        params.validate(ctx.client.info.vocab_size)
+        params.validate(engine_info(ctx).vocab_size)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
     return params
@@ -257,7 +272,7 @@ def within_limits(
         check_sequences(config, prompts, n)
         check_stop_strings(config, params)
         for chars, param in texts:
-            check_prompt_chars(config, ctx.client.info.context_length, chars, param)
+            check_prompt_chars(config, engine_info(ctx).context_length, chars, param)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
 
@@ -308,12 +323,17 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         mode, named = body.tool_mode()
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if mode != "none" else None
+    tools = None
+    if mode != "none":
+        assert body.tools is not None  # tool_mode refuses a tool_choice without tools
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
     if mode == "required":
+        assert tools is not None
         params = dataclasses.replace(
             params, grammar=tool_calls.required_grammar(tools, body.parallel_tool_calls)
         )
     elif mode == "named":
+        assert named is not None  # tool_mode returns the named tool in "named" mode
         params = dataclasses.replace(params, grammar=tool_calls.named_grammar(named))
     params = validated(ctx, params)
     tool_output = ToolOutput(
@@ -492,7 +512,9 @@ async def respond(
 
 
 async def collect_all(streams, firsts: list[TextOutput], choices: list[Choice]) -> None:
-    async def one(stream: AsyncIterator[TextOutput], first: TextOutput, choice: Choice) -> None:
+    async def one(
+        stream: AsyncGenerator[TextOutput, None], first: TextOutput, choice: Choice
+    ) -> None:
         choice.add(first)
         try:
             async for out in stream:
@@ -514,7 +536,7 @@ async def stream_events(
 ) -> AsyncIterator[str]:
     queue: asyncio.Queue[tuple[int, TextOutput | None]] = asyncio.Queue()
 
-    async def pump(index: int, stream: AsyncIterator[TextOutput], first: TextOutput) -> None:
+    async def pump(index: int, stream: AsyncGenerator[TextOutput, None], first: TextOutput) -> None:
         try:
             queue.put_nowait((index, first))
             async for out in stream:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 import zmq
@@ -100,9 +100,9 @@ class EngineClient:
         if out.queue_seconds is not None and out.prefill_seconds is not None:
             self.metrics.scheduled(out.queue_seconds, out.prefill_seconds)
         if out.token_ids:
-            first = pending.last_token is None
+            last = pending.last_token
             self.metrics.tokens(
-                len(out.token_ids), now - (pending.arrival if first else pending.last_token), first
+                len(out.token_ids), now - (pending.arrival if last is None else last), last is None
             )
             pending.last_token = now
             pending.first_token = pending.first_token or now
@@ -140,7 +140,7 @@ class EngineClient:
             )
         self._stats_logged_at, self._tokens_since_log = now, 0
 
-    def generate(self, request: TokenizeRequest) -> AsyncIterator[TextOutput]:
+    def generate(self, request: TokenizeRequest) -> AsyncGenerator[TextOutput, None]:
         """Outputs of one request until it finishes. The request id is taken at once (a
         duplicate raises DuplicateRequestId); leaving early, or `close`, aborts the request."""
         if request.rid in self._pending:
@@ -150,7 +150,7 @@ class EngineClient:
 
     async def _outputs(
         self, request: TokenizeRequest, pending: _Pending
-    ) -> AsyncIterator[TextOutput]:
+    ) -> AsyncGenerator[TextOutput, None]:
         try:
             await self._to_tokenizer.send_pyobj(request)
             pending.sent = True

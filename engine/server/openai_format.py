@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kubesgl.engine.messages import FinishReason, TextOutput
 from kubesgl.engine.server import tool_calls
@@ -36,6 +37,14 @@ class Choice:
 
 
 def logprob_entries(out: TextOutput) -> list[dict]:
+    # the detokenizer fills these together with logprobs
+    assert (
+        out.logprobs is not None
+        and out.token_strings is not None
+        and out.token_bytes is not None
+        and out.top_strings is not None
+        and out.top_bytes is not None
+    )
     return [
         {
             "token": token,
@@ -103,6 +112,7 @@ class ToolOutput:
     def split(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
         """(content, calls) of a whole answer."""
         if self.mode == "named":
+            assert self.name is not None  # the "named" mode names its function
             return None, [tool_calls.ToolCall(self.name, text)]
         if self.mode == "required":
             try:
@@ -146,7 +156,7 @@ def chat_formatter(
                 if c.finish_reason != "length" or tools.mode == "auto"
                 else (c.text, [])
             )
-            message = {"role": "assistant", "content": content}
+            message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = [call.as_openai() for call in calls]
             answers.append(
@@ -183,7 +193,9 @@ def chat_formatter(
         logprobs = {"content": logprob_entries(out)} if want_logprobs and out.logprobs else None
         reason = out.finish_reason.kind if out.finish_reason else None
         if tools.mode == "none":
-            delta = {"content": out.text} if out.text or out.finish_reason is None else {}
+            delta: dict[str, Any] = (
+                {"content": out.text} if out.text or out.finish_reason is None else {}
+            )
             return chunk_of(
                 [
                     {
@@ -195,11 +207,11 @@ def chat_formatter(
                 ]
             )
         done = sent.get(choice.index, 0)
-        calls = []
+        calls: list[tool_calls.ToolCall] = []
         if reason is None:
             upto = max(done, tools.held_from(choice.text))
         else:  # the whole answer: what was held back is content, or calls with the content before them
-            _, calls = (
+            _content, calls = (
                 tools.split(choice.text)
                 if reason != "length" or tools.mode == "auto"
                 else (choice.text, [])

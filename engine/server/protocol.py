@@ -4,7 +4,7 @@ accepted and ignored, as OpenAI does; wrong types and out-of-range values are 40
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (
     AfterValidator,
@@ -156,6 +156,7 @@ class ResponseFormat(_Lenient):
 
     def grammar(self) -> GrammarSpec | None:
         if self.type == "json_schema":
+            assert self.json_schema is not None  # _schema_given
             return GrammarSpec(
                 "json_schema", json.dumps(self.json_schema.schema_), param="response_format"
             )
@@ -237,7 +238,7 @@ class ChatMessage(_Lenient):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message = {
+        message: dict[str, Any] = {
             "role": "system" if self.role == "developer" else self.role,
             "content": content or "",
         }
@@ -347,7 +348,8 @@ class CompletionRequest(_SamplingFields):
             return [p]
         if p and isinstance(p[0], int):
             return [p]  # one prompt given as token ids
-        return list(p)
+        # a list of strings or of token id lists (mypy does not narrow a list by its first item)
+        return cast(list[str] | list[list[int]], list(p))
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(self.max_tokens, self.logprobs)

@@ -112,6 +112,7 @@ class Supervisor:
                 deadlines[replica] = self.clock() + replica.process.stop_timeout_s
             while deadlines:
                 for replica, deadline in list(deadlines.items()):
+                    assert replica.popen is not None  # only started replicas have a deadline
                     if (
                         replica.popen.poll() is not None
                         or force.is_set()

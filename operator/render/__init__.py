@@ -39,8 +39,9 @@ def render(isvc: InferenceService) -> list[Object]:
     for role, block in roles.items():
         objects.append(engine_deployment(isvc, role, block))
     objects.append(router_deployment(isvc))
-    for role in [*roles, contract.ROUTER]:
-        objects.append(pod_disruption_budget(isvc, role))
+    pod_roles: list[contract.PodRole] = [*roles, contract.ROUTER]
+    for pod_role in pod_roles:
+        objects.append(pod_disruption_budget(isvc, pod_role))
     for role in roles:
         scaler = autoscaler(isvc, role)
         if scaler is not None:

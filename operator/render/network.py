@@ -20,7 +20,10 @@ from kubesgl.operator import naming
 from kubesgl.operator.render.common import Object, metadata
 from kubesgl.operator.spec import InferenceService, LabelSelector, NetworkPeer
 
-_PARTNER = {contract.PREFILL: contract.DECODE, contract.DECODE: contract.PREFILL}
+_PARTNER: dict[contract.EngineRole, contract.EngineRole] = {
+    contract.PREFILL: contract.DECODE,
+    contract.DECODE: contract.PREFILL,
+}
 
 
 def _tcp(port: int) -> list[Object]:

@@ -48,9 +48,9 @@ def router_args(isvc: InferenceService) -> list[str]:
         "--balance-rel-threshold": router.balance_rel_threshold,
         "--pd-min-prefill-tokens": router.pd_min_prefill_tokens,
     }
-    for flag, value in options.items():
-        if value is not None:
-            args += [flag, str(value)]
+    for flag, option in options.items():
+        if option is not None:
+            args += [flag, str(option)]
     return args + list(router.extra_args)
 
 
