@@ -3,7 +3,7 @@ that finished here, instead of max_tokens (or --default-max-tokens, 4096, for a 
 sets none), which holds most of a pool empty for outputs that never come.
 
 A request whose outputs outgrow the estimate takes pages nobody has reserved; when there
-are none, the scheduler retracts a request (scheduler.py) and this estimate backs off.
+are none, the scheduler retracts requests (scheduler.py) and this estimate backs off.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class OutputEstimate:
         0.05  # never below: a burst of long answers after short ones must not retract everything
     )
     weight: float = 0.1  # of each finished request in the moving average
-    backoff: float = 1.5  # the ratio's growth on each retraction
+    backoff: float = 1.5  # the ratio's growth on each shortage that retracts requests
 
     def outputs(self, remaining: int) -> int:
         """Output tokens to reserve for a request that may still generate `remaining`."""
@@ -34,4 +34,5 @@ class OutputEstimate:
             self.ratio = max(self.floor, (1 - self.weight) * self.ratio + self.weight * observed)
 
     def retracted(self) -> None:
+        """A decode step found too few pages and requests were retracted (once per shortage)."""
         self.ratio = min(1.0, self.ratio * self.backoff)

@@ -367,14 +367,21 @@ class Scheduler:
             self._in_flight = None
             self._release_completed()
             ready = [r for r in ready if not r.finished]
+        retracted = 0
         while ready and self.kv.pages_short(ready) > 0:
             victims = [r for r in self.prefilling + self.decoding if r.bootstrap is None]
             if not victims or (len(ready) == 1 and victims == ready):
-                return []  # retracting the one request that needs the pages would gain nothing
+                ready = []  # retracting the one request that needs the pages would gain nothing
+                break
             victim = min(victims, key=self._redo_cost)
             self._retract(victim)
+            retracted += 1
             if victim in ready:
                 ready.remove(victim)
+        if retracted:
+            # one shortage, one sign the estimate is short, however many requests it took:
+            # backing off per request would compound a burst into whole reservations
+            self.kv.estimate.retracted()
         return ready
 
     @staticmethod
@@ -388,7 +395,6 @@ class Scheduler:
         self.kv.retract(req)
         req.requeue()
         self.waiting.appendleft(req)
-        self.kv.estimate.retracted()
         self._retractions += 1
         logger.debug(
             "retracted request %s after %d outputs (KV pool full)", req.rid, len(req.output_ids)

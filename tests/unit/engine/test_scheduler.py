@@ -472,3 +472,29 @@ def test_queue_and_prefill_seconds_come_with_the_first_output_only(
     # r1 waited while r0 ran all of its steps
     assert outputs["r1"][0].queue_seconds > outputs["r0"][0].queue_seconds
     assert outputs["r1"][0].queue_seconds >= outputs["r0"][0].prefill_seconds
+
+
+def test_estimate_backs_off_once_per_shortage_not_per_retracted_request(
+    tiny_model, make_llm, random_prompts
+):
+    """A shortage that retracts several requests at once is one sign that the estimate is short:
+    the ratio grows by the backoff once, not once per request, so a burst of retractions cannot
+    compound it to whole reservations."""
+
+    class CountingEstimate(OutputEstimate):
+        backoffs = 0
+
+        def retracted(self) -> None:
+            CountingEstimate.backoffs += 1
+            super().retracted()
+
+    llm = make_llm(tiny_model("llama"), page_size=16, max_total_tokens=128)
+    engine = llm.engine
+    engine.scheduler.kv.estimate = CountingEstimate(ratio=0.05, weight=0.0, backoff=1.01)
+    # prompts of one length decode in step: their next pages are all wanted at the same step
+    for i, prompt in enumerate(random_prompts(24, 16, 16, seed=21)):
+        submit(engine, f"r{i}", prompt, max_tokens=48, temperature=0, ignore_eos=True)
+    run_to_end(engine)
+    retractions = engine.scheduler.stats().retractions
+    assert 0 < CountingEstimate.backoffs < retractions
+    assert engine.scheduler.kv.estimate.ratio == pytest.approx(0.05 * 1.01**CountingEstimate.backoffs)
