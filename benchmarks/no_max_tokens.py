@@ -3,9 +3,11 @@ on the measured output estimate (optimistic admission with retraction) against r
 --default-max-tokens for each (the estimate pinned at 1: how admission worked before).
 
 Each request stops on a stop token after a length drawn around --output-median (log-normal,
-ShareGPT's spread): a first greedy run with max_tokens set finds the token each request
-produces at its length, and the measured runs stop on its first occurrence. So the outputs
-are known in advance and checked: none may be cut short or run long.
+ShareGPT's spread): a first run with max_tokens set finds the token each request produces at
+its length, and the measured runs stop on its first occurrence. So the outputs are known in
+advance and checked: none may be cut short or run long. Requests sample (temperature 1, a seed
+each), since greedy output of random weights soon repeats itself, which would put most stop
+tokens early and leave no long outputs.
 
     python benchmarks/no_max_tokens.py --model benchmarks/models/llama-3.1-8b --load-format dummy \
         --out benchmarks/results/no_max_tokens_llama8b.json
@@ -41,7 +43,7 @@ def run(
     retractions_before = engine.scheduler.stats().retractions
     for i, (prompt, stop) in enumerate(zip(prompts, stops)):
         params = SamplingParams(
-            max_tokens=None, temperature=0, ignore_eos=True, stop_token_ids=[stop]
+            max_tokens=None, temperature=1.0, seed=i, ignore_eos=True, stop_token_ids=[stop]
         )
         engine.add_request(GenerateRequest(rid=f"{mode}-{i}", input_ids=prompt, params=params))
     outputs: dict[str, list[int]] = {f"{mode}-{i}": [] for i in range(len(prompts))}
@@ -74,6 +76,9 @@ def run(
         "retractions": engine.scheduler.stats().retractions - retractions_before,
         "final_ratio": engine.scheduler.kv.estimate.ratio,
         "outputs_as_expected": sum(g == e for g, e in zip(got, expected)),
+        # an output that parted from the reference misses its stop token and runs to the cap
+        "outputs_at_cap": sum(len(g) >= engine.scheduler.limits.default_max_tokens for g in got),
+        "output_len_mean": tokens / len(got),
     }
 
 
@@ -101,7 +106,11 @@ def main() -> None:
     ]
     began = time.perf_counter()
     reference = llm.generate(
-        prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+        prompts,
+        [
+            SamplingParams(max_tokens=n, temperature=1.0, seed=i, ignore_eos=True)
+            for i, n in enumerate(lengths)
+        ],
     )
     print(f"reference run: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     stops = [out.token_ids[-1] for out in reference]

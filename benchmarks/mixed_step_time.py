@@ -1,0 +1,139 @@
+"""What one step costs while a long prompt arrives: with --num-decodes requests decoding at
+--context-len, a request of --prompt-len tokens comes in, and each step until its first token
+is timed. For each step budget (--chunk-sizes, --chunked-prefill-size), with mixed chunks
+(its chunk rides with the decodes) and without (its chunks run alone, the decodes wait), the
+median and longest step, and the decode step alone for scale.
+
+A running request's gap between two tokens (ITL) is one such step, so this is what an engine's
+ITL p99 rests on when long prompts arrive, and which budget keeps it within 2x a decode step.
+
+    python benchmarks/mixed_step_time.py --model benchmarks/models/llama-3.1-8b \\
+        --load-format dummy --attention-backend flashinfer \\
+        --out benchmarks/results/mixed_step_time_llama8b.json
+
+One engine serves every setting (its budget and mixing are set between measurements), with
+overlap off so that each step's wall time is that step's alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import time
+
+import torch
+from common import add_engine_options, make_llm, report
+
+from kubesgl.engine import SamplingParams
+from kubesgl.engine.messages import GenerateRequest
+
+
+def timed_steps(engine, until, watched: str | None = None) -> tuple[list[float], list[float]]:
+    """Step the engine until `until()` holds: the seconds each step took, and when (since the
+    first step began) each step that gave `watched` a token ended."""
+    times, tokens_at = [], []
+    start = time.perf_counter()
+    while not until():
+        begin = time.perf_counter()
+        outputs = engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        times.append(end - begin)
+        if any(out.rid == watched and out.token_ids for out in outputs):
+            tokens_at.append(end - start)
+    return times, tokens_at
+
+
+def measure(llm, args, budget: int, mixed: bool, rng: random.Random) -> dict:
+    engine = llm.engine
+    scheduler = engine.scheduler
+    scheduler.limits = dataclasses.replace(
+        scheduler.limits, chunked_prefill_size=budget, mixed_chunk=mixed
+    )
+    vocab = engine.model_config.vocab_size
+
+    def prompt(length: int) -> list[int]:
+        return [rng.randrange(10, vocab - 10) for _ in range(length)]
+
+    decodes = [f"d{budget}-{mixed}-{i}" for i in range(args.num_decodes)]
+    for rid in decodes:
+        params = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
+        engine.add_request(
+            GenerateRequest(rid=rid, input_ids=prompt(args.context_len), params=params)
+        )
+    timed_steps(engine, lambda: not scheduler.waiting and not scheduler.prefilling)
+    decode_steps, _ = timed_steps(engine, iter([False] * args.steps + [True]).__next__)
+
+    arrival = f"p{budget}-{mixed}"
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    engine.add_request(
+        GenerateRequest(rid=arrival, input_ids=prompt(args.prompt_len), params=params)
+    )
+    steps, tokens_at = timed_steps(engine, lambda: arrival not in scheduler.requests, decodes[0])
+    for rid in decodes:
+        engine.abort_request(rid)
+    timed_steps(engine, lambda: not engine.has_work())
+    scheduler.reset()
+    # a decode's longest wait for its next token: from the last token before the prompt came
+    # (time 0) to the first after, or between two tokens while the prompt was prefilled
+    marks = [0.0] + tokens_at + ([] if tokens_at and tokens_at[-1] == sum(steps) else [sum(steps)])
+    gaps = [b - a for a, b in zip(marks, marks[1:])]
+    return {
+        "budget": budget,
+        "mixed": mixed,
+        "decode_step_ms": 1000 * statistics.median(decode_steps),
+        "steps_until_first_token": len(steps),
+        "time_to_first_token_ms": 1000 * sum(steps),
+        "step_ms_median": 1000 * statistics.median(steps),
+        "step_ms_max": 1000 * max(steps),
+        "longest_decode_gap_ms": 1000 * max(gaps),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_engine_options(parser, dtype="bfloat16", attention_backend="triton")
+    parser.add_argument("--num-decodes", type=int, default=16)
+    parser.add_argument("--context-len", type=int, default=4096)
+    parser.add_argument("--prompt-len", type=int, default=4096)
+    parser.add_argument("--chunk-sizes", default="256,512,1024,2048,4096")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed alone")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    budgets = [int(size) for size in args.chunk_sizes.split(",")]
+    # enough outputs that the decodes outlast every step of one setting
+    args.decode_tokens = (
+        args.steps + args.prompt_len // max(1, min(budgets) - args.num_decodes) + 64
+    )
+    llm = make_llm(
+        args,
+        enable_mixed_chunk=True,
+        disable_overlap_schedule=True,
+        chunked_prefill_size=max(budgets),
+        max_running_requests=args.num_decodes + 1,  # the decodes and the arrival
+    )
+    rng = random.Random(0)
+    measure(llm, args, budgets[0], True, rng)  # warm-up: first-use compilation and allocation
+    runs = [measure(llm, args, budget, mixed, rng) for budget in budgets for mixed in (True, False)]
+    result = {
+        "model": args.model,
+        "load_format": args.load_format,
+        "dtype": str(llm.engine.dtype),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "attention_backend": args.attention_backend,
+        "num_decodes": args.num_decodes,
+        "context_len": args.context_len,
+        "prompt_len": args.prompt_len,
+        "runs": runs,
+    }
+    llm.shutdown()
+    report(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
