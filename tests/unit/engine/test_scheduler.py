@@ -497,4 +497,6 @@ def test_estimate_backs_off_once_per_shortage_not_per_retracted_request(
     run_to_end(engine)
     retractions = engine.scheduler.stats().retractions
     assert 0 < CountingEstimate.backoffs < retractions
-    assert engine.scheduler.kv.estimate.ratio == pytest.approx(0.05 * 1.01**CountingEstimate.backoffs)
+    assert engine.scheduler.kv.estimate.ratio == pytest.approx(
+        0.05 * 1.01**CountingEstimate.backoffs
+    )
