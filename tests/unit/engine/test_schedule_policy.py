@@ -11,7 +11,7 @@ from kubesgl.engine.kvcache.allocator import PageAllocator
 from kubesgl.engine.kvcache.radix_cache import NoPrefixCache, RadixCache
 from kubesgl.engine.messages import GenerateRequest
 from kubesgl.engine.scheduler.request import Req
-from kubesgl.engine.scheduler.schedule_policy import SchedulePolicy
+from kubesgl.engine.scheduler.schedule_policy import MAX_ORDERED, SchedulePolicy
 
 
 def cache_with(*prefixes: list[int], page_size: int = 1) -> RadixCache:
@@ -114,3 +114,15 @@ def test_a_request_with_no_cached_prefix_is_not_starved(
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
     engine.scheduler.drain()
+
+
+@pytest.mark.parametrize("name", ["lpm", "dfs-weight"])
+def test_a_long_queue_has_its_head_ordered_and_its_tail_kept(name):
+    """Past the bound on how many requests are matched each step, the policy still orders the
+    head of the queue (an offline batch of a few hundred requests would otherwise run in
+    arrival order from start to end); the tail keeps arrival order behind it."""
+    head = [req(f"none{i}", [7, 7, i]) for i in range(MAX_ORDERED - 1)] + [req("a", A + [1])]
+    tail = [req("b", B + [1]), req("none-tail", [8, 8, 8])]
+    assert order(name, cache_with(A, B), head + tail) == (
+        ["a"] + [f"none{i}" for i in range(MAX_ORDERED - 1)] + ["b", "none-tail"]
+    )
