@@ -106,9 +106,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     budgets = [int(size) for size in args.chunk_sizes.split(",")]
-    # enough outputs that the decodes outlast every step of one setting
+    # enough outputs that the decodes outlast every phase of one setting: their own prompts
+    # (mixed, they decode meanwhile), the steps timed alone, and the arrival's prompt
+    chunk = max(1, min(budgets) - args.num_decodes)
     args.decode_tokens = (
-        args.steps + args.prompt_len // max(1, min(budgets) - args.num_decodes) + 64
+        (args.num_decodes * args.context_len + args.prompt_len) // chunk + args.steps + 64
     )
     llm = make_llm(
         args,
