@@ -90,6 +90,7 @@ def measure(llm, args, budget: int, mixed: bool, rng: random.Random) -> dict:
         "step_ms_median": 1000 * statistics.median(steps),
         "step_ms_max": 1000 * max(steps),
         "longest_decode_gap_ms": 1000 * max(gaps),
+        "step_ms": [round(1000 * t, 2) for t in steps],  # which step is the slow one
     }
 
 
