@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: the engine's own options, a free port for the servers
-they start, and printing and saving a result as JSON."""
+"""What the benchmark scripts share: the engine's own options and what a result records of
+the engine, a free port for the servers they start, and printing and saving a result as JSON."""
 
 from __future__ import annotations
 
@@ -8,14 +8,33 @@ import dataclasses
 import json
 import socket
 
+import torch
+
 from kubesgl.engine import LLM
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 
 
-def add_engine_options(parser: argparse.ArgumentParser, **defaults) -> None:
-    """Every option of `kubesgl serve`'s engine, with this benchmark's own defaults."""
+def engine_parser(doc: str | None, **defaults) -> argparse.ArgumentParser:
+    """The argument parser of a benchmark that builds an engine: its docstring as the help, and
+    every option of `kubesgl serve`'s engine with this benchmark's own defaults."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_engine_args(parser)
     parser.set_defaults(**defaults)
+    return parser
+
+
+def engine_facts(args: argparse.Namespace, llm: LLM) -> dict:
+    """What a result records of the engine it measured."""
+    device = llm.engine.device
+    return {
+        "model": args.model,
+        "load_format": args.load_format,
+        "dtype": str(llm.engine.dtype),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "attention_backend": args.attention_backend,
+    }
 
 
 def make_llm(args: argparse.Namespace, **workload) -> LLM:

@@ -11,11 +11,10 @@ roofline measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
-from common import add_engine_options, make_llm, report
+from common import engine_facts, engine_parser, make_llm, report
 
 from kubesgl.engine import SamplingParams
 
@@ -39,10 +38,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_engine_options(parser, dtype="bfloat16", attention_backend="torch")
+    parser = engine_parser(__doc__, dtype="bfloat16", attention_backend="torch")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=512)
@@ -77,12 +73,8 @@ def main() -> None:
     total_s = timed(args.output_len)
     ms_per_step = (total_s - first_token_s) / (args.output_len - 1) * 1e3
     result = {
-        "model": args.model,
-        "load_format": args.load_format,
-        "dtype": str(llm.engine.dtype),
+        **engine_facts(args, llm),
         "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "attention_backend": args.attention_backend,
         "kv_cache_dtype": args.kv_cache_dtype,
         "overlap": not args.disable_overlap_schedule,
         "batch": args.batch,

@@ -17,34 +17,38 @@ overlap off so that each step's wall time is that step's alone.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 import statistics
 import time
 
 import torch
-from common import add_engine_options, make_llm, report
+from common import engine_facts, engine_parser, make_llm, report
 
 from kubesgl.engine import SamplingParams
 from kubesgl.engine.messages import GenerateRequest
 
 
-def timed_steps(engine, until, watched: str | None = None) -> tuple[list[float], list[float]]:
-    """Step the engine until `until()` holds: the seconds each step took, and when (since the
-    first step began) each step that gave `watched` a token ended."""
-    times, tokens_at = [], []
+@dataclasses.dataclass(frozen=True)
+class Step:
+    seconds: float  # the step's wall time
+    ended_at: float  # since the first of its series began
+    watched_token: bool  # whether it gave the watched request a token
+
+
+def timed_steps(engine, until, watched: str | None = None) -> list[Step]:
+    """Step the engine until `until(steps taken)` holds, timing each step."""
+    steps: list[Step] = []
     start = time.perf_counter()
-    while not until():
+    while not until(len(steps)):
         begin = time.perf_counter()
         outputs = engine.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         end = time.perf_counter()
-        times.append(end - begin)
-        if any(out.rid == watched and out.token_ids for out in outputs):
-            tokens_at.append(end - start)
-    return times, tokens_at
+        got = any(out.rid == watched and out.token_ids for out in outputs)
+        steps.append(Step(end - begin, end - start, got))
+    return steps
 
 
 def measure(llm, args, budget: int, mixed: bool, rng: random.Random) -> dict:
@@ -64,41 +68,40 @@ def measure(llm, args, budget: int, mixed: bool, rng: random.Random) -> dict:
         engine.add_request(
             GenerateRequest(rid=rid, input_ids=prompt(args.context_len), params=params)
         )
-    timed_steps(engine, lambda: not scheduler.waiting and not scheduler.prefilling)
-    decode_steps, _ = timed_steps(engine, iter([False] * args.steps + [True]).__next__)
+    timed_steps(engine, lambda _: not scheduler.waiting and not scheduler.prefilling)
+    decode_ms = [1000 * step.seconds for step in timed_steps(engine, lambda n: n == args.steps)]
 
     arrival = f"p{budget}-{mixed}"
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     engine.add_request(
         GenerateRequest(rid=arrival, input_ids=prompt(args.prompt_len), params=params)
     )
-    steps, tokens_at = timed_steps(engine, lambda: arrival not in scheduler.requests, decodes[0])
+    steps = timed_steps(engine, lambda _: arrival not in scheduler.requests, decodes[0])
     for rid in decodes:
         engine.abort_request(rid)
-    timed_steps(engine, lambda: not engine.has_work())
+    timed_steps(engine, lambda _: not engine.has_work())
     scheduler.reset()
+    ms = [1000 * step.seconds for step in steps]
     # a decode's longest wait for its next token: from the last token before the prompt came
-    # (time 0) to the first after, or between two tokens while the prompt was prefilled
-    marks = [0.0] + tokens_at + ([] if tokens_at and tokens_at[-1] == sum(steps) else [sum(steps)])
-    gaps = [b - a for a, b in zip(marks, marks[1:])]
+    # (time 0) to the first after, between two tokens while the prompt was prefilled, and from
+    # the last one to the end of the prompt's steps
+    marks = [0.0] + [1000 * step.ended_at for step in steps if step.watched_token]
+    marks.append(1000 * steps[-1].ended_at)
     return {
         "budget": budget,
         "mixed": mixed,
-        "decode_step_ms": 1000 * statistics.median(decode_steps),
+        "decode_step_ms": statistics.median(decode_ms),
         "steps_until_first_token": len(steps),
-        "time_to_first_token_ms": 1000 * sum(steps),
-        "step_ms_median": 1000 * statistics.median(steps),
-        "step_ms_max": 1000 * max(steps),
-        "longest_decode_gap_ms": 1000 * max(gaps),
-        "step_ms": [round(1000 * t, 2) for t in steps],  # which step is the slow one
+        "time_to_first_token_ms": sum(ms),
+        "step_ms_median": statistics.median(ms),
+        "step_ms_max": max(ms),
+        "longest_decode_gap_ms": max(b - a for a, b in zip(marks, marks[1:])),
+        "step_ms": [round(t, 2) for t in ms],  # which step is the slow one
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_engine_options(parser, dtype="bfloat16", attention_backend="triton")
+    parser = engine_parser(__doc__, dtype="bfloat16", attention_backend="triton")
     parser.add_argument("--num-decodes", type=int, default=16)
     parser.add_argument("--context-len", type=int, default=4096)
     parser.add_argument("--prompt-len", type=int, default=4096)
@@ -124,11 +127,7 @@ def main() -> None:
     measure(llm, args, budgets[0], True, rng)  # warm-up: first-use compilation and allocation
     runs = [measure(llm, args, budget, mixed, rng) for budget in budgets for mixed in (True, False)]
     result = {
-        "model": args.model,
-        "load_format": args.load_format,
-        "dtype": str(llm.engine.dtype),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "attention_backend": args.attention_backend,
+        **engine_facts(args, llm),
         "num_decodes": args.num_decodes,
         "context_len": args.context_len,
         "prompt_len": args.prompt_len,

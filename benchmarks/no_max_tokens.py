@@ -15,14 +15,13 @@ tokens early and leave no long outputs.
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import sys
 import time
 
 import torch
-from common import add_engine_options, make_llm, report
+from common import engine_facts, engine_parser, make_llm, report
 
 from kubesgl.engine import SamplingParams
 from kubesgl.engine.messages import GenerateRequest
@@ -83,10 +82,7 @@ def run(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_engine_options(parser, dtype="bfloat16", attention_backend="triton")
+    parser = engine_parser(__doc__, dtype="bfloat16", attention_backend="triton")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-median", type=int, default=256)
@@ -120,11 +116,7 @@ def main() -> None:
     ]
     results = [run(llm, prompts, stops, expected, mode) for mode in MODES]
     result = {
-        "model": args.model,
-        "load_format": args.load_format,
-        "dtype": str(llm.engine.dtype),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "attention_backend": args.attention_backend,
+        **engine_facts(args, llm),
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_median": args.output_median,

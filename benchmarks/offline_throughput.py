@@ -7,21 +7,17 @@ ignore_eos, all given to `LLM.generate` at once (the shape of SGLang's offline b
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 
 import torch
-from common import add_engine_options, make_llm, report
+from common import engine_facts, engine_parser, make_llm, report
 
 from kubesgl.engine import SamplingParams
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_engine_options(parser, dtype="bfloat16", attention_backend="triton")
+    parser = engine_parser(__doc__, dtype="bfloat16", attention_backend="triton")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=512)
@@ -45,11 +41,7 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     assert all(len(o.token_ids) == args.output_len for o in outputs)
     result = {
-        "model": args.model,
-        "load_format": args.load_format,
-        "dtype": str(llm.engine.dtype),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "attention_backend": args.attention_backend,
+        **engine_facts(args, llm),
         "kv_cache_dtype": args.kv_cache_dtype,
         "cuda_graph": not args.disable_cuda_graph,
         "enable_mixed_chunk": args.enable_mixed_chunk,

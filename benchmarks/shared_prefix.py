@@ -17,7 +17,7 @@ import random
 import time
 
 import torch
-from common import add_engine_options, make_llm, report
+from common import engine_parser, make_llm, report
 
 from kubesgl.bench.datasets import shared_prefix_requests
 from kubesgl.engine import SamplingParams
@@ -69,10 +69,7 @@ def run(args: argparse.Namespace, radix: bool, policy: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_engine_options(parser, dtype="bfloat16", attention_backend="triton")
+    parser = engine_parser(__doc__, dtype="bfloat16", attention_backend="triton")
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--system-len", type=int, default=2048)

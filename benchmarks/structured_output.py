@@ -18,7 +18,6 @@ gives the exact figure.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import shutil
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import torch
 import xgrammar
-from common import add_engine_options, make_llm, report
+from common import engine_facts, engine_parser, make_llm, report
 
 from kubesgl.engine import SamplingParams
 from kubesgl.engine.sampling_params import GrammarSpec
@@ -163,10 +162,7 @@ def throughput(llm, prompts: list[list[int]], output_len: int, constrained_share
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_engine_options(parser, dtype="bfloat16")
+    parser = engine_parser(__doc__, dtype="bfloat16")
     parser.add_argument(
         "--tokenizer-from", default=None, help="a folder with a real tokenizer for this vocabulary"
     )
@@ -206,10 +202,7 @@ def main() -> None:
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
     runs = [throughput(llm, prompts, args.output_len, share) for share in (0.0, 0.5)]
     result = {
-        "model": args.model,
-        "load_format": args.load_format,
-        "dtype": str(llm.engine.dtype),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        **engine_facts(args, llm),
         "tokenizer": args.tokenizer_from or ("synthetic" if source is None else "model's"),
         "vocab_size": vocab_size,
         "overlap": not args.disable_overlap_schedule,
