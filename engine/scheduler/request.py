@@ -67,10 +67,14 @@ class Req:
     future_slot: int | None = None  # where the in-flight step leaves this request's newest token
     last_step: int = -1  # the latest step this request is part of
     retractions: int = 0  # times sent back to the queue to free KV (scheduler.py)
+    # params.stop_token_ids as a set: every output token is looked up in it, and a request may
+    # bring hundreds of them
+    stop_ids: frozenset[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.fill_len < 0:
             self.fill_len = len(self.prompt_ids)
+        self.stop_ids = frozenset(self.params.stop_token_ids)
 
     @property
     def prompt_len(self) -> int:
