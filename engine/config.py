@@ -170,8 +170,19 @@ class EngineConfig:
     disable_overlap_schedule: bool = option(
         False, help="build each step only after the previous one ended"
     )
-    disable_cuda_graph: bool = option(False, help="run decode steps eagerly, without CUDA graphs")
+    disable_cuda_graph: bool = option(
+        False, help="run every step eagerly, without CUDA graphs (piecewise ones included)"
+    )
     cuda_graph_max_bs: int = option(256, help="largest decode batch captured in a CUDA graph")
+    enable_piecewise_cuda_graph: bool = option(
+        False,
+        help="prefill and mixed steps of up to --piecewise-cuda-graph-max-tokens tokens replay CUDA "
+        "graphs of the layers' parts between attention calls, attention running eagerly "
+        "between them: less host time for small chunks and mixed steps",
+    )
+    piecewise_cuda_graph_max_tokens: int = option(
+        1024, help="largest step, in tokens, captured in piecewise CUDA graphs", ge=1
+    )
     # What one request may ask for, so that none holds up the others (docs/server.md, Limits)
     max_sequences_per_request: int = option(
         256, help="sequences one request may ask for: its prompts times n; more is a 400", ge=1

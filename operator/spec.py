@@ -98,6 +98,7 @@ class EngineSpec(SpecModel):
     mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
     default_max_tokens: int | None = Field(default=None, ge=1)
     cuda_graph_max_bs: int | None = Field(default=None, ge=1)
+    piecewise_cuda_graph_max_tokens: int | None = Field(default=None, ge=1)
     disaggregation_timeout: float | None = Field(default=None, gt=0)
     max_sequences_per_request: int | None = Field(default=None, ge=1)
     max_stop_string_length: int | None = Field(default=None, ge=1)
@@ -109,6 +110,7 @@ class EngineSpec(SpecModel):
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False
     enable_mixed_chunk: bool = False
+    enable_piecewise_cuda_graph: bool = False
 
     api_key_secret: SecretKeyRef | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -11,6 +11,7 @@ import torch
 from kubesgl.engine.attention import create_backend
 from kubesgl.engine.attention.mixed import MixedAttention
 from kubesgl.engine.executor.cuda_graph import CudaGraphRunner
+from kubesgl.engine.executor.piecewise_graph import PiecewiseGraphRunner
 from kubesgl.engine.executor.sampler import PenaltyState, Sampler
 from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
@@ -54,6 +55,7 @@ class ModelRunner:
         attention_backend: str,
         future_capacity: int,
         cuda_graph_max_bs: int = 0,
+        piecewise_max_tokens: int = 0,
     ):
         self.model = model
         self.device = req_to_token.table.device
@@ -84,6 +86,9 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphRunner(
                 model, self.backend, req_to_token.num_rows - 1, cuda_graph_max_bs
             )
+        self.piecewise_graphs = (
+            PiecewiseGraphRunner(model, piecewise_max_tokens) if piecewise_max_tokens > 0 else None
+        )
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> PendingStep:
@@ -100,7 +105,10 @@ class ModelRunner:
         else:
             backend = self.mixed_attention if batch.mode is ForwardMode.MIXED else self.backend
             backend.prepare(batch)
-            logits = self.model(input_ids, batch.positions, batch, backend)
+            if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(batch):
+                logits = self.piecewise_graphs.run(input_ids, batch, backend)
+            else:
+                logits = self.model(input_ids, batch.positions, batch, backend)
         sample = self.sampler(logits, batch.sampling, batch.req_rows, batch.emits)
         self.future_tokens[batch.future_slots] = sample.token_ids
         optional = {

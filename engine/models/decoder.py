@@ -68,13 +68,10 @@ class Attention(nn.Module):
             sliding_window=config.sliding_windows[layer_id],
         )
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        batch: ForwardBatch,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
+    def project(
+        self, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, dim], k and v [T, kv_heads, dim], rotated: what attention takes."""
         spec = self.spec
         q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
@@ -84,8 +81,18 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = backend.forward(q, k, v, spec, batch)
-        return self.o_proj(out.reshape(-1, q_size))
+        return q, k, v
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        q, k, v = self.project(hidden, positions)
+        out = backend.forward(q, k, v, self.spec, batch)
+        return self.o_proj(out.reshape(q.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -146,15 +153,32 @@ class DecoderLayer(nn.Module):
             config.hidden_size, config.rms_norm_eps, dtype, kernels
         )
 
-    def forward(self, hidden, residual, positions, batch, backend):
-        """Returns (this layer's output, the residual stream before it); the next norm adds them."""
+    # A layer is the part before attention and the part after it, so that piecewise CUDA
+    # graphs (executor/piecewise_graph.py) can capture each and run attention between them.
+    def before_attention(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v and the residual stream; residual None: the first layer's input."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, positions, batch, backend)
+        q, k, v = self.self_attn.project(hidden, positions)
+        return q, k, v, residual
+
+    def after_attention(
+        self, attention: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention: [T, heads * dim]. Returns (this layer's output, the residual stream
+        before it); the next norm adds them."""
+        hidden = self.self_attn.o_proj(attention)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def forward(self, hidden, residual, positions, batch, backend):
+        q, k, v, residual = self.before_attention(hidden, residual, positions)
+        out = backend.forward(q, k, v, self.self_attn.spec, batch)
+        return self.after_attention(out.reshape(q.shape[0], -1), residual)
 
 
 class CausalLM(nn.Module):
@@ -189,6 +213,12 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, positions, batch, backend)
         assert residual is not None  # set by the first layer
+        return self.logits(hidden, residual, batch)
+
+    def logits(
+        self, hidden: torch.Tensor, residual: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """The last layer's output and residual stream -> logits of each request's last token."""
         if batch.mode is not ForwardMode.DECODE:  # logits of each request's last new token only
             last = torch.tensor(batch.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
             hidden, residual = hidden[last], residual[last]

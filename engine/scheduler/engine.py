@@ -155,8 +155,28 @@ class Engine:
         cuda_graph_max_bs = 0
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             cuda_graph_max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
+        piecewise_max_tokens = 0
+        if config.enable_piecewise_cuda_graph and cuda_graph_max_bs == 0:
+            logger.warning(
+                "piecewise CUDA graphs off: %s",
+                "--disable-cuda-graph is set"
+                if config.disable_cuda_graph
+                else f"no CUDA graphs on {self.device.type}",
+            )
+        elif config.enable_piecewise_cuda_graph:
+            # no step is larger than the prefill budget: larger graphs would never replay
+            step_tokens = config.chunked_prefill_size
+            if step_tokens <= 0:
+                step_tokens = config.max_prefill_tokens
+            piecewise_max_tokens = min(config.piecewise_cuda_graph_max_tokens, step_tokens)
         runner = ModelRunner(
-            self.model, kv_pool, table, backend, future_capacity, cuda_graph_max_bs
+            self.model,
+            kv_pool,
+            table,
+            backend,
+            future_capacity,
+            cuda_graph_max_bs,
+            piecewise_max_tokens,
         )
         overlap = not config.disable_overlap_schedule
         self.executor = OverlapExecutor(runner) if overlap else SyncExecutor(runner)

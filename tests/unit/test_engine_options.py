@@ -64,6 +64,7 @@ CRD_SAMPLES = {
     "memFractionStatic": 0.7,
     "defaultMaxTokens": 256,
     "cudaGraphMaxBs": 64,
+    "piecewiseCudaGraphMaxTokens": 512,
     "disaggregationTimeout": 30.0,
     "maxSequencesPerRequest": 32,
     "maxStopStringLength": 64,
@@ -75,6 +76,7 @@ CRD_SAMPLES = {
     "disableOverlapSchedule": True,
     "disableCudaGraph": True,
     "enableMixedChunk": True,
+    "enablePiecewiseCudaGraph": True,
 }
 SPEC_OPTIONS = [name for name in EngineSpec.model_fields if name in ENGINE_OPTIONS]
 

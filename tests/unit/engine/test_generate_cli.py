@@ -151,6 +151,8 @@ HONOURED = {
     "disable_overlap_schedule",
     "disable_cuda_graph",
     "cuda_graph_max_bs",
+    "enable_piecewise_cuda_graph",
+    "piecewise_cuda_graph_max_tokens",
     "schedule_policy",
     "schedule_max_wait",
 }

@@ -1,0 +1,45 @@
+"""Piecewise CUDA graphs' pieces and buffers against the whole model: on the CPU each piece
+runs eagerly in place of its graph, so what is checked here is the cut at attention, the
+hand-over through fixed buffers and the padding to a captured token count (the graphs
+themselves: tests/gpu/test_mixed_chunk_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubesgl.engine import SamplingParams
+from kubesgl.engine.executor.piecewise_graph import PiecewiseGraphRunner, default_token_counts
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3-moe"]
+
+
+def test_token_counts_end_at_the_largest_step():
+    assert default_token_counts(20) == [8, 16, 20]
+    assert default_token_counts(1024)[-5:] == [512, 640, 768, 896, 1024]
+    assert default_token_counts(5) == [5]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed-chunk", "prefill"])
+def test_piecewise_steps_give_transformers_greedy_tokens(
+    arch, mixed, tiny_model, make_llm, hf_greedy, random_prompts
+):
+    path = tiny_model(arch)
+    llm = make_llm(path, chunked_prefill_size=20, enable_mixed_chunk=mixed, max_running_requests=8)
+    runner = llm.engine.executor.runner
+    pieces = PiecewiseGraphRunner(llm.engine.model, 32)  # counts 8, 16, 32: 20 pads to 32
+    modes, run = [], pieces.run
+
+    def counted(input_ids, batch, backend):
+        modes.append((batch.mode.name, batch.num_tokens))
+        return run(input_ids, batch, backend)
+
+    pieces.run = counted
+    runner.piecewise_graphs = pieces
+    prompts = random_prompts(6, 1, 90, seed=11)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == hf_greedy(path, prompt, params.max_tokens)
+    assert {mode for mode, _ in modes} == ({"EXTEND", "MIXED"} if mixed else {"EXTEND"})
+    assert any(n not in pieces.token_counts for _, n in modes)
