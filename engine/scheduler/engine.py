@@ -152,11 +152,12 @@ class Engine:
         backend = config.attention_backend
         if backend == "auto":
             backend = auto_backend(self.device, self.dtype, attn.head_dim)
+        graphs = self.device.type == "cuda" and not config.disable_cuda_graph
         cuda_graph_max_bs = 0
-        if self.device.type == "cuda" and not config.disable_cuda_graph:
+        if graphs:
             cuda_graph_max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
         piecewise_max_tokens = 0
-        if config.enable_piecewise_cuda_graph and cuda_graph_max_bs == 0:
+        if config.enable_piecewise_cuda_graph and not graphs:
             logger.warning(
                 "piecewise CUDA graphs off: %s",
                 "--disable-cuda-graph is set"
@@ -164,7 +165,8 @@ class Engine:
                 else f"no CUDA graphs on {self.device.type}",
             )
         elif config.enable_piecewise_cuda_graph:
-            # no step is larger than the prefill budget: larger graphs would never replay
+            # Chunked, no step is larger than the budget; unchunked, a larger step (a long
+            # first prompt, or prompts and decodes together) runs eagerly.
             step_tokens = config.chunked_prefill_size
             if step_tokens <= 0:
                 step_tokens = config.max_prefill_tokens

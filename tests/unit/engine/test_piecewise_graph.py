@@ -43,3 +43,10 @@ def test_piecewise_steps_give_transformers_greedy_tokens(
         assert out.token_ids == hf_greedy(path, prompt, params.max_tokens)
     assert {mode for mode, _ in modes} == ({"EXTEND", "MIXED"} if mixed else {"EXTEND"})
     assert any(n not in pieces.token_counts for _, n in modes)
+
+
+def test_asking_for_piecewise_graphs_without_cuda_says_they_are_off(tiny_model, make_llm, caplog):
+    with caplog.at_level("WARNING"):
+        llm = make_llm(tiny_model("llama"), enable_piecewise_cuda_graph=True)
+    assert llm.engine.executor.runner.piecewise_graphs is None
+    assert "piecewise CUDA graphs off: no CUDA graphs on cpu" in caplog.text
