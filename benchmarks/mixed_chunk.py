@@ -24,6 +24,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -158,7 +159,12 @@ def main() -> None:
         ]
         results = {}
         for name, flags in settings:
-            process, url, startup = serve(base + flags, scratch, name)
+            try:
+                process, url, startup = serve(base + flags, scratch, name)
+            except SystemExit as refused:  # an engine that refused its flags: the others still run
+                results[name] = {"flags": flags, "error": str(refused)}
+                print(f"{name}: did not start: {refused}", file=sys.stderr, flush=True)
+                continue
             try:
                 vocab = (
                     opts.vocab_size
