@@ -140,10 +140,8 @@ def main() -> None:
     if args.lengths == "reference":
         stops, expected = reference_stops(llm, prompts, lengths)
     else:
-        stops, expected = (
-            [rng.sample(range(vocab), max(1, round(vocab / n))) for n in lengths],
-            None,
-        )
+        stops = [rng.sample(range(vocab), max(1, round(vocab / n))) for n in lengths]
+        expected = None
     results = [run(llm, prompts, stops, expected, mode) for mode in MODES]
     result = {
         **engine_facts(args, llm),

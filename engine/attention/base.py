@@ -19,6 +19,23 @@ class AttentionLayerSpec:
     scaling: float
     sliding_window: int | None  # attend to this many latest positions, None = all
 
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, q_size + 2 * kv_size] -> views q [T, heads, dim], k and v [T, kv_heads, dim]."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim),
+        )
+
 
 class AttentionBackend(ABC):
     """Computes attention over the paged KV pool for the given `layers` (a backend that plans

@@ -59,13 +59,11 @@ class PiecewiseGraphRunner:
         embedding = model.embed_tokens.weight
         device, dtype = embedding.device, embedding.dtype
         n, hidden = self.token_counts[-1], model.config.hidden_size
-        spec = self.specs[0]
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
+        spec = self.specs[0]  # every layer's heads are alike (only windows differ)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.qkv = torch.zeros(n, self.q_size + 2 * self.kv_size, dtype=dtype, device=device)
-        self.attention = torch.zeros(n, self.q_size, dtype=dtype, device=device)
+        self.qkv = torch.zeros(n, spec.q_size + 2 * spec.kv_size, dtype=dtype, device=device)
+        self.attention = torch.zeros(n, spec.q_size, dtype=dtype, device=device)
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.pieces: dict[int, list[_Replayable]] = {}
@@ -85,22 +83,13 @@ class PiecewiseGraphRunner:
         pieces = self.pieces[self.token_counts[bisect.bisect_left(self.token_counts, t)]]
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(batch.positions)
+        q, k, v = self.specs[0].split_qkv(self.qkv[:t])  # views the pieces write through
         pieces[0].replay()
         for spec, piece in zip(self.specs, pieces[1:]):
-            q, k, v = self._qkv(t)
             out = backend.forward(q, k, v, spec, batch)
             self.attention[:t].copy_(out.reshape(t, -1))
             piece.replay()
         return self.model.logits(self.hidden[:t], self.residual[:t], batch)
-
-    def _qkv(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        spec, qkv = self.specs[0], self.qkv[:n]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (
-            q.view(n, spec.num_heads, spec.head_dim),
-            k.view(n, spec.num_kv_heads, spec.head_dim),
-            v.view(n, spec.num_kv_heads, spec.head_dim),
-        )
 
     def _piece(self, index: int, n: int) -> None:
         """Piece `index` over the first n rows: the embedding and the first layer's part
@@ -120,7 +109,7 @@ class PiecewiseGraphRunner:
         q, k, v, residual = self.layers[index].before_attention(
             hidden, residual, self.positions[:n]
         )
-        for buffer, value in zip(self._qkv(n), (q, k, v)):
+        for buffer, value in zip(self.specs[0].split_qkv(self.qkv[:n]), (q, k, v)):
             buffer.copy_(value)
         self.residual[:n].copy_(residual)
 

@@ -72,12 +72,7 @@ class Attention(nn.Module):
         self, hidden: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, dim], k and v [T, kv_heads, dim], rotated: what attention takes."""
-        spec = self.spec
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, spec.num_heads, spec.head_dim)
-        k = k.view(-1, spec.num_kv_heads, spec.head_dim)
-        v = v.view(-1, spec.num_kv_heads, spec.head_dim)
+        q, k, v = self.spec.split_qkv(self.qkv_proj(hidden))
         if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
