@@ -1,42 +1,71 @@
 """Where a decode step's time goes: the CUDA-graph replay alone (device time, CUDA events)
-against the whole step as the engine runs it (host time), for one batch size.
+against the whole step as the engine runs it (host time), and the replay's kernels one by one
+(torch.profiler records each kernel node of a replayed graph), for one batch size.
 
-    python benchmarks/profile_decode_step.py --model benchmarks/models/llama-3.1-8b --load-format dummy --batch 1
+    python benchmarks/profile_decode_step.py --model benchmarks/models/llama-3.1-8b --load-format dummy \
+        --attention-backend flashinfer --batch 1 --out benchmarks/results/profile_decode.json
+
+`kernels` lists each kernel name with its launches and device microseconds per replay, longest
+first; `idle_us_per_replay` is the replay's time not covered by any kernel (the gaps between
+graph nodes).
 """
 
 from __future__ import annotations
 
-import argparse
 import time
+from collections import defaultdict
 
 import torch
-from common import report
+from common import engine_facts, engine_parser, make_llm, report
+from torch.profiler import ProfilerActivity, profile
 
-from kubesgl.engine import LLM, SamplingParams
 from kubesgl.engine.messages import GenerateRequest
+from kubesgl.engine.sampling_params import SamplingParams
+
+
+def kernel_breakdown(replay, replays: int) -> tuple[list[dict], float]:
+    """Per kernel name: launches and device µs per replay; and the µs per replay that no
+    kernel covers between the first kernel's start and the last one's end."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        totals[e.name][0] += 1
+        totals[e.name][1] += e.device_time
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    covered, reach = 0.0, spans[0][0]
+    for start, end in spans:  # union of the kernels' intervals
+        covered += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    idle = (reach - spans[0][0] - covered) / replays
+    rows = [
+        {"kernel": name, "launches": n / replays, "us_per_replay": us / replays}
+        for name, (n, us) in totals.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_replay"]), idle
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--load-format", default="auto")
+    parser = engine_parser(__doc__, dtype="bfloat16", attention_backend="auto")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--replays", type=int, default=20, help="replays profiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    llm = LLM(
-        args.model,
-        load_format=args.load_format,
-        dtype="bfloat16",
-        attention_backend="triton",
+    llm = make_llm(
+        args,
         max_running_requests=args.batch,
         context_length=4096,
         max_total_tokens=args.batch * 4096,
     )
     engine = llm.engine
-    runner = engine.executor.runner
+    graphs = engine.executor.runner.cuda_graphs
+    if graphs is None:
+        llm.shutdown()
+        parser.error("no decode CUDA graphs: this needs a GPU and CUDA graphs on")
     for i in range(args.batch):
         engine.add_request(
             GenerateRequest(
@@ -47,9 +76,7 @@ def main() -> None:
         )
     for _ in range(20):
         engine.step()
-    graph = runner.cuda_graphs.graphs[
-        runner.cuda_graphs.batch_sizes[0] if args.batch == 1 else args.batch
-    ]
+    graph = graphs.graphs[args.batch]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -58,6 +85,7 @@ def main() -> None:
     end.record()
     end.synchronize()
     replay_ms = start.elapsed_time(end) / 100
+    kernels, idle_us = kernel_breakdown(graph.replay, args.replays)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(100):
@@ -65,12 +93,16 @@ def main() -> None:
     step_ms = (time.perf_counter() - t0) * 1e3 / 100
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     result = {
+        **engine_facts(args, llm),
         "batch": args.batch,
         "context": args.context,
         "graph_replay_ms": replay_ms,
         "engine_step_ms": step_ms,
         "weight_gb": weight_bytes / 1e9,
         "replay_bandwidth_tb_s": weight_bytes / replay_ms / 1e9,
+        "kernel_us_per_replay": sum(k["us_per_replay"] for k in kernels),
+        "idle_us_per_replay": idle_us,
+        "kernels": kernels,
     }
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)

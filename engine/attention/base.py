@@ -42,7 +42,7 @@ class AttentionBackend(ABC):
     ahead, like FlashInfer, needs their shapes and windows up front).
 
     `prepare` runs once per step and leaves its metadata in `batch.attn`; `forward` runs per
-    layer: it stores the step's k and v at `batch.out_cache_loc`, then attends.
+    layer: it stores the step's k and v at `batch.out_cache_loc`, then `attend`s.
     """
 
     supports_cuda_graph = False  # decode reads only device tensors (no host values, no syncs)
@@ -66,7 +66,6 @@ class AttentionBackend(ABC):
         so whatever they read must live in buffers fixed per batch size."""
         self.prepare(batch)
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -74,5 +73,20 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         layer: AttentionLayerSpec,
         batch: ForwardBatch,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q: [T, heads, dim]; k, v: [T, kv_heads, dim]. Returns [T, heads, dim]."""
+        """q: [T, heads, dim]; k, v: [T, kv_heads, dim]. Returns attention's output
+        [T, heads, dim], written into `out` when given (a contiguous tensor of that shape:
+        the piecewise graphs' buffer, which so needs no copy)."""
+        self.kv_pool.write(layer.layer_id, batch.out_cache_loc, k, v)
+        if out is None:
+            out = q.new_empty(q.shape)
+        self.attend(q, layer, batch, out)
+        return out
+
+    @abstractmethod
+    def attend(
+        self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor
+    ) -> None:
+        """Attention of q over the pool, where this step's k and v are stored already,
+        written into out."""

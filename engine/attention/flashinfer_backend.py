@@ -60,8 +60,10 @@ class _Planned:
         self._staged = torch.cuda.Event()
         self._staged.record()
 
-    def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return self.wrapper.run(q, kv)
+    def run(
+        self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor
+    ) -> None:
+        self.wrapper.run(q, kv, out=out)
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -194,13 +196,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         # The wrappers copy the indices into graph_indices, their fixed buffer, when planned.
         self._plan_decode(self.graph_decode[bs], batch, self._kv_indices(batch))
 
-    def forward(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
-        self.kv_pool.write(layer.layer_id, batch.out_cache_loc, k, v)
+    def attend(self, q, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor) -> None:
         kv = (
             self.kv_pool.k[layer.layer_id],
             self.kv_pool.v[layer.layer_id],
         )  # [slots, kv_heads, dim]: pages of 1
-        return batch.attn[layer.sliding_window].run(q.contiguous(), kv)
+        batch.attn[layer.sliding_window].run(q.contiguous(), kv, out)
 
 
 def _window_left(window: int | None) -> int:

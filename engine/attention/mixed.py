@@ -1,6 +1,7 @@
 """Attention for MIXED steps (a prefill chunk and the running decodes in one forward pass),
 through any backend: the prefill rows run as an extend batch and the decode rows as a decode
-batch, each prepared and attended by the backend exactly as it runs such a batch alone. The
+batch, each prepared and attended by the backend exactly as it runs such a batch alone (the
+step's k and v are stored once, for all rows). The
 decode rows so keep the backend's decode kernel (split KV, each KV head read once for its
 group of query heads), which an extend kernel's tiles of one query would not."""
 
@@ -33,17 +34,10 @@ class MixedAttention(AttentionBackend):
         self.backend.prepare(decode)
         batch.attn = _MixedMeta(extend, decode, extend.num_tokens)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayerSpec,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
+    def attend(
+        self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor
+    ) -> None:
         meta: _MixedMeta = batch.attn
         n = meta.extend_tokens
-        out = torch.empty_like(q)
-        out[:n] = self.backend.forward(q[:n], k[:n], v[:n], layer, meta.extend)
-        out[n:] = self.backend.forward(q[n:], k[n:], v[n:], layer, meta.decode)
-        return out
+        self.backend.attend(q[:n], layer, meta.extend, out[:n])
+        self.backend.attend(q[n:], layer, meta.decode, out[n:])

@@ -59,8 +59,7 @@ class TorchAttentionBackend(AttentionBackend):
             start += extend_len
         batch.attn = _ExtendMeta(ranges, req_slots, positions)
 
-    def forward(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
-        self.kv_pool.write(layer.layer_id, batch.out_cache_loc, k, v)
+    def attend(self, q, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor) -> None:
         k_cache, v_cache = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         gqa = layer.num_heads != layer.num_kv_heads
         meta = batch.attn
@@ -70,16 +69,17 @@ class TorchAttentionBackend(AttentionBackend):
             mask = meta.valid & _mask(
                 meta.query_positions, meta.key_positions, layer.sliding_window
             )
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2),
-                keys,
-                values,
-                attn_mask=mask[:, None, None, :],
-                scale=layer.scaling,
-                enable_gqa=gqa,
+            out.copy_(
+                F.scaled_dot_product_attention(
+                    q.unsqueeze(2),
+                    keys,
+                    values,
+                    attn_mask=mask[:, None, None, :],
+                    scale=layer.scaling,
+                    enable_gqa=gqa,
+                ).squeeze(2)
             )
-            return out.squeeze(2)
-        out = torch.empty_like(q)
+            return
         for (start, end), slots, query_pos in zip(
             meta.query_ranges, meta.kv_slots, meta.query_positions
         ):
@@ -93,4 +93,3 @@ class TorchAttentionBackend(AttentionBackend):
                 scale=layer.scaling,
                 enable_gqa=gqa,
             ).transpose(0, 1)
-        return out

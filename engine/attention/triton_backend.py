@@ -42,12 +42,11 @@ class TritonAttentionBackend(AttentionBackend):
         lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int64, device=device)
         batch.attn = _ExtendMeta(lens, torch.cumsum(lens, 0) - lens, max(batch.extend_lens_cpu))
 
-    def forward(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
-        self.kv_pool.write(layer.layer_id, batch.out_cache_loc, k, v)
+    def attend(self, q, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor) -> None:
         k_cache, v_cache = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         table = self.req_to_token.table
         if batch.mode is ForwardMode.DECODE:
-            return decode_attention(
+            decode_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -56,9 +55,11 @@ class TritonAttentionBackend(AttentionBackend):
                 batch.seq_lens,
                 layer.scaling,
                 layer.sliding_window,
+                out=out,
             )
+            return
         meta: _ExtendMeta = batch.attn
-        return extend_attention(
+        extend_attention(
             q,
             k_cache,
             v_cache,
@@ -70,4 +71,5 @@ class TritonAttentionBackend(AttentionBackend):
             meta.max_extend,
             layer.scaling,
             layer.sliding_window,
+            out=out,
         )

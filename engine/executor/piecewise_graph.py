@@ -11,8 +11,9 @@ piece computes each token's row from that row alone, so the padding rows change 
 are never read.
 
 The pieces hand their results over through fixed buffers (q, k and v; the residual stream;
-attention's output), so what a piece allocates lives only until the next piece's capture may
-reuse it, and the graphs of all token counts share one memory pool.
+attention's output, which the backend writes in place), so what a piece allocates lives only
+until the next piece's capture may reuse it, and the graphs of all token counts share one
+memory pool. Between two pieces the host so launches only attention itself.
 """
 
 from __future__ import annotations
@@ -62,8 +63,16 @@ class PiecewiseGraphRunner:
         spec = self.specs[0]  # every layer's heads are alike (only windows differ)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.qkv = torch.zeros(n, spec.q_size + 2 * spec.kv_size, dtype=dtype, device=device)
-        self.attention = torch.zeros(n, spec.q_size, dtype=dtype, device=device)
+        heads = lambda count: torch.zeros(  # noqa: E731
+            n, count, spec.head_dim, dtype=dtype, device=device
+        )
+        # contiguous, unlike views of the fused qkv projection, so attention takes them as they are
+        self.q, self.k, self.v = (
+            heads(spec.num_heads),
+            heads(spec.num_kv_heads),
+            heads(spec.num_kv_heads),
+        )
+        self.attention = heads(spec.num_heads)
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.pieces: dict[int, list[_Replayable]] = {}
@@ -83,11 +92,10 @@ class PiecewiseGraphRunner:
         pieces = self.pieces[self.token_counts[bisect.bisect_left(self.token_counts, t)]]
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(batch.positions)
-        q, k, v = self.specs[0].split_qkv(self.qkv[:t])  # views the pieces write through
+        q, k, v, out = self.q[:t], self.k[:t], self.v[:t], self.attention[:t]
         pieces[0].replay()
         for spec, piece in zip(self.specs, pieces[1:]):
-            out = backend.forward(q, k, v, spec, batch)
-            self.attention[:t].copy_(out.reshape(t, -1))
+            backend.forward(q, k, v, spec, batch, out=out)
             piece.replay()
         return self.model.logits(self.hidden[:t], self.residual[:t], batch)
 
@@ -100,7 +108,7 @@ class PiecewiseGraphRunner:
             hidden = self.model.embed_tokens(self.input_ids[:n])
         else:
             hidden, residual = self.layers[index - 1].after_attention(
-                self.attention[:n], self.residual[:n]
+                self.attention[:n].view(n, -1), self.residual[:n]
             )
             if index == len(self.layers):
                 self.hidden[:n].copy_(hidden)
@@ -109,8 +117,8 @@ class PiecewiseGraphRunner:
         q, k, v, residual = self.layers[index].before_attention(
             hidden, residual, self.positions[:n]
         )
-        for buffer, value in zip(self.specs[0].split_qkv(self.qkv[:n]), (q, k, v)):
-            buffer.copy_(value)
+        for buffer, value in zip((self.q, self.k, self.v), (q, k, v)):
+            buffer[:n].copy_(value)
         self.residual[:n].copy_(residual)
 
     @torch.inference_mode()

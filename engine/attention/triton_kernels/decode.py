@@ -118,8 +118,10 @@ def decode_attention(
     sm_scale: float,
     window: int | None,
     num_splits: int = 8,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [B, heads, dim]; caches: [slots, kv_heads, dim]. Returns [B, heads, dim]."""
+    """q: [B, heads, dim]; caches: [slots, kv_heads, dim]. Returns [B, heads, dim], written
+    into `out` when given."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -156,4 +158,7 @@ def decode_attention(
         IEEE=q.dtype == torch.float32,
     )
     weights = torch.softmax(part_lse, dim=-1).unsqueeze(-1)  # empty splits have lse -inf: weight 0
-    return (part_out * weights).sum(dim=2).to(q.dtype)
+    merged = (part_out * weights).sum(dim=2)
+    if out is None:
+        return merged.to(q.dtype)
+    return out.copy_(merged)

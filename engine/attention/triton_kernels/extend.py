@@ -115,11 +115,14 @@ def extend_attention(
     max_extend: int,
     sm_scale: float,
     window: int | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [tokens, heads, dim], the new tokens of every request back to back. Returns the same shape."""
+    """q: [tokens, heads, dim], the new tokens of every request back to back. Returns the
+    same shape, written into `out` when given."""
     tokens, heads, dim = q.shape
     group = heads // k_cache.shape[1]
-    out = torch.empty_like(q)
+    if out is None:
+        out = q.new_empty(q.shape)
     block_m = 32 if q.dtype == torch.float32 else 64
     grid = (rows.shape[0], heads, triton.cdiv(max_extend, block_m))
     _extend[grid](
