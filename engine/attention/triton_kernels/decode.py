@@ -10,6 +10,8 @@ graph and replayed for any sequence lengths.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -137,6 +139,23 @@ def _decode_merge(
     tl.store(Out + b * stride_outb + h * stride_outh + d, out.to(Out.dtype.element_ty))
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(programs_per_split: int, device: torch.device) -> int:
+    """8 splits, or more (up to 32) where that is too few programs for about two per
+    multiprocessor: a batch of one reads a long KV twice as fast over 32 splits as over 8.
+    Fixed per batch size, as a CUDA graph needs. Fewer than 8 for large batches was faster
+    at short contexts and slower at long ones on the H200 (benchmarks/README.md), so it is
+    not done: a split count that follows the context length is the next step."""
+    if device.type != "cuda":
+        return 8
+    wanted = max(8, 2 * _multiprocessors(device) // programs_per_split)
+    return min(32, triton.next_power_of_2(wanted))
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -146,14 +165,17 @@ def decode_attention(
     seq_lens: torch.Tensor,
     sm_scale: float,
     window: int | None,
-    num_splits: int = 8,
+    num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, heads, dim]; caches: [slots, kv_heads, dim]. Returns [B, heads, dim], written
-    into `out` when given (its last dimension contiguous). num_splits: a power of two."""
-    assert num_splits & (num_splits - 1) == 0, num_splits
+    into `out` when given (its last dimension contiguous). num_splits: a power of two, by
+    default enough for the batch to fill the device."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
+    if num_splits is None:
+        num_splits = default_num_splits(batch * kv_heads, q.device)
+    assert num_splits & (num_splits - 1) == 0, num_splits
     group = heads // kv_heads
     part_out = torch.empty((batch, heads, num_splits, dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)

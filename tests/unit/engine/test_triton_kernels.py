@@ -203,3 +203,16 @@ def test_engine_with_fused_moe_equals_transformers(tiny_model, make_llm, hf_gree
         prompts, llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
     ):
         assert out.token_ids == hf_greedy(path, prompt, 6)
+
+
+def test_decode_splits_fill_the_device_and_stay_a_power_of_two(monkeypatch):
+    """A batch of one is split enough to occupy every multiprocessor; larger batches keep 8
+    splits; the merge kernel needs a power of two."""
+    import kubesgl.engine.attention.triton_kernels.decode as decode
+
+    monkeypatch.setattr(decode, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    kv_heads = 8
+    splits = {b: decode.default_num_splits(b * kv_heads, cuda) for b in (1, 2, 3, 4, 8, 256)}
+    assert splits == {1: 32, 2: 16, 3: 16, 4: 8, 8: 8, 256: 8}  # 3: 11 rounded up
+    assert decode.default_num_splits(8, torch.device("cpu")) == 8

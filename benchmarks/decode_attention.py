@@ -1,0 +1,150 @@
+"""Decode attention of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head size 128, bf16
+KV in pages of one token, as the engine keeps it): FlashInfer's tensor-core decode (the
+engine's choice), its CUDA-core decode, the tensor-core decode without split KV, and
+kubesgl's Triton kernel (with the splits it picks for the batch, and with 8), per batch size
+and context length. Each variant is captured in one CUDA graph of 32 calls, one per layer of
+the KV pool (so nothing is served from the L2), and timed over replays; the figure is µs per
+call, next to the time the KV bytes take at the device's copy bandwidth.
+
+    python benchmarks/decode_attention.py --out benchmarks/results/decode_attention_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+from common import report
+from decode_latency import copy_bandwidth
+
+from kubesgl.engine.attention.triton_kernels.decode import decode_attention
+
+HEADS, KV_HEADS, DIM, LAYERS = 32, 8, 128, 32
+VARIANTS = (
+    "flashinfer_tensor_cores",
+    "flashinfer_cuda_cores",
+    "flashinfer_tensor_cores_no_split",
+    "triton",
+    "triton_8_splits",
+)
+
+
+def time_graph(calls: Callable[[], None], replays: int = 20) -> float:
+    """µs per replay of a CUDA graph of `calls`, median over `replays`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls()  # warm up (JIT, autotuning) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(
+    names: list[str], flashinfer, k_pool, v_pool, workspace, graph_indices, batch: int, context: int
+) -> dict:
+    """µs per decode-attention call of each variant, for `batch` requests of `context` tokens.
+    `graph_indices`: FlashInfer's fixed buffer of KV slots, as large as the engine's."""
+    device, dtype, slots = k_pool.device, k_pool.dtype, k_pool.shape[1]
+    q = torch.randn(batch, HEADS, DIM, dtype=dtype, device=device)
+    out = torch.empty_like(q)
+    # each request's slots scattered over the pool, as after many steps of allocation
+    indices = torch.randperm(slots - 1, device=device)[: batch * context].int() + 1
+    indptr = torch.arange(0, batch * context + 1, context, dtype=torch.int32)
+    last_page_len = torch.ones(batch, dtype=torch.int32)
+
+    def flashinfer_variant(tensor_cores: bool, **plan) -> Callable[[], None]:
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=tensor_cores,
+            paged_kv_indptr_buffer=indptr.to(device),
+            paged_kv_indices_buffer=graph_indices,
+            paged_kv_last_page_len_buffer=last_page_len.to(device),
+        )
+        wrapper.plan(
+            indptr, indices, last_page_len, HEADS, KV_HEADS, DIM, 1,
+            q_data_type=dtype, kv_data_type=dtype, sm_scale=DIM**-0.5, **plan,
+        )  # fmt: skip
+
+        def calls() -> None:
+            for i in range(LAYERS):
+                wrapper.run(q, (k_pool[i], v_pool[i]), out=out)
+
+        return calls
+
+    table = indices.long().view(batch, context)
+    req_rows = torch.arange(batch, device=device)
+    seq_lens = torch.full((batch,), context, device=device)
+
+    def triton_variant(num_splits: int | None) -> Callable[[], None]:
+        def calls() -> None:
+            for i in range(LAYERS):
+                decode_attention(
+                    q, k_pool[i], v_pool[i], table, req_rows, seq_lens, DIM**-0.5, None,
+                    num_splits=num_splits, out=out,
+                )  # fmt: skip
+
+        return calls
+
+    variants: dict[str, Callable[[], Callable[[], None]]] = {  # each planned just before it runs
+        "flashinfer_tensor_cores": lambda: flashinfer_variant(True),
+        "flashinfer_cuda_cores": lambda: flashinfer_variant(False),
+        "flashinfer_tensor_cores_no_split": lambda: flashinfer_variant(True, disable_split_kv=True),
+        "triton": lambda: triton_variant(None),  # the engine's choice of splits
+        "triton_8_splits": lambda: triton_variant(8),
+    }
+    return {f"{name}_us": time_graph(variants[name]()) / LAYERS for name in names}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batches", default="1,8,32,64,128")
+    parser.add_argument("--contexts", default="256,1024,4096")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    if unknown := set(names) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    import flashinfer
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    slots = max(batches) * max(contexts) + 1
+    k_pool = torch.randn(LAYERS, slots, KV_HEADS, DIM, dtype=dtype, device=device)
+    v_pool = torch.randn(LAYERS, slots, KV_HEADS, DIM, dtype=dtype, device=device)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
+    graph_indices = torch.zeros(slots, dtype=torch.int32, device=device)
+    bandwidth = copy_bandwidth(device)
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            kv_bytes = 2 * batch * context * KV_HEADS * DIM * dtype.itemsize  # one layer
+            row = {"batch": batch, "context": context, "kv_bytes_us": kv_bytes / bandwidth * 1e6}
+            row.update(
+                measure(names, flashinfer, k_pool, v_pool, workspace, graph_indices, batch, context)
+            )
+            print(row, flush=True)
+            rows.append(row)
+    gpu = torch.cuda.get_device_name(device)
+    report({"gpu": gpu, "copy_bandwidth_tb_s": bandwidth / 1e12, "rows": rows}, args.out)
+
+
+if __name__ == "__main__":
+    main()
