@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from common import report
@@ -51,11 +52,29 @@ def time_graph(calls: Callable[[], None], replays: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def measure(
-    names: list[str], flashinfer, k_pool, v_pool, workspace, graph_indices, batch: int, context: int
-) -> dict:
-    """µs per decode-attention call of each variant, for `batch` requests of `context` tokens.
-    `graph_indices`: FlashInfer's fixed buffer of KV slots, as large as the engine's."""
+@dataclass
+class Buffers:
+    k_pool: torch.Tensor  # [LAYERS, slots, KV_HEADS, DIM]
+    v_pool: torch.Tensor
+    workspace: torch.Tensor  # FlashInfer's scratch space
+    graph_indices: torch.Tensor  # FlashInfer's fixed buffer of KV slots, as large as the engine's
+
+    @classmethod
+    def allocate(cls, slots: int, device: torch.device, dtype: torch.dtype) -> Buffers:
+        shape = (LAYERS, slots, KV_HEADS, DIM)
+        return cls(
+            torch.randn(shape, dtype=dtype, device=device),
+            torch.randn(shape, dtype=dtype, device=device),
+            torch.zeros(256 << 20, dtype=torch.uint8, device=device),
+            torch.zeros(slots, dtype=torch.int32, device=device),
+        )
+
+
+def measure(names: list[str], buffers: Buffers, batch: int, context: int) -> dict:
+    """µs per decode-attention call of each variant, for `batch` requests of `context` tokens."""
+    import flashinfer
+
+    k_pool, v_pool = buffers.k_pool, buffers.v_pool
     device, dtype, slots = k_pool.device, k_pool.dtype, k_pool.shape[1]
     q = torch.randn(batch, HEADS, DIM, dtype=dtype, device=device)
     out = torch.empty_like(q)
@@ -66,12 +85,12 @@ def measure(
 
     def flashinfer_variant(tensor_cores: bool, **plan) -> Callable[[], None]:
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace,
+            buffers.workspace,
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=tensor_cores,
             paged_kv_indptr_buffer=indptr.to(device),
-            paged_kv_indices_buffer=graph_indices,
+            paged_kv_indices_buffer=buffers.graph_indices,
             paged_kv_last_page_len_buffer=last_page_len.to(device),
         )
         wrapper.plan(
@@ -121,25 +140,18 @@ def main() -> None:
     names = args.variants.split(",")
     if unknown := set(names) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
-    import flashinfer
-
     device, dtype = torch.device("cuda"), torch.bfloat16
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     slots = max(batches) * max(contexts) + 1
-    k_pool = torch.randn(LAYERS, slots, KV_HEADS, DIM, dtype=dtype, device=device)
-    v_pool = torch.randn(LAYERS, slots, KV_HEADS, DIM, dtype=dtype, device=device)
-    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=device)
-    graph_indices = torch.zeros(slots, dtype=torch.int32, device=device)
+    buffers = Buffers.allocate(slots, device, dtype)
     bandwidth = copy_bandwidth(device)
     rows = []
     for batch in batches:
         for context in contexts:
             kv_bytes = 2 * batch * context * KV_HEADS * DIM * dtype.itemsize  # one layer
             row = {"batch": batch, "context": context, "kv_bytes_us": kv_bytes / bandwidth * 1e6}
-            row.update(
-                measure(names, flashinfer, k_pool, v_pool, workspace, graph_indices, batch, context)
-            )
+            row.update(measure(names, buffers, batch, context))
             print(row, flush=True)
             rows.append(row)
     gpu = torch.cuda.get_device_name(device)

@@ -6,14 +6,14 @@ against the whole step as the engine runs it (host time), and the replay's kerne
         --attention-backend flashinfer --batch 1 --out benchmarks/results/profile_decode.json
 
 `kernels` lists each kernel name with its launches and device microseconds per replay, longest
-first; `idle_us_per_replay` is the replay's time not covered by any kernel (the gaps between
-graph nodes).
+first; `idle_us_per_replay` is the time no kernel covers from the first kernel's start to the
+last one's end, per replay (the gaps between graph nodes, and between the back-to-back replays).
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter
 
 import torch
 from common import engine_facts, engine_parser, make_llm, report
@@ -31,10 +31,13 @@ def kernel_breakdown(replay, replays: int) -> tuple[list[dict], float]:
             replay()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    if not kernels:
+        raise RuntimeError("the profiler recorded no kernels (is CUPTI available?)")
+    launches: Counter[str] = Counter()
+    device_us: Counter[str] = Counter()
     for e in kernels:
-        totals[e.name][0] += 1
-        totals[e.name][1] += e.device_time
+        launches[e.name] += 1
+        device_us[e.name] += e.device_time
     spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     covered, reach = 0.0, spans[0][0]
     for start, end in spans:  # union of the kernels' intervals
@@ -42,8 +45,8 @@ def kernel_breakdown(replay, replays: int) -> tuple[list[dict], float]:
         reach = max(reach, end)
     idle = (reach - spans[0][0] - covered) / replays
     rows = [
-        {"kernel": name, "launches": n / replays, "us_per_replay": us / replays}
-        for name, (n, us) in totals.items()
+        {"kernel": name, "launches": n / replays, "us_per_replay": device_us[name] / replays}
+        for name, n in launches.items()
     ]
     return sorted(rows, key=lambda r: -r["us_per_replay"]), idle
 

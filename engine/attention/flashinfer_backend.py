@@ -196,7 +196,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         # The wrappers copy the indices into graph_indices, their fixed buffer, when planned.
         self._plan_decode(self.graph_decode[bs], batch, self._kv_indices(batch))
 
-    def attend(self, q, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor) -> None:
+    def attend(
+        self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor
+    ) -> None:
         kv = (
             self.kv_pool.k[layer.layer_id],
             self.kv_pool.v[layer.layer_id],

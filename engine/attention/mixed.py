@@ -1,9 +1,9 @@
 """Attention for MIXED steps (a prefill chunk and the running decodes in one forward pass),
 through any backend: the prefill rows run as an extend batch and the decode rows as a decode
 batch, each prepared and attended by the backend exactly as it runs such a batch alone (the
-step's k and v are stored once, for all rows). The
-decode rows so keep the backend's decode kernel (split KV, each KV head read once for its
-group of query heads), which an extend kernel's tiles of one query would not."""
+step's k and v are stored once, for all rows). The decode rows so keep the backend's decode
+kernel (split KV, each KV head read once for its group of query heads), which an extend
+kernel's tiles of one query would not."""
 
 from __future__ import annotations
 

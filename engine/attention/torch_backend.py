@@ -59,7 +59,9 @@ class TorchAttentionBackend(AttentionBackend):
             start += extend_len
         batch.attn = _ExtendMeta(ranges, req_slots, positions)
 
-    def attend(self, q, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor) -> None:
+    def attend(
+        self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor
+    ) -> None:
         k_cache, v_cache = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         gqa = layer.num_heads != layer.num_kv_heads
         meta = batch.attn

@@ -42,7 +42,9 @@ class TritonAttentionBackend(AttentionBackend):
         lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int64, device=device)
         batch.attn = _ExtendMeta(lens, torch.cumsum(lens, 0) - lens, max(batch.extend_lens_cpu))
 
-    def attend(self, q, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor) -> None:
+    def attend(
+        self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor
+    ) -> None:
         k_cache, v_cache = self.kv_pool.k[layer.layer_id], self.kv_pool.v[layer.layer_id]
         table = self.req_to_token.table
         if batch.mode is ForwardMode.DECODE:

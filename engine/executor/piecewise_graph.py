@@ -13,7 +13,7 @@ are never read.
 The pieces hand their results over through fixed buffers (q, k and v; the residual stream;
 attention's output, which the backend writes in place), so what a piece allocates lives only
 until the next piece's capture may reuse it, and the graphs of all token counts share one
-memory pool. Between two pieces the host so launches only attention itself.
+memory pool. Between two pieces the host so launches only the KV store and attention.
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ class PiecewiseGraphRunner:
         spec = self.specs[0]  # every layer's heads are alike (only windows differ)
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        heads = lambda count: torch.zeros(  # noqa: E731
-            n, count, spec.head_dim, dtype=dtype, device=device
-        )
+
+        def heads(count: int) -> torch.Tensor:
+            return torch.zeros(n, count, spec.head_dim, dtype=dtype, device=device)
+
         # contiguous, unlike views of the fused qkv projection, so attention takes them as they are
         self.q, self.k, self.v = (
             heads(spec.num_heads),

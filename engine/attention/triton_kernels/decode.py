@@ -126,7 +126,7 @@ def _decode_merge(
     HEAD_DIM: tl.constexpr,
 ):
     # One program per request and query head: the splits' outputs weighted by their share of
-    # the softmax mass, in one launch (torch ops took four, more than the partial pass itself).
+    # the softmax mass.
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -175,7 +175,7 @@ def decode_attention(
     kv_heads = k_cache.shape[1]
     if num_splits is None:
         num_splits = default_num_splits(batch * kv_heads, q.device)
-    assert num_splits & (num_splits - 1) == 0, num_splits
+    assert num_splits > 0 and num_splits & (num_splits - 1) == 0, num_splits
     group = heads // kv_heads
     part_out = torch.empty((batch, heads, num_splits, dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)

@@ -61,24 +61,30 @@ def test_mixed_attention_equals_one_extend_pass(backend, window, attention_batch
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED])
 def test_attention_writes_into_the_output_it_is_given(backend, mode, attention_batch):
     """The piecewise graphs hand attention their fixed output buffer: what lands there must be
-    what a fresh output holds, also when q, k and v are views of one fused projection."""
+    the reference's attention, also when q, k and v are strided views of one fused projection."""
     heads, kv_heads, head_dim = 4, 2, 16
     pool = KVPool(256, 1, kv_heads, head_dim, torch.float32, torch.device("cpu"))
     table = ReqToTokenTable(4, 64, torch.device("cpu"))
     table.table.copy_(torch.arange(1, 257).view(4, 64))
+    gen = torch.Generator().manual_seed(1)
+    pool.k[0].copy_(torch.randn(pool.k[0].shape, generator=gen))  # the requests' cached prefixes
+    pool.v[0].copy_(torch.randn(pool.v[0].shape, generator=gen))
     spec = AttentionLayerSpec(0, heads, kv_heads, head_dim, head_dim**-0.5, None)
     extend_lens = [1, 1, 1] if mode is ForwardMode.DECODE else [20, 9, 1]
     batch = attention_batch(mode, [30, 9, 12], extend_lens, [2, 0, 1], table.table)
     if mode is ForwardMode.MIXED:
         batch = dataclasses.replace(batch, prefill_rows=2)
-    gen = torch.Generator().manual_seed(1)
     qkv = torch.randn(sum(extend_lens), (heads + 2 * kv_heads) * head_dim, generator=gen)
     q, k, v = spec.split_qkv(qkv)  # strided views, as Attention.project gives them
+    assert not q.is_contiguous()
+    reference = create_backend("torch", kv_pool=pool, req_to_token=table, layers=[spec])
+    whole = dataclasses.replace(batch)  # a MIXED batch is one extend batch to the reference
+    reference.prepare(whole)
+    expected = reference.forward(q.contiguous(), k.contiguous(), v.contiguous(), spec, whole)
     attention = create_backend(backend, kv_pool=pool, req_to_token=table, layers=[spec])
     if mode is ForwardMode.MIXED:
         attention = MixedAttention(attention)
     attention.prepare(batch)
-    expected = attention.forward(q, k, v, spec, batch)
     out = torch.full((q.shape[0], heads, head_dim), float("nan"))
-    assert attention.forward(q, k, v, spec, batch, out=out) is out
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    attention.forward(q, k, v, spec, batch, out=out)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -62,7 +62,8 @@ def test_gather_kv_indices_concatenates_each_rows_prefix():
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])
 @pytest.mark.parametrize("window", [None, 7])
-def test_decode_matches_reference(heads, kv_heads, window):
+@pytest.mark.parametrize("num_splits", [4, 32, None])  # 32: most splits of a short KV empty
+def test_decode_matches_reference(heads, kv_heads, window, num_splits):
     dim, seq_lens = 16, [1, 37, 90]
     k_cache, v_cache, table, rows = paged_setup(seq_lens, heads, kv_heads, dim, torch.float32)
     q = torch.randn(len(seq_lens), heads, dim, device=DEVICE)
@@ -75,7 +76,7 @@ def test_decode_matches_reference(heads, kv_heads, window):
         torch.tensor(seq_lens, device=DEVICE),
         0.25,
         window,
-        num_splits=4,
+        num_splits=num_splits,
     )
     for i, (row, n) in enumerate(zip(rows.tolist(), seq_lens)):
         slots = table[row, :n]
