@@ -78,17 +78,6 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         return q, k, v
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        batch: ForwardBatch,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        q, k, v = self.project(hidden, positions)
-        out = backend.forward(q, k, v, self.spec, batch)
-        return self.o_proj(out.reshape(q.shape[0], -1))
-
 
 class MLP(nn.Module):
     def __init__(
