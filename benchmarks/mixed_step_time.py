@@ -13,6 +13,12 @@ ITL p99 rests on when long prompts arrive, and which budget keeps it within 2x a
 
 One engine serves every setting (its budget and mixing are set between measurements), with
 overlap off so that each step's wall time is that step's alone.
+
+With --profile (a GPU only) the arrival's steps run under torch.profiler, and each setting
+also records the device kernels of its average step (`kernels_per_step`, the 15 longest) and
+how long per step the device was busy and idle (`device_busy_ms`, `device_idle_ms`): a step
+whose wall time is well above its busy time is bound by its host. The profiler slows the
+host, so the step times of a profiled run are not the ones to quote.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import time
 
 import torch
 from common import engine_facts, engine_parser, make_llm, report
+from kernel_profile import kernel_profile
 
 from kubesgl.engine import SamplingParams
 from kubesgl.engine.messages import GenerateRequest
@@ -76,7 +83,17 @@ def measure(llm, args, budget: int, mixed: bool, rng: random.Random) -> dict:
     engine.add_request(
         GenerateRequest(rid=arrival, input_ids=prompt(args.prompt_len), params=params)
     )
-    steps = timed_steps(engine, lambda _: arrival not in scheduler.requests, decodes[0])
+    steps: list[Step] = []
+
+    def arrival_steps() -> None:
+        steps.extend(timed_steps(engine, lambda _: arrival not in scheduler.requests, decodes[0]))
+
+    profiled = None
+    if args.profile:
+        whole = kernel_profile(arrival_steps)
+        profiled = whole.per(len(steps))
+    else:
+        arrival_steps()
     for rid in decodes:
         engine.abort_request(rid)
     timed_steps(engine, lambda _: not engine.has_work())
@@ -87,7 +104,7 @@ def measure(llm, args, budget: int, mixed: bool, rng: random.Random) -> dict:
     # the last one to the end of the prompt's steps
     marks = [0.0] + [1000 * step.ended_at for step in steps if step.watched_token]
     marks.append(1000 * steps[-1].ended_at)
-    return {
+    result = {
         "budget": budget,
         "mixed": mixed,
         "decode_step_ms": statistics.median(decode_ms),
@@ -98,6 +115,11 @@ def measure(llm, args, budget: int, mixed: bool, rng: random.Random) -> dict:
         "longest_decode_gap_ms": max(b - a for a, b in zip(marks, marks[1:])),
         "step_ms": [round(t, 2) for t in ms],  # which step is the slow one
     }
+    if profiled is not None:
+        result["device_busy_ms"] = profiled.busy_us / 1000
+        result["device_idle_ms"] = profiled.idle_us / 1000
+        result["kernels_per_step"] = profiled.kernels[:15]
+    return result
 
 
 def main() -> None:
@@ -107,8 +129,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=4096)
     parser.add_argument("--chunk-sizes", default="256,512,1024,2048,4096")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed alone")
+    parser.add_argument("--profile", action="store_true", help="record the kernels (GPU)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.profile and not torch.cuda.is_available():
+        parser.error("--profile records CUDA kernels: it needs a GPU")
     budgets = [int(size) for size in args.chunk_sizes.split(",")]
     # enough outputs that the decodes outlast every phase of one setting: their own prompts
     # (mixed, they decode meanwhile), the steps timed alone, and the arrival's prompt

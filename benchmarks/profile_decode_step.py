@@ -5,50 +5,21 @@ against the whole step as the engine runs it (host time), and the replay's kerne
     python benchmarks/profile_decode_step.py --model benchmarks/models/llama-3.1-8b --load-format dummy \
         --attention-backend flashinfer --batch 1 --out benchmarks/results/profile_decode.json
 
-`kernels` lists each kernel name with its launches and device microseconds per replay, longest
-first; `idle_us_per_replay` is the time no kernel covers from the first kernel's start to the
+`kernels` lists each kernel name with its launches and device microseconds (`us`) per replay,
+longest first; `idle_us_per_replay` is the time no kernel covers from the first kernel's start to the
 last one's end, per replay (the gaps between graph nodes, and between the back-to-back replays).
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 import torch
 from common import engine_facts, engine_parser, make_llm, report
-from torch.profiler import ProfilerActivity, profile
+from kernel_profile import kernel_profile
 
 from kubesgl.engine.messages import GenerateRequest
 from kubesgl.engine.sampling_params import SamplingParams
-
-
-def kernel_breakdown(replay, replays: int) -> tuple[list[dict], float]:
-    """Per kernel name: launches and device µs per replay; and the µs per replay that no
-    kernel covers between the first kernel's start and the last one's end."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            replay()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if not kernels:
-        raise RuntimeError("the profiler recorded no kernels (is CUPTI available?)")
-    launches: Counter[str] = Counter()
-    device_us: Counter[str] = Counter()
-    for e in kernels:
-        launches[e.name] += 1
-        device_us[e.name] += e.device_time
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    covered, reach = 0.0, spans[0][0]
-    for start, end in spans:  # union of the kernels' intervals
-        covered += max(0.0, end - max(start, reach))
-        reach = max(reach, end)
-    idle = (reach - spans[0][0] - covered) / replays
-    rows = [
-        {"kernel": name, "launches": n / replays, "us_per_replay": device_us[name] / replays}
-        for name, n in launches.items()
-    ]
-    return sorted(rows, key=lambda r: -r["us_per_replay"]), idle
 
 
 def main() -> None:
@@ -88,7 +59,8 @@ def main() -> None:
     end.record()
     end.synchronize()
     replay_ms = start.elapsed_time(end) / 100
-    kernels, idle_us = kernel_breakdown(graph.replay, args.replays)
+    profiled = kernel_profile(lambda: [graph.replay() for _ in range(args.replays)])
+    replays = profiled.per(args.replays)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(100):
@@ -103,9 +75,9 @@ def main() -> None:
         "engine_step_ms": step_ms,
         "weight_gb": weight_bytes / 1e9,
         "replay_bandwidth_tb_s": weight_bytes / replay_ms / 1e9,
-        "kernel_us_per_replay": sum(k["us_per_replay"] for k in kernels),
-        "idle_us_per_replay": idle_us,
-        "kernels": kernels,
+        "kernel_us_per_replay": sum(k["us"] for k in replays.kernels),
+        "idle_us_per_replay": replays.idle_us,
+        "kernels": replays.kernels,
     }
     for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
