@@ -350,18 +350,13 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         "chatcmpl",
         bootstrap(ctx, body, 1, body.n),
     )
-    meta = {
-        "id": subs[0].rid.rsplit("-", 1)[0],
-        "created": int(time.time()),
-        "model": ctx.state.served_model_name,
-    }
     return await respond(
         ctx,
         request,
         subs,
         body.stream,
         body.include_usage,
-        chat_formatter(meta, body.logprobs, tool_output),
+        chat_formatter(response_meta(ctx, subs), body.logprobs, tool_output),
     )
 
 
@@ -387,18 +382,13 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServedHere
         for p in prompts
     ]
     subs = fan_out(bases, body.n, params, "cmpl", bootstrap(ctx, body, len(bases), body.n))
-    meta = {
-        "id": subs[0].rid.rsplit("-", 1)[0],
-        "created": int(time.time()),
-        "model": ctx.state.served_model_name,
-    }
     return await respond(
         ctx,
         request,
         subs,
         body.stream,
         body.include_usage,
-        completion_formatter(meta, body.logprobs is not None),
+        completion_formatter(response_meta(ctx, subs), body.logprobs is not None),
     )
 
 
@@ -451,6 +441,16 @@ def fan_out(
             )
             leader = leader or rid
     return subs
+
+
+def response_meta(ctx: Served, subs: list[TokenizeRequest]) -> dict:
+    """What every response and chunk of one OpenAI request carries: the id its choices share
+    (their rids less the choice index), when it was created, and the served model's name."""
+    return {
+        "id": subs[0].rid.rsplit("-", 1)[0],
+        "created": int(time.time()),
+        "model": ctx.state.served_model_name,
+    }
 
 
 async def respond(
