@@ -130,7 +130,7 @@ class KVManager:
 
     def reserve_decode_pages(self, reqs: list[Req]) -> None:
         """Reserve the page each of `reqs` takes in its next decode step beyond its reservation,
-        so that requests admitted in the same (mixed) step cannot take it. The scheduler checks
+        so that requests admitted before that step cannot take it. The scheduler checks
         `pages_short(reqs) == 0` first."""
         p = self.page_size
         for req in reqs:

@@ -290,17 +290,14 @@ class Scheduler:
 
     # -- scheduling --------------------------------------------------------------------
     def _schedule(self) -> ScheduledBatch | None:
-        ready = [r for r in self.decoding if r.outputs_scheduled < r.max_tokens]
+        ready = self._fit_decode([r for r in self.decoding if r.outputs_scheduled < r.max_tokens])
+        # The pages these decodes take next are theirs, whether they run in this step (mixed)
+        # or the next: a request admitted now that took one would be retracted at once.
+        self.kv.reserve_decode_pages(ready)
         mixing = self.limits.mixed_chunk and bool(ready)
-        if mixing:
-            ready = self._fit_decode(ready)
-            self.kv.reserve_decode_pages(ready)  # the step's admissions must leave them their pages
-            mixing = bool(ready)
         chunks = self._prefill_chunks(decode_tokens=len(ready) if mixing else 0)
         if chunks:
             return self.builder.mixed(chunks, ready) if mixing else self.builder.extend(chunks)
-        if not self.limits.mixed_chunk:
-            ready = self._fit_decode(ready)
         return self.builder.decode(ready) if ready else None
 
     def _prefill_chunks(self, decode_tokens: int) -> list[tuple[Req, int]]:

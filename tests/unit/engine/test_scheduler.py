@@ -500,3 +500,43 @@ def test_estimate_backs_off_once_per_shortage_not_per_retracted_request(
     assert engine.scheduler.kv.estimate.ratio == pytest.approx(
         0.05 * 1.01**CountingEstimate.backoffs
     )
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["extend-steps", "mixed-steps"])
+def test_admission_leaves_a_running_decode_its_next_page(mixed, tiny_model, make_llm):
+    """A request that has outgrown its reservation needs an unreserved page at its next decode
+    step. Admission must leave it that page: a newcomer that takes it is prefilled, then
+    retracted at once to make room, its whole prefill wasted (the bug: only mixed steps
+    reserved the decodes' pages before admitting)."""
+    llm = make_llm(
+        tiny_model("llama"),
+        max_total_tokens=64,
+        chunked_prefill_size=32,
+        max_running_requests=4,
+        enable_mixed_chunk=mixed,
+        disable_overlap_schedule=True,
+    )
+    engine = llm.engine
+    scheduler = engine.scheduler
+    scheduler.kv.estimate = OutputEstimate(ratio=0.05, weight=0.0, backoff=1.0)
+    submit(engine, "long", list(range(10, 18)), max_tokens=50, temperature=0, ignore_eos=True)
+    outputs = defaultdict(list)
+    for _ in range(31):
+        for out in engine.step():
+            outputs[out.rid].append(out)
+    long = scheduler.requests["long"]
+    assert long.reserved_pages == 0  # past its estimate: every next token takes a free page
+    # a prompt of all the pages nobody holds or reserved: it fits only by taking the decode's
+    submit(
+        engine,
+        "newcomer",
+        list(range(100, 100 + scheduler.kv.available_pages())),
+        max_tokens=2,
+        temperature=0,
+        ignore_eos=True,
+    )
+    for rid, outs in run_to_end(engine).items():
+        outputs[rid] += outs
+    assert scheduler.stats().retractions == 0
+    assert [sum(len(o.token_ids) for o in outputs[r]) for r in ("long", "newcomer")] == [50, 2]
+    scheduler.check_integrity()
