@@ -100,6 +100,7 @@ class SchedulePolicy:
             return
         head = [waiting.popleft() for _ in range(min(len(waiting), MAX_ORDERED))]
         deadline = self.clock() - self.max_wait
-        overdue = [req for req in head if req.arrived <= deadline]
+        # oldest first: the head keeps the order of earlier steps, not arrival order
+        overdue = sorted((req for req in head if req.arrived <= deadline), key=lambda r: r.arrived)
         rest = [req for req in head if req.arrived > deadline]
         waiting.extendleft(reversed(overdue + self._order(rest, self.cache)))

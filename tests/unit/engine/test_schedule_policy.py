@@ -76,6 +76,20 @@ def test_an_overdue_request_goes_first(name):
     assert order(name, cache_with(A, B), reqs, now=10.2, max_wait=10.0)[0] == "old"
 
 
+@pytest.mark.parametrize("name", ["lpm", "dfs-weight"])
+def test_overdue_requests_go_first_in_arrival_order(name):
+    """Requests that became overdue in a queue the policy had already ordered (the later
+    arrival, matching more, ahead) are taken oldest first, not in the order they were left in."""
+    queue = deque([req("old", [7, 7, 7], arrived=0.0), req("newer", B + [1], arrived=2.0)])
+    now = 5.0
+    policy = SchedulePolicy(name, cache_with(A, B), max_wait=10.0, clock=lambda: now)
+    policy.reorder(queue)
+    assert [r.rid for r in queue] == ["newer", "old"]  # neither overdue: the longer match first
+    now = 20.0
+    policy.reorder(queue)
+    assert [r.rid for r in queue] == ["old", "newer"]
+
+
 def test_without_a_prefix_cache_prefix_policies_keep_arrival_order():
     cache = NoPrefixCache(PageAllocator(16, 1))
     reqs = [req("x", [5, 6, 7]), req("y", [1, 2, 3])]
