@@ -60,7 +60,13 @@ class PiecewiseGraphRunner:
         embedding = model.embed_tokens.weight
         device, dtype = embedding.device, embedding.dtype
         n, hidden = self.token_counts[-1], model.config.hidden_size
-        spec = self.specs[0]  # every layer's heads are alike (only windows differ)
+        spec = self.specs[0]  # one set of q, k and v buffers serves every layer
+        if any(
+            (s.num_heads, s.num_kv_heads, s.head_dim)
+            != (spec.num_heads, spec.num_kv_heads, spec.head_dim)
+            for s in self.specs
+        ):
+            raise ValueError("piecewise CUDA graphs need every layer to have the same head shape")
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
 
