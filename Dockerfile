@@ -9,10 +9,10 @@ ARG DEVICE=cuda
 
 FROM nvidia/cuda:13.0.1-devel-ubuntu24.04 AS base-cuda
 # the flashinfer extra pins the release that was measured
-ENV TORCH_INDEX=https://download.pytorch.org/whl/cu130 KUBESGL_EXTRAS=flashinfer
+ENV TORCH_INDEX=https://download.pytorch.org/whl/cu130 KUBESGL_PACKAGE=".[flashinfer]"
 
 FROM ubuntu:24.04 AS base-cpu
-ENV TORCH_INDEX=https://download.pytorch.org/whl/cpu KUBESGL_EXTRAS=""
+ENV TORCH_INDEX=https://download.pytorch.org/whl/cpu KUBESGL_PACKAGE="."
 
 # one of the two stages above (hadolint cannot see through the argument)
 # hadolint ignore=DL3006
@@ -45,7 +45,7 @@ COPY operator operator
 # the project itself, from this folder. Ubuntu 24.04 images come with a user ubuntu of uid 1000,
 # the uid pods run as: kubesgl takes its place.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[$KUBESGL_EXTRAS]" \
+RUN pip install --no-cache-dir "$KUBESGL_PACKAGE" \
     && (userdel --remove ubuntu 2>/dev/null || true) \
     && useradd --uid 1000 --create-home kubesgl
 

@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,9 +59,25 @@ def test_one_dockerfile_builds_the_gpu_image_and_its_cpu_variant():
     )
     assert instructions("FROM")[-1] == "base-${DEVICE}"
     cuda, cpu = DOCKERFILE.split("AS base-cuda")[1].split("AS base-cpu")
-    assert "whl/cu130" in cuda and "KUBESGL_EXTRAS=flashinfer" in cuda
+    assert "whl/cu130" in cuda and 'KUBESGL_PACKAGE=".[flashinfer]"' in cuda
     assert "whl/cpu" in cpu.split("FROM base-")[0]
-    assert '".[$KUBESGL_EXTRAS]"' in DOCKERFILE
+    assert 'pip install --no-cache-dir "$KUBESGL_PACKAGE"' in DOCKERFILE
+
+
+def test_pip_accepts_what_each_variant_installs():
+    """The package spec of each stage, as its RUN line gets it, is one pip installs (the CPU
+    variant's was ".[]", an invalid requirement that failed every CPU image build)."""
+    specs = re.findall(r'KUBESGL_PACKAGE="([^"]*)"', DOCKERFILE)
+    assert len(specs) == 2
+    for spec in specs:
+        dry_run = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps"]
+            + ["--no-build-isolation", "--no-index", "--quiet", spec],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert dry_run.returncode == 0, f"{spec}: {dry_run.stderr}"
 
 
 def test_the_images_torch_pin_is_the_one_the_readme_explains():
