@@ -1,4 +1,4 @@
-"""`kubesgl up -f FILE`: run an InferenceService on this machine until Ctrl-C or SIGTERM."""
+"""`kubesgl up -f FILE`: run an InferenceService on this machine until Ctrl-C, SIGTERM or SIGHUP."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Run an InferenceService on this machine: every replica of its engine roles and "
         "the router, as local processes started from the command lines the operator puts in pods. Runs until "
-        "Ctrl-C or SIGTERM, which drain and stop everything.",
+        "Ctrl-C, SIGTERM or SIGHUP (its terminal closed), which drain and stop everything.",
     )
     parser.add_argument(
         "-f",
@@ -119,7 +119,8 @@ def main(argv: list[str]) -> int:
         # the first Ctrl-C drains; a second one kills what is still running
         (force if stop.is_set() else stop).set()
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP: the terminal was closed, which must not leave the processes running without it
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, on_signal)
     try:
         while not stop.is_set():

@@ -5,14 +5,19 @@ behind, also when one hangs.
 
 Each process leads a process group of its own: the engines' scheduler and tokenizer processes
 are in it, and the terminal's Ctrl-C reaches `kubesgl up` alone, which stops them in order.
+On Linux each also gets SIGTERM (its drain) when `kubesgl up` dies without stopping them
+(SIGKILL, a crash), so that none outlives it holding its port.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +37,9 @@ BACKOFF_RESET_S = 120.0
 HEALTH_TIMEOUT_S = 1.0
 # How long the processes of a group may take to be gone after SIGKILL.
 KILL_WAIT_S = 5.0
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
+# loaded here, not between fork and exec, where the child may only make the system call
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 class State(StrEnum):
@@ -154,6 +162,9 @@ class Supervisor:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=functools.partial(_drain_when_parent_dies, os.getpid())
+                if _LIBC is not None
+                else None,
             )
         replica.state = State.STARTING
         replica.started_at = self.clock()
@@ -203,6 +214,15 @@ def exit_reason(returncode: int, log_path: Path) -> str:
             if line.strip()
         ]
     return f"exit code {returncode}: {lines[-1][:160]}" if lines else f"exit code {returncode}"
+
+
+def _drain_when_parent_dies(parent: int) -> None:
+    """Run in the child between fork and exec: SIGTERM when `parent` is gone, and at once if it
+    went before this was set."""
+    assert _LIBC is not None
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _kill_group(pgid: int) -> None:

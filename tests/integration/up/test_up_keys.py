@@ -4,6 +4,7 @@ so that no process's command line shows them, and required by the router and the
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import httpx
@@ -83,3 +84,10 @@ def test_clients_and_the_admin_api_need_their_keys(keyed):
         ).status_code
         == 200
     )
+
+
+def test_closing_the_terminal_drains_and_stops_everything(keyed):
+    """SIGHUP (its terminal closed) stops `kubesgl up` as Ctrl-C does, leaving no process behind.
+    The module's last test: it stops the module's `kubesgl up`."""
+    status, left = keyed.interrupt(signal.SIGHUP)
+    assert status == 0 and left == []

@@ -4,8 +4,11 @@ and a stop that drains the router first and leaves no process behind, a hung one
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -202,3 +205,45 @@ def test_a_second_signal_kills_at_once(stand_in, tmp_path):
     supervisor.stop(force)
     assert time.monotonic() - started < 5
     assert events[-1] == "killed: at once, as asked" and not running(child)
+
+
+SUPERVISING = r"""
+import sys, time
+from kubesgl.up.plan import LocalProcess
+from kubesgl.up.supervisor import Supervisor
+from kubesgl import contract
+from pathlib import Path
+port, log_dir, argv = int(sys.argv[1]), sys.argv[2], tuple(sys.argv[3:])
+process = LocalProcess("mixed-0", contract.MIXED, argv, {}, port, 10)
+supervisor = Supervisor([process], Path(log_dir))
+while not supervisor.all_ready():
+    supervisor.tick()
+    time.sleep(0.05)
+print(supervisor.replicas[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_replicas_drain_when_the_supervisor_is_killed(stand_in, tmp_path):
+    """`kubesgl up` killed outright (SIGKILL, or a crash) cannot stop its replicas: each gets
+    SIGTERM from the kernel instead, and none is left serving without it."""
+    replica = stand_in("mixed-0", "ok")
+    script = tmp_path / "supervising.py"
+    script.write_text(SUPERVISING)
+    supervising = subprocess.Popen(
+        [sys.executable, str(script), str(replica.port), str(tmp_path), *replica.argv],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert supervising.stdout is not None
+    pid = int(supervising.stdout.readline())
+    try:
+        assert running(pid)
+        supervising.kill()
+        supervising.wait()
+        wait_for(lambda: not running(pid), timeout=10)
+    finally:
+        supervising.kill()
+        if running(pid):
+            os.killpg(pid, signal.SIGKILL)
