@@ -120,7 +120,13 @@ def validation_error(errors: Sequence[dict]) -> APIError:
         reason = (error.get("ctx") or {}).get("error", "invalid syntax")
         return APIError(400, f"the request body is not valid JSON: {reason} at character {where}")
     loc = [str(part) for part in error.get("loc", ()) if part != "body" and "[" not in str(part)]
+    if not loc and error.get("type") in ("model_type", "model_attributes_type"):  # no object
+        return APIError(
+            400, "the request body must be a JSON object, sent with Content-Type: application/json"
+        )
     message = error.get("msg", "invalid request")
+    if error.get("type") == "value_error":  # a validator's own message, without pydantic's prefix
+        message = str((error.get("ctx") or {}).get("error", message))
     return APIError(
         400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None
     )

@@ -1,5 +1,6 @@
 """OpenAI-compatible request bodies (and SGLang's native /generate). Unknown fields are
-accepted and ignored, as OpenAI does; wrong types and out-of-range values are 400s."""
+accepted and ignored, as OpenAI does; wrong types and out-of-range values are 400s, and so
+are OpenAI fields this server does not implement, unless they ask for nothing."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pydantic import (
     Field,
     StrictInt,
     Tag,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -23,12 +26,28 @@ from kubesgl.engine.messages import BootstrapTarget
 from kubesgl.engine.sampling_params import GrammarSpec, InvalidRequestError, SamplingParams, is_utf8
 
 UTF8_ERROR = "invalid_utf8"
+UNSUPPORTED_ERROR = "unsupported"
 
 
 def _utf8(value: str) -> str:
     if not is_utf8(value):
         raise PydanticCustomError(UTF8_ERROR, "is not valid UTF-8 text (it holds a lone surrogate)")
     return value
+
+
+def unsupported_unless(*no_ops: Any, instead: str = "") -> AfterValidator:
+    """An OpenAI field this server does not implement: a 400 for any value but those that ask
+    for nothing (a client that sends the default still works); `instead` names what to use."""
+
+    def check(value: Any) -> Any:
+        if value not in no_ops:
+            raise PydanticCustomError(
+                UNSUPPORTED_ERROR,
+                "is not supported by this server" + (f": use {instead}" if instead else ""),
+            )
+        return value
+
+    return AfterValidator(check)
 
 
 Text = Annotated[str, AfterValidator(_utf8)]
@@ -184,6 +203,7 @@ class _SamplingFields(_Bootstrap):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: Annotated[dict[str, float] | None, unsupported_unless(None, {})] = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -294,6 +314,20 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's deprecated forms of tools and tool_choice
+    functions: Annotated[
+        list[dict[str, Any]] | None, unsupported_unless(None, [], instead="tools")
+    ] = None
+    function_call: Annotated[
+        str | dict[str, Any] | None, unsupported_unless(None, "none", instead="tool_choice")
+    ] = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _asks_for_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise PydanticCustomError("needs_logprobs", "needs logprobs set to true")
+        return value
 
     def tool_mode(self) -> tuple[str, dict[str, Any] | None]:
         """("none" | "auto" | "required" | "named", the named tool); InvalidRequestError where
@@ -333,14 +367,10 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: Text | PromptList
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: bool = False
     max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
-
-    @model_validator(mode="after")
-    def _no_echo(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
-        return self
+    echo: Annotated[bool, unsupported_unless(False)] = False
+    best_of: Annotated[int | None, unsupported_unless(None, 1, instead="n")] = None
+    suffix: Annotated[str | None, unsupported_unless(None, "")] = None
 
     def prompts(self) -> list[str] | list[list[int]]:
         p = self.prompt

@@ -241,6 +241,53 @@ def test_bad_chat_requests_get_400(llama_server):
     assert ok.status_code == 200
 
 
+CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"65": 100}}, "logit_bias"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": {"65": 100}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs"),
+        ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
+        ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
+    ],
+)
+def test_openai_fields_not_implemented_are_refused_not_ignored(llama_server, path, body, param):
+    """Each would change the answer; served without it, the client would get another answer
+    than it asked for and no sign of it. Their no-op values (an empty logit_bias, best_of 1,
+    echo false) are accepted, as clients send them by default."""
+    url, headers = llama_server.base_url + path, {"authorization": "Bearer sk-test"}
+    got = httpx.post(url, json={"model": "tiny", **body}, headers=headers)
+    assert got.status_code == 400, got.text
+    assert got.json()["error"]["param"] == param
+    assert "not supported" in got.json()["error"]["message"] or "logprobs" in got.text
+    no_ops = {"logit_bias": {}, "best_of": 1, "suffix": "", "echo": False, "function_call": "none"}
+    if param in no_ops:
+        fine = httpx.post(
+            url, json={"model": "tiny", **body, param: no_ops[param]}, headers=headers
+        )
+        assert fine.status_code == 200, fine.text
+
+
+def test_a_body_sent_without_the_json_content_type_is_told_so(llama_server):
+    """curl -d without -H 'content-type: application/json' sends a form content type."""
+    got = httpx.post(
+        llama_server.base_url + "/v1/completions",
+        content=b'{"model": "tiny", "prompt": "x", "max_tokens": 2}',
+        headers={
+            "authorization": "Bearer sk-test",
+            "content-type": "application/x-www-form-urlencoded",
+        },
+    )
+    assert got.status_code == 400
+    assert "Content-Type: application/json" in got.json()["error"]["message"]
+
+
 async def test_bad_request_does_not_harm_a_concurrent_good_one(async_client, offline):
     async def bad():
         with pytest.raises(openai.BadRequestError):
