@@ -64,8 +64,14 @@ ADMIN_PATH = "/workers"
 # The engine's routes that check its API key: with one set, the router checks it in their place.
 # SGLang's description of the model (its vocabulary size, say): answered by a worker, as /v1/models.
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
-CLIENT_PATHS = frozenset({*GENERATION_PATHS, "/v1/models", *MODEL_INFO_PATHS})
+MODEL_PATH = "/v1/models/{model}"  # one model's card: one route whatever the model's name
+CLIENT_PATHS = frozenset({*GENERATION_PATHS, "/v1/models", MODEL_PATH, *MODEL_INFO_PATHS})
 _BEARER_CHALLENGE = [(b"www-authenticate", b"Bearer")]
+
+
+def route_of(path: str) -> str:
+    """The route a request path takes."""
+    return MODEL_PATH if path.startswith("/v1/models/") else path
 
 
 def json_reply(status: int, payload: object) -> BufferedReply:
@@ -108,7 +114,10 @@ class RouterApp:
         self.resolve: Resolve = resolve_host
         self._routes: dict[str, dict[str, Handler]] = {
             **{path: {"POST": self._generate} for path in GENERATION_PATHS},
-            **{path: {"GET": self._models} for path in ("/v1/models", *MODEL_INFO_PATHS)},
+            **{
+                path: {"GET": self._models}
+                for path in ("/v1/models", MODEL_PATH, *MODEL_INFO_PATHS)
+            },
             "/health": {"GET": self._health_status},
             "/metrics": {"GET": self._metrics},
             ADMIN_PATH: {
@@ -221,7 +230,7 @@ class RouterApp:
                 )
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        methods = self._routes.get(scope["path"])
+        methods = self._routes.get(route_of(scope["path"]))
         if methods is None:
             message = f"no route for {scope['method']} {scope['path']}"
             await self._send(send, self._rejected(RouterError(404, message, "not_found_error")))
@@ -294,7 +303,7 @@ class RouterApp:
     def _authorize(self, scope: Scope) -> None:
         """The client's key on the engine's protected routes (when the router has the engines'
         key), the admin key on the admin API."""
-        path = scope["path"]
+        path = route_of(scope["path"])
         if path == ADMIN_PATH:
             self._check_admin(scope)
         elif (

@@ -245,10 +245,16 @@ def serving(ctx: Served, model: str | None = None) -> None:
         raise APIError(503, "the server is shutting down", "service_unavailable")
     if not ctx.client.ready.is_set():
         raise APIError(503, "the model is still loading", "service_unavailable")
-    if model is not None and model != state.served_model_name:
+    if model is not None:
+        served_here(ctx, model)
+
+
+def served_here(ctx: Served, model: str) -> None:
+    served = ctx.state.served_model_name
+    if model != served:
         raise APIError(
             404,
-            f"the model {model!r} does not exist; this server serves {state.served_model_name!r}",
+            f"the model {model!r} does not exist; this server serves {served!r}",
             param="model",
             code="model_not_found",
         )
@@ -308,8 +314,8 @@ async def metrics(ctx: ServedHere) -> Response:
     return Response(ctx.client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@api_routes.get("/v1/models")
-async def models(ctx: ServedHere) -> dict:
+def model_card(ctx: Served) -> dict:
+    """The served model as OpenAI describes a model (and vLLM's max_model_len)."""
     card = {
         "id": ctx.state.served_model_name,
         "object": "model",
@@ -318,7 +324,18 @@ async def models(ctx: ServedHere) -> dict:
     }
     if ctx.client.info is not None:
         card["max_model_len"] = ctx.client.info.context_length
-    return {"object": "list", "data": [card]}
+    return card
+
+
+@api_routes.get("/v1/models")
+async def models(ctx: ServedHere) -> dict:
+    return {"object": "list", "data": [model_card(ctx)]}
+
+
+@api_routes.get("/v1/models/{model:path}")  # :path, for names with a slash (org/name)
+async def model(model: str, ctx: ServedHere) -> dict:
+    served_here(ctx, model)
+    return model_card(ctx)
 
 
 @api_routes.post("/v1/chat/completions")

@@ -181,6 +181,9 @@ def test_native_generate(llama_server, offline):
 
 def test_models_and_api_key(llama_server, client):
     assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
     bad = openai.OpenAI(base_url=llama_server.openai_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model="tiny", prompt="x", max_tokens=1)

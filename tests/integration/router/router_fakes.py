@@ -100,6 +100,7 @@ class FakeEngine:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
         for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
             app.router.add_post(path, self._generate)
         self._runner = web.AppRunner(
@@ -159,6 +160,11 @@ class FakeEngine:
         return web.json_response(
             {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
         )
+
+    async def _model(self, request: web.Request) -> web.Response:
+        if request.match_info["model"] != "fake-model":
+            return web.json_response({"error": {"code": "model_not_found"}}, status=404)
+        return web.json_response({"id": "fake-model", "object": "model"})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -49,9 +49,13 @@ async def test_each_generation_route_is_forwarded(engines, start_router, client)
         completion = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
         generate = await client.post(router.url + "/generate", json={"text": "x"})
         models = await client.get(router.url + "/v1/models")
+        model = await client.get(router.url + "/v1/models/fake-model")
+        other = await client.get(router.url + "/v1/models/other-model")
     assert completion.json()["choices"][0]["text"].startswith("a-tok0")
     assert generate.json()["text"].startswith("a-tok0")
     assert models.json()["data"][0]["id"] == "fake-model"
+    assert model.status_code == 200 and model.json()["id"] == "fake-model"
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
     assert [r["path"] for r in a.requests] == ["/v1/completions", "/generate"]
 
 
