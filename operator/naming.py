@@ -35,6 +35,21 @@ def role_object_name(instance: str, role: PodRole) -> str:
     return f"{instance}-{role}"
 
 
+# The API server cuts a generateName at 63 - 5 characters before it appends 5 random ones.
+GENERATED_NAME_PREFIX_MAX = 58
+
+
+def pod_name_pattern(deployment: str) -> str:
+    """A regex (anchored, as PromQL's =~ is) for the names of a Deployment's pods:
+    `<deployment>-<pod-template-hash>-` cut at 58 characters, then 5 random characters. A long
+    name loses the hash's end, its dash, or (57 characters and more) all of the hash. Names
+    are DNS labels (letters, digits, dashes): nothing in them needs escaping, which a PromQL
+    string would have to double."""
+    if len(deployment) + 1 >= GENERATED_NAME_PREFIX_MAX:
+        return f"{deployment}-"[:GENERATED_NAME_PREFIX_MAX] + "[a-z0-9]{5}"
+    return f"{deployment}-[a-z0-9]+-?[a-z0-9]{{5}}"
+
+
 def router_service_name(instance: str) -> str:
     """The client-facing Service is named like the InferenceService itself."""
     return instance

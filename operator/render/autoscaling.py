@@ -69,12 +69,14 @@ def horizontal_pod_autoscaler(
 
 
 def prometheus_query(namespace: str, deployment: str, role: EngineRole, metric: str) -> str:
-    """PromQL for one role's pods. Pod names are <deployment>-<replicaset hash>-<suffix>."""
-    pods = f'namespace="{namespace}",pod=~"{deployment}-[a-z0-9]+-[a-z0-9]+",role="{role}"'
+    """PromQL for one role's pods."""
+    pods = f'namespace="{namespace}",pod=~"{naming.pod_name_pattern(deployment)}",role="{role}"'
     if metric == "timeToFirstToken":
+        # no first token in the window: the quantile is NaN, which KEDA would take as a value;
+        # no traffic is no latency (`>= 0` drops the NaN, `or` puts 0 in its place)
         return (
-            "histogram_quantile(0.9, sum by (le) "
-            f"(rate(kubesgl_time_to_first_token_seconds_bucket{{{pods}}}[2m])))"
+            "(histogram_quantile(0.9, sum by (le) "
+            f"(rate(kubesgl_time_to_first_token_seconds_bucket{{{pods}}}[2m]))) >= 0) or vector(0)"
         )
     if metric in MAX_OVER_PODS:
         return f"max({HPA_METRICS[metric]}{{{pods}}})"

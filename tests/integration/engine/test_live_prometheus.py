@@ -473,6 +473,9 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(
                     assert value <= 1
                 if metric == "timeToFirstToken":
                     assert 0 < value < 60
+        # no traffic: the latency quantile is 0, not NaN (which KEDA would take for a value)
+        idle = prometheus_query("idle", "idle-decode", "decode", "timeToFirstToken")
+        assert [value for _, value in prometheus.query(idle)] == [0.0]
 
         # Every prometheus-adapter rule finds its series and names exactly the metrics the
         # operator's HPAs ask for; each query the adapter builds for them returns data in range

@@ -4,6 +4,7 @@ details of each kind."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import kubernetes_validate
@@ -13,6 +14,7 @@ from cloudcoil.models.keda.v1alpha1 import ScaledObject
 from cloudcoil.models.prometheus_operator.v1 import PodMonitor
 from operator_fixtures import EXAMPLES, load_example, with_changes
 
+from kubesgl.operator import naming
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import parse_inference_service
 
@@ -236,12 +238,27 @@ def test_keda_scaled_objects_query_the_role_pods() -> None:
     assert trigger["metadata"]["threshold"] == "48"
     assert trigger["metadata"]["query"] == (
         'sum(kubesgl_num_running_requests{namespace="default",'
-        'pod=~"llama-keda-decode-[a-z0-9]+-[a-z0-9]+",role="decode"})'
+        'pod=~"llama-keda-decode-[a-z0-9]+-?[a-z0-9]{5}",role="decode"})'
     )
     prefill = objects[("ScaledObject", "llama-keda-prefill")]["spec"]["triggers"][0]
     assert prefill["metricType"] == "Value"
     assert "histogram_quantile(0.9" in prefill["metadata"]["query"]
     assert prefill["metadata"]["threshold"] == "0.5"
+
+
+@pytest.mark.parametrize("length", [17, 40, 50, 56, 57, 58, 63])
+def test_keda_queries_match_the_pods_of_long_deployment_names(length: int) -> None:
+    """The API server cuts `<deployment>-<hash>-` at 58 characters before the 5 random ones:
+    a pattern that wants the whole name, a hash and a dash matched no pod of a long name, so
+    KEDA read nothing and kept the minimum replicas."""
+    deployment = ("a" * length)[: length - 7] + "-decode"
+    pattern = naming.pod_name_pattern(deployment)
+    for pod_template_hash in ("5d4b9c8f5b", "7d4b9c8f", "abc"):
+        pod = f"{deployment}-{pod_template_hash}-"[:58] + "xk2p9"
+        assert re.fullmatch(pattern, pod), (pattern, pod)
+    others = [f"{deployment}x-5d4b9c8f5b-xk2p9", f"{deployment}-5d4b9c8f5b-xk2p9-extra"]
+    assert not [other for other in others if len(deployment) < 57 and re.fullmatch(pattern, other)]
+    assert "\\" not in pattern  # no escapes: a PromQL string would need them doubled
 
 
 def test_keda_kv_usage_is_the_fullest_pods() -> None:
@@ -257,7 +274,7 @@ def test_keda_kv_usage_is_the_fullest_pods() -> None:
     assert trigger["metricType"] == "Value" and trigger["metadata"]["threshold"] == "0.8"
     assert trigger["metadata"]["query"] == (
         'max(kubesgl_kv_cache_usage_ratio{namespace="default",'
-        'pod=~"llama-keda-decode-[a-z0-9]+-[a-z0-9]+",role="decode"})'
+        'pod=~"llama-keda-decode-[a-z0-9]+-?[a-z0-9]{5}",role="decode"})'
     )
     pods = [0.96, 0.0]
     value = max(pods)  # what the query returns
