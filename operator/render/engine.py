@@ -21,6 +21,9 @@ from kubesgl.operator.validation import GPU_RESOURCE
 
 MODEL_ROOT = "/models"
 HF_DOWNLOAD_DIR = f"{MODEL_ROOT}/hf"
+# Meta's repositories carry their original checkpoint beside the Hugging Face one (16 GB more
+# for Llama-3.1-8B), which the engine never reads: not fetched at every pod start.
+HF_DOWNLOAD_SKIPS = ("--exclude", "original/*")
 TINY_MODEL_DIR = f"{MODEL_ROOT}/tiny"
 # The engines read their API key from this variable (never from argv, which `ps` shows); the
 # router reads the same variable for the key it sends engines and checks clients against.
@@ -223,7 +226,7 @@ def _model_init_container(isvc: InferenceService) -> Object | None:
             isvc,
             "download-model",
             ["hf", "download", source.repo],
-            ["--revision", source.revision, "--local-dir", HF_DOWNLOAD_DIR],
+            ["--revision", source.revision, "--local-dir", HF_DOWNLOAD_DIR, *HF_DOWNLOAD_SKIPS],
             env,
         )
     if model.tiny is not None:

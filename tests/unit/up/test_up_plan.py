@@ -274,6 +274,8 @@ def test_models_made_or_downloaded_by_init_containers_go_to_the_cache():
         "main",
         "--local-dir",
         "/tmp/x",
+        "--exclude",
+        "original/*",  # Meta's original checkpoint, which the engine never reads
     ]
     assert hf.env == {"HF_TOKEN": "hf_x"}
 
