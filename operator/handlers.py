@@ -106,7 +106,17 @@ def configure(settings: kopf.OperatorSettings, memo: OperatorState, **_: Any) ->
     )
     # Only warnings become Kubernetes Events; the rest goes to the log.
     settings.posting.level = logging.WARNING
+    watch_only_children(settings)
     memo.api = KubeApi.from_environment()
+
+
+def watch_only_children(settings: kopf.OperatorSettings) -> None:
+    """Watch streams of the child kinds carry the operator's label as a selector, so that the
+    API server sends only its children: the handlers' `labels=` filter is kopf's, applied to
+    every Deployment, Service, Role, ... of the cluster after it came over the wire."""
+    selector = ",".join(f"{key}={value}" for key, value in OURS.items())
+    for kind in CHILD_KINDS:
+        settings.watching.label_selectors[kind.group, kind.version, kind.plural] = selector
 
 
 @kopf.on.login(registry=registry, id="login")
