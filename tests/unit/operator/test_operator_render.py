@@ -135,7 +135,7 @@ def test_engine_pod_contract() -> None:
     assert decode["spec"]["terminationGracePeriodSeconds"] == 10 + 120 + 22 + 5
     assert decode["spec"]["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
-    assert {"name": "UCX_TLS", "value": "rc,cuda_copy,cuda_ipc"} in container["env"]
+    assert {"name": "UCX_TLS", "value": "tcp,cuda_copy"} in container["env"]
 
 
 def test_model_sources() -> None:
