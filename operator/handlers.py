@@ -25,17 +25,25 @@ import kopf
 from kubesgl import contract
 from kubesgl.operator import naming
 from kubesgl.operator.drift import has_drifted
-from kubesgl.operator.kube import CHILD_KINDS, DEPLOYMENT, INFERENCE_SERVICE, KubeApi, MissingApi
+from kubesgl.operator.kube import (
+    CHILD_KINDS,
+    DEPLOYMENT,
+    INFERENCE_SERVICE,
+    ApplyRejected,
+    KubeApi,
+    MissingApi,
+)
 from kubesgl.operator.reconcile import apply_children, delete_children, identity, owned_by
 from kubesgl.operator.render import render
 from kubesgl.operator.spec import InferenceService
-from kubesgl.operator.status import Rollout, compute_status, status_patch
+from kubesgl.operator.status import Rollout, Verdict, compute_status, status_patch
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 
 ISVC = (INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural)
 OURS = {contract.MANAGED_BY_LABEL: naming.MANAGER}
-# Retry delay when the cluster lacks an API the spec needs (KEDA, prometheus-operator).
-MISSING_API_RETRY_SECONDS = 60
+# Retry delay when the cluster lacks an API the spec needs (KEDA, prometheus-operator) or the
+# API server refused a child (a quota, a webhook): either may change without the spec changing.
+APPLY_RETRY_SECONDS = 60
 
 
 @dataclass
@@ -51,6 +59,8 @@ class OperatorState:
     )
     # What this process last wrote, ahead of the watch stream echoing it back.
     written_status: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    # Why the last apply of an InferenceService failed, until one succeeds: its Degraded.
+    apply_failures: dict[tuple[str, str], Verdict] = field(default_factory=dict)
 
     def kube(self) -> KubeApi:
         assert self.api is not None, "the startup handler creates the API client"
@@ -183,6 +193,7 @@ async def publish_status(
             problems=problems,
             previous=previous,
             now=_now(),
+            apply_failure=memo.apply_failures.get(key),
         )
         patch = status_patch(new, previous)
         if patch is not None:
@@ -192,7 +203,7 @@ async def publish_status(
 
 @kopf.on.resume(*ISVC, registry=registry, id="resume")
 @kopf.on.create(*ISVC, registry=registry, id="create")
-# kopf's handler protocols (ChangingFn, WatchingFn) leave out the index arguments it passes.
+# kopf's handler protocols (ChangingFn, WatchingFn, TimerFn) leave out the index arguments it passes.
 @kopf.on.update(*ISVC, registry=registry, id="update")  # type: ignore[arg-type]
 async def reconcile(
     body: kopf.Body,
@@ -205,18 +216,56 @@ async def reconcile(
     **_: Any,
 ) -> None:
     assert namespace is not None  # InferenceServices are namespaced
+    await apply_spec(body, namespace, name, logger, memo, inference_services, rollouts)
+
+
+@kopf.on.timer(*ISVC, interval=APPLY_RETRY_SECONDS, registry=registry, id="retry-refused")  # type: ignore[arg-type]
+async def retry_refused(
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    logger: kopf.Logger,
+    memo: OperatorState,
+    inference_services: kopf.Index,
+    rollouts: kopf.Index,
+    **_: Any,
+) -> None:
+    """Apply again what the cluster refused: the missing API may have been installed since,
+    the quota raised, the webhook fixed, none of which changes the spec."""
+    assert namespace is not None  # InferenceServices are namespaced
+    if (namespace, name) in memo.apply_failures:
+        await apply_spec(body, namespace, name, logger, memo, inference_services, rollouts)
+
+
+async def apply_spec(
+    body: kopf.Body,
+    namespace: str,
+    name: str,
+    logger: kopf.Logger,
+    memo: OperatorState,
+    inference_services: kopf.Index,
+    rollouts: kopf.Index,
+) -> None:
+    """Apply the InferenceService's children and publish its status; a spec that cannot work
+    or a child the cluster refuses is reported there, and in a Warning Event."""
     try:
         isvc = parse_inference_service(_snapshot(body))
     except InvalidSpec as error:
         kopf.warn(body, reason="InvalidSpec", message=f"nothing applied: {error}")
         await publish_status(memo, namespace, name, inference_services, rollouts)
         return
+    key = (namespace, name)
     try:
         applied = await asyncio.to_thread(apply_children, memo.kube(), isvc)
-    except MissingApi as error:
-        kopf.warn(body, reason="MissingAPI", message=str(error))
-        raise kopf.TemporaryError(str(error), delay=MISSING_API_RETRY_SECONDS) from None
-    logger.info("applied %d objects", len(applied))
+    except (MissingApi, ApplyRejected) as error:
+        # Not kopf's retry: it would hold a fixed spec back until the retry is due.
+        # retry_refused tries again, and a change of the spec applies at once.
+        reason = "MissingAPI" if isinstance(error, MissingApi) else "ApplyFailed"
+        kopf.warn(body, reason=reason, message=str(error))
+        memo.apply_failures[key] = Verdict(True, reason, str(error))
+    else:
+        memo.apply_failures.pop(key, None)
+        logger.info("applied %d objects", len(applied))
     await publish_status(memo, namespace, name, inference_services, rollouts)
 
 
@@ -227,6 +276,7 @@ async def tear_down(
     assert namespace is not None  # InferenceServices are namespaced
     count = await asyncio.to_thread(delete_children, memo.kube(), namespace, name, uid)
     memo.written_status.pop((namespace, name), None)
+    memo.apply_failures.pop((namespace, name), None)
     logger.info("deleted %d children", count)
 
 

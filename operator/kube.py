@@ -75,6 +75,11 @@ class MissingApi(RuntimeError):
     """The cluster does not serve a kind the spec needs (e.g. KEDA is not installed)."""
 
 
+class ApplyRejected(RuntimeError):
+    """The API server refused a child as rendered (a quota, an admission webhook, a value it
+    validates that the operator does not): the message is the server's."""
+
+
 class NoCluster(RuntimeError):
     """No Kubernetes API to talk to; the message says what was tried."""
 
@@ -111,6 +116,14 @@ def check_reachable(timeout_s: float = 5.0) -> None:
         reason = str(error.reason)  # status 0: the client's own failure, a TLS error for example
     reason = " ".join(reason.split())  # one line
     raise NoCluster(f"tried the Kubernetes API at {configuration.host}: {reason}")
+
+
+def _message(error: ApiException) -> str:
+    """The API server's own message (its Status body), else the HTTP reason."""
+    try:
+        return str(json.loads(error.body or "")["message"])
+    except (TypeError, ValueError, KeyError):
+        return f"{error.status} {error.reason}"
 
 
 class KubeApi:
@@ -159,6 +172,10 @@ class KubeApi:
                 raise MissingApi(
                     f"the cluster does not serve {kind.api_version} {kind.kind};"
                     " install its CRDs or change the spec"
+                ) from None
+            if error.status in (400, 403, 422):  # this object, as it is, will not be taken
+                raise ApplyRejected(
+                    f"the API server refused {kind.kind} {meta['name']}: {_message(error)}"
                 ) from None
             raise
 

@@ -162,11 +162,19 @@ def compute_status(
     problems: str | None,
     previous: Mapping[str, Any],
     now: str,
+    apply_failure: Verdict | None = None,
 ) -> Object:
     """roles: the roles the spec runs (engine roles and router); problems: why the spec is
-    invalid, or None when it is valid."""
+    invalid, or None when it is valid; apply_failure: why the API server refused the last
+    apply of a valid spec (what is already running keeps its Ready), or None."""
     per_role = {role: _role_verdicts(rollouts.get(role)) for role in roles}
     overall = _invalid(problems) if problems is not None else _overall(per_role)
+    if problems is None and apply_failure is not None:
+        overall = {
+            **overall,
+            "Progressing": Verdict(False, apply_failure.reason, "retried every minute"),
+            "Degraded": apply_failure,
+        }
     previous_roles = previous.get("roles") or {}
     status: Object = {
         "observedGeneration": generation,

@@ -6,7 +6,9 @@ kmock keeps objects as plain JSON and merges patches into them. On top of that, 
   that grows when the spec changes;
 - server-side apply: a PATCH with `application/apply-patch+yaml` creates a missing object, and
   fields that the same field manager applied before but no longer applies are removed; an apply
-  that changes nothing writes nothing and sends no watch event, like the real server.
+  that changes nothing writes nothing and sends no watch event, like the real server;
+- one of the server's own validations, for the tests of a refused apply: a container's resource
+  request above its limit is a 422 Invalid, with the server's kind of message.
 Not emulated: controllers (no pods or replica sets are made), garbage collection, admission.
 """
 
@@ -29,6 +31,7 @@ import kmock
 import kubernetes
 import yaml
 from kmock._internal import rendering
+from kubernetes.utils import parse_quantity
 
 from kubesgl.operator.kube import CHILD_KINDS, INFERENCE_SERVICE
 
@@ -146,6 +149,19 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
     async def _apply(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         applied = request.data
         assert isinstance(applied, dict)  # an apply's body is a YAML or JSON object
+        invalid = _requests_above_limits(applied)
+        if invalid:
+            return aiohttp.web.json_response(
+                {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "status": "Failure",
+                    "reason": "Invalid",
+                    "code": 422,
+                    "message": f'{applied.get("kind")} "{request.name}" is invalid: {invalid}',
+                },
+                status=422,
+            )
         manager = request.params.get("fieldManager", "")
         key = _object_key(request)
         async with self._lock:
@@ -175,6 +191,22 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
             raw = self.objects[key].raw
             await self._buses[key[0]].put({"type": event, "object": raw})
         return aiohttp.web.json_response(raw)
+
+
+def _requests_above_limits(obj: dict[str, Any]) -> str:
+    """The API server's error for a pod template's container requesting more of a resource
+    than its limit, or "" (quantities compared as Kubernetes reads them)."""
+    template = obj.get("spec", {}).get("template", {}).get("spec", {})
+    for i, container in enumerate(template.get("containers", [])):
+        resources = container.get("resources", {})
+        limits = resources.get("limits", {})
+        for name, request in resources.get("requests", {}).items():
+            if name in limits and parse_quantity(request) > parse_quantity(limits[name]):
+                return (
+                    f"spec.template.spec.containers[{i}].resources.requests: Invalid value: "
+                    f'"{request}": must be less than or equal to {name} limit of {limits[name]}'
+                )
+    return ""
 
 
 def _object_key(request: rendering.Request) -> tuple[kmock.resource, str | None, str]:

@@ -78,12 +78,12 @@ def auto_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> Att
 
 
 def create_backend(name: str, **kwargs) -> AttentionBackend:
-    entry = ATTENTION_BACKENDS.get(name)
-    if entry is None:
-        raise ValueError(
-            f"attention backend {name!r} is not available (available: {', '.join(ATTENTION_BACKENDS)})"
-        )
-    return entry.load()(**kwargs)
+    for known, entry in ATTENTION_BACKENDS.items():
+        if known == name:
+            return entry.load()(**kwargs)
+    raise ValueError(
+        f"attention backend {name!r} is not available (available: {', '.join(ATTENTION_BACKENDS)})"
+    )
 
 
 __all__ = [

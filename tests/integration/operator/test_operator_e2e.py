@@ -243,6 +243,35 @@ def test_a_spec_that_cannot_work_is_degraded_with_an_event_and_applies_nothing(
     assert cluster.condition("llama-pd", "Degraded")["status"] == "False"
 
 
+def test_a_child_the_api_server_refuses_degrades_the_service_with_its_message(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    """The spec is valid but a child is not (here a memory request above its limit, which the
+    API server checks and the operator does not): the server's message becomes Degraded's,
+    with a Warning Event, instead of a retry loop nobody sees; fixing the spec clears it."""
+    document = example("disaggregated.yaml")
+    document["spec"]["decode"]["resources"]["limits"] = {"memory": "32Gi"}  # requests 64Gi
+    cluster.create_isvc(document)
+    degraded = wait_for(
+        lambda: (
+            (c := cluster.condition("llama-pd", "Degraded")).get("reason") == "ApplyFailed" and c
+        ),
+        what="Degraded ApplyFailed",
+    )
+    assert degraded["status"] == "True"
+    assert "Deployment llama-pd-decode" in degraded["message"]
+    assert "must be less than or equal to memory limit" in degraded["message"]
+    events = wait_for(
+        lambda: [e for e in cluster.events() if e.get("reason") == "ApplyFailed"],
+        what="an ApplyFailed event",
+    )
+    assert events[0]["type"] == "Warning"
+
+    cluster.patch_isvc("llama-pd", {"spec": {"decode": {"resources": {"limits": None}}}})
+    settle(cluster, cluster.isvc("llama-pd"))
+    assert cluster.condition("llama-pd", "Degraded")["status"] == "False"
+
+
 def test_deleting_the_inference_service_removes_its_children(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:

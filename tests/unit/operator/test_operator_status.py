@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kubesgl.operator.drift import has_drifted
-from kubesgl.operator.status import Rollout, compute_status, status_patch
+from kubesgl.operator.status import Rollout, Verdict, compute_status, status_patch
 
 
 def rollout(
@@ -159,3 +159,28 @@ def test_drift_is_containment_with_quantities_normalised() -> None:
     assert has_drifted(desired, live)
     assert has_drifted({"args": ["2"]}, {"args": ["2.0"]})  # only resources are quantities
     assert has_drifted({"spec": {"x": 1}}, {})
+
+
+def test_a_refused_apply_is_degraded_and_keeps_what_runs_ready():
+    """A valid spec whose child the API server refused: Degraded with the server's message,
+    not progressing (nothing moves until it is fixed or the refusal goes), while the roles
+    already running stay Ready."""
+    refused = Verdict(True, "ApplyFailed", "the API server refused Deployment x-decode: ...")
+    running = [rollout(role) for role in ("prefill", "decode", "router")]
+    result = compute_status(
+        generation=3,
+        roles=["prefill", "decode", "router"],
+        rollouts={r.role: r for r in running},
+        endpoint="http://x:8000",
+        problems=None,
+        previous={},
+        now="2026-01-01T00:00:00Z",
+        apply_failure=refused,
+    )
+    assert conditions(result) == {
+        "Ready": ("True", "AllRolesReady"),
+        "Progressing": ("False", "ApplyFailed"),
+        "Degraded": ("True", "ApplyFailed"),
+    }
+    (degraded,) = [c for c in result["conditions"] if c["type"] == "Degraded"]
+    assert degraded["message"] == refused.message
