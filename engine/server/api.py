@@ -63,6 +63,7 @@ class ServerState:
     served_model_name: str
     api_key: str | None = field(default=None, repr=False)  # never logged
     draining: bool = False
+    started: int = field(default_factory=lambda: int(time.time()))  # the models' `created`
 
 
 class APIError(Exception):
@@ -319,7 +320,7 @@ def model_card(ctx: Served) -> dict:
     card = {
         "id": ctx.state.served_model_name,
         "object": "model",
-        "created": 0,
+        "created": ctx.state.started,
         "owned_by": "kubesgl",
     }
     if ctx.client.info is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -181,7 +182,8 @@ def test_native_generate(llama_server, offline):
 
 def test_models_and_api_key(llama_server, client):
     assert [m.id for m in client.models.list()] == ["tiny"]
-    assert client.models.retrieve("tiny").id == "tiny"
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and 0 < card.created <= time.time()  # when the server started
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("other")
     bad = openai.OpenAI(base_url=llama_server.openai_url, api_key="wrong", max_retries=0)
