@@ -45,6 +45,30 @@ def test_piecewise_steps_give_transformers_greedy_tokens(
     assert any(n not in pieces.token_counts for _, n in modes)
 
 
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed-chunk", "prefill"])
+def test_piecewise_steps_with_an_fp8_kv_cache_equal_whole_model_steps(
+    mixed, tiny_model, make_llm, random_prompts
+):
+    """The KV store between pieces casts to FP8 as the whole model's does (FP8 KV is no longer
+    transformers' greedy output, so the reference is the same engine without the pieces)."""
+    prompts = random_prompts(6, 1, 90, seed=12)
+    params = SamplingParams(max_tokens=16, temperature=0)
+
+    def tokens(piecewise: bool) -> list[list[int]]:
+        llm = make_llm(
+            tiny_model("llama"),
+            kv_cache_dtype="fp8_e4m3",
+            chunked_prefill_size=20,
+            enable_mixed_chunk=mixed,
+            max_running_requests=8,
+        )
+        if piecewise:
+            llm.engine.executor.runner.piecewise_graphs = PiecewiseGraphRunner(llm.engine.model, 32)
+        return [out.token_ids for out in llm.generate(prompts, params)]
+
+    assert tokens(piecewise=True) == tokens(piecewise=False)
+
+
 def test_asking_for_piecewise_graphs_without_cuda_says_they_are_off(tiny_model, make_llm, caplog):
     with caplog.at_level("WARNING"):
         llm = make_llm(tiny_model("llama"), enable_piecewise_cuda_graph=True)
