@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 import aiohttp
 
@@ -64,14 +64,27 @@ ADMIN_PATH = "/workers"
 # The engine's routes that check its API key: with one set, the router checks it in their place.
 # SGLang's description of the model (its vocabulary size, say): answered by a worker, as /v1/models.
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
-MODEL_PATH = "/v1/models/{model}"  # one model's card: one route whatever the model's name
+MODEL_PREFIX = "/v1/models/"
+MODEL_PATH = MODEL_PREFIX + "{model}"  # one model's card: one route whatever the model's name
 CLIENT_PATHS = frozenset({*GENERATION_PATHS, "/v1/models", MODEL_PATH, *MODEL_INFO_PATHS})
 _BEARER_CHALLENGE = [(b"www-authenticate", b"Bearer")]
 
 
 def route_of(path: str) -> str:
     """The route a request path takes."""
-    return MODEL_PATH if path.startswith("/v1/models/") else path
+    return MODEL_PATH if path.startswith(MODEL_PREFIX) else path
+
+
+def models_path(path: str) -> str:
+    """The path a models request is forwarded with. A model's name goes as one percent-encoded
+    segment: as it came ("../../flush_cache", decoded by the server), the worker's URL would
+    resolve it to another of the engine's routes, called with the router's engine key."""
+    if route_of(path) != MODEL_PATH:
+        return path
+    model = path.removeprefix(MODEL_PREFIX)
+    if model in ("", ".", ".."):  # a segment no percent-encoding keeps from resolving
+        raise RouterError(404, f"the model {model!r} does not exist", "not_found_error", "model")
+    return MODEL_PREFIX + quote(model, safe="")
 
 
 def json_reply(status: int, payload: object) -> BufferedReply:
@@ -350,7 +363,9 @@ class RouterApp:
         return await self.forwarder.generate(request, self._upstream_headers(scope))
 
     async def _models(self, scope: Scope, body: bytes) -> Reply:
-        return await self.forwarder.models(self._upstream_headers(scope), scope["path"])
+        return await self.forwarder.models(
+            self._upstream_headers(scope), models_path(scope["path"])
+        )
 
     def can_serve(self) -> bool:
         if self.workers.is_disaggregated():

@@ -59,6 +59,19 @@ async def test_each_generation_route_is_forwarded(engines, start_router, client)
     assert [r["path"] for r in a.requests] == ["/v1/completions", "/generate"]
 
 
+async def test_a_model_name_cannot_reach_another_engine_route(engines, start_router, client):
+    """The name is forwarded as one encoded segment: dot segments and a query in it would
+    otherwise take the request, with the router's engine key, to any of the engine's GET
+    routes (/metrics here; /flush_cache, /get_server_info on a real engine)."""
+    a = await engines("a")
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        for name in ("..%2F..%2Fmetrics", "..", "fake-model%3Fx=1", "%2E%2E%2F%2E%2E%2Fmetrics"):
+            got = await client.get(router.url + "/v1/models/" + name)
+            assert got.status_code == 404, (name, got.text)
+            assert "kubesgl_" not in got.text, name
+
+
 async def test_openai_sdk_streams_through_the_router(engines, start_router):
     a = await engines("a", tokens=5)
     async with start_router(workers=[a.url]) as router:
