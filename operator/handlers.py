@@ -61,6 +61,9 @@ class OperatorState:
     written_status: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     # Why the last apply of an InferenceService failed, until one succeeds: its Degraded.
     apply_failures: dict[tuple[str, str], Verdict] = field(default_factory=dict)
+    apply_locks: dict[tuple[str, str], asyncio.Lock] = field(
+        default_factory=lambda: collections.defaultdict(asyncio.Lock)
+    )
 
     def kube(self) -> KubeApi:
         assert self.api is not None, "the startup handler creates the API client"
@@ -219,7 +222,19 @@ async def reconcile(
     await apply_spec(body, namespace, name, logger, memo, inference_services, rollouts)
 
 
-@kopf.on.timer(*ISVC, interval=APPLY_RETRY_SECONDS, registry=registry, id="retry-refused")  # type: ignore[arg-type]
+def _refused(memo: OperatorState, namespace: str | None, name: str, **_: Any) -> bool:
+    return (namespace or "", name) in memo.apply_failures
+
+
+# the filter spares the log kopf's line per timer run (status changes re-evaluate it)
+@kopf.on.timer(  # type: ignore[arg-type]
+    *ISVC,
+    interval=APPLY_RETRY_SECONDS,
+    initial_delay=APPLY_RETRY_SECONDS,  # not at once: the failed apply has only just run
+    when=_refused,
+    registry=registry,
+    id="retry-refused",
+)
 async def retry_refused(
     body: kopf.Body,
     namespace: str | None,
@@ -247,26 +262,30 @@ async def apply_spec(
     rollouts: kopf.Index,
 ) -> None:
     """Apply the InferenceService's children and publish its status; a spec that cannot work
-    or a child the cluster refuses is reported there, and in a Warning Event."""
-    try:
-        isvc = parse_inference_service(_snapshot(body))
-    except InvalidSpec as error:
-        kopf.warn(body, reason="InvalidSpec", message=f"nothing applied: {error}")
-        await publish_status(memo, namespace, name, inference_services, rollouts)
-        return
+    or a child the cluster refuses is reported there, and in a Warning Event. One apply at a
+    time per InferenceService (the retry timer and a change may come together), each of the
+    newest spec."""
     key = (namespace, name)
-    try:
-        applied = await asyncio.to_thread(apply_children, memo.kube(), isvc)
-    except (MissingApi, ApplyRejected) as error:
-        # Not kopf's retry: it would hold a fixed spec back until the retry is due.
-        # retry_refused tries again, and a change of the spec applies at once.
-        reason = "MissingAPI" if isinstance(error, MissingApi) else "ApplyFailed"
-        kopf.warn(body, reason=reason, message=str(error))
-        memo.apply_failures[key] = Verdict(True, reason, str(error))
-    else:
-        memo.apply_failures.pop(key, None)
-        logger.info("applied %d objects", len(applied))
-    await publish_status(memo, namespace, name, inference_services, rollouts)
+    async with memo.apply_locks[key]:
+        try:
+            isvc = parse_inference_service(_snapshot(body))
+        except InvalidSpec as error:
+            memo.apply_failures.pop(key, None)  # the spec's problems are the news now
+            kopf.warn(body, reason="InvalidSpec", message=f"nothing applied: {error}")
+            await publish_status(memo, namespace, name, inference_services, rollouts)
+            return
+        try:
+            applied = await asyncio.to_thread(apply_children, memo.kube(), isvc)
+        except (MissingApi, ApplyRejected) as error:
+            # Not kopf's retry: it would hold a fixed spec back until the retry is due.
+            # retry_refused tries again, and a change of the spec applies at once.
+            reason = "MissingAPI" if isinstance(error, MissingApi) else "ApplyFailed"
+            kopf.warn(body, reason=reason, message=str(error))
+            memo.apply_failures[key] = Verdict(True, reason, str(error))
+        else:
+            memo.apply_failures.pop(key, None)
+            logger.info("applied %d objects", len(applied))
+        await publish_status(memo, namespace, name, inference_services, rollouts)
 
 
 @kopf.on.delete(*ISVC, registry=registry, id="delete")
@@ -309,7 +328,10 @@ async def repair_child(
     target = wanted.get((resource.kind, body["metadata"]["name"]))
     if target is not None and (event.get("type") == "DELETED" or has_drifted(target, body)):
         logger.info("restoring %s %s", *identity(target))
-        await asyncio.to_thread(memo.kube().apply, target)
+        try:
+            await asyncio.to_thread(memo.kube().apply, target)
+        except ApplyRejected as error:  # the InferenceService's status says so already
+            logger.warning("could not restore: %s", error)
     if resource.kind == DEPLOYMENT.kind:
         await publish_status(memo, namespace, instance, inference_services, rollouts)
 

@@ -76,8 +76,8 @@ class MissingApi(RuntimeError):
 
 
 class ApplyRejected(RuntimeError):
-    """The API server refused a child as rendered (a quota, an admission webhook, a value it
-    validates that the operator does not): the message is the server's."""
+    """The API server refused a child as rendered (an object-count quota, an admission webhook,
+    a value it validates that the operator does not): the message is the server's."""
 
 
 class NoCluster(RuntimeError):

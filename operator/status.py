@@ -172,7 +172,9 @@ def compute_status(
     if problems is None and apply_failure is not None:
         overall = {
             **overall,
-            "Progressing": Verdict(False, apply_failure.reason, "retried every minute"),
+            "Progressing": Verdict(
+                False, apply_failure.reason, "applied again until the cluster takes it"
+            ),
             "Degraded": apply_failure,
         }
     previous_roles = previous.get("roles") or {}

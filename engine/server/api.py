@@ -123,7 +123,9 @@ def validation_error(errors: Sequence[dict]) -> APIError:
     loc = [str(part) for part in error.get("loc", ()) if part != "body" and "[" not in str(part)]
     if not loc and error.get("type") in ("model_type", "model_attributes_type"):  # no object
         return APIError(
-            400, "the request body must be a JSON object, sent with Content-Type: application/json"
+            400,
+            "the request body must be a JSON object (was it sent with Content-Type: "
+            "application/json?)",
         )
     message = error.get("msg", "invalid request")
     if error.get("type") == "value_error":  # a validator's own message, without pydantic's prefix
