@@ -119,9 +119,15 @@ def main(argv: list[str]) -> int:
         # the first Ctrl-C drains; a second one kills what is still running
         (force if stop.is_set() else stop).set()
 
-    # SIGHUP: the terminal was closed, which must not leave the processes running without it
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    def on_hangup(signum: int, frame: object) -> None:
+        # The terminal was closed: drain as on Ctrl-C, with nowhere to write to. A hangup
+        # never escalates (the kernel and the shell may both send one).
+        detach_from_terminal()
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     try:
         while not stop.is_set():
             supervisor.tick()
@@ -132,6 +138,15 @@ def main(argv: list[str]) -> int:
         supervisor.stop(force, on_tick=lambda: view.refresh(supervisor.replicas))
         view.close()
     return 0
+
+
+def detach_from_terminal() -> None:
+    """Point standard output and error at /dev/null: after a hangup every write to the
+    terminal fails (EIO), and the drain would stop at the first table redraw."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 def _can_listen(host: str, port: int) -> bool:

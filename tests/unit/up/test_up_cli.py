@@ -1,10 +1,14 @@
 """`kubesgl up` refuses, before starting anything, what cannot run: the operator's validation
 errors (status 2, each field named), more GPUs than there are, a source only a cluster has, a
-port in use."""
+port in use; and what it does on a hang-up."""
 
 from __future__ import annotations
 
+import os
+import pty
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +77,26 @@ def test_a_port_in_use(tmp_path, capsys):
         capsys.readouterr().err
         == f"kubesgl up: 127.0.0.1:{port} is in use: choose another --port\n"
     )
+
+
+HUNG_UP = r"""
+import sys, time
+from kubesgl.up.cli import detach_from_terminal
+time.sleep(0.5)  # the test closes the terminal's master side meanwhile
+try:
+    print("x" * 100, flush=True)  # fails: the terminal hung up
+except OSError:
+    detach_from_terminal()
+print("the drain goes on after a hangup", flush=True)  # to /dev/null now
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a pty hang-up as Linux reports it")
+def test_after_a_hangup_output_goes_nowhere_instead_of_failing(tmp_path):
+    """On a closed terminal every write fails with EIO; `kubesgl up` redraws its table while it
+    drains, so on SIGHUP its output is pointed at /dev/null first."""
+    master, slave = pty.openpty()
+    child = subprocess.Popen([sys.executable, "-c", HUNG_UP], stdout=slave, stderr=slave)
+    os.close(slave)
+    os.close(master)
+    assert child.wait(timeout=30) == 0
