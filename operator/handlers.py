@@ -204,6 +204,21 @@ async def publish_status(
             memo.written_status[key] = new
 
 
+def _refused(memo: OperatorState, namespace: str | None, name: str, **_: Any) -> bool:
+    return (namespace or "", name) in memo.apply_failures
+
+
+# The timer applies again what the cluster refused: the missing API may have been installed
+# since, the quota raised, the webhook fixed, none of which changes the spec. Its filter (status
+# changes re-evaluate it) keeps it, and kopf's log line per run, to the refused ones.
+@kopf.on.timer(  # type: ignore[arg-type]
+    *ISVC,
+    interval=APPLY_RETRY_SECONDS,
+    initial_delay=APPLY_RETRY_SECONDS,  # not at once: the failed apply has only just run
+    when=_refused,
+    registry=registry,
+    id="retry-refused",
+)
 @kopf.on.resume(*ISVC, registry=registry, id="resume")
 @kopf.on.create(*ISVC, registry=registry, id="create")
 # kopf's handler protocols (ChangingFn, WatchingFn, TimerFn) leave out the index arguments it passes.
@@ -218,53 +233,11 @@ async def reconcile(
     rollouts: kopf.Index,
     **_: Any,
 ) -> None:
-    assert namespace is not None  # InferenceServices are namespaced
-    await apply_spec(body, namespace, name, logger, memo, inference_services, rollouts)
-
-
-def _refused(memo: OperatorState, namespace: str | None, name: str, **_: Any) -> bool:
-    return (namespace or "", name) in memo.apply_failures
-
-
-# the filter spares the log kopf's line per timer run (status changes re-evaluate it)
-@kopf.on.timer(  # type: ignore[arg-type]
-    *ISVC,
-    interval=APPLY_RETRY_SECONDS,
-    initial_delay=APPLY_RETRY_SECONDS,  # not at once: the failed apply has only just run
-    when=_refused,
-    registry=registry,
-    id="retry-refused",
-)
-async def retry_refused(
-    body: kopf.Body,
-    namespace: str | None,
-    name: str,
-    logger: kopf.Logger,
-    memo: OperatorState,
-    inference_services: kopf.Index,
-    rollouts: kopf.Index,
-    **_: Any,
-) -> None:
-    """Apply again what the cluster refused: the missing API may have been installed since,
-    the quota raised, the webhook fixed, none of which changes the spec."""
-    assert namespace is not None  # InferenceServices are namespaced
-    if (namespace, name) in memo.apply_failures:
-        await apply_spec(body, namespace, name, logger, memo, inference_services, rollouts)
-
-
-async def apply_spec(
-    body: kopf.Body,
-    namespace: str,
-    name: str,
-    logger: kopf.Logger,
-    memo: OperatorState,
-    inference_services: kopf.Index,
-    rollouts: kopf.Index,
-) -> None:
     """Apply the InferenceService's children and publish its status; a spec that cannot work
     or a child the cluster refuses is reported there, and in a Warning Event. One apply at a
     time per InferenceService (the retry timer and a change may come together), each of the
     newest spec."""
+    assert namespace is not None  # InferenceServices are namespaced
     key = (namespace, name)
     async with memo.apply_locks[key]:
         try:
@@ -278,7 +251,7 @@ async def apply_spec(
             applied = await asyncio.to_thread(apply_children, memo.kube(), isvc)
         except (MissingApi, ApplyRejected) as error:
             # Not kopf's retry: it would hold a fixed spec back until the retry is due.
-            # retry_refused tries again, and a change of the spec applies at once.
+            # The timer tries again, and a change of the spec applies at once.
             reason = "MissingAPI" if isinstance(error, MissingApi) else "ApplyFailed"
             kopf.warn(body, reason=reason, message=str(error))
             memo.apply_failures[key] = Verdict(True, reason, str(error))

@@ -91,7 +91,10 @@ print("the drain goes on after a hangup", flush=True)  # to /dev/null now
 """
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="a pty hang-up as Linux reports it")
+@pytest.mark.skipif(
+    sys.platform != "linux",
+    reason="reads the EIO a hung-up pty gives on Linux; other systems report a hang-up otherwise",
+)
 def test_after_a_hangup_output_goes_nowhere_instead_of_failing(tmp_path):
     """On a closed terminal every write fails with EIO; `kubesgl up` redraws its table while it
     drains, so on SIGHUP its output is pointed at /dev/null first."""

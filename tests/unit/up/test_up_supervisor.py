@@ -224,7 +224,10 @@ time.sleep(600)
 """
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+@pytest.mark.skipif(
+    sys.platform != "linux",
+    reason="PR_SET_PDEATHSIG is a Linux prctl: elsewhere kubesgl up does not set it",
+)
 def test_replicas_drain_when_the_supervisor_is_killed(stand_in, tmp_path):
     """`kubesgl up` killed outright (SIGKILL, or a crash) cannot stop its replicas: each gets
     SIGTERM from the kernel instead, and none is left serving without it."""
