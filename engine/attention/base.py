@@ -73,14 +73,12 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         layer: AttentionLayerSpec,
         batch: ForwardBatch,
-        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, heads, dim]; k, v: [T, kv_heads, dim]. Returns attention's output
-        [T, heads, dim], written into `out` when given (a contiguous tensor of that shape:
-        the piecewise graphs' buffer, which so needs no copy)."""
+        [T, heads, dim]. (Piecewise CUDA graphs store K and V inside their pieces and call
+        `attend` with their own output buffer.)"""
         self.kv_pool.write(layer.layer_id, batch.out_cache_loc, k, v)
-        if out is None:
-            out = q.new_empty(q.shape)
+        out = q.new_empty(q.shape)
         self.attend(q, layer, batch, out)
         return out
 

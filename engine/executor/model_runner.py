@@ -87,7 +87,9 @@ class ModelRunner:
                 model, self.backend, req_to_token.num_rows - 1, cuda_graph_max_bs
             )
         self.piecewise_graphs = (
-            PiecewiseGraphRunner(model, piecewise_max_tokens) if piecewise_max_tokens > 0 else None
+            PiecewiseGraphRunner(model, kv_pool, piecewise_max_tokens)
+            if piecewise_max_tokens > 0
+            else None
         )
 
     @torch.inference_mode()

@@ -4,16 +4,18 @@ An eager forward pass is bound by launching its kernels: on an H200 one of the 8
 about 19 ms of host time at any size, more than the device needs for a 256- or 512-token step
 (benchmarks/README.md). The decode graphs cannot take these steps: their attention depends on
 each request's prompt and chunk lengths. So the model is cut at attention. Each piece (a
-layer's o_proj and MLP, then the next layer's norm, qkv_proj and RoPE) is captured once per
-token count in `token_counts`, and attention runs eagerly between pieces, prepared for the
-real batch exactly as in an eager step. A step is padded up to the next captured count; every
-piece computes each token's row from that row alone, so the padding rows change nothing and
-are never read.
+layer's o_proj and MLP, then the next layer's norm, qkv_proj, RoPE and KV store) is captured
+once per token count in `token_counts`, and attention runs eagerly between pieces, prepared
+for the real batch exactly as in an eager step. A step is padded up to the next captured
+count; every piece computes each token's row from that row alone, and the padding rows store
+their K and V in the padding slot (0), so they change nothing and are never read.
 
-The pieces hand their results over through fixed buffers (q, k and v; the residual stream;
-attention's output, which the backend writes in place), so what a piece allocates lives only
-until the next piece's capture may reuse it, and the graphs of all token counts share one
-memory pool. Between two pieces the host so launches only the KV store and attention.
+The pieces hand their results over through fixed buffers (q; the residual stream; attention's
+output, which the backend writes in place; the step's KV slots, read by the captured stores),
+so what a piece allocates lives only until the next piece's capture may reuse it, and the
+graphs of all token counts share one memory pool. Between two pieces the host so launches
+attention alone: on an H200 each launch costs tens of microseconds of host time, and a mixed
+step launches them for two batches in each of its layers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from kubesgl.engine.attention import AttentionBackend
 from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
+from kubesgl.engine.kvcache.pools import KVPool
 from kubesgl.engine.models.decoder import CausalLM, DecoderLayer
 
 logger = logging.getLogger(__name__)
@@ -52,15 +55,15 @@ class _EagerPiece:
 
 
 class PiecewiseGraphRunner:
-    def __init__(self, model: CausalLM, max_tokens: int):
-        self.model = model
+    def __init__(self, model: CausalLM, kv_pool: KVPool, max_tokens: int):
+        self.model, self.kv_pool = model, kv_pool
         self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
         self.specs = model.attention_specs()
         self.token_counts = default_token_counts(max_tokens)
         embedding = model.embed_tokens.weight
         device, dtype = embedding.device, embedding.dtype
         n, hidden = self.token_counts[-1], model.config.hidden_size
-        spec = self.specs[0]  # one set of q, k and v buffers serves every layer
+        spec = self.specs[0]  # one q buffer and one output buffer serve every layer
         if any(
             (s.num_heads, s.num_kv_heads, s.head_dim)
             != (spec.num_heads, spec.num_kv_heads, spec.head_dim)
@@ -69,17 +72,10 @@ class PiecewiseGraphRunner:
             raise ValueError("piecewise CUDA graphs need every layer to have the same head shape")
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-
-        def heads(count: int) -> torch.Tensor:
-            return torch.zeros(n, count, spec.head_dim, dtype=dtype, device=device)
-
-        # contiguous, unlike views of the fused qkv projection, so attention takes them as they are
-        self.q, self.k, self.v = (
-            heads(spec.num_heads),
-            heads(spec.num_kv_heads),
-            heads(spec.num_kv_heads),
-        )
-        self.attention = heads(spec.num_heads)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=device)
+        # contiguous, unlike a view of the fused qkv projection, so attention takes it as it is
+        self.q = torch.zeros(n, spec.num_heads, spec.head_dim, dtype=dtype, device=device)
+        self.attention = torch.zeros_like(self.q)
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.pieces: dict[int, list[_Replayable]] = {}
@@ -99,10 +95,12 @@ class PiecewiseGraphRunner:
         pieces = self.pieces[self.token_counts[bisect.bisect_left(self.token_counts, t)]]
         self.input_ids[:t].copy_(input_ids)
         self.positions[:t].copy_(batch.positions)
-        q, k, v, out = self.q[:t], self.k[:t], self.v[:t], self.attention[:t]
+        self.out_cache_loc[:t].copy_(batch.out_cache_loc)
+        self.out_cache_loc[t:].zero_()  # padding rows store into the padding slot
+        q, out = self.q[:t], self.attention[:t]
         pieces[0].replay()
         for spec, piece in zip(self.specs, pieces[1:]):
-            backend.forward(q, k, v, spec, batch, out=out)
+            backend.attend(q, spec, batch, out)  # the piece before stored this layer's K and V
             piece.replay()
         return self.model.logits(self.hidden[:t], self.residual[:t], batch)
 
@@ -124,8 +122,8 @@ class PiecewiseGraphRunner:
         q, k, v, residual = self.layers[index].before_attention(
             hidden, residual, self.positions[:n]
         )
-        for buffer, value in zip((self.q, self.k, self.v), (q, k, v)):
-            buffer[:n].copy_(value)
+        self.kv_pool.write(self.specs[index].layer_id, self.out_cache_loc[:n], k, v)
+        self.q[:n].copy_(q)
         self.residual[:n].copy_(residual)
 
     @torch.inference_mode()

@@ -6,6 +6,7 @@ themselves: tests/gpu/test_mixed_chunk_cuda.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kubesgl.engine import SamplingParams
 from kubesgl.engine.executor.piecewise_graph import PiecewiseGraphRunner, default_token_counts
@@ -27,7 +28,9 @@ def test_piecewise_steps_give_transformers_greedy_tokens(
     path = tiny_model(arch)
     llm = make_llm(path, chunked_prefill_size=20, enable_mixed_chunk=mixed, max_running_requests=8)
     runner = llm.engine.executor.runner
-    pieces = PiecewiseGraphRunner(llm.engine.model, 32)  # counts 8, 16, 32: 20 pads to 32
+    pieces = PiecewiseGraphRunner(
+        llm.engine.model, llm.engine.executor.runner.kv_pool, 32
+    )  # counts 8, 16, 32: 20 pads to 32
     modes, run = [], pieces.run
 
     def counted(input_ids, batch, backend):
@@ -63,7 +66,9 @@ def test_piecewise_steps_with_an_fp8_kv_cache_equal_whole_model_steps(
             max_running_requests=8,
         )
         if piecewise:
-            llm.engine.executor.runner.piecewise_graphs = PiecewiseGraphRunner(llm.engine.model, 32)
+            llm.engine.executor.runner.piecewise_graphs = PiecewiseGraphRunner(
+                llm.engine.model, llm.engine.executor.runner.kv_pool, 32
+            )
         return [out.token_ids for out in llm.generate(prompts, params)]
 
     assert tokens(piecewise=True) == tokens(piecewise=False)
@@ -74,3 +79,30 @@ def test_asking_for_piecewise_graphs_without_cuda_says_they_are_off(tiny_model, 
         llm = make_llm(tiny_model("llama"), enable_piecewise_cuda_graph=True)
     assert llm.engine.executor.runner.piecewise_graphs is None
     assert "piecewise CUDA graphs off: no CUDA graphs on cpu" in caplog.text
+
+
+def test_pieces_store_the_kv_of_whole_model_steps_and_padding_only_in_the_padding_slot(
+    tiny_model, make_llm, random_prompts
+):
+    """The pieces store each layer's K and V themselves, padding rows included: every slot but
+    the padding slot (0) ends as the whole model leaves it."""
+    prompts = random_prompts(6, 1, 90, seed=13)
+    params = SamplingParams(max_tokens=8, temperature=0)
+
+    def pool(piecewise: bool) -> list[torch.Tensor]:
+        llm = make_llm(
+            tiny_model("llama"),
+            chunked_prefill_size=20,
+            enable_mixed_chunk=True,
+            max_running_requests=8,
+        )
+        runner = llm.engine.executor.runner
+        if piecewise:
+            runner.piecewise_graphs = PiecewiseGraphRunner(llm.engine.model, runner.kv_pool, 32)
+        llm.generate(prompts, params)
+        return [t[1:].clone() for t in runner.kv_pool.k + runner.kv_pool.v]
+
+    whole, pieces = pool(piecewise=False), pool(piecewise=True)
+    assert any(t.abs().sum() > 0 for t in whole)
+    for expected, stored in zip(whole, pieces):
+        torch.testing.assert_close(stored, expected, rtol=1e-5, atol=1e-5)
