@@ -6,7 +6,8 @@ request-to-token table are used as they are: each step lists its requests' slots
 batch already carries, without reading anything back from the device. (Re-planning a
 wrapper waits for the device to have copied its previous plan: see `_Planned`; that keeps
 the host at most about one step ahead.) Extend steps use the paged prefill kernel
-(causal, queries aligned to the end of each request's KV); decode steps use the
+(causal, queries aligned to the end of each request's KV), with the KV split over several
+blocks only where the prefix is long against the new tokens; decode steps use the
 tensor-core decode kernel, which reads each KV head once for all the query heads of its
 group. Layers with different sliding windows get a plan each.
 
@@ -27,6 +28,12 @@ from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's scratch space for split-KV partial results
+# FlashInfer's prefill plan splits a request's KV over several blocks when the queries' tiles
+# leave multiprocessors idle, and merges the parts in a second kernel. Over a prefix of up to
+# a few times the step's new tokens the unsplit kernel is faster: on an H200, 256 new tokens
+# take 12 µs a layer without a prefix (30 split), 512 take 49 µs over 1024 cached ones (84);
+# past that the split wins (256 over 4096: 79 split, 131 not). benchmarks/chunk_attention.py
+UNSPLIT_PREFIX_PER_NEW_TOKEN = 4
 
 
 def _import_flashinfer():
@@ -146,6 +153,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             return
         qo_indptr, kv_indptr = _indptr(batch.extend_lens_cpu), _indptr(batch.seq_lens_cpu)
         last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)
+        split_kv = prefill_splits_kv(batch.seq_lens_cpu, batch.extend_lens_cpu)
         for window, planned in self.prefill.items():
             planned.plan(
                 qo_indptr,
@@ -157,6 +165,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 self.head_dim,
                 1,
                 causal=True,
+                disable_split_kv=not split_kv,
                 sm_scale=self.scaling,
                 window_left=_window_left(window),
                 q_data_type=self.q_dtype,
@@ -204,6 +213,12 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.kv_pool.v[layer.layer_id],
         )  # [slots, kv_heads, dim]: pages of 1
         batch.attn[layer.sliding_window].run(q.contiguous(), kv, out)
+
+
+def prefill_splits_kv(seq_lens: Sequence[int], extend_lens: Sequence[int]) -> bool:
+    """Whether an extend step's attention may split the KV (see UNSPLIT_PREFIX_PER_NEW_TOKEN)."""
+    longest_prefix = max(seq - new for seq, new in zip(seq_lens, extend_lens))
+    return longest_prefix > UNSPLIT_PREFIX_PER_NEW_TOKEN * sum(extend_lens)
 
 
 def _window_left(window: int | None) -> int:

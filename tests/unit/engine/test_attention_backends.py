@@ -90,3 +90,14 @@ def test_triton_backend_refuses_head_sizes_its_kernels_cannot_run():
             req_to_token=table,
             layers=[AttentionLayerSpec(0, 4, 2, 80, 0.1, None)],
         )
+
+
+def test_flashinfer_prefill_splits_the_kv_only_over_prefixes_long_against_the_new_tokens():
+    from kubesgl.engine.attention.flashinfer_backend import prefill_splits_kv
+
+    assert not prefill_splits_kv([256], [256])  # a first chunk: no prefix
+    assert not prefill_splits_kv([1536], [512])  # 1024 cached, 512 new
+    assert prefill_splits_kv([4096 + 256], [256])  # a long prefix, one chunk
+    # the longest prefix against all the step's new tokens: many requests fill the device
+    assert not prefill_splits_kv([4096 + 256] + [512] * 4, [256] + [512] * 4)
+    assert prefill_splits_kv([8192 + 16, 16], [16, 16])
