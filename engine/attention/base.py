@@ -56,6 +56,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...
 
+    def attends_mixed_in_one_pass(self, batch: ForwardBatch) -> bool:
+        """Whether a MIXED batch's rows (its prefill chunks and its decodes, one query each)
+        are best attended as one extend batch, in one kernel, rather than as an extend batch
+        and a decode batch (attention/mixed.py)."""
+        return False
+
     def init_cuda_graph(self, max_batch_size: int) -> None:
         """Called once before decode graphs are captured for batches up to `max_batch_size`."""
         return None  # nothing to set up unless a backend keeps per-graph buffers

@@ -9,7 +9,8 @@ the host at most about one step ahead.) Extend steps use the paged prefill kerne
 (causal, queries aligned to the end of each request's KV), with the KV split over several
 blocks only where the prefix is long against the new tokens; decode steps use the
 tensor-core decode kernel, which reads each KV head once for all the query heads of its
-group. Layers with different sliding windows get a plan each.
+group. A mixed step of short requests goes through the prefill kernel whole, in one call.
+Layers with different sliding windows get a plan each.
 
 Decode steps can be captured in CUDA graphs: each captured batch size has its own decode
 wrappers over fixed buffers, planned again before every replay.
@@ -31,9 +32,18 @@ WORKSPACE_BYTES = 256 << 20  # FlashInfer's scratch space for split-KV partial r
 # FlashInfer's prefill plan splits a request's KV over several blocks when the queries' tiles
 # leave multiprocessors idle, and merges the parts in a second kernel. Over a prefix of up to
 # a few times the step's new tokens the unsplit kernel is faster: on an H200, 256 new tokens
-# take 12 µs a layer without a prefix (30 split), 512 take 49 µs over 1024 cached ones (84);
+# take 12 µs a layer without a prefix (30 split), 512 take 49 µs over 1024 cached ones (85);
 # past that the split wins (256 over 4096: 79 split, 131 not). benchmarks/chunk_attention.py
 UNSPLIT_PREFIX_PER_NEW_TOKEN = 4
+# A mixed step of short requests and a small chunk is attended in one prefill call rather
+# than a prefill and a decode call: on an H200 a 256-token chunk beside 32 decodes of 768
+# tokens takes as long on the device that way (46-67 µs a layer against 46-78), and the host
+# launches one call instead of two (23-31 µs against 44-46), which a mixed step between
+# piecewise graphs waits for. Decodes of 4096 tokens are faster in the decode kernel (88 µs
+# against 125 beside a first chunk), and so is a 512-token chunk (55-89 against 77-112).
+# benchmarks/chunk_attention.py
+ONE_PASS_MIXED_MAX_KV = 2048
+ONE_PASS_MIXED_MAX_CHUNK = 256
 
 
 def _import_flashinfer():
@@ -173,6 +183,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
         batch.attn = self.prefill
 
+    def attends_mixed_in_one_pass(self, batch: ForwardBatch) -> bool:
+        chunk = sum(batch.extend_lens_cpu[: batch.prefill_rows])
+        return mixed_in_one_pass(chunk, max(batch.seq_lens_cpu))
+
     def init_cuda_graph(self, max_batch_size: int) -> None:
         # Requests may share cached prefixes, so a batch can list more slots than the pool has.
         self.graph_indices = torch.zeros(
@@ -219,6 +233,11 @@ def prefill_splits_kv(seq_lens: Sequence[int], extend_lens: Sequence[int]) -> bo
     """Whether an extend step's attention may split the KV (see UNSPLIT_PREFIX_PER_NEW_TOKEN)."""
     longest_prefix = max(seq - new for seq, new in zip(seq_lens, extend_lens))
     return longest_prefix > UNSPLIT_PREFIX_PER_NEW_TOKEN * sum(extend_lens)
+
+
+def mixed_in_one_pass(chunk_tokens: int, longest_request: int) -> bool:
+    """Whether a mixed step is attended in one prefill call (see ONE_PASS_MIXED_MAX_KV)."""
+    return chunk_tokens <= ONE_PASS_MIXED_MAX_CHUNK and longest_request <= ONE_PASS_MIXED_MAX_KV
 
 
 def _window_left(window: int | None) -> int:

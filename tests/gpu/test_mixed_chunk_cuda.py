@@ -32,9 +32,23 @@ BACKENDS = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# FlashInfer attends a mixed batch of short requests in one prefill pass: both ways here
+MIXED_PATHS = [
+    pytest.param("triton", False, id="triton"),
+    pytest.param("flashinfer", False, marks=BACKENDS[1].marks, id="flashinfer-two-passes"),
+    pytest.param("flashinfer", True, marks=BACKENDS[1].marks, id="flashinfer-one-pass"),
+]
+
+
+@pytest.mark.parametrize("backend,one_pass", MIXED_PATHS)
 @pytest.mark.parametrize("window", [None, 37])
-def test_mixed_attention_matches_the_torch_extend_path(backend, window, attention_batch):
+def test_mixed_attention_matches_the_torch_extend_path(
+    backend, one_pass, window, attention_batch, monkeypatch
+):
+    from kubesgl.engine.attention import flashinfer_backend
+
+    for limit in ("ONE_PASS_MIXED_MAX_KV", "ONE_PASS_MIXED_MAX_CHUNK"):
+        monkeypatch.setattr(flashinfer_backend, limit, 4096 if one_pass else 0)
     device, dtype, heads, kv_heads, head_dim = torch.device("cuda"), torch.bfloat16, 8, 2, 128
     pool = KVPool(16384, 1, kv_heads, head_dim, dtype, device)
     table = ReqToTokenTable(8, 1024, device)
@@ -58,6 +72,7 @@ def test_mixed_attention_matches_the_torch_extend_path(backend, window, attentio
     expected = reference.forward(q, k, v, spec[0], batch).float()
     mixed = MixedAttention(create_backend(backend, kv_pool=pool, req_to_token=table, layers=spec))
     mixed.prepare(batch)
+    assert (batch.attn.decode is None) == one_pass
     fresh = mixed.forward(q, k, v, spec[0], batch)
     torch.testing.assert_close(fresh.float(), expected, atol=2e-2, rtol=2e-2)
     out = torch.full_like(q, float("nan"))  # the piecewise graphs' buffer is written in place

@@ -101,3 +101,12 @@ def test_flashinfer_prefill_splits_the_kv_only_over_prefixes_long_against_the_ne
     # the longest prefix against all the step's new tokens: many requests fill the device
     assert not prefill_splits_kv([4096 + 256] + [512] * 4, [256] + [512] * 4)
     assert prefill_splits_kv([8192 + 16, 16], [16, 16])
+
+
+def test_flashinfer_attends_a_mixed_step_in_one_pass_only_with_short_requests_and_a_small_chunk():
+    from kubesgl.engine.attention.flashinfer_backend import mixed_in_one_pass
+
+    assert mixed_in_one_pass(chunk_tokens=224, longest_request=768)
+    assert mixed_in_one_pass(chunk_tokens=256, longest_request=2048)
+    assert not mixed_in_one_pass(chunk_tokens=224, longest_request=4096)  # long decodes
+    assert not mixed_in_one_pass(chunk_tokens=512, longest_request=768)  # a large chunk

@@ -20,8 +20,11 @@ from kubesgl.engine.forward_batch import ForwardMode  # noqa: E402
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable  # noqa: E402
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two-passes", "one-pass"])
 @pytest.mark.parametrize("backend,window", [("torch", None), ("torch", 7), ("triton", 7)])
-def test_mixed_attention_equals_one_extend_pass(backend, window, attention_batch):
+def test_mixed_attention_equals_one_extend_pass(backend, window, one_pass, attention_batch):
+    """Split into an extend and a decode batch, or (where the backend asks for it) attended
+    whole as one extend batch."""
     heads, kv_heads, head_dim = 4, 2, 16
     pool = KVPool(1024, 1, kv_heads, head_dim, torch.float32, torch.device("cpu"))
     table = ReqToTokenTable(6, 128, torch.device("cpu"))
@@ -43,15 +46,20 @@ def test_mixed_attention_equals_one_extend_pass(backend, window, attention_batch
     reference = create_backend("torch", kv_pool=pool, req_to_token=table, layers=spec)
     reference.prepare(batch)  # a MIXED batch is an extend batch to a backend that is given it whole
     expected = reference.forward(q, k, v, spec[0], batch)
-    mixed = MixedAttention(create_backend(backend, kv_pool=pool, req_to_token=table, layers=spec))
+    attention = create_backend(backend, kv_pool=pool, req_to_token=table, layers=spec)
+    attention.attends_mixed_in_one_pass = lambda batch: one_pass  # type: ignore[method-assign]
+    mixed = MixedAttention(attention)
     mixed.prepare(batch)
     extend, decode = batch.attn.extend, batch.attn.decode
-    assert (extend.mode, extend.batch_size, decode.mode, decode.batch_size) == (
-        ForwardMode.EXTEND,
-        2,
-        ForwardMode.DECODE,
-        3,
-    )
+    if one_pass:
+        assert (extend.mode, extend.batch_size, decode) == (ForwardMode.EXTEND, 5, None)
+    else:
+        assert (extend.mode, extend.batch_size, decode.mode, decode.batch_size) == (
+            ForwardMode.EXTEND,
+            2,
+            ForwardMode.DECODE,
+            3,
+        )
     torch.testing.assert_close(
         mixed.forward(q, k, v, spec[0], batch), expected, rtol=1e-5, atol=1e-5
     )
