@@ -36,6 +36,7 @@ from kubesgl.engine.messages import (
 )
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 from kubesgl.engine.scheduler.engine import Engine
+from kubesgl.gc_pacing import GcPacer
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,9 @@ def run_scheduler(
         _warm_up(engine)
     except Exception as exc:  # what the server could not check before starting this process
         exit_for_start_failure(endpoints, f"scheduler rank {rank}", exc)
-    loop = SchedulerLoop(engine, rank, endpoints, get_tp_group().control, context, link)
+    gc_pacer = GcPacer()
+    gc_pacer.start()
+    loop = SchedulerLoop(engine, rank, endpoints, get_tp_group().control, context, link, gc_pacer)
     loop.run()
 
 
@@ -102,8 +105,10 @@ class SchedulerLoop:
         control,
         context: zmq.Context,
         link: ProcessLink | None,
+        gc_pacer: GcPacer | None = None,
     ):
         self.engine = engine
+        self.gc_pacer = gc_pacer
         self.rank = rank
         self.control = control
         self.context = context
@@ -159,10 +164,11 @@ class SchedulerLoop:
                     self.engine.shutdown()
                     return
                 outputs += self._apply(message)
-            if (
-                self.engine.has_work() or self.engine.role.transfers_kv
-            ):  # such roles poll every turn
+            busy = self.engine.has_work()
+            if busy or self.engine.role.transfers_kv:  # such roles poll every turn
                 outputs += self.engine.step()
+            if self.gc_pacer is not None:  # every rank turns alike, so they collect together
+                self.gc_pacer.tick(busy)
             if self.rank == 0:
                 stats = self.engine.scheduler.stats()
                 # gauges must follow releases that emit nothing; histogram samples go out once

@@ -25,9 +25,11 @@ from kubesgl.engine.messages import (
     TokenizeRequest,
 )
 from kubesgl.engine.metrics import EngineMetrics
+from kubesgl.gc_pacing import GcPacer
 
 logger = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 10.0  # while busy, a line with the scheduler's state this often
+GC_TICK_S = 1.0  # how often the garbage collector's pacer is told whether requests are in flight
 
 
 class DuplicateRequestId(ValueError):
@@ -48,9 +50,15 @@ class _Pending:
 
 
 class EngineClient:
-    def __init__(self, endpoints: Endpoints, metrics: EngineMetrics):
+    def __init__(
+        self, endpoints: Endpoints, metrics: EngineMetrics, gc_pacer: GcPacer | None = None
+    ):
+        """`gc_pacer`: the serving process's (kubesgl/gc_pacing.py), started once the engine
+        is ready; None leaves the garbage collector as it is (tests in one process)."""
         self.endpoints = endpoints
         self.metrics = metrics
+        self.gc_pacer = gc_pacer
+        self._pacing: asyncio.Task | None = None
         self.info: EngineInfo | None = None
         self.stats: SchedulerStats | None = None  # the scheduler's latest
         self.ready = asyncio.Event()
@@ -76,6 +84,9 @@ class EngineClient:
             if isinstance(message, EngineInfo):
                 self.info = message
                 self.ready.set()
+                if self.gc_pacer is not None and self._pacing is None:
+                    self.gc_pacer.start()  # start-up is over: what is alive now stays
+                    self._pacing = asyncio.create_task(self._pace_gc(), name="gc-pacing")
                 logger.info(
                     "engine ready: context %d, KV pool %d tokens",
                     message.context_length,
@@ -182,8 +193,15 @@ class EngineClient:
 
     async def shutdown(self) -> None:
         await self._to_tokenizer.send_pyobj(Shutdown())
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._pacing):
+            if task is not None:
+                task.cancel()
+
+    async def _pace_gc(self) -> None:
+        assert self.gc_pacer is not None
+        while True:
+            await asyncio.sleep(GC_TICK_S)
+            self.gc_pacer.tick(busy=self.in_flight > 0)
 
     @staticmethod
     def new_rid(prefix: str) -> str:

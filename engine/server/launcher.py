@@ -33,6 +33,7 @@ from kubesgl.engine.scheduler.process import run_scheduler
 from kubesgl.engine.server.api import ServerState, build_app
 from kubesgl.engine.server.engine_client import EngineClient
 from kubesgl.engine.tokenizer.process import run_tokenizer
+from kubesgl.gc_pacing import GcPacer
 
 logger = logging.getLogger("kubesgl.serve")
 
@@ -147,7 +148,7 @@ class Server:
         served_model_name = self.options.served_model_name or self.config.model
         metrics = EngineMetrics(self.config.role, served_model_name)
         metrics.set_build_info(kubesgl.__version__, served_model_name)
-        client = EngineClient(self.endpoints, metrics)
+        client = EngineClient(self.endpoints, metrics, GcPacer())
         client.start()
         state = ServerState(
             self.config, served_model_name=served_model_name, api_key=self.options.api_key

@@ -25,8 +25,10 @@ from kubesgl.engine.messages import (
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
 from kubesgl.engine.tokenizer.loader import load_tokenizer
 from kubesgl.engine.tokenizer.token_bytes import TokenBytes
+from kubesgl.gc_pacing import GcPacer
 
 logger = logging.getLogger(__name__)
+IDLE_POLL_MS = 1000  # an idle loop still turns this often, so that it can collect garbage
 
 
 class TokenizerError(ValueError):
@@ -201,8 +203,11 @@ def run_tokenizer(model_path: str, endpoints: Endpoints, log_level: str) -> None
     poller = zmq.Poller()
     poller.register(from_api, zmq.POLLIN)
     poller.register(from_scheduler, zmq.POLLIN)
+    gc_pacer = GcPacer()
+    gc_pacer.start()
     while True:
-        ready = dict(poller.poll())
+        ready = dict(poller.poll(IDLE_POLL_MS))
+        gc_pacer.tick(busy=bool(loop.tokenizer.states))
         if from_scheduler in ready:
             loop.from_scheduler(from_scheduler.recv_pyobj())
         if from_api in ready and not loop.from_api(from_api.recv_pyobj()):

@@ -3,6 +3,7 @@ when several arrive before the reader runs."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
 
@@ -46,3 +47,53 @@ async def test_outputs_that_arrive_together_all_reach_the_reader(client):
     outputs = [out async for out in stream]
     assert [out.token_ids for out in outputs] == [[5], [6]]
     assert outputs[-1].finish_reason.kind == "length"
+
+
+class RecordingPacer:
+    def __init__(self):
+        self.started = 0
+        self.ticks: list[bool] = []
+
+    def start(self) -> None:
+        self.started += 1
+
+    def tick(self, busy: bool) -> None:
+        self.ticks.append(busy)
+
+
+@pytest.mark.asyncio
+async def test_the_gc_pacer_starts_when_the_engine_is_ready_and_hears_whether_requests_run(
+    monkeypatch,
+):
+    from kubesgl.engine.messages import EngineInfo
+    from kubesgl.engine.server import engine_client as module
+
+    monkeypatch.setattr(module, "GC_TICK_S", 0.01)
+    endpoints = Endpoints.create()
+    pacer = RecordingPacer()
+    engine_client = EngineClient(endpoints, EngineMetrics("mixed"), pacer)  # type: ignore[arg-type]
+    engine_client.start()
+    detokenizer = push(zmq.Context.instance(), endpoints.api_in)
+    try:
+        await asyncio.sleep(0.05)
+        assert (pacer.started, pacer.ticks) == (0, [])  # start-up is not over
+        detokenizer.send_pyobj(EngineInfo("m", 4096, 100, 1000, 1, "LlamaForCausalLM", [2]))
+        await asyncio.wait_for(engine_client.ready.wait(), 5)
+        await asyncio.sleep(0.05)
+        assert pacer.started == 1 and pacer.ticks and not any(pacer.ticks)
+        stream = engine_client.generate(TokenizeRequest("r1", SamplingParams()))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        assert pacer.ticks[-1] is True  # a request in flight
+        detokenizer.send_pyobj(
+            TextBatch([TextOutput("r1", "a", [5], FinishReason("stop"), 3, 0, 1)])
+        )
+        await first
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        assert pacer.ticks[-1] is False
+    finally:
+        await engine_client.shutdown()
+        detokenizer.close(linger=0)
+        engine_client._context.destroy(linger=0)
+        shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
