@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 import aiohttp
 
+from kubesgl.gc_pacing import GcPacer
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.config import RouterConfig
 from kubesgl.router.discovery import PodWatcher
@@ -61,6 +62,7 @@ Handler = Callable[[Scope, bytes], Awaitable[Reply]]
 
 _JSON = [(b"content-type", b"application/json")]
 ADMIN_PATH = "/workers"
+GC_TICK_S = 1.0  # how often the garbage collector's pacer hears whether requests are in flight
 # The engine's routes that check its API key: with one set, the router checks it in their place.
 # SGLang's description of the model (its vocabulary size, say): answered by a worker, as /v1/models.
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
@@ -105,8 +107,11 @@ class _Exchange:
 
 
 class RouterApp:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, gc_pacer: GcPacer | None = None) -> None:
+        """`gc_pacer`: the router process's (kubesgl/gc_pacing.py), started at the end of
+        start-up; None leaves the garbage collector as it is (tests in one process)."""
         self.config = config
+        self.gc_pacer = gc_pacer
         self.workers = WorkerRegistry(
             make_breaker=lambda: CircuitBreaker(
                 config.breaker_failure_threshold, config.breaker_cooldown_s
@@ -173,6 +178,15 @@ class RouterApp:
                 self.workers, c.kube.namespace, c.kube.selector, c.kube.worker_port
             )
             self._tasks.append(asyncio.create_task(watcher.run()))
+        if self.gc_pacer is not None:
+            self.gc_pacer.start()  # start-up is over: what is alive now stays
+            self._tasks.append(asyncio.create_task(self._pace_gc()))
+
+    async def _pace_gc(self) -> None:
+        assert self.gc_pacer is not None
+        while True:
+            await asyncio.sleep(GC_TICK_S)
+            self.gc_pacer.tick(busy=any(worker.in_flight for worker in self.workers.all()))
 
     async def shutdown(self) -> None:
         for task in self._tasks:

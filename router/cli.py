@@ -333,13 +333,14 @@ def main(argv: list[str]) -> int:
 
     import uvicorn  # imported late: `--help` stays fast
 
+    from kubesgl.gc_pacing import GcPacer
     from kubesgl.router.app import RouterApp
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     uvicorn.run(
-        RouterApp(config),
+        RouterApp(config, GcPacer()),
         host=args.host,
         port=args.port,
         log_level=args.log_level,
