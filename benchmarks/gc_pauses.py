@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import random
+import resource
 import statistics
 import time
 
@@ -55,6 +56,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
 def main() -> None:
     parser = engine_parser(__doc__, dtype="float32", attention_backend="auto")
     parser.add_argument("--policy", choices=["cpython", "paced"], required=True)
@@ -85,6 +90,8 @@ def main() -> None:
             pacer.tick(busy=True)
         step_ms.append(1000 * (time.perf_counter() - start))
     gc.callbacks.remove(pauses)
+    rss_end_mib = _max_rss_mib()
+    collected = gc.collect()  # what a full pass finds now: garbage the paced run left behind
     result = {
         **engine_facts(args, llm),
         "policy": args.policy,
@@ -98,7 +105,9 @@ def main() -> None:
             "max": max(step_ms),
         },
         "collections": pauses.summary(),
-        "tracked_objects_at_end": len(gc.get_objects()),
+        "tracked_objects_at_end": len(gc.get_objects()),  # frozen ones excluded
+        "max_rss_mib": rss_end_mib,
+        "unreachable_at_end": collected,
     }
     llm.shutdown()
     report(result, args.out)

@@ -199,5 +199,12 @@ class FlushCache:
 
 
 @dataclass
+class CollectGarbage:
+    """Scheduler rank 0 -> every rank, in a turn's broadcast: a full garbage collection now, on
+    every rank in the same turn, so that tensor-parallel ranks stall once, together
+    (kubesgl/gc_pacing.py)."""
+
+
+@dataclass
 class Shutdown:
     """Ends the process that receives it (and, from rank 0, every scheduler rank)."""

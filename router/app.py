@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 import aiohttp
 
-from kubesgl.gc_pacing import GcPacer
+from kubesgl.gc_pacing import GcPacer, tick_every
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.config import RouterConfig
 from kubesgl.router.discovery import PodWatcher
@@ -62,7 +62,6 @@ Handler = Callable[[Scope, bytes], Awaitable[Reply]]
 
 _JSON = [(b"content-type", b"application/json")]
 ADMIN_PATH = "/workers"
-GC_TICK_S = 1.0  # how often the garbage collector's pacer hears whether requests are in flight
 # The engine's routes that check its API key: with one set, the router checks it in their place.
 # SGLang's description of the model (its vocabulary size, say): answered by a worker, as /v1/models.
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
@@ -180,13 +179,8 @@ class RouterApp:
             self._tasks.append(asyncio.create_task(watcher.run()))
         if self.gc_pacer is not None:
             self.gc_pacer.start()  # start-up is over: what is alive now stays
-            self._tasks.append(asyncio.create_task(self._pace_gc()))
-
-    async def _pace_gc(self) -> None:
-        assert self.gc_pacer is not None
-        while True:
-            await asyncio.sleep(GC_TICK_S)
-            self.gc_pacer.tick(busy=any(worker.in_flight for worker in self.workers.all()))
+            busy = lambda: any(worker.in_flight for worker in self.workers.all())  # noqa: E731
+            self._tasks.append(asyncio.create_task(tick_every(self.gc_pacer, busy)))
 
     async def shutdown(self) -> None:
         for task in self._tasks:

@@ -32,8 +32,10 @@ WORKSPACE_BYTES = 256 << 20  # FlashInfer's scratch space for split-KV partial r
 # FlashInfer's prefill plan splits a request's KV over several blocks when the queries' tiles
 # leave multiprocessors idle, and merges the parts in a second kernel. Over a prefix of up to
 # a few times the step's new tokens the unsplit kernel is faster: on an H200, 256 new tokens
-# take 12 µs a layer without a prefix (30 split), 512 take 49 µs over 1024 cached ones (85);
-# past that the split wins (256 over 4096: 79 split, 131 not). benchmarks/chunk_attention.py
+# take 12 µs a layer without a prefix (30 split), 512 take 49 µs over 1024 cached ones (85).
+# Over long prefixes the split wins for small chunks (256 over 4096: 80 split, 130 not); 512
+# over 4096 is split by this rule and gives up 21 µs (159 against 138), the one measured case
+# it gets wrong. benchmarks/chunk_attention.py
 UNSPLIT_PREFIX_PER_NEW_TOKEN = 4
 # A mixed step of short requests and a small chunk is attended in one prefill call rather
 # than a prefill and a decode call: on an H200 a 256-token chunk beside 32 decodes of 768

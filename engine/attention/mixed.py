@@ -22,7 +22,7 @@ from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 class _MixedMeta:
     extend: ForwardBatch  # the prefill rows (or all rows, in one pass), prepared by the backend
     decode: ForwardBatch | None  # the decode rows, prepared by the backend; None in one pass
-    extend_tokens: int  # the prefill rows' tokens come first in q, k and v
+    extend_tokens: int  # the prefill rows' tokens come first in q, k and v (all, in one pass)
 
 
 class MixedAttention(AttentionBackend):

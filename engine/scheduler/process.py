@@ -26,6 +26,7 @@ from kubesgl.engine.distributed import get_tp_group, init_tensor_parallel
 from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.messages import (
     AbortRequest,
+    CollectGarbage,
     EngineInfo,
     FinishReason,
     FlushCache,
@@ -145,6 +146,9 @@ class SchedulerLoop:
                     )  # rank 0's own: the KV transfers share it with every rank
                 else:
                     messages.append(message)
+            busy = self.engine.has_work() or bool(messages)
+            if self.gc_pacer is not None and self.gc_pacer.due(busy):
+                messages.append(CollectGarbage())  # rank 0 decides: every rank collects now
         if self.control is not None:
             box = [messages]
             dist.broadcast_object_list(box, src=0, group=self.control)
@@ -164,11 +168,10 @@ class SchedulerLoop:
                     self.engine.shutdown()
                     return
                 outputs += self._apply(message)
-            busy = self.engine.has_work()
-            if busy or self.engine.role.transfers_kv:  # such roles poll every turn
+            if (
+                self.engine.has_work() or self.engine.role.transfers_kv
+            ):  # such roles poll every turn
                 outputs += self.engine.step()
-            if self.gc_pacer is not None:  # every rank turns alike, so they collect together
-                self.gc_pacer.tick(busy)
             if self.rank == 0:
                 stats = self.engine.scheduler.stats()
                 # gauges must follow releases that emit nothing; histogram samples go out once
@@ -177,6 +180,10 @@ class SchedulerLoop:
                     last_stats = stats
 
     def _apply(self, message) -> list[TokenOutput]:
+        if isinstance(message, CollectGarbage):
+            assert self.gc_pacer is not None  # rank 0 sends it only with a pacer
+            self.gc_pacer.collect()
+            return []
         if isinstance(message, AbortRequest):
             return self.engine.abort_request(message.rid, message.message)
         if isinstance(message, FlushCache):

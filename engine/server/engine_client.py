@@ -25,11 +25,10 @@ from kubesgl.engine.messages import (
     TokenizeRequest,
 )
 from kubesgl.engine.metrics import EngineMetrics
-from kubesgl.gc_pacing import GcPacer
+from kubesgl.gc_pacing import GcPacer, tick_every
 
 logger = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 10.0  # while busy, a line with the scheduler's state this often
-GC_TICK_S = 1.0  # how often the garbage collector's pacer is told whether requests are in flight
 
 
 class DuplicateRequestId(ValueError):
@@ -86,7 +85,9 @@ class EngineClient:
                 self.ready.set()
                 if self.gc_pacer is not None and self._pacing is None:
                     self.gc_pacer.start()  # start-up is over: what is alive now stays
-                    self._pacing = asyncio.create_task(self._pace_gc(), name="gc-pacing")
+                    self._pacing = asyncio.create_task(
+                        tick_every(self.gc_pacer, lambda: self.in_flight > 0), name="gc-pacing"
+                    )
                 logger.info(
                     "engine ready: context %d, KV pool %d tokens",
                     message.context_length,
@@ -196,12 +197,6 @@ class EngineClient:
         for task in (self._reader, self._pacing):
             if task is not None:
                 task.cancel()
-
-    async def _pace_gc(self) -> None:
-        assert self.gc_pacer is not None
-        while True:
-            await asyncio.sleep(GC_TICK_S)
-            self.gc_pacer.tick(busy=self.in_flight > 0)
 
     @staticmethod
     def new_rid(prefix: str) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from kubesgl import gc_pacing
 from kubesgl.engine.ipc import Endpoints, push
 from kubesgl.engine.messages import FinishReason, TextBatch, TextOutput, TokenizeRequest
 from kubesgl.engine.metrics import EngineMetrics
@@ -66,9 +67,8 @@ async def test_the_gc_pacer_starts_when_the_engine_is_ready_and_hears_whether_re
     monkeypatch,
 ):
     from kubesgl.engine.messages import EngineInfo
-    from kubesgl.engine.server import engine_client as module
 
-    monkeypatch.setattr(module, "GC_TICK_S", 0.01)
+    monkeypatch.setattr(gc_pacing, "TICK_S", 0.01)
     endpoints = Endpoints.create()
     pacer = RecordingPacer()
     engine_client = EngineClient(endpoints, EngineMetrics("mixed"), pacer)  # type: ignore[arg-type]

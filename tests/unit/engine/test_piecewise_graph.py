@@ -98,11 +98,16 @@ def test_pieces_store_the_kv_of_whole_model_steps_and_padding_only_in_the_paddin
         )
         runner = llm.engine.executor.runner
         if piecewise:
-            runner.piecewise_graphs = PiecewiseGraphRunner(llm.engine.model, runner.kv_pool, 32)
+            pieces = PiecewiseGraphRunner(llm.engine.model, runner.kv_pool, 32)
+            run = pieces.run
+            pieces.run = lambda *args: padded.append(args[1].num_tokens) or run(*args)
+            runner.piecewise_graphs = pieces
         llm.generate(prompts, params)
         return [t[1:].clone() for t in runner.kv_pool.k + runner.kv_pool.v]
 
+    padded: list[int] = []  # token counts of the steps the pieces ran
     whole, pieces = pool(piecewise=False), pool(piecewise=True)
+    assert any(n not in (8, 16, 32) for n in padded)  # some steps were padded
     assert any(t.abs().sum() > 0 for t in whole)
     for expected, stored in zip(whole, pieces):
         torch.testing.assert_close(stored, expected, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from kubesgl.router import app as router_app
+from kubesgl import gc_pacing
 from kubesgl.router.app import RouterApp
 from kubesgl.router.config import RouterConfig
 from kubesgl.router.workers import Role
@@ -27,7 +27,7 @@ class RecordingPacer:
 
 @pytest.mark.asyncio
 async def test_the_router_paces_its_garbage_collector_by_the_requests_in_flight(monkeypatch):
-    monkeypatch.setattr(router_app, "GC_TICK_S", 0.01)
+    monkeypatch.setattr(gc_pacing, "TICK_S", 0.01)
     pacer = RecordingPacer()
     app = RouterApp(RouterConfig(), pacer)  # type: ignore[arg-type]
     assert pacer.started == 0
