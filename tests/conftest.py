@@ -71,3 +71,27 @@ def attention_batch():
         )
 
     return make
+
+
+class RecordingPacer:
+    """Stands in for a process's GcPacer (kubesgl/gc_pacing.py): records its start and what
+    each tick was told."""
+
+    def __init__(self):
+        self.started = 0
+        self.ticks: list[bool] = []
+
+    def start(self) -> None:
+        self.started += 1
+
+    def tick(self, busy: bool) -> None:
+        self.ticks.append(busy)
+
+
+@pytest.fixture
+def recording_pacer(monkeypatch) -> RecordingPacer:
+    """A RecordingPacer, with asyncio processes ticking it every 10 ms instead of every second."""
+    from kubesgl import gc_pacing
+
+    monkeypatch.setattr(gc_pacing, "TICK_S", 0.01)
+    return RecordingPacer()

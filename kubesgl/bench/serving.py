@@ -111,16 +111,20 @@ async def run(
         return list(results), time.perf_counter() - start
 
 
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-quantile of a sorted, non-empty list: the value at rank floor(q * n)."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
     if not values:
         return {}
     ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * scale  # noqa: E731
     return {
         "mean": statistics.mean(values) * scale,
-        "p50": pick(0.5),
-        "p90": pick(0.9),
-        "p99": pick(0.99),
+        "p50": percentile(ordered, 0.5) * scale,
+        "p90": percentile(ordered, 0.9) * scale,
+        "p99": percentile(ordered, 0.99) * scale,
     }
 
 

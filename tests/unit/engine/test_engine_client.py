@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kubesgl import gc_pacing
 from kubesgl.engine.ipc import Endpoints, push
 from kubesgl.engine.messages import FinishReason, TextBatch, TextOutput, TokenizeRequest
 from kubesgl.engine.metrics import EngineMetrics
@@ -50,27 +49,14 @@ async def test_outputs_that_arrive_together_all_reach_the_reader(client):
     assert outputs[-1].finish_reason.kind == "length"
 
 
-class RecordingPacer:
-    def __init__(self):
-        self.started = 0
-        self.ticks: list[bool] = []
-
-    def start(self) -> None:
-        self.started += 1
-
-    def tick(self, busy: bool) -> None:
-        self.ticks.append(busy)
-
-
 @pytest.mark.asyncio
 async def test_the_gc_pacer_starts_when_the_engine_is_ready_and_hears_whether_requests_run(
-    monkeypatch,
+    recording_pacer,
 ):
     from kubesgl.engine.messages import EngineInfo
 
-    monkeypatch.setattr(gc_pacing, "TICK_S", 0.01)
     endpoints = Endpoints.create()
-    pacer = RecordingPacer()
+    pacer = recording_pacer
     engine_client = EngineClient(endpoints, EngineMetrics("mixed"), pacer)  # type: ignore[arg-type]
     engine_client.start()
     detokenizer = push(zmq.Context.instance(), endpoints.api_in)

@@ -7,28 +7,16 @@ import asyncio
 
 import pytest
 
-from kubesgl import gc_pacing
 from kubesgl.router.app import RouterApp
 from kubesgl.router.config import RouterConfig
 from kubesgl.router.workers import Role
 
 
-class RecordingPacer:
-    def __init__(self):
-        self.started = 0
-        self.ticks: list[bool] = []
-
-    def start(self) -> None:
-        self.started += 1
-
-    def tick(self, busy: bool) -> None:
-        self.ticks.append(busy)
-
-
 @pytest.mark.asyncio
-async def test_the_router_paces_its_garbage_collector_by_the_requests_in_flight(monkeypatch):
-    monkeypatch.setattr(gc_pacing, "TICK_S", 0.01)
-    pacer = RecordingPacer()
+async def test_the_router_paces_its_garbage_collector_by_the_requests_in_flight(
+    recording_pacer,
+):
+    pacer = recording_pacer
     app = RouterApp(RouterConfig(), pacer)  # type: ignore[arg-type]
     assert pacer.started == 0
     await app.startup()
