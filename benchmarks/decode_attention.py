@@ -1,7 +1,7 @@
-"""Decode attention of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head size 128, bf16
-KV in pages of one token, as the engine keeps it): FlashInfer's tensor-core decode (the
-engine's choice), its CUDA-core decode, the tensor-core decode without split KV, and
-kubesgl's Triton kernel (with the splits it picks for the batch, and with 8), per batch size
+"""Decode attention of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head size 128, KV
+in pages of one token as the engine keeps it, bf16 or, with --kv-dtype fp8_e4m3, FP8):
+FlashInfer's tensor-core decode (the engine's choice), its CUDA-core decode, the tensor-core
+decode without split KV, and kubesgl's Triton kernel (with the splits it picks for the batch, and with 8), per batch size
 and context length. Each variant is captured in one CUDA graph of 32 calls, one per layer of
 the KV pool (so nothing is served from the L2), and timed over replays; the figure is µs per
 call, next to the time the KV bytes take at the device's copy bandwidth.
@@ -22,6 +22,7 @@ from decode_latency import copy_bandwidth
 from kubesgl.engine.attention.triton_kernels.decode import decode_attention
 
 HEADS, KV_HEADS, DIM, LAYERS = 32, 8, 128, 32
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 VARIANTS = (
     "flashinfer_tensor_cores",
     "flashinfer_cuda_cores",
@@ -60,28 +61,40 @@ class Buffers:
     graph_indices: torch.Tensor  # FlashInfer's fixed buffer of KV slots, as large as the engine's
 
     @classmethod
-    def allocate(cls, slots: int, device: torch.device, dtype: torch.dtype) -> Buffers:
-        shape = (LAYERS, slots, KV_HEADS, DIM)
+    def allocate(cls, slots: int, device: torch.device, kv_dtype: torch.dtype) -> Buffers:
+        def pool() -> torch.Tensor:  # a layer at a time: float32 noise for all would not fit
+            layers = torch.empty(LAYERS, slots, KV_HEADS, DIM, dtype=kv_dtype, device=device)
+            for layer in layers:
+                layer.copy_(torch.randn(layer.shape, device=device))
+            return layers
+
         return cls(
-            torch.randn(shape, dtype=dtype, device=device),
-            torch.randn(shape, dtype=dtype, device=device),
+            pool(),
+            pool(),
             torch.zeros(256 << 20, dtype=torch.uint8, device=device),
             torch.zeros(slots, dtype=torch.int32, device=device),
         )
 
 
-def measure(names: list[str], buffers: Buffers, batch: int, context: int) -> dict:
-    """µs per decode-attention call of each variant, for `batch` requests of `context` tokens."""
+def measure(names: list[str], buffers: Buffers, batch: int, context: int, page: int) -> dict:
+    """µs per decode-attention call of each variant, for `batch` requests of `context` tokens
+    in pages of `page` tokens."""
     import flashinfer
 
     k_pool, v_pool = buffers.k_pool, buffers.v_pool
-    device, dtype, slots = k_pool.device, k_pool.dtype, k_pool.shape[1]
+    device, num_pages = k_pool.device, k_pool.shape[1] // page
+    dtype, kv_dtype = torch.bfloat16, k_pool.dtype
     q = torch.randn(batch, HEADS, DIM, dtype=dtype, device=device)
     out = torch.empty_like(q)
-    # each request's slots scattered over the pool, as after many steps of allocation
-    indices = torch.randperm(slots - 1, device=device)[: batch * context].int() + 1
-    indptr = torch.arange(0, batch * context + 1, context, dtype=torch.int32)
-    last_page_len = torch.ones(batch, dtype=torch.int32)
+    # each request's pages scattered over the pool, as after many steps of allocation
+    pages_per_request = context // page
+    indices = torch.randperm(num_pages - 1, device=device)[: batch * pages_per_request].int() + 1
+    indptr = torch.arange(0, len(indices) + 1, pages_per_request, dtype=torch.int32)
+    last_page_len = torch.full((batch,), page, dtype=torch.int32)
+    paged = [
+        (k.view(-1, page, KV_HEADS, DIM), v.view(-1, page, KV_HEADS, DIM))
+        for k, v in zip(k_pool, v_pool)
+    ]
 
     def flashinfer_variant(tensor_cores: bool, **plan) -> Callable[[], None]:
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -94,17 +107,18 @@ def measure(names: list[str], buffers: Buffers, batch: int, context: int) -> dic
             paged_kv_last_page_len_buffer=last_page_len.to(device),
         )
         wrapper.plan(
-            indptr, indices, last_page_len, HEADS, KV_HEADS, DIM, 1,
-            q_data_type=dtype, kv_data_type=dtype, sm_scale=DIM**-0.5, **plan,
+            indptr, indices, last_page_len, HEADS, KV_HEADS, DIM, page,
+            q_data_type=dtype, kv_data_type=kv_dtype, sm_scale=DIM**-0.5, **plan,
         )  # fmt: skip
 
         def calls() -> None:
             for i in range(LAYERS):
-                wrapper.run(q, (k_pool[i], v_pool[i]), out=out)
+                wrapper.run(q, paged[i], out=out)
 
         return calls
 
-    table = indices.long().view(batch, context)
+    slots = indices.long()[:, None] * page + torch.arange(page, device=device)
+    table = slots.view(batch, context)
     req_rows = torch.arange(batch, device=device)
     seq_lens = torch.full((batch,), context, device=device)
 
@@ -135,27 +149,40 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--contexts", default="256,1024,4096")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="bf16")
+    parser.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     names = args.variants.split(",")
     if unknown := set(names) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    device, kv_dtype = torch.device("cuda"), KV_DTYPES[args.kv_dtype]
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    slots = max(batches) * max(contexts) + 1
-    buffers = Buffers.allocate(slots, device, dtype)
+    if any(context % args.page_size for context in contexts):
+        parser.error("every context must be a whole number of pages")
+    slots = max(batches) * max(contexts) + args.page_size  # + the padding page
+    buffers = Buffers.allocate(slots, device, kv_dtype)
     bandwidth = copy_bandwidth(device)
     rows = []
     for batch in batches:
         for context in contexts:
-            kv_bytes = 2 * batch * context * KV_HEADS * DIM * dtype.itemsize  # one layer
+            kv_bytes = 2 * batch * context * KV_HEADS * DIM * kv_dtype.itemsize  # one layer
             row = {"batch": batch, "context": context, "kv_bytes_us": kv_bytes / bandwidth * 1e6}
-            row.update(measure(names, buffers, batch, context))
+            row.update(measure(names, buffers, batch, context, args.page_size))
             print(row, flush=True)
             rows.append(row)
     gpu = torch.cuda.get_device_name(device)
-    report({"gpu": gpu, "copy_bandwidth_tb_s": bandwidth / 1e12, "rows": rows}, args.out)
+    report(
+        {
+            "gpu": gpu,
+            "kv_dtype": args.kv_dtype,
+            "page_size": args.page_size,
+            "copy_bandwidth_tb_s": bandwidth / 1e12,
+            "rows": rows,
+        },
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Offline throughput: N random prompts of a fixed length, fixed output length with
 ignore_eos, all given to `LLM.generate` at once (the shape of SGLang's offline benchmark).
+Beside the throughput, where the time went: the wall time of the engine's steps by kind
+(decode, extend, mixed), their count and mean batch size (`steps`). With overlap, a step's
+time is taken as that of the engine turn that waited for it.
 
     python benchmarks/offline_throughput.py --model benchmarks/models/llama-3.1-8b --load-format dummy \
         --num-prompts 200 --input-len 1024 --output-len 512 --out benchmarks/results/offline_200_1024_512.json
@@ -9,11 +12,45 @@ from __future__ import annotations
 
 import random
 import time
+from collections import defaultdict
 
 import torch
 from common import engine_facts, engine_parser, make_llm, report
 
 from kubesgl.engine import SamplingParams
+
+
+class StepTimeline:
+    """Where an engine's time goes: each step is charged the time from the previous step's
+    results to its own (the device's time for it, when the host keeps up), by kind."""
+
+    def __init__(self, scheduler):
+        self._process = scheduler._process  # a benchmark may look inside: it times each step
+        scheduler._process = self._timed
+        self._last = time.perf_counter()
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.count: dict[str, int] = defaultdict(int)
+        self.rows: dict[str, int] = defaultdict(int)
+
+    def _timed(self, batch, future):
+        outputs = self._process(batch, future)
+        now = time.perf_counter()
+        kind = batch.mode.name.lower()
+        self.seconds[kind] += now - self._last
+        self.count[kind] += 1
+        self.rows[kind] += len(batch.reqs)
+        self._last = now
+        return outputs
+
+    def summary(self) -> dict:
+        return {
+            kind: {
+                "steps": self.count[kind],
+                "seconds": self.seconds[kind],
+                "mean_batch": self.rows[kind] / self.count[kind],
+            }
+            for kind in sorted(self.count)
+        }
 
 
 def main() -> None:
@@ -34,6 +71,7 @@ def main() -> None:
     llm.engine.scheduler.reset()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    timeline = StepTimeline(llm.engine.scheduler)
     start = time.perf_counter()
     outputs = llm.generate(
         prompts, SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -43,6 +81,7 @@ def main() -> None:
     result = {
         **engine_facts(args, llm),
         "kv_cache_dtype": args.kv_cache_dtype,
+        "page_size": args.page_size,
         "cuda_graph": not args.disable_cuda_graph,
         "enable_mixed_chunk": args.enable_mixed_chunk,
         "chunked_prefill_size": args.chunked_prefill_size,
@@ -55,6 +94,7 @@ def main() -> None:
         "seconds": elapsed,
         "output_tokens_per_s": args.num_prompts * args.output_len / elapsed,
         "total_tokens_per_s": args.num_prompts * (args.input_len + args.output_len) / elapsed,
+        "steps": timeline.summary(),
     }
     llm.shutdown()
     report(result, args.out)

@@ -120,7 +120,12 @@ class EngineConfig:
         help="seeds dummy weights, and sampling (the same on every tensor-parallel rank)",
         cli=False,
     )
-    page_size: int = option(1, help="tokens per KV page", ge=1)
+    page_size: int = option(
+        1,
+        help="tokens per KV page: prefixes are cached and shared in whole pages; FlashInfer "
+        "reads whole pages (16-64 speed up its decode with an FP8 KV cache)",
+        ge=1,
+    )
     max_running_requests: int = option(
         256, help="requests admitted at once (each holds its KV until it ends)", ge=1
     )

@@ -1,14 +1,14 @@
 """Attention through FlashInfer (flashinfer-python).
 
-The KV pool is handed to FlashInfer as pages of one token each, so the pool and the
-request-to-token table are used as they are: each step lists its requests' slots
-(`gather_kv_indices`) and plans FlashInfer's wrappers on the host from the lengths the
-batch already carries, without reading anything back from the device. (Re-planning a
-wrapper waits for the device to have copied its previous plan: see `_Planned`; that keeps
-the host at most about one step ahead.) Extend steps use the paged prefill kernel
-(causal, queries aligned to the end of each request's KV), with the KV split over several
-blocks only where the prefix is long against the new tokens; decode steps use the
-tensor-core decode kernel, which reads each KV head once for all the query heads of its
+The KV pool is handed to FlashInfer in the allocator's pages (`--page-size`; a page of one
+token is a slot), so the pool and the request-to-token table are used as they are: each
+step lists its requests' pages (`gather_kv_pages`) and plans FlashInfer's wrappers on the
+host from the lengths the batch already carries, without reading anything back from the
+device. (Re-planning a wrapper waits for the device to have copied its previous plan: see
+`_Planned`; that keeps the host at most about one step ahead.) Extend steps use the paged
+prefill kernel (causal, queries aligned to the end of each request's KV), with the KV split
+over several blocks only where the prefix is long against the new tokens; decode steps use
+the tensor-core decode kernel, which reads each KV head once for all the query heads of its
 group. A mixed step of short requests goes through the prefill kernel whole, in one call.
 Layers with different sliding windows get a plan each.
 
@@ -24,7 +24,7 @@ import torch
 
 from kubesgl.engine.attention import FLASHINFER_HEAD_DIMS
 from kubesgl.engine.attention.base import AttentionBackend, AttentionLayerSpec
-from kubesgl.engine.attention.triton_kernels.kv_indices import gather_kv_indices
+from kubesgl.engine.attention.triton_kernels.kv_indices import gather_kv_pages
 from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 
@@ -61,6 +61,19 @@ def _import_flashinfer():
 
 def _indptr(lengths: Sequence[int]) -> torch.Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int32).cumsum_(0, dtype=torch.int32)
+
+
+class PagedKVLengths:
+    """A batch's KV lengths in FlashInfer's terms: pages per request, their offsets, and the
+    tokens in each request's last page."""
+
+    def __init__(self, seq_lens: Sequence[int], page_size: int):
+        pages = [-(-n // page_size) for n in seq_lens]
+        self.total_pages = sum(pages)
+        self.indptr = _indptr(pages)
+        self.last_page_len = torch.tensor(
+            [n - (p - 1) * page_size for n, p in zip(seq_lens, pages)], dtype=torch.int32
+        )
 
 
 class _Planned:
@@ -114,6 +127,12 @@ class FlashInferAttentionBackend(AttentionBackend):
                 f"--attention-backend flashinfer needs a head_dim in {FLASHINFER_HEAD_DIMS}, "
                 f"not {self.head_dim}"
             )
+        self.page_size = kv_pool.page_size
+        # [pages, page_size, kv_heads, head_dim] views of each layer's K and V
+        self.paged_kv = [
+            tuple(t.view(-1, self.page_size, *t.shape[1:]) for t in (k, v))
+            for k, v in zip(kv_pool.k, kv_pool.v)
+        ]
         self.windows = sorted({layer.sliding_window for layer in layers}, key=lambda w: w or 0)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         fi = self._flashinfer
@@ -132,25 +151,28 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.graph_decode: dict[int, dict[int | None, _Planned]] = {}
         self.graph_indices: torch.Tensor | None = None
 
-    def _kv_indices(self, batch: ForwardBatch) -> torch.Tensor:
-        return gather_kv_indices(
-            self.req_to_token.table, batch.req_rows, batch.seq_lens, sum(batch.seq_lens_cpu)
+    def _kv_pages(self, batch: ForwardBatch) -> tuple[PagedKVLengths, torch.Tensor]:
+        lengths = PagedKVLengths(batch.seq_lens_cpu, self.page_size)
+        pages = gather_kv_pages(
+            self.req_to_token.table,
+            batch.req_rows,
+            batch.seq_lens,
+            self.page_size,
+            lengths.total_pages,
         )
+        return lengths, pages
 
-    def _plan_decode(
-        self, wrappers: dict[int | None, _Planned], batch: ForwardBatch, indices: torch.Tensor
-    ) -> None:
-        kv_indptr = _indptr(batch.seq_lens_cpu)
-        last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)
+    def _plan_decode(self, wrappers: dict[int | None, _Planned], batch: ForwardBatch) -> None:
+        lengths, pages = self._kv_pages(batch)
         for window, planned in wrappers.items():
             planned.plan(
-                kv_indptr,
-                indices,
-                last_page_len,
+                lengths.indptr,
+                pages,
+                lengths.last_page_len,
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_dim,
-                1,
+                self.page_size,
                 window_left=_window_left(window),
                 q_data_type=self.q_dtype,
                 kv_data_type=self.kv_dtype,
@@ -159,23 +181,22 @@ class FlashInferAttentionBackend(AttentionBackend):
         batch.attn = wrappers
 
     def prepare(self, batch: ForwardBatch) -> None:
-        indices = self._kv_indices(batch)
         if batch.mode is ForwardMode.DECODE:
-            self._plan_decode(self.decode, batch, indices)
+            self._plan_decode(self.decode, batch)
             return
-        qo_indptr, kv_indptr = _indptr(batch.extend_lens_cpu), _indptr(batch.seq_lens_cpu)
-        last_page_len = torch.ones(batch.batch_size, dtype=torch.int32)
+        lengths, pages = self._kv_pages(batch)
+        qo_indptr = _indptr(batch.extend_lens_cpu)
         split_kv = prefill_splits_kv(batch.seq_lens_cpu, batch.extend_lens_cpu)
         for window, planned in self.prefill.items():
             planned.plan(
                 qo_indptr,
-                kv_indptr,
-                indices,
-                last_page_len,
+                lengths.indptr,
+                pages,
+                lengths.last_page_len,
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_dim,
-                1,
+                self.page_size,
                 causal=True,
                 disable_split_kv=not split_kv,
                 sm_scale=self.scaling,
@@ -218,16 +239,13 @@ class FlashInferAttentionBackend(AttentionBackend):
                 )
                 for w in self.windows
             }
-        # The wrappers copy the indices into graph_indices, their fixed buffer, when planned.
-        self._plan_decode(self.graph_decode[bs], batch, self._kv_indices(batch))
+        # The wrappers copy the pages into graph_indices, their fixed buffer, when planned.
+        self._plan_decode(self.graph_decode[bs], batch)
 
     def attend(
         self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch, out: torch.Tensor
     ) -> None:
-        kv = (
-            self.kv_pool.k[layer.layer_id],
-            self.kv_pool.v[layer.layer_id],
-        )  # [slots, kv_heads, dim]: pages of 1
+        kv = self.paged_kv[layer.layer_id]
         batch.attn[layer.sliding_window].run(q.contiguous(), kv, out)
 
 

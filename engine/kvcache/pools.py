@@ -9,7 +9,9 @@ class KVPool:
     """K and V buffers of every layer, indexed by token slot: [slots, kv_heads, head_dim].
 
     Stored in `dtype`, which may be narrower than the model's (`--kv-cache-dtype fp8_e4m3`
-    halves the bytes per token); attention reads values back as `compute_dtype`."""
+    halves the bytes per token); attention reads values back as `compute_dtype`. The slots
+    are grouped into pages of `page_size` consecutive slots (the allocator's), which a
+    request's tokens fill in order: a backend may read the pool as [pages, page_size, ...]."""
 
     def __init__(
         self,
@@ -20,9 +22,12 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         compute_dtype: torch.dtype | None = None,
+        page_size: int = 1,
     ):
+        if num_slots % page_size:
+            raise ValueError(f"{num_slots} slots are not a whole number of {page_size}-slot pages")
         shape = (num_slots, num_kv_heads, head_dim)
-        self.num_slots = num_slots
+        self.num_slots, self.page_size = num_slots, page_size
         self.dtype = dtype
         self.compute_dtype = compute_dtype or dtype
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

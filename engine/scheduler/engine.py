@@ -141,6 +141,7 @@ class Engine:
             kv_dtype,
             self.device,
             compute_dtype=self.dtype,
+            page_size=page,
         )
         # Finished requests keep their row until the step in flight completes: leave room.
         # One more row, never handed out, is the padding row of CUDA-graph replays.

@@ -1,7 +1,7 @@
 """The FlashInfer backend on the GPU: its attention (and the Triton backend's) against the
 torch backend's on the same paged pool (prefixes, sliding windows, grouped heads, an FP8
-pool), CUDA-graph replays against eager
-steps, and whole generations against the torch backend. FlashInfer computes in float16 or
+pool, pages of one and of 16 tokens), CUDA-graph replays against eager steps, and whole
+generations against the torch backend. FlashInfer computes in float16 or
 bfloat16 only, so generations are compared with rounding in mind: they must agree until a
 step where the reference's two best tokens are a near tie."""
 
@@ -35,20 +35,30 @@ pytest.importorskip(
 )
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 @pytest.mark.parametrize("backend", ["flashinfer", "triton"])
+@pytest.mark.parametrize("page_size", [1, 16])
 def test_attention_matches_torch_backend(
-    backend, dtype, kv_dtype, head_dim, window, mode, attention_batch
+    backend, dtype, kv_dtype, head_dim, window, mode, page_size, attention_batch
 ):
     device = torch.device("cuda")
     heads, kv_heads, layers = 8, 2, 2
-    pool = KVPool(16384, layers, kv_heads, head_dim, kv_dtype, device, compute_dtype=dtype)
+    pool = KVPool(
+        16384,
+        layers,
+        kv_heads,
+        head_dim,
+        kv_dtype,
+        device,
+        compute_dtype=dtype,
+        page_size=page_size,
+    )
     table = ReqToTokenTable(8, 1024, device)
     gen = torch.Generator().manual_seed(0)
     for layer in range(layers):
         pool.k[layer].copy_(torch.randn(pool.k[layer].shape, generator=gen))
         pool.v[layer].copy_(torch.randn(pool.v[layer].shape, generator=gen))
-    table.table.copy_(
-        (torch.randperm(16383, generator=gen)[: 8 * 1024] + 1).view(8, 1024)
-    )  # scattered slots
+    # scattered pages (page 0 is the padding page), each filled in order by its request
+    pages = torch.randperm(16384 // page_size - 1, generator=gen)[: 8 * 1024 // page_size] + 1
+    table.table.copy_((pages[:, None] * page_size + torch.arange(page_size)).view(8, 1024))
     specs = [
         AttentionLayerSpec(i, heads, kv_heads, head_dim, head_dim**-0.5, window if i else None)
         for i in range(layers)

@@ -110,3 +110,19 @@ def test_flashinfer_attends_a_mixed_step_in_one_pass_only_with_short_requests_an
     assert mixed_in_one_pass(chunk_tokens=256, longest_request=2048)
     assert not mixed_in_one_pass(chunk_tokens=224, longest_request=4096)  # long decodes
     assert not mixed_in_one_pass(chunk_tokens=512, longest_request=768)  # a large chunk
+
+
+def test_flashinfer_counts_each_requests_kv_in_pages_and_the_tokens_of_its_last_page():
+    from kubesgl.engine.attention.flashinfer_backend import PagedKVLengths
+
+    lengths = PagedKVLengths([1, 16, 17, 33], page_size=16)
+    assert lengths.total_pages == 7
+    assert lengths.indptr.tolist() == [0, 1, 2, 4, 7]
+    assert lengths.last_page_len.tolist() == [1, 16, 1, 1]
+    single = PagedKVLengths([5, 3], page_size=1)  # pages of one token are slots
+    assert single.indptr.tolist() == [0, 5, 8] and single.last_page_len.tolist() == [1, 1]
+
+
+def test_kv_pool_refuses_slots_that_are_not_whole_pages():
+    with pytest.raises(ValueError, match="whole number of 16-slot pages"):
+        KVPool(40, 1, 1, 8, torch.float32, torch.device("cpu"), page_size=16)

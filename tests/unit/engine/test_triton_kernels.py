@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 from kubesgl.engine.attention.triton_kernels.decode import decode_attention  # noqa: E402
 from kubesgl.engine.attention.triton_kernels.extend import extend_attention  # noqa: E402
-from kubesgl.engine.attention.triton_kernels.kv_indices import gather_kv_indices  # noqa: E402
+from kubesgl.engine.attention.triton_kernels.kv_indices import gather_kv_pages  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ENGINE_ON_CPU = pytest.mark.skipif(
@@ -50,14 +50,33 @@ def paged_setup(seq_lens, heads, kv_heads, dim, dtype, seed=0):
     return k_cache, v_cache, table.to(DEVICE), rows.to(DEVICE)
 
 
-def test_gather_kv_indices_concatenates_each_rows_prefix():
+def test_gather_kv_pages_of_one_token_concatenates_each_rows_slots():
     table = torch.arange(5 * 1200, dtype=torch.int64).reshape(5, 1200).to(DEVICE)
-    rows, lens = [3, 0, 4], [1, 1100, 513]  # lengths across the kernel's 512-slot blocks
-    got = gather_kv_indices(
-        table, torch.tensor(rows, device=DEVICE), torch.tensor(lens, device=DEVICE), sum(lens)
+    rows, lens = [3, 0, 4], [1, 1100, 513]  # lengths across the kernel's 512-page blocks
+    got = gather_kv_pages(
+        table, torch.tensor(rows, device=DEVICE), torch.tensor(lens, device=DEVICE), 1, sum(lens)
     )
     expected = torch.cat([table[r, :n] for r, n in zip(rows, lens)])
     assert got.dtype == torch.int32 and got.tolist() == expected.tolist()
+
+
+def test_gather_kv_pages_lists_the_pages_of_each_rows_tokens():
+    page, gen = 16, torch.Generator().manual_seed(0)
+    table = torch.zeros(4, 9000, dtype=torch.int64)
+    rows, lens = [2, 0, 3], [1, 16, 8193]  # a partial page, a full one, across 512-page blocks
+    pages = {
+        r: torch.randperm(2000, generator=gen)[: -(-n // page)] + 1 for r, n in zip(rows, lens)
+    }
+    for r, n in zip(rows, lens):  # a request's tokens fill its pages in order
+        table[r, :n] = (pages[r][:, None] * page + torch.arange(page)).flatten()[:n]
+    got = gather_kv_pages(
+        table.to(DEVICE),
+        torch.tensor(rows, device=DEVICE),
+        torch.tensor(lens, device=DEVICE),
+        page,
+        sum(len(p) for p in pages.values()),
+    )
+    assert got.tolist() == torch.cat([pages[r] for r in rows]).tolist()
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (4, 4)])
