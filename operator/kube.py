@@ -1,5 +1,5 @@
-"""A small Kubernetes API surface over the official client: server-side apply, list, delete and
-status patches for the fixed set of kinds the operator manages.
+"""A small Kubernetes API surface over the official client: server-side apply, get, list, delete
+and status patches for the fixed set of kinds the operator manages.
 
 The kinds are known in advance, so their URL paths come from a table rather than discovery.
 """
@@ -159,12 +159,13 @@ class KubeApi:
             )
         return json.loads(data) if data else {}
 
-    def apply(self, obj: Object) -> Object:
-        """Server-side apply as the operator's field manager, taking over conflicting fields."""
+    def apply(self, obj: Object, manager: str = naming.MANAGER, force: bool = True) -> Object:
+        """Server-side apply as `manager` (the operator's by default), taking over conflicting
+        fields when `force`; without it, a conflict raises ApiException 409."""
         kind = kind_of(obj)
         meta = obj["metadata"]
         path = kind.path(meta["namespace"], meta["name"])
-        query = [("fieldManager", naming.MANAGER), ("force", "true")]
+        query = [("fieldManager", manager), ("force", str(force).lower())]
         try:
             return self._call("PATCH", path, obj, query, "application/apply-patch+yaml")
         except ApiException as error:
@@ -177,6 +178,14 @@ class KubeApi:
                 raise ApplyRejected(
                     f"the API server refused {kind.kind} {meta['name']}: {_message(error)}"
                 ) from None
+            raise
+
+    def get(self, kind: Kind, namespace: str, name: str) -> Object | None:
+        try:
+            return self._call("GET", kind.path(namespace, name))
+        except ApiException as error:
+            if error.status == 404:
+                return None
             raise
 
     def list_children(self, kind: Kind, namespace: str, instance: str) -> list[Object]:

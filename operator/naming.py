@@ -17,6 +17,8 @@ from kubesgl.contract import (
 
 APP_NAME = "kubesgl"
 MANAGER = "kubesgl-operator"  # the managed-by label and the server-side-apply field manager
+# holds an autoscaled Deployment's replicas while the operator lets go of them (reconcile.py)
+REPLICAS_HANDOVER_MANAGER = "kubesgl-replicas-handover"
 
 
 def selector_labels(instance: str, role: PodRole | None = None) -> dict[str, str]:

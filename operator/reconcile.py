@@ -6,8 +6,11 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from kubesgl import contract
-from kubesgl.operator.kube import CHILD_KINDS, KubeApi, kind_of
+from kubesgl.operator import naming
+from kubesgl.operator.kube import CHILD_KINDS, DEPLOYMENT, KubeApi, kind_of
 from kubesgl.operator.render import Object, render
 from kubesgl.operator.spec import InferenceService
 
@@ -43,6 +46,8 @@ def apply_children(api: KubeApi, isvc: InferenceService) -> list[Object]:
     """Apply every child of a validated InferenceService and prune the ones it no longer has."""
     desired = render(isvc)
     for obj in desired:
+        if obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
+            _hand_over_replicas(api, obj)
         api.apply(obj)
     wanted = {identity(obj) for obj in desired}
     for stale in _owned_children(
@@ -52,6 +57,46 @@ def apply_children(api: KubeApi, isvc: InferenceService) -> list[Object]:
             log.info("deleting %s %s: no longer in the spec", *identity(stale))
             api.delete(kind_of(stale), isvc.metadata.namespace, stale["metadata"]["name"])
     return desired
+
+
+def _hand_over_replicas(api: KubeApi, deployment: Object) -> None:
+    """An autoscaled Deployment is applied without replicas. Where the operator still holds
+    the field alone (autoscaling just turned on), leaving it out would reset it to the
+    default, 1 replica, until the autoscaler scales up again; so another field manager first
+    applies the running count, and the field stays when the operator lets go of it. The
+    autoscaler changes it from there (Kubernetes' "transferring ownership")."""
+    meta = deployment["metadata"]
+    live = api.get(DEPLOYMENT, meta["namespace"], meta["name"])
+    if live is None or not _applies_field(live, naming.MANAGER, "spec", "replicas"):
+        return
+    replicas = {
+        "apiVersion": deployment["apiVersion"],
+        "kind": "Deployment",
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+        "spec": {"replicas": live["spec"].get("replicas", 1)},
+    }
+    try:
+        api.apply(replicas, naming.REPLICAS_HANDOVER_MANAGER, force=False)
+    except ApiException as error:
+        if error.status != 409:
+            raise
+        # the count changed under us: whoever changed it holds the field now
+        log.info("replicas of Deployment %s changed during the hand-over", meta["name"])
+
+
+def _applies_field(obj: Mapping[str, Any], manager: str, *path: str) -> bool:
+    """Whether `manager`'s server-side applies to `obj` set the field at `path`."""
+    for entry in obj["metadata"].get("managedFields") or []:
+        if entry.get("manager") != manager or entry.get("operation") != "Apply":
+            continue
+        fields = entry.get("fieldsV1") or {}
+        for name in path:
+            fields = fields.get(f"f:{name}")
+            if fields is None:
+                break
+        else:
+            return True
+    return False
 
 
 def delete_children(api: KubeApi, namespace: str, instance: str, uid: str) -> int:

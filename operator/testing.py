@@ -5,8 +5,10 @@ kmock keeps objects as plain JSON and merges patches into them. On top of that, 
 - metadata the API server assigns: uid, creationTimestamp, resourceVersion, and a generation
   that grows when the spec changes;
 - server-side apply: a PATCH with `application/apply-patch+yaml` creates a missing object, and
-  fields that the same field manager applied before but no longer applies are removed; an apply
-  that changes nothing writes nothing and sends no watch event, like the real server;
+  fields that the same field manager applied before but no longer applies are removed unless
+  another manager applies them too (shared ownership); `metadata.managedFields` lists what
+  each manager applies; an apply that changes nothing writes nothing and sends no watch
+  event, like the real server;
 - one of the server's own validations, for the tests of a refused apply: a container's resource
   request above its limit is a 422 Invalid, with the server's kind of message.
 Not emulated: controllers (no pods or replica sets are made), garbage collection, admission.
@@ -49,19 +51,33 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def _without(obj: dict[str, Any], old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """obj minus the fields present in old but absent from new (what a manager stopped applying)."""
+def _without(
+    obj: dict[str, Any], old: dict[str, Any], new: dict[str, Any], others: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """obj minus the fields present in old but absent from new (what a manager stopped
+    applying), except those that another manager's applied configuration (`others`) holds."""
     result = copy.deepcopy(obj)
     for key, value in old.items():
         if key not in new:
-            result.pop(key, None)
+            if not any(key in other for other in others):
+                result.pop(key, None)
         elif (
             isinstance(value, dict)
             and isinstance(new[key], dict)
             and isinstance(result.get(key), dict)
         ):
-            result[key] = _without(result[key], value, new[key])
+            deeper = [other[key] for other in others if isinstance(other.get(key), dict)]
+            result[key] = _without(result[key], value, new[key], deeper)
     return result
+
+
+def _fields_v1(applied: dict[str, Any]) -> dict[str, Any]:
+    """The API server's FieldsV1 of an applied configuration (maps field by field, lists whole)."""
+    return {
+        f"f:{key}": _fields_v1(value) if isinstance(value, dict) else {}
+        for key, value in applied.items()
+        if key not in ("apiVersion", "kind")
+    }
 
 
 class KubernetesApiServer(kmock.KubernetesEmulator):
@@ -166,22 +182,42 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
         key = _object_key(request)
         async with self._lock:
             exists = key in self.objects and not self.objects[key].deleted
+            if not exists:  # a new life: what managers applied to an earlier one is gone
+                for entry in [entry for entry in self._applied if entry[:-1] == key]:
+                    del self._applied[entry]
+            previous = self._applied.get((*key, manager), {})
+            self._applied[(*key, manager)] = copy.deepcopy(applied)
+            managed = [
+                {
+                    "manager": entry[-1],
+                    "operation": "Apply",
+                    "apiVersion": config.get("apiVersion"),
+                    "fieldsType": "FieldsV1",
+                    "fieldsV1": _fields_v1(config),
+                }
+                for entry, config in self._applied.items()
+                if entry[:-1] == key
+            ]
             if not exists:
                 obj = copy.deepcopy(applied)
                 self._prepare_create(obj)
+                obj["metadata"]["managedFields"] = managed
                 event = "ADDED"
             else:
                 current = self.objects[key].raw
-                previous = self._applied.get((*key, manager), {})
-                obj = _merge(_without(current, previous, applied), applied)
+                others = [
+                    config
+                    for entry, config in self._applied.items()
+                    if entry[:-1] == key and entry[-1] != manager
+                ]
+                obj = _merge(_without(current, previous, applied, others), applied)
+                obj["metadata"]["managedFields"] = managed
                 if obj == current:
-                    self._applied[(*key, manager)] = copy.deepcopy(applied)
                     return aiohttp.web.json_response(current)
                 if obj.get("spec") != current.get("spec"):
                     obj["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
                 self._stamp(obj["metadata"])
                 event = "MODIFIED"
-            self._applied[(*key, manager)] = copy.deepcopy(applied)
             if exists:
                 self.objects[key].history.append(obj)
             elif key in self.objects:  # deleted before: a new life in the same history

@@ -180,6 +180,27 @@ def test_replicas_set_by_an_autoscaler_are_not_reverted(
     assert status["replicas"] == 5
 
 
+def test_turning_autoscaling_on_keeps_the_replicas_that_run(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    manifest = example("autoscaled-hpa.yaml")
+    autoscaling = manifest["spec"].pop("autoscaling")
+    manifest["spec"]["decode"]["replicas"] = 4
+    settle(cluster, cluster.create_isvc(manifest))
+    assert cluster.get(DEPLOYMENT, "llama-hpa-decode")["spec"]["replicas"] == 4
+    cluster.patch_isvc("llama-hpa", {"spec": {"autoscaling": autoscaling}})
+    children = settle(cluster, cluster.isvc("llama-hpa"))
+    assert ("HorizontalPodAutoscaler", "llama-hpa-decode") in children
+    # Applied without replicas, a field the operator owned alone would fall back to 1 replica.
+    assert children[("Deployment", "llama-hpa-decode")]["spec"].get("replicas") == 4
+    # and the operator no longer holds it: the HPA's count survives the next change
+    cluster.patch(DEPLOYMENT, "llama-hpa-decode", {"spec": {"replicas": 6}}, subresource="scale")
+    cluster.patch_isvc("llama-hpa", {"spec": {"image": "ghcr.io/kubesgl/kubesgl:0.2.0"}})
+    settle(cluster, cluster.isvc("llama-hpa"))
+    time.sleep(1)  # room for a wrong write to land
+    assert cluster.get(DEPLOYMENT, "llama-hpa-decode")["spec"]["replicas"] == 6
+
+
 def test_status_follows_the_deployments(cluster: Cluster, operator: OperatorProcess) -> None:
     created = cluster.create_isvc(example("mixed.yaml"))
     settle(cluster, created)
