@@ -1,6 +1,6 @@
 """The names and numbers the engine, the router and the operator agree on
-(docs/architecture.md, Contracts): default ports, role names, pod labels and annotations, the
-architectures of the tiny model.
+(docs/architecture.md, Contracts): default ports, role names, the environment variables of
+the keys, pod labels and annotations, the architectures of the tiny model.
 
 Constants only, and no imports beyond typing: every component imports this module, the
 torch-free router and operator included.
@@ -25,6 +25,11 @@ ROUTER: Final = "router"  # the router's own pods; routers never route to them
 EngineRole = Literal["mixed", "prefill", "decode"]
 PodRole = Literal["mixed", "prefill", "decode", "router"]
 ENGINE_ROLES: Final[tuple[EngineRole, ...]] = (MIXED, PREFILL, DECODE)
+
+# Keys given through the environment (the operator fills them from Secrets), so that they are
+# in no command line
+API_KEY_ENV: Final = "KUBESGL_API_KEY"  # the engines' API key: engines and routers read it
+ADMIN_KEY_ENV: Final = "KUBESGL_ROUTER_ADMIN_KEY"  # the key of the router's admin API
 
 # Labels the operator puts on everything it makes; the router finds engine pods by them
 NAME_LABEL: Final = "app.kubernetes.io/name"

@@ -20,6 +20,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 import aiohttp
 
+from kubesgl.contract import ADMIN_KEY_ENV
 from kubesgl.gc_pacing import GcPacer, tick_every
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.config import RouterConfig
@@ -32,7 +33,6 @@ from kubesgl.router.policies import make_policy
 from kubesgl.router.request_parsing import GENERATION_PATHS, parse_generation_request
 from kubesgl.router.routing import Forwarder, Policies
 from kubesgl.router.security import (
-    ADMIN_KEY_ENV,
     BearerKey,
     Resolve,
     literal_address,

@@ -10,12 +10,13 @@ from collections.abc import Mapping
 
 from kubesgl import contract
 from kubesgl.cli_help import DefaultsOnce
+from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
 from kubesgl.router.config import KubeDiscoverySettings, RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import parse_selector
 from kubesgl.router.health import HealthSettings
 from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings
 from kubesgl.router.routing import DisaggregationSettings, RetrySettings
-from kubesgl.router.security import ADMIN_KEY_ENV, API_KEY_ENV, check_key
+from kubesgl.router.security import check_key
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 # On SIGTERM, streams still running get this long to finish (Kubernetes' default grace is 30 s).

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kubesgl import contract
+from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
 from kubesgl.router.health import HealthSettings
 from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings
 from kubesgl.router.routing import DisaggregationSettings, RetrySettings
-from kubesgl.router.security import ADMIN_KEY_ENV, API_KEY_ENV, check_key
+from kubesgl.router.security import check_key
 from kubesgl.router.workers import validate_worker_url
 
 

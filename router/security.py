@@ -22,11 +22,6 @@ from collections.abc import Awaitable, Callable
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
-ADMIN_KEY_ENV = "KUBESGL_ROUTER_ADMIN_KEY"
-# The engines' key, under the name the engine pods read it by (the operator renders both
-# from the InferenceService's apiKeySecret).
-API_KEY_ENV = "KUBESGL_API_KEY"
-
 Headers = list[tuple[bytes, bytes]]
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 

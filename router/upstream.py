@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kubesgl.contract import API_KEY_ENV
 from kubesgl.router.errors import error_body, sse_error_event
 from kubesgl.router.metrics import RouterMetrics
-from kubesgl.router.security import API_KEY_ENV, GuardedResolver
+from kubesgl.router.security import GuardedResolver
 from kubesgl.router.workers import Worker
 
 log = logging.getLogger("kubesgl.router")

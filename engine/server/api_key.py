@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-API_KEY_ENV = "KUBESGL_API_KEY"
+from kubesgl.contract import API_KEY_ENV
 
 
 def add_api_key_args(group: argparse._ArgumentGroup) -> None:

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from kubesgl import contract
+from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
 from kubesgl.engine.config import ENGINE_OPTIONS
 from kubesgl.operator.render import render
-from kubesgl.operator.render.engine import API_KEY_ENV
-from kubesgl.operator.render.router import ADMIN_KEY_ENV
 from kubesgl.operator.spec import InferenceService, ModelSpec
 from kubesgl.operator.validation import InvalidSpec, Problem
 

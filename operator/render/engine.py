@@ -25,9 +25,6 @@ HF_DOWNLOAD_DIR = f"{MODEL_ROOT}/hf"
 # for Llama-3.1-8B), which the engine never reads: not fetched at every pod start.
 HF_DOWNLOAD_SKIPS = ("--exclude", "original/*")
 TINY_MODEL_DIR = f"{MODEL_ROOT}/tiny"
-# The engines read their API key from this variable (never from argv, which `ps` shows); the
-# router reads the same variable for the key it sends engines and checks clients against.
-API_KEY_ENV = "KUBESGL_API_KEY"
 # Time for routers and endpoints to stop sending new requests before SIGTERM starts the drain.
 PRESTOP_SLEEP_SECONDS = 10
 # What a draining engine may still take once its --shutdown-timeout is over, before its process
@@ -135,7 +132,7 @@ def engine_args(isvc: InferenceService, role: contract.EngineRole, block: RoleSp
     if role == contract.PREFILL:
         args += [_flag("disaggregation_bootstrap_port"), str(contract.BOOTSTRAP_PORT)]
     args += _option_args(engine, _SET_WHEN_GIVEN)
-    # No --api-key: the engine reads the key from API_KEY_ENV (_env), so it is in neither the pod
+    # No --api-key: the engine reads the key from contract.API_KEY_ENV (_env), so it is in neither the pod
     # spec nor the process's argv.
     return args + list(engine.extra_args) + list(block.extra_args)
 
@@ -163,7 +160,7 @@ def secret_env(name: str, secret: SecretKeyRef) -> Object:
 def api_key_env(isvc: InferenceService) -> list[Object]:
     """The engines' API key from spec.engine.apiKeySecret, for engine and router pods alike."""
     secret = isvc.spec.engine.api_key_secret
-    return [] if secret is None else [secret_env(API_KEY_ENV, secret)]
+    return [] if secret is None else [secret_env(contract.API_KEY_ENV, secret)]
 
 
 def _resources(isvc: InferenceService, block: RoleSpec) -> Object:

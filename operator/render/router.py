@@ -19,9 +19,6 @@ from kubesgl.operator.render.engine import EXIT_SLACK_SECONDS, api_key_env, secr
 from kubesgl.operator.spec import InferenceService
 from kubesgl.router.cli import GRACEFUL_SHUTDOWN_S
 
-# The router reads its admin key (the /workers API) from this variable; without it no worker can
-# be added or removed through that API.
-ADMIN_KEY_ENV = "KUBESGL_ROUTER_ADMIN_KEY"
 # On SIGTERM the router gives streams still running GRACEFUL_SHUTDOWN_S to finish, then exits.
 ROUTER_GRACE_PERIOD_SECONDS = GRACEFUL_SHUTDOWN_S + EXIT_SLACK_SECONDS
 
@@ -100,7 +97,7 @@ def _router_env(isvc: InferenceService) -> list[Object]:
     # the key the router sends engines and checks clients against, the engines' own
     env += api_key_env(isvc)
     if isvc.spec.router.admin_key_secret is not None:
-        env.append(secret_env(ADMIN_KEY_ENV, isvc.spec.router.admin_key_secret))
+        env.append(secret_env(contract.ADMIN_KEY_ENV, isvc.spec.router.admin_key_secret))
     return env
 
 

@@ -13,13 +13,12 @@ import socket
 
 import pytest
 
+from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
 from kubesgl.router import security
 from kubesgl.router.cli import build_parser, config_from_args
 from kubesgl.router.config import RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import PodWatcher
 from kubesgl.router.security import (
-    ADMIN_KEY_ENV,
-    API_KEY_ENV,
     BearerKey,
     GuardedResolver,
     check_key,
@@ -219,12 +218,6 @@ def test_keys_come_from_the_environment():
                 config_from_args(parser.parse_args([]), {name: bad})
     with pytest.raises(ValueError, match="--admin-api-key is empty"):
         config_from_args(parser.parse_args(["--admin-api-key", ""]), {})
-
-
-def test_the_router_reads_the_engines_key_under_the_operators_name():
-    from kubesgl.operator.render.engine import API_KEY_ENV as RENDERED
-
-    assert API_KEY_ENV == RENDERED
 
 
 def test_engines_get_the_routers_credentials_never_the_clients():
