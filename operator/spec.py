@@ -6,7 +6,7 @@ and minimums here equal the CRD's (tests/unit/operator/test_crd.py compares the 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
@@ -147,11 +147,23 @@ class Placement(SpecModel):
     resources: Resources = Field(default_factory=Resources)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = None  # a Kubernetes Affinity, passed on as it is
+    priority_class_name: str | None = Field(default=None, min_length=1)
+    runtime_class_name: str | None = Field(default=None, min_length=1)
     extra_args: list[str] = Field(default_factory=list)
+
+
+class EnvVar(SpecModel):
+    """An environment variable of a role's containers: a value, or a Kubernetes EnvVarSource."""
+
+    name: str = Field(min_length=1)
+    value: str | None = None
+    value_from: dict[str, Any] | None = None
 
 
 class RoleSpec(Placement):
     replicas: int = Field(default=1, ge=0)
+    env: list[EnvVar] = Field(default_factory=list)
     tensor_parallel_size: int = Field(default=1, ge=1)
     # Size limit of the pod's memory-backed /dev/shm (a Kubernetes quantity); None: 1Gi per
     # tensor-parallel rank (operator/render/engine.py, shm_size_limit).

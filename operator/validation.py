@@ -19,6 +19,11 @@ from kubesgl.contract import ENGINE_ROLES
 from kubesgl.operator.spec import InferenceService, InferenceServiceSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# What the operator sets in an engine role's containers (render/engine.py): a role's env may
+# not name it (server-side apply refuses an env list that names a variable twice).
+ENV_SET_BY_OPERATOR = frozenset(
+    {"HOME", "HF_HUB_OFFLINE", "HF_TOKEN", contract.API_KEY_ENV, "UCX_TLS", "UCX_NET_DEVICES"}
+)
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,23 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems += _autoscaling_problems(spec)
     problems += _shm_problems(spec)
     problems += _network_policy_problems(spec)
+    problems += _env_problems(spec)
+    return problems
+
+
+def _env_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    problems = []
+    for role, block in spec.engine_roles().items():
+        seen: set[str] = set()
+        for index, variable in enumerate(block.env):
+            field = f"spec.{role}.env.{index}"
+            if variable.name in ENV_SET_BY_OPERATOR:
+                problems.append(Problem(f"{field}.name", f"{variable.name} is set by the operator"))
+            elif variable.name in seen:
+                problems.append(Problem(f"{field}.name", f"{variable.name} is given twice"))
+            seen.add(variable.name)
+            if variable.value is not None and variable.value_from is not None:
+                problems.append(Problem(field, "set value or valueFrom, not both"))
     return problems
 
 

@@ -72,7 +72,8 @@ def http_probe(port_name: str, period: int, failures: int, timeout: int = 3) -> 
 
 
 def placement(block: Placement) -> Object:
-    """nodeSelector and tolerations of a pod spec, left out when empty."""
+    """Where a block's pods run: nodeSelector, tolerations, affinity, priority and runtime
+    class of a pod spec, each left out when not given."""
     spec: Object = {}
     if block.node_selector:
         spec["nodeSelector"] = dict(block.node_selector)
@@ -81,6 +82,12 @@ def placement(block: Placement) -> Object:
             toleration.model_dump(by_alias=True, exclude_none=True)
             for toleration in block.tolerations
         ]
+    if block.affinity:
+        spec["affinity"] = block.affinity
+    if block.priority_class_name:
+        spec["priorityClassName"] = block.priority_class_name
+    if block.runtime_class_name:
+        spec["runtimeClassName"] = block.runtime_class_name
     return spec
 
 

@@ -153,6 +153,11 @@ def _env(isvc: InferenceService) -> list[Object]:
     return env
 
 
+def role_env(block: RoleSpec) -> list[Object]:
+    """The role's own environment variables (spec.ROLE.env), after the operator's."""
+    return [variable.model_dump(by_alias=True, exclude_none=True) for variable in block.env]
+
+
 def secret_env(name: str, secret: SecretKeyRef) -> Object:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}}}
 
@@ -191,7 +196,12 @@ def _model_volume(isvc: InferenceService) -> Object:
 
 
 def _model_container(
-    isvc: InferenceService, name: str, command: list[str], args: list[str], env: list[Object]
+    isvc: InferenceService,
+    block: RoleSpec,
+    name: str,
+    command: list[str],
+    args: list[str],
+    env: list[Object],
 ) -> Object:
     """An init container that writes the model into the shared emptyDir before the engine starts."""
     pull, _ = image_pull(isvc)
@@ -201,7 +211,8 @@ def _model_container(
         **pull,
         "command": command,
         "args": args,
-        "env": [{"name": "HOME", "value": "/tmp"}, *env],
+        # the role's own variables too: a proxy or a mirror (HF_ENDPOINT) may be needed
+        "env": [{"name": "HOME", "value": "/tmp"}, *env, *role_env(block)],
         "volumeMounts": [
             {"name": "model", "mountPath": MODEL_ROOT},
             {"name": "tmp", "mountPath": "/tmp"},
@@ -210,7 +221,7 @@ def _model_container(
     }
 
 
-def _model_init_container(isvc: InferenceService) -> Object | None:
+def _model_init_container(isvc: InferenceService, block: RoleSpec) -> Object | None:
     """Downloads a Hugging Face model, or makes the tiny one; None for mounted sources."""
     model = isvc.spec.model
     if model.hugging_face is not None:
@@ -221,6 +232,7 @@ def _model_init_container(isvc: InferenceService) -> Object | None:
             env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
         return _model_container(
             isvc,
+            block,
             "download-model",
             ["hf", "download", source.repo],
             ["--revision", source.revision, "--local-dir", HF_DOWNLOAD_DIR, *HF_DOWNLOAD_SKIPS],
@@ -229,6 +241,7 @@ def _model_init_container(isvc: InferenceService) -> Object | None:
     if model.tiny is not None:
         return _model_container(
             isvc,
+            block,
             "make-model",
             ["kubesgl"],
             ["make-tiny-model", TINY_MODEL_DIR, "--arch", model.tiny.arch],
@@ -255,7 +268,7 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
         **pull,
         "command": ["kubesgl"],
         "args": engine_args(isvc, role, block),
-        "env": _env(isvc),
+        "env": [*_env(isvc), *role_env(block)],
         "ports": ports,
         "volumeMounts": [
             {"name": "model", "mountPath": MODEL_ROOT, "readOnly": model_read_only},
@@ -288,7 +301,7 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
         **pod_pull,
         **placement(block),
     }
-    init = _model_init_container(isvc)
+    init = _model_init_container(isvc, block)
     if init is not None:
         pod_spec["initContainers"] = [init]
     spec: Object = {

@@ -16,7 +16,7 @@ from operator_fixtures import EXAMPLES, REPO, load_example, with_changes
 
 from kubesgl.operator import naming
 from kubesgl.operator.render import render
-from kubesgl.operator.validation import parse_inference_service
+from kubesgl.operator.validation import ENV_SET_BY_OPERATOR, parse_inference_service
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 # KEDA and prometheus-operator CRDs, as generated into pydantic models by cloudcoil.
@@ -136,6 +136,60 @@ def test_engine_pod_contract() -> None:
     assert decode["spec"]["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert {"name": "UCX_TLS", "value": "tcp,cuda_copy"} in container["env"]
+
+
+def test_roles_and_router_take_scheduling_fields_and_roles_their_environment() -> None:
+    document = load_example("disaggregated.yaml")
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}]}
+                ]
+            }
+        }
+    }
+    scheduling = {
+        "affinity": affinity,
+        "priorityClassName": "inference",
+        "runtimeClassName": "nvidia",
+    }
+    document["spec"]["decode"].update(scheduling)
+    document["spec"]["router"] = {"priorityClassName": "inference"}
+    secret = {"secretKeyRef": {"name": "mirror", "key": "url"}}
+    document["spec"]["decode"]["env"] = [
+        {"name": "NCCL_DEBUG", "value": "INFO"},
+        {"name": "HF_ENDPOINT", "valueFrom": secret},
+    ]
+    objects = objects_of(document)
+    decode, prefill = (
+        engine_pod(objects, "llama-pd-decode"),
+        engine_pod(objects, "llama-pd-prefill"),
+    )
+    for field, value in scheduling.items():
+        assert decode["spec"][field] == value and field not in prefill["spec"]
+    router = engine_pod(objects, "llama-pd-router")
+    assert router["spec"]["priorityClassName"] == "inference" and "affinity" not in router["spec"]
+    role_env = [
+        {"name": "NCCL_DEBUG", "value": "INFO"},
+        {"name": "HF_ENDPOINT", "valueFrom": secret},
+    ]
+    engine, download = decode["spec"]["containers"][0], decode["spec"]["initContainers"][0]
+    for container in (engine, download):  # after the operator's own variables
+        assert container["env"][-2:] == role_env
+        assert len({variable["name"] for variable in container["env"]}) == len(container["env"])
+    assert not any(v["name"] == "NCCL_DEBUG" for v in prefill["spec"]["containers"][0]["env"])
+
+
+def test_the_operators_own_engine_environment_is_what_a_role_may_not_name() -> None:
+    document = load_example("disaggregated.yaml")
+    document["spec"]["engine"]["apiKeySecret"] = {"name": "keys", "key": "api"}
+    document["spec"]["model"]["huggingFace"]["tokenSecret"] = {"name": "hf", "key": "token"}
+    document["spec"]["kvTransfer"] = {"ucx": {"transports": "rc", "netDevices": "mlx5_0:1"}}
+    pod = engine_pod(objects_of(document), "llama-pd-decode")
+    containers = [*pod["spec"]["containers"], *pod["spec"]["initContainers"]]
+    rendered = {variable["name"] for c in containers for variable in c["env"]}
+    assert rendered == ENV_SET_BY_OPERATOR
 
 
 def test_model_sources() -> None:

@@ -203,6 +203,36 @@ def problems_of(document) -> list[str]:
             "spec.router.resources.limits: Value error, memory: 'lots' is not a Kubernetes quantity",
         ),
         (
+            "disaggregated.yaml",
+            "spec.decode.env",
+            [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": "UCX_TLS", "value": "rc"}],
+            "spec.decode.env.1.name: UCX_TLS is set by the operator",
+        ),
+        (
+            "mixed.yaml",
+            "spec.mixed.env",
+            [{"name": "HTTPS_PROXY", "value": "http://a"}, {"name": "HTTPS_PROXY", "value": "b"}],
+            "spec.mixed.env.1.name: HTTPS_PROXY is given twice",
+        ),
+        (
+            "mixed.yaml",
+            "spec.mixed.env",
+            [
+                {
+                    "name": "TOKEN",
+                    "value": "x",
+                    "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}},
+                }
+            ],
+            "spec.mixed.env.0: set value or valueFrom, not both",
+        ),
+        (
+            "mixed.yaml",
+            "spec.mixed.runtimeClassName",
+            "",
+            "spec.mixed.runtimeClassName: String should have at least 1 character",
+        ),
+        (
             "mixed.yaml",
             "spec.networkPolicy.enabled",
             "maybe",
