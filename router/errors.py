@@ -8,29 +8,29 @@ from dataclasses import dataclass, field
 
 def error_body(
     message: str,
-    status: int,
     *,
     error_type: str,
     param: str | None = None,
-    code: str | int | None = None,
+    code: str | None = None,
 ) -> bytes:
-    """The OpenAI error shape shared with the engines: {"error": {message, type, param, code}};
-    `code` is the status unless another is given (OpenAI's `invalid_api_key`)."""
+    """The OpenAI error shape shared with the engines: {"error": {message, type, param, code}}.
+    As in OpenAI's API and the engine's, `code` is a string (`invalid_api_key`) or null, never
+    the HTTP status: typed clients read it as an optional string."""
     return json.dumps(
         {
             "error": {
                 "message": message,
                 "type": error_type,
                 "param": param,
-                "code": status if code is None else code,
+                "code": code,
             }
         }
     ).encode()
 
 
-def sse_error_event(message: str, status: int) -> bytes:
+def sse_error_event(message: str) -> bytes:
     """An SSE event that ends a stream which broke after it had started (OpenAI SDKs raise it)."""
-    return b"data: " + error_body(message, status, error_type="upstream_error") + b"\n\n"
+    return b"data: " + error_body(message, error_type="upstream_error") + b"\n\n"
 
 
 @dataclass
@@ -41,7 +41,7 @@ class RouterError(Exception):
     message: str
     error_type: str = "invalid_request_error"
     param: str | None = None
-    code: str | None = None  # None: the status
+    code: str | None = None
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # beside content-type
 
     def __str__(self) -> str:
@@ -49,7 +49,7 @@ class RouterError(Exception):
 
     def body(self) -> bytes:
         return error_body(
-            self.message, self.status, error_type=self.error_type, param=self.param, code=self.code
+            self.message, error_type=self.error_type, param=self.param, code=self.code
         )
 
 

@@ -126,8 +126,7 @@ class PrefillDecodePair:
             error = prefill_task.exception()
             if error is not None:
                 message = error.message if isinstance(error, UpstreamError) else repr(error)
-                status = error.status if isinstance(error, UpstreamError) else 502
-                yield sse_error_event(message, status)
+                yield sse_error_event(message)
                 return
             async for chunk in chunks:
                 yield chunk

@@ -104,7 +104,7 @@ class UpstreamError(Exception):
         self._body = body
 
     def body(self) -> bytes:
-        return self._body or error_body(self.message, self.status, error_type="upstream_error")
+        return self._body or error_body(self.message, error_type="upstream_error")
 
     @classmethod
     def unreachable(cls, worker: Worker, exc: Exception) -> UpstreamError:
@@ -285,7 +285,7 @@ class UpstreamClient:
             if _connection_lost(exc):
                 self.on_worker_lost(worker)
             yield sse_error_event(
-                f"{worker.role.value} worker {worker.url} broke off the stream: {_reason(exc)}", 502
+                f"{worker.role.value} worker {worker.url} broke off the stream: {_reason(exc)}"
             )
         except (asyncio.CancelledError, GeneratorExit):
             attempt.finish("cancelled", worker_failed=False)

@@ -46,7 +46,7 @@ async def test_worker_killed_mid_run(engines, start_router, client):
         await stream_cm.__aexit__(None, None, None)
         assert len(rest) == 1 and rest[0] != "data: [DONE]"
         error = json.loads(rest[0].removeprefix("data: "))["error"]
-        assert b.url in error["message"] and error["code"] == 502
+        assert b.url in error["message"] and error["code"] is None
         # The request b was working on is not sent on: it may be what killed b. Its client
         # learns why, and b is out of the pool at once, before any health check.
         answer = await pending
