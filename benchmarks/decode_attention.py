@@ -1,10 +1,11 @@
-"""Decode attention of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head size 128, KV
-in pages of one token as the engine keeps it, bf16 or, with --kv-dtype fp8_e4m3, FP8):
-FlashInfer's tensor-core decode (the engine's choice), its CUDA-core decode, the tensor-core
-decode without split KV, and kubesgl's Triton kernel (with the splits it picks for the batch, and with 8), per batch size
-and context length. Each variant is captured in one CUDA graph of 32 calls, one per layer of
-the KV pool (so nothing is served from the L2), and timed over replays; the figure is µs per
-call, next to the time the KV bytes take at the device's copy bandwidth.
+"""Decode attention of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head size 128): KV
+in bf16 or, with --kv-dtype fp8_e4m3, FP8, in pages of --page-size tokens (the engine's
+default is 1) scattered over the pool. FlashInfer's tensor-core decode (the engine's choice),
+its CUDA-core decode, the tensor-core decode without split KV, and kubesgl's Triton kernel
+(with the splits it picks for the batch, and with 8), per batch size and context length.
+Each variant is captured in one CUDA graph of 32 calls, one per layer of the KV pool (so
+nothing is served from the L2), and timed over replays; the figure is µs per call, next to
+the time the KV bytes take at the device's copy bandwidth.
 
     python benchmarks/decode_attention.py --out benchmarks/results/decode_attention_h200.json
 """
@@ -58,7 +59,7 @@ class Buffers:
     k_pool: torch.Tensor  # [LAYERS, slots, KV_HEADS, DIM]
     v_pool: torch.Tensor
     workspace: torch.Tensor  # FlashInfer's scratch space
-    graph_indices: torch.Tensor  # FlashInfer's fixed buffer of KV slots, as large as the engine's
+    graph_indices: torch.Tensor  # FlashInfer's fixed buffer of KV pages: room for every slot
 
     @classmethod
     def allocate(cls, slots: int, device: torch.device, kv_dtype: torch.dtype) -> Buffers:

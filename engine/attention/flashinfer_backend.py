@@ -24,7 +24,7 @@ import torch
 
 from kubesgl.engine.attention import FLASHINFER_HEAD_DIMS
 from kubesgl.engine.attention.base import AttentionBackend, AttentionLayerSpec
-from kubesgl.engine.attention.triton_kernels.kv_indices import gather_kv_pages
+from kubesgl.engine.attention.triton_kernels.kv_pages import gather_kv_pages
 from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 
@@ -211,9 +211,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         return mixed_in_one_pass(chunk, max(batch.seq_lens_cpu))
 
     def init_cuda_graph(self, max_batch_size: int) -> None:
-        # Requests may share cached prefixes, so a batch can list more slots than the pool has.
+        # Requests may share cached prefixes, so a batch can list more pages than the pool has.
+        pages_per_request = -(-self.req_to_token.max_context_len // self.page_size)
         self.graph_indices = torch.zeros(
-            max_batch_size * self.req_to_token.max_context_len,
+            max_batch_size * pages_per_request,
             dtype=torch.int32,
             device=self.device,
         )

@@ -224,6 +224,11 @@ class KVManager:
         claim(self.radix.cached_pages(), "the radix cache")
         for req in live:
             claim((s // p for s in req.slots[req.num_cached :: p]), f"request {req.rid}")
+            # backends read a request's KV page by page (FlashInfer): its tokens fill its pages
+            if not _fills_pages_in_order(req.slots, p):
+                raise CacheIntegrityError(
+                    f"request {req.rid}'s tokens do not fill its pages in order"
+                )
         if len(owners) != self.allocator.total_pages:
             lost = sorted(set(range(1, self.allocator.num_pages)) - owners.keys())
             raise CacheIntegrityError(
@@ -234,3 +239,11 @@ class KVManager:
         rows = sorted(self._free_rows + held_rows)
         if rows != list(range(self.num_rows)):
             raise CacheIntegrityError("request table rows lost or held twice")
+
+
+def _fills_pages_in_order(slots: list[int], page_size: int) -> bool:
+    """Whether token i lies at offset i % page_size of a page that starts at a page boundary."""
+    return all(
+        slot % page_size == i % page_size and slot == slots[i - i % page_size] + i % page_size
+        for i, slot in enumerate(slots)
+    )

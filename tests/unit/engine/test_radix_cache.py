@@ -144,3 +144,21 @@ def test_no_prefix_cache_keeps_nothing_and_leaves_the_kv_with_its_owner():
         kv.release(req)
     kv.check_integrity([])
     assert allocator.num_free == allocator.total_pages
+
+
+def test_integrity_check_finds_a_request_whose_tokens_do_not_fill_its_pages_in_order():
+    """FlashInfer reads a request's KV page by page: token i must be at offset i % page_size."""
+    from kubesgl.engine.kvcache.radix_cache import NoPrefixCache
+    from kubesgl.engine.sampling_params import SamplingParams
+    from kubesgl.engine.scheduler.kv_manager import KVManager
+    from kubesgl.engine.scheduler.request import Req
+
+    allocator = PageAllocator(16, 4)
+    kv = KVManager(allocator, NoPrefixCache(allocator), num_rows=1)
+    req = Req(rid="a", prompt_ids=list(range(10)), params=SamplingParams())
+    assert kv.try_admit(req, 12)
+    kv.grow(req, 10)
+    kv.check_integrity([req])
+    req.slots[4], req.slots[5] = req.slots[5], req.slots[4]  # same pages, out of order
+    with pytest.raises(CacheIntegrityError, match="do not fill its pages in order"):
+        kv.check_integrity([req])

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 from kubesgl.engine.attention.triton_kernels.decode import decode_attention  # noqa: E402
 from kubesgl.engine.attention.triton_kernels.extend import extend_attention  # noqa: E402
-from kubesgl.engine.attention.triton_kernels.kv_indices import gather_kv_pages  # noqa: E402
+from kubesgl.engine.attention.triton_kernels.kv_pages import gather_kv_pages  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ENGINE_ON_CPU = pytest.mark.skipif(
