@@ -181,6 +181,7 @@ class KubeApi:
             raise
 
     def get(self, kind: Kind, namespace: str, name: str) -> Object | None:
+        """The object as the API server has it; None if there is none."""
         try:
             return self._call("GET", kind.path(namespace, name))
         except ApiException as error:

@@ -64,16 +64,20 @@ def _hand_over_replicas(api: KubeApi, deployment: Object) -> None:
     the field alone (autoscaling just turned on), leaving it out would reset it to the
     default, 1 replica, until the autoscaler scales up again; so another field manager first
     applies the running count, and the field stays when the operator lets go of it. The
-    autoscaler changes it from there (Kubernetes' "transferring ownership")."""
+    autoscaler changes it from there (Kubernetes' "transferring ownership"). A role at 0 is
+    let fall back to 1: an HPA does not scale a target that has no replicas."""
     meta = deployment["metadata"]
     live = api.get(DEPLOYMENT, meta["namespace"], meta["name"])
     if live is None or not _applies_field(live, naming.MANAGER, "spec", "replicas"):
+        return
+    running = live["spec"].get("replicas", 1)
+    if running == 0:
         return
     replicas = {
         "apiVersion": deployment["apiVersion"],
         "kind": "Deployment",
         "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
-        "spec": {"replicas": live["spec"].get("replicas", 1)},
+        "spec": {"replicas": running},
     }
     try:
         api.apply(replicas, naming.REPLICAS_HANDOVER_MANAGER, force=False)

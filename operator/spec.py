@@ -156,7 +156,8 @@ class Placement(SpecModel):
 class EnvVar(SpecModel):
     """An environment variable of a role's containers: a value, or a Kubernetes EnvVarSource."""
 
-    name: str = Field(min_length=1)
+    # what the API server takes as a variable's name
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
     value: str | None = None
     value_from: dict[str, Any] | None = None
 

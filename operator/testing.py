@@ -11,7 +11,10 @@ kmock keeps objects as plain JSON and merges patches into them. On top of that, 
   event, like the real server;
 - one of the server's own validations, for the tests of a refused apply: a container's resource
   request above its limit is a 422 Invalid, with the server's kind of message.
-Not emulated: controllers (no pods or replica sets are made), garbage collection, admission.
+Not emulated: controllers (no pods or replica sets are made), garbage collection, admission,
+defaulting (a field removed by an apply is absent, not reset to its default), ownership taken
+by plain PATCH, PUT or /scale writes (every managedFields entry is an Apply), and conflicts
+(an apply without force never answers 409).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ import logging
 import os
 import sys
 
+from kubesgl.contract import API_KEY_ENV
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.preflight import StartupError, check_bootstrap_port, check_engine, listen_socket
-from kubesgl.engine.server.api_key import API_KEY_ENV, add_api_key_args, resolve_api_key
+from kubesgl.engine.server.api_key import add_api_key_args, resolve_api_key
 from kubesgl.engine.server.launcher import Server, ServerOptions
 
 

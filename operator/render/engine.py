@@ -132,8 +132,8 @@ def engine_args(isvc: InferenceService, role: contract.EngineRole, block: RoleSp
     if role == contract.PREFILL:
         args += [_flag("disaggregation_bootstrap_port"), str(contract.BOOTSTRAP_PORT)]
     args += _option_args(engine, _SET_WHEN_GIVEN)
-    # No --api-key: the engine reads the key from contract.API_KEY_ENV (_env), so it is in neither the pod
-    # spec nor the process's argv.
+    # No --api-key: the engine reads the key from contract.API_KEY_ENV (_env), so it is in
+    # neither the pod spec nor the process's argv.
     return args + list(engine.extra_args) + list(block.extra_args)
 
 

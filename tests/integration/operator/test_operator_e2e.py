@@ -201,6 +201,19 @@ def test_turning_autoscaling_on_keeps_the_replicas_that_run(
     assert cluster.get(DEPLOYMENT, "llama-hpa-decode")["spec"]["replicas"] == 6
 
 
+def test_a_role_at_zero_turned_autoscaled_falls_back_to_one_replica(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    """An HPA does not scale a target at 0 replicas: the count is not handed over."""
+    manifest = example("autoscaled-hpa.yaml")
+    autoscaling = manifest["spec"].pop("autoscaling")
+    manifest["spec"]["decode"]["replicas"] = 0
+    settle(cluster, cluster.create_isvc(manifest))
+    cluster.patch_isvc("llama-hpa", {"spec": {"autoscaling": autoscaling}})
+    children = settle(cluster, cluster.isvc("llama-hpa"))
+    assert "replicas" not in children[("Deployment", "llama-hpa-decode")]["spec"]  # the default, 1
+
+
 def test_status_follows_the_deployments(cluster: Cluster, operator: OperatorProcess) -> None:
     created = cluster.create_isvc(example("mixed.yaml"))
     settle(cluster, created)

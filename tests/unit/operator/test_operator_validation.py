@@ -228,6 +228,12 @@ def problems_of(document) -> list[str]:
         ),
         (
             "mixed.yaml",
+            "spec.mixed.env",
+            [{"name": "A=B", "value": "x"}],
+            "spec.mixed.env.0.name: String should match pattern",
+        ),
+        (
+            "mixed.yaml",
             "spec.mixed.runtimeClassName",
             "",
             "spec.mixed.runtimeClassName: String should have at least 1 character",
