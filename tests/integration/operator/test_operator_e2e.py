@@ -180,19 +180,25 @@ def test_replicas_set_by_an_autoscaler_are_not_reverted(
     assert status["replicas"] == 5
 
 
-def test_turning_autoscaling_on_keeps_the_replicas_that_run(
-    cluster: Cluster, operator: OperatorProcess
-) -> None:
+def decode_turned_autoscaled(cluster: Cluster, replicas: int) -> dict[str, Any]:
+    """The decode Deployment of autoscaled-hpa.yaml, created with `replicas` and no
+    autoscaling, once autoscaling is turned on (its HPA made)."""
     manifest = example("autoscaled-hpa.yaml")
     autoscaling = manifest["spec"].pop("autoscaling")
-    manifest["spec"]["decode"]["replicas"] = 4
+    manifest["spec"]["decode"]["replicas"] = replicas
     settle(cluster, cluster.create_isvc(manifest))
-    assert cluster.get(DEPLOYMENT, "llama-hpa-decode")["spec"]["replicas"] == 4
+    assert cluster.get(DEPLOYMENT, "llama-hpa-decode")["spec"]["replicas"] == replicas
     cluster.patch_isvc("llama-hpa", {"spec": {"autoscaling": autoscaling}})
     children = settle(cluster, cluster.isvc("llama-hpa"))
     assert ("HorizontalPodAutoscaler", "llama-hpa-decode") in children
+    return children[("Deployment", "llama-hpa-decode")]
+
+
+def test_turning_autoscaling_on_keeps_the_replicas_that_run(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
     # Applied without replicas, a field the operator owned alone would fall back to 1 replica.
-    assert children[("Deployment", "llama-hpa-decode")]["spec"].get("replicas") == 4
+    assert decode_turned_autoscaled(cluster, 4)["spec"].get("replicas") == 4
     # and the operator no longer holds it: the HPA's count survives the next change
     cluster.patch(DEPLOYMENT, "llama-hpa-decode", {"spec": {"replicas": 6}}, subresource="scale")
     cluster.patch_isvc("llama-hpa", {"spec": {"image": "ghcr.io/kubesgl/kubesgl:0.2.0"}})
@@ -205,13 +211,7 @@ def test_a_role_at_zero_turned_autoscaled_falls_back_to_one_replica(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:
     """An HPA does not scale a target at 0 replicas: the count is not handed over."""
-    manifest = example("autoscaled-hpa.yaml")
-    autoscaling = manifest["spec"].pop("autoscaling")
-    manifest["spec"]["decode"]["replicas"] = 0
-    settle(cluster, cluster.create_isvc(manifest))
-    cluster.patch_isvc("llama-hpa", {"spec": {"autoscaling": autoscaling}})
-    children = settle(cluster, cluster.isvc("llama-hpa"))
-    assert "replicas" not in children[("Deployment", "llama-hpa-decode")]["spec"]  # the default, 1
+    assert "replicas" not in decode_turned_autoscaled(cluster, 0)["spec"]  # the default, 1
 
 
 def test_status_follows_the_deployments(cluster: Cluster, operator: OperatorProcess) -> None:
