@@ -1,5 +1,5 @@
-"""A small Kubernetes API surface over the official client: server-side apply, get, list, delete
-and status patches for the fixed set of kinds the operator manages.
+"""A small Kubernetes API surface over the official client: server-side apply, list, delete and
+status patches for the fixed set of kinds the operator manages.
 
 The kinds are known in advance, so their URL paths come from a table rather than discovery.
 """
@@ -178,15 +178,6 @@ class KubeApi:
                 raise ApplyRejected(
                     f"the API server refused {kind.kind} {meta['name']}: {_message(error)}"
                 ) from None
-            raise
-
-    def get(self, kind: Kind, namespace: str, name: str) -> Object | None:
-        """The object as the API server has it; None if there is none."""
-        try:
-            return self._call("GET", kind.path(namespace, name))
-        except ApiException as error:
-            if error.status == 404:
-                return None
             raise
 
     def list_children(self, kind: Kind, namespace: str, instance: str) -> list[Object]:

@@ -10,7 +10,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kubesgl import contract
 from kubesgl.operator import naming
-from kubesgl.operator.kube import CHILD_KINDS, DEPLOYMENT, KubeApi, kind_of
+from kubesgl.operator.kube import CHILD_KINDS, KubeApi, kind_of
 from kubesgl.operator.render import Object, render
 from kubesgl.operator.spec import InferenceService
 
@@ -45,21 +45,27 @@ def identity(obj: Mapping[str, Any]) -> tuple[str, str]:
 def apply_children(api: KubeApi, isvc: InferenceService) -> list[Object]:
     """Apply every child of a validated InferenceService and prune the ones it no longer has."""
     desired = render(isvc)
+    # listed once, before applying: what the hand-over reads, and what pruning deletes
+    existing = {
+        identity(child): child
+        for child in _owned_children(
+            api, isvc.metadata.namespace, isvc.metadata.name, isvc.metadata.uid or ""
+        )
+    }
     for obj in desired:
-        if obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
-            _hand_over_replicas(api, obj)
+        live = existing.get(identity(obj))
+        if live is not None and obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
+            _hand_over_replicas(api, obj, live)
         api.apply(obj)
     wanted = {identity(obj) for obj in desired}
-    for stale in _owned_children(
-        api, isvc.metadata.namespace, isvc.metadata.name, isvc.metadata.uid or ""
-    ):
-        if identity(stale) not in wanted:
+    for key, stale in existing.items():
+        if key not in wanted:
             log.info("deleting %s %s: no longer in the spec", *identity(stale))
             api.delete(kind_of(stale), isvc.metadata.namespace, stale["metadata"]["name"])
     return desired
 
 
-def _hand_over_replicas(api: KubeApi, deployment: Object) -> None:
+def _hand_over_replicas(api: KubeApi, deployment: Object, live: Object) -> None:
     """An autoscaled Deployment is applied without replicas. Where the operator still holds
     the field alone (autoscaling just turned on), leaving it out would reset it to the
     default, 1 replica, until the autoscaler scales up again; so another field manager first
@@ -67,8 +73,7 @@ def _hand_over_replicas(api: KubeApi, deployment: Object) -> None:
     autoscaler changes it from there (Kubernetes' "transferring ownership"). A role at 0 is
     let fall back to 1: an HPA does not scale a target that has no replicas."""
     meta = deployment["metadata"]
-    live = api.get(DEPLOYMENT, meta["namespace"], meta["name"])
-    if live is None or not _applies_field(live, naming.MANAGER, "spec", "replicas"):
+    if not _applies_field(live, naming.MANAGER, "spec", "replicas"):
         return
     running = live["spec"].get("replicas", 1)
     if running == 0:
