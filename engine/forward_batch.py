@@ -87,6 +87,9 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int64, KV length of each request after this step
     seq_lens_cpu: list[int]
     extend_lens_cpu: list[int]  # [B] tokens each request adds (1 in decode)
+    # [B] int64, extend_lens_cpu again, copied with the batch: a tensor made from the list in
+    # the middle of a step would be a blocking copy, and the host would wait for the device
+    extend_lens: torch.Tensor
     table_rows: torch.Tensor  # request-to-token writes applied before the step
     table_cols: torch.Tensor
     table_slots: torch.Tensor
@@ -121,6 +124,7 @@ class ForwardBatch:
                 seq_lens=self.seq_lens[row_range],
                 seq_lens_cpu=self.seq_lens_cpu[row_range],
                 extend_lens_cpu=self.extend_lens_cpu[row_range],
+                extend_lens=self.extend_lens[row_range],
                 attn=None,
                 prefill_rows=0,
             )
@@ -136,11 +140,18 @@ class ForwardBatch:
         return _move(self, device)
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, copied behind the work queued there rather than after it: a
+    copy from pinned memory is truly asynchronous, where `torch.tensor(values, device=...)` or
+    a blocking `.to` waits for every step already queued on the device."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _move(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
-        # From pinned memory the copy is truly asynchronous: it does not wait for the
-        # steps already queued on the device.
-        return value.pin_memory().to(device, non_blocking=True)
+        return host_to_device(value, device)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.replace(
             value,

@@ -62,6 +62,7 @@ def attention_batch():
             seq_lens=long(seq_lens),
             seq_lens_cpu=list(seq_lens),
             extend_lens_cpu=list(extend_lens),
+            extend_lens=long(extend_lens),
             table_rows=empty,
             table_cols=empty,
             table_slots=empty,

@@ -38,8 +38,7 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.mode is ForwardMode.DECODE:
             batch.attn = None  # everything the kernel needs is in the batch already
             return
-        device = self.req_to_token.table.device
-        lens = torch.tensor(batch.extend_lens_cpu, dtype=torch.int64, device=device)
+        lens = batch.extend_lens
         batch.attn = _ExtendMeta(lens, torch.cumsum(lens, 0) - lens, max(batch.extend_lens_cpu))
 
     def attend(

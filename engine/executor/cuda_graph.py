@@ -41,6 +41,7 @@ class CudaGraphRunner:
             long(),
             long(),
         )
+        self.extend_lens = torch.ones(n, dtype=torch.int64, device=device)
         self.req_rows = torch.full((n,), padding_row, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -58,6 +59,7 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:bs],
             seq_lens_cpu=seq_lens_cpu,
             extend_lens_cpu=[1] * bs,
+            extend_lens=self.extend_lens[:bs],
             table_rows=empty,
             table_cols=empty,
             table_slots=empty,

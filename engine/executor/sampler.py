@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar
 
-from kubesgl.engine.forward_batch import PenaltyBatch, SamplingBatch
+from kubesgl.engine.forward_batch import PenaltyBatch, SamplingBatch, host_to_device
 
 
 @dataclass
@@ -48,11 +48,15 @@ class PenaltyState:
         for row, prompt, outputs in resets:
             output_counts[row].zero_()
             seen[row].zero_()
-            seen[row, torch.tensor(prompt, dtype=torch.int64, device=self.device)] = True
+            # index_fill_, not `seen[row, ids] = True`: that copies the True to the device and waits
+            seen[row].index_fill_(0, self._on_device(prompt), True)
             if outputs:
-                ids = torch.tensor(outputs, dtype=torch.int64, device=self.device)
+                ids = self._on_device(outputs)
                 output_counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-                seen[row, ids] = True
+                seen[row].index_fill_(0, ids, True)
+
+    def _on_device(self, token_ids: list[int]) -> torch.Tensor:
+        return host_to_device(torch.tensor(token_ids, dtype=torch.int64), self.device)
 
     def apply(
         self, logits: torch.Tensor, rows: torch.Tensor, penalties: PenaltyBatch
@@ -68,9 +72,10 @@ class PenaltyState:
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor, emits: torch.Tensor) -> None:
         output_counts, seen = self._ensure()
-        rows, tokens = rows[emits], tokens[emits]
-        output_counts[rows, tokens] += 1
-        seen[rows, tokens] = True
+        # every row is written, the non-emitting ones with nothing: selecting the emitting rows
+        # first (rows[emits]) would wait for the device to count them. A step has each row once.
+        output_counts.index_put_((rows, tokens), emits.to(torch.int32), accumulate=True)
+        seen.index_put_((rows, tokens), seen[rows, tokens] | emits)
 
 
 def top_k_top_p_min_p_mask(

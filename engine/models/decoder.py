@@ -204,7 +204,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """The last layer's output and residual stream -> logits of each request's last token."""
         if batch.mode is not ForwardMode.DECODE:  # logits of each request's last new token only
-            last = torch.tensor(batch.extend_lens_cpu, device=hidden.device).cumsum(0) - 1
+            last = batch.extend_lens.cumsum(0) - 1
             hidden, residual = hidden[last], residual[last]
         hidden, _ = self.norm(hidden, residual)
         return self.lm_head.logits(hidden)

@@ -129,6 +129,7 @@ class BatchBuilder:
             seq_lens=as_long(seq_lens),
             seq_lens_cpu=seq_lens,
             extend_lens_cpu=list(lens),
+            extend_lens=as_long(lens),
             table_rows=as_long(rows),
             table_cols=as_long(cols),
             table_slots=as_long(slots),

@@ -139,3 +139,20 @@ def test_huge_top_k_and_tiny_temperature_are_harmless(llm):
         [prompt], SamplingParams(max_tokens=8, temperature=1.0, top_k=2**63, seed=1)
     )
     assert len(sampled[0].token_ids) == 8
+
+
+def test_penalty_counts_take_only_the_rows_that_emit():
+    """A mixed step samples a token for every row, but a prompt chunk that does not end its
+    prompt emits nothing: its token must not count (record writes every row, adding 0 there)."""
+    from kubesgl.engine.executor.sampler import PenaltyState
+
+    state = PenaltyState(num_rows=4, vocab_size=10, device=torch.device("cpu"))
+    state.reset([(1, [2, 3], [7, 7]), (2, [4], [])])
+    rows, tokens = torch.tensor([1, 2, 3]), torch.tensor([7, 5, 6])
+    state.record(rows, tokens, emits=torch.tensor([True, False, True]))
+    counts, seen = state._ensure()
+    assert counts[1].tolist() == [0] * 7 + [3, 0, 0]
+    assert counts[2].sum() == 0 and counts[3].tolist() == [0] * 6 + [1, 0, 0, 0]
+    assert seen[1].nonzero().flatten().tolist() == [2, 3, 7]
+    assert seen[2].nonzero().flatten().tolist() == [4]
+    assert seen[3].nonzero().flatten().tolist() == [6]
