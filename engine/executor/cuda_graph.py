@@ -10,7 +10,10 @@ padding row of the request table. Sampling stays outside the graph.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -19,6 +22,23 @@ from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode, SamplingBatc
 from kubesgl.engine.models.decoder import CausalLM
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Collects garbage now, then keeps the collector off until the block ends: for capturing
+    CUDA graphs. An object freed during a capture may make a CUDA call that a capture forbids
+    (a CUDA graph's own destructor does) and so invalidate it, and the collector runs whenever
+    allocations make it due: in a process that built an engine before, that one's graphs may
+    be in its garbage (the GPU tests saw a capture fail so, at random)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def default_batch_sizes(max_bs: int) -> list[int]:
@@ -74,7 +94,7 @@ class CudaGraphRunner:
         self.backend.init_cuda_graph(self.batch_sizes[-1])
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with collector_paused(), torch.cuda.stream(stream):
             for bs in reversed(self.batch_sizes):  # largest first, so smaller ones reuse its memory
                 batch = self._batch(bs, [1] * bs)
                 self.backend.prepare_cuda_graph(batch)

@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 
 from kubesgl.engine.attention import AttentionBackend
+from kubesgl.engine.executor.cuda_graph import collector_paused
 from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
 from kubesgl.engine.kvcache.pools import KVPool
 from kubesgl.engine.models.decoder import CausalLM, DecoderLayer
@@ -138,7 +139,7 @@ class PiecewiseGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with collector_paused(), torch.cuda.stream(stream):
             for n in reversed(self.token_counts):  # largest first: smaller ones reuse its memory
                 graphs: list[_Replayable] = []
                 for index in range(len(self.layers) + 1):
