@@ -12,7 +12,11 @@ ITL p99 rests on when long prompts arrive, and which budget keeps it within 2x a
         --out benchmarks/results/mixed_step_time_llama8b.json
 
 One engine serves every setting (its budget and mixing are set between measurements), with
-overlap off so that each step's wall time is that step's alone.
+overlap off so that each step's wall time is that step's alone. With --overlap the engine
+runs as it serves (the host prepares each step while the one before runs on the device), and
+a step's time is the interval between two calls of the engine's `step` returning, each with
+the outputs of the step before it: whether the host's part of a mixed step hides behind the
+device or adds to what the running requests wait.
 
 With --profile (a GPU only) the arrival's steps run under torch.profiler, and each setting
 also records the device kernels of its average step (`kernels_per_step`, the 15 longest) and
@@ -44,13 +48,14 @@ class Step:
 
 
 def timed_steps(engine, until, watched: str | None = None) -> list[Step]:
-    """Step the engine until `until(steps taken)` holds, timing each step."""
+    """Step the engine until `until(steps taken)` holds, timing each step (with overlap off,
+    each step waits for the device; with it on, each returns the step before's outputs)."""
     steps: list[Step] = []
     start = time.perf_counter()
     while not until(len(steps)):
         begin = time.perf_counter()
         outputs = engine.step()
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and not engine.scheduler.overlap:
             torch.cuda.synchronize()
         end = time.perf_counter()
         got = any(out.rid == watched and out.token_ids for out in outputs)
@@ -130,6 +135,9 @@ def main() -> None:
     parser.add_argument("--chunk-sizes", default="256,512,1024,2048,4096")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed alone")
     parser.add_argument("--profile", action="store_true", help="record the kernels (GPU)")
+    parser.add_argument(
+        "--overlap", action="store_true", help="overlap scheduling on, as the engine serves"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.profile and not torch.cuda.is_available():
@@ -144,7 +152,7 @@ def main() -> None:
     llm = make_llm(
         args,
         enable_mixed_chunk=True,
-        disable_overlap_schedule=True,
+        disable_overlap_schedule=not args.overlap,
         chunked_prefill_size=max(budgets),
         max_running_requests=args.num_decodes + 1,  # the decodes and the arrival
     )
@@ -156,6 +164,7 @@ def main() -> None:
         "num_decodes": args.num_decodes,
         "context_len": args.context_len,
         "prompt_len": args.prompt_len,
+        "overlap": args.overlap,
         "runs": runs,
     }
     llm.shutdown()
