@@ -141,9 +141,9 @@ class ForwardBatch:
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`, copied behind the work queued there rather than after it: a
-    copy from pinned memory is truly asynchronous, where `torch.tensor(values, device=...)` or
-    a blocking `.to` waits for every step already queued on the device."""
+    """A host tensor on `device`, its copy queued on the device's stream without the host
+    waiting: a copy from pinned memory is truly asynchronous, where `torch.tensor(values,
+    device=...)` or a blocking `.to` waits for every step already queued on the device."""
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

@@ -54,7 +54,8 @@ class TorchAttentionBackend(AttentionBackend):
         start = 0
         for i, (seq_len, extend_len) in enumerate(zip(batch.seq_lens_cpu, batch.extend_lens_cpu)):
             ranges.append((start, start + extend_len))
-            req_slots.append(table[batch.req_rows[i], :seq_len])
+            # a slice, not req_rows[i]: indexing by a 0-dim device tensor reads it back (.item())
+            req_slots.append(table[batch.req_rows[i : i + 1], :seq_len][0])
             positions.append(torch.arange(seq_len - extend_len, seq_len, device=table.device))
             start += extend_len
         batch.attn = _ExtendMeta(ranges, req_slots, positions)

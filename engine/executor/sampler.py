@@ -74,8 +74,8 @@ class PenaltyState:
         output_counts, seen = self._ensure()
         # every row is written, the non-emitting ones with nothing: selecting the emitting rows
         # first (rows[emits]) would wait for the device to count them. A step has each row once.
-        output_counts.index_put_((rows, tokens), emits.to(torch.int32), accumulate=True)
-        seen.index_put_((rows, tokens), seen[rows, tokens] | emits)
+        output_counts[rows, tokens] += emits.to(torch.int32)
+        seen[rows, tokens] |= emits
 
 
 def top_k_top_p_min_p_mask(
@@ -119,7 +119,7 @@ class Sampler:
         if sampling.vocab_mask is not None:
             # Every mode below samples from these logits: a disallowed token is -inf, so neither
             # argmax nor the temperature/top-k/top-p/min-p draw can pick it.
-            bitmask = sampling.vocab_mask.wait().to(logits.device, non_blocking=True)
+            bitmask = host_to_device(sampling.vocab_mask.wait(), logits.device)
             if logits is raw_logits:
                 logits = logits.clone()  # logprobs stay those of the model's own distribution
             xgrammar.apply_token_bitmask_inplace(logits, bitmask)

@@ -21,9 +21,16 @@ class _Cycle:
         self.freed.append(self.name)
 
 
-def _allocate_enough_to_trigger_a_collection() -> None:
-    for _ in range(10 * gc.get_threshold()[0]):
-        [[]]  # noqa: B018 - container objects are what the collector counts
+def _allocate_enough_to_trigger_a_collection() -> list:
+    # kept alive: each container freed at once would lower the count that makes a collection due
+    return [[] for _ in range(10 * gc.get_threshold()[0])]
+
+
+def test_the_allocations_do_trigger_a_collection_with_the_collector_on():
+    freed: list[str] = []
+    _Cycle("garbage", freed)
+    _allocate_enough_to_trigger_a_collection()
+    assert freed == ["garbage"]
 
 
 def test_earlier_garbage_goes_before_the_capture_and_nothing_is_collected_during_it():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kubesgl.engine import SamplingParams
-from kubesgl.engine.executor.sampler import top_k_top_p_min_p_mask
+from kubesgl.engine.executor.sampler import PenaltyState, top_k_top_p_min_p_mask
 
 
 def reference_support(probs: list[float], top_k: int, top_p: float, min_p: float) -> set[int]:
@@ -144,8 +144,6 @@ def test_huge_top_k_and_tiny_temperature_are_harmless(llm):
 def test_penalty_counts_take_only_the_rows_that_emit():
     """A mixed step samples a token for every row, but a prompt chunk that does not end its
     prompt emits nothing: its token must not count (record writes every row, adding 0 there)."""
-    from kubesgl.engine.executor.sampler import PenaltyState
-
     state = PenaltyState(num_rows=4, vocab_size=10, device=torch.device("cpu"))
     state.reset([(1, [2, 3], [7, 7]), (2, [4], [])])
     rows, tokens = torch.tensor([1, 2, 3]), torch.tensor([7, 5, 6])
