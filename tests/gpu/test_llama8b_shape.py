@@ -3,12 +3,12 @@ graphs on: the first token's distribution within bfloat16 rounding of the torch 
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from gpu_backends import BACKENDS
 
 from kubesgl.engine import LLM, SamplingParams
 
@@ -39,19 +39,7 @@ def reference():
     return generate("torch")
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "triton",
-        pytest.param(
-            "flashinfer",
-            marks=pytest.mark.skipif(
-                importlib.util.find_spec("flashinfer") is None,
-                reason="FlashInfer is not installed here: pip install 'kubesgl[flashinfer]'",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_first_token_distribution_within_bf16_tolerance(backend, reference):
     for ref, got in zip(reference, generate(backend)):
         # first token: same context, so the distributions must agree within bf16 rounding

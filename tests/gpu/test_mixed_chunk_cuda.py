@@ -6,11 +6,11 @@ the pure decode steps still replayed from CUDA graphs."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import random
 
 import pytest
 import torch
+from gpu_backends import BACKENDS, FLASHINFER
 
 from kubesgl.engine import LLM, SamplingParams
 from kubesgl.engine.attention import AttentionLayerSpec, create_backend
@@ -20,23 +20,13 @@ from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 from kubesgl.engine.messages import GenerateRequest
 
 pytestmark = pytest.mark.gpu
-BACKENDS = [
-    "triton",
-    pytest.param(
-        "flashinfer",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("flashinfer") is None,
-            reason="FlashInfer is not installed here: pip install 'kubesgl[flashinfer]'",
-        ),
-    ),
-]
 
 
 # FlashInfer attends a mixed batch of short requests in one prefill pass: both ways here
 MIXED_PATHS = [
     pytest.param("triton", False, id="triton"),
-    pytest.param("flashinfer", False, marks=BACKENDS[1].marks, id="flashinfer-two-passes"),
-    pytest.param("flashinfer", True, marks=BACKENDS[1].marks, id="flashinfer-one-pass"),
+    pytest.param("flashinfer", False, marks=FLASHINFER.marks, id="flashinfer-two-passes"),
+    pytest.param("flashinfer", True, marks=FLASHINFER.marks, id="flashinfer-one-pass"),
 ]
 
 

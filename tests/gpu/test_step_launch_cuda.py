@@ -8,25 +8,15 @@ pass unseen)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
 import torch
+from gpu_backends import BACKENDS
 
 from kubesgl.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
-BACKENDS = [
-    "triton",
-    pytest.param(
-        "flashinfer",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("flashinfer") is None,
-            reason="FlashInfer is not installed here: pip install 'kubesgl[flashinfer]'",
-        ),
-    ),
-]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
