@@ -27,6 +27,7 @@ host, so the step times of a profiled run are not the ones to quote.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import random
 import statistics
@@ -127,13 +128,25 @@ def measure(llm, args, budget: int, mixed: bool, rng: random.Random) -> dict:
     return result
 
 
-def main() -> None:
-    parser = engine_parser(__doc__, dtype="bfloat16", attention_backend="triton")
+def add_scenario_args(parser: argparse.ArgumentParser) -> None:
+    """The decodes running and the prompt arriving (also step_launch_time.py's)."""
     parser.add_argument("--num-decodes", type=int, default=16)
     parser.add_argument("--context-len", type=int, default=4096)
     parser.add_argument("--prompt-len", type=int, default=4096)
-    parser.add_argument("--chunk-sizes", default="256,512,1024,2048,4096")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed alone")
+
+
+def decode_tokens(args: argparse.Namespace, smallest_budget: int) -> int:
+    """Enough outputs that the decodes outlast every phase of one setting: their own prompts
+    (mixed, they decode meanwhile), the steps timed alone, and the arrival's prompt."""
+    chunk = max(1, smallest_budget - args.num_decodes)
+    return (args.num_decodes * args.context_len + args.prompt_len) // chunk + args.steps + 64
+
+
+def main() -> None:
+    parser = engine_parser(__doc__, dtype="bfloat16", attention_backend="triton")
+    add_scenario_args(parser)
+    parser.add_argument("--chunk-sizes", default="256,512,1024,2048,4096")
     parser.add_argument("--profile", action="store_true", help="record the kernels (GPU)")
     parser.add_argument(
         "--overlap", action="store_true", help="overlap scheduling on, as the engine serves"
@@ -143,12 +156,7 @@ def main() -> None:
     if args.profile and not torch.cuda.is_available():
         parser.error("--profile records CUDA kernels: it needs a GPU")
     budgets = [int(size) for size in args.chunk_sizes.split(",")]
-    # enough outputs that the decodes outlast every phase of one setting: their own prompts
-    # (mixed, they decode meanwhile), the steps timed alone, and the arrival's prompt
-    chunk = max(1, min(budgets) - args.num_decodes)
-    args.decode_tokens = (
-        (args.num_decodes * args.context_len + args.prompt_len) // chunk + args.steps + 64
-    )
+    args.decode_tokens = decode_tokens(args, min(budgets))
     llm = make_llm(
         args,
         enable_mixed_chunk=True,

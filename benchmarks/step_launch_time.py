@@ -23,7 +23,7 @@ import time
 
 import torch
 from common import engine_facts, engine_parser, make_llm, report
-from mixed_step_time import measure
+from mixed_step_time import add_scenario_args, decode_tokens, measure
 
 from kubesgl.engine.executor.model_runner import ModelRunner
 
@@ -98,20 +98,13 @@ def summarize(steps: list[dict]) -> dict:
 
 def main() -> None:
     parser = engine_parser(__doc__, dtype="bfloat16", attention_backend="flashinfer")
-    parser.add_argument("--num-decodes", type=int, default=16)
-    parser.add_argument("--context-len", type=int, default=4096)
-    parser.add_argument("--prompt-len", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=20, help="decode steps timed alone")
+    add_scenario_args(parser)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("this benchmark times CUDA launches: it needs a GPU")
     args.profile = False  # what mixed_step_time.measure reads
-    args.decode_tokens = (
-        (args.num_decodes * args.context_len + args.prompt_len) // (BUDGET - args.num_decodes)
-        + args.steps
-        + 64
-    )
+    args.decode_tokens = decode_tokens(args, BUDGET)
     llm = make_llm(
         args,
         enable_mixed_chunk=True,
