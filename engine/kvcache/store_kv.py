@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kubesgl.engine.triton_launch import pdl_launch, wait_for_predecessor
+
 
 @triton.jit
 def _store_kv(
@@ -23,7 +25,9 @@ def _store_kv(
     WIDTH: tl.constexpr,
     BLOCK: tl.constexpr,
     CLAMP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_predecessor(USE_PDL)
     t = tl.program_id(0).to(tl.int64)  # t * stride can pass 2**31
     slot = tl.load(Slots + t)
     cols = tl.arange(0, BLOCK)
@@ -66,6 +70,7 @@ def store_kv(
         WIDTH=width,
         BLOCK=triton.next_power_of_2(width),
         CLAMP=limit is not None,
+        **pdl_launch(k.device),
     )
 
 

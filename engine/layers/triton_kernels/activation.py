@@ -7,9 +7,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kubesgl.engine.triton_launch import pdl_launch, wait_for_predecessor
+
 
 @triton.jit
-def _silu_and_mul(X, Out, stride_x, width, BLOCK: tl.constexpr):
+def _silu_and_mul(X, Out, stride_x, width, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_predecessor(USE_PDL)
     t = tl.program_id(0).to(tl.int64)  # times a stride can pass 2**31
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -31,6 +34,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = 1024
     if x2.shape[0]:
         _silu_and_mul[(x2.shape[0], triton.cdiv(width, block))](
-            x2, out, x2.stride(0), width, BLOCK=block
+            x2, out, x2.stride(0), width, BLOCK=block, **pdl_launch(x.device)
         )
     return out.view(*x.shape[:-1], width)

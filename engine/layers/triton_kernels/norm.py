@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kubesgl.engine.triton_launch import pdl_launch, wait_for_predecessor
+
 
 @triton.jit
 def _rms_norm(
@@ -23,7 +25,9 @@ def _rms_norm(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_predecessor(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # times a stride can pass 2**31
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -69,6 +73,7 @@ def rms_norm(
             HAS_RESIDUAL=False,
             BLOCK=block,
             num_warps=min(max(block // 256, 1), 8),
+            **pdl_launch(x.device),
         )
         return out.view(shape)
     r2 = residual.reshape(-1, n)
@@ -86,5 +91,6 @@ def rms_norm(
         HAS_RESIDUAL=True,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 8),
+        **pdl_launch(x.device),
     )
     return out.view(shape), summed.view(shape)

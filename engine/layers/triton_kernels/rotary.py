@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kubesgl.engine.triton_launch import pdl_launch, wait_for_predecessor
+
 
 @triton.jit
 def _rotate_heads(
@@ -55,7 +57,9 @@ def _rotary(
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
     HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_predecessor(USE_PDL)
     t = tl.program_id(0).to(tl.int64)  # times a stride can pass 2**31
     pos = tl.load(Positions + t)
     d = tl.arange(0, HALF)[None, :]
@@ -100,4 +104,5 @@ def apply_rotary_inplace(
         BLOCK_QH=triton.next_power_of_2(q_heads),
         BLOCK_KH=triton.next_power_of_2(k_heads),
         HALF=triton.next_power_of_2(dim // 2),
+        **pdl_launch(q.device),
     )
