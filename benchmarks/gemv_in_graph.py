@@ -19,15 +19,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 from common import report
-
-# name: (out features, in features); lm_head once per step, the others once per layer
-SHAPES = {
-    "qkv_proj": (6144, 4096),
-    "o_proj": (4096, 4096),
-    "gate_up_proj": (28672, 4096),
-    "down_proj": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
+from gemv import SHAPES  # the Llama-3.1-8B shapes, (out, in) features
 
 
 def choose_blas(blas: str) -> None:
