@@ -26,6 +26,7 @@ from kubesgl.engine.attention import FLASHINFER_HEAD_DIMS
 from kubesgl.engine.attention.base import AttentionBackend, AttentionLayerSpec
 from kubesgl.engine.attention.triton_kernels.kv_pages import gather_kv_pages
 from kubesgl.engine.forward_batch import ForwardBatch, ForwardMode
+from kubesgl.engine.kvcache.allocator import pages_for
 from kubesgl.engine.kvcache.pools import KVPool, ReqToTokenTable
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's scratch space for split-KV partial results
@@ -68,7 +69,7 @@ class PagedKVLengths:
     tokens in each request's last page."""
 
     def __init__(self, seq_lens: Sequence[int], page_size: int):
-        pages = [-(-n // page_size) for n in seq_lens]
+        pages = [pages_for(n, page_size) for n in seq_lens]
         self.total_pages = sum(pages)
         self.indptr = _indptr(pages)
         self.last_page_len = torch.tensor(
@@ -212,7 +213,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def init_cuda_graph(self, max_batch_size: int) -> None:
         # Requests may share cached prefixes, so a batch can list more pages than the pool has.
-        pages_per_request = -(-self.req_to_token.max_context_len // self.page_size)
+        pages_per_request = pages_for(self.req_to_token.max_context_len, self.page_size)
         self.graph_indices = torch.zeros(
             max_batch_size * pages_per_request,
             dtype=torch.int32,

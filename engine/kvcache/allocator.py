@@ -8,11 +8,16 @@ double releases show up where they happen instead of as corrupted KV later.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class KVAllocationError(RuntimeError):
     pass
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold `num_tokens` tokens from a page boundary (the last one maybe part full)."""
+    return -(-num_tokens // page_size)
 
 
 class PageAllocator:
@@ -56,6 +61,13 @@ class PageAllocator:
 
     def is_free(self, page: int) -> bool:
         return bool(self._is_free[page])
+
+    def pages_for(self, num_tokens: int) -> int:
+        return pages_for(num_tokens, self.page_size)
+
+    def pages_of(self, slots: Sequence[int]) -> list[int]:
+        """The pages of `slots`, a run of whole pages' slots (or a last page part full)."""
+        return [slot // self.page_size for slot in slots[:: self.page_size]]
 
     def slots_of(self, pages: Iterable[int]) -> list[int]:
         size = self.page_size

@@ -174,7 +174,7 @@ class RadixCache:
         while freed < num_tokens and heap:
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
-            self.allocator.free(slot // self.page_size for slot in leaf.slots[:: self.page_size])
+            self.allocator.free(self.allocator.pages_of(leaf.slots))
             del parent.children[self._page_key(leaf.key)]
             self.evictable_size -= len(leaf.key)
             freed += len(leaf.key)
@@ -195,9 +195,7 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def cached_pages(self) -> list[int]:
-        return [
-            slot // self.page_size for n in self._nodes() for slot in n.slots[:: self.page_size]
-        ]
+        return [page for n in self._nodes() for page in self.allocator.pages_of(n.slots)]
 
     def check_integrity(self, locked_nodes: list[TreeNode]) -> None:
         """Walk the tree and check it against the nodes live requests hold locks on."""

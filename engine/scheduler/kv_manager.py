@@ -34,7 +34,7 @@ class KVManager:
 
     # -- capacity ----------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return self.allocator.pages_for(num_tokens)
 
     def available_pages(self) -> int:
         """Pages free or evictable that no reservation has promised."""
@@ -192,7 +192,7 @@ class KVManager:
 
     def _free_slots(self, slots: list[int]) -> None:
         """Free the pages of `slots`, which start on a page boundary."""
-        self.allocator.free(slot // self.page_size for slot in slots[:: self.page_size])
+        self.allocator.free(self.allocator.pages_of(slots))
 
     def flush_cache(self) -> None:
         self.radix.flush()

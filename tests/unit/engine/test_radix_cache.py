@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kubesgl.engine.kvcache.allocator import KVAllocationError, PageAllocator
+from kubesgl.engine.kvcache.allocator import KVAllocationError, PageAllocator, pages_for
 from kubesgl.engine.kvcache.radix_cache import CacheIntegrityError, RadixCache
 
 
@@ -18,7 +18,7 @@ def put(cache, allocator, tokens):
     pages = allocator.alloc(len(tokens) // allocator.page_size)
     slots = allocator.slots_of(pages)
     already = cache.insert(tokens, slots)
-    allocator.free(s // allocator.page_size for s in slots[: already : allocator.page_size])
+    allocator.free(allocator.pages_of(slots[:already]))
     return slots
 
 
@@ -104,6 +104,21 @@ def test_random_workload_keeps_integrity():
         cache.check_integrity(held)
         cached = len(cache.cached_pages())
         assert cached + allocator.num_free == allocator.total_pages
+
+
+@pytest.mark.parametrize(
+    ("tokens", "page_size", "pages"), [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (7, 1, 7)]
+)
+def test_pages_for_rounds_a_part_full_page_up(tokens, page_size, pages):
+    assert pages_for(tokens, page_size) == pages == PageAllocator(16, page_size).pages_for(tokens)
+
+
+def test_pages_of_slots_and_slots_of_pages_invert_each_other():
+    allocator = PageAllocator(16, 4)
+    pages = allocator.alloc(3)
+    slots = allocator.slots_of(pages)
+    assert allocator.pages_of(slots) == pages
+    assert allocator.pages_of(slots[:9]) == pages  # a last page part full
 
 
 def test_allocator_rejects_double_free_and_overdraw():
