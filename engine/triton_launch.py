@@ -9,7 +9,8 @@ Only the launch overlaps, never the data: each kernel launched this way calls
 `wait_for_predecessor` before its first load or store, so it reads what its predecessor
 wrote, and the kernel after it (which may start early in turn) sees all of its writes.
 
-On the H200 this took 62 µs off a batch-1 decode step of 4.73 ms (FlashInfer attention).
+On the H200 this took 62 µs off a batch-1 decode step of 4.73 ms (FlashInfer attention,
+one pair of runs).
 Launching the Triton decode attention's two kernels this way too made that backend's step
 about 0.1 ms slower, so they launch plainly (benchmarks/README.md, eighth session).
 
@@ -28,8 +29,11 @@ import triton.language as tl
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """PDL needs a real launch on a GPU of compute capability 9.0 or later."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    """PDL needs a real launch on an NVIDIA GPU of compute capability 9.0 or later (ROCm
+    devices are "cuda" to torch too, with capabilities of their own)."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 

@@ -33,9 +33,6 @@ class KVManager:
         self.estimate = OutputEstimate()
 
     # -- capacity ----------------------------------------------------------------------
-    def pages_for(self, num_tokens: int) -> int:
-        return self.allocator.pages_for(num_tokens)
-
     def available_pages(self) -> int:
         """Pages free or evictable that no reservation has promised."""
         return (
@@ -62,7 +59,7 @@ class KVManager:
         match = self.radix.match_prefix(req.fill_ids()[:-1])
         slots, node = match.slots, match.node
         self.radix.lock(node)
-        need = self.pages_for(kv_tokens) - len(slots) // self.page_size
+        need = self.allocator.pages_for(kv_tokens) - len(slots) // self.page_size
         if need > self.available_pages():
             self.radix.unlock(node)
             return False
@@ -81,7 +78,7 @@ class KVManager:
         fails must leave nothing in the tree), and the prompt's slots are allocated at once."""
         if not self._free_rows:
             return False
-        need = self.pages_for(kv_tokens)
+        need = self.allocator.pages_for(kv_tokens)
         if need > self.available_pages():
             return False
         req.row = self._free_rows.pop()
@@ -100,7 +97,7 @@ class KVManager:
         room = (-len(req.slots)) % p  # free slots left in the request's last page
         in_page = min(room, num_tokens)
         new = [req.slots[-1] + 1 + i for i in range(in_page)]
-        pages_needed = self.pages_for(num_tokens - in_page)
+        pages_needed = self.allocator.pages_for(num_tokens - in_page)
         if pages_needed:
             unreserved = pages_needed - min(pages_needed, req.reserved_pages)
             if unreserved > self.available_pages():

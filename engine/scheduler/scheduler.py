@@ -199,7 +199,9 @@ class Scheduler:
                 param="max_tokens",
             )
         pool = self.kv.allocator.total_pages
-        need = self.kv.pages_for(self.role.kv_tokens(n, max_tokens, request.bootstrap is not None))
+        need = self.kv.allocator.pages_for(
+            self.role.kv_tokens(n, max_tokens, request.bootstrap is not None)
+        )
         if need > pool:
             raise InvalidRequestError(
                 f"the request needs {need * self.kv.page_size} tokens of KV cache; the pool holds "

@@ -44,26 +44,47 @@ def test_cpu_launch_options_turn_pdl_off():
     assert triton_launch.pdl_launch(torch.device("cpu")) == {"USE_PDL": False}
 
 
-def _pdl_kernels() -> list[tuple[pathlib.Path, ast.FunctionDef]]:
-    found = []
+def _functions_taking_use_pdl() -> dict[str, tuple[pathlib.Path, ast.FunctionDef]]:
+    found = {}
     for path in ENGINE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and "USE_PDL" in {a.arg for a in node.args.args}:
-                found.append((path, node))
+                found[node.name] = (path, node)
     return found
 
 
+def _statements(node: ast.FunctionDef) -> list[ast.stmt]:
+    """The body without its docstring."""
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return body
+
+
+def test_the_wait_comes_before_letting_the_next_kernel_start():
+    _, helper = _functions_taking_use_pdl()["wait_for_predecessor"]
+    (branch,) = _statements(helper)
+    assert isinstance(branch, ast.If) and ast.unparse(branch.test) == "USE_PDL"
+    assert [ast.unparse(s) for s in branch.body] == [
+        "tl.extra.cuda.gdc_wait()",
+        "tl.extra.cuda.gdc_launch_dependents()",
+    ]
+
+
 def test_every_pdl_kernel_waits_for_its_predecessor_first():
-    kernels = _pdl_kernels()
-    names = {node.name for _, node in kernels}
-    # the layers' short kernels (the helper itself takes USE_PDL too)
-    assert {"_rms_norm", "_rotary", "_silu_and_mul", "_store_kv", "wait_for_predecessor"} <= names
-    for path, node in kernels:
-        if node.name == "wait_for_predecessor":
-            continue
-        first = node.body[0]
-        assert (
-            isinstance(first, ast.Expr)
-            and isinstance(first.value, ast.Call)
-            and ast.unparse(first.value) == "wait_for_predecessor(USE_PDL)"
-        ), f"{path.name}:{node.name} must call wait_for_predecessor(USE_PDL) before anything else"
+    kernels = _functions_taking_use_pdl()
+    kernels.pop("wait_for_predecessor")
+    # the layers' short kernels
+    assert {"_rms_norm", "_rotary", "_silu_and_mul", "_store_kv"} <= kernels.keys()
+    for name, (path, node) in kernels.items():
+        first = _statements(node)[0]
+        assert ast.unparse(first) == "wait_for_predecessor(USE_PDL)", (
+            f"{path.name}:{name} must call wait_for_predecessor(USE_PDL) before anything else"
+        )
+
+
+def test_only_pdl_launch_turns_pdl_on():
+    """A kernel launched with `launch_pdl` by hand could skip the wait the test above checks."""
+    for path in ENGINE.rglob("*.py"):
+        if path.name != "triton_launch.py":
+            assert "launch_pdl" not in path.read_text(), path
