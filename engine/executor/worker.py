@@ -26,7 +26,7 @@ class SyncExecutor:
         return future
 
     def shutdown(self) -> None:
-        pass
+        del self.runner  # the model, the KV pool and the CUDA graphs: their memory may go
 
 
 class OverlapExecutor:
@@ -56,3 +56,4 @@ class OverlapExecutor:
     def shutdown(self) -> None:
         self._queue.put(None)
         self._thread.join()
+        del self.runner  # the model, the KV pool and the CUDA graphs: their memory may go

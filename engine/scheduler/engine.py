@@ -4,6 +4,7 @@ scheduler process."""
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -94,6 +95,7 @@ class Engine:
         process (without one, the bootstrap service runs in this process)."""
         config.validate()
         self.config = config
+        self.shut_down = False
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -230,23 +232,41 @@ class Engine:
 
     def validate(self, request: GenerateRequest) -> None:
         """Raise InvalidRequestError if `request` cannot run here; changes nothing."""
+        self._check_running()
         self.scheduler.validate(request)
 
     def add_request(self, request: GenerateRequest) -> None:
+        self._check_running()
         self.scheduler.add_request(request)
 
     def abort_request(self, rid: str, message: str = "aborted") -> list[TokenOutput]:
         return self.scheduler.abort_request(rid, message)
 
     def step(self) -> list[TokenOutput]:
+        self._check_running()
         return self.scheduler.step()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     def shutdown(self) -> None:
+        """Finish the step in flight, stop the executor, the KV transfers and the grammar
+        compiler, and let go of the model, the KV pool and the CUDA graphs, so that their
+        device memory is free when this returns even if the Engine object lives on (an
+        offline `LLM` kept in a notebook). Later calls do nothing; requests are refused."""
+        if self.shut_down:
+            return
+        self.shut_down = True
         self.scheduler.drain()
         self.executor.shutdown()
         self.role.close()
         if self.scheduler.grammars is not None:
             self.scheduler.grammars.shutdown()
+        del self.model
+        gc.collect()  # the runner's pieces refer to one another
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_running(self) -> None:
+        if self.shut_down:
+            raise RuntimeError("the engine has been shut down: start a new one")
