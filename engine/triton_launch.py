@@ -10,9 +10,9 @@ Only the launch overlaps, never the data: each kernel launched this way calls
 wrote, and the kernel after it (which may start early in turn) sees all of its writes.
 
 On the H200 this took 62 µs off a batch-1 decode step of 4.73 ms (FlashInfer attention,
-one pair of runs).
-Launching the Triton decode attention's two kernels this way too made that backend's step
-about 0.1 ms slower, so they launch plainly (benchmarks/README.md, eighth session).
+one pair of runs). Launching the Triton decode attention's two kernels this way too made
+that backend's step about 0.1 ms slower, so they launch plainly (benchmarks/README.md,
+eighth session).
 
 Kernels take `**pdl_launch(device)` at launch: `USE_PDL` (constexpr) and, where PDL is on,
 `launch_pdl`. It is off on CPUs, on older GPUs and under Triton's interpreter.

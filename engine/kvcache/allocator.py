@@ -62,9 +62,6 @@ class PageAllocator:
     def is_free(self, page: int) -> bool:
         return bool(self._is_free[page])
 
-    def pages_for(self, num_tokens: int) -> int:
-        return pages_for(num_tokens, self.page_size)
-
     def pages_of(self, slots: Sequence[int]) -> list[int]:
         """The pages of `slots`, a run of whole pages' slots (or a last page part full)."""
         return [slot // self.page_size for slot in slots[:: self.page_size]]

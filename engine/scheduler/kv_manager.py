@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kubesgl.engine.kvcache.allocator import PageAllocator
+from kubesgl.engine.kvcache.allocator import PageAllocator, pages_for
 from kubesgl.engine.kvcache.radix_cache import CacheIntegrityError, RadixCache
 from kubesgl.engine.scheduler.admission import OutputEstimate
 from kubesgl.engine.scheduler.request import Req, ReqStatus
@@ -59,7 +59,7 @@ class KVManager:
         match = self.radix.match_prefix(req.fill_ids()[:-1])
         slots, node = match.slots, match.node
         self.radix.lock(node)
-        need = self.allocator.pages_for(kv_tokens) - len(slots) // self.page_size
+        need = pages_for(kv_tokens, self.page_size) - len(slots) // self.page_size
         if need > self.available_pages():
             self.radix.unlock(node)
             return False
@@ -78,7 +78,7 @@ class KVManager:
         fails must leave nothing in the tree), and the prompt's slots are allocated at once."""
         if not self._free_rows:
             return False
-        need = self.allocator.pages_for(kv_tokens)
+        need = pages_for(kv_tokens, self.page_size)
         if need > self.available_pages():
             return False
         req.row = self._free_rows.pop()
@@ -97,7 +97,7 @@ class KVManager:
         room = (-len(req.slots)) % p  # free slots left in the request's last page
         in_page = min(room, num_tokens)
         new = [req.slots[-1] + 1 + i for i in range(in_page)]
-        pages_needed = self.allocator.pages_for(num_tokens - in_page)
+        pages_needed = pages_for(num_tokens - in_page, self.page_size)
         if pages_needed:
             unreserved = pages_needed - min(pages_needed, req.reserved_pages)
             if unreserved > self.available_pages():

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from kubesgl.engine.executor.model_runner import PendingStep
 from kubesgl.engine.forward_batch import VocabMask
+from kubesgl.engine.kvcache.allocator import pages_for
 from kubesgl.engine.messages import (
     FinishReason,
     GenerateRequest,
@@ -199,8 +200,8 @@ class Scheduler:
                 param="max_tokens",
             )
         pool = self.kv.allocator.total_pages
-        need = self.kv.allocator.pages_for(
-            self.role.kv_tokens(n, max_tokens, request.bootstrap is not None)
+        need = pages_for(
+            self.role.kv_tokens(n, max_tokens, request.bootstrap is not None), self.kv.page_size
         )
         if need > pool:
             raise InvalidRequestError(

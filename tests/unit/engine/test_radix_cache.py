@@ -110,7 +110,7 @@ def test_random_workload_keeps_integrity():
     ("tokens", "page_size", "pages"), [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (7, 1, 7)]
 )
 def test_pages_for_rounds_a_part_full_page_up(tokens, page_size, pages):
-    assert pages_for(tokens, page_size) == pages == PageAllocator(16, page_size).pages_for(tokens)
+    assert pages_for(tokens, page_size) == pages
 
 
 def test_pages_of_slots_and_slots_of_pages_invert_each_other():
