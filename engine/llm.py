@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from kubesgl.contract import MIXED
 from kubesgl.engine.config import EngineConfig
@@ -25,6 +26,58 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+
+
+Prompt = str | Sequence[int]
+Params = SamplingParams | dict[str, Any] | None
+
+
+def _is_prompt(prompt: object) -> bool:
+    return isinstance(prompt, str) or (
+        isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)
+    )
+
+
+def _prompt_list(prompts: object) -> list[Prompt]:
+    # a string or a list of ints is one prompt: neither can be a list of prompts
+    if isinstance(prompts, str) or (prompts and _is_prompt(prompts)):
+        return [prompts]  # type: ignore[list-item]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(
+            f"prompts must be a string or a list of token ids, or a list of those; got {prompts!r:.80}"
+        )
+    for i, prompt in enumerate(prompts):
+        if not _is_prompt(prompt):
+            raise TypeError(
+                f"prompt {i} must be a string or a list of token ids, got {prompt!r:.80}"
+            )
+    return list(prompts)
+
+
+def _params_list(params: object, count: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams | dict):
+        params = [params] * count
+    if not isinstance(params, Sequence):
+        raise TypeError(
+            f"sampling params must be a SamplingParams or a dict, or a list of those; got {params!r:.80}"
+        )
+    if len(params) != count:
+        raise ValueError(f"{count} prompts but {len(params)} sampling params")
+    return [_params(p) for p in params]
+
+
+def _params(params: object) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, dict):
+        known = {f.name for f in fields(SamplingParams)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise TypeError(f"unknown sampling options {unknown}; known: {sorted(known)}")
+        return SamplingParams(**params)
+    raise TypeError(f"sampling params must be a SamplingParams or a dict, got {params!r:.80}")
 
 
 class LLM:
@@ -57,20 +110,19 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompt | Sequence[Prompt],
+        params: Params | Sequence[Params] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings, or lists of token ids) and return the results
-        in prompt order. Raises InvalidRequestError, naming the problem, before anything runs
-        if any request is invalid."""
-        prompt_list: list[str | Sequence[int]] = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompt_list)
-        if len(params) != len(prompt_list):
-            raise ValueError(f"{len(prompt_list)} prompts but {len(params)} sampling params")
+        """Generate for every prompt and return the results in prompt order. A prompt is a
+        string or a list of token ids; one prompt may be given alone. Sampling options are a
+        SamplingParams or a dict of its fields (as SGLang takes them), one for all prompts or
+        one each. Raises InvalidRequestError, naming the problem, before anything runs if any
+        request is invalid."""
+        prompt_list = _prompt_list(prompts)
+        params_list = _params_list(params, len(prompt_list))
         requests = [
             GenerateRequest(rid=f"llm-{next(_ids)}", input_ids=self._token_ids(prompt), params=p)
-            for prompt, p in zip(prompt_list, params)
+            for prompt, p in zip(prompt_list, params_list)
         ]
         for request in requests:
             self.engine.validate(request)

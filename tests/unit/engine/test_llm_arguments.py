@@ -1,0 +1,48 @@
+"""`LLM.generate` takes its arguments in the forms users of vLLM and SGLang write them, and
+refuses any other with an error that says what it expected."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubesgl.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture
+def llm(tiny_model, make_llm):
+    return make_llm(tiny_model("llama"))
+
+
+def test_one_string_or_one_token_list_is_one_prompt(llm):
+    [by_text] = llm.generate("hello world", SamplingParams(max_tokens=3, temperature=0))
+    [by_ids] = llm.generate(by_text.prompt_token_ids, SamplingParams(max_tokens=3, temperature=0))
+    assert by_ids.token_ids == by_text.token_ids and len(by_text.token_ids) == 3
+
+
+def test_sampling_params_as_a_dict_as_sglang_takes_them(llm):
+    prompts = [[5, 6, 7], [8, 9]]
+    as_objects = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
+    as_dict = llm.generate(prompts, {"max_tokens": 4, "temperature": 0})
+    per_prompt = llm.generate(prompts, [{"max_tokens": 4, "temperature": 0}, {"max_tokens": 2}])
+    assert [o.token_ids for o in as_dict] == [o.token_ids for o in as_objects]
+    assert [len(o.token_ids) for o in per_prompt] == [4, 2]
+
+
+def test_an_unknown_sampling_option_is_named(llm):
+    with pytest.raises(TypeError, match=r"unknown sampling option.*'max_new_tokenz'.*max_tokens"):
+        llm.generate([[5, 6]], {"max_new_tokenz": 4})
+
+
+@pytest.mark.parametrize(
+    "prompts, params, words",
+    [
+        ([[5, 6]], 4, "SamplingParams or a dict"),
+        ([[5, 6]], [4], "SamplingParams or a dict"),
+        ([5.0], None, "a string or a list of token ids"),
+        ([[5, "6"]], None, "a string or a list of token ids"),
+        (None, None, "a string or a list of token ids"),
+    ],
+)
+def test_other_forms_are_refused_with_what_was_expected(llm, prompts, params, words):
+    with pytest.raises(TypeError, match=words):
+        llm.generate(prompts, params)
