@@ -398,7 +398,7 @@ class RouterApp:
     async def _add_worker(self, scope: Scope, body: bytes) -> Reply:
         try:
             spec = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise bad_request("the request body is not valid JSON") from None
         if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
             raise bad_request(

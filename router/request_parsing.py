@@ -103,6 +103,8 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("the request body nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     stream = body.get("stream", False)

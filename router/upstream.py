@@ -117,7 +117,7 @@ class UpstreamError(Exception):
         """An error answer. Client errors (4xx) pass through verbatim: they are the caller's."""
         try:
             message = str(json.loads(body)["error"]["message"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             message = body.decode(errors="replace").strip()[:500] or f"HTTP {status}"
         if status == 401:  # clients' credentials never reach engines: the router's own were refused
             message = (

@@ -62,7 +62,12 @@ def test_bad_requests_are_400_naming_the_parameter(path, body, param):
     assert caught.value.status == 400 and caught.value.param == param
 
 
-@pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b"\xff"])
+DEEPLY_NESTED = b'{"prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize(
+    "raw", [b"{", b"[1, 2]", b"\xff", pytest.param(DEEPLY_NESTED, id="deeply-nested")]
+)
 def test_non_object_bodies_are_400(raw):
     with pytest.raises(RouterError) as caught:
         parse_generation_request("/v1/completions", raw)
