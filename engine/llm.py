@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -127,19 +128,14 @@ class LLM:
         for request in requests:
             self.engine.validate(request)
         results = {r.rid: RequestOutput(prompt_token_ids=r.input_ids) for r in requests}
-        for request in requests:
-            self.engine.add_request(request)
         pending = set(results)
-        while pending:
-            for out in self.engine.step():
-                result = results[out.rid]
-                result.token_ids += out.token_ids
-                result.cached_tokens = out.cached_tokens
-                if out.logprobs:
-                    result.logprobs = (result.logprobs or []) + out.logprobs
-                if out.finished:
-                    result.finish_reason = out.finish_reason
-                    pending.discard(out.rid)
+        try:
+            for request in requests:
+                self.engine.add_request(request)
+            self._run(results, pending)
+        except BaseException:  # Ctrl-C, or a step that failed: the next call starts clean
+            self._abandon(pending)
+            raise
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer)
             for request in requests:
@@ -153,6 +149,27 @@ class LLM:
                     state, result.token_ids, finished=True, matched_stop=matched
                 )
         return [results[r.rid] for r in requests]
+
+    def _run(self, results: dict[str, RequestOutput], pending: set[str]) -> None:
+        while pending:
+            for out in self.engine.step():
+                result = results.get(out.rid)
+                if result is None:  # the end of a request of an earlier, interrupted call
+                    continue
+                result.token_ids += out.token_ids
+                result.cached_tokens = out.cached_tokens
+                if out.logprobs:
+                    result.logprobs = (result.logprobs or []) + out.logprobs
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+                    pending.discard(out.rid)
+
+    def _abandon(self, rids: set[str]) -> None:
+        """End the requests of an interrupted call and let go of what they hold."""
+        for rid in rids:
+            self.engine.abort_request(rid, "the generate call was interrupted")
+        with contextlib.suppress(Exception):  # the step in flight may be the one that failed
+            self.engine.scheduler.drain()
 
     def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

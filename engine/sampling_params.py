@@ -39,6 +39,14 @@ class GrammarSpec:
     param: str = field(default="response_format", compare=False)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16  # None: up to the end of the context (the server's default)
@@ -59,6 +67,10 @@ class SamplingParams:
         None  # constrained decoding: every output token keeps the text valid
     )
 
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # one stop string, as OpenAI and vLLM take it
+            self.stop = [self.stop]
+
     @property
     def greedy(self) -> bool:
         # A temperature this small is greedy in effect, and dividing by it would overflow.
@@ -77,8 +89,31 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequestError(f"{param} {message}", param=param)
 
+        # Types first (a SamplingParams built in Python has had no request model check them),
+        # so that the range checks below and the step itself only ever see the right types.
+        for name in _NUMBERS:
+            value = getattr(self, name)
+            check(_is_number(value), name, f"must be a number, got {value!r}")
+        for name in _OPTIONAL_INTS:
+            value = getattr(self, name)
+            check(value is None or _is_int(value), name, f"must be an integer, got {value!r}")
+        for name in _FLAGS:
+            value = getattr(self, name)
+            check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
         check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            isinstance(self.stop_token_ids, list) and all(map(_is_int, self.stop_token_ids)),
+            "stop_token_ids",
+            f"must be a list of token ids, got {self.stop_token_ids!r}",
+        )
+        check(isinstance(self.stop, list), "stop", f"must be a list of strings, got {self.stop!r}")
+        if self.grammar is not None:
+            check(
+                isinstance(self.grammar.spec, str),
+                self.grammar.param,
+                f"must be given as text (a JSON schema serialized), got {type(self.grammar.spec).__name__}",
+            )
+        check(
+            self.max_tokens is None or self.max_tokens >= 1,
             "max_tokens",
             f"must be at least 1, got {self.max_tokens!r}",
         )
@@ -131,3 +166,15 @@ class SamplingParams:
             "stop_token_ids",
             f"contains ids outside the vocabulary (size {vocab_size}): {bad_ids}",
         )
+
+
+_NUMBERS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+_OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs")
+_FLAGS = ("ignore_eos", "skip_special_tokens")

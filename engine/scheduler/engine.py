@@ -257,7 +257,10 @@ class Engine:
         if self.shut_down:
             return
         self.shut_down = True
-        self.scheduler.drain()
+        try:
+            self.scheduler.drain()
+        except Exception:  # its requests are ended either way; what it held must still go
+            logger.exception("the step in flight failed at shutdown")
         self.executor.shutdown()
         self.role.close()
         if self.scheduler.grammars is not None:

@@ -120,21 +120,24 @@ class Scheduler:
             prefix_leader=request.prefix_leader,
             bootstrap=request.bootstrap,
         )
+        if params.grammar is not None:  # before the request is anywhere: this may raise
+            assert self.grammars is not None  # validate() refuses grammars without a backend
+            req.grammar_compiling = self.grammars.compile(params.grammar)
         self.requests[req.rid] = req
         self.role.accept(req)
-        if params.grammar is None:
+        if req.grammar_compiling is None:
             self.waiting.append(req)
             return
-        assert self.grammars is not None  # validate() refuses grammars without a backend
-        req.grammar_compiling = self.grammars.compile(params.grammar)
         if self.wait_for_grammars:
-            req.grammar_compiling.exception()  # blocks; the outcome is handled right below
+            req.grammar_compiling.exception()  # blocks; the outcome is handled by the next step
         self.compiling.append(req)  # queued by the next step that finds its grammar compiled
 
     def _queue_compiled(self) -> list[TokenOutput]:
         """Queue the requests whose grammar is compiled; end those whose grammar cannot be."""
-        outputs, still = [], []
-        for req in self.compiling:
+        outputs: list[TokenOutput] = []
+        compiling, self.compiling = self.compiling, []  # ending one removes it from self.compiling
+        still = []
+        for req in compiling:
             future = req.grammar_compiling
             assert future is not None  # set before the request joined self.compiling
             if not future.done():
@@ -215,10 +218,6 @@ class Scheduler:
         req = self.requests.get(rid)
         if req is None or req.finished:
             return []
-        if req in self.compiling:
-            self.compiling.remove(req)
-        elif req.status is ReqStatus.WAITING:
-            self.waiting.remove(req)
         req.finish_reason = FinishReason("abort", message=message)
         self._finish(req)
         out = self._output(req, [], None)
@@ -247,19 +246,47 @@ class Scheduler:
         self._drained = []
         if batch is not None and not self.overlap:
             self._fill_vocab_mask(batch)
-        launched = (batch, self.executor.launch(batch.forward)) if batch else None
+        launched = (batch, self._launch(batch)) if batch else None
         if self.overlap:
+            in_flight, self._in_flight = self._in_flight, launched
             try:
-                if self._in_flight is not None:
-                    outputs += self._process(*self._in_flight)
+                if in_flight is not None:
+                    outputs += self._process_or_fail(*in_flight)
             finally:  # the executor waits for this mask: it must be set even if processing failed
                 if batch is not None:
                     self._fill_vocab_mask(batch)
-            self._in_flight = launched
         elif launched is not None:
-            outputs += self._process(*launched)
+            outputs += self._process_or_fail(*launched)
         self._release_completed()
         return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> Future[PendingStep]:
+        try:
+            return self.executor.launch(batch.forward)
+        except BaseException as exc:
+            self._fail_step(batch, exc)
+            raise
+
+    def _process_or_fail(
+        self, batch: ScheduledBatch, future: Future[PendingStep]
+    ) -> list[TokenOutput]:
+        try:
+            return self._process(batch, future)
+        except BaseException as exc:
+            self._fail_step(batch, exc)
+            raise
+
+    def _fail_step(self, batch: ScheduledBatch, error: BaseException) -> None:
+        """A step that failed (the device, or a bug) ends every request in it with an error,
+        kept for the next turn's outputs, and counts as completed, so that they are released
+        and the engine can serve the next requests. Its caller raises the error on."""
+        self._completed_step = max(self._completed_step, batch.step)
+        message = f"the step failed: {type(error).__name__}: {error}"
+        for req in batch.reqs:
+            if not req.finished:
+                req.finish_reason = FinishReason("error", message=message, status=500)
+                self._finish(req)
+                self._drained.append(self._output(req, [], None))
 
     def _fill_vocab_mask(self, batch: ScheduledBatch) -> None:
         """Each grammar row's allowed tokens, from its matcher, which must have accepted every
@@ -285,9 +312,9 @@ class Scheduler:
     def drain(self) -> list[TokenOutput]:
         """Finish the step in flight, if any (before shutdown or an integrity check)."""
         outputs = []
-        if self._in_flight is not None:
-            outputs = self._process(*self._in_flight)
-            self._in_flight = None
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            outputs = self._process_or_fail(*in_flight)
         self._release_completed()
         return outputs
 
@@ -503,6 +530,11 @@ class Scheduler:
             self.kv.estimate.finished(
                 len(req.output_ids), req.max_tokens
             )  # what the estimate is for
+        if req.status is ReqStatus.WAITING:  # not admitted yet (or retracted): still queued
+            if req in self.compiling:
+                self.compiling.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
         if req in self.prefilling:
             self.prefilling.remove(req)
         if req in self.decoding:

@@ -4,9 +4,11 @@ turn by turn as their scheduler loops would drive them."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 
 import pytest
 
@@ -14,6 +16,7 @@ from kubesgl.engine import InvalidRequestError, SamplingParams
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.protocol import RoomCancelled
 from kubesgl.engine.messages import BootstrapTarget, GenerateRequest
+from kubesgl.engine.sampling_params import GrammarSpec
 from kubesgl.engine.scheduler.engine import Engine
 
 _rooms = itertools.count(1)
@@ -448,3 +451,38 @@ def test_a_decode_engine_retracts_its_local_requests_never_a_rooms(
     assert decode.scheduler.stats().retractions > 0
     assert reqs["d0"].retractions == reqs["d1"].retractions == 0
     assert_idle(prefill, decode)
+
+
+@pytest.mark.parametrize("where", ["waiting", "compiling its grammar"])
+def test_a_room_cancelled_while_its_request_is_queued_frees_it_once(
+    where, tiny_model, make_engine, random_prompts, monkeypatch
+):
+    """The decode side cancels a room (its client left) while the prefill engine has not
+    admitted the room's request yet: the request ends once, and is never admitted after."""
+    model = tiny_model("llama")
+    prefill = make_engine(model, "prefill", max_running_requests=1)
+    local_prompt, prompt = random_prompts(2, 30, 40, seed=11)
+    busy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prefill.add_request(GenerateRequest("local", local_prompt, busy))  # holds the one running slot
+    prefill.step()
+    params = SamplingParams(max_tokens=5, temperature=0)
+    compiled = None
+    if where == "compiling its grammar":
+        params = dataclasses.replace(params, grammar=GrammarSpec("json_object"))
+        grammars = prefill.scheduler.grammars
+        real = grammars.compile(params.grammar)
+        compiled = Future()  # done when the test says: the cancel comes while it compiles
+        monkeypatch.setattr(grammars, "compile", lambda spec: compiled)
+    room = next(_rooms)
+    target = BootstrapTarget(room, "127.0.0.1", prefill.role.transfers.link.port)
+    prefill.add_request(GenerateRequest("p0", prompt, params, bootstrap=target))
+    prefill.role.transfers.link.deliver(RoomCancelled(room, "the client went away"))
+    outputs = step_until([prefill], lambda: "p0" not in prefill.scheduler.requests)
+    if compiled is not None:
+        compiled.set_result(real.result())
+    outputs |= step_until([prefill], lambda: not prefill.scheduler.has_work())
+    [final] = [out for out in outputs["p0"] if out.finished]
+    assert final.finish_reason.kind == "error" and "went away" in final.finish_reason.message
+    assert len(outputs["local"]) and outputs["local"][-1].finished
+    assert_idle(prefill)
+    assert len(prefill.scheduler.requests) == 0
