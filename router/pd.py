@@ -49,6 +49,12 @@ def draw_bootstrap_room() -> int:
     return random.getrandbits(63)
 
 
+# How long a prefill engine's server error waits for its decode engine's answer (see
+# `_unless_prefill_fails`): engines tell each other at once, so this only bounds a decode
+# engine that heard nothing (its prefill partner died without a word).
+DECODE_VERDICT_WAIT_S = 1.0
+
+
 class PrefillDecodePair:
     def __init__(self, upstream: UpstreamClient) -> None:
         self.upstream = upstream
@@ -85,8 +91,16 @@ class PrefillDecodePair:
         decode_task = asyncio.create_task(decode_call)
         try:
             await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-            if not decode_task.done() and prefill_task.exception() is not None:
-                raise prefill_task.exception()  # type: ignore[misc]
+            error = None if decode_task.done() else prefill_task.exception()
+            if error is not None:
+                if isinstance(error, UpstreamError) and error.answered and error.status >= 500:
+                    # A prefill engine that failed a room has told its decode engine, whose
+                    # answer follows in milliseconds; a 4xx from it is the real answer (it
+                    # refused the request and cancelled the room, which failed the prefill).
+                    await asyncio.wait({decode_task}, timeout=DECODE_VERDICT_WAIT_S)
+                    if _client_error(decode_task):
+                        return await decode_task  # raises the decode engine's 4xx
+                raise error
             return await decode_task
         except BaseException:
             await _cancel(decode_task)
@@ -151,6 +165,13 @@ class PrefillDecodePair:
 def _log_outcome(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("prefill failed after the decode answer was complete: %s", task.exception())
+
+
+def _client_error(task: asyncio.Task[Reply]) -> bool:
+    if not task.done() or task.cancelled():
+        return False
+    error = task.exception()
+    return isinstance(error, UpstreamError) and error.status < 500
 
 
 async def _cancel(task: asyncio.Future[Any]) -> None:

@@ -95,6 +95,7 @@ class UpstreamError(Exception):
         *,
         retryable: bool,
         body: bytes | None = None,
+        answered: bool = False,
     ) -> None:
         super().__init__(message)
         self.worker = worker
@@ -102,6 +103,7 @@ class UpstreamError(Exception):
         self.message = message
         self.retryable = retryable
         self._body = body
+        self.answered = answered  # the worker answered with this error (it was reached)
 
     def body(self) -> bytes:
         return self._body or error_body(self.message, error_type="upstream_error")
@@ -126,10 +128,11 @@ class UpstreamError(Exception):
             )
             log.error("%s", message)
             return cls(worker, 502, message, retryable=False)
+        retryable = status in RETRYABLE_STATUSES
         if status < 500:
-            return cls(worker, status, message, retryable=status in RETRYABLE_STATUSES, body=body)
+            return cls(worker, status, message, retryable=retryable, body=body, answered=True)
         message = f"{worker.role.value} worker {worker.url} answered {status}: {message}"
-        return cls(worker, status, message, retryable=status in RETRYABLE_STATUSES)
+        return cls(worker, status, message, retryable=retryable, answered=True)
 
 
 @dataclass

@@ -68,6 +68,7 @@ class FakeEngine:
         self.port = _free_port()
         self.healthy = True
         self.fail_status: int | None = None  # answer every generation request with this error
+        self.fail_after_s = 0.0  # ... this long after the request came
         # While set to an unset Event, answers pause (streams after their first chunk) until it is set.
         self.hold: asyncio.Event | None = None
         self.hold_after_chunks = 1
@@ -174,6 +175,7 @@ class FakeEngine:
         if unauthorized is not None:
             return unauthorized
         if self.fail_status is not None:
+            await asyncio.sleep(self.fail_after_s)
             return _error(self.fail_status, f"{self.name} fails on purpose")
         if self.prefix_cache_chars:
             self._record_prompt(_prompt_of(request.path, body))

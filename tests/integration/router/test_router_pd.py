@@ -101,6 +101,21 @@ async def test_prefill_server_error_names_the_prefill_worker(
     assert response.json()["error"]["message"].startswith(f"prefill worker {p.url} answered 500")
 
 
+async def test_a_decode_engine_that_refuses_the_request_answers_even_if_its_prefill_fails_first(
+    engines, kv_table, start_router, client
+):
+    """The decode engine refuses a request (a 400) and cancels its room; the prefill engine,
+    told so, may answer its 502 first. The client's answer is the decode engine's 400."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.fail_status = 502
+    d.fail_status, d.fail_after_s = 400, 0.2
+    async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "d0 fails on purpose"
+
+
 async def test_decode_error_names_the_decode_worker(engines, kv_table, start_router, client):
     (p,), (d,) = await pd_pool(engines, kv_table)
     d.fail_status = 503
