@@ -30,11 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_api_key_args(server)
     server.add_argument(
-        "--served-model-name", default=None, help="model name in the API (default: --model)"
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="model name in the API (default: --model)",
     )
     server.add_argument(
         "--shutdown-timeout",
         type=float,
+        metavar="SECONDS",
         default=defaults.shutdown_timeout,
         help=f"seconds requests in flight get to finish after SIGTERM (default: {defaults.shutdown_timeout})",
     )
