@@ -158,18 +158,21 @@ def move_in_one_copy(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
     buffer filled by a single asynchronous copy. A step carries about sixteen small tensors:
     one copy each would put as many transfers on the stream between two steps."""
     tensors = list(_tensors(batch))
-    parts, starts, size = [], [], 0
+    parts, sizes, is_data = [], [], []
     for tensor in tensors:
-        data = tensor.contiguous().reshape(-1).view(torch.uint8)
-        padding = -len(data) % _ALIGN
-        parts += [data, torch.zeros(padding, dtype=torch.uint8)] if padding else [data]
-        starts.append(size)
-        size += len(data) + padding
-    staged = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        parts.append(tensor.contiguous().view(-1).view(torch.uint8))
+        sizes.append(tensor.nbytes)
+        is_data.append(True)
+        if padding := -tensor.nbytes % _ALIGN:
+            parts.append(torch.zeros(padding, dtype=torch.uint8))
+            sizes.append(padding)
+            is_data.append(False)
+    staged = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=device.type == "cuda")
     moved = host_to_device(torch.cat(parts, out=staged), device)
-    views = iter(
-        moved[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        for t, start in zip(tensors, starts)
+    pieces = (piece for piece, data in zip(moved.split(sizes), is_data) if data)
+    views = (
+        piece.view(t.dtype) if t.dim() == 1 else piece.view(t.dtype).view(t.shape)
+        for piece, t in zip(pieces, tensors)
     )
     return _replace_tensors(batch, lambda _: next(views))
 
