@@ -17,6 +17,7 @@ from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.messages import (
     AbortRequest,
     EngineInfo,
+    FinishReason,
     FlushCache,
     SchedulerStats,
     Shutdown,
@@ -187,6 +188,25 @@ class EngineClient:
 
     async def flush_cache(self) -> None:
         await self._to_tokenizer.send_pyobj(FlushCache())
+
+    def fail_all(self, message: str) -> None:
+        """End every request in flight with a 503: the engine's processes are going away and
+        no answer will come (a child process died)."""
+        reason = FinishReason("error", message=message, status=503)
+        for rid, pending in self._pending.items():
+            if not pending.finished:
+                pending.finished = True
+                pending.queue.put_nowait(
+                    TextOutput(
+                        rid,
+                        "",
+                        [],
+                        reason,
+                        pending.prompt_tokens,
+                        pending.cached_tokens,
+                        pending.output_tokens,
+                    )
+                )
 
     async def abort_all(self, message: str) -> None:
         for rid in list(self._pending):

@@ -114,7 +114,9 @@ class Server:
         for child in self.children.values():
             child.start()
 
-    def _watch_children(self, server: uvicorn.Server) -> None:
+    def _watch_children(
+        self, server: uvicorn.Server, client: EngineClient, loop: asyncio.AbstractEventLoop
+    ) -> None:
         while not self._stopping.wait(0.2):
             for name, child in self.children.items():
                 if child.exitcode is not None:
@@ -129,6 +131,10 @@ class Server:
                     )
                     self.exit_code = 1
                     self._stopping.set()
+                    # answered before the server stops, which would cut their connections
+                    loop.call_soon_threadsafe(
+                        client.fail_all, f"the engine stopped: {self.failure}"
+                    )
                     server.should_exit = True
                     return
 
@@ -169,7 +175,10 @@ class Server:
                 sig, lambda: asyncio.ensure_future(self._drain(server, client, state))
             )
         threading.Thread(
-            target=self._watch_children, args=(server,), name="child-watch", daemon=True
+            target=self._watch_children,
+            args=(server, client, loop),
+            name="child-watch",
+            daemon=True,
         ).start()
         if self.listen_socket is not None:  # uvicorn names no address when given a socket
             host, port = self.listen_socket.getsockname()[:2]

@@ -74,10 +74,32 @@ def test_a_dying_child_takes_the_server_down_with_a_clear_log(server_factory, ti
         if "spawn_main" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
     ]
     assert schedulers
+    answers: dict[str, httpx.Response] = {}
+
+    def ask(stream: bool) -> None:
+        body = {"prompt": "x", "max_tokens": 1900, "ignore_eos": True, "stream": stream}
+        url = server.base_url + "/v1/completions"
+        answers["stream" if stream else "whole"] = httpx.post(url, json=body, timeout=60)
+
+    askers = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+    for asker in askers:
+        asker.start()
+    while server.metric("kubesgl_num_running_requests") < 2:
+        time.sleep(0.02)
     os.kill(schedulers[0], signal.SIGKILL)
+    for asker in askers:
+        asker.join(timeout=30)
     assert server.process.wait(timeout=30) != 0
-    assert "exited with code -9; shutting the server down" in server.log()
+    log = server.log()
+    assert "exited with code -9; shutting the server down" in log
     assert wait_until_gone(children) == []  # the other children did not outlive the server
+    # the requests in flight were answered, not cut off
+    whole = answers["whole"]
+    assert whole.status_code == 503 and "exited with code -9" in whole.json()["error"]["message"]
+    events = [line for line in answers["stream"].text.splitlines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert "exited with code -9" in events[-2] and '"error"' in events[-2]
+    assert "CancelledError" not in log
 
 
 def test_a_model_that_fails_to_load_exits_non_zero(server_factory, tmp_path):
