@@ -47,6 +47,7 @@ class _Pending:
     output_tokens: int = 0
     sent: bool = False  # the request reached the tokenizer
     finished: bool = False  # its final output arrived
+    closed: bool = False  # its reader left before the end; aborted, its end still to come
 
 
 class EngineClient:
@@ -102,9 +103,14 @@ class EngineClient:
                 self._log_stats(message.stats)
             for out in message.outputs:
                 pending = self._pending.get(out.rid)
-                if pending is not None:
-                    self._account(pending, out)
-                    pending.queue.put_nowait(out)
+                if pending is None:
+                    continue
+                if pending.closed:  # no reader: only its end matters, which frees its id
+                    if out.finish_reason is not None:
+                        del self._pending[out.rid]
+                    continue
+                self._account(pending, out)
+                pending.queue.put_nowait(out)
 
     def _account(self, pending: _Pending, out: TextOutput) -> None:
         now = time.perf_counter()
@@ -156,8 +162,13 @@ class EngineClient:
     def generate(self, request: TokenizeRequest) -> AsyncGenerator[TextOutput, None]:
         """Outputs of one request until it finishes. The request id is taken at once (a
         duplicate raises DuplicateRequestId); leaving early, or `close`, aborts the request."""
-        if request.rid in self._pending:
-            raise DuplicateRequestId(f"request id {request.rid!r} is already in use")
+        taken = self._pending.get(request.rid)
+        if taken is not None:
+            raise DuplicateRequestId(
+                f"request id {request.rid!r} is still ending (its client left); retry shortly"
+                if taken.closed
+                else f"request id {request.rid!r} is already in use"
+            )
         pending = self._pending[request.rid] = _Pending()
         return self._outputs(request, pending)
 
@@ -176,10 +187,16 @@ class EngineClient:
             await self.close(request.rid)
 
     async def close(self, rid: str) -> None:
-        """Forget a request; one still running is aborted and counted as such."""
-        pending = self._pending.pop(rid, None)
-        if pending is None or pending.finished or not pending.sent:
+        """Forget a request; one still running is aborted and counted as such. Its id stays
+        taken until the engine's last output for it arrives: a request that reused the id
+        sooner would get that output, and the tokenizer would drop its state."""
+        pending = self._pending.get(rid)
+        if pending is None or pending.closed:
             return
+        if pending.finished or not pending.sent:
+            del self._pending[rid]
+            return
+        pending.closed = True
         await self.abort(rid, "the client disconnected")
         self._finished(pending, "abort", time.perf_counter())
 
@@ -193,8 +210,10 @@ class EngineClient:
         """End every request in flight with a 503: the engine's processes are going away and
         no answer will come (a child process died)."""
         reason = FinishReason("error", message=message, status=503)
-        for rid, pending in self._pending.items():
-            if not pending.finished:
+        for rid, pending in list(self._pending.items()):
+            if pending.closed:
+                del self._pending[rid]
+            elif not pending.finished:
                 pending.finished = True
                 pending.queue.put_nowait(
                     TextOutput(

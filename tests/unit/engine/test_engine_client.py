@@ -83,3 +83,26 @@ async def test_the_gc_pacer_starts_when_the_engine_is_ready_and_hears_whether_re
         detokenizer.close(linger=0)
         engine_client._context.destroy(linger=0)
         shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+
+
+@pytest.mark.asyncio
+async def test_a_request_id_stays_taken_until_the_engine_has_ended_its_request(client):
+    """A client that leaves and retries at once with the same rid (SGLang's /generate takes
+    one) must not get the first request's abort, nor leave the second without a reader."""
+    from kubesgl.engine.server.engine_client import DuplicateRequestId
+
+    engine_client, detokenizer = client
+    first = engine_client.generate(TokenizeRequest("r1", SamplingParams()))
+    detokenizer.send_pyobj(TextBatch([TextOutput("r1", "a", [5], None, 3, 0, 1)]))
+    await anext(first)
+    await first.aclose()  # the client left: the request is aborted, its end is on its way
+    with pytest.raises(DuplicateRequestId, match="still"):
+        engine_client.generate(TokenizeRequest("r1", SamplingParams()))
+    detokenizer.send_pyobj(TextBatch([TextOutput("r1", "", [], FinishReason("abort"), 3, 0, 1)]))
+    async with asyncio.timeout(5):
+        while engine_client.in_flight:
+            await asyncio.sleep(0.01)
+    second = engine_client.generate(TokenizeRequest("r1", SamplingParams()))
+    detokenizer.send_pyobj(TextBatch([TextOutput("r1", "b", [6], FinishReason("length"), 3, 0, 1)]))
+    outputs = [out async for out in second]
+    assert [(out.text, out.finish_reason.kind) for out in outputs] == [("b", "length")]
