@@ -34,6 +34,7 @@ from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient
 from kubesgl.engine.server.limits import (
     BodyLimit,
     check_prompt_chars,
+    check_prompt_tokens,
     check_sequences,
     check_stop_strings,
 )
@@ -278,18 +279,35 @@ def validated(ctx: Served, params: SamplingParams) -> SamplingParams:
 
 
 def within_limits(
-    ctx: Served, params: SamplingParams, prompts: int, n: int, texts: list[tuple[int, str]]
+    ctx: Served,
+    params: SamplingParams,
+    prompts: int,
+    n: int,
+    texts: list[tuple[int, str]],
+    token_prompts: list[tuple[int, str]] = [],  # noqa: B006 - never mutated
 ) -> None:
     """The request's size against the server's limits (limits.py); `texts` holds the
-    characters of each text prompt and the field that holds it."""
+    characters of each text prompt and the field that holds it, `token_prompts` the length of
+    each prompt given as token ids and its field."""
     config = ctx.state.config
+    context_length = engine_info(ctx).context_length
     try:
         check_sequences(config, prompts, n)
         check_stop_strings(config, params)
         for chars, param in texts:
-            check_prompt_chars(config, engine_info(ctx).context_length, chars, param)
+            check_prompt_chars(config, context_length, chars, param)
+        for tokens, param in token_prompts:
+            check_prompt_tokens(context_length, tokens, param)
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
+
+
+def chat_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """The characters a chat prompt renders from: the messages' text, their earlier tool
+    calls and the tools' definitions (the template writes both into the prompt)."""
+    chars = sum(len(m["content"]) for m in messages)
+    chars += sum(len(json.dumps(m["tool_calls"])) for m in messages if "tool_calls" in m)
+    return chars + (len(json.dumps(tools)) if tools else 0)
 
 
 def bootstrap(ctx: Served, body, prompts: int, n: int) -> list[BootstrapTarget | None]:
@@ -368,7 +386,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         tool_calls.format_for_model(ctx.state.config.model) if mode == "auto" else None,
     )
     messages = [m.as_template_input() for m in body.messages]
-    within_limits(ctx, params, 1, body.n, [(sum(len(m["content"]) for m in messages), "messages")])
+    within_limits(ctx, params, 1, body.n, [(chat_chars(messages, tools), "messages")])
     subs = fan_out(
         [TokenizeRequest("", params, messages=messages, tools=tools)],
         body.n,
@@ -391,17 +409,15 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServedHere
     serving(ctx, body.model)
     params = validated(ctx, body.to_sampling_params())
     prompts = body.prompts()
-    one = isinstance(body.prompt, str)
+    listed = isinstance(body.prompt, list) and any(isinstance(p, str | list) for p in body.prompt)
+    fields = [f"prompt.{i}" for i in range(len(prompts))] if listed else ["prompt"]
     within_limits(
         ctx,
         params,
         len(prompts),
         body.n,
-        [
-            (len(p), "prompt" if one else f"prompt.{i}")
-            for i, p in enumerate(prompts)
-            if isinstance(p, str)
-        ],
+        [(len(p), param) for p, param in zip(prompts, fields) if isinstance(p, str)],
+        [(len(p), param) for p, param in zip(prompts, fields) if not isinstance(p, str)],
     )
     bases = [
         TokenizeRequest("", params, **({"text": p} if isinstance(p, str) else {"input_ids": p}))
@@ -422,7 +438,14 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServedHere
 async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere) -> Response:
     serving(ctx)
     params = validated(ctx, body.to_sampling_params())
-    within_limits(ctx, params, 1, 1, [(len(body.text), "text")] if body.text is not None else [])
+    within_limits(
+        ctx,
+        params,
+        1,
+        1,
+        [(len(body.text), "text")] if body.text is not None else [],
+        [(len(body.input_ids), "input_ids")] if body.input_ids is not None else [],
+    )
     rid = body.rid or EngineClient.new_rid("gen")
     sub = TokenizeRequest(
         rid,
@@ -498,11 +521,25 @@ async def respond(
     if record is not None:
         record.rid = subs[0].rid if len(subs) == 1 else subs[0].rid.rsplit("-", 1)[0]
         record.choices, record.prompts_counted = choices, first_of_prompt
+    # A request may wait long for admission: a client that leaves meanwhile aborts it now.
+    first_outputs = asyncio.ensure_future(asyncio.gather(*(anext(s) for s in streams)))
+    disconnect = asyncio.create_task(wait_for_disconnect(request))
     try:
-        firsts = await asyncio.gather(*(anext(s) for s in streams))
+        racing: list[asyncio.Future[Any]] = [first_outputs, disconnect]
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+        if not first_outputs.done():
+            first_outputs.cancel()
+            await asyncio.gather(first_outputs, return_exceptions=True)
+            await asyncio.gather(*(client.close(sub.rid) for sub in subs))
+            return Response(status_code=499)
+        firsts = first_outputs.result()
     except BaseException:
+        first_outputs.cancel()
+        await asyncio.gather(first_outputs, return_exceptions=True)
         await asyncio.gather(*(client.close(sub.rid) for sub in subs))
         raise
+    finally:
+        disconnect.cancel()
     if record is not None:
         record.first_tokens()
     for out in firsts:

@@ -226,6 +226,41 @@ def test_bad_completion_requests_get_400(llama_server, body, param):
     )
 
 
+HUGE_TOOL = {
+    "type": "function",
+    "function": {"name": "f", "description": "d" * 1_000_000, "parameters": {"type": "object"}},
+}
+
+
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [  # refused by the API server, by their size, before anything is tokenized or sent on
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [HUGE_TOOL]},
+            "messages",
+            "characters long",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": [[5, 6], [5] * 100_000], "max_tokens": 1},
+            "prompt.1",
+            "tokens long",
+        ),
+        ("/generate", {"input_ids": [5] * 100_000}, "input_ids", "tokens long"),
+    ],
+)
+def test_a_prompt_too_long_for_the_context_is_refused_before_the_tokenizer(
+    llama_server, path, body, param, words
+):
+    got = httpx.post(
+        llama_server.base_url + path, json=body, headers={"authorization": "Bearer sk-test"}
+    )
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
 def test_bad_chat_requests_get_400(llama_server):
     headers = {"authorization": "Bearer sk-test", "content-type": "application/json"}
     url = llama_server.base_url + "/v1/chat/completions"

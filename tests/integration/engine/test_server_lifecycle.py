@@ -195,3 +195,27 @@ def test_a_model_without_tokenizer_serves_token_ids(server_factory, tiny_model, 
     assert refused.status_code == 400 and "no tokenizer" in refused.json()["error"]["message"]
     assert httpx.post(url, json={"prompt": [5], "max_tokens": 2, "stop": ["x"]}).status_code == 400
     assert server.stop() == 0
+
+
+def test_a_queued_request_whose_client_left_is_aborted_before_it_runs(server_factory, tiny_model):
+    """A client that gives up while its request waits for admission frees its place at once
+    (an abandoned request must not take capacity ahead of live ones)."""
+    server = server_factory(tiny_model("llama"), "--max-running-requests", "1")
+    url = server.base_url + "/v1/completions"
+    busy = threading.Thread(
+        target=httpx.post,
+        args=(url,),
+        kwargs={"json": {"prompt": "x", "max_tokens": 1900, "ignore_eos": True}, "timeout": 60},
+    )
+    busy.start()
+    while server.metric("kubesgl_num_running_requests") < 1:
+        time.sleep(0.02)
+    for stream in (False, True):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url, json={"prompt": "y", "max_tokens": 4, "stream": stream}, timeout=0.3)
+    deadline = time.monotonic() + 5
+    while server.metric("kubesgl_num_waiting_requests") > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.metric("kubesgl_num_waiting_requests") == 0
+    assert busy.is_alive(), "the queued requests were only aborted once the long one ended"
+    busy.join(timeout=60)

@@ -18,6 +18,7 @@ from kubesgl.engine.server.launcher import ServerOptions
 from kubesgl.engine.server.limits import (
     BodyLimit,
     check_prompt_chars,
+    check_prompt_tokens,
     check_sequences,
     check_stop_strings,
 )
@@ -99,6 +100,13 @@ def test_a_prompt_is_refused_by_its_characters_before_it_is_tokenized():
     with pytest.raises(InvalidRequestError) as caught:
         check_prompt_chars(config, 2048, 5_000_000, "prompt.3")
     assert caught.value.param == "prompt.3" and "32768" in str(caught.value)
+
+
+def test_a_token_id_prompt_that_leaves_no_room_for_an_output_is_refused():
+    check_prompt_tokens(2048, 2047, "input_ids")
+    with pytest.raises(InvalidRequestError) as caught:
+        check_prompt_tokens(2048, 2048, "prompt.1")
+    assert caught.value.param == "prompt.1" and "2048 tokens long" in str(caught.value)
 
 
 def test_the_defaults_are_generous():
