@@ -519,7 +519,7 @@ async def respond(
     first_of_prompt = {i for i, sub in enumerate(subs) if sub.prefix_leader is None}
     record: AccessRecord | None = request.scope.get("state", {}).get("access")
     if record is not None:
-        record.rid = subs[0].rid if len(subs) == 1 else subs[0].rid.rsplit("-", 1)[0]
+        record.rid = formatter.response_id
         record.choices, record.prompts_counted = choices, first_of_prompt
     # A request may wait long for admission: a client that leaves meanwhile aborts it now.
     first_outputs = asyncio.ensure_future(asyncio.gather(*(anext(s) for s in streams)))

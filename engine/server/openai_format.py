@@ -90,6 +90,7 @@ def usage(choices: list[Choice], prompts_counted: set[int]) -> dict:
 class Formatter:
     """How one endpoint shapes its final body and its stream chunks."""
 
+    response_id: str  # the `id` the answer carries (the access log's rid)
     final: Callable[[list[Choice], dict], dict]  # (choices, usage) -> the whole answer
     chunk: Callable[
         [Choice, TextOutput, int], dict
@@ -232,7 +233,7 @@ def chat_formatter(
             ]
         )
 
-    return Formatter(final, chunk, start, lambda u: {**chunk_of([]), "usage": u})
+    return Formatter(meta["id"], final, chunk, start, lambda u: {**chunk_of([]), "usage": u})
 
 
 def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
@@ -272,6 +273,7 @@ def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
         }
 
     return Formatter(
+        meta["id"],
         final,
         chunk,
         usage_chunk=lambda u: {**meta, "object": "text_completion", "choices": [], "usage": u},
@@ -302,4 +304,4 @@ def native_formatter(rid: str) -> Formatter:
             },
         }
 
-    return Formatter(lambda choices, _: body(choices[0]), lambda choice, out, _: body(choice))
+    return Formatter(rid, lambda choices, _: body(choices[0]), lambda choice, out, _: body(choice))

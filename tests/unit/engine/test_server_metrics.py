@@ -4,6 +4,7 @@ also the body limit's 413, a crash's 500 and an error that ends a stream already
 from __future__ import annotations
 
 import asyncio
+import re
 from types import SimpleNamespace
 
 import httpx
@@ -278,7 +279,8 @@ def test_one_access_line_per_request_without_prompt_or_key(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "kubesgl.access"]
     assert len(lines) == 3, lines  # /health is logged at DEBUG only
     ok, bad, unauthorized = lines
-    assert ok.startswith("POST /v1/completions 200 request_id=trace-42 rid=cmpl-")
+    # rid is the answer's id: the request's, not that of its one choice (cmpl-...-0)
+    assert re.match(r"POST /v1/completions 200 request_id=trace-42 rid=cmpl-[0-9a-f]+ ", ok), ok
     assert "prompt_tokens=3 output_tokens=2 ttft=" in ok and "duration=" in ok
     assert bad.startswith(
         "POST /v1/completions 400 request_id=- rid=- prompt_tokens=0 output_tokens=0 ttft=-"
