@@ -180,6 +180,14 @@ class KubeApi:
                 ) from None
             raise
 
+    def get(self, kind: Kind, namespace: str, name: str) -> Object | None:
+        try:
+            return self._call("GET", kind.path(namespace, name))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
     def list_children(self, kind: Kind, namespace: str, instance: str) -> list[Object]:
         """Objects of one kind that this operator made for an instance; [] if the kind is absent."""
         selector = (

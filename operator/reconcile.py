@@ -10,7 +10,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kubesgl import contract
 from kubesgl.operator import naming
-from kubesgl.operator.kube import CHILD_KINDS, KubeApi, kind_of
+from kubesgl.operator.kube import CHILD_KINDS, ApplyRejected, KubeApi, kind_of
 from kubesgl.operator.render import Object, render
 from kubesgl.operator.spec import InferenceService
 
@@ -52,6 +52,9 @@ def apply_children(api: KubeApi, isvc: InferenceService) -> list[Object]:
             api, isvc.metadata.namespace, isvc.metadata.name, isvc.metadata.uid or ""
         )
     }
+    for obj in desired:  # all checked before any is applied
+        if identity(obj) not in existing:
+            _refuse_to_take_over(api, obj, isvc.metadata.uid or "")
     for obj in desired:
         live = existing.get(identity(obj))
         if live is not None and obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
@@ -63,6 +66,20 @@ def apply_children(api: KubeApi, isvc: InferenceService) -> list[Object]:
             log.info("deleting %s %s: no longer in the spec", *identity(stale))
             api.delete(kind_of(stale), isvc.metadata.namespace, stale["metadata"]["name"])
     return desired
+
+
+def _refuse_to_take_over(api: KubeApi, obj: Object, uid: str) -> None:
+    """A child's name may already be taken by an object that is not this instance's (a
+    user's Service, or another instance's child: `a`'s `a-prefill` Service and instance
+    `a-prefill`'s router). Applying with force would merge into it and make it ours, and
+    deleting the InferenceService would then delete it."""
+    meta = obj["metadata"]
+    live = api.get(kind_of(obj), meta["namespace"], meta["name"])
+    if live is not None and not owned_by(live, uid):
+        raise ApplyRejected(
+            f"{obj['kind']} {meta['name']} already exists and is not this InferenceService's: "
+            "rename the InferenceService, or delete or rename that object"
+        )
 
 
 def _hand_over_replicas(api: KubeApi, deployment: Object, live: Object) -> None:

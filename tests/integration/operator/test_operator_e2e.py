@@ -10,7 +10,7 @@ import yaml
 from operator_harness import EXAMPLES, Cluster, OperatorProcess, wait_for
 
 from kubesgl.operator.drift import has_drifted
-from kubesgl.operator.kube import DEPLOYMENT, INFERENCE_SERVICE, kind_of
+from kubesgl.operator.kube import CHILD_KINDS, DEPLOYMENT, INFERENCE_SERVICE, kind_of
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import parse_inference_service
 
@@ -304,6 +304,39 @@ def test_a_child_the_api_server_refuses_degrades_the_service_with_its_message(
     cluster.patch_isvc("llama-pd", {"spec": {"decode": {"resources": {"limits": None}}}})
     settle(cluster, cluster.isvc("llama-pd"))
     assert cluster.condition("llama-pd", "Degraded")["status"] == "False"
+
+
+def test_an_object_of_the_same_name_that_is_not_its_own_is_never_taken_over(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    """A user's Service already holds the name a child would take: the operator refuses to
+    apply over it (server-side apply with force would merge its selector with ours and make
+    it ours, so deleting the InferenceService would delete it), says so in Degraded, and
+    leaves it as it was, also when the InferenceService goes."""
+    [service_kind] = [kind for kind in CHILD_KINDS if kind.kind == "Service"]
+    services = cluster._resource(service_kind)
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "qwen3-mixed", "namespace": "default", "labels": {"team": "web"}},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80}]},
+    }
+    services.create(body=theirs, namespace="default")
+    cluster.create_isvc(example("mixed.yaml"))
+    degraded = wait_for(
+        lambda: (
+            (c := cluster.condition("qwen3-mixed", "Degraded")).get("reason") == "ApplyFailed"
+            and c
+        ),
+        what="Degraded ApplyFailed",
+    )
+    assert "Service qwen3-mixed" in degraded["message"] and "not" in degraded["message"]
+    service = cluster.get(service_kind, "qwen3-mixed")
+    assert service is not None and service["spec"]["selector"] == {"app": "web"}
+    assert not service["metadata"].get("ownerReferences")
+    cluster.delete_isvc("qwen3-mixed")
+    wait_for(lambda: cluster.isvc("qwen3-mixed") is None, what="the InferenceService to go")
+    assert cluster.get(service_kind, "qwen3-mixed") is not None
 
 
 def test_deleting_the_inference_service_removes_its_children(
