@@ -55,17 +55,28 @@ def apply_children(api: KubeApi, isvc: InferenceService) -> list[Object]:
     for obj in desired:  # all checked before any is applied
         if identity(obj) not in existing:
             _refuse_to_take_over(api, obj, isvc.metadata.uid or "")
+    wanted = {identity(obj) for obj in desired}
+    stale = {key: child for key, child in existing.items() if key not in wanted}
+    for key in [key for key in stale if key[0] in _AUTOSCALERS]:
+        # before the new autoscaler: KEDA refuses a ScaledObject for a Deployment an HPA
+        # still scales, and an apply that fails would hold every later prune back
+        _delete(api, isvc, stale.pop(key))
     for obj in desired:
         live = existing.get(identity(obj))
         if live is not None and obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
             _hand_over_replicas(api, obj, live)
         api.apply(obj)
-    wanted = {identity(obj) for obj in desired}
-    for key, stale in existing.items():
-        if key not in wanted:
-            log.info("deleting %s %s: no longer in the spec", *identity(stale))
-            api.delete(kind_of(stale), isvc.metadata.namespace, stale["metadata"]["name"])
+    for child in stale.values():
+        _delete(api, isvc, child)
     return desired
+
+
+_AUTOSCALERS = ("HorizontalPodAutoscaler", "ScaledObject")
+
+
+def _delete(api: KubeApi, isvc: InferenceService, child: Object) -> None:
+    log.info("deleting %s %s: no longer in the spec", *identity(child))
+    api.delete(kind_of(child), isvc.metadata.namespace, child["metadata"]["name"])
 
 
 def _refuse_to_take_over(api: KubeApi, obj: Object, uid: str) -> None:

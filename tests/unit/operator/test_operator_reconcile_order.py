@@ -1,0 +1,67 @@
+"""The order in which apply_children talks to the API server, against a recording fake."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kubesgl.operator.kube import Kind
+from kubesgl.operator.reconcile import apply_children
+from kubesgl.operator.validation import parse_inference_service
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+UID = "uid-1"
+
+
+class RecordingApi:
+    """Holds objects by (kind, name) and records every write."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self.calls: list[tuple[str, str, str]] = []
+
+    def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.objects.get((kind.kind, name))
+
+    def list_children(self, kind: Kind, namespace: str, instance: str) -> list[dict[str, Any]]:
+        return [obj for (k, _), obj in self.objects.items() if k == kind.kind]
+
+    def apply(self, obj: dict[str, Any], manager: str = "", force: bool = True) -> dict[str, Any]:
+        self.calls.append(("apply", obj["kind"], obj["metadata"]["name"]))
+        live = copy.deepcopy(obj)
+        live["metadata"]["ownerReferences"] = [{"uid": UID}]
+        self.objects[(obj["kind"], obj["metadata"]["name"])] = live
+        return live
+
+    def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        self.calls.append(("delete", kind.kind, name))
+        self.objects.pop((kind.kind, name), None)
+
+
+def isvc(provider: str):
+    document = yaml.safe_load((EXAMPLES / "autoscaled-keda.yaml").read_text())
+    document["metadata"]["uid"] = UID
+    if provider == "hpa":
+        document["spec"]["autoscaling"] = yaml.safe_load(
+            (EXAMPLES / "autoscaled-hpa.yaml").read_text()
+        )["spec"]["autoscaling"]
+    return parse_inference_service(document)
+
+
+def test_switching_autoscaler_removes_the_old_one_before_the_new_one_is_applied():
+    """KEDA's admission webhook refuses a ScaledObject whose Deployment an HPA still scales:
+    applying first and pruning after would be refused on every retry."""
+    api = RecordingApi()
+    apply_children(api, isvc("hpa"))  # type: ignore[arg-type]
+    hpas = [name for (kind, name) in api.objects if kind == "HorizontalPodAutoscaler"]
+    assert hpas
+    api.calls.clear()
+    apply_children(api, isvc("keda"))  # type: ignore[arg-type]
+    first_scaled_object = next(
+        i for i, call in enumerate(api.calls) if call[:2] == ("apply", "ScaledObject")
+    )
+    deleted = {name for op, kind, name in api.calls[:first_scaled_object] if op == "delete"}
+    assert set(hpas) <= deleted, api.calls
