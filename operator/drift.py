@@ -1,8 +1,9 @@
 """Drift: does a live object still hold every field the operator applies?
 
 Live objects carry more than was applied (defaults, status, other managers' fields), so the
-check is containment, not equality. The API server rewrites resource quantities ("0.5" into
-"500m"), which is not drift either.
+check is containment, not equality. The API server rewrites quantities ("0.5" into "500m",
+"1.5Gi" into "1536Mi", "1000" into "1k") in the fields of a quantity type, which is not drift
+either: those under `_QUANTITY_FIELDS`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from typing import Any
 from kubernetes.utils import parse_quantity
 
 
+# containers' resources, an emptyDir's sizeLimit, an HPA metric's target (value, averageValue)
+_QUANTITY_FIELDS = frozenset({"resources", "sizeLimit", "target"})
+
+
 def has_drifted(desired: Any, live: Any) -> bool:
     return not _contains(live, desired, quantities=False)
 
@@ -20,7 +25,7 @@ def has_drifted(desired: Any, live: Any) -> bool:
 def _contains(live: Any, desired: Any, quantities: bool) -> bool:
     if isinstance(desired, Mapping):
         return isinstance(live, Mapping) and all(
-            key in live and _contains(live[key], value, quantities or key == "resources")
+            key in live and _contains(live[key], value, quantities or key in _QUANTITY_FIELDS)
             for key, value in desired.items()
         )
     if isinstance(desired, list):

@@ -157,7 +157,15 @@ def test_drift_is_containment_with_quantities_normalised() -> None:
     live["spec"]["replicas"] = 2
     live["spec"]["template"]["containers"][0]["image"] = "b"
     assert has_drifted(desired, live)
-    assert has_drifted({"args": ["2"]}, {"args": ["2.0"]})  # only resources are quantities
+    assert has_drifted({"args": ["2"]}, {"args": ["2.0"]})  # only quantity fields are quantities
+    # other fields the API server stores as canonical quantities
+    assert not has_drifted(
+        {"emptyDir": {"sizeLimit": "1.5Gi"}}, {"emptyDir": {"sizeLimit": "1536Mi"}}
+    )
+    hpa_metric = {"target": {"type": "AverageValue", "averageValue": "1000"}}
+    assert not has_drifted(hpa_metric, {"target": {"type": "AverageValue", "averageValue": "1k"}})
+    assert has_drifted(hpa_metric, {"target": {"type": "AverageValue", "averageValue": "2k"}})
+    assert has_drifted({"env": [{"value": "1k"}]}, {"env": [{"value": "1000"}]})
     assert has_drifted({"spec": {"x": 1}}, {})
 
 
