@@ -205,14 +205,14 @@ class PrefillAutoscaling(SpecModel):
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(ge=1)
     metric: Literal["waitingRequests", "timeToFirstToken"] = "waitingRequests"
-    target: float = Field(gt=0)
+    target: float = Field(ge=0.001)  # an HPA's quantity holds milli-units at the finest
 
 
 class DecodeAutoscaling(SpecModel):
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(ge=1)
     metric: Literal["runningRequests", "kvCacheUsage"] = "runningRequests"
-    target: float = Field(gt=0)
+    target: float = Field(ge=0.001)  # an HPA's quantity holds milli-units at the finest
 
 
 class MixedAutoscaling(SpecModel):
@@ -221,7 +221,7 @@ class MixedAutoscaling(SpecModel):
     metric: Literal["waitingRequests", "runningRequests", "kvCacheUsage", "timeToFirstToken"] = (
         "waitingRequests"
     )
-    target: float = Field(gt=0)
+    target: float = Field(ge=0.001)  # an HPA's quantity holds milli-units at the finest
 
 
 RoleAutoscaling = PrefillAutoscaling | DecodeAutoscaling | MixedAutoscaling

@@ -127,9 +127,9 @@ def test_every_example_passes_the_crd_schema(path) -> None:
         (
             "autoscaled-hpa.yaml",
             "spec.autoscaling.decode.target",
-            0,
+            0.0004,
             "spec.autoscaling.decode.target",
-            "less than or equal to the minimum",
+            "is less than the minimum of 0.001",
         ),
         (
             "autoscaled-hpa.yaml",

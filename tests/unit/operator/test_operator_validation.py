@@ -163,8 +163,8 @@ def problems_of(document) -> list[str]:
         (
             "autoscaled-hpa.yaml",
             "spec.autoscaling.prefill.target",
-            0,
-            "spec.autoscaling.prefill.target: Input should be greater than 0",
+            0.0004,  # an HPA's quantity has milli-units: this would be 0m, which it refuses
+            "spec.autoscaling.prefill.target: Input should be greater than or equal to 0.001",
         ),
         (
             "autoscaled-hpa.yaml",
