@@ -117,6 +117,17 @@ CLUSTER_READS = {
 }
 
 
+def test_liveness_port_zero_turns_the_probe_off(helm: Path) -> None:
+    """`kubesgl operator --liveness-port 0` serves no probe; the chart then declares neither
+    the port (0 is no valid containerPort) nor the probe."""
+    [deployment] = [
+        obj for obj in chart_objects(helm, "--set", "livenessPort=0") if obj["kind"] == "Deployment"
+    ]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--liveness-port=0" in container["args"]
+    assert "ports" not in container and "livenessProbe" not in container
+
+
 def test_the_operator_may_write_every_kind_it_renders(helm: Path) -> None:
     (role,) = [obj for obj in chart_objects(helm) if obj["kind"] == "ClusterRole"]
     assert_may_write_every_kind_it_renders(granted(role))
