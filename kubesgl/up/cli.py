@@ -150,10 +150,14 @@ def detach_from_terminal() -> None:
 
 
 def _can_listen(host: str, port: int) -> bool:
-    with socket.socket() as s:
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror:
+        return False
+    with socket.socket(family) as s:  # an IPv6 address needs an IPv6 socket
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router's server does
         try:
-            s.bind((host, port))
+            s.bind(address)
         except OSError:
             return False
     return True

@@ -103,3 +103,14 @@ def test_after_a_hangup_output_goes_nowhere_instead_of_failing(tmp_path):
     os.close(slave)
     os.close(master)
     assert child.wait(timeout=30) == 0
+
+
+def test_an_ipv6_address_is_free_to_listen_on_when_nothing_holds_it():
+    with socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        port = probe.getsockname()[1]
+    assert cli._can_listen("::1", port)
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", port))
+        taken.listen()
+        assert not cli._can_listen("::1", port)

@@ -294,3 +294,8 @@ def test_stop_timeouts_are_the_pods_grace_periods_without_the_prestop_pause():
     }  # the drain, the exit after it, slack
     assert local.router.stop_timeout_s == 25 + 5  # the router's graceful shutdown, and slack
     assert local.router.waits_for == (contract.PREFILL, contract.DECODE)
+
+
+def test_the_routers_url_brackets_an_ipv6_address():
+    router = local_plan(example("quickstart"), host="::1").router
+    assert router.url == f"http://[::1]:{router.port}"
