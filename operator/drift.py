@@ -13,7 +13,6 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-
 # containers' resources, an emptyDir's sizeLimit, an HPA metric's target (value, averageValue)
 _QUANTITY_FIELDS = frozenset({"resources", "sizeLimit", "target"})
 

@@ -325,8 +325,7 @@ def test_an_object_of_the_same_name_that_is_not_its_own_is_never_taken_over(
     cluster.create_isvc(example("mixed.yaml"))
     degraded = wait_for(
         lambda: (
-            (c := cluster.condition("qwen3-mixed", "Degraded")).get("reason") == "ApplyFailed"
-            and c
+            (c := cluster.condition("qwen3-mixed", "Degraded")).get("reason") == "ApplyFailed" and c
         ),
         what="Degraded ApplyFailed",
     )
