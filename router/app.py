@@ -309,7 +309,7 @@ class RouterApp:
                 exchange.answered = True
             await send({"type": "http.response.body", "body": reply.body})
             return
-        async with contextlib.aclosing(reply.chunks) as chunks:  # type: ignore[type-var]
+        async with contextlib.aclosing(reply.chunks) as chunks:
             await send(
                 {"type": "http.response.start", "status": reply.status, "headers": reply.headers}
             )

@@ -1,9 +1,10 @@
 """Per-worker circuit breaker: stop sending requests to a worker that keeps failing them.
 
 Closed: requests flow. After `failure_threshold` consecutive failures it opens and the worker
-gets no requests for `cooldown_s`. Then it is half-open: requests flow again, the first
-success closes it and the first failure opens it for another cooldown. Health checks are a
-separate signal (a worker can answer /health and still fail every request).
+gets no requests for `cooldown_s`. Then it is half-open: one trial request may go; its
+success closes it, its failure opens it for another cooldown, and if it is cancelled (no
+verdict) another may go. Health checks are a separate signal (a worker can answer /health
+and still fail every request).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class CircuitBreaker:
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     consecutive_failures: int = 0
     opened_at: float | None = None
+    trial_running: bool = False  # half-open: the one request let through has not ended
 
     @property
     def state(self) -> BreakerState:
@@ -37,13 +39,26 @@ class CircuitBreaker:
         return BreakerState.HALF_OPEN
 
     def allows_requests(self) -> bool:
-        return self.state is not BreakerState.OPEN
+        state = self.state
+        return state is BreakerState.CLOSED or (
+            state is BreakerState.HALF_OPEN and not self.trial_running
+        )
+
+    def begin(self) -> None:
+        """A request is sent to the worker."""
+        if self.state is BreakerState.HALF_OPEN:
+            self.trial_running = True
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
         self.opened_at = None
+        self.trial_running = False
+
+    def record_cancelled(self) -> None:
+        self.trial_running = False
 
     def record_failure(self) -> None:
+        self.trial_running = False
         self.consecutive_failures += 1
         was_trial = self.state is BreakerState.HALF_OPEN
         if was_trial or self.consecutive_failures >= self.failure_threshold:

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, Coroutine
 from typing import Any
 
 from kubesgl.router.errors import sse_error_event
@@ -20,6 +20,7 @@ from kubesgl.router.request_parsing import ParsedRequest
 from kubesgl.router.upstream import (
     Headers,
     Reply,
+    Stream,
     StreamingReply,
     UpstreamClient,
     UpstreamError,
@@ -79,7 +80,14 @@ class PrefillDecodePair:
             await _cancel(prefill_task)
             raise
         if isinstance(reply, StreamingReply):
-            reply.chunks = self._stream_watching_prefill(reply.chunks, prefill_task)
+            decode_stream = reply.chunks
+
+            async def release() -> None:  # if no chunk was ever read
+                await _cancel(prefill_task)
+                await decode_stream.aclose()
+
+            watching = self._stream_watching_prefill(decode_stream, prefill_task)
+            reply.chunks = Stream(watching, release)
         else:
             self._let_finish(prefill_task)
         return reply
@@ -93,7 +101,12 @@ class PrefillDecodePair:
             await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
             error = None if decode_task.done() else prefill_task.exception()
             if error is not None:
-                if isinstance(error, UpstreamError) and error.answered and error.status >= 500:
+                if (
+                    isinstance(error, UpstreamError)
+                    and error.answered
+                    and error.status >= 500
+                    and not error.retryable  # refused before any work: nobody was told
+                ):
                     # A prefill engine that failed a room has told its decode engine, whose
                     # answer follows in milliseconds; a 4xx from it is the real answer (it
                     # refused the request and cancelled the room, which failed the prefill).
@@ -111,12 +124,12 @@ class PrefillDecodePair:
             ):
                 reply = decode_task.result()
                 if isinstance(reply, StreamingReply):
-                    await reply.chunks.aclose()  # type: ignore[attr-defined]
+                    await reply.chunks.aclose()
             raise
 
     async def _stream_watching_prefill(
-        self, chunks: AsyncIterator[bytes], prefill_task: asyncio.Task[None]
-    ) -> AsyncIterator[bytes]:
+        self, chunks: Stream, prefill_task: asyncio.Task[None]
+    ) -> AsyncGenerator[bytes, None]:
         complete = False
         try:
             # Race each chunk against the prefill only while the prefill is still running.
@@ -134,7 +147,7 @@ class PrefillDecodePair:
                     break
                 chunk = await next_chunk
                 if chunk is _END:
-                    complete = True
+                    complete = not chunks.broke_off
                     return
                 yield chunk
             error = prefill_task.exception()
@@ -144,13 +157,13 @@ class PrefillDecodePair:
                 return
             async for chunk in chunks:
                 yield chunk
-            complete = True
+            complete = not chunks.broke_off  # a decode that broke off needs no prefill
         finally:
             if complete:
                 self._let_finish(prefill_task)
             else:
                 await _cancel(prefill_task)
-            await chunks.aclose()  # type: ignore[attr-defined]
+            await chunks.aclose()
 
     def _let_finish(self, prefill_task: asyncio.Task[None]) -> None:
         """The client has its answer: the prefill drain may end on its own, errors only logged."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -142,11 +142,44 @@ class BufferedReply:
     body: bytes
 
 
+class Stream:
+    """The body of a streamed answer, chunk by chunk; whoever takes it must `aclose()` it.
+    Closing releases what the answer holds even if no chunk was read: an async generator
+    closed before its first chunk runs none of its body, its `finally` included."""
+
+    def __init__(
+        self,
+        chunks: AsyncGenerator[bytes, None],
+        release: Callable[[], Awaitable[None]],
+        attempt: Attempt | None = None,
+    ) -> None:
+        self._chunks, self._release, self._attempt = chunks, release, attempt
+        self._closed = False
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await anext(self._chunks)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._chunks.aclose()  # a started generator releases in its `finally`
+        await self._release()  # what it left, if it never started
+
+    @property
+    def broke_off(self) -> bool:
+        """The worker failed mid-answer (the stream ended with an SSE error event)."""
+        return self._attempt is not None and self._attempt.worker_failed is True
+
+
 @dataclass
 class StreamingReply:
     status: int
     headers: Headers
-    chunks: AsyncIterator[bytes]  # an async generator: the consumer must aclose() it
+    chunks: Stream
 
 
 Reply = BufferedReply | StreamingReply
@@ -155,18 +188,23 @@ Reply = BufferedReply | StreamingReply
 class Attempt:
     """One request on one worker: counts it in flight and records its outcome exactly once."""
 
-    __slots__ = ("worker", "_metrics", "_finished")
+    __slots__ = ("worker", "_metrics", "_finished", "worker_failed")
 
     def __init__(self, worker: Worker, metrics: RouterMetrics) -> None:
         self.worker = worker
         self._metrics = metrics
         self._finished = False
+        self.worker_failed: bool | None = None  # set at the end; None: cancelled
         worker.in_flight += 1
+        worker.breaker.begin()
 
-    def finish(self, status: str, *, worker_failed: bool) -> None:
+    def finish(self, status: str, *, worker_failed: bool | None) -> None:
+        """`worker_failed` None: the request was cancelled (the client left, or the other side
+        of a P/D pair failed), which says nothing of the worker: its breaker is not told."""
         if self._finished:
             return
         self._finished = True
+        self.worker_failed = worker_failed
         self.worker.in_flight -= 1
         if worker_failed:
             was_open = not self.worker.breaker.allows_requests()
@@ -178,8 +216,10 @@ class Attempt:
                     self.worker.breaker.consecutive_failures,
                     status,
                 )
-        else:
+        elif worker_failed is False:
             self.worker.breaker.record_success()
+        else:
+            self.worker.breaker.record_cancelled()
         self._metrics.attempt_finished(self.worker, status)
 
 
@@ -252,11 +292,17 @@ class UpstreamClient:
                 response.close()
             raise
         except BaseException:  # cancelled: the client left, or the other side of a P/D pair failed
-            attempt.finish("cancelled", worker_failed=False)
+            attempt.finish("cancelled", worker_failed=None)
             if response is not None:
                 response.close()
             raise
-        return StreamingReply(status, reply_headers, self._relay(first, chunks, response, attempt))
+
+        async def release() -> None:
+            attempt.finish("cancelled", worker_failed=None)
+            response.close()
+
+        relay = self._relay(first, chunks, response, attempt)
+        return StreamingReply(status, reply_headers, Stream(relay, release, attempt))
 
     async def _read_all(self, worker: Worker, response: aiohttp.ClientResponse) -> bytes:
         try:
@@ -273,7 +319,7 @@ class UpstreamClient:
         chunks: AsyncIterator[bytes],
         response: aiohttp.ClientResponse,
         attempt: Attempt,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         complete = False
         try:
             if first:
@@ -291,7 +337,7 @@ class UpstreamClient:
                 f"{worker.role.value} worker {worker.url} broke off the stream: {_reason(exc)}"
             )
         except (asyncio.CancelledError, GeneratorExit):
-            attempt.finish("cancelled", worker_failed=False)
+            attempt.finish("cancelled", worker_failed=None)
             raise
         finally:
             if complete:

@@ -69,6 +69,7 @@ class FakeEngine:
         self.healthy = True
         self.fail_status: int | None = None  # answer every generation request with this error
         self.fail_after_s = 0.0  # ... this long after the request came
+        self.fail_after_kv: int | None = None  # prefill: send the KV cache, then this error
         # While set to an unset Event, answers pause (streams after their first chunk) until it is set.
         self.hold: asyncio.Event | None = None
         self.hold_after_chunks = 1
@@ -215,8 +216,14 @@ class FakeEngine:
         assert self.kv is not None
         for room in _rooms(body):
             self.kv.fill((body["bootstrap_host"], body["bootstrap_port"], room), self.name)
+        if self.fail_after_kv is not None:
+            return _error(self.fail_after_kv, f"{self.name} fails after sending the KV cache")
         if self.hold is not None:  # the KV cache is sent, the answer is not
-            await self.hold.wait()
+            try:
+                await self.hold.wait()
+            except asyncio.CancelledError:
+                self.client_gone.set()
+                raise
         return web.json_response(self._completion(request.path))
 
     def _text(self, index: int) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -114,6 +115,62 @@ async def test_a_decode_engine_that_refuses_the_request_answers_even_if_its_pref
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "d0 fails on purpose"
+
+
+async def test_a_decode_stream_closed_unread_is_no_longer_counted_in_flight(
+    engines, kv_table, start_router, client
+):
+    """The prefill answers 500 after sending the KV cache, while the decode's stream has
+    begun: the client gets the prefill's error, and the decode worker's request is closed and
+    counted as finished (closing a relay that was never read used to run none of its body)."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.fail_after_kv = 500
+    async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
+        await router.ready()
+        response = await client.post(
+            router.url + "/v1/completions", json={"prompt": "x", "stream": True}
+        )
+        assert response.status_code == 500
+        async with asyncio.timeout(2):
+            while any(w.in_flight for w in router.app.workers.all()):
+                await asyncio.sleep(0.02)
+
+
+async def test_a_decode_stream_that_breaks_closes_the_prefill_request(
+    engines, kv_table, start_router, client
+):
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.hold = asyncio.Event()  # the prefill sends the KV cache, then holds its answer
+    d.hold = asyncio.Event()
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        body = {"prompt": "x", "stream": True}
+        async with client.stream("POST", router.url + "/v1/completions", json=body) as response:
+            lines = (line async for line in response.aiter_lines() if line)
+            assert "d0-tok0" in await anext(lines)
+            await d.kill()
+            async with asyncio.timeout(5):
+                rest = [line async for line in lines]
+        assert "broke off the stream" in rest[-1]
+        async with asyncio.timeout(2):  # the prefill's request is closed, not left to run on
+            await p.client_gone.wait()
+            while any(w.in_flight for w in router.app.workers.all()):
+                await asyncio.sleep(0.02)
+
+
+async def test_a_prefill_that_refuses_before_working_is_retried_at_once(
+    engines, kv_table, start_router, client
+):
+    prefills, (d,) = await pd_pool(engines, kv_table, prefills=2)
+    prefills[0].fail_status = 503  # overloaded: retryable, and its decode engine hears nothing
+    config = pd_config(prefills, [d], policy="round_robin", breaker_failure_threshold=100)
+    async with start_router(**config) as router:
+        await router.ready()
+        for _ in range(2):
+            started = time.monotonic()
+            response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 200
+            assert time.monotonic() - started < 0.5  # no wait for a decode verdict
 
 
 async def test_decode_error_names_the_decode_worker(engines, kv_table, start_router, client):

@@ -27,3 +27,36 @@ def test_opens_after_consecutive_failures_and_recovers_through_half_open():
     clock.now += 10
     breaker.record_success()
     assert breaker.state is BreakerState.CLOSED
+
+
+def test_half_open_lets_one_trial_request_through_at_a_time():
+    clock = Clock()
+    breaker = CircuitBreaker(failure_threshold=1, cooldown_s=10, clock=clock)
+    breaker.record_failure()
+    clock.now += 10
+    assert breaker.allows_requests()
+    breaker.begin()  # the trial is sent
+    assert breaker.state is BreakerState.HALF_OPEN and not breaker.allows_requests()
+    breaker.record_cancelled()  # its client left: no verdict, another trial may go
+    assert breaker.allows_requests()
+    breaker.begin()
+    breaker.record_success()
+    assert breaker.state is BreakerState.CLOSED and breaker.allows_requests()
+    breaker.begin()  # closed: any number of requests
+    breaker.begin()
+    assert breaker.allows_requests()
+
+
+def test_a_cancelled_request_says_nothing_of_the_worker():
+    """A client that gives up on a slow, failing worker must not reset its failure count."""
+    from kubesgl.router.metrics import RouterMetrics
+    from kubesgl.router.upstream import Attempt
+    from kubesgl.router.workers import Role, Worker, WorkerRegistry
+
+    worker = Worker("http://w:1", Role.MIXED, CircuitBreaker(failure_threshold=2))
+    metrics = RouterMetrics(WorkerRegistry())
+    Attempt(worker, metrics).finish("500", worker_failed=True)
+    Attempt(worker, metrics).finish("cancelled", worker_failed=None)
+    assert worker.breaker.consecutive_failures == 1
+    Attempt(worker, metrics).finish("500", worker_failed=True)
+    assert worker.breaker.state is BreakerState.OPEN and worker.in_flight == 0
