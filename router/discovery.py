@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from kubesgl import contract
-from kubesgl.router.workers import Role, WorkerRegistry
+from kubesgl.router.workers import DISCOVERED, Role, WorkerRegistry
 
 log = logging.getLogger("kubesgl.router")
 
@@ -223,12 +223,12 @@ class PodWatcher:
         if wanted == current:
             return
         if current is not None:
-            self.workers.remove(current.url)
+            self.workers.remove(current.url, pod=name)
             del self._pods[name]
         if wanted is not None:
             try:
                 self.workers.add(
-                    wanted.url, wanted.role, wanted.bootstrap_port, source="kubernetes", pod=name
+                    wanted.url, wanted.role, wanted.bootstrap_port, source=DISCOVERED, pod=name
                 )
             except ValueError as exc:  # a link-local pod IP: this pod stays out, the others come in
                 log.warning("pod %s is not a worker: %s", name, exc)

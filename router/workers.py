@@ -62,6 +62,9 @@ def validate_worker_url(url: str) -> str:
     return url
 
 
+DISCOVERED = "kubernetes"  # a worker's source when pod discovery added it
+
+
 @dataclass(eq=False)
 class Worker:
     url: str
@@ -132,7 +135,8 @@ class WorkerRegistry:
         existing = self._workers.get(url)
         if existing is not None:
             if existing.role is role and existing.bootstrap_port == bootstrap_port:
-                existing.pod = pod or existing.pod
+                if existing.source == source:  # a new pod at a gone pod's address owns it now
+                    existing.pod = pod or existing.pod
                 return existing
             self.remove(url)
         worker = Worker(url, role, self.make_breaker(), bootstrap_port, source, pod)
@@ -143,13 +147,18 @@ class WorkerRegistry:
         self._notify()
         return worker
 
-    def remove(self, url: str) -> Worker | None:
-        worker = self._workers.pop(normalize_url(url), None)
-        if worker is not None:
-            log.info("worker removed: %s", worker.url)
-            for callback in self._on_removed:
-                callback(worker)
-            self._notify()
+    def remove(self, url: str, pod: str | None = None) -> Worker | None:
+        """Removes the worker at `url`; with `pod`, only if discovery added it for that pod
+        (another pod may have its address now, or a static worker may share it)."""
+        url = normalize_url(url)
+        worker = self._workers.get(url)
+        if worker is None or (pod is not None and (worker.source, worker.pod) != (DISCOVERED, pod)):
+            return None
+        del self._workers[url]
+        log.info("worker removed: %s", worker.url)
+        for callback in self._on_removed:
+            callback(worker)
+        self._notify()
         return worker
 
     def get(self, url: str) -> Worker | None:

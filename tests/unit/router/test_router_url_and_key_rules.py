@@ -242,3 +242,28 @@ def test_an_engine_refusing_the_routers_key_is_a_gateway_error_naming_the_variab
     assert error.status == 502 and not error.retryable
     assert API_KEY_ENV in error.message and worker.url in error.message
     assert json.loads(error.body())["error"]["code"] is None
+
+
+def test_a_pod_that_goes_never_takes_away_a_worker_it_does_not_own():
+    """A new pod may get a gone pod's IP before the watch reports the old one gone, and a
+    static --worker may share a pod's address: removing the old pod removes neither."""
+    registry = WorkerRegistry()
+    registry.add("http://10.1.2.9:30000", Role.MIXED)  # --worker
+    watcher = PodWatcher(registry, "llm", {"app": "x"})
+
+    def pod(name: str, ip: str) -> dict:
+        return {"metadata": {"name": name, "labels": {"app": "x"}},
+                "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+
+    watcher._on_event({"type": "ADDED", "object": pod("a", "10.1.2.3")})
+    watcher._on_event({"type": "ADDED", "object": pod("b", "10.1.2.3")})  # a's IP, reused
+    watcher._on_event({"type": "DELETED", "object": pod("a", "10.1.2.3")})
+    watcher._on_event({"type": "ADDED", "object": pod("c", "10.1.2.9")})
+    watcher._on_event({"type": "DELETED", "object": pod("c", "10.1.2.9")})
+    assert sorted(w.url for w in registry.all()) == [
+        "http://10.1.2.3:30000",
+        "http://10.1.2.9:30000",
+    ]
+    assert registry.get("http://10.1.2.9:30000").source == "static"
+    watcher._on_event({"type": "DELETED", "object": pod("b", "10.1.2.3")})
+    assert [w.url for w in registry.all()] == ["http://10.1.2.9:30000"]
