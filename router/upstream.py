@@ -49,8 +49,15 @@ NOT_SENT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 def end_to_end_headers(headers: Headers) -> Headers:
-    """Drops the headers that describe one connection, not the message."""
-    return [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP]
+    """Drops the headers that describe one connection, not the message: the standard ones
+    and those a `Connection` header names (RFC 9110, 7.6.1)."""
+    named = {
+        token.strip().lower()
+        for k, v in headers
+        if k.lower() == b"connection"
+        for token in v.split(b",")
+    }
+    return [(k, v) for k, v in headers if k.lower() not in _HOP_BY_HOP and k.lower() not in named]
 
 
 def forwarded_headers(headers: Headers, credentials: Headers) -> Headers:

@@ -233,6 +233,11 @@ def test_engines_get_the_routers_credentials_never_the_clients():
     ]  # fmt: skip
 
 
+def test_headers_a_connection_header_names_are_the_connections_and_stay_behind():
+    client = [(b"connection", b"keep-alive, X-Hop"), (b"x-hop", b"1"), (b"x-request-id", b"7")]
+    assert forwarded_headers(client, []) == [(b"x-request-id", b"7")]
+
+
 def test_an_engine_refusing_the_routers_key_is_a_gateway_error_naming_the_variable():
     worker = WorkerRegistry().add("http://127.0.0.1:1", Role.MIXED)
     body = json.dumps(
