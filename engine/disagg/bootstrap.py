@@ -210,6 +210,10 @@ class BootstrapServer:
         self._http.server_close()
 
 
+# Failures before a request left: the prefill engine cannot have seen it.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
 @dataclass(eq=False)
 class _Peer:
     """One registration with a prefill engine, and the rooms posted under it."""
@@ -234,6 +238,11 @@ class BootstrapClient:
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, connect=3.0))
         self._workers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kubesgl-kv-rooms")
+        # Registrations on threads of their own: posts wait for them, and on the posts' pool
+        # a burst of posts could take every thread and leave the registration none.
+        self._registrations = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="kubesgl-kv-register"
+        )
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}  # prefill engine address -> its current registration
         self._posts: dict[int, Future] = {}
@@ -268,7 +277,7 @@ class BootstrapClient:
         (or the last one failed). Call with the lock held."""
         peer = self._peers.get(address)
         if peer is None or (peer.registration.done() and peer.registration.exception() is not None):
-            peer = self._peers[address] = _Peer(self._workers.submit(self._register, address))
+            peer = self._peers[address] = _Peer(self._registrations.submit(self._register, address))
         return peer
 
     def _lost(self, address: str, peer: _Peer, error: str) -> None:
@@ -293,29 +302,34 @@ class BootstrapClient:
         return answer.json()["instance"]
 
     def _post(self, room: int, address: str, slots: list[int]) -> None:
+        """A room joins its peer's watched rooms (those a lost peer fails) only once the
+        peer may have it: a post still under way is no room of an instance that went."""
         body = {"room": room, "engine": self.engine, "slots": slots}
+        peer: _Peer | None = None
         try:
             for attempt in range(2):
                 with self._lock:
                     peer = self._current(address)
-                    peer.rooms.add(room)
                 peer.registration.result()
                 answer = self._http.post(f"{address}/kv/rooms", json=body)
                 if answer.status_code == 404 and _code(answer) == UNKNOWN_PEER and attempt == 0:
                     # A new instance at that address: the old one, and its rooms, are gone.
-                    with self._lock:
-                        peer.rooms.discard(room)
                     self._lost(address, peer, f"the prefill engine at {address} restarted")
                     continue
                 _raise_for_status(answer)
+                self._watch_room(peer, room)
                 return
-        except httpx.TransportError as exc:  # nothing answered: the same as a peer lost mid-request
+        except httpx.TransportError as exc:
+            maybe_taken = not isinstance(exc, _NOT_SENT)
+            if maybe_taken and peer is not None:  # its death, at least, must free the slots
+                self._watch_room(peer, room)
             self.emit(
                 PostFailed(
                     room,
                     f"the prefill engine at {address} could not be reached for room {room}: "
                     f"{_why(exc)}",
                     FailureReason.PEER_LOST,
+                    maybe_taken=maybe_taken,
                 )
             )
             raise
@@ -326,6 +340,12 @@ class BootstrapClient:
                 )
             )
             raise
+
+    def _watch_room(self, peer: _Peer, room: int) -> None:
+        with self._lock:
+            if not peer.rooms:  # watched from now: silence before this is no silence of ours
+                peer.last_ok = time.monotonic()
+            peer.rooms.add(room)
 
     def _still_queued(self, address: str, rooms: list[int]) -> None:
         try:
@@ -388,6 +408,7 @@ class BootstrapClient:
     def close(self) -> None:
         self._stop.set()
         self._workers.shutdown(wait=False, cancel_futures=True)
+        self._registrations.shutdown(wait=False, cancel_futures=True)
         self._http.close()
 
 

@@ -12,6 +12,7 @@ learned over HTTP and the rooms its clock timed out.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,8 @@ from kubesgl.engine.disagg.protocol import (
 )
 from kubesgl.engine.disagg.ranks import RankConsensus
 from kubesgl.engine.messages import BootstrapTarget
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,9 @@ class DecodeTransfers:
     def poll(self) -> list[DecodeOutcome]:
         """Applies what every rank saw since the last turn. A collective on more than one rank."""
         local: list[DecodeFact | BootstrapFact] = [
-            NoteArrived(self.consensus.rank, RoomNote.decode(m)) for m in self.agent.notifications()
+            NoteArrived(self.consensus.rank, note)
+            for note in map(_note_or_none, self.agent.notifications())
+            if note is not None
         ]
         if self.link is not None:
             local += self.link.drain()
@@ -165,6 +170,11 @@ class DecodeTransfers:
             return [DecodeOutcome(fact.room, error=error, reason=FailureReason.TIMEOUT)]
         if isinstance(fact, PostFailed):
             state = self._rooms.get(fact.room)
+            if fact.maybe_taken:  # as a timeout: fail the request, keep the slots until told
+                if state is None or not state.waiting:
+                    return []
+                self.cancel(fact.room, fact.error)
+                return [DecodeOutcome(fact.room, error=fact.error, reason=fact.reason)]
             if (
                 state is not None and self.link is not None
             ):  # its request may run there all the same
@@ -231,3 +241,13 @@ class DecodeTransfers:
         if self.link is not None:
             self.link.close()
         self.agent.close()
+
+
+def _note_or_none(message: bytes) -> RoomNote | None:
+    """A NIXL notification's note; None (and a warning) for anything else: any agent this one
+    registered with may notify it."""
+    try:
+        return RoomNote.decode(message)
+    except ValueError as exc:
+        logger.warning("dropped a notification that is no room note (%s): %.100r", exc, message)
+        return None

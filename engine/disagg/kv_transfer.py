@@ -26,6 +26,8 @@ def layout_of(pool: KVPool, agent: str) -> PoolLayout:
         memory="VRAM" if first.device.type == "cuda" else "DRAM",
         device_id=first.device.index or 0,
         slot_bytes=first[0].numel() * first.element_size(),
+        slot_shape=tuple(first.shape[1:]),
+        dtype=str(first.dtype).removeprefix("torch."),
         num_slots=pool.num_slots,
         k_addresses=tuple(t.data_ptr() for t in pool.k),
         v_addresses=tuple(t.data_ptr() for t in pool.v),

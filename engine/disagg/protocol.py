@@ -55,15 +55,24 @@ class RoomNote:
 
     @classmethod
     def decode(cls, data: bytes) -> RoomNote:
-        body = json.loads(data)
-        return cls(
-            **{
-                **body,
-                "status": RoomStatus(body["status"]),
-                "top_logprobs": [tuple(pair) for pair in body["top_logprobs"]],
-                "reason": FailureReason(body["reason"]) if body["reason"] else None,
-            }
-        )
+        """Raises ValueError for anything but a note `encode` made (any NIXL peer may notify)."""
+        try:
+            body = json.loads(data)
+            note = cls(
+                **{
+                    **body,
+                    "status": RoomStatus(body["status"]),
+                    "top_logprobs": [(int(i), float(p)) for i, p in body["top_logprobs"]],
+                    "reason": FailureReason(body["reason"]) if body["reason"] else None,
+                }
+            )
+        except (TypeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"not a room note: {exc}") from None
+        if not isinstance(note.room, int) or (
+            note.status is RoomStatus.DONE and not isinstance(note.first_token, int)
+        ):
+            raise ValueError("not a room note: a room number, and a DONE note's first token")
+        return note
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,8 @@ class PoolLayout:
     memory: str  # "DRAM" | "VRAM"
     device_id: int
     slot_bytes: int  # one slot of one layer's K (or V) buffer
+    slot_shape: tuple[int, ...]  # of one slot: KV heads, head dim
+    dtype: str  # the KV cache's element type: equal bytes of another type would be garbage
     num_slots: int
     k_addresses: tuple[int, ...]  # each layer's K buffer
     v_addresses: tuple[int, ...]
@@ -84,17 +95,20 @@ class PoolLayout:
         return cls(
             **{
                 **body,
+                "slot_shape": tuple(body["slot_shape"]),
                 "k_addresses": tuple(body["k_addresses"]),
                 "v_addresses": tuple(body["v_addresses"]),
             }
         )
 
     def check_compatible(self, peer: PoolLayout) -> None:
-        if len(self.k_addresses) != len(peer.k_addresses) or self.slot_bytes != peer.slot_bytes:
+        mine = (len(self.k_addresses), len(self.v_addresses), self.slot_shape, self.dtype)
+        theirs = (len(peer.k_addresses), len(peer.v_addresses), peer.slot_shape, peer.dtype)
+        if mine != theirs or self.slot_bytes != peer.slot_bytes:
             raise ValueError(
-                f"KV pools differ: {len(self.k_addresses)} layers of {self.slot_bytes} bytes per slot "
-                f"here, {len(peer.k_addresses)} of {peer.slot_bytes} at {peer.agent} (same model, "
-                "dtype, KV cache dtype and tensor-parallel size are needed on both sides)"
+                f"KV pools differ: {mine[0]} layers of slots {list(self.slot_shape)} {self.dtype} "
+                f"here, {theirs[0]} of {list(peer.slot_shape)} {peer.dtype} at {peer.agent} (same "
+                "model, dtype, KV cache dtype and tensor-parallel size are needed on both sides)"
             )
 
 
@@ -195,12 +209,15 @@ class RoomsQueued:
 
 @dataclass(frozen=True)
 class PostFailed:
-    """The prefill engine never took the room, so no write into its slots can come: it said
-    no (REFUSED), or it could not be reached (PEER_LOST: it died or was never there)."""
+    """Posting the room failed. Either the prefill engine never took it, so no write into
+    its slots can come: it said no (REFUSED), or it could not be reached (PEER_LOST: it died
+    or was never there). Or (`maybe_taken`) the connection broke after the post was sent: it
+    may have taken the room, and the slots wait for its last word, or for its death."""
 
     room: int
     error: str
     reason: FailureReason = FailureReason.REFUSED
+    maybe_taken: bool = False
 
 
 @dataclass(frozen=True)

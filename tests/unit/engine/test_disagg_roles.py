@@ -387,11 +387,18 @@ def test_a_failed_kv_write_fails_the_request_on_both_engines(
     assert decode.role.stats().failures_by_reason == {"transfer": 1}
 
 
+@pytest.mark.parametrize("differs", ["head_dim", "dtype"])
 def test_engines_whose_pools_differ_fail_the_request_with_the_reason(
-    tiny_model, make_engine, random_prompts
+    differs, tiny_model, make_engine, random_prompts
 ):
-    prefill = make_engine(tiny_model("llama", head_dim=32), "prefill")
-    decode = make_engine(tiny_model("llama"), "decode")
+    """Pools whose slots hold other shapes, or the same bytes of another type (float16 KV
+    read as bfloat16 would be garbage, silently), refuse each other."""
+    if differs == "head_dim":
+        prefill = make_engine(tiny_model("llama", head_dim=32), "prefill")
+        decode = make_engine(tiny_model("llama"), "decode")
+    else:
+        prefill = make_engine(tiny_model("llama"), "prefill", dtype="float16")
+        decode = make_engine(tiny_model("llama"), "decode", dtype="bfloat16")
     [prompt] = random_prompts(1, 12, 12, seed=7)
     submit_pair(prefill, decode, "0", prompt, SamplingParams(max_tokens=4))
     started = time.monotonic()

@@ -6,6 +6,7 @@ once no write into them can come."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -327,3 +328,104 @@ def test_a_decode_engine_of_another_tensor_parallel_size_is_refused_with_the_rea
     p.decode.expect(p.target(18), [1])
     _, [outcome] = p.run(released(18))
     assert outcome.reason is FailureReason.REFUSED and "tensor-parallel size 2" in outcome.error
+
+
+# -- failures found by a review (ninth session): each test failed before its fix ----------------
+
+
+def test_first_posts_to_a_new_prefill_engine_arrive_while_every_worker_thread_waits(pair):
+    """A burst of rooms posted at once to a prefill engine not registered with yet: each post
+    waits for the registration, which waited for a worker thread that no post would free (a
+    deadlock for good). Here seven threads are kept busy and the eighth post is the first."""
+    p = pair()
+    client, address = p.decode.link.service.client, p.target(0).address
+    busy = threading.Event()
+    for _ in range(7):
+        client._workers.submit(busy.wait, 10)
+    try:
+        client.post(100, address, [0])
+        p.run(lambda s, a: 100 in p.prefill._posted, timeout=5)
+    finally:
+        busy.set()
+
+
+def test_a_post_whose_answer_is_lost_holds_the_slots_until_the_prefill_side_says(pair):
+    """The prefill engine took the room but its answer came too late: the decode side fails
+    the request, yet may reuse the room's slots only once no write can come (here: its
+    cancel reached the prefill engine, which drops the room)."""
+    p = pair(timeout=5.0)
+    client = p.decode.link.service.client
+    client._http.timeout = httpx.Timeout(0.5)
+    original = p.server.post_room
+
+    def slow(body):
+        answer = original(body)  # the room is taken...
+        time.sleep(1.0)  # ...but the answer is late
+        return answer
+
+    p.server.post_room = slow
+    p.decode.expect(p.target(21), [40, 41])
+    _, arrived = p.run(released(21))
+    failed = [o for o in arrived if o.error is not None]
+    assert failed and not failed[0].released, arrived
+    assert 21 not in p.prefill._posted  # released only once the prefill side dropped the room
+
+
+def test_one_late_heartbeat_after_an_idle_spell_does_not_declare_a_peer_dead(pair):
+    p = pair(dead_after_s=1.0)
+    p.decode.expect(p.target(31), [1])
+    p.run(lambda s, a: 31 in p.prefill._posted)
+    p.prefill.abandon(31, FailureReason.REFUSED, "no")
+    p.run(released(31))
+    time.sleep(1.5)  # no rooms at that prefill engine: no heartbeat either
+    original, calls = p.server.health, []
+
+    def slow_once():
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.3)  # later than the heartbeat's timeout (0.1 s here)
+        return original()
+
+    p.server.health = slow_once
+    p.decode.expect(p.target(32), [2])
+    p.run(lambda s, a: len(calls) >= 3 or a, timeout=5)
+    assert p.decode.waiting(32)
+
+
+def test_concurrent_posts_after_a_restart_keep_the_rooms_the_new_instance_took(
+    pair, filled_kv_pool
+):
+    p = pair()
+    p.decode.link.service.client.heartbeat_s = 30  # a restart between two heartbeats
+    p.decode.expect(p.target(50), [1])
+    p.run(lambda s, a: 50 in p.prefill._posted)
+    port = p.server.port
+    p.prefill.close()
+    restarted = Pair(filled_kv_pool, 10.0, port=port)
+    try:
+        p.prefill, p.server = restarted.prefill, restarted.server
+        rooms = set(range(51, 57))
+        for i, room in enumerate(sorted(rooms)):  # a burst right after the restart
+            p.decode.expect(p.target(room), [10 + i])
+        _, arrived = p.run(lambda s, a: rooms <= set(p.prefill._posted) or a, timeout=8)
+        time.sleep(0.3)
+        arrived += p.decode.poll()
+        lost = {o.room for o in arrived if o.reason is FailureReason.PEER_LOST}
+        assert not (lost & set(p.prefill._posted)), (lost, sorted(p.prefill._posted))
+        assert lost <= {50}  # the room posted at the instance that went
+    finally:
+        restarted.decode.close()
+
+
+def test_a_malformed_notification_is_dropped(pair):
+    p = pair()
+    p.decode.expect(p.target(60), [1])
+    p.run(lambda s, a: 60 in p.prefill._posted)  # the prefill agent knows the decode agent now
+    p.prefill_agent.notify(p.decode_agent.name, b"not json")
+    done_without_token = RoomNote(60, RoomStatus.DONE).encode()
+    p.prefill_agent.notify(p.decode_agent.name, done_without_token)
+    time.sleep(0.2)
+    for _ in range(20):
+        assert not [o for o in p.decode.poll() if o.note is not None]
+        time.sleep(0.01)
+    assert p.decode.waiting(60)

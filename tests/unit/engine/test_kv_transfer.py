@@ -57,7 +57,8 @@ def test_pools_of_different_shapes_are_refused(filled_kv_pool):
     decode = KVTransferAgent(filled_kv_pool(None, layers=3, kv_heads=4))
     try:
         with pytest.raises(
-            ValueError, match="KV pools differ: 3 layers of 32 bytes per slot here, 3 of 64"
+            ValueError,
+            match=r"KV pools differ: 3 layers of slots \[2, 8\] bfloat16 here, 3 of \[4, 8\] bfloat16",
         ):
             prefill.connect(decode.metadata, decode.layout)
     finally:
