@@ -34,6 +34,7 @@ import zmq
 from kubesgl import contract
 from kubesgl.engine.child_process import exit_with_parent
 from kubesgl.engine.disagg.protocol import (
+    MAX_ROOM,
     BootstrapFact,
     BootstrapRequest,
     CancelRoom,
@@ -62,6 +63,17 @@ Emit = Callable[[BootstrapFact], None]
 
 UNKNOWN_PEER = "unknown_peer"  # POST /kv/rooms from an engine this instance has not registered
 UNKNOWN_ROOM = "unknown_room"  # DELETE /kv/rooms/{room} of a room never posted here
+_MAX_BODY_BYTES = 64 << 20  # a registration of many ranks, or a room of a very long prompt
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _room(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_ROOM:
+        return value
+    raise ValueError(f"a room is an integer in [0, {MAX_ROOM}], got {value!r}")
 
 
 class BootstrapServer:
@@ -80,7 +92,7 @@ class BootstrapServer:
         self.instance = uuid.uuid4().hex  # a restarted engine is a new instance
         self._room_memory_s = room_memory_s
         self._lock = threading.Lock()
-        self._engines: set[str] = set()
+        self._engines: dict[str, int] = {}  # registered decode engines: their pools' slots
         self._rooms: dict[int, float] = {}  # posted rooms, until forgotten: a duplicate is a 409
         self._http = ThreadingHTTPServer((host, port), self._handler())
         self._http.daemon_threads = True
@@ -107,32 +119,37 @@ class BootstrapServer:
         for rank in ranks:
             self.layout.check_compatible(rank.layout)
         with self._lock:
-            self._engines.add(str(body["engine"]))
+            self._engines[str(body["engine"])] = min(rank.layout.num_slots for rank in ranks)
         self.emit(PeerRegistered(str(body["engine"]), ranks))
         return 200, {"instance": self.instance}
 
     def post_room(self, body: dict) -> tuple[int, dict]:
-        room, engine, slots = (
-            int(body["room"]),
-            str(body["engine"]),
-            tuple(int(s) for s in body["slots"]),
-        )
+        room, engine, slots = _room(body["room"]), str(body["engine"]), body["slots"]
         now = time.monotonic()
         with self._lock:
-            if engine not in self._engines:
+            num_slots = self._engines.get(engine)
+            if num_slots is None:
                 return 404, {
                     "error": f"decode engine {engine} is not registered with this prefill engine",
                     "code": UNKNOWN_PEER,
                 }
+            if not isinstance(slots, list) or not all(
+                _is_int(s) and 0 <= s < num_slots for s in slots
+            ):
+                raise ValueError(f"slots must be slot numbers of the decode engine's {num_slots}")
             self._rooms = {r: t for r, t in self._rooms.items() if now - t < self._room_memory_s}
             if room in self._rooms:
                 return 409, {"error": f"room {room} is already in use"}
             self._rooms[room] = now
-        self.emit(RoomPosted(room, engine, slots))
+        self.emit(RoomPosted(room, engine, tuple(slots)))
         return 200, {}
 
     def rooms_queued(self, body: dict) -> tuple[int, dict]:
-        self.emit(RoomsQueued(tuple(int(room) for room in body["rooms"])))
+        with self._lock:
+            known = str(body["engine"]) in self._engines
+        if not known:  # only a registered decode engine may keep rooms from timing out
+            return 404, {"error": "not registered with this prefill engine", "code": UNKNOWN_PEER}
+        self.emit(RoomsQueued(tuple(_room(room) for room in body["rooms"])))
         return 200, {}
 
     def cancel_room(self, room: int, reason: str) -> tuple[int, dict]:
@@ -153,6 +170,7 @@ class BootstrapServer:
             # path of its request's first token. (One request per connection: a server that is
             # closed must stop answering at once, heartbeats on open connections included.)
             disable_nagle_algorithm = True
+            timeout = 30  # seconds a connection may sit idle or send slowly: threads are not free
 
             def do_GET(self):  # noqa: N802 - http.server's naming
                 if self.path != "/health":
@@ -177,7 +195,7 @@ class BootstrapServer:
                     return self._reply(404, {"error": f"no such path {self.path}"})
                 self._answer(
                     lambda: server.cancel_room(
-                        int(self.path[len(prefix) :]), self._body().get("reason", "")
+                        _room(int(self.path[len(prefix) :])), str(self._body().get("reason", ""))
                     )
                 )
 
@@ -190,7 +208,12 @@ class BootstrapServer:
 
             def _body(self) -> dict:
                 length = int(self.headers.get("content-length", 0))
-                return json.loads(self.rfile.read(length)) if length else {}
+                if not 0 <= length <= _MAX_BODY_BYTES:
+                    raise ValueError(f"a body of {length} bytes")
+                body = json.loads(self.rfile.read(length)) if length else {}
+                if not isinstance(body, dict):
+                    raise ValueError("the body must be a JSON object")
+                return body
 
             def _reply(self, status: int, body: dict) -> None:
                 data = json.dumps(body).encode()

@@ -429,3 +429,23 @@ def test_a_malformed_notification_is_dropped(pair):
         assert not [o for o in p.decode.poll() if o.note is not None]
         time.sleep(0.01)
     assert p.decode.waiting(60)
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status",
+    [
+        ("DELETE", "/kv/rooms/5", [1, 2], 400),  # a body that is no JSON object
+        ("POST", "/kv/rooms", {"room": -3.7, "engine": "decode-test", "slots": [1]}, 400),
+        ("POST", "/kv/rooms", {"room": 2**63, "engine": "decode-test", "slots": [1]}, 400),
+        ("POST", "/kv/rooms", {"room": 9, "engine": "decode-test", "slots": [-5, True]}, 400),
+        ("POST", "/kv/rooms", {"room": 9, "engine": "decode-test", "slots": [10**9]}, 400),
+        ("POST", "/kv/rooms/queued", {"engine": "nobody", "rooms": [1]}, 404),
+    ],
+)
+def test_the_bootstrap_server_refuses_malformed_requests(pair, method, path, body, status):
+    p = pair()
+    p.decode.expect(p.target(70), [1])  # decode-test registers
+    p.run(lambda s, a: 70 in p.prefill._posted)
+    answer = httpx.request(method, f"http://127.0.0.1:{p.server.port}{path}", json=body)
+    assert answer.status_code == status, answer.text
+    assert httpx.get(f"http://127.0.0.1:{p.server.port}/health").status_code == 200
