@@ -116,9 +116,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt and return the results in prompt order. A prompt is a
         string or a list of token ids; one prompt may be given alone. Sampling options are a
-        SamplingParams or a dict of its fields (as SGLang takes them), one for all prompts or
-        one each. Raises InvalidRequestError, naming the problem, before anything runs if any
-        request is invalid."""
+        SamplingParams or a dict of its fields, one for all prompts or one each. Raises
+        InvalidRequestError, naming the problem, before anything runs if any request is
+        invalid."""
         prompt_list = _prompt_list(prompts)
         params_list = _params_list(params, len(prompt_list))
         requests = [

@@ -44,21 +44,22 @@ class CircuitBreaker:
             state is BreakerState.HALF_OPEN and not self.trial_running
         )
 
-    def begin(self) -> None:
-        """A request is sent to the worker."""
-        if self.state is BreakerState.HALF_OPEN:
+    def begin(self) -> bool:
+        """A request is sent to the worker; True when it is the half-open trial, whose end
+        (`end_trial`) lets the next one through."""
+        if self.state is BreakerState.HALF_OPEN and not self.trial_running:
             self.trial_running = True
+            return True
+        return False
+
+    def end_trial(self) -> None:
+        self.trial_running = False
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
         self.opened_at = None
-        self.trial_running = False
-
-    def record_cancelled(self) -> None:
-        self.trial_running = False
 
     def record_failure(self) -> None:
-        self.trial_running = False
         self.consecutive_failures += 1
         was_trial = self.state is BreakerState.HALF_OPEN
         if was_trial or self.consecutive_failures >= self.failure_threshold:

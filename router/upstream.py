@@ -195,7 +195,7 @@ Reply = BufferedReply | StreamingReply
 class Attempt:
     """One request on one worker: counts it in flight and records its outcome exactly once."""
 
-    __slots__ = ("worker", "_metrics", "_finished", "worker_failed")
+    __slots__ = ("worker", "_metrics", "_finished", "_trial", "worker_failed")
 
     def __init__(self, worker: Worker, metrics: RouterMetrics) -> None:
         self.worker = worker
@@ -203,7 +203,7 @@ class Attempt:
         self._finished = False
         self.worker_failed: bool | None = None  # set at the end; None: cancelled
         worker.in_flight += 1
-        worker.breaker.begin()
+        self._trial = worker.breaker.begin()
 
     def finish(self, status: str, *, worker_failed: bool | None) -> None:
         """`worker_failed` None: the request was cancelled (the client left, or the other side
@@ -213,6 +213,8 @@ class Attempt:
         self._finished = True
         self.worker_failed = worker_failed
         self.worker.in_flight -= 1
+        if self._trial:
+            self.worker.breaker.end_trial()
         if worker_failed:
             was_open = not self.worker.breaker.allows_requests()
             self.worker.breaker.record_failure()
@@ -225,8 +227,6 @@ class Attempt:
                 )
         elif worker_failed is False:
             self.worker.breaker.record_success()
-        else:
-            self.worker.breaker.record_cancelled()
         self._metrics.attempt_finished(self.worker, status)
 
 

@@ -329,11 +329,14 @@ class BootstrapClient:
         peer may have it: a post still under way is no room of an instance that went."""
         body = {"room": room, "engine": self.engine, "slots": slots}
         peer: _Peer | None = None
+        sent = False  # this attempt's post left: a broken connection may hide a taken room
         try:
             for attempt in range(2):
+                sent = False
                 with self._lock:
                     peer = self._current(address)
-                peer.registration.result()
+                peer.registration.result()  # its failure: the room was not posted
+                sent = True
                 answer = self._http.post(f"{address}/kv/rooms", json=body)
                 if answer.status_code == 404 and _code(answer) == UNKNOWN_PEER and attempt == 0:
                     # A new instance at that address: the old one, and its rooms, are gone.
@@ -343,7 +346,7 @@ class BootstrapClient:
                 self._watch_room(peer, room)
                 return
         except httpx.TransportError as exc:
-            maybe_taken = not isinstance(exc, _NOT_SENT)
+            maybe_taken = sent and not isinstance(exc, _NOT_SENT)
             if maybe_taken and peer is not None:  # its death, at least, must free the slots
                 self._watch_room(peer, room)
             self.emit(

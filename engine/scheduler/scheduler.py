@@ -246,17 +246,21 @@ class Scheduler:
         self._drained = []
         if batch is not None and not self.overlap:
             self._fill_vocab_mask(batch)
-        launched = (batch, self._launch(batch)) if batch else None
-        if self.overlap:
-            in_flight, self._in_flight = self._in_flight, launched
-            try:
-                if in_flight is not None:
-                    outputs += self._process_or_fail(*in_flight)
-            finally:  # the executor waits for this mask: it must be set even if processing failed
-                if batch is not None:
-                    self._fill_vocab_mask(batch)
-        elif launched is not None:
-            outputs += self._process_or_fail(*launched)
+        try:
+            launched = (batch, self._launch(batch)) if batch else None
+            if self.overlap:
+                in_flight, self._in_flight = self._in_flight, launched
+                try:
+                    if in_flight is not None:
+                        outputs += self._process_or_fail(*in_flight)
+                finally:  # the executor waits for this mask: it must be set even if this failed
+                    if batch is not None:
+                        self._fill_vocab_mask(batch)
+            elif launched is not None:
+                outputs += self._process_or_fail(*launched)
+        except BaseException:
+            self._drained = outputs + self._drained  # not lost: the next turn hands them out
+            raise
         self._release_completed()
         return outputs
 
@@ -264,7 +268,11 @@ class Scheduler:
         try:
             return self.executor.launch(batch.forward)
         except BaseException as exc:
-            self._fail_step(batch, exc)
+            # It never ran: its requests wait only for the step in flight, if there is one.
+            running = self._in_flight[0].step if self._in_flight else self._completed_step
+            for req in batch.reqs:
+                req.last_step = min(req.last_step, running)
+            self._fail_requests(batch, exc)
             raise
 
     def _process_or_fail(
@@ -273,14 +281,14 @@ class Scheduler:
         try:
             return self._process(batch, future)
         except BaseException as exc:
-            self._fail_step(batch, exc)
+            self._completed_step = max(self._completed_step, batch.step)  # it ran, and ended
+            self._fail_requests(batch, exc)
             raise
 
-    def _fail_step(self, batch: ScheduledBatch, error: BaseException) -> None:
+    def _fail_requests(self, batch: ScheduledBatch, error: BaseException) -> None:
         """A step that failed (the device, or a bug) ends every request in it with an error,
-        kept for the next turn's outputs, and counts as completed, so that they are released
+        kept for the next turn's outputs, so that they are released once no step uses them
         and the engine can serve the next requests. Its caller raises the error on."""
-        self._completed_step = max(self._completed_step, batch.step)
         message = f"the step failed: {type(error).__name__}: {error}"
         for req in batch.reqs:
             if not req.finished:
@@ -437,7 +445,7 @@ class Scheduler:
     # -- results -----------------------------------------------------------------------
     def _process(self, batch: ScheduledBatch, future: Future[PendingStep]) -> list[TokenOutput]:
         result = future.result().wait()
-        self._completed_step = batch.step
+        self._completed_step = max(self._completed_step, batch.step)
         outputs = []
         for i, req in enumerate(batch.reqs):
             req.num_computed += batch.extend_lens[i]

@@ -284,7 +284,7 @@ def within_limits(
     prompts: int,
     n: int,
     texts: list[tuple[int, str]],
-    token_prompts: list[tuple[int, str]] = [],  # noqa: B006 - never mutated
+    token_prompts: Sequence[tuple[int, str]] = (),
 ) -> None:
     """The request's size against the server's limits (limits.py); `texts` holds the
     characters of each text prompt and the field that holds it, `token_prompts` the length of

@@ -61,7 +61,7 @@ def test_an_engine_answers_the_same_on_batches_moved_in_one_copy(
             assert (b.dtype, b.shape) == (a.dtype, a.shape) and torch.equal(a, b)
         buffers = {t.untyped_storage().data_ptr() for t in after}
         assert len(buffers) == 1, "one buffer, filled by one copy"
-        assert all(t.data_ptr() % t.element_size() == 0 for t in after)
+        assert all(t.data_ptr() % 16 == 0 for t in after)  # as Triton specialises pointers
         assert all(t.untyped_storage().data_ptr() not in buffers for t in before)
         plain = {f.name for f in dataclasses.fields(ForwardBatch)} - {"sampling"}
         for name in plain:

@@ -35,16 +35,34 @@ def test_half_open_lets_one_trial_request_through_at_a_time():
     breaker.record_failure()
     clock.now += 10
     assert breaker.allows_requests()
-    breaker.begin()  # the trial is sent
+    assert breaker.begin()  # the trial is sent
     assert breaker.state is BreakerState.HALF_OPEN and not breaker.allows_requests()
-    breaker.record_cancelled()  # its client left: no verdict, another trial may go
+    breaker.end_trial()  # its client left: no verdict, another trial may go
     assert breaker.allows_requests()
-    breaker.begin()
+    assert breaker.begin()
+    breaker.end_trial()
     breaker.record_success()
     assert breaker.state is BreakerState.CLOSED and breaker.allows_requests()
-    breaker.begin()  # closed: any number of requests
-    breaker.begin()
+    assert not breaker.begin() and not breaker.begin()  # closed: no trial, any number
     assert breaker.allows_requests()
+
+
+def test_a_request_sent_before_half_open_does_not_end_the_trial():
+    from kubesgl.router.metrics import RouterMetrics
+    from kubesgl.router.upstream import Attempt
+    from kubesgl.router.workers import Role, Worker, WorkerRegistry
+
+    clock = Clock()
+    worker = Worker("http://w:1", Role.MIXED, CircuitBreaker(1, cooldown_s=10, clock=clock))
+    metrics = RouterMetrics(WorkerRegistry())
+    early = Attempt(worker, metrics)  # sent while closed
+    Attempt(worker, metrics).finish("500", worker_failed=True)  # opens the circuit
+    clock.now += 10
+    trial = Attempt(worker, metrics)
+    early.finish("cancelled", worker_failed=None)
+    assert not worker.breaker.allows_requests()  # the trial still runs: no second one
+    trial.finish("200", worker_failed=False)
+    assert worker.breaker.state is BreakerState.CLOSED
 
 
 def test_a_cancelled_request_says_nothing_of_the_worker():
