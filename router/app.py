@@ -383,10 +383,8 @@ class RouterApp:
         return bool(self.workers.available(Role.MIXED))
 
     async def _health_status(self, scope: Scope, body: bytes) -> Reply:
-        if not self.can_serve():  # answered, not raised: a probe's 503 is no rejected request
-            return _error_reply(
-                no_worker("the router has no worker (or prefill/decode pair) that can serve")
-            )
+        if not self.can_serve():
+            raise no_worker("the router has no worker (or prefill/decode pair) that can serve")
         return json_reply(200, {"status": "ok"})
 
     async def _metrics(self, scope: Scope, body: bytes) -> Reply:
