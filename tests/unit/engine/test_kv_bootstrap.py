@@ -75,6 +75,17 @@ class Pair:
             time.sleep(0.002)
         return sent, arrived
 
+    def restart_prefill(self, filled_kv_pool, posted_room: int) -> Pair:
+        """Post `posted_room`, then restart the prefill side on the same address: a new
+        instance that has never heard of this decode side. Returns the pair the new prefill
+        side came from (close its decode side)."""
+        self.decode.expect(self.target(posted_room), [1])
+        self.run(lambda s, a: posted_room in self.prefill._posted)
+        self.prefill.close()
+        restarted = Pair(filled_kv_pool, 10.0, port=self.server.port)
+        self.prefill, self.server = restarted.prefill, restarted.server
+        return restarted
+
     def close(self):
         self.decode.close()
         self.prefill.close()
@@ -276,14 +287,9 @@ def test_a_dead_prefill_engine_fails_its_rooms_within_the_heartbeat_window(pair)
 
 def test_a_restarted_prefill_engine_is_registered_with_again(pair, filled_kv_pool):
     p = pair()
-    p.decode.expect(p.target(15), [1])
-    p.run(lambda s, a: 15 in p.prefill._posted)
+    restarted = p.restart_prefill(filled_kv_pool, posted_room=15)
     port = p.server.port
-    p.prefill.close()
-    # The same address, a new engine: it has never heard of the decode engine.
-    restarted = Pair(filled_kv_pool, 10.0, port=port)
     try:
-        p.prefill, p.server = restarted.prefill, restarted.server
         p.decode.expect(p.target(16), [2, 3])
         p.prefill.open(16)
         p.prefill.prefilled(16, [5, 6], note(16, 9))
@@ -397,13 +403,8 @@ def test_concurrent_posts_after_a_restart_keep_the_rooms_the_new_instance_took(
 ):
     p = pair()
     p.decode.link.service.client.heartbeat_s = 30  # a restart between two heartbeats
-    p.decode.expect(p.target(50), [1])
-    p.run(lambda s, a: 50 in p.prefill._posted)
-    port = p.server.port
-    p.prefill.close()
-    restarted = Pair(filled_kv_pool, 10.0, port=port)
+    restarted = p.restart_prefill(filled_kv_pool, posted_room=50)
     try:
-        p.prefill, p.server = restarted.prefill, restarted.server
         rooms = set(range(51, 57))
         for i, room in enumerate(sorted(rooms)):  # a burst right after the restart
             p.decode.expect(p.target(room), [10 + i])
