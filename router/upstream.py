@@ -161,12 +161,13 @@ class Stream:
         attempt: Attempt | None = None,
     ) -> None:
         self._chunks, self._release, self._attempt = chunks, release, attempt
-        self._closed = False
+        self._started = self._closed = False
 
     def __aiter__(self) -> Stream:
         return self
 
     async def __anext__(self) -> bytes:
+        self._started = True  # the generator enters its `try` in the same step
         return await anext(self._chunks)
 
     async def aclose(self) -> None:
@@ -174,7 +175,8 @@ class Stream:
             return
         self._closed = True
         await self._chunks.aclose()  # a started generator releases in its `finally`
-        await self._release()  # what it left, if it never started
+        if not self._started:  # a finished one must not: its prefill may still be answering
+            await self._release()
 
     @property
     def broke_off(self) -> bool:

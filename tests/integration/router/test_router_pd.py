@@ -7,6 +7,7 @@ import json
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kubesgl.router.routing import DisaggregationSettings
 
@@ -288,3 +289,34 @@ async def test_a_saturated_prefill_pool_sends_new_requests_to_a_decode_worker_al
         assert (await first).status_code == 200
     assert second.status_code == 200 and len(p.requests) == 1
     assert "bootstrap_room" not in d.requests[-1]["body"]
+
+
+async def test_a_complete_decode_stream_lets_a_slow_prefill_answer_finish(
+    engines, kv_table, start_router, client
+):
+    """The decode stream ends before the prefill engine's answer (it sent the KV cache, then
+    held its answer): the prefill request runs to its end and is counted as a 200, not
+    cancelled when the client's stream is closed."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.hold = asyncio.Event()
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        response = await client.post(
+            router.url + "/v1/completions", json={"prompt": "x", "stream": True}
+        )
+        assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+        await asyncio.sleep(0.1)  # the router has closed the client's stream
+        p.hold.set()
+        async with asyncio.timeout(2):
+            while any(w.in_flight for w in router.app.workers.all()):
+                await asyncio.sleep(0.02)
+        assert not p.client_gone.is_set()
+        metrics = (await client.get(router.url + "/metrics")).text
+    prefill_outcomes = {
+        sample.labels["status"]: sample.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "kubesgl_router_requests"
+        for sample in family.samples
+        if sample.labels.get("worker") == p.url and sample.name.endswith("_total")
+    }
+    assert prefill_outcomes == {"200": 1, "error": 0, "cancelled": 0}
