@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal, cast
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -53,6 +54,17 @@ def unsupported_unless(*no_ops: Any, instead: str = "") -> AfterValidator:
 Text = Annotated[str, AfterValidator(_utf8)]
 """Every string a request carries: valid UTF-8, or a 400 that names the field."""
 
+
+def _not_boolean(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic would take `true` for 1, as Python does
+        raise PydanticCustomError("not_a_number", "must be a number, not true or false")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_boolean)]
+Float = Annotated[float, BeforeValidator(_not_boolean)]
+"""Every number a request carries: `"max_tokens": true` is a 400, not 1 (as at OpenAI)."""
+
 TokenId = StrictInt
 """A token id: an integer, never a boolean (`true` is no token)."""
 
@@ -88,7 +100,7 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-Room = Annotated[int, Field(ge=0, le=MAX_ROOM)]
+Room = Annotated[Int, Field(ge=0, le=MAX_ROOM)]
 
 
 class _Bootstrap(_Lenient):
@@ -97,8 +109,8 @@ class _Bootstrap(_Lenient):
 
     bootstrap_host: Text | list[Text] | None = None
     bootstrap_port: (
-        Annotated[int, Field(ge=1, le=65535)]
-        | list[Annotated[int, Field(ge=1, le=65535)] | None]
+        Annotated[Int, Field(ge=1, le=65535)]
+        | list[Annotated[Int, Field(ge=1, le=65535)] | None]
         | None
     ) = None
     bootstrap_room: Room | list[Room] | None = None
@@ -186,20 +198,20 @@ class ResponseFormat(_Lenient):
 
 class _SamplingFields(_Bootstrap):
     model: Text | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    seed: int | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = None
+    temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] | None = None
+    min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+    seed: Int | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[Float, Field(gt=0)] | None = None
     skip_special_tokens: bool = True
-    n: Annotated[int, Field(ge=1, le=64)] = 1
+    n: Annotated[Int, Field(ge=1, le=64)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -308,9 +320,9 @@ class NamedToolChoice(_Lenient):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -366,10 +378,10 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | PromptList
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+    logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    max_tokens: Annotated[Int, Field(ge=1)] | None = 16  # OpenAI's default for completions
     echo: Annotated[bool, unsupported_unless(False)] = False
-    best_of: Annotated[int | None, unsupported_unless(None, 1, instead="n")] = None
+    best_of: Annotated[Int | None, unsupported_unless(None, 1, instead="n")] = None
     suffix: Annotated[str | None, unsupported_unless(None, "")] = None
 
     def prompts(self) -> list[str] | list[list[int]]:
@@ -386,18 +398,18 @@ class CompletionRequest(_SamplingFields):
 
 
 class NativeSamplingParams(_Lenient):
-    max_new_tokens: Annotated[int, Field(ge=1)] | None = 128
-    temperature: Annotated[float, Field(ge=0)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = -1
-    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    seed: int | None = None
+    max_new_tokens: Annotated[Int, Field(ge=1)] | None = 128
+    temperature: Annotated[Float, Field(ge=0)] = 1.0
+    top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[Int, Field(ge=-1)] = -1
+    min_p: Annotated[Float, Field(ge=0, le=1)] = 0.0
+    seed: Int | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    repetition_penalty: Annotated[Float, Field(gt=0)] = 1.0
     skip_special_tokens: bool = True
     # SGLang's constraints on the output, at most one: a regex, a JSON schema (as text), an EBNF grammar
     regex: Text | None = None
@@ -431,7 +443,7 @@ class GenerateRequestBody(_Bootstrap):
     stream: bool = False
     rid: Text | None = None
     return_logprob: bool = False
-    top_logprobs_num: Annotated[int, Field(ge=0, le=20)] = 0
+    top_logprobs_num: Annotated[Int, Field(ge=0, le=20)] = 0
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequestBody:

@@ -1,0 +1,66 @@
+"""`true` is no number: a boolean in any numeric field of a request is a 400 naming that
+field (pydantic, like Python, would take it for 1)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from kubesgl.engine.server.api import validation_error
+from kubesgl.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequestBody,
+    NativeSamplingParams,
+)
+
+BASES: dict[type[BaseModel], dict[str, Any]] = {
+    ChatCompletionRequest: {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+    CompletionRequest: {"model": "m", "prompt": "hi"},
+    GenerateRequestBody: {"text": "hi"},
+}
+
+
+def _numeric_fields(model: type[BaseModel]) -> list[str]:
+    """The fields whose type is a number (or a union that starts with one)."""
+    number = re.compile(r"(typing\.(Optional|Union)\[)?(typing\.Annotated\[|<class ')(int|float)\b")
+    return [name for name, info in model.model_fields.items() if number.match(str(info.annotation))]
+
+
+CASES = [(model, (name,)) for model in BASES for name in _numeric_fields(model)] + [
+    (GenerateRequestBody, ("sampling_params", name))
+    for name in _numeric_fields(NativeSamplingParams)
+]
+
+
+def _with(body: dict[str, Any], path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    if len(path) == 1:
+        return {**body, path[0]: value}
+    return {**body, path[0]: _with(body.get(path[0], {}), path[1:], value)}
+
+
+def test_the_cases_cover_the_sampling_numbers():
+    names = {".".join(path) for _, path in CASES}
+    assert {"max_tokens", "temperature", "top_p", "top_k", "seed", "n", "bootstrap_room"} <= names
+    assert "sampling_params.max_new_tokens" in names
+
+
+@pytest.mark.parametrize(
+    "model, path", CASES, ids=[f"{model.__name__}.{'.'.join(path)}" for model, path in CASES]
+)
+def test_a_boolean_number_is_a_400_naming_the_field(model, path):
+    with pytest.raises(ValidationError) as raised:
+        model.model_validate(_with(BASES[model], path, True))
+    error = validation_error(raised.value.errors())
+    assert error.status == 400 and error.param == ".".join(path), error.message
+    assert "not true or false" in error.message, error.message
+
+
+def test_numbers_are_still_numbers():
+    request = CompletionRequest.model_validate(
+        {**BASES[CompletionRequest], "max_tokens": 3, "temperature": 0, "seed": 7}
+    )
+    assert (request.max_tokens, request.temperature, request.seed) == (3, 0.0, 7)
