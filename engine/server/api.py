@@ -86,10 +86,12 @@ class APIError(Exception):
         )
 
     @classmethod
-    def of(cls, reason: FinishReason) -> APIError:
-        """The answer to a request that ended in error."""
+    def of(cls, reason: FinishReason, prompt_field: str = "prompt") -> APIError:
+        """The answer to a request that ended in error; the engine calls its prompt "prompt",
+        the client knows it by the field it came in (`messages`, `prompt.1`, `text`)."""
         type_ = "invalid_request_error" if reason.status < 500 else "server_error"
-        return cls(reason.status, reason.message or "generation failed", type_, param=reason.param)
+        param = prompt_field if reason.param == "prompt" else reason.param
+        return cls(reason.status, reason.message or "generation failed", type_, param=param)
 
     def body(self) -> dict:
         return {
@@ -398,6 +400,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         ctx,
         request,
         subs,
+        ["messages"] * len(subs),
         body.stream,
         body.include_usage,
         chat_formatter(response_meta(ctx, subs), body.logprobs, tool_output),
@@ -428,6 +431,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServedHere
         ctx,
         request,
         subs,
+        [field for field in fields for _ in range(body.n)],  # choice p * n + i: prompt p
         body.stream,
         body.include_usage,
         completion_formatter(response_meta(ctx, subs), body.logprobs is not None),
@@ -454,7 +458,10 @@ async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere)
         input_ids=body.input_ids,
         bootstrap=bootstrap(ctx, body, 1, 1)[0],
     )
-    return await respond(ctx, request, [sub], body.stream, False, native_formatter(rid))
+    prompt_field = "text" if body.text is not None else "input_ids"
+    return await respond(
+        ctx, request, [sub], [prompt_field], body.stream, False, native_formatter(rid)
+    )
 
 
 def fan_out(
@@ -506,6 +513,7 @@ async def respond(
     ctx: Served,
     request: Request,
     subs: list[TokenizeRequest],
+    prompt_fields: list[str],  # of each sub: the request field its prompt came in, for errors
     stream: bool,
     include_usage: bool,
     formatter: Formatter,
@@ -542,10 +550,10 @@ async def respond(
         disconnect.cancel()
     if record is not None:
         record.first_tokens()
-    for out in firsts:
+    for out, prompt_field in zip(firsts, prompt_fields):
         if out.finish_reason is not None and out.finish_reason.kind == "error":
             await asyncio.gather(*(s.aclose() for s in streams))
-            raise APIError.of(out.finish_reason)
+            raise APIError.of(out.finish_reason, prompt_field)
     if stream:
         return StreamingResponse(
             stream_events(
@@ -568,9 +576,11 @@ async def respond(
         return Response(status_code=499)
     disconnect.cancel()
     collect.result()
-    failed = next((c.error for c in choices if c.error is not None), None)
+    failed = next(
+        ((c.error, f) for c, f in zip(choices, prompt_fields) if c.error is not None), None
+    )
     if failed is not None:  # a request that failed after it started is no 200
-        raise APIError.of(failed)
+        raise APIError.of(*failed)
     return JSONResponse(formatter.final(choices, usage(choices, first_of_prompt)))
 
 

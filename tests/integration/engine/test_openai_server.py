@@ -261,6 +261,31 @@ def test_a_prompt_too_long_for_the_context_is_refused_before_the_tokenizer(
     assert error["param"] == param and words in error["message"], error
 
 
+LONG_TEXT = "hi " * 3000  # within the character limit, over the context once tokenized
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [  # refused by the scheduler, once tokenized: the error names the field the prompt came from
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": LONG_TEXT}]},
+            "messages",
+        ),
+        ("/v1/completions", {"prompt": ["ok", LONG_TEXT], "max_tokens": 1}, "prompt.1"),
+        ("/v1/completions", {"prompt": LONG_TEXT, "max_tokens": 1, "n": 2}, "prompt"),
+        ("/generate", {"text": LONG_TEXT}, "text"),
+    ],
+)
+def test_a_tokenized_prompt_too_long_names_its_field(llama_server, path, body, param):
+    got = httpx.post(
+        llama_server.base_url + path, json=body, headers={"authorization": "Bearer sk-test"}
+    )
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert error["param"] == param and "tokens long" in error["message"], error
+
+
 def test_bad_chat_requests_get_400(llama_server):
     headers = {"authorization": "Bearer sk-test", "content-type": "application/json"}
     url = llama_server.base_url + "/v1/chat/completions"
