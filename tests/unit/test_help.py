@@ -61,5 +61,10 @@ def test_the_top_level_help_exits_0(capsys):
     assert main(["--help"]) == 0 and "kubesgl <command>" in capsys.readouterr().out
 
 
+def test_no_command_is_a_usage_error(capsys):
+    """Nothing to run (a bare `docker run` of the image, say) fails, with the usage on stderr."""
+    assert main([]) == 2 and "kubesgl <command>" in capsys.readouterr().err
+
+
 def test_bench_without_a_kind_is_a_usage_error(capsys):
     assert main(["bench"]) == 2 and "kubesgl bench serving" in capsys.readouterr().err
