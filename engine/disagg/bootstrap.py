@@ -37,6 +37,7 @@ from kubesgl.engine.disagg.protocol import (
     MAX_ROOM,
     BootstrapFact,
     BootstrapRequest,
+    CancelConfirmed,
     CancelRoom,
     CancelUnknown,
     ConnectBootstrap,
@@ -86,11 +87,12 @@ class BootstrapServer:
         tp_size: int,
         host: str = "0.0.0.0",
         port: int = contract.BOOTSTRAP_PORT,
-        room_memory_s: float = 120.0,
+        timeout_s: float = 60.0,
     ):
         self.emit, self.layout, self.tp_size = emit, layout, tp_size
+        self.timeout_s = timeout_s  # the engine's --disaggregation-timeout
         self.instance = uuid.uuid4().hex  # a restarted engine is a new instance
-        self._room_memory_s = room_memory_s
+        self._room_memory_s = 2 * timeout_s  # no request for a room comes after this
         self._lock = threading.Lock()
         self._engines: dict[str, int] = {}  # registered decode engines: their pools' slots
         self._rooms: dict[int, float] = {}  # posted rooms, until forgotten: a duplicate is a 409
@@ -121,7 +123,7 @@ class BootstrapServer:
         with self._lock:
             self._engines[str(body["engine"])] = min(rank.layout.num_slots for rank in ranks)
         self.emit(PeerRegistered(str(body["engine"]), ranks))
-        return 200, {"instance": self.instance}
+        return 200, {"instance": self.instance, "timeout_s": self.timeout_s}
 
     def post_room(self, body: dict) -> tuple[int, dict]:
         room, engine, slots = _room(body["room"]), str(body["engine"]), body["slots"]
@@ -237,11 +239,17 @@ class BootstrapServer:
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
+@dataclass(frozen=True)
+class _Registration:
+    instance: str  # the prefill engine's: a new one means it restarted
+    timeout_s: float  # its --disaggregation-timeout, within which it aborts a write
+
+
 @dataclass(eq=False)
 class _Peer:
     """One registration with a prefill engine, and the rooms posted under it."""
 
-    registration: Future[str]  # resolves to the prefill engine's instance
+    registration: Future[_Registration]
     rooms: set[int] = field(default_factory=set)
     last_ok: float = field(default_factory=time.monotonic)
 
@@ -312,7 +320,7 @@ class BootstrapClient:
             rooms = tuple(peer.rooms)
         self.emit(PeerLost(rooms, error))
 
-    def _register(self, address: str) -> str:
+    def _register(self, address: str) -> _Registration:
         ranks = [
             {
                 "metadata": base64.b64encode(r.metadata).decode(),
@@ -322,7 +330,8 @@ class BootstrapClient:
         ]
         answer = self._http.put(f"{address}/kv/peers", json={"engine": self.engine, "ranks": ranks})
         _raise_for_status(answer)
-        return answer.json()["instance"]
+        body = answer.json()
+        return _Registration(str(body["instance"]), float(body["timeout_s"]))
 
     def _post(self, room: int, address: str, slots: list[int]) -> None:
         """A room joins its peer's watched rooms (those a lost peer fails) only once the
@@ -397,8 +406,18 @@ class BootstrapClient:
             )
             if answer.status_code == 404 and _code(answer) == UNKNOWN_ROOM:
                 self.emit(CancelUnknown(room))
+            elif answer.status_code == 200 and (registration := self._registered(address)):
+                # twice its timeout: its scheduler aborts an overdue write only between steps
+                self.emit(CancelConfirmed(room, release_after_s=2 * registration.timeout_s))
         except httpx.HTTPError as exc:  # unreachable: the heartbeat will tell whether it is dead
             logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))
+
+    def _registered(self, address: str) -> _Registration | None:
+        with self._lock:
+            peer = self._peers.get(address)
+        if peer is None or not peer.registration.done() or peer.registration.exception():
+            return None
+        return peer.registration.result()
 
     def _watch(self) -> None:
         """Heartbeat: every prefill engine with rooms answers /health as the instance we
@@ -429,7 +448,11 @@ class BootstrapClient:
                 return f"the prefill engine at {address} has not answered for {silent:.0f} s ({_why(exc)})"
             return None
         peer.last_ok = time.monotonic()
-        return f"the prefill engine at {address} restarted" if instance != registered else None
+        return (
+            f"the prefill engine at {address} restarted"
+            if instance != registered.instance
+            else None
+        )
 
     def close(self) -> None:
         self._stop.set()
@@ -455,7 +478,7 @@ class BootstrapService:
                 request.tp_size,
                 request.host,
                 request.port,
-                request.room_memory_s,
+                request.timeout_s,
             )
             logger.info("bootstrap server listening on %s:%d", request.host, self.server.port)
         elif isinstance(request, ConnectBootstrap):

@@ -20,6 +20,7 @@ from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
 from kubesgl.engine.disagg.link import BootstrapLink
 from kubesgl.engine.disagg.protocol import (
     BootstrapFact,
+    CancelConfirmed,
     CancelRoom,
     CancelUnknown,
     ConnectBootstrap,
@@ -49,7 +50,23 @@ class KVTimedOut:
     room: int
 
 
-DecodeFact = NoteArrived | KVTimedOut | PostFailed | CancelUnknown | PeerLost
+@dataclass(frozen=True)
+class LastWordOverdue:
+    """The prefill engine confirmed a cancel long enough ago that no write can come, yet its
+    last word on the room has not (a notification lost): the slots may be used again."""
+
+    room: int
+
+
+DecodeFact = (
+    NoteArrived
+    | KVTimedOut
+    | LastWordOverdue
+    | PostFailed
+    | CancelUnknown
+    | CancelConfirmed
+    | PeerLost
+)
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,7 @@ class _Room:
     notes: dict[int, RoomNote] = field(default_factory=dict)  # each rank's note, once it came
     waiting: bool = True  # its request still waits for the KV
     timed_out: bool = False  # rank 0: the timeout was announced
+    release_at: float | None = None  # rank 0: when the slots are free without a last word
 
 
 class DecodeTransfers:
@@ -153,6 +171,9 @@ class DecodeTransfers:
                 if state.waiting and not state.timed_out and now - state.asked_at > self.timeout:
                     state.timed_out = True
                     local.append(KVTimedOut(room))
+                if state.release_at is not None and now > state.release_at:
+                    state.release_at = None
+                    local.append(LastWordOverdue(room))
         outcomes: list[DecodeOutcome] = []
         for fact in self.consensus.share(local):
             outcomes += self._apply(fact)
@@ -181,6 +202,19 @@ class DecodeTransfers:
                 self.link.send(CancelRoom(fact.room, state.target.address, fact.error))
             return self._end(fact.room, fact.error, fact.reason)
         if isinstance(fact, CancelUnknown):
+            return self._end(fact.room, None, None)
+        if isinstance(fact, CancelConfirmed):
+            state = self._rooms.get(fact.room)
+            if state is not None and self.link is not None:
+                state.release_at = time.monotonic() + fact.release_after_s
+            return []
+        if isinstance(fact, LastWordOverdue):
+            if fact.room in self._rooms:
+                logger.warning(
+                    "room %d: the prefill engine's last word never came; its slots are "
+                    "released, as no write into them can come any more",
+                    fact.room,
+                )
             return self._end(fact.room, None, None)
         if isinstance(fact, PeerLost):
             return [

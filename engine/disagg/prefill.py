@@ -117,9 +117,7 @@ class PrefillTransfers:
         self.agent, self.consensus, self.link, self.timeout = agent, consensus, link, timeout
         if link is not None:
             link.send(
-                ServeBootstrap(
-                    agent.layout, consensus.tp_size, host, port, room_memory_s=2 * timeout
-                )
+                ServeBootstrap(agent.layout, consensus.tp_size, host, port, timeout_s=timeout)
             )
         self._peer_agents: dict[str, str] = {}  # decode engine -> its agent of this rank
         self._rooms: dict[int, _Room] = {}

@@ -131,7 +131,9 @@ class ServeBootstrap:
     tp_size: int
     host: str
     port: int
-    room_memory_s: float  # how long a posted room number stays taken
+    # --disaggregation-timeout: this engine aborts a KV write that runs longer (decode engines
+    # learn it at registration), and a posted room number stays taken twice as long
+    timeout_s: float
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,16 @@ class CancelUnknown:
 
 
 @dataclass(frozen=True)
+class CancelConfirmed:
+    """The prefill engine took the cancel of a room it had: it starts no write into the
+    room's slots any more, and aborts one in flight within its timeout. Should its last word
+    be lost, the slots may be used again `release_after_s` from now."""
+
+    room: int
+    release_after_s: float
+
+
+@dataclass(frozen=True)
 class PeerLost:
     """The prefill engine these rooms were posted to died or restarted: none of its writes
     can come."""
@@ -243,5 +255,6 @@ BootstrapFact = (
     | RoomsQueued
     | PostFailed
     | CancelUnknown
+    | CancelConfirmed
     | PeerLost
 )

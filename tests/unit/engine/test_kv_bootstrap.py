@@ -450,3 +450,33 @@ def test_the_bootstrap_server_refuses_malformed_requests(pair, method, path, bod
     answer = httpx.request(method, f"http://127.0.0.1:{p.server.port}{path}", json=body)
     assert answer.status_code == status, answer.text
     assert httpx.get(f"http://127.0.0.1:{p.server.port}/health").status_code == 200
+
+
+# -- a prefill engine's last word that never comes ------------------------------------------
+
+
+def test_a_room_whose_last_word_is_lost_is_released_once_no_write_can_come(pair, monkeypatch):
+    """The client left; the decode side cancelled the room and the prefill side confirmed,
+    but its note (its last word) was lost: the slots were held for as long as the prefill
+    engine lived. They are released once the prefill side's own timeout has passed twice
+    since it confirmed: a write in flight then has ended (it aborts writes at its timeout)."""
+    p = pair(timeout=0.3)
+    monkeypatch.setattr(p.prefill, "_notify", lambda engine, note: None)  # every note lost
+    p.prefill.open(80)
+    p.decode.expect(p.target(80), [1, 2])
+    p.run(lambda s, a: p.prefill._rooms[80].target is not None)
+    p.decode.cancel(80, "the client disconnected")
+    confirmed = time.monotonic()
+    _, arrived = p.run(released(80), timeout=5)
+    assert time.monotonic() - confirmed >= 2 * 0.3
+    assert [(o.room, o.error) for o in arrived] == [(80, None)] and not p.decode.has_rooms()
+
+
+def test_a_room_waiting_for_a_note_that_is_lost_times_out_and_is_released(pair, monkeypatch):
+    """The write's DONE note is lost: the room times out (504 for its request), is cancelled
+    at the prefill side, and its slots come back once no write can come."""
+    p = pair(timeout=0.3)
+    monkeypatch.setattr(p.prefill, "_notify", lambda engine, note: None)
+    p.decode.expect(p.target(81), [1])
+    _, arrived = p.run(released(81), timeout=5)
+    assert arrived[0].reason is FailureReason.TIMEOUT and arrived[-1].released
