@@ -43,6 +43,7 @@ from kubesgl.engine.disagg.protocol import (
     ConnectBootstrap,
     FailureReason,
     ForgetRoom,
+    PeerForgotten,
     PeerLost,
     PeerRegistered,
     PoolLayout,
@@ -65,6 +66,10 @@ Emit = Callable[[BootstrapFact], None]
 UNKNOWN_PEER = "unknown_peer"  # POST /kv/rooms from an engine this instance has not registered
 UNKNOWN_ROOM = "unknown_room"  # DELETE /kv/rooms/{room} of a room never posted here
 _MAX_BODY_BYTES = 64 << 20  # a registration of many ranks, or a room of a very long prompt
+# A decode engine silent this long (no registration, post or queued rooms) is forgotten: pods
+# come and go, and each registration holds a NIXL connection per rank. One that was only
+# idle registers again with its next post.
+PEER_IDLE_S = 600.0
 
 
 def _is_int(value: object) -> bool:
@@ -95,6 +100,8 @@ class BootstrapServer:
         self._room_memory_s = 2 * timeout_s  # no request for a room comes after this
         self._lock = threading.Lock()
         self._engines: dict[str, int] = {}  # registered decode engines: their pools' slots
+        self._heard_at: dict[str, float] = {}  # when each last registered, posted or queued
+        self._peer_idle_s = PEER_IDLE_S
         self._rooms: dict[int, float] = {}  # posted rooms, until forgotten: a duplicate is a 409
         self._http = ThreadingHTTPServer((host, port), self._handler())
         self._http.daemon_threads = True
@@ -104,9 +111,20 @@ class BootstrapServer:
         )
         self._thread.start()
 
-    # Each method answers (status, body); the handler does the HTTP.
+    # Each method answers (status, body); the handler does the HTTP. Facts are emitted with
+    # the lock held, so they reach the scheduler in the order the lock saw them.
     def health(self) -> tuple[int, dict]:
         return 200, {"instance": self.instance, "tp_size": self.tp_size}
+
+    def forget_idle_peers(self) -> None:
+        """Drops the registrations of decode engines silent for the idle limit (every request
+        calls this: decode engines with rooms here ask for /health every few seconds)."""
+        now = time.monotonic()
+        with self._lock:
+            for engine, heard_at in list(self._heard_at.items()):
+                if now - heard_at > self._peer_idle_s:
+                    del self._heard_at[engine], self._engines[engine]
+                    self.emit(PeerForgotten(engine))
 
     def register(self, body: dict) -> tuple[int, dict]:
         ranks = tuple(
@@ -120,9 +138,11 @@ class BootstrapServer:
             }
         for rank in ranks:
             self.layout.check_compatible(rank.layout)
+        engine = str(body["engine"])
         with self._lock:
-            self._engines[str(body["engine"])] = min(rank.layout.num_slots for rank in ranks)
-        self.emit(PeerRegistered(str(body["engine"]), ranks))
+            self._engines[engine] = min(rank.layout.num_slots for rank in ranks)
+            self._heard_at[engine] = time.monotonic()
+            self.emit(PeerRegistered(engine, ranks))
         return 200, {"instance": self.instance, "timeout_s": self.timeout_s}
 
     def post_room(self, body: dict) -> tuple[int, dict]:
@@ -142,16 +162,20 @@ class BootstrapServer:
             self._rooms = {r: t for r, t in self._rooms.items() if now - t < self._room_memory_s}
             if room in self._rooms:
                 return 409, {"error": f"room {room} is already in use"}
-            self._rooms[room] = now
-        self.emit(RoomPosted(room, engine, tuple(slots)))
+            self._rooms[room] = self._heard_at[engine] = now
+            self.emit(RoomPosted(room, engine, tuple(slots)))
         return 200, {}
 
     def rooms_queued(self, body: dict) -> tuple[int, dict]:
+        engine, rooms = str(body["engine"]), tuple(_room(room) for room in body["rooms"])
         with self._lock:
-            known = str(body["engine"]) in self._engines
-        if not known:  # only a registered decode engine may keep rooms from timing out
-            return 404, {"error": "not registered with this prefill engine", "code": UNKNOWN_PEER}
-        self.emit(RoomsQueued(tuple(_room(room) for room in body["rooms"])))
+            if engine not in self._engines:  # only a registered one may keep rooms waiting
+                return 404, {
+                    "error": "not registered with this prefill engine",
+                    "code": UNKNOWN_PEER,
+                }
+            self._heard_at[engine] = time.monotonic()
+            self.emit(RoomsQueued(rooms))
         return 200, {}
 
     def cancel_room(self, room: int, reason: str) -> tuple[int, dict]:
@@ -173,6 +197,10 @@ class BootstrapServer:
             # closed must stop answering at once, heartbeats on open connections included.)
             disable_nagle_algorithm = True
             timeout = 30  # seconds a connection may sit idle or send slowly: threads are not free
+
+            def handle_one_request(self) -> None:
+                server.forget_idle_peers()
+                super().handle_one_request()
 
             def do_GET(self):  # noqa: N802 - http.server's naming
                 if self.path != "/health":
@@ -219,11 +247,14 @@ class BootstrapServer:
 
             def _reply(self, status: int, body: dict) -> None:
                 data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # it gave up waiting: no error here
+                    self.close_connection = True
 
             def log_message(self, *args) -> None:  # the engine logs what matters
                 pass
@@ -348,8 +379,10 @@ class BootstrapClient:
                 sent = True
                 answer = self._http.post(f"{address}/kv/rooms", json=body)
                 if answer.status_code == 404 and _code(answer) == UNKNOWN_PEER and attempt == 0:
-                    # A new instance at that address: the old one, and its rooms, are gone.
-                    self._lost(address, peer, f"the prefill engine at {address} restarted")
+                    if self._same_instance(address, peer):  # it forgot an idle registration
+                        self._register_again(address, peer)
+                    else:  # a new instance at that address: the old one, and its rooms, are gone
+                        self._lost(address, peer, f"the prefill engine at {address} restarted")
                     continue
                 _raise_for_status(answer)
                 self._watch_room(peer, room)
@@ -375,6 +408,20 @@ class BootstrapClient:
                 )
             )
             raise
+
+    def _same_instance(self, address: str, peer: _Peer) -> bool:
+        try:
+            answer = self._http.get(f"{address}/health")
+            answer.raise_for_status()
+            return answer.json()["instance"] == peer.registration.result().instance
+        except Exception:  # noqa: BLE001 - unsure: take it for a restart, which fails safe
+            return False
+
+    def _register_again(self, address: str, peer: _Peer) -> None:
+        """The same instance, its rooms kept; one registration for all the posts told so."""
+        with self._lock:
+            if self._peers.get(address) is peer and peer.registration.done():
+                peer.registration = self._registrations.submit(self._register, address)
 
     def _watch_room(self, peer: _Peer, room: int) -> None:
         with self._lock:

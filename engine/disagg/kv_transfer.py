@@ -104,6 +104,12 @@ class KVTransferAgent:
             )
         self.peers[peer.agent] = peer
 
+    def disconnect(self, peer_name: str) -> None:
+        """Forgets a peer's agent (its metadata and UCX endpoints)."""
+        self.peers.pop(peer_name, None)
+        with _nixl(f"removing the agent {peer_name}"):
+            self.agent.remove_remote_agent(peer_name)
+
     def write(
         self, peer_name: str, src_slots: list[int], dst_slots: list[int], notification: bytes
     ) -> Transfer:

@@ -20,6 +20,7 @@ from kubesgl.engine.disagg.link import BootstrapLink
 from kubesgl.engine.disagg.protocol import (
     BootstrapFact,
     FailureReason,
+    PeerForgotten,
     PeerRegistered,
     RoomCancelled,
     RoomNote,
@@ -57,6 +58,7 @@ class RoomsForgotten:
 
 PrefillFact = (
     PeerRegistered
+    | PeerForgotten
     | RoomPosted
     | RoomCancelled
     | RoomsQueued
@@ -195,6 +197,8 @@ class PrefillTransfers:
     def _apply(self, fact: PrefillFact | BootstrapFact) -> list[PrefillOutcome]:
         if isinstance(fact, PeerRegistered):
             self._connect(fact)
+        elif isinstance(fact, PeerForgotten):
+            self._disconnect(fact.engine)
         elif isinstance(fact, RoomPosted):
             state = self._rooms.get(fact.room)
             if state is not None:
@@ -240,6 +244,17 @@ class PrefillTransfers:
             logger.exception("connecting to decode engine %s failed", fact.engine)
             return
         self._peer_agents[fact.engine] = mine.layout.agent
+
+    def _disconnect(self, engine: str) -> None:
+        """A decode engine gone quiet: its connection goes, unless a room here still writes
+        there (it registers again with its next post, if it was only idle)."""
+        targets = [state.target for state in self._rooms.values()] + list(self._posted.values())
+        if engine not in self._peer_agents or any(t and t.engine == engine for t in targets):
+            return
+        try:
+            self.agent.disconnect(self._peer_agents.pop(engine))
+        except TransferError as exc:  # it is forgotten here all the same
+            logger.warning("disconnecting from decode engine %s: %s", engine, exc)
 
     def _cancel(self, fact: RoomCancelled) -> list[PrefillOutcome]:
         error = f"the decode engine cancelled room {fact.room}: {fact.reason or 'no reason given'}"

@@ -200,6 +200,14 @@ class RoomCancelled:
 
 
 @dataclass(frozen=True)
+class PeerForgotten:
+    """A decode engine the bootstrap server has not heard from for its idle limit: its
+    registration is dropped (should it come back, it registers again)."""
+
+    engine: str
+
+
+@dataclass(frozen=True)
 class RoomsQueued:
     """Rooms a live decode engine has queued but not admitted yet: not to be timed out."""
 
@@ -250,6 +258,7 @@ class PeerLost:
 
 BootstrapFact = (
     PeerRegistered
+    | PeerForgotten
     | RoomPosted
     | RoomCancelled
     | RoomsQueued

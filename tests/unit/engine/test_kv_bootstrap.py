@@ -480,3 +480,49 @@ def test_a_room_waiting_for_a_note_that_is_lost_times_out_and_is_released(pair, 
     p.decode.expect(p.target(81), [1])
     _, arrived = p.run(released(81), timeout=5)
     assert arrived[0].reason is FailureReason.TIMEOUT and arrived[-1].released
+
+
+# -- decode engines that went away ----------------------------------------------------------
+
+
+def test_a_decode_engine_not_heard_from_is_forgotten_and_registers_again_when_back(pair):
+    """Decode pods come and go (autoscaling, restarts): a prefill engine kept each one's
+    registration and NIXL connection for as long as it lived. One it has not heard from for
+    the idle limit, with no room here, is forgotten; if it was only idle, its next post
+    registers it again and the room runs."""
+    p = pair()
+    p.server._peer_idle_s = 0.3
+    p.decode.expect(p.target(90), [1])
+    p.prefill.open(90)
+    p.prefill.prefilled(90, [2], note(90))
+    p.run(lambda s, a: s and a)
+    assert p.prefill._peer_agents and p.prefill_agent.peers
+    time.sleep(0.5)
+    p.server.forget_idle_peers()  # as every request to the bootstrap server does
+    p.run(lambda s, a: not p.prefill._peer_agents, timeout=5)
+    assert not p.prefill_agent.peers and not p.server._engines
+    p.decode.expect(p.target(91), [3])
+    p.prefill.open(91)
+    p.prefill.prefilled(91, [4], note(91, 8))
+    _, arrived = p.run(lambda s, a: a)
+    assert [(o.room, o.note.first_token if o.note else o.error) for o in arrived] == [(91, 8)]
+
+
+def test_a_forgotten_decode_engine_with_a_room_here_keeps_its_connection_and_its_room(pair):
+    """Forgotten while one of its rooms waits here for its prompt: the connection stays (the
+    write still goes there), and the decode side, told `unknown_peer` on its next post by the
+    same instance, registers again without giving up the rooms it has here."""
+    p = pair()
+    p.server._peer_idle_s = 0.3
+    p.decode.expect(p.target(92), [1])
+    p.run(lambda s, a: 92 in p.prefill._posted)
+    time.sleep(0.5)
+    p.server.forget_idle_peers()
+    p.run(lambda s, a: not p.server._engines, timeout=5)
+    p.decode.expect(p.target(93), [2])
+    p.run(lambda s, a: 93 in p.prefill._posted, timeout=5)
+    for room, slot in ((92, 5), (93, 6)):
+        p.prefill.open(room)
+        p.prefill.prefilled(room, [slot], note(room, room))
+    _, arrived = p.run(lambda s, a: len(a) == 2)
+    assert sorted((o.room, o.note.first_token) for o in arrived if o.note) == [(92, 92), (93, 93)]
