@@ -402,9 +402,12 @@ class BootstrapClient:
             )
             raise
         except Exception as exc:  # noqa: BLE001 - any other failure means the room was not taken
+            status = exc.status if isinstance(exc, Refused) and exc.status == 409 else None
             self.emit(
                 PostFailed(
-                    room, f"the prefill engine at {address} refused room {room}: {_why(exc)}"
+                    room,
+                    f"the prefill engine at {address} refused room {room}: {_why(exc)}",
+                    http_status=status,
                 )
             )
             raise
@@ -588,13 +591,21 @@ def _code(answer: httpx.Response) -> str | None:
         return None
 
 
+class Refused(RuntimeError):
+    """A prefill engine's error answer."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
 def _raise_for_status(answer: httpx.Response) -> None:
     if answer.status_code >= 400:
         try:
             message = answer.json()["error"]
         except (ValueError, KeyError):
             message = f"HTTP {answer.status_code}"
-        raise RuntimeError(message)
+        raise Refused(message, answer.status_code)
 
 
 def _why(exc: BaseException) -> str:

@@ -200,7 +200,7 @@ class DecodeTransfers:
                 state is not None and self.link is not None
             ):  # its request may run there all the same
                 self.link.send(CancelRoom(fact.room, state.target.address, fact.error))
-            return self._end(fact.room, fact.error, fact.reason)
+            return self._end(fact.room, fact.error, fact.reason, fact.http_status)
         if isinstance(fact, CancelUnknown):
             return self._end(fact.room, None, None)
         if isinstance(fact, CancelConfirmed):
@@ -255,7 +255,11 @@ class DecodeTransfers:
         return [DecodeOutcome(note.room, released=True)] if complete else []
 
     def _end(
-        self, room: int, error: str | None, reason: FailureReason | None
+        self,
+        room: int,
+        error: str | None,
+        reason: FailureReason | None,
+        http_status: int | None = None,
     ) -> list[DecodeOutcome]:
         """No write into the room's slots can come any more."""
         state = self._rooms.get(room)
@@ -263,7 +267,11 @@ class DecodeTransfers:
             return []
         self._forget(room)
         if state.waiting and error is not None:
-            return [DecodeOutcome(room, error=error, reason=reason, released=True)]
+            return [
+                DecodeOutcome(
+                    room, error=error, reason=reason, http_status=http_status, released=True
+                )
+            ]
         return [DecodeOutcome(room, released=True)]
 
     def _forget(self, room: int) -> None:

@@ -228,6 +228,7 @@ class PostFailed:
     error: str
     reason: FailureReason = FailureReason.REFUSED
     maybe_taken: bool = False
+    http_status: int | None = None  # the prefill engine's, for a room it refused (409: in use)
 
 
 @dataclass(frozen=True)

@@ -526,3 +526,16 @@ def test_a_forgotten_decode_engine_with_a_room_here_keeps_its_connection_and_its
         p.prefill.prefilled(room, [slot], note(room, room))
     _, arrived = p.run(lambda s, a: len(a) == 2)
     assert sorted((o.room, o.note.first_token) for o in arrived if o.note) == [(92, 92), (93, 93)]
+
+
+def test_a_room_the_prefill_side_has_already_is_a_conflict_for_the_request(pair):
+    """A room number P already has (a client that reuses its bootstrap_room): the request
+    fails as a 409, as a room in use on D does, not as a 502."""
+    p = pair()
+    p.decode.expect(p.target(94), [1])
+    p.run(lambda s, a: 94 in p.prefill._posted)
+    p.decode._rooms.pop(94)
+    p.decode.expect(p.target(94), [2])
+    _, [outcome] = p.run(released(94))
+    assert (outcome.reason, outcome.http_status) == (FailureReason.REFUSED, 409), outcome
+    assert "already in use" in outcome.error
