@@ -18,6 +18,7 @@ POLICY_NAMES = ("cache_aware", "round_robin", "power_of_two", "random")
 class Choice:
     worker: Worker
     decision: str | None = None  # cache_aware only: hit | miss | balance
+    cached: int = 0  # cache_aware only: characters of the text the worker held already
 
 
 class Policy(ABC):
@@ -27,10 +28,6 @@ class Policy(ABC):
 
     def forget(self, worker: Worker) -> None:  # noqa: B027 - stateless policies keep nothing
         """Drops what the policy remembers about a worker that left the pool."""
-
-    def cached_length(self, workers: Sequence[Worker], text: str) -> int:
-        """How much of `text` the policy believes one of `workers` has cached (0: it keeps no track)."""
-        return 0
 
 
 class RoundRobinPolicy(Policy):
@@ -102,9 +99,6 @@ class CacheAwarePolicy(Policy):
     def forget(self, worker: Worker) -> None:
         self._trees.pop(worker.url, None)
 
-    def cached_length(self, workers: Sequence[Worker], text: str) -> int:
-        return max((self.tree(w).match_length(text) for w in workers), default=0)
-
     def _imbalanced(self, workers: Sequence[Worker]) -> bool:
         loads = [w.in_flight for w in workers]
         low, high = min(loads), max(loads)
@@ -123,8 +117,9 @@ class CacheAwarePolicy(Policy):
             else:
                 worker = min(workers, key=lambda w: (self.tree(w).size, w.in_flight))
                 decision = "miss"
+        cached = self.tree(worker).match_length(text)
         self.tree(worker).insert(text)
-        return Choice(worker, decision)
+        return Choice(worker, decision, cached)
 
 
 def make_policy(name: str, cache_settings: CacheAwareSettings | None = None) -> Policy:

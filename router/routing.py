@@ -140,16 +140,18 @@ class Forwarder:
             f"health checks, {len(registered) - unhealthy} with an open circuit breaker"
         )
 
-    def _choose(self, role: Role, policy: Policy, text: str, excluded: set[Worker]) -> Worker:
+    def _choose(self, role: Role, policy: Policy, text: str, excluded: set[Worker]) -> Choice:
         choice: Choice = policy.choose(self._candidates(role, excluded), text)
         if choice.decision is not None:
             self.metrics.cache_decisions.labels(choice.decision).inc()
-        return choice.worker
+        return choice
 
     async def _mixed_once(
         self, request: ParsedRequest, headers: Headers, excluded: set[Worker]
     ) -> Reply:
-        worker = self._choose(Role.MIXED, self.policies.mixed, request.routing_text, excluded)
+        worker = self._choose(
+            Role.MIXED, self.policies.mixed, request.routing_text, excluded
+        ).worker
         return await self.upstream.exchange(
             worker, "POST", request.path, request.raw, headers, stream=request.stream
         )
@@ -158,23 +160,25 @@ class Forwarder:
         self, request: ParsedRequest, headers: Headers, excluded: set[Worker]
     ) -> Reply:
         text = request.routing_text
-        # Check both pools before choosing, so that a policy never records a pair never sent.
+        # Check the prefill pool before choosing, so that a policy never records a request
+        # never sent (the decode worker gets every request, alone or not).
         prefills = self._candidates(Role.PREFILL, excluded)
-        self._candidates(Role.DECODE, excluded)
-        route = self._pd_route(request, prefills)
-        self.metrics.pd_routes.labels(route).inc()
         decode = self._choose(Role.DECODE, self.policies.decode, text, excluded)
+        route = self._pd_route(request, prefills, decode)
+        self.metrics.pd_routes.labels(route).inc()
         if route != "disaggregated":  # a decode engine prefills a request without a room itself
             return await self.upstream.exchange(
-                decode, "POST", request.path, request.raw, headers, stream=request.stream
+                decode.worker, "POST", request.path, request.raw, headers, stream=request.stream
             )
-        prefill = self._choose(Role.PREFILL, self.policies.prefill, text, excluded)
-        return await self.pd.exchange(request, prefill, decode, headers)
+        prefill = self._choose(Role.PREFILL, self.policies.prefill, text, excluded).worker
+        return await self.pd.exchange(request, prefill, decode.worker, headers)
 
-    def _pd_route(self, request: ParsedRequest, prefills: list[Worker]) -> str:
+    def _pd_route(self, request: ParsedRequest, prefills: list[Worker], decode: Choice) -> str:
         settings = self.disaggregation
-        cached = self.policies.prefill.cached_length(prefills, request.routing_text)
-        if request.tokens(len(request.routing_text) - cached) < settings.min_prefill_tokens:
+        # Sent alone, the decode worker prefills what it lacks: the prompt less the prefix the
+        # decode policy believes it holds (the prefill pool's cache would not help it).
+        uncached = len(request.routing_text) - decode.cached
+        if request.tokens(uncached) < settings.min_prefill_tokens:
             return "decode_only_short"
         if all(w.in_flight >= settings.max_prefill_in_flight for w in prefills):
             return "decode_only_saturated"

@@ -320,3 +320,20 @@ async def test_a_complete_decode_stream_lets_a_slow_prefill_answer_finish(
         if sample.labels.get("worker") == p.url and sample.name.endswith("_total")
     }
     assert prefill_outcomes == {"200": 1, "error": 0, "cancelled": 0}
+
+
+async def test_a_prompt_cached_only_at_the_prefill_pool_is_still_disaggregated(
+    engines, kv_table, start_router, client
+):
+    """A long prompt the prefill pool has cached but no decode worker has: sent to a decode
+    worker alone, that worker would prefill all of it. What counts is what the decode worker
+    would have to prefill, which the decode policy knows (round robin keeps no trees: all)."""
+    (p,), decodes = await pd_pool(engines, kv_table, decodes=2)
+    settings = DisaggregationSettings(min_prefill_tokens=8)
+    config = pd_config([p], decodes, decode_policy="round_robin", disaggregation=settings)
+    async with start_router(policy="cache_aware", **config) as router:
+        await router.ready()
+        for prompt in (list(range(1, 40)), list(range(1, 41))):
+            answer = await client.post(router.url + "/v1/completions", json={"prompt": prompt})
+            assert answer.status_code == 200
+    assert [r["body"]["prompt"] for r in p.requests] == [list(range(1, 40)), list(range(1, 41))]

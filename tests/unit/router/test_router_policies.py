@@ -64,9 +64,9 @@ def test_cache_aware_balances_when_both_thresholds_are_crossed():
     owner = policy.choose(pool, "P" * 50).worker
     other = pool[1] if owner is pool[0] else pool[0]
     owner.in_flight, other.in_flight = 6, 3  # gap 3: within the absolute threshold
-    assert policy.choose(pool, "P" * 50) == Choice(owner, "hit")
+    assert policy.choose(pool, "P" * 50) == Choice(owner, "hit", cached=50)
     owner.in_flight = 10  # gap 7 > 4 and 10 > 3 * 2: imbalanced, the cache yields
-    assert policy.choose(pool, "P" * 50) == Choice(other, "balance")
+    assert policy.choose(pool, "P" * 50) == Choice(other, "balance", cached=0)
 
 
 def test_cache_aware_forgets_removed_workers():
