@@ -33,7 +33,13 @@ from kubesgl.operator.kube import (
     KubeApi,
     MissingApi,
 )
-from kubesgl.operator.reconcile import apply_children, delete_children, identity, owned_by
+from kubesgl.operator.reconcile import (
+    apply_children,
+    delete_children,
+    identity,
+    owned_by,
+    prune_retired,
+)
 from kubesgl.operator.render import render
 from kubesgl.operator.spec import InferenceService
 from kubesgl.operator.status import Rollout, Verdict, compute_status, status_patch
@@ -64,6 +70,9 @@ class OperatorState:
     apply_locks: dict[tuple[str, str], asyncio.Lock] = field(
         default_factory=lambda: collections.defaultdict(asyncio.Lock)
     )
+    # InferenceServices whose retired engine roles serve until their replacements are ready:
+    # each event of their Deployments checks again (reconcile.prune_retired).
+    retiring: set[tuple[str, str]] = field(default_factory=set)
 
     def kube(self) -> KubeApi:
         assert self.api is not None, "the startup handler creates the API client"
@@ -257,7 +266,11 @@ async def reconcile(
             memo.apply_failures[key] = Verdict(True, reason, str(error))
         else:
             memo.apply_failures.pop(key, None)
-            logger.info("applied %d objects", len(applied))
+            logger.info("applied %d objects", len(applied.objects))
+            if applied.retiring:
+                memo.retiring.add(key)
+            else:
+                memo.retiring.discard(key)
         await publish_status(memo, namespace, name, inference_services, rollouts)
 
 
@@ -269,6 +282,7 @@ async def tear_down(
     count = await asyncio.to_thread(delete_children, memo.kube(), namespace, name, uid)
     memo.written_status.pop((namespace, name), None)
     memo.apply_failures.pop((namespace, name), None)
+    memo.retiring.discard((namespace, name))
     logger.info("deleted %d children", count)
 
 
@@ -306,6 +320,11 @@ async def repair_child(
         except ApplyRejected as error:  # the InferenceService's status says so already
             logger.warning("could not restore: %s", error)
     if resource.kind == DEPLOYMENT.kind:
+        key = (namespace, instance)
+        if key in memo.retiring:
+            async with memo.apply_locks[key]:
+                if not await asyncio.to_thread(prune_retired, memo.kube(), isvc):
+                    memo.retiring.discard(key)
         await publish_status(memo, namespace, instance, inference_services, rollouts)
 
 

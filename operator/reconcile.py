@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -13,6 +14,7 @@ from kubesgl.operator import naming
 from kubesgl.operator.kube import CHILD_KINDS, ApplyRejected, KubeApi, kind_of
 from kubesgl.operator.render import Object, render
 from kubesgl.operator.spec import InferenceService
+from kubesgl.operator.status import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,17 @@ def identity(obj: Mapping[str, Any]) -> tuple[str, str]:
     return obj["kind"], obj["metadata"]["name"]
 
 
-def apply_children(api: KubeApi, isvc: InferenceService) -> list[Object]:
-    """Apply every child of a validated InferenceService and prune the ones it no longer has."""
+@dataclass(frozen=True)
+class Applied:
+    objects: list[Object]
+    # Engine roles the spec no longer runs (a mode switch) and that keep serving, with their
+    # objects, until the roles that replace them are ready: `prune_retired` removes them then.
+    retiring: tuple[str, ...] = ()
+
+
+def apply_children(api: KubeApi, isvc: InferenceService) -> Applied:
+    """Apply every child of a validated InferenceService and prune the ones it no longer has
+    (those of retired engine roles once their replacements serve)."""
     desired = render(isvc)
     # listed once, before applying: what the hand-over reads, and what pruning deletes
     existing = {
@@ -66,9 +77,56 @@ def apply_children(api: KubeApi, isvc: InferenceService) -> list[Object]:
         if live is not None and obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
             _hand_over_replicas(api, obj, live)
         api.apply(obj)
+    retiring = _retired_roles(isvc, stale.values())
     for child in stale.values():
+        if _role(child) not in retiring:
+            _delete(api, isvc, child)
+    if retiring:  # the statuses listed above predate this apply: read them again
+        retiring = prune_retired(api, isvc)
+    return Applied(desired, retiring)
+
+
+def prune_retired(api: KubeApi, isvc: InferenceService) -> tuple[str, ...]:
+    """Deletes the objects of engine roles the spec no longer runs once every Deployment it
+    does run has rolled out and is ready (a switch between mixed and disaggregated keeps the
+    old pool, and the router pods that still send to it, serving until then); returns the
+    retired roles still kept."""
+    meta = isvc.metadata
+    children = _owned_children(api, meta.namespace, meta.name, meta.uid or "")
+    wanted = {identity(obj) for obj in render(isvc)}
+    stale = [child for child in children if identity(child) not in wanted]
+    retiring = _retired_roles(isvc, stale)
+    if not retiring:
+        return ()
+    deployments = [c for c in children if c["kind"] == "Deployment" and identity(c) in wanted]
+    if not all(_rolled_out(deployment) for deployment in deployments):
+        log.info(
+            "keeping the %s pool until the roles that replace it are ready", ", ".join(retiring)
+        )
+        return retiring
+    for child in sorted(stale, key=lambda obj: _DELETION_ORDER.index(obj["kind"])):
         _delete(api, isvc, child)
-    return desired
+    return ()
+
+
+def _role(obj: Mapping[str, Any]) -> str | None:
+    return obj["metadata"].get("labels", {}).get(contract.ROLE_LABEL)
+
+
+def _retired_roles(isvc: InferenceService, stale: Iterable[Object]) -> tuple[str, ...]:
+    """Engine roles with a Deployment among `stale`: roles the spec's mode no longer runs."""
+    roles = {_role(obj) for obj in stale if obj["kind"] == "Deployment"}
+    running = isvc.spec.engine_roles()
+    return tuple(sorted(r for r in contract.ENGINE_ROLES if r in roles and r not in running))
+
+
+def _rolled_out(deployment: Object) -> bool:
+    """Every replica runs the current spec and is ready, and no old one is left."""
+    rollout = Rollout.from_deployment(deployment)
+    return (
+        rollout.observed_generation >= rollout.generation
+        and rollout.updated == rollout.ready == rollout.replicas == rollout.desired
+    )
 
 
 _AUTOSCALERS = ("HorizontalPodAutoscaler", "ScaledObject")

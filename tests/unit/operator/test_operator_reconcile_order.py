@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from kubesgl.operator.kube import Kind
-from kubesgl.operator.reconcile import apply_children
+from kubesgl.operator.reconcile import apply_children, prune_retired
 from kubesgl.operator.validation import parse_inference_service
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -65,3 +65,53 @@ def test_switching_autoscaler_removes_the_old_one_before_the_new_one_is_applied(
     )
     deleted = {name for op, kind, name in api.calls[:first_scaled_object] if op == "delete"}
     assert set(hpas) <= deleted, api.calls
+
+
+def _example(mode: str = "disaggregated"):
+    document = yaml.safe_load((EXAMPLES / "disaggregated.yaml").read_text())
+    document["metadata"]["uid"] = UID
+    if mode == "mixed":
+        document["spec"]["mode"] = "mixed"
+        document["spec"]["mixed"] = document["spec"].pop("prefill")
+        del document["spec"]["decode"]
+    return parse_inference_service(document)
+
+
+def _ready(api: RecordingApi) -> None:
+    """Every Deployment has rolled out: its replicas all run the current spec and are ready."""
+    for (kind, _), obj in api.objects.items():
+        if kind == "Deployment":
+            replicas = obj["spec"].get("replicas", 1)
+            obj["metadata"]["generation"] = 1
+            obj["status"] = {
+                "observedGeneration": 1,
+                "replicas": replicas,
+                "updatedReplicas": replicas,
+                "readyReplicas": replicas,
+            }
+
+
+def test_a_mode_switch_keeps_the_old_pool_serving_until_the_new_one_is_ready():
+    """Mixed to disaggregated: the mixed Deployment and Service go only once the prefill,
+    decode and router Deployments have rolled out (they were deleted in the pass that created
+    the new pool, and nothing served until its pods had loaded the model)."""
+    api = RecordingApi()
+    apply_children(api, _example("mixed"))  # type: ignore[arg-type]
+    _ready(api)
+    mixed = {key for key in api.objects if key[1].endswith("-mixed")}
+    assert ("Deployment", "llama-pd-mixed") in mixed and ("Service", "llama-pd-mixed") in mixed
+
+    disaggregated = _example()
+    applied = apply_children(api, disaggregated)  # type: ignore[arg-type]
+    assert applied.retiring == ("mixed",)
+    assert mixed <= set(api.objects)  # still serving
+    assert prune_retired(api, disaggregated) == ("mixed",)  # type: ignore[arg-type]
+    assert mixed <= set(api.objects)
+
+    _ready(api)  # the prefill, decode and router pods are ready
+    assert prune_retired(api, disaggregated) == ()  # type: ignore[arg-type]
+    assert not mixed & set(api.objects)
+    deleted = [call for call in api.calls if call[0] == "delete"]
+    assert [kind for _, kind, _ in deleted].index("Deployment") < [
+        kind for _, kind, _ in deleted
+    ].index("Service")  # the pods go before the Service that reaches them
