@@ -409,3 +409,24 @@ def test_network_policies_are_kept_as_rendered_and_go_when_turned_off(
     children = settle(cluster, cluster.isvc("llama-pd"))
     assert not [key for key in children if key[0] == "NetworkPolicy"]
     assert ("Deployment", "llama-pd-prefill") in children
+
+
+def test_a_mode_switch_keeps_the_old_pool_until_the_new_one_is_ready(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    created = cluster.create_isvc(example("mixed.yaml"))
+    settle(cluster, created)
+    for role in ("mixed", "router"):
+        mark_ready(cluster, f"qwen3-mixed-{role}")
+    pd = {"mode": "disaggregated", "mixed": None, "prefill": {"replicas": 1}, "decode": {}}
+    cluster.patch_isvc("qwen3-mixed", {"spec": pd})
+    new_pool = [f"qwen3-mixed-{role}" for role in ("prefill", "decode")]
+    wait_for(lambda: all(cluster.get(DEPLOYMENT, name) for name in new_pool), what="the new pool")
+    time.sleep(1)  # the operator has had its chance to delete the old pool too early
+    assert cluster.get(DEPLOYMENT, "qwen3-mixed-mixed") is not None
+    mark_ready(cluster, new_pool[0])
+    time.sleep(1)
+    assert cluster.get(DEPLOYMENT, "qwen3-mixed-mixed") is not None  # decode is not ready yet
+    mark_ready(cluster, new_pool[1])
+    children = settle(cluster, cluster.isvc("qwen3-mixed"))
+    assert not [key for key in children if key[1] == "qwen3-mixed-mixed"]
