@@ -174,8 +174,13 @@ class WorkerRegistry:
         return [w for w in self._workers.values() if w.role is role and w.can_serve()]
 
     def is_disaggregated(self) -> bool:
-        """P/D mode as soon as any prefill or decode worker is registered, healthy or not."""
-        return any(w.role is not Role.MIXED for w in self._workers.values())
+        """P/D mode once any prefill or decode worker is registered, unless mixed workers can
+        serve and no prefill/decode pair can yet: a switch between modes, where the new pool's
+        pods join one by one, and the old pool serves until it goes."""
+        if all(w.role is Role.MIXED for w in self._workers.values()):
+            return False
+        pair = bool(self.available(Role.PREFILL) and self.available(Role.DECODE))
+        return pair or not self.available(Role.MIXED)
 
     def set_healthy(self, worker: Worker, healthy: bool, reason: str = "") -> None:
         if worker.healthy != healthy:

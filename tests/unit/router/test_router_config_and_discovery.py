@@ -85,3 +85,24 @@ def test_registry_replaces_a_worker_whose_role_changed_and_reports_mode():
     second = registry.add("http://w:1", Role.PREFILL)
     assert removed == [first] and second.bootstrap_port == 8998 and registry.is_disaggregated()
     assert registry.add("http://d:1", Role.DECODE, 1234).bootstrap_port is None
+
+
+def test_mixed_workers_serve_while_a_new_prefill_decode_pool_has_no_pair_yet():
+    """A switch between modes (the operator keeps the old pool until the new one is ready):
+    the pods of the new pool join one by one, and a prefill worker alone cannot serve, so the
+    healthy mixed workers do until a prefill and a decode worker both can; and the other way
+    round, a prefill/decode pool that still serves keeps the requests while mixed pods join."""
+    registry = WorkerRegistry()
+    mixed = registry.add("http://m:1", Role.MIXED)
+    registry.set_healthy(mixed, True)
+    prefill = registry.add("http://p:1", Role.PREFILL)
+    registry.set_healthy(prefill, True)
+    assert not registry.is_disaggregated()  # no decode worker yet: mixed serves
+    decode = registry.add("http://d:1", Role.DECODE)
+    assert not registry.is_disaggregated()  # registered, not yet healthy
+    registry.set_healthy(decode, True)
+    assert registry.is_disaggregated()  # a pair can serve
+    registry.set_healthy(mixed, False)
+    assert registry.is_disaggregated()
+    registry.set_healthy(decode, False)
+    assert registry.is_disaggregated()  # nothing else can serve: P/D, as configured
