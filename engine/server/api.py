@@ -529,59 +529,79 @@ async def respond(
     if record is not None:
         record.rid = formatter.response_id
         record.choices, record.prompts_counted = choices, first_of_prompt
-    # A request may wait long for admission: a client that leaves meanwhile aborts it now.
-    first_outputs = asyncio.ensure_future(asyncio.gather(*(anext(s) for s in streams)))
+    # A client that leaves aborts its requests, whether they wait for admission (which may
+    # take long) or generate; one watcher serves both phases.
     disconnect = asyncio.create_task(wait_for_disconnect(request))
     try:
-        racing: list[asyncio.Future[Any]] = [first_outputs, disconnect]
-        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-        if not first_outputs.done():
-            first_outputs.cancel()
-            await asyncio.gather(first_outputs, return_exceptions=True)
-            await asyncio.gather(*(client.close(sub.rid) for sub in subs))
+        firsts = await first_outputs(client, subs, streams, disconnect)
+        if firsts is None:
             return Response(status_code=499)
-        firsts = first_outputs.result()
-    except BaseException:
-        first_outputs.cancel()
-        await asyncio.gather(first_outputs, return_exceptions=True)
-        await asyncio.gather(*(client.close(sub.rid) for sub in subs))
-        raise
+        if record is not None:
+            record.first_tokens()
+        for out, prompt_field in zip(firsts, prompt_fields):
+            if out.finish_reason is not None and out.finish_reason.kind == "error":
+                await asyncio.gather(*(s.aclose() for s in streams))
+                raise APIError.of(out.finish_reason, prompt_field)
+        if stream:  # the streaming response watches for the client leaving itself
+            return StreamingResponse(
+                stream_events(
+                    streams,
+                    firsts,
+                    choices,
+                    first_of_prompt,
+                    include_usage,
+                    formatter,
+                    client.metrics.request_error,
+                ),
+                media_type="text/event-stream",
+            )
+        collect = asyncio.create_task(collect_all(streams, firsts, choices))
+        try:
+            await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not collect.done():  # closing the streams aborts the requests
+                collect.cancel()
+                await asyncio.gather(collect, return_exceptions=True)
+        if collect.cancelled():  # the client left
+            return Response(status_code=499)
+        collect.result()
     finally:
         disconnect.cancel()
-    if record is not None:
-        record.first_tokens()
-    for out, prompt_field in zip(firsts, prompt_fields):
-        if out.finish_reason is not None and out.finish_reason.kind == "error":
-            await asyncio.gather(*(s.aclose() for s in streams))
-            raise APIError.of(out.finish_reason, prompt_field)
-    if stream:
-        return StreamingResponse(
-            stream_events(
-                streams,
-                firsts,
-                choices,
-                first_of_prompt,
-                include_usage,
-                formatter,
-                client.metrics.request_error,
-            ),
-            media_type="text/event-stream",
-        )
-    collect = asyncio.create_task(collect_all(streams, firsts, choices))
-    disconnect = asyncio.create_task(wait_for_disconnect(request))
-    done, _ = await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
-    if collect not in done:
-        collect.cancel()  # the client left: closing the streams aborts the requests
-        await asyncio.gather(collect, return_exceptions=True)
-        return Response(status_code=499)
-    disconnect.cancel()
-    collect.result()
     failed = next(
         ((c.error, f) for c, f in zip(choices, prompt_fields) if c.error is not None), None
     )
     if failed is not None:  # a request that failed after it started is no 200
         raise APIError.of(*failed)
     return JSONResponse(formatter.final(choices, usage(choices, first_of_prompt)))
+
+
+async def first_outputs(
+    client: EngineClient,
+    subs: list[TokenizeRequest],
+    streams: list[AsyncGenerator[TextOutput, None]],
+    disconnect: asyncio.Task[None],
+) -> list[TextOutput] | None:
+    """The first output of every stream, or None if the client left before they all came;
+    the requests are closed then, and when this fails."""
+    firsts = asyncio.ensure_future(asyncio.gather(*(anext(s) for s in streams)))
+    try:
+        racing: list[asyncio.Future[Any]] = [firsts, disconnect]
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+        if firsts.done():
+            return firsts.result()
+    except BaseException:
+        await _close_all(client, subs, firsts)
+        raise
+    await _close_all(client, subs, firsts)
+    return None
+
+
+async def _close_all(
+    client: EngineClient, subs: list[TokenizeRequest], firsts: asyncio.Future[Any]
+) -> None:
+    firsts.cancel()
+    await asyncio.gather(firsts, return_exceptions=True)
+    await asyncio.gather(*(client.close(sub.rid) for sub in subs))
 
 
 async def collect_all(streams, firsts: list[TextOutput], choices: list[Choice]) -> None:
