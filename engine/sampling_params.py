@@ -16,6 +16,16 @@ class InvalidRequestError(ValueError):
         self.status = status  # 409 for a conflict with a running request, else 400
 
 
+def check_prompt_tokens(context_length: int, tokens: int, param: str = "prompt") -> None:
+    """Refuses a prompt that leaves no room in the context for one output token (the API
+    server asks before tokenizing a token-id prompt, the scheduler for every request)."""
+    if tokens >= context_length:
+        raise InvalidRequestError(
+            f"the prompt is {tokens} tokens long; this model's context length is {context_length}",
+            param=param,
+        )
+
+
 def is_utf8(text: str) -> bool:
     """False for text no tokenizer can encode: a lone surrogate ("\ud800", half an emoji)."""
     try:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TypeGuard
 
 import httpx
 import zmq
@@ -72,12 +73,12 @@ _MAX_BODY_BYTES = 64 << 20  # a registration of many ranks, or a room of a very 
 PEER_IDLE_S = 600.0
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _room(value: object) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_ROOM:
+    if _is_int(value) and 0 <= value <= MAX_ROOM:
         return value
     raise ValueError(f"a room is an integer in [0, {MAX_ROOM}], got {value!r}")
 

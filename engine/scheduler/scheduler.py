@@ -40,7 +40,7 @@ from kubesgl.engine.messages import (
     TokenLogprob,
     TokenOutput,
 )
-from kubesgl.engine.sampling_params import InvalidRequestError
+from kubesgl.engine.sampling_params import InvalidRequestError, check_prompt_tokens
 from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from kubesgl.engine.scheduler.grammar import GrammarBackend, GrammarState
 from kubesgl.engine.scheduler.kv_manager import KVManager
@@ -190,11 +190,7 @@ class Scheduler:
                 param=request.params.grammar.param,
             )
         self.role.validate(request)
-        if n >= limits.context_length:
-            raise InvalidRequestError(
-                f"the prompt is {n} tokens long; this model's context length is {limits.context_length}",
-                param="prompt",
-            )
+        check_prompt_tokens(limits.context_length, n)
         max_tokens = self._max_tokens(request)
         if n + max_tokens > limits.context_length:
             raise InvalidRequestError(

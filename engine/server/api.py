@@ -27,14 +27,17 @@ from kubesgl.engine.messages import (
     TextOutput,
     TokenizeRequest,
 )
-from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.sampling_params import (
+    InvalidRequestError,
+    SamplingParams,
+    check_prompt_tokens,
+)
 from kubesgl.engine.server import tool_calls
 from kubesgl.engine.server.access import AccessRecord, RequestAccounting
 from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient
 from kubesgl.engine.server.limits import (
     BodyLimit,
     check_prompt_chars,
-    check_prompt_tokens,
     check_sequences,
     check_stop_strings,
 )

@@ -154,13 +154,3 @@ def check_prompt_chars(config: EngineConfig, context_length: int, chars: int, pa
             f"prompt over {limit} characters ({per_token} per token, --max-prompt-chars-per-token) cannot fit",
             param=param,
         )
-
-
-def check_prompt_tokens(context_length: int, tokens: int, param: str) -> None:
-    """Refuses a prompt given as token ids that leaves no room for one output token, before
-    it is sent through the tokenizer and scheduler processes."""
-    if tokens >= context_length:
-        raise InvalidRequestError(
-            f"the prompt is {tokens} tokens long; this model's context length is {context_length}",
-            param=param,
-        )

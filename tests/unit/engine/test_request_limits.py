@@ -11,14 +11,13 @@ import yaml
 from fastapi import FastAPI, Request
 
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams, check_prompt_tokens
 from kubesgl.engine.server.api_key import API_KEY_ENV, resolve_api_key
 from kubesgl.engine.server.cli import build_parser
 from kubesgl.engine.server.launcher import ServerOptions
 from kubesgl.engine.server.limits import (
     BodyLimit,
     check_prompt_chars,
-    check_prompt_tokens,
     check_sequences,
     check_stop_strings,
 )
