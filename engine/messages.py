@@ -199,6 +199,14 @@ class FlushCache:
 
 
 @dataclass
+class CacheFlushed:
+    """Scheduler -> API server, for each FlushCache in turn: whether it flushed (an engine
+    with work left, finishing aborted requests or P/D transfers, does not)."""
+
+    flushed: bool
+
+
+@dataclass
 class CollectGarbage:
     """Scheduler rank 0 -> every rank, in a turn's broadcast: a full garbage collection now, on
     every rank in the same turn, so that tensor-parallel ranks stall once, together

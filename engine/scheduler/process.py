@@ -26,6 +26,7 @@ from kubesgl.engine.distributed import get_tp_group, init_tensor_parallel
 from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.messages import (
     AbortRequest,
+    CacheFlushed,
     CollectGarbage,
     EngineInfo,
     FinishReason,
@@ -187,11 +188,14 @@ class SchedulerLoop:
         if isinstance(message, AbortRequest):
             return self.engine.abort_request(message.rid, message.message)
         if isinstance(message, FlushCache):
-            if self.engine.has_work():
+            busy = self.engine.has_work()
+            if busy:
                 logger.info("not flushing the prefix cache: requests are running")
             else:
                 self.engine.scheduler.reset()
                 logger.info("prefix cache flushed")
+            if self.rank == 0:
+                self.outbox.send_pyobj(CacheFlushed(not busy))
             return []
         try:
             self.engine.add_request(message)

@@ -4,6 +4,7 @@ each output back to the request that waits for it."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ import zmq.asyncio
 from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.messages import (
     AbortRequest,
+    CacheFlushed,
     EngineInfo,
     FinishReason,
     FlushCache,
@@ -64,6 +66,7 @@ class EngineClient:
         self.stats: SchedulerStats | None = None  # the scheduler's latest
         self.ready = asyncio.Event()
         self._pending: dict[str, _Pending] = {}
+        self._flushes: collections.deque[asyncio.Future[bool]] = collections.deque()
         self._context = zmq.asyncio.Context()
         self._to_tokenizer = push(self._context, endpoints.tokenizer_in)
         self._from_detokenizer = pull(self._context, endpoints.api_in)
@@ -95,6 +98,11 @@ class EngineClient:
                     message.context_length,
                     message.max_total_tokens,
                 )
+                continue
+            if isinstance(message, CacheFlushed):  # the answer to the oldest flush asked
+                flush = self._flushes.popleft()
+                if not flush.done():
+                    flush.set_result(message.flushed)
                 continue
             assert isinstance(message, TextBatch)
             if message.stats is not None:
@@ -203,13 +211,21 @@ class EngineClient:
     async def abort(self, rid: str, message: str) -> None:
         await self._to_tokenizer.send_pyobj(AbortRequest(rid, message))
 
-    async def flush_cache(self) -> None:
+    async def flush_cache(self) -> bool:
+        """Whether the scheduler emptied its prefix cache (it does only when idle)."""
+        answer = asyncio.get_running_loop().create_future()
+        self._flushes.append(answer)
         await self._to_tokenizer.send_pyobj(FlushCache())
+        return await answer
 
     def fail_all(self, message: str) -> None:
         """End every request in flight with a 503: the engine's processes are going away and
         no answer will come (a child process died)."""
         reason = FinishReason("error", message=message, status=503)
+        while self._flushes:
+            flush = self._flushes.popleft()
+            if not flush.done():
+                flush.set_exception(RuntimeError(message))
         for rid, pending in list(self._pending.items()):
             if pending.closed:
                 del self._pending[rid]

@@ -106,7 +106,16 @@ def add_sglang_routes(
             return PlainTextResponse(
                 f"not flushed: {client.in_flight} requests are running", status_code=400
             )
-        await client.flush_cache()
+        try:
+            flushed = await client.flush_cache()
+        except RuntimeError as exc:  # the engine's processes are going away
+            return PlainTextResponse(f"not flushed: {exc}", status_code=503)
+        if not flushed:
+            return PlainTextResponse(
+                "not flushed: the engine is still finishing requests (ones their clients "
+                "left, or prefill/decode transfers); try again",
+                status_code=400,
+            )
         return PlainTextResponse("Cache flushed.")
 
     for path in ("/server_info", "/get_server_info"):

@@ -12,6 +12,7 @@ from kubesgl.engine.child_process import exit_with_parent
 from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.messages import (
     AbortRequest,
+    CacheFlushed,
     EngineInfo,
     FinishReason,
     FlushCache,
@@ -155,7 +156,7 @@ class TokenizerLoop:
         return True
 
     def from_scheduler(self, message) -> None:
-        if isinstance(message, EngineInfo):
+        if isinstance(message, EngineInfo | CacheFlushed):
             self.to_api.send_pyobj(message)
             return
         texts = []

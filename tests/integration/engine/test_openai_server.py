@@ -499,3 +499,18 @@ def test_disconnects_are_counted_as_aborts(llama_server):
         )
     llama_server.wait_idle()
     assert aborts() == before + 1
+
+
+def test_flush_cache_empties_the_prefix_cache_once_the_scheduler_has(llama_server):
+    headers = {"authorization": "Bearer sk-test"}
+    body = {"prompt": "the same prompt, a few tokens long, " * 8, "max_tokens": 1}
+
+    def cached() -> int:
+        answer = httpx.post(llama_server.base_url + "/v1/completions", json=body, headers=headers)
+        return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0
+    flushed = httpx.post(llama_server.base_url + "/flush_cache", headers=headers)
+    assert (flushed.status_code, flushed.text) == (200, "Cache flushed.")
+    assert cached() == 0

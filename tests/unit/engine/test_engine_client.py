@@ -106,3 +106,23 @@ async def test_a_request_id_stays_taken_until_the_engine_has_ended_its_request(c
     detokenizer.send_pyobj(TextBatch([TextOutput("r1", "b", [6], FinishReason("length"), 3, 0, 1)]))
     outputs = [out async for out in second]
     assert [(out.text, out.finish_reason.kind) for out in outputs] == [("b", "length")]
+
+
+@pytest.mark.asyncio
+async def test_a_flush_answers_what_the_scheduler_did(client):
+    """The scheduler skips a flush while it has work the API server does not see (requests
+    its clients left, rooms of P/D transfers): /flush_cache said "flushed" all the same."""
+    from kubesgl.engine.messages import CacheFlushed
+
+    engine_client, detokenizer = client
+    skipped = asyncio.ensure_future(engine_client.flush_cache())
+    done = asyncio.ensure_future(engine_client.flush_cache())
+    await asyncio.sleep(0.05)
+    detokenizer.send_pyobj(CacheFlushed(False))
+    detokenizer.send_pyobj(CacheFlushed(True))
+    assert (await skipped, await done) == (False, True)
+    gone = asyncio.ensure_future(engine_client.flush_cache())
+    await asyncio.sleep(0.05)
+    engine_client.fail_all("the scheduler died")
+    with pytest.raises(RuntimeError, match="the scheduler died"):
+        await gone
