@@ -12,7 +12,12 @@ from kubesgl.contract import MIXED
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import FinishReason, GenerateRequest, TokenLogprob
 from kubesgl.engine.preflight import check_engine
-from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams, is_utf8
+from kubesgl.engine.sampling_params import (
+    GrammarSpec,
+    InvalidRequestError,
+    SamplingParams,
+    is_utf8,
+)
 from kubesgl.engine.scheduler.engine import Engine
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
 
@@ -67,17 +72,38 @@ def _params_list(params: object, count: int) -> list[SamplingParams]:
     return [_params(p) for p in params]
 
 
+# SGLang's Engine.generate names, taken as they are, so that its scripts run unchanged
+_SGLANG_NAMES = {"max_new_tokens": "max_tokens"}
+_SGLANG_GRAMMARS = ("regex", "json_schema", "ebnf")
+
+
+def _from_sglang_names(options: dict[str, Any]) -> dict[str, Any]:
+    known = {f.name for f in fields(SamplingParams)}
+    unknown = sorted(set(options) - known - set(_SGLANG_NAMES) - set(_SGLANG_GRAMMARS))
+    if unknown:
+        raise TypeError(
+            f"unknown sampling options {unknown}; known: {sorted(known)}, and SGLang's "
+            f"{sorted([*_SGLANG_NAMES, *_SGLANG_GRAMMARS])}"
+        )
+    for alias, name in _SGLANG_NAMES.items():
+        if alias in options and name in options:
+            raise TypeError(f"give {name} or SGLang's {alias}, not both")
+    renamed = {_SGLANG_NAMES.get(name, name): value for name, value in options.items()}
+    grammars = [kind for kind in _SGLANG_GRAMMARS if kind in renamed]
+    if len(grammars) + ("grammar" in renamed) > 1:
+        raise TypeError(f"give at most one output constraint, got {grammars}")
+    for kind in grammars:
+        renamed["grammar"] = GrammarSpec(kind, renamed.pop(kind), param=kind)
+    return renamed
+
+
 def _params(params: object) -> SamplingParams:
     if params is None:
         return SamplingParams()
     if isinstance(params, SamplingParams):
         return params
     if isinstance(params, dict):
-        known = {f.name for f in fields(SamplingParams)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise TypeError(f"unknown sampling options {unknown}; known: {sorted(known)}")
-        return SamplingParams(**params)
+        return SamplingParams(**_from_sglang_names(params))
     raise TypeError(f"sampling params must be a SamplingParams or a dict, got {params!r:.80}")
 
 
