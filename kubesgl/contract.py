@@ -17,6 +17,13 @@ BOOTSTRAP_PORT: Final = (
 )
 ROUTER_PORT: Final = 8000  # `kubesgl router --port`, and the port of the router's Service
 
+# Idle HTTP connections: a server keeps one open this long, longer than the client in front of
+# it keeps one (load balancers commonly 60 s; the router, towards the engines, ROUTER_UPSTREAM_KEEP_ALIVE_S),
+# so that a client never sends a request on a connection its server is closing. uvicorn's
+# default, 5 s, lost that race now and then: a 502, and the router took a healthy worker out.
+SERVER_KEEP_ALIVE_S: Final = 75
+ROUTER_UPSTREAM_KEEP_ALIVE_S: Final = 60
+
 # Roles: an engine's `--role`, and the value of ROLE_LABEL on every pod the operator makes
 MIXED: Final = "mixed"  # one engine runs whole requests
 PREFILL: Final = "prefill"

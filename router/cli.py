@@ -349,5 +349,6 @@ def main(argv: list[str]) -> int:
         proxy_headers=False,  # the router never uses the client's address: skip the middleware
         server_header=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=contract.SERVER_KEEP_ALIVE_S,
     )
     return 0

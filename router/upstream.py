@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kubesgl.contract import API_KEY_ENV
+from kubesgl.contract import API_KEY_ENV, ROUTER_UPSTREAM_KEEP_ALIVE_S
 from kubesgl.router.errors import error_body, sse_error_event
 from kubesgl.router.metrics import RouterMetrics
 from kubesgl.router.security import GuardedResolver
@@ -77,7 +77,10 @@ def make_session(
     never to a link-local or metadata address, whatever a worker's name resolves to."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(
-            limit=max_connections, limit_per_host=0, resolver=GuardedResolver()
+            limit=max_connections,
+            limit_per_host=0,
+            resolver=GuardedResolver(),
+            keepalive_timeout=ROUTER_UPSTREAM_KEEP_ALIVE_S,
         ),
         timeout=aiohttp.ClientTimeout(
             total=None, connect=connect_timeout_s, sock_read=read_timeout_s

@@ -23,7 +23,7 @@ from pathlib import Path
 import uvicorn
 
 import kubesgl
-from kubesgl.contract import ENGINE_PORT, MIXED
+from kubesgl.contract import ENGINE_PORT, MIXED, SERVER_KEEP_ALIVE_S
 from kubesgl.engine.child_process import start_failure
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.bootstrap import run_bootstrap
@@ -166,6 +166,7 @@ class Server:
             port=self.options.port,
             log_level=self.options.log_level,
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=SERVER_KEEP_ALIVE_S,
             access_log=False,
         )
         server = _UvicornServer(uv_config)
