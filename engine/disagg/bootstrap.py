@@ -184,7 +184,7 @@ class BootstrapServer:
         the answer tells the decode engine whether a write into its slots can be under way."""
         with self._lock:
             posted = room in self._rooms
-        self.emit(RoomCancelled(room, reason))
+            self.emit(RoomCancelled(room, reason))
         if not posted:
             return 404, {"error": f"room {room} was never posted here", "code": UNKNOWN_ROOM}
         return 200, {}
@@ -274,14 +274,16 @@ _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 @dataclass(frozen=True)
 class _Registration:
     instance: str  # the prefill engine's: a new one means it restarted
-    timeout_s: float  # its --disaggregation-timeout, within which it aborts a write
+    # its --disaggregation-timeout, within which it aborts a write (None: an engine too old to say)
+    timeout_s: float | None
 
 
 @dataclass(eq=False)
 class _Peer:
-    """One registration with a prefill engine, and the rooms posted under it."""
+    """A prefill engine instance: the registrations with it, and the rooms posted there."""
 
-    registration: Future[_Registration]
+    registration: Future[_Registration] | None = None  # the latest attempt
+    known: _Registration | None = None  # the latest that succeeded: the instance rooms are at
     rooms: set[int] = field(default_factory=set)
     last_ok: float = field(default_factory=time.monotonic)
 
@@ -335,13 +337,32 @@ class BootstrapClient:
                 peer.rooms.discard(room)
 
     # -- worker threads ----------------------------------------------------------------
-    def _current(self, address: str) -> _Peer:
-        """The live registration with the prefill engine at `address`, made if there is none
-        (or the last one failed). Call with the lock held."""
-        peer = self._peers.get(address)
-        if peer is None or (peer.registration.done() and peer.registration.exception() is not None):
-            peer = self._peers[address] = _Peer(self._registrations.submit(self._register, address))
-        return peer
+    def _registered_peer(self, address: str) -> tuple[_Peer, Future[_Registration]]:
+        """The prefill engine at `address`, once registered with (raises if that fails), and
+        the registration used. A failed registration is tried again on the same peer: its
+        rooms stay watched, at the instance last registered with."""
+        with self._lock:
+            peer = self._peers.setdefault(address, _Peer())
+            if peer.registration is None or (
+                peer.registration.done() and peer.registration.exception() is not None
+            ):
+                peer.registration = self._registrations.submit(self._register, address, peer)
+            used = peer.registration
+        used.result()
+        return peer, used
+
+    def _forgot_us(
+        self, address: str, peer: _Peer, used: Future[_Registration], answer: httpx.Response
+    ) -> bool:
+        """True if the prefill engine does not know this engine (it forgot an idle
+        registration, or restarted): one registration again, for every request told so,
+        which says which (`_register`)."""
+        if answer.status_code != 404 or _code(answer) != UNKNOWN_PEER:
+            return False
+        with self._lock:
+            if self._peers.get(address) is peer and peer.registration is used:
+                peer.registration = self._registrations.submit(self._register, address, peer)
+        return True
 
     def _lost(self, address: str, peer: _Peer, error: str) -> None:
         """The engine `peer` registered with is gone: its rooms fail; the next post registers anew."""
@@ -352,7 +373,7 @@ class BootstrapClient:
             rooms = tuple(peer.rooms)
         self.emit(PeerLost(rooms, error))
 
-    def _register(self, address: str) -> _Registration:
+    def _register(self, address: str, peer: _Peer) -> _Registration:
         ranks = [
             {
                 "metadata": base64.b64encode(r.metadata).decode(),
@@ -363,7 +384,18 @@ class BootstrapClient:
         answer = self._http.put(f"{address}/kv/peers", json={"engine": self.engine, "ranks": ranks})
         _raise_for_status(answer)
         body = answer.json()
-        return _Registration(str(body["instance"]), float(body["timeout_s"]))
+        timeout_s = body.get("timeout_s")
+        registration = _Registration(
+            str(body["instance"]), float(timeout_s) if timeout_s is not None else None
+        )
+        with self._lock:
+            previous, peer.known = peer.known, registration
+            restarted = previous is not None and previous.instance != registration.instance
+            lost = tuple(peer.rooms) if restarted else ()
+            peer.rooms.difference_update(lost)
+        if lost:  # posted at the instance that went
+            self.emit(PeerLost(lost, f"the prefill engine at {address} restarted"))
+        return registration
 
     def _post(self, room: int, address: str, slots: list[int]) -> None:
         """A room joins its peer's watched rooms (those a lost peer fails) only once the
@@ -374,16 +406,10 @@ class BootstrapClient:
         try:
             for attempt in range(2):
                 sent = False
-                with self._lock:
-                    peer = self._current(address)
-                peer.registration.result()  # its failure: the room was not posted
+                peer, used = self._registered_peer(address)  # its failure: not posted
                 sent = True
                 answer = self._http.post(f"{address}/kv/rooms", json=body)
-                if answer.status_code == 404 and _code(answer) == UNKNOWN_PEER and attempt == 0:
-                    if self._same_instance(address, peer):  # it forgot an idle registration
-                        self._register_again(address, peer)
-                    else:  # a new instance at that address: the old one, and its rooms, are gone
-                        self._lost(address, peer, f"the prefill engine at {address} restarted")
+                if attempt == 0 and self._forgot_us(address, peer, used, answer):
                     continue
                 _raise_for_status(answer)
                 self._watch_room(peer, room)
@@ -413,20 +439,6 @@ class BootstrapClient:
             )
             raise
 
-    def _same_instance(self, address: str, peer: _Peer) -> bool:
-        try:
-            answer = self._http.get(f"{address}/health")
-            answer.raise_for_status()
-            return answer.json()["instance"] == peer.registration.result().instance
-        except Exception:  # noqa: BLE001 - unsure: take it for a restart, which fails safe
-            return False
-
-    def _register_again(self, address: str, peer: _Peer) -> None:
-        """The same instance, its rooms kept; one registration for all the posts told so."""
-        with self._lock:
-            if self._peers.get(address) is peer and peer.registration.done():
-                peer.registration = self._registrations.submit(self._register, address)
-
     def _watch_room(self, peer: _Peer, room: int) -> None:
         with self._lock:
             if not peer.rooms:  # watched from now: silence before this is no silence of ours
@@ -434,12 +446,15 @@ class BootstrapClient:
             peer.rooms.add(room)
 
     def _still_queued(self, address: str, rooms: list[int]) -> None:
+        body = {"engine": self.engine, "rooms": rooms}
         try:
-            _raise_for_status(
-                self._http.post(
-                    f"{address}/kv/rooms/queued", json={"engine": self.engine, "rooms": rooms}
-                )
-            )
+            for attempt in range(2):
+                peer, used = self._registered_peer(address)  # only a registered engine may say
+                answer = self._http.post(f"{address}/kv/rooms/queued", json=body)
+                if attempt == 0 and self._forgot_us(address, peer, used, answer):
+                    continue
+                _raise_for_status(answer)
+                return
         except Exception as exc:  # noqa: BLE001 - at worst the prefill engine times the rooms out
             logger.warning(
                 "telling %s about %d queued rooms failed: %s", address, len(rooms), _why(exc)
@@ -457,35 +472,32 @@ class BootstrapClient:
             )
             if answer.status_code == 404 and _code(answer) == UNKNOWN_ROOM:
                 self.emit(CancelUnknown(room))
-            elif answer.status_code == 200 and (registration := self._registered(address)):
+            elif answer.status_code == 200 and (timeout_s := self._write_timeout(address)):
                 # twice its timeout: its scheduler aborts an overdue write only between steps
-                self.emit(CancelConfirmed(room, release_after_s=2 * registration.timeout_s))
+                self.emit(CancelConfirmed(room, release_after_s=2 * timeout_s))
         except httpx.HTTPError as exc:  # unreachable: the heartbeat will tell whether it is dead
             logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))
 
-    def _registered(self, address: str) -> _Registration | None:
+    def _write_timeout(self, address: str) -> float | None:
         with self._lock:
             peer = self._peers.get(address)
-        if peer is None or not peer.registration.done() or peer.registration.exception():
-            return None
-        return peer.registration.result()
+            return peer.known.timeout_s if peer is not None and peer.known is not None else None
 
     def _watch(self) -> None:
         """Heartbeat: every prefill engine with rooms answers /health as the instance we
         registered with, or its rooms fail (within about `dead_after_s`)."""
         while not self._stop.wait(self.heartbeat_s):
             with self._lock:
-                watched = [
-                    (a, p) for a, p in self._peers.items() if p.rooms and p.registration.done()
-                ]
+                watched = [(a, p) for a, p in self._peers.items() if p.rooms and p.known]
             for address, peer in watched:
                 error = self._check(address, peer)
                 if error is not None:
                     self._lost(address, peer, error)
 
     def _check(self, address: str, peer: _Peer) -> str | None:
+        registered = peer.known
+        assert registered is not None  # only peers registered with are watched
         try:
-            registered = peer.registration.result()
             answer = self._http.get(f"{address}/health", timeout=min(self.heartbeat_s, 3.0))
             answer.raise_for_status()
             instance = answer.json()["instance"]

@@ -196,9 +196,8 @@ class DecodeTransfers:
                     return []
                 self.cancel(fact.room, fact.error)
                 return [DecodeOutcome(fact.room, error=fact.error, reason=fact.reason)]
-            if (
-                state is not None and self.link is not None
-            ):  # its request may run there all the same
+            # Its request may run there all the same, unless the room is another's (a 409)
+            if state is not None and self.link is not None and fact.http_status != 409:
                 self.link.send(CancelRoom(fact.room, state.target.address, fact.error))
             return self._end(fact.room, fact.error, fact.reason, fact.http_status)
         if isinstance(fact, CancelUnknown):

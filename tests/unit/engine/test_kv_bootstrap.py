@@ -539,3 +539,63 @@ def test_a_room_the_prefill_side_has_already_is_a_conflict_for_the_request(pair)
     _, [outcome] = p.run(released(94))
     assert (outcome.reason, outcome.http_status) == (FailureReason.REFUSED, 409), outcome
     assert "already in use" in outcome.error
+    time.sleep(0.3)  # a cancel of the room, were one sent, would have arrived
+    p.prefill.poll()
+    assert 94 in p.prefill._posted and p.prefill.closed(94) is None  # its owner's room is intact
+
+
+def test_a_prefill_engine_that_does_not_say_its_timeout_is_still_registered_with(pair):
+    """An engine from before the registration answer named its timeout (a rolling upgrade
+    pairs old and new pods): its rooms work; a confirmed cancel waits for its last word."""
+    p = pair()
+    original = p.server.register
+
+    def old_register(body):
+        status, answer = original(body)
+        return status, {"instance": answer["instance"]}
+
+    p.server.register = old_register
+    p.decode.expect(p.target(96), [1])
+    p.prefill.open(96)
+    p.prefill.prefilled(96, [2], note(96, 4))
+    _, arrived = p.run(lambda s, a: a)
+    assert [o.note.first_token for o in arrived if o.note] == [4]
+
+
+def test_a_failed_registration_again_keeps_the_rooms_at_the_same_instance(pair):
+    """The prefill engine forgot this engine; registering again fails once (a timeout, a
+    5xx): the rooms already there stay watched at the instance they are at, not failed as
+    a silent engine's (their slots would come back while its writes may still land)."""
+    p = pair(dead_after_s=0.5)
+    p.decode.expect(p.target(97), [1])
+    p.run(lambda s, a: 97 in p.prefill._posted)
+    p.server._peer_idle_s = 0
+    p.server.forget_idle_peers()
+    original, calls = p.server.register, []
+
+    def failing_once(body):
+        calls.append(1)
+        return (500, {"error": "not now"}) if len(calls) == 1 else original(body)
+
+    p.server.register = failing_once
+    p.server._peer_idle_s = 600
+    p.decode.expect(p.target(98), [2])
+    _, arrived = p.run(released(98))
+    assert arrived[0].error and "not now" in arrived[0].error
+    time.sleep(1.5)  # three silences allowed
+    assert not [o for o in p.decode.poll() if o.room == 97] and p.decode.waiting(97)
+    p.prefill.open(97)
+    p.prefill.prefilled(97, [3], note(97, 5))
+    _, arrived = p.run(lambda s, a: a)
+    assert [(o.room, o.note.first_token) for o in arrived if o.note] == [(97, 5)]
+
+
+def test_rooms_queued_after_being_forgotten_register_again_and_keep_waiting(pair):
+    p = pair()
+    p.decode.expect(p.target(99), [1])  # registers
+    p.run(lambda s, a: 99 in p.prefill._posted)
+    p.server._peer_idle_s = 0
+    p.server.forget_idle_peers()
+    p.server._peer_idle_s = 600
+    p.decode.link.service.client.still_queued(p.target(0).address, [100])
+    p.run(lambda s, a: 100 in p.prefill._queued_at, timeout=5)
