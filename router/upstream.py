@@ -352,6 +352,7 @@ class UpstreamClient:
             attempt.finish("cancelled", worker_failed=None)
             raise
         finally:
+            attempt.finish("cancelled", worker_failed=None)  # whatever else ended it; once only
             if complete:
                 response.release()
             else:
