@@ -322,8 +322,15 @@ async def repair_child(
     if resource.kind == DEPLOYMENT.kind:
         key = (namespace, instance)
         if key in memo.retiring:
-            async with memo.apply_locks[key]:
-                if not await asyncio.to_thread(prune_retired, memo.kube(), isvc):
+            async with memo.apply_locks[key]:  # of the newest spec: one may have come meanwhile
+                newest = list(inference_services.get(key, []))
+                try:
+                    current = parse_inference_service(newest[0]) if newest else None
+                except InvalidSpec:
+                    current = None  # the InferenceService handler reports it
+                if current is not None and not await asyncio.to_thread(
+                    prune_retired, memo.kube(), current
+                ):
                     memo.retiring.discard(key)
         await publish_status(memo, namespace, instance, inference_services, rollouts)
 

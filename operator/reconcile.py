@@ -92,14 +92,17 @@ def prune_retired(api: KubeApi, isvc: InferenceService) -> tuple[str, ...]:
     old pool, and the router pods that still send to it, serving until then); returns the
     retired roles still kept."""
     meta = isvc.metadata
-    children = _owned_children(api, meta.namespace, meta.name, meta.uid or "")
+    children = {
+        identity(child): child
+        for child in _owned_children(api, meta.namespace, meta.name, meta.uid or "")
+    }
     wanted = {identity(obj) for obj in render(isvc)}
-    stale = [child for child in children if identity(child) not in wanted]
+    stale = [child for key, child in children.items() if key not in wanted]
     retiring = _retired_roles(isvc, stale)
     if not retiring:
         return ()
-    deployments = [c for c in children if c["kind"] == "Deployment" and identity(c) in wanted]
-    if not all(_rolled_out(deployment) for deployment in deployments):
+    deployments = [key for key in wanted if key[0] == "Deployment"]
+    if not all(key in children and _rolled_out(children[key]) for key in deployments):
         log.info(
             "keeping the %s pool until the roles that replace it are ready", ", ".join(retiring)
         )
@@ -114,8 +117,9 @@ def _role(obj: Mapping[str, Any]) -> str | None:
 
 
 def _retired_roles(isvc: InferenceService, stale: Iterable[Object]) -> tuple[str, ...]:
-    """Engine roles with a Deployment among `stale`: roles the spec's mode no longer runs."""
-    roles = {_role(obj) for obj in stale if obj["kind"] == "Deployment"}
+    """Engine roles the spec's mode no longer runs with objects among `stale` (a Deployment,
+    or what is left of a role whose Deployment is gone already)."""
+    roles = {_role(obj) for obj in stale}
     running = isvc.spec.engine_roles()
     return tuple(sorted(r for r in contract.ENGINE_ROLES if r in roles and r not in running))
 

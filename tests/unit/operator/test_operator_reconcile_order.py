@@ -108,6 +108,10 @@ def test_a_mode_switch_keeps_the_old_pool_serving_until_the_new_one_is_ready():
     assert prune_retired(api, disaggregated) == ("mixed",)  # type: ignore[arg-type]
     assert mixed <= set(api.objects)
 
+    decode = api.objects.pop(("Deployment", "llama-pd-decode"))
+    _ready(api)  # ready, but the decode Deployment is gone (deleted, its restore refused)
+    assert prune_retired(api, disaggregated) == ("mixed",)  # type: ignore[arg-type]
+    api.objects[("Deployment", "llama-pd-decode")] = decode
     _ready(api)  # the prefill, decode and router pods are ready
     assert prune_retired(api, disaggregated) == ()  # type: ignore[arg-type]
     assert not mixed & set(api.objects)
@@ -115,3 +119,17 @@ def test_a_mode_switch_keeps_the_old_pool_serving_until_the_new_one_is_ready():
     assert [kind for _, kind, _ in deleted].index("Deployment") < [
         kind for _, kind, _ in deleted
     ].index("Service")  # the pods go before the Service that reaches them
+
+
+def test_what_is_left_of_a_retired_role_goes_once_the_new_one_is_ready():
+    """The old pool's Deployment went, its Service did not (a delete that failed): the
+    Service is still the retired role's, deleted at the next check."""
+    api = RecordingApi()
+    apply_children(api, _example("mixed"))  # type: ignore[arg-type]
+    disaggregated = _example()
+    apply_children(api, disaggregated)  # type: ignore[arg-type]
+    del api.objects[("Deployment", "llama-pd-mixed")]
+    assert prune_retired(api, disaggregated) == ("mixed",)  # type: ignore[arg-type]
+    _ready(api)
+    assert prune_retired(api, disaggregated) == ()  # type: ignore[arg-type]
+    assert ("Service", "llama-pd-mixed") not in api.objects
