@@ -520,17 +520,20 @@ def test_an_idle_connection_outlives_the_routers_keep_alive(llama_server):
     """The engine keeps an idle connection open longer than the router keeps one in its pool
     (uvicorn's default closed it after 5 s, racing the router's next request on it: a 502,
     and a healthy worker taken out of the pool)."""
-    import socket
+    import http.client
     from urllib.parse import urlsplit
 
     from kubesgl import contract
 
     assert contract.ROUTER_UPSTREAM_KEEP_ALIVE_S < contract.SERVER_KEEP_ALIVE_S
     address = urlsplit(llama_server.base_url)
-    request = f"GET /health HTTP/1.1\r\nHost: {address.hostname}\r\n\r\n".encode()
-    with socket.create_connection((address.hostname, address.port), timeout=10) as connection:
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+    try:
         for pause in (0, 6):  # past uvicorn's default of 5 s
             time.sleep(pause)
-            connection.sendall(request)
-            answer = connection.recv(4096)
-            assert answer.startswith(b"HTTP/1.1 200"), answer
+            connection.request("GET", "/health")  # on the same connection: none is reopened
+            answer = connection.getresponse()
+            answer.read()  # the whole answer, whatever segments it came in
+            assert answer.status == 200 and not answer.will_close
+    finally:
+        connection.close()
