@@ -165,7 +165,7 @@ class BootstrapServer:
                 return 409, {"error": f"room {room} is already in use"}
             self._rooms[room] = self._heard_at[engine] = now
             self.emit(RoomPosted(room, engine, tuple(slots)))
-        return 200, {}
+        return 200, {"instance": self.instance}  # the one that took it
 
     def rooms_queued(self, body: dict) -> tuple[int, dict]:
         engine, rooms = str(body["engine"]), tuple(_room(room) for room in body["rooms"])
@@ -271,6 +271,10 @@ class BootstrapServer:
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
+class _Dead(Exception):
+    """A prefill engine that is gone, or silent for too long: none of its writes can come."""
+
+
 @dataclass(frozen=True)
 class _Registration:
     instance: str  # the prefill engine's: a new one means it restarted
@@ -283,8 +287,8 @@ class _Peer:
     """A prefill engine instance: the registrations with it, and the rooms posted there."""
 
     registration: Future[_Registration] | None = None  # the latest attempt
-    known: _Registration | None = None  # the latest that succeeded: the instance rooms are at
-    rooms: set[int] = field(default_factory=set)
+    known: _Registration | None = None  # the latest that succeeded
+    rooms: dict[int, str] = field(default_factory=dict)  # each posted room: the instance it is at
     last_ok: float = field(default_factory=time.monotonic)
 
 
@@ -334,7 +338,7 @@ class BootstrapClient:
         with self._lock:
             peer = self._peers.get(address)
             if peer is not None:
-                peer.rooms.discard(room)
+                peer.rooms.pop(room, None)
 
     # -- worker threads ----------------------------------------------------------------
     def _registered_peer(self, address: str) -> tuple[_Peer, Future[_Registration]]:
@@ -373,6 +377,17 @@ class BootstrapClient:
             rooms = tuple(peer.rooms)
         self.emit(PeerLost(rooms, error))
 
+    def _restarted(self, address: str, peer: _Peer, instance: str) -> None:
+        """The prefill engine at `address` is `instance` now: rooms at any other are lost.
+        (A post sent under the old registration may have reached the new instance: each room
+        is judged by the instance that took it.)"""
+        with self._lock:
+            lost = tuple(room for room, at in peer.rooms.items() if at != instance)
+            for room in lost:
+                del peer.rooms[room]
+        if lost:
+            self.emit(PeerLost(lost, f"the prefill engine at {address} restarted"))
+
     def _register(self, address: str, peer: _Peer) -> _Registration:
         ranks = [
             {
@@ -389,12 +404,8 @@ class BootstrapClient:
             str(body["instance"]), float(timeout_s) if timeout_s is not None else None
         )
         with self._lock:
-            previous, peer.known = peer.known, registration
-            restarted = previous is not None and previous.instance != registration.instance
-            lost = tuple(peer.rooms) if restarted else ()
-            peer.rooms.difference_update(lost)
-        if lost:  # posted at the instance that went
-            self.emit(PeerLost(lost, f"the prefill engine at {address} restarted"))
+            peer.known = registration
+        self._restarted(address, peer, registration.instance)
         return registration
 
     def _post(self, room: int, address: str, slots: list[int]) -> None:
@@ -412,12 +423,13 @@ class BootstrapClient:
                 if attempt == 0 and self._forgot_us(address, peer, used, answer):
                     continue
                 _raise_for_status(answer)
-                self._watch_room(peer, room)
+                taken_by = answer.json().get("instance") or used.result().instance
+                self._watch_room(peer, room, taken_by)
                 return
         except httpx.TransportError as exc:
             maybe_taken = sent and not isinstance(exc, _NOT_SENT)
             if maybe_taken and peer is not None:  # its death, at least, must free the slots
-                self._watch_room(peer, room)
+                self._watch_room(peer, room, used.result().instance)
             self.emit(
                 PostFailed(
                     room,
@@ -439,11 +451,11 @@ class BootstrapClient:
             )
             raise
 
-    def _watch_room(self, peer: _Peer, room: int) -> None:
+    def _watch_room(self, peer: _Peer, room: int, instance: str) -> None:
         with self._lock:
             if not peer.rooms:  # watched from now: silence before this is no silence of ours
                 peer.last_ok = time.monotonic()
-            peer.rooms.add(room)
+            peer.rooms[room] = instance
 
     def _still_queued(self, address: str, rooms: list[int]) -> None:
         body = {"engine": self.engine, "rooms": rooms}
@@ -484,38 +496,39 @@ class BootstrapClient:
             return peer.known.timeout_s if peer is not None and peer.known is not None else None
 
     def _watch(self) -> None:
-        """Heartbeat: every prefill engine with rooms answers /health as the instance we
-        registered with, or its rooms fail (within about `dead_after_s`)."""
+        """Heartbeat: every prefill engine with rooms answers /health, or its rooms fail
+        (within about `dead_after_s`); rooms at an instance other than the one answering fail."""
         while not self._stop.wait(self.heartbeat_s):
             with self._lock:
-                watched = [(a, p) for a, p in self._peers.items() if p.rooms and p.known]
+                watched = [(a, p) for a, p in self._peers.items() if p.rooms]
             for address, peer in watched:
-                error = self._check(address, peer)
-                if error is not None:
-                    self._lost(address, peer, error)
+                try:
+                    instance = self._instance(address, peer)
+                except _Dead as dead:
+                    self._lost(address, peer, str(dead))
+                    continue
+                if instance is not None:
+                    self._restarted(address, peer, instance)
 
-    def _check(self, address: str, peer: _Peer) -> str | None:
-        registered = peer.known
-        assert registered is not None  # only peers registered with are watched
+    def _instance(self, address: str, peer: _Peer) -> str | None:
+        """The instance answering at `address`; None while it is slow or confused, until it
+        has been silent for `dead_after_s` (then _Dead, as when nothing listens there)."""
         try:
             answer = self._http.get(f"{address}/health", timeout=min(self.heartbeat_s, 3.0))
             answer.raise_for_status()
-            instance = answer.json()["instance"]
-        except (
-            httpx.ConnectError
-        ) as exc:  # nothing listens there: the engine is gone, its rooms with it
-            return f"the prefill engine at {address} is gone ({_why(exc)})"
+            instance = str(answer.json()["instance"])
+        except httpx.ConnectError as exc:  # nothing listens there: gone, its rooms with it
+            raise _Dead(f"the prefill engine at {address} is gone ({_why(exc)})") from exc
         except Exception as exc:  # noqa: BLE001 - slow or confused: give it until dead_after_s
             silent = time.monotonic() - peer.last_ok
             if silent > self.dead_after_s:
-                return f"the prefill engine at {address} has not answered for {silent:.0f} s ({_why(exc)})"
+                raise _Dead(
+                    f"the prefill engine at {address} has not answered for {silent:.0f} s "
+                    f"({_why(exc)})"
+                ) from exc
             return None
         peer.last_ok = time.monotonic()
-        return (
-            f"the prefill engine at {address} restarted"
-            if instance != registered.instance
-            else None
-        )
+        return instance
 
     def close(self) -> None:
         self._stop.set()

@@ -599,3 +599,20 @@ def test_rooms_queued_after_being_forgotten_register_again_and_keep_waiting(pair
     p.server._peer_idle_s = 600
     p.decode.link.service.client.still_queued(p.target(0).address, [100])
     p.run(lambda s, a: 100 in p.prefill._queued_at, timeout=5)
+
+
+def test_a_restart_fails_only_the_rooms_at_the_instance_that_went():
+    """A post sent under the registration with the old instance may reach the new one (it
+    restarted in between, and this engine registered again): that room is at the new
+    instance, and fails with the old one's rooms no more (CI caught a burst losing it)."""
+    from kubesgl.engine.disagg.bootstrap import BootstrapClient, _Peer
+
+    emitted: list = []
+    client = BootstrapClient(emitted.append, "decode-test", ())
+    try:
+        peer = _Peer(rooms={50: "old", 56: "new"})
+        client._restarted("http://p:1", peer, "new")
+        assert [(type(f).__name__, f.rooms) for f in emitted] == [("PeerLost", (50,))]
+        assert peer.rooms == {56: "new"}
+    finally:
+        client.close()
