@@ -13,6 +13,7 @@ from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import FinishReason, GenerateRequest, TokenLogprob
 from kubesgl.engine.preflight import check_engine
 from kubesgl.engine.sampling_params import (
+    SGLANG_GRAMMAR_FIELDS,
     GrammarSpec,
     InvalidRequestError,
     SamplingParams,
@@ -74,22 +75,21 @@ def _params_list(params: object, count: int) -> list[SamplingParams]:
 
 # SGLang's Engine.generate names, taken as they are, so that its scripts run unchanged
 _SGLANG_NAMES = {"max_new_tokens": "max_tokens"}
-_SGLANG_GRAMMARS = ("regex", "json_schema", "ebnf")
 
 
 def _from_sglang_names(options: dict[str, Any]) -> dict[str, Any]:
     known = {f.name for f in fields(SamplingParams)}
-    unknown = sorted(set(options) - known - set(_SGLANG_NAMES) - set(_SGLANG_GRAMMARS))
+    unknown = sorted(set(options) - known - set(_SGLANG_NAMES) - set(SGLANG_GRAMMAR_FIELDS))
     if unknown:
         raise TypeError(
             f"unknown sampling options {unknown}; known: {sorted(known)}, and SGLang's "
-            f"{sorted([*_SGLANG_NAMES, *_SGLANG_GRAMMARS])}"
+            f"{sorted([*_SGLANG_NAMES, *SGLANG_GRAMMAR_FIELDS])}"
         )
     for alias, name in _SGLANG_NAMES.items():
         if alias in options and name in options:
             raise TypeError(f"give {name} or SGLang's {alias}, not both")
     renamed = {_SGLANG_NAMES.get(name, name): value for name, value in options.items()}
-    grammars = [kind for kind in _SGLANG_GRAMMARS if kind in renamed]
+    grammars = [kind for kind in SGLANG_GRAMMAR_FIELDS if kind in renamed]
     if len(grammars) + ("grammar" in renamed) > 1:
         raise TypeError(f"give at most one output constraint, got {grammars}")
     for kind in grammars:

@@ -36,6 +36,8 @@ def is_utf8(text: str) -> bool:
 
 
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+# SGLang's sampling-parameter fields that constrain the output, each a kind of its own
+SGLANG_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ _MAX_BODY_BYTES = 64 << 20  # a registration of many ranks, or a room of a very 
 # come and go, and each registration holds a NIXL connection per rank. One that was only
 # idle registers again with its next post.
 PEER_IDLE_S = 600.0
+_SWEEP_EVERY_S = 60.0
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -103,6 +104,7 @@ class BootstrapServer:
         self._engines: dict[str, int] = {}  # registered decode engines: their pools' slots
         self._heard_at: dict[str, float] = {}  # when each last registered, posted or queued
         self._peer_idle_s = PEER_IDLE_S
+        self._next_sweep = 0.0
         self._rooms: dict[int, float] = {}  # posted rooms, until forgotten: a duplicate is a 409
         self._http = ThreadingHTTPServer((host, port), self._handler())
         self._http.daemon_threads = True
@@ -117,9 +119,16 @@ class BootstrapServer:
     def health(self) -> tuple[int, dict]:
         return 200, {"instance": self.instance, "tp_size": self.tp_size}
 
+    def sweep_idle_peers(self) -> None:
+        """What every request runs (decode engines with rooms here ask for /health every few
+        seconds): `forget_idle_peers`, at most once a minute, off the path of most posts."""
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + _SWEEP_EVERY_S
+            self.forget_idle_peers()
+
     def forget_idle_peers(self) -> None:
-        """Drops the registrations of decode engines silent for the idle limit (every request
-        calls this: decode engines with rooms here ask for /health every few seconds)."""
+        """Drops the registrations of decode engines silent for the idle limit."""
         now = time.monotonic()
         with self._lock:
             for engine, heard_at in list(self._heard_at.items()):
@@ -200,7 +209,7 @@ class BootstrapServer:
             timeout = 30  # seconds a connection may sit idle or send slowly: threads are not free
 
             def handle_one_request(self) -> None:
-                server.forget_idle_peers()
+                server.sweep_idle_peers()
                 super().handle_one_request()
 
             def do_GET(self):  # noqa: N802 - http.server's naming

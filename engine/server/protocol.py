@@ -24,7 +24,13 @@ from pydantic_core import PydanticCustomError
 
 from kubesgl.engine.disagg.protocol import MAX_ROOM
 from kubesgl.engine.messages import BootstrapTarget
-from kubesgl.engine.sampling_params import GrammarSpec, InvalidRequestError, SamplingParams, is_utf8
+from kubesgl.engine.sampling_params import (
+    SGLANG_GRAMMAR_FIELDS,
+    GrammarSpec,
+    InvalidRequestError,
+    SamplingParams,
+    is_utf8,
+)
 
 UTF8_ERROR = "invalid_utf8"
 UNSUPPORTED_ERROR = "unsupported"
@@ -418,9 +424,7 @@ class NativeSamplingParams(_Lenient):
 
     @model_validator(mode="after")
     def _one_grammar(self) -> NativeSamplingParams:
-        given = [
-            kind for kind in ("regex", "json_schema", "ebnf") if getattr(self, kind) is not None
-        ]
+        given = [kind for kind in SGLANG_GRAMMAR_FIELDS if getattr(self, kind) is not None]
         if len(given) > 1:
             raise ValueError(
                 f"give at most one of regex, json_schema and ebnf, got {' and '.join(given)}"
@@ -428,7 +432,7 @@ class NativeSamplingParams(_Lenient):
         return self
 
     def grammar(self) -> GrammarSpec | None:
-        for kind in ("regex", "json_schema", "ebnf"):
+        for kind in SGLANG_GRAMMAR_FIELDS:
             if (spec := getattr(self, kind)) is not None:
                 return GrammarSpec(kind, spec, param=f"sampling_params.{kind}")
         return None
