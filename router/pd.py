@@ -130,7 +130,9 @@ class PrefillDecodePair:
     async def _stream_watching_prefill(
         self, chunks: Stream, prefill_task: asyncio.Task[None]
     ) -> AsyncGenerator[bytes, None]:
-        complete = False
+        # The decode engine answered (a chunk, or its end): it had the KV, so the prefill's
+        # work is done, and its request may end on its own even if the client leaves now.
+        answered = False
         try:
             # Race each chunk against the prefill only while the prefill is still running.
             while not prefill_task.done():
@@ -146,8 +148,8 @@ class PrefillDecodePair:
                     await _cancel(next_chunk)
                     break
                 chunk = await next_chunk
+                answered = True
                 if chunk is _END:
-                    complete = not chunks.broke_off
                     return
                 yield chunk
             error = prefill_task.exception()
@@ -155,11 +157,11 @@ class PrefillDecodePair:
                 message = error.message if isinstance(error, UpstreamError) else repr(error)
                 yield sse_error_event(message)
                 return
+            answered = True  # the prefill has ended, and well
             async for chunk in chunks:
                 yield chunk
-            complete = not chunks.broke_off  # a decode that broke off needs no prefill
         finally:
-            if complete:
+            if answered and not chunks.broke_off:  # a decode that broke off needs no prefill
                 self._let_finish(prefill_task)
             else:
                 await _cancel(prefill_task)

@@ -337,3 +337,35 @@ async def test_a_prompt_cached_only_at_the_prefill_pool_is_still_disaggregated(
             answer = await client.post(router.url + "/v1/completions", json={"prompt": prompt})
             assert answer.status_code == 200
     assert [r["body"]["prompt"] for r in p.requests] == [list(range(1, 40)), list(range(1, 41))]
+
+
+async def test_a_client_that_leaves_mid_stream_lets_the_finished_prefill_end_well(
+    engines, kv_table, start_router, client
+):
+    """The decode engine streams (it has the KV: the prefill's part is done) and the client
+    leaves before the prefill engine's answer came: the prefill request ends on its own, a
+    200, not aborted (CI's live-Prometheus test saw the prefill engine count an abort)."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.hold = asyncio.Event()  # the KV is sent, the answer held
+    d.hold = asyncio.Event()  # the decode stream pauses after its first chunk
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        body = {"prompt": "x", "stream": True}
+        async with client.stream("POST", router.url + "/v1/completions", json=body) as response:
+            async for _ in response.aiter_bytes():
+                break  # the first chunk: leave
+        async with asyncio.timeout(2):
+            await d.client_gone.wait()
+        p.hold.set()
+        async with asyncio.timeout(2):
+            while any(w.in_flight for w in router.app.workers.all()):
+                await asyncio.sleep(0.02)
+        metrics = (await client.get(router.url + "/metrics")).text
+    prefill_outcomes = {
+        sample.labels["status"]: sample.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "kubesgl_router_requests"
+        for sample in family.samples
+        if sample.labels.get("worker") == p.url and sample.name.endswith("_total")
+    }
+    assert prefill_outcomes == {"200": 1, "error": 0, "cancelled": 0} and not p.client_gone.is_set()
