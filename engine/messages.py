@@ -197,12 +197,15 @@ class TextBatch:
 class FlushCache:
     """Empties the prefix cache, if the scheduler is idle (SGLang's /flush_cache)."""
 
+    flush_id: int  # echoed in the answer: a flush whose caller gave up leaves no answer unclaimed
+
 
 @dataclass
 class CacheFlushed:
     """Scheduler -> API server, for each FlushCache in turn: whether it flushed (an engine
     with work left, finishing aborted requests or P/D transfers, does not)."""
 
+    flush_id: int
     flushed: bool
 
 

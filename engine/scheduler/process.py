@@ -195,7 +195,7 @@ class SchedulerLoop:
                 self.engine.scheduler.reset()
                 logger.info("prefix cache flushed")
             if self.rank == 0:
-                self.outbox.send_pyobj(CacheFlushed(not busy))
+                self.outbox.send_pyobj(CacheFlushed(message.flush_id, not busy))
             return []
         try:
             self.engine.add_request(message)

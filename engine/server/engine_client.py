@@ -4,7 +4,7 @@ each output back to the request that waits for it."""
 from __future__ import annotations
 
 import asyncio
-import collections
+import itertools
 import logging
 import time
 import uuid
@@ -66,7 +66,8 @@ class EngineClient:
         self.stats: SchedulerStats | None = None  # the scheduler's latest
         self.ready = asyncio.Event()
         self._pending: dict[str, _Pending] = {}
-        self._flushes: collections.deque[asyncio.Future[bool]] = collections.deque()
+        self._flushes: dict[int, asyncio.Future[bool]] = {}
+        self._flush_ids = itertools.count()
         self._context = zmq.asyncio.Context()
         self._to_tokenizer = push(self._context, endpoints.tokenizer_in)
         self._from_detokenizer = pull(self._context, endpoints.api_in)
@@ -99,9 +100,9 @@ class EngineClient:
                     message.max_total_tokens,
                 )
                 continue
-            if isinstance(message, CacheFlushed):  # the answer to the oldest flush asked
-                flush = self._flushes.popleft()
-                if not flush.done():
+            if isinstance(message, CacheFlushed):
+                flush = self._flushes.pop(message.flush_id, None)
+                if flush is not None and not flush.done():  # None: its caller gave up
                     flush.set_result(message.flushed)
                 continue
             assert isinstance(message, TextBatch)
@@ -213,17 +214,19 @@ class EngineClient:
 
     async def flush_cache(self) -> bool:
         """Whether the scheduler emptied its prefix cache (it does only when idle)."""
-        answer = asyncio.get_running_loop().create_future()
-        self._flushes.append(answer)
-        await self._to_tokenizer.send_pyobj(FlushCache())
-        return await answer
+        flush_id = next(self._flush_ids)
+        answer = self._flushes[flush_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._to_tokenizer.send_pyobj(FlushCache(flush_id))
+            return await answer
+        finally:
+            self._flushes.pop(flush_id, None)
 
     def fail_all(self, message: str) -> None:
         """End every request in flight with a 503: the engine's processes are going away and
         no answer will come (a child process died)."""
         reason = FinishReason("error", message=message, status=503)
-        while self._flushes:
-            flush = self._flushes.popleft()
+        for flush in self._flushes.values():
             if not flush.done():
                 flush.set_exception(RuntimeError(message))
         for rid, pending in list(self._pending.items()):

@@ -18,6 +18,7 @@ from kubesgl.engine.sampling_params import SamplingParams
 from kubesgl.engine.server.engine_client import EngineClient
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+FLUSH_CACHE_TIMEOUT_S = 20.0  # a scheduler that is idle answers at its next loop
 # SGLang's name for the role of an engine that does both phases
 _DISAGGREGATION_MODE = {MIXED: "null", PREFILL: "prefill", DECODE: "decode"}
 
@@ -102,14 +103,21 @@ def add_sglang_routes(
         return PlainTextResponse("ok")
 
     async def flush_cache() -> Response:
+        if not client.ready.is_set():
+            return PlainTextResponse("not flushed: the model is still loading", status_code=503)
         if client.in_flight:
             return PlainTextResponse(
                 f"not flushed: {client.in_flight} requests are running", status_code=400
             )
         try:
-            flushed = await client.flush_cache()
+            async with asyncio.timeout(FLUSH_CACHE_TIMEOUT_S):
+                flushed = await client.flush_cache()
         except RuntimeError as exc:  # the engine's processes are going away
             return PlainTextResponse(f"not flushed: {exc}", status_code=503)
+        except TimeoutError:
+            return PlainTextResponse(
+                f"no answer from the scheduler within {FLUSH_CACHE_TIMEOUT_S:g} s", status_code=503
+            )
         if not flushed:
             return PlainTextResponse(
                 "not flushed: the engine is still finishing requests (ones their clients "

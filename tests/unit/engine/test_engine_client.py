@@ -118,11 +118,29 @@ async def test_a_flush_answers_what_the_scheduler_did(client):
     skipped = asyncio.ensure_future(engine_client.flush_cache())
     done = asyncio.ensure_future(engine_client.flush_cache())
     await asyncio.sleep(0.05)
-    detokenizer.send_pyobj(CacheFlushed(False))
-    detokenizer.send_pyobj(CacheFlushed(True))
+    detokenizer.send_pyobj(CacheFlushed(0, False))
+    detokenizer.send_pyobj(CacheFlushed(1, True))
     assert (await skipped, await done) == (False, True)
     gone = asyncio.ensure_future(engine_client.flush_cache())
     await asyncio.sleep(0.05)
     engine_client.fail_all("the scheduler died")
     with pytest.raises(RuntimeError, match="the scheduler died"):
         await gone
+
+
+@pytest.mark.asyncio
+async def test_each_flush_gets_its_own_answer_also_after_a_caller_gave_up(client):
+    """Answers are matched by the flush's id, not by their order: one whose caller left (a
+    timeout, a client gone) is dropped, and nothing waits for it afterwards."""
+    from kubesgl.engine.messages import CacheFlushed
+
+    engine_client, detokenizer = client
+    abandoned = asyncio.ensure_future(engine_client.flush_cache())
+    kept = asyncio.ensure_future(engine_client.flush_cache())
+    await asyncio.sleep(0.05)
+    abandoned.cancel()
+    detokenizer.send_pyobj(CacheFlushed(1, True))  # the kept flush's answer comes first
+    detokenizer.send_pyobj(CacheFlushed(0, False))
+    assert await kept is True
+    await asyncio.sleep(0.05)
+    assert engine_client._flushes == {}
