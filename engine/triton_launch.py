@@ -8,6 +8,8 @@ predecessor in the stream is still finishing, and its programs then wait at
 Only the launch overlaps, never the data: each kernel launched this way calls
 `wait_for_predecessor` before its first load or store, so it reads what its predecessor
 wrote, and the kernel after it (which may start early in turn) sees all of its writes.
+The one exception is the batch-1 GEMV (layers/triton_kernels/gemv.py), which loads its
+weights first: no kernel of a step writes them.
 
 On the H200 this took 62 µs off a batch-1 decode step of 4.73 ms (FlashInfer attention,
 one pair of runs). Launching the Triton decode attention's two kernels this way too made

@@ -8,12 +8,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubesgl.engine.distributed import get_tp_group
+from kubesgl.engine.layers.kernels import LayerKernels
+from kubesgl.engine.layers.linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        kernels: LayerKernels = "torch",
+    ):
         super().__init__()
         tp = get_tp_group()
+        self.kernels = kernels  # for the LM head
         self.vocab_size = vocab_size
         self.padded_vocab = -(-vocab_size // tp.size) * tp.size
         self.start, self.local_vocab = tp.shard(self.padded_vocab)
@@ -42,5 +51,5 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the whole vocabulary, as the LM head."""
-        local = F.linear(hidden, self.weight).float()
+        local = linear(hidden, self.weight, None, self.kernels).float()
         return get_tp_group().all_gather_last_dim(local)[..., : self.vocab_size]

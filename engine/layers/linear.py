@@ -15,11 +15,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubesgl.engine.distributed import get_tp_group
+from kubesgl.engine.layers.kernels import LayerKernels
 
 
 def _attach_loader(param: nn.Parameter, loader) -> nn.Parameter:
     param.weight_loader = loader  # type: ignore[attr-defined]
     return param
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: LayerKernels
+) -> torch.Tensor:
+    """x W^T + b; one row (a batch-1 decode step) through the Triton GEMV on CUDA, which
+    starts streaming its weights before the kernel ahead of it has finished."""
+    if kernels == "triton" and x.shape[0] == 1:
+        from kubesgl.engine.layers.triton_kernels.gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -38,10 +51,16 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(
-        self, input_size: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        dtype: torch.dtype,
+        kernels: LayerKernels = "torch",
     ):
         super().__init__()
         tp = get_tp_group()
+        self.kernels = kernels
         self.output_sizes = list(output_sizes)
         self.local_sizes = [tp.shard(size)[1] for size in self.output_sizes]
         out_local = sum(self.local_sizes)
@@ -74,7 +93,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset : offset + size].copy_(loaded[start : start + size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernels)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -91,6 +110,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool,
         dtype: torch.dtype,
+        kernels: LayerKernels = "torch",
     ):
         tp = get_tp_group()
         if num_heads % tp.size:
@@ -105,7 +125,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         kv_total_local = self.num_kv_heads * head_dim * tp.size  # replicated heads counted per rank
         super().__init__(
-            hidden_size, [num_heads * head_dim, kv_total_local, kv_total_local], bias, dtype
+            hidden_size,
+            [num_heads * head_dim, kv_total_local, kv_total_local],
+            bias,
+            dtype,
+            kernels,
         )
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str = 0) -> None:
@@ -141,9 +165,11 @@ class RowParallelLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         reduce_results: bool = True,
+        kernels: LayerKernels = "torch",
     ):
         super().__init__()
         tp = get_tp_group()
+        self.kernels = kernels
         self.input_size = input_size
         self.local_input = tp.shard(input_size)[1]
         self.reduce_results = reduce_results
@@ -171,7 +197,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded[:, start : start + self.local_input])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.kernels)
         if self.reduce_results:
             y = get_tp_group().all_reduce(y)
         if self.bias is not None:

@@ -44,9 +44,14 @@ class Attention(nn.Module):
             config.num_kv_heads,
             config.qkv_bias,
             dtype,
+            kernels,
         )
         self.o_proj = RowParallelLinear(
-            config.num_heads * config.head_dim, config.hidden_size, config.o_proj_bias, dtype
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+            config.o_proj_bias,
+            dtype,
+            kernels=kernels,
         )
         self.q_norm = (
             RMSNorm(config.head_dim, config.rms_norm_eps, dtype, kernels)
@@ -91,9 +96,11 @@ class MLP(nn.Module):
     ):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
-            hidden_size, [intermediate_size, intermediate_size], bias, dtype
+            hidden_size, [intermediate_size, intermediate_size], bias, dtype, kernels
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias, dtype, kernels=kernels
+        )
         self.act = gated_activation(hidden_act, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +181,9 @@ class CausalLM(nn.Module):
         rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope, device, kernels
         )
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, dtype, kernels
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, rotary, dtype, kernels) for i in range(config.num_layers)
         )
@@ -182,7 +191,7 @@ class CausalLM(nn.Module):
         self.lm_head = (
             self.embed_tokens
             if config.tie_word_embeddings
-            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, kernels)
         )
 
     def forward(
