@@ -28,7 +28,8 @@ def linear(
 ) -> torch.Tensor:
     """x W^T + b; one row (a batch-1 decode step) through the Triton GEMV on CUDA, which
     starts streaming its weights before the kernel ahead of it has finished."""
-    if kernels == "triton" and x.shape[0] == 1:
+    one_row = x.dim() == 2 and x.shape[0] == 1
+    if kernels == "triton" and one_row and weight.is_contiguous() and x.dtype == weight.dtype:
         from kubesgl.engine.layers.triton_kernels.gemv import gemv
 
         return gemv(x, weight, bias)

@@ -68,6 +68,7 @@ class EngineClient:
         self._pending: dict[str, _Pending] = {}
         self._flushes: dict[int, asyncio.Future[bool]] = {}
         self._flush_ids = itertools.count()
+        self._failure: str | None = None  # why the engine's processes went away
         self._context = zmq.asyncio.Context()
         self._to_tokenizer = push(self._context, endpoints.tokenizer_in)
         self._from_detokenizer = pull(self._context, endpoints.api_in)
@@ -214,6 +215,8 @@ class EngineClient:
 
     async def flush_cache(self) -> bool:
         """Whether the scheduler emptied its prefix cache (it does only when idle)."""
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
         flush_id = next(self._flush_ids)
         answer = self._flushes[flush_id] = asyncio.get_running_loop().create_future()
         try:
@@ -225,6 +228,7 @@ class EngineClient:
     def fail_all(self, message: str) -> None:
         """End every request in flight with a 503: the engine's processes are going away and
         no answer will come (a child process died)."""
+        self._failure = message
         reason = FinishReason("error", message=message, status=503)
         for flush in self._flushes.values():
             if not flush.done():

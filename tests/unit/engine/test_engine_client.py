@@ -126,6 +126,8 @@ async def test_a_flush_answers_what_the_scheduler_did(client):
     engine_client.fail_all("the scheduler died")
     with pytest.raises(RuntimeError, match="the scheduler died"):
         await gone
+    with pytest.raises(RuntimeError, match="the scheduler died"):  # at once, not after a timeout
+        await asyncio.wait_for(engine_client.flush_cache(), 1)
 
 
 @pytest.mark.asyncio

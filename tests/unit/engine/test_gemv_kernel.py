@@ -64,3 +64,16 @@ def test_linear_layers_and_the_lm_head_run_one_row_through_the_gemv(monkeypatch,
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(lm_head.logits(out), F.linear(out, lm_head.weight))
     assert len(calls) == (3 if rows == 1 else 0)
+
+
+def test_one_row_the_gemv_cannot_take_goes_to_torch(monkeypatch):
+    """A 3-D input, a transposed weight, or mixed dtypes: F.linear's answer (or its error)."""
+    from kubesgl.engine.layers.linear import linear
+    from kubesgl.engine.layers.triton_kernels import gemv as gemv_module
+
+    monkeypatch.setattr(gemv_module, "gemv", lambda *args: pytest.fail("took the GEMV"))
+    w = torch.randn(8, 16)
+    assert linear(torch.randn(1, 3, 16), w, None, "triton").shape == (1, 3, 8)
+    assert linear(torch.randn(1, 16), torch.randn(16, 8).t(), None, "triton").shape == (1, 8)
+    with pytest.raises(RuntimeError):
+        linear(torch.randn(1, 16), w.bfloat16(), None, "triton")
