@@ -1,5 +1,9 @@
-"""Offline throughput: N random prompts of a fixed length, fixed output length with
+"""Offline throughput: N prompts of random tokens, each run to its output length with
 ignore_eos, all given to `LLM.generate` at once (the shape of SGLang's offline benchmark).
+Lengths are fixed by default; `--random-range-ratio R` draws each prompt's input length
+uniformly from [max(1, R x input-len), input-len] and its output length from
+[max(1, R x output-len), output-len], as SGLang's random dataset does (its CI's offline bar
+runs R = 0; SGLang allows an output of 0 tokens there, this engine needs at least 1).
 Beside the throughput, where the time went: the wall time of the engine's steps by kind
 (decode, extend, mixed), their count and mean batch size (`steps`). With overlap, a step's
 time is taken as that of the engine turn that waited for it.
@@ -53,20 +57,38 @@ class StepTimeline:
         }
 
 
+def draw_lengths(rng: random.Random, count: int, longest: int, range_ratio: float) -> list[int]:
+    """`count` lengths drawn uniformly from [max(1, range_ratio x longest), longest]."""
+    shortest = max(1, int(longest * range_ratio))
+    return [rng.randint(shortest, longest) for _ in range(count)]
+
+
 def main() -> None:
     parser = engine_parser(__doc__, dtype="bfloat16", attention_backend="triton")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=1.0,
+        help="lengths drawn from [ratio x length, length] (SGLang's meaning); 1: fixed lengths",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if not 0.0 <= args.random_range_ratio <= 1.0:
+        parser.error(f"--random-range-ratio must be in [0, 1], got {args.random_range_ratio}")
+    lengths_rng = random.Random(1)  # its own stream: fixed lengths keep the prompts of before
+    input_lens = draw_lengths(
+        lengths_rng, args.num_prompts, args.input_len, args.random_range_ratio
+    )
+    output_lens = draw_lengths(
+        lengths_rng, args.num_prompts, args.output_len, args.random_range_ratio
+    )
     llm = make_llm(args, context_length=args.input_len + args.output_len + 16)
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
-    prompts = [
-        [rng.randrange(10, vocab - 10) for _ in range(args.input_len)]
-        for _ in range(args.num_prompts)
-    ]
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in input_lens]
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
     llm.engine.scheduler.reset()
     if torch.cuda.is_available():
@@ -74,10 +96,11 @@ def main() -> None:
     timeline = StepTimeline(llm.engine.scheduler)
     start = time.perf_counter()
     outputs = llm.generate(
-        prompts, SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+        prompts,
+        [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in output_lens],
     )
     elapsed = time.perf_counter() - start
-    assert all(len(o.token_ids) == args.output_len for o in outputs)
+    assert [len(o.token_ids) for o in outputs] == output_lens
     result = {
         **engine_facts(args, llm),
         "kv_cache_dtype": args.kv_cache_dtype,
@@ -88,12 +111,15 @@ def main() -> None:
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "random_range_ratio": args.random_range_ratio,
+        "input_tokens": sum(input_lens),
+        "output_tokens": sum(output_lens),
         "max_running_requests": args.max_running_requests,
         "kv_pool_tokens": llm.engine.scheduler.stats().kv_total_tokens,
         "retractions": llm.engine.scheduler.stats().retractions,
         "seconds": elapsed,
-        "output_tokens_per_s": args.num_prompts * args.output_len / elapsed,
-        "total_tokens_per_s": args.num_prompts * (args.input_len + args.output_len) / elapsed,
+        "output_tokens_per_s": sum(output_lens) / elapsed,
+        "total_tokens_per_s": (sum(input_lens) + sum(output_lens)) / elapsed,
         "steps": timeline.summary(),
     }
     llm.shutdown()
