@@ -494,7 +494,8 @@ class BootstrapClient:
             if answer.status_code == 404 and _code(answer) == UNKNOWN_ROOM:
                 self.emit(CancelUnknown(room))
             elif answer.status_code == 200 and (timeout_s := self._write_timeout(address)):
-                # twice its timeout: its scheduler aborts an overdue write only between steps
+                # twice its timeout, in case its last word is lost: by then a write into
+                # the room has ended, unless it is stuck (docs/disaggregation.md)
                 self.emit(CancelConfirmed(room, release_after_s=2 * timeout_s))
         except httpx.HTTPError as exc:  # unreachable: the heartbeat will tell whether it is dead
             logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))

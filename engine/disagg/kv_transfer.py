@@ -158,11 +158,6 @@ class KVTransferAgent:
             raise TransferError(f"the KV write failed ({state})")
         return True
 
-    def abort(self, transfer: Transfer) -> None:
-        """Gives up on a transfer still in flight (releasing its handle cancels it)."""
-        with _nixl("cancelling the KV write"):
-            self.agent.release_xfer_handle(transfer.handle)
-
     def notify(self, peer_name: str, message: bytes) -> None:
         """A notification without a transfer (a room that ends without its KV)."""
         with _nixl(f"notifying {peer_name}"):

@@ -10,7 +10,6 @@ writes of all ranks are done.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -44,6 +43,18 @@ class WriteEnded:
 
 
 @dataclass(frozen=True)
+class WriteOverdue:
+    """This rank's write has run past the timeout: its request fails now, but the room stays
+    busy until NIXL says the write ended. A write cannot be called back: releasing its
+    handle leaves its puts running (UCX cancels receives only), so they could land in
+    slots the decode engine had handed to another request."""
+
+    rank: int
+    room: int
+    error: str
+
+
+@dataclass(frozen=True)
 class RoomTimedOut:
     room: int
     error: str
@@ -63,6 +74,7 @@ PrefillFact = (
     | RoomCancelled
     | RoomsQueued
     | WriteEnded
+    | WriteOverdue
     | RoomTimedOut
     | RoomsForgotten
 )
@@ -102,6 +114,15 @@ class _Room:
     waited: float = 0.0  # this rank: from the prompt's end to the write's start
 
 
+@dataclass
+class _Write:
+    """A write of this rank in flight."""
+
+    transfer: Transfer
+    started_at: float
+    overdue: bool = False  # past the timeout: its request has failed, the write goes on
+
+
 class PrefillTransfers:
     def __init__(
         self,
@@ -129,7 +150,7 @@ class PrefillTransfers:
         self._queued_at: dict[
             int, float
         ] = {}  # rank 0: when a decode engine last said it queued the room
-        self._writes: dict[int, tuple[Transfer, float]] = {}  # this rank's writes in flight
+        self._writes: dict[int, _Write] = {}  # this rank's writes in flight
         # this rank's facts for the next turn; facts the bootstrap link brings that are not the
         # prefill side's (the decode side's PostFailed...) are ignored
         self._local: list[PrefillFact | BootstrapFact] = []
@@ -215,6 +236,8 @@ class PrefillTransfers:
                 self._queued_at.update(dict.fromkeys(fact.rooms, time.monotonic()))
         elif isinstance(fact, WriteEnded):
             return self._write_ended(fact)
+        elif isinstance(fact, WriteOverdue):
+            return self._write_overdue(fact)
         elif isinstance(fact, RoomTimedOut):
             state = self._rooms.get(fact.room)
             if state is not None and not state.started:
@@ -294,6 +317,13 @@ class PrefillTransfers:
                 )
         return outcomes
 
+    def _write_overdue(self, fact: WriteOverdue) -> list[PrefillOutcome]:
+        state = self._rooms.get(fact.room)
+        if state is None or state.failed:
+            return []
+        state.failed = True
+        return [PrefillOutcome(fact.room, fact.error, FailureReason.TRANSFER)]
+
     def _start_writes(self) -> None:
         for room, state in self._rooms.items():
             # src_slots and note are set together, once the prompt is prefilled
@@ -318,39 +348,45 @@ class PrefillTransfers:
                 transfer = self.agent.write(
                     peer, state.src_slots, list(state.target.slots), state.note.encode()
                 )
-                self._writes[room] = (transfer, time.monotonic())
+                self._writes[room] = _Write(transfer, time.monotonic())
             except (KeyError, ValueError, RuntimeError) as exc:
                 self._local.append(
                     self._failed_write(room, state.target.engine, f"KV transfer not started: {exc}")
                 )
 
-    def _ended_writes(self) -> list[WriteEnded]:
-        ended = []
+    def _ended_writes(self) -> list[WriteEnded | WriteOverdue]:
+        """This rank's writes that ended since the last turn, and those that went overdue. A
+        write's end is the room's last word (NIXL's note with the KV, or FAILED), so it is
+        only ever said once NIXL reports the write done or failed."""
+        ended: list[WriteEnded | WriteOverdue] = []
         now = time.monotonic()
-        for room, (transfer, started_at) in list(self._writes.items()):
+        for room, write in list(self._writes.items()):
             target = self._rooms[room].target
             assert target is not None  # a write starts only once the decode engine posted the room
-            engine = target.engine
             try:
-                done = self.agent.done(transfer)
+                done = self.agent.done(write.transfer)
             except RuntimeError as exc:
                 del self._writes[room]
-                ended.append(self._failed_write(room, engine, str(exc)))
+                ended.append(self._failed_write(room, target.engine, str(exc)))
                 continue
             if done:
                 del self._writes[room]
                 ended.append(
-                    WriteEnded(self.consensus.rank, room, transfer.nbytes, now - started_at)
-                )
-            elif now - started_at > self.timeout:
-                del self._writes[room]
-                with contextlib.suppress(TransferError):  # it failed anyway
-                    self.agent.abort(transfer)
-                ended.append(
-                    self._failed_write(
-                        room, engine, f"the KV write did not finish within {self.timeout:g} s"
+                    WriteEnded(
+                        self.consensus.rank, room, write.transfer.nbytes, now - write.started_at
                     )
                 )
+            elif not write.overdue and now - write.started_at > self.timeout:
+                write.overdue = True
+                logger.warning(
+                    "room %d: the KV write to %s has not finished within %g s; its request "
+                    "fails, its slots stay held until the write ends",
+                    room,
+                    target.engine,
+                    self.timeout,
+                )
+                error = f"the KV write did not finish within {self.timeout:g} s"
+                ended.append(WriteOverdue(self.consensus.rank, room, error))
         return ended
 
     def _failed_write(self, room: int, engine: str, error: str) -> WriteEnded:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kubesgl.engine.disagg.decode import DecodeTransfers
-from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
+from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, TransferError
 from kubesgl.engine.disagg.link import LocalLink
 from kubesgl.engine.disagg.prefill import PrefillTransfers
 from kubesgl.engine.disagg.protocol import (
@@ -274,6 +274,73 @@ def test_a_decode_engine_that_disconnected_fails_the_write_not_the_prefill_engin
     assert not p.prefill.busy(19)
 
 
+class StalledWrite:
+    """The prefill agent's writes stay in flight (NIXL says PROC) until `end` is called, and
+    the notes the prefill side sends are recorded: a write slower than the timeout."""
+
+    def __init__(self, p: Pair, monkeypatch):
+        self.in_flight, self.error, self.notes = True, None, []
+        real_done, real_notify = p.prefill_agent.done, p.prefill._notify
+        monkeypatch.setattr(p.prefill_agent, "done", self._done(real_done))
+
+        def notify(engine, note):
+            self.notes.append(note)
+            real_notify(engine, note)
+
+        monkeypatch.setattr(p.prefill, "_notify", notify)
+
+    def _done(self, real_done):
+        def done(transfer):
+            if self.in_flight:
+                return False
+            if self.error is not None:
+                raise TransferError(self.error)
+            return real_done(transfer)
+
+        return done
+
+    def end(self, error: str | None = None) -> None:
+        self.in_flight, self.error = False, error
+
+
+def overdue_write(pair, monkeypatch, room: int) -> tuple[Pair, StalledWrite]:
+    """A write past the prefill side's timeout: its request has failed, the write goes on."""
+    p = pair(timeout=0.2)
+    stalled = StalledWrite(p, monkeypatch)
+    p.prefill.open(room)
+    p.prefill.prefilled(room, [1], note(room))
+    p.decode.expect(p.target(room), [2])
+    sent, _ = p.run(lambda s, a: s)
+    assert [(o.room, o.reason) for o in sent] == [(room, FailureReason.TRANSFER)]
+    assert "did not finish within 0.2 s" in sent[0].error
+    later = time.monotonic() + 0.5
+    while time.monotonic() < later:
+        assert p.prefill.poll() == []
+        time.sleep(0.01)
+    # releasing a NIXL handle does not stop its puts: the room's last word (which lets the
+    # decode side reuse the slots) and the source slots wait for the write's end
+    assert p.prefill.busy(room) and stalled.notes == []
+    return p, stalled
+
+
+def test_an_overdue_write_holds_the_room_until_it_is_done_and_its_own_note_ends_it(
+    pair, monkeypatch
+):
+    p, stalled = overdue_write(pair, monkeypatch, room=32)
+    stalled.end()
+    p.run(lambda s, a: not p.prefill.busy(32))
+    assert stalled.notes == []  # NIXL's note with the KV was the last word
+
+
+def test_an_overdue_write_that_fails_sends_the_failure_as_the_last_word(pair, monkeypatch):
+    p, stalled = overdue_write(pair, monkeypatch, room=33)
+    stalled.end(error="the KV write failed (ERR)")
+    sent, _ = p.run(lambda s, a: not p.prefill.busy(33))
+    assert sent == []  # the request failed once already
+    [last_word] = stalled.notes
+    assert last_word.status is RoomStatus.FAILED and "ERR" in last_word.error
+
+
 def test_a_dead_prefill_engine_fails_its_rooms_within_the_heartbeat_window(pair):
     p = pair(dead_after_s=0.5)
     p.decode.expect(p.target(14), [1])
@@ -459,7 +526,7 @@ def test_a_room_whose_last_word_is_lost_is_released_once_no_write_can_come(pair,
     """The client left; the decode side cancelled the room and the prefill side confirmed,
     but its note (its last word) was lost: the slots were held for as long as the prefill
     engine lived. They are released once the prefill side's own timeout has passed twice
-    since it confirmed: a write in flight then has ended (it aborts writes at its timeout)."""
+    since it confirmed: by then a write in flight has ended, unless it is stuck."""
     p = pair(timeout=0.3)
     monkeypatch.setattr(p.prefill, "_notify", lambda engine, note: None)  # every note lost
     p.prefill.open(80)
