@@ -54,6 +54,7 @@ from kubesgl.engine.disagg.protocol import (
     RoomCancelled,
     RoomPosted,
     RoomsQueued,
+    RoomWriting,
     ServeBootstrap,
     StillQueued,
 )
@@ -100,6 +101,7 @@ class BootstrapServer:
         self.timeout_s = timeout_s  # the engine's --disaggregation-timeout
         self.instance = uuid.uuid4().hex  # a restarted engine is a new instance
         self._room_memory_s = 2 * timeout_s  # no request for a room comes after this
+        self._writing: set[int] = set()  # rooms with a write in flight (RoomWriting)
         self._lock = threading.Lock()
         self._engines: dict[str, int] = {}  # registered decode engines: their pools' slots
         self._heard_at: dict[str, float] = {}  # when each last registered, posted or queued
@@ -188,15 +190,23 @@ class BootstrapServer:
             self.emit(RoomsQueued(rooms))
         return 200, {}
 
+    def room_writing(self, room: int, writing: bool) -> None:
+        with self._lock:
+            if writing:
+                self._writing.add(room)
+            else:
+                self._writing.discard(room)
+
     def cancel_room(self, room: int, reason: str) -> tuple[int, dict]:
         """Cancelled whether posted or not (its request may be running, or still to come);
-        the answer tells the decode engine whether a write into its slots can be under way."""
+        the answer tells the decode engine whether a write into its slots can be under way,
+        and whether one is in flight now (it runs to its end: NIXL cannot call it back)."""
         with self._lock:
-            posted = room in self._rooms
+            posted, writing = room in self._rooms, room in self._writing
             self.emit(RoomCancelled(room, reason))
-        if not posted:
+        if not posted and not writing:
             return 404, {"error": f"room {room} was never posted here", "code": UNKNOWN_ROOM}
-        return 200, {}
+        return 200, {"write_in_flight": writing}
 
     def _handler(self):
         server = self
@@ -287,7 +297,8 @@ class _Dead(Exception):
 @dataclass(frozen=True)
 class _Registration:
     instance: str  # the prefill engine's: a new one means it restarted
-    # its --disaggregation-timeout, within which it aborts a write (None: an engine too old to say)
+    # its --disaggregation-timeout, after which a write fails its request (None: an engine
+    # too old to say)
     timeout_s: float | None
 
 
@@ -324,6 +335,9 @@ class BootstrapClient:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}  # prefill engine address -> its current registration
         self._posts: dict[int, Future] = {}
+        # cancelled rooms whose write was in flight at the prefill engine: asked about again
+        # at the next heartbeat (room -> address, reason)
+        self._cancel_again: dict[int, tuple[str, str]] = {}
         self._stop = threading.Event()
         self._watcher = threading.Thread(
             target=self._watch, name="kubesgl-kv-heartbeat", daemon=True
@@ -345,6 +359,7 @@ class BootstrapClient:
         """The room has ended on this side: stop watching its prefill engine for it."""
         self._posts.pop(room, None)
         with self._lock:
+            self._cancel_again.pop(room, None)
             peer = self._peers.get(address)
             if peer is not None:
                 peer.rooms.pop(room, None)
@@ -493,9 +508,13 @@ class BootstrapClient:
             )
             if answer.status_code == 404 and _code(answer) == UNKNOWN_ROOM:
                 self.emit(CancelUnknown(room))
+            elif answer.status_code == 200 and answer.json().get("write_in_flight"):
+                # the slots stay held: the write's end brings the last word; should that be
+                # lost, the next heartbeat asks again
+                with self._lock:
+                    self._cancel_again[room] = (address, reason)
             elif answer.status_code == 200 and (timeout_s := self._write_timeout(address)):
-                # twice its timeout, in case its last word is lost: by then a write into
-                # the room has ended, unless it is stuck (docs/disaggregation.md)
+                # no write in flight: twice its timeout covers a last word that is lost
                 self.emit(CancelConfirmed(room, release_after_s=2 * timeout_s))
         except httpx.HTTPError as exc:  # unreachable: the heartbeat will tell whether it is dead
             logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))
@@ -511,6 +530,9 @@ class BootstrapClient:
         while not self._stop.wait(self.heartbeat_s):
             with self._lock:
                 watched = [(a, p) for a, p in self._peers.items() if p.rooms]
+                cancel_again, self._cancel_again = self._cancel_again, {}
+            for room, (address, reason) in cancel_again.items():
+                self._workers.submit(self._cancel, None, room, address, reason)
             for address, peer in watched:
                 try:
                     instance = self._instance(address, peer)
@@ -571,6 +593,9 @@ class BootstrapService:
             self.client = BootstrapClient(
                 self.emit, request.engine, request.ranks, request.heartbeat_s, request.dead_after_s
             )
+        elif isinstance(request, RoomWriting):
+            assert self.server is not None, "ServeBootstrap comes before any write"
+            self.server.room_writing(request.room, request.writing)
         elif isinstance(request, PostRoom | CancelRoom | ForgetRoom | StillQueued):
             self._handle_room(request)
         else:

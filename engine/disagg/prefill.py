@@ -26,6 +26,7 @@ from kubesgl.engine.disagg.protocol import (
     RoomPosted,
     RoomsQueued,
     RoomStatus,
+    RoomWriting,
     ServeBootstrap,
 )
 from kubesgl.engine.disagg.ranks import RankConsensus
@@ -309,6 +310,8 @@ class PrefillTransfers:
             outcomes.append(PrefillOutcome(fact.room, fact.error, FailureReason.TRANSFER))
         if not state.writing:
             del self._rooms[fact.room]
+            if self.link is not None:
+                self.link.send(RoomWriting(fact.room, writing=False))
             if not state.failed:
                 outcomes.append(
                     PrefillOutcome(
@@ -335,6 +338,8 @@ class PrefillTransfers:
             ):
                 continue
             state.started, state.writing = True, set(range(self.consensus.tp_size))
+            if self.link is not None:  # a cancel must not free the slots while it runs
+                self.link.send(RoomWriting(room, writing=True))
             state.waited = time.monotonic() - state.prefilled_at
             peer = self._peer_agents.get(state.target.engine)
             try:

@@ -131,8 +131,9 @@ class ServeBootstrap:
     tp_size: int
     host: str
     port: int
-    # --disaggregation-timeout: this engine aborts a KV write that runs longer (decode engines
-    # learn it at registration), and a posted room number stays taken twice as long
+    # --disaggregation-timeout: a KV write that runs longer fails its request here (the write
+    # itself runs to its end; decode engines learn it at registration), and a posted room
+    # number stays taken twice as long
     timeout_s: float
 
 
@@ -172,8 +173,23 @@ class StillQueued:
     rooms: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class RoomWriting:
+    """Prefill role: a write into the room's slots is in flight on some rank, or no longer.
+    A cancel's answer says so, and the decode engine keeps the slots while it is."""
+
+    room: int
+    writing: bool
+
+
 BootstrapRequest = (
-    ServeBootstrap | ConnectBootstrap | PostRoom | CancelRoom | ForgetRoom | StillQueued
+    ServeBootstrap
+    | ConnectBootstrap
+    | PostRoom
+    | CancelRoom
+    | ForgetRoom
+    | StillQueued
+    | RoomWriting
 )
 
 
@@ -240,9 +256,9 @@ class CancelUnknown:
 
 @dataclass(frozen=True)
 class CancelConfirmed:
-    """The prefill engine took the cancel of a room it had: it starts no write into the
-    room's slots any more, and aborts one in flight within its timeout. Should its last word
-    be lost, the slots may be used again `release_after_s` from now."""
+    """The prefill engine took the cancel of a room it had and no write into the room's
+    slots is in flight there: it starts none any more. Should its last word be lost, the
+    slots may be used again `release_after_s` from now."""
 
     room: int
     release_after_s: float

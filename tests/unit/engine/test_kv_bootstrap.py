@@ -275,13 +275,24 @@ def test_a_decode_engine_that_disconnected_fails_the_write_not_the_prefill_engin
 
 
 class StalledWrite:
-    """The prefill agent's writes stay in flight (NIXL says PROC) until `end` is called, and
-    the notes the prefill side sends are recorded: a write slower than the timeout."""
+    """The prefill agent's writes stay in flight (NIXL says PROC, and the notes that come
+    with them do not reach the decode side) until `end` is called; the notes the prefill
+    side sends by themselves are recorded: a write slower than the timeout."""
 
     def __init__(self, p: Pair, monkeypatch):
         self.in_flight, self.error, self.notes = True, None, []
         real_done, real_notify = p.prefill_agent.done, p.prefill._notify
+        real_notifications, held = p.decode_agent.notifications, []
         monkeypatch.setattr(p.prefill_agent, "done", self._done(real_done))
+
+        def notifications():
+            held.extend(real_notifications())
+            if self.in_flight:
+                return []
+            arrived, held[:] = list(held), []
+            return arrived
+
+        monkeypatch.setattr(p.decode_agent, "notifications", notifications)
 
         def notify(engine, note):
             self.notes.append(note)
@@ -339,6 +350,28 @@ def test_an_overdue_write_that_fails_sends_the_failure_as_the_last_word(pair, mo
     assert sent == []  # the request failed once already
     [last_word] = stalled.notes
     assert last_word.status is RoomStatus.FAILED and "ERR" in last_word.error
+
+
+def test_a_cancel_keeps_the_slots_while_the_write_runs_and_frees_them_when_it_ends(
+    pair, monkeypatch
+):
+    """The decode side gives up on a room whose write is overdue and cancels it: the prefill
+    side answers that the write is still in flight, so the slots stay held past the bound
+    for a lost last word (twice the timeout), and come back once the write has ended."""
+    p, stalled = overdue_write(pair, monkeypatch, room=34)
+    cancel = f"http://127.0.0.1:{p.server.port}/kv/rooms/34"
+    answer = httpx.request("DELETE", cancel, json={"reason": "test"})
+    assert (answer.status_code, answer.json()) == (200, {"write_in_flight": True})
+    # the decode side's own timeout failed the request meanwhile, and it cancelled the room
+    later = time.monotonic() + 4 * 0.2 + 0.3  # past twice the timeout, and two heartbeats
+    while time.monotonic() < later:
+        assert p.prefill.poll() == [] and not any(o.released for o in p.decode.poll())
+        time.sleep(0.01)
+    assert p.decode.has_rooms() and p.prefill.busy(34)
+    stalled.end()
+    p.run(released(34))
+    answer = httpx.request("DELETE", cancel, json={"reason": "test"})
+    assert (answer.status_code, answer.json()) == (200, {"write_in_flight": False})
 
 
 def test_a_dead_prefill_engine_fails_its_rooms_within_the_heartbeat_window(pair):
