@@ -102,6 +102,7 @@ class BootstrapServer:
         self.instance = uuid.uuid4().hex  # a restarted engine is a new instance
         self._room_memory_s = 2 * timeout_s  # no request for a room comes after this
         self._writing: set[int] = set()  # rooms with a write in flight (RoomWriting)
+        self._settled: set[int] = set()  # posted rooms no write runs into, nor will
         self._lock = threading.Lock()
         self._engines: dict[str, int] = {}  # registered decode engines: their pools' slots
         self._heard_at: dict[str, float] = {}  # when each last registered, posted or queued
@@ -172,6 +173,7 @@ class BootstrapServer:
             ):
                 raise ValueError(f"slots must be slot numbers of the decode engine's {num_slots}")
             self._rooms = {r: t for r, t in self._rooms.items() if now - t < self._room_memory_s}
+            self._settled &= self._rooms.keys()
             if room in self._rooms:
                 return 409, {"error": f"room {room} is already in use"}
             self._rooms[room] = self._heard_at[engine] = now
@@ -194,19 +196,23 @@ class BootstrapServer:
         with self._lock:
             if writing:
                 self._writing.add(room)
-            else:
+            else:  # the write ended, or the scheduler took a cancel: no write runs nor will
                 self._writing.discard(room)
+                self._settled.add(room)
 
     def cancel_room(self, room: int, reason: str) -> tuple[int, dict]:
         """Cancelled whether posted or not (its request may be running, or still to come);
-        the answer tells the decode engine whether a write into its slots can be under way,
-        and whether one is in flight now (it runs to its end: NIXL cannot call it back)."""
+        the answer tells the decode engine whether a write into its slots can be under way.
+        A posted room counts as written to until the scheduler, having taken the cancel, says
+        no write runs (RoomWriting): one may start before the cancel reaches it, and a write
+        runs to its end (NIXL cannot call it back). The decode engine asks again until then."""
         with self._lock:
-            posted, writing = room in self._rooms, room in self._writing
+            posted = room in self._rooms
+            in_flight = room in self._writing or (posted and room not in self._settled)
             self.emit(RoomCancelled(room, reason))
-        if not posted and not writing:
+        if not posted and not in_flight:
             return 404, {"error": f"room {room} was never posted here", "code": UNKNOWN_ROOM}
-        return 200, {"write_in_flight": writing}
+        return 200, {"write_in_flight": in_flight}
 
     def _handler(self):
         server = self
@@ -516,8 +522,10 @@ class BootstrapClient:
             elif answer.status_code == 200 and (timeout_s := self._write_timeout(address)):
                 # no write in flight: twice its timeout covers a last word that is lost
                 self.emit(CancelConfirmed(room, release_after_s=2 * timeout_s))
-        except httpx.HTTPError as exc:  # unreachable: the heartbeat will tell whether it is dead
+        except httpx.HTTPError as exc:  # asked again at the next heartbeat, until it is dead
             logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))
+            with self._lock:
+                self._cancel_again[room] = (address, reason)
 
     def _write_timeout(self, address: str) -> float | None:
         with self._lock:

@@ -284,14 +284,16 @@ class PrefillTransfers:
         error = f"the decode engine cancelled room {fact.room}: {fact.reason or 'no reason given'}"
         note = RoomNote(fact.room, RoomStatus.CANCELLED, error=error, reason=FailureReason.REFUSED)
         state = self._rooms.get(fact.room)
+        if state is not None and state.started:
+            return []  # the write in flight ends the room and tells the decode side
+        if self.link is not None:  # no write runs, nor will: the bootstrap server may say so
+            self.link.send(RoomWriting(fact.room, writing=False))
         if state is None:  # its request has not come (yet): refuse it if it does
             posted = self._posted.pop(fact.room, None)
             if posted is not None:
                 self._notify(posted.engine, note)
             self._close(fact.room, note)
             return []
-        if state.started:
-            return []  # the write in flight ends the room and tells the decode side
         del self._rooms[fact.room]
         if state.target is not None:
             self._notify(state.target.engine, note)

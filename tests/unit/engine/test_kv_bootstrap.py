@@ -38,6 +38,7 @@ class Pair:
         decode_kv_heads: int = 2,
         port: int = 0,
         dead_after_s: float = 10.0,
+        decode_timeout: float | None = None,  # the decode side's, when not `timeout`
     ):
         self.prefill_pool, self.decode_pool = (
             filled_kv_pool(1),
@@ -58,7 +59,7 @@ class Pair:
             dead_after_s=dead_after_s,
         )
         self.decode = DecodeTransfers(
-            self.decode_agent, RankConsensus(), LocalLink(), timeout, connect
+            self.decode_agent, RankConsensus(), LocalLink(), decode_timeout or timeout, connect
         )
 
     def target(self, room: int) -> BootstrapTarget:
@@ -315,8 +316,9 @@ class StalledWrite:
 
 
 def overdue_write(pair, monkeypatch, room: int) -> tuple[Pair, StalledWrite]:
-    """A write past the prefill side's timeout: its request has failed, the write goes on."""
-    p = pair(timeout=0.2)
+    """A write past the prefill side's timeout: its request has failed, the write goes on.
+    (The decode side waits longer: a slow start here must not let it cancel the room first.)"""
+    p = pair(timeout=0.2, decode_timeout=30.0)
     stalled = StalledWrite(p, monkeypatch)
     p.prefill.open(room)
     p.prefill.prefilled(room, [1], note(room))
@@ -362,7 +364,7 @@ def test_a_cancel_keeps_the_slots_while_the_write_runs_and_frees_them_when_it_en
     cancel = f"http://127.0.0.1:{p.server.port}/kv/rooms/34"
     answer = httpx.request("DELETE", cancel, json={"reason": "test"})
     assert (answer.status_code, answer.json()) == (200, {"write_in_flight": True})
-    # the decode side's own timeout failed the request meanwhile, and it cancelled the room
+    p.decode.cancel(34, "the client disconnected")
     later = time.monotonic() + 4 * 0.2 + 0.3  # past twice the timeout, and two heartbeats
     while time.monotonic() < later:
         assert p.prefill.poll() == [] and not any(o.released for o in p.decode.poll())
@@ -370,6 +372,19 @@ def test_a_cancel_keeps_the_slots_while_the_write_runs_and_frees_them_when_it_en
     assert p.decode.has_rooms() and p.prefill.busy(34)
     stalled.end()
     p.run(released(34))
+
+
+def test_a_cancel_that_meets_no_write_is_confirmed_once_the_prefill_side_took_it(pair):
+    """A write may start between a cancel's answer and the scheduler taking the cancel, so
+    the first answer for a posted room says a write may be in flight; once the scheduler has
+    taken the cancel (no write started), the answer says none runs."""
+    p = pair()
+    p.decode.expect(p.target(35), [1])
+    p.run(lambda s, a: 35 in p.prefill._posted)
+    cancel = f"http://127.0.0.1:{p.server.port}/kv/rooms/35"
+    answer = httpx.request("DELETE", cancel, json={"reason": "test"})
+    assert (answer.status_code, answer.json()) == (200, {"write_in_flight": True})
+    p.prefill.poll()  # takes the cancel: the room's request has not come, none will run
     answer = httpx.request("DELETE", cancel, json={"reason": "test"})
     assert (answer.status_code, answer.json()) == (200, {"write_in_flight": False})
 
