@@ -306,10 +306,7 @@ class PrefillTransfers:
         state.writing.discard(fact.rank)
         if fact.rank == self.consensus.rank:
             state.nbytes, state.seconds = fact.nbytes * self.consensus.tp_size, fact.seconds
-        outcomes = []
-        if fact.error is not None and not state.failed:
-            state.failed = True
-            outcomes.append(PrefillOutcome(fact.room, fact.error, FailureReason.TRANSFER))
+        outcomes = [] if fact.error is None else self._fail(fact.room, state, fact.error)
         if not state.writing:
             del self._rooms[fact.room]
             if self.link is not None:
@@ -324,10 +321,15 @@ class PrefillTransfers:
 
     def _write_overdue(self, fact: WriteOverdue) -> list[PrefillOutcome]:
         state = self._rooms.get(fact.room)
-        if state is None or state.failed:
+        return [] if state is None else self._fail(fact.room, state, fact.error)
+
+    @staticmethod
+    def _fail(room: int, state: _Room, error: str) -> list[PrefillOutcome]:
+        """The room's request fails with the first rank's error; its write may go on."""
+        if state.failed:
             return []
         state.failed = True
-        return [PrefillOutcome(fact.room, fact.error, FailureReason.TRANSFER)]
+        return [PrefillOutcome(room, error, FailureReason.TRANSFER)]
 
     def _start_writes(self) -> None:
         for room, state in self._rooms.items():
