@@ -75,3 +75,30 @@ def test_slots_outside_the_pool_are_refused(filled_kv_pool):
     finally:
         prefill.close()
         decode.close()
+
+
+def test_releasing_a_write_in_flight_does_not_stop_it(monkeypatch):
+    """Why the prefill side never gives up on a write past its timeout but holds the room
+    until NIXL says the write ended (prefill.py, WriteOverdue): releasing the handle of a
+    write in flight leaves its puts running (UCX cancels receives only), so the KV still
+    lands in the slots, which the decode side could have handed to another request."""
+    from kubesgl.engine.kvcache.pools import KVPool
+
+    monkeypatch.setenv("UCX_TLS", "tcp")  # read as an agent starts: slow enough to catch mid-way
+    prefill_pool, decode_pool = (
+        KVPool(8192, 2, 8, 128, torch.bfloat16, torch.device("cpu")) for _ in range(2)
+    )
+    for t in prefill_pool.k + prefill_pool.v:
+        t.fill_(1)
+    prefill, decode = KVTransferAgent(prefill_pool), KVTransferAgent(decode_pool)
+    try:
+        prefill.connect(decode.metadata, decode.layout)
+        slots = list(range(8192))  # 64 MiB over all layers
+        transfer = prefill.write(decode.name, slots, slots, b"room-7")
+        assert prefill.agent.check_xfer_state(transfer.handle) == "PROC"
+        prefill.agent.release_xfer_handle(transfer.handle)
+        assert not decode_pool.v[-1][-1].any()  # the last slot written has not landed yet
+        wait(lambda: all(bool(t.all()) for t in decode_pool.k + decode_pool.v))
+    finally:
+        prefill.close()
+        decode.close()
