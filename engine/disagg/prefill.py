@@ -325,7 +325,7 @@ class PrefillTransfers:
 
     @staticmethod
     def _fail(room: int, state: _Room, error: str) -> list[PrefillOutcome]:
-        """The room's request fails with the first rank's error; its write may go on."""
+        """The room's request fails, with the first error to arrive; its write may go on."""
         if state.failed:
             return []
         state.failed = True

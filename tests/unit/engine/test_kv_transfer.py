@@ -4,6 +4,7 @@ consecutive slots, and the notification names the room."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -86,19 +87,29 @@ def test_releasing_a_write_in_flight_does_not_stop_it(monkeypatch):
 
     monkeypatch.setenv("UCX_TLS", "tcp")  # read as an agent starts: slow enough to catch mid-way
     prefill_pool, decode_pool = (
-        KVPool(8192, 2, 8, 128, torch.bfloat16, torch.device("cpu")) for _ in range(2)
+        KVPool(32768, 2, 8, 128, torch.bfloat16, torch.device("cpu")) for _ in range(2)
     )
     for t in prefill_pool.k + prefill_pool.v:
         t.fill_(1)
     prefill, decode = KVTransferAgent(prefill_pool), KVTransferAgent(decode_pool)
+
+    def landed() -> bool:
+        return all(bool(t.all()) for t in decode_pool.k + decode_pool.v)
+
+    started = False
     try:
         prefill.connect(decode.metadata, decode.layout)
-        slots = list(range(8192))  # 64 MiB over all layers
+        slots = list(range(32768))  # 256 MiB over all layers, a tenth of a second or more
         transfer = prefill.write(decode.name, slots, slots, b"room-7")
-        assert prefill.agent.check_xfer_state(transfer.handle) == "PROC"
+        started = True
+        state = prefill.agent.check_xfer_state(transfer.handle)
         prefill.agent.release_xfer_handle(transfer.handle)
-        assert not decode_pool.v[-1][-1].any()  # the last slot written has not landed yet
-        wait(lambda: all(bool(t.all()) for t in decode_pool.k + decode_pool.v))
+        last_slot_landed = bool(decode_pool.v[-1][-1].any())
+        assert state == "PROC" and not last_slot_landed, "the write ended before its release"
+        wait(landed)
     finally:
+        if started:  # never deregister memory that puts may still land in or read from
+            with contextlib.suppress(AssertionError):
+                wait(landed)
         prefill.close()
         decode.close()
