@@ -46,5 +46,7 @@ def ensure_model(step: ModelStep, log_path: Path) -> None:
             if not step.path.exists():
                 raise
             # another run finished first: keep its copy
+        with log_path.open("a") as log:  # the step's own lines name the folder it wrote into
+            log.write(f"model ready at {step.path}\n")
     finally:
         shutil.rmtree(partial, ignore_errors=True)

@@ -29,6 +29,7 @@ def test_runs_once_into_the_cache(tmp_path):
     ensure_model(made, tmp_path / "model.log")
     assert (made.path / "config.json").read_text() == "{}"
     assert [p.name for p in made.path.parent.iterdir()] == ["tiny-llama"]  # no partial folder left
+    assert (tmp_path / "model.log").read_text().endswith(f"model ready at {made.path}\n")
     ensure_model(
         step(tmp_path, "raise SystemExit(9)"), tmp_path / "model.log"
     )  # there already: not run
