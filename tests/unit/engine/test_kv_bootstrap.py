@@ -52,7 +52,6 @@ class Pair:
             self.prefill_agent, RankConsensus(), LocalLink(), timeout, "127.0.0.1", port
         )
         self.server = self.prefill.link.service.server
-        self.prefill_closed = False
         connect = ConnectBootstrap(
             "decode-test",
             (RankAgent(self.decode_agent.metadata, self.decode_agent.layout),),
@@ -88,14 +87,9 @@ class Pair:
         self.prefill, self.server = restarted.prefill, restarted.server
         return restarted
 
-    def close_prefill(self):
-        self.prefill_closed = True
-        self.prefill.close()
-
     def close(self):
         self.decode.close()
-        if not self.prefill_closed:
-            self.prefill.close()
+        self.prefill.close()
 
 
 @pytest.fixture
@@ -378,44 +372,6 @@ def test_a_cancel_keeps_the_slots_while_the_write_runs_and_frees_them_when_it_en
     assert p.decode.has_rooms() and p.prefill.busy(34)
     stalled.end()
     p.run(released(34))
-
-
-def started_write(pair, monkeypatch, room: int, timeout: float) -> tuple[Pair, StalledWrite]:
-    p = pair(timeout=timeout, decode_timeout=30.0)
-    stalled = StalledWrite(p, monkeypatch)
-    p.prefill.open(room)
-    p.prefill.prefilled(room, [1], note(room))
-    p.decode.expect(p.target(room), [2])
-    p.run(lambda s, a: p.prefill.busy(room))
-    return p, stalled
-
-
-def test_closing_the_prefill_side_waits_for_its_write_in_flight(pair, monkeypatch):
-    """At shutdown the bootstrap server keeps answering until the write has ended: the
-    decode side would free its slots as soon as it stopped, with the write still landing."""
-    p, stalled = started_write(pair, monkeypatch, room=41, timeout=10.0)
-    closing = threading.Thread(target=p.close_prefill)
-    closing.start()
-    time.sleep(0.3)
-    assert closing.is_alive()
-    assert httpx.get(f"http://127.0.0.1:{p.server.port}/health").status_code == 200
-    stalled.end()
-    closing.join(timeout=5.0)
-    assert not closing.is_alive()
-    arrived: list = []
-    deadline = time.monotonic() + 5.0
-    while not arrived:
-        assert time.monotonic() < deadline
-        arrived += p.decode.poll()
-    assert [(o.room, o.error) for o in arrived] == [(41, None)]
-
-
-def test_closing_gives_up_on_a_write_that_never_ends_after_the_timeout(pair, monkeypatch, caplog):
-    p, _ = started_write(pair, monkeypatch, room=42, timeout=0.3)
-    started = time.monotonic()
-    p.close_prefill()
-    assert 0.3 <= time.monotonic() - started < 3.0
-    assert "1 KV writes still in flight after 0.3 s" in caplog.text
 
 
 def test_a_cancel_that_meets_no_write_is_confirmed_once_the_prefill_side_took_it(pair):
