@@ -33,6 +33,10 @@ from kubesgl.engine.disagg.ranks import RankConsensus
 
 logger = logging.getLogger(__name__)
 
+# How long a prefill engine that shuts down keeps its bootstrap server up for writes still in
+# flight (the server's launcher stops its processes 5 s after this).
+CLOSE_WAIT_S = 5.0
+
 
 @dataclass(frozen=True)
 class WriteEnded:
@@ -79,6 +83,15 @@ PrefillFact = (
     | RoomTimedOut
     | RoomsForgotten
 )
+
+
+@dataclass(frozen=True)
+class ClosingTurn:
+    """One rank's state in a turn of `PrefillTransfers.close`."""
+
+    rank: int
+    writes: int  # this rank's writes still in flight
+    expired: bool  # the wait is over (rank 0's clock decides for every rank)
 
 
 @dataclass(frozen=True)
@@ -452,7 +465,29 @@ class PrefillTransfers:
                 "telling decode engine %s that room %d ended failed", engine, note.room
             )
 
-    def close(self) -> None:
+    def close(self, within: float = CLOSE_WAIT_S) -> None:
+        """Stops the bootstrap server and the NIXL agent once every rank's writes in flight
+        have ended, waiting at most `within`: a write cannot be called back, and a decode
+        engine frees the slots it posted here as soon as this engine stops answering. Ranks
+        decide together when to stop waiting. A collective on more than one rank."""
+        deadline = time.monotonic() + within
+        while True:
+            self._ended_writes()  # at shutdown no request waits for what they say
+            turn = ClosingTurn(self.consensus.rank, len(self._writes), time.monotonic() > deadline)
+            turns = self.consensus.share([turn])
+            in_flight = sum(t.writes for t in turns)
+            if not in_flight:
+                break
+            if turns[0].expired:
+                if self.consensus.is_leader:
+                    logger.error(
+                        "closing with %d KV writes still in flight after %g s: their decode "
+                        "engines may reuse the slots they write into",
+                        in_flight,
+                        within,
+                    )
+                break
+            time.sleep(0.005)
         if self.link is not None:
             self.link.close()
         self.agent.close()

@@ -250,10 +250,11 @@ class Engine:
         return self.scheduler.has_work()
 
     def shutdown(self) -> None:
-        """Finish the step in flight, stop the executor, the KV transfers and the grammar
-        compiler, and let go of the model, the KV pool and the CUDA graphs, so that their
-        device memory is free when this returns even if the Engine object lives on (an
-        offline `LLM` kept in a notebook). Later calls do nothing; requests are refused."""
+        """Finish the step in flight, stop the KV transfers (a prefill engine's writes in
+        flight end first), the executor and the grammar compiler, and let go of the model,
+        the KV pool and the CUDA graphs, so that their device memory is free when this returns
+        even if the Engine object lives on (an offline `LLM` kept in a notebook). Later calls
+        do nothing; requests are refused."""
         if self.shut_down:
             return
         self.shut_down = True
@@ -261,8 +262,8 @@ class Engine:
             self.scheduler.drain()
         except Exception:  # its requests are ended either way; what it held must still go
             logger.exception("the step in flight failed at shutdown")
+        self.role.close()  # first: its NIXL agent must let go of the KV pool before it is freed
         self.executor.shutdown()
-        self.role.close()
         if self.scheduler.grammars is not None:
             self.scheduler.grammars.shutdown()
         del self.model

@@ -27,6 +27,7 @@ from kubesgl.contract import ENGINE_PORT, MIXED, SERVER_KEEP_ALIVE_S
 from kubesgl.engine.child_process import start_failure
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.bootstrap import run_bootstrap
+from kubesgl.engine.disagg.prefill import CLOSE_WAIT_S
 from kubesgl.engine.ipc import Endpoints
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.scheduler.process import run_scheduler
@@ -36,6 +37,10 @@ from kubesgl.engine.tokenizer.process import run_tokenizer
 from kubesgl.gc_pacing import GcPacer
 
 logger = logging.getLogger("kubesgl.serve")
+
+# How long the child processes get to stop once told to: a scheduler finishes its step in
+# flight and a prefill engine's KV writes in flight (at most CLOSE_WAIT_S) before it exits.
+CHILD_STOP_S = CLOSE_WAIT_S + 5.0
 
 
 @dataclass
@@ -222,7 +227,7 @@ class Server:
             for child in self.children.values():
                 if child.is_alive():
                     child.terminate()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + CHILD_STOP_S
         for child in self.children.values():
             child.join(timeout=max(0.1, deadline - time.monotonic()))
         for name, child in self.children.items():

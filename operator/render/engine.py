@@ -29,8 +29,8 @@ TINY_MODEL_DIR = f"{MODEL_ROOT}/tiny"
 PRESTOP_SLEEP_SECONDS = 10
 # What a draining engine may still take once its --shutdown-timeout is over, before its process
 # has exited (engine/server/launcher.py): 5 s for the aborted requests to end, 5 s for uvicorn
-# to close connections still open, 10 s for the scheduler and tokenizer processes to stop
-# before they are killed, and up to 2 s of polling and minimum waits (0.1 s per child).
+# to close connections still open, 10 s (CHILD_STOP_S) for the scheduler and tokenizer
+# processes to stop before they are killed, and up to 2 s of polling and minimum waits (0.1 s per child).
 # tests/unit/test_termination_grace.py measures the engine against it.
 ENGINE_EXIT_AFTER_DRAIN_SECONDS = 22
 # Slack on top of that for the process to exit before the kubelet kills it.

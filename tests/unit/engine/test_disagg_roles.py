@@ -494,3 +494,23 @@ def test_a_room_cancelled_while_its_request_is_queued_frees_it_once(
     assert len(outputs["local"]) and outputs["local"][-1].finished
     assert_idle(prefill)
     assert len(prefill.scheduler.requests) == 0
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_shutdown_closes_the_nixl_agent_before_the_kv_pool_is_freed(
+    tiny_model, make_engine, monkeypatch, role
+):
+    """A write may still be landing in (decode) or reading from (prefill) the pool while the
+    agent closes: the pool must outlive the agent's registration of it."""
+    engine = make_engine(tiny_model("llama"), role)
+    agent = engine.role.transfers.agent
+    pool_alive_at_close = []
+    real_close = agent.close
+
+    def close():
+        pool_alive_at_close.append(hasattr(engine.executor, "runner"))
+        real_close()
+
+    monkeypatch.setattr(agent, "close", close)
+    engine.shutdown()
+    assert pool_alive_at_close == [True]

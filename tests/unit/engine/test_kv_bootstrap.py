@@ -6,6 +6,7 @@ once no write into them can come."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -16,7 +17,7 @@ import torch
 from kubesgl.engine.disagg.decode import DecodeTransfers
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, TransferError
 from kubesgl.engine.disagg.link import LocalLink
-from kubesgl.engine.disagg.prefill import PrefillTransfers
+from kubesgl.engine.disagg.prefill import ClosingTurn, PrefillTransfers
 from kubesgl.engine.disagg.protocol import (
     ConnectBootstrap,
     FailureReason,
@@ -52,6 +53,7 @@ class Pair:
             self.prefill_agent, RankConsensus(), LocalLink(), timeout, "127.0.0.1", port
         )
         self.server = self.prefill.link.service.server
+        self.prefill_closed = False
         connect = ConnectBootstrap(
             "decode-test",
             (RankAgent(self.decode_agent.metadata, self.decode_agent.layout),),
@@ -87,9 +89,14 @@ class Pair:
         self.prefill, self.server = restarted.prefill, restarted.server
         return restarted
 
+    def close_prefill(self, within: float) -> None:
+        self.prefill_closed = True
+        self.prefill.close(within)
+
     def close(self):
         self.decode.close()
-        self.prefill.close()
+        if not self.prefill_closed:
+            self.prefill.close()
 
 
 @pytest.fixture
@@ -372,6 +379,79 @@ def test_a_cancel_keeps_the_slots_while_the_write_runs_and_frees_them_when_it_en
     assert p.decode.has_rooms() and p.prefill.busy(34)
     stalled.end()
     p.run(released(34))
+
+
+def started_write(pair, monkeypatch, room: int) -> tuple[Pair, StalledWrite]:
+    p = pair(timeout=30.0)
+    stalled = StalledWrite(p, monkeypatch)
+    p.prefill.open(room)
+    p.prefill.prefilled(room, [1], note(room))
+    p.decode.expect(p.target(room), [2])
+    p.run(lambda s, a: p.prefill.busy(room))
+    return p, stalled
+
+
+def closing(p: Pair, within: float) -> threading.Thread:
+    thread = threading.Thread(target=p.close_prefill, args=(within,))
+    thread.start()
+    time.sleep(0.3)
+    return thread
+
+
+def bootstrap_server_answers(p: Pair) -> bool:
+    return httpx.get(f"http://127.0.0.1:{p.server.port}/health").status_code == 200
+
+
+def test_closing_the_prefill_side_waits_for_its_write_in_flight(pair, monkeypatch):
+    """At shutdown the bootstrap server keeps answering until the write has ended: the
+    decode side would free its slots as soon as it stopped, with the write still landing."""
+    p, stalled = started_write(pair, monkeypatch, room=41)
+    thread = closing(p, within=30.0)
+    assert thread.is_alive() and bootstrap_server_answers(p)
+    stalled.end()
+    thread.join(timeout=5.0)
+    assert not thread.is_alive()
+    arrived: list = []
+    deadline = time.monotonic() + 5.0
+    while not arrived:
+        assert time.monotonic() < deadline
+        arrived += p.decode.poll()
+    assert [(o.room, o.error) for o in arrived] == [(41, None)]
+
+
+def test_closing_gives_up_on_a_write_that_does_not_end_within_the_wait(pair, monkeypatch, caplog):
+    p, _ = started_write(pair, monkeypatch, room=42)
+    started = time.monotonic()
+    p.close_prefill(within=0.3)
+    assert 0.3 <= time.monotonic() - started < 3.0
+    assert "1 KV writes still in flight after 0.3 s" in caplog.text
+
+
+class OtherRankWriting(RankConsensus):
+    """Rank 0 of two, with rank 1's turns made up: rank 1 still writes until `end`."""
+
+    def __init__(self):
+        super().__init__()
+        self.other_writes = 1
+
+    def share(self, local):
+        return local + [
+            dataclasses.replace(fact, rank=1, writes=self.other_writes, expired=False)
+            for fact in local
+            if isinstance(fact, ClosingTurn)
+        ]
+
+
+def test_closing_waits_for_the_writes_of_every_rank(pair):
+    """Rank 0 alone keeps the bootstrap server: with no write of its own left, it still
+    waits for the other ranks' writes into the same rooms."""
+    p = pair()
+    p.prefill.consensus = other = OtherRankWriting()
+    thread = closing(p, within=30.0)
+    assert thread.is_alive() and bootstrap_server_answers(p)
+    other.other_writes = 0
+    thread.join(timeout=5.0)
+    assert not thread.is_alive()
 
 
 def test_a_cancel_that_meets_no_write_is_confirmed_once_the_prefill_side_took_it(pair):
