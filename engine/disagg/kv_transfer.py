@@ -70,16 +70,39 @@ class Transfer:
     nbytes: int
 
 
+# How long UCX's progress thread waits for its workers' events between passes. NIXL's Python
+# API sets no wait (pthrDelay 0), which the thread runs as poll() with a zero timeout: a core
+# kept busy by every idle engine. The thread wakes on the workers' events whatever the wait
+# (a 256 MiB write took as long either way here), so this only bounds how late it sees an
+# event UCX failed to signal.
+PROGRESS_THREAD_DELAY_US = 1000
+
+
+def _nixl_agent(name: str):
+    """A NIXL agent with the UCX backend and a progress thread that sleeps while idle. The
+    Python API has no option for the thread's wait, so its C++ agent is replaced, before
+    any backend exists, by one configured alike but with the wait set."""
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+    from nixl._bindings import nixlAgent, nixlAgentConfig
+
+    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    config = nixlAgentConfig()
+    config.useProgThread, config.useListenThread = True, False
+    config.syncMode = nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE.value  # the API's default
+    config.pthrDelay = PROGRESS_THREAD_DELAY_US
+    agent.agent = nixlAgent(name, config)
+    agent.create_backend("UCX", {})
+    return agent
+
+
 class KVTransferAgent:
     """One engine's NIXL agent over its KV pool."""
 
     def __init__(self, pool: KVPool, name: str | None = None):
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.name = (
             name or f"kubesgl-{uuid.uuid4().hex[:12]}"
         )  # unique among every engine it talks to
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.agent = _nixl_agent(self.name)
         self.layout = layout_of(pool, self.name)
         layout = self.layout
         buffers = [

@@ -5,6 +5,7 @@ consecutive slots, and the notification names the room."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import pytest
@@ -53,6 +54,37 @@ def test_write_moves_every_layer_into_the_destination_slots(filled_kv_pool):
         decode.close()
 
 
+def cpu_seconds(threads: set[str]) -> float:
+    """User and system CPU time of these threads of this process (Linux)."""
+    ticks = 0
+    for tid in threads:
+        with contextlib.suppress(FileNotFoundError):
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_agents_keep_no_core_busy(filled_kv_pool):
+    """Each agent's progress thread sleeps between its workers' events: with NIXL's Python
+    defaults it polled without pause, a core per idle engine."""
+    before = set(os.listdir("/proc/self/task"))
+    pools = filled_kv_pool(1), filled_kv_pool(None)  # held: the agents write into them
+    prefill, decode = KVTransferAgent(pools[0]), KVTransferAgent(pools[1])
+    try:
+        prefill.connect(decode.metadata, decode.layout)
+        transfer = prefill.write(decode.name, [1, 2], [3, 4], b"room-1")
+        wait(lambda: prefill.done(transfer))
+        assert wait(decode.notifications) == [b"room-1"]
+        agent_threads = set(os.listdir("/proc/self/task")) - before
+        assert agent_threads, "the agents started no thread of their own"
+        used = cpu_seconds(agent_threads)
+        time.sleep(1.0)
+        assert cpu_seconds(agent_threads) - used < 0.2
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_pools_of_different_shapes_are_refused(filled_kv_pool):
     prefill = KVTransferAgent(filled_kv_pool(1, layers=3, kv_heads=2))
     decode = KVTransferAgent(filled_kv_pool(None, layers=3, kv_heads=4))
@@ -68,7 +100,8 @@ def test_pools_of_different_shapes_are_refused(filled_kv_pool):
 
 
 def test_slots_outside_the_pool_are_refused(filled_kv_pool):
-    prefill, decode = KVTransferAgent(filled_kv_pool(1)), KVTransferAgent(filled_kv_pool(None))
+    pools = filled_kv_pool(1), filled_kv_pool(None)  # held: the agents write into them
+    prefill, decode = KVTransferAgent(pools[0]), KVTransferAgent(pools[1])
     try:
         prefill.connect(decode.metadata, decode.layout)
         with pytest.raises(ValueError, match="outside its pool"):
