@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, slot_runs
+from kubesgl.engine.kvcache.pools import KVPool
 
 
 def test_slot_runs_merge_what_is_consecutive_on_both_sides():
@@ -116,8 +117,6 @@ def test_releasing_a_write_in_flight_does_not_stop_it(monkeypatch):
     until NIXL says the write ended (prefill.py, WriteOverdue): releasing the handle of a
     write in flight leaves its puts running (UCX cancels receives only), so the KV still
     lands in the slots, which the decode side could have handed to another request."""
-    from kubesgl.engine.kvcache.pools import KVPool
-
     monkeypatch.setenv("UCX_TLS", "tcp")  # read as an agent starts: slow enough to catch mid-way
     prefill_pool, decode_pool = (
         KVPool(32768, 2, 8, 128, torch.bfloat16, torch.device("cpu")) for _ in range(2)
@@ -139,10 +138,10 @@ def test_releasing_a_write_in_flight_does_not_stop_it(monkeypatch):
         prefill.agent.release_xfer_handle(transfer.handle)
         last_slot_landed = bool(decode_pool.v[-1][-1].any())
         assert state == "PROC" and not last_slot_landed, "the write ended before its release"
-        wait(landed)
     finally:
         if started:  # never deregister memory that puts may still land in or read from
             with contextlib.suppress(AssertionError):
                 wait(landed)
         prefill.close()
         decode.close()
+    assert landed()
