@@ -70,18 +70,19 @@ class Transfer:
     nbytes: int
 
 
-# How long UCX's progress thread waits for its workers' events between passes. NIXL's Python
-# API sets no wait (pthrDelay 0), which the thread runs as poll() with a zero timeout: a core
-# kept busy by every idle engine. The thread wakes on the workers' events whatever the wait
-# (a 256 MiB write took as long either way here), so this only bounds how late it sees an
-# event UCX failed to signal.
-PROGRESS_THREAD_DELAY_US = 1000
+# How long UCX's progress thread waits for its workers' events between passes, for pools in
+# host memory. NIXL's Python API sets no wait (pthrDelay 0), which the thread runs as poll()
+# with a zero timeout: a core kept busy by every idle engine rank, both cores of a laptop
+# running the quickstart. The thread wakes on the workers' events whatever the wait (a 256 MiB
+# write took as long either way here), so the wait only bounds how late it sees an event UCX
+# did not signal. Pools on a GPU keep NIXL's default until the wait is measured there.
+HOST_PROGRESS_THREAD_DELAY_US = 1000
 
 
-def _nixl_agent(name: str):
-    """A NIXL agent with the UCX backend and a progress thread that sleeps while idle. The
-    Python API has no option for the thread's wait, so its C++ agent is replaced, before
-    any backend exists, by one configured alike but with the wait set."""
+def _nixl_agent(name: str, progress_delay_us: int):
+    """A NIXL agent with the UCX backend whose progress thread waits `progress_delay_us`
+    between passes. The Python API has no option for that wait, so its C++ agent is
+    replaced, before any backend exists, by one configured alike but with the wait set."""
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     from nixl._bindings import nixlAgent, nixlAgentConfig
 
@@ -89,7 +90,7 @@ def _nixl_agent(name: str):
     config = nixlAgentConfig()
     config.useProgThread, config.useListenThread = True, False
     config.syncMode = nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE.value  # the API's default
-    config.pthrDelay = PROGRESS_THREAD_DELAY_US
+    config.pthrDelay = progress_delay_us
     agent.agent = nixlAgent(name, config)
     agent.create_backend("UCX", {})
     return agent
@@ -102,9 +103,10 @@ class KVTransferAgent:
         self.name = (
             name or f"kubesgl-{uuid.uuid4().hex[:12]}"
         )  # unique among every engine it talks to
-        self.agent = _nixl_agent(self.name)
-        self.layout = layout_of(pool, self.name)
-        layout = self.layout
+        self.layout = layout = layout_of(pool, self.name)
+        self.agent = _nixl_agent(
+            self.name, HOST_PROGRESS_THREAD_DELAY_US if layout.memory == "DRAM" else 0
+        )
         buffers = [
             (address, layout.num_slots * layout.slot_bytes, layout.device_id, "")
             for address in layout.k_addresses + layout.v_addresses
