@@ -262,7 +262,10 @@ class Engine:
             self.scheduler.drain()
         except Exception:  # its requests are ended either way; what it held must still go
             logger.exception("the step in flight failed at shutdown")
-        self.role.close()  # first: its NIXL agent must let go of the KV pool before it is freed
+        try:  # first: its NIXL agent must let go of the KV pool before the pool is freed
+            self.role.close()
+        except Exception:  # what the engine holds must still go
+            logger.exception("closing the %s role failed at shutdown", self.role.name)
         self.executor.shutdown()
         if self.scheduler.grammars is not None:
             self.scheduler.grammars.shutdown()

@@ -514,3 +514,17 @@ def test_shutdown_closes_the_nixl_agent_before_the_kv_pool_is_freed(
     monkeypatch.setattr(agent, "close", close)
     engine.shutdown()
     assert pool_alive_at_close == [True]
+
+
+def test_shutdown_frees_the_pool_even_if_closing_the_role_fails(
+    tiny_model, make_engine, monkeypatch, caplog
+):
+    engine = make_engine(tiny_model("llama"), "prefill")
+
+    def close():
+        raise RuntimeError("NIXL went away")
+
+    monkeypatch.setattr(engine.role.transfers.agent, "close", close)
+    engine.shutdown()
+    assert not hasattr(engine.executor, "runner")
+    assert "closing the prefill role failed at shutdown" in caplog.text

@@ -454,6 +454,68 @@ def test_closing_waits_for_the_writes_of_every_rank(pair):
     assert not thread.is_alive()
 
 
+class ThreadRank(RankConsensus):
+    """One of two ranks on threads of this process: `share` gathers through a barrier, as
+    all_gather_object does across processes (a rank left waiting breaks it: no hang)."""
+
+    def __init__(self, rank: int, slots: list, barrier: threading.Barrier):
+        super().__init__(rank, 2, group=object())  # type: ignore[arg-type] - never used
+        self.slots, self.barrier, self.calls = slots, barrier, 0
+
+    def share(self, local):
+        self.slots[self.rank] = local
+        self.barrier.wait()
+        gathered = [fact for part in self.slots for fact in part]
+        self.barrier.wait()  # every rank has read before the next round writes
+        self.calls += 1
+        return gathered
+
+
+@pytest.mark.parametrize("write_ends", [True, False])
+def test_ranks_stop_waiting_together_on_rank_0s_clock(filled_kv_pool, write_ends):
+    """Rank 1 alone has a write in flight and its own wait is short: both ranks wait for that
+    write, or stop together when rank 0's wait is over, calling the collective as often."""
+    slots: list = [None, None]
+    barrier = threading.Barrier(2, timeout=10.0)
+    pools = filled_kv_pool(1), filled_kv_pool(2)
+    ranks = [
+        PrefillTransfers(
+            KVTransferAgent(pools[rank]),
+            ThreadRank(rank, slots, barrier),
+            LocalLink() if rank == 0 else None,
+            10.0,
+            "127.0.0.1",
+            0,
+        )
+        for rank in (0, 1)
+    ]
+    write_ends_at = time.monotonic() + 0.5
+    ranks[1]._writes = {9: object()}  # type: ignore[dict-item] - only counted while closing
+
+    def rank_1_writes():
+        if write_ends and time.monotonic() > write_ends_at:
+            ranks[1]._writes.clear()
+        return []
+
+    ranks[1]._ended_writes = rank_1_writes  # type: ignore[method-assign]
+    waits = {0: 30.0 if write_ends else 0.3, 1: 0.05}
+    ended: dict[int, float] = {}
+
+    def close(rank: int) -> None:
+        ranks[rank].close(waits[rank])
+        ended[rank] = time.monotonic()
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=close, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=15.0)
+    assert sorted(ended) == [0, 1] and not barrier.broken
+    assert ranks[0].consensus.calls == ranks[1].consensus.calls > 1
+    assert min(ended.values()) - started >= (0.5 if write_ends else 0.3)
+
+
 def test_a_cancel_that_meets_no_write_is_confirmed_once_the_prefill_side_took_it(pair):
     """A write may start between a cancel's answer and the scheduler taking the cancel, so
     the first answer for a posted room says a write may be in flight; once the scheduler has
