@@ -522,10 +522,15 @@ class BootstrapClient:
             elif answer.status_code == 200 and (timeout_s := self._write_timeout(address)):
                 # no write in flight: twice its timeout covers a last word that is lost
                 self.emit(CancelConfirmed(room, release_after_s=2 * timeout_s))
-        except httpx.HTTPError as exc:  # asked again at the next heartbeat, until it is dead
+        except httpx.ConnectError as exc:  # nothing listens there: no write can come from it
+            error = f"the prefill engine at {address} is gone ({_why(exc)})"
+            logger.warning("room %d not cancelled: %s", room, error)
+            self.emit(PeerLost((room,), error))  # its slots here, if any, are free
+        except httpx.HTTPError as exc:
             logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))
-            with self._lock:
-                self._cancel_again[room] = (address, reason)
+            with self._lock:  # asked again at the next heartbeat, until it is found dead
+                if address in self._peers:
+                    self._cancel_again[room] = (address, reason)
 
     def _write_timeout(self, address: str) -> float | None:
         with self._lock:

@@ -542,6 +542,35 @@ def test_a_dead_prefill_engine_fails_its_rooms_within_the_heartbeat_window(pair)
     assert time.monotonic() - started < 5
 
 
+def test_a_room_cancelled_at_a_dead_prefill_engine_is_released_and_not_asked_about_again(
+    pair, caplog
+):
+    """The request went away as its prefill engine died: nothing listens there, so no write
+    can come; the slots go and the cancel is not retried at every heartbeat after."""
+    p = pair()
+    p.decode.expect(p.target(16), [1])
+    p.run(lambda s, a: 16 in p.prefill._posted)
+    p.server.close()  # the prefill engine is gone
+    p.decode.cancel(16, "the client went away")
+    _, arrived = p.run(released(16), timeout=5.0)
+    assert arrived[-1].released
+    caplog.clear()
+    time.sleep(0.6)  # six heartbeats
+    assert "cancelling room 16" not in caplog.text
+
+
+def test_a_refusal_for_a_dead_prefill_engine_is_not_retried_at_every_heartbeat(pair, caplog):
+    """A request refused here before its room was posted (the client went away as its prefill
+    engine died): nothing listens there, so nothing is left to cancel."""
+    p = pair()
+    p.decode.expect(p.target(15), [1])  # registers this decode engine there
+    p.run(lambda s, a: 15 in p.prefill._posted)
+    p.server.close()
+    p.decode.refuse(p.target(17), "the client went away")
+    time.sleep(0.6)  # six heartbeats
+    assert caplog.text.count("cancelling room 17") <= 1
+
+
 def test_a_restarted_prefill_engine_is_registered_with_again(pair, filled_kv_pool):
     p = pair()
     restarted = p.restart_prefill(filled_kv_pool, posted_room=15)
