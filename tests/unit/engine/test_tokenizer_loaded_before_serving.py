@@ -5,6 +5,7 @@ string path too, so the first real one pays no first-use cost."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -75,3 +76,21 @@ def test_a_model_without_a_tokenizer_starts_and_refuses_stop_strings(
     )
     with pytest.raises(InvalidRequestError, match="no tokenizer: stop strings cannot be matched"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, stop=["x"]))
+
+
+def test_a_prompt_longer_than_the_tokenizers_own_limit_logs_no_indexing_warning(tiny_model):
+    """The engine refuses a prompt longer than its context with a 400; the tokenizer's own
+    limit only added transformers' warning of "indexing errors", which no model run here has."""
+    from kubesgl.engine.tokenizer.loader import load_tokenizer
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    transformers_logger = transformers.utils.logging.get_logger("transformers")
+    transformers_logger.addHandler(handler)
+    try:
+        tokenizer = load_tokenizer(tiny_model("llama"))
+        assert len(tokenizer.encode("hello world " * 3000)) > 2048
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert not [r for r in records if "indexing errors" in r.getMessage()]
