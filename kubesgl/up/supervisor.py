@@ -196,7 +196,7 @@ class Supervisor:
         healthy = self.healthy(replica.process.url)
         if healthy and replica.state != State.READY:
             replica.state = State.READY
-            self.on_event(replica, f"ready on {replica.process.url}")
+            self.on_event(replica, f"ready on {_where(replica.process)}")
         elif not healthy and replica.state == State.READY:
             replica.state = State.UNREADY
             self.on_event(replica, "not ready: /health fails")
@@ -209,6 +209,13 @@ class Supervisor:
         replica.popen = None
         replica.state = State.STOPPED
         self.on_event(replica, f"killed: {why}" if running else "stopped")
+
+
+def _where(process: LocalProcess) -> str:
+    """Its URL, and a prefill engine's bootstrap port: P/D errors name that address."""
+    if process.bootstrap_port is None:
+        return process.url
+    return f"{process.url} (bootstrap port {process.bootstrap_port})"
 
 
 def exit_reason(returncode: int, log_path: Path) -> str:

@@ -4,6 +4,7 @@ and a stop that drains the router first and leaves no process behind, a hung one
 
 from __future__ import annotations
 
+import dataclasses
 import http.server
 import os
 import re
@@ -143,7 +144,14 @@ def test_the_router_starts_once_every_role_has_a_ready_replica(stand_in, tmp_pat
     router = stand_in(
         "router", "ok", contract.ROUTER, waits_for=(contract.PREFILL, contract.DECODE)
     )
-    supervisor = Supervisor([prefill, decode, router], tmp_path, healthy=lambda url: url in ready)
+    prefill = dataclasses.replace(prefill, bootstrap_port=free_port())
+    events: list[str] = []
+    supervisor = Supervisor(
+        [prefill, decode, router],
+        tmp_path,
+        on_event=lambda replica, message: events.append(f"{replica.process.name}: {message}"),
+        healthy=lambda url: url in ready,
+    )
     try:
         supervisor.tick()
         assert [r.state for r in supervisor.replicas] == [
@@ -162,6 +170,11 @@ def test_the_router_starts_once_every_role_has_a_ready_replica(stand_in, tmp_pat
         supervisor.tick()
         supervisor.tick()
         assert [r.state for r in supervisor.replicas] == [State.READY, State.READY, State.STARTING]
+        # P/D errors name a prefill engine by its bootstrap address
+        assert (
+            f"prefill-0: ready on {prefill.url} (bootstrap port {prefill.bootstrap_port})" in events
+        )
+        assert f"decode-0: ready on {decode.url}" in events
     finally:
         supervisor.stop(threading.Event())
 
