@@ -517,8 +517,7 @@ class BootstrapClient:
             elif answer.status_code == 200 and answer.json().get("write_in_flight"):
                 # the slots stay held: the write's end brings the last word; should that be
                 # lost, the next heartbeat asks again
-                with self._lock:
-                    self._cancel_again[room] = (address, reason)
+                self._ask_again(room, address, reason)
             elif answer.status_code == 200 and (timeout_s := self._write_timeout(address)):
                 # no write in flight: twice its timeout covers a last word that is lost
                 self.emit(CancelConfirmed(room, release_after_s=2 * timeout_s))
@@ -528,9 +527,16 @@ class BootstrapClient:
             self.emit(PeerLost((room,), error))  # its slots here, if any, are free
         except httpx.HTTPError as exc:
             logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))
-            with self._lock:  # asked again at the next heartbeat, until it is found dead
-                if address in self._peers:
-                    self._cancel_again[room] = (address, reason)
+            self._ask_again(room, address, reason)
+
+    def _ask_again(self, room: int, address: str, reason: str) -> None:
+        """Cancel the room again at the next heartbeat, while it is watched: a room no longer
+        watched has ended here (its engine found dead, its last word come), or never held
+        slots here (refused before its post: its prefill engine times it out)."""
+        with self._lock:
+            peer = self._peers.get(address)
+            if peer is not None and room in peer.rooms:
+                self._cancel_again[room] = (address, reason)
 
     def _write_timeout(self, address: str) -> float | None:
         with self._lock:

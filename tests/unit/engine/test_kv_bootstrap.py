@@ -542,21 +542,18 @@ def test_a_dead_prefill_engine_fails_its_rooms_within_the_heartbeat_window(pair)
     assert time.monotonic() - started < 5
 
 
-def test_a_room_cancelled_at_a_dead_prefill_engine_is_released_and_not_asked_about_again(
-    pair, caplog
-):
-    """The request went away as its prefill engine died: nothing listens there, so no write
-    can come; the slots go and the cancel is not retried at every heartbeat after."""
+def test_a_room_cancelled_at_a_dead_prefill_engine_is_released_by_the_cancel(pair):
+    """The request went away as its prefill engine died: the cancel finds nothing listening
+    there, so no write can come, and the slots go without waiting for a heartbeat."""
     p = pair()
     p.decode.expect(p.target(16), [1])
     p.run(lambda s, a: 16 in p.prefill._posted)
+    p.decode.link.service.client.heartbeat_s = 30  # no heartbeat from now on
+    time.sleep(0.15)
     p.server.close()  # the prefill engine is gone
     p.decode.cancel(16, "the client went away")
     _, arrived = p.run(released(16), timeout=5.0)
-    assert arrived[-1].released
-    caplog.clear()
-    time.sleep(0.6)  # six heartbeats
-    assert "cancelling room 16" not in caplog.text
+    assert arrived[-1].reason is None  # the request had ended already: no second error
 
 
 def test_a_refusal_for_a_dead_prefill_engine_is_not_retried_at_every_heartbeat(pair, caplog):
@@ -568,7 +565,7 @@ def test_a_refusal_for_a_dead_prefill_engine_is_not_retried_at_every_heartbeat(p
     p.server.close()
     p.decode.refuse(p.target(17), "the client went away")
     time.sleep(0.6)  # six heartbeats
-    assert caplog.text.count("cancelling room 17") <= 1
+    assert caplog.text.count("cancelling room 17") == 0
 
 
 def test_a_restarted_prefill_engine_is_registered_with_again(pair, filled_kv_pool):
