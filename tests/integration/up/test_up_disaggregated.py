@@ -31,7 +31,7 @@ def quickstart(tmp_path_factory):
 
 
 def engine_url(up: RunningUp, name: str) -> str:
-    return up.wait_for(rf"^\S+ {name}: ready on (\S+)$").group(1)
+    return up.wait_for(rf"^\S+ {name}: ready on (\S+)(?: \(bootstrap port \d+\))?$").group(1)
 
 
 def test_answers_through_the_sdk_equal_a_plain_engine_through_both_engines(
