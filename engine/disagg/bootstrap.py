@@ -522,7 +522,7 @@ class BootstrapClient:
                 # no write in flight: twice its timeout covers a last word that is lost
                 self.emit(CancelConfirmed(room, release_after_s=2 * timeout_s))
         except httpx.ConnectError as exc:  # nothing listens there: no write can come from it
-            error = f"the prefill engine at {address} is gone ({_why(exc)})"
+            error = _gone(address, exc)
             logger.warning("room %d not cancelled: %s", room, error)
             self.emit(PeerLost((room,), error))  # its slots here, if any, are free
         except httpx.HTTPError as exc:
@@ -569,7 +569,7 @@ class BootstrapClient:
             answer.raise_for_status()
             instance = str(answer.json()["instance"])
         except httpx.ConnectError as exc:  # nothing listens there: gone, its rooms with it
-            raise _Dead(f"the prefill engine at {address} is gone ({_why(exc)})") from exc
+            raise _Dead(_gone(address, exc)) from exc
         except Exception as exc:  # noqa: BLE001 - slow or confused: give it until dead_after_s
             silent = time.monotonic() - peer.last_ok
             if silent > self.dead_after_s:
@@ -690,3 +690,8 @@ def _raise_for_status(answer: httpx.Response) -> None:
 
 def _why(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
+
+
+def _gone(address: str, exc: httpx.ConnectError) -> str:
+    """Why a prefill engine counts as dead: nothing listens at its bootstrap address."""
+    return f"the prefill engine at {address} is gone ({_why(exc)})"
