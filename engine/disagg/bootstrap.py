@@ -103,6 +103,7 @@ class BootstrapServer:
         self._room_memory_s = 2 * timeout_s  # no request for a room comes after this
         self._writing: set[int] = set()  # rooms with a write in flight (RoomWriting)
         self._settled: set[int] = set()  # posted rooms no write runs into, nor will
+        self._cancelled: set[int] = set()  # posted rooms whose cancel the scheduler was sent
         self._lock = threading.Lock()
         self._engines: dict[str, int] = {}  # registered decode engines: their pools' slots
         self._heard_at: dict[str, float] = {}  # when each last registered, posted or queued
@@ -174,6 +175,7 @@ class BootstrapServer:
                 raise ValueError(f"slots must be slot numbers of the decode engine's {num_slots}")
             self._rooms = {r: t for r, t in self._rooms.items() if now - t < self._room_memory_s}
             self._settled &= self._rooms.keys()
+            self._cancelled &= self._rooms.keys()
             if room in self._rooms:
                 return 409, {"error": f"room {room} is already in use"}
             self._rooms[room] = self._heard_at[engine] = now
@@ -205,11 +207,15 @@ class BootstrapServer:
         the answer tells the decode engine whether a write into its slots can be under way.
         A posted room counts as written to until the scheduler, having taken the cancel, says
         no write runs (RoomWriting): one may start before the cancel reaches it, and a write
-        runs to its end (NIXL cannot call it back). The decode engine asks again until then."""
+        runs to its end (NIXL cannot call it back). The decode engine asks again until then;
+        the scheduler hears of a posted room's cancel once, however often it is asked."""
         with self._lock:
             posted = room in self._rooms
             in_flight = room in self._writing or (posted and room not in self._settled)
-            self.emit(RoomCancelled(room, reason))
+            if room not in self._cancelled:
+                self.emit(RoomCancelled(room, reason))
+            if posted:
+                self._cancelled.add(room)
         if not posted and not in_flight:
             return 404, {"error": f"room {room} was never posted here", "code": UNKNOWN_ROOM}
         return 200, {"write_in_flight": in_flight}

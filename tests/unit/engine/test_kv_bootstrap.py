@@ -531,6 +531,27 @@ def test_a_cancel_that_meets_no_write_is_confirmed_once_the_prefill_side_took_it
     assert (answer.status_code, answer.json()) == (200, {"write_in_flight": False})
 
 
+def test_a_cancel_asked_again_reaches_the_prefill_scheduler_once(pair):
+    """The decode side asks again while a write may be in flight (every heartbeat): the
+    scheduler hears of the cancel once, not once per asking."""
+    p = pair()
+    p.decode.expect(p.target(36), [1])
+    p.run(lambda s, a: 36 in p.prefill._posted)
+    emitted = []
+    emit = p.server.emit
+
+    def recording_emit(fact) -> None:
+        emitted.append(fact)
+        emit(fact)
+
+    p.server.emit = recording_emit
+    cancel = f"http://127.0.0.1:{p.server.port}/kv/rooms/36"
+    for _ in range(3):
+        answer = httpx.request("DELETE", cancel, json={"reason": "test"})
+        assert (answer.status_code, answer.json()) == (200, {"write_in_flight": True})
+    assert [type(fact).__name__ for fact in emitted] == ["RoomCancelled"]
+
+
 def test_a_dead_prefill_engine_fails_its_rooms_within_the_heartbeat_window(pair):
     p = pair(dead_after_s=0.5)
     p.decode.expect(p.target(14), [1])
