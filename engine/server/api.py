@@ -658,7 +658,8 @@ async def stream_events(
                 on_error(out.finish_reason.status)  # the answer's status was 200: counted here
                 yield sse(APIError.of(out.finish_reason).body())
                 continue
-            yield sse(formatter.chunk(choice, out, before))
+            if (chunk := formatter.chunk(choice, out, before)) is not None:
+                yield sse(chunk)
         if include_usage:
             yield sse(formatter.usage_chunk(usage(choices, first_of_prompt)))
         yield sse("[DONE]")

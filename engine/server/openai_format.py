@@ -92,9 +92,9 @@ class Formatter:
 
     response_id: str  # the `id` the answer carries (the access log's rid)
     final: Callable[[list[Choice], dict], dict]  # (choices, usage) -> the whole answer
-    chunk: Callable[
-        [Choice, TextOutput, int], dict
-    ]  # (choice, its new output, its text's length before) -> a chunk
+    # (choice, its new output, its text's length before) -> a chunk, or None when the output
+    # brings nothing to send (a token that ends inside a character, text held back)
+    chunk: Callable[[Choice, TextOutput, int], dict | None]
     stream_start: Callable[[int], list[dict]] = (
         lambda n: []
     )  # (choices) -> chunks before any output
@@ -190,23 +190,28 @@ def chat_formatter(
             )
         ]
 
-    def chunk(choice: Choice, out: TextOutput, _: int) -> dict:
+    def chunk(choice: Choice, out: TextOutput, _: int) -> dict | None:
         logprobs = {"content": logprob_entries(out)} if want_logprobs and out.logprobs else None
         reason = out.finish_reason.kind if out.finish_reason else None
+        delta, calls = content_delta(choice, out, reason)
+        if not (delta or logprobs or reason):
+            return None
+        return chunk_of(
+            [
+                {
+                    "index": choice.index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": _finish(reason, calls),
+                }
+            ]
+        )
+
+    def content_delta(
+        choice: Choice, out: TextOutput, reason: str | None
+    ) -> tuple[dict[str, Any], list[tool_calls.ToolCall]]:
         if tools.mode == "none":
-            delta: dict[str, Any] = (
-                {"content": out.text} if out.text or out.finish_reason is None else {}
-            )
-            return chunk_of(
-                [
-                    {
-                        "index": choice.index,
-                        "delta": delta,
-                        "logprobs": logprobs,
-                        "finish_reason": reason,
-                    }
-                ]
-            )
+            return ({"content": out.text} if out.text else {}), []
         done = sent.get(choice.index, 0)
         calls: list[tool_calls.ToolCall] = []
         if reason is None:
@@ -218,20 +223,11 @@ def chat_formatter(
                 else (choice.text, [])
             )
             upto = max(done, tools.held_from(choice.text)) if calls else len(choice.text)
-        delta = {"content": choice.text[done:upto]} if upto > done else {}
+        delta: dict[str, Any] = {"content": choice.text[done:upto]} if upto > done else {}
         sent[choice.index] = upto
         if calls:
             delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(calls)]
-        return chunk_of(
-            [
-                {
-                    "index": choice.index,
-                    "delta": delta,
-                    "logprobs": logprobs,
-                    "finish_reason": _finish(reason, calls),
-                }
-            ]
-        )
+        return delta, calls
 
     return Formatter(meta["id"], final, chunk, start, lambda u: {**chunk_of([]), "usage": u})
 
@@ -253,12 +249,14 @@ def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
             ],
         }
 
-    def chunk(choice: Choice, out: TextOutput, offset: int) -> dict:
+    def chunk(choice: Choice, out: TextOutput, offset: int) -> dict | None:
         logprobs = (
             completion_logprobs(logprob_entries(out), offset)
             if want_logprobs and out.logprobs
             else None
         )
+        if not (out.text or logprobs or out.finish_reason):
+            return None
         return {
             **meta,
             "object": "text_completion",
