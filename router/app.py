@@ -25,7 +25,7 @@ from kubesgl.gc_pacing import GcPacer, tick_every
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.config import RouterConfig
 from kubesgl.router.discovery import PodWatcher
-from kubesgl.router.errors import RouterError, bad_request, no_worker
+from kubesgl.router.errors import RouterError, bad_request
 from kubesgl.router.health import HealthChecker
 from kubesgl.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kubesgl.router.metrics import RouterMetrics
@@ -375,16 +375,17 @@ class RouterApp:
             self._upstream_headers(scope), models_path(scope["path"])
         )
 
+    def missing_role(self) -> Role | None:
+        """A role the router needs and has no worker able to serve (None: it can serve)."""
+        needed = (Role.PREFILL, Role.DECODE) if self.workers.is_disaggregated() else (Role.MIXED,)
+        return next((role for role in needed if not self.workers.available(role)), None)
+
     def can_serve(self) -> bool:
-        if self.workers.is_disaggregated():
-            return bool(
-                self.workers.available(Role.PREFILL) and self.workers.available(Role.DECODE)
-            )
-        return bool(self.workers.available(Role.MIXED))
+        return self.missing_role() is None
 
     async def _health_status(self, scope: Scope, body: bytes) -> Reply:
-        if not self.can_serve():
-            raise no_worker("the router has no worker (or prefill/decode pair) that can serve")
+        if (role := self.missing_role()) is not None:  # the answer says which role, and why
+            raise self.forwarder.no_worker_error(role)
         return json_reply(200, {"status": "ok"})
 
     async def _metrics(self, scope: Scope, body: bytes) -> Reply:

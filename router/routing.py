@@ -125,11 +125,11 @@ class Forwarder:
         available = self.workers.available(role)
         if not available:
             self.metrics.requests.labels("", "503").inc()
-            raise self._no_worker_error(role)
+            raise self.no_worker_error(role)
         # Workers that just failed this request go last, not away: they may be all there is.
         return [w for w in available if w not in excluded] or available
 
-    def _no_worker_error(self, role: Role) -> RouterError:
+    def no_worker_error(self, role: Role) -> RouterError:
         registered = self.workers.with_role(role)
         label = "" if role is Role.MIXED else f"{role.value} "
         if not registered:

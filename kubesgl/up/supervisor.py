@@ -69,6 +69,12 @@ class Replica:
         return self.popen.pid if self.popen is not None else None
 
 
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    why: str = ""  # when not ok: the status and the error it names, or the connection's failure
+
+
 class HttpHealth:
     """GET /health, one client for every probe: a client per probe builds its TLS context
     again, about 29 ms of CPU each time, several times a second. No keep-alive: a server
@@ -79,11 +85,23 @@ class HttpHealth:
             timeout=HEALTH_TIMEOUT_S, limits=httpx.Limits(max_keepalive_connections=0)
         )
 
-    def __call__(self, url: str) -> bool:
+    def __call__(self, url: str) -> Health:
         try:
-            return self._client.get(url + "/health").status_code == 200
-        except httpx.HTTPError:
-            return False
+            answer = self._client.get(url + "/health")
+        except httpx.HTTPError as exc:
+            return Health(False, f"{type(exc).__name__}: {exc}")
+        if answer.status_code == 200:
+            return Health(True)
+        return Health(False, f"{answer.status_code}: {_error_message(answer)}")
+
+
+def _error_message(answer: httpx.Response) -> str:
+    """The message of an OpenAI-shaped error body (the router names the role it lacks and
+    why), else the body's first line."""
+    try:
+        return str(answer.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return answer.text.strip().split("\n", 1)[0][:200]
 
 
 class Supervisor:
@@ -92,7 +110,7 @@ class Supervisor:
         processes: Sequence[LocalProcess],
         log_dir: Path,
         on_event: Callable[[Replica, str], None] = lambda replica, message: None,
-        healthy: Callable[[str], bool] | None = None,  # HttpHealth()
+        healthy: Callable[[str], Health] | None = None,  # HttpHealth()
         clock: Callable[[], float] = time.monotonic,
     ):
         self.replicas = [Replica(p, log_dir / f"{p.name}.log") for p in processes]
@@ -193,13 +211,13 @@ class Supervisor:
         self.on_event(replica, f"exited ({replica.last_exit}); restarting in {delay:g} s")
 
     def _probe(self, replica: Replica) -> None:
-        healthy = self.healthy(replica.process.url)
-        if healthy and replica.state != State.READY:
+        health = self.healthy(replica.process.url)
+        if health.ok and replica.state != State.READY:
             replica.state = State.READY
             self.on_event(replica, f"ready on {_where(replica.process)}")
-        elif not healthy and replica.state == State.READY:
+        elif not health.ok and replica.state == State.READY:
             replica.state = State.UNREADY
-            self.on_event(replica, "not ready: /health fails")
+            self.on_event(replica, f"not ready: /health fails ({health.why})")
 
     def _kill(self, replica: Replica, why: str) -> None:
         assert replica.popen is not None

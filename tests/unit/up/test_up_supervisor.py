@@ -21,7 +21,7 @@ import pytest
 
 from kubesgl import contract
 from kubesgl.up.plan import LocalProcess
-from kubesgl.up.supervisor import State, Supervisor
+from kubesgl.up.supervisor import Health, State, Supervisor
 
 STAND_IN = r"""
 import http.server, signal, subprocess, sys
@@ -150,7 +150,7 @@ def test_the_router_starts_once_every_role_has_a_ready_replica(stand_in, tmp_pat
         [prefill, decode, router],
         tmp_path,
         on_event=lambda replica, message: events.append(f"{replica.process.name}: {message}"),
-        healthy=lambda url: url in ready,
+        healthy=lambda url: Health(url in ready, "503: not ready"),
     )
     try:
         supervisor.tick()
@@ -175,6 +175,9 @@ def test_the_router_starts_once_every_role_has_a_ready_replica(stand_in, tmp_pat
             f"prefill-0: ready on {prefill.url} (bootstrap port {prefill.bootstrap_port})" in events
         )
         assert f"decode-0: ready on {decode.url}" in events
+        ready.discard(prefill.url)
+        supervisor.tick()
+        assert events[-1] == "prefill-0: not ready: /health fails (503: not ready)"
     finally:
         supervisor.stop(threading.Event())
 
@@ -271,7 +274,7 @@ def test_health_probes_share_one_client(monkeypatch):
     """A client per probe built its TLS context each time (29 ms of CPU, six probes a second
     for the quickstart): the supervisor alone kept a sixth of a core busy."""
 
-    class Health(http.server.BaseHTTPRequestHandler):
+    class Healthy(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200 if self.path == "/health" else 404)
             self.send_header("Content-Length", "0")
@@ -280,7 +283,7 @@ def test_health_probes_share_one_client(monkeypatch):
         def log_message(self, *args):
             pass
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    server = http.server.HTTPServer(("127.0.0.1", 0), Healthy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     made = []
     real_init = httpx.Client.__init__
@@ -293,9 +296,43 @@ def test_health_probes_share_one_client(monkeypatch):
     try:
         healthy = Supervisor([], Path("/nonexistent")).healthy
         url = f"http://127.0.0.1:{server.server_port}"
-        assert [healthy(url) for _ in range(5)] == [True] * 5
-        assert not healthy(f"http://127.0.0.1:{free_port()}")  # nothing listens: not healthy
+        assert [healthy(url) for _ in range(5)] == [Health(True)] * 5
+        assert not healthy(f"http://127.0.0.1:{free_port()}").ok  # nothing listens: not healthy
         assert len(made) == 1
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_failing_probe_says_why():
+    """`kubesgl up` printed `router: not ready: /health fails` while only the prefill engine was
+    down; the router's 503 names the role it lacks, and the probe passes that on."""
+    message = "no prefill worker can serve: 1 registered, 1 failing health checks"
+
+    class Unready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = (
+                b'{"error": {"message": "%s", "type": "service_unavailable"}}' % message.encode()
+                if self.path == "/health"
+                else b"not ready\nat all"
+            )
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Unready)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        healthy = Supervisor([], Path("/nonexistent")).healthy
+        assert healthy(f"http://127.0.0.1:{server.server_port}") == Health(False, f"503: {message}")
+        assert healthy(f"http://127.0.0.1:{server.server_port}/plain") == Health(
+            False, "503: not ready"
+        )
+        refused = healthy(f"http://127.0.0.1:{free_port()}")
+        assert not refused.ok and refused.why.startswith("ConnectError: ")
+    finally:
+        server.shutdown()
