@@ -527,11 +527,12 @@ class BootstrapClient:
             elif answer.status_code == 200 and (timeout_s := self._write_timeout(address)):
                 # no write in flight: twice its timeout covers a last word that is lost
                 self.emit(CancelConfirmed(room, release_after_s=2 * timeout_s))
-        except httpx.ConnectError as exc:  # nothing listens there: no write can come from it
-            error = _gone(address, exc)
-            logger.warning("room %d not cancelled: %s", room, error)
-            self.emit(PeerLost((room,), error))  # its slots here, if any, are free
         except httpx.HTTPError as exc:
+            if _nothing_listens(exc):  # no write can come from there
+                error = _gone(address, exc)
+                logger.warning("room %d not cancelled: %s", room, error)
+                self.emit(PeerLost((room,), error))  # its slots here, if any, are free
+                return
             logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))
             self._ask_again(room, address, reason)
 
@@ -574,9 +575,9 @@ class BootstrapClient:
             answer = self._http.get(f"{address}/health", timeout=min(self.heartbeat_s, 3.0))
             answer.raise_for_status()
             instance = str(answer.json()["instance"])
-        except httpx.ConnectError as exc:  # nothing listens there: gone, its rooms with it
-            raise _Dead(_gone(address, exc)) from exc
-        except Exception as exc:  # noqa: BLE001 - slow or confused: give it until dead_after_s
+        except Exception as exc:  # noqa: BLE001 - slow, confused, unreachable: until dead_after_s
+            if _nothing_listens(exc):  # gone, its rooms with it
+                raise _Dead(_gone(address, exc)) from exc
             silent = time.monotonic() - peer.last_ok
             if silent > self.dead_after_s:
                 raise _Dead(
@@ -698,6 +699,18 @@ def _why(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
 
 
-def _gone(address: str, exc: httpx.ConnectError) -> str:
+def _nothing_listens(exc: BaseException) -> bool:
+    """The connection was refused: no process listens there, so none writes from there. Other
+    failures to connect (no route, a name that does not resolve, no file descriptor left here)
+    leave the engine maybe alive: its silence must last `dead_after_s` first."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def _gone(address: str, exc: BaseException) -> str:
     """Why a prefill engine counts as dead: nothing listens at its bootstrap address."""
     return f"the prefill engine at {address} is gone ({_why(exc)})"

@@ -577,6 +577,49 @@ def test_a_room_cancelled_at_a_dead_prefill_engine_is_released_by_the_cancel(pai
     assert arrived[-1].reason is None  # the request had ended already: no second error
 
 
+def unreachable(client, path: str) -> None:
+    """Every call of the decode side's client to `path` fails to connect, the connection not
+    refused: no route to the prefill engine, which may still be alive and writing."""
+    http = client._http
+    real = http.request
+
+    def request(method, url, *args, **kwargs):
+        if str(url).endswith(path):
+            raise httpx.ConnectError("[Errno 113] No route to host")
+        return real(method, url, *args, **kwargs)
+
+    http.request = request
+
+
+def test_an_unreachable_prefill_engine_is_dead_only_after_its_silence(pair):
+    """Only a refused connection proves that nothing writes from there: a prefill engine that
+    cannot be reached otherwise has until `dead_after_s` to answer again."""
+    p = pair(dead_after_s=0.6)
+    p.decode.expect(p.target(18), [1])
+    p.run(lambda s, a: 18 in p.prefill._posted)
+    unreachable(p.decode.link.service.client, "/health")
+    started = time.monotonic()
+    _, arrived = p.run(released(18))
+    assert arrived[0].reason is FailureReason.PEER_LOST
+    assert "has not answered for" in arrived[0].error
+    assert time.monotonic() - started >= 0.5
+
+
+def test_a_cancel_that_cannot_reach_the_prefill_engine_keeps_the_slots(pair):
+    """A cancel that finds no route to the prefill engine cannot tell whether a write comes:
+    the slots stay until the engine answers or the heartbeat finds it dead."""
+    p = pair()
+    p.decode.expect(p.target(19), [1])
+    p.run(lambda s, a: 19 in p.prefill._posted)
+    client = p.decode.link.service.client
+    client.heartbeat_s = 30  # no heartbeat from now on
+    time.sleep(0.15)
+    unreachable(client, "/kv/rooms/19")
+    p.decode.cancel(19, "the client went away")
+    time.sleep(0.5)
+    assert not any(o.released for o in p.decode.poll())
+
+
 def test_a_refusal_for_a_dead_prefill_engine_is_not_retried_at_every_heartbeat(pair, caplog):
     """A request refused here before its room was posted (the client went away as its prefill
     engine died): nothing listens there, so nothing is left to cancel."""
