@@ -9,13 +9,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kubesgl.contract import MIXED
 from kubesgl.engine.disagg.protocol import FailureReason
 from kubesgl.engine.messages import DisaggStats, GrammarStats, SchedulerStats
+
+# No `_created` series beside each counter and histogram (prometheus_client's default): Prometheus
+# finds resets itself, and they would double the series each engine and router is scraped for.
+disable_created_metrics()
 
 # States of a request with a room that the kubesgl_disagg_requests gauge reports
 # (the scheduler's ReqStatus names, lower case).

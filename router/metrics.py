@@ -9,11 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kubesgl.router.workers import Worker, WorkerRegistry
+
+# No `_created` series beside each counter and histogram (prometheus_client's default): Prometheus
+# finds resets itself, and they would double the series each engine and router is scraped for.
+disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PD_ROUTES = ("disaggregated", "decode_only_short", "decode_only_saturated")

@@ -324,3 +324,13 @@ def test_a_removed_workers_series_go_with_it():
     )
     workers.remove("http://10.0.0.7:30000")  # as DELETE /workers does
     assert worker_urls() == {"", "http://kept:30000"}
+
+
+def test_no_created_series_double_the_scrape():
+    registry = WorkerRegistry()
+    registry.add("http://w:1", Role.MIXED)
+    for text in (
+        EngineMetrics("decode", "m").render().decode(),
+        RouterMetrics(registry).render().decode(),
+    ):
+        assert "_created" not in text
