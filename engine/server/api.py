@@ -652,13 +652,12 @@ async def stream_events(
                 remaining -= 1
                 continue
             choice = choices[index]
-            before = len(choice.text)
             choice.add(out)
             if out.finish_reason is not None and out.finish_reason.kind == "error":
                 on_error(out.finish_reason.status)  # the answer's status was 200: counted here
                 yield sse(APIError.of(out.finish_reason).body())
                 continue
-            if (chunk := formatter.chunk(choice, out, before)) is not None:
+            if (chunk := formatter.chunk(choice, out)) is not None:
                 yield sse(chunk)
         if include_usage:
             yield sse(formatter.usage_chunk(usage(choices, first_of_prompt)))

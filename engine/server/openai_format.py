@@ -92,9 +92,9 @@ class Formatter:
 
     response_id: str  # the `id` the answer carries (the access log's rid)
     final: Callable[[list[Choice], dict], dict]  # (choices, usage) -> the whole answer
-    # (choice, its new output, its text's length before) -> a chunk, or None when the output
-    # brings nothing to send (a token that ends inside a character, text held back)
-    chunk: Callable[[Choice, TextOutput, int], dict | None]
+    # (choice, its new output, already added to it) -> a chunk, or None when the output brings
+    # nothing to send (a token that ends inside a character, text held back)
+    chunk: Callable[[Choice, TextOutput], dict | None]
     stream_start: Callable[[int], list[dict]] = (
         lambda n: []
     )  # (choices) -> chunks before any output
@@ -190,7 +190,7 @@ def chat_formatter(
             )
         ]
 
-    def chunk(choice: Choice, out: TextOutput, _: int) -> dict | None:
+    def chunk(choice: Choice, out: TextOutput) -> dict | None:
         logprobs = {"content": logprob_entries(out)} if want_logprobs and out.logprobs else None
         reason = out.finish_reason.kind if out.finish_reason else None
         delta, calls = content_delta(choice, out, reason)
@@ -249,12 +249,16 @@ def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
             ],
         }
 
-    def chunk(choice: Choice, out: TextOutput, offset: int) -> dict | None:
-        logprobs = (
-            completion_logprobs(logprob_entries(out), offset)
-            if want_logprobs and out.logprobs
-            else None
-        )
+    text_offsets: dict[int, int] = {}  # where each choice's next token starts in its text
+
+    def chunk(choice: Choice, out: TextOutput) -> dict | None:
+        logprobs = None
+        if want_logprobs and out.logprobs:
+            # counted token by token, as in the whole answer, not from the text sent so far:
+            # text held back (part of a character, a possible stop string) comes later
+            entries, start = logprob_entries(out), text_offsets.get(choice.index, 0)
+            logprobs = completion_logprobs(entries, start)
+            text_offsets[choice.index] = start + sum(len(e["token"]) for e in entries)
         if not (out.text or logprobs or out.finish_reason):
             return None
         return {
@@ -302,4 +306,4 @@ def native_formatter(rid: str) -> Formatter:
             },
         }
 
-    return Formatter(rid, lambda choices, _: body(choices[0]), lambda choice, out, _: body(choice))
+    return Formatter(rid, lambda choices, _: body(choices[0]), lambda choice, out: body(choice))

@@ -111,7 +111,7 @@ def test_an_auto_call_streams_as_delta_tool_calls_after_the_content_before_it():
         reason = FinishReason("stop", matched_token=2) if i == len(pieces) - 1 else None
         out = TextOutput("r", piece, [i], reason, 1, 0, i + 1)
         choice.add(out)
-        chunks.append(formatter.chunk(choice, out, 0))
+        chunks.append(formatter.chunk(choice, out))
     assert chunks[1:3] == [None, None]  # "<tool" held back, and the call: nothing to send yet
     deltas = [c["choices"][0] for c in chunks if c is not None]
     assert [d["delta"].get("content") for d in deltas] == ["Sure, ", None]
@@ -120,32 +120,6 @@ def test_an_auto_call_streams_as_delta_tool_calls_after_the_content_before_it():
     (call,) = last["delta"]["tool_calls"]
     assert (call["index"], call["function"]) == (0, {"name": "a", "arguments": '{"k": 1}'})
     assert all("tool_calls" not in d["delta"] for d in deltas[:-1])
-
-
-def test_a_stream_sends_no_chunk_for_a_token_that_brings_no_text():
-    """A token that ends inside a character (its bytes are held until the character is whole)
-    brings no text: no chunk goes out for it, unless it carries logprobs or the finish."""
-    from kubesgl.engine.messages import FinishReason, TextOutput
-    from kubesgl.engine.server.openai_format import Choice, chat_formatter, completion_formatter
-
-    def sent(formatter, pieces: list[str]) -> list[dict | None]:
-        choice, chunks = Choice(index=0), []
-        for i, piece in enumerate(pieces):
-            reason = FinishReason("length") if i == len(pieces) - 1 else None
-            out = TextOutput("r", piece, [i], reason, 1, 0, i + 1)
-            choice.add(out)
-            chunks.append(formatter.chunk(choice, out, 0))
-        return chunks
-
-    for formatter in (
-        chat_formatter({"id": "x"}, False),
-        chat_formatter({"id": "x"}, False, ToolOutput("auto", format=QWEN)),
-        completion_formatter({"id": "x"}, False),
-    ):
-        chunks = sent(formatter, ["a", "", "\u00e9", ""])
-        assert chunks[1] is None
-        assert chunks[3] is not None  # the finish goes out even with no text
-        assert chunks[3]["choices"][0]["finish_reason"] == "length"
 
 
 def test_streamed_text_that_holds_no_call_is_all_sent_by_the_end():
@@ -157,6 +131,6 @@ def test_streamed_text_that_holds_no_call_is_all_sent_by_the_end():
     for i, piece in enumerate(["a < b, ", "and <tool", "box> too"]):
         out = TextOutput("r", piece, [i], FinishReason("length") if i == 2 else None, 1, 0, i + 1)
         choice.add(out)
-        if (chunk := formatter.chunk(choice, out, 0)) is not None:
+        if (chunk := formatter.chunk(choice, out)) is not None:
             sent += chunk["choices"][0]["delta"].get("content", "")
     assert sent == "a < b, and <toolbox> too"

@@ -1,0 +1,68 @@
+"""How answers and stream chunks are shaped: what a chunk carries, and the same figures
+streamed as in the whole answer."""
+
+from __future__ import annotations
+
+from kubesgl.engine.messages import FinishReason, TextOutput, TokenLogprob
+from kubesgl.engine.server.openai_format import (
+    Choice,
+    ToolOutput,
+    chat_formatter,
+    completion_formatter,
+)
+from kubesgl.engine.server.tool_calls import FORMATS
+
+
+def output(text: str, token: str | None, i: int, last: bool) -> TextOutput:
+    """The i-th token's output: its text, and its logprob entry when `token` is given."""
+    logprobs = (
+        dict(
+            logprobs=[TokenLogprob(i, -0.5)],
+            token_strings=[token],
+            top_strings=[[]],
+            token_bytes=[list(token.encode())],
+            top_bytes=[[]],
+        )
+        if token is not None
+        else {}
+    )
+    reason = FinishReason("length") if last else None
+    return TextOutput("r", text, [i], reason, 1, 0, i + 1, **logprobs)
+
+
+def test_a_stream_sends_no_chunk_for_a_token_that_brings_no_text():
+    """A token that ends inside a character (its bytes are held until the character is whole)
+    brings no text: no chunk goes out for it, unless it carries logprobs or the finish."""
+
+    def sent(formatter, pieces: list[str]) -> list[dict | None]:
+        choice, chunks = Choice(index=0), []
+        for i, piece in enumerate(pieces):
+            out = output(piece, None, i, i == len(pieces) - 1)
+            choice.add(out)
+            chunks.append(formatter.chunk(choice, out))
+        return chunks
+
+    for formatter in (
+        chat_formatter({"id": "x"}, False),
+        chat_formatter({"id": "x"}, False, ToolOutput("auto", format=FORMATS[0])),
+        completion_formatter({"id": "x"}, False),
+    ):
+        chunks = sent(formatter, ["a", "", "\u00e9", ""])
+        assert chunks[1] is None
+        assert chunks[3] is not None  # the finish goes out even with no text
+        assert chunks[3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_streamed_text_offsets_count_tokens_as_the_whole_answer_does():
+    """A token whose text is held back (part of a character, a possible stop string) has its
+    logprob sent before its text: offsets count the tokens, not the text sent so far."""
+    tokens = ["ab", "\ufffd", "\ufffd", "c", " stop", "d"]
+    texts = ["ab", "", "\u00e9", "c", "", " stopd"]  # the detokenizer's releases
+    formatter = completion_formatter({"id": "x"}, True)
+    choice, streamed = Choice(index=0), []
+    for i, (text, token) in enumerate(zip(texts, tokens)):
+        out = output(text, token, i, i == len(tokens) - 1)
+        choice.add(out)
+        streamed += formatter.chunk(choice, out)["choices"][0]["logprobs"]["text_offset"]
+    whole = formatter.final([choice], {})["choices"][0]["logprobs"]["text_offset"]
+    assert streamed == whole == [0, 2, 3, 4, 5, 10]
