@@ -107,8 +107,10 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
         raise bad_request("the request body nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is None:  # left out, or null: OpenAI reads both as false
+        stream = False
+    elif not isinstance(stream, bool):
         raise bad_request("`stream` must be true or false", "stream")
     n = _sample_count(body.get("n"), "n")
 
@@ -125,8 +127,10 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
             text, prompts, token_ids = _prompt_text(body["input_ids"], "input_ids")
         else:
             raise bad_request("`text` or `input_ids` is required", "text")
-        sampling = body.get("sampling_params", {})
-        if not isinstance(sampling, dict):
+        sampling = body.get("sampling_params")
+        if sampling is None:
+            sampling = {}
+        elif not isinstance(sampling, dict):
             raise bad_request("`sampling_params` must be an object", "sampling_params")
         if "n" in sampling:
             n = _sample_count(sampling["n"], "sampling_params.n")

@@ -1,11 +1,12 @@
 """OpenAI-compatible request bodies (and SGLang's native /generate). Unknown fields are
-accepted and ignored, as OpenAI does; wrong types and out-of-range values are 400s, and so
-are OpenAI fields this server does not implement, unless they ask for nothing."""
+accepted and ignored, as OpenAI does; wrong types and out-of-range values are 400s (no string
+read as a number or a boolean), and so are OpenAI fields this server does not implement,
+unless they ask for nothing. A null reads as the field left out, as OpenAI reads it."""
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import (
     AfterValidator,
@@ -14,8 +15,10 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StrictBool,
     StrictInt,
     Tag,
+    TypeAdapter,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -61,15 +64,20 @@ Text = Annotated[str, AfterValidator(_utf8)]
 """Every string a request carries: valid UTF-8, or a 400 that names the field."""
 
 
-def _not_boolean(value: Any) -> Any:
+def _a_number(value: Any) -> Any:
     if isinstance(value, bool):  # pydantic would take `true` for 1, as Python does
         raise PydanticCustomError("not_a_number", "must be a number, not true or false")
+    if isinstance(value, str):  # and "3" for 3
+        raise PydanticCustomError("not_a_number", "must be a number, not a string")
     return value
 
 
-Int = Annotated[int, BeforeValidator(_not_boolean)]
-Float = Annotated[float, BeforeValidator(_not_boolean)]
-"""Every number a request carries: `"max_tokens": true` is a 400, not 1 (as at OpenAI)."""
+Int = Annotated[int, BeforeValidator(_a_number)]
+Float = Annotated[float, BeforeValidator(_a_number)]
+"""Every number a request carries: `"max_tokens": true` or `"3"` is a 400 (as at OpenAI)."""
+
+Bool = StrictBool
+"""Every flag a request carries: `"stream": "yes"` is a 400, not true."""
 
 TokenId = StrictInt
 """A token id: an integer, never a boolean (`true` is no token)."""
@@ -103,7 +111,37 @@ PromptList = Annotated[
 
 
 class _Lenient(BaseModel):
+    """Unknown fields ignored; a null given for a field that cannot be null (`"stream": null`,
+    as clients that forward unset options send them) is that field's default."""
+
     model_config = ConfigDict(extra="ignore")
+    _not_nullable: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._not_nullable = frozenset(
+            field.alias or name
+            for name, field in cls.model_fields.items()
+            if not field.is_required() and not _accepts_null(field.annotation, field.metadata)
+        )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not cls._not_nullable.isdisjoint(data):
+            return {k: v for k, v in data.items() if v is not None or k not in cls._not_nullable}
+        return data
+
+
+def _accepts_null(annotation: Any, metadata: list[Any]) -> bool:
+    try:
+        TypeAdapter(Annotated[annotation, *metadata] if metadata else annotation).validate_python(
+            None
+        )
+    except ValueError:
+        return False
+    return True
 
 
 Room = Annotated[Int, Field(ge=0, le=MAX_ROOM)]
@@ -166,7 +204,7 @@ def _per_choice(name: str, value, prompts: int, n: int) -> list[tuple[Any, int]]
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class JSONSchemaFormat(_Lenient):
@@ -174,7 +212,7 @@ class JSONSchemaFormat(_Lenient):
 
     name: Text | None = None
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = (
+    strict: Bool | None = (
         None  # the schema is always enforced (xgrammar's strict mode: no extra properties)
     )
 
@@ -212,13 +250,13 @@ class _SamplingFields(_Bootstrap):
     seed: Int | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
+    ignore_eos: Bool = False
     presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[Float, Field(gt=0)] | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: Bool = True
     n: Annotated[Int, Field(ge=1, le=64)] = 1
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     logit_bias: Annotated[dict[str, float] | None, unsupported_unless(None, {})] = None
@@ -327,11 +365,11 @@ class NamedToolChoice(_Lenient):
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
-    logprobs: bool = False
+    logprobs: Bool = False
     top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Bool = True
     # OpenAI's deprecated forms of tools and tool_choice
     functions: Annotated[
         list[dict[str, Any]] | None, unsupported_unless(None, [], instead="tools")
@@ -386,7 +424,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | PromptList
     logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     max_tokens: Annotated[Int, Field(ge=1)] | None = 16  # OpenAI's default for completions
-    echo: Annotated[bool, unsupported_unless(False)] = False
+    echo: Annotated[Bool, unsupported_unless(False)] = False
     best_of: Annotated[Int | None, unsupported_unless(None, 1, instead="n")] = None
     suffix: Annotated[str | None, unsupported_unless(None, "")] = None
 
@@ -412,11 +450,11 @@ class NativeSamplingParams(_Lenient):
     seed: Int | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
+    ignore_eos: Bool = False
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
     repetition_penalty: Annotated[Float, Field(gt=0)] = 1.0
-    skip_special_tokens: bool = True
+    skip_special_tokens: Bool = True
     # SGLang's constraints on the output, at most one: a regex, a JSON schema (as text), an EBNF grammar
     regex: Text | None = None
     json_schema: Text | None = None
@@ -444,9 +482,9 @@ class GenerateRequestBody(_Bootstrap):
     text: Text | None = None
     input_ids: list[TokenId] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
-    stream: bool = False
+    stream: Bool = False
     rid: Text | None = None
-    return_logprob: bool = False
+    return_logprob: Bool = False
     top_logprobs_num: Annotated[Int, Field(ge=0, le=20)] = 0
 
     @model_validator(mode="after")

@@ -1,5 +1,6 @@
-"""`true` is no number: a boolean in any numeric field of a request is a 400 naming that
-field (pydantic, like Python, would take it for 1)."""
+"""`true` is no number, and "3" neither: a boolean or a string in any numeric field of a
+request is a 400 naming that field (pydantic, like Python, would take `true` for 1, and its
+lax mode "3" for 3); flags are JSON booleans; a null is the field left out."""
 
 from __future__ import annotations
 
@@ -64,3 +65,45 @@ def test_numbers_are_still_numbers():
         {**BASES[CompletionRequest], "max_tokens": 3, "temperature": 0, "seed": 7}
     )
     assert (request.max_tokens, request.temperature, request.seed) == (3, 0.0, 7)
+
+
+@pytest.mark.parametrize(
+    "model, path", CASES, ids=[f"{model.__name__}.{'.'.join(path)}" for model, path in CASES]
+)
+def test_a_string_number_is_a_400_naming_the_field(model, path):
+    with pytest.raises(ValidationError) as raised:
+        model.model_validate(_with(BASES[model], path, "3"))
+    error = validation_error(raised.value.errors())
+    assert error.status == 400 and error.param == ".".join(path), error.message
+    assert "not a string" in error.message, error.message
+
+
+FLAGS = [
+    (ChatCompletionRequest, "stream"),
+    (ChatCompletionRequest, "logprobs"),
+    (ChatCompletionRequest, "parallel_tool_calls"),
+    (CompletionRequest, "ignore_eos"),
+    (GenerateRequestBody, "return_logprob"),
+]
+
+
+@pytest.mark.parametrize("model, name", FLAGS)
+def test_a_flag_is_a_json_boolean(model, name):
+    for value in ("yes", "true", 1):
+        with pytest.raises(ValidationError) as raised:
+            model.model_validate({**BASES[model], name: value})
+        assert validation_error(raised.value.errors()).param == name
+
+
+def test_a_null_is_the_field_left_out():
+    """`"stream": null` and the like: OpenAI allows null for its optional fields, and clients
+    that forward options they were not given send it."""
+    nulls = {"stream": None, "n": None, "logprobs": None, "parallel_tool_calls": None}
+    chat = ChatCompletionRequest.model_validate({**BASES[ChatCompletionRequest], **nulls})
+    assert (chat.stream, chat.n, chat.logprobs, chat.parallel_tool_calls) == (False, 1, False, True)
+    completion = CompletionRequest.model_validate(
+        {**BASES[CompletionRequest], "echo": None, "stream": None, "max_tokens": None}
+    )
+    assert (completion.echo, completion.stream, completion.max_tokens) == (False, False, None)
+    generate = GenerateRequestBody.model_validate({"text": "hi", "sampling_params": None})
+    assert generate.sampling_params.max_new_tokens == 128

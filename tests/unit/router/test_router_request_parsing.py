@@ -40,6 +40,13 @@ def test_content_parts_and_prompts():
     assert parse("/v1/completions", {"prompt": "p", "stream": True}).stream
 
 
+def test_a_null_reads_as_the_field_left_out():
+    """OpenAI allows null for optional fields, and clients forwarding unset options send it."""
+    plain = parse("/v1/completions", {"prompt": "p", "stream": None, "n": None})
+    assert not plain.stream and plain.choices == 1
+    assert parse("/generate", {"text": "t", "sampling_params": None}).choices == 1
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
