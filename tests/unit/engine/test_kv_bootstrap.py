@@ -963,3 +963,19 @@ def test_a_restart_fails_only_the_rooms_at_the_instance_that_went():
         assert peer.rooms == {56: "new"}
     finally:
         client.close()
+
+
+def test_the_bootstrap_process_logs_no_line_per_heartbeat(caplog):
+    import logging
+
+    from kubesgl.engine.disagg.bootstrap import quiet_request_logs
+
+    httpx_logger = logging.getLogger("httpx")
+    level = httpx_logger.level
+    try:
+        caplog.set_level(logging.INFO)
+        quiet_request_logs()
+        httpx_logger.info("HTTP Request: GET http://p:8998/health")
+        assert "HTTP Request" not in caplog.text
+    finally:
+        httpx_logger.setLevel(level)
