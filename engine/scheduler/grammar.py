@@ -20,9 +20,19 @@ _ANY_OBJECT = '{"type": "object"}'
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] [^:]+:\d+: ")
 
 
+class UncompilableGrammar(Exception):
+    """Why xgrammar cannot compile a grammar. Kept with the grammar, which requests share
+    whatever field they gave it in, so it names no field: `refusal` words each request's."""
+
+    def refusal(self, spec: GrammarSpec) -> InvalidRequestError:
+        return InvalidRequestError(
+            f"{spec.param}: the {spec.kind} cannot be compiled: {self}", param=spec.param
+        )
+
+
 class GrammarBackend:
     """Compiles each distinct GrammarSpec once, on worker threads, and keeps the result
-    (a CompiledGrammar, or the InvalidRequestError saying why it cannot be one)."""
+    (a CompiledGrammar, or the UncompilableGrammar saying why it cannot be one)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], workers: int = 2):
         self._tokenizer, self._vocab_size, self._stop_token_ids = (
@@ -71,10 +81,7 @@ class GrammarBackend:
             else:
                 compiled = compiler.compile_grammar(spec.spec)
         except (RuntimeError, ValueError) as exc:
-            message = _XGRAMMAR_PREFIX.sub("", str(exc).strip())
-            raise InvalidRequestError(
-                f"{spec.param}: the {spec.kind} cannot be compiled: {message}", param=spec.param
-            ) from None
+            raise UncompilableGrammar(_XGRAMMAR_PREFIX.sub("", str(exc).strip())) from None
         with self._stats_lock:
             self.stats.compile_seconds.append(time.perf_counter() - start)
         return compiled

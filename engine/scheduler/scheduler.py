@@ -42,7 +42,7 @@ from kubesgl.engine.messages import (
 )
 from kubesgl.engine.sampling_params import InvalidRequestError, check_prompt_tokens
 from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
-from kubesgl.engine.scheduler.grammar import GrammarBackend, GrammarState
+from kubesgl.engine.scheduler.grammar import GrammarBackend, GrammarState, UncompilableGrammar
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req, ReqStatus
 from kubesgl.engine.scheduler.roles import KVArrived, KVSent, MixedRole
@@ -145,6 +145,9 @@ class Scheduler:
                 continue
             req.grammar_compiling = None
             if (error := future.exception()) is not None:
+                if isinstance(error, UncompilableGrammar):  # in the words of this request
+                    assert req.params.grammar is not None  # it has a grammar to compile
+                    error = error.refusal(req.params.grammar)
                 param = getattr(error, "param", None)
                 status = getattr(error, "status", 500)
                 req.finish_reason = FinishReason(

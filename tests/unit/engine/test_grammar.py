@@ -207,6 +207,20 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_the_problem(llama, make_l
     assert out[1].finish_reason.kind == "length"  # the other request is unharmed
 
 
+def test_a_cached_compile_error_names_each_requests_own_field(llama, make_llm):
+    """One grammar, given in two fields: its compile error is cached, and each request's
+    400 names the field it came in (the second named the first's)."""
+    llm = make_llm(llama)
+    params = [
+        SamplingParams(max_tokens=4, grammar=GrammarSpec("regex", "(ab", param=field))
+        for field in ("regex", "sampling_params.regex")
+    ]
+    for param in params:
+        (out,) = llm.generate(["hi"], [param])
+        assert out.finish_reason.param == param.grammar.param
+        assert out.finish_reason.message.startswith(f"{param.grammar.param}: the regex cannot")
+
+
 def test_unknown_kind_is_refused(llama, make_llm):
     llm = make_llm(llama)
     with pytest.raises(InvalidRequestError, match="kind must be one of"):
