@@ -259,7 +259,54 @@ class _SamplingFields(_Bootstrap):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    # SGLang's constraints, as its OpenAI routes take them (the OpenAI SDK's extra_body)
+    regex: Text | None = None
+    json_schema: Text | None = None  # the schema as text
+    ebnf: Text | None = None
     logit_bias: Annotated[dict[str, float] | None, unsupported_unless(None, {})] = None
+    modalities: Annotated[list[str] | None, unsupported_unless(None, ["text"])] = None
+    audio: Annotated[dict[str, Any] | None, unsupported_unless(None)] = None
+    # vLLM's and SGLang's extensions that change the answer and are not implemented here
+    min_tokens: Annotated[Int | None, unsupported_unless(None, 0)] = None
+    include_stop_str_in_output: Annotated[Bool | None, unsupported_unless(None, False)] = None
+    no_stop_trim: Annotated[Bool | None, unsupported_unless(None, False)] = None
+    guided_json: Annotated[Any, unsupported_unless(None, instead="response_format")] = None
+    guided_regex: Annotated[Any, unsupported_unless(None, instead="regex")] = None
+    guided_grammar: Annotated[Any, unsupported_unless(None, instead="ebnf")] = None
+    guided_choice: Annotated[Any, unsupported_unless(None, instead="regex")] = None
+    structured_outputs: Annotated[
+        Any, unsupported_unless(None, instead="response_format, regex or ebnf")
+    ] = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _needs_a_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):
+            raise PydanticCustomError("needs_stream", "needs stream set to true")
+        return value
+
+    @field_validator(*SGLANG_GRAMMAR_FIELDS)
+    @classmethod
+    def _one_constraint(cls, value: str | None, info: ValidationInfo) -> str | None:
+        given = [kind for kind in SGLANG_GRAMMAR_FIELDS if info.data.get(kind) is not None]
+        response_format = info.data.get("response_format")
+        if response_format is not None and response_format.type != "text":
+            given.insert(0, "response_format")
+        if value is not None and given:
+            raise PydanticCustomError(
+                "one_constraint",
+                "cannot constrain the answer together with {given}",
+                {"given": " and ".join(given)},
+            )
+        return value
+
+    def grammar(self) -> GrammarSpec | None:
+        """What the answer is constrained to: response_format, regex, json_schema or ebnf
+        (at most one is given)."""
+        for kind in SGLANG_GRAMMAR_FIELDS:
+            if (spec := getattr(self, kind)) is not None:
+                return GrammarSpec(kind, spec, param=kind)
+        return self.response_format.grammar() if self.response_format is not None else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -280,7 +327,7 @@ class _SamplingFields(_Bootstrap):
             repetition_penalty=pick(self.repetition_penalty, 1.0),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            grammar=self.response_format.grammar() if self.response_format else None,
+            grammar=self.grammar(),
         )
 
     @property
@@ -309,6 +356,21 @@ class ChatMessage(_Lenient):
     content: Text | list[TextPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool's answer: to which call
+
+    @model_validator(mode="after")
+    def _complete(self) -> ChatMessage:
+        """What OpenAI requires of each role: content, except from an assistant that called
+        tools; a tool's answer says which call it answers."""
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            needs = "content or tool_calls" if self.role == "assistant" else "content"
+            raise PydanticCustomError("incomplete_message", f"{self.role} messages need {needs}")
+        if self.content == []:
+            raise PydanticCustomError("incomplete_message", "content is an empty list of parts")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise PydanticCustomError(
+                "incomplete_message", "tool messages need tool_call_id (the call they answer)"
+            )
+        return self
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -393,13 +455,9 @@ class ChatCompletionRequest(_SamplingFields):
             return "none", None
         if not self.tools:
             raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
-        if (
-            self.response_format is not None
-            and self.response_format.type != "text"
-            and choice != "auto"
-        ):
+        if (grammar := self.grammar()) is not None and choice != "auto":
             raise InvalidRequestError(
-                "response_format and a required or named tool_choice cannot both "
+                f"{grammar.param} and a required or named tool_choice cannot both "
                 "constrain the answer",
                 param="tool_choice",
             )

@@ -169,9 +169,46 @@ def test_native_generate_regex_json_schema_ebnf(server):
     )
 
 
+def test_openai_routes_take_sglangs_regex_json_schema_and_ebnf(client):
+    """As SGLang's OpenAI routes do (the SDK's extra_body): an SGLang user moving over keeps
+    the constraint (they were ignored before)."""
+    answer = client.completions.create(
+        model="m", prompt=["a", "b"], max_tokens=60, extra_body={"regex": r"(ab|cd){2,4}!"}
+    )
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop" and re.fullmatch(r"(ab|cd){2,4}!", choice.text)
+    chat = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=60,
+        extra_body={"ebnf": 'root ::= "(" d ("," d)* ")"\nd ::= [0-9]'},
+    )
+    assert re.fullmatch(r"\([0-9](,[0-9])*\)", chat.choices[0].message.content)
+    schema = client.completions.create(
+        model="m",
+        prompt="x",
+        max_tokens=60,
+        extra_body={"json_schema": json.dumps(SCHEMAS["enum"])},
+    )
+    jsonschema.validate(_parse(schema.choices[0].text), SCHEMAS["enum"])
+
+
 @pytest.mark.parametrize(
     "route, body, param, words",
     [
+        (
+            "/v1/completions",
+            {"prompt": "x", "regex": "a", "response_format": {"type": "json_object"}},
+            "regex",
+            "together with response_format",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "guided_regex": "a"},
+            "guided_regex",
+            "use regex",
+        ),
+        ("/v1/completions", {"prompt": "x", "regex": "(ab"}, "regex", "parenthesis"),
         (
             "/v1/chat/completions",
             {

@@ -1,0 +1,45 @@
+"""What a chat message must hold, as OpenAI requires it: content (an assistant may give tool
+calls instead), never an empty list of parts, and a tool's answer names its call. These
+were taken, each rendered as an empty message."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kubesgl.engine.server.api import validation_error
+from kubesgl.engine.server.protocol import ChatCompletionRequest
+
+CALL = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "message, words",
+    [
+        ({"role": "user"}, "user messages need content"),
+        ({"role": "user", "content": None}, "user messages need content"),
+        ({"role": "assistant"}, "assistant messages need content or tool_calls"),
+        ({"role": "user", "content": []}, "empty list of parts"),
+        ({"role": "tool", "content": "sunny"}, "tool messages need tool_call_id"),
+    ],
+)
+def test_an_incomplete_message_is_a_400_naming_it(message, words):
+    messages = [{"role": "system", "content": "be brief"}, message]
+    with pytest.raises(ValidationError) as raised:
+        ChatCompletionRequest.model_validate({"messages": messages})
+    error = validation_error(raised.value.errors())
+    assert error.status == 400 and error.param == "messages.1" and words in error.message
+
+
+def test_complete_messages_are_taken():
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "system", "content": ""},
+                {"role": "user", "content": [{"type": "text", "text": "weather?"}]},
+                {"role": "assistant", "tool_calls": [CALL]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+            ]
+        }
+    )
+    assert [m.role for m in request.messages] == ["system", "user", "assistant", "tool"]
