@@ -1,7 +1,7 @@
 """ASGI middleware that sees every request's answer: counts error answers in
 kubesgl_request_errors_total (docs/server.md, Metrics) and writes the access log line, one per
 request: method, path, status, request id, token counts, TTFT and duration. Never the prompt,
-the output, a query string or a header but X-Request-Id."""
+the output, a query string or a header but X-Request-Id, which the answer carries back."""
 
 from __future__ import annotations
 
@@ -71,6 +71,11 @@ class RequestAccounting:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                # as OpenAI's answers carry theirs (the SDK's `_request_id`): the client's id
+                # when it gave one, else the answer's
+                if answer_id := request_id(scope) or record.rid:
+                    headers = [*message.get("headers", ()), (b"x-request-id", answer_id.encode())]
+                    message = {**message, "headers": headers}
             await send(message)
 
         try:

@@ -293,6 +293,28 @@ def test_one_access_line_per_request_without_prompt_or_key(caplog):
     ]
 
 
+def test_answers_carry_the_request_id(caplog):
+    """As OpenAI's do (the SDK reads it as `_request_id`): the client's X-Request-Id when it is
+    an id, else the answer's own id."""
+
+    async def headers() -> list[str | None]:
+        app = build_app(FakeClient(), ServerState(EngineConfig(model="m"), "m"))
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
+            body = {"prompt": "hi", "max_tokens": 2}
+            return [
+                (await http.post("/v1/completions", json=body, headers=sent)).headers.get(
+                    "x-request-id"
+                )
+                for sent in ({"x-request-id": "trace-42"}, {}, {"x-request-id": "a b"})
+            ]
+
+    given, own, not_an_id = asyncio.run(headers())
+    assert given == "trace-42"
+    assert own is not None and own.startswith("cmpl-")
+    assert not_an_id is not None and not_an_id.startswith("cmpl-")
+
+
 def test_a_stats_line_while_busy_only(caplog):
     from kubesgl.engine.messages import SchedulerStats
     from kubesgl.engine.server.engine_client import EngineClient
