@@ -69,7 +69,12 @@ def completion_logprobs(entries: list[dict], start_offset: int = 0) -> dict:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        # the sampled token beside the top ones, as OpenAI's completions give it: up to
+        # logprobs + 1 of them, and `logprobs: 0` still names the token it chose
+        "top_logprobs": [
+            {**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
+            for e in entries
+        ],
         "text_offset": offsets,
     }
 

@@ -66,3 +66,34 @@ def test_streamed_text_offsets_count_tokens_as_the_whole_answer_does():
         streamed += formatter.chunk(choice, out)["choices"][0]["logprobs"]["text_offset"]
     whole = formatter.final([choice], {})["choices"][0]["logprobs"]["text_offset"]
     assert streamed == whole == [0, 2, 3, 4, 5, 10]
+
+
+def test_completion_top_logprobs_name_the_sampled_token():
+    """OpenAI's completions: "up to logprobs + 1 elements", the sampled token always among
+    them; `logprobs: 0` gave empty dicts."""
+    formatter = completion_formatter({"id": "x"}, True)
+    choice = Choice(index=0)
+    out = TextOutput(
+        "r",
+        "ab",
+        [7, 8],
+        FinishReason("length"),
+        1,
+        0,
+        2,
+        logprobs=[TokenLogprob(7, -0.5, [(9, -0.1)]), TokenLogprob(8, -0.2, [(8, -0.2)])],
+        token_strings=["a", "b"],
+        top_strings=[["z"], ["b"]],
+        token_bytes=[[97], [98]],
+        top_bytes=[[[122]], [[98]]],
+    )
+    choice.add(out)
+    tops = formatter.final([choice], {})["choices"][0]["logprobs"]["top_logprobs"]
+    assert tops == [{"z": -0.1, "a": -0.5}, {"b": -0.2}]
+    none = completion_formatter({"id": "x"}, True)
+    out.logprobs = [TokenLogprob(7, -0.5), TokenLogprob(8, -0.2)]
+    out.top_strings, out.top_bytes = [[], []], [[], []]
+    assert none.chunk(Choice(index=0), out)["choices"][0]["logprobs"]["top_logprobs"] == [
+        {"a": -0.5},
+        {"b": -0.2},
+    ]
