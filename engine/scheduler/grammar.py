@@ -3,6 +3,7 @@ what they constrain to, and one matcher per request that follows its output toke
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -18,6 +19,39 @@ CACHE_ENTRIES = 512  # compiled grammars kept; a 128k vocabulary makes each tens
 _ANY_OBJECT = '{"type": "object"}'
 # xgrammar's errors start with a timestamp and its source file: "[08:51:28] /project/cpp/x.cc:94: "
 _XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] [^:]+:\d+: ")
+
+
+# xgrammar 0.2.9's rule for a string with minLength or maxLength excludes only `"`, `\`, CR
+# and LF, so such a string could hold raw control characters, which strict JSON forbids (the
+# OpenAI SDK's parse() refused the answer). The same bounds as a pattern of characters that
+# JSON allows raw hold none: `%s` takes "min,max".
+_BOUNDED_STRING = '^[^"\\\\\\u0000-\\u001f]{%s}$'
+
+
+def _bounded_strings_as_patterns(schema_text: str) -> str:
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return schema_text  # xgrammar's error says what is wrong with it
+    return json.dumps(_bounds_to_pattern(schema))
+
+
+def _bounds_to_pattern(node: object) -> object:
+    if isinstance(node, list):
+        return [_bounds_to_pattern(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _bounds_to_pattern(value) for key, value in node.items()}
+    low, high = node.get("minLength", 0), node.get("maxLength", "")
+    if (
+        node.get("type") == "string"
+        and ("minLength" in node or "maxLength" in node)
+        and not {"pattern", "format", "enum", "const"} & node.keys()
+        and all(type(bound) is int for bound in (low, high) if bound != "")
+    ):
+        node = {k: v for k, v in node.items() if k not in ("minLength", "maxLength")}
+        node["pattern"] = _BOUNDED_STRING % f"{low},{high}"
+    return node
 
 
 class UncompilableGrammar(Exception):
@@ -70,7 +104,9 @@ class GrammarBackend:
         start = time.perf_counter()
         try:
             if spec.kind == "json_schema":
-                compiled = compiler.compile_json_schema(spec.spec, any_whitespace=False)
+                compiled = compiler.compile_json_schema(
+                    _bounded_strings_as_patterns(spec.spec), any_whitespace=False
+                )
             elif spec.kind == "json_object":
                 # OpenAI's JSON mode: an object, of any properties
                 compiled = compiler.compile_json_schema(
