@@ -165,10 +165,12 @@ class LLM:
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(self.tokenizer)
             for request in requests:
-                # the same text a server client receives: cut before a matched stop string
+                # the same text a server client receives: cut at a matched stop string
                 result = results[request.rid]
                 state = DecodeState(
-                    skip_special_tokens=request.params.skip_special_tokens, stop=request.params.stop
+                    skip_special_tokens=request.params.skip_special_tokens,
+                    stop=request.params.stop,
+                    include_stop=request.params.include_stop_str,
                 )
                 matched = result.finish_reason.matched_str if result.finish_reason else None
                 result.text = detokenizer.step(

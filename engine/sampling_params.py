@@ -68,7 +68,8 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)  # stop strings; the matched one is not returned
+    stop: list[str] = field(default_factory=list)  # stop strings; the matched one is cut off
+    include_stop_str: bool = False  # unless this: the text ends with the stop string it matched
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -189,4 +190,4 @@ _NUMBERS = (
     "frequency_penalty",
 )
 _OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs")
-_FLAGS = ("ignore_eos", "skip_special_tokens")
+_FLAGS = ("ignore_eos", "skip_special_tokens", "include_stop_str")

@@ -268,8 +268,9 @@ class _SamplingFields(_Bootstrap):
     audio: Annotated[dict[str, Any] | None, unsupported_unless(None)] = None
     # vLLM's and SGLang's extensions that change the answer and are not implemented here
     min_tokens: Annotated[Int | None, unsupported_unless(None, 0)] = None
-    include_stop_str_in_output: Annotated[Bool | None, unsupported_unless(None, False)] = None
-    no_stop_trim: Annotated[Bool | None, unsupported_unless(None, False)] = None
+    # the matched stop string ends the text: vLLM's name, and SGLang's
+    include_stop_str_in_output: Bool = False
+    no_stop_trim: Bool = False
     guided_json: Annotated[Any, unsupported_unless(None, instead="response_format")] = None
     guided_regex: Annotated[Any, unsupported_unless(None, instead="regex")] = None
     guided_grammar: Annotated[Any, unsupported_unless(None, instead="ebnf")] = None
@@ -327,6 +328,7 @@ class _SamplingFields(_Bootstrap):
             repetition_penalty=pick(self.repetition_penalty, 1.0),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str=self.include_stop_str_in_output or self.no_stop_trim,
             grammar=self.grammar(),
         )
 
@@ -513,6 +515,7 @@ class NativeSamplingParams(_Lenient):
     frequency_penalty: Float = 0.0
     repetition_penalty: Annotated[Float, Field(gt=0)] = 1.0
     skip_special_tokens: Bool = True
+    no_stop_trim: Bool = False  # the matched stop string ends the text
     # SGLang's constraints on the output, at most one: a regex, a JSON schema (as text), an EBNF grammar
     regex: Text | None = None
     json_schema: Text | None = None
@@ -570,6 +573,7 @@ class GenerateRequestBody(_Bootstrap):
             frequency_penalty=sp.frequency_penalty,
             repetition_penalty=sp.repetition_penalty,
             skip_special_tokens=sp.skip_special_tokens,
+            include_stop_str=sp.no_stop_trim,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
             grammar=sp.grammar(),
         )

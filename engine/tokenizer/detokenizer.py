@@ -152,6 +152,9 @@ def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
 class DecodeState:
     skip_special_tokens: bool
     stop: list[str]
+    include_stop: bool = (
+        False  # a matched stop string ends the text (vLLM's include_stop_str_in_output)
+    )
     token_ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0  # start of the window decoded for context
     read_offset: int = 0  # tokens before this were turned into text
@@ -196,7 +199,9 @@ class IncrementalDetokenizer:
             # A tail that could begin a stop string was held back, so the match lies in `text`.
             cut = text.find(matched_stop)
             state.held = ""
-            return text[:cut] if cut >= 0 else text
+            if cut < 0:
+                return text
+            return text[: cut + len(matched_stop)] if state.include_stop else text[:cut]
         if finished or state.matcher is None:
             state.held = ""
             return text

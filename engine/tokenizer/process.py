@@ -80,7 +80,9 @@ class Tokenizer:
 
     def start(self, request: TokenizeRequest) -> None:
         self.states[request.rid] = DecodeState(
-            skip_special_tokens=request.params.skip_special_tokens, stop=list(request.params.stop)
+            skip_special_tokens=request.params.skip_special_tokens,
+            stop=list(request.params.stop),
+            include_stop=request.params.include_stop_str,
         )
 
     def decode(self, out: TokenOutput) -> TextOutput:

@@ -12,9 +12,9 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model("llama"))
 
 
-def stream(tokenizer, ids, stop=(), matched=None, chunk=1):
+def stream(tokenizer, ids, stop=(), matched=None, chunk=1, include_stop=False):
     detok = IncrementalDetokenizer(tokenizer)
-    state = DecodeState(skip_special_tokens=True, stop=list(stop))
+    state = DecodeState(skip_special_tokens=True, stop=list(stop), include_stop=include_stop)
     pieces = []
     for i in range(0, len(ids), chunk):
         last = i + chunk >= len(ids)
@@ -53,6 +53,16 @@ def test_stop_string_never_leaks_and_is_cut(tokenizer):
     assert "".join(pieces) == "The capital of France is "
     for i in range(len(pieces)):
         assert not "".join(pieces[: i + 1]).endswith(("P", "Pa", "Par", "Pari", "Paris"))
+
+
+def test_a_matched_stop_string_ends_the_text_when_asked(tokenizer):
+    """vLLM's include_stop_str_in_output, SGLang's no_stop_trim."""
+    text = "The capital of France is Paris. The capital of Italy"
+    ids = tokenizer.encode(text)
+    stop = "Paris."
+    cut_at = next(i for i in range(len(ids)) if stop in tokenizer.decode(ids[: i + 1]))
+    pieces = stream(tokenizer, ids[: cut_at + 1], stop=[stop], matched=stop, include_stop=True)
+    assert "".join(pieces) == "The capital of France is Paris."
 
 
 def test_partial_stop_string_is_released_when_it_does_not_complete(tokenizer):

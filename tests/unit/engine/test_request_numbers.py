@@ -95,6 +95,23 @@ def test_a_flag_is_a_json_boolean(model, name):
         assert validation_error(raised.value.errors()).param == name
 
 
+def test_the_stop_string_flags_reach_the_sampling_params():
+    """vLLM's include_stop_str_in_output and SGLang's no_stop_trim (also in /generate's
+    sampling_params) keep a matched stop string at the end of the text."""
+    for flag in ("include_stop_str_in_output", "no_stop_trim"):
+        request = CompletionRequest.model_validate({**BASES[CompletionRequest], flag: True})
+        assert request.to_sampling_params().include_stop_str
+    native = GenerateRequestBody.model_validate(
+        {"text": "hi", "sampling_params": {"no_stop_trim": True}}
+    )
+    assert native.to_sampling_params().include_stop_str
+    assert (
+        not CompletionRequest.model_validate(BASES[CompletionRequest])
+        .to_sampling_params()
+        .include_stop_str
+    )
+
+
 def test_a_null_is_the_field_left_out():
     """`"stream": null` and the like: OpenAI allows null for its optional fields, and clients
     that forward options they were not given send it."""
