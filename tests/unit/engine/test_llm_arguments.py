@@ -29,14 +29,19 @@ def test_sampling_params_as_a_dict_as_sglang_takes_them(llm):
 
 
 def test_sglang_option_names_are_taken_as_they_are(llm):
-    """SGLang's Engine.generate takes max_new_tokens, and regex, json_schema and ebnf for
-    constrained output: a script written for it runs here unchanged."""
+    """SGLang's Engine.generate takes max_new_tokens, no_stop_trim, and regex, json_schema and
+    ebnf for constrained output: a script written for it runs here unchanged."""
     prompts = [[5, 6, 7]]
     ours = llm.generate(prompts, {"max_tokens": 4, "temperature": 0})
     sglang = llm.generate(prompts, {"max_new_tokens": 4, "temperature": 0})
     assert [o.token_ids for o in sglang] == [o.token_ids for o in ours]
     [digits] = llm.generate("a", {"max_new_tokens": 6, "regex": "[0-9]{3}", "temperature": 0})
     assert digits.text.isdigit() and len(digits.text) == 3
+    full = llm.generate("a", {"max_new_tokens": 8, "temperature": 0})[0].text
+    stop = full[2:4]
+    for trim, text in ((False, full[: full.index(stop)]), (True, full[: full.index(stop) + 2])):
+        options = {"max_new_tokens": 8, "temperature": 0, "stop": stop, "no_stop_trim": trim}
+        assert llm.generate("a", options)[0].text == text
     with pytest.raises(TypeError, match="max_tokens or SGLang's max_new_tokens, not both"):
         llm.generate(prompts, {"max_tokens": 4, "max_new_tokens": 4})
     with pytest.raises(TypeError, match="at most one output constraint"):
