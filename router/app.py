@@ -227,6 +227,11 @@ class RouterApp:
             nonlocal status, first_byte
             if message["type"] == "http.response.start":
                 status = message["status"]
+                headers = list(message.get("headers", ()))
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    # the router's own answers, and an engine's that did not carry it back
+                    headers.append((b"x-request-id", rid.encode()))
+                    message = {**message, "headers": headers}
             elif first_byte is None and message.get("body"):
                 first_byte = time.perf_counter() - started
             await send(message)

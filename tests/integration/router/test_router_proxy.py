@@ -182,9 +182,21 @@ async def test_no_worker_is_a_503_with_a_clear_message(start_router, client):
 async def test_unknown_route_and_wrong_method(start_router, client):
     async with start_router() as router:
         missing = await client.get(router.url + "/nope")
-        wrong = await client.get(router.url + "/v1/completions")
+        wrong = await client.get(router.url + "/v1/completions", headers={"x-request-id": "t-1"})
     assert missing.status_code == 404 and wrong.status_code == 405
     assert "POST" in wrong.json()["error"]["message"]
+    # the id of the access log's line, on the router's own answers too (the SDK's _request_id)
+    assert len(missing.headers["x-request-id"]) == 32 and wrong.headers["x-request-id"] == "t-1"
+
+
+async def test_an_answer_carries_one_request_id(engines, start_router, client):
+    a = await engines("a")
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        answer = await client.post(
+            router.url + "/v1/completions", json={"prompt": "x"}, headers={"x-request-id": "t-2"}
+        )
+    assert answer.headers.get_list("x-request-id") == ["t-2"]
 
 
 async def test_metrics_expose_the_router_series(engines, start_router, client):
