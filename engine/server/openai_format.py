@@ -69,14 +69,18 @@ def completion_logprobs(entries: list[dict], start_offset: int = 0) -> dict:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        # the sampled token beside the top ones, as OpenAI's completions give it: up to
-        # logprobs + 1 of them, and `logprobs: 0` still names the token it chose
-        "top_logprobs": [
-            {**{t["token"]: t["logprob"] for t in e["top_logprobs"]}, e["token"]: e["logprob"]}
-            for e in entries
-        ],
+        "top_logprobs": [_top_with_sampled(e) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _top_with_sampled(entry: dict) -> dict[str, float]:
+    """The top tokens and the sampled one, as OpenAI's completions give them: up to logprobs + 1
+    entries, and `logprobs: 0` still names the token chosen. Keyed by text, so a top token
+    keeps its entry where the sampled one reads the same (parts of characters all read U+FFFD)."""
+    top = {t["token"]: t["logprob"] for t in entry["top_logprobs"]}
+    top.setdefault(entry["token"], entry["logprob"])
+    return top
 
 
 def usage(choices: list[Choice], prompts_counted: set[int]) -> dict:

@@ -90,6 +90,18 @@ def test_completion_top_logprobs_name_the_sampled_token():
     choice.add(out)
     tops = formatter.final([choice], {})["choices"][0]["logprobs"]["top_logprobs"]
     assert tops == [{"z": -0.1, "a": -0.5}, {"b": -0.2}]
+    # two tokens that read alike (parts of characters): the top one's entry stays
+    same = TextOutput(
+        "r", "", [7], None, 1, 0, 1,
+        logprobs=[TokenLogprob(7, -0.5, [(9, -0.1)])],
+        token_strings=["\ufffd"],
+        top_strings=[["\ufffd"]],
+        token_bytes=[[0xE6]],
+        top_bytes=[[[0xE5]]],
+    )  # fmt: skip
+    assert completion_formatter({"id": "x"}, True).chunk(Choice(index=0), same)["choices"][0][
+        "logprobs"
+    ]["top_logprobs"] == [{"\ufffd": -0.1}]
     none = completion_formatter({"id": "x"}, True)
     out.logprobs = [TokenLogprob(7, -0.5), TokenLogprob(8, -0.2)]
     out.top_strings, out.top_bytes = [[], []], [[], []]
