@@ -5,6 +5,7 @@ batch are untouched; the mask of each step follows the token of the step before.
 from __future__ import annotations
 
 import json
+import time
 
 import jsonschema
 import pytest
@@ -197,7 +198,8 @@ def test_shared_prefix_and_cached_grammar(llama, make_llm):
 def test_a_grammar_that_cannot_compile_is_a_400_naming_the_problem(llama, make_llm, spec, words):
     llm = make_llm(llama)
     out = llm.generate(
-        ["hi", "ok"], [SamplingParams(max_tokens=4, grammar=spec), SamplingParams(max_tokens=4)]
+        ["hi", "ok"],
+        [SamplingParams(max_tokens=4, grammar=spec), SamplingParams(max_tokens=4, ignore_eos=True)],
     )
     reason = out[0].finish_reason
     assert (reason.kind, reason.status, reason.param) == ("error", 400, spec.param)
@@ -210,17 +212,31 @@ def test_bounded_strings_hold_no_raw_control_characters(llama, make_llm):
     seeded answers in a trial), which strict JSON, and the OpenAI SDK's parse(), refuse."""
     schema = {
         "type": "object",
-        "required": ["name", "ok"],
+        "required": ["name", "nick", "ok"],
         "properties": {
             "name": {"type": "string", "minLength": 1, "maxLength": 6},
+            "nick": {"type": ["string", "null"], "maxLength": 3},
             "ok": {"type": "boolean"},
         },
     }
     spec = GrammarSpec("json_schema", json.dumps(schema))
-    params = [SamplingParams(max_tokens=40, seed=seed, grammar=spec) for seed in range(40)]
+    params = [SamplingParams(max_tokens=60, seed=seed, grammar=spec) for seed in range(40)]
     for out in make_llm(llama).generate(["x"] * len(params), params):
         _assert_valid(out, schema)
         assert 1 <= len(json.loads(out.text)["name"]) <= 6
+
+
+def test_a_long_bounded_string_compiles_at_once(llama, make_llm):
+    """The bounds stay xgrammar's own repetition: written as a regex instead, maxLength 4000
+    took 6 s to compile."""
+    schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 4000}}}
+    llm = make_llm(llama)
+    started = time.perf_counter()
+    (out,) = llm.generate(
+        ["x"], SamplingParams(max_tokens=4, grammar=GrammarSpec("json_schema", json.dumps(schema)))
+    )
+    assert out.finish_reason.kind in ("stop", "length")
+    assert time.perf_counter() - started < 3.0
 
 
 def test_a_cached_compile_error_names_each_requests_own_field(llama, make_llm):
