@@ -184,6 +184,13 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
+# A stream that sends nothing while its text is held back (a named tool call's arguments, a
+# long run of a possible stop string) sends an SSE comment this often instead, which clients
+# skip: proxies between it and the client close connections idle for a minute or so.
+HELD_STREAM_KEEPALIVE_S = 10.0
+SSE_KEEPALIVE = ": held back\n\n"
+
+
 async def wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -646,6 +653,7 @@ async def stream_events(
         for event in formatter.stream_start(len(choices)):
             yield sse(event)
         remaining = len(tasks)
+        last_sent = time.monotonic()
         while remaining:
             index, out = await queue.get()
             if out is None:
@@ -659,6 +667,10 @@ async def stream_events(
                 continue
             if (chunk := formatter.chunk(choice, out)) is not None:
                 yield sse(chunk)
+                last_sent = time.monotonic()
+            elif time.monotonic() - last_sent > HELD_STREAM_KEEPALIVE_S:
+                yield SSE_KEEPALIVE
+                last_sent = time.monotonic()
         if include_usage:
             yield sse(formatter.usage_chunk(usage(choices, first_of_prompt)))
         yield sse("[DONE]")

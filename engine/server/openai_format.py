@@ -203,7 +203,7 @@ def chat_formatter(
         logprobs = {"content": logprob_entries(out)} if want_logprobs and out.logprobs else None
         reason = out.finish_reason.kind if out.finish_reason else None
         delta, calls = content_delta(choice, out, reason)
-        if not (delta or logprobs or reason):
+        if not (delta.get("content") or calls or logprobs or reason):
             return None
         return chunk_of(
             [
@@ -219,8 +219,8 @@ def chat_formatter(
     def content_delta(
         choice: Choice, out: TextOutput, reason: str | None
     ) -> tuple[dict[str, Any], list[tool_calls.ToolCall]]:
-        if tools.mode == "none":
-            return ({"content": out.text} if out.text else {}), []
+        if tools.mode == "none":  # mid-stream chunks always carry content, if only ""
+            return ({"content": out.text} if out.text or reason is None else {}), []
         done = sent.get(choice.index, 0)
         calls: list[tool_calls.ToolCall] = []
         if reason is None:

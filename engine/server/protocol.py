@@ -1,7 +1,9 @@
 """OpenAI-compatible request bodies (and SGLang's native /generate). Unknown fields are
 accepted and ignored, as OpenAI does; wrong types and out-of-range values are 400s (no string
 read as a number or a boolean), and so are OpenAI fields this server does not implement,
-unless they ask for nothing. A null reads as the field left out, as OpenAI reads it."""
+unless they ask for nothing. A null given for a field that cannot be null reads as the field
+left out (its default), as OpenAI reads it; where null has a meaning of its own, it keeps it
+(`max_tokens: null` on /v1/completions is no limit)."""
 
 from __future__ import annotations
 

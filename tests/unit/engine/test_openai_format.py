@@ -109,3 +109,39 @@ def test_completion_top_logprobs_name_the_sampled_token():
         {"a": -0.5},
         {"b": -0.2},
     ]
+
+
+def test_a_stream_holding_its_text_back_sends_keepalive_comments(monkeypatch):
+    """A named tool call streams nothing until its arguments are whole: an SSE comment (which
+    clients skip) goes out instead, so that proxies do not close the connection as idle."""
+    import asyncio
+
+    from kubesgl.engine.server import api
+
+    monkeypatch.setattr(api, "HELD_STREAM_KEEPALIVE_S", 0.0)
+    formatter = chat_formatter({"id": "x"}, False, ToolOutput("named", name="f"))
+    stop = FinishReason("stop", matched_token=2)
+    outputs = [output('{"a": ', None, 0, False), TextOutput("r", "1}", [1], stop, 1, 0, 2)]
+
+    async def rest():
+        yield outputs[1]
+
+    async def events() -> list[str]:
+        stream = api.stream_events([rest()], [outputs[0]], [Choice(index=0)], {0}, False, formatter)
+        return [event async for event in stream]
+
+    sent = asyncio.run(events())
+    assert sent[0].startswith("data: ") and "assistant" in sent[0]  # the role
+    assert sent[1] == api.SSE_KEEPALIVE  # the arguments held back
+    assert '"tool_calls"' in sent[2] and sent[-1] == "data: [DONE]\n\n"
+
+
+def test_a_token_with_logprobs_and_no_text_still_carries_content():
+    """Sent for its logprobs, mid-stream, with `content: ""` as before: code that appends each
+    chunk's content must not meet None before the last chunk."""
+    formatter = chat_formatter({"id": "x"}, True)
+    out = output("", "\ufffd", 0, False)
+    choice = Choice(index=0)
+    choice.add(out)
+    (sent,) = formatter.chunk(choice, out)["choices"]
+    assert sent["delta"] == {"content": ""} and sent["logprobs"]["content"]
