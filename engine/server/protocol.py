@@ -137,10 +137,9 @@ class _Lenient(BaseModel):
 
 
 def _accepts_null(annotation: Any, metadata: list[Any]) -> bool:
+    field_type: Any = Annotated[annotation, *metadata] if metadata else annotation
     try:
-        TypeAdapter(Annotated[annotation, *metadata] if metadata else annotation).validate_python(
-            None
-        )
+        TypeAdapter(field_type).validate_python(None)
     except ValueError:
         return False
     return True
@@ -268,11 +267,11 @@ class _SamplingFields(_Bootstrap):
     logit_bias: Annotated[dict[str, float] | None, unsupported_unless(None, {})] = None
     modalities: Annotated[list[str] | None, unsupported_unless(None, ["text"])] = None
     audio: Annotated[dict[str, Any] | None, unsupported_unless(None)] = None
-    # vLLM's and SGLang's extensions that change the answer and are not implemented here
-    min_tokens: Annotated[Int | None, unsupported_unless(None, 0)] = None
     # the matched stop string ends the text: vLLM's name, and SGLang's
     include_stop_str_in_output: Bool = False
     no_stop_trim: Bool = False
+    # vLLM's extensions that change the answer and are not implemented here
+    min_tokens: Annotated[Int | None, unsupported_unless(None, 0)] = None
     guided_json: Annotated[Any, unsupported_unless(None, instead="response_format")] = None
     guided_regex: Annotated[Any, unsupported_unless(None, instead="regex")] = None
     guided_grammar: Annotated[Any, unsupported_unless(None, instead="ebnf")] = None
