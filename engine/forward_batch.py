@@ -31,6 +31,15 @@ class PenaltyBatch:
     resets: list[tuple[int, list[int], list[int]]] = field(default_factory=list)
 
 
+@dataclass
+class BannedTokens:
+    """Tokens that rows may not sample: (rows[i], token_ids[i]) pairs, such as the tokens that
+    would end a request before its min_tokens."""
+
+    rows: torch.Tensor  # [N] int64, rows of the batch
+    token_ids: torch.Tensor  # [N] int64
+
+
 class VocabMask:
     """Which tokens each row may sample, as a bitmask (bit t of row i: token t allowed), filled
     by the scheduler from its grammars. With overlap, a step is launched before the tokens of
@@ -74,6 +83,7 @@ class SamplingBatch:
     # (row in batch, seed) of rows with their own seed; the seed already mixes in the position.
     seeded_rows: list[tuple[int, int]] = field(default_factory=list)
     penalties: PenaltyBatch | None = None
+    banned: BannedTokens | None = None
     top_logprobs: int = -1  # -1: no logprobs in this batch; k >= 0: sampled token's and top k
     vocab_mask: VocabMask | None = None  # rows with a grammar; None when the batch has none
 

@@ -74,7 +74,11 @@ def _params_list(params: object, count: int) -> list[SamplingParams]:
 
 
 # SGLang's Engine.generate names, taken as they are, so that its scripts run unchanged
-_SGLANG_NAMES = {"max_new_tokens": "max_tokens", "no_stop_trim": "include_stop_str"}
+_SGLANG_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "no_stop_trim": "include_stop_str",
+}
 
 
 def _from_sglang_names(options: dict[str, Any]) -> dict[str, Any]:

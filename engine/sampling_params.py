@@ -62,6 +62,9 @@ def _is_number(value: object) -> bool:
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16  # None: up to the end of the context (the server's default)
+    # no end (EOS, a stop token or stop string) before this many tokens: the tokens that would
+    # end it are not sampled (vLLM's min_tokens, SGLang's min_new_tokens)
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no top-k cut
@@ -110,6 +113,9 @@ class SamplingParams:
         for name in _OPTIONAL_INTS:
             value = getattr(self, name)
             check(value is None or _is_int(value), name, f"must be an integer, got {value!r}")
+        for name in _INTS:
+            value = getattr(self, name)
+            check(_is_int(value), name, f"must be an integer, got {value!r}")
         for name in _FLAGS:
             value = getattr(self, name)
             check(isinstance(value, bool), name, f"must be true or false, got {value!r}")
@@ -129,6 +135,17 @@ class SamplingParams:
             self.max_tokens is None or self.max_tokens >= 1,
             "max_tokens",
             f"must be at least 1, got {self.max_tokens!r}",
+        )
+        check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must not exceed max_tokens ({self.max_tokens}), got {self.min_tokens}",
+        )
+        check(
+            self.min_tokens == 0 or self.grammar is None,
+            "min_tokens",
+            "cannot be given with a constraint on the answer: its grammar decides where it ends",
         )
         check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -190,4 +207,5 @@ _NUMBERS = (
     "frequency_penalty",
 )
 _OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs")
+_INTS = ("min_tokens",)
 _FLAGS = ("ignore_eos", "skip_special_tokens", "include_stop_str")

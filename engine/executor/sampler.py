@@ -116,6 +116,10 @@ class Sampler:
             if sampling.penalties.resets:
                 self.penalty_state.reset(sampling.penalties.resets)
             logits = self.penalty_state.apply(logits, rows, sampling.penalties)
+        if sampling.banned is not None:  # tokens that would end a request before min_tokens
+            if logits is raw_logits:
+                logits = logits.clone()  # logprobs stay those of the model's own distribution
+            logits[sampling.banned.rows, sampling.banned.token_ids] = float("-inf")
         if sampling.vocab_mask is not None:
             # Every mode below samples from these logits: a disallowed token is -inf, so neither
             # argmax nor the temperature/top-k/top-p/min-p draw can pick it.

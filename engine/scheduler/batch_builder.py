@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kubesgl.engine.forward_batch import (
+    BannedTokens,
     ForwardBatch,
     ForwardMode,
     PenaltyBatch,
@@ -170,6 +171,12 @@ class BatchBuilder:
                 presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
                 resets=resets,
             )
+        banned = [
+            (row, token)
+            for row, req in enumerate(reqs)
+            if req.outputs_scheduled < req.params.min_tokens
+            for token in req.ending_ids
+        ]
         wanted = [p.logprobs for p, emit in zip(params, emits) if p.logprobs is not None and emit]
         return SamplingBatch(
             temperatures=torch.tensor(
@@ -185,6 +192,12 @@ class BatchBuilder:
             use_min_p=any(p.min_p > 0.0 for p in params),
             seeded_rows=seeded,
             penalties=penalties,
+            banned=BannedTokens(
+                rows=torch.tensor([row for row, _ in banned], dtype=torch.int64),
+                token_ids=torch.tensor([token for _, token in banned], dtype=torch.int64),
+            )
+            if banned
+            else None,
             top_logprobs=max(wanted) if wanted else -1,
             # filled by the scheduler once every row's earlier tokens are known
             vocab_mask=VocabMask(len(reqs), self.vocab_size)

@@ -70,6 +70,9 @@ class Req:
     # params.stop_token_ids as a set: every output token is looked up in it, and a request may
     # bring hundreds of them
     stop_ids: frozenset[int] = field(init=False, repr=False)
+    # the tokens that would end it (its stop tokens, EOS unless ignored), which it may not
+    # sample while it has fewer than params.min_tokens outputs; set by the scheduler
+    ending_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.fill_len < 0:

@@ -120,6 +120,9 @@ class Scheduler:
             prefix_leader=request.prefix_leader,
             bootstrap=request.bootstrap,
         )
+        if params.min_tokens:
+            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+            req.ending_ids = tuple(sorted(req.stop_ids.union(eos)))
         if params.grammar is not None:  # before the request is anywhere: this may raise
             assert self.grammars is not None  # validate() refuses grammars without a backend
             req.grammar_compiling = self.grammars.compile(params.grammar)
@@ -522,7 +525,13 @@ class Scheduler:
                 )
             if req.grammar.terminated:  # the grammar's end: its stop token, not part of the text
                 return FinishReason("stop", matched_token=token)
-        if params.stop and (matched := self.stop_checker.match(req)) is not None:
+        # matched on every token (the matcher reads the text once, in order); none counts
+        # before min_tokens
+        if (
+            params.stop
+            and (matched := self.stop_checker.match(req)) is not None
+            and len(req.output_ids) >= params.min_tokens
+        ):
             return FinishReason("stop", matched_str=matched)
         if len(req.output_ids) >= req.max_tokens:
             return FinishReason("length")

@@ -270,8 +270,8 @@ class _SamplingFields(_Bootstrap):
     # the matched stop string ends the text: vLLM's name, and SGLang's
     include_stop_str_in_output: Bool = False
     no_stop_trim: Bool = False
-    # vLLM's extensions that change the answer and are not implemented here
-    min_tokens: Annotated[Int | None, unsupported_unless(None, 0)] = None
+    min_tokens: Annotated[Int, Field(ge=0)] = 0  # vLLM's: no end before this many tokens
+    # vLLM's guided decoding, not implemented here: SGLang's fields do the same
     guided_json: Annotated[Any, unsupported_unless(None, instead="response_format")] = None
     guided_regex: Annotated[Any, unsupported_unless(None, instead="regex")] = None
     guided_grammar: Annotated[Any, unsupported_unless(None, instead="ebnf")] = None
@@ -329,6 +329,7 @@ class _SamplingFields(_Bootstrap):
             repetition_penalty=pick(self.repetition_penalty, 1.0),
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            min_tokens=self.min_tokens,
             include_stop_str=self.include_stop_str_in_output or self.no_stop_trim,
             grammar=self.grammar(),
         )
@@ -517,6 +518,7 @@ class NativeSamplingParams(_Lenient):
     repetition_penalty: Annotated[Float, Field(gt=0)] = 1.0
     skip_special_tokens: Bool = True
     no_stop_trim: Bool = False  # the matched stop string ends the text
+    min_new_tokens: Annotated[Int, Field(ge=0)] = 0  # no end before this many tokens
     # SGLang's constraints on the output, at most one: a regex, a JSON schema (as text), an EBNF grammar
     regex: Text | None = None
     json_schema: Text | None = None
@@ -575,6 +577,7 @@ class GenerateRequestBody(_Bootstrap):
             repetition_penalty=sp.repetition_penalty,
             skip_special_tokens=sp.skip_special_tokens,
             include_stop_str=sp.no_stop_trim,
+            min_tokens=sp.min_new_tokens,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
             grammar=sp.grammar(),
         )

@@ -338,7 +338,6 @@ CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
         ("/v1/chat/completions", {**CHAT, "modalities": ["text", "audio"]}, "modalities"),
         ("/v1/chat/completions", {**CHAT, "audio": {"voice": "alloy"}}, "audio"),
         ("/v1/chat/completions", {**CHAT, "stream_options": {}}, "stream_options"),
-        ("/v1/completions", {"prompt": "x", "min_tokens": 4}, "min_tokens"),
         ("/v1/chat/completions", {**CHAT, "guided_choice": ["a", "b"]}, "guided_choice"),
     ],
 )
@@ -358,7 +357,6 @@ def test_openai_fields_not_implemented_are_refused_not_ignored(llama_server, pat
         "echo": False,
         "function_call": "none",
         "modalities": ["text"],
-        "min_tokens": 0,
     }
     if param in no_ops:
         fine = httpx.post(

@@ -112,6 +112,16 @@ def test_the_stop_string_flags_reach_the_sampling_params():
     )
 
 
+def test_min_tokens_reach_the_sampling_params():
+    """vLLM's min_tokens on the OpenAI routes, SGLang's min_new_tokens on /generate."""
+    chat = ChatCompletionRequest.model_validate({**BASES[ChatCompletionRequest], "min_tokens": 3})
+    assert chat.to_sampling_params().min_tokens == 3
+    native = GenerateRequestBody.model_validate(
+        {"text": "hi", "sampling_params": {"min_new_tokens": 4}}
+    )
+    assert native.to_sampling_params().min_tokens == 4
+
+
 def test_a_null_is_the_field_left_out():
     """`"stream": null` and the like: OpenAI allows null for its optional fields, and clients
     that forward options they were not given send it."""

@@ -39,5 +39,20 @@ def test_a_value_of_the_wrong_type_is_refused_naming_the_field(field, value):
     assert caught.value.param in (field, "response_format")
 
 
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        (SamplingParams(min_tokens=-1), "non-negative"),
+        (SamplingParams(min_tokens=1.5), "integer"),  # type: ignore[arg-type]
+        (SamplingParams(max_tokens=4, min_tokens=5), "must not exceed max_tokens"),
+        (SamplingParams(min_tokens=2, grammar=GrammarSpec("regex", "a+")), "grammar"),
+    ],
+)
+def test_min_tokens_is_checked(params, words):
+    with pytest.raises(InvalidRequestError, match=words) as caught:
+        params.validate(vocab_size=1000)
+    assert caught.value.param == "min_tokens"
+
+
 def test_ints_pass_where_floats_are_asked_for():
     SamplingParams(temperature=0, top_p=1, repetition_penalty=1, presence_penalty=0).validate(10)

@@ -88,6 +88,31 @@ def test_one_step_per_token_and_no_reply_after_finish(tiny_model, make_llm, rand
         assert outputs[f"r{i}"][-1].finish_reason.kind == "stop"
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_min_tokens_holds_back_every_end(tiny_model, make_llm, random_prompts, overlap):
+    """vLLM's min_tokens: the tokens that would end a request (its stop tokens, EOS) are not
+    sampled before it has that many, and a stop string completed before then does not count."""
+    llm = make_llm(tiny_model("llama"), disable_overlap_schedule=not overlap)
+    prompts = random_prompts(4, 5, 30, seed=12)
+    greedy = dict(max_tokens=12, temperature=0, ignore_eos=True)
+    reference = llm.generate(prompts, SamplingParams(**greedy))
+    stops = [ref.token_ids[1] for ref in reference]  # greedy ends at its second token
+    ended = llm.generate(prompts, [SamplingParams(**greedy, stop_token_ids=[t]) for t in stops])
+    assert [len(o.token_ids) for o in ended] == [2] * len(prompts)
+    held = llm.generate(
+        prompts, [SamplingParams(**greedy, stop_token_ids=[t], min_tokens=6) for t in stops]
+    )
+    for out, stop in zip(held, stops):
+        assert len(out.token_ids) >= 6 and stop not in out.token_ids[:6], out.token_ids
+        assert stop not in out.token_ids[6:-1]  # after min_tokens, the stop token ends it
+    eos = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, min_tokens=12))
+    assert all(len(o.token_ids) == 12 for o in eos)  # EOS held back to the end
+    text = reference[0].text
+    stop_string = text[: max(1, len(text) // 4)]  # completed within the first tokens
+    (late,) = llm.generate([prompts[0]], SamplingParams(**greedy, stop=[stop_string], min_tokens=8))
+    assert len(late.token_ids) >= 8
+
+
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
 @pytest.mark.parametrize(
     "device,backend", [("cpu", "torch"), pytest.param("cuda", "triton", marks=pytest.mark.gpu)]
