@@ -78,6 +78,21 @@ def test_sampling_with_every_option_on_cuda(tiny_model):
     assert all(len(o.token_ids) == 20 and len(o.logprobs) == 20 for o in first)
 
 
+def test_min_tokens_on_cuda_with_graphs(tiny_model):
+    """The tokens that would end a request are banned on the device, in graph-replayed decode
+    steps too: greedy runs that end at their second token go on to min_tokens."""
+    batch = prompts(8, seed=3)
+    greedy = dict(max_tokens=10, temperature=0, ignore_eos=True)
+    with LLM(tiny_model("llama"), device="cuda", dtype="bfloat16", max_total_tokens=8192) as llm:
+        reference = llm.generate(batch, SamplingParams(**greedy))
+        stops = [ref.token_ids[1] for ref in reference]
+        held = llm.generate(
+            batch, [SamplingParams(**greedy, stop_token_ids=[t], min_tokens=6) for t in stops]
+        )
+    for out, stop in zip(held, stops):
+        assert len(out.token_ids) >= 6 and stop not in out.token_ids[:6], out.token_ids
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
 def test_retraction_storm_on_cuda_returns_what_a_large_pool_returns(backend, tiny_model):
     """Retracted requests resume exactly with CUDA graphs and overlap on, for each backend:
