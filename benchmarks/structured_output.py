@@ -32,6 +32,7 @@ from common import engine_facts, engine_parser, make_llm, report
 
 from kubesgl.engine import SamplingParams
 from kubesgl.engine.sampling_params import GrammarSpec
+from kubesgl.engine.scheduler.grammar import json_grammar
 from kubesgl.engine.tokenizer.loader import load_tokenizer
 
 SCHEMA = {
@@ -91,7 +92,7 @@ def mask_step_costs(
     )
     compiler = xgrammar.GrammarCompiler(info)
     start = time.perf_counter()
-    compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    compiled = compiler.compile_grammar(json_grammar(json.dumps(SCHEMA)))  # the engine's
     compile_s = time.perf_counter() - start
     matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(batch)]
     bitmask = torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)

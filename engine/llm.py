@@ -77,7 +77,7 @@ def _params_list(params: object, count: int) -> list[SamplingParams]:
 _SGLANG_NAMES = {
     "max_new_tokens": "max_tokens",
     "min_new_tokens": "min_tokens",
-    "no_stop_trim": "include_stop_str",
+    "no_stop_trim": "include_stop_str_in_output",
 }
 
 
@@ -174,7 +174,7 @@ class LLM:
                 state = DecodeState(
                     skip_special_tokens=request.params.skip_special_tokens,
                     stop=request.params.stop,
-                    include_stop=request.params.include_stop_str,
+                    include_stop=request.params.include_stop_str_in_output,
                 )
                 matched = result.finish_reason.matched_str if result.finish_reason else None
                 result.text = detokenizer.step(

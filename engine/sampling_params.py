@@ -62,8 +62,8 @@ def _is_number(value: object) -> bool:
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16  # None: up to the end of the context (the server's default)
-    # no end (EOS, a stop token or stop string) before this many tokens: the tokens that would
-    # end it are not sampled (vLLM's min_tokens, SGLang's min_new_tokens)
+    # no end before this many tokens: the tokens that would end it (its stop tokens, EOS) are
+    # not sampled until then (vLLM's min_tokens, SGLang's min_new_tokens)
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -72,7 +72,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings; the matched one is cut off
-    include_stop_str: bool = False  # unless this: the text ends with the stop string it matched
+    include_stop_str_in_output: bool = False  # unless this: the text ends with the one matched
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -145,7 +145,14 @@ class SamplingParams:
         check(
             self.min_tokens == 0 or self.grammar is None,
             "min_tokens",
-            "cannot be given with a constraint on the answer: its grammar decides where it ends",
+            "cannot be given with a constraint on the answer (response_format, regex, "
+            "json_schema, ebnf, or a required or named tool_choice): its grammar decides where "
+            "the answer ends",
+        )
+        check(
+            self.min_tokens == 0 or not self.stop,
+            "min_tokens",
+            "cannot be given with stop strings here yet (stop_token_ids and EOS are held back)",
         )
         check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -208,4 +215,4 @@ _NUMBERS = (
 )
 _OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs")
 _INTS = ("min_tokens",)
-_FLAGS = ("ignore_eos", "skip_special_tokens", "include_stop_str")
+_FLAGS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")

@@ -116,16 +116,18 @@ class Sampler:
             if sampling.penalties.resets:
                 self.penalty_state.reset(sampling.penalties.resets)
             logits = self.penalty_state.apply(logits, rows, sampling.penalties)
+        # logprobs are the model's own distribution: masks go on a copy when they are reported
+        keep_raw = sampling.top_logprobs >= 0
         if sampling.banned is not None:  # tokens that would end a request before min_tokens
-            if logits is raw_logits:
-                logits = logits.clone()  # logprobs stay those of the model's own distribution
+            if logits is raw_logits and keep_raw:
+                logits = logits.clone()
             logits[sampling.banned.rows, sampling.banned.token_ids] = float("-inf")
         if sampling.vocab_mask is not None:
             # Every mode below samples from these logits: a disallowed token is -inf, so neither
             # argmax nor the temperature/top-k/top-p/min-p draw can pick it.
             bitmask = host_to_device(sampling.vocab_mask.wait(), logits.device)
-            if logits is raw_logits:
-                logits = logits.clone()  # logprobs stay those of the model's own distribution
+            if logits is raw_logits and keep_raw:
+                logits = logits.clone()
             xgrammar.apply_token_bitmask_inplace(logits, bitmask)
         if sampling.all_greedy:
             tokens = logits.argmax(dim=-1)

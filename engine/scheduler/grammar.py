@@ -31,7 +31,8 @@ _XGRAMMAR_STRING_CHARACTERS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
 _JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 
 
-def _json_grammar(schema: str, strict: bool = True) -> str:
+def json_grammar(schema: str, strict: bool = True) -> str:
+    """The grammar (EBNF text) the engine compiles for a JSON schema."""
     grammar = str(
         xgrammar.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
     )
@@ -90,10 +91,10 @@ class GrammarBackend:
         start = time.perf_counter()
         try:
             if spec.kind == "json_schema":
-                compiled = compiler.compile_grammar(_json_grammar(spec.spec))
+                compiled = compiler.compile_grammar(json_grammar(spec.spec))
             elif spec.kind == "json_object":
                 # OpenAI's JSON mode: an object, of any properties
-                compiled = compiler.compile_grammar(_json_grammar(_ANY_OBJECT, strict=False))
+                compiled = compiler.compile_grammar(json_grammar(_ANY_OBJECT, strict=False))
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.spec)
             else:

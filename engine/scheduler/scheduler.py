@@ -198,6 +198,12 @@ class Scheduler:
         self.role.validate(request)
         check_prompt_tokens(limits.context_length, n)
         max_tokens = self._max_tokens(request)
+        if request.params.min_tokens > max_tokens:  # max_tokens unset: the default, or less
+            raise InvalidRequestError(
+                f"min_tokens ({request.params.min_tokens}) exceeds the {max_tokens} tokens this "
+                "request may generate here",
+                param="min_tokens",
+            )
         if n + max_tokens > limits.context_length:
             raise InvalidRequestError(
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds this model's context "
@@ -525,13 +531,7 @@ class Scheduler:
                 )
             if req.grammar.terminated:  # the grammar's end: its stop token, not part of the text
                 return FinishReason("stop", matched_token=token)
-        # matched on every token (the matcher reads the text once, in order); none counts
-        # before min_tokens
-        if (
-            params.stop
-            and (matched := self.stop_checker.match(req)) is not None
-            and len(req.output_ids) >= params.min_tokens
-        ):
+        if params.stop and (matched := self.stop_checker.match(req)) is not None:
             return FinishReason("stop", matched_str=matched)
         if len(req.output_ids) >= req.max_tokens:
             return FinishReason("length")

@@ -330,7 +330,7 @@ class _SamplingFields(_Bootstrap):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens,
-            include_stop_str=self.include_stop_str_in_output or self.no_stop_trim,
+            include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
             grammar=self.grammar(),
         )
 
@@ -576,7 +576,7 @@ class GenerateRequestBody(_Bootstrap):
             frequency_penalty=sp.frequency_penalty,
             repetition_penalty=sp.repetition_penalty,
             skip_special_tokens=sp.skip_special_tokens,
-            include_stop_str=sp.no_stop_trim,
+            include_stop_str_in_output=sp.no_stop_trim,
             min_tokens=sp.min_new_tokens,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
             grammar=sp.grammar(),

@@ -152,9 +152,8 @@ def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
 class DecodeState:
     skip_special_tokens: bool
     stop: list[str]
-    include_stop: bool = (
-        False  # a matched stop string ends the text (vLLM's include_stop_str_in_output)
-    )
+    # a matched stop string ends the text (vLLM's include_stop_str_in_output)
+    include_stop: bool = False
     token_ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0  # start of the window decoded for context
     read_offset: int = 0  # tokens before this were turned into text

@@ -82,7 +82,7 @@ class Tokenizer:
         self.states[request.rid] = DecodeState(
             skip_special_tokens=request.params.skip_special_tokens,
             stop=list(request.params.stop),
-            include_stop=request.params.include_stop_str,
+            include_stop=request.params.include_stop_str_in_output,
         )
 
     def decode(self, out: TokenOutput) -> TextOutput:

@@ -226,6 +226,22 @@ def test_bounded_strings_hold_no_raw_control_characters(llama, make_llm):
         assert 1 <= len(json.loads(out.text)["name"]) <= 6
 
 
+def test_xgrammar_writes_the_string_classes_the_engine_swaps():
+    """The swap is textual: should an xgrammar release write other classes, this fails
+    instead of the fix silently doing nothing."""
+    import xgrammar
+
+    from kubesgl.engine.scheduler.grammar import _XGRAMMAR_STRING_CHARACTERS, json_grammar
+
+    schema = {
+        "type": "object",
+        "properties": {"bounded": {"type": "string", "maxLength": 3}, "free": {"type": "string"}},
+    }
+    plain = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    assert all(character in plain for character in _XGRAMMAR_STRING_CHARACTERS)
+    assert not any(c in json_grammar(json.dumps(schema)) for c in _XGRAMMAR_STRING_CHARACTERS)
+
+
 def test_a_long_bounded_string_compiles_at_once(llama, make_llm):
     """The bounds stay xgrammar's own repetition: written as a regex instead, maxLength 4000
     took 6 s to compile."""

@@ -100,15 +100,15 @@ def test_the_stop_string_flags_reach_the_sampling_params():
     sampling_params) keep a matched stop string at the end of the text."""
     for flag in ("include_stop_str_in_output", "no_stop_trim"):
         request = CompletionRequest.model_validate({**BASES[CompletionRequest], flag: True})
-        assert request.to_sampling_params().include_stop_str
+        assert request.to_sampling_params().include_stop_str_in_output
     native = GenerateRequestBody.model_validate(
         {"text": "hi", "sampling_params": {"no_stop_trim": True}}
     )
-    assert native.to_sampling_params().include_stop_str
+    assert native.to_sampling_params().include_stop_str_in_output
     assert (
         not CompletionRequest.model_validate(BASES[CompletionRequest])
         .to_sampling_params()
-        .include_stop_str
+        .include_stop_str_in_output
     )
 
 
