@@ -715,6 +715,8 @@ def _nothing_listens(exc: BaseException) -> bool:
     while cause is not None:
         if isinstance(cause, ConnectionRefusedError):
             return True
+        if isinstance(cause, BaseExceptionGroup):  # every address of a name, tried: all refused
+            return all(_nothing_listens(member) for member in cause.exceptions)
         cause = cause.__cause__ or cause.__context__
     return False
 

@@ -979,3 +979,22 @@ def test_the_bootstrap_process_logs_no_line_per_heartbeat(caplog):
         assert "HTTP Request" not in caplog.text
     finally:
         httpx_logger.setLevel(level)
+
+
+def test_a_refusal_is_found_behind_the_exceptions_that_carry_it():
+    """httpx wraps the OSError; an async connect to a name of several addresses raises a
+    group, refused only if every address refused."""
+    from kubesgl.engine.disagg.bootstrap import _nothing_listens
+
+    def wrapped(cause: BaseException) -> httpx.ConnectError:
+        try:
+            raise httpx.ConnectError("connect failed") from cause
+        except httpx.ConnectError as exc:
+            return exc
+
+    refused = ConnectionRefusedError(111, "Connection refused")
+    unreachable = OSError(113, "No route to host")
+    assert _nothing_listens(wrapped(refused))
+    assert not _nothing_listens(wrapped(unreachable))
+    assert _nothing_listens(wrapped(ExceptionGroup("all", [refused, refused])))
+    assert not _nothing_listens(wrapped(ExceptionGroup("some", [refused, unreachable])))
