@@ -176,9 +176,13 @@ class LLM:
                     stop=request.params.stop,
                     include_stop=request.params.include_stop_str_in_output,
                 )
-                matched = result.finish_reason.matched_str if result.finish_reason else None
+                reason = result.finish_reason
                 result.text = detokenizer.step(
-                    state, result.token_ids, finished=True, matched_stop=matched
+                    state,
+                    result.token_ids,
+                    finished=True,
+                    matched_stop=reason.matched_str if reason else None,
+                    matched_end=reason.matched_end if reason else None,
                 )
         return [results[r.rid] for r in requests]
 

@@ -44,6 +44,7 @@ class FinishReason:
     kind: str  # "stop" | "length" | "abort" | "error"
     matched_token: int | None = None  # the stop or EOS token that ended the request
     matched_str: str | None = None  # the stop string that ended the request
+    matched_end: int | None = None  # where it ends in the output text (characters)
     message: str | None = None  # why an aborted request ended, or what was wrong with it
     param: str | None = None  # for "error": the request field at fault
     status: int = 400  # for "error": the HTTP status to answer with (5xx: this server failed)

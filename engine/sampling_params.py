@@ -63,7 +63,8 @@ def _is_number(value: object) -> bool:
 class SamplingParams:
     max_tokens: int | None = 16  # None: up to the end of the context (the server's default)
     # no end before this many tokens: the tokens that would end it (its stop tokens, EOS) are
-    # not sampled until then (vLLM's min_tokens, SGLang's min_new_tokens)
+    # not sampled, and no stop string counts, until then (vLLM's min_tokens, SGLang's
+    # min_new_tokens)
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -148,11 +149,6 @@ class SamplingParams:
             "cannot be given with a constraint on the answer (response_format, regex, "
             "json_schema, ebnf, or a required or named tool_choice): its grammar decides where "
             "the answer ends",
-        )
-        check(
-            self.min_tokens == 0 or not self.stop,
-            "min_tokens",
-            "cannot be given with stop strings here yet (stop_token_ids and EOS are held back)",
         )
         check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")

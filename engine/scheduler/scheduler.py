@@ -532,7 +532,8 @@ class Scheduler:
             if req.grammar.terminated:  # the grammar's end: its stop token, not part of the text
                 return FinishReason("stop", matched_token=token)
         if params.stop and (matched := self.stop_checker.match(req)) is not None:
-            return FinishReason("stop", matched_str=matched)
+            stop, end = matched
+            return FinishReason("stop", matched_str=stop, matched_end=end)
         if len(req.output_ids) >= req.max_tokens:
             return FinishReason("length")
         return None

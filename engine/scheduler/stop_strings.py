@@ -33,11 +33,12 @@ class StopStringChecker:
     def _detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer)
 
-    def match(self, req: Req) -> str | None:
-        """The stop string that the newest tokens completed, if any. Only the text they add is
-        read: the tokens are decoded in a short window (as the detokenizer does, so both see the
-        same text) and the stop strings are found by an automaton that carries its state from
-        one call to the next."""
+    def match(self, req: Req) -> tuple[str, int] | None:
+        """The stop string that the newest tokens completed, if any, and where it ends in the
+        output text. Only the text they add is read: the tokens are decoded in a short window
+        (as the detokenizer does, so both see the same text) and the stop strings are found by
+        an automaton that carries its state from one call to the next. Before min_tokens the
+        text is read without matching: no stop string counts there."""
         progress = self._progress.get(req)
         if progress is None:
             state = DecodeState(
@@ -50,5 +51,10 @@ class StopStringChecker:
         new_text = self._detokenizer.settle(state, new_ids, finished=False)
         if state.matcher is None or not new_text:
             return None
-        state.stop_state, matched = state.matcher.find(state.stop_state, new_text)
-        return matched
+        if len(req.output_ids) < req.params.min_tokens:
+            state.stop_state = state.matcher.advance(state.stop_state, new_text)
+            return None
+        state.stop_state, matched, read = state.matcher.find(state.stop_state, new_text)
+        if matched is None:
+            return None
+        return matched, state.settled_chars - len(new_text) + read

@@ -128,18 +128,28 @@ class StopMatcher:
             state = self._step(state, char)
         return state
 
-    def find(self, state: int, text: str) -> tuple[int, str | None]:
+    def find(self, state: int, text: str) -> tuple[int, str | None, int]:
         """Reads `text` up to the first character that completes a stop string: the state
-        there, and that stop string (the longest one ending there), or None."""
-        for char in text:
+        there, that stop string (the longest one ending there) or None, and the characters
+        read."""
+        for read, char in enumerate(text, 1):
             state = self._step(state, char)
             if self._match[state] >= 0:
-                return state, self._stops[self._match[state]]
-        return state, None
+                return state, self._stops[self._match[state]], read
+        return state, None, len(text)
 
     def held(self, state: int) -> int:
         """Characters at the end of the text read that are, or begin, a stop string."""
         return self._depth[state]
+
+
+def _match_end(text: str, starts_at: int, stop: str, end: int | None) -> int | None:
+    """Where in `text` (which starts at character `starts_at` of the output) the counted match
+    of `stop` ends: at `end` when given, else after its first occurrence."""
+    if end is not None and text[end - starts_at - len(stop) : end - starts_at] == stop:
+        return end - starts_at
+    at = text.find(stop)
+    return at + len(stop) if at >= 0 else None
 
 
 @functools.lru_cache(maxsize=8)
@@ -158,6 +168,7 @@ class DecodeState:
     prefix_offset: int = 0  # start of the window decoded for context
     read_offset: int = 0  # tokens before this were turned into text
     held: str = ""  # settled text not handed out yet: a tail that could begin a stop string
+    settled_chars: int = 0  # characters of text settled so far
     stop_state: int = 0  # the stop matcher's state after all settled text
     matcher: StopMatcher | None = field(init=False, repr=False)
 
@@ -185,22 +196,30 @@ class IncrementalDetokenizer:
             or (grew and not full.endswith(REPLACEMENT_CHAR))
         ):
             state.prefix_offset, state.read_offset = state.read_offset, len(state.token_ids)
-            return full[len(before) :] if grew else ""
+            settled = full[len(before) :] if grew else ""
+            state.settled_chars += len(settled)
+            return settled
         return ""  # nothing new yet, or the newest tokens end inside a character: wait for the rest
 
     def step(
-        self, state: DecodeState, new_ids: list[int], finished: bool, matched_stop: str | None
+        self,
+        state: DecodeState,
+        new_ids: list[int],
+        finished: bool,
+        matched_stop: str | None,
+        matched_end: int | None = None,
     ) -> str:
-        """Add tokens; returns the text that may now be sent."""
+        """Add tokens; returns the text that may now be sent. `matched_end`: where in the whole
+        output text the matched stop string ends (an occurrence before it did not count)."""
         new_text = self.settle(state, new_ids, finished)
         text = state.held + new_text
         if matched_stop is not None:
             # A tail that could begin a stop string was held back, so the match lies in `text`.
-            cut = text.find(matched_stop)
             state.held = ""
-            if cut < 0:
+            end = _match_end(text, state.settled_chars - len(text), matched_stop, matched_end)
+            if end is None:
                 return text
-            return text[: cut + len(matched_stop)] if state.include_stop else text[:cut]
+            return text[:end] if state.include_stop else text[: end - len(matched_stop)]
         if finished or state.matcher is None:
             state.held = ""
             return text

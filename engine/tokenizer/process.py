@@ -90,9 +90,12 @@ class Tokenizer:
         text = ""
         reason = out.finish_reason
         if state is not None and self.detokenizer is not None:
-            matched = reason.matched_str if reason else None
             text = self.detokenizer.step(
-                state, out.token_ids, finished=out.finished, matched_stop=matched
+                state,
+                out.token_ids,
+                finished=out.finished,
+                matched_stop=reason.matched_str if reason else None,
+                matched_end=reason.matched_end if reason else None,
             )
         if out.finished:
             self.states.pop(out.rid, None)

@@ -46,7 +46,6 @@ def test_a_value_of_the_wrong_type_is_refused_naming_the_field(field, value):
         (SamplingParams(min_tokens=1.5), "integer"),  # type: ignore[arg-type]
         (SamplingParams(max_tokens=4, min_tokens=5), "must not exceed max_tokens"),
         (SamplingParams(min_tokens=2, grammar=GrammarSpec("regex", "a+")), "grammar"),
-        (SamplingParams(min_tokens=2, stop=["###"]), "stop strings"),
     ],
 )
 def test_min_tokens_is_checked(params, words):

@@ -107,6 +107,13 @@ def test_min_tokens_holds_back_every_end(tiny_model, make_llm, random_prompts, o
         assert stop not in out.token_ids[6:-1]  # after min_tokens, the stop token ends it
     eos = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, min_tokens=12))
     assert all(len(o.token_ids) == 12 for o in eos)  # EOS held back to the end
+    # a stop string met within the first tokens does not count, nor cut the text there
+    ref = reference[0]
+    early = llm.tokenizer.decode(ref.token_ids[:5])
+    stop = next(c for c in early if not c.isspace())
+    (late,) = llm.generate([prompts[0]], SamplingParams(**greedy, stop=[stop], min_tokens=6))
+    assert len(late.token_ids) >= 6 and late.token_ids == ref.token_ids[: len(late.token_ids)]
+    assert ref.text.startswith(late.text) and len(late.text) >= len(early)
 
 
 def test_min_tokens_beyond_what_a_request_may_generate_is_refused(tiny_model, make_llm):

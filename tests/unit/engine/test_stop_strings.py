@@ -81,14 +81,17 @@ def test_the_automaton_finds_what_a_search_finds_reading_in_pieces(seed):
     state, read, found = 0, 0, None
     while read < len(text) and found is None:
         piece = text[read : read + rng.randint(1, 4)]
-        state, matched = matcher.find(state, piece)
+        state, matched, taken = matcher.find(state, piece)
         if matched is None:
+            assert taken == len(piece)
             read += len(piece)
             assert matcher.held(state) == naive_held(text[:read], stops), (stops, text[:read])
         else:
-            found = matched
+            found, read = matched, read + taken
     expected = naive_first_match(text, stops)
     assert found == (expected[1] if expected else None), (stops, text)
+    if found is not None:  # read up to the character that completed it
+        assert text[:read].endswith(found) and naive_first_match(text[: read - 1], stops) is None
 
 
 def test_held_text_is_the_longest_tail_that_begins_a_stop_string():
@@ -99,7 +102,7 @@ def test_held_text_is_the_longest_tail_that_begins_a_stop_string():
     )  # "abc" begins "abcd" (and ends with "bc")
     assert matcher.held(matcher.advance(0, "zzx")) == 1
     assert matcher.held(matcher.advance(0, "zzq")) == 0
-    assert matcher.find(0, "zzabc") == (matcher.advance(0, "zzabc"), "bc")
+    assert matcher.find(0, "zzabc") == (matcher.advance(0, "zzabc"), "bc", 5)
 
 
 def test_the_automaton_of_the_longest_stop_strings_allowed_stays_small():
@@ -149,16 +152,47 @@ def test_the_scheduler_finds_a_stop_string_as_the_detokenizer_cuts_it(tiny_model
     req = Req("r", [1], SamplingParams(stop=["nine", "e fo"], max_tokens=100))
     for token in output:
         req.output_ids.append(token)
-        if (matched := checker.match(req)) is not None:
+        if (found := checker.match(req)) is not None:
             break
+    matched, end = found
     index = len(req.output_ids) - 1  # the token that completed it
     assert matched == "e fo" and "e fo" in tokenizer.decode(output[: index + 1])
+    assert text[:end].endswith("e fo") and text.index("e fo") + len("e fo") == end
     assert "e fo" not in tokenizer.decode(output[:index])
     detok = IncrementalDetokenizer(tokenizer)
     state = DecodeState(skip_special_tokens=True, stop=["nine", "e fo"])
     pieces = [detok.step(state, [t], finished=False, matched_stop=None) for t in output[:index]]
     pieces.append(detok.step(state, [output[index]], finished=True, matched_stop=matched))
     assert "".join(pieces) == "one two thre"
+
+
+def test_no_stop_string_counts_before_min_tokens(tiny_model, tokenizer):
+    """A match before min_tokens is read past, and the rest of its token's text is still
+    read (the matcher stopped at that match, missing one completed later in the same text);
+    the text is cut where the counted match ends, not at an earlier occurrence."""
+    text = "one two one two three"
+    output = tokenizer.encode(text)
+    stops = ["two", "thr"]
+    first_two = next(i for i in range(len(output)) if "two" in tokenizer.decode(output[: i + 1]))
+    checker = StopStringChecker(tiny_model("llama"))
+    req = Req("r", [1], SamplingParams(stop=stops, max_tokens=100, min_tokens=first_two + 2))
+    found = None
+    for token in output:
+        req.output_ids.append(token)
+        if (found := checker.match(req)) is not None:
+            break
+    matched, end = found
+    assert matched == "two" and end == text.rindex("two") + len("two")
+    detok = IncrementalDetokenizer(tokenizer)
+    for include in (False, True):
+        state = DecodeState(skip_special_tokens=True, stop=stops, include_stop=include)
+        index = len(req.output_ids) - 1
+        pieces = [detok.step(state, [t], False, None) for t in output[:index]]
+        pieces.append(detok.step(state, [output[index]], True, matched, end))
+        whole = DecodeState(skip_special_tokens=True, stop=stops, include_stop=include)
+        at_once = detok.step(whole, output[: index + 1], True, matched, end)  # LLM.generate's way
+        expected = text[:end] if include else text[: end - len("two")]
+        assert "".join(pieces) == at_once == expected
 
 
 def test_the_detokenizer_reads_each_character_once_and_holds_back_no_more_than_a_stop_string(
