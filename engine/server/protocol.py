@@ -518,11 +518,30 @@ class NativeSamplingParams(_Lenient):
     repetition_penalty: Annotated[Float, Field(gt=0)] = 1.0
     skip_special_tokens: Bool = True
     no_stop_trim: Bool = False  # the matched stop string ends the text
-    min_new_tokens: Annotated[Int, Field(ge=0)] = 0  # no end before this many tokens
     # SGLang's constraints on the output, at most one: a regex, a JSON schema (as text), an EBNF grammar
     regex: Text | None = None
     json_schema: Text | None = None
     ebnf: Text | None = None
+    min_new_tokens: Annotated[Int, Field(ge=0)] = 0  # no end before this many tokens
+
+    @field_validator("min_new_tokens")
+    @classmethod
+    def _min_new_tokens_can_be_met(cls, value: int, info: ValidationInfo) -> int:
+        """In this body's own names (SamplingParams would say min_tokens and max_tokens)."""
+        most = info.data.get("max_new_tokens")
+        if most is not None and value > most:
+            raise PydanticCustomError(
+                "min_above_max",
+                "must not exceed max_new_tokens ({most}), got {value}",
+                {"most": most, "value": value},
+            )
+        if value and any(info.data.get(kind) is not None for kind in SGLANG_GRAMMAR_FIELDS):
+            raise PydanticCustomError(
+                "min_with_grammar",
+                "cannot be given with regex, json_schema or ebnf: the grammar decides where "
+                "the answer ends",
+            )
+        return value
 
     @model_validator(mode="after")
     def _one_grammar(self) -> NativeSamplingParams:

@@ -122,6 +122,20 @@ def test_min_tokens_reach_the_sampling_params():
     assert native.to_sampling_params().min_tokens == 4
 
 
+@pytest.mark.parametrize(
+    "sampling, words",
+    [
+        ({"max_new_tokens": 3, "min_new_tokens": 5}, "must not exceed max_new_tokens (3)"),
+        ({"regex": "a+", "min_new_tokens": 2}, "cannot be given with regex"),
+    ],
+)
+def test_generate_names_its_own_fields_when_min_new_tokens_cannot_be_met(sampling, words):
+    with pytest.raises(ValidationError) as raised:
+        GenerateRequestBody.model_validate({"text": "hi", "sampling_params": sampling})
+    error = validation_error(raised.value.errors())
+    assert error.param == "sampling_params.min_new_tokens" and words in error.message
+
+
 def test_a_null_is_the_field_left_out():
     """`"stream": null` and the like: OpenAI allows null for its optional fields, and clients
     that forward options they were not given send it."""
