@@ -146,8 +146,10 @@ class StopMatcher:
 def _match_end(text: str, starts_at: int, stop: str, end: int | None) -> int | None:
     """Where in `text` (which starts at character `starts_at` of the output) the counted match
     of `stop` ends: at `end` when given, else after its first occurrence."""
-    if end is not None and text[end - starts_at - len(stop) : end - starts_at] == stop:
-        return end - starts_at
+    if end is not None:
+        end -= starts_at
+        if len(stop) <= end <= len(text) and text[:end].endswith(stop):
+            return end
     at = text.find(stop)
     return at + len(stop) if at >= 0 else None
 
