@@ -171,11 +171,7 @@ class LLM:
             for request in requests:
                 # the same text a server client receives: cut at a matched stop string
                 result = results[request.rid]
-                state = DecodeState(
-                    skip_special_tokens=request.params.skip_special_tokens,
-                    stop=request.params.stop,
-                    include_stop=request.params.include_stop_str_in_output,
-                )
+                state = DecodeState.of(request.params)
                 reason = result.finish_reason
                 result.text = detokenizer.step(
                     state,

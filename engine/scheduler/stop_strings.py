@@ -41,10 +41,7 @@ class StopStringChecker:
         text is read without matching: no stop string counts there."""
         progress = self._progress.get(req)
         if progress is None:
-            state = DecodeState(
-                skip_special_tokens=req.params.skip_special_tokens, stop=list(req.params.stop)
-            )
-            progress = self._progress[req] = _Progress(state)
+            progress = self._progress[req] = _Progress(DecodeState.of(req.params))
         state = progress.text
         new_ids = req.output_ids[progress.tokens_read :]
         progress.tokens_read = len(req.output_ids)

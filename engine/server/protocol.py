@@ -305,9 +305,8 @@ class _SamplingFields(_Bootstrap):
     def grammar(self) -> GrammarSpec | None:
         """What the answer is constrained to: response_format, regex, json_schema or ebnf
         (at most one is given)."""
-        for kind in SGLANG_GRAMMAR_FIELDS:
-            if (spec := getattr(self, kind)) is not None:
-                return GrammarSpec(kind, spec, param=kind)
+        if (grammar := _sglang_grammar(self)) is not None:
+            return grammar
         return self.response_format.grammar() if self.response_format is not None else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -553,10 +552,16 @@ class NativeSamplingParams(_Lenient):
         return self
 
     def grammar(self) -> GrammarSpec | None:
-        for kind in SGLANG_GRAMMAR_FIELDS:
-            if (spec := getattr(self, kind)) is not None:
-                return GrammarSpec(kind, spec, param=f"sampling_params.{kind}")
-        return None
+        return _sglang_grammar(self, "sampling_params.")
+
+
+def _sglang_grammar(fields: BaseModel, param_prefix: str = "") -> GrammarSpec | None:
+    """The constraint given in SGLang's regex, json_schema or ebnf field, if any; errors name
+    the field under `param_prefix`."""
+    for kind in SGLANG_GRAMMAR_FIELDS:
+        if (spec := getattr(fields, kind)) is not None:
+            return GrammarSpec(kind, spec, param=f"{param_prefix}{kind}")
+    return None
 
 
 class GenerateRequestBody(_Bootstrap):

@@ -19,6 +19,10 @@ from __future__ import annotations
 import functools
 from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kubesgl.engine.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens that may wait for the rest of a character split over them. A character is at most
@@ -176,6 +180,15 @@ class DecodeState:
 
     def __post_init__(self) -> None:
         self.matcher = stop_matcher(tuple(self.stop)) if self.stop else None
+
+    @classmethod
+    def of(cls, params: SamplingParams) -> DecodeState:
+        """The decoding of a request's output, as its sampling options ask for it."""
+        return cls(
+            skip_special_tokens=params.skip_special_tokens,
+            stop=list(params.stop),
+            include_stop=params.include_stop_str_in_output,
+        )
 
 
 class IncrementalDetokenizer:

@@ -79,11 +79,7 @@ class Tokenizer:
         return self.hf.encode(request.text, add_special_tokens=True)
 
     def start(self, request: TokenizeRequest) -> None:
-        self.states[request.rid] = DecodeState(
-            skip_special_tokens=request.params.skip_special_tokens,
-            stop=list(request.params.stop),
-            include_stop=request.params.include_stop_str_in_output,
-        )
+        self.states[request.rid] = DecodeState.of(request.params)
 
     def decode(self, out: TokenOutput) -> TextOutput:
         state = self.states.get(out.rid)
