@@ -151,6 +151,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         }
         self.graph_decode: dict[int, dict[int | None, _Planned]] = {}
         self.graph_indices: torch.Tensor | None = None
+        # The graphs' own scratch space: a mixed step may replay them on a second stream
+        # while a prefill runs on the first (--enable-mixed-chunk-overlap).
+        self.graph_workspace: torch.Tensor | None = None
 
     def _kv_pages(self, batch: ForwardBatch) -> tuple[PagedKVLengths, torch.Tensor]:
         lengths = PagedKVLengths(batch.seq_lens_cpu, self.page_size)
@@ -219,6 +222,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             dtype=torch.int32,
             device=self.device,
         )
+        self.graph_workspace = torch.zeros_like(self.workspace)
 
     def prepare_cuda_graph(self, batch: ForwardBatch) -> None:
         bs = batch.batch_size
@@ -228,7 +232,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.graph_decode[bs] = {
                 w: _Planned(
                     fi.BatchDecodeWithPagedKVCacheWrapper(
-                        self.workspace,
+                        self.graph_workspace,
                         "NHD",
                         use_cuda_graph=True,
                         use_tensor_cores=True,

@@ -76,6 +76,7 @@ CRD_SAMPLES = {
     "disableOverlapSchedule": True,
     "disableCudaGraph": True,
     "enableMixedChunk": True,
+    "enableMixedChunkOverlap": True,
     "enablePiecewiseCudaGraph": True,
 }
 SPEC_OPTIONS = [name for name in EngineSpec.model_fields if name in ENGINE_OPTIONS]
