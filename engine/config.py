@@ -233,6 +233,9 @@ class EngineConfig:
             raise ValueError("--max-total-tokens must hold at least two pages")
         if self.enable_mixed_chunk_overlap and not self.enable_mixed_chunk:
             raise ValueError("--enable-mixed-chunk-overlap needs --enable-mixed-chunk")
+        if self.enable_mixed_chunk_overlap and self.tp_size > 1:
+            # the two passes' all-reduces, on two streams, could reach the ranks in either order
+            raise ValueError("--enable-mixed-chunk-overlap runs with --tp-size 1 only")
         if self.enable_mixed_chunk and 0 < self.chunked_prefill_size <= self.max_running_requests:
             raise ValueError(
                 f"--enable-mixed-chunk: --chunked-prefill-size ({self.chunked_prefill_size}) must be "

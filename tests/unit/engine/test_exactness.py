@@ -270,11 +270,15 @@ def test_mixed_chunk_overlap_runs_the_parts_apart_with_the_same_output(
         assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
 
 
-def test_mixed_chunk_overlap_needs_mixed_chunks(tiny_model):
+def test_mixed_chunk_overlap_needs_mixed_chunks_and_one_rank(tiny_model):
     from kubesgl.engine import LLM
+    from kubesgl.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="--enable-mixed-chunk-overlap needs --enable-mixed-chunk"):
         LLM(tiny_model("llama"), device="cpu", enable_mixed_chunk_overlap=True)
+    both = dict(enable_mixed_chunk=True, enable_mixed_chunk_overlap=True)
+    with pytest.raises(ValueError, match="--enable-mixed-chunk-overlap runs with --tp-size 1"):
+        EngineConfig(model="m", tp_size=2, **both).validate()  # as kubesgl serve checks it
 
 
 def test_mixed_chunk_needs_a_step_budget_above_the_running_requests(tiny_model):
