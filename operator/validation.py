@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from kubesgl import contract
 from kubesgl.contract import ENGINE_ROLES
-from kubesgl.operator.spec import InferenceService, InferenceServiceSpec
+from kubesgl.engine.config import ENGINE_OPTIONS, EngineConfig
+from kubesgl.operator.spec import EngineSpec, InferenceService, InferenceServiceSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # What the operator sets in an engine role's containers (render/engine.py): a role's env may
@@ -73,7 +74,28 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems += _shm_problems(spec)
     problems += _network_policy_problems(spec)
     problems += _env_problems(spec)
+    problems += _engine_problems(spec)
     return problems
+
+
+def _engine_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    """The engine's own rules across its options (EngineConfig.validate), with each role's
+    tensor-parallel size: pods started with options that break them would exit at once."""
+    given = {
+        name: value
+        for name in EngineSpec.model_fields
+        if name in ENGINE_OPTIONS and (value := getattr(spec.engine, name)) is not None
+    }
+    roles_by_message: dict[str, list[str]] = {}
+    for role, block in spec.engine_roles().items():
+        try:
+            EngineConfig(model="", tp_size=block.tensor_parallel_size, **given).validate()
+        except ValueError as error:
+            roles_by_message.setdefault(str(error), []).append(role)
+    return [
+        Problem("spec.engine", f"the engine refuses these options: {message} ({', '.join(roles)})")
+        for message, roles in roles_by_message.items()
+    ]
 
 
 def _env_problems(spec: InferenceServiceSpec) -> list[Problem]:

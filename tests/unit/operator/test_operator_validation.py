@@ -269,6 +269,25 @@ def test_bad_input_names_the_field(example, path, value, expected) -> None:
     assert any(problem.startswith(expected) for problem in problems), problems
 
 
+def test_engine_rules_across_options_are_reported_per_role() -> None:
+    document = with_changes(
+        load_example("disaggregated.yaml"), "spec.engine.enableMixedChunkOverlap", True
+    )
+    assert problems_of(document) == [
+        "spec.engine: the engine refuses these options: --enable-mixed-chunk-overlap needs "
+        "--enable-mixed-chunk (prefill, decode)"
+    ]
+    document = with_changes(document, "spec.engine.enableMixedChunk", True)
+    document = with_changes(document, "spec.engine.chunkedPrefillSize", 4096)
+    parse_inference_service(document)
+    document = with_changes(document, "spec.prefill.tensorParallelSize", 2)
+    document = with_changes(document, "spec.decode.tensorParallelSize", 2)
+    assert problems_of(document) == [
+        "spec.engine: the engine refuses these options: --enable-mixed-chunk-overlap runs with "
+        "--tp-size 1 only (prefill, decode)"
+    ]
+
+
 def test_all_problems_are_reported_at_once() -> None:
     document = with_changes(load_example("disaggregated.yaml"), "spec.decode", ...)
     document = with_changes(document, "spec.model.pvc", {"claimName": "m"})
