@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 from common import report
-from decode_attention import DIM, HEADS, KV_HEADS, LAYERS, time_graph
+from decode_attention import DIM, HEADS, KV_HEADS, LAYERS
 from decode_latency import copy_bandwidth
 
 HIDDEN, INTERMEDIATE = HEADS * DIM, 14336
@@ -52,7 +52,7 @@ def decode_attention(kv: list[torch.Tensor], batch: int, context: int, page: int
     import flashinfer
 
     device = kv[0].device
-    num_pages = kv[0].shape[1]
+    num_pages = kv[0].shape[0]  # [pages, 2 (K and V), page, KV heads, head size]
     per_request = context // page
     indices = torch.randperm(num_pages, device=device)[: batch * per_request].int()
     indptr = torch.arange(0, len(indices) + 1, per_request, dtype=torch.int32)
@@ -78,15 +78,30 @@ def decode_attention(kv: list[torch.Tensor], batch: int, context: int, page: int
 
 
 def graph_of(calls: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """`calls` captured on a stream of its own: PyTorch gives each capture stream its own cuBLAS
+    workspace, so two graphs replayed at once do not share one (as in the engine)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         calls()  # warm up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         calls()
     return graph
+
+
+def time_alone(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
+    """µs per replay of `graph` (median)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 def time_together(first: torch.cuda.CUDAGraph, second: torch.cuda.CUDAGraph, replays: int = 20):
@@ -139,9 +154,9 @@ def main() -> None:
             attention()
 
         decode_graph = graph_of(decode_step)
-        decode_us = time_graph(decode_step)
+        decode_us = time_alone(decode_graph)
         for chunk in chunks:
-            chunk_calls = projections(weights, chunk)
+            chunk_graph = graph_of(projections(weights, chunk))
             mixed_projections = projections(weights, batch + chunk)
 
             def mixed_step(mixed_projections=mixed_projections, attention=attention) -> None:
@@ -153,9 +168,9 @@ def main() -> None:
                 "context": context,
                 "chunk": chunk,
                 "decode_us": decode_us,
-                "chunk_us": time_graph(chunk_calls),
-                "mixed_us": time_graph(mixed_step),
-                "two_streams_us": time_together(decode_graph, graph_of(chunk_calls)),
+                "chunk_us": time_alone(chunk_graph),
+                "mixed_us": time_alone(graph_of(mixed_step)),
+                "two_streams_us": time_together(decode_graph, chunk_graph),
             }
             row["hidden"] = (row["mixed_us"] - row["two_streams_us"]) / row["chunk_us"]
             print(row, flush=True)

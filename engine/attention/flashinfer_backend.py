@@ -151,8 +151,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         }
         self.graph_decode: dict[int, dict[int | None, _Planned]] = {}
         self.graph_indices: torch.Tensor | None = None
-        # The graphs' own scratch space: a mixed step may replay them on a second stream
-        # while a prefill runs on the first (--enable-mixed-chunk-overlap).
+        # The graphs' scratch space: their own where a mixed step may replay them on a second
+        # stream while a prefill runs on the first (--enable-mixed-chunk-overlap).
         self.graph_workspace: torch.Tensor | None = None
 
     def _kv_pages(self, batch: ForwardBatch) -> tuple[PagedKVLengths, torch.Tensor]:
@@ -214,7 +214,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         chunk = sum(batch.extend_lens_cpu[: batch.prefill_rows])
         return mixed_in_one_pass(chunk, max(batch.seq_lens_cpu))
 
-    def init_cuda_graph(self, max_batch_size: int) -> None:
+    def init_cuda_graph(self, max_batch_size: int, beside_other_steps: bool = False) -> None:
         # Requests may share cached prefixes, so a batch can list more pages than the pool has.
         pages_per_request = pages_for(self.req_to_token.max_context_len, self.page_size)
         self.graph_indices = torch.zeros(
@@ -222,7 +222,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             dtype=torch.int32,
             device=self.device,
         )
-        self.graph_workspace = torch.zeros_like(self.workspace)
+        self.graph_workspace = (
+            torch.zeros_like(self.workspace) if beside_other_steps else self.workspace
+        )
 
     def prepare_cuda_graph(self, batch: ForwardBatch) -> None:
         bs = batch.batch_size

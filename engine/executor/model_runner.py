@@ -85,7 +85,7 @@ class ModelRunner:
         elif cuda_graph_max_bs > 0:
             # the table's last row is never handed out: padded graph rows read it (all slot 0)
             self.cuda_graphs = CudaGraphRunner(
-                model, self.backend, req_to_token.num_rows - 1, cuda_graph_max_bs
+                model, self.backend, req_to_token.num_rows - 1, cuda_graph_max_bs, mixed_overlap
             )
         self.piecewise_graphs = (
             PiecewiseGraphRunner(model, kv_pool, piecewise_max_tokens)
@@ -96,7 +96,13 @@ class ModelRunner:
         # current one. On the CPU the parts run one after the other (what tests can check).
         self.decode_stream: torch.cuda.Stream | None = None
         self.mixed_overlap = mixed_overlap
-        if mixed_overlap and self.device.type == "cuda":
+        if mixed_overlap and self.device.type != "cuda":
+            logger.warning(
+                "--enable-mixed-chunk-overlap on %s: a mixed step's two passes run one after "
+                "the other, which gains nothing",
+                self.device.type,
+            )
+        elif mixed_overlap:
             if self.cuda_graphs is None:
                 logger.warning("--enable-mixed-chunk-overlap off: it needs decode CUDA graphs")
                 self.mixed_overlap = False
