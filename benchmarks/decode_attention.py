@@ -33,16 +33,23 @@ VARIANTS = (
 )
 
 
-def time_graph(calls: Callable[[], None], replays: int = 20) -> float:
-    """µs per replay of a CUDA graph of `calls`, median over `replays`."""
+def graph_of(calls: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """`calls` captured on a stream of its own, after a warm-up (JIT, autotuning) outside the
+    capture. PyTorch gives each capture stream its own cuBLAS workspace, so graphs captured
+    so can replay at once on two streams without sharing one."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        calls()  # warm up (JIT, autotuning) outside the capture
+        calls()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):
         calls()
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
+    """µs per replay of `graph`, median over `replays`."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
@@ -52,6 +59,11 @@ def time_graph(calls: Callable[[], None], replays: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def time_graph(calls: Callable[[], None]) -> float:
+    """µs per replay of a CUDA graph of `calls` (median)."""
+    return replay_us(graph_of(calls))
 
 
 @dataclass

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 from common import report
-from decode_attention import DIM, HEADS, KV_HEADS, LAYERS
+from decode_attention import DIM, HEADS, KV_HEADS, LAYERS, graph_of, replay_us
 from decode_latency import copy_bandwidth
 
 HIDDEN, INTERMEDIATE = HEADS * DIM, 14336
@@ -75,33 +75,6 @@ def decode_attention(kv: list[torch.Tensor], batch: int, context: int, page: int
             wrapper.run(q, kv[i % len(kv)], out=out)
 
     return calls
-
-
-def graph_of(calls: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """`calls` captured on a stream of its own: PyTorch gives each capture stream its own cuBLAS
-    workspace, so two graphs replayed at once do not share one (as in the engine)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()  # warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        calls()
-    return graph
-
-
-def time_alone(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
-    """µs per replay of `graph` (median)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def time_together(first: torch.cuda.CUDAGraph, second: torch.cuda.CUDAGraph, replays: int = 20):
@@ -154,7 +127,7 @@ def main() -> None:
             attention()
 
         decode_graph = graph_of(decode_step)
-        decode_us = time_alone(decode_graph)
+        decode_us = replay_us(decode_graph)
         for chunk in chunks:
             chunk_graph = graph_of(projections(weights, chunk))
             mixed_projections = projections(weights, batch + chunk)
@@ -168,8 +141,8 @@ def main() -> None:
                 "context": context,
                 "chunk": chunk,
                 "decode_us": decode_us,
-                "chunk_us": time_alone(chunk_graph),
-                "mixed_us": time_alone(graph_of(mixed_step)),
+                "chunk_us": replay_us(chunk_graph),
+                "mixed_us": replay_us(graph_of(mixed_step)),
                 "two_streams_us": time_together(decode_graph, chunk_graph),
             }
             row["hidden"] = (row["mixed_us"] - row["two_streams_us"]) / row["chunk_us"]
