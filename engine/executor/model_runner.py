@@ -171,13 +171,11 @@ class ModelRunner:
         its chunks on the current one: a decode step reads KV at the memory's pace and leaves
         the arithmetic units idle, which the chunks' matrix products can use meanwhile."""
         cut = chunks.num_tokens
-        if self.decode_stream is None:
-            decode_logits = self._forward(input_ids[cut:], decodes)
-            return torch.cat([self._forward(input_ids[:cut], chunks), decode_logits])
-        current = torch.cuda.current_stream(self.device)
-        self.decode_stream.wait_stream(current)  # the inputs and table writes come first
-        with torch.cuda.stream(self.decode_stream):
+        if self.decode_stream is not None:  # the inputs and table writes come first
+            self.decode_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.decode_stream):  # no stream (the CPU): the passes run in turn
             decode_logits = self._forward(input_ids[cut:], decodes)
         chunk_logits = self._forward(input_ids[:cut], chunks)
-        current.wait_stream(self.decode_stream)
+        if self.decode_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
         return torch.cat([chunk_logits, decode_logits])
