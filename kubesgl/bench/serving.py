@@ -85,6 +85,7 @@ async def run(
     rate: float,
     concurrency: int | None,
     seed: int,
+    headers: dict[str, str] | None = None,  # e.g. the API key's
 ) -> tuple[list[RequestResult], float]:
     rng = random.Random(seed)
     limits = httpx.Limits(
@@ -92,7 +93,7 @@ async def run(
     )
     semaphore = asyncio.Semaphore(concurrency) if concurrency else None
     async with httpx.AsyncClient(
-        base_url=base_url, timeout=httpx.Timeout(3600), limits=limits
+        base_url=base_url, headers=headers, timeout=httpx.Timeout(3600), limits=limits
     ) as client:
 
         async def one(request: BenchRequest) -> RequestResult:
@@ -362,7 +363,15 @@ def main(argv: list[str]) -> int:
         return 2
     requests = build_requests(args, vocab)
     results, duration = asyncio.run(
-        run(args.base_url, model, requests, args.request_rate, args.max_concurrency, args.seed)
+        run(
+            args.base_url,
+            model,
+            requests,
+            args.request_rate,
+            args.max_concurrency,
+            args.seed,
+            headers=headers,
+        )
     )
     slo = Slo(args.goodput[0] / 1e3, args.goodput[1] / 1e3) if args.goodput else None
     summary = {

@@ -98,7 +98,7 @@ def test_bench_serving_counts_and_latencies(server_factory, tiny_model, tmp_path
     assert code == 0 and sharegpt["completed"] == 6
 
 
-def test_bench_serving_reports_failures(server_factory, tiny_model, tmp_path):
+def test_bench_serving_reports_failures_and_sends_the_api_key(server_factory, tiny_model, tmp_path):
     server = server_factory(tiny_model("llama"), "--api-key", "secret")
     code, summary = bench(
         server.base_url,
@@ -113,6 +113,21 @@ def test_bench_serving_reports_failures(server_factory, tiny_model, tmp_path):
         "2",
     )
     assert code == 1 and summary["failed"] == 3 and "HTTP 401" in summary["errors"][0]
+    # the key goes with every request, not only with the setup calls
+    code, summary = bench(
+        server.base_url,
+        tmp_path,
+        "--api-key",
+        "secret",
+        "--num-prompts",
+        "3",
+        "--random-input-len",
+        "8",
+        "--random-output-len",
+        "2",
+    )
+    assert code == 0 and summary["completed"] == 3, summary["errors"]
+    assert "api_key" not in summary["config"]
 
 
 def test_the_vocabulary_size_comes_from_the_server_or_through_the_router(
