@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ from kubesgl.gc_pacing import GcPacer
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000  # an idle rank 0 still broadcasts this often, so other ranks never time out
+# Rank 0 sends its stats at least this often, changed or not: the API server's watchdog
+# (--watchdog-timeout) takes a scheduler it has not heard from for long to be hung.
+HEARTBEAT_S = 1.0
 # How often a prefill or decode engine turns while it only waits for KV transfers: a turn
 # applies what its NIXL agent received (the bootstrap process's facts wake it at once).
 TRANSFER_POLL_MS = 2
@@ -160,7 +164,7 @@ class SchedulerLoop:
         return TRANSFER_POLL_MS if self.engine.scheduler.has_work() else IDLE_POLL_MS
 
     def run(self) -> None:
-        last_stats = None
+        last_stats, last_sent = None, time.monotonic()
         while True:
             outputs: list[TokenOutput] = []
             for message in self._receive():
@@ -176,9 +180,15 @@ class SchedulerLoop:
             if self.rank == 0:
                 stats = self.engine.scheduler.stats()
                 # gauges must follow releases that emit nothing; histogram samples go out once
-                if outputs or stats != last_stats or stats.has_samples():
+                now = time.monotonic()
+                if (
+                    outputs
+                    or stats != last_stats
+                    or stats.has_samples()
+                    or now - last_sent >= HEARTBEAT_S
+                ):
                     self.outbox.send_pyobj(StepOutputs(outputs, stats))
-                    last_stats = stats
+                    last_stats, last_sent = stats, now
 
     def _apply(self, message) -> list[TokenOutput]:
         if isinstance(message, CollectGarbage):

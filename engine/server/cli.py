@@ -10,6 +10,7 @@ import sys
 from kubesgl.contract import API_KEY_ENV
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.preflight import StartupError, check_bootstrap_port, check_engine, listen_socket
+from kubesgl.engine.scheduler.process import HEARTBEAT_S
 from kubesgl.engine.server.api_key import add_api_key_args, resolve_api_key
 from kubesgl.engine.server.launcher import Server, ServerOptions
 
@@ -43,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds requests in flight get to finish after SIGTERM (default: {defaults.shutdown_timeout})",
     )
     server.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=defaults.watchdog_timeout,
+        help="exit when a ready engine's scheduler sends nothing for this long: a step hung "
+        f"(default: {defaults.watchdog_timeout:g})",
+    )
+    server.add_argument(
         "--log-level",
         default=defaults.log_level,
         choices=["debug", "info", "warning", "error"],
@@ -62,6 +71,11 @@ def main(argv: list[str]) -> int:
         config.validate()
     except ValueError as exc:
         parser.error(str(exc))
+    if args.watchdog_timeout < 2 * HEARTBEAT_S:
+        parser.error(
+            f"--watchdog-timeout must be at least {2 * HEARTBEAT_S:g} s: an idle scheduler "
+            f"says it is alive every {HEARTBEAT_S:g} s"
+        )
     try:
         api_key = resolve_api_key(args)
     except ValueError as exc:
@@ -80,6 +94,7 @@ def main(argv: list[str]) -> int:
         api_key=api_key,
         served_model_name=args.served_model_name or args.model,
         shutdown_timeout=args.shutdown_timeout,
+        watchdog_timeout=args.watchdog_timeout,
         log_level=args.log_level,
     )
     server = Server(config, options, sock)

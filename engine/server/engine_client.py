@@ -65,6 +65,7 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.stats: SchedulerStats | None = None  # the scheduler's latest
         self.ready = asyncio.Event()
+        self.heard_at = time.monotonic()  # the last message from the engine's processes
         self._pending: dict[str, _Pending] = {}
         self._flushes: dict[int, asyncio.Future[bool]] = {}
         self._flush_ids = itertools.count()
@@ -87,6 +88,7 @@ class EngineClient:
     async def _read_outputs(self) -> None:
         while True:
             message = await self._from_detokenizer.recv_pyobj()
+            self.heard_at = time.monotonic()
             if isinstance(message, EngineInfo):
                 self.info = message
                 self.ready.set()

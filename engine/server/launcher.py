@@ -50,6 +50,9 @@ class ServerOptions:
     api_key: str | None = field(default=None, repr=False)  # never logged
     served_model_name: str | None = None
     shutdown_timeout: float = 30.0
+    # a ready engine whose scheduler sends nothing, not even its heartbeat, for this long is
+    # hung (a step that never ends): the server exits, so that its pod restarts
+    watchdog_timeout: float = 300.0
     log_level: str = "info"
 
 
@@ -123,25 +126,36 @@ class Server:
         self, server: uvicorn.Server, client: EngineClient, loop: asyncio.AbstractEventLoop
     ) -> None:
         while not self._stopping.wait(0.2):
-            for name, child in self.children.items():
-                if child.exitcode is not None:
-                    logger.error(
-                        "%s exited with code %s; shutting the server down", name, child.exitcode
-                    )
-                    reason = start_failure(self.endpoints, name)
-                    self.failure = (
-                        f"{name} could not start: {reason}"
-                        if reason
-                        else f"{name} exited with code {child.exitcode}"
-                    )
-                    self.exit_code = 1
-                    self._stopping.set()
-                    # answered before the server stops, which would cut their connections
-                    loop.call_soon_threadsafe(
-                        client.fail_all, f"the engine stopped: {self.failure}"
-                    )
-                    server.should_exit = True
-                    return
+            failure = self._child_failure() or self._hang(client)
+            if failure is not None:
+                logger.error("%s; shutting the server down", failure)
+                self.failure = failure
+                self.exit_code = 1
+                self._stopping.set()
+                # answered before the server stops, which would cut their connections
+                loop.call_soon_threadsafe(client.fail_all, f"the engine stopped: {failure}")
+                server.should_exit = True
+                return
+
+    def _child_failure(self) -> str | None:
+        for name, child in self.children.items():
+            if child.exitcode is not None:
+                reason = start_failure(self.endpoints, name)
+                if reason:
+                    return f"{name} could not start: {reason}"
+                return f"{name} exited with code {child.exitcode}"
+        return None
+
+    def _hang(self, client: EngineClient) -> str | None:
+        """Loading has no watchdog (a large checkpoint may take its time); a ready engine
+        that has sent nothing for --watchdog-timeout seconds has hung."""
+        silent_s = time.monotonic() - client.heard_at
+        if client.ready.is_set() and silent_s > self.options.watchdog_timeout:
+            return (
+                f"the scheduler has sent nothing for {silent_s:.0f} s (--watchdog-timeout "
+                f"{self.options.watchdog_timeout:g}): a step hung"
+            )
+        return None
 
     def run(self) -> int:
         self._start_children()

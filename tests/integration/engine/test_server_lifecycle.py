@@ -102,6 +102,44 @@ def test_a_dying_child_takes_the_server_down_with_a_clear_log(server_factory, ti
     assert "CancelledError" not in log
 
 
+def test_a_hung_scheduler_takes_the_server_down_after_the_watchdog_timeout(
+    server_factory, tiny_model
+):
+    """A scheduler that stops answering (a step that never ends) leaves a server that would
+    say "ok" to every probe while each request waits forever; past --watchdog-timeout the
+    server answers what is in flight and exits, so that its pod restarts."""
+    server = server_factory(tiny_model("llama"), "--watchdog-timeout", "3")
+    time.sleep(4)  # idle past the timeout: the scheduler's heartbeat keeps it alive
+    assert server.process.poll() is None
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    children = process_tree_alive(server.process.pid)
+    spawned = [
+        pid
+        for pid in children
+        if "spawn_main" in open(f"/proc/{pid}/cmdline").read().replace("\0", " ")
+    ]
+    answer: dict[str, httpx.Response] = {}
+
+    def ask() -> None:
+        body = {"prompt": "x", "max_tokens": 1900, "ignore_eos": True}
+        answer["whole"] = httpx.post(server.base_url + "/v1/completions", json=body, timeout=60)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    while server.metric("kubesgl_num_running_requests") < 1:
+        time.sleep(0.02)
+    stopped_at = time.monotonic()
+    for pid in spawned:  # the scheduler and the tokenizer: nothing reaches the API server
+        os.kill(pid, signal.SIGSTOP)
+    asker.join(timeout=30)
+    assert 3 <= time.monotonic() - stopped_at < 15
+    whole = answer["whole"]
+    assert whole.status_code == 503 and "a step hung" in whole.json()["error"]["message"]
+    assert server.process.wait(timeout=30) == 1
+    assert "the scheduler has sent nothing for 3 s (--watchdog-timeout 3)" in server.log()
+    assert wait_until_gone(children) == []  # stopped children are killed, not left behind
+
+
 def test_a_model_that_fails_to_load_exits_non_zero(server_factory, tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(AssertionError, match="unsupported architecture"):

@@ -138,3 +138,10 @@ def test_tensor_parallel_fit(tiny_model, arch, tp_size, fits):
     else:
         with pytest.raises(StartupError, match=f"--tp-size {tp_size} does not fit this model"):
             check_engine(config)
+
+
+def test_a_watchdog_timeout_shorter_than_two_heartbeats(serve, tiny_model, capsys):
+    with pytest.raises(SystemExit) as refused:
+        serve("--model", tiny_model("llama"), "--device", "cpu", "--watchdog-timeout", "1")
+    assert refused.value.code == 2
+    assert "--watchdog-timeout must be at least 2 s" in capsys.readouterr().err
