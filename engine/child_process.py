@@ -31,14 +31,19 @@ def _failure_file(endpoints: Endpoints, name: str) -> Path:
     return folder / f"failed-{name.replace(' ', '-')}"
 
 
+def start_failure_line(exc: BaseException) -> str:
+    """An engine that could not start, in one line: the exception's first, named by its type
+    where it is not one of the errors the engine raises itself."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if not isinstance(exc, (ValueError, OSError, RuntimeError, ImportError)):
+        message = f"{type(exc).__name__}: {message}"
+    return message
+
+
 def exit_for_start_failure(endpoints: Endpoints, name: str, exc: BaseException) -> NoReturn:
     """A child that could not start: one line naming the problem (the traceback only at
     --log-level debug), left for the server to repeat as its last line, and exit status 1."""
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if not isinstance(
-        exc, (ValueError, OSError, RuntimeError, ImportError)
-    ):  # not one of the engine's own errors
-        message = f"{type(exc).__name__}: {message}"
+    message = start_failure_line(exc)
     logger = logging.getLogger("kubesgl.serve")
     logger.error("%s could not start: %s", name, message)
     logger.debug("%s could not start", name, exc_info=exc)

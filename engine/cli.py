@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 
+from kubesgl.engine.child_process import start_failure_line
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.llm import LLM
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -78,6 +79,12 @@ def main(argv: list[str]) -> int:
     ) as exc:  # options this machine or model cannot run, a missing model
         print(f"kubesgl generate: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a checkpoint that does not load (a broken shard, say)
+        print(
+            f"kubesgl generate: the engine could not start: {start_failure_line(exc)}",
+            file=sys.stderr,
+        )
+        return 1
     with llm:
         try:
             outputs = llm.generate(args.prompt, params)

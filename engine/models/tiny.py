@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -120,8 +121,27 @@ def tiny_config(arch: str, vocab_size: int, eos_id: int, head_dim: int = 16) -> 
     }
 
 
+# What make_tiny_model writes: a folder holding only these may be written again.
+TINY_MODEL_FILES = frozenset(
+    {
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+)
+
+
 def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, head_dim: int = 16) -> Path:
     out = Path(out_dir)
+    if out.is_dir():  # another checkpoint's shards left beside the tiny one would be loaded too
+        others = sorted(p.name for p in out.iterdir() if p.name not in TINY_MODEL_FILES)
+        if others:
+            raise ValueError(
+                f"{out} holds files that a tiny model does not ({', '.join(others[:3])}"
+                f"{', ...' if len(others) > 3 else ''}): give a new or empty directory"
+            )
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     eos = tokenizer.token_to_id("<|im_end|>")
@@ -177,6 +197,10 @@ def main(argv: list[str]) -> int:
         help="per-head width (FlashInfer's kernels need 64, 128 or 256)",
     )
     args = parser.parse_args(argv)
-    path = make_tiny_model(args.dir, args.arch, args.seed, args.head_dim)
+    try:
+        path = make_tiny_model(args.dir, args.arch, args.seed, args.head_dim)
+    except (ValueError, OSError) as exc:  # a folder in use, or one that cannot be written
+        print(f"kubesgl make-tiny-model: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote a tiny {args.arch} model to {path}")
     return 0

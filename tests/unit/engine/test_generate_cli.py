@@ -181,3 +181,15 @@ def test_a_request_limit_of_the_http_server_is_refused(capsys):
         "the HTTP server's requests"
         in err
     )
+
+
+def test_a_checkpoint_that_does_not_load_is_one_line(tiny_model, tmp_path, capsys):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model("llama"), broken)
+    (broken / "model.safetensors").write_bytes(b"\x01")  # a shard cut short
+    status = main(["--model", str(broken), "--device", "cpu", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert status == 1 and "Traceback" not in err and len(err.splitlines()) == 1
+    assert err.startswith("kubesgl generate: the engine could not start: ")

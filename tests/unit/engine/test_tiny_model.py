@@ -35,3 +35,24 @@ def test_files_are_readable_by_other_users_under_a_strict_umask(tmp_path):
     }
     for file in files:
         assert stat.S_IMODE(file.stat().st_mode) == 0o644, file.name
+
+
+def test_a_folder_holding_another_checkpoint_is_refused_and_left_as_it_was(tmp_path, capsys):
+    """Written over another checkpoint, the tiny model would leave that one's shards and index
+    beside its own files: a folder that loads neither."""
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    status = tiny.main([str(tmp_path), "--arch", "llama"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith(f"kubesgl make-tiny-model: {tmp_path} holds files")
+    assert "model-00001-of-00002.safetensors" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
+
+
+def test_a_tiny_model_may_be_written_again_in_place(tmp_path):
+    tiny.make_tiny_model(tmp_path, "llama")
+    tiny.make_tiny_model(tmp_path, "qwen3")  # what an init container does when it restarts
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(tiny.TINY_MODEL_FILES)
