@@ -12,6 +12,8 @@ from kubesgl.cli_help import DefaultsOnce
 from kubesgl.operator.handlers import OperatorState, registry
 from kubesgl.operator.kube import NoCluster, check_reachable, load_credentials
 
+LOG_LEVELS = ("debug", "info", "warning", "error")  # the chart's values.schema.json lists them too
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -39,7 +41,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--log-level",
         default="info",
-        choices=["debug", "info", "warning", "error"],
+        choices=LOG_LEVELS,
         help="log level",
     )
     return parser.parse_args(argv)

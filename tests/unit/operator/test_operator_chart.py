@@ -191,3 +191,45 @@ def test_the_dashboard_ships_as_a_sidecar_configmap(helm: Path) -> None:
         helm, "template", "kubesgl", str(CHART), "--set", "dashboards.enabled=false"
     )
     assert "ConfigMap" not in [doc["kind"] for doc in yaml.safe_load_all(disabled) if doc]
+
+
+@pytest.mark.parametrize(
+    "secrets", ["imagePullSecrets={regcred,other}", "imagePullSecrets[0].name=regcred"]
+)
+def test_image_pull_secrets_as_names_or_as_kubernetes_writes_them(helm: Path, secrets: str) -> None:
+    objects = chart_objects(helm, "--set", secrets)
+    deployment = next(obj for obj in objects if obj["kind"] == "Deployment")
+    names = [s["name"] for s in deployment["spec"]["template"]["spec"]["imagePullSecrets"]]
+    assert names == (["regcred", "other"] if "{" in secrets else ["regcred"])
+
+
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        ("logLevel=bogus", "at '/logLevel': value must be one of"),
+        ("livenessPort=abc", "at '/livenessPort': got string, want integer"),
+        ("watchNamespaces={ml,ml}", "at '/watchNamespaces': items at 0 and 1 are equal"),
+        ("logLevl=debug", "additional properties 'logLevl' not allowed"),
+    ],
+)
+def test_values_the_operator_would_refuse_fail_at_install(
+    helm: Path, value: str, error: str
+) -> None:
+    """Rendered as given, each of these made an operator pod that exits at start, a duplicate
+    Role, or was silently ignored (a misspelt key)."""
+    result = subprocess.run(
+        [str(helm), "template", "kubesgl", str(CHART), "--set", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and error in result.stderr
+
+
+def test_the_schema_log_levels_are_the_operators() -> None:
+    import json
+
+    from kubesgl.operator.cli import LOG_LEVELS
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert tuple(schema["properties"]["logLevel"]["enum"]) == LOG_LEVELS
