@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from contextlib import nullcontext
 from typing import Any
 
 import yaml
@@ -19,10 +20,26 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """Refuses a key given twice in one mapping, as kubectl does: PyYAML keeps the last, which
+    silently turns two files pasted together without `---` into a mix of both."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    f"key {key!r} given", seen[key].start_mark, "and again", key_node.start_mark
+                )
+            seen[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_documents(filename: str) -> list[Any]:
     """The YAML documents of a file, or of standard input for -; raises OSError or yaml.YAMLError."""
-    text = sys.stdin.read() if filename == "-" else open(filename).read()
-    return [doc for doc in yaml.safe_load_all(text) if doc is not None]
+    with nullcontext(sys.stdin) if filename == "-" else open(filename) as stream:
+        return [doc for doc in yaml.load_all(stream, Loader=_StrictLoader) if doc is not None]
 
 
 def print_problems(prog: str, filename: str, document: dict[str, Any], error: InvalidSpec) -> None:

@@ -84,3 +84,15 @@ def test_a_reader_that_goes_away_is_no_traceback() -> None:
     os.close(write)
     assert process.stderr == ""
     assert process.returncode == 141  # as a tool that SIGPIPE ended
+
+
+def test_a_key_given_twice_is_an_error_naming_both_lines() -> None:
+    """Two files pasted together without `---` between them: PyYAML keeps each last key, a
+    mix of both services; kubectl refuses such a file, and so does render (and `kubesgl up`)."""
+    both = (REPO / "examples" / "quickstart.yaml").read_text() + (
+        REPO / "examples" / "disaggregated.yaml"
+    ).read_text()
+    result = run_render("-f", "-", stdin=both)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("kubesgl render: cannot read -: key 'apiVersion' given")
+    assert "and again" in result.stderr and '"<stdin>", line' in result.stderr
