@@ -114,9 +114,10 @@ PromptList = Annotated[
 
 class _Lenient(BaseModel):
     """Unknown fields ignored; a null given for a field that cannot be null (`"stream": null`,
-    as clients that forward unset options send them) is that field's default."""
+    as clients that forward unset options send them) is that field's default. Numbers are
+    finite: Python's JSON reader takes NaN and Infinity, which are not JSON."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     _not_nullable: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
@@ -209,7 +210,7 @@ class StreamOptions(_Lenient):
 
 
 class JSONSchemaFormat(_Lenient):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 
     name: Text | None = None
     schema_: dict[str, Any] = Field(alias="schema")

@@ -83,6 +83,10 @@ def test_every_error_has_openais_body_and_the_schema_says_400(llama_server):
         bool_stop_ids = client.post(
             "/generate", json={"text": "hi", "sampling_params": {"stop_token_ids": [True]}}
         )
+        not_finite = [
+            client.post("/v1/completions", content=b'{"prompt": "hi", "temperature": ' + v + b"}")
+            for v in (b"NaN", b"Infinity")
+        ]
         schema = client.get("/openapi.json").json()
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     assert wrong_method.status_code == 405 and "error" in wrong_method.json()
@@ -98,5 +102,12 @@ def test_every_error_has_openais_body_and_the_schema_says_400(llama_server):
         bool_stop_ids.status_code == 400
         and "stop_token_ids" in bool_stop_ids.json()["error"]["param"]
     )
+    for answer in not_finite:  # not JSON numbers, though Python's reader takes them
+        assert answer.status_code == 400 and answer.json()["error"] == {
+            "message": "temperature: Input should be a finite number",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": None,
+        }
     responses = schema["paths"]["/v1/completions"]["post"]["responses"]
     assert "400" in responses and "422" not in responses
