@@ -156,9 +156,15 @@ class SchedulerStats:
         )
 
 
+# Rank 0 sends StepOutputs at least this often, with nothing else to say: the API server's
+# watchdog (--watchdog-timeout) takes a scheduler it has not heard from for long to be hung.
+HEARTBEAT_S = 1.0
+
+
 @dataclass
 class StepOutputs:
-    """Scheduler -> detokenizer, once per step that produced anything."""
+    """Scheduler -> detokenizer, once per step that produced anything, and at least every
+    HEARTBEAT_S."""
 
     outputs: list[TokenOutput]
     stats: SchedulerStats

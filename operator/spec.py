@@ -25,6 +25,7 @@ from kubesgl.engine.config import (
 API_GROUP = "kubesgl.io"
 API_VERSION = "v1alpha1"
 KIND = "InferenceService"
+GPU_RESOURCE = "nvidia.com/gpu"  # the extended resource of a GPU (the NVIDIA device plugin)
 PLURAL = "inferenceservices"
 
 

@@ -15,11 +15,11 @@ from kubernetes.utils import parse_quantity
 from pydantic import ValidationError
 
 from kubesgl import contract
-from kubesgl.contract import ENGINE_ROLES
-from kubesgl.engine.config import ENGINE_OPTIONS, EngineConfig
-from kubesgl.operator.spec import EngineSpec, InferenceService, InferenceServiceSpec
+from kubesgl.contract import ENGINE_ROLES, EngineRole
+from kubesgl.engine.server.options import check_serve_args
+from kubesgl.operator.render.engine import engine_args
+from kubesgl.operator.spec import GPU_RESOURCE, InferenceService, InferenceServiceSpec, RoleSpec
 
-GPU_RESOURCE = "nvidia.com/gpu"
 # What the operator sets in an engine role's containers (render/engine.py): a role's env may
 # not name it (server-side apply refuses an env list that names a variable twice).
 ENV_SET_BY_OPERATOR = frozenset(
@@ -48,7 +48,7 @@ def parse_inference_service(document: Mapping[str, Any]) -> InferenceService:
         isvc = InferenceService.model_validate(dict(document))
     except ValidationError as error:
         raise InvalidSpec(_schema_problems(error)) from None
-    problems = workability_problems(isvc.spec)
+    problems = workability_problems(isvc.spec) or _engine_problems(isvc)
     if problems:
         raise InvalidSpec(problems)
     return isvc
@@ -74,28 +74,43 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems += _shm_problems(spec)
     problems += _network_policy_problems(spec)
     problems += _env_problems(spec)
-    problems += _engine_problems(spec)
     return problems
 
 
-def _engine_problems(spec: InferenceServiceSpec) -> list[Problem]:
-    """The engine's own rules across its options (EngineConfig.validate), with each role's
-    tensor-parallel size: pods started with options that break them would exit at once."""
-    given = {
-        name: value
-        for name in EngineSpec.model_fields
-        if name in ENGINE_OPTIONS and (value := getattr(spec.engine, name)) is not None
-    }
-    roles_by_message: dict[str, list[str]] = {}
-    for role, block in spec.engine_roles().items():
-        try:
-            EngineConfig(model="", tp_size=block.tensor_parallel_size, **given).validate()
-        except ValueError as error:
-            roles_by_message.setdefault(str(error), []).append(role)
+def _engine_problems(isvc: InferenceService) -> list[Problem]:
+    """Each role's engine command line as rendered, checked by `kubesgl serve`'s own parser
+    and rules: an engine refuses a bad flag or options that do not go together by exiting at
+    start, a pod that would only crash-loop. Checked once the spec is otherwise sound (the
+    command line is rendered from it)."""
+    roles_by_problem: dict[tuple[str, str], list[str]] = {}
+    for role, block in isvc.spec.engine_roles().items():
+        found = _serve_args_problem(isvc, role, block)
+        if found is not None:
+            roles_by_problem.setdefault(found, []).append(role)
     return [
-        Problem("spec.engine", f"the engine refuses these options: {message} ({', '.join(roles)})")
-        for message, roles in roles_by_message.items()
+        Problem(field, f"the engine refuses these options: {message} ({', '.join(roles)})")
+        for (field, message), roles in roles_by_problem.items()
     ]
+
+
+def _serve_args_problem(
+    isvc: InferenceService, role: EngineRole, block: RoleSpec
+) -> tuple[str, str] | None:
+    """(the field to blame, why) for the first part of the command line that the engine
+    refuses: the spec's own options, then spec.engine.extraArgs, then the role's."""
+    argv = engine_args(isvc, role, block)[1:]  # after `serve`
+    role_extra, shared_extra = len(block.extra_args), len(isvc.spec.engine.extra_args)
+    own = len(argv) - role_extra - shared_extra
+    for field, end in (
+        ("spec.engine", own),
+        ("spec.engine.extraArgs", own + shared_extra),
+        (f"spec.{role}.extraArgs", len(argv)),
+    ):
+        try:
+            check_serve_args(argv[:end])
+        except ValueError as error:
+            return field, str(error)
+    return None
 
 
 def _env_problems(spec: InferenceServiceSpec) -> list[Problem]:

@@ -26,6 +26,7 @@ from kubesgl.engine.disagg.protocol import BootstrapFact
 from kubesgl.engine.distributed import get_tp_group, init_tensor_parallel
 from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.messages import (
+    HEARTBEAT_S,
     AbortRequest,
     CacheFlushed,
     CollectGarbage,
@@ -44,9 +45,6 @@ from kubesgl.gc_pacing import GcPacer
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000  # an idle rank 0 still broadcasts this often, so other ranks never time out
-# Rank 0 sends its stats at least this often, changed or not: the API server's watchdog
-# (--watchdog-timeout) takes a scheduler it has not heard from for long to be hung.
-HEARTBEAT_S = 1.0
 # How often a prefill or decode engine turns while it only waits for KV transfers: a turn
 # applies what its NIXL agent received (the bootstrap process's facts wake it at once).
 TRANSFER_POLL_MS = 2

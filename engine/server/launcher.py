@@ -17,13 +17,12 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 
 import kubesgl
-from kubesgl.contract import ENGINE_PORT, MIXED, SERVER_KEEP_ALIVE_S
+from kubesgl.contract import MIXED, SERVER_KEEP_ALIVE_S
 from kubesgl.engine.child_process import start_failure
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.bootstrap import run_bootstrap
@@ -33,6 +32,7 @@ from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.scheduler.process import run_scheduler
 from kubesgl.engine.server.api import ServerState, build_app
 from kubesgl.engine.server.engine_client import EngineClient
+from kubesgl.engine.server.options import ServerOptions
 from kubesgl.engine.tokenizer.process import run_tokenizer
 from kubesgl.gc_pacing import GcPacer
 
@@ -41,19 +41,6 @@ logger = logging.getLogger("kubesgl.serve")
 # How long the child processes get to stop once told to: a scheduler finishes its step in
 # flight and a prefill engine's KV writes in flight (at most CLOSE_WAIT_S) before it exits.
 CHILD_STOP_S = CLOSE_WAIT_S + 5.0
-
-
-@dataclass
-class ServerOptions:
-    host: str = "127.0.0.1"  # loopback, as SGLang: pods pass --host 0.0.0.0
-    port: int = ENGINE_PORT
-    api_key: str | None = field(default=None, repr=False)  # never logged
-    served_model_name: str | None = None
-    shutdown_timeout: float = 30.0
-    # a ready engine whose scheduler sends nothing, not even its heartbeat, for this long is
-    # hung (a step that never ends): the server exits, so that its pod restarts
-    watchdog_timeout: float = 300.0
-    log_level: str = "info"
 
 
 class _UvicornServer(uvicorn.Server):

@@ -16,8 +16,13 @@ from kubesgl.operator.render.common import (
     pod_security_context,
     scrape_annotations,
 )
-from kubesgl.operator.spec import EngineSpec, InferenceService, RoleSpec, SecretKeyRef
-from kubesgl.operator.validation import GPU_RESOURCE
+from kubesgl.operator.spec import (
+    GPU_RESOURCE,
+    EngineSpec,
+    InferenceService,
+    RoleSpec,
+    SecretKeyRef,
+)
 
 MODEL_ROOT = "/models"
 HF_DOWNLOAD_DIR = f"{MODEL_ROOT}/hf"

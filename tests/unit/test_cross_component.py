@@ -28,7 +28,7 @@ def engine_args(source: Path | dict) -> list[str]:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_rendered_engine_args_parse_with_kubesgl_serve(path):
-    from kubesgl.engine.server.cli import build_parser
+    from kubesgl.engine.server.options import build_parser
 
     engines = [c for c in containers(path) if c["args"][0] == "serve"]
     assert engines
@@ -59,7 +59,7 @@ def test_every_engine_option_of_the_crd_reaches_the_engine():
         "logLevel": "debug",
         "shutdownTimeoutSeconds": 7,
     }
-    from kubesgl.engine.server.cli import build_parser
+    from kubesgl.engine.server.options import build_parser
 
     unchanged = build_parser().parse_args(engine_args(base))
     for field, value in values.items():

@@ -45,6 +45,7 @@ SERVE_ONLY_FLAGS = {
     "--api-key-file",
     "--served-model-name",
     "--shutdown-timeout",
+    "--watchdog-timeout",
     "--log-level",
 }
 GENERATE_ONLY_FLAGS = {"--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--seed"}
@@ -86,7 +87,7 @@ SPEC_OPTIONS = [name for name in EngineSpec.model_fields if name in ENGINE_OPTIO
 
 def _parser(command: str) -> argparse.ArgumentParser:
     from kubesgl.engine.cli import build_parser as generate_parser
-    from kubesgl.engine.server.cli import build_parser as serve_parser
+    from kubesgl.engine.server.options import build_parser as serve_parser
 
     return {"serve": serve_parser, "generate": generate_parser}[command]()
 
@@ -181,7 +182,7 @@ def test_the_crd_field_takes_only_what_the_engine_takes(name):
 
 
 def _serve_args(engine: dict) -> argparse.Namespace:
-    from kubesgl.engine.server.cli import build_parser
+    from kubesgl.engine.server.options import build_parser
 
     isvc = yaml.safe_load((ROOT / "examples" / "mixed.yaml").read_text())
     isvc["spec"]["engine"] = engine

@@ -13,14 +13,13 @@ from fastapi import FastAPI, Request
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams, check_prompt_tokens
 from kubesgl.engine.server.api_key import API_KEY_ENV, resolve_api_key
-from kubesgl.engine.server.cli import build_parser
-from kubesgl.engine.server.launcher import ServerOptions
 from kubesgl.engine.server.limits import (
     BodyLimit,
     check_prompt_chars,
     check_sequences,
     check_stop_strings,
 )
+from kubesgl.engine.server.options import ServerOptions, build_parser
 
 LIMIT = 4096
 

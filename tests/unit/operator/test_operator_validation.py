@@ -293,3 +293,27 @@ def test_all_problems_are_reported_at_once() -> None:
     document = with_changes(document, "spec.model.pvc", {"claimName": "m"})
     problems = problems_of(document)
     assert len(problems) == 2, problems
+
+
+def test_extra_args_the_engine_would_refuse_name_the_field_that_gave_them() -> None:
+    """extraArgs reach the engine's command line as they are: a misspelt flag or a value the
+    engine refuses made pods that exit at start, over and over."""
+    document = load_example("disaggregated.yaml")
+    with_shared = with_changes(document, "spec.engine.extraArgs", ["--max-runing-requests", "8"])
+    assert problems_of(with_shared) == [
+        "spec.engine.extraArgs: the engine refuses these options: unrecognized arguments: "
+        "--max-runing-requests 8 (prefill, decode)"
+    ]
+    with_role = with_changes(document, "spec.decode.extraArgs", ["--enable-mixed-chunk-overlap"])
+    assert problems_of(with_role) == [
+        "spec.decode.extraArgs: the engine refuses these options: --enable-mixed-chunk-overlap "
+        "needs --enable-mixed-chunk (decode)"
+    ]
+    server_option = with_changes(document, "spec.prefill.extraArgs", ["--watchdog-timeout", "1"])
+    assert problems_of(server_option) == [
+        "spec.prefill.extraArgs: the engine refuses these options: --watchdog-timeout must be "
+        "at least 2 s: an idle scheduler says it is alive every 1 s (prefill)"
+    ]
+    assert problems_of(with_changes(document, "spec.decode.extraArgs", ["--help"]))
+    fine = with_changes(document, "spec.decode.extraArgs", ["--max-running-requests", "8"])
+    parse_inference_service(fine)

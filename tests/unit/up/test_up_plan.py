@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from kubesgl import contract
-from kubesgl.engine.server.cli import build_parser as serve_parser
+from kubesgl.engine.server.options import build_parser as serve_parser
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.router.cli import build_parser as router_parser

@@ -1,0 +1,117 @@
+"""`kubesgl serve`'s command line: the engine options (engine/cli_args.py) and the server's
+own, parsed and checked. Torch-free, so that the operator can check the command lines it
+renders for engine pods with the very parser their engines use."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+from kubesgl.contract import ENGINE_PORT
+from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
+from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.messages import HEARTBEAT_S
+from kubesgl.engine.server.api_key import add_api_key_args
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"  # loopback, as SGLang: pods pass --host 0.0.0.0
+    port: int = ENGINE_PORT
+    api_key: str | None = field(default=None, repr=False)  # never logged
+    served_model_name: str | None = None
+    shutdown_timeout: float = 30.0
+    # a ready engine whose scheduler sends nothing, not even its heartbeat, for this long is
+    # hung (a step that never ends): the server exits, so that its pod restarts
+    watchdog_timeout: float = 300.0
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        if self.watchdog_timeout < 2 * HEARTBEAT_S:
+            raise ValueError(
+                f"--watchdog-timeout must be at least {2 * HEARTBEAT_S:g} s: an idle scheduler "
+                f"says it is alive every {HEARTBEAT_S:g} s"
+            )
+
+
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser):
+    parser = parser_class(prog="kubesgl serve", description="the OpenAI-compatible server")
+    add_engine_args(parser)
+    defaults = ServerOptions()
+    server = parser.add_argument_group("server options")
+    server.add_argument(
+        "--host", default=defaults.host, help=f"address to listen on (default: {defaults.host})"
+    )
+    server.add_argument(
+        "--port",
+        type=int,
+        default=defaults.port,
+        help=f"port of the HTTP API (default: {defaults.port})",
+    )
+    add_api_key_args(server)
+    server.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="model name in the API (default: --model)",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=defaults.shutdown_timeout,
+        help=f"seconds requests in flight get to finish after SIGTERM (default: {defaults.shutdown_timeout})",
+    )
+    server.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        metavar="SECONDS",
+        default=defaults.watchdog_timeout,
+        help="exit when a ready engine's scheduler sends nothing for this long: a step hung "
+        f"(default: {defaults.watchdog_timeout:g})",
+    )
+    server.add_argument(
+        "--log-level",
+        default=defaults.log_level,
+        choices=LOG_LEVELS,
+        help=f"(default: {defaults.log_level})",
+    )
+    return parser
+
+
+def server_options(args: argparse.Namespace, api_key: str | None = None) -> ServerOptions:
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        served_model_name=args.served_model_name or args.model,
+        shutdown_timeout=args.shutdown_timeout,
+        watchdog_timeout=args.watchdog_timeout,
+        log_level=args.log_level,
+    )
+
+
+class _Refusing(argparse.ArgumentParser):
+    """Raises what `kubesgl serve` would print and exit on."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        raise ValueError(message or "the engine would exit at start (--help, say)")
+
+    def print_help(self, file=None) -> None:
+        pass
+
+
+def check_serve_args(argv: list[str]) -> None:
+    """Raises ValueError with the reason `kubesgl serve` would refuse these arguments (before
+    it looks at the machine or the model): an unknown flag, a bad value, options that do not
+    go together."""
+    args = build_parser(_Refusing).parse_args(argv)
+    config: EngineConfig = engine_config_from_args(args)
+    config.validate()
+    server_options(args).validate()
