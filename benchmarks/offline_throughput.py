@@ -107,7 +107,6 @@ def main() -> None:
         "page_size": args.page_size,
         "cuda_graph": not args.disable_cuda_graph,
         "enable_mixed_chunk": args.enable_mixed_chunk,
-        "enable_mixed_chunk_overlap": args.enable_mixed_chunk_overlap,
         "enable_piecewise_cuda_graph": args.enable_piecewise_cuda_graph,
         "chunked_prefill_size": args.chunked_prefill_size,
         "num_prompts": args.num_prompts,

@@ -138,12 +138,6 @@ class EngineConfig:
         "go on while prompts are prefilled; the decodes' tokens count "
         "against --chunked-prefill-size, the step's budget",
     )
-    enable_mixed_chunk_overlap: bool = option(
-        False,
-        help="with --enable-mixed-chunk on a GPU: a mixed step's decodes replay their CUDA graph on "
-        "a second stream while its prompt chunks run on the first, so the chunks' matrix products "
-        "can run while the decodes read their KV",
-    )
     max_prefill_tokens: int = option(16384, help="prompt tokens admitted in one prefill step", ge=1)
     max_total_tokens: int | None = option(
         None, help="KV pool size in tokens; unset: sized from free memory (--mem-fraction-static)"
@@ -231,11 +225,6 @@ class EngineConfig:
                 raise ValueError(problem)
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("--max-total-tokens must hold at least two pages")
-        if self.enable_mixed_chunk_overlap and not self.enable_mixed_chunk:
-            raise ValueError("--enable-mixed-chunk-overlap needs --enable-mixed-chunk")
-        if self.enable_mixed_chunk_overlap and self.tp_size > 1:
-            # the two passes' all-reduces, on two streams, could reach the ranks in either order
-            raise ValueError("--enable-mixed-chunk-overlap runs with --tp-size 1 only")
         if self.enable_mixed_chunk and 0 < self.chunked_prefill_size <= self.max_running_requests:
             raise ValueError(
                 f"--enable-mixed-chunk: --chunked-prefill-size ({self.chunked_prefill_size}) must be "

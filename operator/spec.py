@@ -111,7 +111,6 @@ class EngineSpec(SpecModel):
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False
     enable_mixed_chunk: bool = False
-    enable_mixed_chunk_overlap: bool = False
     enable_piecewise_cuda_graph: bool = False
 
     api_key_secret: SecretKeyRef | None = None

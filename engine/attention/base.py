@@ -62,9 +62,8 @@ class AttentionBackend(ABC):
         and a decode batch (attention/mixed.py)."""
         return False
 
-    def init_cuda_graph(self, max_batch_size: int, beside_other_steps: bool = False) -> None:
-        """Called once before decode graphs are captured for batches up to `max_batch_size`;
-        `beside_other_steps`: they may replay while another step runs on another stream."""
+    def init_cuda_graph(self, max_batch_size: int) -> None:
+        """Called once before decode graphs are captured for batches up to `max_batch_size`."""
         return None  # nothing to set up unless a backend keeps per-graph buffers
 
     def prepare_cuda_graph(self, batch: ForwardBatch) -> None:

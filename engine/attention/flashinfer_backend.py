@@ -151,9 +151,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         }
         self.graph_decode: dict[int, dict[int | None, _Planned]] = {}
         self.graph_indices: torch.Tensor | None = None
-        # The graphs' scratch space: their own where a mixed step may replay them on a second
-        # stream while a prefill runs on the first (--enable-mixed-chunk-overlap).
-        self.graph_workspace: torch.Tensor | None = None
 
     def _kv_pages(self, batch: ForwardBatch) -> tuple[PagedKVLengths, torch.Tensor]:
         lengths = PagedKVLengths(batch.seq_lens_cpu, self.page_size)
@@ -214,16 +211,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         chunk = sum(batch.extend_lens_cpu[: batch.prefill_rows])
         return mixed_in_one_pass(chunk, max(batch.seq_lens_cpu))
 
-    def init_cuda_graph(self, max_batch_size: int, beside_other_steps: bool = False) -> None:
+    def init_cuda_graph(self, max_batch_size: int) -> None:
         # Requests may share cached prefixes, so a batch can list more pages than the pool has.
         pages_per_request = pages_for(self.req_to_token.max_context_len, self.page_size)
         self.graph_indices = torch.zeros(
             max_batch_size * pages_per_request,
             dtype=torch.int32,
             device=self.device,
-        )
-        self.graph_workspace = (
-            torch.zeros_like(self.workspace) if beside_other_steps else self.workspace
         )
 
     def prepare_cuda_graph(self, batch: ForwardBatch) -> None:
@@ -234,7 +228,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.graph_decode[bs] = {
                 w: _Planned(
                     fi.BatchDecodeWithPagedKVCacheWrapper(
-                        self.graph_workspace,
+                        self.workspace,
                         "NHD",
                         use_cuda_graph=True,
                         use_tensor_cores=True,

@@ -48,15 +48,9 @@ def default_batch_sizes(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(
-        self,
-        model: CausalLM,
-        backend: AttentionBackend,
-        padding_row: int,
-        max_batch_size: int,
-        beside_other_steps: bool = False,  # replayed on a second stream beside another step
+        self, model: CausalLM, backend: AttentionBackend, padding_row: int, max_batch_size: int
     ):
         self.model, self.backend, self.padding_row = model, backend, padding_row
-        self.beside_other_steps = beside_other_steps
         self.batch_sizes = default_batch_sizes(max_batch_size)
         device = backend.req_to_token.table.device
         n = self.batch_sizes[-1]
@@ -97,7 +91,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         self.seq_lens.fill_(1)  # padding rows: one token, at slot 0
-        self.backend.init_cuda_graph(self.batch_sizes[-1], self.beside_other_steps)
+        self.backend.init_cuda_graph(self.batch_sizes[-1])
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with collector_paused(), torch.cuda.stream(stream):

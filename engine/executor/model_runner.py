@@ -56,7 +56,6 @@ class ModelRunner:
         future_capacity: int,
         cuda_graph_max_bs: int = 0,
         piecewise_max_tokens: int = 0,
-        mixed_overlap: bool = False,
     ):
         self.model = model
         self.device = req_to_token.table.device
@@ -85,29 +84,13 @@ class ModelRunner:
         elif cuda_graph_max_bs > 0:
             # the table's last row is never handed out: padded graph rows read it (all slot 0)
             self.cuda_graphs = CudaGraphRunner(
-                model, self.backend, req_to_token.num_rows - 1, cuda_graph_max_bs, mixed_overlap
+                model, self.backend, req_to_token.num_rows - 1, cuda_graph_max_bs
             )
         self.piecewise_graphs = (
             PiecewiseGraphRunner(model, kv_pool, piecewise_max_tokens)
             if piecewise_max_tokens > 0
             else None
         )
-        # Mixed steps on two streams: the decodes' graph on this one, the chunks on the
-        # current one. On the CPU the parts run one after the other (what tests can check).
-        self.decode_stream: torch.cuda.Stream | None = None
-        self.mixed_overlap = mixed_overlap
-        if mixed_overlap and self.device.type != "cuda":
-            logger.warning(
-                "--enable-mixed-chunk-overlap on %s: a mixed step's two passes run one after "
-                "the other, which gains nothing",
-                self.device.type,
-            )
-        elif mixed_overlap:
-            if self.cuda_graphs is None:
-                logger.warning("--enable-mixed-chunk-overlap off: it needs decode CUDA graphs")
-                self.mixed_overlap = False
-            else:
-                self.decode_stream = torch.cuda.Stream(self.device)
 
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> PendingStep:
@@ -119,11 +102,15 @@ class ModelRunner:
             self.future_tokens[(-batch.input_ids).clamp(min=0)],
             batch.input_ids,
         )
-        parts = self._overlapped_parts(batch)
-        if parts is not None:
-            logits = self._forward_on_two_streams(input_ids, *parts)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            logits = self.cuda_graphs.run(input_ids, batch)
         else:
-            logits = self._forward(input_ids, batch)
+            backend = self.mixed_attention if batch.mode is ForwardMode.MIXED else self.backend
+            backend.prepare(batch)
+            if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(batch):
+                logits = self.piecewise_graphs.run(input_ids, batch, backend)
+            else:
+                logits = self.model(input_ids, batch.positions, batch, backend)
         sample = self.sampler(logits, batch.sampling, batch.req_rows, batch.emits)
         self.future_tokens[batch.future_slots] = sample.token_ids
         optional = {
@@ -142,40 +129,3 @@ class ModelRunner:
         done = torch.cuda.Event()
         done.record()
         return PendingStep(host, done)
-
-    def _overlapped_parts(self, batch: ForwardBatch) -> tuple[ForwardBatch, ForwardBatch] | None:
-        """A mixed step's chunks and decodes where they run on two streams: with the overlap
-        on, and where the decodes fit a captured graph (two eager parts would share the
-        attention backend's plans)."""
-        if not self.mixed_overlap or batch.mode is not ForwardMode.MIXED:
-            return None
-        chunks, decodes = batch.split_mixed()
-        if self.cuda_graphs is not None and not self.cuda_graphs.can_run(decodes):
-            return None
-        return chunks, decodes
-
-    def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """`batch`'s logits, from its decode CUDA graph, piecewise graphs or an eager pass."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
-            return self.cuda_graphs.run(input_ids, batch)
-        backend = self.mixed_attention if batch.mode is ForwardMode.MIXED else self.backend
-        backend.prepare(batch)
-        if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(batch):
-            return self.piecewise_graphs.run(input_ids, batch, backend)
-        return self.model(input_ids, batch.positions, batch, backend)
-
-    def _forward_on_two_streams(
-        self, input_ids: torch.Tensor, chunks: ForwardBatch, decodes: ForwardBatch
-    ) -> torch.Tensor:
-        """A mixed step's logits, its decodes' graph launched first on the decode stream and
-        its chunks on the current one: a decode step reads KV at the memory's pace and leaves
-        the arithmetic units idle, which the chunks' matrix products can use meanwhile."""
-        cut = chunks.num_tokens
-        if self.decode_stream is not None:  # the inputs and table writes come first
-            self.decode_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.decode_stream):  # no stream (the CPU): the passes run in turn
-            decode_logits = self._forward(input_ids[cut:], decodes)
-        chunk_logits = self._forward(input_ids[:cut], chunks)
-        if self.decode_stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
-        return torch.cat([chunk_logits, decode_logits])

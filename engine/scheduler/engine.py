@@ -182,7 +182,6 @@ class Engine:
             future_capacity,
             cuda_graph_max_bs,
             piecewise_max_tokens,
-            mixed_overlap=config.enable_mixed_chunk_overlap,
         )
         overlap = not config.disable_overlap_schedule
         self.executor = OverlapExecutor(runner) if overlap else SyncExecutor(runner)

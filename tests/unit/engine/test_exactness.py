@@ -245,42 +245,6 @@ def test_mixed_chunk_logprobs_equal_separate_steps(
         assert [x for _, x in a.top] == pytest.approx([x for _, x in b.top], abs=1e-5)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
-def test_mixed_chunk_overlap_runs_the_parts_apart_with_the_same_output(
-    arch, tiny_model, make_llm, long_prompt_while_decoding
-):
-    """--enable-mixed-chunk-overlap: each mixed step runs as its chunks' pass and its decodes'
-    pass (on the CPU one after the other), and gives the tokens and logprobs of one pass."""
-    path = tiny_model(arch)
-    options = dict(chunked_prefill_size=32, max_running_requests=8, enable_mixed_chunk=True)
-    llm = make_llm(path, enable_mixed_chunk_overlap=True, **options)
-    runner = llm.engine.executor.runner
-    steps: list[str] = []  # each step's mode, then the mode of each pass it ran as
-    run, forward = runner.run, runner._forward
-    runner.run = lambda batch: steps.append(f"step {batch.mode.name}") or run(batch)
-    runner._forward = lambda ids, batch: steps.append(batch.mode.name) or forward(ids, batch)
-    modes, apart = long_prompt_while_decoding(llm, path, seed=32)
-    _, together = long_prompt_while_decoding(make_llm(path, **options), path, seed=32)
-    assert "MIXED" in modes
-    ran = " ".join(steps)
-    assert "MIXED" not in ran.replace("step MIXED", "")
-    assert ran.count("step MIXED DECODE EXTEND") == ran.count("step MIXED") > 0
-    assert [lp.token_id for lp in apart] == [lp.token_id for lp in together]
-    for a, b in zip(apart, together):
-        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
-
-
-def test_mixed_chunk_overlap_needs_mixed_chunks_and_one_rank(tiny_model):
-    from kubesgl.engine import LLM
-    from kubesgl.engine.config import EngineConfig
-
-    with pytest.raises(ValueError, match="--enable-mixed-chunk-overlap needs --enable-mixed-chunk"):
-        LLM(tiny_model("llama"), device="cpu", enable_mixed_chunk_overlap=True)
-    both = dict(enable_mixed_chunk=True, enable_mixed_chunk_overlap=True)
-    with pytest.raises(ValueError, match="--enable-mixed-chunk-overlap runs with --tp-size 1"):
-        EngineConfig(model="m", tp_size=2, **both).validate()  # as kubesgl serve checks it
-
-
 def test_mixed_chunk_needs_a_step_budget_above_the_running_requests(tiny_model):
     from kubesgl.engine import LLM
 

@@ -142,7 +142,6 @@ HONOURED = {
     "max_running_requests",
     "chunked_prefill_size",
     "enable_mixed_chunk",
-    "enable_mixed_chunk_overlap",
     "max_prefill_tokens",
     "max_total_tokens",
     "mem_fraction_static",

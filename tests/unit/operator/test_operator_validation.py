@@ -271,21 +271,16 @@ def test_bad_input_names_the_field(example, path, value, expected) -> None:
 
 def test_engine_rules_across_options_are_reported_per_role() -> None:
     document = with_changes(
-        load_example("disaggregated.yaml"), "spec.engine.enableMixedChunkOverlap", True
+        load_example("disaggregated.yaml"), "spec.engine.enableMixedChunk", True
     )
+    document = with_changes(document, "spec.engine.chunkedPrefillSize", 256)
     assert problems_of(document) == [
-        "spec.engine: the engine refuses these options: --enable-mixed-chunk-overlap needs "
-        "--enable-mixed-chunk (prefill, decode)"
+        "spec.engine: the engine refuses these options: --enable-mixed-chunk: "
+        "--chunked-prefill-size (256) must be larger than --max-running-requests (256): a mixed "
+        "step's decodes, one token each, count against it and leave the rest to the prefill "
+        "chunk (prefill, decode)"
     ]
-    document = with_changes(document, "spec.engine.enableMixedChunk", True)
-    document = with_changes(document, "spec.engine.chunkedPrefillSize", 4096)
-    parse_inference_service(document)
-    document = with_changes(document, "spec.prefill.tensorParallelSize", 2)
-    document = with_changes(document, "spec.decode.tensorParallelSize", 2)
-    assert problems_of(document) == [
-        "spec.engine: the engine refuses these options: --enable-mixed-chunk-overlap runs with "
-        "--tp-size 1 only (prefill, decode)"
-    ]
+    parse_inference_service(with_changes(document, "spec.engine.chunkedPrefillSize", 4096))
 
 
 def test_all_problems_are_reported_at_once() -> None:
@@ -304,10 +299,10 @@ def test_extra_args_the_engine_would_refuse_name_the_field_that_gave_them() -> N
         "spec.engine.extraArgs: the engine refuses these options: unrecognized arguments: "
         "--max-runing-requests 8 (prefill, decode)"
     ]
-    with_role = with_changes(document, "spec.decode.extraArgs", ["--enable-mixed-chunk-overlap"])
+    with_role = with_changes(document, "spec.decode.extraArgs", ["--page-size", "0"])
     assert problems_of(with_role) == [
-        "spec.decode.extraArgs: the engine refuses these options: --enable-mixed-chunk-overlap "
-        "needs --enable-mixed-chunk (decode)"
+        "spec.decode.extraArgs: the engine refuses these options: --page-size must be at least 1, "
+        "got 0 (decode)"
     ]
     server_option = with_changes(document, "spec.prefill.extraArgs", ["--watchdog-timeout", "1"])
     assert problems_of(server_option) == [
