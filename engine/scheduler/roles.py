@@ -196,8 +196,18 @@ class _RoomRole(MixedRole):
     def _failed(
         self, req: Req, error: str, reason: FailureReason, status: int | None = None
     ) -> RoomFailed:
-        self._failures[reason.value] = self._failures.get(reason.value, 0) + 1
+        self._count_failure(reason)
         return RoomFailed(req, failure(error, reason, status))
+
+    def _count_failure(self, reason: FailureReason) -> None:
+        self._failures[reason.value] = self._failures.get(reason.value, 0) + 1
+
+    def _ended_early(self, req: Req) -> None:
+        """A request aborted here (its client left) while its room was still open: the room
+        failed on this engine too, though the other engine may never say so (its own request
+        was aborted as well, by the router)."""
+        if req.finish_reason is not None and req.finish_reason.kind == "abort":
+            self._count_failure(FailureReason.ABORTED)
 
     def num_held(self) -> int:
         held = (ReqStatus.TRANSFERRING, ReqStatus.AWAITING_KV)
@@ -292,6 +302,7 @@ class PrefillRole(_RoomRole):
             if req.finish_reason and req.finish_reason.kind == "abort"
             else FailureReason.REFUSED
         )
+        self._ended_early(req)
         self.transfers.abandon(
             room, reason, f"the prefill engine ended the request: {message or reason.value}"
         )
@@ -386,8 +397,10 @@ class DecodeRole(_RoomRole):
             return
         message = (req.finish_reason.message if req.finish_reason else None) or "the request ended"
         if req.status is ReqStatus.WAITING:
+            self._ended_early(req)
             self.transfers.refuse(req.bootstrap, message)
         elif req.status is ReqStatus.AWAITING_KV and self.transfers.waiting(req.bootstrap.room):
+            self._ended_early(req)
             self._held.add(req.bootstrap.room)
             self.transfers.cancel(req.bootstrap.room, message)
 

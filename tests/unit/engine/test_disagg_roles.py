@@ -277,7 +277,9 @@ def test_a_decode_request_aborted_while_its_kv_may_come_keeps_its_slots_until_no
     [aborted] = decode.abort_request("d0", "the client disconnected")
     assert aborted.finish_reason.kind == "abort"
     assert decode.scheduler.kv.committed_tokens() >= 60  # the slots are held, not reused yet
-    assert decode.role.stats().requests_by_state == {"finished": 1}  # and the gauge says so
+    stats = decode.role.stats()
+    assert stats.requests_by_state == {"finished": 1}  # and the gauge says so
+    assert stats.failures_by_reason == {"aborted": 1}  # kubesgl_disagg_failures_total
     if when == "before the write":  # the cancel is at the prefill engine before its request is
         facts = prefill.role.transfers.link._facts.queue
         step_until([decode], lambda: any(isinstance(fact, RoomCancelled) for fact in facts))
