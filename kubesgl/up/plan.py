@@ -10,6 +10,7 @@ there is no GPU, and the router's pod discovery, which becomes the list of engin
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import sys
@@ -49,8 +50,33 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kubesgl"
 
 
+# Where the ports of the processes come from: below the kernel's range for outgoing
+# connections (Linux 32768-60999, macOS 49152-65535 by default). A port from that range
+# (what binding port 0 gives) is free when picked, but any connection may take it before the
+# engine binds it, and a replica restarts on the same port.
+PORT_RANGE = range(20000, 32768)
+
+
+def _outgoing_ports() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):  # not Linux
+        return range(49152, 65536)
+    return range(low, high + 1)
+
+
 def pick_free_port() -> int:
-    with socket.socket() as s:
+    """A port free now and outside the range of outgoing connections, where there is one."""
+    outgoing = _outgoing_ports()
+    candidates = [port for port in PORT_RANGE if port not in outgoing]
+    for port in random.sample(candidates, min(len(candidates), 64)):
+        with socket.socket() as s:
+            try:
+                s.bind((ENGINE_HOST, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the kernel's range covers them all: any free port
         s.bind((ENGINE_HOST, 0))
         return s.getsockname()[1]
 

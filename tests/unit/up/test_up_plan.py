@@ -299,3 +299,23 @@ def test_stop_timeouts_are_the_pods_grace_periods_without_the_prestop_pause():
 def test_the_routers_url_brackets_an_ipv6_address():
     router = local_plan(example("quickstart"), host="::1").router
     assert router.url == f"http://[::1]:{router.port}"
+
+
+def test_ports_come_from_outside_the_range_of_outgoing_connections(monkeypatch) -> None:
+    """A port that binding port 0 gives is in the kernel's range for outgoing connections: any
+    connection could take it before the engine binds it, and a prefill engine crash-looped on
+    its bootstrap port so (a replica restarts on the same port)."""
+    import socket
+
+    from kubesgl.up import plan as plan_module
+
+    outgoing = plan_module._outgoing_ports()
+    ports = {plan_module.pick_free_port() for _ in range(20)}
+    assert all(port in plan_module.PORT_RANGE and port not in outgoing for port in ports)
+    with socket.socket() as taken:
+        taken.bind((ENGINE_HOST, 0))
+        busy = taken.getsockname()[1]
+        taken.listen()
+        monkeypatch.setattr(plan_module, "PORT_RANGE", range(busy, busy + 1))
+        monkeypatch.setattr(plan_module, "_outgoing_ports", lambda: range(0))
+        assert plan_module.pick_free_port() != busy  # in use: another free port instead
