@@ -200,15 +200,18 @@ Reply = BufferedReply | StreamingReply
 class Attempt:
     """One request on one worker: counts it in flight and records its outcome exactly once."""
 
-    __slots__ = ("worker", "_metrics", "_finished", "_trial", "worker_failed")
+    __slots__ = ("worker", "_breaker", "_metrics", "_finished", "_trial", "worker_failed")
 
     def __init__(self, worker: Worker, metrics: RouterMetrics) -> None:
         self.worker = worker
+        # The breaker it was sent under: a worker that re-entered the pool since (a restart,
+        # as far as the router can tell) has a new one, which this request's end must not move.
+        self._breaker = worker.breaker
         self._metrics = metrics
         self._finished = False
         self.worker_failed: bool | None = None  # set at the end; None: cancelled
         worker.in_flight += 1
-        self._trial = worker.breaker.begin()
+        self._trial = self._breaker.begin()
 
     def finish(self, status: str, *, worker_failed: bool | None) -> None:
         """`worker_failed` None: the request was cancelled (the client left, or the other side
@@ -218,20 +221,21 @@ class Attempt:
         self._finished = True
         self.worker_failed = worker_failed
         self.worker.in_flight -= 1
+        breaker = self._breaker
         if self._trial:
-            self.worker.breaker.end_trial()
+            breaker.end_trial()
         if worker_failed:
-            was_open = not self.worker.breaker.allows_requests()
-            self.worker.breaker.record_failure()
-            if not was_open and not self.worker.breaker.allows_requests():
+            was_open = not breaker.allows_requests()
+            breaker.record_failure()
+            if not was_open and not breaker.allows_requests() and breaker is self.worker.breaker:
                 log.warning(
                     "worker %s: circuit breaker open after %d failed requests (%s)",
                     self.worker.url,
-                    self.worker.breaker.consecutive_failures,
+                    breaker.consecutive_failures,
                     status,
                 )
         elif worker_failed is False:
-            self.worker.breaker.record_success()
+            breaker.record_success()
         self._metrics.attempt_finished(self.worker, status)
 
 

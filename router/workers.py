@@ -183,8 +183,19 @@ class WorkerRegistry:
         return pair or not self.available(Role.MIXED)
 
     def set_healthy(self, worker: Worker, healthy: bool, reason: str = "") -> None:
+        """A worker that (re-)enters the pool gets a new, closed circuit breaker: one that left it
+        (its connection broke, or it failed health checks) and passes them again may be a
+        restarted process, and the failures of the requests its crash cut must not keep it out.
+        Requests still running from before report to the breaker they started with."""
         if worker.healthy != healthy:
             worker.healthy = healthy
+            if healthy:
+                if worker.breaker.consecutive_failures:
+                    reason = (
+                        f"its circuit breaker ({worker.breaker.state.value}, "
+                        f"{worker.breaker.consecutive_failures} failed requests) is reset"
+                    )
+                worker.breaker = self.make_breaker()
             level = logging.INFO if healthy else logging.WARNING
             log.log(
                 level,

@@ -6,6 +6,9 @@ import asyncio
 import json
 
 import pytest
+from router_fakes import KVTransferTable
+
+from kubesgl.router.routing import DisaggregationSettings
 
 pytestmark = pytest.mark.asyncio
 
@@ -70,6 +73,50 @@ async def test_worker_killed_mid_run(engines, start_router, client):
                 response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
                 assert response.status_code == 200
         assert served_by(response) == "b"
+
+
+async def test_a_restarted_worker_serves_a_burst_at_once(engines, start_router, client):
+    """The requests a crash cuts open the worker's circuit; back through its health checks it is
+    a new process as far as the router can tell: closed circuit, the whole burst served, and the
+    router's /health 200 meanwhile (a cooldown longer than the test: no half-open trial helps)."""
+    kv = KVTransferTable()
+    prefill = await engines("p", "prefill", kv=kv, bootstrap_port=9100)
+    decode = await engines("d", "decode", kv=kv)
+    decode.hold = asyncio.Event()
+    async with start_router(
+        prefill=[(prefill.url, prefill.bootstrap_port)],
+        decode=[decode.url],
+        disaggregation=DisaggregationSettings(min_prefill_tokens=0),
+        breaker_failure_threshold=5,
+        breaker_cooldown_s=600,
+    ) as router:
+        await router.ready()
+        cut = [
+            asyncio.ensure_future(
+                client.post(router.url + "/v1/completions", json={"prompt": f"long {i}"})
+            )
+            for i in range(8)
+        ]
+        await decode.wait_for_requests(8)
+        await decode.kill()
+        assert {(await answer).status_code for answer in cut} == {502}
+        worker = router.app.workers.get(decode.url)
+        assert not worker.healthy and worker.breaker.state == "open"
+
+        decode.hold = None
+        await decode.restart()
+        async with asyncio.timeout(10):
+            await router.app.workers.wait_for(lambda: worker.healthy)
+        listing = (await client.get(router.url + "/workers")).json()["workers"]
+        assert {w["url"]: w["circuit"] for w in listing}[decode.url] == "closed"
+        burst = await asyncio.gather(
+            *(
+                client.post(router.url + "/v1/completions", json={"prompt": f"after {i}"})
+                for i in range(6)
+            ),
+            client.get(router.url + "/health"),
+        )
+        assert [r.status_code for r in burst] == [200] * 7, [r.text for r in burst]
 
 
 @pytest.mark.parametrize("stream", [False, True])

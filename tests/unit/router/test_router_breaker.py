@@ -78,3 +78,56 @@ def test_a_cancelled_request_says_nothing_of_the_worker():
     assert worker.breaker.consecutive_failures == 1
     Attempt(worker, metrics).finish("500", worker_failed=True)
     assert worker.breaker.state is BreakerState.OPEN and worker.in_flight == 0
+
+
+def test_a_worker_that_re_enters_the_pool_gets_a_closed_breaker():
+    """A crash fails every request in flight, each a failure for the breaker; the restarted
+    worker that passes its health checks again must serve a burst, not one trial at a time."""
+    from kubesgl.router.metrics import RouterMetrics
+    from kubesgl.router.upstream import Attempt
+    from kubesgl.router.workers import Role, WorkerRegistry
+
+    clock = Clock()
+    registry = WorkerRegistry(make_breaker=lambda: CircuitBreaker(5, cooldown_s=10, clock=clock))
+    metrics = RouterMetrics(registry)
+    worker = registry.add("http://w:1", Role.DECODE)
+    registry.set_healthy(worker, True)
+    cut = [Attempt(worker, metrics) for _ in range(8)]
+    straggler = cut.pop()  # its end comes only after the restart
+    for attempt in cut:  # the crash: connections break, the worker leaves the pool
+        registry.mark_lost(worker)
+        attempt.finish("error", worker_failed=True)
+    assert worker.breaker.state is BreakerState.OPEN and not worker.can_serve()
+    clock.now += 10  # half-open by now: one trial at a time, were the breaker kept
+    registry.set_healthy(worker, True)  # health checks pass again
+    assert worker.breaker.state is BreakerState.CLOSED and worker.breaker.consecutive_failures == 0
+    burst = [Attempt(worker, metrics) for _ in range(6)]
+    assert worker.can_serve() and registry.available(Role.DECODE) == [worker]
+    straggler.finish("error", worker_failed=True)  # sent to the old process: not counted
+    assert worker.breaker.consecutive_failures == 0
+    for attempt in burst:
+        attempt.finish("200", worker_failed=False)
+    assert worker.in_flight == 0
+
+
+def test_a_worker_that_stays_in_the_pool_keeps_its_open_breaker():
+    """Health checks that keep passing do not close the circuit of a worker that answers 5xx."""
+    from kubesgl.router.metrics import RouterMetrics
+    from kubesgl.router.upstream import Attempt
+    from kubesgl.router.workers import Role, WorkerRegistry
+
+    clock = Clock()
+    registry = WorkerRegistry(make_breaker=lambda: CircuitBreaker(2, cooldown_s=10, clock=clock))
+    metrics = RouterMetrics(registry)
+    worker = registry.add("http://w:1", Role.MIXED)
+    registry.set_healthy(worker, True)
+    for _ in range(2):
+        Attempt(worker, metrics).finish("500", worker_failed=True)
+    registry.set_healthy(worker, True)  # another passing check: no change of state
+    assert worker.breaker.state is BreakerState.OPEN and not worker.can_serve()
+    clock.now += 10
+    trial = Attempt(worker, metrics)
+    registry.set_healthy(worker, True)
+    assert not worker.can_serve()  # half-open, its one trial running
+    trial.finish("500", worker_failed=True)
+    assert worker.breaker.state is BreakerState.OPEN
