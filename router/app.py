@@ -390,7 +390,9 @@ class RouterApp:
 
     async def _health_status(self, scope: Scope, body: bytes) -> Reply:
         if (role := self.missing_role()) is not None:  # the answer says which role, and why
-            raise self.forwarder.no_worker_error(role)
+            # Returned, not raised: the router's readiness answer is no request it rejected, and
+            # counts in no rejection (or no-worker request) metric.
+            return _error_reply(self.forwarder.no_worker_error(role))
         return json_reply(200, {"status": "ok"})
 
     async def _metrics(self, scope: Scope, body: bytes) -> Reply:

@@ -179,6 +179,39 @@ async def test_no_worker_is_a_503_with_a_clear_message(start_router, client):
     assert error["code"] is None and "no worker is registered" in error["message"]
 
 
+async def test_health_503_is_no_rejection(engines, start_router, client):
+    """Rejections are requests sent to no worker; the readiness answer of the router itself is
+    none (`kubesgl up` asks it twice a second while the pool is not ready)."""
+
+    def counted(metrics: str) -> dict[str, float]:
+        lines = [line.split() for line in metrics.splitlines() if line and line[0] != "#"]
+        return {
+            name: float(value)
+            for name, value in lines
+            if name.startswith("kubesgl_router_rejections_total{")
+            or name == 'kubesgl_router_requests_total{status="503",worker=""}'
+        }
+
+    a = await engines("a")
+    a.healthy = False
+    async with start_router(workers=[a.url]) as router:
+        before = counted((await client.get(router.url + "/metrics")).text)
+        healths = [await client.get(router.url + "/health") for _ in range(3)]
+        after_health = counted((await client.get(router.url + "/metrics")).text)
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        after_request = counted((await client.get(router.url + "/metrics")).text)
+    assert [h.status_code for h in healths] == [503] * 3
+    error = healths[0].json()["error"]
+    assert error["type"] == "service_unavailable" and "1 failing health checks" in error["message"]
+    assert response.status_code == 503 and response.json() == healths[0].json()
+    assert before and all(v == 0 for v in before.values()) and after_health == before
+    assert after_request == {
+        **before,
+        'kubesgl_router_rejections_total{reason="no_worker",status="503"}': 1.0,
+        'kubesgl_router_requests_total{status="503",worker=""}': 1.0,
+    }
+
+
 async def test_unknown_route_and_wrong_method(start_router, client):
     async with start_router() as router:
         missing = await client.get(router.url + "/nope")
