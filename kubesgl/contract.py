@@ -53,3 +53,9 @@ SGLANG_BOOTSTRAP_PORT_ANNOTATION: Final = "sglang.ai/bootstrap-port"
 # `spec.model.tiny`, and `kubesgl up` runs it
 TinyArch = Literal["llama", "mistral", "qwen2", "qwen3", "qwen3-moe"]
 TINY_ARCHS: Final[tuple[TinyArch, ...]] = ("llama", "mistral", "qwen2", "qwen3", "qwen3-moe")
+
+# `--log-level` of every command (engine, router, operator), `spec.engine.logLevel` and the
+# chart's `logLevel` (its values.schema.json lists them, tests/unit/operator/test_operator_chart.py
+# checks it)
+LogLevel = Literal["debug", "info", "warning", "error"]
+LOG_LEVELS: Final[tuple[LogLevel, ...]] = ("debug", "info", "warning", "error")

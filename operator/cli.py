@@ -9,10 +9,9 @@ import sys
 import kopf
 
 from kubesgl.cli_help import DefaultsOnce
+from kubesgl.contract import LOG_LEVELS
 from kubesgl.operator.handlers import OperatorState, registry
 from kubesgl.operator.kube import NoCluster, check_reachable, load_credentials
-
-LOG_LEVELS = ("debug", "info", "warning", "error")  # the chart's values.schema.json lists them too
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -12,7 +12,7 @@ from kubernetes.utils import parse_quantity
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
 from pydantic.alias_generators import to_camel
 
-from kubesgl.contract import DECODE, MIXED, PREFILL, EngineRole, TinyArch
+from kubesgl.contract import DECODE, MIXED, PREFILL, EngineRole, LogLevel, TinyArch
 from kubesgl.engine.config import (
     AttentionBackendName,
     Device,
@@ -114,7 +114,7 @@ class EngineSpec(SpecModel):
     enable_piecewise_cuda_graph: bool = False
 
     api_key_secret: SecretKeyRef | None = None
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: LogLevel = "info"
     shutdown_timeout_seconds: int = Field(default=60, ge=1)
     extra_args: list[str] = Field(default_factory=list)
 

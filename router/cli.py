@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from kubesgl import contract
 from kubesgl.cli_help import DefaultsOnce
-from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
+from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV, LOG_LEVELS
 from kubesgl.router.config import KubeDiscoverySettings, RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import parse_selector
 from kubesgl.router.health import HealthSettings
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--log-level",
         default="info",
-        choices=["debug", "info", "warning", "error"],
+        choices=LOG_LEVELS,
         help="log level",
     )
     s.add_argument(

@@ -8,13 +8,11 @@ import argparse
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from kubesgl.contract import ENGINE_PORT
+from kubesgl.contract import ENGINE_PORT, LOG_LEVELS
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import HEARTBEAT_S
 from kubesgl.engine.server.api_key import add_api_key_args
-
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass

@@ -229,7 +229,7 @@ def test_values_the_operator_would_refuse_fail_at_install(
 def test_the_schema_log_levels_are_the_operators() -> None:
     import json
 
-    from kubesgl.operator.cli import LOG_LEVELS
+    from kubesgl.contract import LOG_LEVELS
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert tuple(schema["properties"]["logLevel"]["enum"]) == LOG_LEVELS
