@@ -136,8 +136,10 @@ class Server:
     def _hang(self, client: EngineClient) -> str | None:
         """Loading has no watchdog (a large checkpoint may take its time); a ready engine
         that has sent nothing for --watchdog-timeout seconds has hung."""
+        if not client.ready.is_set():  # read first: heard_at is set before ready, never after
+            return None
         silent_s = time.monotonic() - client.heard_at
-        if client.ready.is_set() and silent_s > self.options.watchdog_timeout:
+        if silent_s > self.options.watchdog_timeout:
             return (
                 f"the scheduler has sent nothing for {silent_s:.0f} s (--watchdog-timeout "
                 f"{self.options.watchdog_timeout:g}): a step hung"

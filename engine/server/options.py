@@ -28,9 +28,9 @@ class ServerOptions:
     log_level: str = "info"
 
     def validate(self) -> None:
-        if self.watchdog_timeout < 2 * HEARTBEAT_S:
+        if self.watchdog_timeout < 3 * HEARTBEAT_S:  # slack for a late turn and the hops
             raise ValueError(
-                f"--watchdog-timeout must be at least {2 * HEARTBEAT_S:g} s: an idle scheduler "
+                f"--watchdog-timeout must be at least {3 * HEARTBEAT_S:g} s: an idle scheduler "
                 f"says it is alive every {HEARTBEAT_S:g} s"
             )
 

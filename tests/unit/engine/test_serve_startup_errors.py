@@ -140,8 +140,8 @@ def test_tensor_parallel_fit(tiny_model, arch, tp_size, fits):
             check_engine(config)
 
 
-def test_a_watchdog_timeout_shorter_than_two_heartbeats(serve, tiny_model, capsys):
+def test_a_watchdog_timeout_shorter_than_three_heartbeats(serve, tiny_model, capsys):
     with pytest.raises(SystemExit) as refused:
-        serve("--model", tiny_model("llama"), "--device", "cpu", "--watchdog-timeout", "1")
+        serve("--model", tiny_model("llama"), "--device", "cpu", "--watchdog-timeout", "2")
     assert refused.value.code == 2
-    assert "--watchdog-timeout must be at least 2 s" in capsys.readouterr().err
+    assert "--watchdog-timeout must be at least 3 s" in capsys.readouterr().err
