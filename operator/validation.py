@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from kubesgl import contract
 from kubesgl.contract import ENGINE_ROLES, EngineRole
 from kubesgl.engine.server.options import check_serve_args
+from kubesgl.operator.render.common import ENV_REFERENCE, expand_references
 from kubesgl.operator.render.engine import engine_args
 from kubesgl.operator.spec import GPU_RESOURCE, InferenceService, InferenceServiceSpec, RoleSpec
 
@@ -96,21 +97,28 @@ def _engine_problems(isvc: InferenceService) -> list[Problem]:
 def _serve_args_problem(
     isvc: InferenceService, role: EngineRole, block: RoleSpec
 ) -> tuple[str, str] | None:
-    """(the field to blame, why) for the first part of the command line that the engine
-    refuses: the spec's own options, then spec.engine.extraArgs, then the role's."""
-    argv = engine_args(isvc, role, block)[1:]  # after `serve`
-    role_extra, shared_extra = len(block.extra_args), len(isvc.spec.engine.extra_args)
-    own = len(argv) - role_extra - shared_extra
+    """Why the engine would refuse the role's command line, and the field to blame: the first
+    of the spec's own options, spec.engine.extraArgs and the role's extraArgs that brings the
+    problem (extraArgs may also mend what comes before them: they override)."""
+    values = {variable.name: variable.value for variable in block.env if variable.value is not None}
+    argv = expand_references(engine_args(isvc, role, block)[1:], values)  # after `serve`
+    if any(ENV_REFERENCE.search(arg) for arg in argv):
+        return None  # a variable from a Secret, a ConfigMap or the pod: known in the pod only
+    try:
+        check_serve_args(argv)
+        return None
+    except ValueError as error:
+        problem = str(error)
+    own = len(argv) - len(block.extra_args) - len(isvc.spec.engine.extra_args)
     for field, end in (
         ("spec.engine", own),
-        ("spec.engine.extraArgs", own + shared_extra),
-        (f"spec.{role}.extraArgs", len(argv)),
+        ("spec.engine.extraArgs", own + len(isvc.spec.engine.extra_args)),
     ):
         try:
             check_serve_args(argv[:end])
         except ValueError as error:
             return field, str(error)
-    return None
+    return f"spec.{role}.extraArgs", problem
 
 
 def _env_problems(spec: InferenceServiceSpec) -> list[Problem]:

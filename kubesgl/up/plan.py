@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -23,6 +22,7 @@ from kubesgl import contract
 from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
 from kubesgl.engine.config import ENGINE_OPTIONS
 from kubesgl.operator.render import render
+from kubesgl.operator.render.common import expand_references
 from kubesgl.operator.spec import InferenceService, ModelSpec
 from kubesgl.operator.validation import InvalidSpec, Problem
 
@@ -65,20 +65,36 @@ def _outgoing_ports() -> range:
     return range(low, high + 1)
 
 
-def pick_free_port() -> int:
-    """A port free now and outside the range of outgoing connections, where there is one."""
-    outgoing = _outgoing_ports()
-    candidates = [port for port in PORT_RANGE if port not in outgoing]
-    for port in random.sample(candidates, min(len(candidates), 64)):
-        with socket.socket() as s:
-            try:
-                s.bind((ENGINE_HOST, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # the kernel's range covers them all: any free port
-        s.bind((ENGINE_HOST, 0))
-        return s.getsockname()[1]
+class PortPicker:
+    """Hands out ports free now and outside the range of outgoing connections (where there is
+    one), never the same twice: a plan picks every port before any process binds one."""
+
+    def __init__(self) -> None:
+        self.handed_out: set[int] = set()
+
+    def __call__(self) -> int:
+        outgoing = _outgoing_ports()
+        candidates = [p for p in PORT_RANGE if p not in outgoing and p not in self.handed_out]
+        for port in random.sample(candidates, min(len(candidates), 64)):
+            if _free(port):
+                self.handed_out.add(port)
+                return port
+        while True:  # the kernel's range covers them all: what it gives
+            with socket.socket() as s:
+                s.bind((ENGINE_HOST, 0))
+                port = s.getsockname()[1]
+            if port not in self.handed_out:
+                self.handed_out.add(port)
+                return port
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((ENGINE_HOST, port))
+        except OSError:
+            return False
+        return True
 
 
 class NotEnoughGpus(Exception):
@@ -137,7 +153,7 @@ class LocalSettings:
     model: str | None = None  # a local folder that replaces spec.model
     cache_dir: Path = field(default_factory=default_cache_dir)  # models made or downloaded here
     environ: Mapping[str, str] = field(default_factory=dict)  # where Secrets' values come from
-    free_port: Callable[[], int] = pick_free_port
+    free_port: Callable[[], int] = field(default_factory=PortPicker)
 
 
 @dataclass(frozen=True)
@@ -293,7 +309,7 @@ def _engine(
     return LocalProcess(
         name,
         role,
-        (*_local_command(container["command"]), *_expand(args, env)),
+        (*_local_command(container["command"]), *expand_references(args, env)),
         env,
         port,
         _stop_timeout(pod),
@@ -361,12 +377,6 @@ def _unset_secret_keys(container: dict[str, Any]) -> tuple[str, ...]:
     in its environment would require it where the pod would not."""
     present = {variable["name"] for variable in container.get("env", [])}
     return tuple(name for name in _SECRET_KEYS if name not in present)
-
-
-def _expand(args: list[str], env: Mapping[str, str]) -> list[str]:
-    """$(VAR) references to the container's variables, expanded as the kubelet does."""
-    reference = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-    return [reference.sub(lambda m: env.get(m.group(1), m.group(0)), arg) for arg in args]
 
 
 def _stop_timeout(pod: dict[str, Any]) -> float:

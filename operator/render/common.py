@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 from kubesgl import contract
@@ -12,6 +14,16 @@ Object = dict[str, Any]
 
 # Engine and router images run as this unprivileged user (see the Dockerfile).
 RUN_AS_USER = 1000
+
+
+# $(VAR) in a container's command or args: the kubelet puts the container's variable there
+ENV_REFERENCE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def expand_references(args: list[str], env: Mapping[str, str]) -> list[str]:
+    """$(VAR) references to the variables in `env`, expanded as the kubelet does; a reference
+    to another variable stays as it is."""
+    return [ENV_REFERENCE.sub(lambda m: env.get(m.group(1), m.group(0)), arg) for arg in args]
 
 
 def metadata(isvc: InferenceService, name: str, role: contract.PodRole | None = None) -> Object:

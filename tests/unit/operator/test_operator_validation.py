@@ -307,8 +307,42 @@ def test_extra_args_the_engine_would_refuse_name_the_field_that_gave_them() -> N
     server_option = with_changes(document, "spec.prefill.extraArgs", ["--watchdog-timeout", "1"])
     assert problems_of(server_option) == [
         "spec.prefill.extraArgs: the engine refuses these options: --watchdog-timeout must be "
-        "at least 2 s: an idle scheduler says it is alive every 1 s (prefill)"
+        "at least 3 s: an idle scheduler says it is alive every 1 s (prefill)"
     ]
     assert problems_of(with_changes(document, "spec.decode.extraArgs", ["--help"]))
     fine = with_changes(document, "spec.decode.extraArgs", ["--max-running-requests", "8"])
     parse_inference_service(fine)
+
+
+def test_the_command_line_is_checked_as_the_pod_runs_it() -> None:
+    """extraArgs override the spec's own options, a flag's value may come after the shared
+    extraArgs, and $(VAR) takes the role's variable as the kubelet expands it."""
+    document = with_changes(
+        load_example("disaggregated.yaml"), "spec.engine.enableMixedChunk", True
+    )
+    document = with_changes(document, "spec.engine.chunkedPrefillSize", 256)
+    parse_inference_service(
+        with_changes(document, "spec.engine.extraArgs", ["--max-running-requests", "128"])
+    )
+    split = with_changes(
+        load_example("disaggregated.yaml"), "spec.engine.extraArgs", ["--page-size"]
+    )
+    for role in ("prefill", "decode"):
+        split = with_changes(split, f"spec.{role}.extraArgs", ["16"])
+    parse_inference_service(split)
+    by_variable = with_changes(
+        load_example("disaggregated.yaml"), "spec.engine.extraArgs", ["--page-size", "$(PAGES)"]
+    )
+    for role, value in (("prefill", "16"), ("decode", "0")):
+        by_variable = with_changes(
+            by_variable, f"spec.{role}.env", [{"name": "PAGES", "value": value}]
+        )
+    assert problems_of(by_variable) == [
+        "spec.engine.extraArgs: the engine refuses these options: --page-size must be at least "
+        "1, got 0 (decode)"
+    ]
+    from_secret = {"secretKeyRef": {"name": "s", "key": "k"}}
+    by_variable = with_changes(
+        by_variable, "spec.decode.env", [{"name": "PAGES", "valueFrom": from_secret}]
+    )
+    parse_inference_service(by_variable)  # known in the pod only: not checked

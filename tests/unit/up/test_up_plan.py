@@ -309,13 +309,15 @@ def test_ports_come_from_outside_the_range_of_outgoing_connections(monkeypatch) 
 
     from kubesgl.up import plan as plan_module
 
-    outgoing = plan_module._outgoing_ports()
-    ports = {plan_module.pick_free_port() for _ in range(20)}
-    assert all(port in plan_module.PORT_RANGE and port not in outgoing for port in ports)
+    monkeypatch.setattr(plan_module, "_outgoing_ports", lambda: range(32768, 61000))
+    pick = plan_module.PortPicker()
+    ports = [pick() for _ in range(40)]
+    assert all(port in plan_module.PORT_RANGE for port in ports)
+    assert len(set(ports)) == len(ports)  # a plan picks them all before any is bound
     with socket.socket() as taken:
         taken.bind((ENGINE_HOST, 0))
         busy = taken.getsockname()[1]
         taken.listen()
         monkeypatch.setattr(plan_module, "PORT_RANGE", range(busy, busy + 1))
         monkeypatch.setattr(plan_module, "_outgoing_ports", lambda: range(0))
-        assert plan_module.pick_free_port() != busy  # in use: another free port instead
+        assert plan_module.PortPicker()() != busy  # in use: another free port instead
