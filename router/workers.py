@@ -78,6 +78,7 @@ class Worker:
     in_flight: int = 0
     health_failures: int = 0  # consecutive failed health checks
     health_successes: int = 0  # consecutive passed health checks
+    lost: bool = False  # out of the pool since its connection broke: maybe a restart to come
 
     @property
     def host(self) -> str:
@@ -183,18 +184,21 @@ class WorkerRegistry:
         return pair or not self.available(Role.MIXED)
 
     def set_healthy(self, worker: Worker, healthy: bool, reason: str = "") -> None:
-        """A worker that (re-)enters the pool gets a new, closed circuit breaker: one that left it
-        (its connection broke, or it failed health checks) and passes them again may be a
-        restarted process, and the failures of the requests its crash cut must not keep it out.
-        Requests still running from before report to the breaker they started with."""
+        """A worker that left the pool because its connection broke and passes health checks
+        again gets a new, closed circuit breaker: it is most likely a restarted process, and
+        the failures of the requests its crash cut must not keep it out. (One that only failed
+        health checks, slow under load say, keeps its breaker.) Requests still running from
+        before report to the breaker they started with."""
         if worker.healthy != healthy:
             worker.healthy = healthy
-            if healthy:
+            if healthy and worker.lost:
+                worker.lost = False
                 if worker.breaker.consecutive_failures:
-                    reason = (
+                    reset = (
                         f"its circuit breaker ({worker.breaker.state.value}, "
                         f"{worker.breaker.consecutive_failures} failed requests) is reset"
                     )
+                    reason = f"{reason}; {reset}" if reason else reset
                 worker.breaker = self.make_breaker()
             level = logging.INFO if healthy else logging.WARNING
             log.log(
@@ -210,6 +214,7 @@ class WorkerRegistry:
         """Its connection broke: out of the pool until health checks pass again."""
         if self._workers.get(worker.url) is worker:
             worker.health_successes = 0
+            worker.lost = True
             self.set_healthy(worker, False, "its connection broke during a request")
 
     async def wait_for(self, condition: Callable[[], bool]) -> None:

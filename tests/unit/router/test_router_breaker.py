@@ -131,3 +131,22 @@ def test_a_worker_that_stays_in_the_pool_keeps_its_open_breaker():
     assert not worker.can_serve()  # half-open, its one trial running
     trial.finish("500", worker_failed=True)
     assert worker.breaker.state is BreakerState.OPEN
+
+
+def test_a_worker_that_only_failed_health_checks_keeps_its_breaker():
+    """Health checks that time out under load and pass again are no restart: a worker that
+    answers 5xx and flaps so must not get a closed circuit each time it comes back."""
+    from kubesgl.router.metrics import RouterMetrics
+    from kubesgl.router.upstream import Attempt
+    from kubesgl.router.workers import Role, WorkerRegistry
+
+    clock = Clock()
+    registry = WorkerRegistry(make_breaker=lambda: CircuitBreaker(2, cooldown_s=10, clock=clock))
+    metrics = RouterMetrics(registry)
+    worker = registry.add("http://w:1", Role.MIXED)
+    registry.set_healthy(worker, True)
+    for _ in range(2):
+        Attempt(worker, metrics).finish("500", worker_failed=True)
+    registry.set_healthy(worker, False, "its health check timed out")
+    registry.set_healthy(worker, True)
+    assert worker.breaker.state is BreakerState.OPEN and not worker.can_serve()
