@@ -34,9 +34,8 @@ VARIANTS = (
 
 
 def graph_of(calls: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """`calls` captured on a stream of its own, after a warm-up (JIT, autotuning) outside the
-    capture. PyTorch gives each capture stream its own cuBLAS workspace, so graphs captured
-    so can replay at once on two streams without sharing one."""
+    """`calls` captured on a side stream (as PyTorch's capture wants), after a warm-up (JIT,
+    autotuning) outside the capture."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
