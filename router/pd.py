@@ -50,9 +50,11 @@ def draw_bootstrap_room() -> int:
     return random.getrandbits(63)
 
 
-# How long a prefill engine's server error waits for its decode engine's answer (see
-# `_unless_prefill_fails`): engines tell each other at once, so this only bounds a decode
-# engine that heard nothing (its prefill partner died without a word).
+# How long one engine's error waits for the other engine's answer before the router cancels
+# that request (see `_unless_prefill_fails`, `exchange`): engines tell each other at once, and
+# a request one refuses the other refuses too (the same rules), so this only bounds an engine
+# that heard nothing (its partner died without a word). An engine whose request is cancelled
+# counts it as aborted by its client, which a refused request was not.
 DECODE_VERDICT_WAIT_S = 1.0
 
 
@@ -76,7 +78,9 @@ class PrefillDecodePair:
                 ),
                 prefill_task,
             )
-        except BaseException:
+        except BaseException as error:
+            if _refused(error):  # the decode engine's 4xx: the prefill engine's follows
+                await asyncio.wait({prefill_task}, timeout=DECODE_VERDICT_WAIT_S)
             await _cancel(prefill_task)
             raise
         if isinstance(reply, StreamingReply):
@@ -113,6 +117,8 @@ class PrefillDecodePair:
                     await asyncio.wait({decode_task}, timeout=DECODE_VERDICT_WAIT_S)
                     if _client_error(decode_task):
                         return await decode_task  # raises the decode engine's 4xx
+                elif _refused(error):  # the decode engine refuses it too, or fails when told
+                    await asyncio.wait({decode_task}, timeout=DECODE_VERDICT_WAIT_S)
                 raise error
             return await decode_task
         except BaseException:
@@ -187,6 +193,17 @@ def _client_error(task: asyncio.Task[Reply]) -> bool:
         return False
     error = task.exception()
     return isinstance(error, UpstreamError) and error.status < 500
+
+
+def _refused(error: BaseException) -> bool:
+    """An engine's 4xx answer to the request itself (not a refusal before any work, such as
+    a 429, which is retried on another pair)."""
+    return (
+        isinstance(error, UpstreamError)
+        and error.answered
+        and error.status < 500
+        and not error.retryable
+    )
 
 
 async def _cancel(task: asyncio.Future[Any]) -> None:

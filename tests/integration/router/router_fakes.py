@@ -176,7 +176,11 @@ class FakeEngine:
         if unauthorized is not None:
             return unauthorized
         if self.fail_status is not None:
-            await asyncio.sleep(self.fail_after_s)
+            try:
+                await asyncio.sleep(self.fail_after_s)
+            except asyncio.CancelledError:
+                self.client_gone.set()
+                raise
             return _error(self.fail_status, f"{self.name} fails on purpose")
         if self.prefix_cache_chars:
             self._record_prompt(_prompt_of(request.path, body))
