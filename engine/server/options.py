@@ -10,7 +10,6 @@ from typing import NoReturn
 
 from kubesgl.contract import ENGINE_PORT, LOG_LEVELS
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
-from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import HEARTBEAT_S
 from kubesgl.engine.server.api_key import add_api_key_args
 
@@ -110,6 +109,5 @@ def check_serve_args(argv: list[str]) -> None:
     it looks at the machine or the model): an unknown flag, a bad value, options that do not
     go together."""
     args = build_parser(_Refusing).parse_args(argv)
-    config: EngineConfig = engine_config_from_args(args)
-    config.validate()
+    engine_config_from_args(args).validate()
     server_options(args).validate()

@@ -71,10 +71,10 @@ class PortPicker:
 
     def __init__(self) -> None:
         self.handed_out: set[int] = set()
+        self.outgoing = _outgoing_ports()  # read once: a plan picks several ports
 
     def __call__(self) -> int:
-        outgoing = _outgoing_ports()
-        candidates = [p for p in PORT_RANGE if p not in outgoing and p not in self.handed_out]
+        candidates = [p for p in PORT_RANGE if p not in self.outgoing and p not in self.handed_out]
         for port in random.sample(candidates, min(len(candidates), 64)):
             if _free(port):
                 self.handed_out.add(port)

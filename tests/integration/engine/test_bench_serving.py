@@ -100,32 +100,11 @@ def test_bench_serving_counts_and_latencies(server_factory, tiny_model, tmp_path
 
 def test_bench_serving_reports_failures_and_sends_the_api_key(server_factory, tiny_model, tmp_path):
     server = server_factory(tiny_model("llama"), "--api-key", "secret")
-    code, summary = bench(
-        server.base_url,
-        tmp_path,
-        "--model",
-        "m",
-        "--num-prompts",
-        "3",
-        "--random-input-len",
-        "8",
-        "--random-output-len",
-        "2",
-    )
+    load = ["--num-prompts", "3", "--random-input-len", "8", "--random-output-len", "2"]
+    code, summary = bench(server.base_url, tmp_path, "--model", "m", *load)
     assert code == 1 and summary["failed"] == 3 and "HTTP 401" in summary["errors"][0]
     # the key goes with every request, not only with the setup calls
-    code, summary = bench(
-        server.base_url,
-        tmp_path,
-        "--api-key",
-        "secret",
-        "--num-prompts",
-        "3",
-        "--random-input-len",
-        "8",
-        "--random-output-len",
-        "2",
-    )
+    code, summary = bench(server.base_url, tmp_path, "--api-key", "secret", *load)
     assert code == 0 and summary["completed"] == 3, summary["errors"]
     assert "api_key" not in summary["config"]
 

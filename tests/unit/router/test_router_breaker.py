@@ -80,18 +80,27 @@ def test_a_cancelled_request_says_nothing_of_the_worker():
     assert worker.breaker.state is BreakerState.OPEN and worker.in_flight == 0
 
 
-def test_a_worker_that_re_enters_the_pool_gets_a_closed_breaker():
-    """A crash fails every request in flight, each a failure for the breaker; the restarted
-    worker that passes its health checks again must serve a burst, not one trial at a time."""
+def pool_of_one(role: str, failure_threshold: int):
+    """(clock, registry, metrics, worker): a registry of one healthy worker whose breakers
+    open after `failure_threshold` failures and cool down for 10 s of `clock`."""
     from kubesgl.router.metrics import RouterMetrics
-    from kubesgl.router.upstream import Attempt
     from kubesgl.router.workers import Role, WorkerRegistry
 
     clock = Clock()
-    registry = WorkerRegistry(make_breaker=lambda: CircuitBreaker(5, cooldown_s=10, clock=clock))
-    metrics = RouterMetrics(registry)
-    worker = registry.add("http://w:1", Role.DECODE)
+    registry = WorkerRegistry(
+        make_breaker=lambda: CircuitBreaker(failure_threshold, cooldown_s=10, clock=clock)
+    )
+    worker = registry.add("http://w:1", Role(role))
     registry.set_healthy(worker, True)
+    return clock, registry, RouterMetrics(registry), worker
+
+
+def test_a_worker_that_re_enters_the_pool_gets_a_closed_breaker():
+    """A crash fails every request in flight, each a failure for the breaker; the restarted
+    worker that passes its health checks again must serve a burst, not one trial at a time."""
+    from kubesgl.router.upstream import Attempt
+
+    clock, registry, metrics, worker = pool_of_one("decode", 5)
     cut = [Attempt(worker, metrics) for _ in range(8)]
     straggler = cut.pop()  # its end comes only after the restart
     for attempt in cut:  # the crash: connections break, the worker leaves the pool
@@ -102,7 +111,7 @@ def test_a_worker_that_re_enters_the_pool_gets_a_closed_breaker():
     registry.set_healthy(worker, True)  # health checks pass again
     assert worker.breaker.state is BreakerState.CLOSED and worker.breaker.consecutive_failures == 0
     burst = [Attempt(worker, metrics) for _ in range(6)]
-    assert worker.can_serve() and registry.available(Role.DECODE) == [worker]
+    assert worker.can_serve() and registry.available(worker.role) == [worker]
     straggler.finish("error", worker_failed=True)  # sent to the old process: not counted
     assert worker.breaker.consecutive_failures == 0
     for attempt in burst:
@@ -112,15 +121,9 @@ def test_a_worker_that_re_enters_the_pool_gets_a_closed_breaker():
 
 def test_a_worker_that_stays_in_the_pool_keeps_its_open_breaker():
     """Health checks that keep passing do not close the circuit of a worker that answers 5xx."""
-    from kubesgl.router.metrics import RouterMetrics
     from kubesgl.router.upstream import Attempt
-    from kubesgl.router.workers import Role, WorkerRegistry
 
-    clock = Clock()
-    registry = WorkerRegistry(make_breaker=lambda: CircuitBreaker(2, cooldown_s=10, clock=clock))
-    metrics = RouterMetrics(registry)
-    worker = registry.add("http://w:1", Role.MIXED)
-    registry.set_healthy(worker, True)
+    clock, registry, metrics, worker = pool_of_one("mixed", 2)
     for _ in range(2):
         Attempt(worker, metrics).finish("500", worker_failed=True)
     registry.set_healthy(worker, True)  # another passing check: no change of state
@@ -136,15 +139,9 @@ def test_a_worker_that_stays_in_the_pool_keeps_its_open_breaker():
 def test_a_worker_that_only_failed_health_checks_keeps_its_breaker():
     """Health checks that time out under load and pass again are no restart: a worker that
     answers 5xx and flaps so must not get a closed circuit each time it comes back."""
-    from kubesgl.router.metrics import RouterMetrics
     from kubesgl.router.upstream import Attempt
-    from kubesgl.router.workers import Role, WorkerRegistry
 
-    clock = Clock()
-    registry = WorkerRegistry(make_breaker=lambda: CircuitBreaker(2, cooldown_s=10, clock=clock))
-    metrics = RouterMetrics(registry)
-    worker = registry.add("http://w:1", Role.MIXED)
-    registry.set_healthy(worker, True)
+    clock, registry, metrics, worker = pool_of_one("mixed", 2)
     for _ in range(2):
         Attempt(worker, metrics).finish("500", worker_failed=True)
     registry.set_healthy(worker, False, "its health check timed out")
