@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation (docs/disaggregation.md): one request, sent to a prefill and a decode
 worker at once, tied together by `bootstrap_host`, `bootstrap_port` and `bootstrap_room`.
 
-The decode worker's answer goes to the client; the prefill worker's is drained. A prefill
-failure while the decode answer is still incomplete ends that answer with a clear error
-(the decode worker cannot finish without the prefill's KV cache).
+The decode worker's answer goes to the client; the prefill worker's is drained. The decode
+engine fails a request by itself when the prefill's KV cache never comes (its prefill engine
+refused it, died or went silent), so a prefill failure after the prefill engine may have sent
+the KV decides nothing: the decode answer does. Once the decode engine answers (a streamed
+answer's first chunk holds tokens, which need the KV), the prefill's part is done.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import random
 from collections.abc import AsyncGenerator, Coroutine
 from typing import Any
 
-from kubesgl.router.errors import sse_error_event
 from kubesgl.router.request_parsing import ParsedRequest
 from kubesgl.router.upstream import (
     Headers,
@@ -28,8 +29,6 @@ from kubesgl.router.upstream import (
 from kubesgl.router.workers import Worker
 
 log = logging.getLogger("kubesgl.router")
-
-_END: Any = object()  # what anext() returns once a stream is exhausted
 
 
 def bootstrap_payload(request: ParsedRequest, prefill: Worker) -> bytes:
@@ -50,8 +49,8 @@ def draw_bootstrap_room() -> int:
     return random.getrandbits(63)
 
 
-# How long one engine's error waits for the other engine's answer before the router cancels
-# that request (see `_unless_prefill_fails`, `exchange`): engines tell each other at once, and
+# How long one engine's refusal (a 4xx) waits for the other engine's answer before the router
+# cancels that request (see `_unless_prefill_fails`, `exchange`): engines tell each other at once, and
 # a request one refuses the other refuses too (the same rules), so this only bounds an engine
 # that heard nothing (its partner died without a word). An engine whose request is cancelled
 # counts it as aborted by its client, which a refused request was not.
@@ -86,11 +85,11 @@ class PrefillDecodePair:
         if isinstance(reply, StreamingReply):
             decode_stream = reply.chunks
 
-            async def release() -> None:  # if no chunk was ever read
-                await _cancel(prefill_task)
+            async def release() -> None:  # no chunk was read, but the first had come: so had the KV
+                self._let_finish(prefill_task)
                 await decode_stream.aclose()
 
-            watching = self._stream_watching_prefill(decode_stream, prefill_task)
+            watching = self._stream_then_settle_prefill(decode_stream, prefill_task)
             reply.chunks = Stream(watching, release)
         else:
             self._let_finish(prefill_task)
@@ -104,23 +103,16 @@ class PrefillDecodePair:
         try:
             await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
             error = None if decode_task.done() else prefill_task.exception()
-            if error is not None:
-                if (
-                    isinstance(error, UpstreamError)
-                    and error.answered
-                    and error.status >= 500
-                    and not error.retryable  # refused before any work: nobody was told
-                ):
-                    # A prefill engine that failed a room has told its decode engine, whose
-                    # answer follows in milliseconds; a 4xx from it is the real answer (it
-                    # refused the request and cancelled the room, which failed the prefill).
-                    await asyncio.wait({decode_task}, timeout=DECODE_VERDICT_WAIT_S)
-                    if _client_error(decode_task):
-                        return await decode_task  # raises the decode engine's 4xx
-                elif _refused(error):  # the decode engine refuses it too, or fails when told
-                    await asyncio.wait({decode_task}, timeout=DECODE_VERDICT_WAIT_S)
+            if error is None:
+                return await decode_task
+            if isinstance(error, UpstreamError) and error.retryable:
+                raise error  # refused before any work, or never sent: no KV comes; try another pair
+            if _refused(error):  # the decode engine refuses it too, or fails when told
+                await asyncio.wait({decode_task}, timeout=DECODE_VERDICT_WAIT_S)
                 raise error
-            return await decode_task
+            # The prefill engine failed after it may have sent the KV (it crashed, or failed as
+            # it answered): the decode engine has it and answers, or fails the request itself.
+            return await _decode_verdict(decode_task, error)
         except BaseException:
             await _cancel(decode_task)
             if (
@@ -133,44 +125,19 @@ class PrefillDecodePair:
                     await reply.chunks.aclose()
             raise
 
-    async def _stream_watching_prefill(
+    async def _stream_then_settle_prefill(
         self, chunks: Stream, prefill_task: asyncio.Task[None]
     ) -> AsyncGenerator[bytes, None]:
-        # The decode engine answered (a chunk, or its end): it had the KV, so the prefill's
-        # work is done, and its request may end on its own even if the client leaves now.
-        answered = False
+        # The decode engine has streamed (it had the KV): the prefill's part is done, and a
+        # failure of its request may no longer touch this answer.
         try:
-            # Race each chunk against the prefill only while the prefill is still running.
-            while not prefill_task.done():
-                next_chunk = asyncio.ensure_future(anext(chunks, _END))
-                try:
-                    await asyncio.wait(
-                        {next_chunk, prefill_task}, return_when=asyncio.FIRST_COMPLETED
-                    )
-                except BaseException:
-                    await _cancel(next_chunk)
-                    raise
-                if not next_chunk.done() and prefill_task.exception() is not None:
-                    await _cancel(next_chunk)
-                    break
-                chunk = await next_chunk
-                answered = True
-                if chunk is _END:
-                    return
-                yield chunk
-            error = prefill_task.exception()
-            if error is not None:
-                message = error.message if isinstance(error, UpstreamError) else repr(error)
-                yield sse_error_event(message)
-                return
-            answered = True  # the prefill has ended, and well
             async for chunk in chunks:
                 yield chunk
         finally:
-            if answered and not chunks.broke_off:  # a decode that broke off needs no prefill
-                self._let_finish(prefill_task)
-            else:
+            if chunks.broke_off:  # a decode that broke off needs no prefill
                 await _cancel(prefill_task)
+            else:
+                self._let_finish(prefill_task)
             await chunks.aclose()
 
     def _let_finish(self, prefill_task: asyncio.Task[None]) -> None:
@@ -185,14 +152,21 @@ class PrefillDecodePair:
 
 def _log_outcome(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
-        log.warning("prefill failed after the decode answer was complete: %s", task.exception())
+        log.warning(
+            "prefill failed after its decode engine had the KV cache (the answer went on): %s",
+            task.exception(),
+        )
 
 
-def _client_error(task: asyncio.Task[Reply]) -> bool:
-    if not task.done() or task.cancelled():
-        return False
-    error = task.exception()
-    return isinstance(error, UpstreamError) and error.status < 500
+async def _decode_verdict(decode_task: asyncio.Task[Reply], prefill_error: BaseException) -> Reply:
+    """The decode engine's answer, or, if it failed for want of the KV, the prefill's error
+    (the cause); a decode engine's refusal (4xx) is the true answer, kept."""
+    try:
+        return await decode_task
+    except UpstreamError as decode_error:
+        if _refused(decode_error):
+            raise
+        raise prefill_error from decode_error
 
 
 def _refused(error: BaseException) -> bool:

@@ -30,6 +30,10 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response(body, status=status)
 
 
+class RoomFailed(Exception):
+    pass
+
+
 @dataclass
 class KVTransferTable:
     """Rooms a fake prefill has filled, keyed by (bootstrap host, bootstrap port, room)."""
@@ -43,6 +47,12 @@ class KVTransferTable:
 
     def fill(self, key: tuple[str, int, int], prefill_name: str) -> None:
         self._room(key).set_result(prefill_name)
+
+    def fail(self, key: tuple[str, int, int], error: str) -> None:
+        """The prefill failed the room and told its decode engine, as an engine does."""
+        room = self._room(key)
+        room.set_exception(RoomFailed(error))
+        room.exception()  # retrieved: no decode engine may wait for it (one that failed first)
 
     async def wait(self, key: tuple[str, int, int], timeout: float) -> str:
         return await asyncio.wait_for(asyncio.shield(self._room(key)), timeout)
@@ -181,7 +191,10 @@ class FakeEngine:
             except asyncio.CancelledError:
                 self.client_gone.set()
                 raise
-            return _error(self.fail_status, f"{self.name} fails on purpose")
+            message = f"{self.name} fails on purpose"
+            if self.role == "prefill" and self.fail_status >= 500 and self.fail_status != 503:
+                self._fail_rooms(body, message)  # a 503 refuses before any work: nobody is told
+            return _error(self.fail_status, message)
         if self.prefix_cache_chars:
             self._record_prompt(_prompt_of(request.path, body))
         if self.role == "prefill":
@@ -198,6 +211,8 @@ class FakeEngine:
                     )
             except TimeoutError:
                 return _error(500, f"{self.name}: KV cache of room {room} never arrived")
+            except RoomFailed as exc:
+                return _error(502, f"{self.name}: room {room} failed at the prefill: {exc}")
             except asyncio.CancelledError:
                 self.client_gone.set()
                 raise
@@ -229,6 +244,11 @@ class FakeEngine:
                 self.client_gone.set()
                 raise
         return web.json_response(self._completion(request.path))
+
+    def _fail_rooms(self, body: dict[str, Any], error: str) -> None:
+        assert self.kv is not None
+        for room in _rooms(body):
+            self.kv.fail((body["bootstrap_host"], body["bootstrap_port"], room), error)
 
     def _text(self, index: int) -> str:
         return f"{self.name}-tok{index} "
