@@ -228,10 +228,12 @@ class EngineClient:
             self._flushes.pop(flush_id, None)
 
     def fail_all(self, message: str) -> None:
-        """End every request in flight with a 503: the engine's processes are going away and
-        no answer will come (a child process died)."""
+        """End every request in flight with a 500: the engine's processes are going away and
+        no answer will come (a child process died, or hung). Not a 503, which says the request
+        was refused before any work and may go to another engine: one in flight may be the
+        request that broke this one."""
         self._failure = message
-        reason = FinishReason("error", message=message, status=503)
+        reason = FinishReason("error", message=message, status=500)
         for flush in self._flushes.values():
             if not flush.done():
                 flush.set_exception(RuntimeError(message))

@@ -95,7 +95,7 @@ def test_a_dying_child_takes_the_server_down_with_a_clear_log(server_factory, ti
     assert wait_until_gone(children) == []  # the other children did not outlive the server
     # the requests in flight were answered, not cut off
     whole = answers["whole"]
-    assert whole.status_code == 503 and "exited with code -9" in whole.json()["error"]["message"]
+    assert whole.status_code == 500 and "exited with code -9" in whole.json()["error"]["message"]
     events = [line for line in answers["stream"].text.splitlines() if line]
     assert events[-1] == "data: [DONE]"
     assert "exited with code -9" in events[-2] and '"error"' in events[-2]
@@ -134,7 +134,7 @@ def test_a_hung_scheduler_takes_the_server_down_after_the_watchdog_timeout(
     asker.join(timeout=30)
     assert 3 <= time.monotonic() - stopped_at < 15
     whole = answer["whole"]
-    assert whole.status_code == 503 and "a step hung" in whole.json()["error"]["message"]
+    assert whole.status_code == 500 and "a step hung" in whole.json()["error"]["message"]
     assert server.process.wait(timeout=30) == 1
     assert "the scheduler has sent nothing for 3 s (--watchdog-timeout 3)" in server.log()
     assert wait_until_gone(children) == []  # stopped children are killed, not left behind

@@ -109,6 +109,20 @@ async def test_a_request_id_stays_taken_until_the_engine_has_ended_its_request(c
 
 
 @pytest.mark.asyncio
+async def test_a_request_in_flight_when_the_engine_stops_ends_with_a_500(client):
+    """Not a 503, which routers retry on another engine: the request may be what broke this one."""
+    engine_client, _ = client
+    stream = engine_client.generate(TokenizeRequest("r1", SamplingParams()))
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.05)  # the request has been sent: it is in flight
+    engine_client.fail_all("the engine stopped: scheduler rank 0 exited with code -9")
+    reason = (await first).finish_reason
+    assert (reason.kind, reason.status) == ("error", 500)
+    assert reason.message == "the engine stopped: scheduler rank 0 exited with code -9"
+    await stream.aclose()
+
+
+@pytest.mark.asyncio
 async def test_a_flush_answers_what_the_scheduler_did(client):
     """The scheduler skips a flush while it has work the API server does not see (requests
     its clients left, rooms of P/D transfers): /flush_cache said "flushed" all the same."""
