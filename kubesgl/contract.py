@@ -24,6 +24,10 @@ ROUTER_PORT: Final = 8000  # `kubesgl router --port`, and the port of the router
 SERVER_KEEP_ALIVE_S: Final = 75
 ROUTER_UPSTREAM_KEEP_ALIVE_S: Final = 60
 
+# The most sequences one request may ask of each prompt (its `n`): engines refuse more, and the
+# router too, before it draws a bootstrap room for each
+MAX_N: Final = 64
+
 # Roles: an engine's `--role`, and the value of ROLE_LABEL on every pod the operator makes
 MIXED: Final = "mixed"  # one engine runs whole requests
 PREFILL: Final = "prefill"

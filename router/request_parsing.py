@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kubesgl.contract import MAX_N
 from kubesgl.router.errors import bad_request
 
 CHAT_PATH = "/v1/chat/completions"
@@ -91,11 +92,13 @@ def _chat_text(body: dict[str, Any]) -> str:
 
 
 def _sample_count(value: Any, param: str) -> int:
+    """`n` as engines read it: a whole number (2.0 is 2), not a boolean or a string."""
     if value is None:
         return 1
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise bad_request(f"`{param}` must be a positive integer", param)
-    return value
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or not 1 <= value <= MAX_N:
+        raise bad_request(f"`{param}` must be an integer from 1 to {MAX_N}", param)
+    return int(value)
 
 
 def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:

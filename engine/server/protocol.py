@@ -27,6 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kubesgl.contract import MAX_N
 from kubesgl.engine.disagg.protocol import MAX_ROOM
 from kubesgl.engine.messages import BootstrapTarget
 from kubesgl.engine.sampling_params import (
@@ -257,7 +258,7 @@ class _SamplingFields(_Bootstrap):
     frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[Float, Field(gt=0)] | None = None
     skip_special_tokens: Bool = True
-    n: Annotated[Int, Field(ge=1, le=64)] = 1
+    n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     stream: Bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None

@@ -3,6 +3,7 @@ engine and the router accept."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,26 @@ def test_the_key_variables_the_pods_get_are_the_ones_engine_and_router_read():
         names = {variable["name"] for variable in container["env"]}
         assert API_KEY_ENV in names
         assert (ADMIN_KEY_ENV in names) == (container["args"][0] == "router")
+
+
+@pytest.mark.parametrize("n", [1, 2, 2.0, 64, 64.0, 0, 65, 2.5, -1.0, True, "2", 1e300])
+def test_the_router_takes_exactly_the_n_an_engine_takes(n):
+    """The router counts the sequences of a request (one bootstrap room each) from `n`: it must
+    read it as engines do (`"n": 2.0` was a 400 at the router, a 200 at the engine)."""
+    from pydantic import ValidationError
+
+    from kubesgl.engine.server.protocol import CompletionRequest
+    from kubesgl.router.errors import RouterError
+    from kubesgl.router.request_parsing import parse_generation_request
+
+    body = {"model": "m", "prompt": "x", "n": n}
+    try:
+        engine_n: int | None = CompletionRequest.model_validate(body).n
+    except ValidationError:
+        engine_n = None
+    try:
+        raw = json.dumps(body).encode()
+        router_n: int | None = parse_generation_request("/v1/completions", raw).choices
+    except RouterError:
+        router_n = None
+    assert router_n == engine_n

@@ -57,6 +57,11 @@ def test_a_null_reads_as_the_field_left_out():
         ("/v1/completions", {"prompt": [1, "x"]}, "prompt"),
         ("/v1/completions", {"prompt": [-1]}, "prompt"),
         ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 2.5}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": True}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": "2"}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 65}, "n"),  # the engines' limit
+        ("/v1/completions", {"prompt": "x", "n": 1e300}, "n"),
         ("/v1/completions", {"prompt": "x", "stream": 1}, "stream"),
         ("/generate", {}, "text"),
         ("/generate", {"text": "x", "sampling_params": []}, "sampling_params"),
