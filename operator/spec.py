@@ -61,6 +61,14 @@ class PvcSource(SpecModel):
     path: str = ""
     read_only: bool = True
 
+    @field_validator("path")
+    @classmethod
+    def _inside_the_claim(cls, path: str) -> str:
+        # mounted at a fixed folder, the engine reads <mount>/<path>: `..` would leave the claim
+        if path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"{path!r}: a folder inside the claim, relative, without '..'")
+        return path
+
 
 class HostPathSource(SpecModel):
     path: str = Field(pattern=r"^/")

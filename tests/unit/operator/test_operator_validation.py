@@ -144,6 +144,18 @@ def problems_of(document) -> list[str]:
         ("mixed.yaml", "metadata.name", "llama3.1", "metadata.name: Value error, must be a DNS"),
         (
             "mixed.yaml",
+            "spec.model.pvc.path",
+            "../etc",
+            "spec.model.pvc.path: Value error, '../etc'",
+        ),
+        (
+            "mixed.yaml",
+            "spec.model.pvc.path",
+            "/models",
+            "spec.model.pvc.path: Value error, '/models'",
+        ),
+        (
+            "mixed.yaml",
             "spec.mixed.replicas",
             "2",
             "spec.mixed.replicas: Input should be a valid int",
