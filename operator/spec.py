@@ -6,10 +6,20 @@ and minimums here equal the CRD's (tests/unit/operator/test_crd.py compares the 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from kubernetes.utils import parse_quantity
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from kubesgl.contract import DECODE, MIXED, PREFILL, EngineRole, LogLevel, TinyArch
@@ -33,7 +43,7 @@ class SpecModel(BaseModel):
     """Base of every spec block: camelCase on the wire, unknown fields are errors."""
 
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True, strict=True
     )
 
 
@@ -50,6 +60,14 @@ class PvcSource(SpecModel):
     # Folder of the model inside the claim; empty means the claim's root.
     path: str = ""
     read_only: bool = True
+
+    @field_validator("path")
+    @classmethod
+    def _inside_the_claim(cls, path: str) -> str:
+        # mounted at a fixed folder, the engine reads <mount>/<path>: `..` would leave the claim
+        if path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"{path!r}: a folder inside the claim, relative, without '..'")
+        return path
 
 
 class HostPathSource(SpecModel):
@@ -123,6 +141,15 @@ class Resources(SpecModel):
     requests: dict[str, Quantity] = Field(default_factory=dict)
     limits: dict[str, Quantity] = Field(default_factory=dict)
 
+    @field_validator("requests", "limits", mode="before")
+    @classmethod
+    def _no_fractions(cls, value: Any) -> Any:
+        # Kubernetes' own objects take `cpu: 0.5`; the CRD takes an integer or a string
+        for name, quantity in value.items() if isinstance(value, dict) else ():
+            if isinstance(quantity, float):
+                raise ValueError(f'{name}: write {quantity} as a string ("{quantity}")')
+        return value
+
     @field_validator("requests", "limits")
     @classmethod
     def _quantities_parse(cls, value: dict[str, Quantity]) -> dict[str, Quantity]:
@@ -140,6 +167,17 @@ class Toleration(SpecModel):
     value: str | None = None
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
     toleration_seconds: int | None = None
+
+    @model_validator(mode="after")
+    def _as_kubernetes_checks(self) -> Toleration:
+        """The API server's own rules: rendered, the operator's apply would fail on them."""
+        if self.operator == "Exists" and self.value:
+            raise ValueError("operator Exists takes no value")
+        if not self.key and self.operator != "Exists":
+            raise ValueError("without a key the operator must be Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds needs effect NoExecute")
+        return self
 
 
 class Placement(SpecModel):
@@ -311,6 +349,16 @@ class InferenceServiceSpec(SpecModel):
         return None if self.autoscaling is None else self.autoscaling.for_role(role)
 
 
+def _service_name(name: str) -> str:
+    # the API server takes `llama3.1`; a Service named after it would be refused
+    if not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
+        raise ValueError(
+            "must be a DNS label, as Service names are: lowercase letters, digits and '-', "
+            "starting with a letter and ending with a letter or digit (no dots)"
+        )
+    return name
+
+
 class Metadata(BaseModel):
     """The part of ObjectMeta the operator uses; other metadata fields are ignored."""
 
@@ -318,9 +366,7 @@ class Metadata(BaseModel):
 
     # Children are named <name>-<role>, and Service names are DNS labels of at most 63
     # characters: "-prefill" leaves 55.
-    name: Annotated[
-        str, Field(min_length=1, max_length=55, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-    ]
+    name: Annotated[str, Field(min_length=1, max_length=55), AfterValidator(_service_name)]
     namespace: str = "default"
     uid: str | None = None
     generation: int | None = None

@@ -182,6 +182,7 @@ def plan(isvc: InferenceService, settings: LocalSettings) -> LocalPlan:
     pods = _rendered_pods(isvc)
     roles = isvc.spec.engine_roles()
     replicas = {role: _replicas(isvc, role) for role in roles}
+    _refuse_idle_roles(replicas)
     notes = []
     use_gpus = isvc.spec.engine.device == "cuda" and bool(settings.gpus)
     gpus_needed = sum(replicas[role] * block.tensor_parallel_size for role, block in roles.items())
@@ -219,9 +220,7 @@ def plan(isvc: InferenceService, settings: LocalSettings) -> LocalPlan:
                 gpus = tuple(free_gpus[: block.tensor_parallel_size])
                 del free_gpus[: block.tensor_parallel_size]
             engines.append(_engine(f"{role}-{index}", role, pods[role], model_path, gpus, settings))
-    router = _router(
-        pods[contract.ROUTER], tuple(engines), tuple(r for r in roles if replicas[r]), settings
-    )
+    router = _router(pods[contract.ROUTER], tuple(engines), tuple(roles), settings)
     return LocalPlan(
         isvc.metadata.name,
         isvc.spec.mode,
@@ -240,6 +239,20 @@ def _rendered_pods(isvc: InferenceService) -> dict[str, dict[str, Any]]:
         for obj in render(isvc)
         if obj["kind"] == "Deployment"
     }
+
+
+def _refuse_idle_roles(replicas: dict[contract.EngineRole, int]) -> None:
+    """A cluster may scale a role from 0 later; up never does, so such a service never answers."""
+    idle = [
+        Problem(
+            f"spec.{role}.replicas",
+            "kubesgl up scales nothing: a role with 0 replicas never serves",
+        )
+        for role, count in replicas.items()
+        if count == 0
+    ]
+    if idle:
+        raise InvalidSpec(idle)
 
 
 def _replicas(isvc: InferenceService, role: contract.EngineRole) -> int:
@@ -329,9 +342,8 @@ def _router(
     args = _without_discovery(container["args"])
     _set_flag_value(args, "--host", settings.host)
     _set_flag_value(args, "--port", str(settings.port))
-    for (
-        engine
-    ) in engines:  # the engines by flag, as `kubesgl router --prefill URL@PORT --decode URL`
+    # the engines by flag, as `kubesgl router --prefill URL@PORT --decode URL`
+    for engine in engines:
         bootstrap = f"@{engine.bootstrap_port}" if engine.bootstrap_port is not None else ""
         args += [_ROUTER_WORKER_FLAGS[engine.role], engine.url + bootstrap]
     env = _local_env(container, settings.environ)

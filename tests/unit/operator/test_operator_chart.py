@@ -210,13 +210,19 @@ def test_image_pull_secrets_as_names_or_as_kubernetes_writes_them(helm: Path, se
         ("livenessPort=abc", "at '/livenessPort': got string, want integer"),
         ("watchNamespaces={ml,ml}", "at '/watchNamespaces': items at 0 and 1 are equal"),
         ("logLevl=debug", "additional properties 'logLevl' not allowed"),
+        ("resources.limit.memory=1Gi", "at '/resources': additional properties 'limit'"),
+        ("tolerations[0].efect=NoSchedule", "at '/tolerations/0': additional properties 'efect'"),
+        ("dashboards.label=grafana dashboard", "at '/dashboards/label': 'grafana dashboard'"),
+        ("dashboards.namespace=Monitoring", "at '/dashboards/namespace': 'Monitoring'"),
+        ("serviceAccount.create=false", "at '/serviceAccount/name': minLength"),
     ],
 )
 def test_values_the_operator_would_refuse_fail_at_install(
     helm: Path, value: str, error: str
 ) -> None:
     """Rendered as given, each of these made an operator pod that exits at start, a duplicate
-    Role, or was silently ignored (a misspelt key)."""
+    Role, an object Kubernetes refuses (a misspelt nested key, a label or namespace that is not
+    a name), a pod naming a ServiceAccount nobody made, or was silently ignored (a misspelt key)."""
     result = subprocess.run(
         [str(helm), "template", "kubesgl", str(CHART), "--set", value],
         capture_output=True,

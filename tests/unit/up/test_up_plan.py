@@ -141,6 +141,15 @@ def test_replicas_are_the_deployments_or_the_autoscalers_minimum():
     assert counts(local_plan(document, gpus=8)) == {"prefill": 1, "decode": 3}
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_role_with_no_replicas_is_refused_since_up_scales_nothing(role):
+    """Before, `up` started the router and waited for a service that could never be ready."""
+    document = example("quickstart")
+    document["spec"][role]["replicas"] = 0
+    with pytest.raises(InvalidSpec, match=rf"^spec.{role}.replicas: kubesgl up scales nothing"):
+        local_plan(document)
+
+
 def tp2_spec() -> dict[str, Any]:
     document = example("disaggregated")
     for role in ("prefill", "decode"):
