@@ -92,6 +92,7 @@ class Tokenizer:
                 finished=out.finished,
                 matched_stop=reason.matched_str if reason else None,
                 matched_end=reason.matched_end if reason else None,
+                matched_token=reason.matched_token if reason else None,
             )
         if out.finished:
             self.states.pop(out.rid, None)

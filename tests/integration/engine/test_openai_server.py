@@ -141,6 +141,37 @@ def test_stop_strings_across_token_boundaries(client, offline):
             assert text == kept, (extra, stream)
 
 
+def test_a_stop_token_ends_the_answer_without_its_text(client, offline):
+    """As vLLM and SGLang: the stop token is counted and not shown, unless asked for."""
+    ids = greedy_offline(offline, PROMPTS[0], 30).token_ids
+    # a token with text, first met past the start: the answer stops there
+    at = next(
+        i
+        for i in range(2, len(ids))
+        if ids[i] not in ids[:i] and offline.tokenizer.decode(ids[i : i + 1]).strip()
+    )
+    stop_token, answer = ids[at], offline.tokenizer.decode(ids[:at])
+    for extra, text in (
+        ({}, answer),
+        ({"include_stop_str_in_output": True}, offline.tokenizer.decode(ids[: at + 1])),
+    ):
+        body = {"stop_token_ids": [stop_token], **extra}
+        for stream in (False, True):
+            got = client.completions.create(
+                model="tiny",
+                prompt=PROMPTS[0],
+                max_tokens=30,
+                temperature=0,
+                stream=stream,
+                extra_body=body,
+                **({"stream_options": {"include_usage": True}} if stream else {}),
+            )
+            chunks = list(got) if stream else [got]
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == text, body
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+            assert chunks[-1].usage.completion_tokens == at + 1
+
+
 def test_n_copies_share_the_cached_prompt(client):
     prompt = (
         "Prefill computes the cache of a whole prompt at once; decode adds one token at a time." * 2
