@@ -97,6 +97,36 @@ def test_chat_uses_the_chat_template(client, offline):
     assert "".join(c.choices[0].delta.content or "" for c in stream) == ref.text
 
 
+def test_chat_template_options_reach_the_template(client, offline, llama_server):
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    for body, template_arguments in (
+        ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+        (
+            {"add_generation_prompt": False, "continue_final_message": True},
+            {"add_generation_prompt": False, "continue_final_message": True},
+        ),
+        (
+            {"chat_template_kwargs": {"enable_thinking": False}},
+            {"add_generation_prompt": True, "enable_thinking": False},
+        ),
+    ):
+        ids = offline.tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=False, **template_arguments
+        )
+        got = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4, n=2, extra_body=body
+        )
+        assert got.usage.prompt_tokens == len(ids), body
+    refused = httpx.post(
+        f"{llama_server.openai_url}/chat/completions",
+        headers={"Authorization": "Bearer sk-test"},
+        json={"model": "tiny", "messages": messages, "chat_template_kwargs": {"tools": []}},
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
 async def test_async_client_concurrent(async_client, offline):
     results = await asyncio.gather(
         *(
