@@ -179,6 +179,7 @@ class LLM:
                     finished=True,
                     matched_stop=reason.matched_str if reason else None,
                     matched_end=reason.matched_end if reason else None,
+                    matched_token=reason.matched_token if reason else None,
                 )
         return [results[r.rid] for r in requests]
 

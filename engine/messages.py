@@ -94,6 +94,9 @@ class TokenizeRequest:
     input_ids: list[int] | None = None
     messages: list[dict] | None = None  # chat: rendered with the tokenizer's chat template
     tools: list[dict] | None = None  # chat: the tools the template describes to the model
+    add_generation_prompt: bool = True  # chat: the prompt opens the assistant's turn
+    continue_final_message: bool = False  # chat: the prompt leaves the last message open
+    chat_template_kwargs: dict | None = None  # chat: the client's variables for the template
     prefix_leader: str | None = None
     bootstrap: BootstrapTarget | None = None
 

@@ -31,7 +31,10 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    # Qwen3's switch, so that chat_template_kwargs has a variable to set
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
 )
 _CORPUS = """
 The capital of France is Paris. The capital of Italy is Rome. The capital of Japan is Tokyo.

@@ -314,11 +314,17 @@ def within_limits(
         raise APIError(400, str(exc), param=exc.param) from exc
 
 
-def chat_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+def chat_chars(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None,
+) -> int:
     """The characters a chat prompt renders from: the messages' text, their earlier tool
-    calls and the tools' definitions (the template writes both into the prompt)."""
+    calls, the tools' definitions and the client's template variables (the template may
+    write all of them into the prompt)."""
     chars = sum(len(m["content"]) for m in messages)
     chars += sum(len(json.dumps(m["tool_calls"])) for m in messages if "tool_calls" in m)
+    chars += len(json.dumps(template_kwargs)) if template_kwargs else 0
     return chars + (len(json.dumps(tools)) if tools else 0)
 
 
@@ -398,9 +404,25 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         tool_calls.format_for_model(ctx.state.config.model) if mode == "auto" else None,
     )
     messages = [m.as_template_input() for m in body.messages]
-    within_limits(ctx, params, 1, body.n, [(chat_chars(messages, tools), "messages")])
+    within_limits(
+        ctx,
+        params,
+        1,
+        body.n,
+        [(chat_chars(messages, tools, body.chat_template_kwargs), "messages")],
+    )
     subs = fan_out(
-        [TokenizeRequest("", params, messages=messages, tools=tools)],
+        [
+            TokenizeRequest(
+                "",
+                params,
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+        ],
         body.n,
         params,
         "chatcmpl",
@@ -494,15 +516,12 @@ def fan_out(
             )
             rid = f"{group}-{p * n + i}"
             subs.append(
-                TokenizeRequest(
-                    rid,
-                    copy,
-                    base.text,
-                    base.input_ids,
-                    base.messages,
-                    base.tools,
-                    leader,
-                    targets[p * n + i],
+                dataclasses.replace(
+                    base,
+                    rid=rid,
+                    params=copy,
+                    prefix_leader=leader,
+                    bootstrap=targets[p * n + i],
                 )
             )
             leader = leader or rid

@@ -444,6 +444,29 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Annotated[
         str | dict[str, Any] | None, unsupported_unless(None, "none", instead="tool_choice")
     ] = None
+    # vLLM's and SGLang's control of the chat template
+    add_generation_prompt: Bool = True  # the prompt ends with the start of an assistant turn
+    continue_final_message: Bool = False  # the answer goes on with the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continues_an_assistant(cls, value: bool, info: ValidationInfo) -> bool:
+        if not value:
+            return value
+        if info.data.get("add_generation_prompt"):
+            raise PydanticCustomError(
+                "continue_final_message",
+                "continue_final_message and add_generation_prompt cannot both be true",
+            )
+        messages = info.data.get("messages")
+        if messages and messages[-1].role != "assistant":
+            raise PydanticCustomError(
+                "continue_final_message",
+                "needs the last message to be the assistant's, got {role}",
+                {"role": messages[-1].role},
+            )
+        return value
 
     @field_validator("top_logprobs")
     @classmethod

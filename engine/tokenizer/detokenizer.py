@@ -5,7 +5,8 @@ added, so each step costs the same however long the output is. Two things are he
 until they are settled: text ending in an incomplete UTF-8 character (a multi-byte
 character split over tokens decodes to U+FFFD until its last byte arrives), and a tail that
 could be the start of a stop string, so that no part of a stop string ever reaches a
-client. When the request ends on a stop string, the text is cut where it begins.
+client. When the request ends on a stop string, the text is cut where it begins; when it
+ends on a token (a stop token, EOS, a grammar's end), that token adds no text.
 
 Stop strings are found by an Aho-Corasick automaton (`StopMatcher`) that reads each new
 character once: the work of a step grows with the text it adds, not with the output so far
@@ -168,7 +169,7 @@ def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
 class DecodeState:
     skip_special_tokens: bool
     stop: list[str]
-    # a matched stop string ends the text (vLLM's include_stop_str_in_output)
+    # a matched stop string or stop token ends the text (vLLM's include_stop_str_in_output)
     include_stop: bool = False
     token_ids: list[int] = field(default_factory=list)
     prefix_offset: int = 0  # start of the window decoded for context
@@ -223,9 +224,13 @@ class IncrementalDetokenizer:
         finished: bool,
         matched_stop: str | None,
         matched_end: int | None = None,
+        matched_token: int | None = None,
     ) -> str:
         """Add tokens; returns the text that may now be sent. `matched_end`: where in the whole
-        output text the matched stop string ends (an occurrence before it did not count)."""
+        output text the matched stop string ends (an occurrence before it did not count).
+        `matched_token`: the token that ended the request, the last of `new_ids`."""
+        if matched_token is not None and not state.include_stop:
+            new_ids = new_ids[:-1]  # its text is not part of the answer (as vLLM, SGLang)
         new_text = self.settle(state, new_ids, finished)
         text = state.held + new_text
         if matched_stop is not None:

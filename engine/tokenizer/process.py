@@ -3,6 +3,7 @@ text out to the API server. Chat messages are rendered with the model's chat tem
 
 from __future__ import annotations
 
+import inspect
 import logging
 import signal
 
@@ -38,6 +39,14 @@ class TokenizerError(ValueError):
         self.param = param
 
 
+def reserved_template_names(hf) -> frozenset[str]:
+    """What chat_template_kwargs may not set: apply_chat_template's own arguments (the server
+    sets those it uses; the others, such as `chat_template` or `return_tensors`, are not the
+    client's to choose) and the conversation's name inside the template."""
+    parameters = inspect.signature(hf.apply_chat_template).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind is not p.VAR_KEYWORD) | {"messages"}
+
+
 class Tokenizer:
     def __init__(self, model_path: str):
         self.hf = load_tokenizer(model_path)
@@ -58,25 +67,35 @@ class Tokenizer:
         if request.input_ids is not None:
             return list(request.input_ids)
         if request.messages is not None:
-            if self.hf.chat_template is None:
-                raise TokenizerError(
-                    "this model has no chat template; use /v1/completions", "messages"
-                )
-            try:
-                return list(
-                    self.hf.apply_chat_template(
-                        request.messages,
-                        tools=request.tools,
-                        tokenize=True,
-                        add_generation_prompt=True,
-                        return_dict=False,
-                    )
-                )
-            except Exception as exc:  # the template itself rejects the conversation
-                raise TokenizerError(
-                    f"the chat template rejected the messages: {exc}", "messages"
-                ) from exc
+            return self._render_chat(request)
         return self.hf.encode(request.text, add_special_tokens=True)
+
+    def _render_chat(self, request: TokenizeRequest) -> list[int]:
+        if self.hf.chat_template is None:
+            raise TokenizerError("this model has no chat template; use /v1/completions", "messages")
+        template_kwargs = request.chat_template_kwargs or {}
+        if taken := sorted(template_kwargs.keys() & reserved_template_names(self.hf)):
+            raise TokenizerError(
+                f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: "
+                "the server decides it",
+                "chat_template_kwargs",
+            )
+        try:
+            return list(
+                self.hf.apply_chat_template(
+                    request.messages,
+                    tools=request.tools,
+                    tokenize=True,
+                    add_generation_prompt=request.add_generation_prompt,
+                    continue_final_message=request.continue_final_message,
+                    return_dict=False,
+                    **template_kwargs,
+                )
+            )
+        except Exception as exc:  # the template itself rejects the conversation
+            raise TokenizerError(
+                f"the chat template rejected the messages: {exc}", "messages"
+            ) from exc
 
     def start(self, request: TokenizeRequest) -> None:
         self.states[request.rid] = DecodeState.of(request.params)
@@ -92,6 +111,7 @@ class Tokenizer:
                 finished=out.finished,
                 matched_stop=reason.matched_str if reason else None,
                 matched_end=reason.matched_end if reason else None,
+                matched_token=reason.matched_token if reason else None,
             )
         if out.finished:
             self.states.pop(out.rid, None)

@@ -97,6 +97,36 @@ def test_chat_uses_the_chat_template(client, offline):
     assert "".join(c.choices[0].delta.content or "" for c in stream) == ref.text
 
 
+def test_chat_template_options_reach_the_template(client, offline, llama_server):
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    for body, template_arguments in (
+        ({"add_generation_prompt": False}, {"add_generation_prompt": False}),
+        (
+            {"add_generation_prompt": False, "continue_final_message": True},
+            {"add_generation_prompt": False, "continue_final_message": True},
+        ),
+        (
+            {"chat_template_kwargs": {"enable_thinking": False}},
+            {"add_generation_prompt": True, "enable_thinking": False},
+        ),
+    ):
+        ids = offline.tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=False, **template_arguments
+        )
+        got = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=4, n=2, extra_body=body
+        )
+        assert got.usage.prompt_tokens == len(ids), body
+    refused = httpx.post(
+        f"{llama_server.openai_url}/chat/completions",
+        headers={"Authorization": "Bearer sk-test"},
+        json={"model": "tiny", "messages": messages, "chat_template_kwargs": {"tools": []}},
+    )
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "chat_template_kwargs"
+
+
 async def test_async_client_concurrent(async_client, offline):
     results = await asyncio.gather(
         *(
@@ -139,6 +169,37 @@ def test_stop_strings_across_token_boundaries(client, offline):
             )
             text = "".join(c.choices[0].text for c in got) if stream else got.choices[0].text
             assert text == kept, (extra, stream)
+
+
+def test_a_stop_token_ends_the_answer_without_its_text(client, offline):
+    """As vLLM and SGLang: the stop token is counted and not shown, unless asked for."""
+    ids = greedy_offline(offline, PROMPTS[0], 30).token_ids
+    # a token with text, first met past the start: the answer stops there
+    at = next(
+        i
+        for i in range(2, len(ids))
+        if ids[i] not in ids[:i] and offline.tokenizer.decode(ids[i : i + 1]).strip()
+    )
+    stop_token, answer = ids[at], offline.tokenizer.decode(ids[:at])
+    for extra, text in (
+        ({}, answer),
+        ({"include_stop_str_in_output": True}, offline.tokenizer.decode(ids[: at + 1])),
+    ):
+        body = {"stop_token_ids": [stop_token], **extra}
+        for stream in (False, True):
+            got = client.completions.create(
+                model="tiny",
+                prompt=PROMPTS[0],
+                max_tokens=30,
+                temperature=0,
+                stream=stream,
+                extra_body=body,
+                **({"stream_options": {"include_usage": True}} if stream else {}),
+            )
+            chunks = list(got) if stream else [got]
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == text, body
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+            assert chunks[-1].usage.completion_tokens == at + 1
 
 
 def test_n_copies_share_the_cached_prompt(client):

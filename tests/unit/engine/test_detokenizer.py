@@ -12,7 +12,7 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model("llama"))
 
 
-def stream(tokenizer, ids, stop=(), matched=None, chunk=1, include_stop=False):
+def stream(tokenizer, ids, stop=(), matched=None, chunk=1, include_stop=False, matched_token=None):
     detok = IncrementalDetokenizer(tokenizer)
     state = DecodeState(skip_special_tokens=True, stop=list(stop), include_stop=include_stop)
     pieces = []
@@ -20,7 +20,11 @@ def stream(tokenizer, ids, stop=(), matched=None, chunk=1, include_stop=False):
         last = i + chunk >= len(ids)
         pieces.append(
             detok.step(
-                state, ids[i : i + chunk], finished=last, matched_stop=matched if last else None
+                state,
+                ids[i : i + chunk],
+                finished=last,
+                matched_stop=matched if last else None,
+                matched_token=matched_token if last else None,
             )
         )
     return pieces
@@ -63,6 +67,20 @@ def test_a_matched_stop_string_ends_the_text_when_asked(tokenizer):
     cut_at = next(i for i in range(len(ids)) if stop in tokenizer.decode(ids[: i + 1]))
     pieces = stream(tokenizer, ids[: cut_at + 1], stop=[stop], matched=stop, include_stop=True)
     assert "".join(pieces) == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_matched_stop_token_adds_no_text(tokenizer, chunk):
+    """A stop_token_ids token (or EOS) ends the answer without its text, as in vLLM, SGLang."""
+    ids = tokenizer.encode("The capital of France is Paris", add_special_tokens=False)
+    pieces = stream(tokenizer, ids, chunk=chunk, matched_token=ids[-1])
+    assert "".join(pieces) == tokenizer.decode(ids[:-1]) == "The capital of France is"
+
+
+def test_a_matched_stop_token_ends_the_text_when_asked(tokenizer):
+    ids = tokenizer.encode("The capital of France is Paris", add_special_tokens=False)
+    pieces = stream(tokenizer, ids, matched_token=ids[-1], include_stop=True)
+    assert "".join(pieces) == "The capital of France is Paris"
 
 
 def test_partial_stop_string_is_released_when_it_does_not_complete(tokenizer):
