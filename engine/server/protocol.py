@@ -547,6 +547,19 @@ class NativeSamplingParams(_Lenient):
     json_schema: Text | None = None
     ebnf: Text | None = None
     min_new_tokens: Annotated[Int, Field(ge=0)] = 0  # no end before this many tokens
+    n: Int = 1  # SGLang's parallel sampling, which this route does not do
+
+    @field_validator("n")
+    @classmethod
+    def _one_sequence(cls, value: int) -> int:
+        if value != 1:
+            raise PydanticCustomError(
+                "one_sequence",
+                "/generate answers one sequence per prompt, got {value}; "
+                "ask /v1/completions with n for more",
+                {"value": value},
+            )
+        return value
 
     @field_validator("min_new_tokens")
     @classmethod

@@ -136,6 +136,17 @@ def test_generate_names_its_own_fields_when_min_new_tokens_cannot_be_met(samplin
     assert error.param == "sampling_params.min_new_tokens" and words in error.message
 
 
+@pytest.mark.parametrize("n", [2, 64])
+def test_generate_refuses_sampling_params_n_it_would_ignore(n):
+    """SGLang's /generate samples n sequences; this one answers one, and said nothing."""
+    with pytest.raises(ValidationError) as raised:
+        GenerateRequestBody.model_validate({"text": "hi", "sampling_params": {"n": n}})
+    error = validation_error(raised.value.errors())
+    assert error.param == "sampling_params.n" and "one sequence per prompt" in error.message
+    one = GenerateRequestBody.model_validate({"text": "hi", "sampling_params": {"n": 1}})
+    assert one.sampling_params.n == 1
+
+
 def test_a_null_is_the_field_left_out():
     """`"stream": null` and the like: OpenAI allows null for its optional fields, and clients
     that forward options they were not given send it."""
