@@ -16,9 +16,9 @@ from pydantic import ValidationError
 
 from kubesgl import contract
 from kubesgl.contract import ENGINE_ROLES, EngineRole
-from kubesgl.engine.server.options import check_serve_args
+from kubesgl.engine.server.options import check_serve_args, parse_serve_args
 from kubesgl.operator.render.common import ENV_REFERENCE, expand_references
-from kubesgl.operator.render.engine import engine_args
+from kubesgl.operator.render.engine import OWNED_FLAGS, engine_args
 from kubesgl.operator.spec import GPU_RESOURCE, InferenceService, InferenceServiceSpec, RoleSpec
 
 # What the operator sets in an engine role's containers (render/engine.py): a role's env may
@@ -81,44 +81,69 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
 def _engine_problems(isvc: InferenceService) -> list[Problem]:
     """Each role's engine command line as rendered, checked by `kubesgl serve`'s own parser
     and rules: an engine refuses a bad flag or options that do not go together by exiting at
-    start, a pod that would only crash-loop. Checked once the spec is otherwise sound (the
-    command line is rendered from it)."""
+    start, a pod that would only crash-loop; and extraArgs may not change a flag the operator
+    relies on elsewhere (a port that probes and Services would miss). Checked once the spec is
+    otherwise sound (the command line is rendered from it)."""
     roles_by_problem: dict[tuple[str, str], list[str]] = {}
     for role, block in isvc.spec.engine_roles().items():
-        found = _serve_args_problem(isvc, role, block)
+        values = {var.name: var.value for var in block.env if var.value is not None}
+        argv = expand_references(engine_args(isvc, role, block)[1:], values)  # after `serve`
+        if any(ENV_REFERENCE.search(arg) for arg in argv):
+            continue  # a variable from a Secret, a ConfigMap or the pod: known in the pod only
+        sections = _argv_sections(isvc, role, block, len(argv))
+        found = _serve_args_problem(argv, sections) or _owned_flag_problem(argv, sections)
         if found is not None:
             roles_by_problem.setdefault(found, []).append(role)
     return [
-        Problem(field, f"the engine refuses these options: {message} ({', '.join(roles)})")
+        Problem(field, f"{message} ({', '.join(roles)})")
         for (field, message), roles in roles_by_problem.items()
     ]
 
 
-def _serve_args_problem(
-    isvc: InferenceService, role: EngineRole, block: RoleSpec
-) -> tuple[str, str] | None:
-    """Why the engine would refuse the role's command line, and the field to blame: the first
-    of the spec's own options, spec.engine.extraArgs and the role's extraArgs that brings the
-    problem (extraArgs may also mend what comes before them: they override)."""
-    values = {variable.name: variable.value for variable in block.env if variable.value is not None}
-    argv = expand_references(engine_args(isvc, role, block)[1:], values)  # after `serve`
-    if any(ENV_REFERENCE.search(arg) for arg in argv):
-        return None  # a variable from a Secret, a ConfigMap or the pod: known in the pod only
+def _argv_sections(
+    isvc: InferenceService, role: EngineRole, block: RoleSpec, length: int
+) -> list[tuple[str, int]]:
+    """Where each field's part of a role's command line ends: the spec's own options, then
+    spec.engine.extraArgs, then the role's extraArgs."""
+    own = length - len(block.extra_args) - len(isvc.spec.engine.extra_args)
+    return [
+        ("spec.engine", own),
+        ("spec.engine.extraArgs", own + len(isvc.spec.engine.extra_args)),
+        (f"spec.{role}.extraArgs", length),
+    ]
+
+
+def _serve_args_problem(argv: list[str], sections: list[tuple[str, int]]) -> tuple[str, str] | None:
+    """Why the engine would refuse the command line, and the field to blame: the first section
+    that brings the problem (extraArgs may also mend what comes before them: they override)."""
     try:
         check_serve_args(argv)
         return None
-    except ValueError as error:
-        problem = str(error)
-    own = len(argv) - len(block.extra_args) - len(isvc.spec.engine.extra_args)
-    for field, end in (
-        ("spec.engine", own),
-        ("spec.engine.extraArgs", own + len(isvc.spec.engine.extra_args)),
-    ):
+    except ValueError:
+        pass
+    for field, end in sections:
         try:
             check_serve_args(argv[:end])
         except ValueError as error:
-            return field, str(error)
-    return f"spec.{role}.extraArgs", problem
+            return field, f"the engine refuses these options: {error}"
+    raise AssertionError("the whole command line was refused, so its last section is")
+
+
+def _owned_flag_problem(argv: list[str], sections: list[tuple[str, int]]) -> tuple[str, str] | None:
+    """The first extraArgs that give a flag of OWNED_FLAGS another value than the operator's,
+    as the engine parses them (abbreviations and `--flag=value` included)."""
+    (_, own), *extra_sections = sections
+    derived = vars(parse_serve_args(argv[:own]))
+    for field, end in extra_sections:
+        try:
+            given = vars(parse_serve_args(argv[:end]))
+        except ValueError:
+            continue  # a flag whose value is in the role's extraArgs: the whole line parses
+        for flag, why in OWNED_FLAGS.items():
+            dest = flag.removeprefix("--").replace("-", "_")  # argparse's rule
+            if given[dest] != derived[dest]:
+                return field, f"may not set {flag} ({why})"
+    return None
 
 
 def _env_problems(spec: InferenceServiceSpec) -> list[Problem]:

@@ -104,10 +104,16 @@ class _Refusing(argparse.ArgumentParser):
         pass
 
 
+def parse_serve_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments as `kubesgl serve` parses them (abbreviations and `--flag=value` resolved),
+    not yet checked together; ValueError for an unknown flag or a bad value."""
+    return build_parser(_Refusing).parse_args(argv)
+
+
 def check_serve_args(argv: list[str]) -> None:
     """Raises ValueError with the reason `kubesgl serve` would refuse these arguments (before
     it looks at the machine or the model): an unknown flag, a bad value, options that do not
     go together."""
-    args = build_parser(_Refusing).parse_args(argv)
+    args = parse_serve_args(argv)
     engine_config_from_args(args).validate()
     server_options(args).validate()

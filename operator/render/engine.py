@@ -100,6 +100,26 @@ def _flag(option: str) -> str:
     return ENGINE_OPTIONS[option].flag
 
 
+# The flags the operator derives from the spec and that other objects rely on, each with why:
+# extraArgs may not give them another value (validation.py). The model path and served name
+# are not among them: nothing else the operator renders depends on them.
+OWNED_FLAGS = {
+    _flag("role"): "the role's block sets it (spec.mixed, spec.prefill or spec.decode)",
+    _flag("tp_size"): "set the role's tensorParallelSize, which the pod's GPUs follow",
+    _flag("device"): "set spec.engine.device, which the pod's GPUs follow",
+    "--host": "fixed: probes, Services and the router reach the pod on its own address",
+    "--port": (
+        f"fixed: probes, Services, NetworkPolicies and the router use {contract.ENGINE_PORT}"
+    ),
+    "--shutdown-timeout": (
+        "set spec.engine.shutdownTimeoutSeconds, which the pod's grace period follows"
+    ),
+    _flag("disaggregation_bootstrap_port"): (
+        f"fixed: the pod's port, annotations and Service announce {contract.BOOTSTRAP_PORT}"
+    ),
+}
+
+
 def _option_args(engine: EngineSpec, names: list[str]) -> list[str]:
     """A switch when it is on, a flag and its value when the value is set."""
     args = []

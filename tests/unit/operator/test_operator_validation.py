@@ -314,6 +314,68 @@ def test_extra_args_the_engine_would_refuse_name_the_field_that_gave_them() -> N
     parse_inference_service(fine)
 
 
+@pytest.mark.parametrize(
+    ("path", "extra_args", "expected"),
+    [
+        (
+            "spec.prefill.extraArgs",
+            ["--port", "8080"],
+            "spec.prefill.extraArgs: may not set --port",
+        ),
+        # argparse's abbreviations and --flag=value forms are the flag too
+        ("spec.decode.extraArgs", ["--po=8080"], "spec.decode.extraArgs: may not set --port"),
+        (
+            "spec.engine.extraArgs",
+            ["--host", "127.0.0.1"],
+            "spec.engine.extraArgs: may not set --host",
+        ),
+        (
+            "spec.prefill.extraArgs",
+            ["--role", "decode"],
+            "spec.prefill.extraArgs: may not set --role",
+        ),
+        (
+            "spec.prefill.extraArgs",
+            ["--tp-size", "2"],
+            "spec.prefill.extraArgs: may not set --tp-size",
+        ),
+        (
+            "spec.decode.extraArgs",
+            ["--device", "cpu"],
+            "spec.decode.extraArgs: may not set --device",
+        ),
+        (
+            "spec.prefill.extraArgs",
+            ["--disaggregation-bootstrap-port", "9000"],
+            "spec.prefill.extraArgs: may not set --disaggregation-bootstrap-port",
+        ),
+        (
+            "spec.engine.extraArgs",
+            ["--shutdown-timeout", "600"],
+            "spec.engine.extraArgs: may not set --shutdown-timeout (set "
+            "spec.engine.shutdownTimeoutSeconds",
+        ),
+    ],
+)
+def test_extra_args_may_not_change_the_flags_the_operator_relies_on(
+    path, extra_args, expected
+) -> None:
+    """A port, host, role, tensor-parallel size, device, bootstrap port or drain the pod's
+    probes, Services, GPUs or grace period do not follow made pods that never worked."""
+    document = with_changes(load_example("disaggregated.yaml"), path, extra_args)
+    (problem,) = problems_of(document)
+    assert problem.startswith(expected)
+
+
+def test_extra_args_may_repeat_the_operators_values_and_set_other_options() -> None:
+    document = with_changes(
+        load_example("disaggregated.yaml"),
+        "spec.engine.extraArgs",
+        ["--port", "30000", "--mem-fraction-static", "0.5"],
+    )
+    parse_inference_service(document)
+
+
 def test_the_command_line_is_checked_as_the_pod_runs_it() -> None:
     """extraArgs override the spec's own options, a flag's value may come after the shared
     extraArgs, and $(VAR) takes the role's variable as the kubelet expands it."""
