@@ -7,6 +7,7 @@ the API server but cannot work; the operator then reports it and applies nothing
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,14 +19,20 @@ from kubesgl import contract
 from kubesgl.contract import ENGINE_ROLES, EngineRole
 from kubesgl.engine.server.options import check_serve_args, parse_serve_args
 from kubesgl.operator.render.common import ENV_REFERENCE, expand_references
-from kubesgl.operator.render.engine import OWNED_FLAGS, engine_args
+from kubesgl.operator.render.engine import ENGINE_OWNED_FLAGS, engine_args
+from kubesgl.operator.render.router import ROUTER_OWNED_FLAGS, router_args, router_env
 from kubesgl.operator.spec import GPU_RESOURCE, InferenceService, InferenceServiceSpec, RoleSpec
+from kubesgl.router.cli import check_router_args, parse_router_args
 
 # What the operator sets in an engine role's containers (render/engine.py): a role's env may
 # not name it (server-side apply refuses an env list that names a variable twice).
 ENV_SET_BY_OPERATOR = frozenset(
     {"HOME", "HF_HUB_OFFLINE", "HF_TOKEN", contract.API_KEY_ENV, "UCX_TLS", "UCX_NET_DEVICES"}
 )
+
+
+# Stands for a key from a Secret, known in the pod only, when a command line is checked.
+SECRET_PLACEHOLDER = "secret-from-the-pod"
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,7 @@ def parse_inference_service(document: Mapping[str, Any]) -> InferenceService:
         isvc = InferenceService.model_validate(dict(document))
     except ValidationError as error:
         raise InvalidSpec(_schema_problems(error)) from None
-    problems = workability_problems(isvc.spec) or _engine_problems(isvc)
+    problems = workability_problems(isvc.spec) or _engine_problems(isvc) + _router_problems(isvc)
     if problems:
         raise InvalidSpec(problems)
     return isvc
@@ -130,20 +137,52 @@ def _serve_args_problem(argv: list[str], sections: list[tuple[str, int]]) -> tup
 
 
 def _owned_flag_problem(argv: list[str], sections: list[tuple[str, int]]) -> tuple[str, str] | None:
-    """The first extraArgs that give a flag of OWNED_FLAGS another value than the operator's,
-    as the engine parses them (abbreviations and `--flag=value` included)."""
+    """The first extraArgs that give an engine flag the operator relies on another value."""
     (_, own), *extra_sections = sections
-    derived = vars(parse_serve_args(argv[:own]))
+    derived = parse_serve_args(argv[:own])
     for field, end in extra_sections:
         try:
-            given = vars(parse_serve_args(argv[:end]))
+            given = parse_serve_args(argv[:end])
         except ValueError:
             continue  # a flag whose value is in the role's extraArgs: the whole line parses
-        for flag, why in OWNED_FLAGS.items():
-            dest = flag.removeprefix("--").replace("-", "_")  # argparse's rule
-            if given[dest] != derived[dest]:
-                return field, f"may not set {flag} ({why})"
+        changed = _changed_flag(ENGINE_OWNED_FLAGS, derived, given)
+        if changed is not None:
+            return field, changed
     return None
+
+
+def _changed_flag(
+    owned: Mapping[str, str], derived: argparse.Namespace, given: argparse.Namespace
+) -> str | None:
+    """Why the first of the owned flags whose value the command line, as its command parses it
+    (abbreviations and `--flag=value` included), changes from the operator's may not be set."""
+    for flag, why in owned.items():
+        dest = flag.removeprefix("--").replace("-", "_")  # argparse's rule
+        if getattr(given, dest) != getattr(derived, dest):
+            return f"may not set {flag} ({why})"
+    return None
+
+
+def _router_problems(isvc: InferenceService) -> list[Problem]:
+    """The router's command line as rendered, checked by `kubesgl router`'s own parser and
+    rules, with the environment variables of its pod (a key given twice, say); and its
+    extraArgs may not change a flag the operator relies on."""
+    argv = router_args(isvc)[1:]  # after `router`
+    own = argv[: len(argv) - len(isvc.spec.router.extra_args)]
+    environ = {
+        variable["name"]: variable.get("value", SECRET_PLACEHOLDER) for variable in router_env(isvc)
+    }
+    try:
+        check_router_args(argv, environ)
+    except ValueError as error:
+        field = "spec.router.extraArgs"
+        try:
+            check_router_args(own, environ)
+        except ValueError:
+            field = "spec.router"
+        return [Problem(field, f"the router refuses these options: {error}")]
+    changed = _changed_flag(ROUTER_OWNED_FLAGS, parse_router_args(own), parse_router_args(argv))
+    return [] if changed is None else [Problem("spec.router.extraArgs", changed)]
 
 
 def _env_problems(spec: InferenceServiceSpec) -> list[Problem]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import NoReturn
 
+from kubesgl.cli_help import RefusingParser
 from kubesgl.contract import ENGINE_PORT, LOG_LEVELS
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.messages import HEARTBEAT_S
@@ -91,23 +91,10 @@ def server_options(args: argparse.Namespace, api_key: str | None = None) -> Serv
     )
 
 
-class _Refusing(argparse.ArgumentParser):
-    """Raises what `kubesgl serve` would print and exit on."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ValueError(message)
-
-    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
-        raise ValueError(message or "the engine would exit at start (--help, say)")
-
-    def print_help(self, file=None) -> None:
-        pass
-
-
 def parse_serve_args(argv: list[str]) -> argparse.Namespace:
     """The arguments as `kubesgl serve` parses them (abbreviations and `--flag=value` resolved),
     not yet checked together; ValueError for an unknown flag or a bad value."""
-    return build_parser(_Refusing).parse_args(argv)
+    return build_parser(RefusingParser).parse_args(argv)
 
 
 def check_serve_args(argv: list[str]) -> None:

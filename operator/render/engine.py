@@ -103,7 +103,7 @@ def _flag(option: str) -> str:
 # The flags the operator derives from the spec and that other objects rely on, each with why:
 # extraArgs may not give them another value (validation.py). The model path and served name
 # are not among them: nothing else the operator renders depends on them.
-OWNED_FLAGS = {
+ENGINE_OWNED_FLAGS = {
     _flag("role"): "the role's block sets it (spec.mixed, spec.prefill or spec.decode)",
     _flag("tp_size"): "set the role's tensorParallelSize, which the pod's GPUs follow",
     _flag("device"): "set spec.engine.device, which the pod's GPUs follow",

@@ -376,6 +376,27 @@ def test_extra_args_may_repeat_the_operators_values_and_set_other_options() -> N
     parse_inference_service(document)
 
 
+def test_router_extra_args_are_checked_by_the_routers_own_parser() -> None:
+    """A router that refuses its command line only crash-loops; its extraArgs were passed on
+    unchecked."""
+    document = load_example("disaggregated.yaml")
+    unknown = with_changes(document, "spec.router.extraArgs", ["--no-such-flag"])
+    assert problems_of(unknown) == [
+        "spec.router.extraArgs: the router refuses these options: unrecognized arguments: "
+        "--no-such-flag"
+    ]
+    admin_secret = with_changes(document, "spec.router.adminKeySecret", {"name": "a", "key": "k"})
+    key_twice = with_changes(admin_secret, "spec.router.extraArgs", ["--admin-api-key", "x"])
+    assert problems_of(key_twice) == [
+        "spec.router.extraArgs: the router refuses these options: the admin key is given twice: "
+        "set KUBESGL_ROUTER_ADMIN_KEY or pass --admin-api-key, not both"
+    ]
+    for flag in (["--port=8080"], ["--host", "127.0.0.1"], ["--kube-selector", "a=b"]):
+        (problem,) = problems_of(with_changes(document, "spec.router.extraArgs", flag))
+        assert problem.startswith("spec.router.extraArgs: may not set --"), problem
+    parse_inference_service(with_changes(document, "spec.router.extraArgs", ["--max-retries", "5"]))
+
+
 def test_the_command_line_is_checked_as_the_pod_runs_it() -> None:
     """extraArgs override the spec's own options, a flag's value may come after the shared
     extraArgs, and $(VAR) takes the role's variable as the kubelet expands it."""
