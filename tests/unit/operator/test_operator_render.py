@@ -138,6 +138,21 @@ def test_engine_pod_contract() -> None:
     assert {"name": "UCX_TLS", "value": "tcp,cuda_copy"} in container["env"]
 
 
+def test_a_rollout_may_last_as_long_as_an_engine_may_take_to_start() -> None:
+    """Kubernetes' default progress deadline (600 s) marked an engine still loading its model,
+    which its startup probe allows an hour, ProgressDeadlineExceeded: Degraded."""
+    for (kind, _), deployment in objects_of(load_example("disaggregated.yaml")).items():
+        if kind != "Deployment" or "router" in deployment["metadata"]["name"]:
+            continue
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        startup, readiness = container["startupProbe"], container["readinessProbe"]
+        longest_start = (
+            startup["periodSeconds"] * startup["failureThreshold"] + readiness["periodSeconds"]
+        )
+        # and the pod's start before the probe: scheduling, image pull, model download
+        assert deployment["spec"]["progressDeadlineSeconds"] >= longest_start + 600
+
+
 def test_roles_and_router_take_scheduling_fields_and_roles_their_environment() -> None:
     document = load_example("disaggregated.yaml")
     affinity = {
