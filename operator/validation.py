@@ -98,7 +98,7 @@ def _engine_problems(isvc: InferenceService) -> list[Problem]:
         if any(ENV_REFERENCE.search(arg) for arg in argv):
             continue  # a variable from a Secret, a ConfigMap or the pod: known in the pod only
         sections = _argv_sections(isvc, role, block, len(argv))
-        found = _serve_args_problem(argv, sections) or _owned_flag_problem(argv, sections)
+        found = _serve_args_problem(argv, values, sections) or _owned_flag_problem(argv, sections)
         if found is not None:
             roles_by_problem.setdefault(found, []).append(role)
     return [
@@ -120,17 +120,19 @@ def _argv_sections(
     ]
 
 
-def _serve_args_problem(argv: list[str], sections: list[tuple[str, int]]) -> tuple[str, str] | None:
+def _serve_args_problem(
+    argv: list[str], environ: Mapping[str, str], sections: list[tuple[str, int]]
+) -> tuple[str, str] | None:
     """Why the engine would refuse the command line, and the field to blame: the first section
     that brings the problem (extraArgs may also mend what comes before them: they override)."""
     try:
-        check_serve_args(argv)
+        check_serve_args(argv, environ)
         return None
     except ValueError:
         pass
     for field, end in sections:
         try:
-            check_serve_args(argv[:end])
+            check_serve_args(argv[:end], environ)
         except ValueError as error:
             return field, f"the engine refuses these options: {error}"
     raise AssertionError("the whole command line was refused, so its last section is")
@@ -274,16 +276,21 @@ def _model_problems(spec: InferenceServiceSpec) -> list[Problem]:
 
 
 def _gpu_problems(spec: InferenceServiceSpec) -> list[Problem]:
-    if spec.engine.device != "cuda":
-        return []
     problems = []
     for role, block in spec.engine_roles().items():
         for kind in ("requests", "limits"):
             given = getattr(block.resources, kind).get(GPU_RESOURCE)
-            if given is not None and str(given) != str(block.tensor_parallel_size):
+            if given is None:
+                continue
+            field = f"spec.{role}.resources.{kind}.{GPU_RESOURCE}"
+            if spec.engine.device == "cpu":
+                problems.append(
+                    Problem(field, "must be left out: with device cpu the engine uses no GPU")
+                )
+            elif str(given) != str(block.tensor_parallel_size):
                 problems.append(
                     Problem(
-                        f"spec.{role}.resources.{kind}.{GPU_RESOURCE}",
+                        field,
                         f"must equal tensorParallelSize ({block.tensor_parallel_size})"
                         " or be left out: each tensor-parallel rank uses one GPU",
                     )

@@ -397,6 +397,29 @@ def test_router_extra_args_are_checked_by_the_routers_own_parser() -> None:
     parse_inference_service(with_changes(document, "spec.router.extraArgs", ["--max-retries", "5"]))
 
 
+def test_a_cpu_engine_takes_no_gpu_and_no_gpu_only_attention_backend() -> None:
+    """Both rendered: the engine refused the backend at start, and the pod held GPUs it never
+    used."""
+    cpu = with_changes(load_example("mixed.yaml"), "spec.engine.device", "cpu")
+    flashinfer = with_changes(cpu, "spec.engine.attentionBackend", "flashinfer")
+    assert problems_of(flashinfer) == [
+        "spec.engine: the engine refuses these options: --attention-backend flashinfer runs on "
+        "CUDA GPUs; on the CPU use torch (or auto) (mixed)"
+    ]
+    triton = with_changes(cpu, "spec.mixed.extraArgs", ["--attention-backend=triton"])
+    (problem,) = problems_of(triton)
+    assert problem.startswith("spec.mixed.extraArgs: the engine refuses these options: ")
+    interpreted = with_changes(
+        triton, "spec.mixed.env", [{"name": "TRITON_INTERPRET", "value": "1"}]
+    )
+    parse_inference_service(interpreted)  # Triton's interpreter runs on the CPU
+    gpus = with_changes(cpu, "spec.mixed.resources", {"limits": {"nvidia.com/gpu": 4}})
+    assert problems_of(gpus) == [
+        "spec.mixed.resources.limits.nvidia.com/gpu: must be left out: with device cpu the "
+        "engine uses no GPU"
+    ]
+
+
 def test_the_command_line_is_checked_as_the_pod_runs_it() -> None:
     """extraArgs override the spec's own options, a flag's value may come after the shared
     extraArgs, and $(VAR) takes the role's variable as the kubelet expands it."""
