@@ -90,7 +90,7 @@ class EngineSpec(SpecModel):
     load_format: LoadFormat = "auto"
     page_size: int | None = Field(default=None, ge=1)
     max_running_requests: int | None = Field(default=None, ge=1)
-    chunked_prefill_size: int | None = Field(default=None, ge=1)
+    chunked_prefill_size: int | None = Field(default=None, ge=0)  # 0: no chunking
     max_total_tokens: int | None = Field(default=None, ge=1)
     attention_backend: AttentionBackendName | None = None  # None: the engine's auto
     kv_cache_dtype: KvCacheDtype | None = None

@@ -89,6 +89,15 @@ def test_mixed_mode_renders_one_engine_role() -> None:
     assert "--disaggregation-bootstrap-port" not in args
 
 
+def test_chunked_prefill_size_zero_turns_chunking_off() -> None:
+    """The engine's documented 0 was out of the spec's reach (minimum 1)."""
+    objects = objects_of(
+        with_changes(load_example("mixed.yaml"), "spec.engine.chunkedPrefillSize", 0)
+    )
+    args = engine_pod(objects, "qwen3-mixed-mixed")["spec"]["containers"][0]["args"]
+    assert args[args.index("--chunked-prefill-size") + 1] == "0"
+
+
 def engine_pod(objects, name: str) -> dict[str, Any]:
     return objects[("Deployment", name)]["spec"]["template"]
 
