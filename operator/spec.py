@@ -45,6 +45,10 @@ class SecretKeyRef(SpecModel):
     key: str = Field(min_length=1)
 
 
+class LocalObjectReference(SpecModel):
+    name: str = Field(min_length=1)
+
+
 class PvcSource(SpecModel):
     claim_name: str = Field(min_length=1)
     # Folder of the model inside the claim; empty means the claim's root.
@@ -284,7 +288,8 @@ class InferenceServiceSpec(SpecModel):
     model: ModelSpec
     image: str = Field(min_length=1)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
-    image_pull_secrets: list[str] = Field(default_factory=list)
+    # Secret names, each as a string or as {name: ...} (a pod spec's form), as the chart takes them
+    image_pull_secrets: list[str | LocalObjectReference] = Field(default_factory=list)
     mode: Literal["mixed", "disaggregated"] = "mixed"
     engine: EngineSpec = Field(default_factory=EngineSpec)
     prefill: RoleSpec | None = None

@@ -21,7 +21,13 @@ from kubesgl.engine.server.options import check_serve_args, parse_serve_args
 from kubesgl.operator.render.common import ENV_REFERENCE, expand_references
 from kubesgl.operator.render.engine import ENGINE_OWNED_FLAGS, engine_args
 from kubesgl.operator.render.router import ROUTER_OWNED_FLAGS, router_args, router_env
-from kubesgl.operator.spec import GPU_RESOURCE, InferenceService, InferenceServiceSpec, RoleSpec
+from kubesgl.operator.spec import (
+    GPU_RESOURCE,
+    InferenceService,
+    InferenceServiceSpec,
+    LocalObjectReference,
+    RoleSpec,
+)
 from kubesgl.router.cli import check_router_args, parse_router_args
 
 # What the operator sets in an engine role's containers (render/engine.py): a role's env may
@@ -62,12 +68,16 @@ def parse_inference_service(document: Mapping[str, Any]) -> InferenceService:
     return isvc
 
 
+# The members of the spec's unions (Quantity, imagePullSecrets' items), by pydantic's names.
+_UNION_MEMBERS = ("int", "str", "float", "bool", LocalObjectReference.__name__)
+
+
 def _schema_problems(error: ValidationError) -> list[Problem]:
     problems = []
     for detail in error.errors():
         location = [str(part) for part in detail["loc"]]
         # Union members (int | str) add their type name to the location: not a field.
-        location = [part for part in location if part not in ("int", "str", "float", "bool")]
+        location = [part for part in location if part not in _UNION_MEMBERS]
         problems.append(Problem(".".join(location) or "(document)", detail["msg"]))
     return problems
 

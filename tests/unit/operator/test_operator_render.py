@@ -16,7 +16,7 @@ from operator_fixtures import EXAMPLES, REPO, load_example, with_changes
 
 from kubesgl.operator import naming
 from kubesgl.operator.render import render
-from kubesgl.operator.validation import ENV_SET_BY_OPERATOR, parse_inference_service
+from kubesgl.operator.validation import ENV_SET_BY_OPERATOR, InvalidSpec, parse_inference_service
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 # KEDA and prometheus-operator CRDs, as generated into pydantic models by cloudcoil.
@@ -96,6 +96,19 @@ def test_chunked_prefill_size_zero_turns_chunking_off() -> None:
     )
     args = engine_pod(objects, "qwen3-mixed-mixed")["spec"]["containers"][0]["args"]
     assert args[args.index("--chunked-prefill-size") + 1] == "0"
+
+
+def test_image_pull_secrets_as_names_or_as_a_pod_spec_writes_them() -> None:
+    """The chart took both forms; the CRD only names, so a values file's form was refused."""
+    document = with_changes(
+        load_example("mixed.yaml"), "spec.imagePullSecrets", ["regcred", {"name": "other"}]
+    )
+    objects = objects_of(document)
+    for name in ("qwen3-mixed-mixed", "qwen3-mixed-router"):
+        pulled = engine_pod(objects, name)["spec"]["imagePullSecrets"]
+        assert pulled == [{"name": "regcred"}, {"name": "other"}]
+    with pytest.raises(InvalidSpec, match=r"spec\.imagePullSecrets\.0"):
+        parse_inference_service(with_changes(document, "spec.imagePullSecrets", [{"nam": "x"}]))
 
 
 def engine_pod(objects, name: str) -> dict[str, Any]:
