@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 
 from kubesgl.contract import MIXED
@@ -135,15 +136,24 @@ def _device(config: EngineConfig) -> str:
     return "cuda"
 
 
+def backend_device_problem(backend: str, device: str, environ: Mapping[str, str]) -> str | None:
+    """Why the attention backend cannot run on the device (`cpu` or `cuda`), in a process with
+    these environment variables; None when it can. Torch-free: the operator checks its engine
+    pods' options with it."""
+    interpreted = backend == "triton" and environ.get("TRITON_INTERPRET") == "1"
+    if device == "cpu" and backend in ("triton", "flashinfer") and not interpreted:
+        return f"--attention-backend {backend} runs on CUDA GPUs; on the CPU use torch (or auto)"
+    return None
+
+
 def _check_attention_backend(config: EngineConfig, model: ModelConfig, device: str) -> None:
     backend = config.attention_backend
+    problem = backend_device_problem(backend, device, os.environ)
+    if problem is not None:
+        raise StartupError(problem)
     if backend == "triton":
         from kubesgl.engine.attention import triton_supports
 
-        if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise StartupError(
-                "--attention-backend triton runs on CUDA GPUs; on the CPU use torch (or auto)"
-            )
         if not triton_supports(model.head_dim):
             raise StartupError(
                 f"--attention-backend triton needs a power-of-two head size of at least 16, and "
@@ -157,10 +167,6 @@ def _check_attention_backend(config: EngineConfig, model: ModelConfig, device: s
         from kubesgl.engine.attention import FLASHINFER_HEAD_DIMS
         from kubesgl.engine.models.loader import resolve_dtype
 
-        if device == "cpu":
-            raise StartupError(
-                "--attention-backend flashinfer runs on CUDA GPUs; on the CPU use torch (or auto)"
-            )
         if importlib.util.find_spec("flashinfer") is None:
             raise StartupError(
                 "--attention-backend flashinfer needs the flashinfer-python package "

@@ -1,4 +1,5 @@
-"""The help of every `kubesgl` command: each flag has help text and shows its default once.
+"""The help of every `kubesgl` command: each flag has help text and shows its default once;
+and a parser that raises where a command would exit, for checking command lines.
 
 `DefaultsOnce` adds " (default: X)" to a flag's help unless the help already says what its
 default is (mentions "default") or there is nothing to show: no value (None), a switch that is
@@ -8,6 +9,7 @@ off (False), an empty list, or a required flag. tests/unit/test_help.py checks e
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 
 def shows_default(action: argparse.Action) -> bool:
@@ -30,3 +32,17 @@ class DefaultsOnce(argparse.HelpFormatter):
         if shows_default(action) and "default" not in help_:
             help_ += " (default: %(default)s)"
         return help_
+
+
+class RefusingParser(argparse.ArgumentParser):
+    """Raises ValueError with what the command would print and exit on: for the operator, which
+    checks the command lines it renders with the parsers of the commands that run them."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
+        raise ValueError(message or "the command would exit at start (--help, say)")
+
+    def print_help(self, file=None) -> None:
+        pass

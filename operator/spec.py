@@ -55,6 +55,10 @@ class SecretKeyRef(SpecModel):
     key: str = Field(min_length=1)
 
 
+class LocalObjectReference(SpecModel):
+    name: str = Field(min_length=1)
+
+
 class PvcSource(SpecModel):
     claim_name: str = Field(min_length=1)
     # Folder of the model inside the claim; empty means the claim's root.
@@ -108,7 +112,7 @@ class EngineSpec(SpecModel):
     load_format: LoadFormat = "auto"
     page_size: int | None = Field(default=None, ge=1)
     max_running_requests: int | None = Field(default=None, ge=1)
-    chunked_prefill_size: int | None = Field(default=None, ge=1)
+    chunked_prefill_size: int | None = Field(default=None, ge=0)  # 0: no chunking
     max_total_tokens: int | None = Field(default=None, ge=1)
     attention_backend: AttentionBackendName | None = None  # None: the engine's auto
     kv_cache_dtype: KvCacheDtype | None = None
@@ -322,7 +326,8 @@ class InferenceServiceSpec(SpecModel):
     model: ModelSpec
     image: str = Field(min_length=1)
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
-    image_pull_secrets: list[str] = Field(default_factory=list)
+    # Secret names, each as a string or as {name: ...} (a pod spec's form), as the chart takes them
+    image_pull_secrets: list[str | LocalObjectReference] = Field(default_factory=list)
     mode: Literal["mixed", "disaggregated"] = "mixed"
     engine: EngineSpec = Field(default_factory=EngineSpec)
     prefill: RoleSpec | None = None

@@ -7,6 +7,7 @@ the API server but cannot work; the operator then reports it and applies nothing
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,16 +17,28 @@ from pydantic import ValidationError
 
 from kubesgl import contract
 from kubesgl.contract import ENGINE_ROLES, EngineRole
-from kubesgl.engine.server.options import check_serve_args
+from kubesgl.engine.server.options import check_serve_args, parse_serve_args
 from kubesgl.operator.render.common import ENV_REFERENCE, expand_references
-from kubesgl.operator.render.engine import engine_args
-from kubesgl.operator.spec import GPU_RESOURCE, InferenceService, InferenceServiceSpec, RoleSpec
+from kubesgl.operator.render.engine import ENGINE_OWNED_FLAGS, engine_args
+from kubesgl.operator.render.router import ROUTER_OWNED_FLAGS, router_args, router_env
+from kubesgl.operator.spec import (
+    GPU_RESOURCE,
+    InferenceService,
+    InferenceServiceSpec,
+    LocalObjectReference,
+    RoleSpec,
+)
+from kubesgl.router.cli import check_router_args, parse_router_args
 
 # What the operator sets in an engine role's containers (render/engine.py): a role's env may
 # not name it (server-side apply refuses an env list that names a variable twice).
 ENV_SET_BY_OPERATOR = frozenset(
     {"HOME", "HF_HUB_OFFLINE", "HF_TOKEN", contract.API_KEY_ENV, "UCX_TLS", "UCX_NET_DEVICES"}
 )
+
+
+# Stands for a key from a Secret, known in the pod only, when a command line is checked.
+SECRET_PLACEHOLDER = "secret-from-the-pod"
 
 
 @dataclass(frozen=True)
@@ -49,10 +62,14 @@ def parse_inference_service(document: Mapping[str, Any]) -> InferenceService:
         isvc = InferenceService.model_validate(dict(document))
     except ValidationError as error:
         raise InvalidSpec(_schema_problems(error)) from None
-    problems = workability_problems(isvc.spec) or _engine_problems(isvc)
+    problems = workability_problems(isvc.spec) or _engine_problems(isvc) + _router_problems(isvc)
     if problems:
         raise InvalidSpec(problems)
     return isvc
+
+
+# The members of the spec's unions (Quantity, imagePullSecrets' items), by pydantic's names.
+_UNION_MEMBERS = ("int", "str", "float", "bool", LocalObjectReference.__name__)
 
 
 def _schema_problems(error: ValidationError) -> list[Problem]:
@@ -60,7 +77,7 @@ def _schema_problems(error: ValidationError) -> list[Problem]:
     for detail in error.errors():
         location = [str(part) for part in detail["loc"]]
         # Union members (int | str) add their type name to the location: not a field.
-        location = [part for part in location if part not in ("int", "str", "float", "bool")]
+        location = [part for part in location if part not in _UNION_MEMBERS]
         problems.append(Problem(".".join(location) or "(document)", detail["msg"]))
     return problems
 
@@ -81,44 +98,103 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
 def _engine_problems(isvc: InferenceService) -> list[Problem]:
     """Each role's engine command line as rendered, checked by `kubesgl serve`'s own parser
     and rules: an engine refuses a bad flag or options that do not go together by exiting at
-    start, a pod that would only crash-loop. Checked once the spec is otherwise sound (the
-    command line is rendered from it)."""
+    start, a pod that would only crash-loop; and extraArgs may not change a flag the operator
+    relies on elsewhere (a port that probes and Services would miss). Checked once the spec is
+    otherwise sound (the command line is rendered from it)."""
     roles_by_problem: dict[tuple[str, str], list[str]] = {}
     for role, block in isvc.spec.engine_roles().items():
-        found = _serve_args_problem(isvc, role, block)
+        values = {var.name: var.value for var in block.env if var.value is not None}
+        argv = expand_references(engine_args(isvc, role, block)[1:], values)  # after `serve`
+        if any(ENV_REFERENCE.search(arg) for arg in argv):
+            continue  # a variable from a Secret, a ConfigMap or the pod: known in the pod only
+        sections = _argv_sections(isvc, role, block, len(argv))
+        found = _serve_args_problem(argv, values, sections) or _owned_flag_problem(argv, sections)
         if found is not None:
             roles_by_problem.setdefault(found, []).append(role)
     return [
-        Problem(field, f"the engine refuses these options: {message} ({', '.join(roles)})")
+        Problem(field, f"{message} ({', '.join(roles)})")
         for (field, message), roles in roles_by_problem.items()
     ]
 
 
-def _serve_args_problem(
-    isvc: InferenceService, role: EngineRole, block: RoleSpec
-) -> tuple[str, str] | None:
-    """Why the engine would refuse the role's command line, and the field to blame: the first
-    of the spec's own options, spec.engine.extraArgs and the role's extraArgs that brings the
-    problem (extraArgs may also mend what comes before them: they override)."""
-    values = {variable.name: variable.value for variable in block.env if variable.value is not None}
-    argv = expand_references(engine_args(isvc, role, block)[1:], values)  # after `serve`
-    if any(ENV_REFERENCE.search(arg) for arg in argv):
-        return None  # a variable from a Secret, a ConfigMap or the pod: known in the pod only
-    try:
-        check_serve_args(argv)
-        return None
-    except ValueError as error:
-        problem = str(error)
-    own = len(argv) - len(block.extra_args) - len(isvc.spec.engine.extra_args)
-    for field, end in (
+def _argv_sections(
+    isvc: InferenceService, role: EngineRole, block: RoleSpec, length: int
+) -> list[tuple[str, int]]:
+    """Where each field's part of a role's command line ends: the spec's own options, then
+    spec.engine.extraArgs, then the role's extraArgs."""
+    own = length - len(block.extra_args) - len(isvc.spec.engine.extra_args)
+    return [
         ("spec.engine", own),
         ("spec.engine.extraArgs", own + len(isvc.spec.engine.extra_args)),
-    ):
+        (f"spec.{role}.extraArgs", length),
+    ]
+
+
+def _serve_args_problem(
+    argv: list[str], environ: Mapping[str, str], sections: list[tuple[str, int]]
+) -> tuple[str, str] | None:
+    """Why the engine would refuse the command line, and the field to blame: the first section
+    that brings the problem (extraArgs may also mend what comes before them: they override)."""
+    try:
+        check_serve_args(argv, environ)
+        return None
+    except ValueError:
+        pass
+    for field, end in sections:
         try:
-            check_serve_args(argv[:end])
+            check_serve_args(argv[:end], environ)
         except ValueError as error:
-            return field, str(error)
-    return f"spec.{role}.extraArgs", problem
+            return field, f"the engine refuses these options: {error}"
+    raise AssertionError("the whole command line was refused, so its last section is")
+
+
+def _owned_flag_problem(argv: list[str], sections: list[tuple[str, int]]) -> tuple[str, str] | None:
+    """The first extraArgs that give an engine flag the operator relies on another value."""
+    (_, own), *extra_sections = sections
+    derived = parse_serve_args(argv[:own])
+    for field, end in extra_sections:
+        try:
+            given = parse_serve_args(argv[:end])
+        except ValueError:
+            continue  # a flag whose value is in the role's extraArgs: the whole line parses
+        changed = _changed_flag(ENGINE_OWNED_FLAGS, derived, given)
+        if changed is not None:
+            return field, changed
+    return None
+
+
+def _changed_flag(
+    owned: Mapping[str, str], derived: argparse.Namespace, given: argparse.Namespace
+) -> str | None:
+    """Why the first of the owned flags whose value the command line, as its command parses it
+    (abbreviations and `--flag=value` included), changes from the operator's may not be set."""
+    for flag, why in owned.items():
+        dest = flag.removeprefix("--").replace("-", "_")  # argparse's rule
+        if getattr(given, dest) != getattr(derived, dest):
+            return f"may not set {flag} ({why})"
+    return None
+
+
+def _router_problems(isvc: InferenceService) -> list[Problem]:
+    """The router's command line as rendered, checked by `kubesgl router`'s own parser and
+    rules, with the environment variables of its pod (a key given twice, say); and its
+    extraArgs may not change a flag the operator relies on."""
+    argv = router_args(isvc)[1:]  # after `router`
+    own = argv[: len(argv) - len(isvc.spec.router.extra_args)]
+    environ = {
+        variable["name"]: variable.get("value", SECRET_PLACEHOLDER) for variable in router_env(isvc)
+    }
+    try:
+        check_router_args(argv, environ)
+    except ValueError as error:
+        field = "spec.router.extraArgs"
+        try:
+            check_router_args(own, environ)
+        except ValueError:
+            field = "spec.router"
+        return [Problem(field, f"the router refuses these options: {error}")]
+    changed = _changed_flag(ROUTER_OWNED_FLAGS, parse_router_args(own), parse_router_args(argv))
+    return [] if changed is None else [Problem("spec.router.extraArgs", changed)]
 
 
 def _env_problems(spec: InferenceServiceSpec) -> list[Problem]:
@@ -210,16 +286,21 @@ def _model_problems(spec: InferenceServiceSpec) -> list[Problem]:
 
 
 def _gpu_problems(spec: InferenceServiceSpec) -> list[Problem]:
-    if spec.engine.device != "cuda":
-        return []
     problems = []
     for role, block in spec.engine_roles().items():
         for kind in ("requests", "limits"):
             given = getattr(block.resources, kind).get(GPU_RESOURCE)
-            if given is not None and str(given) != str(block.tensor_parallel_size):
+            if given is None:
+                continue
+            field = f"spec.{role}.resources.{kind}.{GPU_RESOURCE}"
+            if spec.engine.device == "cpu":
+                problems.append(
+                    Problem(field, "must be left out: with device cpu the engine uses no GPU")
+                )
+            elif str(given) != str(block.tensor_parallel_size):
                 problems.append(
                     Problem(
-                        f"spec.{role}.resources.{kind}.{GPU_RESOURCE}",
+                        field,
                         f"must equal tensorParallelSize ({block.tensor_parallel_size})"
                         " or be left out: each tensor-parallel rank uses one GPU",
                     )

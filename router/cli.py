@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping
 
 from kubesgl import contract
-from kubesgl.cli_help import DefaultsOnce
+from kubesgl.cli_help import DefaultsOnce, RefusingParser
 from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV, LOG_LEVELS
 from kubesgl.router.config import KubeDiscoverySettings, RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import parse_selector
@@ -23,8 +23,10 @@ SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/names
 GRACEFUL_SHUTDOWN_S = 25
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser(
+    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+) -> argparse.ArgumentParser:
+    p = parser_class(
         prog="kubesgl router",
         description="Cache-aware router and prefill/decode orchestrator in front of kubesgl engines.",
         epilog=f"Keys come from the environment: {ADMIN_KEY_ENV} opens POST/DELETE /workers (without it they "
@@ -309,6 +311,19 @@ def config_from_args(
         api_key=api_key,
         kube=kube,
     )
+
+
+def parse_router_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments as `kubesgl router` parses them (abbreviations and `--flag=value`
+    resolved); ValueError for an unknown flag or a bad value."""
+    return build_parser(RefusingParser).parse_args(argv)
+
+
+def check_router_args(argv: list[str], environ: Mapping[str, str]) -> None:
+    """Raises ValueError with the reason `kubesgl router` would refuse these arguments at
+    start, in a process with these environment variables. Torch-free: the operator checks the
+    command lines it renders for router pods with it."""
+    config_from_args(parse_router_args(argv), environ)
 
 
 def main(argv: list[str]) -> int:

@@ -5,12 +5,14 @@ renders for engine pods with the very parser their engines use."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NoReturn
 
+from kubesgl.cli_help import RefusingParser
 from kubesgl.contract import ENGINE_PORT, LOG_LEVELS
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.messages import HEARTBEAT_S
+from kubesgl.engine.preflight import backend_device_problem
 from kubesgl.engine.server.api_key import add_api_key_args
 
 
@@ -91,23 +93,20 @@ def server_options(args: argparse.Namespace, api_key: str | None = None) -> Serv
     )
 
 
-class _Refusing(argparse.ArgumentParser):
-    """Raises what `kubesgl serve` would print and exit on."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ValueError(message)
-
-    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
-        raise ValueError(message or "the engine would exit at start (--help, say)")
-
-    def print_help(self, file=None) -> None:
-        pass
+def parse_serve_args(argv: list[str]) -> argparse.Namespace:
+    """The arguments as `kubesgl serve` parses them (abbreviations and `--flag=value` resolved),
+    not yet checked together; ValueError for an unknown flag or a bad value."""
+    return build_parser(RefusingParser).parse_args(argv)
 
 
-def check_serve_args(argv: list[str]) -> None:
-    """Raises ValueError with the reason `kubesgl serve` would refuse these arguments (before
-    it looks at the machine or the model): an unknown flag, a bad value, options that do not
-    go together."""
-    args = build_parser(_Refusing).parse_args(argv)
+def check_serve_args(argv: list[str], environ: Mapping[str, str]) -> None:
+    """Raises ValueError with the reason `kubesgl serve` would refuse these arguments, in a
+    process with these environment variables, before it looks at the machine or the model: an
+    unknown flag, a bad value, options that do not go together (an attention backend the
+    --device cannot run)."""
+    args = parse_serve_args(argv)
     engine_config_from_args(args).validate()
     server_options(args).validate()
+    problem = backend_device_problem(args.attention_backend, args.device, environ)
+    if problem is not None:
+        raise ValueError(problem)

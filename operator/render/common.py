@@ -110,7 +110,10 @@ def image_pull(isvc: InferenceService) -> tuple[Object, Object]:
     if isvc.spec.image_pull_policy:
         container["imagePullPolicy"] = isvc.spec.image_pull_policy
     if isvc.spec.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": name} for name in isvc.spec.image_pull_secrets]
+        pod["imagePullSecrets"] = [
+            {"name": secret if isinstance(secret, str) else secret.name}
+            for secret in isvc.spec.image_pull_secrets
+        ]
     return container, pod
 
 

@@ -44,6 +44,22 @@ EXIT_SLACK_SECONDS = 5
 # shmSizeLimit is not set: NCCL's shared-memory buffers between ranks of the pod, Python's
 # multiprocessing semaphores. NVIDIA recommends --shm-size=1g for NCCL containers.
 SHM_PER_RANK_GI = 1
+# Loading weights and capturing CUDA graphs can take long: up to an hour to start.
+STARTUP_PROBE_PERIOD_SECONDS = 10
+STARTUP_PROBE_FAILURES = 360
+READINESS_PROBE_PERIOD_SECONDS = 5
+# Before the startup probe's first check: scheduling, the image pull and the init container
+# that downloads or makes the model, none of them bounded. Kubernetes' own default deadline.
+POD_START_SECONDS = 600
+# How long a rollout may go without a new pod ready before the Deployment reports
+# ProgressDeadlineExceeded (Degraded, status.py): the pod's start, the startup probe's whole
+# budget, and the first readiness check after it. Kubernetes' default, 600 s, called an engine
+# still loading its model a failure.
+ENGINE_PROGRESS_DEADLINE_SECONDS = (
+    POD_START_SECONDS
+    + STARTUP_PROBE_PERIOD_SECONDS * STARTUP_PROBE_FAILURES
+    + READINESS_PROBE_PERIOD_SECONDS
+)
 
 
 def engine_grace_period_seconds(shutdown_timeout_seconds: int) -> int:
@@ -98,6 +114,26 @@ _SET_WHEN_GIVEN = [name for name in _SPEC_OPTIONS if name not in _ALWAYS_SET]
 
 def _flag(option: str) -> str:
     return ENGINE_OPTIONS[option].flag
+
+
+# The flags the operator derives from the spec and that other objects rely on, each with why:
+# extraArgs may not give them another value (validation.py). The model path and served name
+# are not among them: nothing else the operator renders depends on them.
+ENGINE_OWNED_FLAGS = {
+    _flag("role"): "the role's block sets it (spec.mixed, spec.prefill or spec.decode)",
+    _flag("tp_size"): "set the role's tensorParallelSize, which the pod's GPUs follow",
+    _flag("device"): "set spec.engine.device, which the pod's GPUs follow",
+    "--host": "fixed: probes, Services and the router reach the pod on its own address",
+    "--port": (
+        f"fixed: probes, Services, NetworkPolicies and the router use {contract.ENGINE_PORT}"
+    ),
+    "--shutdown-timeout": (
+        "set spec.engine.shutdownTimeoutSeconds, which the pod's grace period follows"
+    ),
+    _flag("disaggregation_bootstrap_port"): (
+        f"fixed: the pod's port, annotations and Service announce {contract.BOOTSTRAP_PORT}"
+    ),
+}
 
 
 def _option_args(engine: EngineSpec, names: list[str]) -> list[str]:
@@ -280,9 +316,10 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
-        # Loading weights and capturing CUDA graphs can take long: up to an hour to start.
-        "startupProbe": http_probe("http", period=10, failures=360),
-        "readinessProbe": http_probe("http", period=5, failures=2),
+        "startupProbe": http_probe(
+            "http", period=STARTUP_PROBE_PERIOD_SECONDS, failures=STARTUP_PROBE_FAILURES
+        ),
+        "readinessProbe": http_probe("http", period=READINESS_PROBE_PERIOD_SECONDS, failures=2),
         "livenessProbe": http_probe("http", period=15, failures=4, timeout=5),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         "securityContext": container_security_context(),
@@ -310,6 +347,7 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
     if init is not None:
         pod_spec["initContainers"] = [init]
     spec: Object = {
+        "progressDeadlineSeconds": ENGINE_PROGRESS_DEADLINE_SECONDS,
         "selector": {"matchLabels": naming.selector_labels(instance, role)},
         "template": {
             "metadata": {

@@ -23,6 +23,19 @@ from kubesgl.router.cli import GRACEFUL_SHUTDOWN_S
 ROUTER_GRACE_PERIOD_SECONDS = GRACEFUL_SHUTDOWN_S + EXIT_SLACK_SECONDS
 
 
+# The flags the operator sets and that its other objects rely on, each with why: extraArgs may
+# not give them another value (validation.py).
+ROUTER_OWNED_FLAGS = {
+    "--host": "fixed: probes and the Service reach the pod on its own address",
+    "--port": (f"fixed: probes, the Service and NetworkPolicies use {contract.ROUTER_PORT}"),
+    "--kube-namespace": (
+        "fixed: the engines run in the InferenceService's namespace, the one the router's "
+        "Role lets it watch"
+    ),
+    "--kube-selector": "fixed: it selects this InferenceService's engine pods",
+}
+
+
 def router_args(isvc: InferenceService) -> list[str]:
     router = isvc.spec.router
     selectors = naming.selector_labels(isvc.metadata.name)
@@ -92,7 +105,7 @@ def role_binding(isvc: InferenceService) -> Object:
     }
 
 
-def _router_env(isvc: InferenceService) -> list[Object]:
+def router_env(isvc: InferenceService) -> list[Object]:
     env: list[Object] = [{"name": "HOME", "value": "/tmp"}]
     # the key the router sends engines and checks clients against, the engines' own
     env += api_key_env(isvc)
@@ -111,7 +124,7 @@ def router_deployment(isvc: InferenceService) -> Object:
         **pull,
         "command": ["kubesgl"],
         "args": router_args(isvc),
-        "env": _router_env(isvc),
+        "env": router_env(isvc),
         "ports": [{"name": "http", "containerPort": contract.ROUTER_PORT}],
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "readinessProbe": http_probe("http", period=5, failures=2),

@@ -43,12 +43,16 @@ def _canonical(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     options = schema.get("anyOf")
     if options:
         kinds = [option.get("type") for option in options if option.get("type") != "null"]
+        if "string" in kinds and None in kinds:  # a string or a model: untyped in the CRD
+            return {"type": "any"}
         if sorted(kinds) == ["integer", "string"]:
             return {"type": "int-or-string"}
         (schema,) = [option for option in options if option.get("type") != "null"]
         return _canonical(schema, defs)
     if schema.get("x-kubernetes-int-or-string"):
         return {"type": "int-or-string"}
+    if schema.get("x-kubernetes-preserve-unknown-fields") and "type" not in schema:
+        return {"type": "any"}
     result: dict[str, Any] = {"type": schema.get("type", "object")}
     for key in ("enum", "minimum", "maximum", "pattern", "minLength", "maxLength"):
         if key in schema:

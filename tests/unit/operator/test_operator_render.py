@@ -16,7 +16,7 @@ from operator_fixtures import EXAMPLES, REPO, load_example, with_changes
 
 from kubesgl.operator import naming
 from kubesgl.operator.render import render
-from kubesgl.operator.validation import ENV_SET_BY_OPERATOR, parse_inference_service
+from kubesgl.operator.validation import ENV_SET_BY_OPERATOR, InvalidSpec, parse_inference_service
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 # KEDA and prometheus-operator CRDs, as generated into pydantic models by cloudcoil.
@@ -89,6 +89,28 @@ def test_mixed_mode_renders_one_engine_role() -> None:
     assert "--disaggregation-bootstrap-port" not in args
 
 
+def test_chunked_prefill_size_zero_turns_chunking_off() -> None:
+    """The engine's documented 0 was out of the spec's reach (minimum 1)."""
+    objects = objects_of(
+        with_changes(load_example("mixed.yaml"), "spec.engine.chunkedPrefillSize", 0)
+    )
+    args = engine_pod(objects, "qwen3-mixed-mixed")["spec"]["containers"][0]["args"]
+    assert args[args.index("--chunked-prefill-size") + 1] == "0"
+
+
+def test_image_pull_secrets_as_names_or_as_a_pod_spec_writes_them() -> None:
+    """The chart took both forms; the CRD only names, so a values file's form was refused."""
+    document = with_changes(
+        load_example("mixed.yaml"), "spec.imagePullSecrets", ["regcred", {"name": "other"}]
+    )
+    objects = objects_of(document)
+    for name in ("qwen3-mixed-mixed", "qwen3-mixed-router"):
+        pulled = engine_pod(objects, name)["spec"]["imagePullSecrets"]
+        assert pulled == [{"name": "regcred"}, {"name": "other"}]
+    with pytest.raises(InvalidSpec, match=r"spec\.imagePullSecrets\.0"):
+        parse_inference_service(with_changes(document, "spec.imagePullSecrets", [{"nam": "x"}]))
+
+
 def engine_pod(objects, name: str) -> dict[str, Any]:
     return objects[("Deployment", name)]["spec"]["template"]
 
@@ -136,6 +158,21 @@ def test_engine_pod_contract() -> None:
     assert decode["spec"]["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert {"name": "UCX_TLS", "value": "tcp,cuda_copy"} in container["env"]
+
+
+def test_a_rollout_may_last_as_long_as_an_engine_may_take_to_start() -> None:
+    """Kubernetes' default progress deadline (600 s) marked an engine still loading its model,
+    which its startup probe allows an hour, ProgressDeadlineExceeded: Degraded."""
+    for (kind, _), deployment in objects_of(load_example("disaggregated.yaml")).items():
+        if kind != "Deployment" or "router" in deployment["metadata"]["name"]:
+            continue
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        startup, readiness = container["startupProbe"], container["readinessProbe"]
+        longest_start = (
+            startup["periodSeconds"] * startup["failureThreshold"] + readiness["periodSeconds"]
+        )
+        # and the pod's start before the probe: scheduling, image pull, model download
+        assert deployment["spec"]["progressDeadlineSeconds"] >= longest_start + 600
 
 
 def test_roles_and_router_take_scheduling_fields_and_roles_their_environment() -> None:

@@ -368,6 +368,112 @@ def test_extra_args_the_engine_would_refuse_name_the_field_that_gave_them() -> N
     parse_inference_service(fine)
 
 
+@pytest.mark.parametrize(
+    ("path", "extra_args", "expected"),
+    [
+        (
+            "spec.prefill.extraArgs",
+            ["--port", "8080"],
+            "spec.prefill.extraArgs: may not set --port",
+        ),
+        # argparse's abbreviations and --flag=value forms are the flag too
+        ("spec.decode.extraArgs", ["--po=8080"], "spec.decode.extraArgs: may not set --port"),
+        (
+            "spec.engine.extraArgs",
+            ["--host", "127.0.0.1"],
+            "spec.engine.extraArgs: may not set --host",
+        ),
+        (
+            "spec.prefill.extraArgs",
+            ["--role", "decode"],
+            "spec.prefill.extraArgs: may not set --role",
+        ),
+        (
+            "spec.prefill.extraArgs",
+            ["--tp-size", "2"],
+            "spec.prefill.extraArgs: may not set --tp-size",
+        ),
+        (
+            "spec.decode.extraArgs",
+            ["--device", "cpu"],
+            "spec.decode.extraArgs: may not set --device",
+        ),
+        (
+            "spec.prefill.extraArgs",
+            ["--disaggregation-bootstrap-port", "9000"],
+            "spec.prefill.extraArgs: may not set --disaggregation-bootstrap-port",
+        ),
+        (
+            "spec.engine.extraArgs",
+            ["--shutdown-timeout", "600"],
+            "spec.engine.extraArgs: may not set --shutdown-timeout (set "
+            "spec.engine.shutdownTimeoutSeconds",
+        ),
+    ],
+)
+def test_extra_args_may_not_change_the_flags_the_operator_relies_on(
+    path, extra_args, expected
+) -> None:
+    """A port, host, role, tensor-parallel size, device, bootstrap port or drain the pod's
+    probes, Services, GPUs or grace period do not follow made pods that never worked."""
+    document = with_changes(load_example("disaggregated.yaml"), path, extra_args)
+    (problem,) = problems_of(document)
+    assert problem.startswith(expected)
+
+
+def test_extra_args_may_repeat_the_operators_values_and_set_other_options() -> None:
+    document = with_changes(
+        load_example("disaggregated.yaml"),
+        "spec.engine.extraArgs",
+        ["--port", "30000", "--mem-fraction-static", "0.5"],
+    )
+    parse_inference_service(document)
+
+
+def test_router_extra_args_are_checked_by_the_routers_own_parser() -> None:
+    """A router that refuses its command line only crash-loops; its extraArgs were passed on
+    unchecked."""
+    document = load_example("disaggregated.yaml")
+    unknown = with_changes(document, "spec.router.extraArgs", ["--no-such-flag"])
+    assert problems_of(unknown) == [
+        "spec.router.extraArgs: the router refuses these options: unrecognized arguments: "
+        "--no-such-flag"
+    ]
+    admin_secret = with_changes(document, "spec.router.adminKeySecret", {"name": "a", "key": "k"})
+    key_twice = with_changes(admin_secret, "spec.router.extraArgs", ["--admin-api-key", "x"])
+    assert problems_of(key_twice) == [
+        "spec.router.extraArgs: the router refuses these options: the admin key is given twice: "
+        "set KUBESGL_ROUTER_ADMIN_KEY or pass --admin-api-key, not both"
+    ]
+    for flag in (["--port=8080"], ["--host", "127.0.0.1"], ["--kube-selector", "a=b"]):
+        (problem,) = problems_of(with_changes(document, "spec.router.extraArgs", flag))
+        assert problem.startswith("spec.router.extraArgs: may not set --"), problem
+    parse_inference_service(with_changes(document, "spec.router.extraArgs", ["--max-retries", "5"]))
+
+
+def test_a_cpu_engine_takes_no_gpu_and_no_gpu_only_attention_backend() -> None:
+    """Both rendered: the engine refused the backend at start, and the pod held GPUs it never
+    used."""
+    cpu = with_changes(load_example("mixed.yaml"), "spec.engine.device", "cpu")
+    flashinfer = with_changes(cpu, "spec.engine.attentionBackend", "flashinfer")
+    assert problems_of(flashinfer) == [
+        "spec.engine: the engine refuses these options: --attention-backend flashinfer runs on "
+        "CUDA GPUs; on the CPU use torch (or auto) (mixed)"
+    ]
+    triton = with_changes(cpu, "spec.mixed.extraArgs", ["--attention-backend=triton"])
+    (problem,) = problems_of(triton)
+    assert problem.startswith("spec.mixed.extraArgs: the engine refuses these options: ")
+    interpreted = with_changes(
+        triton, "spec.mixed.env", [{"name": "TRITON_INTERPRET", "value": "1"}]
+    )
+    parse_inference_service(interpreted)  # Triton's interpreter runs on the CPU
+    gpus = with_changes(cpu, "spec.mixed.resources", {"limits": {"nvidia.com/gpu": 4}})
+    assert problems_of(gpus) == [
+        "spec.mixed.resources.limits.nvidia.com/gpu: must be left out: with device cpu the "
+        "engine uses no GPU"
+    ]
+
+
 def test_the_command_line_is_checked_as_the_pod_runs_it() -> None:
     """extraArgs override the spec's own options, a flag's value may come after the shared
     extraArgs, and $(VAR) takes the role's variable as the kubelet expands it."""
