@@ -49,11 +49,13 @@ def draw_bootstrap_room() -> int:
     return random.getrandbits(63)
 
 
-# How long one engine's refusal (a 4xx) waits for the other engine's answer before the router
-# cancels that request (see `_unless_prefill_fails`, `exchange`): engines tell each other at once, and
-# a request one refuses the other refuses too (the same rules), so this only bounds an engine
-# that heard nothing (its partner died without a word). An engine whose request is cancelled
-# counts it as aborted by its client, which a refused request was not.
+# How long one engine's failure waits for the other engine's answer before the router decides
+# (see `exchange`, `_settle_prefill_failure`, `_decode_verdict`): engines tell each other at
+# once, a request one refuses the other refuses too (the same rules), and a room the prefill
+# failed fails the decode request, whose error may reach the router before the prefill's
+# (the cause). So this only bounds an engine that heard nothing (its partner died without a
+# word). An engine whose request is cancelled counts it as aborted by its client, which a
+# refused request was not.
 DECODE_VERDICT_WAIT_S = 1.0
 
 
@@ -102,17 +104,9 @@ class PrefillDecodePair:
         decode_task = asyncio.create_task(decode_call)
         try:
             await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-            error = None if decode_task.done() else prefill_task.exception()
-            if error is None:
-                return await decode_task
-            if isinstance(error, UpstreamError) and error.retryable:
-                raise error  # refused before any work, or never sent: no KV comes; try another pair
-            if _refused(error):  # the decode engine refuses it too, or fails when told
-                await asyncio.wait({decode_task}, timeout=DECODE_VERDICT_WAIT_S)
-                raise error
-            # The prefill engine failed after it may have sent the KV (it crashed, or failed as
-            # it answered): the decode engine has it and answers, or fails the request itself.
-            return await _decode_verdict(decode_task, error)
+            if not decode_task.done() and (error := prefill_task.exception()) is not None:
+                await _settle_prefill_failure(decode_task, error)
+            return await _decode_verdict(decode_task, prefill_task)
         except BaseException:
             await _cancel(decode_task)
             if (
@@ -158,13 +152,31 @@ def _log_outcome(task: asyncio.Task[None]) -> None:
         )
 
 
-async def _decode_verdict(decode_task: asyncio.Task[Reply], prefill_error: BaseException) -> Reply:
-    """The decode engine's answer, or, if it failed for want of the KV, the prefill's error
-    (the cause); a decode engine's refusal (4xx) is the true answer, kept."""
+async def _settle_prefill_failure(decode_task: asyncio.Task[Reply], error: BaseException) -> None:
+    """Raises the prefill's error unless the decode engine may still answer well."""
+    if isinstance(error, UpstreamError) and error.before_work:
+        raise error  # no KV comes (a retryable refusal goes to another pair)
+    if _refused(error):  # the decode engine refuses it too, or fails when told
+        await asyncio.wait({decode_task}, timeout=DECODE_VERDICT_WAIT_S)
+        raise error
+    # The prefill engine failed after it may have sent the KV (it crashed, or failed as it
+    # answered): the decode engine has it and answers, or fails the request itself (at once
+    # when told of a failed room, within a heartbeat of a dead prefill engine).
+
+
+async def _decode_verdict(
+    decode_task: asyncio.Task[Reply], prefill_task: asyncio.Task[None]
+) -> Reply:
+    """The decode engine's answer; if it failed for want of the KV, the prefill's error (the
+    cause), which may reach the router after the decode engine heard of the failed room. A
+    decode engine's refusal (4xx, or before any work) is its true answer, kept."""
     try:
         return await decode_task
     except UpstreamError as decode_error:
-        if _refused(decode_error):
+        if _refused(decode_error) or decode_error.retryable:
+            raise
+        await asyncio.wait({prefill_task}, timeout=DECODE_VERDICT_WAIT_S)
+        if not prefill_task.done() or (prefill_error := prefill_task.exception()) is None:
             raise
         raise prefill_error from decode_error
 

@@ -106,6 +106,7 @@ class UpstreamError(Exception):
         retryable: bool,
         body: bytes | None = None,
         answered: bool = False,
+        before_work: bool = False,
     ) -> None:
         super().__init__(message)
         self.worker = worker
@@ -114,6 +115,9 @@ class UpstreamError(Exception):
         self.retryable = retryable
         self._body = body
         self.answered = answered  # the worker answered with this error (it was reached)
+        # the worker did nothing for the request (a retryable refusal is one; the router's
+        # key refused is another, not retried: every engine would refuse it)
+        self.before_work = before_work or retryable
 
     def body(self) -> bytes:
         return self._body or error_body(self.message, error_type="upstream_error")
@@ -137,7 +141,7 @@ class UpstreamError(Exception):
                 f"start the router with {API_KEY_ENV} set to the engines' API key"
             )
             log.error("%s", message)
-            return cls(worker, 502, message, retryable=False)
+            return cls(worker, 502, message, retryable=False, before_work=True)
         retryable = status in RETRYABLE_STATUSES
         if status < 500:
             return cls(worker, status, message, retryable=retryable, body=body, answered=True)

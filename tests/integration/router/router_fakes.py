@@ -80,6 +80,7 @@ class FakeEngine:
         self.fail_status: int | None = None  # answer every generation request with this error
         self.fail_after_s = 0.0  # ... this long after the request came
         self.fail_after_kv: int | None = None  # prefill: send the KV cache, then this error
+        self.late_answer_s = 0.0  # prefill: fail the room at once, answer the error this late
         # While set to an unset Event, answers pause (streams after their first chunk) until it is set.
         self.hold: asyncio.Event | None = None
         self.hold_after_chunks = 1
@@ -194,6 +195,7 @@ class FakeEngine:
             message = f"{self.name} fails on purpose"
             if self.role == "prefill" and self.fail_status >= 500 and self.fail_status != 503:
                 self._fail_rooms(body, message)  # a 503 refuses before any work: nobody is told
+                await asyncio.sleep(self.late_answer_s)
             return _error(self.fail_status, message)
         if self.prefix_cache_chars:
             self._record_prompt(_prompt_of(request.path, body))

@@ -128,6 +128,40 @@ async def test_prefill_server_error_names_the_prefill_worker(
     assert response.json()["error"]["message"].startswith(f"prefill worker {p.url} answered 500")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_prefills_error_is_the_answer_even_when_the_decode_engines_comes_first(
+    stream, engines, kv_table, start_router, client
+):
+    """The prefill engine fails the room (its decode engine hears at once and fails too) and
+    its own answer reaches the router later: the client still gets the cause, not the decode
+    engine's "room failed"."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.fail_status, p.late_answer_s = 500, 0.3
+    async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
+        await router.ready()
+        response = await client.post(
+            router.url + "/v1/completions", json={"prompt": "x", "stream": stream}
+        )
+    assert response.status_code == 500
+    assert response.json()["error"]["message"].startswith(f"prefill worker {p.url} answered 500")
+
+
+async def test_a_prefill_refusing_the_routers_key_answers_at_once(
+    engines, kv_table, start_router, client
+):
+    """No work was done, so no KV will come: the router does not wait for the decode engine
+    to give up on the room (5 s in the fake, --disaggregation-timeout in an engine)."""
+    p = await engines("p0", "prefill", kv=kv_table, bootstrap_port=9100, api_key="key")
+    d = await engines("d0", "decode", kv=kv_table, tokens=3)
+    async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
+        await router.ready()
+        started = time.monotonic()
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        elapsed = time.monotonic() - started
+    assert response.status_code == 502 and "refused the router's credentials" in response.text
+    assert elapsed < 2.0
+
+
 async def test_a_decode_engine_that_refuses_the_request_answers_even_if_its_prefill_fails_first(
     engines, kv_table, start_router, client
 ):
