@@ -105,10 +105,13 @@ def _engine_problems(isvc: InferenceService) -> list[Problem]:
     for role, block in isvc.spec.engine_roles().items():
         values = {var.name: var.value for var in block.env if var.value is not None}
         argv = expand_references(engine_args(isvc, role, block)[1:], values)  # after `serve`
-        if any(ENV_REFERENCE.search(arg) for arg in argv):
-            continue  # a variable from a Secret, a ConfigMap or the pod: known in the pod only
         sections = _argv_sections(isvc, role, block, len(argv))
-        found = _serve_args_problem(argv, values, sections) or _owned_flag_problem(argv, sections)
+        # a variable from a Secret, a ConfigMap or the pod is known in the pod only: the line
+        # is not checked as a whole, but the owned flags still are
+        in_pod_only = any(ENV_REFERENCE.search(arg) for arg in argv)
+        found = (
+            None if in_pod_only else _serve_args_problem(argv, values, sections)
+        ) or _owned_flag_problem(argv, sections, ENGINE_OWNED_FLAGS[role])
         if found is not None:
             roles_by_problem.setdefault(found, []).append(role)
     return [
@@ -148,7 +151,9 @@ def _serve_args_problem(
     raise AssertionError("the whole command line was refused, so its last section is")
 
 
-def _owned_flag_problem(argv: list[str], sections: list[tuple[str, int]]) -> tuple[str, str] | None:
+def _owned_flag_problem(
+    argv: list[str], sections: list[tuple[str, int]], owned: Mapping[str, str]
+) -> tuple[str, str] | None:
     """The first extraArgs that give an engine flag the operator relies on another value."""
     (_, own), *extra_sections = sections
     derived = parse_serve_args(argv[:own])
@@ -156,8 +161,8 @@ def _owned_flag_problem(argv: list[str], sections: list[tuple[str, int]]) -> tup
         try:
             given = parse_serve_args(argv[:end])
         except ValueError:
-            continue  # a flag whose value is in the role's extraArgs: the whole line parses
-        changed = _changed_flag(ENGINE_OWNED_FLAGS, derived, given)
+            continue  # a flag whose value is in the role's extraArgs, or `$(VAR)` as a number
+        changed = _changed_flag(owned, derived, given)
         if changed is not None:
             return field, changed
     return None

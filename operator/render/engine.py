@@ -119,7 +119,7 @@ def _flag(option: str) -> str:
 # The flags the operator derives from the spec and that other objects rely on, each with why:
 # extraArgs may not give them another value (validation.py). The model path and served name
 # are not among them: nothing else the operator renders depends on them.
-ENGINE_OWNED_FLAGS = {
+_OWNED_IN_EVERY_ROLE = {
     _flag("role"): "the role's block sets it (spec.mixed, spec.prefill or spec.decode)",
     _flag("tp_size"): "set the role's tensorParallelSize, which the pod's GPUs follow",
     _flag("device"): "set spec.engine.device, which the pod's GPUs follow",
@@ -130,9 +130,16 @@ ENGINE_OWNED_FLAGS = {
     "--shutdown-timeout": (
         "set spec.engine.shutdownTimeoutSeconds, which the pod's grace period follows"
     ),
-    _flag("disaggregation_bootstrap_port"): (
-        f"fixed: the pod's port, annotations and Service announce {contract.BOOTSTRAP_PORT}"
-    ),
+}
+ENGINE_OWNED_FLAGS: dict[contract.EngineRole, dict[str, str]] = {
+    contract.MIXED: _OWNED_IN_EVERY_ROLE,
+    contract.DECODE: _OWNED_IN_EVERY_ROLE,
+    contract.PREFILL: {  # only a prefill engine serves its KV cache on a bootstrap port
+        **_OWNED_IN_EVERY_ROLE,
+        _flag("disaggregation_bootstrap_port"): (
+            f"fixed: the pod's port, annotations and Service announce {contract.BOOTSTRAP_PORT}"
+        ),
+    },
 }
 
 

@@ -421,6 +421,28 @@ def test_extra_args_may_not_change_the_flags_the_operator_relies_on(
     assert problem.startswith(expected)
 
 
+def test_owned_flags_are_checked_beside_a_variable_known_in_the_pod_only() -> None:
+    """A `$(VAR)` from a Secret keeps the line from being checked as a whole; --port 9000
+    beside it still made pods that probes and Services never reached."""
+    document = with_changes(
+        load_example("disaggregated.yaml"),
+        "spec.engine.extraArgs",
+        ["--api-key", "$(FROM_A_SECRET)", "--port", "9000"],
+    )
+    (problem,) = problems_of(document)
+    assert problem.startswith("spec.engine.extraArgs: may not set --port")
+
+
+def test_only_a_prefill_role_owns_the_bootstrap_port() -> None:
+    """Mixed and decode engines announce no bootstrap port: the reason given was untrue."""
+    document = with_changes(
+        load_example("disaggregated.yaml"),
+        "spec.decode.extraArgs",
+        ["--disaggregation-bootstrap-port", "9000"],
+    )
+    parse_inference_service(document)  # the decode engine takes the flag, and nothing hangs on it
+
+
 def test_extra_args_may_repeat_the_operators_values_and_set_other_options() -> None:
     document = with_changes(
         load_example("disaggregated.yaml"),
