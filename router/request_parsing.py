@@ -115,15 +115,16 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
         stream = False
     elif not isinstance(stream, bool):
         raise bad_request("`stream` must be true or false", "stream")
-    n = _sample_count(body.get("n"), "n")
 
     if path == CHAT_PATH:
         text, prompts, token_ids = _chat_text(body), 1, False
+        n = _sample_count(body.get("n"), "n")
     elif path == COMPLETIONS_PATH:
         if "prompt" not in body:
             raise bad_request("`prompt` is required", "prompt")
         text, prompts, token_ids = _prompt_text(body["prompt"], "prompt")
-    else:
+        n = _sample_count(body.get("n"), "n")
+    else:  # /generate: one sequence per prompt (engines refuse sampling_params.n other than 1)
         if "text" in body:
             text, prompts, token_ids = _prompt_text(body["text"], "text")
         elif "input_ids" in body:
@@ -135,6 +136,11 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
             sampling = {}
         elif not isinstance(sampling, dict):
             raise bad_request("`sampling_params` must be an object", "sampling_params")
-        if "n" in sampling:
-            n = _sample_count(sampling["n"], "sampling_params.n")
+        n = _sample_count(sampling.get("n"), "sampling_params.n")
+        if n != 1:
+            raise bad_request(
+                f"/generate answers one sequence per prompt, got {n}; "
+                "ask /v1/completions with n for more",
+                "sampling_params.n",
+            )
     return ParsedRequest(path, body, raw, text, stream, prompts * n, token_ids)

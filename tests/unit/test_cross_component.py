@@ -124,3 +124,32 @@ def test_the_router_takes_exactly_the_n_an_engine_takes(n):
     except RouterError:
         router_n = None
     assert router_n == engine_n
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"n": 2}, {"sampling_params": {"n": 2}}, {"sampling_params": {"n": 1.0}}, {"n": "x"}],
+    ids=["top-level-n", "sampling-n", "sampling-n-1.0", "top-level-junk"],
+)
+def test_the_router_counts_the_sequences_of_generate_as_engines_answer_them(body):
+    """/generate answers one sequence per prompt: engines drop a top-level `n` and refuse
+    `sampling_params.n` other than 1; the router drew a bootstrap room per `n`, so P/D
+    answered 400 where a mixed engine answered 200."""
+    from pydantic import ValidationError
+
+    from kubesgl.engine.server.protocol import GenerateRequestBody
+    from kubesgl.router.errors import RouterError
+    from kubesgl.router.request_parsing import parse_generation_request
+
+    body = {"text": "x", **body}
+    try:
+        GenerateRequestBody.model_validate(body)
+        engine_sequences: int | None = 1
+    except ValidationError:
+        engine_sequences = None
+    try:
+        raw = json.dumps(body).encode()
+        router_sequences: int | None = parse_generation_request("/generate", raw).choices
+    except RouterError:
+        router_sequences = None
+    assert router_sequences == engine_sequences

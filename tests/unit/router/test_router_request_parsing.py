@@ -36,7 +36,7 @@ def test_content_parts_and_prompts():
     assert parse("/v1/completions", {"prompt": ["a", "b"]}).choices == 2
     assert parse("/v1/completions", {"prompt": ["a", "b"], "n": 3}).choices == 6
     assert parse("/generate", {"input_ids": [[5], [6]]}).choices == 2
-    assert parse("/generate", {"text": "t", "sampling_params": {"n": 3}}).choices == 3
+    assert parse("/generate", {"text": "t", "sampling_params": {"n": 1}, "n": 2}).choices == 1
     assert parse("/v1/completions", {"prompt": "p", "stream": True}).stream
 
 
@@ -66,6 +66,7 @@ def test_a_null_reads_as_the_field_left_out():
         ("/generate", {}, "text"),
         ("/generate", {"text": "x", "sampling_params": []}, "sampling_params"),
         ("/generate", {"text": "x", "sampling_params": {"n": "2"}}, "sampling_params.n"),
+        ("/generate", {"text": "x", "sampling_params": {"n": 3}}, "sampling_params.n"),
     ],
 )
 def test_bad_requests_are_400_naming_the_parameter(path, body, param):
