@@ -53,6 +53,9 @@ class Tokenizer:
         self.detokenizer = IncrementalDetokenizer(self.hf) if self.hf is not None else None
         self._token_bytes = TokenBytes(self.hf) if self.hf is not None else None
         self.states: dict[str, DecodeState] = {}
+        self._reserved_template_names = (
+            reserved_template_names(self.hf) if self.hf is not None else frozenset()
+        )
 
     def encode(self, request: TokenizeRequest) -> list[int]:
         if self.hf is None:
@@ -74,7 +77,7 @@ class Tokenizer:
         if self.hf.chat_template is None:
             raise TokenizerError("this model has no chat template; use /v1/completions", "messages")
         template_kwargs = request.chat_template_kwargs or {}
-        if taken := sorted(template_kwargs.keys() & reserved_template_names(self.hf)):
+        if taken := sorted(template_kwargs.keys() & self._reserved_template_names):
             raise TokenizerError(
                 f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: "
                 "the server decides it",
