@@ -8,7 +8,8 @@ the API server but cannot work; the operator then reports it and applies nothing
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,9 +110,13 @@ def _engine_problems(isvc: InferenceService) -> list[Problem]:
         # a variable from a Secret, a ConfigMap or the pod is known in the pod only: the line
         # is not checked as a whole, but the owned flags still are
         in_pod_only = any(ENV_REFERENCE.search(arg) for arg in argv)
-        found = (
-            None if in_pod_only else _serve_args_problem(argv, values, sections)
-        ) or _owned_flag_problem(argv, sections, ENGINE_OWNED_FLAGS[role])
+        check = functools.partial(check_serve_args, environ=values)
+        refused = None if in_pod_only else _first_refusal(check, argv, sections)
+        found: tuple[str, str] | None
+        if refused is not None:
+            found = refused[0], f"the engine refuses these options: {refused[1]}"
+        else:
+            found = _owned_flag_problem(parse_serve_args, argv, sections, ENGINE_OWNED_FLAGS[role])
         if found is not None:
             roles_by_problem.setdefault(found, []).append(role)
     return [
@@ -120,11 +125,14 @@ def _engine_problems(isvc: InferenceService) -> list[Problem]:
     ]
 
 
+# Each field's part of a command line, in order: (the field, where its part ends)
+Sections = list[tuple[str, int]]
+
+
 def _argv_sections(
     isvc: InferenceService, role: EngineRole, block: RoleSpec, length: int
-) -> list[tuple[str, int]]:
-    """Where each field's part of a role's command line ends: the spec's own options, then
-    spec.engine.extraArgs, then the role's extraArgs."""
+) -> Sections:
+    """A role's command line: the spec's own options, spec.engine.extraArgs, the role's."""
     own = length - len(block.extra_args) - len(isvc.spec.engine.extra_args)
     return [
         ("spec.engine", own),
@@ -133,33 +141,36 @@ def _argv_sections(
     ]
 
 
-def _serve_args_problem(
-    argv: list[str], environ: Mapping[str, str], sections: list[tuple[str, int]]
+def _first_refusal(
+    check: Callable[[list[str]], None], argv: list[str], sections: Sections
 ) -> tuple[str, str] | None:
-    """Why the engine would refuse the command line, and the field to blame: the first section
-    that brings the problem (extraArgs may also mend what comes before them: they override)."""
+    """Why `check` refuses the command line, and the field to blame: the first section that
+    brings the problem (extraArgs may also mend what comes before them: they override)."""
     try:
-        check_serve_args(argv, environ)
+        check(argv)
         return None
-    except ValueError:
-        pass
-    for field, end in sections:
+    except ValueError as error:
+        whole = str(error)
+    for field, end in sections[:-1]:
         try:
-            check_serve_args(argv[:end], environ)
+            check(argv[:end])
         except ValueError as error:
-            return field, f"the engine refuses these options: {error}"
-    raise AssertionError("the whole command line was refused, so its last section is")
+            return field, str(error)
+    return sections[-1][0], whole
 
 
 def _owned_flag_problem(
-    argv: list[str], sections: list[tuple[str, int]], owned: Mapping[str, str]
+    parse: Callable[[list[str]], argparse.Namespace],
+    argv: list[str],
+    sections: Sections,
+    owned: Mapping[str, str],
 ) -> tuple[str, str] | None:
-    """The first extraArgs that give an engine flag the operator relies on another value."""
+    """The first extraArgs that give a flag the operator relies on another value."""
     (_, own), *extra_sections = sections
-    derived = parse_serve_args(argv[:own])
+    derived = parse(argv[:own])
     for field, end in extra_sections:
         try:
-            given = parse_serve_args(argv[:end])
+            given = parse(argv[:end])
         except ValueError:
             continue  # a flag whose value is in the role's extraArgs, or `$(VAR)` as a number
         changed = _changed_flag(owned, derived, given)
@@ -185,21 +196,18 @@ def _router_problems(isvc: InferenceService) -> list[Problem]:
     rules, with the environment variables of its pod (a key given twice, say); and its
     extraArgs may not change a flag the operator relies on."""
     argv = router_args(isvc)[1:]  # after `router`
-    own = argv[: len(argv) - len(isvc.spec.router.extra_args)]
+    sections = [
+        ("spec.router", len(argv) - len(isvc.spec.router.extra_args)),
+        ("spec.router.extraArgs", len(argv)),
+    ]
     environ = {
         variable["name"]: variable.get("value", SECRET_PLACEHOLDER) for variable in router_env(isvc)
     }
-    try:
-        check_router_args(argv, environ)
-    except ValueError as error:
-        field = "spec.router.extraArgs"
-        try:
-            check_router_args(own, environ)
-        except ValueError:
-            field = "spec.router"
-        return [Problem(field, f"the router refuses these options: {error}")]
-    changed = _changed_flag(ROUTER_OWNED_FLAGS, parse_router_args(own), parse_router_args(argv))
-    return [] if changed is None else [Problem("spec.router.extraArgs", changed)]
+    refused = _first_refusal(functools.partial(check_router_args, environ=environ), argv, sections)
+    if refused is not None:
+        return [Problem(refused[0], f"the router refuses these options: {refused[1]}")]
+    changed = _owned_flag_problem(parse_router_args, argv, sections, ROUTER_OWNED_FLAGS)
+    return [] if changed is None else [Problem(*changed)]
 
 
 def _env_problems(spec: InferenceServiceSpec) -> list[Problem]:
