@@ -165,7 +165,14 @@ class KubeApi:
         kind = kind_of(obj)
         meta = obj["metadata"]
         path = kind.path(meta["namespace"], meta["name"])
-        query = [("fieldManager", manager), ("force", str(force).lower())]
+        # Strict: a field the API server does not know (a misspelt key in an affinity or an
+        # env's valueFrom, passed on as the spec gives them) fails the apply instead of being
+        # dropped with a warning nobody reads
+        query = [
+            ("fieldManager", manager),
+            ("force", str(force).lower()),
+            ("fieldValidation", "Strict"),
+        ]
         try:
             return self._call("PATCH", path, obj, query, "application/apply-patch+yaml")
         except ApiException as error:

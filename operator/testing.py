@@ -9,8 +9,10 @@ kmock keeps objects as plain JSON and merges patches into them. On top of that, 
   another manager applies them too (shared ownership); `metadata.managedFields` lists what
   each manager applies; an apply that changes nothing writes nothing and sends no watch
   event, like the real server;
-- one of the server's own validations, for the tests of a refused apply: a container's resource
-  request above its limit is a 422 Invalid, with the server's kind of message.
+- two of the server's own checks, for the tests of a refused apply: a container's resource
+  request above its limit is a 422 Invalid, and with `fieldValidation=Strict` a field a
+  built-in kind's schema does not declare is a 400 BadRequest (kubernetes-validate's strict
+  schemas), each with the server's kind of message.
 Not emulated: controllers (no pods or replica sets are made), garbage collection, admission,
 defaulting (a field removed by an apply is absent, not reset to its default), ownership taken
 by plain PATCH, PUT or /scale writes (every managedFields entry is an Apply), and conflicts
@@ -24,6 +26,7 @@ import contextlib
 import copy
 import datetime
 import itertools
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -34,6 +37,7 @@ from typing import Any
 import aiohttp.web
 import kmock
 import kubernetes
+import kubernetes_validate
 import yaml
 from kmock._internal import rendering
 from kubernetes.utils import parse_quantity
@@ -41,6 +45,7 @@ from kubernetes.utils import parse_quantity
 from kubesgl.operator.kube import CHILD_KINDS, INFERENCE_SERVICE
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+_SCHEMA_VERSION = kubernetes_validate.utils.latest_version()
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
@@ -170,16 +175,15 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
         assert isinstance(applied, dict)  # an apply's body is a YAML or JSON object
         invalid = _requests_above_limits(applied)
         if invalid:
-            return aiohttp.web.json_response(
-                {
-                    "kind": "Status",
-                    "apiVersion": "v1",
-                    "status": "Failure",
-                    "reason": "Invalid",
-                    "code": 422,
-                    "message": f'{applied.get("kind")} "{request.name}" is invalid: {invalid}',
-                },
-                status=422,
+            message = f'{applied.get("kind")} "{request.name}" is invalid: {invalid}'
+            return _failure(422, "Invalid", message)
+        undeclared = (
+            _undeclared_field(applied) if request.params.get("fieldValidation") == "Strict" else ""
+        )
+        if undeclared:
+            kind = f"{applied.get('apiVersion')}, Kind={applied.get('kind')}"
+            return _failure(
+                400, "BadRequest", f"failed to create typed patch object ({kind}): {undeclared}"
             )
         manager = request.params.get("fieldManager", "")
         key = _object_key(request)
@@ -230,6 +234,30 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
             raw = self.objects[key].raw
             await self._buses[key[0]].put({"type": event, "object": raw})
         return aiohttp.web.json_response(raw)
+
+
+def _failure(code: int, reason: str, message: str) -> aiohttp.web.Response:
+    status = {"kind": "Status", "apiVersion": "v1", "status": "Failure"}
+    return aiohttp.web.json_response(
+        {**status, "reason": reason, "code": code, "message": message}, status=code
+    )
+
+
+def _undeclared_field(obj: dict[str, Any]) -> str:
+    """The API server's words for the first field of a built-in kind that its schema does not
+    declare, or "" (kinds of CRDs are not checked)."""
+    try:
+        kubernetes_validate.validate(obj, _SCHEMA_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        return ""
+    except kubernetes_validate.ValidationError as error:
+        unexpected = re.search(r"\('([^']+)' was unexpected", error.message)
+        if error.validator == "additionalProperties" and unexpected:
+            path = "".join(
+                f"[{part}]" if isinstance(part, int) else f".{part}" for part in error.absolute_path
+            )
+            return f"{path}.{unexpected.group(1)}: field not declared in schema"
+    return ""
 
 
 def _requests_above_limits(obj: dict[str, Any]) -> str:

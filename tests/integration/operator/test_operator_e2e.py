@@ -306,6 +306,24 @@ def test_a_child_the_api_server_refuses_degrades_the_service_with_its_message(
     assert cluster.condition("llama-pd", "Degraded")["status"] == "False"
 
 
+def test_a_misspelt_field_passed_on_from_the_spec_is_refused_not_dropped(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    """`affinity` is passed to the pods as given; applied without fieldValidation=Strict, the
+    API server dropped `podAntiAfinity` with a warning and the pods ran without it."""
+    document = example("disaggregated.yaml")
+    document["spec"]["decode"]["affinity"] = {"podAntiAfinity": {}}
+    cluster.create_isvc(document)
+    degraded = wait_for(
+        lambda: (
+            (c := cluster.condition("llama-pd", "Degraded")).get("reason") == "ApplyFailed" and c
+        ),
+        what="Degraded ApplyFailed",
+    )
+    assert "Deployment llama-pd-decode" in degraded["message"]
+    assert "affinity.podAntiAfinity: field not declared in schema" in degraded["message"]
+
+
 def test_an_object_of_the_same_name_that_is_not_its_own_is_never_taken_over(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:
