@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -103,27 +104,36 @@ def test_the_key_variables_the_pods_get_are_the_ones_engine_and_router_read():
         assert (ADMIN_KEY_ENV in names) == (container["args"][0] == "router")
 
 
+def _router_sequences(path: str, body: dict) -> int | None:
+    """The sequences the router counts in a request (a bootstrap room each); None: a 400."""
+    from kubesgl.router.errors import RouterError
+    from kubesgl.router.request_parsing import parse_generation_request
+
+    try:
+        return parse_generation_request(path, json.dumps(body).encode()).choices
+    except RouterError:
+        return None
+
+
+def _engine_takes(model: type, body: dict) -> Any:
+    """The engine's reading of a request body, or None where it answers 400."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(body)
+    except ValidationError:
+        return None
+
+
 @pytest.mark.parametrize("n", [1, 2, 2.0, 64, 64.0, 0, 65, 2.5, -1.0, True, "2", 1e300])
 def test_the_router_takes_exactly_the_n_an_engine_takes(n):
     """The router counts the sequences of a request (one bootstrap room each) from `n`: it must
     read it as engines do (`"n": 2.0` was a 400 at the router, a 200 at the engine)."""
-    from pydantic import ValidationError
-
     from kubesgl.engine.server.protocol import CompletionRequest
-    from kubesgl.router.errors import RouterError
-    from kubesgl.router.request_parsing import parse_generation_request
 
     body = {"model": "m", "prompt": "x", "n": n}
-    try:
-        engine_n: int | None = CompletionRequest.model_validate(body).n
-    except ValidationError:
-        engine_n = None
-    try:
-        raw = json.dumps(body).encode()
-        router_n: int | None = parse_generation_request("/v1/completions", raw).choices
-    except RouterError:
-        router_n = None
-    assert router_n == engine_n
+    request = _engine_takes(CompletionRequest, body)
+    assert _router_sequences("/v1/completions", body) == (request.n if request else None)
 
 
 @pytest.mark.parametrize(
@@ -135,21 +145,8 @@ def test_the_router_counts_the_sequences_of_generate_as_engines_answer_them(body
     """/generate answers one sequence per prompt: engines drop a top-level `n` and refuse
     `sampling_params.n` other than 1; the router drew a bootstrap room per `n`, so P/D
     answered 400 where a mixed engine answered 200."""
-    from pydantic import ValidationError
-
     from kubesgl.engine.server.protocol import GenerateRequestBody
-    from kubesgl.router.errors import RouterError
-    from kubesgl.router.request_parsing import parse_generation_request
 
     body = {"text": "x", **body}
-    try:
-        GenerateRequestBody.model_validate(body)
-        engine_sequences: int | None = 1
-    except ValidationError:
-        engine_sequences = None
-    try:
-        raw = json.dumps(body).encode()
-        router_sequences: int | None = parse_generation_request("/generate", raw).choices
-    except RouterError:
-        router_sequences = None
-    assert router_sequences == engine_sequences
+    engine_sequences = 1 if _engine_takes(GenerateRequestBody, body) else None
+    assert _router_sequences("/generate", body) == engine_sequences

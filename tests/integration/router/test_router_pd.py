@@ -112,31 +112,15 @@ async def test_a_request_both_engines_refuse_is_answered_by_each_not_cancelled(
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("late_answer_s", [0.0, 0.3], ids=["prefill-first", "decode-first"])
 async def test_prefill_server_error_names_the_prefill_worker(
-    stream, engines, kv_table, start_router, client
+    stream, late_answer_s, engines, kv_table, start_router, client
 ):
     """The prefill engine fails the room (and tells its decode engine) before any KV: the
-    decode engine fails too, and the client gets the prefill's error, the cause."""
+    decode engine fails too, and the client gets the prefill's error, the cause, also when
+    the prefill's own answer reaches the router after the decode engine's "room failed"."""
     (p,), (d,) = await pd_pool(engines, kv_table)
-    p.fail_status = 500
-    async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
-        await router.ready()
-        response = await client.post(
-            router.url + "/v1/completions", json={"prompt": "x", "stream": stream}
-        )
-    assert response.status_code == 500
-    assert response.json()["error"]["message"].startswith(f"prefill worker {p.url} answered 500")
-
-
-@pytest.mark.parametrize("stream", [False, True])
-async def test_the_prefills_error_is_the_answer_even_when_the_decode_engines_comes_first(
-    stream, engines, kv_table, start_router, client
-):
-    """The prefill engine fails the room (its decode engine hears at once and fails too) and
-    its own answer reaches the router later: the client still gets the cause, not the decode
-    engine's "room failed"."""
-    (p,), (d,) = await pd_pool(engines, kv_table)
-    p.fail_status, p.late_answer_s = 500, 0.3
+    p.fail_status, p.late_answer_s = 500, late_answer_s
     async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
         await router.ready()
         response = await client.post(
