@@ -97,6 +97,16 @@ def measure(url: str, workload: tuple[int, int, float, int], vocab: int, seed: i
     }
 
 
+def _line(run: dict) -> str:
+    if not run["itl_ms"]:  # every request failed, or none streamed a second token
+        return f"{run['completed']} completed, {run['failed']} failed: {run['errors'][:3]}"
+    return (
+        f"ITL p50 {run['itl_ms']['p50']:7.2f} p99 {run['itl_ms']['p99']:7.2f} ms, "
+        f"TTFT p50 {run['ttft_ms']['p50']:8.1f} p99 {run['ttft_ms']['p99']:8.1f} ms, "
+        f"{run['output_token_throughput']:8.1f} out tok/s, {run['failed']} failed"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -179,12 +189,7 @@ def main() -> None:
                 stop(process)
             results[name] = {"flags": flags, "startup_s": startup, "workloads": runs}
             for workload, r in runs.items():
-                print(
-                    f"{name:>12} {workload:>14}: ITL p50 {r['itl_ms']['p50']:7.2f} p99 {r['itl_ms']['p99']:7.2f} ms, "
-                    f"TTFT p50 {r['ttft_ms']['p50']:8.1f} p99 {r['ttft_ms']['p99']:8.1f} ms, "
-                    f"{r['output_token_throughput']:8.1f} out tok/s, {r['failed']} failed",
-                    flush=True,
-                )
+                print(f"{name:>12} {workload:>14}: {_line(r)}", flush=True)
     report(
         {
             "date": time.strftime("%Y-%m-%d"),
