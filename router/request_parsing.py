@@ -18,6 +18,11 @@ COMPLETIONS_PATH = "/v1/completions"
 GENERATE_PATH = "/generate"
 GENERATION_PATHS = (CHAT_PATH, COMPLETIONS_PATH, GENERATE_PATH)
 
+# What the router adds to a request it splits between a prefill and a decode worker (pd.py):
+# where the decode engine fetches the KV from. A client may not set them, or it could point a
+# decode engine at any address it likes.
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
 # Characters per token of typical BPE vocabularies on English text: how the router, which
 # does not tokenize, estimates a text prompt's length in tokens.
 CHARS_PER_TOKEN = 4
@@ -110,6 +115,9 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
         raise bad_request("the request body nests arrays or objects too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    for field in BOOTSTRAP_FIELDS:
+        if field in body:
+            raise bad_request(f"`{field}` is set by the router, not by clients", field)
     stream = body.get("stream")
     if stream is None:  # left out, or null: OpenAI reads both as false
         stream = False

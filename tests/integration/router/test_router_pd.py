@@ -440,3 +440,26 @@ async def test_a_client_that_leaves_mid_stream_lets_the_finished_prefill_end_wel
         if sample.labels.get("worker") == p.url and sample.name.endswith("_total")
     }
     assert prefill_outcomes == {"200": 1, "error": 0, "cancelled": 0} and not p.client_gone.is_set()
+
+
+@pytest.mark.parametrize("field", ["bootstrap_host", "bootstrap_port", "bootstrap_room"])
+async def test_a_client_cannot_set_the_bootstrap_fields(
+    field, engines, kv_table, start_router, client
+):
+    """They tell a decode engine which prefill engine to fetch the KV from: one a client could
+    set would make the decode engine connect where the client says (a short prompt went to it
+    unchanged)."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    settings = DisaggregationSettings(min_prefill_tokens=8)
+    values = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8293, "bootstrap_room": 12345}
+    async with start_router(**pd_config([p], [d], disaggregation=settings)) as router:
+        await router.ready()
+        answers = [
+            await client.post(router.url + "/v1/completions", json={"prompt": prompt, field: v})
+            for prompt, v in (("short", values[field]), (list(range(1, 40)), values[field]))
+        ]
+    for answer in answers:
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == field
+        assert "set by the router" in answer.json()["error"]["message"]
+    assert not p.requests and not d.requests
