@@ -27,6 +27,7 @@ log = logging.getLogger("kubesgl.router")
 # loading, draining): another worker may take it. Any other failure of a request that reached
 # a worker is the client's answer: a request that crashed one engine must not visit the rest.
 RETRYABLE_STATUSES = frozenset({429, 503})
+SSE_DONE = b"data: [DONE]\n\n"  # the last event of an OpenAI or SGLang stream
 
 # Headers of one connection, not of the message; `date` is the router's own to send (the
 # server adds it), so a worker's would only duplicate it.
@@ -341,11 +342,14 @@ class UpstreamClient:
         attempt: Attempt,
     ) -> AsyncGenerator[bytes, None]:
         complete = False
+        done_sent = False  # the stream's last event reached the client (it may leave then)
         try:
             if first:
                 yield first
+                done_sent = first.endswith(SSE_DONE)
             async for chunk in chunks:
                 yield chunk
+                done_sent = chunk.endswith(SSE_DONE)
             complete = True
             attempt.finish(str(response.status), worker_failed=False)
         except TRANSPORT_ERRORS as exc:
@@ -357,6 +361,8 @@ class UpstreamClient:
                 f"{worker.role.value} worker {worker.url} broke off the stream: {_reason(exc)}"
             )
         except (asyncio.CancelledError, GeneratorExit):
+            if done_sent:  # a client that stops reading at [DONE] had its whole answer
+                attempt.finish(str(response.status), worker_failed=False)
             attempt.finish("cancelled", worker_failed=None)
             raise
         finally:

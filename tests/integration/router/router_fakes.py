@@ -84,6 +84,7 @@ class FakeEngine:
         # While set to an unset Event, answers pause (streams after their first chunk) until it is set.
         self.hold: asyncio.Event | None = None
         self.hold_after_chunks = 1
+        self.eof_after_done_s = 0.0  # streams: the end of the body comes this long after [DONE]
         self.requests: list[dict[str, Any]] = []
         # As `kubesgl serve --api-key`: generation and /v1/models need `Authorization: Bearer KEY`.
         self.api_key = api_key
@@ -292,6 +293,7 @@ class FakeEngine:
                 if index + 1 == self.hold_after_chunks and self.hold is not None:
                     await self.hold.wait()
             await response.write(b"data: [DONE]\n\n")
+            await asyncio.sleep(self.eof_after_done_s)
             await response.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             self.client_gone.set()

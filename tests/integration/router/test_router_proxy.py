@@ -124,6 +124,35 @@ async def test_client_disconnect_cancels_the_upstream_request(engines, start_rou
         assert router.app.workers.all()[0].in_flight == 0
 
 
+async def test_a_client_that_leaves_after_done_had_its_whole_answer(engines, start_router, client):
+    """Many SSE clients close the connection at `data: [DONE]`, before the body's end: that
+    answer was whole, counted by its status, not as cancelled."""
+    a = await engines("a", tokens=3)
+    a.eof_after_done_s = 0.5
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        async with httpx.AsyncClient() as own_client:
+            body = {"prompt": "x", "stream": True}
+            async with own_client.stream(
+                "POST", router.url + "/v1/completions", json=body
+            ) as response:
+                lines = [line async for line in _until_done(response.aiter_lines())]
+        assert lines[-1] == "data: [DONE]"
+        async with asyncio.timeout(5):
+            while router.app.workers.all()[0].in_flight:
+                await asyncio.sleep(0.02)
+        text = (await client.get(router.url + "/metrics")).text
+    assert f'kubesgl_router_requests_total{{status="200",worker="{a.url}"}} 1.0' in text
+    assert f'kubesgl_router_requests_total{{status="cancelled",worker="{a.url}"}} 0.0' in text
+
+
+async def _until_done(lines):
+    async for line in lines:
+        yield line
+        if line == "data: [DONE]":
+            return
+
+
 async def test_client_disconnect_while_waiting_for_a_non_streaming_answer(engines, start_router):
     a = await engines("a")
     a.hold = asyncio.Event()
