@@ -158,7 +158,10 @@ async def _settle_prefill_failure(decode_task: asyncio.Task[Reply], error: BaseE
         raise error  # no KV comes (a retryable refusal goes to another pair)
     if _refused(error):  # the decode engine refuses it too, or fails when told
         await asyncio.wait({decode_task}, timeout=DECODE_VERDICT_WAIT_S)
-        raise error
+        # The decode engine's refusal is the answer: it may be the cause of the prefill's (a
+        # decode engine that refuses a request cancels its room, which the prefill may answer
+        # with a 409 before its own check refuses it).
+        raise _refusal_of(decode_task) or error
     # The prefill engine failed after it may have sent the KV (it crashed, or failed as it
     # answered): the decode engine has it and answers, or fails the request itself (at once
     # when told of a failed room, within a heartbeat of a dead prefill engine).
@@ -179,6 +182,14 @@ async def _decode_verdict(
         if not prefill_task.done() or (prefill_error := prefill_task.exception()) is None:
             raise
         raise prefill_error from decode_error
+
+
+def _refusal_of(task: asyncio.Task[Reply]) -> BaseException | None:
+    """The engine's 4xx answer, if the task has ended with one."""
+    if not task.done() or task.cancelled():
+        return None
+    error = task.exception()
+    return error if error is not None and _refused(error) else None
 
 
 def _refused(error: BaseException) -> bool:
