@@ -193,6 +193,9 @@ class TextOutput:
     top_bytes: list[list[list[int]]] | None = None
     queue_seconds: float | None = None  # see TokenOutput
     prefill_seconds: float | None = None
+    # Text of these tokens comes with later ones (a character not yet whole, a possible stop
+    # string). Never on an engine without a tokenizer, whose tokens bring no text at all.
+    text_held: bool = False
 
 
 @dataclass

@@ -268,7 +268,10 @@ def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
             entries, start = logprob_entries(out), text_offsets.get(choice.index, 0)
             logprobs = completion_logprobs(entries, start)
             text_offsets[choice.index] = start + sum(len(e["token"]) for e in entries)
-        if not (out.text or logprobs or out.finish_reason):
+        # A token whose text comes later sends nothing now (an engine without a tokenizer
+        # holds none back: each of its tokens is a chunk, with no text)
+        news = out.text or (out.token_ids and not out.text_held)
+        if not (news or logprobs or out.finish_reason):
             return None
         return {
             **meta,

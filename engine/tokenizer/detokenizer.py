@@ -182,6 +182,12 @@ class DecodeState:
     def __post_init__(self) -> None:
         self.matcher = stop_matcher(tuple(self.stop)) if self.stop else None
 
+    @property
+    def holds_text(self) -> bool:
+        """Text of tokens already taken is still to come: a character not yet whole, or a
+        tail that could begin a stop string."""
+        return self.read_offset < len(self.token_ids) or bool(self.held)
+
     @classmethod
     def of(cls, params: SamplingParams) -> DecodeState:
         """The decoding of a request's output, as its sampling options ask for it."""

@@ -105,7 +105,7 @@ class Tokenizer:
 
     def decode(self, out: TokenOutput) -> TextOutput:
         state = self.states.get(out.rid)
-        text = ""
+        text, held = "", False
         reason = out.finish_reason
         if state is not None and self.detokenizer is not None:
             text = self.detokenizer.step(
@@ -116,6 +116,7 @@ class Tokenizer:
                 matched_end=reason.matched_end if reason else None,
                 matched_token=reason.matched_token if reason else None,
             )
+            held = state.holds_text
         if out.finished:
             self.states.pop(out.rid, None)
         result = TextOutput(
@@ -129,6 +130,7 @@ class Tokenizer:
             logprobs=out.logprobs,
             queue_seconds=out.queue_seconds,
             prefill_seconds=out.prefill_seconds,
+            text_held=held,
         )
         if out.logprobs:
             name, raw = self._token_text, self._raw_bytes

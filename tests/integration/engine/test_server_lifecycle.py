@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -229,6 +230,14 @@ def test_a_model_without_tokenizer_serves_token_ids(server_factory, tiny_model, 
     )
     assert got.status_code == 200 and got.json()["usage"]["completion_tokens"] == 4
     assert got.json()["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+    # Each token is news, though it brings no text (a benchmark times the chunks)
+    streamed = httpx.post(
+        url, json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "stream": True}
+    )
+    chunks = [
+        json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")
+    ]
+    assert [c["choices"][0]["text"] for c in chunks] == ["", "", "", ""]
     refused = httpx.post(url, json={"prompt": "text", "max_tokens": 4})
     assert refused.status_code == 400 and "no tokenizer" in refused.json()["error"]["message"]
     assert httpx.post(url, json={"prompt": [5], "max_tokens": 2, "stop": ["x"]}).status_code == 400

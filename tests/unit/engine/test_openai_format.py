@@ -13,8 +13,11 @@ from kubesgl.engine.server.openai_format import (
 from kubesgl.engine.server.tool_calls import FORMATS
 
 
-def output(text: str, token: str | None, i: int, last: bool) -> TextOutput:
-    """The i-th token's output: its text, and its logprob entry when `token` is given."""
+def output(
+    text: str, token: str | None, i: int, last: bool, held: bool | None = None
+) -> TextOutput:
+    """The i-th token's output: its text, and its logprob entry when `token` is given. A token
+    without text has it held back (part of a character), unless `held` says otherwise."""
     logprobs = (
         dict(
             logprobs=[TokenLogprob(i, -0.5)],
@@ -27,7 +30,8 @@ def output(text: str, token: str | None, i: int, last: bool) -> TextOutput:
         else {}
     )
     reason = FinishReason("length") if last else None
-    return TextOutput("r", text, [i], reason, 1, 0, i + 1, **logprobs)
+    held = not text if held is None else held
+    return TextOutput("r", text, [i], reason, 1, 0, i + 1, **logprobs, text_held=held)
 
 
 def test_a_stream_sends_no_chunk_for_a_token_that_brings_no_text():
@@ -51,6 +55,18 @@ def test_a_stream_sends_no_chunk_for_a_token_that_brings_no_text():
         assert chunks[1] is None
         assert chunks[3] is not None  # the finish goes out even with no text
         assert chunks[3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_each_token_of_an_engine_without_a_tokenizer_is_a_chunk():
+    """Its tokens bring no text and hold none back: each is news (the answer's progress, which a
+    benchmark times), not text to come later."""
+    formatter, choice = completion_formatter({"id": "x"}, False), Choice(index=0)
+    chunks = []
+    for i in range(3):
+        out = output("", None, i, i == 2, held=False)
+        choice.add(out)
+        chunks.append(formatter.chunk(choice, out))
+    assert [c["choices"][0]["text"] if c else None for c in chunks] == ["", "", ""]
 
 
 def test_streamed_text_offsets_count_tokens_as_the_whole_answer_does():
