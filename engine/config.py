@@ -178,7 +178,7 @@ class EngineConfig:
     disable_cuda_graph: bool = option(
         False, help="run every step eagerly, without CUDA graphs (piecewise ones included)"
     )
-    cuda_graph_max_bs: int = option(256, help="largest decode batch captured in a CUDA graph")
+    cuda_graph_max_bs: int = option(256, help="largest decode batch captured in a CUDA graph", ge=1)
     enable_piecewise_cuda_graph: bool = option(
         False,
         help="prefill and mixed steps of up to --piecewise-cuda-graph-max-tokens tokens replay CUDA "
