@@ -231,6 +231,11 @@ class EngineConfig:
                 f"larger than --max-running-requests ({self.max_running_requests}): a mixed step's "
                 "decodes, one token each, count against it and leave the rest to the prefill chunk"
             )
+        if self.enable_piecewise_cuda_graph and self.disable_cuda_graph:
+            raise ValueError(
+                "--enable-piecewise-cuda-graph: --disable-cuda-graph turns every CUDA graph off, "
+                "piecewise ones included; give one of the two"
+            )
 
 
 @dataclass(frozen=True)
