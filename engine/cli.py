@@ -8,28 +8,14 @@ import sys
 
 from kubesgl.engine.child_process import start_failure_line
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
-from kubesgl.engine.llm import LLM
+from kubesgl.engine.llm import LLM, OFFLINE_REFUSED
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 
-# Engine options that offline generation cannot honour, and why: a value other than the default
-# is refused (an option is never ignored); `kubesgl generate --help` leaves them out.
+# Engine options kubesgl generate cannot honour, and why: a value other than the default is
+# refused (an option is never ignored); `kubesgl generate --help` leaves them out.
 REFUSED = {
-    "tp_size": "kubesgl generate runs one engine process on one device; "
-    "tensor parallelism is served (kubesgl serve --tp-size N)",
-    "role": "kubesgl generate runs the whole request in one engine; "
-    "prefill and decode engines are served (kubesgl serve --role ...)",
-    "disaggregation_bootstrap_port": "only prefill and decode engines, which are served, have a bootstrap server",
-    "disaggregation_timeout": "only prefill and decode engines, which are served, transfer KV",
+    **OFFLINE_REFUSED,
     "default_max_tokens": "kubesgl generate gives every prompt --max-tokens",
-    **dict.fromkeys(
-        (
-            "max_sequences_per_request",
-            "max_stop_string_length",
-            "max_request_body_bytes",
-            "max_prompt_chars_per_token",
-        ),
-        "a limit of the HTTP server's requests; kubesgl generate serves none",
-    ),
 }
 
 

@@ -178,7 +178,7 @@ class EngineConfig:
     disable_cuda_graph: bool = option(
         False, help="run every step eagerly, without CUDA graphs (piecewise ones included)"
     )
-    cuda_graph_max_bs: int = option(256, help="largest decode batch captured in a CUDA graph")
+    cuda_graph_max_bs: int = option(256, help="largest decode batch captured in a CUDA graph", ge=1)
     enable_piecewise_cuda_graph: bool = option(
         False,
         help="prefill and mixed steps of up to --piecewise-cuda-graph-max-tokens tokens replay CUDA "
@@ -230,6 +230,11 @@ class EngineConfig:
                 f"--enable-mixed-chunk: --chunked-prefill-size ({self.chunked_prefill_size}) must be "
                 f"larger than --max-running-requests ({self.max_running_requests}): a mixed step's "
                 "decodes, one token each, count against it and leave the rest to the prefill chunk"
+            )
+        if self.enable_piecewise_cuda_graph and self.disable_cuda_graph:
+            raise ValueError(
+                "--enable-piecewise-cuda-graph: --disable-cuda-graph turns every CUDA graph off, "
+                "piecewise ones included; give one of the two"
             )
 
 

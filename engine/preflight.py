@@ -16,7 +16,7 @@ import socket
 from collections.abc import Mapping
 from pathlib import Path
 
-from kubesgl.contract import MIXED
+from kubesgl.contract import PREFILL
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.model_config import ModelConfig, ModelConfigError, load_model_config
 from kubesgl.engine.models.hub import HubError, resolve_model
@@ -212,7 +212,7 @@ def check_bootstrap_port(config: EngineConfig, host: str) -> None:
     """A prefill engine's KV bootstrap port must be free too (its bootstrap server binds it
     once the model is loaded)."""
     port = config.disaggregation_bootstrap_port
-    if config.role == MIXED or config.role == "decode" or port == 0:
+    if config.role != PREFILL or port == 0:
         return
     try:
         family, kind, proto, _, address = socket.getaddrinfo(

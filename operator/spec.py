@@ -31,6 +31,7 @@ from kubesgl.engine.config import (
     LoadFormat,
     SchedulePolicyName,
 )
+from kubesgl.router.policies import PolicyName
 
 API_GROUP = "kubesgl.io"
 API_VERSION = "v1alpha1"
@@ -223,7 +224,7 @@ ROUTER_DEFAULT_RESOURCES = Resources(
 
 class RouterSpec(Placement):
     replicas: int = Field(default=1, ge=0)
-    policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    policy: PolicyName = "cache_aware"
     cache_threshold: float | None = Field(default=None, ge=0, le=1)
     balance_abs_threshold: int | None = Field(default=None, ge=0)
     balance_rel_threshold: float | None = Field(default=None, ge=1)

@@ -99,11 +99,12 @@ def build_parser(
         "command line shows in `ps`). Without a key, POST/DELETE /workers answer 403",
     )
 
+    defaults = RouterConfig()
     r = p.add_argument_group("routing")
-    cache = CacheAwareSettings()
+    cache = defaults.cache_aware
     r.add_argument(
         "--policy",
-        default="cache_aware",
+        default=defaults.policy,
         choices=POLICY_NAMES,
         help="how a worker is picked for a request (docs/router.md, Routing policies)",
     )
@@ -139,7 +140,7 @@ def build_parser(
     )
 
     d = p.add_argument_group("prefill/decode: when a decode worker prefills a request itself")
-    pd = DisaggregationSettings()
+    pd = defaults.disaggregation
     d.add_argument(
         "--pd-min-prefill-tokens",
         type=int,
@@ -158,7 +159,7 @@ def build_parser(
     )
 
     h = p.add_argument_group("health, circuit breaker, retries, timeouts")
-    health, retry = HealthSettings(), RetrySettings()
+    health, retry = defaults.health, defaults.retry
     h.add_argument(
         "--health-check-interval",
         type=float,
@@ -190,14 +191,14 @@ def build_parser(
     h.add_argument(
         "--breaker-failure-threshold",
         type=int,
-        default=5,
+        default=defaults.breaker_failure_threshold,
         metavar="N",
         help="consecutive failed requests that open a worker's circuit",
     )
     h.add_argument(
         "--breaker-cooldown",
         type=float,
-        default=10.0,
+        default=defaults.breaker_cooldown_s,
         metavar="S",
         help="seconds an open circuit keeps a worker out",
     )
@@ -226,21 +227,21 @@ def build_parser(
     h.add_argument(
         "--connect-timeout",
         type=float,
-        default=5.0,
+        default=defaults.connect_timeout_s,
         metavar="S",
         help="seconds to open a connection to a worker",
     )
     h.add_argument(
         "--request-timeout",
         type=float,
-        default=1800.0,
+        default=defaults.request_timeout_s,
         metavar="S",
         help="longest wait for the next byte of a worker's answer",
     )
     h.add_argument(
         "--max-connections",
         type=int,
-        default=4096,
+        default=defaults.max_connections,
         metavar="N",
         help="open connections to all workers together",
     )

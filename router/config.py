@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from kubesgl import contract
 from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
 from kubesgl.router.health import HealthSettings
-from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings
+from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings, PolicyName
 from kubesgl.router.routing import DisaggregationSettings, RetrySettings
 from kubesgl.router.security import check_key
 from kubesgl.router.workers import validate_worker_url
@@ -43,9 +43,9 @@ class RouterConfig:
     workers: list[str] = field(default_factory=list)
     prefill: list[tuple[str, int | None]] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
-    policy: str = "cache_aware"
-    prefill_policy: str | None = None  # None: same as `policy`
-    decode_policy: str | None = None  # None: same as `policy`
+    policy: PolicyName = "cache_aware"
+    prefill_policy: PolicyName | None = None  # None: same as `policy`
+    decode_policy: PolicyName | None = None  # None: same as `policy`
     cache_aware: CacheAwareSettings = field(default_factory=CacheAwareSettings)
     health: HealthSettings = field(default_factory=HealthSettings)
     retry: RetrySettings = field(default_factory=RetrySettings)
@@ -64,10 +64,10 @@ class RouterConfig:
     kube: KubeDiscoverySettings | None = None
 
     def __post_init__(self) -> None:
-        for name in (self.policy, self.prefill_policy, self.decode_policy):
-            if name is not None and name not in POLICY_NAMES:
+        for policy in (self.policy, self.prefill_policy, self.decode_policy):
+            if policy is not None and policy not in POLICY_NAMES:
                 raise ValueError(
-                    f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}"
+                    f"unknown policy {policy!r}; choose one of {', '.join(POLICY_NAMES)}"
                 )
         if self.workers and (self.prefill or self.decode):
             raise ValueError("give either --worker (mixed) or --prefill/--decode (P/D), not both")

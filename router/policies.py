@@ -5,13 +5,15 @@ from __future__ import annotations
 import itertools
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from kubesgl.router.radix_tree import PrefixTree
 from kubesgl.router.workers import Worker
 
-POLICY_NAMES = ("cache_aware", "round_robin", "power_of_two", "random")
+# The policies' names, for the operator's spec.router.policy; POLICIES below makes each
+PolicyName = Literal["cache_aware", "round_robin", "power_of_two", "random"]
 
 
 @dataclass(frozen=True)
@@ -122,13 +124,19 @@ class CacheAwarePolicy(Policy):
         return Choice(worker, decision, cached)
 
 
+# name -> the policy it makes, given the cache_aware settings (the others take none); its names
+# are PolicyName's (tests/unit/router/test_router_policies.py)
+POLICIES: dict[str, Callable[[CacheAwareSettings | None], Policy]] = {
+    "cache_aware": CacheAwarePolicy,
+    "round_robin": lambda _: RoundRobinPolicy(),
+    "power_of_two": lambda _: PowerOfTwoPolicy(),
+    "random": lambda _: RandomPolicy(),
+}
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+
+
 def make_policy(name: str, cache_settings: CacheAwareSettings | None = None) -> Policy:
-    if name == "cache_aware":
-        return CacheAwarePolicy(cache_settings)
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name == "power_of_two":
-        return PowerOfTwoPolicy()
-    if name == "random":
-        return RandomPolicy()
-    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    make = POLICIES.get(name)
+    if make is None:
+        raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    return make(cache_settings)

@@ -161,12 +161,8 @@ class Engine:
             cuda_graph_max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
         piecewise_max_tokens = 0
         if config.enable_piecewise_cuda_graph and not graphs:
-            logger.warning(
-                "piecewise CUDA graphs off: %s",
-                "--disable-cuda-graph is set"
-                if config.disable_cuda_graph
-                else f"no CUDA graphs on {self.device.type}",
-            )
+            # with --disable-cuda-graph it is refused (EngineConfig.validate): the device has none
+            logger.warning("piecewise CUDA graphs off: no CUDA graphs on %s", self.device.type)
         elif config.enable_piecewise_cuda_graph:
             # Chunked, no step is larger than the budget; unchunked, a larger step (a long
             # first prompt, or prompts and decodes together) runs eagerly.

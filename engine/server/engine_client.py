@@ -74,12 +74,23 @@ class EngineClient:
         self._to_tokenizer = push(self._context, endpoints.tokenizer_in)
         self._from_detokenizer = pull(self._context, endpoints.api_in)
         self._reader: asyncio.Task | None = None
+        self.reader_failure: str | None = None  # why the reader of outputs ended, if it failed
         self.stats_log_interval_s = STATS_LOG_INTERVAL_S
         self._stats_logged_at = time.perf_counter()
         self._tokens_since_log = 0
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-outputs")
+        self._reader.add_done_callback(self._reader_ended)
+
+    def _reader_ended(self, reader: asyncio.Task) -> None:
+        """Nothing awaits the reader, and without it no request ever ends: its exception is
+        logged and kept for the launcher's child watch, which takes the server down."""
+        if reader.cancelled() or reader.exception() is None:  # cancelled: shutdown
+            return
+        error = reader.exception()
+        logger.error("the reader of the engine's outputs failed", exc_info=error)
+        self.reader_failure = f"the API server's reader of engine outputs failed: {error!r}"
 
     @property
     def in_flight(self) -> int:

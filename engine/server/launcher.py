@@ -1,9 +1,10 @@
 """Starts and stops the server's processes: one scheduler per tensor-parallel rank, the
 tokenizer/detokenizer, and the API server (uvicorn) in this process.
 
-A child that dies takes the whole server down with a log line naming it; SIGTERM drains:
-/health and new requests answer 503, requests in flight get until the shutdown timeout to
-finish (then they are aborted), and every child is stopped before this process exits.
+A child that dies, or the API server's reader of its outputs failing, takes the whole server
+down with a log line naming it; SIGTERM drains: /health and new requests answer 503, requests
+in flight get until the shutdown timeout to finish (then they are aborted), and every child is
+stopped before this process exits.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class Server:
         self, server: uvicorn.Server, client: EngineClient, loop: asyncio.AbstractEventLoop
     ) -> None:
         while not self._stopping.wait(0.2):
-            failure = self._child_failure() or self._hang(client)
+            failure = self._child_failure() or client.reader_failure or self._hang(client)
             if failure is not None:
                 logger.error("%s; shutting the server down", failure)
                 self.failure = failure

@@ -4,6 +4,7 @@ engine and the router accept."""
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,17 @@ def test_rendered_router_args_parse_with_kubesgl_router(path):
     config_from_args(args)  # the rendered options are consistent, not only parseable
     assert args.port == int(routers[0]["ports"][0]["containerPort"])
     assert args.kube_namespace and args.kube_selector  # discovers the engine pods by label
+
+
+def test_the_crds_router_policies_are_the_routers():
+    from kubesgl.operator.spec import RouterSpec
+    from kubesgl.router.policies import POLICY_NAMES
+
+    crd = yaml.safe_load((EXAMPLES[0].parents[1] / "crds" / "inferenceservice.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    policy = spec["properties"]["router"]["properties"]["policy"]
+    assert tuple(policy["enum"]) == POLICY_NAMES
+    assert typing.get_args(RouterSpec.model_fields["policy"].annotation) == POLICY_NAMES
 
 
 def test_engine_pods_name_the_port_the_router_looks_for():

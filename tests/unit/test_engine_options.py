@@ -248,3 +248,11 @@ def test_the_docs_table_lists_every_engine_option():
     )
     for flag in SERVE_ONLY_FLAGS:
         assert f"`{flag}`" in docs, f"docs/server.md does not document {flag}"
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_cuda_graph_batch_size_below_one_is_refused_not_graphs_off(value):
+    """It turned CUDA graphs off without a word (--disable-cuda-graph says that); the CRD
+    refuses it too."""
+    with pytest.raises(ValueError, match="--cuda-graph-max-bs must be at least 1"):
+        EngineConfig(model="m", cuda_graph_max_bs=value).validate()

@@ -31,8 +31,7 @@ class RunningServer:
         return self.base_url + "/v1"
 
     def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
+        return _read(self.log_path)
 
     def metric(self, selector: str) -> float:
         """The first sample that `selector` (`name` or `name{label="value",...}`) picks: named so,
@@ -97,18 +96,30 @@ def start_server(
         start_new_session=True,
     )
     server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
+    wait_healthy(process, server.base_url, log_path, timeout)
+    return server
+
+
+def wait_healthy(process: subprocess.Popen, url: str, log_path: str, timeout: float = 60) -> None:
+    """Until `url`/health answers 200 (an engine or a router). An AssertionError with the
+    process's log when it exits first, or when `timeout` passes (it is killed then)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise AssertionError(f"server exited with {process.returncode}:\n{server.log()}")
+            raise AssertionError(f"{url} exited with {process.returncode}:\n{_read(log_path)}")
         try:
-            if httpx.get(server.base_url + "/health", timeout=1).status_code == 200:
-                return server
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     process.kill()
-    raise AssertionError(f"server not healthy after {timeout} s:\n{server.log()}")
+    raise AssertionError(f"{url} not healthy after {timeout} s:\n{_read(log_path)}")
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def process_tree_alive(pid: int) -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -115,37 +114,31 @@ def test_the_vocabulary_size_comes_from_the_server_or_through_the_router(
     """The README's tiny model has 636 tokens: the 32000 that bench serving used to assume failed
     every request. Without --vocab-size it asks the server (SGLang's GET /model_info), which the
     router answers from a worker."""
-    import httpx
-    from serve_harness import free_port
+    from serve_harness import free_port, wait_healthy
 
     server = server_factory(tiny_model("llama"))
     port = free_port()
-    router = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kubesgl",
-            "router",
-            "--worker",
-            server.base_url,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log_path = str(tmp_path / "router.log")
+    with open(log_path, "w") as log:  # the router writes through its own copy
+        router = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kubesgl",
+                "router",
+                "--worker",
+                server.base_url,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         router_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(router_url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(router, router_url, log_path)
         for url in (server.base_url, router_url):
             code, summary = bench(
                 url,

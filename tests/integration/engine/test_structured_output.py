@@ -12,50 +12,9 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from json_schemas import SCHEMAS
 from serve_harness import start_server
 
-SCHEMAS = {
-    "nested": {
-        "type": "object",
-        "required": ["user", "ok"],
-        "properties": {
-            "user": {
-                "type": "object",
-                "required": ["name", "id"],
-                "properties": {
-                    "name": {"type": "string", "maxLength": 6},
-                    "id": {"type": "integer", "minimum": 1, "maximum": 999},
-                },
-            },
-            "ok": {"type": "boolean"},
-        },
-    },
-    "array": {
-        "type": "object",
-        "required": ["items"],
-        "properties": {
-            "items": {
-                "type": "array",
-                "minItems": 1,
-                "maxItems": 3,
-                "items": {"type": "integer", "minimum": -5, "maximum": 5},
-            }
-        },
-    },
-    "enum": {
-        "type": "object",
-        "required": ["color"],
-        "properties": {"color": {"enum": ["red", "green", "blue"]}},
-    },
-    "bounded": {
-        "type": "object",
-        "required": ["x", "p"],
-        "properties": {
-            "x": {"type": "integer", "minimum": 10, "maximum": 20},
-            "p": {"type": "number", "minimum": 0, "maximum": 1},
-        },
-    },
-}
 HEADERS = {"authorization": "Bearer sk-test"}
 
 

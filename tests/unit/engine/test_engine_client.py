@@ -160,3 +160,44 @@ async def test_each_flush_gets_its_own_answer_also_after_a_caller_gave_up(client
     assert await kept is True
     await asyncio.sleep(0.05)
     assert engine_client._flushes == {}
+
+
+@pytest.mark.asyncio
+async def test_a_reader_that_fails_takes_the_server_down_with_its_exception(client, monkeypatch):
+    """Nothing awaits the reader of the engine's outputs: when it raised, every request in flight
+    waited forever, and the server stayed "loading" (or, once ready, was said to have hung)."""
+    import threading
+    import types
+
+    from kubesgl.engine.config import EngineConfig
+    from kubesgl.engine.server.launcher import Server, ServerOptions
+
+    engine_client, detokenizer = client
+    server = Server(EngineConfig(model="unused"), ServerOptions())
+    shutil.rmtree(Path(server.endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+    uvicorn_server = types.SimpleNamespace(should_exit=False)
+    watch = threading.Thread(
+        target=server._watch_children,
+        args=(uvicorn_server, engine_client, asyncio.get_running_loop()),
+        daemon=True,
+    )
+    watch.start()
+
+    def broken(pending, out):
+        raise RuntimeError("a bug in the reader")
+
+    monkeypatch.setattr(engine_client, "_account", broken)
+    stream = engine_client.generate(TokenizeRequest("r1", SamplingParams()))
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.05)  # sent: in flight
+    detokenizer.send_pyobj(TextBatch([TextOutput("r1", "a", [5], None, 3, 0, 1)]))
+    try:
+        async with asyncio.timeout(5):
+            reason = (await first).finish_reason
+    finally:
+        server._stopping.set()
+        watch.join(1)
+    assert (reason.kind, reason.status) == ("error", 500)
+    assert "RuntimeError('a bug in the reader')" in reason.message
+    assert uvicorn_server.should_exit and server.exit_code == 1
+    await stream.aclose()

@@ -109,6 +109,31 @@ def test_the_offline_llm_refuses_tensor_parallelism(tiny_model):
         LLM(tiny_model("llama"), device="cpu", tp_size=2)
 
 
+@pytest.mark.parametrize(
+    ("option", "value", "reason"),
+    [
+        ("role", "prefill", "prefill and decode engines are served"),
+        ("max_stop_string_length", 1, "a limit of the HTTP server's requests"),
+        ("max_sequences_per_request", 1, "a limit of the HTTP server's requests"),
+        ("max_request_body_bytes", 1024, "a limit of the HTTP server's requests"),
+        ("disaggregation_timeout", 0.001, "which are served, transfer KV"),
+    ],
+)
+def test_the_offline_llm_refuses_an_option_only_a_server_honours(option, value, reason):
+    from kubesgl.engine import LLM
+
+    # refused before the model is looked for: the path need not exist
+    with pytest.raises(ValueError, match=f"^{option} {value!r}: .*{reason}"):
+        LLM("no-such-model", **{option: value})
+
+
+def test_generate_refuses_what_the_offline_llm_refuses():
+    from kubesgl.engine.cli import REFUSED
+    from kubesgl.engine.llm import OFFLINE_REFUSED
+
+    assert OFFLINE_REFUSED.items() <= REFUSED.items()
+
+
 def test_triton_attention_on_the_cpu_is_a_clear_error(tiny_model, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     status = main(

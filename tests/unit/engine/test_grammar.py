@@ -9,55 +9,11 @@ import time
 
 import jsonschema
 import pytest
+from json_schemas import SCHEMAS
 
 from kubesgl.engine import SamplingParams
 from kubesgl.engine.sampling_params import GrammarSpec, InvalidRequestError
 
-SCHEMAS = {
-    "nested": {
-        "type": "object",
-        "required": ["user", "ok"],
-        "properties": {
-            "user": {
-                "type": "object",
-                "required": ["name", "id"],
-                "properties": {
-                    "name": {"type": "string", "maxLength": 6},
-                    "id": {"type": "integer", "minimum": 1, "maximum": 999},
-                },
-            },
-            "ok": {"type": "boolean"},
-        },
-    },
-    "array": {
-        "type": "object",
-        "required": ["items"],
-        "properties": {
-            "items": {
-                "type": "array",
-                "minItems": 1,
-                "maxItems": 3,
-                "items": {"type": "integer", "minimum": -5, "maximum": 5},
-            }
-        },
-    },
-    "enum": {
-        "type": "object",
-        "required": ["color", "size"],
-        "properties": {
-            "color": {"enum": ["red", "green", "blue"]},
-            "size": {"type": "string", "enum": ["S", "M", "L"]},
-        },
-    },
-    "bounded": {
-        "type": "object",
-        "required": ["x", "p"],
-        "properties": {
-            "x": {"type": "integer", "minimum": 10, "maximum": 20},
-            "p": {"type": "number", "minimum": 0, "maximum": 1},
-        },
-    },
-}
 MODES = {
     "greedy": dict(temperature=0),
     "temperature": dict(temperature=1.0, seed=7),

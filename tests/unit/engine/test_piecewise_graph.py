@@ -81,6 +81,18 @@ def test_asking_for_piecewise_graphs_without_cuda_says_they_are_off(tiny_model, 
     assert "piecewise CUDA graphs off: no CUDA graphs on cpu" in caplog.text
 
 
+def test_piecewise_graphs_with_cuda_graphs_disabled_is_refused():
+    """The pair contradicts itself: the first was dropped with a warning. Asked for where there
+    is no CUDA (the test above) they stay a no-op: the same options run on CPUs and GPUs."""
+    from kubesgl.engine.config import EngineConfig
+
+    config = EngineConfig(model="m", enable_piecewise_cuda_graph=True, disable_cuda_graph=True)
+    with pytest.raises(
+        ValueError, match="--enable-piecewise-cuda-graph: --disable-cuda-graph turns every"
+    ):
+        config.validate()
+
+
 def test_pieces_store_the_kv_of_whole_model_steps_and_padding_only_in_the_padding_slot(
     tiny_model, make_llm, random_prompts
 ):

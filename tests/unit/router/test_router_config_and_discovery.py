@@ -52,6 +52,11 @@ def pod(role="mixed", *, ready=True, ip="10.0.0.7", annotations=None, labels=Non
     }
 
 
+def test_the_flags_defaults_are_the_configs():
+    """Declared once, in RouterConfig and its settings: the command line reads them there."""
+    assert config_from_args(build_parser().parse_args([]), {}) == RouterConfig()
+
+
 def test_worker_from_pod():
     selector = {"app": "x"}
     worker = worker_from_pod(pod(), selector, 30000)

@@ -1,10 +1,14 @@
+import typing
+
 import pytest
 
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.policies import (
+    POLICY_NAMES,
     CacheAwarePolicy,
     CacheAwareSettings,
     Choice,
+    PolicyName,
     PowerOfTwoPolicy,
     RandomPolicy,
     RoundRobinPolicy,
@@ -79,7 +83,9 @@ def test_cache_aware_forgets_removed_workers():
 
 
 def test_policy_names_and_settings_are_checked():
+    assert typing.get_args(PolicyName) == POLICY_NAMES  # the operator's spec takes PolicyName
     assert isinstance(make_policy("round_robin"), RoundRobinPolicy)
+    assert isinstance(make_policy("cache_aware"), CacheAwarePolicy)
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest")
     with pytest.raises(ValueError):
