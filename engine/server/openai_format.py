@@ -139,16 +139,7 @@ class ToolOutput:
             return 0
         if self.mode != "auto" or self.format is None:
             return len(text)
-        at = self.format.find_start(text)
-        if at >= 0:
-            return at
-        held = len(text)
-        for start in self.format.starts:  # a marker may be cut across chunks
-            for keep in range(min(len(start) - 1, len(text)), 0, -1):
-                if start.startswith(text[-keep:]):
-                    held = min(held, len(text) - keep)
-                    break
-        return held
+        return self.format.held_from(text)
 
 
 def _finish(reason: str | None, calls: list) -> str | None:

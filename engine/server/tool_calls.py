@@ -30,10 +30,14 @@ class ToolCall:
 
 
 def _call_of(obj: Any) -> ToolCall | None:
-    """{"name": ..., "arguments" or "parameters": {...}} as a call; None for anything else."""
+    """{"name": ..., "arguments" or "parameters": {...}} as a call; None for anything else (a
+    name alone is no call: JSON an answer shows may have a "name" too)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
+    key = next((k for k in ("arguments", "parameters") if k in obj), None)
+    if key is None:
+        return None
+    arguments = obj[key]
     if isinstance(arguments, str):
         return ToolCall(obj["name"], arguments)
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
@@ -45,14 +49,33 @@ class ToolCallFormat:
 
     name: str
     template_marker: str  # the chat template of a model that writes this format holds this text
-    starts: tuple[
-        str, ...
-    ]  # where a call may begin in the answer: text before it is the message's content
+    # where calls may begin: anywhere (text before them is the message's content), or only at
+    # the answer's start, after whitespace (a "{" later in an answer is JSON it shows)
+    markers: tuple[str, ...] = ()
+    leading: tuple[str, ...] = ()
 
     def find_start(self, text: str) -> int:
         """Where the first call may begin, -1 if nowhere."""
-        found = [at for at in (text.find(s) for s in self.starts) if at >= 0]
+        found = [at for at in (text.find(m) for m in self.markers) if at >= 0]
+        if text.lstrip().startswith(self.leading):
+            found.append(0)  # the whitespace before it is no content
         return min(found, default=-1)
+
+    def held_from(self, text: str) -> int:
+        """Where streamed content must stop until the answer is whole: what follows may be a
+        call, or the start of a marker cut across chunks."""
+        at = self.find_start(text)
+        if at >= 0:
+            return at
+        if any(m.startswith(text.lstrip()) for m in self.leading):
+            return 0
+        held = len(text)
+        for marker in self.markers:
+            for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+                if marker.startswith(text[-keep:]):
+                    held = min(held, len(text) - keep)
+                    break
+        return held
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(the content, the calls) of an answer; no calls and the whole text where it holds none."""
@@ -100,8 +123,10 @@ def _parse_llama3_json(text: str) -> list[ToolCall]:
 _PARSERS = {"qwen": _parse_qwen, "llama3_json": _parse_llama3_json}
 # In order: the first whose marker the chat template holds is the model's format.
 FORMATS = (
-    ToolCallFormat("qwen", template_marker="<tool_call>", starts=("<tool_call>",)),
-    ToolCallFormat("llama3_json", template_marker="<|python_tag|>", starts=("<|python_tag|>", "{")),
+    ToolCallFormat("qwen", template_marker="<tool_call>", markers=("<tool_call>",)),
+    ToolCallFormat(
+        "llama3_json", template_marker="<|python_tag|>", leading=("<|python_tag|>", "{")
+    ),
 )
 
 

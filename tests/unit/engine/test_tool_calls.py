@@ -67,10 +67,31 @@ def test_qwen_tool_calls(text, content, calls):
         ),
         ("The set {1, 2} has two elements.", "The set {1, 2} has two elements.", []),
         ('{"answer": 42}', '{"answer": 42}', []),  # JSON that is no call
+        (  # JSON inside an answer is content: calls come only at its start
+            'Here is the user: {"name": "Bob", "age": 3}',
+            'Here is the user: {"name": "Bob", "age": 3}',
+            [],
+        ),
+        (
+            'Call it so: {"name": "a", "parameters": {}}',
+            'Call it so: {"name": "a", "parameters": {}}',
+            [],
+        ),
+        ('{"name": "Bob"}', '{"name": "Bob"}', []),  # a name without arguments is no call
+        (
+            '\n {"name": "a", "parameters": {"n": 1}}',
+            None,
+            [ToolCall("a", '{"n": 1}')],
+        ),
     ],
 )
 def test_llama3_json_tool_calls(text, content, calls):
     assert LLAMA.parse(text) == (content, calls)
+
+
+def test_a_qwen_call_needs_its_arguments():
+    text = '<tool_call>\n{"name": "a"}\n</tool_call>'
+    assert QWEN.parse(text) == (text, [])
 
 
 def test_required_calls_follow_the_grammars_list():
@@ -134,3 +155,12 @@ def test_streamed_text_that_holds_no_call_is_all_sent_by_the_end():
         if (chunk := formatter.chunk(choice, out)) is not None:
             sent += chunk["choices"][0]["delta"].get("content", "")
     assert sent == "a < b, and <toolbox> too"
+
+
+def test_llama3_json_holds_back_only_the_start_of_an_answer():
+    auto = ToolOutput("auto", format=LLAMA)
+    assert auto.held_from('Here is the user: {"na') == len('Here is the user: {"na')
+    assert auto.held_from(' {"na') == 0
+    assert auto.held_from("<|pyth") == 0  # maybe the marker, cut across chunks
+    assert auto.held_from("\n") == 0  # a call may still come
+    assert auto.held_from("Sure") == len("Sure")
