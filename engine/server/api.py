@@ -402,6 +402,8 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         mode,
         named["function"]["name"] if named else None,
         tool_calls.format_for_model(ctx.state.config.model) if mode == "auto" else None,
+        frozenset(t["function"]["name"] for t in tools or ()),
+        body.parallel_tool_calls,
     )
     messages = [m.as_template_input() for m in body.messages]
     within_limits(

@@ -77,16 +77,10 @@ class ToolCallFormat:
                     break
         return held
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(the content, the calls) of an answer; no calls and the whole text where it holds none."""
+    def calls_in(self, text: str) -> tuple[int, list[ToolCall]]:
+        """(where the calls begin, the calls) of an answer; no calls where any fails to parse."""
         at = self.find_start(text)
-        if at < 0:
-            return text, []
-        calls = _PARSERS[self.name](text[at:])
-        if not calls:
-            return text, []
-        content = text[:at].strip()
-        return content or None, calls
+        return (at, _PARSERS[self.name](text[at:])) if at >= 0 else (len(text), [])
 
 
 def _parse_qwen(text: str) -> list[ToolCall]:
@@ -190,5 +184,34 @@ def named_grammar(tool: dict[str, Any]) -> GrammarSpec:
     )
 
 
+# The start of a call cut short, up to its name and any arguments that came
+_CUT_CALL = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*"parameters"\s*:\s*(.*))?', re.DOTALL
+)
+
+
 def parse_required(text: str) -> list[ToolCall]:
-    return [c for c in (_call_of(obj) for obj in json.loads(text, strict=False)) if c is not None]
+    """The calls of a "required" answer, a JSON list: its whole calls and, where max_tokens
+    cut the last one after its name, that one with its arguments as far as they came."""
+    decoder = json.JSONDecoder(strict=False)
+    calls: list[ToolCall] = []
+    at = text.find("[") + 1
+    while (at := _past_separators(text, at)) < len(text) and text[at] != "]":
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return calls + _cut_call(text[at:])
+        if (call := _call_of(obj)) is not None:
+            calls.append(call)
+    return calls
+
+
+def _past_separators(text: str, at: int) -> int:
+    while at < len(text) and text[at] in ", \n\t\r":
+        at += 1
+    return at
+
+
+def _cut_call(text: str) -> list[ToolCall]:
+    match = _CUT_CALL.match(text)
+    return [] if match is None else [ToolCall(json.loads(match[1]), match[2] or "")]
