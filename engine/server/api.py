@@ -118,7 +118,10 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # OpenAI's SDKs retry a 5xx unless told not to: a 500 is this engine failing at the
+        # request, which another try may break again (a 503, "try later", they may retry)
+        headers = {"x-should-retry": "false"} if self.status == 500 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
 def in_clients_words(
@@ -261,11 +264,26 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+# OpenAI's routes this server does not serve, by path prefix: a 404 that says so, not "Not Found"
+NOT_SERVED = {
+    "/v1/responses": "the Responses API (/v1/responses) is not supported by this server; it "
+    "serves /v1/chat/completions and /v1/completions",
+}
+
+
 async def _http_error(
-    _: Request, exc: StarletteHTTPException
+    request: Request, exc: StarletteHTTPException
 ) -> JSONResponse:  # unknown path, wrong method
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), type_).response()
+    return APIError(
+        exc.status_code, _not_served(request.url.path) or str(exc.detail), type_
+    ).response()
+
+
+def _not_served(path: str) -> str | None:
+    return next(
+        (why for p, why in NOT_SERVED.items() if path == p or path.startswith(p + "/")), None
+    )
 
 
 async def _crash(request: Request, exc: Exception) -> JSONResponse:

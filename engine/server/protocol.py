@@ -220,7 +220,7 @@ class JSONSchemaFormat(_Lenient):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 
     name: Text | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # none: any object
     strict: Bool | None = (
         None  # the schema is always enforced (xgrammar's strict mode: no extra properties)
     )
@@ -241,6 +241,8 @@ class ResponseFormat(_Lenient):
     def grammar(self) -> GrammarSpec | None:
         if self.type == "json_schema":
             assert self.json_schema is not None  # _schema_given
+            if self.json_schema.schema_ is None:  # optional, as at OpenAI and in vLLM
+                return GrammarSpec("json_object", param="response_format")
             return GrammarSpec(
                 "json_schema", json.dumps(self.json_schema.schema_), param="response_format"
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -444,6 +445,22 @@ def test_errors_name_the_fields_the_sdk_sent(client):
             tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
         )
     assert raised.value.body["param"] == "tool_choice.type", raised.value.body
+
+
+def test_a_json_schema_response_format_without_a_schema_is_any_json_object(client):
+    got = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "any"}},
+        max_tokens=200,
+    )
+    assert isinstance(json.loads(got.choices[0].message.content), dict)
+
+
+def test_the_responses_api_is_refused_naming_what_is_served(client):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.create(model="tiny", input="x")
+    assert "/v1/chat/completions" in raised.value.body["message"], raised.value.body
 
 
 def test_a_body_sent_without_the_json_content_type_is_told_so(llama_server):
