@@ -466,9 +466,15 @@ class RouterApp:
         return json_reply(200, {"removed": worker.url})
 
 
+# A 500 (an engine's failure, or the router's own) is not to be sent again: OpenAI's SDKs
+# retry 5xx unless the answer says so, as the engines' own 500s do
+_NO_RETRY = [(b"x-should-retry", b"false")]
+
+
 def _error_reply(error: RouterError | UpstreamError) -> BufferedReply:
     extra = error.headers if isinstance(error, RouterError) else []
-    return BufferedReply(error.status, list(_JSON) + extra, error.body())
+    no_retry = _NO_RETRY if error.status == 500 else []
+    return BufferedReply(error.status, list(_JSON) + extra + no_retry, error.body())
 
 
 def _request_id(scope: Scope) -> str:

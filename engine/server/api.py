@@ -8,8 +8,9 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -51,6 +52,7 @@ from kubesgl.engine.server.openai_format import (
     usage,
 )
 from kubesgl.engine.server.protocol import (
+    MODEL_NAMES,
     UTF8_ERROR,
     ChatCompletionRequest,
     CompletionRequest,
@@ -89,12 +91,21 @@ class APIError(Exception):
         )
 
     @classmethod
-    def of(cls, reason: FinishReason, prompt_field: str = "prompt") -> APIError:
+    def of(
+        cls,
+        reason: FinishReason,
+        prompt_field: str = "prompt",
+        renamed: Mapping[str, str] | None = None,
+    ) -> APIError:
         """The answer to a request that ended in error; the engine calls its prompt "prompt",
-        the client knows it by the field it came in (`messages`, `prompt.1`, `text`)."""
+        the client knows it by the field it came in (`messages`, `prompt.1`, `text`), and
+        other fields by the names in `renamed` (see in_clients_words)."""
         type_ = "invalid_request_error" if reason.status < 500 else "server_error"
-        param = prompt_field if reason.param == "prompt" else reason.param
-        return cls(reason.status, reason.message or "generation failed", type_, param=param)
+        message, param = in_clients_words(
+            reason.message or "generation failed", reason.param, renamed
+        )
+        param = prompt_field if param == "prompt" else param
+        return cls(reason.status, message, type_, param=param)
 
     def body(self) -> dict:
         return {
@@ -107,14 +118,29 @@ class APIError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        # OpenAI's SDKs retry a 5xx unless told not to: a 500 is this engine failing at the
+        # request, which another try may break again (a 503, "try later", they may retry)
+        headers = {"x-should-retry": "false"} if self.status == 500 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def in_clients_words(
+    message: str, param: str | None, names: Mapping[str, str] | None
+) -> tuple[str, str | None]:
+    """An engine's error message and field in the names the client gave the fields `names`
+    maps (the engine's output limit "max_tokens" is chat's `max_completion_tokens` where the
+    client sent that)."""
+    for engine_name, client_name in (names or {}).items():
+        message = re.sub(rf"\b{re.escape(engine_name)}\b", client_name, message)
+    return message, (names or {}).get(param or "", param)
 
 
 def validation_error(errors: Sequence[dict]) -> APIError:
     """One 400 for pydantic's errors: text that is not UTF-8 first (the other members of a
     union fail on it too, less helpfully), else of the first field's errors the one that got
     deepest into the value (for a union, the member the value was meant for); the field path
-    without pydantic's union-member tags (`prompt.list[int]`), which are no field names."""
+    without pydantic's union-member tags (`prompt.list[int]`, `tool_choice.NamedToolChoice`),
+    which are no field names."""
 
     def path(e: dict) -> tuple:
         return tuple(part for part in e.get("loc", ()) if part != "body")
@@ -126,7 +152,7 @@ def validation_error(errors: Sequence[dict]) -> APIError:
         where = error.get("loc", ("body", "?"))[-1]
         reason = (error.get("ctx") or {}).get("error", "invalid syntax")
         return APIError(400, f"the request body is not valid JSON: {reason} at character {where}")
-    loc = [str(part) for part in error.get("loc", ()) if part != "body" and "[" not in str(part)]
+    loc = [str(part) for part in error.get("loc", ()) if _a_field_name(part)]
     if not loc and error.get("type") in ("model_type", "model_attributes_type"):  # no object
         return APIError(
             400,
@@ -139,6 +165,10 @@ def validation_error(errors: Sequence[dict]) -> APIError:
     return APIError(
         400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None
     )
+
+
+def _a_field_name(part: str | int) -> bool:
+    return part != "body" and "[" not in str(part) and part not in MODEL_NAMES
 
 
 ERROR_SCHEMA = {
@@ -234,11 +264,26 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
+# OpenAI's routes this server does not serve, by path prefix: a 404 that says so, not "Not Found"
+NOT_SERVED = {
+    "/v1/responses": "the Responses API (/v1/responses) is not supported by this server; it "
+    "serves /v1/chat/completions and /v1/completions",
+}
+
+
 async def _http_error(
-    _: Request, exc: StarletteHTTPException
+    request: Request, exc: StarletteHTTPException
 ) -> JSONResponse:  # unknown path, wrong method
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), type_).response()
+    return APIError(
+        exc.status_code, _not_served(request.url.path) or str(exc.detail), type_
+    ).response()
+
+
+def _not_served(path: str) -> str | None:
+    return next(
+        (why for p, why in NOT_SERVED.items() if path == p or path.startswith(p + "/")), None
+    )
 
 
 async def _crash(request: Request, exc: Exception) -> JSONResponse:
@@ -282,11 +327,14 @@ def engine_info(ctx: Served) -> EngineInfo:
     return info
 
 
-def validated(ctx: Served, params: SamplingParams) -> SamplingParams:
+def validated(
+    ctx: Served, params: SamplingParams, names: Mapping[str, str] | None = None
+) -> SamplingParams:
     try:
         params.validate(engine_info(ctx).vocab_size)
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param) from exc
+        message, param = in_clients_words(str(exc), exc.param, names)
+        raise APIError(400, message, param=param) from exc
     return params
 
 
@@ -397,11 +445,13 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
     elif mode == "named":
         assert named is not None  # tool_mode returns the named tool in "named" mode
         params = dataclasses.replace(params, grammar=tool_calls.named_grammar(named))
-    params = validated(ctx, params)
+    params = validated(ctx, params, body.renamed_fields())
     tool_output = ToolOutput(
         mode,
         named["function"]["name"] if named else None,
         tool_calls.format_for_model(ctx.state.config.model) if mode == "auto" else None,
+        frozenset(t["function"]["name"] for t in tools or ()),
+        body.parallel_tool_calls,
     )
     messages = [m.as_template_input() for m in body.messages]
     within_limits(
@@ -436,6 +486,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         body.stream,
         body.include_usage,
         chat_formatter(response_meta(ctx, subs), body.logprobs, tool_output),
+        body.renamed_fields(),
     )
 
 
@@ -546,6 +597,7 @@ async def respond(
     stream: bool,
     include_usage: bool,
     formatter: Formatter,
+    renamed: Mapping[str, str] | None = None,  # the client's names of the engine's fields
 ) -> Response:
     client = ctx.client
     try:
@@ -570,7 +622,7 @@ async def respond(
         for out, prompt_field in zip(firsts, prompt_fields):
             if out.finish_reason is not None and out.finish_reason.kind == "error":
                 await asyncio.gather(*(s.aclose() for s in streams))
-                raise APIError.of(out.finish_reason, prompt_field)
+                raise APIError.of(out.finish_reason, prompt_field, renamed)
         if stream:  # the streaming response watches for the client leaving itself
             return StreamingResponse(
                 stream_events(
@@ -600,7 +652,7 @@ async def respond(
         ((c.error, f) for c, f in zip(choices, prompt_fields) if c.error is not None), None
     )
     if failed is not None:  # a request that failed after it started is no 200
-        raise APIError.of(*failed)
+        raise APIError.of(*failed, renamed)
     return JSONResponse(formatter.final(choices, usage(choices, first_of_prompt)))
 
 

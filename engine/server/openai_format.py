@@ -111,6 +111,15 @@ class Formatter:
 
 
 @dataclass(frozen=True)
+class Reading:
+    """A chat answer read for tool calls."""
+
+    content: str | None
+    calls: list[tool_calls.ToolCall]
+    content_end: int  # the text before this is content: what a stream sends as content
+
+
+@dataclass(frozen=True)
 class ToolOutput:
     """How a chat answer becomes tool calls: never ("none"), always (a "required" list of calls,
     or the "named" function's arguments), or where the model wrote its own format ("auto")."""
@@ -118,20 +127,12 @@ class ToolOutput:
     mode: str
     name: str | None = None  # the named function
     format: tool_calls.ToolCallFormat | None = None  # "auto": the model's format, if known
+    declared: frozenset[str] = frozenset()  # "auto": the functions the request's tools declare
+    parallel: bool = True  # "auto": more than one call allowed (the grammar sees to "required")
 
-    def split(self, text: str) -> tuple[str | None, list[tool_calls.ToolCall]]:
-        """(content, calls) of a whole answer."""
-        if self.mode == "named":
-            assert self.name is not None  # the "named" mode names its function
-            return None, [tool_calls.ToolCall(self.name, text)]
-        if self.mode == "required":
-            try:
-                return None, tool_calls.parse_required(text)
-            except ValueError:  # cut by max_tokens: no whole call to give
-                return text, []
-        if self.mode == "auto" and self.format is not None:
-            return self.format.parse(text)
-        return text, []
+    def read(self, text: str) -> Reading:
+        """The content and calls of a whole answer, whole or cut by max_tokens."""
+        return _READERS[self.mode](self, text)
 
     def held_from(self, text: str) -> int:
         """Where streamed content must stop until the answer is whole: what follows may be a call."""
@@ -139,16 +140,40 @@ class ToolOutput:
             return 0
         if self.mode != "auto" or self.format is None:
             return len(text)
-        at = self.format.find_start(text)
-        if at >= 0:
-            return at
-        held = len(text)
-        for start in self.format.starts:  # a marker may be cut across chunks
-            for keep in range(min(len(start) - 1, len(text)), 0, -1):
-                if start.startswith(text[-keep:]):
-                    held = min(held, len(text) - keep)
-                    break
-        return held
+        return self.format.held_from(text)
+
+
+def _as_text(_: ToolOutput, text: str) -> Reading:
+    return Reading(text, [], len(text))
+
+
+def _auto(tools: ToolOutput, text: str) -> Reading:
+    """The calls the model wrote in its format. An answer that calls a function its tools do
+    not declare is text, all of it: nothing the model wrote is lost (SGLang drops the call)."""
+    if tools.format is None:
+        return _as_text(tools, text)
+    at, calls = tools.format.calls_in(text)
+    if not calls or any(call.name not in tools.declared for call in calls):
+        return _as_text(tools, text)
+    return Reading(text[:at].strip() or None, calls if tools.parallel else calls[:1], at)
+
+
+def _required(_: ToolOutput, text: str) -> Reading:
+    return Reading(None, tool_calls.parse_required(text), 0)
+
+
+def _named(tools: ToolOutput, text: str) -> Reading:
+    # the arguments as the model wrote them, cut short if max_tokens came first (as vLLM)
+    assert tools.name is not None  # the "named" mode names its function
+    return Reading(None, [tool_calls.ToolCall(tools.name, text)], 0)
+
+
+_READERS: dict[str, Callable[[ToolOutput, str], Reading]] = {
+    "none": _as_text,
+    "auto": _auto,
+    "required": _required,
+    "named": _named,
+}
 
 
 def _finish(reason: str | None, calls: list) -> str | None:
@@ -161,20 +186,16 @@ def chat_formatter(
     def final(choices: list[Choice], usage_: dict) -> dict:
         answers = []
         for c in choices:
-            content, calls = (
-                tools.split(c.text)
-                if c.finish_reason != "length" or tools.mode == "auto"
-                else (c.text, [])
-            )
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = [call.as_openai() for call in calls]
+            reading = tools.read(c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": reading.content}
+            if reading.calls:
+                message["tool_calls"] = [call.as_openai() for call in reading.calls]
             answers.append(
                 {
                     "index": c.index,
                     "message": message,
                     "logprobs": {"content": c.logprobs} if want_logprobs else None,
-                    "finish_reason": _finish(c.finish_reason, calls),
+                    "finish_reason": _finish(c.finish_reason, reading.calls),
                 }
             )
         return {**meta, "object": "chat.completion", "usage": usage_, "choices": answers}
@@ -226,12 +247,8 @@ def chat_formatter(
         if reason is None:
             upto = max(done, tools.held_from(choice.text))
         else:  # the whole answer: what was held back is content, or calls with the content before them
-            _content, calls = (
-                tools.split(choice.text)
-                if reason != "length" or tools.mode == "auto"
-                else (choice.text, [])
-            )
-            upto = max(done, tools.held_from(choice.text)) if calls else len(choice.text)
+            reading = tools.read(choice.text)
+            upto, calls = max(done, reading.content_end), reading.calls
         delta: dict[str, Any] = {"content": choice.text[done:upto]} if upto > done else {}
         sent[choice.index] = upto
         if calls:

@@ -113,6 +113,11 @@ PromptList = Annotated[
 ]
 
 
+# The bodies' model classes by name: pydantic puts a union member's class name in the location
+# of an error inside it (`tool_choice.NamedToolChoice.type`), which is no field a client wrote.
+MODEL_NAMES: set[str] = set()
+
+
 class _Lenient(BaseModel):
     """Unknown fields ignored; a null given for a field that cannot be null (`"stream": null`,
     as clients that forward unset options send them) is that field's default. Numbers are
@@ -124,6 +129,7 @@ class _Lenient(BaseModel):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
+        MODEL_NAMES.add(cls.__name__)
         cls._not_nullable = frozenset(
             field.alias or name
             for name, field in cls.model_fields.items()
@@ -214,7 +220,7 @@ class JSONSchemaFormat(_Lenient):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 
     name: Text | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # none: any object
     strict: Bool | None = (
         None  # the schema is always enforced (xgrammar's strict mode: no extra properties)
     )
@@ -235,6 +241,8 @@ class ResponseFormat(_Lenient):
     def grammar(self) -> GrammarSpec | None:
         if self.type == "json_schema":
             assert self.json_schema is not None  # _schema_given
+            if self.json_schema.schema_ is None:  # optional, as at OpenAI and in vLLM
+                return GrammarSpec("json_object", param="response_format")
             return GrammarSpec(
                 "json_schema", json.dumps(self.json_schema.schema_), param="response_format"
             )
@@ -498,6 +506,11 @@ class ChatCompletionRequest(_SamplingFields):
                 )
             return "named", named.model_dump()
         return choice, None
+
+    def renamed_fields(self) -> dict[str, str]:
+        """The client's names of the engine's fields, where they differ, for errors."""
+        given = self.max_completion_tokens is not None
+        return {"max_tokens": "max_completion_tokens"} if given else {}
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(

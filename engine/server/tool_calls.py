@@ -30,10 +30,14 @@ class ToolCall:
 
 
 def _call_of(obj: Any) -> ToolCall | None:
-    """{"name": ..., "arguments" or "parameters": {...}} as a call; None for anything else."""
+    """{"name": ..., "arguments" or "parameters": {...}} as a call; None for anything else (a
+    name alone is no call: JSON an answer shows may have a "name" too)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
+    key = next((k for k in ("arguments", "parameters") if k in obj), None)
+    if key is None:
+        return None
+    arguments = obj[key]
     if isinstance(arguments, str):
         return ToolCall(obj["name"], arguments)
     return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
@@ -45,25 +49,38 @@ class ToolCallFormat:
 
     name: str
     template_marker: str  # the chat template of a model that writes this format holds this text
-    starts: tuple[
-        str, ...
-    ]  # where a call may begin in the answer: text before it is the message's content
+    # where calls may begin: anywhere (text before them is the message's content), or only at
+    # the answer's start, after whitespace (a "{" later in an answer is JSON it shows)
+    markers: tuple[str, ...] = ()
+    leading: tuple[str, ...] = ()
 
     def find_start(self, text: str) -> int:
         """Where the first call may begin, -1 if nowhere."""
-        found = [at for at in (text.find(s) for s in self.starts) if at >= 0]
+        found = [at for at in (text.find(m) for m in self.markers) if at >= 0]
+        if text.lstrip().startswith(self.leading):
+            found.append(0)  # the whitespace before it is no content
         return min(found, default=-1)
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(the content, the calls) of an answer; no calls and the whole text where it holds none."""
+    def held_from(self, text: str) -> int:
+        """Where streamed content must stop until the answer is whole: what follows may be a
+        call, or the start of a marker cut across chunks."""
         at = self.find_start(text)
-        if at < 0:
-            return text, []
-        calls = _PARSERS[self.name](text[at:])
-        if not calls:
-            return text, []
-        content = text[:at].strip()
-        return content or None, calls
+        if at >= 0:
+            return at
+        if any(m.startswith(text.lstrip()) for m in self.leading):
+            return 0
+        held = len(text)
+        for marker in self.markers:
+            for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+                if marker.startswith(text[-keep:]):
+                    held = min(held, len(text) - keep)
+                    break
+        return held
+
+    def calls_in(self, text: str) -> tuple[int, list[ToolCall]]:
+        """(where the calls begin, the calls) of an answer; no calls where any fails to parse."""
+        at = self.find_start(text)
+        return (at, _PARSERS[self.name](text[at:])) if at >= 0 else (len(text), [])
 
 
 def _parse_qwen(text: str) -> list[ToolCall]:
@@ -100,8 +117,10 @@ def _parse_llama3_json(text: str) -> list[ToolCall]:
 _PARSERS = {"qwen": _parse_qwen, "llama3_json": _parse_llama3_json}
 # In order: the first whose marker the chat template holds is the model's format.
 FORMATS = (
-    ToolCallFormat("qwen", template_marker="<tool_call>", starts=("<tool_call>",)),
-    ToolCallFormat("llama3_json", template_marker="<|python_tag|>", starts=("<|python_tag|>", "{")),
+    ToolCallFormat("qwen", template_marker="<tool_call>", markers=("<tool_call>",)),
+    ToolCallFormat(
+        "llama3_json", template_marker="<|python_tag|>", leading=("<|python_tag|>", "{")
+    ),
 )
 
 
@@ -165,5 +184,34 @@ def named_grammar(tool: dict[str, Any]) -> GrammarSpec:
     )
 
 
+# The start of a call cut short, up to its name and any arguments that came
+_CUT_CALL = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(?:\s*,\s*"parameters"\s*:\s*(.*))?', re.DOTALL
+)
+
+
 def parse_required(text: str) -> list[ToolCall]:
-    return [c for c in (_call_of(obj) for obj in json.loads(text, strict=False)) if c is not None]
+    """The calls of a "required" answer, a JSON list: its whole calls and, where max_tokens
+    cut the last one after its name, that one with its arguments as far as they came."""
+    decoder = json.JSONDecoder(strict=False)
+    calls: list[ToolCall] = []
+    at = text.find("[") + 1
+    while (at := _past_separators(text, at)) < len(text) and text[at] != "]":
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return calls + _cut_call(text[at:])
+        if (call := _call_of(obj)) is not None:
+            calls.append(call)
+    return calls
+
+
+def _past_separators(text: str, at: int) -> int:
+    while at < len(text) and text[at] in ", \n\t\r":
+        at += 1
+    return at
+
+
+def _cut_call(text: str) -> list[ToolCall]:
+    match = _CUT_CALL.match(text)
+    return [] if match is None else [ToolCall(json.loads(match[1]), match[2] or "")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -424,6 +425,42 @@ def test_openai_fields_not_implemented_are_refused_not_ignored(llama_server, pat
             url, json={"model": "tiny", **body, param: no_ops[param]}, headers=headers
         )
         assert fine.status_code == 200, fine.text
+
+
+def test_errors_name_the_fields_the_sdk_sent(client):
+    """max_completion_tokens is max_tokens to the engine, and tool_choice a union to pydantic:
+    the 400 names what the client wrote."""
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_completion_tokens=100000
+        )
+    error = raised.value.body
+    assert error["param"] == "max_completion_tokens", error
+    assert "max_completion_tokens" in error["message"] and "max_tokens" not in error["message"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
+        )
+    assert raised.value.body["param"] == "tool_choice.type", raised.value.body
+
+
+def test_a_json_schema_response_format_without_a_schema_is_any_json_object(client):
+    got = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "any"}},
+        max_tokens=200,
+    )
+    assert isinstance(json.loads(got.choices[0].message.content), dict)
+
+
+def test_the_responses_api_is_refused_naming_what_is_served(client):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.responses.create(model="tiny", input="x")
+    assert "/v1/chat/completions" in raised.value.body["message"], raised.value.body
 
 
 def test_a_body_sent_without_the_json_content_type_is_told_so(llama_server):

@@ -363,6 +363,60 @@ def test_auto_and_none_reach_the_chat_template(client):
     assert auto.choices[0].finish_reason == "length"
 
 
+def _answered(client, stream: bool, **request) -> tuple[str | None, list, str | None]:
+    """(content, calls as (name, arguments), finish_reason) of one chat answer, streamed or not."""
+    if not stream:
+        (choice,) = client.chat.completions.create(model="m", messages=ASK, **request).choices
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(model="m", messages=ASK, stream=True, **request):
+        for delta_choice in chunk.choices:
+            content += delta_choice.delta.content or ""
+            calls += [
+                (c.function.name, c.function.arguments) for c in delta_choice.delta.tool_calls or []
+            ]
+            finish = delta_choice.finish_reason or finish
+    return content or None, calls, finish
+
+
+CALL = '<tool_call>\n{{"name": "{}", "arguments": {{}}}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_calls_are_of_declared_functions_and_one_without_parallel_calls(client, stream):
+    """The answers forced with SGLang's regex: a call of a function the tools do not declare
+    leaves the whole answer content; parallel_tool_calls false gives the first call only."""
+    undeclared = CALL.format("add") + "\n" + CALL.format("rm")
+    got = _answered(
+        client, stream, tools=TOOLS, max_tokens=400, extra_body={"regex": re.escape(undeclared)}
+    )
+    assert got == (undeclared, [], "stop")
+    two = CALL.format("add") + "\n" + CALL.format("get_weather")
+    got = _answered(
+        client,
+        stream,
+        tools=TOOLS,
+        parallel_tool_calls=False,
+        max_tokens=400,
+        extra_body={"regex": re.escape(two)},
+    )
+    assert got == (None, [("add", "{}")], "tool_calls")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_calls_cut_by_max_tokens_are_still_calls(client, stream):
+    """As vLLM: the named function with its arguments as far as they came; "required" never
+    shows its list of calls as content."""
+    named = {"type": "function", "function": {"name": "add"}}
+    content, calls, finish = _answered(client, stream, tools=TOOLS, tool_choice=named, max_tokens=3)
+    assert (content, [name for name, _ in calls], finish) == (None, ["add"], "length")
+    content, calls, finish = _answered(
+        client, stream, tools=TOOLS, tool_choice="required", max_tokens=4
+    )
+    assert (content, calls, finish) == (None, [], "length")  # cut before a name was whole
+
+
 @pytest.mark.parametrize(
     "body, param, words",
     [

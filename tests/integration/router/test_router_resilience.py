@@ -161,7 +161,8 @@ async def test_a_request_that_fails_on_a_worker_is_not_sent_to_the_others(
     engines, start_router, client
 ):
     """A 500 means the request reached an engine and broke there: it may be a request that
-    crashes engines, so it must not visit every worker in turn."""
+    crashes engines, so it must not visit every worker in turn, nor be sent again by the
+    client's SDK."""
     a, b = await engines("a"), await engines("b")
     a.fail_status = b.fail_status = 500
     async with start_router(
@@ -171,6 +172,7 @@ async def test_a_request_that_fails_on_a_worker_is_not_sent_to_the_others(
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
         metrics = (await client.get(router.url + "/metrics")).text
     assert response.status_code == 500 and "fails on purpose" in response.json()["error"]["message"]
+    assert response.headers["x-should-retry"] == "false"  # nor by OpenAI's SDKs, as the engine says
     assert len(a.requests) + len(b.requests) == 1
     assert "kubesgl_router_retries_total 0.0" in metrics
 

@@ -48,7 +48,9 @@ def test_a_stream_sends_no_chunk_for_a_token_that_brings_no_text():
 
     for formatter in (
         chat_formatter({"id": "x"}, False),
-        chat_formatter({"id": "x"}, False, ToolOutput("auto", format=FORMATS[0])),
+        chat_formatter(
+            {"id": "x"}, False, ToolOutput("auto", format=FORMATS[0], declared=frozenset())
+        ),
         completion_formatter({"id": "x"}, False),
     ):
         chunks = sent(formatter, ["a", "", "\u00e9", ""])

@@ -17,6 +17,46 @@ from kubesgl.engine.server.tool_calls import (
 )
 
 QWEN, LLAMA = FORMATS
+DECLARED = frozenset({"get_weather", "a", "b"})
+
+
+def parse(fmt, text: str, **options) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of an "auto" answer of a request whose tools declare DECLARED."""
+    reading = ToolOutput("auto", format=fmt, declared=DECLARED, **options).read(text)
+    return reading.content, reading.calls
+
+
+def answered_both_ways(tools: ToolOutput, pieces: list[str], reason: str) -> tuple[dict, dict]:
+    """The message of the whole answer, and the one a client assembles from the stream, each
+    with its finish_reason and calls as (name, arguments)."""
+    from kubesgl.engine.messages import FinishReason, TextOutput
+    from kubesgl.engine.server.openai_format import Choice, chat_formatter
+
+    streamed = {"content": "", "calls": [], "finish_reason": None}
+    formatter, choice = chat_formatter({"id": "x"}, False, tools), Choice(index=0)
+    for i, piece in enumerate(pieces):
+        finish = FinishReason(reason, matched_token=2) if i == len(pieces) - 1 else None
+        out = TextOutput("r", piece, [i], finish, 1, 0, i + 1)
+        choice.add(out)
+        if (chunk := formatter.chunk(choice, out)) is not None:
+            (sent,) = chunk["choices"]
+            streamed["content"] += sent["delta"].get("content") or ""
+            streamed["calls"] += [
+                (c["function"]["name"], c["function"]["arguments"])
+                for c in sent["delta"].get("tool_calls", [])
+            ]
+            streamed["finish_reason"] = sent["finish_reason"] or streamed["finish_reason"]
+    streamed["content"] = streamed["content"] or None
+    (final,) = chat_formatter({"id": "x"}, False, tools).final([choice], {})["choices"]
+    whole = {
+        "content": final["message"]["content"],
+        "calls": [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in final["message"].get("tool_calls", [])
+        ],
+        "finish_reason": final["finish_reason"],
+    }
+    return whole, streamed
 
 
 def test_the_format_comes_from_the_chat_template():
@@ -49,7 +89,7 @@ def test_the_format_comes_from_the_chat_template():
     ],
 )
 def test_qwen_tool_calls(text, content, calls):
-    assert QWEN.parse(text) == (content, calls)
+    assert parse(QWEN, text) == (content, calls)
 
 
 @pytest.mark.parametrize(
@@ -67,10 +107,31 @@ def test_qwen_tool_calls(text, content, calls):
         ),
         ("The set {1, 2} has two elements.", "The set {1, 2} has two elements.", []),
         ('{"answer": 42}', '{"answer": 42}', []),  # JSON that is no call
+        (  # JSON inside an answer is content: calls come only at its start
+            'Here is the user: {"name": "Bob", "age": 3}',
+            'Here is the user: {"name": "Bob", "age": 3}',
+            [],
+        ),
+        (
+            'Call it so: {"name": "a", "parameters": {}}',
+            'Call it so: {"name": "a", "parameters": {}}',
+            [],
+        ),
+        ('{"name": "Bob"}', '{"name": "Bob"}', []),  # a name without arguments is no call
+        (
+            '\n {"name": "a", "parameters": {"n": 1}}',
+            None,
+            [ToolCall("a", '{"n": 1}')],
+        ),
     ],
 )
 def test_llama3_json_tool_calls(text, content, calls):
-    assert LLAMA.parse(text) == (content, calls)
+    assert parse(LLAMA, text) == (content, calls)
+
+
+def test_a_qwen_call_needs_its_arguments():
+    text = '<tool_call>\n{"name": "a"}\n</tool_call>'
+    assert parse(QWEN, text) == (text, [])
 
 
 def test_required_calls_follow_the_grammars_list():
@@ -83,7 +144,7 @@ def test_required_calls_follow_the_grammars_list():
 
 
 def test_streamed_content_is_held_where_a_call_may_begin():
-    auto = ToolOutput("auto", format=QWEN)
+    auto = ToolOutput("auto", format=QWEN, declared=DECLARED)
     assert auto.held_from("Sure, ") == len("Sure, ")
     assert auto.held_from("Sure, <tool") == len("Sure, ")  # maybe the marker, cut across chunks
     assert auto.held_from('Sure, <tool_call>\n{"na') == len("Sure, ")
@@ -91,14 +152,16 @@ def test_streamed_content_is_held_where_a_call_may_begin():
     assert ToolOutput("auto").held_from("anything <tool") == len(
         "anything <tool"
     )  # no known format
-    assert ToolOutput("named", name="f").split('{"x": 1}') == (None, [ToolCall("f", '{"x": 1}')])
+    assert ToolOutput("named", name="f").read('{"x": 1}').calls == [ToolCall("f", '{"x": 1}')]
 
 
 def test_an_auto_call_streams_as_delta_tool_calls_after_the_content_before_it():
     from kubesgl.engine.messages import FinishReason, TextOutput
     from kubesgl.engine.server.openai_format import Choice, chat_formatter
 
-    formatter = chat_formatter({"id": "x"}, False, ToolOutput("auto", format=QWEN))
+    formatter = chat_formatter(
+        {"id": "x"}, False, ToolOutput("auto", format=QWEN, declared=DECLARED)
+    )
     choice, chunks = Choice(index=0), []
     pieces = [
         "Sure, ",
@@ -126,7 +189,9 @@ def test_streamed_text_that_holds_no_call_is_all_sent_by_the_end():
     from kubesgl.engine.messages import FinishReason, TextOutput
     from kubesgl.engine.server.openai_format import Choice, chat_formatter
 
-    formatter = chat_formatter({"id": "x"}, False, ToolOutput("auto", format=QWEN))
+    formatter = chat_formatter(
+        {"id": "x"}, False, ToolOutput("auto", format=QWEN, declared=DECLARED)
+    )
     choice, sent = Choice(index=0), ""
     for i, piece in enumerate(["a < b, ", "and <tool", "box> too"]):
         out = TextOutput("r", piece, [i], FinishReason("length") if i == 2 else None, 1, 0, i + 1)
@@ -134,3 +199,73 @@ def test_streamed_text_that_holds_no_call_is_all_sent_by_the_end():
         if (chunk := formatter.chunk(choice, out)) is not None:
             sent += chunk["choices"][0]["delta"].get("content", "")
     assert sent == "a < b, and <toolbox> too"
+
+
+def test_llama3_json_holds_back_only_the_start_of_an_answer():
+    auto = ToolOutput("auto", format=LLAMA)
+    assert auto.held_from('Here is the user: {"na') == len('Here is the user: {"na')
+    assert auto.held_from(' {"na') == 0
+    assert auto.held_from("<|pyth") == 0  # maybe the marker, cut across chunks
+    assert auto.held_from("\n") == 0  # a call may still come
+    assert auto.held_from("Sure") == len("Sure")
+
+
+QWEN_CALL = '<tool_call>\n{{"name": "{}", "arguments": {{}}}}\n</tool_call>'
+
+
+def test_an_auto_call_of_a_function_the_tools_do_not_declare_is_content():
+    """As SGLang, an undeclared function is never returned as a call; here the whole answer
+    is then text (nothing of it lost), streamed or not."""
+    text = "Let me see.\n" + QWEN_CALL.format("get_weather") + "\n" + QWEN_CALL.format("rm")
+    assert parse(QWEN, text) == (text, [])
+    tools = ToolOutput("auto", format=QWEN, declared=DECLARED)
+    whole, streamed = answered_both_ways(tools, [text[:20], text[20:]], "stop")
+    assert whole == streamed == {"content": text, "calls": [], "finish_reason": "stop"}
+
+
+def test_without_parallel_calls_an_auto_answer_gives_its_first_call_only():
+    text = QWEN_CALL.format("a") + "\n" + QWEN_CALL.format("b")
+    assert parse(QWEN, text, parallel=False) == (None, [ToolCall("a", "{}")])
+    tools = ToolOutput("auto", format=QWEN, declared=DECLARED, parallel=False)
+    whole, streamed = answered_both_ways(tools, [text[:30], text[30:]], "stop")
+    assert (
+        whole
+        == streamed
+        == {"content": None, "calls": [("a", "{}")], "finish_reason": "tool_calls"}
+    )
+
+
+def test_required_calls_cut_by_max_tokens_keep_the_whole_ones_and_a_named_last_one():
+    whole = '{"name": "a", "parameters": {"x": 1}}'
+    assert parse_required(f'[{whole}, {{"name": "get_weather", "parameters": {{"city": "du') == [
+        ToolCall("a", '{"x": 1}'),
+        ToolCall("get_weather", '{"city": "du'),
+    ]
+    assert parse_required(f'[{whole},{{"name":"b","para') == [
+        ToolCall("a", '{"x": 1}'),
+        ToolCall("b", ""),
+    ]
+    assert parse_required(f'[{whole}, {{"name": "get_w') == [ToolCall("a", '{"x": 1}')]
+    assert parse_required('[{"na') == []
+
+
+@pytest.mark.parametrize(
+    "tools, text, calls",
+    [
+        (
+            ToolOutput("named", name="get_weather"),
+            '{"city": "dules',
+            [("get_weather", '{"city": "dules')],
+        ),
+        (
+            ToolOutput("required"),
+            '[{"name": "get_weather", "parameters": {"city": "Par',
+            [("get_weather", '{"city": "Par')],
+        ),
+        (ToolOutput("required"), '[{"name": "get_', []),
+    ],
+)
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call(tools, text, calls):
+    """As vLLM: with finish_reason "length"; never the internal JSON list as content."""
+    whole, streamed = answered_both_ways(tools, [text[:7], text[7:]], "length")
+    assert whole == streamed == {"content": None, "calls": calls, "finish_reason": "length"}
