@@ -21,7 +21,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kubesgl.contract import MIXED
+from kubesgl.contract import MIXED, PREFILL
 from kubesgl.engine.disagg.protocol import FailureReason
 from kubesgl.engine.messages import DisaggStats, GrammarStats, SchedulerStats
 
@@ -35,6 +35,9 @@ DISAGG_STATES = ("waiting", "prefilling", "transferring", "awaiting_kv", "decodi
 
 # finish_reason values of kubesgl_requests_total ("error" is counted by kubesgl_request_errors_total).
 FINISH_REASONS = ("stop", "length", "abort")
+# ... and on a prefill engine, a room's request whose KV reached the decode engine: handed
+# off, not finished (its answer's finish_reason says "length"; the decode engine counts its end)
+HANDOFF = "handoff"
 # kubesgl_request_errors_total: error answers by status, the reason label naming each.
 ERROR_REASONS = {
     400: "invalid_request",
@@ -152,7 +155,11 @@ class EngineMetrics:
             "kubesgl_generation_tokens", "Generated tokens", labels, registry=r
         )
         self.requests = Counter(
-            "kubesgl_requests", "Finished requests", labels + ["finish_reason"], registry=r
+            "kubesgl_requests",
+            "Finished requests, by finish_reason (prefill engines also: handoff, a room's request "
+            "whose KV reached the decode engine, which counts its end)",
+            labels + ["finish_reason"],
+            registry=r,
         )
         self.request_errors = Counter(
             "kubesgl_request_errors",
@@ -163,7 +170,8 @@ class EngineMetrics:
         )
         self.ttft = Histogram(
             "kubesgl_time_to_first_token_seconds",
-            "Time to first token",
+            "Time to first token (a prefill engine's room: to its first token computed, before "
+            "the wait for the decode engine and the KV write)",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -177,7 +185,8 @@ class EngineMetrics:
         )
         self.e2e = Histogram(
             "kubesgl_e2e_request_latency_seconds",
-            "Request latency, arrival to last token",
+            "Request latency, arrival to last token (a prefill engine's room: to its answer, "
+            "after its KV reached the decode engine)",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -191,7 +200,8 @@ class EngineMetrics:
         )
         self.prefill_time = Histogram(
             "kubesgl_request_prefill_time_seconds",
-            "From admission to the first output token (decode engines: to the KV's arrival)",
+            "From admission to the first token computed (a decode engine's room: to the KV's "
+            "arrival; a prefill engine's: not to its KV's handoff)",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -310,7 +320,7 @@ class EngineMetrics:
             self.grammar_compile,
         ):
             metric.labels(role=role)  # present from the start, at zero
-        for finish_reason in FINISH_REASONS:
+        for finish_reason in FINISH_REASONS + ((HANDOFF,) if role == PREFILL else ()):
             self.requests.labels(role=role, finish_reason=finish_reason)
         for result in GRAMMAR_CACHE_RESULTS:
             self.grammar_cache.labels(role=role, result=result)
@@ -414,6 +424,7 @@ class EngineMetrics:
         self.cached_tokens.labels(role=role).inc(cached_tokens)
         if prompt_tokens:  # an abort before tokenization knows none
             self.prompt_length.labels(role=role).observe(prompt_tokens)
-        self.output_length.labels(role=role).observe(output_tokens)
+        if finish_reason != HANDOFF:  # its output's length is the decode engine's to count
+            self.output_length.labels(role=role).observe(output_tokens)
         if decode_seconds is not None:
             self.decode_time.labels(role=role).observe(decode_seconds)

@@ -129,6 +129,7 @@ class Tokenizer:
             logprobs=out.logprobs,
             queue_seconds=out.queue_seconds,
             prefill_seconds=out.prefill_seconds,
+            handoff_seconds=out.handoff_seconds,
         )
         if out.logprobs:
             name, raw = self._token_text, self._raw_bytes

@@ -164,8 +164,9 @@ def test_tokens_that_arrive_with_the_first_are_no_inter_token_latency():
 # -- request times and lengths (issue 15, item 4) --------------------------------------------
 
 
-@pytest.mark.asyncio
-async def test_the_engine_client_records_times_lengths_and_cached_tokens():
+async def _through_engine_client(role: str, outputs: list[TextOutput], delay: float = 0.0):
+    """The metrics of an EngineClient that receives `outputs` for request r1 from the
+    detokenizer, `delay` seconds after the request was sent."""
     import shutil
     from pathlib import Path
 
@@ -177,38 +178,34 @@ async def test_the_engine_client_records_times_lengths_and_cached_tokens():
     from kubesgl.engine.server.engine_client import EngineClient
 
     endpoints = Endpoints.create()
-    client = EngineClient(endpoints, EngineMetrics("mixed"))
+    client = EngineClient(endpoints, EngineMetrics(role))
     client.start()
     detokenizer = push(zmq.Context.instance(), endpoints.api_in)
     try:
         stream = client.generate(TokenizeRequest("r1", SamplingParams()))
-        detokenizer.send_pyobj(
-            TextBatch(
-                [
-                    TextOutput(
-                        "r1",
-                        "ab",
-                        [5, 6],
-                        None,
-                        40,
-                        32,
-                        2,
-                        queue_seconds=0.25,
-                        prefill_seconds=0.05,
-                    )
-                ]
-            )
-        )
-        detokenizer.send_pyobj(
-            TextBatch([TextOutput("r1", "c", [7], FinishReason("stop"), 40, 32, 3)])
-        )
-        assert [len(out.token_ids) async for out in stream] == [2, 1]
+        await asyncio.sleep(delay)
+        for out in outputs:
+            detokenizer.send_pyobj(TextBatch([out]))
+        assert [len(out.token_ids) async for out in stream] == [len(o.token_ids) for o in outputs]
     finally:
         await client.shutdown()
         detokenizer.close(linger=0)
         client._context.destroy(linger=0)
         shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
-    metrics = client.metrics
+    return client.metrics
+
+
+@pytest.mark.asyncio
+async def test_the_engine_client_records_times_lengths_and_cached_tokens():
+    metrics = await _through_engine_client(
+        "mixed",
+        [
+            TextOutput(
+                "r1", "ab", [5, 6], None, 40, 32, 2, queue_seconds=0.25, prefill_seconds=0.05
+            ),
+            TextOutput("r1", "c", [7], FinishReason("stop"), 40, 32, 3),
+        ],
+    )
     assert _histogram(metrics, "kubesgl_request_queue_time_seconds") == (1, 0.25)
     assert _histogram(metrics, "kubesgl_request_prefill_time_seconds") == (1, 0.05)
     assert _histogram(metrics, "kubesgl_request_decode_time_seconds")[0] == 1
@@ -217,6 +214,54 @@ async def test_the_engine_client_records_times_lengths_and_cached_tokens():
     labels = {"role": "mixed"}
     assert metrics.registry.get_sample_value("kubesgl_cached_prompt_tokens_total", labels) == 32
     assert metrics.registry.get_sample_value("kubesgl_prompt_tokens_total", labels) == 40
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_engines_handoff_is_left_out_of_its_ttft_and_is_no_finish_reason():
+    """A prefill engine's answer to a room leaves once the KV is at the decode engine; the
+    time it waited for that (handoff_seconds) is the decode pool's load, not the prefill
+    pool's, and is left out of the TTFT. The request did not finish here: it is counted as
+    finish_reason="handoff" (not "length", which skewed the sum over a P/D instance's pods),
+    with no decode time or output length of its own."""
+    handoff = 0.6
+    metrics = await _through_engine_client(
+        "prefill",
+        [
+            TextOutput(
+                "r1",
+                "a",
+                [5],
+                FinishReason("length"),
+                40,
+                0,
+                1,
+                queue_seconds=0.01,
+                prefill_seconds=0.05,
+                handoff_seconds=handoff,
+            )
+        ],
+        delay=handoff + 0.05,
+    )
+    count, ttft = _histogram(metrics, "kubesgl_time_to_first_token_seconds")
+    assert count == 1 and ttft < 0.5
+    assert _histogram(metrics, "kubesgl_e2e_request_latency_seconds")[1] >= handoff  # it waited
+    assert _histogram(metrics, "kubesgl_request_prefill_time_seconds") == (1, 0.05)
+    assert _histogram(metrics, "kubesgl_request_decode_time_seconds") == (0, 0)
+    assert _histogram(metrics, "kubesgl_request_generation_tokens") == (0, 0)
+    get = metrics.registry.get_sample_value
+    by_reason = {
+        reason: get("kubesgl_requests_total", {"role": "prefill", "finish_reason": reason})
+        for reason in ("stop", "length", "abort", "handoff")
+    }
+    assert by_reason == {"stop": 0, "length": 0, "abort": 0, "handoff": 1}
+    assert get("kubesgl_generation_tokens_total", {"role": "prefill"}) == 1  # it sampled one
+
+
+def test_only_a_prefill_engine_exports_the_handoff_reason():
+    for role, exported in (("prefill", True), ("decode", False), ("mixed", False)):
+        labels = {"role": role, "finish_reason": "handoff"}
+        value = EngineMetrics(role).registry.get_sample_value("kubesgl_requests_total", labels)
+        assert (value == 0) if exported else (value is None), role
 
 
 def test_capacity_and_build_info():
