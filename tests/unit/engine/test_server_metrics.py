@@ -375,3 +375,48 @@ def test_a_stats_line_while_busy_only(caplog):
     assert len(lines) == 1 and lines[0].startswith(
         "busy: running=3 waiting=2 kv_usage=0.60 generated="
     )
+
+
+# -- histogram buckets -------------------------------------------------------------------------
+
+
+def _edges(metrics: EngineMetrics, name: str) -> list[float]:
+    return [
+        float(sample.labels["le"])
+        for family in metrics.registry.collect()
+        if family.name == name
+        for sample in family.samples
+        if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf"
+    ]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "kubesgl_time_to_first_token_seconds",
+        "kubesgl_request_queue_time_seconds",
+        "kubesgl_request_prefill_time_seconds",
+        "kubesgl_kv_transfer_wait_seconds",
+        "kubesgl_e2e_request_latency_seconds",
+        "kubesgl_request_decode_time_seconds",
+    ],
+)
+def test_latency_buckets_are_fine_where_loaded_engines_latencies_fall(name):
+    """A quantile is interpolated inside its bucket: with edges 1, 2.5, 5, 10, 30 s the p90 of a
+    TTFT read 35-40 % high. From 0.1 to 20 s neighbouring edges are at most 1.5x apart."""
+    edges = _edges(EngineMetrics("prefill"), name)
+    inside = [e for e in edges if 0.1 <= e <= 20]
+    assert inside[0] == 0.1 and inside[-1] == 20
+    assert max(b / a for a, b in zip(inside, inside[1:])) <= 1.5
+    for kept in (0.001, 0.25, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0):  # queries may name them
+        assert kept in edges, kept
+
+
+def test_whole_requests_have_a_long_tail_and_lengths_double():
+    """A request of several minutes read as 120 s (the last edge); vLLM's end-to-end buckets
+    go to 7680 s. Lengths: powers of two from 1 (the comment said x2.5 apart; they doubled)."""
+    metrics = EngineMetrics("mixed")
+    for name in ("kubesgl_e2e_request_latency_seconds", "kubesgl_request_decode_time_seconds"):
+        assert max(_edges(metrics, name)) >= 7680, name
+    for name in ("kubesgl_request_prompt_tokens", "kubesgl_request_generation_tokens"):
+        assert _edges(metrics, name) == [2.0**i for i in range(18)], name
