@@ -143,7 +143,9 @@ class EngineMetrics:
         )
         self.kv_usage = Gauge(
             "kubesgl_kv_cache_usage_ratio",
-            "Share of KV pool pages held by requests or locked",
+            "Share of the KV pool committed: pages held by requests or locked in the prefix "
+            "cache, plus pages reserved for running requests' remaining outputs (evictable "
+            "cache excluded); what admission is bound by",
             labels,
             registry=r,
         )
