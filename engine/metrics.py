@@ -48,6 +48,10 @@ ERROR_REASONS = {
     500: "internal",
     503: "unavailable",
 }
+# ... and the statuses only prefill and decode engines answer, under the reasons any other
+# status gets (client_error below 500, server_error from it): a bootstrap room already in use
+# or closed (409), the other engine failed (502) or did not act in time (504)
+PD_ERROR_REASONS = {409: "client_error", 502: "server_error", 504: "server_error"}
 
 # Latencies in seconds: 1 ms to 2 minutes, at most 1.5x apart from 0.1 s to 20 s, where TTFT,
 # queue and prefill times of a loaded engine fall (histogram_quantile interpolates inside a
@@ -338,6 +342,8 @@ class EngineMetrics:
                 self.disagg_requests.labels(role=role, state=state)
             for reason in FailureReason:
                 self.disagg_failures.labels(role=role, reason=reason.value)
+            for status, reason in PD_ERROR_REASONS.items():
+                self.request_errors.labels(role=role, status=str(status), reason=reason)
         self._failures_seen: dict[str, int] = {}
         self._retractions_seen = 0
         self._grammar_cache_seen = {"hit": 0, "miss": 0}

@@ -130,6 +130,21 @@ def test_every_known_reason_is_exported_at_zero_from_the_start():
         assert metrics.registry.get_sample_value("kubesgl_request_errors_total", labels) == 0
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode", "mixed"])
+def test_the_statuses_of_pd_engines_are_exported_at_zero_from_the_start(role):
+    """A room in use or closed (409), the other engine failed (502) or timed out (504): a P/D
+    engine's series for them existed only after the first one, so increase() missed it."""
+    metrics = EngineMetrics(role)
+    for status, reason in ((409, "client_error"), (502, "server_error"), (504, "server_error")):
+        labels = {"role": role, "status": str(status), "reason": reason}
+        value = metrics.registry.get_sample_value("kubesgl_request_errors_total", labels)
+        assert value == (None if role == "mixed" else 0), (role, status)
+    metrics.request_error(409)  # counted under the series exported at zero
+    if role != "mixed":
+        labels = {"role": role, "status": "409", "reason": "client_error"}
+        assert metrics.registry.get_sample_value("kubesgl_request_errors_total", labels) == 1
+
+
 # -- inter-token latency (issue 15, item 3) --------------------------------------------------
 
 
