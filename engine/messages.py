@@ -72,9 +72,13 @@ class TokenOutput:
     cached_tokens: int = 0
     completion_tokens: int = 0
     # On a request's first output only: seconds from the scheduler's receipt to admission, and
-    # from admission to this output (prefill; on a decode engine, to the KV's arrival)
+    # from admission to its first token (prefill; on a decode engine, to the KV's arrival)
     queue_seconds: float | None = None
     prefill_seconds: float | None = None
+    # On a prefill engine's answer to a room (its one output): seconds from its first token to
+    # this output, spent waiting for the decode engine's slots and writing the KV there; the
+    # engine's TTFT leaves them out (docs/server.md, Metrics)
+    handoff_seconds: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -193,6 +197,7 @@ class TextOutput:
     top_bytes: list[list[list[int]]] | None = None
     queue_seconds: float | None = None  # see TokenOutput
     prefill_seconds: float | None = None
+    handoff_seconds: float | None = None
     # Text of these tokens comes with later ones (a character not yet whole, a possible stop
     # string). Never on an engine without a tokenizer, whose tokens bring no text at all.
     text_held: bool = False

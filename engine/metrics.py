@@ -21,7 +21,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kubesgl.contract import MIXED
+from kubesgl.contract import MIXED, PREFILL
 from kubesgl.engine.disagg.protocol import FailureReason
 from kubesgl.engine.messages import DisaggStats, GrammarStats, SchedulerStats
 
@@ -35,6 +35,9 @@ DISAGG_STATES = ("waiting", "prefilling", "transferring", "awaiting_kv", "decodi
 
 # finish_reason values of kubesgl_requests_total ("error" is counted by kubesgl_request_errors_total).
 FINISH_REASONS = ("stop", "length", "abort")
+# ... and on a prefill engine, a room's request whose KV reached the decode engine: handed
+# off, not finished (its answer's finish_reason says "length"; the decode engine counts its end)
+HANDOFF = "handoff"
 # kubesgl_request_errors_total: error answers by status, the reason label naming each.
 ERROR_REASONS = {
     400: "invalid_request",
@@ -45,7 +48,15 @@ ERROR_REASONS = {
     500: "internal",
     503: "unavailable",
 }
+# ... and the statuses only prefill and decode engines answer, under the reasons any other
+# status gets (client_error below 500, server_error from it): a bootstrap room already in use
+# or closed (409), the other engine failed (502) or did not act in time (504)
+PD_ERROR_REASONS = {409: "client_error", 502: "server_error", 504: "server_error"}
 
+# Latencies in seconds: 1 ms to 2 minutes, at most 1.5x apart from 0.1 s to 20 s, where TTFT,
+# queue and prefill times of a loaded engine fall (histogram_quantile interpolates inside a
+# bucket: with 2.5x steps a p90 read up to 40 % high). Every edge of earlier versions is kept,
+# so queries on an `le` value still find it.
 _LATENCY_BUCKETS = (
     0.001,
     0.0025,
@@ -53,36 +64,37 @@ _LATENCY_BUCKETS = (
     0.01,
     0.025,
     0.05,
+    0.075,
     0.1,
+    0.15,
+    0.2,
     0.25,
+    0.3,
+    0.4,
     0.5,
+    0.75,
     1.0,
+    1.5,
+    2.0,
     2.5,
+    3.0,
+    4.0,
     5.0,
+    7.5,
     10.0,
+    15.0,
+    20.0,
     30.0,
     60.0,
     120.0,
 )
-# Prompt and output lengths in tokens: 1 to 128k, roughly x2.5 apart
-_LENGTH_BUCKETS = (
-    1,
-    8,
-    16,
-    32,
-    64,
-    128,
-    256,
-    512,
-    1024,
-    2048,
-    4096,
-    8192,
-    16384,
-    32768,
-    65536,
-    131072,
-)
+# Whole requests and their decode phase: as above, then up to about 2 hours (long outputs at a
+# few tokens per second; vLLM's end-to-end buckets end at 7680 s too). A latency above the
+# last edge reads as that edge.
+_REQUEST_BUCKETS = _LATENCY_BUCKETS + (240.0, 480.0, 960.0, 1920.0, 3840.0, 7680.0)
+# Prompt and output lengths in tokens: 1 to 128k, powers of two. A quantile that falls in the
+# first bucket, (0, 1], reads between 0 and 1 (histogram_quantile interpolates inside it).
+_LENGTH_BUCKETS = tuple(2**i for i in range(18))
 # Grammar compilations: a regex in well under a millisecond, a large JSON schema over a 128k vocabulary in seconds
 _COMPILE_BUCKETS = (
     0.0005,
@@ -135,7 +147,9 @@ class EngineMetrics:
         )
         self.kv_usage = Gauge(
             "kubesgl_kv_cache_usage_ratio",
-            "Share of KV pool pages held by requests or locked",
+            "Share of the KV pool committed: pages held by requests or locked in the prefix "
+            "cache, plus pages reserved for running requests' remaining outputs (evictable "
+            "cache excluded); what admission is bound by",
             labels,
             registry=r,
         )
@@ -152,7 +166,11 @@ class EngineMetrics:
             "kubesgl_generation_tokens", "Generated tokens", labels, registry=r
         )
         self.requests = Counter(
-            "kubesgl_requests", "Finished requests", labels + ["finish_reason"], registry=r
+            "kubesgl_requests",
+            "Finished requests, by finish_reason (prefill engines also: handoff, a room's request "
+            "whose KV reached the decode engine, which counts its end)",
+            labels + ["finish_reason"],
+            registry=r,
         )
         self.request_errors = Counter(
             "kubesgl_request_errors",
@@ -163,7 +181,8 @@ class EngineMetrics:
         )
         self.ttft = Histogram(
             "kubesgl_time_to_first_token_seconds",
-            "Time to first token",
+            "Time to first token (a prefill engine's room: to its first token computed, before "
+            "the wait for the decode engine and the KV write)",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -177,9 +196,10 @@ class EngineMetrics:
         )
         self.e2e = Histogram(
             "kubesgl_e2e_request_latency_seconds",
-            "Request latency, arrival to last token",
+            "Request latency, arrival to last token (a prefill engine's room: to its answer, "
+            "after its KV reached the decode engine)",
             labels,
-            buckets=_LATENCY_BUCKETS,
+            buckets=_REQUEST_BUCKETS,
             registry=r,
         )
         self.queue_time = Histogram(
@@ -191,7 +211,8 @@ class EngineMetrics:
         )
         self.prefill_time = Histogram(
             "kubesgl_request_prefill_time_seconds",
-            "From admission to the first output token (decode engines: to the KV's arrival)",
+            "From admission to the first token computed (a decode engine's room: to the KV's "
+            "arrival; a prefill engine's: not to its KV's handoff)",
             labels,
             buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -200,7 +221,7 @@ class EngineMetrics:
             "kubesgl_request_decode_time_seconds",
             "From the first output token to the last",
             labels,
-            buckets=_LATENCY_BUCKETS,
+            buckets=_REQUEST_BUCKETS,
             registry=r,
         )
         self.prompt_length = Histogram(
@@ -310,7 +331,7 @@ class EngineMetrics:
             self.grammar_compile,
         ):
             metric.labels(role=role)  # present from the start, at zero
-        for finish_reason in FINISH_REASONS:
+        for finish_reason in FINISH_REASONS + ((HANDOFF,) if role == PREFILL else ()):
             self.requests.labels(role=role, finish_reason=finish_reason)
         for result in GRAMMAR_CACHE_RESULTS:
             self.grammar_cache.labels(role=role, result=result)
@@ -321,6 +342,8 @@ class EngineMetrics:
                 self.disagg_requests.labels(role=role, state=state)
             for reason in FailureReason:
                 self.disagg_failures.labels(role=role, reason=reason.value)
+            for status, reason in PD_ERROR_REASONS.items():
+                self.request_errors.labels(role=role, status=str(status), reason=reason)
         self._failures_seen: dict[str, int] = {}
         self._retractions_seen = 0
         self._grammar_cache_seen = {"hit": 0, "miss": 0}
@@ -414,6 +437,7 @@ class EngineMetrics:
         self.cached_tokens.labels(role=role).inc(cached_tokens)
         if prompt_tokens:  # an abort before tokenization knows none
             self.prompt_length.labels(role=role).observe(prompt_tokens)
-        self.output_length.labels(role=role).observe(output_tokens)
+        if finish_reason != HANDOFF:  # its output's length is the decode engine's to count
+            self.output_length.labels(role=role).observe(output_tokens)
         if decode_seconds is not None:
             self.decode_time.labels(role=role).observe(decode_seconds)

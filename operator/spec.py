@@ -255,7 +255,9 @@ class PrefillAutoscaling(SpecModel):
 class DecodeAutoscaling(SpecModel):
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(ge=1)
-    metric: Literal["runningRequests", "kvCacheUsage"] = "runningRequests"
+    # waitingRequests: rooms queued for KV slots, the decode pool's saturation (runningRequests
+    # is capped by the pool, so a target above what a pod holds never fires)
+    metric: Literal["runningRequests", "kvCacheUsage", "waitingRequests"] = "runningRequests"
     target: float = Field(ge=0.001)  # an HPA's quantity holds milli-units at the finest
 
 

@@ -43,8 +43,41 @@ REJECTION_REASONS = {
     503: "no_worker",
 }
 
-# Seconds: from a few milliseconds (short completions) to long streamed generations.
-DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Seconds, as the engines' (engine/metrics.py): at most 1.5x apart from 0.1 s to 20 s, where a
+# loaded service's times to first byte fall (histogram_quantile interpolates inside a bucket);
+# a whole answer, a long streamed generation among them, up to 7680 s. Every edge of earlier
+# versions is kept.
+FIRST_BYTE_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.25,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1,
+    1.5,
+    2,
+    2.5,
+    3,
+    4,
+    5,
+    7.5,
+    10,
+    15,
+    20,
+    30,
+    60,
+    120,
+    300,
+)
+DURATION_BUCKETS = FIRST_BYTE_BUCKETS + (600, 1200, 1920, 3840, 7680)
 
 
 class _WorkerCollector(Collector):
@@ -83,8 +116,9 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "kubesgl_router_requests",
-            "Upstream attempts by worker and outcome: the HTTP status, or `error` when the "
-            "connection failed or broke mid-stream (worker is empty when none could serve)",
+            "Upstream attempts by worker and outcome: the HTTP status, `error` when the "
+            "connection failed or broke mid-stream, or `cancelled` when the client left or the "
+            "other side of a P/D pair failed (worker is empty when none could serve)",
             ["worker", "status"],
             registry=self.registry,
         )
@@ -98,7 +132,7 @@ class RouterMetrics:
             "kubesgl_router_time_to_first_byte_seconds",
             "Generation requests answered 200: time from receiving the request to sending the first "
             "byte of the answer (for a stream, about the time to first token)",
-            buckets=DURATION_BUCKETS,
+            buckets=FIRST_BYTE_BUCKETS,
             registry=self.registry,
         )
         self.cache_decisions = Counter(
@@ -111,7 +145,7 @@ class RouterMetrics:
             "kubesgl_router_rejections",
             "Requests the router answered itself with an error, sent to no worker: bad requests, "
             "wrong keys, unknown paths, bodies over the limit, no worker that can serve (that one "
-            'is also kubesgl_router_requests{worker="",status="503"}), internal errors',
+            'is also kubesgl_router_requests_total{worker="",status="503"}), internal errors',
             ["status", "reason"],
             registry=self.registry,
         )

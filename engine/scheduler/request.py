@@ -39,6 +39,10 @@ class Req:
     arrived: float = field(default_factory=time.perf_counter)  # the scheduler's receipt
     admitted: float | None = None  # when it left the waiting queue
     timings_sent: bool = False  # queue and prefill seconds went out with its first output
+    # A prefill engine's room: when its prompt was computed and its first token sampled (the
+    # end of its prefill time and TTFT); its answer leaves later, once its KV is at the decode
+    # engine
+    prompt_done_at: float | None = None
     # Constrained decoding: the compilation it waits for before it is queued, then its matcher,
     # which has accepted every token of output_ids.
     grammar_compiling: Future | None = None

@@ -466,6 +466,7 @@ class Scheduler:
                     continue
                 self.prefilling.remove(req)
                 if self.role.prompt_done(req, token, logprob):
+                    req.prompt_done_at = time.perf_counter()
                     continue  # the role keeps it (a prefill engine's request: its KV goes out)
                 req.status = ReqStatus.DECODING
                 self.decoding.append(req)
@@ -583,10 +584,14 @@ class Scheduler:
         )
         if tokens and req.admitted is not None and not req.timings_sent:
             req.timings_sent = True
+            now = time.perf_counter()
+            first_token = now if req.prompt_done_at is None else req.prompt_done_at
             out.queue_seconds, out.prefill_seconds = (
                 req.admitted - req.arrived,
-                time.perf_counter() - req.admitted,
+                first_token - req.admitted,
             )
+            if req.prompt_done_at is not None:  # handed off: its first token waited for the KV
+                out.handoff_seconds = now - req.prompt_done_at
         return out
 
     def reset(self) -> None:

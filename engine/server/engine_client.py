@@ -27,7 +27,7 @@ from kubesgl.engine.messages import (
     TextOutput,
     TokenizeRequest,
 )
-from kubesgl.engine.metrics import EngineMetrics
+from kubesgl.engine.metrics import HANDOFF, EngineMetrics
 from kubesgl.gc_pacing import GcPacer, tick_every
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class _Pending:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    handed_off: bool = False  # a prefill engine's room: its KV went to the decode engine
     sent: bool = False  # the request reached the tokenizer
     finished: bool = False  # its final output arrived
     closed: bool = False  # its reader left before the end; aborted, its end still to come
@@ -143,9 +144,13 @@ class EngineClient:
             self.metrics.scheduled(out.queue_seconds, out.prefill_seconds)
         if out.token_ids:
             last = pending.last_token
-            self.metrics.tokens(
-                len(out.token_ids), now - (pending.arrival if last is None else last), last is None
-            )
+            since_last = now - (pending.arrival if last is None else last)
+            if last is None and out.handoff_seconds is not None:
+                # a prefill engine's answer: its first token came before the wait for the decode
+                # engine's slots and the KV write, which the TTFT leaves out
+                since_last = max(0.0, since_last - out.handoff_seconds)
+                pending.handed_off = True
+            self.metrics.tokens(len(out.token_ids), since_last, last is None)
             pending.last_token = now
             pending.first_token = pending.first_token or now
             pending.output_tokens += len(out.token_ids)
@@ -155,6 +160,8 @@ class EngineClient:
 
     def _finished(self, pending: _Pending, finish_reason: str, now: float) -> None:
         decode = None if pending.first_token is None else now - pending.first_token
+        if pending.handed_off:  # it did not finish here: its decode engine counts how it ends
+            finish_reason, decode = HANDOFF, None
         self.metrics.finished(
             now - pending.arrival,
             finish_reason,

@@ -130,6 +130,7 @@ class Tokenizer:
             logprobs=out.logprobs,
             queue_seconds=out.queue_seconds,
             prefill_seconds=out.prefill_seconds,
+            handoff_seconds=out.handoff_seconds,
             text_held=held,
         )
         if out.logprobs:

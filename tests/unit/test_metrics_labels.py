@@ -4,6 +4,7 @@ first count is invisible to rate() and increase() (issue 15)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import sys
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubesgl.engine.metrics import FINISH_REASONS, EngineMetrics
+from kubesgl.engine.metrics import FINISH_REASONS, HANDOFF, EngineMetrics
 from kubesgl.router.metrics import CACHE_DECISIONS, PD_ROUTES, WORKER_STATUSES, RouterMetrics
 from kubesgl.router.workers import Role, WorkerRegistry
 
@@ -33,7 +34,7 @@ def test_every_engine_counter_has_its_series_at_zero_from_the_start():
                 continue  # P/D rooms only exist on prefill and decode engines
             assert series, f"{name} has no series before its first increment ({role})"
         reasons = {s["finish_reason"] for s in counters["kubesgl_requests"]}
-        assert reasons == set(FINISH_REASONS)
+        assert reasons == set(FINISH_REASONS) | ({HANDOFF} if role == "prefill" else set())
 
 
 def test_engine_finish_reasons_start_at_zero():
@@ -345,3 +346,46 @@ def test_no_created_series_double_the_scrape():
         [sys.executable, "-c", ROUTER_ALONE], capture_output=True, text=True, check=True
     )
     assert router.stdout.strip() == "False", router.stderr
+
+
+def _help_and_samples(text: str) -> tuple[dict[str, str], set[str]]:
+    families = list(text_string_to_metric_families(text))
+    helps = {family.name: family.documentation for family in families}
+    return helps, {sample.name for family in families for sample in family.samples}
+
+
+def _router_text() -> str:
+    workers = WorkerRegistry()
+    workers.add("http://worker:30000", Role.MIXED)
+    metrics = RouterMetrics(workers)
+    metrics.request_duration.observe(0.1)
+    return metrics.render().decode()
+
+
+def test_help_texts_name_series_as_prometheus_stores_them_and_say_what_they_count():
+    """A HELP text that cites another series names one a query can use (the rejections' cited
+    kubesgl_router_requests{...}, which has no samples: the counter's are _total); the router's
+    attempts include `cancelled`, and KV usage counts the pages reserved for outputs, as
+    server.md and router.md say."""
+    engine_helps, engine_samples = _help_and_samples(
+        generate_latest(EngineMetrics("decode").registry).decode()
+    )
+    router_helps, router_samples = _help_and_samples(_router_text())
+    exported = engine_samples | router_samples
+    for name, documentation in {**engine_helps, **router_helps}.items():
+        for cited in re.findall(r"\bkubesgl_[a-z0-9_]+", documentation):
+            assert cited in exported, (name, cited)
+    assert "cancelled" in router_helps["kubesgl_router_requests"]
+    assert "reserved" in engine_helps["kubesgl_kv_cache_usage_ratio"]
+
+
+def test_router_latency_buckets_are_fine_and_a_whole_answer_has_a_long_tail():
+    edges: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(_router_text()):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf":
+                edges.setdefault(family.name, []).append(float(sample.labels["le"]))
+    first_byte = edges["kubesgl_router_time_to_first_byte_seconds"]
+    inside = [e for e in first_byte if 0.1 <= e <= 20]
+    assert max(b / a for a, b in zip(inside, inside[1:])) <= 1.5
+    assert max(edges["kubesgl_router_request_duration_seconds"]) >= 7680

@@ -77,6 +77,7 @@ class Row:
 
 def engine_row(role: str) -> Row:
     s = Selection(f'{ENGINE_SELECTOR}, role="{role}"', "model_name")
+    prefill = role == "prefill"
     panels = [
         Panel(
             "Finished requests by reason",
@@ -96,10 +97,18 @@ def engine_row(role: str) -> Row:
                 (s.rate("kubesgl_generation_tokens_total"), "generated {{model_name}}"),
             ],
         ),
-        Panel("Time to first token", "s", s.latency("kubesgl_time_to_first_token_seconds")),
+        Panel(
+            # a prefill engine answers once the KV is at the decode engine; its TTFT ends at
+            # the first token computed (docs/disaggregation.md, Metrics)
+            "Time to first token computed (the handoff to decode left out)"
+            if prefill
+            else "Time to first token",
+            "s",
+            s.latency("kubesgl_time_to_first_token_seconds"),
+        ),
         Panel("End-to-end request latency", "s", s.latency("kubesgl_e2e_request_latency_seconds")),
         Panel(
-            "Queue, prefill and decode time",
+            "Queue and prefill time" if prefill else "Queue, prefill and decode time",
             "s",
             [
                 *s.latency("kubesgl_request_queue_time_seconds", "queue "),
@@ -107,11 +116,17 @@ def engine_row(role: str) -> Row:
                     s.quantile(0.99, "kubesgl_request_prefill_time_seconds"),
                     "prefill p99 {{model_name}}",
                 ),
-                (
-                    s.quantile(0.99, "kubesgl_request_decode_time_seconds"),
-                    "decode p99 {{model_name}}",
-                ),
-            ],
+            ]
+            + (
+                []
+                if prefill  # a room handed off has no decode time here
+                else [
+                    (
+                        s.quantile(0.99, "kubesgl_request_decode_time_seconds"),
+                        "decode p99 {{model_name}}",
+                    )
+                ]
+            ),
         ),
         Panel(
             "Running and waiting requests (peaks: the busiest pod's highest sample in the interval)",
@@ -150,15 +165,16 @@ def engine_row(role: str) -> Row:
             ],
         ),
         Panel(
-            "Prompt and output lengths (tokens)",
+            # a room handed off has no output length here: the decode engine counts it
+            "Prompt lengths (tokens)" if prefill else "Prompt and output lengths (tokens)",
             "short",
             [
                 *s.latency("kubesgl_request_prompt_tokens", "prompt "),
-                *s.latency("kubesgl_request_generation_tokens", "output "),
+                *([] if prefill else s.latency("kubesgl_request_generation_tokens", "output ")),
             ],
         ),
     ]
-    if role != "prefill":  # a prefill engine's only output is the first token
+    if not prefill:  # a prefill engine's only output is the first token
         panels.insert(
             4, Panel("Inter-token latency", "s", s.latency("kubesgl_inter_token_latency_seconds"))
         )

@@ -588,8 +588,10 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(
         assert pd_seen["engine_400"] <= attempts["400"] <= 2 * pd_seen["engine_400"], attempts
         assert attempts["error"] == 0, attempts
         assert total("kubesgl_router_rejections_total", "pd_router") == 0
-        assert total('kubesgl_requests_total{finish_reason="length"}', "prefill") == sent
-        assert total('kubesgl_requests_total{finish_reason=~"stop|abort"}', "prefill") == 0
+        # a prefill engine's rooms are handed off, not finished: the decode engine counts how
+        # each ends
+        assert total('kubesgl_requests_total{finish_reason="handoff"}', "prefill") == sent
+        assert total('kubesgl_requests_total{finish_reason=~"stop|length|abort"}', "prefill") == 0
         assert (
             total('kubesgl_requests_total{finish_reason=~"stop|length"}', "decode") == pd_seen["ok"]
         )

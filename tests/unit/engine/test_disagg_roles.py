@@ -530,3 +530,32 @@ def test_shutdown_frees_the_pool_even_if_closing_the_role_fails(
     engine.shutdown()
     assert not hasattr(engine.executor, "runner")
     assert "closing the prefill role failed at shutdown" in caplog.text
+
+
+def test_a_prefill_engines_prefill_time_ends_at_the_first_token_not_at_the_handoff(
+    tiny_model, make_engine, random_prompts
+):
+    """A prefill engine's kubesgl_request_prefill_time_seconds and TTFT are its own load: they
+    end when the prompt is computed and the first token sampled. The wait for the decode
+    engine's slots and the KV write that follow come with the answer as handoff_seconds (and
+    in kubesgl_kv_transfer_wait_seconds), so a saturated decode pool does not read as a slow
+    prefill pool (an autoscaler on prefill TTFT would add prefill replicas for it)."""
+    model = tiny_model("llama")
+    prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
+    [prompt] = random_prompts(1, 10, 30, seed=61)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
+    prefill.add_request(GenerateRequest("p0", prompt, params, bootstrap=target))
+    req = prefill.scheduler.requests["p0"]
+    early = run([prefill], lambda _: req.status.name == "TRANSFERRING")
+    wait = 0.5  # the decode engine has no slots for it yet: its request comes only now
+    time.sleep(wait)
+    decode.add_request(GenerateRequest("d0", prompt, params, bootstrap=target))
+    outputs = run([prefill, decode], finished(["p0", "d0"]))
+    [answer] = early["p0"] + outputs["p0"]
+    assert answer.token_ids and answer.finish_reason.kind == "length"
+    assert answer.prefill_seconds is not None and answer.prefill_seconds < wait
+    assert answer.handoff_seconds is not None and answer.handoff_seconds >= wait
+    [first] = [o for o in outputs["d0"] if o.prefill_seconds is not None]
+    assert first.handoff_seconds is None  # the decode engine's own first token: no handoff
+    assert_idle(prefill, decode)

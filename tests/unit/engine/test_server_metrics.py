@@ -130,6 +130,21 @@ def test_every_known_reason_is_exported_at_zero_from_the_start():
         assert metrics.registry.get_sample_value("kubesgl_request_errors_total", labels) == 0
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode", "mixed"])
+def test_the_statuses_of_pd_engines_are_exported_at_zero_from_the_start(role):
+    """A room in use or closed (409), the other engine failed (502) or timed out (504): a P/D
+    engine's series for them existed only after the first one, so increase() missed it."""
+    metrics = EngineMetrics(role)
+    for status, reason in ((409, "client_error"), (502, "server_error"), (504, "server_error")):
+        labels = {"role": role, "status": str(status), "reason": reason}
+        value = metrics.registry.get_sample_value("kubesgl_request_errors_total", labels)
+        assert value == (None if role == "mixed" else 0), (role, status)
+    metrics.request_error(409)  # counted under the series exported at zero
+    if role != "mixed":
+        labels = {"role": role, "status": "409", "reason": "client_error"}
+        assert metrics.registry.get_sample_value("kubesgl_request_errors_total", labels) == 1
+
+
 # -- inter-token latency (issue 15, item 3) --------------------------------------------------
 
 
@@ -164,8 +179,9 @@ def test_tokens_that_arrive_with_the_first_are_no_inter_token_latency():
 # -- request times and lengths (issue 15, item 4) --------------------------------------------
 
 
-@pytest.mark.asyncio
-async def test_the_engine_client_records_times_lengths_and_cached_tokens():
+async def _through_engine_client(role: str, outputs: list[TextOutput], delay: float = 0.0):
+    """The metrics of an EngineClient that receives `outputs` for request r1 from the
+    detokenizer, `delay` seconds after the request was sent."""
     import shutil
     from pathlib import Path
 
@@ -177,38 +193,34 @@ async def test_the_engine_client_records_times_lengths_and_cached_tokens():
     from kubesgl.engine.server.engine_client import EngineClient
 
     endpoints = Endpoints.create()
-    client = EngineClient(endpoints, EngineMetrics("mixed"))
+    client = EngineClient(endpoints, EngineMetrics(role))
     client.start()
     detokenizer = push(zmq.Context.instance(), endpoints.api_in)
     try:
         stream = client.generate(TokenizeRequest("r1", SamplingParams()))
-        detokenizer.send_pyobj(
-            TextBatch(
-                [
-                    TextOutput(
-                        "r1",
-                        "ab",
-                        [5, 6],
-                        None,
-                        40,
-                        32,
-                        2,
-                        queue_seconds=0.25,
-                        prefill_seconds=0.05,
-                    )
-                ]
-            )
-        )
-        detokenizer.send_pyobj(
-            TextBatch([TextOutput("r1", "c", [7], FinishReason("stop"), 40, 32, 3)])
-        )
-        assert [len(out.token_ids) async for out in stream] == [2, 1]
+        await asyncio.sleep(delay)
+        for out in outputs:
+            detokenizer.send_pyobj(TextBatch([out]))
+        assert [len(out.token_ids) async for out in stream] == [len(o.token_ids) for o in outputs]
     finally:
         await client.shutdown()
         detokenizer.close(linger=0)
         client._context.destroy(linger=0)
         shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
-    metrics = client.metrics
+    return client.metrics
+
+
+@pytest.mark.asyncio
+async def test_the_engine_client_records_times_lengths_and_cached_tokens():
+    metrics = await _through_engine_client(
+        "mixed",
+        [
+            TextOutput(
+                "r1", "ab", [5, 6], None, 40, 32, 2, queue_seconds=0.25, prefill_seconds=0.05
+            ),
+            TextOutput("r1", "c", [7], FinishReason("stop"), 40, 32, 3),
+        ],
+    )
     assert _histogram(metrics, "kubesgl_request_queue_time_seconds") == (1, 0.25)
     assert _histogram(metrics, "kubesgl_request_prefill_time_seconds") == (1, 0.05)
     assert _histogram(metrics, "kubesgl_request_decode_time_seconds")[0] == 1
@@ -217,6 +229,54 @@ async def test_the_engine_client_records_times_lengths_and_cached_tokens():
     labels = {"role": "mixed"}
     assert metrics.registry.get_sample_value("kubesgl_cached_prompt_tokens_total", labels) == 32
     assert metrics.registry.get_sample_value("kubesgl_prompt_tokens_total", labels) == 40
+
+
+@pytest.mark.asyncio
+async def test_a_prefill_engines_handoff_is_left_out_of_its_ttft_and_is_no_finish_reason():
+    """A prefill engine's answer to a room leaves once the KV is at the decode engine; the
+    time it waited for that (handoff_seconds) is the decode pool's load, not the prefill
+    pool's, and is left out of the TTFT. The request did not finish here: it is counted as
+    finish_reason="handoff" (not "length", which skewed the sum over a P/D instance's pods),
+    with no decode time or output length of its own."""
+    handoff = 0.6
+    metrics = await _through_engine_client(
+        "prefill",
+        [
+            TextOutput(
+                "r1",
+                "a",
+                [5],
+                FinishReason("length"),
+                40,
+                0,
+                1,
+                queue_seconds=0.01,
+                prefill_seconds=0.05,
+                handoff_seconds=handoff,
+            )
+        ],
+        delay=handoff + 0.05,
+    )
+    count, ttft = _histogram(metrics, "kubesgl_time_to_first_token_seconds")
+    assert count == 1 and ttft < 0.5
+    assert _histogram(metrics, "kubesgl_e2e_request_latency_seconds")[1] >= handoff  # it waited
+    assert _histogram(metrics, "kubesgl_request_prefill_time_seconds") == (1, 0.05)
+    assert _histogram(metrics, "kubesgl_request_decode_time_seconds") == (0, 0)
+    assert _histogram(metrics, "kubesgl_request_generation_tokens") == (0, 0)
+    get = metrics.registry.get_sample_value
+    by_reason = {
+        reason: get("kubesgl_requests_total", {"role": "prefill", "finish_reason": reason})
+        for reason in ("stop", "length", "abort", "handoff")
+    }
+    assert by_reason == {"stop": 0, "length": 0, "abort": 0, "handoff": 1}
+    assert get("kubesgl_generation_tokens_total", {"role": "prefill"}) == 1  # it sampled one
+
+
+def test_only_a_prefill_engine_exports_the_handoff_reason():
+    for role, exported in (("prefill", True), ("decode", False), ("mixed", False)):
+        labels = {"role": role, "finish_reason": "handoff"}
+        value = EngineMetrics(role).registry.get_sample_value("kubesgl_requests_total", labels)
+        assert (value == 0) if exported else (value is None), role
 
 
 def test_capacity_and_build_info():
@@ -330,3 +390,48 @@ def test_a_stats_line_while_busy_only(caplog):
     assert len(lines) == 1 and lines[0].startswith(
         "busy: running=3 waiting=2 kv_usage=0.60 generated="
     )
+
+
+# -- histogram buckets -------------------------------------------------------------------------
+
+
+def _edges(metrics: EngineMetrics, name: str) -> list[float]:
+    return [
+        float(sample.labels["le"])
+        for family in metrics.registry.collect()
+        if family.name == name
+        for sample in family.samples
+        if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf"
+    ]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "kubesgl_time_to_first_token_seconds",
+        "kubesgl_request_queue_time_seconds",
+        "kubesgl_request_prefill_time_seconds",
+        "kubesgl_kv_transfer_wait_seconds",
+        "kubesgl_e2e_request_latency_seconds",
+        "kubesgl_request_decode_time_seconds",
+    ],
+)
+def test_latency_buckets_are_fine_where_loaded_engines_latencies_fall(name):
+    """A quantile is interpolated inside its bucket: with edges 1, 2.5, 5, 10, 30 s the p90 of a
+    TTFT read 35-40 % high. From 0.1 to 20 s neighbouring edges are at most 1.5x apart."""
+    edges = _edges(EngineMetrics("prefill"), name)
+    inside = [e for e in edges if 0.1 <= e <= 20]
+    assert inside[0] == 0.1 and inside[-1] == 20
+    assert max(b / a for a, b in zip(inside, inside[1:])) <= 1.5
+    for kept in (0.001, 0.25, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0):  # queries may name them
+        assert kept in edges, kept
+
+
+def test_whole_requests_have_a_long_tail_and_lengths_double():
+    """A request of several minutes read as 120 s (the last edge); vLLM's end-to-end buckets
+    go to 7680 s. Lengths: powers of two from 1 (the comment said x2.5 apart; they doubled)."""
+    metrics = EngineMetrics("mixed")
+    for name in ("kubesgl_e2e_request_latency_seconds", "kubesgl_request_decode_time_seconds"):
+        assert max(_edges(metrics, name)) >= 7680, name
+    for name in ("kubesgl_request_prompt_tokens", "kubesgl_request_generation_tokens"):
+        assert _edges(metrics, name) == [2.0**i for i in range(18)], name

@@ -335,16 +335,46 @@ def test_keda_scaled_objects_query_the_role_pods() -> None:
     assert not [key for key in objects if key[0] == "HorizontalPodAutoscaler"]
     decode = objects[("ScaledObject", "llama-keda-decode")]["spec"]
     (trigger,) = decode["triggers"]
-    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
-    assert trigger["metadata"]["threshold"] == "48"
+    # the decode pool's limit is its KV pool: running requests stop growing there (the
+    # example's runningRequests target of 48 was never reached with decode saturated)
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"
+    assert trigger["metadata"]["threshold"] == "0.8"
     assert trigger["metadata"]["query"] == (
-        'sum(kubesgl_num_running_requests{namespace="default",'
+        'max(kubesgl_kv_cache_usage_ratio{namespace="default",'
         'pod=~"llama-keda-decode-[a-z0-9]+-?[a-z0-9]{5}",role="decode"})'
     )
     prefill = objects[("ScaledObject", "llama-keda-prefill")]["spec"]["triggers"][0]
     assert prefill["metricType"] == "Value"
     assert "histogram_quantile(0.9" in prefill["metadata"]["query"]
     assert prefill["metadata"]["threshold"] == "0.5"
+
+
+@pytest.mark.parametrize("provider", ["hpa", "keda"])
+def test_decode_scales_on_rooms_waiting_for_kv_slots(provider: str) -> None:
+    """A decode pod's queue holds the rooms its KV pool has no slots for: the decode pool's
+    saturation, as prompts queued are the prefill pool's (decode took only running requests
+    and KV usage)."""
+    document = load_example(f"autoscaled-{provider}.yaml")
+    document["spec"]["autoscaling"]["decode"] = {
+        "maxReplicas": 8,
+        "metric": "waitingRequests",
+        "target": 2,
+    }
+    objects = objects_of(document)
+    name = f"llama-{provider}-decode"
+    if provider == "hpa":
+        (metric,) = objects[("HorizontalPodAutoscaler", name)]["spec"]["metrics"]
+        assert metric["pods"] == {
+            "metric": {"name": "kubesgl_num_waiting_requests"},
+            "target": {"type": "AverageValue", "averageValue": "2"},
+        }
+        return
+    (trigger,) = objects[("ScaledObject", name)]["spec"]["triggers"]
+    assert trigger["metricType"] == "AverageValue" and trigger["metadata"]["threshold"] == "2"
+    assert trigger["metadata"]["query"] == (
+        f'sum(kubesgl_num_waiting_requests{{namespace="default",'
+        f'pod=~"{name}-[a-z0-9]+-?[a-z0-9]{{5}}",role="decode"}})'
+    )
 
 
 @pytest.mark.parametrize("length", [17, 40, 50, 56, 57, 58, 63])

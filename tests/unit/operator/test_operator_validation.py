@@ -205,8 +205,8 @@ def problems_of(document) -> list[str]:
         (
             "autoscaled-hpa.yaml",
             "spec.autoscaling.decode.metric",
-            "waitingRequests",
-            "spec.autoscaling.decode.metric: Input should be 'runningRequests' or 'kvCacheUsage'",
+            "timeToFirstToken",  # the decode engine's TTFT includes the prefill engine's
+            "spec.autoscaling.decode.metric: Input should be 'runningRequests', 'kvCacheUsage' or 'waitingRequests'",
         ),
         (
             "autoscaled-hpa.yaml",
