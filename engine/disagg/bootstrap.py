@@ -85,6 +85,15 @@ def _room(value: object) -> int:
     raise ValueError(f"a room is an integer in [0, {MAX_ROOM}], got {value!r}")
 
 
+def _why_cancelled(body: dict) -> tuple[str, bool]:
+    """A cancel's reason, and whether the decode engine's request was aborted (its client
+    left); a decode engine that sends no `aborted` (an older one) cancelled for a reason."""
+    aborted = body.get("aborted", False)
+    if not isinstance(aborted, bool):
+        raise ValueError(f"aborted is true or false, got {aborted!r}")
+    return str(body.get("reason", "")), aborted
+
+
 class BootstrapServer:
     """HTTP endpoint of a prefill engine for the decode engines; what arrives, it emits."""
 
@@ -202,7 +211,7 @@ class BootstrapServer:
                 self._writing.discard(room)
                 self._settled.add(room)
 
-    def cancel_room(self, room: int, reason: str) -> tuple[int, dict]:
+    def cancel_room(self, room: int, reason: str, aborted: bool = False) -> tuple[int, dict]:
         """Cancelled whether posted or not (its request may be running, or still to come);
         the answer tells the decode engine whether a write into its slots can be under way.
         A posted room counts as written to until the scheduler, having taken the cancel, says
@@ -213,7 +222,7 @@ class BootstrapServer:
             posted = room in self._rooms
             in_flight = room in self._writing or (posted and room not in self._settled)
             if room not in self._cancelled:
-                self.emit(RoomCancelled(room, reason))
+                self.emit(RoomCancelled(room, reason, aborted))
             if posted:
                 self._cancelled.add(room)
         if not posted and not in_flight:
@@ -257,7 +266,7 @@ class BootstrapServer:
                     return self._reply(404, {"error": f"no such path {self.path}"})
                 self._answer(
                     lambda: server.cancel_room(
-                        _room(int(self.path[len(prefix) :])), str(self._body().get("reason", ""))
+                        _room(int(self.path[len(prefix) :])), *_why_cancelled(self._body())
                     )
                 )
 
@@ -348,8 +357,8 @@ class BootstrapClient:
         self._peers: dict[str, _Peer] = {}  # prefill engine address -> its current registration
         self._posts: dict[int, Future] = {}
         # cancelled rooms whose write was in flight at the prefill engine: asked about again
-        # at the next heartbeat (room -> address, reason)
-        self._cancel_again: dict[int, tuple[str, str]] = {}
+        # at the next heartbeat (room -> address, reason, aborted)
+        self._cancel_again: dict[int, tuple[str, str, bool]] = {}
         self._stop = threading.Event()
         self._watcher = threading.Thread(
             target=self._watch, name="kubesgl-kv-heartbeat", daemon=True
@@ -363,9 +372,10 @@ class BootstrapClient:
         """Tell the prefill engine at `address` that these rooms wait in this engine's queue."""
         self._workers.submit(self._still_queued, address, rooms)
 
-    def cancel(self, room: int, address: str, reason: str) -> None:
-        """Cancel after the post has finished: a cancel overtaking its post would be lost."""
-        self._workers.submit(self._cancel, self._posts.get(room), room, address, reason)
+    def cancel(self, room: int, address: str, reason: str, aborted: bool = False) -> None:
+        """Cancel after the post has finished: a cancel overtaking its post would be lost.
+        `aborted`: the room's request was aborted here (its client left)."""
+        self._workers.submit(self._cancel, self._posts.get(room), room, address, reason, aborted)
 
     def forget(self, room: int, address: str) -> None:
         """The room has ended on this side: stop watching its prefill engine for it."""
@@ -508,7 +518,9 @@ class BootstrapClient:
                 "telling %s about %d queued rooms failed: %s", address, len(rooms), _why(exc)
             )
 
-    def _cancel(self, post: Future | None, room: int, address: str, reason: str) -> None:
+    def _cancel(
+        self, post: Future | None, room: int, address: str, reason: str, aborted: bool = False
+    ) -> None:
         if post is not None:
             try:
                 post.result()
@@ -516,14 +528,14 @@ class BootstrapClient:
                 pass
         try:
             answer = self._http.request(
-                "DELETE", f"{address}/kv/rooms/{room}", json={"reason": reason}
+                "DELETE", f"{address}/kv/rooms/{room}", json={"reason": reason, "aborted": aborted}
             )
             if answer.status_code == 404 and _code(answer) == UNKNOWN_ROOM:
                 self.emit(CancelUnknown(room))
             elif answer.status_code == 200 and answer.json().get("write_in_flight"):
                 # the slots stay held: the write's end brings the last word; should that be
                 # lost, the next heartbeat asks again
-                self._ask_again(room, address, reason)
+                self._ask_again(room, address, reason, aborted)
             elif answer.status_code == 200 and (timeout_s := self._write_timeout(address)):
                 # no write in flight: twice its timeout covers a last word that is lost
                 self.emit(CancelConfirmed(room, release_after_s=2 * timeout_s))
@@ -534,16 +546,16 @@ class BootstrapClient:
                 self.emit(PeerLost((room,), error))  # its slots here, if any, are free
                 return
             logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))
-            self._ask_again(room, address, reason)
+            self._ask_again(room, address, reason, aborted)
 
-    def _ask_again(self, room: int, address: str, reason: str) -> None:
+    def _ask_again(self, room: int, address: str, reason: str, aborted: bool) -> None:
         """Cancel the room again at the next heartbeat, while it is watched: a room no longer
         watched has ended here (its engine found dead, its last word come), or never held
         slots here (refused before its post: its prefill engine times it out)."""
         with self._lock:
             peer = self._peers.get(address)
             if peer is not None and room in peer.rooms:
-                self._cancel_again[room] = (address, reason)
+                self._cancel_again[room] = (address, reason, aborted)
 
     def _write_timeout(self, address: str) -> float | None:
         with self._lock:
@@ -557,8 +569,8 @@ class BootstrapClient:
             with self._lock:
                 watched = [(a, p) for a, p in self._peers.items() if p.rooms]
                 cancel_again, self._cancel_again = self._cancel_again, {}
-            for room, (address, reason) in cancel_again.items():
-                self._workers.submit(self._cancel, None, room, address, reason)
+            for room, (address, reason, aborted) in cancel_again.items():
+                self._workers.submit(self._cancel, None, room, address, reason, aborted)
             for address, peer in watched:
                 try:
                     instance = self._instance(address, peer)
@@ -632,7 +644,7 @@ class BootstrapService:
         if isinstance(request, PostRoom):
             self.client.post(request.room, request.address, list(request.slots))
         elif isinstance(request, CancelRoom):
-            self.client.cancel(request.room, request.address, request.reason)
+            self.client.cancel(request.room, request.address, request.reason, request.aborted)
         elif isinstance(request, ForgetRoom):
             self.client.forget(request.room, request.address)
         else:

@@ -127,20 +127,21 @@ class DecodeTransfers:
         if self.link is not None:
             self.link.send(PostRoom(target.room, target.address, tuple(dst_slots)))
 
-    def cancel(self, room: int, reason: str) -> None:
+    def cancel(self, room: int, reason: str, aborted: bool = False) -> None:
         """The request no longer waits (aborted, failed): tell the prefill engine; the slots
-        stay taken until a `released` outcome."""
+        stay taken until a `released` outcome. `aborted`: its client left, which the prefill
+        engine's request becomes too."""
         state = self._rooms[room]
         if state.waiting:
             state.waiting = False
             if self.link is not None:
-                self.link.send(CancelRoom(room, state.target.address, reason))
+                self.link.send(CancelRoom(room, state.target.address, reason, aborted))
 
-    def refuse(self, target: BootstrapTarget, reason: str) -> None:
+    def refuse(self, target: BootstrapTarget, reason: str, aborted: bool = False) -> None:
         """A request this engine will not run: its prefill engine may drop the room at once."""
         self._queued.pop(target.room, None)
         if self.link is not None:
-            self.link.send(CancelRoom(target.room, target.address, reason))
+            self.link.send(CancelRoom(target.room, target.address, reason, aborted))
 
     def has_rooms(self) -> bool:
         return bool(self._rooms or self._queued)

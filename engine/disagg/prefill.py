@@ -295,7 +295,9 @@ class PrefillTransfers:
 
     def _cancel(self, fact: RoomCancelled) -> list[PrefillOutcome]:
         error = f"the decode engine cancelled room {fact.room}: {fact.reason or 'no reason given'}"
-        note = RoomNote(fact.room, RoomStatus.CANCELLED, error=error, reason=FailureReason.REFUSED)
+        # Its client left: the request is aborted here too, as if this engine's client had left.
+        reason = FailureReason.ABORTED if fact.aborted else FailureReason.REFUSED
+        note = RoomNote(fact.room, RoomStatus.CANCELLED, error=error, reason=reason)
         state = self._rooms.get(fact.room)
         if state is not None and state.started:
             return []  # the write in flight ends the room and tells the decode side
@@ -310,7 +312,7 @@ class PrefillTransfers:
         del self._rooms[fact.room]
         if state.target is not None:
             self._notify(state.target.engine, note)
-        return [PrefillOutcome(fact.room, error, FailureReason.REFUSED)]
+        return [PrefillOutcome(fact.room, error, reason)]
 
     def _write_ended(self, fact: WriteEnded) -> list[PrefillOutcome]:
         state = self._rooms.get(fact.room)

@@ -159,6 +159,7 @@ class CancelRoom:
     room: int
     address: str
     reason: str
+    aborted: bool = False  # the room's request was aborted here (its client left)
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,7 @@ class RoomPosted:
 class RoomCancelled:
     room: int
     reason: str
+    aborted: bool = False  # the decode engine's request was aborted (its client left)
 
 
 @dataclass(frozen=True)

@@ -284,6 +284,10 @@ class PrefillRole(_RoomRole):
                 self._transfers.append((outcome.nbytes, outcome.seconds))
                 self._kv_waits.append(outcome.waited)
                 events.append(KVSent(req))
+            elif outcome.reason is FailureReason.ABORTED:
+                # The decode engine's client left: an abort here too (no error answer, which
+                # would count as this engine's failure), counted as one when it ends.
+                events.append(RoomFailed(req, FinishReason("abort", message=outcome.error)))
             else:
                 assert outcome.error is not None and outcome.reason is not None  # not ok: both set
                 events.append(self._failed(req, outcome.error, outcome.reason))
@@ -396,13 +400,14 @@ class DecodeRole(_RoomRole):
         if req.bootstrap is None:
             return
         message = (req.finish_reason.message if req.finish_reason else None) or "the request ended"
+        aborted = req.finish_reason is not None and req.finish_reason.kind == "abort"
         if req.status is ReqStatus.WAITING:
             self._ended_early(req)
-            self.transfers.refuse(req.bootstrap, message)
+            self.transfers.refuse(req.bootstrap, message, aborted)
         elif req.status is ReqStatus.AWAITING_KV and self.transfers.waiting(req.bootstrap.room):
             self._ended_early(req)
             self._held.add(req.bootstrap.room)
-            self.transfers.cancel(req.bootstrap.room, message)
+            self.transfers.cancel(req.bootstrap.room, message, aborted)
 
     def _busy(self, room: int) -> bool:
         return room in self._held

@@ -4,13 +4,16 @@ client sees when either engine fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -482,6 +485,64 @@ def test_a_decode_engine_killed_while_the_prefill_engine_holds_kv_leaves_the_pre
         )
         assert concurrent.status_code == 200 and len(concurrent.json()["output_ids"]) == 4
         prefill.wait_idle()
+    finally:
+        for server in (prefill, decode):
+            if server.process.poll() is None:
+                os.killpg(server.process.pid, signal.SIGKILL)
+
+
+def test_a_decode_client_that_leaves_during_the_prefill_aborts_the_prefill_request(
+    tiny_model, tmp_path
+):
+    """As SGLang's router leaves it (it never closes the prefill engine's request): the decode
+    engine's client leaves while the prefill engine is still prefilling. The decode engine
+    cancels the room saying its client left, and the prefill engine stops and ends its request
+    as an abort, counted `aborted` like the decode engine's: no 502, no `refused`."""
+    model = tiny_model("llama")
+    prefill, decode, bootstrap = start_pd_pair(
+        model, tmp_path, prefill_args=("--chunked-prefill-size", "4")
+    )
+    try:
+        body = {
+            "model": MODEL_NAME,
+            "prompt": [random.randrange(3, 500) for _ in range(1500)],  # seconds of prefill
+            "max_tokens": 4,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap,
+            "bootstrap_room": random.getrandbits(63),
+        }
+        answers = {}
+        thread = threading.Thread(
+            target=lambda: answers.__setitem__(
+                "p", httpx.post(prefill.base_url + "/v1/completions", json=body, timeout=120)
+            )
+        )
+        thread.start()
+        payload = json.dumps(body).encode()
+        decode_client = socket.create_connection(("127.0.0.1", urlsplit(decode.base_url).port))
+        decode_client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(payload) + payload
+        )
+        deadline = time.monotonic() + 60
+        while (
+            prefill.metric('kubesgl_disagg_requests{role="prefill",state="prefilling"}') < 1
+            or decode.metric('kubesgl_disagg_requests{role="decode",state="awaiting_kv"}') < 1
+        ):
+            assert time.monotonic() < deadline and thread.is_alive(), answers
+            time.sleep(0.02)
+        decode_client.close()  # the client leaves
+        thread.join(timeout=60)
+        answer = answers["p"]
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["finish_reason"] == "abort"
+        prefill.wait_idle()
+        assert prefill.metric('kubesgl_disagg_failures_total{reason="aborted"}') == 1
+        assert prefill.metric('kubesgl_disagg_failures_total{reason="refused"}') == 0
+        assert prefill.metric('kubesgl_requests_total{finish_reason="abort"}') == 1
+        assert decode.metric('kubesgl_disagg_failures_total{reason="aborted"}') == 1
+        errors = httpx.get(prefill.base_url + "/metrics").text
+        assert 'kubesgl_request_errors_total{model_name="tiny",reason="server_error"' not in errors
     finally:
         for server in (prefill, decode):
             if server.process.poll() is None:

@@ -464,3 +464,34 @@ async def test_a_client_cannot_set_the_bootstrap_fields(
         assert answer.json()["error"]["param"] == field
         assert "set by the router" in answer.json()["error"]["message"]
     assert not p.requests and not d.requests
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_leaves_before_the_kv_arrived_closes_the_prefill_request(
+    stream, engines, kv_table, start_router, client
+):
+    """The client leaves while the prefill engine still works (it has sent no KV, so the
+    decode engine has not answered): the router closes both engines' requests, which aborts
+    them there, and counts both cancelled, not the prefill's answer."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.fail_status, p.fail_after_s = 500, 30.0  # still prefilling when the client leaves
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        body = {"prompt": "x", "stream": stream}
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.3):
+                await client.post(router.url + "/v1/completions", json=body)
+        async with asyncio.timeout(2):
+            await p.client_gone.wait()
+            await d.client_gone.wait()
+            while any(w.in_flight for w in router.app.workers.all()):
+                await asyncio.sleep(0.02)
+        metrics = (await client.get(router.url + "/metrics")).text
+    outcomes = {
+        (sample.labels["worker"], sample.labels["status"]): sample.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "kubesgl_router_requests"
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.value
+    }
+    assert outcomes == {(p.url, "cancelled"): 1, (d.url, "cancelled"): 1}

@@ -289,14 +289,49 @@ def test_a_decode_request_aborted_while_its_kv_may_come_keeps_its_slots_until_no
         lambda: not decode.scheduler.has_work() and not prefill.scheduler.has_work(),
     )
     if when == "before the write":  # the prefill engine dropped the room instead of prefilling it
-        assert (
-            outputs["p0"][-1].finish_reason.kind == "error"
+        assert (  # aborted, as the decode engine's request was (its client left)
+            outputs["p0"][-1].finish_reason.kind == "abort"
             and "cancelled" in outputs["p0"][-1].finish_reason.message
         )
+        assert prefill.role.stats().failures_by_reason == {"aborted": 1}
     assert_idle(prefill, decode)
     reference = mixed_reference(model, [second], [params], make_engine, **options)
     outputs = pd_generate(prefill, decode, [second], params)
     assert tokens(outputs, "d0") == tokens(reference, "m0")
+    assert_idle(prefill, decode)
+
+
+def test_a_decode_request_aborted_while_the_prefill_engine_prefills_is_aborted_there_too(
+    tiny_model, make_engine, random_prompts
+):
+    """The decode engine's client leaves while the prefill engine is still prefilling the
+    room's prompt, and nothing closes the prefill engine's request (SGLang's router drains
+    it; the kubesgl router's close may come later): the decode engine's cancel says its
+    request was aborted, and the prefill engine stops and ends its request as an abort,
+    counted `aborted` on both engines, not as a failure of its own (a 502, `refused`), as a
+    trial's dashboard showed it."""
+    model = tiny_model("llama")
+    prefill = make_engine(model, "prefill", chunked_prefill_size=4)  # hundreds of steps
+    decode = make_engine(model, "decode")
+    [prompt] = random_prompts(1, 1000, 1000, seed=5)
+    submit_pair(prefill, decode, "0", prompt, SamplingParams(max_tokens=8, temperature=0))
+    p0, d0 = prefill.scheduler.requests["p0"], decode.scheduler.requests["d0"]
+    step_until(
+        [prefill, decode],
+        lambda: d0.status.name == "AWAITING_KV" and p0.status.name == "PREFILLING",
+    )
+    decode.abort_request("d0", "the client disconnected")
+    outputs = step_until([prefill, decode], lambda: "p0" not in prefill.scheduler.requests)
+    final = outputs["p0"][-1]
+    assert final.finished and final.finish_reason.kind == "abort", final.finish_reason
+    assert "the client disconnected" in final.finish_reason.message
+    assert p0.num_computed < len(prompt) and not final.token_ids  # stopped mid-prompt
+    assert prefill.role.stats().failures_by_reason == {"aborted": 1}
+    assert decode.role.stats().failures_by_reason == {"aborted": 1}
+    step_until(
+        [prefill, decode],
+        lambda: not decode.scheduler.has_work() and not prefill.scheduler.has_work(),
+    )
     assert_idle(prefill, decode)
 
 

@@ -218,16 +218,22 @@ def test_a_room_posted_twice_is_refused(pair):
         p.decode.expect(p.target(3), [2])
 
 
-def test_a_cancel_before_the_write_reaches_the_prefill_side_and_releases_the_slots(pair):
+@pytest.mark.parametrize(
+    "aborted, reason", [(False, FailureReason.REFUSED), (True, FailureReason.ABORTED)]
+)
+def test_a_cancel_before_the_write_reaches_the_prefill_side_and_releases_the_slots(
+    pair, aborted, reason
+):
+    """The cancel says whether the decode side's request was aborted (its client left): the
+    prefill side's request then fails as aborted, else as refused by the decode side."""
     p = pair()
     p.prefill.open(11)
     p.decode.expect(p.target(11), [1, 2])
     p.run(lambda s, a: p.prefill._rooms[11].target is not None)
-    p.decode.cancel(11, "the client disconnected")
+    p.decode.cancel(11, "the client disconnected", aborted)
     sent, arrived = p.run(lambda s, a: s and a)
-    assert [(o.room, o.reason) for o in sent] == [
-        (11, FailureReason.REFUSED)
-    ] and "client disconnected" in sent[0].error
+    assert [(o.room, o.reason) for o in sent] == [(11, reason)]
+    assert "client disconnected" in sent[0].error
     assert [(o.room, o.released) for o in arrived] == [(11, True)]
     assert not p.prefill.has_rooms() and not p.decode.has_rooms()
 
@@ -783,6 +789,7 @@ def test_a_malformed_notification_is_dropped(pair):
     "method, path, body, status",
     [
         ("DELETE", "/kv/rooms/5", [1, 2], 400),  # a body that is no JSON object
+        ("DELETE", "/kv/rooms/5", {"reason": "gone", "aborted": "yes"}, 400),
         ("POST", "/kv/rooms", {"room": -3.7, "engine": "decode-test", "slots": [1]}, 400),
         ("POST", "/kv/rooms", {"room": 2**63, "engine": "decode-test", "slots": [1]}, 400),
         ("POST", "/kv/rooms", {"room": 9, "engine": "decode-test", "slots": [-5, True]}, 400),
