@@ -524,7 +524,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServedHere
 @api_routes.post("/generate")
 async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere) -> Response:
     serving(ctx)
-    params = validated(ctx, body.to_sampling_params())
+    params = validated(ctx, body.to_sampling_params(), body.renamed_fields())
     within_limits(
         ctx,
         params,
@@ -543,7 +543,14 @@ async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere)
     )
     prompt_field = "text" if body.text is not None else "input_ids"
     return await respond(
-        ctx, request, [sub], [prompt_field], body.stream, False, native_formatter(rid)
+        ctx,
+        request,
+        [sub],
+        [prompt_field],
+        body.stream,
+        False,
+        native_formatter(rid),
+        body.renamed_fields(),
     )
 
 

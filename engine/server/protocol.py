@@ -634,6 +634,18 @@ class GenerateRequestBody(_Bootstrap):
             raise ValueError("input_ids is empty")
         return self
 
+    def renamed_fields(self) -> dict[str, str]:
+        """The client's names of the engine's fields, for errors: this body's sampling
+        options are inside `sampling_params`, some under SGLang's names."""
+        own = {name: name for name in NativeSamplingParams.model_fields}
+        own |= {
+            "max_tokens": "max_new_tokens",
+            "min_tokens": "min_new_tokens",
+            "include_stop_str_in_output": "no_stop_trim",
+        }
+        renamed = {engine: f"sampling_params.{native}" for engine, native in own.items()}
+        return renamed | {"logprobs": "top_logprobs_num"}
+
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params
         stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from kubesgl.engine.server.api import validation_error
+from kubesgl.engine.sampling_params import InvalidRequestError
+from kubesgl.engine.server.api import in_clients_words, validation_error
 from kubesgl.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -159,3 +160,21 @@ def test_a_null_is_the_field_left_out():
     assert (completion.echo, completion.stream, completion.max_tokens) == (False, False, None)
     generate = GenerateRequestBody.model_validate({"text": "hi", "sampling_params": None})
     assert generate.sampling_params.max_new_tokens == 128
+
+
+@pytest.mark.parametrize(
+    "sampling, field",
+    [
+        ({"presence_penalty": 3}, "sampling_params.presence_penalty"),
+        ({"stop_token_ids": [10**6]}, "sampling_params.stop_token_ids"),
+        ({"stop": [str(i) for i in range(17)]}, "sampling_params.stop"),
+    ],
+)
+def test_generate_errors_name_the_fields_the_client_wrote(sampling, field):
+    """/generate's sampling options sit in `sampling_params`: its errors name them there, not
+    as the engine's top-level fields of the OpenAI routes."""
+    body = GenerateRequestBody.model_validate({"text": "hi", "sampling_params": sampling})
+    with pytest.raises(InvalidRequestError) as raised:
+        body.to_sampling_params().validate(vocab_size=1000)
+    message, param = in_clients_words(str(raised.value), raised.value.param, body.renamed_fields())
+    assert param == field and message.startswith(field), message
