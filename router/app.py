@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -161,7 +162,13 @@ class RouterApp:
             self._session, self.metrics, on_worker_lost=self.workers.mark_lost
         )
         self._forwarder = Forwarder(
-            self.workers, policies, upstream, self.metrics, c.retry, c.disaggregation
+            self.workers,
+            policies,
+            upstream,
+            self.metrics,
+            c.retry,
+            c.disaggregation,
+            max(1, math.ceil(min(c.health.interval_s, c.breaker_cooldown_s))),
         )
         probe_headers = {k.decode(): v.decode() for k, v in self._credentials}
         self._health = HealthChecker(self.workers, self._session, c.health, probe_headers)

@@ -75,8 +75,12 @@ class Forwarder:
         metrics: RouterMetrics,
         retry: RetrySettings,
         disaggregation: DisaggregationSettings,
+        retry_after_s: int = 1,
     ) -> None:
         self.workers = workers
+        # A client told "no worker can serve" should ask again no sooner than the pool may
+        # change (a worker's next health check, or its breaker's trial)
+        self.retry_after_s = retry_after_s
         self.policies = policies
         self.upstream = upstream
         self.metrics = metrics
@@ -133,12 +137,15 @@ class Forwarder:
         registered = self.workers.with_role(role)
         label = "" if role is Role.MIXED else f"{role.value} "
         if not registered:
-            return no_worker(f"no {label}worker is registered")
-        unhealthy = sum(not w.healthy for w in registered)
-        return no_worker(
-            f"no {label}worker can serve: {len(registered)} registered, {unhealthy} failing "
-            f"health checks, {len(registered) - unhealthy} with an open circuit breaker"
-        )
+            error = no_worker(f"no {label}worker is registered")
+        else:
+            unhealthy = sum(not w.healthy for w in registered)
+            error = no_worker(
+                f"no {label}worker can serve: {len(registered)} registered, {unhealthy} failing "
+                f"health checks, {len(registered) - unhealthy} with an open circuit breaker"
+            )
+        error.headers.append((b"retry-after", str(self.retry_after_s).encode()))
+        return error
 
     def _choose(self, role: Role, policy: Policy, text: str, excluded: set[Worker]) -> Choice:
         choice: Choice = policy.choose(self._candidates(role, excluded), text)

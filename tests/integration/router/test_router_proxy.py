@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+from kubesgl.router.health import HealthSettings
+
 pytestmark = pytest.mark.asyncio
 
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -199,11 +201,14 @@ async def test_worker_errors_pass_through_unchanged(engines, start_router, clien
 
 
 async def test_no_worker_is_a_503_with_a_clear_message(start_router, client):
-    async with start_router() as router:
+    checks = HealthSettings(interval_s=3.2, timeout_s=1.0)
+    async with start_router(health=checks, breaker_cooldown_s=10.0) as router:
         health = await client.get(router.url + "/health")
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
     assert health.status_code == 503
     assert response.status_code == 503
+    # OpenAI's SDKs wait this long before their retry: until the next health check
+    assert response.headers["retry-after"] == health.headers["retry-after"] == "4"
     error = response.json()["error"]
     assert error["code"] is None and "no worker is registered" in error["message"]
 
