@@ -127,7 +127,8 @@ class ToolOutput:
     mode: str
     name: str | None = None  # the named function
     format: tool_calls.ToolCallFormat | None = None  # "auto": the model's format, if known
-    declared: frozenset[str] = frozenset()  # "auto": the functions the request's tools declare
+    # "auto": the functions the request's tools declare (None: any name is taken)
+    declared: frozenset[str] | None = None
     parallel: bool = True  # "auto": more than one call allowed (the grammar sees to "required")
 
     def read(self, text: str) -> Reading:
@@ -152,10 +153,11 @@ def _auto(tools: ToolOutput, text: str) -> Reading:
     not declare is text, all of it: nothing the model wrote is lost (SGLang drops the call)."""
     if tools.format is None:
         return _as_text(tools, text)
-    at, calls = tools.format.calls_in(text)
-    if not calls or any(call.name not in tools.declared for call in calls):
+    at, calls = tools.format.calls_in(text, first_only=not tools.parallel)
+    declared = tools.declared
+    if not calls or (declared is not None and any(c.name not in declared for c in calls)):
         return _as_text(tools, text)
-    return Reading(text[:at].strip() or None, calls if tools.parallel else calls[:1], at)
+    return Reading(text[:at].strip() or None, calls, at)
 
 
 def _required(_: ToolOutput, text: str) -> Reading:

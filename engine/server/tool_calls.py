@@ -8,6 +8,7 @@ import functools
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,44 +78,52 @@ class ToolCallFormat:
                     break
         return held
 
-    def calls_in(self, text: str) -> tuple[int, list[ToolCall]]:
-        """(where the calls begin, the calls) of an answer; no calls where any fails to parse."""
+    def calls_in(self, text: str, first_only: bool = False) -> tuple[int, list[ToolCall]]:
+        """(where the calls begin, the calls) of an answer, or of its first call only; no
+        calls where one of those fails to parse."""
         at = self.find_start(text)
-        return (at, _PARSERS[self.name](text[at:])) if at >= 0 else (len(text), [])
+        if at < 0:
+            return len(text), []
+        calls = _PARSERS[self.name](text[at:])
+        if first_only:
+            calls = calls[:1]
+        return at, [] if None in calls else [call for call in calls if call is not None]
 
 
-def _parse_qwen(text: str) -> list[ToolCall]:
+# A parser reads the calls an answer holds from where they begin: one entry per call the
+# model wrote, in order, None for one that is no call (not JSON, cut short, no arguments).
+
+
+def _parse_qwen(text: str) -> list[ToolCall | None]:
     # <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>, one block per call
-    calls = []
+    calls: list[ToolCall | None] = []
     for block in re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, flags=re.DOTALL):
         try:
-            call = _call_of(json.loads(block))
+            calls.append(_call_of(json.loads(block)))
         except ValueError:
-            return []
-        if call is None:
-            return []
-        calls.append(call)
+            calls.append(None)
     return calls
 
 
-def _parse_llama3_json(text: str) -> list[ToolCall]:
+def _parse_llama3_json(text: str) -> list[ToolCall | None]:
     # Llama 3.1's JSON tool calls: {"name": ..., "parameters": {...}}, several separated by ";"
-    body = text.removeprefix("<|python_tag|>").strip()
+    body = text.strip().removeprefix("<|python_tag|>").strip()
     decoder, calls, at = json.JSONDecoder(), [], 0
     while at < len(body):
         try:
             obj, at = decoder.raw_decode(body, at)
         except ValueError:
-            return []
-        if (call := _call_of(obj)) is None:
-            return []
-        calls.append(call)
+            return [*calls, None]  # what follows cannot be split into calls
+        calls.append(_call_of(obj))
         while at < len(body) and body[at] in "; \n\t":
             at += 1
     return calls
 
 
-_PARSERS = {"qwen": _parse_qwen, "llama3_json": _parse_llama3_json}
+_PARSERS: dict[str, Callable[[str], list[ToolCall | None]]] = {
+    "qwen": _parse_qwen,
+    "llama3_json": _parse_llama3_json,
+}
 # In order: the first whose marker the chat template holds is the model's format.
 FORMATS = (
     ToolCallFormat("qwen", template_marker="<tool_call>", markers=("<tool_call>",)),

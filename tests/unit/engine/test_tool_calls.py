@@ -123,6 +123,11 @@ def test_qwen_tool_calls(text, content, calls):
             None,
             [ToolCall("a", '{"n": 1}')],
         ),
+        (
+            '\n<|python_tag|>{"name": "a", "parameters": {}}',
+            None,
+            [ToolCall("a", "{}")],
+        ),
     ],
 )
 def test_llama3_json_tool_calls(text, content, calls):
@@ -233,6 +238,19 @@ def test_without_parallel_calls_an_auto_answer_gives_its_first_call_only():
         == streamed
         == {"content": None, "calls": [("a", "{}")], "finish_reason": "tool_calls"}
     )
+
+
+@pytest.mark.parametrize(
+    "second",
+    [QWEN_CALL.format("rm"), '<tool_call>\n{"name": "b", "argu'],
+    ids=["undeclared", "cut-by-max-tokens"],
+)
+def test_without_parallel_calls_the_calls_after_the_first_decide_nothing(second):
+    """Only the first call is given, so what follows it (a call to an undeclared function, a
+    call cut short) cannot turn the answer into text."""
+    text = QWEN_CALL.format("a") + "\n" + second
+    assert parse(QWEN, text, parallel=False) == (None, [ToolCall("a", "{}")])
+    assert parse(QWEN, text) == (text, [])
 
 
 def test_required_calls_cut_by_max_tokens_keep_the_whole_ones_and_a_named_last_one():
