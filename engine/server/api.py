@@ -129,10 +129,16 @@ def in_clients_words(
 ) -> tuple[str, str | None]:
     """An engine's error message and field in the names the client gave the fields `names`
     maps (the engine's output limit "max_tokens" is chat's `max_completion_tokens` where the
-    client sent that)."""
-    for engine_name, client_name in (names or {}).items():
-        message = re.sub(rf"\b{re.escape(engine_name)}\b", client_name, message)
-    return message, (names or {}).get(param or "", param)
+    client sent that). In the message only the field it starts with, and names no prose
+    holds (with an underscore: `stop` may be a word, `--max-stop-string-length` a flag)."""
+    names = names or {}
+    if param in names and message.startswith(f"{param} "):
+        message = names[param] + message[len(param) :]
+    for engine_name, client_name in names.items():
+        if "_" in engine_name:
+            field = rf"(?<![\w.-]){re.escape(engine_name)}(?![\w-])"
+            message = re.sub(field, client_name, message)
+    return message, names.get(param or "", param)
 
 
 def validation_error(errors: Sequence[dict]) -> APIError:
@@ -345,6 +351,7 @@ def within_limits(
     n: int,
     texts: list[tuple[int, str]],
     token_prompts: Sequence[tuple[int, str]] = (),
+    names: Mapping[str, str] | None = None,  # the client's names of the engine's fields
 ) -> None:
     """The request's size against the server's limits (limits.py); `texts` holds the
     characters of each text prompt and the field that holds it, `token_prompts` the length of
@@ -359,7 +366,8 @@ def within_limits(
         for tokens, param in token_prompts:
             check_prompt_tokens(context_length, tokens, param)
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param) from exc
+        message, param = in_clients_words(str(exc), exc.param, names)
+        raise APIError(400, message, param=param) from exc
 
 
 def chat_chars(
@@ -460,6 +468,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         1,
         body.n,
         [(chat_chars(messages, tools, body.chat_template_kwargs), "messages")],
+        names=body.renamed_fields(),
     )
     subs = fan_out(
         [
@@ -532,6 +541,7 @@ async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere)
         1,
         [(len(body.text), "text")] if body.text is not None else [],
         [(len(body.input_ids), "input_ids")] if body.input_ids is not None else [],
+        names=body.renamed_fields(),
     )
     rid = body.rid or EngineClient.new_rid("gen")
     sub = TokenizeRequest(

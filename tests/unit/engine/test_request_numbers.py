@@ -178,3 +178,16 @@ def test_generate_errors_name_the_fields_the_client_wrote(sampling, field):
         body.to_sampling_params().validate(vocab_size=1000)
     message, param = in_clients_words(str(raised.value), raised.value.param, body.renamed_fields())
     assert param == field and message.startswith(field), message
+
+
+def test_renaming_keeps_prose_and_flags_whole():
+    """Only field names are renamed: `stop` the word and `--max-stop-string-length` the flag
+    stay as they are (they read "sampling_params.stop strings", "--max-sampling_params.stop...")."""
+    names = GenerateRequestBody.model_validate({"text": "hi"}).renamed_fields()
+    prose = "this model has no tokenizer: stop strings cannot be matched"
+    assert in_clients_words(prose, "stop", names) == (prose, "sampling_params.stop")
+    limit = "stop strings may be at most 8 characters long (--max-stop-string-length); one is 9"
+    assert in_clients_words(limit, "stop", names) == (
+        "sampling_params." + limit,
+        "sampling_params.stop",
+    )
