@@ -132,7 +132,7 @@ def in_clients_words(
     client sent that). In the message only the field it starts with, and names no prose
     holds (with an underscore: `stop` may be a word, `--max-stop-string-length` a flag)."""
     names = names or {}
-    if param in names and message.startswith(f"{param} "):
+    if param is not None and param in names and message.startswith(f"{param} "):
         message = names[param] + message[len(param) :]
     for engine_name, client_name in names.items():
         if "_" in engine_name:
@@ -366,8 +366,8 @@ def within_limits(
         for tokens, param in token_prompts:
             check_prompt_tokens(context_length, tokens, param)
     except InvalidRequestError as exc:
-        message, param = in_clients_words(str(exc), exc.param, names)
-        raise APIError(400, message, param=param) from exc
+        message, field = in_clients_words(str(exc), exc.param, names)
+        raise APIError(400, message, param=field) from exc
 
 
 def chat_chars(

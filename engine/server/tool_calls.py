@@ -108,7 +108,8 @@ def _parse_qwen(text: str) -> list[ToolCall | None]:
 def _parse_llama3_json(text: str) -> list[ToolCall | None]:
     # Llama 3.1's JSON tool calls: {"name": ..., "parameters": {...}}, several separated by ";"
     body = text.strip().removeprefix("<|python_tag|>").strip()
-    decoder, calls, at = json.JSONDecoder(), [], 0
+    decoder, at = json.JSONDecoder(), 0
+    calls: list[ToolCall | None] = []
     while at < len(body):
         try:
             obj, at = decoder.raw_decode(body, at)
