@@ -342,14 +342,16 @@ class UpstreamClient:
         attempt: Attempt,
     ) -> AsyncGenerator[bytes, None]:
         complete = False
-        done_sent = False  # the stream's last event reached the client (it may leave then)
+        # The worker's last event is being sent or was sent: a client may leave then, its
+        # answer whole (set before the yield, which a client leaving mid-send interrupts)
+        done_sent = False
         try:
             if first:
-                yield first
                 done_sent = first.endswith(SSE_DONE)
+                yield first
             async for chunk in chunks:
-                yield chunk
                 done_sent = chunk.endswith(SSE_DONE)
+                yield chunk
             complete = True
             attempt.finish(str(response.status), worker_failed=False)
         except TRANSPORT_ERRORS as exc:
