@@ -2,8 +2,8 @@
 (docs/architecture.md, Contracts): default ports, role names, the environment variables of
 the keys, pod labels and annotations, the architectures of the tiny model.
 
-Constants only, and no imports beyond typing: every component imports this module, the
-torch-free router and operator included.
+Constants (and a lookup over them), and no imports beyond typing: every component imports
+this module, the torch-free router and operator included.
 """
 
 from __future__ import annotations
@@ -63,3 +63,18 @@ TINY_ARCHS: Final[tuple[TinyArch, ...]] = ("llama", "mistral", "qwen2", "qwen3",
 # checks it)
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: Final[tuple[LogLevel, ...]] = ("debug", "info", "warning", "error")
+
+
+# OpenAI's routes that engines and the router do not serve, by path prefix: a 404 that says
+# so (the same words from either), not "Not Found"
+NOT_SERVED: Final = {
+    "/v1/responses": "the Responses API (/v1/responses) is not supported by this server; it "
+    "serves /v1/chat/completions and /v1/completions",
+}
+
+
+def not_served(path: str) -> str | None:
+    """Why `path` is not served, if it is one of NOT_SERVED's routes."""
+    return next(
+        (why for p, why in NOT_SERVED.items() if path == p or path.startswith(p + "/")), None
+    )

@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 import aiohttp
 
-from kubesgl.contract import ADMIN_KEY_ENV
+from kubesgl.contract import ADMIN_KEY_ENV, not_served
 from kubesgl.gc_pacing import GcPacer, tick_every
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.config import RouterConfig
@@ -265,7 +265,7 @@ class RouterApp:
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         methods = self._routes.get(route_of(scope["path"]))
         if methods is None:
-            message = f"no route for {scope['method']} {scope['path']}"
+            message = not_served(scope["path"]) or f"no route for {scope['method']} {scope['path']}"
             await self._send(send, self._rejected(RouterError(404, message, "not_found_error")))
             return
         handler = methods.get(scope["method"])

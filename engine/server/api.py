@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kubesgl.contract import not_served
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import (
     BootstrapTarget,
@@ -270,26 +271,13 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return exc.response()
 
 
-# OpenAI's routes this server does not serve, by path prefix: a 404 that says so, not "Not Found"
-NOT_SERVED = {
-    "/v1/responses": "the Responses API (/v1/responses) is not supported by this server; it "
-    "serves /v1/chat/completions and /v1/completions",
-}
-
-
 async def _http_error(
     request: Request, exc: StarletteHTTPException
 ) -> JSONResponse:  # unknown path, wrong method
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return APIError(
-        exc.status_code, _not_served(request.url.path) or str(exc.detail), type_
+        exc.status_code, not_served(request.url.path) or str(exc.detail), type_
     ).response()
-
-
-def _not_served(path: str) -> str | None:
-    return next(
-        (why for p, why in NOT_SERVED.items() if path == p or path.startswith(p + "/")), None
-    )
 
 
 async def _crash(request: Request, exc: Exception) -> JSONResponse:

@@ -250,8 +250,12 @@ async def test_unknown_route_and_wrong_method(start_router, client):
     async with start_router() as router:
         missing = await client.get(router.url + "/nope")
         wrong = await client.get(router.url + "/v1/completions", headers={"x-request-id": "t-1"})
+        responses = await client.post(router.url + "/v1/responses", json={"input": "x"})
     assert missing.status_code == 404 and wrong.status_code == 405
     assert "POST" in wrong.json()["error"]["message"]
+    # an OpenAI route that is not served says so, in the engines' words
+    assert "/v1/chat/completions" in responses.json()["error"]["message"]
+    assert responses.status_code == 404
     # the id of the access log's line, on the router's own answers too (the SDK's _request_id)
     assert len(missing.headers["x-request-id"]) == 32 and wrong.headers["x-request-id"] == "t-1"
 
