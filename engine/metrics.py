@@ -21,7 +21,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kubesgl.contract import MIXED, PREFILL
+from kubesgl.contract import LATENCY_BUCKETS_S, MIXED, PREFILL, REQUEST_BUCKETS_S
 from kubesgl.engine.disagg.protocol import FailureReason
 from kubesgl.engine.messages import DisaggStats, GrammarStats, SchedulerStats
 
@@ -49,49 +49,15 @@ ERROR_REASONS = {
     503: "unavailable",
 }
 # ... and the statuses only prefill and decode engines answer, under the reasons any other
-# status gets (client_error below 500, server_error from it): a bootstrap room already in use
-# or closed (409), the other engine failed (502) or did not act in time (504)
-PD_ERROR_REASONS = {409: "client_error", 502: "server_error", 504: "server_error"}
+# status gets (`error_reason`): a bootstrap room already in use or closed (409), the other
+# engine failed (502) or did not act in time (504)
+PD_ERROR_STATUSES = (409, 502, 504)
 
-# Latencies in seconds: 1 ms to 2 minutes, at most 1.5x apart from 0.1 s to 20 s, where TTFT,
-# queue and prefill times of a loaded engine fall (histogram_quantile interpolates inside a
-# bucket: with 2.5x steps a p90 read up to 40 % high). Every edge of earlier versions is kept,
-# so queries on an `le` value still find it.
-_LATENCY_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.25,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    3.0,
-    4.0,
-    5.0,
-    7.5,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    60.0,
-    120.0,
-)
-# Whole requests and their decode phase: as above, then up to about 2 hours (long outputs at a
-# few tokens per second; vLLM's end-to-end buckets end at 7680 s too). A latency above the
-# last edge reads as that edge.
-_REQUEST_BUCKETS = _LATENCY_BUCKETS + (240.0, 480.0, 960.0, 1920.0, 3840.0, 7680.0)
+
+def error_reason(status: int) -> str:
+    return ERROR_REASONS.get(status, "client_error" if status < 500 else "server_error")
+
+
 # Prompt and output lengths in tokens: 1 to 128k, powers of two. A quantile that falls in the
 # first bucket, (0, 1], reads between 0 and 1 (histogram_quantile interpolates inside it).
 _LENGTH_BUCKETS = tuple(2**i for i in range(18))
@@ -184,7 +150,7 @@ class EngineMetrics:
             "Time to first token (a prefill engine's room: to its first token computed, before "
             "the wait for the decode engine and the KV write)",
             labels,
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.itl = Histogram(
@@ -199,14 +165,14 @@ class EngineMetrics:
             "Request latency, arrival to last token (a prefill engine's room: to its answer, "
             "after its KV reached the decode engine)",
             labels,
-            buckets=_REQUEST_BUCKETS,
+            buckets=REQUEST_BUCKETS_S,
             registry=r,
         )
         self.queue_time = Histogram(
             "kubesgl_request_queue_time_seconds",
             "Time a request waited in the scheduler's queue before admission",
             labels,
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.prefill_time = Histogram(
@@ -214,14 +180,14 @@ class EngineMetrics:
             "From admission to the first token computed (a decode engine's room: to the KV's "
             "arrival; a prefill engine's: not to its KV's handoff)",
             labels,
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.decode_time = Histogram(
             "kubesgl_request_decode_time_seconds",
             "From the first output token to the last",
             labels,
-            buckets=_REQUEST_BUCKETS,
+            buckets=REQUEST_BUCKETS_S,
             registry=r,
         )
         self.prompt_length = Histogram(
@@ -269,7 +235,7 @@ class EngineMetrics:
             "kubesgl_kv_transfer_seconds",
             "Time to move one request's KV",
             labels,
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.kv_transfer_wait = Histogram(
@@ -278,7 +244,7 @@ class EngineMetrics:
             "engine: decode, from admission to the KV's arrival; prefill, from the "
             "prompt's end to the decode side's slots",
             labels,
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS_S,
             registry=r,
         )
         self.disagg_requests = Gauge(
@@ -342,8 +308,10 @@ class EngineMetrics:
                 self.disagg_requests.labels(role=role, state=state)
             for reason in FailureReason:
                 self.disagg_failures.labels(role=role, reason=reason.value)
-            for status, reason in PD_ERROR_REASONS.items():
-                self.request_errors.labels(role=role, status=str(status), reason=reason)
+            for status in PD_ERROR_STATUSES:
+                self.request_errors.labels(
+                    role=role, status=str(status), reason=error_reason(status)
+                )
         self._failures_seen: dict[str, int] = {}
         self._retractions_seen = 0
         self._grammar_cache_seen = {"hit": 0, "miss": 0}
@@ -410,8 +378,9 @@ class EngineMetrics:
             self.itl.labels(role=role).observe(since_last / count)
 
     def request_error(self, status: int) -> None:
-        reason = ERROR_REASONS.get(status, "client_error" if status < 500 else "server_error")
-        self.request_errors.labels(role=self.role, status=str(status), reason=reason).inc()
+        self.request_errors.labels(
+            role=self.role, status=str(status), reason=error_reason(status)
+        ).inc()
 
     def set_build_info(self, version: str, model: str) -> None:
         self.build_info.labels(role=self.role).info({"version": version, "model": model})

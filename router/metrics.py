@@ -19,6 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kubesgl.contract import REQUEST_BUCKETS_S
 from kubesgl.router.workers import Worker, WorkerRegistry
 
 # No `_created` series beside each counter and histogram (prometheus_client's default): Prometheus
@@ -42,42 +43,6 @@ REJECTION_REASONS = {
     500: "internal",
     503: "no_worker",
 }
-
-# Seconds, as the engines' (engine/metrics.py): at most 1.5x apart from 0.1 s to 20 s, where a
-# loaded service's times to first byte fall (histogram_quantile interpolates inside a bucket);
-# a whole answer, a long streamed generation among them, up to 7680 s. Every edge of earlier
-# versions is kept.
-FIRST_BYTE_BUCKETS = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.25,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1,
-    1.5,
-    2,
-    2.5,
-    3,
-    4,
-    5,
-    7.5,
-    10,
-    15,
-    20,
-    30,
-    60,
-    120,
-    300,
-)
-DURATION_BUCKETS = FIRST_BYTE_BUCKETS + (600, 1200, 1920, 3840, 7680)
 
 
 class _WorkerCollector(Collector):
@@ -125,14 +90,14 @@ class RouterMetrics:
         self.request_duration = Histogram(
             "kubesgl_router_request_duration_seconds",
             "Time from receiving a request to sending the last byte of its answer",
-            buckets=DURATION_BUCKETS,
+            buckets=REQUEST_BUCKETS_S,  # as the engines': a long streamed answer too
             registry=self.registry,
         )
         self.time_to_first_byte = Histogram(
             "kubesgl_router_time_to_first_byte_seconds",
             "Generation requests answered 200: time from receiving the request to sending the first "
             "byte of the answer (for a stream, about the time to first token)",
-            buckets=FIRST_BYTE_BUCKETS,
+            buckets=REQUEST_BUCKETS_S,  # it may wait in an engine's queue
             registry=self.registry,
         )
         self.cache_decisions = Counter(
