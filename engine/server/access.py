@@ -37,8 +37,10 @@ class AccessRecord:
     prompts_counted: set[int] = field(default_factory=set)  # the choices whose prompt counts
     ttft: float | None = None
 
-    def first_tokens(self) -> None:
-        self.ttft = time.perf_counter() - self.started
+    def first_tokens(self, handoff_s: float = 0.0) -> None:
+        """`handoff_s`: how long before its first output a prefill engine had the first token
+        (it waited for the decode engine and wrote the KV), which its TTFT leaves out."""
+        self.ttft = time.perf_counter() - self.started - handoff_s
 
     def tokens(self) -> tuple[int, int]:
         prompt = sum(c.prompt_tokens for c in self.choices if c.index in self.prompts_counted)

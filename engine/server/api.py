@@ -622,8 +622,8 @@ async def respond(
         firsts = await first_outputs(client, subs, streams, disconnect)
         if firsts is None:
             return Response(status_code=499)
-        if record is not None:
-            record.first_tokens()
+        if record is not None:  # the TTFT of the metrics (engine_client.py), the last choice's
+            record.first_tokens(min(out.handoff_seconds or 0.0 for out in firsts))
         for out, prompt_field in zip(firsts, prompt_fields):
             if out.finish_reason is not None and out.finish_reason.kind == "error":
                 await asyncio.gather(*(s.aclose() for s in streams))

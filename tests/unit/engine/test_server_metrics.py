@@ -37,6 +37,10 @@ class FakeClient:
                 rid, "", [], FinishReason("error", status=500, message="the step failed"), 3, 0, 0
             )
             return
+        if self.script == "handoff":  # a prefill engine's answer, after the KV went out
+            await asyncio.sleep(0.5)
+            yield TextOutput(rid, "a", [5], FinishReason("length"), 3, 0, 1, handoff_seconds=0.5)
+            return
         yield TextOutput(rid, "a", [5], None, 3, 0, 1)
         if self.script == "fail_later":
             yield TextOutput(
@@ -270,6 +274,17 @@ async def test_a_prefill_engines_handoff_is_left_out_of_its_ttft_and_is_no_finis
     }
     assert by_reason == {"stop": 0, "length": 0, "abort": 0, "handoff": 1}
     assert get("kubesgl_generation_tokens_total", {"role": "prefill"}) == 1  # it sampled one
+
+
+def test_a_prefill_engines_access_line_leaves_the_handoff_out_of_its_ttft(caplog):
+    """As its TTFT histogram does: the wait for the decode engine is not the prompt's time."""
+    calls = [("POST", "/v1/completions", {"json": {"prompt": "hi", "max_tokens": 1}})]
+    with caplog.at_level("INFO", logger="kubesgl.access"):
+        assert asyncio.run(_requests(FakeClient("handoff"), calls)) == [200]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kubesgl.access"]
+    ttft = float(re.search(r"ttft=([\d.]+)s", line)[1])
+    duration = float(re.search(r"duration=([\d.]+)s", line)[1])
+    assert ttft < 0.25 and duration >= 0.5, line
 
 
 def test_only_a_prefill_engine_exports_the_handoff_reason():
