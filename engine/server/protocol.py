@@ -214,6 +214,8 @@ def _per_choice(name: str, value, prompts: int, n: int) -> list[tuple[Any, int]]
 
 class StreamOptions(_Lenient):
     include_usage: Bool = False
+    # vLLM's usage on every chunk: not implemented here
+    continuous_usage_stats: Annotated[Bool | None, unsupported_unless(None, False)] = None
 
 
 class JSONSchemaFormat(_Lenient):
@@ -452,6 +454,11 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Annotated[
         str | dict[str, Any] | None, unsupported_unless(None, "none", instead="tool_choice")
     ] = None
+    # OpenAI's options this server does not implement (a reasoning model's effort, web
+    # search, predicted outputs): refused unless they ask for nothing
+    reasoning_effort: Annotated[str | None, unsupported_unless(None)] = None
+    web_search_options: Annotated[dict[str, Any] | None, unsupported_unless(None)] = None
+    prediction: Annotated[dict[str, Any] | None, unsupported_unless(None)] = None
     # vLLM's and SGLang's control of the chat template
     add_generation_prompt: Bool = True  # the prompt ends with the start of an assistant turn
     continue_final_message: Bool = False  # the answer goes on with the last (assistant) message
@@ -473,6 +480,18 @@ class ChatCompletionRequest(_SamplingFields):
                 "continue_final_message",
                 "needs the last message to be the assistant's, got {role}",
                 {"role": messages[-1].role},
+            )
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _named_once(cls, value: list[Tool] | None) -> list[Tool] | None:
+        names = [tool.function.name for tool in value or ()]
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            raise PydanticCustomError(
+                "tool_named_twice",
+                "name each function once; more than one is named {names}",
+                {"names": ", ".join(twice)},
             )
         return value
 

@@ -386,6 +386,10 @@ def test_bad_chat_requests_get_400(llama_server):
 CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
 
 
+def _tool(name: str) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
@@ -401,6 +405,27 @@ CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
         ("/v1/chat/completions", {**CHAT, "audio": {"voice": "alloy"}}, "audio"),
         ("/v1/chat/completions", {**CHAT, "stream_options": {}}, "stream_options"),
         ("/v1/chat/completions", {**CHAT, "guided_choice": ["a", "b"]}, "guided_choice"),
+        ("/v1/chat/completions", {**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
+        ("/v1/chat/completions", {**CHAT, "web_search_options": {}}, "web_search_options"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "prediction": {"type": "content", "content": "x"}},
+            "prediction",
+        ),
+        (
+            "/v1/completions",
+            {
+                "prompt": "x",
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            },
+            "stream_options.continuous_usage_stats",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [_tool("f"), _tool("g"), _tool("f")]},
+            "tools",
+        ),
     ],
 )
 def test_openai_fields_not_implemented_are_refused_not_ignored(llama_server, path, body, param):
@@ -411,7 +436,10 @@ def test_openai_fields_not_implemented_are_refused_not_ignored(llama_server, pat
     got = httpx.post(url, json={"model": "tiny", **body}, headers=headers)
     assert got.status_code == 400, got.text
     assert got.json()["error"]["param"] == param
-    assert any(words in got.json()["error"]["message"] for words in ("not supported", "needs"))
+    assert any(
+        words in got.json()["error"]["message"]
+        for words in ("not supported", "needs", "name each function once")
+    )
     no_ops = {
         "logit_bias": {},
         "best_of": 1,
