@@ -141,7 +141,9 @@ class ToolOutput:
             return 0
         if self.mode != "auto" or self.format is None:
             return len(text)
-        return self.format.held_from(text)
+        # whitespace before a call is no content (the whole answer's is cut): held until
+        # text follows it
+        return len(text[: self.format.held_from(text)].rstrip())
 
 
 def _as_text(_: ToolOutput, text: str) -> Reading:
@@ -157,7 +159,8 @@ def _auto(tools: ToolOutput, text: str) -> Reading:
     declared = tools.declared
     if not calls or (declared is not None and any(c.name not in declared for c in calls)):
         return _as_text(tools, text)
-    return Reading(text[:at].strip() or None, calls, at)
+    content = text[:at].rstrip()
+    return Reading(content or None, calls, len(content))
 
 
 def _required(_: ToolOutput, text: str) -> Reading:

@@ -150,9 +150,9 @@ def test_required_calls_follow_the_grammars_list():
 
 def test_streamed_content_is_held_where_a_call_may_begin():
     auto = ToolOutput("auto", format=QWEN, declared=DECLARED)
-    assert auto.held_from("Sure, ") == len("Sure, ")
-    assert auto.held_from("Sure, <tool") == len("Sure, ")  # maybe the marker, cut across chunks
-    assert auto.held_from('Sure, <tool_call>\n{"na') == len("Sure, ")
+    assert auto.held_from("Sure, ") == len("Sure,")  # whitespace waits for text after it
+    assert auto.held_from("Sure, <tool") == len("Sure,")  # maybe the marker, cut across chunks
+    assert auto.held_from('Sure, <tool_call>\n{"na') == len("Sure,")
     assert ToolOutput("required").held_from("[{") == 0
     assert ToolOutput("auto").held_from("anything <tool") == len(
         "anything <tool"
@@ -182,7 +182,7 @@ def test_an_auto_call_streams_as_delta_tool_calls_after_the_content_before_it():
         chunks.append(formatter.chunk(choice, out))
     assert chunks[1:3] == [None, None]  # "<tool" held back, and the call: nothing to send yet
     deltas = [c["choices"][0] for c in chunks if c is not None]
-    assert [d["delta"].get("content") for d in deltas] == ["Sure, ", None]
+    assert [d["delta"].get("content") for d in deltas] == ["Sure,", None]
     last = deltas[-1]
     assert last["finish_reason"] == "tool_calls"
     (call,) = last["delta"]["tool_calls"]
@@ -238,6 +238,18 @@ def test_without_parallel_calls_an_auto_answer_gives_its_first_call_only():
         == streamed
         == {"content": None, "calls": [("a", "{}")], "finish_reason": "tool_calls"}
     )
+
+
+@pytest.mark.parametrize("before", ["Sure. ", "Sure.\n\n", "\n", "  Sure, let me look.  "])
+def test_the_content_before_a_call_is_the_same_streamed_or_not(before):
+    """Whitespace between the content and a call is cut in both (the stream holds it back until
+    text follows)."""
+    text = before + QWEN_CALL.format("a")
+    tools = ToolOutput("auto", format=QWEN, declared=DECLARED)
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    whole, streamed = answered_both_ways(tools, pieces, "stop")
+    assert whole == streamed, (whole, streamed)
+    assert whole["content"] == (before.rstrip() or None)
 
 
 @pytest.mark.parametrize(
