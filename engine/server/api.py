@@ -54,6 +54,7 @@ from kubesgl.engine.server.openai_format import (
 )
 from kubesgl.engine.server.protocol import (
     MODEL_NAMES,
+    UNSUPPORTED_ERROR,
     UTF8_ERROR,
     ChatCompletionRequest,
     CompletionRequest,
@@ -169,8 +170,10 @@ def validation_error(errors: Sequence[dict]) -> APIError:
     message = error.get("msg", "invalid request")
     if error.get("type") == "value_error":  # a validator's own message, without pydantic's prefix
         message = str((error.get("ctx") or {}).get("error", message))
+    # "field: message", or "field message" for a message that reads on from the field's name
+    sep = " " if error.get("type") == UNSUPPORTED_ERROR else ": "
     return APIError(
-        400, f"{'.'.join(loc) + ': ' if loc else ''}{message}", param=".".join(loc) or None
+        400, f"{'.'.join(loc) + sep if loc else ''}{message}", param=".".join(loc) or None
     )
 
 

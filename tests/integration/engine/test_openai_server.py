@@ -436,6 +436,7 @@ def test_openai_fields_not_implemented_are_refused_not_ignored(llama_server, pat
     got = httpx.post(url, json={"model": "tiny", **body}, headers=headers)
     assert got.status_code == 400, got.text
     assert got.json()["error"]["param"] == param
+    assert ": is " not in got.json()["error"]["message"]  # "logit_bias is not supported ..."
     assert any(
         words in got.json()["error"]["message"]
         for words in ("not supported", "needs", "name each function once")
