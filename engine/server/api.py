@@ -444,7 +444,8 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
     elif mode == "named":
         assert named is not None  # tool_mode returns the named tool in "named" mode
         params = dataclasses.replace(params, grammar=tool_calls.named_grammar(named))
-    params = validated(ctx, params, body.renamed_fields())
+    names = body.renamed_fields()
+    params = validated(ctx, params, names)
     tool_output = ToolOutput(
         mode,
         named["function"]["name"] if named else None,
@@ -459,7 +460,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         1,
         body.n,
         [(chat_chars(messages, tools, body.chat_template_kwargs), "messages")],
-        names=body.renamed_fields(),
+        names=names,
     )
     subs = fan_out(
         [
@@ -486,7 +487,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         body.stream,
         body.include_usage,
         chat_formatter(response_meta(ctx, subs), body.logprobs, tool_output),
-        body.renamed_fields(),
+        names,
     )
 
 
@@ -524,7 +525,8 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServedHere
 @api_routes.post("/generate")
 async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere) -> Response:
     serving(ctx)
-    params = validated(ctx, body.to_sampling_params(), body.renamed_fields())
+    names = body.renamed_fields()
+    params = validated(ctx, body.to_sampling_params(), names)
     within_limits(
         ctx,
         params,
@@ -532,7 +534,7 @@ async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere)
         1,
         [(len(body.text), "text")] if body.text is not None else [],
         [(len(body.input_ids), "input_ids")] if body.input_ids is not None else [],
-        names=body.renamed_fields(),
+        names=names,
     )
     rid = body.rid or EngineClient.new_rid("gen")
     sub = TokenizeRequest(
@@ -551,7 +553,7 @@ async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere)
         body.stream,
         False,
         native_formatter(rid),
-        body.renamed_fields(),
+        names,
     )
 
 

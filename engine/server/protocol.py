@@ -8,6 +8,8 @@ left out (its default), as OpenAI reads it; where null has a meaning of its own,
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import (
@@ -526,7 +528,7 @@ class ChatCompletionRequest(_SamplingFields):
             return "named", named.model_dump()
         return choice, None
 
-    def renamed_fields(self) -> dict[str, str]:
+    def renamed_fields(self) -> Mapping[str, str]:
         """The client's names of the engine's fields, where they differ, for errors."""
         given = self.max_completion_tokens is not None
         return {"max_tokens": "max_completion_tokens"} if given else {}
@@ -634,6 +636,19 @@ def _sglang_grammar(fields: BaseModel, param_prefix: str = "") -> GrammarSpec | 
     return None
 
 
+# The engine's fields as /generate's body names them: the sampling options inside
+# `sampling_params`, some under SGLang's names
+_NATIVE_FIELD_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        **{name: f"sampling_params.{name}" for name in NativeSamplingParams.model_fields},
+        "max_tokens": "sampling_params.max_new_tokens",
+        "min_tokens": "sampling_params.min_new_tokens",
+        "include_stop_str_in_output": "sampling_params.no_stop_trim",
+        "logprobs": "top_logprobs_num",
+    }
+)
+
+
 class GenerateRequestBody(_Bootstrap):
     """SGLang's native request. The bootstrap fields belong to prefill/decode serving."""
 
@@ -653,17 +668,9 @@ class GenerateRequestBody(_Bootstrap):
             raise ValueError("input_ids is empty")
         return self
 
-    def renamed_fields(self) -> dict[str, str]:
-        """The client's names of the engine's fields, for errors: this body's sampling
-        options are inside `sampling_params`, some under SGLang's names."""
-        own = {name: name for name in NativeSamplingParams.model_fields}
-        own |= {
-            "max_tokens": "max_new_tokens",
-            "min_tokens": "min_new_tokens",
-            "include_stop_str_in_output": "no_stop_trim",
-        }
-        renamed = {engine: f"sampling_params.{native}" for engine, native in own.items()}
-        return renamed | {"logprobs": "top_logprobs_num"}
+    def renamed_fields(self) -> Mapping[str, str]:
+        """The client's names of the engine's fields, for errors."""
+        return _NATIVE_FIELD_NAMES
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params
