@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import httpx
@@ -458,25 +459,18 @@ def test_a_decode_engine_killed_while_the_prefill_engine_holds_kv_leaves_the_pre
             "bootstrap_port": bootstrap,
             "bootstrap_room": random.getrandbits(63),
         }
-        answers = {}
-        thread = threading.Thread(
-            target=lambda: answers.__setitem__(
-                "p", httpx.post(prefill.base_url + "/generate", json=body, timeout=120)
-            )
-        )
-        thread.start()
+        prefill_answer = _posted_in_background(prefill.base_url + "/generate", body)
         decode_side = threading.Thread(target=_post_quietly, args=(decode, body))
         decode_side.start()
         deadline = time.monotonic() + 60
         while (
             prefill.metric('kubesgl_disagg_requests{role="prefill",state="prefilling"}') < 1
         ):  # it holds KV
-            assert time.monotonic() < deadline and thread.is_alive(), answers
+            assert time.monotonic() < deadline and not prefill_answer.done(), prefill_answer
             time.sleep(0.02)
         os.killpg(decode.process.pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        thread.join(timeout=90)
-        answer = answers["p"]
+        answer = prefill_answer.result(timeout=90)
         assert time.monotonic() - killed_at < 15
         assert answer.status_code in (502, 504), answer.text  # its write failed, or nobody took it
         concurrent = httpx.post(
@@ -489,6 +483,14 @@ def test_a_decode_engine_killed_while_the_prefill_engine_holds_kv_leaves_the_pre
         for server in (prefill, decode):
             if server.process.poll() is None:
                 os.killpg(server.process.pid, signal.SIGKILL)
+
+
+def _posted_in_background(url: str, body: dict) -> Future[httpx.Response]:
+    """POSTs `body` to `url` on a thread of its own; the answer comes as the future's result."""
+    executor = ThreadPoolExecutor(max_workers=1)
+    answer = executor.submit(httpx.post, url, json=body, timeout=120)
+    executor.shutdown(wait=False)
+    return answer
 
 
 def test_a_decode_client_that_leaves_during_the_prefill_aborts_the_prefill_request(
@@ -511,13 +513,7 @@ def test_a_decode_client_that_leaves_during_the_prefill_aborts_the_prefill_reque
             "bootstrap_port": bootstrap,
             "bootstrap_room": random.getrandbits(63),
         }
-        answers = {}
-        thread = threading.Thread(
-            target=lambda: answers.__setitem__(
-                "p", httpx.post(prefill.base_url + "/v1/completions", json=body, timeout=120)
-            )
-        )
-        thread.start()
+        prefill_answer = _posted_in_background(prefill.base_url + "/v1/completions", body)
         payload = json.dumps(body).encode()
         decode_client = socket.create_connection(("127.0.0.1", urlsplit(decode.base_url).port))
         decode_client.sendall(
@@ -529,11 +525,10 @@ def test_a_decode_client_that_leaves_during_the_prefill_aborts_the_prefill_reque
             prefill.metric('kubesgl_disagg_requests{role="prefill",state="prefilling"}') < 1
             or decode.metric('kubesgl_disagg_requests{role="decode",state="awaiting_kv"}') < 1
         ):
-            assert time.monotonic() < deadline and thread.is_alive(), answers
+            assert time.monotonic() < deadline and not prefill_answer.done(), prefill_answer
             time.sleep(0.02)
         decode_client.close()  # the client leaves
-        thread.join(timeout=60)
-        answer = answers["p"]
+        answer = prefill_answer.result(timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["choices"][0]["finish_reason"] == "abort"
         prefill.wait_idle()
