@@ -211,6 +211,7 @@ def chat_formatter(
         return {**meta, "object": "chat.completion.chunk", "choices": choices}
 
     def start(n: int) -> list[dict]:
+        # a chunk per choice, as OpenAI and vLLM send them: each chunk holds one choice
         return [
             chunk_of(
                 [
@@ -220,9 +221,9 @@ def chat_formatter(
                         "logprobs": None,
                         "finish_reason": None,
                     }
-                    for i in range(n)
                 ]
             )
+            for i in range(n)
         ]
 
     def chunk(choice: Choice, out: TextOutput) -> dict | None:

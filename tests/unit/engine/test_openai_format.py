@@ -163,3 +163,11 @@ def test_a_token_with_logprobs_and_no_text_still_carries_content():
     choice.add(out)
     (sent,) = formatter.chunk(choice, out)["choices"]
     assert sent["delta"] == {"content": ""} and sent["logprobs"]["content"]
+
+
+def test_each_choice_of_a_chat_stream_has_its_own_role_chunk():
+    """As OpenAI and vLLM stream n > 1: one role delta per choice index, each chunk one choice
+    (clients that read choices[0] of each chunk see every choice's role)."""
+    starts = chat_formatter({"id": "x"}, False).stream_start(3)
+    assert [[c["index"] for c in chunk["choices"]] for chunk in starts] == [[0], [1], [2]]
+    assert all(chunk["choices"][0]["delta"]["role"] == "assistant" for chunk in starts)
