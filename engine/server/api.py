@@ -729,10 +729,14 @@ async def stream_events(
             await stream.aclose()
             queue.put_nowait((index, None))
 
+    def event(chunk: dict) -> str:
+        # OpenAI's include_usage: every chunk before the usage chunk has the field, null
+        return sse({**chunk, "usage": None} if include_usage else chunk)
+
     tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
     try:
-        for event in formatter.stream_start(len(choices)):
-            yield sse(event)
+        for start in formatter.stream_start(len(choices)):
+            yield event(start)
         remaining = len(tasks)
         last_sent = time.monotonic()
         while remaining:
@@ -747,7 +751,7 @@ async def stream_events(
                 yield sse(APIError.of(out.finish_reason).body())
                 continue
             if (chunk := formatter.chunk(choice, out)) is not None:
-                yield sse(chunk)
+                yield event(chunk)
                 last_sent = time.monotonic()
             elif time.monotonic() - last_sent > HELD_STREAM_KEEPALIVE_S:
                 yield SSE_KEEPALIVE

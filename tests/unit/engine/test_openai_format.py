@@ -171,3 +171,37 @@ def test_each_choice_of_a_chat_stream_has_its_own_role_chunk():
     starts = chat_formatter({"id": "x"}, False).stream_start(3)
     assert [[c["index"] for c in chunk["choices"]] for chunk in starts] == [[0], [1], [2]]
     assert all(chunk["choices"][0]["delta"]["role"] == "assistant" for chunk in starts)
+
+
+def _streamed(formatter, outputs: list[TextOutput], include_usage: bool) -> list[dict]:
+    """The JSON events of a one-choice stream of `outputs`, [DONE] left out."""
+    import asyncio
+    import json
+
+    from kubesgl.engine.server import api
+
+    async def rest():
+        for out in outputs[1:]:
+            yield out
+
+    async def events() -> list[str]:
+        stream = api.stream_events(
+            [rest()], [outputs[0]], [Choice(index=0)], {0}, include_usage, formatter
+        )
+        return [event async for event in stream]
+
+    sent = asyncio.run(events())
+    assert sent[-1] == "data: [DONE]\n\n"
+    return [json.loads(event.removeprefix("data: ")) for event in sent[:-1]]
+
+
+def test_with_include_usage_every_chunk_but_the_last_has_usage_null():
+    """OpenAI's stream_options.include_usage: "All other chunks will also include a usage
+    field, but with a null value" (code that tests `chunk.usage !== null` must not read a
+    missing field as usage). Without it, no chunk has the field."""
+    outputs = [output("a", None, 0, False), output("b", None, 1, True)]
+    for formatter in (chat_formatter({"id": "x"}, False), completion_formatter({"id": "x"}, False)):
+        *chunks, last = _streamed(formatter, outputs, include_usage=True)
+        assert chunks and all("usage" in c and c["usage"] is None for c in chunks)
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
+        assert all("usage" not in c for c in _streamed(formatter, outputs, include_usage=False))
