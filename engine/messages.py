@@ -201,6 +201,8 @@ class TextOutput:
     # Text of these tokens comes with later ones (a character not yet whole, a possible stop
     # string). Never on an engine without a tokenizer, whose tokens bring no text at all.
     text_held: bool = False
+    # An engine without a tokenizer: token_strings only name ids ("token_id:N"), no text
+    tokens_named_by_id: bool = False
 
 
 @dataclass

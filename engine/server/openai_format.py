@@ -23,11 +23,13 @@ class Choice:
     cached_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
     error: FinishReason | None = None  # how it failed, if it did
+    tokens_named_by_id: bool = False  # see TextOutput
 
     def add(self, out: TextOutput) -> None:
         self.text += out.text
         self.token_ids += out.token_ids
         self.prompt_tokens, self.cached_tokens = out.prompt_tokens, out.cached_tokens
+        self.tokens_named_by_id = out.tokens_named_by_id
         if out.logprobs:
             self.logprobs += logprob_entries(out)
         if out.finish_reason is not None:
@@ -61,11 +63,17 @@ def logprob_entries(out: TextOutput) -> list[dict]:
     ]
 
 
-def completion_logprobs(entries: list[dict], start_offset: int = 0) -> dict:
+def text_lengths(entries: list[dict], named_by_id: bool) -> list[int]:
+    """The characters of the answer's text each token brings, which its text_offset counts:
+    none where tokens are named by id (an engine without a tokenizer returns no text)."""
+    return [0] * len(entries) if named_by_id else [len(e["token"]) for e in entries]
+
+
+def completion_logprobs(entries: list[dict], lengths: list[int], start_offset: int = 0) -> dict:
     offsets, position = [], start_offset
-    for entry in entries:
+    for length in lengths:
         offsets.append(position)
-        position += len(entry["token"])
+        position += length
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
@@ -274,7 +282,13 @@ def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
                 {
                     "index": c.index,
                     "text": c.text,
-                    "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
+                    "logprobs": (
+                        completion_logprobs(
+                            c.logprobs, text_lengths(c.logprobs, c.tokens_named_by_id)
+                        )
+                        if want_logprobs
+                        else None
+                    ),
                     "finish_reason": c.finish_reason,
                 }
                 for c in choices
@@ -289,8 +303,9 @@ def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
             # counted token by token, as in the whole answer, not from the text sent so far:
             # text held back (part of a character, a possible stop string) comes later
             entries, start = logprob_entries(out), text_offsets.get(choice.index, 0)
-            logprobs = completion_logprobs(entries, start)
-            text_offsets[choice.index] = start + sum(len(e["token"]) for e in entries)
+            lengths = text_lengths(entries, out.tokens_named_by_id)
+            logprobs = completion_logprobs(entries, lengths, start)
+            text_offsets[choice.index] = start + sum(lengths)
         # A token whose text comes later sends nothing now (an engine without a tokenizer
         # holds none back: each of its tokens is a chunk, with no text)
         news = out.text or (out.token_ids and not out.text_held)

@@ -132,6 +132,7 @@ class Tokenizer:
             prefill_seconds=out.prefill_seconds,
             handoff_seconds=out.handoff_seconds,
             text_held=held,
+            tokens_named_by_id=self.hf is None,
         )
         if out.logprobs:
             name, raw = self._token_text, self._raw_bytes

@@ -205,3 +205,29 @@ def test_with_include_usage_every_chunk_but_the_last_has_usage_null():
         assert chunks and all("usage" in c and c["usage"] is None for c in chunks)
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
         assert all("usage" not in c for c in _streamed(formatter, outputs, include_usage=False))
+
+
+def test_text_offsets_of_an_engine_without_a_tokenizer_count_no_placeholders(tiny_model, tmp_path):
+    """Its tokens are named "token_id:N" and bring no text: every offset into the text
+    returned (empty) is 0, streamed and whole, not the placeholders' lengths summed."""
+    import shutil
+
+    from kubesgl.engine.messages import TokenizeRequest, TokenOutput
+    from kubesgl.engine.sampling_params import SamplingParams
+    from kubesgl.engine.tokenizer.process import Tokenizer
+
+    path = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model("llama"), path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).unlink()
+    tokenizer = Tokenizer(str(path))
+    tokenizer.start(TokenizeRequest("r", SamplingParams(), input_ids=[5]))
+    formatter, choice, streamed = completion_formatter({"id": "x"}, True), Choice(index=0), []
+    for i, token_id in enumerate((11, 12, 13)):
+        reason = FinishReason("length") if i == 2 else None
+        out = tokenizer.decode(TokenOutput("r", [token_id], reason, [TokenLogprob(token_id, -1.0)]))
+        choice.add(out)
+        streamed += formatter.chunk(choice, out)["choices"][0]["logprobs"]["text_offset"]
+    whole = formatter.final([choice], {})["choices"][0]
+    assert whole["text"] == "" and whole["logprobs"]["tokens"][0] == "token_id:11"
+    assert streamed == whole["logprobs"]["text_offset"] == [0, 0, 0]
