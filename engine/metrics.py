@@ -129,7 +129,10 @@ class EngineMetrics:
             "kubesgl_prompt_tokens", "Prompt tokens of finished requests", labels, registry=r
         )
         self.generation_tokens = Counter(
-            "kubesgl_generation_tokens", "Generated tokens", labels, registry=r
+            "kubesgl_generation_tokens",
+            "Generated tokens (a P/D room's first: on the decode engine, whose answer holds it)",
+            labels,
+            registry=r,
         )
         self.requests = Counter(
             "kubesgl_requests",
@@ -376,6 +379,12 @@ class EngineMetrics:
             return
         for _ in range(count):
             self.itl.labels(role=role).observe(since_last / count)
+
+    def handed_off(self, seconds_to_first_token: float) -> None:
+        """A prefill engine's answer to a room: its TTFT, to the token computed. The token is
+        the decode engine's first, which counts it as generated (it is in that engine's
+        answer and usage), so summed over a P/D instance each token counts once."""
+        self.ttft.labels(role=self.role).observe(seconds_to_first_token)
 
     def request_error(self, status: int) -> None:
         self.request_errors.labels(

@@ -148,13 +148,14 @@ class EngineClient:
             if last is None and out.handoff_seconds is not None:
                 # a prefill engine's answer: its first token came before the wait for the decode
                 # engine's slots and the KV write, which the TTFT leaves out
-                since_last = max(0.0, since_last - out.handoff_seconds)
+                self.metrics.handed_off(max(0.0, since_last - out.handoff_seconds))
                 pending.handed_off = True
-            self.metrics.tokens(len(out.token_ids), since_last, last is None)
+            else:
+                self.metrics.tokens(len(out.token_ids), since_last, last is None)
+                self._tokens_since_log += len(out.token_ids)
             pending.last_token = now
             pending.first_token = pending.first_token or now
             pending.output_tokens += len(out.token_ids)
-            self._tokens_since_log += len(out.token_ids)
         if out.finish_reason is not None and out.finish_reason.kind != "error":
             self._finished(pending, out.finish_reason.kind, now)
 

@@ -241,7 +241,7 @@ async def test_a_prefill_engines_handoff_is_left_out_of_its_ttft_and_is_no_finis
     time it waited for that (handoff_seconds) is the decode pool's load, not the prefill
     pool's, and is left out of the TTFT. The request did not finish here: it is counted as
     finish_reason="handoff" (not "length", which skewed the sum over a P/D instance's pods),
-    with no decode time or output length of its own."""
+    with no decode time, output length or generated token of its own."""
     handoff = 0.6
     metrics = await _through_engine_client(
         "prefill",
@@ -273,7 +273,31 @@ async def test_a_prefill_engines_handoff_is_left_out_of_its_ttft_and_is_no_finis
         for reason in ("stop", "length", "abort", "handoff")
     }
     assert by_reason == {"stop": 0, "length": 0, "abort": 0, "handoff": 1}
-    assert get("kubesgl_generation_tokens_total", {"role": "prefill"}) == 1  # it sampled one
+    # its one token is the decode engine's first, counted there: once over the P/D instance
+    assert get("kubesgl_generation_tokens_total", {"role": "prefill"}) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_rooms_tokens_are_counted_once_over_its_prefill_and_decode_engines():
+    """The decode engine's first output holds the token the prefill engine sampled: it counts
+    it with the rest (its usage says so too), the prefill engine does not, so that
+    sum(rate(kubesgl_generation_tokens_total)) over a P/D instance is what clients received."""
+    prefill = await _through_engine_client(
+        "prefill",
+        [TextOutput("r1", "a", [5], FinishReason("length"), 40, 0, 1, handoff_seconds=0.01)],
+    )
+    decode = await _through_engine_client(
+        "decode",
+        [
+            TextOutput("r1", "a", [5], None, 40, 0, 1, queue_seconds=0.0, prefill_seconds=0.0),
+            TextOutput("r1", "bc", [6, 7], FinishReason("stop"), 40, 0, 3),
+        ],
+    )
+    counted = sum(
+        m.registry.get_sample_value("kubesgl_generation_tokens_total", {"role": m.role})
+        for m in (prefill, decode)
+    )
+    assert counted == 3 == _histogram(decode, "kubesgl_request_generation_tokens")[1]
 
 
 def test_a_prefill_engines_access_line_leaves_the_handoff_out_of_its_ttft(caplog):
