@@ -98,6 +98,32 @@ def test_chat_uses_the_chat_template(client, offline):
     assert "".join(c.choices[0].delta.content or "" for c in stream) == ref.text
 
 
+def test_a_streamed_chat_with_two_choices_reads_as_openais(llama_server):
+    """On the wire: a role chunk per choice, one choice per chunk, `usage: null` on every
+    chunk before the usage chunk (clients that test `usage !== null` read it so)."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    answer = httpx.post(
+        llama_server.base_url + "/v1/chat/completions",
+        json=body,
+        headers={"authorization": "Bearer sk-test"},
+        timeout=60,
+    )
+    lines = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    *chunks, last = [json.loads(line) for line in lines[:-1]]
+    assert all(len(c["choices"]) == 1 and c["usage"] is None for c in chunks)
+    roles = [(c["choices"][0]["index"], c["choices"][0]["delta"].get("role")) for c in chunks]
+    assert [index for index, role in roles if role == "assistant"] == [0, 1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+
+
 def test_chat_template_options_reach_the_template(client, offline, llama_server):
     """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs."""
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
