@@ -4,7 +4,9 @@ worker at once, tied together by `bootstrap_host`, `bootstrap_port` and `bootstr
 The decode worker's answer goes to the client; the prefill worker's is drained. The decode
 engine fails a request by itself when the prefill's KV cache never comes (its prefill engine
 refused it, died or went silent), so a prefill failure after the prefill engine may have sent
-the KV decides nothing: the decode answer does. Once the decode engine answers (a streamed
+the KV decides nothing: the decode answer does. The router cancels the rooms at the prefill
+engine's bootstrap server then, for a prefill engine that failed before it took them tells no
+decode engine (room_cancel.py). Once the decode engine answers (a streamed
 answer's first chunk holds tokens, which need the KV), the prefill's part is done.
 """
 
@@ -14,10 +16,11 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import AsyncGenerator, Coroutine
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any
 
 from kubesgl.router.request_parsing import ParsedRequest
+from kubesgl.router.room_cancel import cancel_rooms
 from kubesgl.router.upstream import (
     Headers,
     Reply,
@@ -31,10 +34,9 @@ from kubesgl.router.workers import Worker
 log = logging.getLogger("kubesgl.router")
 
 
-def bootstrap_payload(request: ParsedRequest, prefill: Worker) -> bytes:
+def bootstrap_payload(request: ParsedRequest, prefill: Worker, rooms: list[int]) -> bytes:
     """The request both workers get: the client's JSON plus the three bootstrap fields, with
-    a new room for every attempt and one per choice (a list when there are several)."""
-    rooms = [draw_bootstrap_room() for _ in range(request.choices)]
+    one room per choice (a list when there are several)."""
     return json.dumps(
         {
             **request.body,
@@ -62,13 +64,15 @@ DECODE_VERDICT_WAIT_S = 1.0
 class PrefillDecodePair:
     def __init__(self, upstream: UpstreamClient) -> None:
         self.upstream = upstream
-        # Prefill drains that outlive the client's answer; kept so they are not garbage collected.
+        # Prefill drains that outlive the client's answer, and room cancels; kept so they are
+        # not garbage collected.
         self._background: set[asyncio.Task[None]] = set()
 
     async def exchange(
         self, request: ParsedRequest, prefill: Worker, decode: Worker, headers: Headers
     ) -> Reply:
-        payload = bootstrap_payload(request, prefill)
+        rooms = [draw_bootstrap_room() for _ in range(request.choices)]  # new for every attempt
+        payload = bootstrap_payload(request, prefill, rooms)
         prefill_task = asyncio.create_task(
             self.upstream.drain(prefill, request.path, payload, headers)
         )
@@ -78,6 +82,7 @@ class PrefillDecodePair:
                     decode, "POST", request.path, payload, headers, stream=request.stream
                 ),
                 prefill_task,
+                lambda error: self._cancel_rooms(prefill, rooms, error),
             )
         except BaseException as error:
             if _refused(error):  # the decode engine's 4xx: the prefill engine's follows
@@ -99,13 +104,16 @@ class PrefillDecodePair:
 
     @staticmethod
     async def _unless_prefill_fails(
-        decode_call: Coroutine[Any, Any, Reply], prefill_task: asyncio.Task[None]
+        decode_call: Coroutine[Any, Any, Reply],
+        prefill_task: asyncio.Task[None],
+        cancel_prefill_rooms: Callable[[BaseException], None],
     ) -> Reply:
         decode_task = asyncio.create_task(decode_call)
         try:
             await asyncio.wait({decode_task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
             if not decode_task.done() and (error := prefill_task.exception()) is not None:
                 await _settle_prefill_failure(decode_task, error)
+                cancel_prefill_rooms(error)  # the decode answer decides: it must not wait long
             return await _decode_verdict(decode_task, prefill_task)
         except BaseException:
             await _cancel(decode_task)
@@ -139,9 +147,19 @@ class PrefillDecodePair:
         if prefill_task.done():
             _log_outcome(prefill_task)
             return
-        self._background.add(prefill_task)
-        prefill_task.add_done_callback(self._background.discard)
+        self._keep(prefill_task)
         prefill_task.add_done_callback(_log_outcome)
+
+    def _cancel_rooms(self, prefill: Worker, rooms: list[int], error: BaseException) -> None:
+        """The prefill failed, maybe before it took the rooms (then it told nobody): cancelled
+        at its bootstrap server, they fail at the decode engine at once instead of at its
+        timeout. Sent in the background: the decode engine's answer does not wait for it."""
+        reason = f"the router cancelled it, its prefill request failed: {error}"
+        self._keep(asyncio.create_task(cancel_rooms(self.upstream.session, prefill, rooms, reason)))
+
+    def _keep(self, task: asyncio.Task[None]) -> None:
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
 
 def _log_outcome(task: asyncio.Task[None]) -> None:

@@ -294,7 +294,7 @@ class PrefillTransfers:
             logger.warning("disconnecting from decode engine %s: %s", engine, exc)
 
     def _cancel(self, fact: RoomCancelled) -> list[PrefillOutcome]:
-        error = f"the decode engine cancelled room {fact.room}: {fact.reason or 'no reason given'}"
+        error = f"room {fact.room} was cancelled: {fact.reason or 'no reason given'}"
         # Its client left: the request is aborted here too, as if this engine's client had left.
         reason = FailureReason.ABORTED if fact.aborted else FailureReason.REFUSED
         note = RoomNote(fact.room, RoomStatus.CANCELLED, error=error, reason=reason)

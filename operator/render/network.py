@@ -8,7 +8,9 @@ role's pods and allowing only:
   (spec.networkPolicy.metricsFrom) on the engine's HTTP port;
 - prefill from decode and decode from prefill, of the same instance, on any port: the bootstrap
   server (a prefill pod's port 8998) and the KV transfer, which NIXL runs over UCX, whose TCP
-  transport listens on ephemeral ports chosen at start.
+  transport listens on ephemeral ports chosen at start;
+- prefill also from the instance's router pods on the bootstrap port: the router cancels the
+  rooms of a prefill request that failed (router/room_cancel.py).
 Ingress only: egress (the API server for the router's discovery, model downloads, DNS) is
 left open. The kubelet's probes are not subject to NetworkPolicies.
 """
@@ -75,6 +77,9 @@ def engine_network_policy(isvc: InferenceService, role: contract.EngineRole) -> 
     settings = isvc.spec.network_policy
     http_from = [_pods_of(isvc, contract.ROUTER), *(_peer(peer) for peer in settings.metrics_from)]
     ingress: list[Object] = [{"from": http_from, "ports": _tcp(contract.ENGINE_PORT)}]
+    if role == contract.PREFILL:
+        router = [_pods_of(isvc, contract.ROUTER)]
+        ingress.append({"from": router, "ports": _tcp(contract.BOOTSTRAP_PORT)})
     if role in _PARTNER:
         # no ports: every port and protocol (the bootstrap port and UCX's)
         ingress.append({"from": [_pods_of(isvc, _PARTNER[role])]})

@@ -2,6 +2,9 @@
 engine's surface (/health, /metrics, /v1/models, SSE and JSON completions) and, in P/D mode,
 check the bootstrap fields and hand a "KV cache" from prefill to decode through a shared table.
 
+A fake prefill engine also serves the bootstrap server's room cancel (`DELETE /kv/rooms/{room}`),
+which fails a room whose KV it has not sent, as an engine's cancel tells its decode engine.
+
 They run in the test's event loop, so tests can await what happens inside them, and `kill()`
 aborts every connection at once, as a crashed process would.
 """
@@ -48,11 +51,15 @@ class KVTransferTable:
     def fill(self, key: tuple[str, int, int], prefill_name: str) -> None:
         self._room(key).set_result(prefill_name)
 
-    def fail(self, key: tuple[str, int, int], error: str) -> None:
-        """The prefill failed the room and told its decode engine, as an engine does."""
+    def fail(self, key: tuple[str, int, int], error: str) -> bool:
+        """The prefill failed the room and told its decode engine, as an engine does; False
+        when the room had ended already (its KV sent, or failed before)."""
         room = self._room(key)
+        if room.done():
+            return False
         room.set_exception(RoomFailed(error))
         room.exception()  # retrieved: no decode engine may wait for it (one that failed first)
+        return True
 
     async def wait(self, key: tuple[str, int, int], timeout: float) -> str:
         return await asyncio.wait_for(asyncio.shield(self._room(key)), timeout)
@@ -66,7 +73,7 @@ class FakeEngine:
         *,
         tokens: int = 4,
         kv: KVTransferTable | None = None,
-        bootstrap_port: int = 8998,
+        bootstrap_port: int | None = None,
         prefix_cache_chars: int = 0,
         api_key: str | None = None,
     ) -> None:
@@ -74,13 +81,17 @@ class FakeEngine:
         self.role = role
         self.tokens = tokens
         self.kv = kv
-        self.bootstrap_port = bootstrap_port
+        self.bootstrap_port = bootstrap_port or _free_port()
         self.port = _free_port()
         self.healthy = True
         self.fail_status: int | None = None  # answer every generation request with this error
         self.fail_after_s = 0.0  # ... this long after the request came
         self.fail_after_kv: int | None = None  # prefill: send the KV cache, then this error
         self.late_answer_s = 0.0  # prefill: fail the room at once, answer the error this late
+        # prefill: answer fail_status without taking the room (a crashed handler's or a proxy's
+        # 5xx), so nobody tells the decode engine
+        self.fail_without_room = False
+        self.cancelled_rooms: list[tuple[int, dict[str, Any]]] = []  # DELETE /kv/rooms, in order
         # While set to an unset Event, answers pause (streams after their first chunk) until it is set.
         self.hold: asyncio.Event | None = None
         self.hold_after_chunks = 1
@@ -94,6 +105,7 @@ class FakeEngine:
         self.client_gone = asyncio.Event()  # a client hung up mid-answer
         self._received = asyncio.Event()
         self._runner: web.AppRunner | None = None
+        self._bootstrap_runner: web.AppRunner | None = None
         # Simulated prefix cache, bounded like a real KV pool: recent prompts (LRU order), and
         # the share of prompt characters found cached. 0 turns it off.
         self.prefix_cache_chars = prefix_cache_chars
@@ -126,6 +138,13 @@ class FakeEngine:
         )
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
+        if self.role == "prefill" and self.kv is not None:
+            bootstrap = web.Application()
+            bootstrap.router.add_delete("/kv/rooms/{room}", self._cancel_room)
+            self._bootstrap_runner = web.AppRunner(bootstrap, access_log=None)
+            await self._bootstrap_runner.setup()
+            site = web.TCPSite(self._bootstrap_runner, "127.0.0.1", self.bootstrap_port)
+            await site.start()
         return self
 
     async def kill(self) -> None:
@@ -136,6 +155,9 @@ class FakeEngine:
                 connection.transport.abort()
         await self._runner.cleanup()
         self._runner = None
+        if self._bootstrap_runner is not None:
+            await self._bootstrap_runner.cleanup()
+            self._bootstrap_runner = None
 
     async def restart(self) -> None:
         await self.start()
@@ -194,7 +216,12 @@ class FakeEngine:
                 self.client_gone.set()
                 raise
             message = f"{self.name} fails on purpose"
-            if self.role == "prefill" and self.fail_status >= 500 and self.fail_status != 503:
+            if (
+                self.role == "prefill"
+                and self.fail_status >= 500
+                and self.fail_status != 503
+                and not self.fail_without_room
+            ):
                 self._fail_rooms(body, message)  # a 503 refuses before any work: nobody is told
                 await asyncio.sleep(self.late_answer_s)
             return _error(self.fail_status, message)
@@ -247,6 +274,15 @@ class FakeEngine:
                 self.client_gone.set()
                 raise
         return web.json_response(self._completion(request.path))
+
+    async def _cancel_room(self, request: web.Request) -> web.Response:
+        room, body = int(request.match_info["room"]), await request.json()
+        self.cancelled_rooms.append((room, body))
+        assert self.kv is not None
+        error = f"room {room} was cancelled: {body['reason']}"
+        if self.kv.fail(("127.0.0.1", self.bootstrap_port, room), error):
+            return web.json_response({"write_in_flight": False})
+        return web.json_response({"error": "never posted", "code": "unknown_room"}, status=404)
 
     def _fail_rooms(self, body: dict[str, Any], error: str) -> None:
         assert self.kv is not None

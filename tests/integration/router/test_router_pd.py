@@ -17,10 +17,7 @@ BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}
 
 
 async def pd_pool(engines, kv_table, prefills=1, decodes=1):
-    p = [
-        await engines(f"p{i}", "prefill", kv=kv_table, bootstrap_port=9100 + i)
-        for i in range(prefills)
-    ]
+    p = [await engines(f"p{i}", "prefill", kv=kv_table) for i in range(prefills)]
     d = [await engines(f"d{i}", "decode", kv=kv_table, tokens=3) for i in range(decodes)]
     return p, d
 
@@ -131,12 +128,59 @@ async def test_prefill_server_error_names_the_prefill_worker(
     assert response.json()["error"]["message"].startswith(f"prefill worker {p.url} answered 500")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prefill_that_fails_before_taking_the_room_has_it_cancelled_at_once(
+    stream, engines, kv_table, start_router, client
+):
+    """The prefill answers 500 without taking the room (a handler's crash, a proxy's error),
+    so nobody tells the decode engine, which would wait for the KV until its own timeout (5 s
+    in the fake, --disaggregation-timeout in an engine). The router cancels the room at the
+    prefill's bootstrap server, which fails it at the decode engine: the client gets the
+    prefill's error at once."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.fail_status, p.fail_without_room = 500, True
+    async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
+        await router.ready()
+        started = time.monotonic()
+        response = await client.post(
+            router.url + "/v1/completions", json={"prompt": "x", "n": 2, "stream": stream}
+        )
+        elapsed = time.monotonic() - started
+    assert response.status_code == 500, response.text
+    assert response.json()["error"]["message"].startswith(f"prefill worker {p.url} answered 500")
+    assert elapsed < 2.0
+    rooms = p.requests[0]["body"]["bootstrap_room"]
+    assert [room for room, _ in p.cancelled_rooms] == rooms
+    reason = p.cancelled_rooms[0][1]
+    assert not reason["aborted"] and f"prefill worker {p.url} answered 500" in reason["reason"]
+
+
+async def test_a_prefill_that_fails_after_its_kv_was_sent_cancels_nothing_the_decode_needs(
+    engines, kv_table, start_router, client
+):
+    """A cancel after the KV was sent changes nothing at the decode engine: its answer stands."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.fail_after_kv = 500
+    d.hold = asyncio.Event()
+    async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
+        await router.ready()
+        answer = asyncio.ensure_future(
+            client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        )
+        async with asyncio.timeout(2):
+            while not p.cancelled_rooms:
+                await asyncio.sleep(0.02)
+        d.hold.set()
+        response = await answer
+    assert response.status_code == 200 and "d0-tok2" in response.text
+
+
 async def test_a_prefill_refusing_the_routers_key_answers_at_once(
     engines, kv_table, start_router, client
 ):
     """No work was done, so no KV will come: the router does not wait for the decode engine
     to give up on the room (5 s in the fake, --disaggregation-timeout in an engine)."""
-    p = await engines("p0", "prefill", kv=kv_table, bootstrap_port=9100, api_key="key")
+    p = await engines("p0", "prefill", kv=kv_table, api_key="key")
     d = await engines("d0", "decode", kv=kv_table, tokens=3)
     async with start_router(**pd_config([p], [d], breaker_failure_threshold=100)) as router:
         await router.ready()

@@ -80,7 +80,7 @@ async def test_a_restarted_worker_serves_a_burst_at_once(engines, start_router, 
     a new process as far as the router can tell: closed circuit, the whole burst served, and the
     router's /health 200 meanwhile (a cooldown longer than the test: no half-open trial helps)."""
     kv = KVTransferTable()
-    prefill = await engines("p", "prefill", kv=kv, bootstrap_port=9100)
+    prefill = await engines("p", "prefill", kv=kv)
     decode = await engines("d", "decode", kv=kv)
     decode.hold = asyncio.Event()
     async with start_router(

@@ -560,8 +560,10 @@ def test_network_policies_let_in_only_what_the_service_needs() -> None:
     for role in ("prefill", "decode"):
         assert may(router, role, 30000) and may(prometheus, role, 30000)  # requests, /metrics
         assert not may(client, role, 30000) and not may(other_router, role, 30000)
-        assert not may(router, role, 8998) and not may(prometheus, role, 8998)
+        assert not may(prometheus, role, 8998)
     assert may(decode, "prefill", 8998)  # the bootstrap server
+    assert may(router, "prefill", 8998)  # room cancels of failed prefill requests
+    assert not may(router, "prefill", 41234) and not may(router, "decode", 8998)
     for port in (8998, 30000, 41234):  # and UCX's ports, both ways
         assert may(decode, "prefill", port) and may(prefill, "decode", port)
     assert not may(pod("other", "decode"), "prefill", 8998)
