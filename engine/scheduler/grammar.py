@@ -7,12 +7,13 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar
 
 from kubesgl.engine.messages import GrammarStats
-from kubesgl.engine.sampling_params import GrammarSpec, InvalidRequestError
+from kubesgl.engine.sampling_params import GRAMMAR_KINDS, GrammarSpec, InvalidRequestError
 
 CACHE_ENTRIES = 512  # compiled grammars kept; a 128k vocabulary makes each tens of kB to a few MB
 _ANY_OBJECT = '{"type": "object"}'
@@ -39,6 +40,19 @@ def json_grammar(schema: str, strict: bool = True) -> str:
     for character in _XGRAMMAR_STRING_CHARACTERS:
         grammar = grammar.replace(character, _JSON_STRING_CHARACTER)
     return grammar
+
+
+# How xgrammar compiles each of GRAMMAR_KINDS, given the spec's text.
+_COMPILE: dict[str, Callable[[xgrammar.GrammarCompiler, str], xgrammar.CompiledGrammar]] = {
+    "json_schema": lambda compiler, schema: compiler.compile_grammar(json_grammar(schema)),
+    # OpenAI's JSON mode: an object, of any properties
+    "json_object": lambda compiler, _: compiler.compile_grammar(
+        json_grammar(_ANY_OBJECT, strict=False)
+    ),
+    "regex": lambda compiler, regex: compiler.compile_regex(regex),
+    "ebnf": lambda compiler, ebnf: compiler.compile_grammar(ebnf),
+}
+assert set(_COMPILE) == set(GRAMMAR_KINDS)
 
 
 class UncompilableGrammar(Exception):
@@ -90,15 +104,7 @@ class GrammarBackend:
         compiler = self._get_compiler()  # the tokenizer's info is built once, here, off the loop
         start = time.perf_counter()
         try:
-            if spec.kind == "json_schema":
-                compiled = compiler.compile_grammar(json_grammar(spec.spec))
-            elif spec.kind == "json_object":
-                # OpenAI's JSON mode: an object, of any properties
-                compiled = compiler.compile_grammar(json_grammar(_ANY_OBJECT, strict=False))
-            elif spec.kind == "regex":
-                compiled = compiler.compile_regex(spec.spec)
-            else:
-                compiled = compiler.compile_grammar(spec.spec)
+            compiled = _COMPILE[spec.kind](compiler, spec.spec)
         except (RuntimeError, ValueError) as exc:
             raise UncompilableGrammar(_XGRAMMAR_PREFIX.sub("", str(exc).strip())) from None
         with self._stats_lock:
