@@ -1,4 +1,5 @@
-"""Starts real `kubesgl serve` processes on loopback ports and looks at them."""
+"""Starts real `kubesgl serve` and `kubesgl router` processes on loopback ports and looks at
+them."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class RunningServer:
         return self.base_url + "/v1"
 
     def log(self) -> str:
-        return _read(self.log_path)
+        with open(self.log_path) as f:
+            return f.read()
 
     def metric(self, selector: str) -> float:
         """The first sample that `selector` (`name` or `name{label="value",...}`) picks: named so,
@@ -44,6 +46,24 @@ class RunningServer:
                 if sample.name == name and wanted.items() <= sample.labels.items():
                     return sample.value
         raise KeyError(selector)
+
+    def wait_healthy(self, timeout: float = 60) -> None:
+        """Until /health answers 200 (an engine or a router). An AssertionError with the
+        process's log when it exits first, or when `timeout` passes (it is killed then)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"{self.base_url} exited with {self.process.returncode}:\n{self.log()}"
+                )
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.process.kill()
+        raise AssertionError(f"{self.base_url} not healthy after {timeout} s:\n{self.log()}")
 
     def wait_idle(self, timeout: float = 20) -> None:
         """Until the engine reports no running request and no KV held."""
@@ -63,22 +83,31 @@ class RunningServer:
         return self.process.wait(timeout=timeout)
 
 
+def start_process(command: str, *args: str, tmp_path, env: dict | None = None) -> RunningServer:
+    """`kubesgl COMMAND ARGS` (serve or router) on a free loopback port, its output in
+    tmp_path/COMMAND-PORT.log; not yet waited for (see RunningServer.wait_healthy)."""
+    port = free_port()
+    log_path = str(tmp_path / f"{command}-{port}.log")
+    with open(log_path, "w") as log:  # the child writes through its own copy
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kubesgl", command, "--port", str(port), "--host", "127.0.0.1"]
+            + list(args),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    return RunningServer(process, f"http://127.0.0.1:{port}", log_path)
+
+
 def start_server(
     model: str, *args: str, tmp_path, env: dict | None = None, timeout: float = 120
 ) -> RunningServer:
-    port = free_port()
-    log_path = str(tmp_path / f"serve-{port}.log")
-    command = [
-        sys.executable,
-        "-m",
-        "kubesgl",
+    """A CPU float32 engine on `model`, once its /health passes."""
+    server = start_process(
         "serve",
         "--model",
         model,
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
         "--device",
         "cpu",
         "--dtype",
@@ -86,40 +115,20 @@ def start_server(
         "--max-total-tokens",
         "32768",
         *args,
-    ]
-    log = open(log_path, "w")
-    process = subprocess.Popen(
-        command,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
-        start_new_session=True,
+        tmp_path=tmp_path,
+        env=env,
     )
-    server = RunningServer(process, f"http://127.0.0.1:{port}", log_path)
-    wait_healthy(process, server.base_url, log_path, timeout)
+    server.wait_healthy(timeout)
     return server
 
 
-def wait_healthy(process: subprocess.Popen, url: str, log_path: str, timeout: float = 60) -> None:
-    """Until `url`/health answers 200 (an engine or a router). An AssertionError with the
-    process's log when it exits first, or when `timeout` passes (it is killed then)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"{url} exited with {process.returncode}:\n{_read(log_path)}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise AssertionError(f"{url} not healthy after {timeout} s:\n{_read(log_path)}")
-
-
-def _read(path: str) -> str:
-    with open(path) as f:
-        return f.read()
+def start_router(
+    *args: str, tmp_path, env: dict | None = None, timeout: float = 60
+) -> RunningServer:
+    """A router (its workers and options in `args`), once its /health passes."""
+    router = start_process("router", *args, tmp_path=tmp_path, env=env)
+    router.wait_healthy(timeout)
+    return router
 
 
 def process_tree_alive(pid: int) -> list[int]:

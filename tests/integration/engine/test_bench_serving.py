@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from serve_harness import start_router
 
 
 def bench(base_url: str, tmp_path, *args: str, vocab: str | None = "600") -> tuple[int, dict]:
@@ -114,32 +115,10 @@ def test_the_vocabulary_size_comes_from_the_server_or_through_the_router(
     """The README's tiny model has 636 tokens: the 32000 that bench serving used to assume failed
     every request. Without --vocab-size it asks the server (SGLang's GET /model_info), which the
     router answers from a worker."""
-    from serve_harness import free_port, wait_healthy
-
     server = server_factory(tiny_model("llama"))
-    port = free_port()
-    log_path = str(tmp_path / "router.log")
-    with open(log_path, "w") as log:  # the router writes through its own copy
-        router = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kubesgl",
-                "router",
-                "--worker",
-                server.base_url,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    router = start_router("--worker", server.base_url, tmp_path=tmp_path)
     try:
-        router_url = f"http://127.0.0.1:{port}"
-        wait_healthy(router, router_url, log_path)
-        for url in (server.base_url, router_url):
+        for url in (server.base_url, router.base_url):
             code, summary = bench(
                 url,
                 tmp_path,
@@ -154,8 +133,7 @@ def test_the_vocabulary_size_comes_from_the_server_or_through_the_router(
             assert code == 0 and summary["completed"] == 8, summary["errors"]
             assert summary["config"]["vocab_size"] == 636
     finally:
-        router.terminate()
-        router.wait(timeout=30)
+        router.stop(timeout=30)
 
 
 def test_a_server_that_does_not_say_its_vocabulary_size_is_a_clear_error(

@@ -17,7 +17,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from serve_harness import RunningServer, free_port
+from serve_harness import RunningServer, free_port, start_router
 
 from kubesgl.operator.render.autoscaling import (
     HPA_METRICS,
@@ -46,6 +45,22 @@ pytestmark = pytest.mark.skipif(
 
 NAMESPACE, INSTANCE, MODEL = "ci", "live", "tiny"  # MODEL: the engines' --served-model-name
 # Pod names as a Deployment's: <deployment>-<replicaset hash>-<suffix> (the KEDA queries match them)
+# Every router's options; each is started with --health-check-interval of its own and is used
+# once its /health passes (its 503s until then are no rejections).
+ROUTER_OPTIONS = (
+    "--policy",
+    "round_robin",
+    "--health-failure-threshold",
+    "1",
+    "--max-retries",
+    "3",
+    "--retry-initial-backoff",
+    "0.01",
+    "--log-level",
+    "warning",
+    "--pd-min-prefill-tokens",
+    "0",  # P/D: these short prompts too
+)
 PODS = {
     "a": "live-mixed-5f7c9-aaaaa",
     "b": "live-mixed-5f7c9-bbbbb",
@@ -202,57 +217,6 @@ class Prometheus:
         self.log.close()
 
 
-def start_router(
-    tmp_path: Path, name: str, *workers: str, health_check_interval: float = 0.5
-) -> tuple[subprocess.Popen, str]:
-    """A router in front of `workers` (--worker URL ..., or --prefill URL@PORT --decode URL),
-    once its /health passes (its 503s until then are no rejections)."""
-    port = free_port()
-    log = open(tmp_path / f"{name}.log", "w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kubesgl",
-            "router",
-            *workers,
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--policy",
-            "round_robin",
-            "--health-check-interval",
-            str(health_check_interval),
-            "--health-failure-threshold",
-            "1",
-            "--max-retries",
-            "3",
-            "--retry-initial-backoff",
-            "0.01",
-            "--log-level",
-            "warning",
-            "--pd-min-prefill-tokens",
-            "0",
-        ],  # P/D: these short prompts too
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert process.poll() is None, (tmp_path / f"{name}.log").read_text()
-        try:
-            status = httpx.get(url + "/health", timeout=1).status_code
-            if status == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise AssertionError("router not healthy")
-
-
 class Client:
     """Completions through one router, counting what came back."""
 
@@ -353,28 +317,29 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(
         # no check during the test after the first (new workers are probed at once): the
         # requests right after the outage find the dead worker, not a check that ran between
         # the kill and them (checks 3 s apart lost that race in CI)
-        mixed_router = pool.submit(
+        mixed_started = pool.submit(
             start_router,
-            tmp_path,
-            "router",
             "--worker",
             engines["a"].base_url,
             engines["b"].base_url,
-            health_check_interval=600,
+            *ROUTER_OPTIONS,
+            "--health-check-interval",
+            "600",
+            tmp_path=tmp_path,
         )
-        pd_router = pool.submit(
+        pd_started = pool.submit(
             start_router,
-            tmp_path,
-            "pd-router",
             "--prefill",
             f"{engines['prefill'].base_url}@{bootstrap}",
             "--decode",
             engines["decode"].base_url,
+            *ROUTER_OPTIONS,
+            "--health-check-interval",
+            "0.5",
+            tmp_path=tmp_path,
         )
-        (router, router_url), (pd_router, pd_router_url) = (
-            mixed_router.result(),
-            pd_router.result(),
-        )
+        routers = [mixed_started.result(), pd_started.result()]
+    router_url, pd_router_url = (router.base_url for router in routers)
     prometheus = Prometheus(
         tmp_path,
         {
@@ -620,6 +585,5 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(
         assert errors and errors[0][1] > 0.5 * failed, (errors, failed)
     finally:
         prometheus.stop()
-        for process in (router, pd_router):
-            process.terminate()
-            process.wait(timeout=30)
+        for router in routers:
+            router.stop(timeout=30)

@@ -18,43 +18,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from serve_harness import free_port, start_server
+from serve_harness import free_port, start_router, start_server
 
 MODEL_NAME = "tiny"
-
-
-def start_router(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(tmp_path / f"router-{port}.log", "w")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kubesgl",
-            "router",
-            "--port",
-            str(port),
-            "--host",
-            "127.0.0.1",
-            "--health-check-interval",
-            "0.5",
-            *args,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert process.poll() is None, (tmp_path / f"router-{port}.log").read_text()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("the router did not become ready")
 
 
 def start_pd_pair(model, tmp_path, prefill_args=(), decode_args=()):
@@ -89,18 +55,19 @@ def pd_stack(tiny_model, tmp_path_factory):
     model = tiny_model("llama")
     mixed = start_server(model, "--served-model-name", MODEL_NAME, tmp_path=tmp_path)
     prefill, decode, bootstrap = start_pd_pair(model, tmp_path)
-    router, url = start_router(
-        tmp_path,
+    router = start_router(
         "--prefill",
         f"{prefill.base_url}@{bootstrap}",
         "--decode",
         decode.base_url,
         "--pd-min-prefill-tokens",
-        "0",
-    )  # these short prompts too
-    yield url, mixed, prefill, decode
-    os.killpg(router.pid, signal.SIGTERM)
-    router.wait(timeout=30)
+        "0",  # these short prompts too
+        "--health-check-interval",
+        "0.5",
+        tmp_path=tmp_path,
+    )
+    yield router.base_url, mixed, prefill, decode
+    router.stop(timeout=30)
     for server in (mixed, prefill, decode):
         assert server.stop() == 0
 
