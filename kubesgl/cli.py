@@ -61,9 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(module.main(rest) or 0)
-    except (
-        BrokenPipeError
-    ):  # `kubesgl render ... | head`: the reader has gone, which is no error of ours
+    except BrokenPipeError:
+        # `kubesgl render ... | head`: the reader has gone, which is no error of ours
         return _reader_gone()
 
 

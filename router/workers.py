@@ -30,9 +30,8 @@ def normalize_url(url: str) -> str:
     if "://" not in url:
         url = "http://" + url
     parts = urlsplit(url)
-    if (
-        "@" in parts.netloc
-    ):  # before anything that names the URL: its password stays out of errors and logs
+    # before anything that names the URL: its password stays out of errors and logs
+    if "@" in parts.netloc:
         redacted = parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
         raise ValueError(
             f"a worker URL carries no user name or password: {redacted!r} (the router sends "

@@ -101,9 +101,7 @@ class KVTransferAgent:
     """One engine's NIXL agent over its KV pool."""
 
     def __init__(self, pool: KVPool, name: str | None = None):
-        self.name = (
-            name or f"kubesgl-{uuid.uuid4().hex[:12]}"
-        )  # unique among every engine it talks to
+        self.name = name or f"kubesgl-{uuid.uuid4().hex[:12]}"  # unique among its peers
         self.layout = layout = layout_of(pool, self.name)
         self.agent = _nixl_agent(
             self.name, HOST_PROGRESS_THREAD_DELAY_US if layout.memory == "DRAM" else 0

@@ -136,17 +136,15 @@ class SchedulerLoop:
         """Rank 0: what arrived since the last turn (waits while idle). Others: rank 0's list."""
         messages = []
         if self.rank == 0:
-            if (
-                not self.engine.scheduler.has_steps()
-            ):  # sleep until a message arrives or it is time to turn
+            # sleep until a message arrives or it is time to turn
+            if not self.engine.scheduler.has_steps():
                 self.inbox.poll(self._idle_poll_ms())
             while self.inbox.poll(0):
                 message = self.inbox.recv_pyobj()
                 if isinstance(message, BootstrapFact):
                     assert self.link is not None  # only P/D engines have a bootstrap process
-                    self.link.deliver(
-                        message
-                    )  # rank 0's own: the KV transfers share it with every rank
+                    # rank 0's own: the KV transfers share it with every rank
+                    self.link.deliver(message)
                 else:
                     messages.append(message)
             busy = self.engine.has_work() or bool(messages)
@@ -171,9 +169,8 @@ class SchedulerLoop:
                     self.engine.shutdown()
                     return
                 outputs += self._apply(message)
-            if (
-                self.engine.has_work() or self.engine.role.transfers_kv
-            ):  # such roles poll every turn
+            # a role that transfers KV polls its transfers every turn, idle or not
+            if self.engine.has_work() or self.engine.role.transfers_kv:
                 outputs += self.engine.step()
             if self.rank == 0:
                 stats = self.engine.scheduler.stats()

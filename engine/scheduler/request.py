@@ -18,9 +18,8 @@ class ReqStatus(Enum):
     PREFILLING = auto()  # prompt chunks scheduled, not all of them yet
     DECODING = auto()  # whole prompt scheduled; produces one token per step
     TRANSFERRING = auto()  # prefill role: prompt done, its KV on the way to the decode engine
-    AWAITING_KV = (
-        auto()
-    )  # decode role: prompt slots allocated, its KV on the way from the prefill engine
+    # decode role: prompt slots allocated, its KV on the way from the prefill engine
+    AWAITING_KV = auto()
     FINISHED = auto()  # result sent; resources go back once no in-flight step uses them
     RELEASED = auto()
 

@@ -327,9 +327,8 @@ class DecodeRole(_RoomRole):
     def __init__(self, kv: KVManager, transfers: DecodeTransfers):
         super().__init__(kv)
         self.transfers = transfers
-        self._held: set[int] = (
-            set()
-        )  # rooms of ended requests whose slots the prefill engine may still write
+        # rooms of ended requests whose slots the prefill engine may still write
+        self._held: set[int] = set()
 
     def validate(self, request: GenerateRequest) -> None:
         super().validate(request)

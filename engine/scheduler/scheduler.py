@@ -377,9 +377,8 @@ class Scheduler:
                 break
             req = self.waiting[0]
             if self._leader_prefilling(req):
-                deferred.append(
-                    self.waiting.popleft()
-                )  # admitted once the leader's prompt is cached
+                # admitted once the leader's prompt is cached
+                deferred.append(self.waiting.popleft())
                 continue
             if not self.role.admit(req):
                 break
@@ -545,9 +544,8 @@ class Scheduler:
             and req.finish_reason is not None
             and req.finish_reason.kind in ("stop", "length")
         ):
-            self.kv.estimate.finished(
-                len(req.output_ids), req.max_tokens
-            )  # what the estimate is for
+            # the estimate learns only from requests that ran to their own end
+            self.kv.estimate.finished(len(req.output_ids), req.max_tokens)
         if req.status is ReqStatus.WAITING:  # not admitted yet (or retracted): still queued
             if req in self.compiling:
                 self.compiling.remove(req)
