@@ -16,7 +16,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.generation import GenerationMode
-from serve_harness import RunningServer, start_server
+from serve_harness import RunningServer
 
 EXAMPLES = int(os.environ.get("KUBESGL_FUZZ_EXAMPLES", "40"))
 HEADERS = {"authorization": "Bearer sk-test"}
@@ -75,20 +75,6 @@ BASE_BODIES = {
     },
     "/generate": {"text": "hello", "sampling_params": {"max_new_tokens": 4}},
 }
-
-
-@pytest.fixture(scope="module")
-def fuzzed_server(tiny_model, tmp_path_factory):
-    server = start_server(
-        tiny_model("llama"),
-        "--api-key",
-        "sk-test",
-        "--served-model-name",
-        "tiny",
-        tmp_path=tmp_path_factory.mktemp("fuzz"),
-    )
-    yield server
-    assert server.stop() == 0
 
 
 def body_fields(schema: dict, path: str) -> list[str]:
@@ -152,8 +138,8 @@ def bounded(case):
 @pytest.mark.parametrize(
     "mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"]
 )
-def test_schemathesis_finds_no_server_error(fuzzed_server, mode):
-    schema = schemathesis.openapi.from_url(fuzzed_server.base_url + "/openapi.json")
+def test_schemathesis_finds_no_server_error(llama_server, mode):
+    schema = schemathesis.openapi.from_url(llama_server.base_url + "/openapi.json")
     statuses: Counter = Counter()
     server_errors: list[str] = []
     for result in schema.get_all_operations():
@@ -170,7 +156,7 @@ def test_schemathesis_finds_no_server_error(fuzzed_server, mode):
         )
         @given(case=operation.as_strategy(generation_mode=mode).map(bounded))
         def call(case):
-            response = case.call(base_url=fuzzed_server.base_url, headers=HEADERS, timeout=120)
+            response = case.call(base_url=llama_server.base_url, headers=HEADERS, timeout=120)
             statuses[response.status_code // 100] += 1
             if response.status_code >= 500:
                 server_errors.append(
@@ -180,16 +166,16 @@ def test_schemathesis_finds_no_server_error(fuzzed_server, mode):
         call()
     assert server_errors == []
     assert statuses[4] > 0 and (mode == GenerationMode.NEGATIVE or statuses[2] > 0), statuses
-    assert_still_serving(fuzzed_server)
+    assert_still_serving(llama_server)
 
 
 @pytest.mark.parametrize("path", list(BASE_BODIES))
-def test_hostile_values_in_every_field_are_answered_without_a_server_error(fuzzed_server, path):
-    schema = httpx.get(fuzzed_server.base_url + "/openapi.json").json()
+def test_hostile_values_in_every_field_are_answered_without_a_server_error(llama_server, path):
+    schema = httpx.get(llama_server.base_url + "/openapi.json").json()
     fields = body_fields(schema, path)
     assert len(fields) > 5, fields
     server_errors: list[str] = []
-    with httpx.Client(base_url=fuzzed_server.base_url, headers=HEADERS, timeout=120) as client:
+    with httpx.Client(base_url=llama_server.base_url, headers=HEADERS, timeout=120) as client:
         for field in fields:
             for value in HOSTILE_VALUES:
                 body = with_value(BASE_BODIES[path], field, value)
@@ -199,4 +185,4 @@ def test_hostile_values_in_every_field_are_answered_without_a_server_error(fuzze
                         f"{field}={value!r:.60} -> {response.status_code} {response.text:.200}"
                     )
     assert server_errors == []
-    assert_still_serving(fuzzed_server)
+    assert_still_serving(llama_server)
