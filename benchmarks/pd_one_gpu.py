@@ -70,6 +70,25 @@ class EngineProcess:
     gpu: str | None = None  # CUDA_VISIBLE_DEVICES for it; None: all devices
 
 
+def add_engine_options(parser: argparse.ArgumentParser, max_total_tokens: int) -> None:
+    """The engines' options, which engine_command passes on, and the prompts' vocabulary."""
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=max_total_tokens,
+        help="KV pool of each engine, in tokens",
+    )
+    parser.add_argument("--context-length", type=int, default=8192)
+    parser.add_argument(
+        "--vocab-size", type=int, default=128_000, help="prompt token ids are drawn below this"
+    )
+
+
 def engine_command(opts: argparse.Namespace) -> list[str]:
     command = [
         "serve",
@@ -371,18 +390,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--attention-backend", default=None)
-    parser.add_argument(
-        "--max-total-tokens", type=int, default=200_000, help="KV pool of each engine, in tokens"
-    )
-    parser.add_argument("--context-length", type=int, default=8192)
-    parser.add_argument(
-        "--vocab-size", type=int, default=128_000, help="prompt token ids are drawn below this"
-    )
+    add_engine_options(parser, max_total_tokens=200_000)
     parser.add_argument("--rate", type=float, default=1.0)
     parser.add_argument("--num-prompts", type=int, default=40)
     parser.add_argument("--input-len", type=int, default=512)

@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from common import free_port, report
-from pd_one_gpu import EngineProcess, metric, serving_stack
+from pd_one_gpu import EngineProcess, add_engine_options, metric, serving_stack
 
 # NVLink multicast stays off on shared GPU hosts (benchmarks/README.md, two GPUs).
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -150,18 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--attention-backend", default=None)
-    parser.add_argument(
-        "--max-total-tokens", type=int, default=400_000, help="KV pool of each engine, in tokens"
-    )
-    parser.add_argument("--context-length", type=int, default=8192)
-    parser.add_argument(
-        "--vocab-size", type=int, default=128_000, help="prompt token ids are drawn below this"
-    )
+    add_engine_options(parser, max_total_tokens=400_000)
     parser.add_argument(
         "--workloads",
         nargs="+",
