@@ -12,6 +12,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -173,28 +174,33 @@ def summarize(results: list[RequestResult], duration: float, slo: Slo | None = N
     }
 
 
+# Each --dataset's request set, from the command line, the vocabulary size and a seeded rng.
+DATASETS: dict[str, Callable[[argparse.Namespace, int, random.Random], list[BenchRequest]]] = {
+    "random": lambda args, vocab, rng: random_requests(
+        args.num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        vocab,
+        rng,
+    ),
+    "shared-prefix": lambda args, vocab, rng: shared_prefix_requests(
+        args.num_prompts,
+        args.prefix_groups,
+        args.system_prompt_len,
+        args.question_len,
+        args.random_output_len,
+        vocab,
+        rng,
+    ),
+    "sharegpt": lambda args, vocab, rng: sharegpt_like_requests(
+        args.num_prompts, args.max_context_len, vocab, rng
+    ),
+}
+
+
 def build_requests(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
-    rng = random.Random(args.seed)
-    if args.dataset == "random":
-        return random_requests(
-            args.num_prompts,
-            args.random_input_len,
-            args.random_output_len,
-            args.random_range_ratio,
-            vocab,
-            rng,
-        )
-    if args.dataset == "shared-prefix":
-        return shared_prefix_requests(
-            args.num_prompts,
-            args.prefix_groups,
-            args.system_prompt_len,
-            args.question_len,
-            args.random_output_len,
-            vocab,
-            rng,
-        )
-    return sharegpt_like_requests(args.num_prompts, args.max_context_len, vocab, rng)
+    return DATASETS[args.dataset](args, vocab, random.Random(args.seed))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--dataset",
-        choices=["random", "shared-prefix", "sharegpt"],
+        choices=list(DATASETS),
         default="random",
         help="random lengths; a few long system prompts shared by many questions; or "
         "conversation-like lengths (kubesgl/bench/datasets.py)",
