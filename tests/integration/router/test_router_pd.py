@@ -22,6 +22,12 @@ async def pd_pool(engines, kv_table, prefills=1, decodes=1):
     return p, d
 
 
+async def out_of_flight(router) -> None:
+    """Until no worker has a request of the router's in flight."""
+    while any(w.in_flight for w in router.app.workers.all()):
+        await asyncio.sleep(0.02)
+
+
 def pd_config(prefill, decode, **overrides):
     """Every request disaggregated, however short, unless `disaggregation` says otherwise."""
     return {
@@ -211,7 +217,7 @@ async def test_a_prefill_that_fails_after_sending_the_kv_leaves_the_decode_answe
     stream, engines, kv_table, start_router, client
 ):
     """The prefill engine answers 500 once the KV cache is sent: the decode engine had it,
-    so its answer is the client's (the router used to answer the prefill's 500), and both
+    so its answer is the client's (not the prefill's 500), and both
     requests end, counted out of flight."""
     (p,), (d,) = await pd_pool(engines, kv_table)
     p.fail_after_kv = 500
@@ -223,8 +229,7 @@ async def test_a_prefill_that_fails_after_sending_the_kv_leaves_the_decode_answe
         assert response.status_code == 200
         assert "d0-tok2" in response.text and "error" not in response.text
         async with asyncio.timeout(2):
-            while any(w.in_flight for w in router.app.workers.all()):
-                await asyncio.sleep(0.02)
+            await out_of_flight(router)
 
 
 async def test_a_prefill_that_dies_while_decode_holds_its_answer_leaves_it_whole(
@@ -268,8 +273,7 @@ async def test_a_decode_stream_that_breaks_closes_the_prefill_request(
         assert "broke off the stream" in rest[-1]
         async with asyncio.timeout(2):  # the prefill's request is closed, not left to run on
             await p.client_gone.wait()
-            while any(w.in_flight for w in router.app.workers.all()):
-                await asyncio.sleep(0.02)
+            await out_of_flight(router)
 
 
 async def test_a_prefill_that_refuses_before_working_is_retried_at_once(
@@ -313,8 +317,8 @@ async def test_dead_prefill_is_retried_on_another(engines, kv_table, start_route
 async def test_a_prefill_dying_mid_stream_leaves_the_decode_stream_whole(
     engines, kv_table, start_router, client
 ):
-    """The decode engine streams (it had the KV): the prefill's death no longer touches the
-    answer (the router used to end it with the prefill's error)."""
+    """The decode engine streams (it had the KV): the prefill's death does not touch the
+    answer, which the prefill's error does not end."""
     (p,), (d,) = await pd_pool(engines, kv_table)
     p.hold = asyncio.Event()  # the prefill sends the KV cache, then never answers
     d.hold = asyncio.Event()
@@ -424,8 +428,7 @@ async def test_a_complete_decode_stream_lets_a_slow_prefill_answer_finish(
         await asyncio.sleep(0.1)  # the router has closed the client's stream
         p.hold.set()
         async with asyncio.timeout(2):
-            while any(w.in_flight for w in router.app.workers.all()):
-                await asyncio.sleep(0.02)
+            await out_of_flight(router)
         assert not p.client_gone.is_set()
         metrics = (await client.get(router.url + "/metrics")).text
     prefill_outcomes = {
@@ -474,8 +477,7 @@ async def test_a_client_that_leaves_mid_stream_lets_the_finished_prefill_end_wel
             await d.client_gone.wait()
         p.hold.set()
         async with asyncio.timeout(2):
-            while any(w.in_flight for w in router.app.workers.all()):
-                await asyncio.sleep(0.02)
+            await out_of_flight(router)
         metrics = (await client.get(router.url + "/metrics")).text
     prefill_outcomes = {
         sample.labels["status"]: sample.value
@@ -528,8 +530,7 @@ async def test_a_client_that_leaves_before_the_kv_arrived_closes_the_prefill_req
         async with asyncio.timeout(2):
             await p.client_gone.wait()
             await d.client_gone.wait()
-            while any(w.in_flight for w in router.app.workers.all()):
-                await asyncio.sleep(0.02)
+            await out_of_flight(router)
         metrics = (await client.get(router.url + "/metrics")).text
     outcomes = {
         (sample.labels["worker"], sample.labels["status"]): sample.value
