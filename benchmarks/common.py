@@ -1,12 +1,17 @@
 """What the benchmark scripts share: the engine's own options and what a result records of
-the engine, a free port for the servers they start, and printing and saving a result as JSON."""
+the engine, a free port for the servers they start, a `kubesgl bench serving` run against
+them, and printing and saving a result as JSON."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 
 import torch
 
@@ -50,6 +55,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def bench_serving(
+    base_url: str, *options: str, check: bool = True, env: dict[str, str] | None = None
+) -> dict:
+    """The JSON result of `kubesgl bench serving --base-url BASE_URL OPTIONS` (its printout
+    silenced). `check`: a failed run raises; without it, its result holds the failures."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "serving.json")
+        command = ["bench", "serving", "--base-url", base_url, *options, "--output-file", out]
+        subprocess.run(
+            [sys.executable, "-m", "kubesgl", *command],
+            check=check,
+            stdout=subprocess.DEVNULL,
+            env=env,
+        )
+        with open(out) as f:
+            return json.load(f)
 
 
 def report(result: dict, out: str | None) -> None:

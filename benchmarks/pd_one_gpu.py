@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import signal
@@ -29,7 +28,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
-from common import free_port, report
+from common import bench_serving, free_port, report
 
 
 def start(
@@ -205,38 +204,6 @@ def metric(url: str, name: str) -> float:
     raise KeyError(name)
 
 
-def bench_serving(router: str, opts: argparse.Namespace, log_dir: str) -> dict:
-    out = os.path.join(log_dir, "serving.json")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kubesgl",
-            "bench",
-            "serving",
-            "--base-url",
-            router,
-            "--model",
-            "bench",
-            "--random-input-len",
-            str(opts.input_len),
-            "--random-output-len",
-            str(opts.output_len),
-            "--vocab-size",
-            str(opts.vocab_size),
-            "--request-rate",
-            str(opts.rate),
-            "--num-prompts",
-            str(opts.num_prompts),
-            "--output-file",
-            out,
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    return json.load(open(out))
-
-
 def first_token_time(router: str, prompt: list[int]) -> float:
     """Seconds to the first streamed token of one request."""
     body = {
@@ -377,7 +344,21 @@ def run(mode: str, opts: argparse.Namespace) -> dict:
             }
 
         before = sums()
-        result["serving"] = bench_serving(router, opts, log_dir)
+        result["serving"] = bench_serving(
+            router,
+            "--model",
+            "bench",
+            "--random-input-len",
+            str(opts.input_len),
+            "--random-output-len",
+            str(opts.output_len),
+            "--vocab-size",
+            str(opts.vocab_size),
+            "--request-rate",
+            str(opts.rate),
+            "--num-prompts",
+            str(opts.num_prompts),
+        )
         # where the time went, from the engines' own histograms: the mean of each over the run
         result["serving"]["stages_ms_mean"] = {
             key: (total - before[key][0]) / max(count - before[key][1], 1) * 1e3

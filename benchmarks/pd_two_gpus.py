@@ -17,14 +17,11 @@ is where short prompts can win back what a handoff costs them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
-from common import free_port, report
+from common import bench_serving, free_port, report
 from pd_one_gpu import EngineProcess, add_engine_options, metric, serving_stack
 
 # NVLink multicast stays off on shared GPU hosts (benchmarks/README.md, two GPUs).
@@ -81,42 +78,27 @@ def bench(
     output_len: int,
     rate: float,
     opts: argparse.Namespace,
-    log_dir: str,
 ) -> dict:
-    out = os.path.join(log_dir, "serving.json")
     num_prompts = max(opts.min_prompts, int(rate * opts.seconds_per_run))
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kubesgl",
-            "bench",
-            "serving",
-            "--base-url",
-            router,
-            "--model",
-            "bench",
-            "--random-input-len",
-            str(input_len),
-            "--random-output-len",
-            str(output_len),
-            "--vocab-size",
-            str(opts.vocab_size),
-            "--request-rate",
-            str(rate),
-            "--num-prompts",
-            str(num_prompts),
-            "--goodput",
-            str(opts.slo_ttft_ms),
-            str(opts.slo_itl_ms),
-            "--output-file",
-            out,
-        ],
-        check=False,
-        stdout=subprocess.DEVNULL,
+    return bench_serving(
+        router,
+        "--model",
+        "bench",
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--vocab-size",
+        str(opts.vocab_size),
+        "--request-rate",
+        str(rate),
+        "--num-prompts",
+        str(num_prompts),
+        "--goodput",
+        str(opts.slo_ttft_ms),
+        str(opts.slo_itl_ms),
+        check=False,  # a run with failed requests still reports them
     )
-    with open(out) as f:
-        return json.load(f)
 
 
 def handoff(
@@ -180,7 +162,7 @@ def main() -> None:
         ):
             for input_len, output_len, rate in workloads(opts):
                 counters, _ = handoff(urls, None)
-                serving = bench(router, input_len, output_len, rate, opts, log_dir)
+                serving = bench(router, input_len, output_len, rate, opts)
                 _, kv = handoff(urls, counters)
                 result["runs"].append(
                     {

@@ -18,19 +18,17 @@ itself is checked.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import free_port, report
+from common import bench_serving, free_port, report
 
 from kubesgl.engine.model_config import load_model_config
 
@@ -87,30 +85,19 @@ def start_server(args, tp: int, port: int, log) -> subprocess.Popen:
 def bench(
     port: int, vocab: int, prompts: int, input_len: int, output_len: int, concurrency: int | None
 ) -> dict:
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [
-            sys.executable,
-            "-m",
-            "kubesgl",
-            "bench",
-            "serving",
-            "--base-url",
-            f"http://127.0.0.1:{port}",
-            "--num-prompts",
-            str(prompts),
-            "--random-input-len",
-            str(input_len),
-            "--random-output-len",
-            str(output_len),
-            "--vocab-size",
-            str(vocab),
-            "--output-file",
-            out.name,
-        ]
-        if concurrency:
-            command += ["--max-concurrency", str(concurrency)]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=SUBPROCESS_ENV)
-        return json.loads(Path(out.name).read_text())
+    options = [
+        "--num-prompts",
+        str(prompts),
+        "--random-input-len",
+        str(input_len),
+        "--random-output-len",
+        str(output_len),
+        "--vocab-size",
+        str(vocab),
+    ]
+    if concurrency:
+        options += ["--max-concurrency", str(concurrency)]
+    return bench_serving(f"http://127.0.0.1:{port}", *options, env=SUBPROCESS_ENV)
 
 
 def _time_allreduce(
