@@ -21,7 +21,9 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
+from typing import get_args
 
+from kubesgl.engine.config import SchedulePolicyName
 from kubesgl.engine.kvcache.radix_cache import RadixCache, TreeNode
 from kubesgl.engine.scheduler.request import Req
 
@@ -74,6 +76,8 @@ SCHEDULE_POLICIES: dict[str, Ordering] = {
     "lpm": longest_prefix_match,
     "dfs-weight": dfs_weight,
 }
+# --schedule-policy's choices come from SchedulePolicyName: one policy for each of them
+assert set(SCHEDULE_POLICIES) == set(get_args(SchedulePolicyName))
 
 
 class SchedulePolicy:

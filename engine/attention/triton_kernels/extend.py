@@ -63,9 +63,8 @@ def _extend(
     )
     q_pos = prefix + offs_m
 
-    hi = tl.minimum(
-        seq_len, prefix + (block + 1) * BLOCK_M
-    )  # no query of this block sees past here
+    # no query of this block sees past here
+    hi = tl.minimum(seq_len, prefix + (block + 1) * BLOCK_M)
     lo = prefix * 0  # typed like the loaded lengths (int64), as the branch below requires
     if window > 0:
         lo = tl.maximum(0, prefix + block * BLOCK_M - window + 1)
