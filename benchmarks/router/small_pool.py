@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -27,10 +28,6 @@ import time
 from pathlib import Path
 
 import httpx
-
-# The tests' harness starts and stops the engines and the router here too.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "integration" / "engine"))
-from serve_harness import start_process  # noqa: E402
 
 ADMIN_KEY = "small-pool-bench"
 WORDS = (
@@ -43,6 +40,12 @@ SETTINGS = {
     "cache_aware abs 4 (kubesgl)": ["--policy", "cache_aware", "--balance-abs-threshold", "4"],
     "round_robin": ["--policy", "round_robin"],
 }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def conversations(groups: int, questions: range, system_words: int) -> list[dict]:
@@ -70,6 +73,18 @@ def conversations(groups: int, questions: range, system_words: int) -> list[dict
     ]
     rng.shuffle(requests)
     return requests
+
+
+def wait_healthy(url: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not healthy after {timeout} s")
 
 
 def engine_counters(url: str) -> tuple[float, float, float]:
@@ -104,38 +119,56 @@ async def send_all(url: str, requests: list[dict], concurrency: int) -> list[flo
 
 
 def run_once(model: str, flags: list[str], args: argparse.Namespace, log_dir: Path) -> dict:
-    env = {"OMP_NUM_THREADS": "1", "KUBESGL_ROUTER_ADMIN_KEY": ADMIN_KEY}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KUBESGL_ROUTER_ADMIN_KEY": ADMIN_KEY}
+    ports = [free_port() for _ in range(2)]
     engines = [
-        start_process(
-            "serve",
-            "--model",
-            model,
-            "--device",
-            "cpu",
-            "--max-total-tokens",
-            "40000",
-            "--served-model-name",
-            "default",
-            tmp_path=log_dir,
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kubesgl",
+                "serve",
+                "--model",
+                model,
+                "--device",
+                "cpu",
+                "--port",
+                str(port),
+                "--max-total-tokens",
+                "40000",
+                "--served-model-name",
+                "default",
+            ],
             env=env,
+            stdout=open(log_dir / f"engine-{port}.log", "w"),
+            stderr=subprocess.STDOUT,
         )
-        for _ in range(2)
+        for port in ports
     ]
-    urls = [engine.base_url for engine in engines]
-    router = start_process(
-        "router",
-        "--worker",
-        urls[0],
-        "--health-check-interval",
-        "0.5",
-        *flags,
-        tmp_path=log_dir,
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    router_port = free_port()
+    router = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kubesgl",
+            "router",
+            "--worker",
+            urls[0],
+            "--port",
+            str(router_port),
+            "--health-check-interval",
+            "0.5",
+            *flags,
+        ],
         env=env,
+        stdout=open(log_dir / f"router-{router_port}.log", "w"),
+        stderr=subprocess.STDOUT,
     )
-    router_url = router.base_url
+    router_url = f"http://127.0.0.1:{router_port}"
     try:
-        for server in (*engines, router):  # the engines load at once
-            server.wait_healthy(timeout=180)
+        for url in (*urls, router_url):
+            wait_healthy(url)
         warm = conversations(
             args.groups, range(2), args.system_words
         )  # the prompts' first questions, on A
@@ -161,8 +194,10 @@ def run_once(model: str, flags: list[str], args: argparse.Namespace, log_dir: Pa
         wall = time.perf_counter() - start
         after = [engine_counters(url) for url in urls]
     finally:
-        for server in (router, *engines):
-            server.stop(timeout=60)
+        for process in (router, *engines):
+            process.terminate()
+        for process in (router, *engines):
+            process.wait(timeout=60)
     served = [a[0] - b[0] for a, b in zip(after, before)]
     prompt = sum(a[1] - b[1] for a, b in zip(after, before))
     cached = sum(a[2] - b[2] for a, b in zip(after, before))
