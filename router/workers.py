@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,11 +102,10 @@ class Worker:
 
 @dataclass
 class WorkerRegistry:
-    """Workers by URL. Every change wakes up whoever waits in `wait_for`."""
+    """Workers by URL."""
 
     make_breaker: Callable[[], CircuitBreaker] = CircuitBreaker
     _workers: dict[str, Worker] = field(default_factory=dict)
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
     _on_added: list[Callable[[Worker], None]] = field(default_factory=list)
     _on_removed: list[Callable[[Worker], None]] = field(default_factory=list)
 
@@ -144,7 +142,6 @@ class WorkerRegistry:
         log.info("worker added: %s (%s, from %s)", url, role.value, source)
         for callback in self._on_added:
             callback(worker)
-        self._notify()
         return worker
 
     def remove(self, url: str, pod: str | None = None) -> Worker | None:
@@ -158,7 +155,6 @@ class WorkerRegistry:
         log.info("worker removed: %s", worker.url)
         for callback in self._on_removed:
             callback(worker)
-        self._notify()
         return worker
 
     def get(self, url: str) -> Worker | None:
@@ -207,7 +203,6 @@ class WorkerRegistry:
                 "healthy" if healthy else "unhealthy",
                 f": {reason}" if reason else "",
             )
-            self._notify()
 
     def mark_lost(self, worker: Worker) -> None:
         """Its connection broke: out of the pool until health checks pass again."""
@@ -215,12 +210,3 @@ class WorkerRegistry:
             worker.health_successes = 0
             worker.lost = True
             self.set_healthy(worker, False, "its connection broke during a request")
-
-    async def wait_for(self, condition: Callable[[], bool]) -> None:
-        """Returns once `condition()` holds; re-checked after every change of the pool."""
-        while not condition():
-            await self._changed.wait()
-
-    def _notify(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()

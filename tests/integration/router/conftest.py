@@ -51,17 +51,20 @@ class RouterHarness:
         self.app = app
         self.url = url
 
-    async def ready(self, timeout: float = 10.0) -> None:
+    async def until(self, condition: Callable[[], bool], timeout: float = 10.0) -> None:
+        """Until `condition()` holds (checked every 10 ms); TimeoutError after `timeout` s."""
         async with asyncio.timeout(timeout):
-            await self.app.workers.wait_for(self.app.can_serve)
+            while not condition():
+                await asyncio.sleep(0.01)
+
+    async def ready(self, timeout: float = 10.0) -> None:
+        await self.until(self.app.can_serve, timeout)
 
     async def all_healthy(self, timeout: float = 10.0) -> None:
-        async with asyncio.timeout(timeout):
-            await self.app.workers.wait_for(
-                lambda: (
-                    bool(self.app.workers.all()) and all(w.healthy for w in self.app.workers.all())
-                )
-            )
+        workers = self.app.workers
+        await self.until(
+            lambda: bool(workers.all()) and all(w.healthy for w in workers.all()), timeout
+        )
 
 
 @pytest_asyncio.fixture

@@ -96,23 +96,19 @@ async def test_pods_join_and_leave_the_pool(core_api, engines, start_router, cli
     async with start_router(kube=discovery, policy="round_robin") as router:
         workers = router.app.workers
 
-        async def until(condition) -> None:
-            async with asyncio.timeout(10):
-                await workers.wait_for(condition)
-
         # Not ready yet, another instance's pod, a router pod: none of them may join.
         await create(core_api, pod("engine-a", "mixed", a.port, ready=False))
         await create(core_api, pod("other", "mixed", stranger.port, ready=True,
                                    labels={"app.kubernetes.io/instance": "other"}))  # fmt: skip
         await create(core_api, pod("router", "router", stranger.port, ready=True))
         await create(core_api, pod("engine-b", "mixed", b.port, ready=True))
-        await until(lambda: workers.get(b.url) is not None)
+        await router.until(lambda: workers.get(b.url) is not None)
         # Events arrive in order: the earlier pods were seen and left out.
         assert [w.url for w in workers.all()] == [b.url]
         assert workers.get(b.url).source == "kubernetes"
 
         await set_ready(core_api, "engine-a", True)
-        await until(lambda: workers.get(a.url) is not None)
+        await router.until(lambda: workers.get(a.url) is not None)
         await router.all_healthy()
         served = set()
         for _ in range(4):
@@ -121,9 +117,9 @@ async def test_pods_join_and_leave_the_pool(core_api, engines, start_router, cli
         assert served == {"a", "b"}
 
         await set_ready(core_api, "engine-a", False)
-        await until(lambda: workers.get(a.url) is None)
+        await router.until(lambda: workers.get(a.url) is None)
         await asyncio.to_thread(core_api.delete_namespaced_pod, "engine-b", NAMESPACE)
-        await until(lambda: workers.get(b.url) is None)
+        await router.until(lambda: workers.get(b.url) is None)
         assert workers.all() == []
         assert stranger.requests == []
 
@@ -136,8 +132,7 @@ async def test_prefill_pods_bring_their_bootstrap_port(core_api, engines, start_
         await create(core_api, pod("prefill-0", "prefill", p.port, ready=True,
                                    annotations={"kubesgl.io/bootstrap-port": "9555"}))  # fmt: skip
         await create(core_api, pod("decode-0", "decode", d.port, ready=True))
-        async with asyncio.timeout(10):
-            await workers.wait_for(lambda: len(workers.all()) == 2)
+        await router.until(lambda: len(workers.all()) == 2)
         prefill, decode = workers.get(p.url), workers.get(d.url)
         assert (prefill.role.value, prefill.bootstrap_port) == ("prefill", 9555)
         assert (decode.role.value, decode.bootstrap_port) == ("decode", None)

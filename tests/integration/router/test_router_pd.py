@@ -358,8 +358,7 @@ async def test_health_needs_both_roles(engines, kv_table, start_router, client):
         await router.ready()
         assert (await client.get(router.url + "/health")).status_code == 200
         p.healthy = False
-        async with asyncio.timeout(5):
-            await router.app.workers.wait_for(lambda: not router.app.can_serve())
+        await router.until(lambda: not router.app.can_serve(), timeout=5)
         health = await client.get(router.url + "/health")
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
     for answer in (health, response):  # /health says which role it lacks (kubesgl up prints it)

@@ -68,7 +68,7 @@ async def test_worker_killed_mid_run(engines, start_router, client):
         before = len(b.requests)
         await b.restart()
         async with asyncio.timeout(10):
-            await router.app.workers.wait_for(lambda: router.app.workers.get(b.url).healthy)
+            await router.until(lambda: router.app.workers.get(b.url).healthy)
             while len(b.requests) == before:  # until its circuit breaker lets a request through
                 response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
                 assert response.status_code == 200
@@ -105,8 +105,7 @@ async def test_a_restarted_worker_serves_a_burst_at_once(engines, start_router, 
 
         decode.hold = None
         await decode.restart()
-        async with asyncio.timeout(10):
-            await router.app.workers.wait_for(lambda: worker.healthy)
+        await router.until(lambda: worker.healthy, timeout=10)
         listing = (await client.get(router.url + "/workers")).json()["workers"]
         assert {w["url"]: w["circuit"] for w in listing}[decode.url] == "closed"
         burst = await asyncio.gather(
@@ -220,20 +219,17 @@ async def test_unhealthy_workers_leave_the_pool_and_come_back(engines, start_rou
         await router.all_healthy()
         worker_a = router.app.workers.get(a.url)
         a.healthy = False
-        async with asyncio.timeout(5):
-            await router.app.workers.wait_for(lambda: not worker_a.healthy)
+        await router.until(lambda: not worker_a.healthy, timeout=5)
         for _ in range(4):
             response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
             assert served_by(response) == "b"
         b.healthy = False
-        async with asyncio.timeout(5):
-            await router.app.workers.wait_for(lambda: not router.app.can_serve())
+        await router.until(lambda: not router.app.can_serve(), timeout=5)
         unavailable = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
         assert unavailable.status_code == 503
         assert "2 failing health checks" in unavailable.json()["error"]["message"]
         a.healthy = True
-        async with asyncio.timeout(5):
-            await router.app.workers.wait_for(lambda: worker_a.healthy)
+        await router.until(lambda: worker_a.healthy, timeout=5)
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
         assert served_by(response) == "a"
 
