@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubesgl import contract
 from kubesgl.up.plan import LocalPlan
-from kubesgl.up.supervisor import Replica, State
+from kubesgl.up.supervisor import Replica, State, all_ready
 
 SCRAPE_INTERVAL_S = 1.0
 SHOWN_EVENTS = 8
@@ -90,7 +90,7 @@ class StatusView:
         self.note(f"{replica.process.name}: {message}")
 
     def refresh(self, replicas: list[Replica]) -> None:
-        if not self.ready_once and replicas and all(r.state == State.READY for r in replicas):
+        if not self.ready_once and all_ready(replicas):
             self.ready_once = True
             self.note(
                 f"ready in {time.monotonic() - self.started:.1f} s: OpenAI base URL {self.plan.base_url}"

@@ -104,6 +104,10 @@ def _error_message(answer: httpx.Response) -> str:
         return answer.text.strip().split("\n", 1)[0][:200]
 
 
+def all_ready(replicas: Sequence[Replica]) -> bool:
+    return bool(replicas) and all(replica.state == State.READY for replica in replicas)
+
+
 class Supervisor:
     def __init__(
         self,
@@ -117,9 +121,6 @@ class Supervisor:
         self.on_event = on_event
         self.healthy = healthy if healthy is not None else HttpHealth()
         self.clock = clock
-
-    def all_ready(self) -> bool:
-        return all(replica.state == State.READY for replica in self.replicas)
 
     def tick(self) -> None:
         """Notices deaths, starts what is due and probes the health of what runs."""

@@ -21,7 +21,7 @@ import pytest
 
 from kubesgl import contract
 from kubesgl.up.plan import LocalProcess
-from kubesgl.up.supervisor import Health, State, Supervisor
+from kubesgl.up.supervisor import Health, State, Supervisor, all_ready
 
 STAND_IN = r"""
 import http.server, signal, subprocess, sys
@@ -194,7 +194,7 @@ def test_stop_drains_the_router_first_and_leaves_nothing_behind_a_hung_replica_i
     supervisor = Supervisor(
         processes, tmp_path, lambda r, m: events.append(f"{r.process.name}: {m}")
     )
-    wait_for(lambda: supervisor.tick() or supervisor.all_ready())
+    wait_for(lambda: supervisor.tick() or all_ready(supervisor.replicas))
     pids = [r.pid for r in supervisor.replicas]
     pids += [pid for r in supervisor.replicas for pid in wait_for(lambda r=r: children(r))]
     started = time.monotonic()
@@ -215,7 +215,7 @@ def test_a_second_signal_kills_at_once(stand_in, tmp_path):
     supervisor = Supervisor(
         [stand_in("mixed-0", "hang", stop_timeout_s=120)], tmp_path, lambda r, m: events.append(m)
     )
-    wait_for(lambda: supervisor.tick() or supervisor.all_ready())
+    wait_for(lambda: supervisor.tick() or all_ready(supervisor.replicas))
     child = wait_for(lambda: children(supervisor.replicas[0]))[0]
     force = threading.Event()
     threading.Timer(0.3, force.set).start()
@@ -228,13 +228,13 @@ def test_a_second_signal_kills_at_once(stand_in, tmp_path):
 SUPERVISING = r"""
 import sys, time
 from kubesgl.up.plan import LocalProcess
-from kubesgl.up.supervisor import Supervisor
+from kubesgl.up.supervisor import Supervisor, all_ready
 from kubesgl import contract
 from pathlib import Path
 port, log_dir, argv = int(sys.argv[1]), sys.argv[2], tuple(sys.argv[3:])
 process = LocalProcess("mixed-0", contract.MIXED, argv, {}, port, 10)
 supervisor = Supervisor([process], Path(log_dir))
-while not supervisor.all_ready():
+while not all_ready(supervisor.replicas):
     supervisor.tick()
     time.sleep(0.05)
 print(supervisor.replicas[0].pid, flush=True)
