@@ -21,6 +21,7 @@ are kept until it is certain it no longer will (prefill.py, decode.py).
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import cast
 
@@ -214,10 +215,8 @@ class _RoomRole(MixedRole):
         return sum(req.status in held for req in self.rooms.values())
 
     def stats(self) -> DisaggStats:
-        states: dict[str, int] = {}
-        for req in self.rooms.values():
-            states[req.status.name.lower()] = states.get(req.status.name.lower(), 0) + 1
-        stats = DisaggStats(states, dict(self._failures), self._transfers, self._kv_waits)
+        states = Counter(req.status.name.lower() for req in self.rooms.values())
+        stats = DisaggStats(dict(states), dict(self._failures), self._transfers, self._kv_waits)
         self._transfers, self._kv_waits = [], []
         return stats
 
