@@ -44,6 +44,7 @@ from kubesgl.engine.disagg.protocol import (
     ConnectBootstrap,
     FailureReason,
     ForgetRoom,
+    PeerConnected,
     PeerForgotten,
     PeerLost,
     PeerRegistered,
@@ -73,6 +74,10 @@ _MAX_BODY_BYTES = 64 << 20  # a registration of many ranks, or a room of a very 
 # idle registers again with its next post.
 PEER_IDLE_S = 600.0
 _SWEEP_EVERY_S = 60.0
+# How long a registration waits for the scheduler to connect to the decode engine's NIXL
+# agents. A scheduler busy with a long step answers later: the registration is then taken
+# as it is, and a failure to connect drops it afterwards (the next post registers again).
+CONNECT_WAIT_S = 5.0
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -116,6 +121,8 @@ class BootstrapServer:
         self._lock = threading.Lock()
         self._engines: dict[str, int] = {}  # registered decode engines: their pools' slots
         self._heard_at: dict[str, float] = {}  # when each last registered, posted or queued
+        # registrations waiting for the scheduler's PeerConnected: the error, or None
+        self._connecting: dict[str, Future[str | None]] = {}
         self._peer_idle_s = PEER_IDLE_S
         self._next_sweep = 0.0
         self._rooms: dict[int, float] = {}  # posted rooms, until forgotten: a duplicate is a 409
@@ -162,11 +169,32 @@ class BootstrapServer:
         for rank in ranks:
             self.layout.check_compatible(rank.layout)
         engine = str(body["engine"])
+        connected: Future[str | None] = Future()
         with self._lock:
             self._engines[engine] = min(rank.layout.num_slots for rank in ranks)
             self._heard_at[engine] = time.monotonic()
+            self._connecting[engine] = connected
             self.emit(PeerRegistered(engine, ranks))
+        try:
+            error = connected.result(timeout=CONNECT_WAIT_S)
+        except TimeoutError:
+            error = None
+        if error is not None:
+            return 502, {
+                "error": f"this prefill engine cannot reach decode engine {engine} over NIXL: {error}"
+            }
         return 200, {"instance": self.instance, "timeout_s": self.timeout_s}
+
+    def peer_connected(self, engine: str, error: str | None) -> None:
+        """The scheduler connected to a registered decode engine, or could not: then the
+        registration goes, so that no room is taken for an engine no write can reach."""
+        with self._lock:
+            connected = self._connecting.pop(engine, None)
+            if error is not None:
+                self._engines.pop(engine, None)
+                self._heard_at.pop(engine, None)
+        if connected is not None:
+            connected.set_result(error)
 
     def post_room(self, body: dict) -> tuple[int, dict]:
         room, engine, slots = _room(body["room"]), str(body["engine"]), body["slots"]
@@ -634,6 +662,9 @@ class BootstrapService:
         elif isinstance(request, RoomWriting):
             assert self.server is not None, "ServeBootstrap comes before any write"
             self.server.room_writing(request.room, request.writing)
+        elif isinstance(request, PeerConnected):
+            assert self.server is not None, "ServeBootstrap comes before any registration"
+            self.server.peer_connected(request.engine, request.error)
         elif isinstance(request, PostRoom | CancelRoom | ForgetRoom | StillQueued):
             self._handle_room(request)
         else:

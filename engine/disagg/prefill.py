@@ -19,6 +19,7 @@ from kubesgl.engine.disagg.link import BootstrapLink
 from kubesgl.engine.disagg.protocol import (
     BootstrapFact,
     FailureReason,
+    PeerConnected,
     PeerForgotten,
     PeerRegistered,
     RoomCancelled,
@@ -60,6 +61,15 @@ class WriteOverdue:
 
 
 @dataclass(frozen=True)
+class ConnectTried:
+    """One rank's attempt to connect to a registered decode engine's NIXL agent."""
+
+    rank: int
+    engine: str
+    error: str | None = None  # None: connected
+
+
+@dataclass(frozen=True)
 class RoomTimedOut:
     room: int
     error: str
@@ -80,6 +90,7 @@ PrefillFact = (
     | RoomsQueued
     | WriteEnded
     | WriteOverdue
+    | ConnectTried
     | RoomTimedOut
     | RoomsForgotten
 )
@@ -157,6 +168,8 @@ class PrefillTransfers:
                 ServeBootstrap(agent.layout, consensus.tp_size, host, port, timeout_s=timeout)
             )
         self._peer_agents: dict[str, str] = {}  # decode engine -> its agent of this rank
+        self._connect_tries: dict[str, dict[int, str | None]] = {}  # engine -> each rank's error
+        self._unreachable: dict[str, str] = {}  # decode engines last found unreachable: why
         self._rooms: dict[int, _Room] = {}
         self._posted: dict[int, RoomPosted] = {}  # posts whose request has not come (yet)
         self._closed: dict[int, RoomNote] = {}  # rooms that ended here before their post came
@@ -252,6 +265,8 @@ class PrefillTransfers:
             return self._write_ended(fact)
         elif isinstance(fact, WriteOverdue):
             return self._write_overdue(fact)
+        elif isinstance(fact, ConnectTried):
+            self._connect_tried(fact)
         elif isinstance(fact, RoomTimedOut):
             state = self._rooms.get(fact.room)
             if state is not None and not state.started:
@@ -272,15 +287,39 @@ class PrefillTransfers:
         return []
 
     def _connect(self, fact: PeerRegistered) -> None:
+        """Connects this rank; every rank's outcome is shared, and the registration answered
+        with it (`_connect_tried`)."""
         mine = fact.ranks[self.consensus.rank]
-        if self._peer_agents.get(fact.engine) == mine.layout.agent:
+        error = None
+        if self._peer_agents.get(fact.engine) != mine.layout.agent:
+            try:
+                self.agent.connect(mine.metadata, mine.layout)
+                self._peer_agents[fact.engine] = mine.layout.agent
+            except Exception as exc:  # noqa: BLE001 - the registration is refused with it
+                error = str(exc)
+        self._local.append(ConnectTried(self.consensus.rank, fact.engine, error))
+
+    def _connect_tried(self, fact: ConnectTried) -> None:
+        tries = self._connect_tries.setdefault(fact.engine, {})
+        tries[fact.rank] = fact.error
+        if len(tries) < self.consensus.tp_size:
             return
-        try:
-            self.agent.connect(mine.metadata, mine.layout)
-        except Exception:  # noqa: BLE001 - its rooms fail when written to
-            logger.exception("connecting to decode engine %s failed", fact.engine)
-            return
-        self._peer_agents[fact.engine] = mine.layout.agent
+        del self._connect_tries[fact.engine]
+        error = next((e for e in tries.values() if e is not None), None)
+        # A decode engine that cannot be reached registers again with every request it
+        # gets: one line when its error is new, not one per request.
+        if error is None:
+            self._unreachable.pop(fact.engine, None)
+        elif self._unreachable.get(fact.engine) != error:
+            self._unreachable[fact.engine] = error
+            logger.error(
+                "decode engine %s cannot be reached over NIXL (its registration is refused "
+                "until it can): %s",
+                fact.engine,
+                error,
+            )
+        if self.link is not None:
+            self.link.send(PeerConnected(fact.engine, error))
 
     def _disconnect(self, engine: str) -> None:
         """A decode engine gone quiet: its connection goes, unless a room here still writes

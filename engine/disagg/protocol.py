@@ -183,6 +183,16 @@ class RoomWriting:
     writing: bool
 
 
+@dataclass(frozen=True)
+class PeerConnected:
+    """Prefill role: how connecting every rank to a registered decode engine's NIXL agents
+    went (`error`: why one rank could not, say no transport of UCX reaches it). The
+    registration waits for it, so a decode engine that cannot be written to learns it there."""
+
+    engine: str
+    error: str | None = None
+
+
 BootstrapRequest = (
     ServeBootstrap
     | ConnectBootstrap
@@ -191,6 +201,7 @@ BootstrapRequest = (
     | ForgetRoom
     | StillQueued
     | RoomWriting
+    | PeerConnected
 )
 
 

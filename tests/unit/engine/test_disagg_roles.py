@@ -268,7 +268,15 @@ def test_a_decode_request_aborted_while_its_kv_may_come_keeps_its_slots_until_no
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
     decode.add_request(GenerateRequest("d0", first, params, bootstrap=target))
-    step_until([decode], lambda: decode.scheduler.requests["d0"].status.name == "AWAITING_KV")
+    server = prefill.role.transfers.link.service.server
+    step_until(  # the prefill scheduler connects to the decode engine, then its room is posted
+        [prefill, decode],
+        lambda: (
+            decode.scheduler.requests["d0"].status.name == "AWAITING_KV"
+            and bool(server._engines)
+            and not server._connecting
+        ),
+    )
     if (
         when == "after the write"
     ):  # the KV and its notification are on their way when the client leaves

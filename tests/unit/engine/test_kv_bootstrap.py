@@ -195,6 +195,30 @@ def test_a_decode_pool_of_another_shape_is_refused_with_the_reason(pair):
     assert outcome.reason is FailureReason.REFUSED and "KV pools differ" in outcome.error
 
 
+def test_a_decode_engine_the_prefill_side_cannot_reach_over_nixl_fails_its_rooms_at_once(
+    pair, monkeypatch, caplog
+):
+    # Engines whose UCX transports share none (UCX_TLS, UCX_NET_DEVICES): NIXL cannot add
+    # the decode engine's agent. Its rooms used to wait for the KV until the timeout.
+    p = pair(timeout=30.0)
+
+    def unreachable(metadata, layout):
+        raise TransferError("adding the peer's agent: nixlBackendError: NIXL_ERR_BACKEND")
+
+    monkeypatch.setattr(p.prefill_agent, "connect", unreachable)
+    started = time.monotonic()
+    for room in (8, 9):  # each registers again, and is refused again
+        p.prefill.open(room)
+        p.prefill.prefilled(room, [1], note(room))
+        p.decode.expect(p.target(room), [2])
+        sent, [outcome] = p.run(lambda s, a, room=room: s and released(room)(s, a))
+        assert outcome.reason is FailureReason.REFUSED and "NIXL_ERR_BACKEND" in outcome.error
+        assert "cannot reach decode engine" in outcome.error
+        assert [o.room for o in sent] == [room] and not sent[0].ok  # dropped on the prefill side
+    assert time.monotonic() - started < 5
+    assert caplog.text.count("cannot be reached over NIXL") == 1  # not once per request
+
+
 def test_an_unreachable_prefill_engine_fails_the_room_at_once_as_a_peer_lost(pair):
     # Lost, not refused: a prefill engine killed just before the room was posted is the same
     # failure as one killed just after, and is counted the same.
