@@ -312,6 +312,25 @@ def test_a_decode_engine_that_disconnected_fails_the_write_not_the_prefill_engin
     assert not p.prefill.busy(19)
 
 
+def test_a_decode_engine_that_died_mid_write_costs_one_log_line_per_room(pair, monkeypatch, caplog):
+    """Its write fails, and so does the note saying so: a warning, no traceback per room."""
+    p = pair()
+    remote_disconnect = type("nixlRemoteDisconnectError", (Exception,), {})
+
+    def gone(*args):
+        raise remote_disconnect("NIXL_ERR_REMOTE_DISCONNECT")
+
+    monkeypatch.setattr(p.prefill_agent.agent, "transfer", gone)
+    monkeypatch.setattr(p.prefill_agent.agent, "send_notif", gone)
+    p.prefill.open(21)
+    p.prefill.prefilled(21, [1], note(21))
+    p.decode.expect(p.target(21), [2])
+    sent, _ = p.run(lambda s, a: s)
+    assert sent[0].reason is FailureReason.TRANSFER and not p.prefill.busy(21)
+    [record] = [r for r in caplog.records if "room 21 ended failed" in r.getMessage()]
+    assert record.exc_info is None and "NIXL_ERR_REMOTE_DISCONNECT" in record.getMessage()
+
+
 class StalledWrite:
     """The prefill agent's writes stay in flight (NIXL says PROC, and the notes that come
     with them do not reach the decode side) until `end` is called; the notes the prefill
