@@ -227,6 +227,11 @@ class PrefillTransfers:
     def has_rooms(self) -> bool:
         return bool(self._rooms)
 
+    def has_work(self) -> bool:
+        """Rooms open, or facts of this rank not shared yet (a connect tried, which a decode
+        engine's registration waits for): the scheduler must turn again soon, not idle."""
+        return bool(self._rooms or self._local)
+
     # -- each turn ---------------------------------------------------------------------
     def poll(self) -> list[PrefillOutcome]:
         """Applies what every rank saw since the last turn; starts the writes that can start.

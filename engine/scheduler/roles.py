@@ -317,7 +317,7 @@ class PrefillRole(_RoomRole):
         self.transfers.close()
 
     def has_work(self) -> bool:
-        return self.transfers.has_rooms()
+        return self.transfers.has_work()
 
 
 class DecodeRole(_RoomRole):

@@ -602,3 +602,23 @@ def test_a_prefill_engines_prefill_time_ends_at_the_first_token_not_at_the_hando
     [first] = [o for o in outputs["d0"] if o.prefill_seconds is not None]
     assert first.handoff_seconds is None  # the decode engine's own first token: no handoff
     assert_idle(prefill, decode)
+
+
+def test_an_idle_prefill_engine_answers_a_registration_in_its_next_turn_not_its_idle_wait(
+    tiny_model, make_engine, random_prompts
+):
+    # A decode engine's registration waits until the prefill scheduler has tried to connect to
+    # it and every rank has shared how that went, one turn later. With no room open, an idle
+    # scheduler would sleep a whole second first (IDLE_POLL_MS) unless it has work.
+    model = tiny_model("llama")
+    prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
+    [prompt] = random_prompts(1, 20, 20, seed=3)
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
+    decode.add_request(
+        GenerateRequest("d0", prompt, SamplingParams(max_tokens=4), bootstrap=target)
+    )
+    transfers = prefill.role.transfers
+    step_until([prefill, decode], lambda: bool(transfers._peer_agents))  # connected, not shared
+    assert not transfers.has_rooms() and prefill.scheduler.has_work()
+    server = transfers.link.service.server
+    step_until([prefill, decode], lambda: not server._connecting, timeout=1.0)
