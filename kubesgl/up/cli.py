@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shlex
 import signal
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=contract.ROUTER_PORT,
         help=f"port of the router, the OpenAI endpoint (default: {contract.ROUTER_PORT})",
     )
@@ -90,14 +91,19 @@ def main(argv: list[str]) -> int:
     except NotEnoughGpus as error:
         print(f"{PROG}: {args.filename}: {error}", file=sys.stderr)
         return 2
-    if not _can_listen(args.host, args.port):
-        print(f"{PROG}: {args.host}:{args.port} is in use: choose another --port", file=sys.stderr)
+    problem = _listen_problem(args.host, args.port)
+    if problem is not None:
+        print(f"{PROG}: {problem}", file=sys.stderr)
         return 1
 
     log_dir = (
         Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix=f"kubesgl-up-{local.name}-"))
     )
-    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"{PROG}: --logs {log_dir}: {error.strerror or error}", file=sys.stderr)
+        return 2
     view = StatusView(local, log_dir, sys.stdout, live=sys.stdout.isatty())
     for note in local.notes:
         view.note(note)
@@ -149,15 +155,36 @@ def detach_from_terminal() -> None:
     os.close(devnull)
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        # getaddrinfo takes 70000 as 70000 mod 65536, and 0 is a port nobody would be told
+        raise argparse.ArgumentTypeError(f"a port from 1 to 65535, not {text!r}")
+    return port
+
+
 def _can_listen(host: str, port: int) -> bool:
+    return _listen_problem(host, port) is None
+
+
+def _listen_problem(host: str, port: int) -> str | None:
+    """None when the router could listen on host:port, else what stands in the way and which
+    flag to change."""
     try:
         family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror:
-        return False
+    except socket.gaierror as error:
+        return f"cannot listen on {host}:{port}: {error.strerror}: choose another --host"
     with socket.socket(family) as s:  # an IPv6 address needs an IPv6 socket
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router's server does
         try:
             s.bind(address)
-        except OSError:
-            return False
-    return True
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return f"{host}:{port} is in use: choose another --port"
+            if error.errno == errno.EACCES:
+                return f"cannot listen on {host}:{port}: {error.strerror}: choose another --port"
+            return f"cannot listen on {host}:{port}: {error.strerror}: choose another --host"
+    return None

@@ -79,6 +79,48 @@ def test_a_port_in_use(tmp_path, capsys):
     )
 
 
+@pytest.fixture
+def starts_nothing(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("kubesgl up started processes for arguments it should refuse")
+
+    monkeypatch.setattr(cli, "Supervisor", refuse)
+    monkeypatch.setattr(cli, "ensure_model", refuse)
+
+
+def test_an_address_not_of_this_machine_is_not_a_port_in_use(tmp_path, capsys, starts_nothing):
+    """A --host this machine cannot listen on is named as such, not as a port in use: another
+    --port would not help."""
+    args = ["-f", str(QUICKSTART), "--logs", str(tmp_path)]
+    assert cli.main([*args, "--host", "192.0.2.1"]) == 1  # TEST-NET-1: no machine's address
+    err = capsys.readouterr().err
+    assert err.startswith("kubesgl up: cannot listen on 192.0.2.1:8000: ")
+    assert err.endswith("choose another --host\n")
+    assert "in use" not in err
+
+    assert cli.main([*args, "--host", "no-such-host.invalid"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kubesgl up: cannot listen on no-such-host.invalid:8000: ")
+    assert "in use" not in err
+
+
+@pytest.mark.parametrize("port", ["0", "-1", "65536", "70000"])
+def test_a_port_out_of_range_is_a_usage_error(tmp_path, capsys, port, starts_nothing):
+    """70000 would listen on 70000 mod 65536 (4464) while the base URL printed says 70000, and
+    0 on a port nobody is told."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["-f", str(QUICKSTART), "--port", port, "--logs", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "--port: a port from 1 to 65535" in capsys.readouterr().err
+
+
+def test_logs_that_name_a_file_are_a_usage_error(tmp_path, capsys, starts_nothing):
+    not_a_folder = tmp_path / "log.txt"
+    not_a_folder.write_text("")
+    assert cli.main(["-f", str(QUICKSTART), "--logs", str(not_a_folder)]) == 2
+    assert capsys.readouterr().err.startswith(f"kubesgl up: --logs {not_a_folder}: ")
+
+
 HUNG_UP = r"""
 import sys, time
 from kubesgl.up.cli import detach_from_terminal
