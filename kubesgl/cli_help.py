@@ -4,6 +4,7 @@ and a parser that raises where a command would exit, for checking command lines.
 `DefaultsOnce` adds " (default: X)" to a flag's help unless the help already says what its
 default is (mentions "default") or there is nothing to show: no value (None), a switch that is
 off (False), an empty list, or a required flag. tests/unit/test_help.py checks every command.
+`port_number` is the type of every command's --port.
 """
 
 from __future__ import annotations
@@ -46,3 +47,15 @@ class RefusingParser(argparse.ArgumentParser):
 
     def print_help(self, file=None) -> None:
         pass
+
+
+def port_number(text: str) -> int:
+    """A --port: 1 to 65535. The OS would take 70000 as 70000 mod 65536 (the printed URL then
+    names a port nobody listens on), and 0 as a free port that nobody is told."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port from 1 to 65535, not {text!r}")
+    return port

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping
 
 from kubesgl import contract
-from kubesgl.cli_help import DefaultsOnce, RefusingParser
+from kubesgl.cli_help import DefaultsOnce, RefusingParser, port_number
 from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV, LOG_LEVELS
 from kubesgl.router.config import KubeDiscoverySettings, RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import parse_selector
@@ -83,7 +83,10 @@ def build_parser(
         help="address to listen on (0.0.0.0: every interface, as in a pod)",
     )
     s.add_argument(
-        "--port", type=int, default=contract.ROUTER_PORT, help="port of the OpenAI-compatible API"
+        "--port",
+        type=port_number,
+        default=contract.ROUTER_PORT,
+        help="port of the OpenAI-compatible API",
     )
     s.add_argument(
         "--log-level",

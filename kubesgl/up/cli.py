@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from kubesgl import contract
+from kubesgl.cli_help import port_number
 from kubesgl.operator.render_cli import print_problems, read_documents
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--port",
-        type=_port,
+        type=port_number,
         default=contract.ROUTER_PORT,
         help=f"port of the router, the OpenAI endpoint (default: {contract.ROUTER_PORT})",
     )
@@ -153,21 +154,6 @@ def detach_from_terminal() -> None:
     for fd in (1, 2):
         os.dup2(devnull, fd)
     os.close(devnull)
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
-        # getaddrinfo takes 70000 as 70000 mod 65536, and 0 is a port nobody would be told
-        raise argparse.ArgumentTypeError(f"a port from 1 to 65535, not {text!r}")
-    return port
-
-
-def _can_listen(host: str, port: int) -> bool:
-    return _listen_problem(host, port) is None
 
 
 def _listen_problem(host: str, port: int) -> str | None:

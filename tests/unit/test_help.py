@@ -68,3 +68,15 @@ def test_no_command_is_a_usage_error(capsys):
 
 def test_bench_without_a_kind_is_a_usage_error(capsys):
     assert main(["bench"]) == 2 and "kubesgl bench serving" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
+def test_every_port_flag_refuses_a_port_outside_1_to_65535(argv, monkeypatch, capsys):
+    # `kubesgl serve --port 70000` listened on 4464 (70000 mod 65536) while it printed 70000
+    *_, parsers = _help(argv, monkeypatch, capsys)
+    ports = [a for p in parsers for a in p._actions if "--port" in a.option_strings]
+    for port in ports:
+        for wrong in ("70000", "0", "-1", "http"):
+            with pytest.raises(argparse.ArgumentTypeError, match="a port from 1 to 65535"):
+                port.type(wrong)
+        assert port.type("8000") == 8000

@@ -151,8 +151,8 @@ def test_an_ipv6_address_is_free_to_listen_on_when_nothing_holds_it():
     with socket.socket(socket.AF_INET6) as probe:
         probe.bind(("::1", 0))
         port = probe.getsockname()[1]
-    assert cli._can_listen("::1", port)
+    assert cli._listen_problem("::1", port) is None
     with socket.socket(socket.AF_INET6) as taken:
         taken.bind(("::1", port))
         taken.listen()
-        assert not cli._can_listen("::1", port)
+        assert cli._listen_problem("::1", port) is not None
