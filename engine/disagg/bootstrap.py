@@ -121,8 +121,9 @@ class BootstrapServer:
         self._lock = threading.Lock()
         self._engines: dict[str, int] = {}  # registered decode engines: their pools' slots
         self._heard_at: dict[str, float] = {}  # when each last registered, posted or queued
-        # registrations waiting for the scheduler's PeerConnected: the error, or None
-        self._connecting: dict[str, Future[str | None]] = {}
+        # registrations waiting for the scheduler's PeerConnected (the error, or None); two
+        # of one engine may overlap, and both take the answer
+        self._connecting: dict[str, list[Future[str | None]]] = {}
         self._peer_idle_s = PEER_IDLE_S
         self._next_sweep = 0.0
         self._rooms: dict[int, float] = {}  # posted rooms, until forgotten: a duplicate is a 409
@@ -173,7 +174,7 @@ class BootstrapServer:
         with self._lock:
             self._engines[engine] = min(rank.layout.num_slots for rank in ranks)
             self._heard_at[engine] = time.monotonic()
-            self._connecting[engine] = connected
+            self._connecting.setdefault(engine, []).append(connected)
             self.emit(PeerRegistered(engine, ranks))
         try:
             error = connected.result(timeout=CONNECT_WAIT_S)
@@ -189,11 +190,11 @@ class BootstrapServer:
         """The scheduler connected to a registered decode engine, or could not: then the
         registration goes, so that no room is taken for an engine no write can reach."""
         with self._lock:
-            connected = self._connecting.pop(engine, None)
+            waiting = self._connecting.pop(engine, [])
             if error is not None:
                 self._engines.pop(engine, None)
                 self._heard_at.pop(engine, None)
-        if connected is not None:
+        for connected in waiting:
             connected.set_result(error)
 
     def post_room(self, body: dict) -> tuple[int, dict]:

@@ -6,6 +6,8 @@ once no write into them can come."""
 
 from __future__ import annotations
 
+import base64
+import concurrent.futures
 import dataclasses
 import threading
 import time
@@ -1048,3 +1050,28 @@ def test_a_refusal_is_found_behind_the_exceptions_that_carry_it():
     assert not _nothing_listens(wrapped(unreachable))
     assert _nothing_listens(wrapped(ExceptionGroup("all", [refused, refused])))
     assert not _nothing_listens(wrapped(ExceptionGroup("some", [refused, unreachable])))
+
+
+def test_overlapping_registrations_of_one_decode_engine_both_take_the_connect_outcome(pair):
+    # The second used to take the first's place: the first then waited out CONNECT_WAIT_S and
+    # was answered 200 though the connect had failed.
+    p = pair()
+    body = {
+        "engine": "decode-twice",
+        "ranks": [
+            {
+                "metadata": base64.b64encode(p.decode_agent.metadata).decode(),
+                "layout": dataclasses.asdict(p.decode_agent.layout),
+            }
+        ],
+    }
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = [pool.submit(p.server.register, body) for _ in range(2)]
+        deadline = time.monotonic() + 5
+        while sum(len(w) for w in p.server._connecting.values()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        started = time.monotonic()
+        p.server.peer_connected("decode-twice", "no UCX transport in common")
+        statuses = [answer.result()[0] for answer in answers]
+    assert statuses == [502, 502] and time.monotonic() - started < 1
