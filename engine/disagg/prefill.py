@@ -311,6 +311,8 @@ class PrefillTransfers:
             return
         del self._connect_tries[fact.engine]
         error = next((e for e in tries.values() if e is not None), None)
+        if self.link is None:  # rank 0 answers the registration, and logs for the engine
+            return
         # A decode engine that cannot be reached registers again with every request it
         # gets: one line when its error is new, not one per request.
         if error is None:
@@ -323,8 +325,7 @@ class PrefillTransfers:
                 fact.engine,
                 error,
             )
-        if self.link is not None:
-            self.link.send(PeerConnected(fact.engine, error))
+        self.link.send(PeerConnected(fact.engine, error))
 
     def _disconnect(self, engine: str) -> None:
         """A decode engine gone quiet: its connection goes, unless a room here still writes
