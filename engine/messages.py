@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kubesgl import contract
 from kubesgl.engine.sampling_params import SamplingParams
 
 
@@ -19,7 +20,8 @@ class BootstrapTarget:
 
     @property
     def address(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        assert self.host is not None, "only a decode engine reaches the bootstrap server"
+        return contract.http_url(self.host, self.port)
 
 
 @dataclass

@@ -91,3 +91,8 @@ LATENCY_BUCKETS_S: Final = (
 # Whole requests (a long generation at a few tokens per second): then up to about 2 hours, as
 # vLLM's end-to-end buckets. A latency above the last edge reads as that edge.
 REQUEST_BUCKETS_S: Final = LATENCY_BUCKETS_S + (240.0, 300.0, 480.0, 960.0, 1920.0, 3840.0, 7680.0)
+
+
+def http_url(host: str, port: int) -> str:
+    """The base URL of a server at host:port: an IPv6 address goes in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

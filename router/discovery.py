@@ -94,8 +94,7 @@ def worker_from_pod(
         except ValueError:
             log.warning("pod %s: bad %s annotation %r", meta.get("name"), key, annotations[key])
             return None
-    host = f"[{ip}]" if ":" in ip else ip
-    return PodWorker(f"http://{host}:{_pod_port(pod, default_port)}", role, bootstrap_port)
+    return PodWorker(contract.http_url(ip, _pod_port(pod, default_port)), role, bootstrap_port)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from kubesgl import contract
 from kubesgl.router.upstream import TRANSPORT_ERRORS
 from kubesgl.router.workers import Worker
 
@@ -31,7 +32,8 @@ async def cancel_rooms(
     session: aiohttp.ClientSession, prefill: Worker, rooms: Sequence[int], reason: str
 ) -> None:
     """Cancels every room at `prefill`'s bootstrap server; failures are only logged."""
-    address = f"http://{prefill.host}:{prefill.bootstrap_port}"
+    assert prefill.bootstrap_port is not None, "every prefill worker has one"
+    address = contract.http_url(prefill.host, prefill.bootstrap_port)
     body = {"reason": reason, "aborted": False}  # the decode engine's client is still there
     timeout = aiohttp.ClientTimeout(total=ROOM_CANCEL_TIMEOUT_S)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import uvicorn
 
 import kubesgl
+from kubesgl import contract
 from kubesgl.contract import MIXED, SERVER_KEEP_ALIVE_S
 from kubesgl.engine.child_process import start_failure
 from kubesgl.engine.config import EngineConfig
@@ -193,9 +194,8 @@ class Server:
         if self.listen_socket is not None:  # uvicorn names no address when given a socket
             host, port = self.listen_socket.getsockname()[:2]
             logger.info(
-                "HTTP API on http://%s:%d (/health answers 200 once the engine is ready)",
-                f"[{host}]" if ":" in host else host,
-                port,
+                "HTTP API on %s (/health answers 200 once the engine is ready)",
+                contract.http_url(host, port),
             )
         await server.serve(sockets=[self.listen_socket] if self.listen_socket is not None else None)
         if not self._stopping.is_set():

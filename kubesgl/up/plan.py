@@ -127,8 +127,7 @@ class LocalProcess:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
-        return f"http://{host}:{self.port}"
+        return contract.http_url(self.host, self.port)
 
 
 @dataclass(frozen=True)

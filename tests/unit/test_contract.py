@@ -10,6 +10,7 @@ import sys
 import typing
 
 from kubesgl import contract
+from kubesgl.engine.messages import BootstrapTarget
 
 # Every module of the two packages, imported in a fresh interpreter (this one may hold torch).
 IMPORT_ALL = """
@@ -40,3 +41,11 @@ def test_every_component_uses_the_contract_roles():
 
     assert ENGINE_OPTIONS["role"].choices == contract.ENGINE_ROLES
     assert tuple(Role) == contract.ENGINE_ROLES
+
+
+def test_a_bootstrap_address_of_an_ipv6_host_is_a_url():
+    # an IPv6 pod's prefill engine: http://fd00::5:8998 is no URL (a decode engine's posts and
+    # the router's room cancels went nowhere)
+    assert contract.http_url("fd00::5", 8998) == "http://[fd00::5]:8998"
+    assert contract.http_url("10.0.0.5", 8998) == "http://10.0.0.5:8998"
+    assert BootstrapTarget(1, "fd00::5", 8998).address == "http://[fd00::5]:8998"
