@@ -52,10 +52,7 @@ class RefusingParser(argparse.ArgumentParser):
 def port_number(text: str) -> int:
     """A --port: 1 to 65535. The OS would take 70000 as 70000 mod 65536 (the printed URL then
     names a port nobody listens on), and 0 as a free port that nobody is told."""
-    try:
-        port = int(text)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
+    port = int(text) if text.lstrip("-").isdigit() else None
+    if port is None or not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port from 1 to 65535, not {text!r}")
     return port

@@ -70,7 +70,7 @@ def build_parser(
     )
     w.add_argument(
         "--kube-worker-port",
-        type=int,
+        type=port_number,
         default=contract.ENGINE_PORT,
         metavar="PORT",
         help="engine port in pods that name no container port `http`",

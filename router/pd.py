@@ -4,10 +4,10 @@ worker at once, tied together by `bootstrap_host`, `bootstrap_port` and `bootstr
 The decode worker's answer goes to the client; the prefill worker's is drained. The decode
 engine fails a request by itself when the prefill's KV cache never comes (its prefill engine
 refused it, died or went silent), so a prefill failure after the prefill engine may have sent
-the KV decides nothing: the decode answer does. The router cancels the rooms at the prefill
-engine's bootstrap server then, for a prefill engine that failed before it took them tells no
-decode engine (room_cancel.py). Once the decode engine answers (a streamed
-answer's first chunk holds tokens, which need the KV), the prefill's part is done.
+the KV decides nothing: the decode answer does. The router then cancels the rooms at the
+prefill engine's bootstrap server (room_cancel.py): a prefill engine that failed before it
+took them told no decode engine. Once the decode engine answers (a streamed answer's first
+chunk holds tokens, which need the KV), the prefill's part is done.
 """
 
 from __future__ import annotations
