@@ -4,7 +4,7 @@ and a parser that raises where a command would exit, for checking command lines.
 `DefaultsOnce` adds " (default: X)" to a flag's help unless the help already says what its
 default is (mentions "default") or there is nothing to show: no value (None), a switch that is
 off (False), an empty list, or a required flag. tests/unit/test_help.py checks every command.
-`port_number` is the type of every command's --port.
+`port_number` (or `free_port_or_number`) is the type of every command's --port.
 """
 
 from __future__ import annotations
@@ -49,10 +49,16 @@ class RefusingParser(argparse.ArgumentParser):
         pass
 
 
-def port_number(text: str) -> int:
+def port_number(text: str, lowest: int = 1) -> int:
     """A --port: 1 to 65535. The OS would take 70000 as 70000 mod 65536 (the printed URL then
-    names a port nobody listens on), and 0 as a free port that nobody is told."""
+    names a port nobody listens on), and 0 as a free port, which only a command that logs
+    the port it bound may take (`free_port_or_number`)."""
     port = int(text) if text.lstrip("-").isdigit() else None
-    if port is None or not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port from 1 to 65535, not {text!r}")
+    if port is None or not lowest <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port from {lowest} to 65535, not {text!r}")
     return port
+
+
+def free_port_or_number(text: str) -> int:
+    """A --port of a server that logs the address it bound: 0 (a free port) to 65535."""
+    return port_number(text, lowest=0)
