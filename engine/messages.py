@@ -41,8 +41,12 @@ class AbortRequest:
     message: str = "aborted"
 
 
-@dataclass(frozen=True)
-class FinishReason:
+@dataclass(frozen=True, eq=False)
+class FinishReason(str):
+    """Why a request ended. It is the string of its kind ("stop", "length", ...), as vLLM's
+    finish_reason is a str: it compares, hashes and serialises (JSON) as that string, and
+    carries the details beside it."""
+
     kind: str  # "stop" | "length" | "abort" | "error"
     matched_token: int | None = None  # the stop or EOS token that ended the request
     matched_str: str | None = None  # the stop string that ended the request
@@ -51,8 +55,8 @@ class FinishReason:
     param: str | None = None  # for "error": the request field at fault
     status: int = 400  # for "error": the HTTP status to answer with (5xx: this server failed)
 
-    def __str__(self) -> str:
-        return self.kind
+    def __new__(cls, kind: str, *args: object, **details: object) -> FinishReason:
+        return super().__new__(cls, kind)  # the fields are the dataclass's __init__'s
 
 
 @dataclass

@@ -3,8 +3,13 @@ refuses any other with an error that says what it expected."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import pickle
+
 import pytest
 
+from kubesgl.engine.messages import FinishReason
 from kubesgl.engine.sampling_params import SamplingParams
 
 
@@ -66,3 +71,31 @@ def test_an_unknown_sampling_option_is_named(llm):
 def test_other_forms_are_refused_with_what_was_expected(llm, prompts, params, words):
     with pytest.raises(TypeError, match=words):
         llm.generate(prompts, params)
+
+
+def test_finish_reason_compares_as_the_string_vllm_users_expect(llm):
+    """vLLM's finish_reason is a str: `out.finish_reason == "length"` was False here (a
+    FinishReason object), while `.kind` and the details still serve the code that reads them."""
+    greedy = {"temperature": 0, "ignore_eos": True}
+    [out] = llm.generate("hello", {"max_tokens": 2, **greedy})
+    reason = out.finish_reason
+    assert reason == "length" and reason != "stop" and reason in ("stop", "length")
+    assert {"length": "cut"}[reason] == "cut" and json.dumps(reason) == '"length"'
+    assert f"{reason}" == str(reason) == reason.kind == "length"
+    [stopped] = llm.generate(
+        "hello", {"max_tokens": 8, "stop_token_ids": out.token_ids[:1], **greedy}
+    )
+    assert stopped.finish_reason == "stop" and stopped.finish_reason.matched_token is not None
+
+
+def test_a_finish_reason_keeps_its_details_across_processes():
+    """It crosses process boundaries pickled (scheduler -> tokenizer -> API server)."""
+    reason = FinishReason("error", message="bad", param="stop", status=400)
+    copy = pickle.loads(pickle.dumps(reason))
+    assert copy == "error" and (copy.kind, copy.message, copy.param, copy.status) == (
+        "error",
+        "bad",
+        "stop",
+        400,
+    )
+    assert dataclasses.replace(reason, status=500).status == 500
