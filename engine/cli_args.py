@@ -41,7 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser, refused: dict[str, str] | N
     for opt in CLI_OPTIONS:
         if opt.name in refused:
             group.add_argument(
-                opt.flag,
+                *opt.flags,
                 type=opt.type,
                 default=opt.default,
                 metavar=_METAVARS.get(opt.type),
@@ -49,12 +49,12 @@ def add_engine_args(parser: argparse.ArgumentParser, refused: dict[str, str] | N
                 reason=refused[opt.name],
             )
         elif opt.is_switch:
-            group.add_argument(opt.flag, action="store_true", help=opt.help)
+            group.add_argument(*opt.flags, action="store_true", help=opt.help)
         elif opt.required:
-            group.add_argument(opt.flag, type=opt.type, required=True, help=help_text(opt))
+            group.add_argument(*opt.flags, type=opt.type, required=True, help=help_text(opt))
         else:
             group.add_argument(
-                opt.flag,
+                *opt.flags,
                 type=opt.type,
                 choices=opt.choices or None,
                 default=opt.default,

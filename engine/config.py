@@ -70,6 +70,7 @@ class _Declared:
     help: str
     bounds: Bounds
     cli: bool
+    aliases: tuple[str, ...]
 
 
 def option(
@@ -81,10 +82,12 @@ def option(
     le: float | None = None,
     lt: float | None = None,
     cli: bool = True,
+    aliases: tuple[str, ...] = (),
 ) -> Any:
     """An EngineConfig field: its default and help text, and the bounds of a number. `cli=False`
-    keeps it off the command line (the offline `LLM` API sets it)."""
-    declared = _Declared(help, Bounds(ge, gt, le, lt), cli)
+    keeps it off the command line (the offline `LLM` API sets it); `aliases` are more flags
+    for it (another engine's name, so that its command lines run unchanged)."""
+    declared = _Declared(help, Bounds(ge, gt, le, lt), cli, aliases)
     return field(default=default, metadata={_OPTION: declared})
 
 
@@ -92,7 +95,8 @@ def option(
 class EngineConfig:
     model: str = option(
         help="checkpoint directory, or a Hugging Face id (Qwen/Qwen3-0.6B) that huggingface_hub "
-        "downloads into its cache; with HF_HUB_OFFLINE=1 the cached copy, no network"
+        "downloads into its cache; with HF_HUB_OFFLINE=1 the cached copy, no network",
+        aliases=("--model-path",),  # SGLang's flag (vLLM's is --model)
     )
     tp_size: int = option(1, help="tensor-parallel ranks: one process and one device each", ge=1)
     role: EngineRole = option(
@@ -250,10 +254,16 @@ class EngineOption:
     optional: bool  # None is a value: left to the engine (a model's or the machine's)
     bounds: Bounds
     cli: bool
+    aliases: tuple[str, ...] = ()  # more flags for it
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Every flag of the option, its own first."""
+        return (self.flag, *self.aliases)
 
     @property
     def required(self) -> bool:
@@ -291,7 +301,15 @@ def _engine_options() -> dict[str, EngineOption]:
             hint, choices = str, typing.get_args(hint)
         declared: _Declared = f.metadata[_OPTION]
         options[f.name] = EngineOption(
-            f.name, hint, f.default, declared.help, choices, optional, declared.bounds, declared.cli
+            f.name,
+            hint,
+            f.default,
+            declared.help,
+            choices,
+            optional,
+            declared.bounds,
+            declared.cli,
+            declared.aliases,
         )
     return options
 

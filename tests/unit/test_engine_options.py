@@ -102,8 +102,17 @@ def test_the_command_line_has_exactly_the_engine_options_and_its_own(command, ow
         "-h",
         "--help",
     }
-    assert flags - own_flags == {opt.flag for opt in CLI_OPTIONS}
+    assert flags - own_flags == {flag for opt in CLI_OPTIONS for flag in opt.flags}
     assert engine_config_from_args(parser.parse_args(required)) == EngineConfig(model="m")
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_sglangs_model_path_flag_is_the_model(command):
+    """SGLang's flag is --model-path, vLLM's --model: a command line written for either runs."""
+    prompt = ["--prompt", "p"] if command == "generate" else []
+    args = _parser(command).parse_args(["--model-path", "m", *prompt])
+    assert engine_config_from_args(args) == EngineConfig(model="m")
+    assert "--model MODEL, --model-path MODEL" in _parser(command).format_help()
 
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
@@ -233,7 +242,8 @@ def option_table() -> str:
     ]
     for opt in CLI_OPTIONS:
         crd = f"`{to_camel(opt.name)}`" if opt.name in SPEC_OPTIONS else NOT_IN_CRD[opt.name]
-        rows.append(f"| `{opt.flag}` | {_values(opt)} | {_default(opt)} | {crd} | {opt.help} |")
+        flags = ", ".join(f"`{flag}`" for flag in opt.flags)
+        rows.append(f"| {flags} | {_values(opt)} | {_default(opt)} | {crd} | {opt.help} |")
     return "\n".join(rows)
 
 
