@@ -122,7 +122,8 @@ class RouterMetrics:
         self.pd_routes = Counter(
             "kubesgl_router_pd_routes",
             "P/D mode: requests sent to a prefill and a decode worker (disaggregated), or to a "
-            "decode worker alone (short uncached prompt, or no prefill capacity)",
+            "decode worker alone (short uncached prompt, or no prefill capacity); once per request, "
+            "by the attempt that served it, and none for a request the engines refused",
             ["route"],
             registry=self.registry,
         )

@@ -172,13 +172,23 @@ class Forwarder:
         prefills = self._candidates(Role.PREFILL, excluded)
         decode = self._choose(Role.DECODE, self.policies.decode, text, excluded)
         route = self._pd_route(request, prefills, decode)
-        self.metrics.pd_routes.labels(route).inc()
-        if route != "disaggregated":  # a decode engine prefills a request without a room itself
-            return await self.upstream.exchange(
-                decode.worker, "POST", request.path, request.raw, headers, stream=request.stream
-            )
-        prefill = self._choose(Role.PREFILL, self.policies.prefill, text, excluded).worker
-        return await self.pd.exchange(request, prefill, decode.worker, headers)
+        routed = True
+        try:
+            if route != "disaggregated":  # a decode engine prefills a request without a room itself
+                return await self.upstream.exchange(
+                    decode.worker, "POST", request.path, request.raw, headers, stream=request.stream
+                )
+            prefill = self._choose(Role.PREFILL, self.policies.prefill, text, excluded).worker
+            return await self.pd.exchange(request, prefill, decode.worker, headers)
+        except UpstreamError as error:
+            # Refused, it was served no route: before any work (a retry elsewhere counts its
+            # own), or as a request the engines do not take (a 404 for a model they do not
+            # serve, a 400)
+            routed = not (error.before_work or (error.answered and error.status < 500))
+            raise
+        finally:
+            if routed:
+                self.metrics.pd_routes.labels(route).inc()
 
     def _pd_route(self, request: ParsedRequest, prefills: list[Worker], decode: Choice) -> str:
         settings = self.disaggregation

@@ -539,3 +539,53 @@ async def test_a_client_that_leaves_before_the_kv_arrived_closes_the_prefill_req
         if sample.name.endswith("_total") and sample.value
     }
     assert outcomes == {(p.url, "cancelled"): 1, (d.url, "cancelled"): 1}
+
+
+def pd_route_counts(metrics: str) -> dict[str, float]:
+    return {
+        sample.labels["route"]: sample.value
+        for family in text_string_to_metric_families(metrics)
+        if family.name == "kubesgl_router_pd_routes"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+@pytest.mark.parametrize("min_prefill_tokens", [0, 1000], ids=["disaggregated", "decode_only"])
+async def test_a_request_the_engines_refuse_is_no_pd_route(
+    min_prefill_tokens, engines, kv_table, start_router, client
+):
+    """A request for a model the engines do not serve (a 404 from each) was never served
+    prefill/decode: it counted as a route of kubesgl_router_pd_routes_total all the same."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.fail_status = d.fail_status = 404  # as engines answer a model they do not serve
+    settings = DisaggregationSettings(min_prefill_tokens=min_prefill_tokens)
+    async with start_router(**pd_config([p], [d], disaggregation=settings)) as router:
+        await router.ready()
+        body = {**BODY, "model": "no-such-model"}
+        response = await client.post(router.url + "/v1/chat/completions", json=body)
+        metrics = (await client.get(router.url + "/metrics")).text
+    assert response.status_code == 404 and d.requests
+    assert set(pd_route_counts(metrics).values()) == {0}
+
+
+async def test_a_request_retried_on_another_pair_is_one_pd_route(
+    engines, kv_table, start_router, client
+):
+    """A decode worker that refuses before any work (503) sends the request to another pair:
+    one request, one route (each attempt counted one)."""
+    (p,), decodes = await pd_pool(engines, kv_table, decodes=2)
+    decodes[0].fail_status = 503
+    config = pd_config([p], decodes, decode_policy="round_robin")
+    async with start_router(**config) as router:
+        await router.ready()
+        for _ in range(2):
+            response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 200
+        metrics = (await client.get(router.url + "/metrics")).text
+    assert decodes[0].requests  # one of the two was retried
+    assert pd_route_counts(metrics) == {
+        "disaggregated": 2,
+        "decode_only_short": 0,
+        "decode_only_saturated": 0,
+    }
