@@ -1,5 +1,5 @@
 """The HTTP surface (docs/server.md): OpenAI chat completions and completions, SGLang's
-/generate, /v1/models, /health and /metrics."""
+/generate, /v1/models, /health, /metrics and vLLM's /version."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kubesgl import __version__
 from kubesgl.contract import not_served
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import (
@@ -398,6 +399,11 @@ async def health(ctx: ServedHere) -> Response:
 @health_routes.get("/metrics")
 async def metrics(ctx: ServedHere) -> Response:
     return Response(ctx.client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@health_routes.get("/version")  # vLLM's; open, as /metrics, which shows it in build_info
+async def version() -> dict:
+    return {"version": __version__}
 
 
 def model_card(ctx: Served) -> dict:
