@@ -107,8 +107,31 @@ class TokenizeRequest:
     add_generation_prompt: bool = True  # chat: the prompt opens the assistant's turn
     continue_final_message: bool = False  # chat: the prompt leaves the last message open
     chat_template_kwargs: dict | None = None  # chat: the client's variables for the template
+    # the tokenizer's special tokens (a BOS) around the prompt; None: a text's yes, chat's no
+    # (its template writes them)
+    add_special_tokens: bool | None = None
     prefix_leader: str | None = None
     bootstrap: BootstrapTarget | None = None
+
+
+@dataclass
+class TokenizerCall:
+    """API server -> tokenizer: /tokenize (the tokens of `prompt`) or /detokenize (the text of
+    `token_ids`); answered by a Tokenized of the same call_id, sent no further."""
+
+    call_id: int
+    prompt: TokenizeRequest | None = None
+    token_ids: list[int] | None = None
+
+
+@dataclass
+class Tokenized:
+    """Tokenizer -> API server: the answer to a TokenizerCall."""
+
+    call_id: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    error: FinishReason | None = None  # refused or failed: the answer's status and message
 
 
 @dataclass

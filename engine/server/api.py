@@ -1,5 +1,5 @@
 """The HTTP surface (docs/server.md): OpenAI chat completions and completions, SGLang's
-/generate, /v1/models, /health, /metrics and vLLM's /version."""
+/generate, /v1/models, /health, /metrics and vLLM's /tokenize, /detokenize and /version."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from kubesgl.engine.messages import (
     EngineInfo,
     FinishReason,
     TextOutput,
+    Tokenized,
     TokenizeRequest,
 )
 from kubesgl.engine.sampling_params import (
@@ -59,7 +60,9 @@ from kubesgl.engine.server.protocol import (
     UTF8_ERROR,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequestBody,
     GenerateRequestBody,
+    TokenizeRequestBody,
 )
 from kubesgl.engine.server.sglang_routes import add_sglang_routes
 
@@ -428,6 +431,70 @@ async def models(ctx: ServedHere) -> dict:
 async def model(model: str, ctx: ServedHere) -> dict:
     served_here(ctx, model)
     return model_card(ctx)
+
+
+@api_routes.post("/tokenize")  # vLLM's
+async def tokenize(body: TokenizeRequestBody, ctx: ServedHere) -> dict:
+    serving(ctx, body.model)
+    if body.messages is not None:
+        messages = [m.as_template_input() for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        chars, param = chat_chars(messages, tools, body.chat_template_kwargs), "messages"
+        prompt = TokenizeRequest(
+            "",
+            SamplingParams(),
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs,
+            add_special_tokens=body.add_special_tokens,
+        )
+    else:
+        assert body.prompt is not None  # the body holds one of the two
+        chars, param = len(body.prompt), "prompt"
+        prompt = TokenizeRequest(
+            "", SamplingParams(), text=body.prompt, add_special_tokens=body.add_special_tokens
+        )
+    context_length = engine_info(ctx).context_length
+    try:  # the tokenizer serves every request: no single one may hold it up
+        check_prompt_chars(ctx.state.config, context_length, chars, param)
+    except InvalidRequestError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+    tokens = (await tokenizer_answer(ctx, prompt=prompt)).token_ids
+    return {"count": len(tokens), "max_model_len": context_length, "tokens": tokens}
+
+
+@api_routes.post("/detokenize")  # vLLM's
+async def detokenize(body: DetokenizeRequestBody, ctx: ServedHere) -> dict:
+    serving(ctx, body.model)
+    info = engine_info(ctx)
+    if len(body.tokens) > info.context_length:  # no sequence of this model is longer
+        raise APIError(
+            400,
+            f"tokens holds {len(body.tokens)} ids; this model's context length is "
+            f"{info.context_length}",
+            param="tokens",
+        )
+    if bad := [t for t in body.tokens if not 0 <= t < info.vocab_size]:
+        raise APIError(
+            400,
+            f"tokens contains ids outside the vocabulary (size {info.vocab_size}): {bad[:10]}",
+            param="tokens",
+        )
+    return {"prompt": (await tokenizer_answer(ctx, token_ids=body.tokens)).text}
+
+
+async def tokenizer_answer(
+    ctx: Served, prompt: TokenizeRequest | None = None, token_ids: list[int] | None = None
+) -> Tokenized:
+    try:
+        answer = await ctx.client.tokenizer_call(prompt, token_ids)
+    except RuntimeError as exc:  # the engine's processes are going away
+        raise APIError(500, str(exc), "server_error") from exc
+    if answer.error is not None:
+        raise APIError.of(answer.error)
+    return answer
 
 
 @api_routes.post("/v1/chat/completions")

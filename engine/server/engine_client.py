@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -25,6 +26,8 @@ from kubesgl.engine.messages import (
     Shutdown,
     TextBatch,
     TextOutput,
+    Tokenized,
+    TokenizerCall,
     TokenizeRequest,
 )
 from kubesgl.engine.metrics import HANDOFF, EngineMetrics
@@ -70,6 +73,8 @@ class EngineClient:
         self._pending: dict[str, _Pending] = {}
         self._flushes: dict[int, asyncio.Future[bool]] = {}
         self._flush_ids = itertools.count()
+        self._tokenizer_calls: dict[int, asyncio.Future[Tokenized]] = {}
+        self._tokenizer_call_ids = itertools.count()
         self._failure: str | None = None  # why the engine's processes went away
         self._context = zmq.asyncio.Context()
         self._to_tokenizer = push(self._context, endpoints.tokenizer_in)
@@ -119,6 +124,11 @@ class EngineClient:
                 flush = self._flushes.pop(message.flush_id, None)
                 if flush is not None and not flush.done():  # None: its caller gave up
                     flush.set_result(message.flushed)
+                continue
+            if isinstance(message, Tokenized):
+                call = self._tokenizer_calls.pop(message.call_id, None)
+                if call is not None and not call.done():  # None: its caller gave up
+                    call.set_result(message)
                 continue
             assert isinstance(message, TextBatch)
             if message.stats is not None:
@@ -246,6 +256,23 @@ class EngineClient:
         finally:
             self._flushes.pop(flush_id, None)
 
+    async def tokenizer_call(
+        self, prompt: TokenizeRequest | None = None, token_ids: list[int] | None = None
+    ) -> Tokenized:
+        """The tokenizer process's tokens of `prompt` (/tokenize) or text of `token_ids`
+        (/detokenize). It tokenizes requests anyway: asked there, the tokens are a generation
+        request's own (one tokenizer, one rendering of the chat template), and the API server
+        loads no second tokenizer, whose work would hold up its event loop."""
+        if self._failure is not None:
+            raise RuntimeError(self._failure)
+        call_id = next(self._tokenizer_call_ids)
+        answer = self._tokenizer_calls[call_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._to_tokenizer.send_pyobj(TokenizerCall(call_id, prompt, token_ids))
+            return await answer
+        finally:
+            self._tokenizer_calls.pop(call_id, None)
+
     def fail_all(self, message: str) -> None:
         """End every request in flight with a 500: the engine's processes are going away and
         no answer will come (a child process died, or hung). Not a 503, which says the request
@@ -253,9 +280,13 @@ class EngineClient:
         request that broke this one."""
         self._failure = message
         reason = FinishReason("error", message=message, status=500)
-        for flush in self._flushes.values():
-            if not flush.done():
-                flush.set_exception(RuntimeError(message))
+        calls: list[asyncio.Future[Any]] = [
+            *self._flushes.values(),
+            *self._tokenizer_calls.values(),
+        ]
+        for call in calls:
+            if not call.done():
+                call.set_exception(RuntimeError(message))
         for rid, pending in list(self._pending.items()):
             if pending.closed:
                 del self._pending[rid]

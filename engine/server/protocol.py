@@ -432,6 +432,44 @@ class Tool(_Lenient):
     function: FunctionSpec
 
 
+def _named_once(value: list[Tool] | None) -> list[Tool] | None:
+    names = [tool.function.name for tool in value or ()]
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        raise PydanticCustomError(
+            "tool_named_twice",
+            "name each function once; more than one is named {names}",
+            {"names": ", ".join(twice)},
+        )
+    return value
+
+
+Tools = Annotated[list[Tool] | None, AfterValidator(_named_once)]
+"""A chat's `tools`, each function named once."""
+
+
+def _continues_an_assistant(value: bool, info: ValidationInfo) -> bool:
+    if not value:
+        return value
+    if info.data.get("add_generation_prompt"):
+        raise PydanticCustomError(
+            "continue_final_message",
+            "continue_final_message and add_generation_prompt cannot both be true",
+        )
+    messages = info.data.get("messages")
+    if messages and messages[-1].role != "assistant":
+        raise PydanticCustomError(
+            "continue_final_message",
+            "needs the last message to be the assistant's, got {role}",
+            {"role": messages[-1].role},
+        )
+    return value
+
+
+ContinueFinalMessage = Annotated[Bool, AfterValidator(_continues_an_assistant)]
+"""vLLM's and SGLang's `continue_final_message`: the answer goes on from the last message, the
+assistant's (after `messages` and `add_generation_prompt` in a body, which it checks)."""
+
+
 class NamedFunction(_Lenient):
     name: Text
 
@@ -446,7 +484,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
     logprobs: Bool = False
     top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
-    tools: list[Tool] | None = None
+    tools: Tools = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool = True
     # OpenAI's deprecated forms of tools and tool_choice
@@ -463,39 +501,8 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: Annotated[dict[str, Any] | None, unsupported_unless(None)] = None
     # vLLM's and SGLang's control of the chat template
     add_generation_prompt: Bool = True  # the prompt ends with the start of an assistant turn
-    continue_final_message: Bool = False  # the answer goes on with the last (assistant) message
+    continue_final_message: ContinueFinalMessage = False
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continues_an_assistant(cls, value: bool, info: ValidationInfo) -> bool:
-        if not value:
-            return value
-        if info.data.get("add_generation_prompt"):
-            raise PydanticCustomError(
-                "continue_final_message",
-                "continue_final_message and add_generation_prompt cannot both be true",
-            )
-        messages = info.data.get("messages")
-        if messages and messages[-1].role != "assistant":
-            raise PydanticCustomError(
-                "continue_final_message",
-                "needs the last message to be the assistant's, got {role}",
-                {"role": messages[-1].role},
-            )
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _named_once(cls, value: list[Tool] | None) -> list[Tool] | None:
-        names = [tool.function.name for tool in value or ()]
-        if twice := sorted({name for name in names if names.count(name) > 1}):
-            raise PydanticCustomError(
-                "tool_named_twice",
-                "name each function once; more than one is named {names}",
-                {"names": ", ".join(twice)},
-            )
-        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -559,6 +566,35 @@ class CompletionRequest(_SamplingFields):
 
     def to_sampling_params(self) -> SamplingParams:
         return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class TokenizeRequestBody(_Lenient):
+    """vLLM's /tokenize: a completion's `prompt`, or chat `messages` with the chat route's
+    control of the template, so that the tokens are those of a request with that prompt."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Tools = None
+    add_generation_prompt: Bool = True
+    continue_final_message: ContinueFinalMessage = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # unset: vLLM's defaults, a prompt's yes and messages' no (their template writes them)
+    add_special_tokens: Bool | None = None
+    return_token_strs: Annotated[Bool | None, unsupported_unless(None, False)] = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> TokenizeRequestBody:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequestBody(_Lenient):
+    """vLLM's /detokenize."""
+
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 class NativeSamplingParams(_Lenient):

@@ -21,6 +21,8 @@ from kubesgl.engine.messages import (
     Shutdown,
     TextBatch,
     TextOutput,
+    Tokenized,
+    TokenizerCall,
     TokenizeRequest,
     TokenOutput,
 )
@@ -71,7 +73,8 @@ class Tokenizer:
             return list(request.input_ids)
         if request.messages is not None:
             return self._render_chat(request)
-        return self.hf.encode(request.text, add_special_tokens=True)
+        special = True if request.add_special_tokens is None else request.add_special_tokens
+        return self.hf.encode(request.text, add_special_tokens=special)
 
     def _render_chat(self, request: TokenizeRequest) -> list[int]:
         if self.hf.chat_template is None:
@@ -84,21 +87,35 @@ class Tokenizer:
                 "chat_template_kwargs",
             )
         try:
-            return list(
-                self.hf.apply_chat_template(
-                    request.messages,
-                    tools=request.tools,
-                    tokenize=True,
-                    add_generation_prompt=request.add_generation_prompt,
-                    continue_final_message=request.continue_final_message,
-                    return_dict=False,
-                    **template_kwargs,
-                )
+            rendered = self.hf.apply_chat_template(
+                request.messages,
+                tools=request.tools,
+                tokenize=not request.add_special_tokens,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                return_dict=False,
+                **template_kwargs,
             )
         except Exception as exc:  # the template itself rejects the conversation
             raise TokenizerError(
                 f"the chat template rejected the messages: {exc}", "messages"
             ) from exc
+        if request.add_special_tokens:  # the tokenizer's own (a BOS) beside the template's
+            return self.hf.encode(rendered, add_special_tokens=True)
+        return list(rendered)
+
+    def answer(self, call: TokenizerCall) -> Tokenized:
+        """/tokenize and /detokenize; TokenizerError for what the request asks wrongly."""
+        if self.hf is None:  # no field of the request is at fault: none is named
+            message = (
+                "this model has no tokenizer: it takes and returns token ids only, and cannot "
+                "tokenize or detokenize"
+            )
+            return Tokenized(call.call_id, error=FinishReason("error", message=message))
+        if call.prompt is not None:
+            return Tokenized(call.call_id, token_ids=self.encode(call.prompt))
+        assert call.token_ids is not None  # one of the two, as the API server sends it
+        return Tokenized(call.call_id, text=self.hf.decode(call.token_ids))
 
     def start(self, request: TokenizeRequest) -> None:
         self.states[request.rid] = DecodeState.of(request.params)
@@ -166,6 +183,9 @@ class TokenizerLoop:
         if isinstance(message, AbortRequest | FlushCache):
             self.to_scheduler.send_pyobj(message)
             return True
+        if isinstance(message, TokenizerCall):
+            self.to_api.send_pyobj(self._answer(message))
+            return True
         try:
             input_ids = self.tokenizer.encode(message)
         except TokenizerError as exc:
@@ -200,6 +220,17 @@ class TokenizerLoop:
                     _error_output(out.rid, _internal_error("detokenizing the output", exc))
                 )
         self.to_api.send_pyobj(TextBatch(texts, message.stats))
+
+    def _answer(self, call: TokenizerCall) -> Tokenized:
+        try:
+            return self.tokenizer.answer(call)
+        except TokenizerError as exc:
+            return Tokenized(
+                call.call_id, error=FinishReason("error", message=str(exc), param=exc.param)
+            )
+        except Exception as exc:
+            logger.exception("/tokenize or /detokenize call %d failed", call.call_id)
+            return Tokenized(call.call_id, error=_internal_error("tokenizing", exc))
 
     def _fail(self, rid: str, reason: FinishReason) -> None:
         self.to_api.send_pyobj(TextBatch([_error_output(rid, reason)]))

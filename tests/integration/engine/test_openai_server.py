@@ -11,6 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kubesgl import __version__
 from kubesgl.engine import LLM, SamplingParams
 
 PROMPTS = [
@@ -724,3 +725,23 @@ def test_an_idle_connection_outlives_the_routers_keep_alive(llama_server):
             assert answer.status == 200 and not answer.will_close
     finally:
         connection.close()
+
+
+def test_tokenize_counts_what_a_request_with_the_prompt_counts(llama_server, client):
+    """vLLM's /tokenize and /detokenize: the count is the usage's prompt_tokens of a chat or
+    completion request with that prompt, and the tokens read back as the text."""
+    key = {"authorization": "Bearer sk-test"}
+    messages = [{"role": "user", "content": "🙂 naïve café"}]
+    tokenize = lambda body: httpx.post(  # noqa: E731
+        llama_server.base_url + "/tokenize", json={"model": "tiny", **body}, headers=key
+    ).json()
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert tokenize({"messages": messages})["count"] == chat.usage.prompt_tokens
+    completion = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=1)
+    tokens = tokenize({"prompt": PROMPTS[3]})
+    assert tokens["count"] == completion.usage.prompt_tokens and tokens["max_model_len"] > 0
+    text = httpx.post(
+        llama_server.base_url + "/detokenize", json={"tokens": tokens["tokens"]}, headers=key
+    )
+    assert text.json() == {"prompt": PROMPTS[3]}
+    assert httpx.get(llama_server.base_url + "/version").json() == {"version": __version__}

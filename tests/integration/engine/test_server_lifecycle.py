@@ -241,6 +241,9 @@ def test_a_model_without_tokenizer_serves_token_ids(server_factory, tiny_model, 
     refused = httpx.post(url, json={"prompt": "text", "max_tokens": 4})
     assert refused.status_code == 400 and "no tokenizer" in refused.json()["error"]["message"]
     assert httpx.post(url, json={"prompt": [5], "max_tokens": 2, "stop": ["x"]}).status_code == 400
+    for path, body in (("/tokenize", {"prompt": "text"}), ("/detokenize", {"tokens": [5]})):
+        refused = httpx.post(server.base_url + path, json=body)
+        assert refused.status_code == 400 and "no tokenizer" in refused.json()["error"]["message"]
     assert server.stop() == 0
 
 

@@ -201,3 +201,25 @@ async def test_a_reader_that_fails_takes_the_server_down_with_its_exception(clie
     assert "RuntimeError('a bug in the reader')" in reason.message
     assert uvicorn_server.should_exit and server.exit_code == 1
     await stream.aclose()
+
+
+@pytest.mark.asyncio
+async def test_tokenizer_calls_get_their_own_answers_and_end_when_the_engine_stops(client):
+    """/tokenize and /detokenize wait for the tokenizer process's answer by the call's id; a
+    call in flight when the engine's processes go away, or made after, fails at once."""
+    from kubesgl.engine.messages import Tokenized
+
+    engine_client, detokenizer = client
+    first = asyncio.ensure_future(engine_client.tokenizer_call(token_ids=[5]))
+    second = asyncio.ensure_future(engine_client.tokenizer_call(token_ids=[6]))
+    await asyncio.sleep(0.05)
+    detokenizer.send_pyobj(Tokenized(1, text="six"))
+    detokenizer.send_pyobj(Tokenized(0, text="five"))
+    assert ((await first).text, (await second).text) == ("five", "six")
+    gone = asyncio.ensure_future(engine_client.tokenizer_call(token_ids=[7]))
+    await asyncio.sleep(0.05)
+    engine_client.fail_all("the tokenizer died")
+    with pytest.raises(RuntimeError, match="the tokenizer died"):
+        await gone
+    with pytest.raises(RuntimeError, match="the tokenizer died"):
+        await asyncio.wait_for(engine_client.tokenizer_call(token_ids=[8]), 1)

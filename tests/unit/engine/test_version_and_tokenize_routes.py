@@ -1,19 +1,34 @@
-"""vLLM's /version, /tokenize and /detokenize, served by the engine in vLLM's shapes."""
+"""vLLM's /version, /tokenize and /detokenize, served by the engine in vLLM's shapes: the
+tokens are the tokenizer process's, the very ones a generation request with the prompt gets."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
+import zmq
+import zmq.asyncio
 
 from kubesgl import __version__
 from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.ipc import Endpoints, pull, push
+from kubesgl.engine.messages import EngineInfo
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.server.api import ServerState, build_app
+from kubesgl.engine.server.engine_client import EngineClient
+from kubesgl.engine.tokenizer.loader import load_tokenizer
+from kubesgl.engine.tokenizer.process import Tokenizer, TokenizerLoop
 
 pytestmark = pytest.mark.asyncio
+CONTEXT = 64  # the engine's context length here: max_model_len, and the bound of the limits
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 
 
 class ReadyClient:
@@ -26,8 +41,8 @@ class ReadyClient:
         self.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
 
 
-def http(client, api_key: str | None = None) -> httpx.AsyncClient:
-    state = ServerState(EngineConfig(model="m"), "m", api_key=api_key)
+def http(client, model: str = "m", api_key: str | None = None) -> httpx.AsyncClient:
+    state = ServerState(EngineConfig(model=model), "tiny", api_key=api_key)
     transport = httpx.ASGITransport(app=build_app(client, state))  # type: ignore[arg-type]
     return httpx.AsyncClient(transport=transport, base_url="http://engine")
 
@@ -36,3 +51,174 @@ async def test_version_is_kubesgls_as_vllm_shapes_it_and_needs_no_key():
     async with http(ReadyClient(), api_key="secret") as engine:
         response = await engine.get("/version")
     assert response.status_code == 200 and response.json() == {"version": __version__}
+
+
+@contextlib.asynccontextmanager
+async def engine_of(model: str, api_key: str | None = None) -> AsyncIterator[httpx.AsyncClient]:
+    """The engine's app over a real EngineClient and the tokenizer process's loop, run in this
+    event loop; no scheduler (nothing here generates)."""
+    endpoints = Endpoints.create()
+    client = EngineClient(endpoints, EngineMetrics("mixed"))
+    client.start()
+    context = zmq.asyncio.Context()
+    from_api = pull(context, endpoints.tokenizer_in)
+    to_api = push(zmq.Context.instance(), endpoints.api_in)
+    loop = TokenizerLoop(Tokenizer(model), SimpleNamespace(send_pyobj=lambda m: None), to_api)
+
+    async def tokenizer_process() -> None:
+        while loop.from_api(await from_api.recv_pyobj()):
+            pass
+
+    tokenizer = asyncio.create_task(tokenizer_process())
+    vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    to_api.send_pyobj(EngineInfo(model, CONTEXT, vocab_size, 1000, 1, "LlamaForCausalLM", [2]))
+    try:
+        await asyncio.wait_for(client.ready.wait(), 5)
+        async with http(client, model, api_key) as engine:
+            yield engine
+    finally:
+        tokenizer.cancel()
+        await client.shutdown()
+        to_api.close(linger=0)
+        context.destroy(linger=0)
+        client._context.destroy(linger=0)
+        shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def bos_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny llama with a tokenizer that starts every text with a BOS token (the tiny one
+    adds no special token): add_special_tokens then makes a difference."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    path = tmp_path_factory.mktemp("bos") / "model"
+    shutil.copytree(tiny_model("llama"), path)
+    rust = RustTokenizer.from_file(str(path / "tokenizer.json"))
+    bos = "<|endoftext|>"
+    rust.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, rust.token_to_id(bos))]
+    )
+    rust.save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+async def test_a_prompts_tokens_with_and_without_special_tokens(bos_model):
+    hf = load_tokenizer(bos_model)
+    async with engine_of(bos_model) as engine:
+        default = await engine.post("/tokenize", json={"model": "tiny", "prompt": "hello world"})
+        bare = await engine.post(
+            "/tokenize", json={"prompt": "hello world", "add_special_tokens": False}
+        )
+    with_bos = hf.encode("hello world", add_special_tokens=True)
+    assert default.status_code == 200, default.text
+    assert default.json() == {"count": len(with_bos), "max_model_len": CONTEXT, "tokens": with_bos}
+    assert (
+        bare.json()["tokens"] == with_bos[1:] == hf.encode("hello world", add_special_tokens=False)
+    )
+
+
+async def test_chat_messages_count_as_the_chat_template_renders_them(bos_model):
+    """As a chat completion's prompt: the template's tokens, no BOS beyond what it writes,
+    unless add_special_tokens; the template's controls and variables taken as chat takes them."""
+    hf = load_tokenizer(bos_model)
+    render = lambda **kw: hf.apply_chat_template(CHAT, tokenize=False, **kw)  # noqa: E731
+    async with engine_of(bos_model) as engine:
+        chat = (await engine.post("/tokenize", json={"messages": CHAT})).json()
+        no_turn = await engine.post(
+            "/tokenize", json={"messages": CHAT, "add_generation_prompt": False}
+        )
+        special = await engine.post(
+            "/tokenize", json={"messages": CHAT, "add_special_tokens": True}
+        )
+        thinking_off = await engine.post(
+            "/tokenize",
+            json={"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}},
+        )
+    prompt = render(add_generation_prompt=True)
+    assert chat["tokens"] == hf.encode(prompt, add_special_tokens=False)
+    assert chat["count"] == len(chat["tokens"]) and chat["max_model_len"] == CONTEXT
+    assert no_turn.json()["tokens"] == hf.encode(
+        render(add_generation_prompt=False), add_special_tokens=False
+    )
+    assert special.json()["tokens"] == hf.encode(prompt, add_special_tokens=True)
+    assert thinking_off.json()["tokens"] == hf.encode(
+        render(add_generation_prompt=True, enable_thinking=False), add_special_tokens=False
+    )
+
+
+async def test_detokenize_gives_the_tokens_text(tiny_model):
+    hf = load_tokenizer(tiny_model("llama"))
+    tokens = hf.encode("🙂 naïve café", add_special_tokens=False)
+    async with engine_of(tiny_model("llama")) as engine:
+        text = await engine.post("/detokenize", json={"model": "tiny", "tokens": tokens})
+        empty = await engine.post("/detokenize", json={"tokens": []})
+    assert text.status_code == 200 and text.json() == {"prompt": "🙂 naïve café"}
+    assert empty.json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "words"),
+    [
+        ("/tokenize", {"model": "other", "prompt": "hi"}, 404, "model", "does not exist"),
+        ("/detokenize", {"model": "other", "tokens": [1]}, 404, "model", "does not exist"),
+        ("/tokenize", {"model": "tiny"}, 400, None, "exactly one of prompt and messages"),
+        ("/tokenize", {"prompt": "hi", "messages": CHAT}, 400, None, "exactly one of"),
+        ("/tokenize", {"messages": []}, 400, "messages", "at least 1"),
+        ("/tokenize", {"prompt": 3}, 400, "prompt", "valid string"),
+        ("/tokenize", {"prompt": "x" * (16 * CONTEXT + 1)}, 400, "prompt", "characters"),
+        ("/tokenize", {"prompt": "hi", "return_token_strs": True}, 400, "return_token_strs", ""),
+        (
+            "/tokenize",
+            {"messages": CHAT, "chat_template_kwargs": {"tokenize": False}},
+            400,
+            "chat_template_kwargs",
+            "may not set 'tokenize'",
+        ),
+        (
+            "/tokenize",
+            {"messages": CHAT, "continue_final_message": True},
+            400,
+            "continue_final_message",
+            "cannot both be true",
+        ),
+        ("/detokenize", {}, 400, "tokens", "Field required"),
+        ("/detokenize", {"tokens": [1, 636]}, 400, "tokens", "outside the vocabulary (size 636)"),
+        ("/detokenize", {"tokens": [-1]}, 400, "tokens", "outside the vocabulary"),
+        ("/detokenize", {"tokens": [1, True]}, 400, "tokens.1", "valid integer"),
+        ("/detokenize", {"tokens": [1] * (CONTEXT + 1)}, 400, "tokens", "context length"),
+    ],
+)
+async def test_bad_requests_are_refused_with_openais_error_body(
+    tiny_model, path, body, status, param, words
+):
+    async with engine_of(tiny_model("llama")) as engine:
+        response = await engine.post(path, json=body)
+    error = response.json()["error"]
+    assert response.status_code == status and error["param"] == param, error
+    assert words in error["message"]
+
+
+async def test_an_engine_without_a_tokenizer_says_so(tiny_model, tmp_path):
+    path = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_model("llama"), path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).unlink()
+    async with engine_of(str(path)) as engine:
+        answers = [
+            await engine.post("/tokenize", json={"prompt": "hi"}),
+            await engine.post("/tokenize", json={"messages": CHAT}),
+            await engine.post("/detokenize", json={"tokens": [1, 2]}),
+        ]
+    for answer in answers:
+        assert answer.status_code == 400, answer.text
+        assert "this model has no tokenizer" in answer.json()["error"]["message"]
+
+
+async def test_tokenize_and_detokenize_need_the_key(tiny_model):
+    async with engine_of(tiny_model("llama"), api_key="secret") as engine:
+        refused = await engine.post("/tokenize", json={"prompt": "hi"})
+        taken = await engine.post(
+            "/detokenize", json={"tokens": [5]}, headers={"Authorization": "Bearer secret"}
+        )
+    assert refused.status_code == 401 and taken.status_code == 200
