@@ -68,7 +68,11 @@ ADMIN_PATH = "/workers"
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
 MODEL_PREFIX = "/v1/models/"
 MODEL_PATH = MODEL_PREFIX + "{model}"  # one model's card: one route whatever the model's name
-CLIENT_PATHS = frozenset({*GENERATION_PATHS, "/v1/models", MODEL_PATH, *MODEL_INFO_PATHS})
+# vLLM's tokenizer routes: every worker has the model's tokenizer (P/D: either role's)
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+CLIENT_PATHS = frozenset(
+    {*GENERATION_PATHS, "/v1/models", MODEL_PATH, *MODEL_INFO_PATHS, *TOKENIZER_PATHS}
+)
 _BEARER_CHALLENGE = [(b"www-authenticate", b"Bearer")]
 
 
@@ -133,9 +137,10 @@ class RouterApp:
         self._routes: dict[str, dict[str, Handler]] = {
             **{path: {"POST": self._generate} for path in GENERATION_PATHS},
             **{
-                path: {"GET": self._models}
-                for path in ("/v1/models", MODEL_PATH, *MODEL_INFO_PATHS)
+                path: {"GET": self._any_worker}
+                for path in ("/v1/models", MODEL_PATH, *MODEL_INFO_PATHS, "/version")
             },
+            **{path: {"POST": self._any_worker} for path in TOKENIZER_PATHS},
             "/health": {"GET": self._health_status},
             "/metrics": {"GET": self._metrics},
             ADMIN_PATH: {
@@ -382,9 +387,12 @@ class RouterApp:
         request = parse_generation_request(scope["path"], body)
         return await self.forwarder.generate(request, self._upstream_headers(scope))
 
-    async def _models(self, scope: Scope, body: bytes) -> Reply:
-        return await self.forwarder.models(
-            self._upstream_headers(scope), models_path(scope["path"])
+    async def _any_worker(self, scope: Scope, body: bytes) -> Reply:
+        return await self.forwarder.any_worker(
+            scope["method"],
+            models_path(scope["path"]),
+            body if scope["method"] == "POST" else None,
+            self._upstream_headers(scope),
         )
 
     def missing_role(self) -> Role | None:

@@ -99,14 +99,18 @@ class Forwarder:
             lambda excluded: self._mixed_once(request, headers, excluded)
         )
 
-    async def models(self, headers: Headers, path: str = "/v1/models") -> Reply:
-        """GET /v1/models (or SGLang's /model_info) from the least loaded worker that answers it."""
+    async def any_worker(
+        self, method: str, path: str, body: bytes | None, headers: Headers
+    ) -> Reply:
+        """A request every worker answers alike, from the least loaded one that answers it (a
+        decode worker in P/D mode): the model (/v1/models, SGLang's /model_info), its tokenizer
+        (vLLM's /tokenize, /detokenize), the version."""
         role = Role.DECODE if self.workers.is_disaggregated() else Role.MIXED
 
         async def once(excluded: set[Worker]) -> Reply:
             candidates = self._candidates(role, excluded)
             worker = min(candidates, key=lambda w: w.in_flight)
-            return await self.upstream.exchange(worker, "GET", path, None, headers, stream=False)
+            return await self.upstream.exchange(worker, method, path, body, headers, stream=False)
 
         return await self._with_retries(once)
 

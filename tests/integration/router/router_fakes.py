@@ -129,6 +129,9 @@ class FakeEngine:
         app.router.add_get("/v1/models/{model}", self._model)
         for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
             app.router.add_post(path, self._generate)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_get("/version", self._version)
         self._runner = web.AppRunner(
             # handler_cancellation: a client hanging up cancels the handler, as in an engine
             app,
@@ -201,6 +204,27 @@ class FakeEngine:
         if request.match_info["model"] != "fake-model":
             return web.json_response({"error": {"code": "model_not_found"}}, status=404)
         return web.json_response({"id": "fake-model", "object": "model"})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """One token per character, its code point."""
+        body = await request.json()
+        self.requests.append({"path": request.path, "body": body, "headers": dict(request.headers)})
+        unauthorized = self._unauthorized(request)
+        if unauthorized is not None:
+            return unauthorized
+        tokens = [ord(c) for c in body["prompt"]]
+        return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append({"path": request.path, "body": body, "headers": dict(request.headers)})
+        unauthorized = self._unauthorized(request)
+        if unauthorized is not None:
+            return unauthorized
+        return web.json_response({"prompt": "".join(map(chr, body["tokens"]))})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": f"{self.name}-version"})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

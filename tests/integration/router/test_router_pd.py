@@ -589,3 +589,17 @@ async def test_a_request_retried_on_another_pair_is_one_pd_route(
         "decode_only_short": 0,
         "decode_only_saturated": 0,
     }
+
+
+async def test_tokenize_goes_to_one_worker_and_is_no_pd_route(
+    engines, kv_table, start_router, client
+):
+    """Either role's engine has the model's tokenizer: /tokenize needs no pair, nor a room."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        tokens = await client.post(router.url + "/tokenize", json={"prompt": "hi"})
+        metrics = (await client.get(router.url + "/metrics")).text
+    assert tokens.status_code == 200 and tokens.json()["tokens"] == [104, 105]
+    assert not p.requests and [r["body"] for r in d.requests] == [{"prompt": "hi"}]
+    assert set(pd_route_counts(metrics).values()) == {0}

@@ -61,6 +61,20 @@ async def test_each_generation_route_is_forwarded(engines, start_router, client)
     assert [r["path"] for r in a.requests] == ["/v1/completions", "/generate"]
 
 
+async def test_tokenize_detokenize_and_version_are_a_workers_answers(engines, start_router, client):
+    """vLLM's routes, served by an engine, through the router too: every worker of the pool has
+    the model's tokenizer, so the least loaded one answers, as for /v1/models."""
+    a = await engines("a")
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        tokens = await client.post(router.url + "/tokenize", json={"prompt": "hi"})
+        text = await client.post(router.url + "/detokenize", json={"tokens": [104, 105]})
+        version = await client.get(router.url + "/version")
+    assert tokens.json() == {"count": 2, "max_model_len": 4096, "tokens": [104, 105]}
+    assert text.json() == {"prompt": "hi"} and version.json() == {"version": "a-version"}
+    assert [r["path"] for r in a.requests] == ["/tokenize", "/detokenize"]
+
+
 async def test_a_model_name_cannot_reach_another_engine_route(engines, start_router, client):
     """The name is forwarded as one encoded segment: dot segments and a query in it would
     otherwise take the request, with the router's engine key, to any of the engine's GET

@@ -20,6 +20,8 @@ import httpx
 import pytest
 from test_router_cli import free_port, wait_until_ready
 
+from kubesgl import __version__
+
 pytestmark = pytest.mark.asyncio
 
 ADMIN_KEY_ENV = "KUBESGL_ROUTER_ADMIN_KEY"
@@ -175,16 +177,19 @@ async def test_with_the_engines_key_the_router_checks_clients_and_presents_its_o
             headers = {**credentials, "X-Trace": "refused"}
             for call in (client.post(router.url + "/v1/completions", json=body, headers=headers),
                          client.post(router.url + "/generate", json={"text": "x"}, headers=headers),
-                         client.get(router.url + "/v1/models", headers=headers)):  # fmt: skip
+                         client.get(router.url + "/v1/models", headers=headers),
+                         client.post(router.url + "/tokenize", json={"prompt": "x"}, headers=headers),
+                         client.post(router.url + "/detokenize", json={"tokens": [1]}, headers=headers)):  # fmt: skip
                 refused = await call
                 assert refused.status_code == 401, headers
                 error = error_of(refused)
                 assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
         assert not p.requests and not d.requests
         assert not [h for h in d.models_headers if lowercase(h).get("x-trace") == "refused"]
-        # /health and /metrics stay open, as on an engine
+        # /health, /metrics and /version stay open, as on an engine
         assert (await client.get(router.url + "/health")).status_code == 200
         assert (await client.get(router.url + "/metrics")).status_code == 200
+        assert (await client.get(router.url + "/version")).status_code == 200
         ok = await client.post(
             router.url + "/v1/completions", json=body, headers={"Authorization": f"bearer {key}"}
         )
@@ -312,6 +317,12 @@ async def test_a_real_engine_takes_the_routers_key_and_never_sees_the_clients(ti
         assert completion.choices[0].finish_reason == "length"
         models = await sdk(with_key, key).models.list()
         assert [m.id for m in models.data] == ["default"]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{with_key}") as through:
+            tokens = await through.post(
+                "/tokenize", json={"prompt": "hi"}, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert tokens.json()["count"] == completion.usage.prompt_tokens
+            assert (await through.get("/version")).json() == {"version": __version__}
         with pytest.raises(openai.AuthenticationError) as refused:
             await sdk(with_key, "sk-wrong").completions.create(
                 model="default", prompt="hi", max_tokens=2
