@@ -78,6 +78,12 @@ _SWEEP_EVERY_S = 60.0
 # agents. A scheduler busy with a long step answers later: the registration is then taken
 # as it is, and a failure to connect drops it afterwards (the next post registers again).
 CONNECT_WAIT_S = 5.0
+# A decode engine the scheduler could not connect to is not tried again at each of its
+# registrations (one per request it gets, each an add_remote_agent on every rank's scheduler
+# thread): they are refused with the error for this long, doubled after each failure up to
+# the cap. One that comes back with other agents (restarted) is tried at once.
+CONNECT_RETRY_FIRST_S = 2.0
+CONNECT_RETRY_MAX_S = 60.0
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -88,6 +94,16 @@ def _room(value: object) -> int:
     if _is_int(value) and 0 <= value <= MAX_ROOM:
         return value
     raise ValueError(f"a room is an integer in [0, {MAX_ROOM}], got {value!r}")
+
+
+@dataclass
+class _Unreachable:
+    """A decode engine whose agents (`metadata`, per rank) could not be connected to."""
+
+    metadata: tuple[bytes, ...]
+    error: str
+    wait_s: float  # from the last failure to the next try
+    retry_at: float
 
 
 def _why_cancelled(body: dict) -> tuple[str, bool]:
@@ -124,6 +140,9 @@ class BootstrapServer:
         # registrations waiting for the scheduler's PeerConnected (the error, or None); two
         # of one engine may overlap, and both take the answer
         self._connecting: dict[str, list[Future[str | None]]] = {}
+        self._trying: dict[str, tuple[bytes, ...]] = {}  # the agents the latest one is for
+        self._unreachable: dict[str, _Unreachable] = {}  # decode engines refused for a while
+        self._retry_first_s, self._retry_max_s = CONNECT_RETRY_FIRST_S, CONNECT_RETRY_MAX_S
         self._peer_idle_s = PEER_IDLE_S
         self._next_sweep = 0.0
         self._rooms: dict[int, float] = {}  # posted rooms, until forgotten: a duplicate is a 409
@@ -149,13 +168,17 @@ class BootstrapServer:
             self.forget_idle_peers()
 
     def forget_idle_peers(self) -> None:
-        """Drops the registrations of decode engines silent for the idle limit."""
+        """Drops the registrations of decode engines silent for the idle limit, and the
+        back-off of those that have not tried again for as long."""
         now = time.monotonic()
         with self._lock:
             for engine, heard_at in list(self._heard_at.items()):
                 if now - heard_at > self._peer_idle_s:
                     del self._heard_at[engine], self._engines[engine]
                     self.emit(PeerForgotten(engine))
+            for engine, unreachable in list(self._unreachable.items()):
+                if now - unreachable.retry_at > self._peer_idle_s:
+                    del self._unreachable[engine]
 
     def register(self, body: dict) -> tuple[int, dict]:
         ranks = tuple(
@@ -169,11 +192,19 @@ class BootstrapServer:
             }
         for rank in ranks:
             self.layout.check_compatible(rank.layout)
-        engine = str(body["engine"])
+        engine, metadata = str(body["engine"]), tuple(rank.metadata for rank in ranks)
         connected: Future[str | None] = Future()
         with self._lock:
+            unreachable = self._unreachable.get(engine)
+            now = time.monotonic()
+            if unreachable and unreachable.metadata == metadata and now < unreachable.retry_at:
+                return 502, {
+                    "error": f"this prefill engine cannot reach decode engine {engine} over NIXL: "
+                    f"{unreachable.error} (tried again in {unreachable.retry_at - now:.1f} s)"
+                }
+            self._trying[engine] = metadata
             self._engines[engine] = min(rank.layout.num_slots for rank in ranks)
-            self._heard_at[engine] = time.monotonic()
+            self._heard_at[engine] = now
             self._connecting.setdefault(engine, []).append(connected)
             self.emit(PeerRegistered(engine, ranks))
         try:
@@ -191,11 +222,27 @@ class BootstrapServer:
         registration goes, so that no room is taken for an engine no write can reach."""
         with self._lock:
             waiting = self._connecting.pop(engine, [])
-            if error is not None:
+            metadata = self._trying.pop(engine, None)
+            if error is None:
+                self._unreachable.pop(engine, None)
+            else:
                 self._engines.pop(engine, None)
                 self._heard_at.pop(engine, None)
+                if metadata is not None:  # not the answer to an overlapping registration's try
+                    self._back_off(engine, metadata, error)
         for connected in waiting:
             connected.set_result(error)
+
+    def _back_off(self, engine: str, metadata: tuple[bytes, ...], error: str) -> None:
+        """Refuse the engine's registrations with the same agents for a while: longer than
+        the last time if that failed too."""
+        last = self._unreachable.get(engine)
+        wait_s = (
+            min(2 * last.wait_s, self._retry_max_s)
+            if last is not None and last.metadata == metadata
+            else self._retry_first_s
+        )
+        self._unreachable[engine] = _Unreachable(metadata, error, wait_s, time.monotonic() + wait_s)
 
     def post_room(self, body: dict) -> tuple[int, dict]:
         room, engine, slots = _room(body["room"]), str(body["engine"]), body["slots"]

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from kubesgl.engine.disagg.bootstrap import BootstrapServer
 from kubesgl.engine.disagg.decode import DecodeTransfers
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, TransferError
 from kubesgl.engine.disagg.link import LocalLink
@@ -23,6 +24,8 @@ from kubesgl.engine.disagg.prefill import ClosingTurn, PrefillTransfers
 from kubesgl.engine.disagg.protocol import (
     ConnectBootstrap,
     FailureReason,
+    PeerRegistered,
+    PoolLayout,
     RankAgent,
     RoomNote,
     RoomStatus,
@@ -203,8 +206,10 @@ def test_a_decode_engine_the_prefill_side_cannot_reach_over_nixl_fails_its_rooms
     # Engines whose UCX transports share none (UCX_TLS, UCX_NET_DEVICES): NIXL cannot add
     # the decode engine's agent. Its rooms used to wait for the KV until the timeout.
     p = pair(timeout=30.0)
+    attempts = []
 
     def unreachable(metadata, layout):
+        attempts.append(layout.agent)
         raise TransferError("adding the peer's agent: nixlBackendError: NIXL_ERR_BACKEND")
 
     monkeypatch.setattr(p.prefill_agent, "connect", unreachable)
@@ -219,6 +224,7 @@ def test_a_decode_engine_the_prefill_side_cannot_reach_over_nixl_fails_its_rooms
         assert [o.room for o in sent] == [room] and not sent[0].ok  # dropped on the prefill side
     assert time.monotonic() - started < 5
     assert caplog.text.count("cannot be reached over NIXL") == 1  # not once per request
+    assert len(attempts) == 1  # the second registration is refused with the first's error
 
 
 def test_an_unreachable_prefill_engine_fails_the_room_at_once_as_a_peer_lost(pair):
@@ -1075,3 +1081,102 @@ def test_overlapping_registrations_of_one_decode_engine_both_take_the_connect_ou
         p.server.peer_connected("decode-twice", "no UCX transport in common")
         statuses = [answer.result()[0] for answer in answers]
     assert statuses == [502, 502] and time.monotonic() - started < 1
+
+
+# -- notes NIXL does not deliver, and decode engines NIXL cannot reach: each failed before ----
+
+
+LAYOUT = PoolLayout(
+    agent="prefill-agent",
+    memory="DRAM",
+    device_id=0,
+    slot_bytes=16,
+    slot_shape=(2, 4),
+    dtype="float16",
+    num_slots=8,
+    k_addresses=(1000,),
+    v_addresses=(2000,),
+)
+
+
+def registration(engine: str, metadata: bytes = b"agent-1") -> dict:
+    layout = dataclasses.replace(LAYOUT, agent=f"{engine}-agent")
+    return {
+        "engine": engine,
+        "ranks": [
+            {"metadata": base64.b64encode(metadata).decode(), "layout": dataclasses.asdict(layout)}
+        ],
+    }
+
+
+class FakeScheduler:
+    """A bootstrap server whose scheduler side is faked: each registration's connect fails
+    with `error` (None: it succeeds), answered from a thread as the scheduler would (the
+    server emits with its lock held); `attempts` counts the connects tried."""
+
+    def __init__(self, timeout_s: float = 60.0):
+        self.error: str | None = "no UCX transport in common"
+        self.attempts = 0
+        self.server = BootstrapServer(self.emit, LAYOUT, 1, "127.0.0.1", 0, timeout_s)
+
+    def emit(self, fact) -> None:
+        if isinstance(fact, PeerRegistered):
+            self.attempts += 1
+            threading.Thread(
+                target=self.server.peer_connected, args=(fact.engine, self.error)
+            ).start()
+
+
+@pytest.fixture
+def fake_scheduler():
+    made: list[FakeScheduler] = []
+
+    def make(**kwargs) -> FakeScheduler:
+        made.append(FakeScheduler(**kwargs))
+        return made[-1]
+
+    yield make
+    for side in made:
+        side.server.close()
+
+
+def test_a_decode_engine_that_cannot_be_reached_is_tried_again_only_after_a_back_off(
+    fake_scheduler,
+):
+    """Each registration of a decode engine the prefill side could not connect to made every
+    rank try again (one add_remote_agent each, on the scheduler's thread): one per request
+    the decode engine got. It is refused at once with the error for a while, longer after
+    each failure up to a cap; a decode engine with new agents (restarted) is tried at once."""
+    side = fake_scheduler()
+    server = side.server
+    server._retry_first_s, server._retry_max_s = 0.5, 1.0
+    for _ in range(4):
+        status, body = server.register(registration("decode-a"))
+        assert status == 502 and "no UCX transport in common" in body["error"], body
+    assert side.attempts == 1
+    time.sleep(0.6)
+    assert server.register(registration("decode-a"))[0] == 502 and side.attempts == 2
+    time.sleep(0.6)  # the wait doubled: not yet
+    assert server.register(registration("decode-a"))[0] == 502 and side.attempts == 2
+    time.sleep(0.5)
+    assert server.register(registration("decode-a"))[0] == 502 and side.attempts == 3
+    time.sleep(1.1)  # at the cap
+    assert server.register(registration("decode-a"))[0] == 502 and side.attempts == 4
+    side.error = None
+    status, _ = server.register(registration("decode-a", b"agent-2"))  # restarted: at once
+    assert status == 200 and side.attempts == 5
+    side.error = "no UCX transport in common"
+    assert server.register(registration("decode-a", b"agent-2"))[0] == 502
+    assert server.register(registration("decode-b"))[0] == 502  # another engine: its own
+    assert side.attempts == 7
+
+
+def test_the_back_off_of_a_decode_engine_gone_quiet_is_forgotten(fake_scheduler):
+    side = fake_scheduler()
+    server = side.server
+    server._retry_first_s = 0.05
+    assert server.register(registration("decode-a"))[0] == 502
+    time.sleep(0.1)
+    server._peer_idle_s = 0
+    server.forget_idle_peers()
+    assert not server._unreachable
