@@ -9,7 +9,9 @@ allocated for the prompt (`POST /kv/rooms`), says which rooms it still has queue
 (`POST /kv/rooms/queued`), cancels rooms it gave up on (`DELETE /kv/rooms/{room}`) and watches
 the prefill engine's `GET /health` while it has rooms there: a prefill engine that refuses
 connections, stops answering for `dead_after_s`, or answers as a new instance (restarted),
-fails those rooms. What either side learns goes to the scheduler as a `BootstrapFact`.
+fails those rooms; at each heartbeat it also asks which of its rooms there have ended
+(`POST /kv/rooms/ended`), the prefill engine's last word should a room's NIXL note not
+arrive. What either side learns goes to the scheduler as a `BootstrapFact`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from kubesgl.engine.disagg.protocol import (
     CancelRoom,
     CancelUnknown,
     ConnectBootstrap,
+    EndReported,
     FailureReason,
     ForgetRoom,
     PeerConnected,
@@ -53,6 +56,8 @@ from kubesgl.engine.disagg.protocol import (
     PostRoom,
     RankAgent,
     RoomCancelled,
+    RoomEnded,
+    RoomNote,
     RoomPosted,
     RoomsQueued,
     RoomWriting,
@@ -146,6 +151,10 @@ class BootstrapServer:
         self._peer_idle_s = PEER_IDLE_S
         self._next_sweep = 0.0
         self._rooms: dict[int, float] = {}  # posted rooms, until forgotten: a duplicate is a 409
+        # rooms whose last word went out (room -> its decode engine, the word, when), oldest
+        # first, for as long as posted rooms are remembered: a note NIXL does not deliver
+        # leaves the decode engine waiting, which asks (POST /kv/rooms/ended)
+        self._ended: dict[int, tuple[str, RoomNote, float]] = {}
         self._http = ThreadingHTTPServer((host, port), self._handler())
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
@@ -279,6 +288,27 @@ class BootstrapServer:
             self.emit(RoomsQueued(rooms))
         return 200, {}
 
+    def room_ended(self, engine: str, note: RoomNote) -> None:
+        now = time.monotonic()
+        with self._lock:
+            while self._ended:
+                oldest, (_, _, at) = next(iter(self._ended.items()))
+                if now - at < self._room_memory_s:
+                    break
+                del self._ended[oldest]
+            self._ended.pop(note.room, None)  # kept in the order of their ends
+            self._ended[note.room] = (engine, note, now)
+
+    def rooms_ended(self, body: dict) -> tuple[int, dict]:
+        """Which of the rooms a decode engine asks about this instance has ended for it, and
+        how (the first token left out: a DONE room whose note did not arrive fails there)."""
+        engine, rooms = str(body["engine"]), [_room(room) for room in body["rooms"]]
+        with self._lock:
+            ended = [self._ended.get(room) for room in rooms]
+        return 200, {
+            "ended": [note.outcome() for to, note, _ in filter(None, ended) if to == engine]
+        }
+
     def room_writing(self, room: int, writing: bool) -> None:
         with self._lock:
             if writing:
@@ -334,6 +364,8 @@ class BootstrapServer:
                     return self._answer(lambda: server.post_room(self._body()))
                 if self.path == "/kv/rooms/queued":
                     return self._answer(lambda: server.rooms_queued(self._body()))
+                if self.path == "/kv/rooms/ended":
+                    return self._answer(lambda: server.rooms_ended(self._body()))
                 self._reply(404, {"error": f"no such path {self.path}"})
 
             def do_DELETE(self):  # noqa: N802
@@ -655,6 +687,7 @@ class BootstrapClient:
                     continue
                 if instance is not None:
                     self._restarted(address, peer, instance)
+                    self._ask_ended(address, peer)
 
     def _instance(self, address: str, peer: _Peer) -> str | None:
         """The instance answering at `address`; None while it is slow or confused, until it
@@ -675,6 +708,28 @@ class BootstrapClient:
             return None
         peer.last_ok = time.monotonic()
         return instance
+
+    def _ask_ended(self, address: str, peer: _Peer) -> None:
+        """Which of this engine's rooms at `address` the prefill engine has ended, and how:
+        its last word, should a room's NIXL note not arrive (the scheduler gives the note a
+        grace first). After `_instance`: the rooms left are at the instance that answers."""
+        with self._lock:
+            rooms = list(peer.rooms)
+        if not rooms:
+            return
+        try:
+            answer = self._http.post(
+                f"{address}/kv/rooms/ended",
+                json={"engine": self.engine, "rooms": rooms},
+                timeout=min(self.heartbeat_s, 3.0),
+            )
+            _raise_for_status(answer)
+            notes = [RoomNote.from_outcome(outcome) for outcome in answer.json()["ended"]]
+        except Exception as exc:  # noqa: BLE001 - an older prefill engine (404), a slow one: the notes or the timeout end the rooms
+            logger.debug("asking %s which rooms ended failed: %s", address, _why(exc))
+            return
+        for note in notes:
+            self.emit(EndReported(note))
 
     def close(self) -> None:
         self._stop.set()
@@ -713,6 +768,9 @@ class BootstrapService:
         elif isinstance(request, PeerConnected):
             assert self.server is not None, "ServeBootstrap comes before any registration"
             self.server.peer_connected(request.engine, request.error)
+        elif isinstance(request, RoomEnded):
+            assert self.server is not None, "ServeBootstrap comes before any room"
+            self.server.room_ended(request.engine, request.note)
         elif isinstance(request, PostRoom | CancelRoom | ForgetRoom | StillQueued):
             self._handle_room(request)
         else:

@@ -4,8 +4,9 @@ again.
 
 Slots a prefill engine may still write into are never handed back early: after a failure,
 a timeout or an abort, the slots are released only once the prefill engine's last word on
-the room has come from every rank (`RoomNote`), or the prefill engine says it never had the
-room, or it is dead. Every rank applies the same facts in the same order (ranks.py): each
+the room has come from every rank (`RoomNote`), or it reported that word over HTTP and the
+note still has not come (`EndReported`), or the prefill engine says it never had the room,
+or it is dead. Every rank applies the same facts in the same order (ranks.py): each
 rank contributes the notes its NIXL agent received, rank 0 what the bootstrap process
 learned over HTTP and the rooms its clock timed out.
 """
@@ -24,6 +25,7 @@ from kubesgl.engine.disagg.protocol import (
     CancelRoom,
     CancelUnknown,
     ConnectBootstrap,
+    EndReported,
     FailureReason,
     ForgetRoom,
     PeerLost,
@@ -37,6 +39,11 @@ from kubesgl.engine.disagg.ranks import RankConsensus
 from kubesgl.engine.messages import BootstrapTarget
 
 logger = logging.getLogger(__name__)
+
+# How long a room's note may come after its prefill engine reported the room's end over
+# HTTP, which the heartbeat asks for and may overtake the note in flight: the note (it
+# carries the first token) wins within this, and the report ends the room after it.
+NOTE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,10 +65,20 @@ class LastWordOverdue:
     room: int
 
 
+@dataclass(frozen=True)
+class NoteOverdue:
+    """The prefill engine reported `NOTE_GRACE_S` ago that it ended the room as `note` says,
+    and its note has not come from every rank (NIXL did not deliver it): the report is its
+    last word."""
+
+    note: RoomNote
+
+
 DecodeFact = (
     NoteArrived
     | KVTimedOut
     | LastWordOverdue
+    | NoteOverdue
     | PostFailed
     | CancelUnknown
     | CancelConfirmed
@@ -91,6 +108,8 @@ class _Room:
     waiting: bool = True  # its request still waits for the KV
     timed_out: bool = False  # rank 0: the timeout was announced
     release_at: float | None = None  # rank 0: when the slots are free without a last word
+    reported: RoomNote | None = None  # rank 0: the prefill engine's report of the room's end
+    note_due_at: float | None = None  # rank 0: when the report ends the room, its note absent
 
 
 class DecodeTransfers:
@@ -175,6 +194,10 @@ class DecodeTransfers:
                 if state.release_at is not None and now > state.release_at:
                     state.release_at = None
                     local.append(LastWordOverdue(room))
+                if state.note_due_at is not None and now > state.note_due_at:
+                    assert state.reported is not None  # set together
+                    state.note_due_at = None
+                    local.append(NoteOverdue(state.reported))
         outcomes: list[DecodeOutcome] = []
         for fact in self.consensus.share(local):
             outcomes += self._apply(fact)
@@ -216,6 +239,14 @@ class DecodeTransfers:
                     fact.room,
                 )
             return self._end(fact.room, None, None)
+        if isinstance(fact, EndReported):
+            state = self._rooms.get(fact.note.room)
+            if state is not None and self.link is not None and state.reported is None:
+                state.reported = fact.note
+                state.note_due_at = time.monotonic() + NOTE_GRACE_S
+            return []
+        if isinstance(fact, NoteOverdue):
+            return self._note_overdue(fact.note)
         if isinstance(fact, PeerLost):
             return [
                 outcome
@@ -253,6 +284,27 @@ class DecodeTransfers:
                 )
             ]
         return [DecodeOutcome(note.room, released=True)] if complete else []
+
+    def _note_overdue(self, note: RoomNote) -> list[DecodeOutcome]:
+        """The prefill engine's report ends the room, as its note would have, but a room it
+        wrote fails: the note carries the first token."""
+        if note.room not in self._rooms:
+            return []  # its notes came in the same turn
+        logger.warning(
+            "room %d: the prefill engine ended it (%s) but its NIXL note did not arrive within "
+            "%g s of saying so over HTTP",
+            note.room,
+            note.status,
+            NOTE_GRACE_S,
+        )
+        if note.status is RoomStatus.DONE:
+            error = (
+                f"the prefill engine wrote the KV of room {note.room} but its note (with the "
+                "first token) did not arrive"
+            )
+            return self._end(note.room, error, FailureReason.TRANSFER)
+        error = note.error or f"the prefill engine ended room {note.room} ({note.status})"
+        return self._end(note.room, error, note.reason or FailureReason.REFUSED, note.http_status)
 
     def _end(
         self,

@@ -23,6 +23,7 @@ from kubesgl.engine.disagg.protocol import (
     PeerForgotten,
     PeerRegistered,
     RoomCancelled,
+    RoomEnded,
     RoomNote,
     RoomPosted,
     RoomsQueued,
@@ -134,6 +135,7 @@ class _Room:
     writing: set[int] = field(default_factory=set)  # ranks whose write is still in flight
     started: bool = False
     failed: bool = False
+    write_error: str | None = None  # the first rank's write that failed: its note said so
     nbytes: int = 0  # the write's size over all ranks, and its time on this rank
     seconds: float = 0.0
     waited: float = 0.0  # this rank: from the prompt's end to the write's start
@@ -215,7 +217,7 @@ class PrefillTransfers:
         )
         target = state.target if state is not None else self._posted.pop(room, None)
         if target is not None:
-            self._notify(target.engine, note)
+            self._last_word(target.engine, note)
         else:
             self._close(room, note)
 
@@ -257,7 +259,7 @@ class PrefillTransfers:
             if state is not None:
                 state.target = fact
             elif fact.room in self._closed:
-                self._notify(fact.engine, self._closed.pop(fact.room))
+                self._last_word(fact.engine, self._closed.pop(fact.room))
             else:
                 self._posted[fact.room] = fact
                 self._remember(fact.room)
@@ -351,12 +353,12 @@ class PrefillTransfers:
         if state is None:  # its request has not come (yet): refuse it if it does
             posted = self._posted.pop(fact.room, None)
             if posted is not None:
-                self._notify(posted.engine, note)
+                self._last_word(posted.engine, note)
             self._close(fact.room, note)
             return []
         del self._rooms[fact.room]
         if state.target is not None:
-            self._notify(state.target.engine, note)
+            self._last_word(state.target.engine, note)
         return [PrefillOutcome(fact.room, error, reason)]
 
     def _write_ended(self, fact: WriteEnded) -> list[PrefillOutcome]:
@@ -366,11 +368,26 @@ class PrefillTransfers:
         state.writing.discard(fact.rank)
         if fact.rank == self.consensus.rank:
             state.nbytes, state.seconds = fact.nbytes * self.consensus.tp_size, fact.seconds
+        if fact.error is not None and state.write_error is None:
+            state.write_error = fact.error
         outcomes = [] if fact.error is None else self._fail(fact.room, state, fact.error)
         if not state.writing:
             del self._rooms[fact.room]
             if self.link is not None:
                 self.link.send(RoomWriting(fact.room, writing=False))
+            assert state.target is not None  # a write starts only once the room is posted
+            # every rank's note went with its write, or said that it failed
+            self._report(
+                state.target.engine,
+                RoomNote(fact.room, RoomStatus.DONE)
+                if state.write_error is None
+                else RoomNote(
+                    fact.room,
+                    RoomStatus.FAILED,
+                    error=state.write_error,
+                    reason=FailureReason.TRANSFER,
+                ),
+            )
             if not state.failed:
                 outcomes.append(
                     PrefillOutcome(
@@ -494,6 +511,18 @@ class PrefillTransfers:
     def _remember(self, room: int) -> None:
         if self.link is not None:
             self._seen_at[room] = time.monotonic()
+
+    def _last_word(self, engine: str, note: RoomNote) -> None:
+        """The room ended here without a write: every rank's note says so to the decode
+        engine's same rank, and the bootstrap server, should a note not arrive."""
+        self._notify(engine, note)
+        self._report(engine, note)
+
+    def _report(self, engine: str, note: RoomNote) -> None:
+        """Rank 0: the room's last word went out (NIXL may not deliver it: a firewall after
+        the handshake, a lost note); the decode engine asks the bootstrap server for it."""
+        if self.link is not None:
+            self.link.send(RoomEnded(engine, note))
 
     def _notify(self, engine: str, note: RoomNote) -> None:
         peer = self._peer_agents.get(engine)

@@ -24,7 +24,7 @@ class FailureReason(StrEnum):
 
     REFUSED = "refused"  # the other engine rejected the request or the room
     TIMEOUT = "timeout"  # the partner did not act within --disaggregation-timeout
-    TRANSFER = "transfer"  # the KV write itself failed
+    TRANSFER = "transfer"  # the KV write itself failed, or its note never reached the decode side
     PEER_LOST = "peer_lost"  # the other engine died or restarted
     ABORTED = "aborted"  # the client left, or the engine shut down
 
@@ -72,6 +72,40 @@ class RoomNote:
             note.status is RoomStatus.DONE and not isinstance(note.first_token, int)
         ):
             raise ValueError("not a room note: a room number, and a DONE note's first token")
+        return note
+
+    def outcome(self) -> dict:
+        """How the room ended, the first token left out: what a prefill engine's bootstrap
+        server tells the decode engine that asks (POST /kv/rooms/ended)."""
+        return {
+            "room": self.room,
+            "status": self.status.value,
+            "error": self.error,
+            "reason": self.reason.value if self.reason else None,
+            "http_status": self.http_status,
+        }
+
+    @classmethod
+    def from_outcome(cls, body: dict) -> RoomNote:
+        """Raises ValueError for anything but what `outcome` made."""
+        try:
+            room, error, status = body["room"], body["error"], body["http_status"]
+            note = cls(
+                room,
+                RoomStatus(body["status"]),
+                error=error,
+                reason=FailureReason(body["reason"]) if body["reason"] else None,
+                http_status=status,
+            )
+        except (TypeError, KeyError) as exc:
+            raise ValueError(f"not a room's outcome: {exc}") from None
+        if not (
+            isinstance(room, int)
+            and not isinstance(room, bool)
+            and isinstance(error, str | None)
+            and isinstance(status, int | None)
+        ):
+            raise ValueError(f"not a room's outcome: {body!r:.200}")
         return note
 
 
@@ -193,6 +227,16 @@ class PeerConnected:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class RoomEnded:
+    """Prefill role: the room's last word went to decode engine `engine` (`note`, the first
+    token left out): the bootstrap server tells that engine when it asks, should the note
+    not arrive."""
+
+    engine: str
+    note: RoomNote
+
+
 BootstrapRequest = (
     ServeBootstrap
     | ConnectBootstrap
@@ -202,6 +246,7 @@ BootstrapRequest = (
     | StillQueued
     | RoomWriting
     | PeerConnected
+    | RoomEnded
 )
 
 
@@ -278,6 +323,15 @@ class CancelConfirmed:
 
 
 @dataclass(frozen=True)
+class EndReported:
+    """The prefill engine says it ended the room as `note` says (without the first token):
+    its last word, as its NIXL note would have brought it. No write into the room's slots
+    can come any more."""
+
+    note: RoomNote
+
+
+@dataclass(frozen=True)
 class PeerLost:
     """The prefill engine these rooms were posted to died or restarted: none of its writes
     can come."""
@@ -295,5 +349,6 @@ BootstrapFact = (
     | PostFailed
     | CancelUnknown
     | CancelConfirmed
+    | EndReported
     | PeerLost
 )

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from kubesgl.engine.disagg import bootstrap
 from kubesgl.engine.disagg.bootstrap import BootstrapServer
 from kubesgl.engine.disagg.decode import DecodeTransfers
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, TransferError
@@ -1086,6 +1087,110 @@ def test_overlapping_registrations_of_one_decode_engine_both_take_the_connect_ou
 # -- notes NIXL does not deliver, and decode engines NIXL cannot reach: each failed before ----
 
 
+def notes_held(p: Pair, monkeypatch) -> list[bytes]:
+    """Every NIXL notification to the decode side is held back (a firewall after the
+    handshake, a note lost); the list returned holds them, and `p.release_notes()` lets
+    them through. The KV writes themselves land."""
+    held: list[bytes] = []
+    real = p.decode_agent.notifications
+    released = threading.Event()
+
+    def notifications():
+        held.extend(real())
+        if not released.is_set():
+            return []
+        arrived, held[:] = list(held), []
+        return arrived
+
+    monkeypatch.setattr(p.decode_agent, "notifications", notifications)
+    p.release_notes = released.set  # type: ignore[attr-defined]
+    return held
+
+
+def test_a_room_written_whose_note_is_lost_fails_soon_with_the_reason(pair, monkeypatch):
+    """The KV write is done but its note (the first token) never reaches the decode side: it
+    waited its whole timeout (504). The prefill side reports the room's end to the decode
+    side's heartbeat, and the room fails after a short grace, as a transfer failure."""
+    p = pair(timeout=30.0)
+    notes_held(p, monkeypatch)
+    p.prefill.open(120)
+    p.prefill.prefilled(120, [1], note(120))
+    started = time.monotonic()
+    p.decode.expect(p.target(120), [2])
+    sent, arrived = p.run(lambda s, a: s and a, timeout=10)
+    assert [o.ok for o in sent] == [True]
+    [outcome] = arrived
+    assert (outcome.reason, outcome.released) == (FailureReason.TRANSFER, True), outcome
+    assert "wrote the KV" in outcome.error and "did not arrive" in outcome.error
+    assert time.monotonic() - started < 5 and not p.decode.has_rooms()
+
+
+def test_a_refusal_whose_note_is_lost_reaches_the_decode_side_with_its_status(pair, monkeypatch):
+    p = pair(timeout=30.0)
+    notes_held(p, monkeypatch)
+    p.decode.expect(p.target(121), [1, 2])
+    p.run(lambda s, a: 121 in p.prefill._posted)
+    p.prefill.abandon(121, FailureReason.REFUSED, "the prompt is too long here", 400)
+    _, [outcome] = p.run(lambda s, a: a, timeout=10)
+    assert (outcome.reason, outcome.http_status, outcome.released) == (
+        FailureReason.REFUSED,
+        400,
+        True,
+    )
+    assert "too long" in outcome.error
+
+
+def test_a_note_still_in_flight_when_the_end_is_reported_wins(pair, monkeypatch):
+    """The report may come before the note (it is asked for at every heartbeat): a note that
+    arrives within the grace ends the room as it says."""
+    p = pair(timeout=30.0)
+    notes_held(p, monkeypatch)
+    p.prefill.open(122)
+    p.prefill.prefilled(122, [1], note(122, token=99))
+    p.decode.expect(p.target(122), [2])
+    p.run(lambda s, a: p.decode._rooms[122].reported is not None)
+    p.release_notes()
+    _, [outcome] = p.run(lambda s, a: a)
+    assert outcome.error is None and outcome.note.first_token == 99
+
+
+def test_a_room_taken_before_the_connect_to_its_decode_engine_failed_fails_soon(pair, monkeypatch):
+    """The scheduler took longer than the registration's wait to find the decode engine
+    unreachable: the room posted meanwhile cannot be written, and no note can reach the
+    decode side either (no connection); it waited its whole timeout."""
+    monkeypatch.setattr(bootstrap, "CONNECT_WAIT_S", 0.2)
+    p = pair(timeout=30.0)
+
+    def slow_unreachable(metadata, layout):
+        time.sleep(0.5)
+        raise TransferError("adding the peer's agent: nixlBackendError: NIXL_ERR_BACKEND")
+
+    monkeypatch.setattr(p.prefill_agent, "connect", slow_unreachable)
+    p.prefill.open(124)
+    p.prefill.prefilled(124, [1], note(124))
+    p.decode.expect(p.target(124), [2])
+    sent, [outcome] = p.run(lambda s, a: s and a, timeout=10)
+    assert outcome.reason is FailureReason.TRANSFER and "is not connected" in outcome.error
+    assert outcome.released and not sent[0].ok
+
+
+def test_a_prefill_engine_that_reports_no_ends_leaves_the_rooms_waiting(pair, monkeypatch):
+    """An older prefill engine answers 404 to the question (a rolling upgrade): its rooms
+    wait for their notes as before, and its heartbeat still counts."""
+    p = pair(timeout=30.0, dead_after_s=0.5)
+    monkeypatch.setattr(p.server, "rooms_ended", lambda body: (404, {"error": "no such path"}))
+    notes = notes_held(p, monkeypatch)
+    p.prefill.open(123)
+    p.prefill.prefilled(123, [1], note(123, token=5))
+    p.decode.expect(p.target(123), [2])
+    p.run(lambda s, a: notes)
+    time.sleep(1.0)  # two silences allowed, and many grace periods
+    assert not p.decode.poll() and p.decode.waiting(123)
+    p.release_notes()
+    _, [outcome] = p.run(lambda s, a: a)
+    assert outcome.note.first_token == 5
+
+
 LAYOUT = PoolLayout(
     agent="prefill-agent",
     memory="DRAM",
@@ -1180,3 +1285,22 @@ def test_the_back_off_of_a_decode_engine_gone_quiet_is_forgotten(fake_scheduler)
     server._peer_idle_s = 0
     server.forget_idle_peers()
     assert not server._unreachable
+
+
+def test_the_prefill_side_remembers_ended_rooms_for_their_engine_and_a_while_only(
+    fake_scheduler,
+):
+    side = fake_scheduler(timeout_s=0.2)
+    server = side.server
+    server.room_ended("decode-a", RoomNote(5, RoomStatus.DONE))
+    server.room_ended("decode-a", RoomNote(6, RoomStatus.FAILED, error="no", http_status=400))
+    status, body = server.rooms_ended({"engine": "decode-a", "rooms": [5, 6, 7]})
+    assert status == 200
+    assert body["ended"] == [
+        {"room": 5, "status": "done", "error": None, "reason": None, "http_status": None},
+        {"room": 6, "status": "failed", "error": "no", "reason": None, "http_status": 400},
+    ]
+    assert server.rooms_ended({"engine": "decode-b", "rooms": [5, 6]})[1] == {"ended": []}
+    time.sleep(0.5)  # twice the timeout: no request for those rooms comes any more
+    server.room_ended("decode-a", RoomNote(8, RoomStatus.CANCELLED, error="gone"))
+    assert set(server._ended) == {8}
