@@ -23,7 +23,7 @@ from serve_harness import free_port, start_router, start_server
 MODEL_NAME = "tiny"
 
 
-def start_pd_pair(model, tmp_path, prefill_args=(), decode_args=()):
+def start_pd_pair(model, tmp_path, prefill_args=(), decode_args=(), decode_env=None):
     bootstrap = free_port()
     prefill = start_server(
         model,
@@ -44,6 +44,7 @@ def start_pd_pair(model, tmp_path, prefill_args=(), decode_args=()):
         MODEL_NAME,
         *decode_args,
         tmp_path=tmp_path,
+        env=decode_env,
     )
     return prefill, decode, bootstrap
 
@@ -404,6 +405,39 @@ def test_a_prefill_engine_killed_during_a_long_prefill_fails_the_decode_request_
         for server in (prefill, decode):
             if server.process.poll() is None:
                 os.killpg(server.process.pid, signal.SIGKILL)
+
+
+def test_a_decode_engine_that_gets_no_nixl_notes_answers_within_seconds(tiny_model, tmp_path):
+    """NIXL connects but delivers no note to the decode engine (a firewall after the
+    handshake; here notes_lost/sitecustomize.py drops them): it waited its whole
+    --disaggregation-timeout (60 s) and answered 504. The prefill engine's report of the
+    room's end, which the decode engine asks for at each heartbeat, ends it within seconds."""
+    drop_notes = os.path.join(os.path.dirname(__file__), "notes_lost")
+    path = os.pathsep.join(filter(None, [drop_notes, os.environ.get("PYTHONPATH")]))
+    prefill, decode, bootstrap = start_pd_pair(
+        tiny_model("llama"), tmp_path, decode_env={"PYTHONPATH": path}
+    )
+    try:
+        body = {
+            "model": MODEL_NAME,
+            "prompt": "The capital of France is",
+            "max_tokens": 8,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap,
+            "bootstrap_room": random.getrandbits(63),
+        }
+        started = time.monotonic()
+        answers = send_to_both(prefill, decode, "/v1/completions", body)
+        assert answers["p"].status_code == 200, answers["p"].text  # its KV was written
+        answer = answers["d"]
+        assert time.monotonic() - started < 10
+        assert answer.status_code == 502, answer.text
+        assert "its note (with the first token) did not arrive" in answer.text
+        decode.wait_idle()  # the report released the room's slots
+        assert decode.metric('kubesgl_disagg_failures_total{reason="transfer",role="decode"}') == 1
+    finally:
+        for server in (prefill, decode):
+            assert server.stop() == 0
 
 
 def test_a_decode_engine_killed_while_the_prefill_engine_holds_kv_leaves_the_prefill_engine_serving(
