@@ -199,7 +199,9 @@ class DecodeTransfers:
                     state.note_due_at = None
                     local.append(NoteOverdue(state.reported))
         outcomes: list[DecodeOutcome] = []
-        for fact in self.consensus.share(local):
+        # A note that came this turn, from any rank, wins over the report it was overdue for:
+        # rank 0's overdue facts would come before the notes of the ranks after it
+        for fact in sorted(self.consensus.share(local), key=lambda f: isinstance(f, NoteOverdue)):
             outcomes += self._apply(fact)
         return outcomes
 

@@ -18,7 +18,7 @@ import torch
 
 from kubesgl.engine.disagg import bootstrap
 from kubesgl.engine.disagg.bootstrap import BootstrapServer
-from kubesgl.engine.disagg.decode import DecodeTransfers
+from kubesgl.engine.disagg.decode import DecodeTransfers, NoteArrived
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, TransferError
 from kubesgl.engine.disagg.link import LocalLink
 from kubesgl.engine.disagg.prefill import ClosingTurn, PrefillTransfers
@@ -1304,3 +1304,36 @@ def test_the_prefill_side_remembers_ended_rooms_for_their_engine_and_a_while_onl
     time.sleep(0.5)  # twice the timeout: no request for those rooms comes any more
     server.room_ended("decode-a", RoomNote(8, RoomStatus.CANCELLED, error="gone"))
     assert set(server._ended) == {8}
+
+
+class RankOneNotes(RankConsensus):
+    """Rank 0 of two, with rank 1's facts made up: `arrive` hands its notes to the next turn."""
+
+    def __init__(self):
+        super().__init__(0, 2, group=object())  # type: ignore[arg-type] - never used
+        self.rank_one: list = []
+
+    def arrive(self, note: RoomNote) -> None:
+        self.rank_one.append(NoteArrived(1, note))
+
+    def share(self, local):
+        shared, self.rank_one = local + self.rank_one, []
+        return shared
+
+
+def test_a_note_of_another_rank_in_the_turn_the_report_falls_due_wins(pair, monkeypatch):
+    """Rank 0 finds the reported end overdue in the very turn that brings rank 1's note (rank
+    0's came already): the note wins on every rank, as on one. Rank 0's overdue fact came
+    before rank 1's notes in the shared list, and failed a room whose KV had all arrived."""
+    p = pair(timeout=30.0)
+    p.decode.consensus = ranks = RankOneNotes()
+    notes = notes_held(p, monkeypatch)
+    p.prefill.open(125)
+    p.prefill.prefilled(125, [1], note(125, token=42))
+    p.decode.expect(p.target(125), [2])
+    p.run(lambda s, a: notes and p.decode._rooms[125].reported is not None)
+    p.release_notes()  # rank 0's note, in this turn
+    ranks.arrive(RoomNote.decode(notes[0]))  # rank 1's, in the same turn
+    p.decode._rooms[125].note_due_at = time.monotonic()  # and the report falls due in it
+    _, [outcome] = p.run(lambda s, a: a)
+    assert outcome.error is None and outcome.note.first_token == 42, outcome
