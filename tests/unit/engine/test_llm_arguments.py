@@ -8,7 +8,10 @@ import json
 import pickle
 
 import pytest
+from fastapi.encoders import jsonable_encoder
+from pydantic import TypeAdapter
 
+from kubesgl.engine.llm import RequestOutput
 from kubesgl.engine.messages import FinishReason
 from kubesgl.engine.sampling_params import SamplingParams
 
@@ -98,4 +101,15 @@ def test_a_finish_reason_keeps_its_details_across_processes():
         "stop",
         400,
     )
-    assert dataclasses.replace(reason, status=500).status == 500
+    with pytest.raises(AttributeError):
+        reason.status = 500  # type: ignore[misc] - read only, as the frozen dataclass it was
+
+
+def test_a_finish_reason_serialises_as_its_kind_whatever_writes_it():
+    """vLLM's is a plain str. A dataclass subclassing str was written as an object of its
+    fields by pydantic, FastAPI's encoder and dataclasses.asdict (a RequestOutput's)."""
+    reason = FinishReason("stop", matched_token=2)
+    assert jsonable_encoder({"finish_reason": reason}) == {"finish_reason": "stop"}
+    assert TypeAdapter(dict).dump_json({"finish_reason": reason}) == b'{"finish_reason":"stop"}'
+    output = dataclasses.asdict(RequestOutput([1], finish_reason=reason))
+    assert output["finish_reason"] == "stop" and json.dumps(output["finish_reason"]) == '"stop"'
