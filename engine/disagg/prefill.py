@@ -226,9 +226,6 @@ class PrefillTransfers:
         state = self._rooms.get(room)
         return state is not None and bool(state.writing)
 
-    def has_rooms(self) -> bool:
-        return bool(self._rooms)
-
     def has_work(self) -> bool:
         """Rooms open, or facts of this rank not shared yet (a connect tried, which a decode
         engine's registration waits for): the scheduler must turn again soon, not idle."""

@@ -620,6 +620,6 @@ def test_an_idle_prefill_engine_answers_a_registration_in_its_next_turn_not_its_
     )
     transfers = prefill.role.transfers
     step_until([prefill, decode], lambda: bool(transfers._peer_agents))  # connected, not shared
-    assert not transfers.has_rooms() and prefill.scheduler.has_work()
+    assert not transfers._rooms and prefill.scheduler.has_work()
     server = transfers.link.service.server
     step_until([prefill, decode], lambda: not server._connecting)  # and it is answered

@@ -151,7 +151,7 @@ def test_a_room_moves_its_prompt_kv_and_first_token(pair):
     )
     for here, there in zip(p.prefill_pool.k + p.prefill_pool.v, p.decode_pool.k + p.decode_pool.v):
         assert torch.equal(there[dst], here[src])
-    assert not p.prefill.busy(77) and not p.prefill.has_rooms() and not p.decode.has_rooms()
+    assert not p.prefill.busy(77) and not p.prefill.has_work() and not p.decode.has_rooms()
 
 
 def test_rooms_pair_up_whatever_the_order_and_registration_happens_once(pair):
@@ -177,7 +177,7 @@ def test_a_decode_side_that_never_asks_times_the_prefill_side_out(pair):
     assert [(o.room, o.reason) for o in sent] == [
         (8, FailureReason.TIMEOUT)
     ] and "within 0.3 s" in sent[0].error
-    assert not p.prefill.has_rooms()
+    assert not p.prefill.has_work()
 
 
 def test_a_room_the_prefill_side_never_runs_times_out_and_is_released_once_it_confirms(pair):
@@ -268,7 +268,7 @@ def test_a_cancel_before_the_write_reaches_the_prefill_side_and_releases_the_slo
     assert [(o.room, o.reason) for o in sent] == [(11, reason)]
     assert "client disconnected" in sent[0].error
     assert [(o.room, o.released) for o in arrived] == [(11, True)]
-    assert not p.prefill.has_rooms() and not p.decode.has_rooms()
+    assert not p.prefill.has_work() and not p.decode.has_rooms()
 
 
 def test_a_prefill_side_failure_reaches_the_decode_side_at_once(pair):
