@@ -158,7 +158,7 @@ def throughput(llm, prompts: list[list[int]], output_len: int, constrained_share
         "constrained_mean_tokens": statistics.mean(len(o.token_ids) for o in outputs[:constrained])
         if constrained
         else None,
-        "finish_reasons": sorted({o.finish_reason.kind for o in outputs}),
+        "finish_reasons": sorted({str(o.finish_reason) for o in outputs}),
     }
 
 

@@ -26,10 +26,14 @@ _ids = itertools.count()
 
 @dataclass
 class RequestOutput:
+    """One prompt's result. Its ending in plain values, as vLLM's outputs give it."""
+
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: FinishReason | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop string, or stop or EOS token, that ended it
+    finish_message: str | None = None  # why an aborted or refused request ended
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
 
@@ -176,11 +180,12 @@ class LLM:
         for request in requests:
             self.engine.validate(request)
         results = {r.rid: RequestOutput(prompt_token_ids=r.input_ids) for r in requests}
+        reasons: dict[str, FinishReason] = {}
         pending = set(results)
         try:
             for request in requests:
                 self.engine.add_request(request)
-            self._run(results, pending)
+            self._run(results, reasons, pending)
         except BaseException:  # Ctrl-C, or a step that failed: the next call starts clean
             self._abandon(pending)
             raise
@@ -190,7 +195,7 @@ class LLM:
                 # the same text a server client receives: cut at a matched stop string
                 result = results[request.rid]
                 state = DecodeState.of(request.params)
-                reason = result.finish_reason
+                reason = reasons.get(request.rid)
                 result.text = detokenizer.step(
                     state,
                     result.token_ids,
@@ -201,7 +206,12 @@ class LLM:
                 )
         return [results[r.rid] for r in requests]
 
-    def _run(self, results: dict[str, RequestOutput], pending: set[str]) -> None:
+    def _run(
+        self,
+        results: dict[str, RequestOutput],
+        reasons: dict[str, FinishReason],
+        pending: set[str],
+    ) -> None:
         while pending:
             for out in self.engine.step():
                 result = results.get(out.rid)
@@ -212,7 +222,14 @@ class LLM:
                 if out.logprobs:
                     result.logprobs = (result.logprobs or []) + out.logprobs
                 if out.finished:
-                    result.finish_reason = out.finish_reason
+                    assert out.finish_reason is not None  # a finished output says why
+                    reason = reasons[out.rid] = out.finish_reason
+                    result.finish_reason, result.finish_message = reason.kind, reason.message
+                    result.stop_reason = (
+                        reason.matched_str
+                        if reason.matched_str is not None
+                        else reason.matched_token
+                    )
                     pending.discard(out.rid)
 
     def _abandon(self, rids: set[str]) -> None:

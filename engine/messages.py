@@ -41,51 +41,18 @@ class AbortRequest:
     message: str = "aborted"
 
 
-class FinishReason(str):
-    """Why a request ended. It is the string of its kind ("stop", "length", ...), as vLLM's
-    finish_reason is a str: it compares, hashes and serialises as that string (json,
-    pydantic, FastAPI, dataclasses.asdict), and carries the details beside it, read only. No
-    dataclass: pydantic, FastAPI and asdict would write one as an object of its fields."""
-
+@dataclass(frozen=True)
+class FinishReason:
     kind: str  # "stop" | "length" | "abort" | "error"
-    matched_token: int | None  # the stop or EOS token that ended the request
-    matched_str: str | None  # the stop string that ended the request
-    matched_end: int | None  # where it ends in the output text (characters)
-    message: str | None  # why an aborted request ended, or what was wrong with it
-    param: str | None  # for "error": the request field at fault
-    status: int  # for "error": the HTTP status to answer with (5xx: this server failed)
+    matched_token: int | None = None  # the stop or EOS token that ended the request
+    matched_str: str | None = None  # the stop string that ended the request
+    matched_end: int | None = None  # where it ends in the output text (characters)
+    message: str | None = None  # why an aborted request ended, or what was wrong with it
+    param: str | None = None  # for "error": the request field at fault
+    status: int = 400  # for "error": the HTTP status to answer with (5xx: this server failed)
 
-    def __new__(
-        cls,
-        kind: str,
-        matched_token: int | None = None,
-        matched_str: str | None = None,
-        matched_end: int | None = None,
-        message: str | None = None,
-        param: str | None = None,
-        status: int = 400,
-    ) -> FinishReason:
-        reason = super().__new__(cls, kind)
-        vars(reason).update(  # in the order of the arguments: __getnewargs__ gives them back
-            kind=kind,
-            matched_token=matched_token,
-            matched_str=matched_str,
-            matched_end=matched_end,
-            message=message,
-            param=param,
-            status=status,
-        )
-        return reason
-
-    def __getnewargs__(self) -> tuple:  # pickled with its details (scheduler -> API server)
-        return tuple(vars(self).values())
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"a FinishReason is read only: {name}")
-
-    def __repr__(self) -> str:
-        details = ", ".join(f"{name}={value!r}" for name, value in vars(self).items())
-        return f"FinishReason({details})"
+    def __str__(self) -> str:
+        return self.kind
 
 
 @dataclass

@@ -197,7 +197,7 @@ def test_sampling_options_through_prefill_and_decode_equal_a_mixed_engine(
         got, want = outputs[f"d{i}"], reference[f"m{i}"]
         assert tokens(outputs, f"d{i}") == tokens(reference, f"m{i}"), i
         # every detail (the matched stop string, where it ends), not only the kind
-        assert vars(got[-1].finish_reason) == vars(want[-1].finish_reason), i
+        assert got[-1].finish_reason == want[-1].finish_reason, i
         got_lp = [lp for out in got for lp in out.logprobs or []]
         want_lp = [lp for out in want for lp in out.logprobs or []]
         assert [(lp.token_id, lp.top and [t for t, _ in lp.top]) for lp in got_lp] == [

@@ -57,7 +57,7 @@ def test_64_concurrent_requests_return_exactly_max_tokens(
     ]
     outputs = llm.generate(prompts, params)
     assert [len(o.token_ids) for o in outputs] == counts
-    assert all(o.finish_reason.kind == "length" for o in outputs)
+    assert all(o.finish_reason == "length" for o in outputs)
 
 
 def test_one_step_per_token_and_no_reply_after_finish(tiny_model, make_llm, random_prompts):
@@ -269,8 +269,8 @@ def test_eos_from_generation_config_ends_a_request_unless_ignored(
     )
     first_eos = greedy[0].token_ids.index(eos)
     assert stopped.token_ids == greedy[0].token_ids[: first_eos + 1]
-    assert stopped.finish_reason.kind == "stop" and stopped.finish_reason.matched_token == eos
-    assert ignored.token_ids == greedy[0].token_ids and ignored.finish_reason.kind == "length"
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == eos
+    assert ignored.token_ids == greedy[0].token_ids and ignored.finish_reason == "length"
 
 
 def test_bad_requests_raise_and_others_go_on(tiny_model, make_llm, random_prompts):
@@ -464,7 +464,7 @@ def test_offline_text_stops_before_the_stop_string(tiny_model, make_llm):
     got = llm.generate(
         [prompt], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop])
     )[0]
-    assert got.finish_reason.matched_str == stop
+    assert got.finish_reason == "stop" and got.stop_reason == stop
     assert got.text == full[: full.index(stop)]
     ids = llm.tokenizer.encode(prompt)
     assert llm.generate([ids], SamplingParams(max_tokens=5, temperature=0))[
@@ -481,7 +481,7 @@ def test_unset_max_tokens_defaults_and_usage_counts_reservations(tiny_model, mak
     out = llm.generate([[5] * 20], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[
         0
     ]
-    assert len(out.token_ids) == 8 and out.finish_reason.kind == "length"
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"
     engine = llm.engine
     submit(engine, "r", [5] * 20, max_tokens=41, ignore_eos=True)
     engine.step()  # admitted and prefilled
