@@ -625,7 +625,7 @@ async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere)
         [prompt_field],
         body.stream,
         False,
-        native_formatter(rid),
+        native_formatter(rid, top_logprobs=body.return_logprob and body.top_logprobs_num > 0),
         names,
     )
 

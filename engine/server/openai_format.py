@@ -22,6 +22,9 @@ class Choice:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
+    # each logprob entry's top alternatives' token ids: /generate answers them, OpenAI's routes
+    # do not (their entries are sent as they are)
+    top_token_ids: list[list[int]] = field(default_factory=list)
     error: FinishReason | None = None  # how it failed, if it did
     tokens_named_by_id: bool = False  # see TextOutput
 
@@ -32,6 +35,7 @@ class Choice:
         self.tokens_named_by_id = out.tokens_named_by_id
         if out.logprobs:
             self.logprobs += logprob_entries(out)
+            self.top_token_ids += [[token_id for token_id, _ in lp.top] for lp in out.logprobs]
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason.kind
             if out.finish_reason.kind == "error":
@@ -332,8 +336,25 @@ def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
     )
 
 
-def native_formatter(rid: str) -> Formatter:
+def native_formatter(rid: str, top_logprobs: bool = False) -> Formatter:
+    """SGLang's /generate answer; `top_logprobs`: the request asked for top_logprobs_num > 0,
+    which SGLang answers in output_top_logprobs."""
+
     def body(choice: Choice) -> dict:
+        logprobs: dict[str, list] = {}
+        if choice.logprobs:
+            logprobs["output_token_logprobs"] = [
+                [e["logprob"], token_id, e["token"]]
+                for e, token_id in zip(choice.logprobs, choice.token_ids)
+            ]
+            if top_logprobs:
+                logprobs["output_top_logprobs"] = [
+                    [
+                        [t["logprob"], token_id, t["token"]]
+                        for t, token_id in zip(e["top_logprobs"], ids)
+                    ]
+                    for e, ids in zip(choice.logprobs, choice.top_token_ids)
+                ]
         return {
             "text": choice.text,
             "output_ids": choice.token_ids,
@@ -343,16 +364,7 @@ def native_formatter(rid: str) -> Formatter:
                 "prompt_tokens": choice.prompt_tokens,
                 "completion_tokens": len(choice.token_ids),
                 "cached_tokens": choice.cached_tokens,
-                **(
-                    {
-                        "output_token_logprobs": [
-                            [e["logprob"], token_id, e["token"]]
-                            for e, token_id in zip(choice.logprobs, choice.token_ids)
-                        ]
-                    }
-                    if choice.logprobs
-                    else {}
-                ),
+                **logprobs,
             },
         }
 

@@ -9,6 +9,7 @@ from kubesgl.engine.server.openai_format import (
     ToolOutput,
     chat_formatter,
     completion_formatter,
+    native_formatter,
 )
 from kubesgl.engine.server.tool_calls import FORMATS
 
@@ -231,3 +232,41 @@ def test_text_offsets_of_an_engine_without_a_tokenizer_count_no_placeholders(tin
     whole = formatter.final([choice], {})["choices"][0]
     assert whole["text"] == "" and whole["logprobs"]["tokens"][0] == "token_id:11"
     assert streamed == whole["logprobs"]["text_offset"] == [0, 0, 0]
+
+
+def test_generate_answers_the_top_logprobs_it_was_asked_for():
+    """SGLang's /generate with return_logprob and top_logprobs_num: meta_info holds each
+    token's alternatives in output_top_logprobs, as [logprob, token id, text], beside
+    output_token_logprobs (they were computed, then dropped from the answer)."""
+    out = TextOutput(
+        "r",
+        "ab",
+        [7, 8],
+        FinishReason("length"),
+        1,
+        0,
+        2,
+        logprobs=[
+            TokenLogprob(7, -0.5, [(7, -0.5), (3, -1.5)]),
+            TokenLogprob(8, -0.25, [(8, -0.25), (4, -2.0)]),
+        ],
+        token_strings=["a", "b"],
+        top_strings=[["a", "x"], ["b", "y"]],
+        token_bytes=[[97], [98]],
+        top_bytes=[[[97], [120]], [[98], [121]]],
+    )
+    choice = Choice(index=0)
+    choice.add(out)
+    meta = native_formatter("gen-1", top_logprobs=True).final([choice], {})["meta_info"]
+    assert meta["output_token_logprobs"] == [[-0.5, 7, "a"], [-0.25, 8, "b"]]
+    assert meta["output_top_logprobs"] == [
+        [[-0.5, 7, "a"], [-1.5, 3, "x"]],
+        [[-0.25, 8, "b"], [-2.0, 4, "y"]],
+    ]
+    streamed = native_formatter("gen-1", top_logprobs=True).chunk(choice, out)["meta_info"]
+    assert streamed["output_top_logprobs"] == meta["output_top_logprobs"]
+    # without top_logprobs_num, as SGLang: the sampled tokens' logprobs only
+    assert (
+        "output_top_logprobs"
+        not in native_formatter("gen-1", top_logprobs=False).final([choice], {})["meta_info"]
+    )
