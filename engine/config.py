@@ -121,7 +121,8 @@ class EngineConfig:
     # `kubesgl generate --seed` is the requests' sampling seed; the engine's own stays 0 there.
     seed: int = option(
         0,
-        help="seeds dummy weights, and sampling (the same on every tensor-parallel rank)",
+        help="seeds dummy weights (the same in every engine, so that prefill and decode engines "
+        "and tensor-parallel ranks agree)",
         cli=False,
     )
     page_size: int = option(

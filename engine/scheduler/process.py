@@ -57,6 +57,7 @@ def run_scheduler(
     dist_init_method: str,
     log_level: str,
     bootstrap_host: str,
+    sampling_seed: int,
 ) -> None:
     logging.basicConfig(
         level=log_level.upper(), format=f"%(asctime)s scheduler[{rank}] %(levelname)s %(message)s"
@@ -70,7 +71,7 @@ def run_scheduler(
         init_tensor_parallel(
             rank, config.tp_size, dist_init_method, backend="nccl" if on_gpu else "gloo"
         )
-        torch.manual_seed(config.seed)
+        torch.manual_seed(sampling_seed)  # of requests without a seed (launcher.Server)
         context = zmq.Context()
         link = None
         if rank == 0 and config.role != contract.MIXED:

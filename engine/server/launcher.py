@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
+import secrets
 import shutil
 import signal
 import socket
@@ -77,6 +78,10 @@ class Server:
             None  # why a child ended the server: its own line, where it left one
         )
         self.endpoints = Endpoints.create()
+        # Requests without a seed sample from the schedulers' generator, seeded afresh at each
+        # start (as SGLang's): with one fixed seed every replica, and every restart, drew the
+        # same numbers. The tensor-parallel ranks share it, so that they sample the same tokens.
+        self.sampling_seed = secrets.randbits(63)
         self.children: dict[str, mp.process.BaseProcess] = {}
         self._stopping = threading.Event()
         self.exit_code = 0
@@ -95,6 +100,7 @@ class Server:
                     init_method,
                     self.options.log_level,
                     self.options.host,
+                    self.sampling_seed,
                 ),
             )
         self.children["tokenizer"] = ctx.Process(
