@@ -156,7 +156,9 @@ class EngineConfig:
         lt=1,
     )
     context_length: int | None = option(
-        None, help="longest prompt plus output; unset: the model's max_position_embeddings"
+        None,
+        help="longest prompt plus output; unset: the model's max_position_embeddings, which "
+        "is also the most it takes (more is refused at start)",
     )
     default_max_tokens: int = option(
         4096, help="output limit of requests that give no max_tokens", ge=1

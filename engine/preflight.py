@@ -41,6 +41,7 @@ def check_engine(config: EngineConfig) -> EngineConfig:
     config = resolve_model_folder(config)
     model_config = read_model_config(config)
     check_tensor_parallel(model_config, config.tp_size)
+    check_context_length(model_config, config.context_length)
     device = _device(config)
     _check_attention_backend(config, model_config, device)
     return config
@@ -116,6 +117,17 @@ def check_tensor_parallel(model: ModelConfig, tp_size: int) -> None:
         raise StartupError(
             f"--tp-size {tp_size} does not fit this model: {problem} "
             f"(sizes that fit: {', '.join(map(str, fits))})"
+        )
+
+
+def check_context_length(model: ModelConfig, context_length: int | None) -> None:
+    """Beyond the model's own length the engine would serve the model's (positions past it
+    were never trained): refused, as SGLang and vLLM refuse it, rather than cut silently."""
+    if context_length is not None and context_length > model.context_length:
+        raise StartupError(
+            f"--context-length {context_length} exceeds this model's context length, "
+            f"{model.context_length} (max_position_embeddings in its config.json); give at "
+            f"most {model.context_length}, or leave it unset"
         )
 
 

@@ -65,6 +65,20 @@ def test_a_tp_size_that_does_not_divide_the_heads(serve, tiny_model):
     ]
 
 
+def test_a_context_length_beyond_the_models(serve, tiny_model):
+    """The engine served the model's own context length instead, and said nothing: prompts
+    within the length the option asked for got 400s (SGLang and vLLM refuse it at start too).
+    Up to the model's, it is taken."""
+    status, err = serve(
+        "--model", tiny_model("llama"), "--device", "cpu", "--context-length", "100000"
+    )
+    assert status == 2 and err == [
+        "kubesgl serve: --context-length 100000 exceeds this model's context length, 2048 "
+        "(max_position_embeddings in its config.json); give at most 2048, or leave it unset"
+    ]
+    check_engine(EngineConfig(model=tiny_model("llama"), device="cpu", context_length=2048))
+
+
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_a_gpu_attention_backend_on_the_cpu(serve, tiny_model, backend):
     status, err = serve(
