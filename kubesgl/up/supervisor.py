@@ -37,6 +37,9 @@ BACKOFF_RESET_S = 120.0
 HEALTH_TIMEOUT_S = 1.0
 # How long the processes of a group may take to be gone after SIGKILL.
 KILL_WAIT_S = 5.0
+# An engine's start-up error is one line with what to do at its end: shown whole, unless a line
+# runs on (an exception holding a large value), cut then with a mark.
+EXIT_LINE_MAX = 400
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 # loaded here, not between fork and exec, where the child may only make the system call
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
@@ -249,7 +252,12 @@ def exit_reason(returncode: int, log_path: Path) -> str:
             for line in log.read().decode(errors="replace").splitlines()
             if line.strip()
         ]
-    return f"exit code {returncode}: {lines[-1][:160]}" if lines else f"exit code {returncode}"
+    if not lines:
+        return f"exit code {returncode}"
+    last = lines[-1]
+    if len(last) > EXIT_LINE_MAX:
+        last = last[: EXIT_LINE_MAX - 1] + "…"
+    return f"exit code {returncode}: {last}"
 
 
 def _drain_when_parent_dies(parent: int) -> None:

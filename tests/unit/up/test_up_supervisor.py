@@ -21,7 +21,7 @@ import pytest
 
 from kubesgl import contract
 from kubesgl.up.plan import LocalProcess
-from kubesgl.up.supervisor import Health, State, Supervisor, all_ready
+from kubesgl.up.supervisor import Health, State, Supervisor, all_ready, exit_reason
 
 STAND_IN = r"""
 import http.server, signal, subprocess, sys
@@ -336,3 +336,19 @@ def test_a_failing_probe_says_why():
         assert not refused.ok and refused.why.startswith("ConnectError: ")
     finally:
         server.shutdown()
+
+
+def test_the_reason_of_an_exit_is_the_logs_last_line_whole(tmp_path):
+    """An engine's start-up error is one line with what to do last; it was cut at 160
+    characters ("... give at most 2048, or leave it un"). A line that runs on is cut with a
+    mark."""
+    log = tmp_path / "prefill-0.log"
+    error = (
+        "kubesgl serve: --context-length 100000 exceeds this model's context length, 2048 "
+        "(max_position_embeddings in its config.json); give at most 2048, or leave it unset"
+    )
+    log.write_text(f"loading\n{error}\n\n")
+    assert exit_reason(2, log) == f"exit code 2: {error}"
+    log.write_text("x" * 3000 + "\n")
+    reason = exit_reason(1, log)
+    assert reason.startswith("exit code 1: xxx") and reason.endswith("…") and len(reason) < 500
