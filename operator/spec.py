@@ -81,7 +81,7 @@ class HostPathSource(SpecModel):
 
 class HuggingFaceSource(SpecModel):
     repo: str = Field(pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-    revision: str = "main"
+    revision: str = Field(default="main", min_length=1)
     token_secret: SecretKeyRef | None = None
     # Size limit of the emptyDir the weights are downloaded into (a Kubernetes quantity).
     size_limit: str | None = None
@@ -95,7 +95,8 @@ class TinySource(SpecModel):
 
 
 class ModelSpec(SpecModel):
-    served_name: str | None = None
+    # Empty strings here and in UcxSpec are refused, not read as unset: a value was meant.
+    served_name: str | None = Field(default=None, min_length=1)
     pvc: PvcSource | None = None
     host_path: HostPathSource | None = None
     hugging_face: HuggingFaceSource | None = None
@@ -236,8 +237,8 @@ class RouterSpec(Placement):
 
 
 class UcxSpec(SpecModel):
-    transports: str | None = None
-    net_devices: str | None = None
+    transports: str | None = Field(default=None, min_length=1)
+    net_devices: str | None = Field(default=None, min_length=1)
 
 
 class KvTransferSpec(SpecModel):

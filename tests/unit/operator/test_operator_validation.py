@@ -316,6 +316,32 @@ def problems_of(document) -> list[str]:
             "no-slash",
             "spec.model.huggingFace.repo: String should match pattern",
         ),
+        # empty strings were taken as "unset" (a servedName or UCX settings silently left to
+        # the default) or passed on (`hf download --revision ''` in the pod's init container)
+        (
+            "quickstart.yaml",
+            "spec.model.servedName",
+            "",
+            "spec.model.servedName: String should have at least 1 character",
+        ),
+        (
+            "disaggregated.yaml",
+            "spec.model.huggingFace.revision",
+            "",
+            "spec.model.huggingFace.revision: String should have at least 1 character",
+        ),
+        (
+            "quickstart.yaml",
+            "spec.kvTransfer.ucx.transports",
+            "",
+            "spec.kvTransfer.ucx.transports: String should have at least 1 character",
+        ),
+        (
+            "quickstart.yaml",
+            "spec.kvTransfer.ucx.netDevices",
+            "",
+            "spec.kvTransfer.ucx.netDevices: String should have at least 1 character",
+        ),
     ],
 )
 def test_bad_input_names_the_field(example, path, value, expected) -> None:
