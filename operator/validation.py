@@ -64,6 +64,7 @@ def parse_inference_service(document: Mapping[str, Any]) -> InferenceService:
     except ValidationError as error:
         raise InvalidSpec(_schema_problems(error)) from None
     problems = workability_problems(isvc.spec) or _engine_problems(isvc) + _router_problems(isvc)
+    problems = problems or _pairing_problems(isvc)
     if problems:
         raise InvalidSpec(problems)
     return isvc
@@ -123,6 +124,68 @@ def _engine_problems(isvc: InferenceService) -> list[Problem]:
         Problem(field, f"{message} ({', '.join(roles)})")
         for (field, message), roles in roles_by_problem.items()
     ]
+
+
+# What a prefill engine and the decode engines it pairs with must agree on, each with why: a
+# mismatch passes each role's own check, and every request then fails (the tensor-parallel
+# size, the roles' own field, is checked with the mode). A dtype of auto beside an explicit
+# one is left to the checkpoint, which decides it.
+_KV_LAYOUT = (
+    "a prefill engine writes its KV cache into the decode engine's pool, so both need the "
+    "same model, dtype and KV cache dtype"
+)
+_PAIRED_OPTIONS = {
+    "model": _KV_LAYOUT,
+    "dtype": _KV_LAYOUT,
+    "kv_cache_dtype": _KV_LAYOUT,
+    "served_model_name": (
+        "both engines check the model each request names, so both need the same served name"
+    ),
+}
+
+
+def _pairing_problems(isvc: InferenceService) -> list[Problem]:
+    """Disaggregated mode: the options of _PAIRED_OPTIONS that the roles' extraArgs set apart,
+    blaming the role whose extraArgs changed one (decode's, where both did). Checked once each
+    line is sound; a line with a variable known in the pod only is not compared."""
+    if isvc.spec.mode != "disaggregated":
+        return []
+    roles = isvc.spec.engine_roles()
+    given: dict[EngineRole, argparse.Namespace] = {}
+    # the line without the role's extraArgs; None where a flag's value is in them
+    derived: dict[EngineRole, argparse.Namespace | None] = {}
+    for role in (contract.PREFILL, contract.DECODE):
+        block = roles[role]
+        values = {var.name: var.value for var in block.env if var.value is not None}
+        argv = expand_references(engine_args(isvc, role, block)[1:], values)
+        if any(ENV_REFERENCE.search(arg) for arg in argv):
+            return []
+        given[role] = parse_serve_args(argv)
+        try:
+            derived[role] = parse_serve_args(argv[: len(argv) - len(block.extra_args)])
+        except ValueError:
+            derived[role] = None
+    problems = []
+    for name, why in _PAIRED_OPTIONS.items():
+        prefill, decode = (
+            getattr(given[contract.PREFILL], name),
+            getattr(given[contract.DECODE], name),
+        )
+        if prefill == decode or (name == "dtype" and "auto" in (prefill, decode)):
+            continue
+        before = derived[contract.DECODE]
+        decode_changed = before is None or getattr(before, name) != decode
+        blamed: EngineRole = contract.DECODE if decode_changed else contract.PREFILL
+        other: EngineRole = contract.PREFILL if decode_changed else contract.DECODE
+        flag = "--" + name.replace("_", "-")  # argparse's dest, back to its flag
+        problems.append(
+            Problem(
+                f"spec.{blamed}.extraArgs",
+                f"{flag} {getattr(given[blamed], name)} here, {getattr(given[other], name)} in "
+                f"the {other} role: {why} ({blamed})",
+            )
+        )
+    return problems
 
 
 # Each field's part of a command line, in order: (the field, where its part ends)

@@ -363,6 +363,46 @@ def test_engine_rules_across_options_are_reported_per_role() -> None:
     parse_inference_service(with_changes(document, "spec.engine.chunkedPrefillSize", 4096))
 
 
+@pytest.mark.parametrize(
+    ("path", "extra_args", "expected"),
+    [
+        (
+            "spec.decode.extraArgs",
+            ["--kv-cache-dtype", "fp8_e4m3"],
+            "spec.decode.extraArgs: --kv-cache-dtype fp8_e4m3 here, auto in the prefill role: "
+            "a prefill engine writes its KV cache into the decode engine's pool, so both need "
+            "the same model, dtype and KV cache dtype (decode)",
+        ),
+        (
+            "spec.prefill.extraArgs",
+            ["--dtype", "float16"],
+            "spec.prefill.extraArgs: --dtype float16 here, bfloat16 in the decode role: a "
+            "prefill engine writes its KV cache into the decode engine's pool, so both need the "
+            "same model, dtype and KV cache dtype (prefill)",
+        ),
+        (
+            "spec.decode.extraArgs",
+            ["--served-model-name", "llama"],
+            "spec.decode.extraArgs: --served-model-name llama here, "
+            "meta-llama/Llama-3.1-8B-Instruct in the prefill role: both engines check the model "
+            "each request names, so both need the same served name (decode)",
+        ),
+    ],
+)
+def test_prefill_and_decode_engines_that_cannot_pair_are_refused(path, extra_args, expected):
+    """Each role's command line was checked alone: prefill and decode engines whose KV pools or
+    model names differ started, became ready, and failed every request (a 502 naming "KV pools
+    differ", or the prefill engine's 404)."""
+    document = load_example("disaggregated.yaml")
+    assert problems_of(with_changes(document, path, extra_args)) == [expected]
+    # the same value in both roles pairs, and so does an explicit dtype beside auto, which the
+    # checkpoint decides
+    both = with_changes(document, "spec.prefill.extraArgs", extra_args)
+    parse_inference_service(with_changes(both, "spec.decode.extraArgs", extra_args))
+    auto = with_changes(document, "spec.engine.dtype", "auto")
+    parse_inference_service(with_changes(auto, "spec.decode.extraArgs", ["--dtype", "float16"]))
+
+
 def test_all_problems_are_reported_at_once() -> None:
     document = with_changes(load_example("disaggregated.yaml"), "spec.decode", ...)
     document = with_changes(document, "spec.model.pvc", {"claimName": "m"})
