@@ -2,8 +2,9 @@
 (docs/architecture.md, Contracts): default ports, role names, the environment variables of
 the keys, pod labels and annotations, the architectures of the tiny model.
 
-Constants (and a lookup over them), and no imports beyond typing: every component imports
-this module, the torch-free router and operator included.
+Constants and a few pure functions over them (a lookup, a server's URL, what a key must be to
+travel in a header), and no imports beyond typing: every component imports this module, the
+torch-free router and operator included.
 """
 
 from __future__ import annotations
@@ -41,6 +42,21 @@ ENGINE_ROLES: Final[tuple[EngineRole, ...]] = (MIXED, PREFILL, DECODE)
 # in no command line
 API_KEY_ENV: Final = "KUBESGL_API_KEY"  # the engines' API key: engines and routers read it
 ADMIN_KEY_ENV: Final = "KUBESGL_ROUTER_ADMIN_KEY"  # the key of the router's admin API
+
+
+def bearer_key_problem(key: str) -> str | None:
+    """Why no client could send `key` as `Authorization: Bearer KEY`, or None. A header value
+    loses its surrounding whitespace on the way in and cannot hold a control character, so such
+    a key never matches; most often it is a Secret made from a file that ends with a newline.
+    Engines and routers refuse it at start, in these words."""
+    if key != key.strip() or not key.isascii() or not key.isprintable():
+        return (
+            "must be printable ASCII without leading or trailing whitespace (a Secret made "
+            "from a file often ends with a newline: `kubectl create secret generic NAME "
+            "--from-literal=key=VALUE` has none); no client could send this key in a header"
+        )
+    return None
+
 
 # Labels the operator puts on everything it makes; the router finds engine pods by them
 NAME_LABEL: Final = "app.kubernetes.io/name"

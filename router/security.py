@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
+from kubesgl.contract import bearer_key_problem
+
 Headers = list[tuple[bytes, bytes]]
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -36,12 +38,9 @@ def check_key(name: str, key: str) -> str:
     that ends with a newline."""
     if not key:  # a Secret without its value must not turn a check off
         raise ValueError(f"{name} is empty (unset it to run without this key)")
-    if key != key.strip() or not key.isascii() or not key.isprintable():
-        raise ValueError(
-            f"{name} must be printable ASCII without leading or trailing whitespace (a Secret made "
-            "from a file often ends with a newline: `kubectl create secret generic NAME "
-            "--from-literal=key=VALUE` has none); no client could send this key in a header"
-        )
+    problem = bearer_key_problem(key)
+    if problem is not None:
+        raise ValueError(f"{name} {problem}")
     return key
 
 

@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from kubesgl.contract import API_KEY_ENV
+from kubesgl.contract import API_KEY_ENV, bearer_key_problem
 
 
 def add_api_key_args(group: argparse._ArgumentGroup) -> None:
@@ -56,4 +56,8 @@ def resolve_api_key(
             if source == f"${API_KEY_ENV}"
             else f"the API key of {source} is empty"
         )
+    # required as it is, such a key answered every request 401 (the router refuses it too)
+    problem = bearer_key_problem(key)
+    if problem is not None:
+        raise ValueError(f"the API key of {source} {problem}")
     return key

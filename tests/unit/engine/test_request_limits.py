@@ -165,6 +165,29 @@ def test_an_api_key_that_cannot_be_used_stops_the_server(argv, environ, problem)
         _key(argv, environ)
 
 
+@pytest.mark.parametrize(
+    ("argv", "environ"),
+    [
+        ([], {API_KEY_ENV: "sk-1\n"}),  # a Secret made from a file
+        (["--api-key", " sk-1"], {}),
+        ([], {API_KEY_ENV: "sk-\u00e9"}),
+    ],
+)
+def test_an_api_key_no_client_could_send_stops_the_server(argv, environ, tmp_path):
+    """A header value loses its surrounding whitespace and holds only printable ASCII: the
+    engine required such a key as it was and answered every request 401, while the router,
+    given the same Secret, refused it at start. Now both refuse it; a file's key is stripped
+    first, as before."""
+    with pytest.raises(ValueError, match="no client could send this key in a header"):
+        _key(argv, environ)
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-1\n")
+    assert _key(["--api-key-file", str(key_file)], {}) == "sk-1"
+    key_file.write_text("sk\x01x\n")
+    with pytest.raises(ValueError, match="no client could send this key in a header"):
+        _key(["--api-key-file", str(key_file)], {})
+
+
 def test_the_api_key_is_in_no_repr():
     from kubesgl.engine.server.api import ServerState
 
