@@ -293,6 +293,13 @@ class _SamplingFields(_Bootstrap):
     structured_outputs: Annotated[
         Any, unsupported_unless(None, instead="response_format, regex or ebnf")
     ] = None
+    # vLLM's and SGLang's extensions that would change the answer, not implemented here
+    bad_words: Annotated[Any, unsupported_unless(None, [])] = None
+    allowed_token_ids: Annotated[Any, unsupported_unless(None)] = None
+    use_beam_search: Annotated[Any, unsupported_unless(None, False)] = None
+    truncate_prompt_tokens: Annotated[Any, unsupported_unless(None)] = None
+    stop_regex: Annotated[Any, unsupported_unless(None, [])] = None
+    lora_path: Annotated[Any, unsupported_unless(None)] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -618,6 +625,9 @@ class NativeSamplingParams(_Lenient):
     ebnf: Text | None = None
     min_new_tokens: Annotated[Int, Field(ge=0)] = 0  # no end before this many tokens
     n: Int = 1  # SGLang's parallel sampling, which this route does not do
+    # SGLang's, that would change the answer: not implemented here
+    stop_regex: Annotated[Any, unsupported_unless(None, [])] = None
+    logit_bias: Annotated[Any, unsupported_unless(None, {})] = None
 
     @field_validator("n")
     @classmethod
@@ -695,6 +705,14 @@ class GenerateRequestBody(_Bootstrap):
     rid: Text | None = None
     return_logprob: Bool = False
     top_logprobs_num: Annotated[Int, Field(ge=0, le=20)] = 0
+    # SGLang's inputs and adapters of a request, which would change the answer: a text model
+    # without LoRA serves here, so they are refused, not ignored
+    lora_path: Annotated[Any, unsupported_unless(None)] = None
+    image_data: Annotated[Any, unsupported_unless(None)] = None
+    audio_data: Annotated[Any, unsupported_unless(None)] = None
+    video_data: Annotated[Any, unsupported_unless(None)] = None
+    input_embeds: Annotated[Any, unsupported_unless(None)] = None
+    custom_logit_processor: Annotated[Any, unsupported_unless(None)] = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateRequestBody:

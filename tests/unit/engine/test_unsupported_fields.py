@@ -1,0 +1,67 @@
+"""vLLM's and SGLang's request fields that would change the answer and that this server does
+not implement: refused with a 400 naming the field, not ignored (served without them, the
+client got another answer than it asked for and no sign of it). Their no-op values pass, as
+clients send defaults. (OpenAI's own such fields: tests/integration/engine/test_openai_server.py.)"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kubesgl.engine.server.protocol import (
+    UNSUPPORTED_ERROR,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequestBody,
+)
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+COMPLETION = {"prompt": "x"}
+GENERATE = {"text": "x"}
+
+
+def _refused_at(model, body: dict) -> tuple:
+    with pytest.raises(ValidationError) as caught:
+        model.model_validate(body)
+    (error,) = caught.value.errors()
+    assert error["type"] == UNSUPPORTED_ERROR, error
+    return error["loc"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "no_op"),
+    [
+        ("bad_words", ["Paris"], []),  # vLLM
+        ("allowed_token_ids", [1, 2], None),  # vLLM
+        ("use_beam_search", True, False),  # vLLM
+        ("truncate_prompt_tokens", 8, None),  # vLLM
+        ("stop_regex", "[0-9]", None),  # SGLang
+        ("lora_path", "adapter", None),  # SGLang
+    ],
+)
+@pytest.mark.parametrize(
+    ("model", "base"), [(ChatCompletionRequest, CHAT), (CompletionRequest, COMPLETION)]
+)
+def test_openai_routes_refuse_extensions_they_would_ignore(model, base, field, value, no_op):
+    assert _refused_at(model, {**base, field: value}) == (field,)
+    model.model_validate({**base, field: no_op})
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        ({"lora_path": "adapter"}, ("lora_path",)),
+        ({"image_data": "cat.png"}, ("image_data",)),
+        ({"audio_data": "a.wav"}, ("audio_data",)),
+        ({"video_data": "v.mp4"}, ("video_data",)),
+        ({"input_embeds": [[0.1, 0.2]]}, ("input_embeds",)),
+        ({"custom_logit_processor": "x"}, ("custom_logit_processor",)),
+        ({"sampling_params": {"stop_regex": "[0-9]"}}, ("sampling_params", "stop_regex")),
+        ({"sampling_params": {"logit_bias": {"65": 100}}}, ("sampling_params", "logit_bias")),
+    ],
+)
+def test_generate_refuses_sglang_fields_it_would_ignore(body, loc):
+    assert _refused_at(GenerateRequestBody, {**GENERATE, **body}) == loc
+    GenerateRequestBody.model_validate(
+        {**GENERATE, "lora_path": None, "image_data": None, "sampling_params": {"logit_bias": {}}}
+    )
