@@ -4,6 +4,7 @@ container runs; later runs find it there."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -17,6 +18,21 @@ class ModelStepFailed(Exception):
     pass
 
 
+_COLOR = re.compile(r"\x1b\[[0-9;]*m")  # what `hf` writes to color its lines, even into a file
+ERROR_LINE_MAX = 400
+
+
+def _error_line(output: bytes) -> str:
+    """The line of a failed step's output that says why: its last one that says error (`hf`
+    ends with hints after it), else its last one; without color codes, at most ERROR_LINE_MAX
+    characters."""
+    lines = [_COLOR.sub("", line).strip() for line in output.decode(errors="replace").splitlines()]
+    lines = [line for line in lines if line]
+    errors = [line for line in lines if "error" in line.lower()]
+    line = (errors or lines or [""])[-1]
+    return line if len(line) <= ERROR_LINE_MAX else line[: ERROR_LINE_MAX - 1] + "…"
+
+
 def ensure_model(step: ModelStep, log_path: Path) -> None:
     """Runs the step unless its folder exists. The step writes into a fresh folder that is renamed
     into place once it succeeds: an interrupted run leaves no half-made model behind, and two
@@ -28,6 +44,7 @@ def ensure_model(step: ModelStep, log_path: Path) -> None:
     argv = step.argv(partial)
     try:
         with log_path.open("ab") as log:
+            start = log.tell()  # the log may hold earlier runs' lines
             try:
                 result = subprocess.run(
                     argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **step.env}
@@ -37,8 +54,12 @@ def ensure_model(step: ModelStep, log_path: Path) -> None:
                     f"{argv[0]} is not installed; the model needs {shlex.join(argv)}"
                 ) from None
         if result.returncode != 0:
+            with log_path.open("rb") as log:
+                log.seek(start)
+                why = _error_line(log.read()[-65536:])
             raise ModelStepFailed(
-                f"{shlex.join(argv)} exited with code {result.returncode} (log: {log_path})"
+                f"{shlex.join(argv)} exited with code {result.returncode}"
+                f"{': ' + why if why else ''} (log: {log_path})"
             )
         try:
             partial.rename(step.path)

@@ -37,10 +37,36 @@ def test_runs_once_into_the_cache(tmp_path):
 
 def test_a_failed_step_leaves_nothing_and_says_where_its_log_is(tmp_path):
     failing = step(tmp_path, "import sys; print('no space left'); sys.exit(3)")
-    with pytest.raises(ModelStepFailed, match=r"exited with code 3 \(log: .*model.log\)"):
+    with pytest.raises(
+        ModelStepFailed, match=r"exited with code 3: no space left \(log: .*model.log\)"
+    ):
         ensure_model(failing, tmp_path / "model.log")
     assert not failing.path.exists() and list(failing.path.parent.iterdir()) == []
     assert "no space left" in (tmp_path / "model.log").read_text()
     missing = ModelStep(("no-such-command-here",), (), "/models/hf", {}, tmp_path / "hf")
     with pytest.raises(ModelStepFailed, match="no-such-command-here is not installed"):
         ensure_model(missing, tmp_path / "model.log")
+
+
+def test_a_failed_step_says_why_in_its_error_line(tmp_path):
+    """`hf download` ends with colored hints after its error ("Error: ... Name or service not
+    known", then "Hint: set HF_DEBUG=1 ..."): the failure only named the log. It now quotes the
+    step's last line that says error, without the terminal's color codes, else its last line."""
+    log = tmp_path / "model.log"
+    log.write_text("Error: an earlier run's failure\n")
+    failing = step(
+        tmp_path,
+        "print('fetching'); print('\\x1b[1m\\x1b[31mError: 401 Client Error: access to model "
+        "meta-llama/Llama-3.1-8B-Instruct is restricted\\x1b[0m'); "
+        "print('\\x1b[90mHint: set HF_DEBUG=1 as environment variable for full traceback.\\x1b[0m');"
+        " raise SystemExit(1)",
+    )
+    with pytest.raises(ModelStepFailed) as failed:
+        ensure_model(failing, log)
+    assert str(failed.value).endswith(
+        "exited with code 1: Error: 401 Client Error: access to model "
+        f"meta-llama/Llama-3.1-8B-Instruct is restricted (log: {log})"
+    )
+    quiet = step(tmp_path, "print('no space left'); raise SystemExit(3)")
+    with pytest.raises(ModelStepFailed, match=r"exited with code 3: no space left \(log: "):
+        ensure_model(quiet, log)
