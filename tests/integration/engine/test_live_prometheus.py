@@ -535,10 +535,8 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(
         # room the load generator named with no prefill engine behind it failed on the decode
         # engine as peer_lost, and no room is left in any state
         sent = pd_seen["ok"] + pd_seen["aborted"]
-        assert (
-            total('kubesgl_router_pd_routes_total{route="disaggregated"}', "pd_router")
-            == sent + pd_seen["engine_400"]
-        )
+        # a request the engines refused (their 400) was served no route
+        assert total('kubesgl_router_pd_routes_total{route="disaggregated"}', "pd_router") == sent
         # two attempts per request, one per engine: the decode side of an aborted request is
         # cancelled, its prefill side too unless it had answered; the side of a refused request
         # that answers second is cancelled unless its 400 came first

@@ -42,7 +42,7 @@ def test_the_tokenizer_is_loaded_once_with_the_engine_and_never_while_serving(
     out = llm.generate(
         ["The capital of France is"], SamplingParams(max_tokens=12, temperature=0, stop=[stop])
     )[0]
-    assert out.finish_reason.kind == "stop" and out.finish_reason.matched_str == stop
+    assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == free.text[: free.text.index(stop)]
 
 
