@@ -84,6 +84,7 @@ class EngineClient:
         self.stats_log_interval_s = STATS_LOG_INTERVAL_S
         self._stats_logged_at = time.perf_counter()
         self._tokens_since_log = 0
+        self._prompt_tokens_logged = 0  # the scheduler's count of new prompt tokens, last line
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-outputs")
@@ -183,22 +184,28 @@ class EngineClient:
         )
 
     def _log_stats(self, stats: SchedulerStats) -> None:
-        """Every stats_log_interval_s while requests run or wait: running, waiting, KV usage and
-        the tokens generated per second since the last line."""
+        """Every stats_log_interval_s while requests run or wait: running, waiting, KV usage,
+        and per second since the last line the new prompt tokens taken (those not found in the
+        prefix cache: a prefill engine's work) and the tokens generated."""
         now = time.perf_counter()
         elapsed = now - self._stats_logged_at
         if elapsed < self.stats_log_interval_s:
             return
+        prompt_tokens = stats.prompt_tokens - stats.cached_prompt_tokens  # since start
         if stats.num_running or stats.num_waiting:
             logger.info(
-                "busy: running=%d waiting=%d kv_usage=%.2f generated=%.1f tok/s in_flight=%d",
+                "busy: running=%d waiting=%d kv_usage=%.2f prompt=%.1f tok/s generated=%.1f tok/s "
+                "in_flight=%d",
                 stats.num_running,
                 stats.num_waiting,
                 stats.kv_used_tokens / max(stats.kv_total_tokens, 1),
+                # never negative: a benchmark's engine.reset() zeroes the scheduler's counters
+                max(prompt_tokens - self._prompt_tokens_logged, 0) / elapsed,
                 self._tokens_since_log / elapsed,
                 len(self._pending),
             )
         self._stats_logged_at, self._tokens_since_log = now, 0
+        self._prompt_tokens_logged = prompt_tokens
 
     def generate(self, request: TokenizeRequest) -> AsyncGenerator[TextOutput, None]:
         """Outputs of one request until it finishes. The request id is taken at once (a

@@ -420,15 +420,35 @@ def test_a_stats_line_while_busy_only(caplog):
 
     client = EngineClient.__new__(EngineClient)  # only the stats log's state
     client._pending, client.stats_log_interval_s = {}, 0.0
-    client._stats_logged_at, client._tokens_since_log = 0.0, 0
+    client._stats_logged_at, client._tokens_since_log, client._prompt_tokens_logged = 0.0, 0, 0
     with caplog.at_level("INFO", logger="kubesgl.engine.server.engine_client"):
         client._tokens_since_log = 500
         client._log_stats(SchedulerStats(3, 2, 600, 1000, 0, 0))
         client._log_stats(SchedulerStats(0, 0, 0, 1000, 0, 0))  # idle: nothing
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and lines[0].startswith(
-        "busy: running=3 waiting=2 kv_usage=0.60 generated="
-    )
+    assert len(lines) == 1 and lines[0].startswith("busy: running=3 waiting=2 kv_usage=0.60 ")
+
+
+def test_the_stats_line_shows_a_prefill_engines_work(caplog):
+    """A prefill engine generates nothing (its rooms' tokens are the decode engine's), so its
+    line must say how fast it computes prompts: the new prompt tokens (not found in the prefix
+    cache) it took since the last line."""
+    from kubesgl.engine.messages import SchedulerStats
+    from kubesgl.engine.server.engine_client import EngineClient
+
+    client = EngineClient.__new__(EngineClient)  # only the stats log's state
+    client._pending, client.stats_log_interval_s = {}, 0.0
+    client._stats_logged_at, client._tokens_since_log, client._prompt_tokens_logged = 0.0, 0, 0
+    with caplog.at_level("INFO", logger="kubesgl.engine.server.engine_client"):
+        client._log_stats(SchedulerStats(1, 0, 600, 1000, 0, 0))
+        client._stats_logged_at -= 2.0  # the next line comes 2 s after this one
+        client._log_stats(
+            SchedulerStats(1, 0, 600, 1000, prompt_tokens=5000, cached_prompt_tokens=1000)
+        )
+    line = caplog.records[-1].getMessage()
+    prompt_rate = float(line.split(" prompt=")[1].split(" tok/s")[0])
+    assert 1990 <= prompt_rate <= 2000, line  # 4000 new prompt tokens in a little over 2 s
+    assert " generated=0.0 tok/s" in line
 
 
 # -- histogram buckets -------------------------------------------------------------------------
