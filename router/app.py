@@ -31,7 +31,11 @@ from kubesgl.router.health import HealthChecker
 from kubesgl.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kubesgl.router.metrics import RouterMetrics
 from kubesgl.router.policies import make_policy
-from kubesgl.router.request_parsing import GENERATION_PATHS, parse_generation_request
+from kubesgl.router.request_parsing import (
+    GENERATION_PATHS,
+    parse_generation_request,
+    requested_model,
+)
 from kubesgl.router.routing import Forwarder, Policies
 from kubesgl.router.security import (
     BearerKey,
@@ -91,6 +95,19 @@ def models_path(path: str) -> str:
     if model in ("", ".", ".."):  # a segment no percent-encoding keeps from resolving
         raise RouterError(404, f"the model {model!r} does not exist", "not_found_error", "model")
     return MODEL_PREFIX + quote(model, safe="")
+
+
+def _model_of(path: str, body: bytes) -> str | None:
+    """The model a request for one worker names: a model's card, or a tokenizer request's
+    `model` (a body that is no JSON names none: the engine says what is wrong with it)."""
+    if route_of(path) == MODEL_PATH:
+        return path.removeprefix(MODEL_PREFIX)
+    if path not in TOKENIZER_PATHS:
+        return None
+    try:
+        return requested_model(json.loads(body))
+    except (ValueError, RecursionError):
+        return None
 
 
 def json_reply(status: int, payload: object) -> BufferedReply:
@@ -393,6 +410,7 @@ class RouterApp:
             models_path(scope["path"]),
             body if scope["method"] == "POST" else None,
             self._upstream_headers(scope),
+            _model_of(scope["path"], body),
         )
 
     def missing_role(self) -> Role | None:

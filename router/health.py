@@ -73,7 +73,9 @@ class HealthChecker:
             log.debug("health check of %s failed: %r", worker.url, exc)
             passed = False
             problem = f"GET {self.settings.path} failed: {type(exc).__name__}{f': {exc}' if str(exc) else ''}"
-        if passed and not worker.model_name:
+        # Asked again whenever it comes back to the pool: a restarted engine may serve another
+        # name, and requests are routed by it
+        if passed and not (worker.model_name and worker.healthy):
             await self._ask_model(worker)
         if self.workers.get(worker.url) is not worker:
             return  # removed (or replaced) while the check was running
@@ -93,8 +95,9 @@ class HealthChecker:
                 )
 
     async def _ask_model(self, worker: Worker) -> None:
-        """The model a worker serves, for kubesgl_router_worker_info, asked before it joins the
-        pool. One that does not answer joins all the same and is asked again at its next check."""
+        """The model a worker serves, for routing and kubesgl_router_worker_info, asked before
+        it joins the pool. One that does not answer joins all the same (it may serve any model)
+        and is asked again at its next check."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
         try:
             async with self.session.get(

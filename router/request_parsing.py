@@ -39,6 +39,7 @@ class ParsedRequest:
     stream: bool
     choices: int  # sequences the request asks for: prompts x n
     token_ids: bool  # the routing text holds one character per prompt token (a token-id prompt)
+    model: str | None = None  # the model it names; None: any worker's (/generate names none)
 
     def tokens(self, chars: int) -> int:
         """Prompt tokens that `chars` characters of the routing text stand for: exact for a
@@ -96,6 +97,13 @@ def _chat_text(body: dict[str, Any]) -> str:
     return "".join(pieces)
 
 
+def requested_model(body: Any) -> str | None:
+    """The `model` a request body names, for routing; a value that is no string routes as
+    none, and the engine refuses it."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
+
+
 def _sample_count(value: Any, param: str) -> int:
     """`n` as engines read it: a whole number (2.0 is 2), not a boolean or a string."""
     if value is None:
@@ -151,4 +159,6 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
                 "ask /v1/completions with n for more",
                 "sampling_params.n",
             )
-    return ParsedRequest(path, body, raw, text, stream, prompts * n, token_ids)
+    # SGLang's /generate has no model: engines answer it with theirs, whatever it names
+    model = None if path == GENERATE_PATH else requested_model(body)
+    return ParsedRequest(path, body, raw, text, stream, prompts * n, token_ids, model)

@@ -100,15 +100,15 @@ class Forwarder:
         )
 
     async def any_worker(
-        self, method: str, path: str, body: bytes | None, headers: Headers
+        self, method: str, path: str, body: bytes | None, headers: Headers, model: str | None
     ) -> Reply:
-        """A request every worker answers alike, from the least loaded one that answers it (a
-        decode worker in P/D mode): the model (/v1/models, SGLang's /model_info), its tokenizer
-        (vLLM's /tokenize, /detokenize), the version."""
+        """A request every worker of `model` (None: any worker) answers alike, from the least
+        loaded one that answers it (a decode worker in P/D mode): the model (/v1/models,
+        SGLang's /model_info), its tokenizer (vLLM's /tokenize, /detokenize), the version."""
         role = Role.DECODE if self.workers.is_disaggregated() else Role.MIXED
 
         async def once(excluded: set[Worker]) -> Reply:
-            candidates = self._candidates(role, excluded)
+            candidates = self._candidates(role, excluded, model)
             worker = min(candidates, key=lambda w: w.in_flight)
             return await self.upstream.exchange(worker, method, path, body, headers, stream=False)
 
@@ -129,16 +129,34 @@ class Forwarder:
                 await asyncio.sleep(self.retry.backoff_s(retry))
                 retry += 1
 
-    def _candidates(self, role: Role, excluded: set[Worker]) -> list[Worker]:
-        available = self.workers.available(role)
+    def _candidates(
+        self, role: Role, excluded: set[Worker], model: str | None = None
+    ) -> list[Worker]:
+        available = self.workers.available(role, model)
         if not available:
+            self._check_served(role, model)
             self.metrics.requests.labels("", "503").inc()
-            raise self.no_worker_error(role)
+            raise self.no_worker_error(role, model)
         # Workers that just failed this request go last, not away: they may be all there is.
         return [w for w in available if w not in excluded] or available
 
-    def no_worker_error(self, role: Role) -> RouterError:
+    def _check_served(self, role: Role, model: str | None) -> None:
+        """A 404 for a model no registered worker serves, as an engine answers one it does not
+        serve: while workers of two served names share the router (a rename rolling out), a
+        request goes only to those of its model, and one for neither must not wait for one."""
         registered = self.workers.with_role(role)
+        if model is None or not registered or any(w.serves(model) for w in registered):
+            return
+        served = ", ".join(sorted({repr(w.model_name) for w in registered}))
+        raise RouterError(
+            404,
+            f"the model {model!r} does not exist; the workers serve {served}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def no_worker_error(self, role: Role, model: str | None = None) -> RouterError:
+        registered = [w for w in self.workers.with_role(role) if w.serves(model)]
         label = "" if role is Role.MIXED else f"{role.value} "
         if not registered:
             error = no_worker(f"no {label}worker is registered")
@@ -151,8 +169,11 @@ class Forwarder:
         error.headers.append((b"retry-after", str(self.retry_after_s).encode()))
         return error
 
-    def _choose(self, role: Role, policy: Policy, text: str, excluded: set[Worker]) -> Choice:
-        choice: Choice = policy.choose(self._candidates(role, excluded), text)
+    def _choose(
+        self, role: Role, policy: Policy, request: ParsedRequest, excluded: set[Worker]
+    ) -> Choice:
+        candidates = self._candidates(role, excluded, request.model)
+        choice: Choice = policy.choose(candidates, request.routing_text)
         if choice.decision is not None:
             self.metrics.cache_decisions.labels(choice.decision).inc()
         return choice
@@ -160,9 +181,7 @@ class Forwarder:
     async def _mixed_once(
         self, request: ParsedRequest, headers: Headers, excluded: set[Worker]
     ) -> Reply:
-        worker = self._choose(
-            Role.MIXED, self.policies.mixed, request.routing_text, excluded
-        ).worker
+        worker = self._choose(Role.MIXED, self.policies.mixed, request, excluded).worker
         return await self.upstream.exchange(
             worker, "POST", request.path, request.raw, headers, stream=request.stream
         )
@@ -170,11 +189,10 @@ class Forwarder:
     async def _pd_once(
         self, request: ParsedRequest, headers: Headers, excluded: set[Worker]
     ) -> Reply:
-        text = request.routing_text
         # Check the prefill pool before choosing, so that a policy never records a request
         # never sent (the decode worker gets every request, alone or not).
-        prefills = self._candidates(Role.PREFILL, excluded)
-        decode = self._choose(Role.DECODE, self.policies.decode, text, excluded)
+        prefills = self._candidates(Role.PREFILL, excluded, request.model)
+        decode = self._choose(Role.DECODE, self.policies.decode, request, excluded)
         route = self._pd_route(request, prefills, decode)
         routed = True
         try:
@@ -182,7 +200,7 @@ class Forwarder:
                 return await self.upstream.exchange(
                     decode.worker, "POST", request.path, request.raw, headers, stream=request.stream
                 )
-            prefill = self._choose(Role.PREFILL, self.policies.prefill, text, excluded).worker
+            prefill = self._choose(Role.PREFILL, self.policies.prefill, request, excluded).worker
             return await self.pd.exchange(request, prefill, decode.worker, headers)
         except UpstreamError as error:
             # Refused, it was served no route: before any work (a retry elsewhere counts its

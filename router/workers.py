@@ -86,6 +86,11 @@ class Worker:
     def can_serve(self) -> bool:
         return self.healthy and self.breaker.allows_requests()
 
+    def serves(self, model: str | None) -> bool:
+        """Whether a request for `model` (None: a request that names none) may come here. One
+        that has not named its model yet may serve any: its engine refuses another itself."""
+        return model is None or not self.model_name or self.model_name == model
+
     def describe(self) -> dict[str, object]:
         return {
             "url": self.url,
@@ -166,8 +171,12 @@ class WorkerRegistry:
     def with_role(self, role: Role) -> list[Worker]:
         return [w for w in self._workers.values() if w.role is role]
 
-    def available(self, role: Role) -> list[Worker]:
-        return [w for w in self._workers.values() if w.role is role and w.can_serve()]
+    def available(self, role: Role, model: str | None = None) -> list[Worker]:
+        return [
+            w
+            for w in self._workers.values()
+            if w.role is role and w.can_serve() and w.serves(model)
+        ]
 
     def is_disaggregated(self) -> bool:
         """P/D mode once any prefill or decode worker is registered, unless mixed workers can

@@ -76,8 +76,10 @@ class FakeEngine:
         bootstrap_port: int | None = None,
         prefix_cache_chars: int = 0,
         api_key: str | None = None,
+        model: str = "fake-model",
     ) -> None:
         self.name = name
+        self.model = model  # its served model name
         self.role = role
         self.tokens = tokens
         self.kv = kv
@@ -197,13 +199,13 @@ class FakeEngine:
         if unauthorized is not None:
             return unauthorized
         return web.json_response(
-            {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+            {"object": "list", "data": [{"id": self.model, "object": "model"}]}
         )
 
     async def _model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != "fake-model":
+        if request.match_info["model"] != self.model:
             return web.json_response({"error": {"code": "model_not_found"}}, status=404)
-        return web.json_response({"id": "fake-model", "object": "model"})
+        return web.json_response({"id": self.model, "object": "model"})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         """One token per character, its code point."""

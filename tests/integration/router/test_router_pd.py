@@ -555,18 +555,44 @@ def pd_route_counts(metrics: str) -> dict[str, float]:
 async def test_a_request_the_engines_refuse_is_no_pd_route(
     min_prefill_tokens, engines, kv_table, start_router, client
 ):
-    """A request for a model the engines do not serve (a 404 from each) was never served
-    prefill/decode: it counted as a route of kubesgl_router_pd_routes_total all the same."""
+    """A request the engines refuse (a 400 from each) was never served prefill/decode: it
+    counted as a route of kubesgl_router_pd_routes_total all the same."""
     (p,), (d,) = await pd_pool(engines, kv_table)
-    p.fail_status = d.fail_status = 404  # as engines answer a model they do not serve
+    p.fail_status = d.fail_status = 400  # as engines answer a request they do not take
     settings = DisaggregationSettings(min_prefill_tokens=min_prefill_tokens)
     async with start_router(**pd_config([p], [d], disaggregation=settings)) as router:
         await router.ready()
-        body = {**BODY, "model": "no-such-model"}
-        response = await client.post(router.url + "/v1/chat/completions", json=body)
+        response = await client.post(router.url + "/v1/chat/completions", json=BODY)
         metrics = (await client.get(router.url + "/metrics")).text
-    assert response.status_code == 404 and d.requests
+    assert response.status_code == 400 and d.requests
     assert set(pd_route_counts(metrics).values()) == {0}
+
+
+async def test_a_pd_request_goes_to_a_pair_of_its_model(engines, kv_table, start_router, client):
+    """Two pairs of two served names (a rename rolling out): prefill and decode workers are both
+    chosen among those of the request's model, not by the policy alone."""
+    pairs = {
+        model: (
+            await engines(f"p-{model}", "prefill", kv=kv_table, model=model),
+            await engines(f"d-{model}", "decode", kv=kv_table, model=model),
+        )
+        for model in ("old-name", "new-name")
+    }
+    prefills, decodes = zip(*pairs.values())
+    config = pd_config(prefills, decodes, policy="round_robin")
+    async with start_router(**config) as router:
+        await router.all_healthy()
+        for model in ("new-name", "old-name") * 2:
+            response = await client.post(
+                router.url + "/v1/chat/completions", json={**BODY, "model": model}
+            )
+            assert response.status_code == 200, response.text
+        unknown = await client.post(
+            router.url + "/v1/chat/completions", json={**BODY, "model": "gone-name"}
+        )
+    for model, pair in pairs.items():
+        assert [r["body"]["model"] for e in pair for r in e.requests] == [model] * 4
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
 async def test_a_request_retried_on_another_pair_is_one_pd_route(

@@ -41,7 +41,9 @@ async def test_cache_aware_doubles_the_hit_ratio_on_fake_engines(engines, start_
     for policy in ("round_robin", "cache_aware"):
         # Each engine's cache holds about two system prompts, as a small KV pool would.
         fakes = [
-            await engines(f"{policy}-{i}", prefix_cache_chars=int(2.5 * system_chars))
+            await engines(
+                f"{policy}-{i}", prefix_cache_chars=int(2.5 * system_chars), model="default"
+            )
             for i in range(4)
         ]
         ratios[policy], gap = await measure(start_router, [f.url for f in fakes], policy)

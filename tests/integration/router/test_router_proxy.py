@@ -44,6 +44,61 @@ async def test_each_workers_model_is_named_in_its_info_series(engines, start_rou
     assert [w["model_name"] for w in listing["workers"]] == ["fake-model"]
 
 
+async def test_requests_go_only_to_workers_of_their_model(engines, start_router, client):
+    """Workers of two served names behind one router (a rename rolling out): a request for one
+    went to either worker by the policy alone, and the other's engine answered 404."""
+    old, new = await engines("old", model="old-name"), await engines("new", model="new-name")
+    async with start_router(workers=[old.url, new.url], policy="round_robin") as router:
+        await router.all_healthy()
+        for model, engine in (("new-name", new), ("old-name", old)):
+            for _ in range(3):
+                body = {**CHAT, "model": model}
+                response = await client.post(router.url + "/v1/chat/completions", json=body)
+                assert response.status_code == 200, response.text
+            card = await client.get(router.url + "/v1/models/" + model)
+            tokens = await client.post(
+                router.url + "/tokenize", json={"model": model, "prompt": "x"}
+            )
+            assert card.json()["id"] == model and tokens.status_code == 200
+            assert {r["body"].get("model") for r in engine.requests} == {model}
+        unnamed = [
+            await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+            for _ in range(2)
+        ]
+        unknown = await client.post(
+            router.url + "/v1/chat/completions", json={**CHAT, "model": "gone-name"}
+        )
+        metrics = (await client.get(router.url + "/metrics")).text
+    assert [r.status_code for r in unnamed] == [200, 200]  # a request without a model: any worker
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == {
+        "message": "the model 'gone-name' does not exist; the workers serve 'new-name', 'old-name'",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    assert not [r for e in (old, new) for r in e.requests if r["body"].get("model") == "gone-name"]
+    assert 'kubesgl_router_rejections_total{reason="not_found",status="404"} 1.0' in metrics
+
+
+async def test_a_worker_back_in_the_pool_is_asked_its_model_again(engines, start_router, client):
+    """An engine restarted at its address with another served name kept its old name in the
+    router, which would now refuse requests for the new one (404) and send it the old one's."""
+    a = await engines("a", model="old-name")
+    async with start_router(workers=[a.url]) as router:
+        await router.all_healthy()
+        await a.kill()
+        worker = router.app.workers.all()[0]
+        await router.until(lambda: not worker.healthy)
+        a.model = "new-name"
+        await a.restart()
+        await router.all_healthy()
+        response = await client.post(
+            router.url + "/v1/chat/completions", json={**CHAT, "model": "new-name"}
+        )
+    assert worker.model_name == "new-name" and response.status_code == 200, response.text
+
+
 async def test_each_generation_route_is_forwarded(engines, start_router, client):
     a = await engines("a")
     async with start_router(workers=[a.url]) as router:
