@@ -343,6 +343,8 @@ def main(argv: list[str]) -> int:
             f"set {ADMIN_KEY_ENV} instead",
             file=sys.stderr,
         )
+    for note in config.ignored_options():
+        print(f"kubesgl router: {note}", file=sys.stderr)
     if not (config.workers or config.prefill or config.kube):
         how = (
             "add them with POST /workers"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from kubesgl import contract
 from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
@@ -29,6 +29,16 @@ def parse_prefill_spec(spec: str) -> tuple[str, int | None]:
             f"bad --prefill URL@BOOTSTRAP_PORT: the bootstrap port {port!r} is no port number"
         )
     return validate_worker_url(url), int(port)
+
+
+def _changed_flags(settings: CacheAwareSettings | DisaggregationSettings, prefix: str) -> list[str]:
+    """The flags (`prefix` + field name) of the settings set apart from their defaults."""
+    default = type(settings)()
+    return [
+        prefix + f.name.replace("_", "-")
+        for f in fields(settings)
+        if getattr(settings, f.name) != getattr(default, f.name)
+    ]
 
 
 @dataclass(frozen=True)
@@ -83,3 +93,28 @@ class RouterConfig:
                 check_key(name, key)
         if self.connect_timeout_s <= 0 or self.request_timeout_s <= 0 or self.max_connections < 1:
             raise ValueError("timeouts and the connection limit must be positive")
+
+    def ignored_options(self) -> list[str]:
+        """Why an option given has no effect with these workers and policies, a line each, for a
+        warning at start (SGLang's router takes such combinations too; an operator's spec may
+        keep an option across a change of policy)."""
+        mixed_only = bool(self.workers) and self.kube is None  # or the admin API's, rarely P/D
+        notes = []
+        if mixed_only:
+            sides = (("prefill", self.prefill_policy), ("decode", self.decode_policy))
+            pd_flags = [f"--{side}-policy" for side, policy in sides if policy is not None]
+            notes = [
+                f"{flag} has no effect: it applies to prefill/decode workers, and only mixed "
+                "ones (--worker) are given"
+                for flag in pd_flags + _changed_flags(self.disaggregation, "--pd-")
+            ]
+        policies = {self.policy}
+        if not mixed_only:
+            policies |= {self.prefill_policy or self.policy, self.decode_policy or self.policy}
+        if "cache_aware" not in policies:
+            notes += [
+                f"{flag} has no effect: it tunes the cache_aware policy, and workers are chosen "
+                f"by {' and '.join(sorted(policies))}"
+                for flag in _changed_flags(self.cache_aware, "--")
+            ]
+        return notes

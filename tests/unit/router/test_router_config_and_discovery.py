@@ -111,3 +111,50 @@ def test_mixed_workers_serve_while_a_new_prefill_decode_pool_has_no_pair_yet():
     assert registry.is_disaggregated()
     registry.set_healthy(decode, False)
     assert registry.is_disaggregated()  # nothing else can serve: P/D, as configured
+
+
+def _config(*argv: str) -> RouterConfig:
+    return config_from_args(build_parser().parse_args(list(argv)), {})
+
+
+def test_options_that_have_no_effect_are_named_with_the_reason():
+    """P/D options with only mixed workers, and the cache-aware options without a cache_aware
+    policy, were taken and ignored without a word."""
+    mixed = ("--worker", "http://w:1", "--policy", "round_robin")
+    pd_and_cache = ("--pd-min-prefill-tokens", "0", "--decode-policy", "cache_aware")
+    assert _config(*mixed, *pd_and_cache, "--cache-threshold", "0.5").ignored_options() == [
+        "--decode-policy has no effect: it applies to prefill/decode workers, and only mixed ones "
+        "(--worker) are given",
+        "--pd-min-prefill-tokens has no effect: it applies to prefill/decode workers, and only "
+        "mixed ones (--worker) are given",
+        "--cache-threshold has no effect: it tunes the cache_aware policy, and workers are chosen "
+        "by round_robin",
+    ]
+    pd = ("--prefill", "http://p:1", "--decode", "http://d:1", "--policy", "random")
+    assert _config(
+        *pd, "--max-tree-chars", "5", "--prefill-policy", "round_robin"
+    ).ignored_options() == [
+        "--max-tree-chars has no effect: it tunes the cache_aware policy, and workers are chosen "
+        "by random and round_robin"
+    ]
+    # an option some policy or worker uses, or one left at its default, is no news
+    for argv in (
+        (*pd, "--decode-policy", "cache_aware", "--cache-threshold", "0.5"),
+        ("--kube-selector", "a=b", "--pd-min-prefill-tokens", "0"),  # pods of any role may come
+        (*mixed, "--cache-threshold", "0.3"),
+        (),
+    ):
+        assert _config(*argv).ignored_options() == [], argv
+
+
+def test_the_router_warns_of_options_without_effect_at_start(monkeypatch, capsys):
+    import uvicorn
+
+    from kubesgl.router import cli
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
+    assert cli.main(["--worker", "http://w:1", "--pd-max-prefill-in-flight", "8"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "kubesgl router: --pd-max-prefill-in-flight has no effect: it applies to prefill/decode "
+        "workers, and only mixed ones (--worker) are given"
+    ]
