@@ -379,6 +379,30 @@ def chat_chars(
     return chars + (len(json.dumps(tools)) if tools else 0)
 
 
+def chat_prompt(
+    body: ChatCompletionRequest | TokenizeRequestBody,
+    params: SamplingParams,
+    tools: list[dict[str, Any]] | None,
+    add_special_tokens: bool | None = None,
+) -> tuple[TokenizeRequest, int]:
+    """The tokenizer's request for a chat prompt, and the characters it renders from (chat_chars,
+    for the limits). One builder for /v1/chat/completions and /tokenize: /tokenize's count must
+    be the prompt_tokens of a chat request with the same messages, tools and template options."""
+    assert body.messages is not None  # /tokenize's chat branch; a chat request always has them
+    messages = [m.as_template_input() for m in body.messages]
+    prompt = TokenizeRequest(
+        "",
+        params,
+        messages=messages,
+        tools=tools,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template_kwargs=body.chat_template_kwargs,
+        add_special_tokens=add_special_tokens,
+    )
+    return prompt, chat_chars(messages, tools, body.chat_template_kwargs)
+
+
 def bootstrap(ctx: Served, body, prompts: int, n: int) -> list[BootstrapTarget | None]:
     try:
         # `bootstrap_port: null` means this engine's own --disaggregation-bootstrap-port
@@ -437,19 +461,9 @@ async def model(model: str, ctx: ServedHere) -> dict:
 async def tokenize(body: TokenizeRequestBody, ctx: ServedHere) -> dict:
     serving(ctx, body.model)
     if body.messages is not None:
-        messages = [m.as_template_input() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        chars, param = chat_chars(messages, tools, body.chat_template_kwargs), "messages"
-        prompt = TokenizeRequest(
-            "",
-            SamplingParams(),
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            chat_template_kwargs=body.chat_template_kwargs,
-            add_special_tokens=body.add_special_tokens,
-        )
+        prompt, chars = chat_prompt(body, SamplingParams(), tools, body.add_special_tokens)
+        param = "messages"
     else:
         assert body.prompt is not None  # the body holds one of the two
         chars, param = len(body.prompt), "prompt"
@@ -526,32 +540,9 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         frozenset(t["function"]["name"] for t in tools or ()),
         body.parallel_tool_calls,
     )
-    messages = [m.as_template_input() for m in body.messages]
-    within_limits(
-        ctx,
-        params,
-        1,
-        body.n,
-        [(chat_chars(messages, tools, body.chat_template_kwargs), "messages")],
-        names=names,
-    )
-    subs = fan_out(
-        [
-            TokenizeRequest(
-                "",
-                params,
-                messages=messages,
-                tools=tools,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                chat_template_kwargs=body.chat_template_kwargs,
-            )
-        ],
-        body.n,
-        params,
-        "chatcmpl",
-        bootstrap(ctx, body, 1, body.n),
-    )
+    prompt, chars = chat_prompt(body, params, tools)
+    within_limits(ctx, params, 1, body.n, [(chars, "messages")], names=names)
+    subs = fan_out([prompt], body.n, params, "chatcmpl", bootstrap(ctx, body, 1, body.n))
     return await respond(
         ctx,
         request,

@@ -737,6 +737,17 @@ def test_tokenize_counts_what_a_request_with_the_prompt_counts(llama_server, cli
     ).json()
     chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
     assert tokenize({"messages": messages})["count"] == chat.usage.prompt_tokens
+    # and with what else a chat prompt renders from: tools, the template's controls and variables
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    options = {"tools": [tool], "add_generation_prompt": False, "chat_template_kwargs": {"x": 1}}
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=1,
+        tools=[tool],
+        extra_body={k: options[k] for k in ("add_generation_prompt", "chat_template_kwargs")},
+    )
+    assert tokenize({"messages": messages, **options})["count"] == chat.usage.prompt_tokens
     completion = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=1)
     tokens = tokenize({"prompt": PROMPTS[3]})
     assert tokens["count"] == completion.usage.prompt_tokens and tokens["max_model_len"] > 0
