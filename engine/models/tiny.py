@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kubesgl.cli_help import DefaultsOnce
@@ -138,6 +138,8 @@ TINY_MODEL_FILES = frozenset(
 
 def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, head_dim: int = 16) -> Path:
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file: give a new or empty directory")
     if out.is_dir():  # another checkpoint's shards left beside the tiny one would be loaded too
         others = sorted(p.name for p in out.iterdir() if p.name not in TINY_MODEL_FILES)
         if others:
@@ -155,12 +157,14 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, head_dim: int
     tensors = {
         name: t.contiguous() for name, t in synthetic_checkpoint(config, seed, torch.float32)
     }
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # Written by Python, as every file here: a failure is an OSError (safetensors' and
+    # tokenizers' own writers raise their own errors, which read as a crash)
+    (out / "model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [eos, endoftext]}, indent=2)
     )
-    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer.json").write_text(tokenizer.to_str(pretty=True))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -183,6 +187,13 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, head_dim: int
     return out
 
 
+def _cannot_write(exc: OSError) -> str:
+    """`cannot write PATH: Permission denied`: the error in words, without its errno."""
+    if exc.filename is None or exc.strerror is None:
+        return str(exc)
+    return f"cannot write {exc.filename}: {exc.strerror}"
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kubesgl make-tiny-model", description=__doc__, formatter_class=DefaultsOnce
@@ -202,8 +213,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         path = make_tiny_model(args.dir, args.arch, args.seed, args.head_dim)
-    except (ValueError, OSError) as exc:  # a folder in use, or one that cannot be written
+    except ValueError as exc:  # a file, or a folder in use
         print(f"kubesgl make-tiny-model: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a folder that cannot be written
+        print(f"kubesgl make-tiny-model: {_cannot_write(exc)}", file=sys.stderr)
         return 2
     print(f"wrote a tiny {args.arch} model to {path}")
     return 0

@@ -56,3 +56,18 @@ def test_a_tiny_model_may_be_written_again_in_place(tmp_path):
     tiny.make_tiny_model(tmp_path, "llama")
     tiny.make_tiny_model(tmp_path, "qwen3")  # what an init container does when it restarts
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(tiny.TINY_MODEL_FILES)
+
+
+def test_a_path_that_cannot_be_written_is_one_line_and_a_non_zero_exit(tmp_path, capsys):
+    """A file where the folder goes, or a folder that cannot be written, showed Python's
+    `[Errno 17] File exists: ...` or safetensors' traceback."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir" / "model.safetensors").mkdir(parents=True)  # a file the model writes
+    cases = {
+        tmp_path / "file": f"{tmp_path / 'file'} is a file: give a new or empty directory",
+        tmp_path / "file" / "sub": f"cannot write {tmp_path / 'file' / 'sub'}: Not a directory",
+        tmp_path / "dir": f"cannot write {tmp_path / 'dir' / 'model.safetensors'}: Is a directory",
+    }
+    for path, why in cases.items():
+        assert tiny.main([str(path), "--arch", "llama"]) == 2
+        assert capsys.readouterr().err == f"kubesgl make-tiny-model: {why}\n"
