@@ -182,6 +182,14 @@ class FakeEngine:
             return _error(401, "missing or wrong API key")
         return None
 
+    async def _record(self, request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
+        """A request's body, once recorded in `requests` (refused ones too), and the 401 to
+        answer when it lacks the key."""
+        body = await request.json()
+        self.requests.append({"path": request.path, "body": body, "headers": dict(request.headers)})
+        self._received.set()
+        return body, self._unauthorized(request)
+
     async def _health(self, request: web.Request) -> web.Response:
         self.probe_headers.append(dict(request.headers))
         return web.json_response({"status": "ok"}) if self.healthy else _error(503, "not ready")
@@ -209,18 +217,14 @@ class FakeEngine:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         """One token per character, its code point."""
-        body = await request.json()
-        self.requests.append({"path": request.path, "body": body, "headers": dict(request.headers)})
-        unauthorized = self._unauthorized(request)
+        body, unauthorized = await self._record(request)
         if unauthorized is not None:
             return unauthorized
         tokens = [ord(c) for c in body["prompt"]]
         return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.requests.append({"path": request.path, "body": body, "headers": dict(request.headers)})
-        unauthorized = self._unauthorized(request)
+        body, unauthorized = await self._record(request)
         if unauthorized is not None:
             return unauthorized
         return web.json_response({"prompt": "".join(map(chr, body["tokens"]))})
@@ -229,10 +233,7 @@ class FakeEngine:
         return web.json_response({"version": f"{self.name}-version"})
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.requests.append({"path": request.path, "body": body, "headers": dict(request.headers)})
-        self._received.set()
-        unauthorized = self._unauthorized(request)
+        body, unauthorized = await self._record(request)
         if unauthorized is not None:
             return unauthorized
         if self.fail_status is not None:
