@@ -129,7 +129,8 @@ def _engine_problems(isvc: InferenceService) -> list[Problem]:
 # What a prefill engine and the decode engines it pairs with must agree on, each with why: a
 # mismatch passes each role's own check, and every request then fails (the tensor-parallel
 # size, the roles' own field, is checked with the mode). A dtype of auto beside an explicit
-# one is left to the checkpoint, which decides it.
+# one is not compared: auto is the checkpoint's torch_dtype, which only the pods read
+# (docs/operator.md says so).
 _KV_LAYOUT = (
     "a prefill engine writes its KV cache into the decode engine's pool, so both need the "
     "same model, dtype and KV cache dtype"
