@@ -203,6 +203,13 @@ def build_requests(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
     return DATASETS[args.dataset](args, vocab, random.Random(args.seed))
 
 
+def server_root(url: str) -> str:
+    """The server's root URL, to which the benchmark adds /v1/models, /model_info and
+    /v1/completions: the OpenAI base URL (`.../v1`, which `kubesgl up` prints) and a trailing
+    slash are taken too, which would otherwise make every route /v1/v1/... or //..., a 404."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kubesgl bench serving", description=__doc__, formatter_class=DefaultsOnce
@@ -210,8 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--base-url",
         required=True,
+        type=server_root,
         metavar="URL",
-        help="the server (an engine or the router), e.g. http://127.0.0.1:30000",
+        help="the server (an engine or the router), e.g. http://127.0.0.1:30000, or its OpenAI"
+        " base URL (http://127.0.0.1:30000/v1)",
     )
     parser.add_argument(
         "--model", default=None, help="model name to send (default: the server's first model)"
