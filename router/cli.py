@@ -346,12 +346,13 @@ def main(argv: list[str]) -> int:
     for note in config.ignored_options():
         print(f"kubesgl router: {note}", file=sys.stderr)
     if not (config.workers or config.prefill or config.kube):
-        how = (
-            "add them with POST /workers"
-            if config.admin_api_key is not None
-            else f"set {ADMIN_KEY_ENV} to add them with POST /workers"
-        )
-        print(f"kubesgl router: no workers yet; {how}", file=sys.stderr)
+        # without the admin key POST /workers is off: such a router would answer 503 forever
+        if config.admin_api_key is None:
+            parser.error(
+                "no workers, and no way to add one: give --worker, --prefill and --decode, or"
+                f" --kube-selector; or set {ADMIN_KEY_ENV} to add them with POST /workers"
+            )
+        print("kubesgl router: no workers yet; add them with POST /workers", file=sys.stderr)
 
     import uvicorn  # imported late: `--help` stays fast
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -11,6 +12,8 @@ import sys
 import httpx
 import openai
 import pytest
+
+from kubesgl.contract import ADMIN_KEY_ENV
 
 
 def free_port() -> int:
@@ -87,3 +90,15 @@ def test_bad_command_lines_exit_with_a_usage_error():
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert run.returncode == 2 and "not both" in run.stderr
+
+
+def test_a_router_that_could_never_get_a_worker_is_a_usage_error():
+    """No worker, no discovery and no admin key (so no POST /workers): it used to warn, then
+    run, answering every request 503 until stopped."""
+    environ = {k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV}
+    run = subprocess.run(
+        [sys.executable, "-m", "kubesgl", "router", "--port", str(free_port())],
+        capture_output=True, text=True, timeout=60, env=environ,
+    )  # fmt: skip
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "no workers, and no way to add one" in run.stderr and ADMIN_KEY_ENV in run.stderr
