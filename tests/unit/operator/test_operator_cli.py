@@ -8,7 +8,10 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import yaml
+
+from kubesgl.operator.cli import parse_args
 
 
 def run_operator(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -57,3 +60,13 @@ def test_an_api_server_that_does_not_answer_is_named(tmp_path):
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert f"tried the Kubernetes API at {server}: " in result.stderr and "refused" in result.stderr
+
+
+def test_a_liveness_port_out_of_range_is_a_usage_error(capsys):
+    """It was taken as any integer: kopf failed to bind it only once the cluster answered."""
+    for bad in ("70000", "-1", "http"):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--liveness-port", bad])
+        assert exit_.value.code == 2
+        assert f"a port from 0 to 65535, not '{bad}'" in capsys.readouterr().err
+    assert parse_args(["--liveness-port", "0"]).liveness_port == 0  # 0 turns the probe off
