@@ -21,7 +21,7 @@ from kubesgl.operator.render_cli import print_problems, read_documents
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
 from kubesgl.up.model import ModelStepFailed, ensure_model
-from kubesgl.up.plan import LocalSettings, NotEnoughGpus, plan
+from kubesgl.up.plan import LocalPlan, LocalSettings, NotEnoughGpus, plan
 from kubesgl.up.status import StatusView
 from kubesgl.up.supervisor import Supervisor
 
@@ -92,6 +92,10 @@ def main(argv: list[str]) -> int:
     except NotEnoughGpus as error:
         print(f"{PROG}: {args.filename}: {error}", file=sys.stderr)
         return 2
+    missing = _missing_model(local, args)
+    if missing is not None:
+        print(f"{PROG}: {missing}", file=sys.stderr)
+        return 2
     problem = _listen_problem(args.host, args.port)
     if problem is not None:
         print(f"{PROG}: {problem}", file=sys.stderr)
@@ -154,6 +158,15 @@ def detach_from_terminal() -> None:
     for fd in (1, 2):
         os.dup2(devnull, fd)
     os.close(devnull)
+
+
+def _missing_model(local: LocalPlan, args: argparse.Namespace) -> str | None:
+    """Why the model folder to serve as it is (--model, a hostPath) cannot be served: every
+    engine would exit at start and be restarted forever."""
+    if local.model_step is not None or Path(local.model_path).is_dir():
+        return None
+    source = "--model" if args.model is not None else f"{args.filename}: spec.model.hostPath.path"
+    return f"{source} {local.model_path}: not a folder on this machine"
 
 
 def _listen_problem(host: str, port: int) -> str | None:

@@ -121,6 +121,21 @@ def test_logs_that_name_a_file_are_a_usage_error(tmp_path, capsys, starts_nothin
     assert capsys.readouterr().err.startswith(f"kubesgl up: --logs {not_a_folder}: ")
 
 
+def test_a_model_folder_that_is_not_there_is_refused(tmp_path, capsys, starts_nothing):
+    """--model or a hostPath naming no folder: each engine exited at start with the engine's
+    own error and was restarted forever, the router never started."""
+    missing = tmp_path / "no-such-model"
+    assert cli.main(["-f", str(QUICKSTART), "--logs", str(tmp_path), "--model", str(missing)]) == 2
+    assert capsys.readouterr().err == (
+        f"kubesgl up: --model {missing}: not a folder on this machine\n"
+    )
+    path = spec_file(tmp_path, model={"servedName": "tiny", "hostPath": {"path": str(missing)}})
+    assert cli.main(["-f", path, "--logs", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"kubesgl up: {path}: spec.model.hostPath.path {missing}: not a folder on this machine\n"
+    )
+
+
 HUNG_UP = r"""
 import sys, time
 from kubesgl.up.cli import detach_from_terminal
