@@ -165,6 +165,8 @@ def validation_error(errors: Sequence[dict]) -> APIError:
         reason = (error.get("ctx") or {}).get("error", "invalid syntax")
         return APIError(400, f"the request body is not valid JSON: {reason} at character {where}")
     loc = [str(part) for part in error.get("loc", ()) if _a_field_name(part)]
+    if not loc and error.get("type") == "missing":  # FastAPI's word for an empty body
+        return APIError(400, "the request body is empty: send a JSON object")
     if not loc and error.get("type") in ("model_type", "model_attributes_type"):  # no object
         return APIError(
             400,
