@@ -194,6 +194,16 @@ def _cannot_write(exc: OSError) -> str:
     return f"cannot write {exc.filename}: {exc.strerror}"
 
 
+def head_dim_arg(text: str) -> int:
+    """RoPE turns a head's channels in pairs: an odd width makes a model that neither the
+    engine nor transformers loads, and 0 one that transformers reads as 0 wide (the engine
+    as hidden_size / heads)."""
+    width = int(text) if text.isdigit() else 0
+    if width < 2 or width % 2:
+        raise argparse.ArgumentTypeError(f"a positive even number, not {text!r}")
+    return width
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="kubesgl make-tiny-model", description=__doc__, formatter_class=DefaultsOnce
@@ -205,10 +215,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, metavar="N", help="seeds the random weights")
     parser.add_argument(
         "--head-dim",
-        type=int,
+        type=head_dim_arg,
         default=16,
         metavar="N",
-        help="per-head width (FlashInfer's kernels need 64, 128 or 256)",
+        help="per-head width, an even number (FlashInfer's kernels need 64, 128 or 256)",
     )
     args = parser.parse_args(argv)
     try:

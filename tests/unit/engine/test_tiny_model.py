@@ -8,6 +8,8 @@ import stat
 import subprocess
 import sys
 
+import pytest
+
 from kubesgl import contract
 from kubesgl.engine.models import tiny
 
@@ -71,3 +73,14 @@ def test_a_path_that_cannot_be_written_is_one_line_and_a_non_zero_exit(tmp_path,
     for path, why in cases.items():
         assert tiny.main([str(path), "--arch", "llama"]) == 2
         assert capsys.readouterr().err == f"kubesgl make-tiny-model: {why}\n"
+
+
+@pytest.mark.parametrize("width", ["0", "7", "-16", "x"])
+def test_a_head_width_no_model_can_have_is_a_usage_error(tmp_path, capsys, width):
+    """--head-dim 7 wrote a model whose loading failed in transformers' RoPE check (the
+    engine's too), --head-dim 0 one that transformers reads as 0 wide."""
+    with pytest.raises(SystemExit) as exit_:
+        tiny.main([str(tmp_path / "m"), "--arch", "llama", "--head-dim", width])
+    assert exit_.value.code == 2
+    assert f"--head-dim: a positive even number, not '{width}'" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
