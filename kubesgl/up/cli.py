@@ -8,6 +8,7 @@ import os
 import shlex
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import threading
@@ -152,11 +153,14 @@ def main(argv: list[str]) -> int:
 
 
 def detach_from_terminal() -> None:
-    """Point standard output and error at /dev/null: after a hangup every write to the
-    terminal fails (EIO), and the drain would stop at the first table redraw."""
+    """Point standard output and error at /dev/null unless they are a file: after a hangup
+    every write to the terminal fails (EIO), as one to a pipe whose reader the hangup ended
+    (`| tee`) does (EPIPE), and the drain would stop at the first table redraw. A file
+    (`kubesgl up ... > up.log &`) keeps the drain's lines."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     for fd in (1, 2):
-        os.dup2(devnull, fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.dup2(devnull, fd)
     os.close(devnull)
 
 

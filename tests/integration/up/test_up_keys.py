@@ -91,3 +91,4 @@ def test_closing_the_terminal_drains_and_stops_everything(keyed):
     The module's last test: it stops the module's `kubesgl up`."""
     status, left = keyed.interrupt(signal.SIGHUP)
     assert status == 0 and left == []
+    assert "stopping: the router, then the engines" in keyed.output()  # its file keeps the drain

@@ -162,6 +162,18 @@ def test_after_a_hangup_output_goes_nowhere_instead_of_failing(tmp_path):
     assert child.wait(timeout=30) == 0
 
 
+def test_after_a_hangup_output_to_a_file_goes_on_there(tmp_path):
+    """`kubesgl up ... > up.log &` whose shell hangs up: the drain's lines went to /dev/null
+    too, and the log ended at 'ready'."""
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        detach = "from kubesgl.up.cli import detach_from_terminal; detach_from_terminal()"
+        subprocess.run(
+            [sys.executable, "-c", f"{detach}; print('stopped')"], stdout=out, check=True
+        )
+    assert log.read_text() == "stopped\n"
+
+
 def test_an_ipv6_address_is_free_to_listen_on_when_nothing_holds_it():
     with socket.socket(socket.AF_INET6) as probe:
         probe.bind(("::1", 0))
