@@ -284,9 +284,19 @@ async def _http_error(
     request: Request, exc: StarletteHTTPException
 ) -> JSONResponse:  # unknown path, wrong method
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(
-        exc.status_code, not_served(request.url.path) or str(exc.detail), type_
-    ).response()
+    response = APIError(exc.status_code, _route_problem(request, exc), type_).response()
+    response.headers.update(exc.headers or {})  # a 405's Allow, which HTTP requires
+    return response
+
+
+def _route_problem(request: Request, exc: StarletteHTTPException) -> str:
+    """In the router's words: the route that is not there, or the methods a route takes
+    (Starlette's "Not Found" and "Method Not Allowed" named neither)."""
+    path = request.url.path
+    if exc.status_code == 404:
+        return not_served(path) or f"no route for {request.method} {path}"
+    allowed = (exc.headers or {}).get("Allow")
+    return f"{path} accepts {allowed}" if exc.status_code == 405 and allowed else str(exc.detail)
 
 
 async def _crash(request: Request, exc: Exception) -> JSONResponse:

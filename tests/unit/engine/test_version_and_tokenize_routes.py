@@ -222,3 +222,20 @@ async def test_tokenize_and_detokenize_need_the_key(tiny_model):
             "/detokenize", json={"tokens": [5]}, headers={"Authorization": "Bearer secret"}
         )
     assert refused.status_code == 401 and taken.status_code == 200
+
+
+async def test_an_unknown_route_or_method_is_named_as_the_router_names_it():
+    """Starlette's words were "Not Found" and "Method Not Allowed", and the 405 had no Allow."""
+    async with http(ReadyClient()) as engine:
+        missing = await engine.post("/v1/embeddings", json={"input": "hi"})
+        wrong_method = await engine.put("/v1/completions")
+        not_served = await engine.post("/v1/responses", json={})
+    assert missing.status_code == 404 and missing.json()["error"] == {
+        "message": "no route for POST /v1/embeddings",
+        "type": "not_found_error",
+        "param": None,
+        "code": None,
+    }
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["error"]["message"] == "/v1/completions accepts POST"
+    assert "Responses API" in not_served.json()["error"]["message"]  # the routes it names
