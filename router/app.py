@@ -293,7 +293,11 @@ class RouterApp:
         handler = methods.get(scope["method"])
         if handler is None:
             allowed = ", ".join(methods)
-            error = RouterError(405, f"{scope['path']} accepts {allowed}", "invalid_request_error")
+            error = RouterError(
+                405,
+                f"{scope['path']} accepts {allowed}",
+                headers=[(b"allow", allowed.encode())],  # which HTTP requires of a 405
+            )
             await self._send(send, self._rejected(error))
             return
         try:

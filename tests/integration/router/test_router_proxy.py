@@ -321,7 +321,8 @@ async def test_unknown_route_and_wrong_method(start_router, client):
         wrong = await client.get(router.url + "/v1/completions", headers={"x-request-id": "t-1"})
         responses = await client.post(router.url + "/v1/responses", json={"input": "x"})
     assert missing.status_code == 404 and wrong.status_code == 405
-    assert "POST" in wrong.json()["error"]["message"]
+    assert wrong.json()["error"]["message"] == "/v1/completions accepts POST"
+    assert wrong.headers["allow"] == "POST"  # which HTTP requires of a 405 (it had none)
     # an OpenAI route that is not served says so, in the engines' words
     assert "/v1/chat/completions" in responses.json()["error"]["message"]
     assert responses.status_code == 404
