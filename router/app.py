@@ -93,7 +93,10 @@ def models_path(path: str) -> str:
         return path
     model = path.removeprefix(MODEL_PREFIX)
     if model in ("", ".", ".."):  # a segment no percent-encoding keeps from resolving
-        raise RouterError(404, f"the model {model!r} does not exist", "not_found_error", "model")
+        # in the engines' (and OpenAI's) shape for a model not served
+        raise RouterError(
+            404, f"the model {model!r} does not exist", param="model", code="model_not_found"
+        )
     return MODEL_PREFIX + quote(model, safe="")
 
 

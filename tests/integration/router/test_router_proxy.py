@@ -141,6 +141,14 @@ async def test_a_model_name_cannot_reach_another_engine_route(engines, start_rou
             got = await client.get(router.url + "/v1/models/" + name)
             assert got.status_code == 404, (name, got.text)
             assert "kubesgl_" not in got.text, name
+        empty = await client.get(router.url + "/v1/models/")  # answered by the router itself
+    # as an engine (and OpenAI) answers a model it does not serve; it said not_found_error
+    assert empty.json()["error"] == {
+        "message": "the model '' does not exist",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
 
 async def test_openai_sdk_streams_through_the_router(engines, start_router):
