@@ -81,6 +81,10 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: Final[tuple[LogLevel, ...]] = ("debug", "info", "warning", "error")
 
 
+# A request without a body: a 400 in the same words from an engine and the router (FastAPI
+# reports it as a missing field, json.loads as an error at character 0)
+EMPTY_BODY: Final = "the request body is empty: send a JSON object"
+
 # OpenAI's routes that engines and the router do not serve, by path prefix: a 404 that says
 # so (the same words from either), not "Not Found"
 NOT_SERVED: Final = {

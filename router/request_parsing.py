@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kubesgl.contract import MAX_N
+from kubesgl.contract import EMPTY_BODY, MAX_N
 from kubesgl.router.errors import bad_request
 
 CHAT_PATH = "/v1/chat/completions"
@@ -115,6 +115,8 @@ def _sample_count(value: Any, param: str) -> int:
 
 
 def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
+    if not raw:
+        raise bad_request(EMPTY_BODY)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kubesgl import __version__
-from kubesgl.contract import not_served
+from kubesgl.contract import EMPTY_BODY, not_served
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import (
     BootstrapTarget,
@@ -166,7 +166,7 @@ def validation_error(errors: Sequence[dict]) -> APIError:
         return APIError(400, f"the request body is not valid JSON: {reason} at character {where}")
     loc = [str(part) for part in error.get("loc", ()) if _a_field_name(part)]
     if not loc and error.get("type") == "missing":  # FastAPI's word for an empty body
-        return APIError(400, "the request body is empty: send a JSON object")
+        return APIError(400, EMPTY_BODY)
     if not loc and error.get("type") in ("model_type", "model_attributes_type"):  # no object
         return APIError(
             400,

@@ -85,3 +85,11 @@ def test_non_object_bodies_are_400(raw):
     with pytest.raises(RouterError) as caught:
         parse_generation_request("/v1/completions", raw)
     assert caught.value.status == 400
+
+
+def test_an_empty_body_is_named_as_such():
+    """As an engine names it; it was 'not valid JSON: Expecting value: line 1 column 1'."""
+    with pytest.raises(RouterError) as caught:
+        parse_generation_request("/v1/completions", b"")
+    assert caught.value.status == 400
+    assert caught.value.message == "the request body is empty: send a JSON object"
