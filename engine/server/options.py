@@ -29,6 +29,15 @@ class ServerOptions:
     log_level: str = "info"
 
     def validate(self) -> None:
+        if self.served_model_name == "":  # "$NAME" unset: clients' name would never match
+            raise ValueError(
+                "--served-model-name is empty: give a name, or leave it out to serve the model "
+                "under --model"
+            )
+        if self.shutdown_timeout < 0:
+            raise ValueError(
+                f"--shutdown-timeout must be 0 or more seconds, not {self.shutdown_timeout:g}"
+            )
         if self.watchdog_timeout < 3 * HEARTBEAT_S:  # slack for a late turn and the hops
             raise ValueError(
                 f"--watchdog-timeout must be at least {3 * HEARTBEAT_S:g} s: an idle scheduler "
@@ -86,7 +95,7 @@ def server_options(args: argparse.Namespace, api_key: str | None = None) -> Serv
         host=args.host,
         port=args.port,
         api_key=api_key,
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=args.model if args.served_model_name is None else args.served_model_name,
         shutdown_timeout=args.shutdown_timeout,
         watchdog_timeout=args.watchdog_timeout,
         log_level=args.log_level,

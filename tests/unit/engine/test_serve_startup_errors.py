@@ -159,3 +159,21 @@ def test_a_watchdog_timeout_shorter_than_three_heartbeats(serve, tiny_model, cap
         serve("--model", tiny_model("llama"), "--device", "cpu", "--watchdog-timeout", "2")
     assert refused.value.code == 2
     assert "--watchdog-timeout must be at least 3 s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, refusal",
+    [
+        (["--served-model-name", ""], "--served-model-name is empty"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout must be 0 or more seconds, not -1"),
+    ],
+)
+def test_an_empty_served_name_or_a_negative_drain_is_refused(
+    serve, tiny_model, capsys, flags, refusal
+):
+    """An empty name (`--served-model-name "$NAME"` with NAME unset) served the model under its
+    path instead, and every request naming the model a 404; a negative drain was taken."""
+    with pytest.raises(SystemExit) as refused:
+        serve("--model", tiny_model("llama"), "--device", "cpu", *flags)
+    assert refused.value.code == 2
+    assert refusal in capsys.readouterr().err
