@@ -283,7 +283,7 @@ def config_from_args(
             selector=parse_selector(args.kube_selector),
             worker_port=args.kube_worker_port,
         )
-    return RouterConfig(
+    config = RouterConfig(
         workers=args.worker,
         prefill=[parse_prefill_spec(spec) for spec in args.prefill],
         decode=args.decode,
@@ -315,6 +315,13 @@ def config_from_args(
         api_key=api_key,
         kube=kube,
     )
+    if not (config.workers or config.prefill or config.kube or config.admin_api_key):
+        # without the admin key POST /workers is off: such a router would answer 503 forever
+        raise ValueError(
+            "no workers, and no way to add one: give --worker, --prefill and --decode, or"
+            f" --kube-selector; or set {ADMIN_KEY_ENV} to add them with POST /workers"
+        )
+    return config
 
 
 def parse_router_args(argv: list[str]) -> argparse.Namespace:
@@ -345,13 +352,7 @@ def main(argv: list[str]) -> int:
         )
     for note in config.ignored_options():
         print(f"kubesgl router: {note}", file=sys.stderr)
-    if not (config.workers or config.prefill or config.kube):
-        # without the admin key POST /workers is off: such a router would answer 503 forever
-        if config.admin_api_key is None:
-            parser.error(
-                "no workers, and no way to add one: give --worker, --prefill and --decode, or"
-                f" --kube-selector; or set {ADMIN_KEY_ENV} to add them with POST /workers"
-            )
+    if not (config.workers or config.prefill or config.kube):  # the admin key is set
         print("kubesgl router: no workers yet; add them with POST /workers", file=sys.stderr)
 
     import uvicorn  # imported late: `--help` stays fast

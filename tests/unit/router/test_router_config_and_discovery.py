@@ -1,5 +1,6 @@
 import pytest
 
+from kubesgl.contract import ADMIN_KEY_ENV
 from kubesgl.router.cli import build_parser, config_from_args
 from kubesgl.router.config import RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import parse_selector, worker_from_pod
@@ -54,7 +55,10 @@ def pod(role="mixed", *, ready=True, ip="10.0.0.7", annotations=None, labels=Non
 
 def test_the_flags_defaults_are_the_configs():
     """Declared once, in RouterConfig and its settings: the command line reads them there."""
-    assert config_from_args(build_parser().parse_args([]), {}) == RouterConfig()
+    admin = {ADMIN_KEY_ENV: "adm"}  # a router with no worker takes one (or refuses to start)
+    assert config_from_args(build_parser().parse_args([]), admin) == RouterConfig(
+        admin_api_key="adm"
+    )
 
 
 def test_worker_from_pod():
@@ -142,7 +146,7 @@ def test_options_that_have_no_effect_are_named_with_the_reason():
         (*pd, "--decode-policy", "cache_aware", "--cache-threshold", "0.5"),
         ("--kube-selector", "a=b", "--pd-min-prefill-tokens", "0"),  # pods of any role may come
         (*mixed, "--cache-threshold", "0.3"),
-        (),
+        ("--worker", "http://w:1"),
     ):
         assert _config(*argv).ignored_options() == [], argv
 

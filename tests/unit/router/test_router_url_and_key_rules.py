@@ -15,7 +15,7 @@ import pytest
 
 from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
 from kubesgl.router import security
-from kubesgl.router.cli import build_parser, config_from_args
+from kubesgl.router.cli import build_parser, check_router_args, config_from_args
 from kubesgl.router.config import RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import PodWatcher
 from kubesgl.router.security import (
@@ -206,9 +206,12 @@ def test_keys_come_from_the_environment():
     # --admin-api-key still works (SGLang's router has it)
     config = config_from_args(parser.parse_args(["--admin-api-key", "flag"]), {})
     assert (config.admin_api_key, config.api_key) == ("flag", None)
-    assert (
-        config_from_args(parser.parse_args([]), {}).admin_api_key is None
-    )  # the default: admin closed
+    worker = ["--worker", "http://engine:30000"]
+    assert config_from_args(parser.parse_args(worker), {}).admin_api_key is None  # admin closed
+    # no worker and no admin key: none could ever be added, and `kubesgl router` refuses
+    # that at start (the operator's check of a router pod's command line with it)
+    with pytest.raises(ValueError, match="no workers, and no way to add one"):
+        check_router_args([], {})
     with pytest.raises(ValueError, match="not both"):
         config_from_args(parser.parse_args(["--admin-api-key", "flag"]), {ADMIN_KEY_ENV: "adm"})
     # a variable that is set holds a key: an empty Secret must not turn the client check off
