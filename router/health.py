@@ -75,7 +75,7 @@ class HealthChecker:
             problem = f"GET {self.settings.path} failed: {type(exc).__name__}{f': {exc}' if str(exc) else ''}"
         # Asked again whenever it comes back to the pool: a restarted engine may serve another
         # name, and requests are routed by it
-        if passed and not (worker.model_name and worker.healthy):
+        if passed and not (worker.models and worker.healthy):
             await self._ask_model(worker)
         if self.workers.get(worker.url) is not worker:
             return  # removed (or replaced) while the check was running
@@ -95,7 +95,7 @@ class HealthChecker:
                 )
 
     async def _ask_model(self, worker: Worker) -> None:
-        """The model a worker serves, for routing and kubesgl_router_worker_info, asked before
+        """The models a worker serves, for routing and kubesgl_router_worker_info, asked before
         it joins the pool. One that does not answer joins all the same (it may serve any model)
         and is asked again at its next check."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
@@ -111,8 +111,9 @@ class HealthChecker:
         except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
             log.debug("GET %s of %s failed: %r", MODELS_PATH, worker.url, exc)
             return
-        if isinstance(models, list) and models and isinstance(models[0], dict):
-            worker.model_name = str(models[0].get("id", ""))
+        if isinstance(models, list):
+            ids = (m.get("id") for m in models if isinstance(m, dict))
+            worker.models = tuple(str(i) for i in ids if i)
 
     def close(self) -> None:
         for task in self._probes:

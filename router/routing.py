@@ -147,7 +147,7 @@ class Forwarder:
         registered = self.workers.with_role(role)
         if model is None or not registered or any(w.serves(model) for w in registered):
             return
-        served = ", ".join(sorted({repr(w.model_name) for w in registered}))
+        served = ", ".join(sorted({repr(m) for w in registered for m in w.models}))
         raise RouterError(
             404,
             f"the model {model!r} does not exist; the workers serve {served}",

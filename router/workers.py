@@ -71,7 +71,9 @@ class Worker:
     bootstrap_port: int | None = None  # prefill workers only
     source: str = "static"  # static | admin | kubernetes
     pod: str = ""  # the pod's name, when discovery found the worker
-    model_name: str = ""  # the model it serves (its /v1/models), once a health check has asked
+    # the ids of its /v1/models (a vLLM engine may serve several names), once a health check
+    # has asked; empty before
+    models: tuple[str, ...] = ()
     healthy: bool = False  # false until the first health check passes
     in_flight: int = 0
     health_failures: int = 0  # consecutive failed health checks
@@ -83,13 +85,18 @@ class Worker:
         """The address a decode engine uses to reach this worker's bootstrap server."""
         return urlsplit(self.url).hostname or ""
 
+    @property
+    def model_name(self) -> str:
+        """The model it serves, its first id (kubesgl_router_worker_info's label)."""
+        return self.models[0] if self.models else ""
+
     def can_serve(self) -> bool:
         return self.healthy and self.breaker.allows_requests()
 
     def serves(self, model: str | None) -> bool:
         """Whether a request for `model` (None: a request that names none) may come here. One
-        that has not named its model yet may serve any: its engine refuses another itself."""
-        return model is None or not self.model_name or self.model_name == model
+        that has not named its models yet may serve any: its engine refuses another itself."""
+        return model is None or not self.models or model in self.models
 
     def describe(self) -> dict[str, object]:
         return {

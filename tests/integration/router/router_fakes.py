@@ -77,9 +77,11 @@ class FakeEngine:
         prefix_cache_chars: int = 0,
         api_key: str | None = None,
         model: str = "fake-model",
+        aliases: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.model = model  # its served model name
+        self.aliases = aliases  # more names it serves, listed after it (vLLM's served names)
         self.role = role
         self.tokens = tokens
         self.kv = kv
@@ -206,14 +208,16 @@ class FakeEngine:
         unauthorized = self._unauthorized(request)
         if unauthorized is not None:
             return unauthorized
+        names = (self.model, *self.aliases)
         return web.json_response(
-            {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+            {"object": "list", "data": [{"id": name, "object": "model"} for name in names]}
         )
 
     async def _model(self, request: web.Request) -> web.Response:
-        if request.match_info["model"] != self.model:
+        model = request.match_info["model"]
+        if model not in (self.model, *self.aliases):
             return web.json_response({"error": {"code": "model_not_found"}}, status=404)
-        return web.json_response({"id": self.model, "object": "model"})
+        return web.json_response({"id": model, "object": "model"})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         """One token per character, its code point."""

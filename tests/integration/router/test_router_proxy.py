@@ -81,6 +81,20 @@ async def test_requests_go_only_to_workers_of_their_model(engines, start_router,
     assert 'kubesgl_router_rejections_total{reason="not_found",status="404"} 1.0' in metrics
 
 
+async def test_a_worker_serves_every_name_its_models_list(engines, start_router, client):
+    """A worker whose /v1/models lists several ids (vLLM's --served-model-name a b) serves each:
+    the router knew only the first and answered 404 for the others."""
+    a = await engines("a", model="name", aliases=("alias",))
+    async with start_router(workers=[a.url]) as router:
+        await router.all_healthy()
+        answers = [
+            await client.post(router.url + "/v1/chat/completions", json={**CHAT, "model": model})
+            for model in ("name", "alias", "other")
+        ]
+    assert [r.status_code for r in answers] == [200, 200, 404]
+    assert "the workers serve 'alias', 'name'" in answers[2].json()["error"]["message"]
+
+
 async def test_a_worker_back_in_the_pool_is_asked_its_model_again(engines, start_router, client):
     """An engine restarted at its address with another served name kept its old name in the
     router, which would now refuse requests for the new one (404) and send it the old one's."""
