@@ -185,8 +185,8 @@ class EngineClient:
 
     def _log_stats(self, stats: SchedulerStats) -> None:
         """Every stats_log_interval_s while requests run or wait: running, waiting, KV usage,
-        and per second since the last line the new prompt tokens taken (those not found in the
-        prefix cache: a prefill engine's work) and the tokens generated."""
+        and per second since the last line the new prompt tokens admitted to prefill (those not
+        found in the prefix cache: a prefill engine's work) and the tokens generated."""
         now = time.perf_counter()
         elapsed = now - self._stats_logged_at
         if elapsed < self.stats_log_interval_s:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -423,16 +424,19 @@ def test_a_stats_line_while_busy_only(caplog):
     client._stats_logged_at, client._tokens_since_log, client._prompt_tokens_logged = 0.0, 0, 0
     with caplog.at_level("INFO", logger="kubesgl.engine.server.engine_client"):
         client._tokens_since_log = 500
+        client._stats_logged_at = time.perf_counter() - 2.0  # the line before, 2 s ago
         client._log_stats(SchedulerStats(3, 2, 600, 1000, 0, 0))
         client._log_stats(SchedulerStats(0, 0, 0, 1000, 0, 0))  # idle: nothing
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("busy: running=3 waiting=2 kv_usage=0.60 ")
+    generated = float(lines[0].split(" generated=")[1].split(" tok/s")[0])
+    assert 245 <= generated <= 250, lines  # 500 tokens in a little over 2 s
 
 
 def test_the_stats_line_shows_a_prefill_engines_work(caplog):
     """A prefill engine generates nothing (its rooms' tokens are the decode engine's), so its
-    line must say how fast it computes prompts: the new prompt tokens (not found in the prefix
-    cache) it took since the last line."""
+    line must say how fast it takes prompts: the new prompt tokens (not found in the prefix
+    cache) admitted since the last line."""
     from kubesgl.engine.messages import SchedulerStats
     from kubesgl.engine.server.engine_client import EngineClient
 
