@@ -62,3 +62,8 @@ def port_number(text: str, lowest: int = 1) -> int:
 def free_port_or_number(text: str) -> int:
     """A --port of a server that logs the address it bound: 0 (a free port) to 65535."""
     return port_number(text, lowest=0)
+
+
+def port_or_off(text: str) -> int:
+    """The port of an optional listener: 1 to 65535, or 0 for none."""
+    return port_number(text, lowest=0)

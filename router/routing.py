@@ -129,9 +129,7 @@ class Forwarder:
                 await asyncio.sleep(self.retry.backoff_s(retry))
                 retry += 1
 
-    def _candidates(
-        self, role: Role, excluded: set[Worker], model: str | None = None
-    ) -> list[Worker]:
+    def _candidates(self, role: Role, excluded: set[Worker], model: str | None) -> list[Worker]:
         available = self.workers.available(role, model)
         if not available:
             self._check_served(role, model)

@@ -293,7 +293,7 @@ def _route_problem(request: Request, exc: StarletteHTTPException) -> str:
     """In the router's words: the route that is not there, or the methods a route takes
     (Starlette's "Not Found" and "Method Not Allowed" named neither)."""
     path = request.url.path
-    if exc.status_code == 404:
+    if exc.status_code == 404 and exc.detail == "Not Found":  # routing's, not a handler's own
         return not_served(path) or f"no route for {request.method} {path}"
     allowed = (exc.headers or {}).get("Allow")
     return f"{path} accepts {allowed}" if exc.status_code == 405 and allowed else str(exc.detail)
