@@ -43,8 +43,13 @@ def read_documents(filename: str) -> list[Any]:
 
 
 def print_problems(prog: str, filename: str, document: dict[str, Any], error: InvalidSpec) -> None:
-    name = (document.get("metadata") or {}).get("name", "?")
-    print(f"{prog}: {filename}: InferenceService {name}:", file=sys.stderr)
+    metadata = document.get("metadata")  # anything YAML holds: the problems say what is wrong
+    name = metadata.get("name") if isinstance(metadata, dict) else None
+    which = f"InferenceService {name}" if isinstance(name, str) and name else None
+    print(
+        f"{prog}: {filename}: {which or 'InferenceService without metadata.name'}:",
+        file=sys.stderr,
+    )
     for problem in error.problems:
         print(f"  {problem}", file=sys.stderr)
 

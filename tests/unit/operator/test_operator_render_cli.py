@@ -43,6 +43,21 @@ def test_a_bad_spec_exits_2_naming_the_field() -> None:
     assert result.stdout == ""
 
 
+def test_metadata_that_is_no_mapping_is_a_problem_not_a_traceback() -> None:
+    """A metadata that is a string or a list (a YAML slip) crashed the printing of the spec's
+    problems with AttributeError, and a spec without a name printed "InferenceService ?"."""
+    for metadata in ("oops", ["name", "x"], {"namespace": "ns"}):
+        document = load_example("mixed.yaml")
+        document["metadata"] = metadata
+        result = run_render("-f", "-", stdin=yaml.safe_dump(document))
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        assert result.stderr.startswith(
+            "kubesgl render: -: InferenceService without metadata.name:"
+        )
+        assert "metadata" in result.stderr.splitlines()[1]
+
+
 def test_render_does_not_import_torch_or_kopf() -> None:
     code = (
         "import sys; from kubesgl.operator import render_cli;"
