@@ -74,11 +74,9 @@ def main(argv: list[str]) -> int:
     except (OSError, yaml.YAMLError) as error:
         print(f"{PROG}: cannot read {args.filename}: {error}", file=sys.stderr)
         return 2
-    if len(documents) != 1 or not isinstance(documents[0], dict):
-        print(
-            f"{PROG}: {args.filename}: expected one InferenceService, found {len(documents)} documents",
-            file=sys.stderr,
-        )
+    problem = _not_one_inference_service(documents)
+    if problem is not None:
+        print(f"{PROG}: {args.filename}: {problem}", file=sys.stderr)
         return 2
     try:
         isvc = parse_inference_service(documents[0])
@@ -150,6 +148,17 @@ def main(argv: list[str]) -> int:
         supervisor.stop(force, on_tick=lambda: view.refresh(supervisor.replicas))
         view.close()
     return 0
+
+
+def _not_one_inference_service(documents: list[object]) -> str | None:
+    """Why a file's YAML documents are not the one InferenceService `kubesgl up` runs."""
+    if not documents:
+        return "no InferenceService in it (no YAML document)"
+    if len(documents) > 1:
+        return f"expected one InferenceService, found {len(documents)} YAML documents"
+    if not isinstance(documents[0], dict):
+        return "expected an InferenceService, found no mapping"
+    return None
 
 
 def detach_from_terminal() -> None:

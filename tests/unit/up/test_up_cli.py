@@ -59,12 +59,19 @@ def test_a_claim_needs_a_local_copy(tmp_path, capsys):
     )
 
 
-@pytest.mark.parametrize("text", ["", "kind: A\n---\nkind: B\n", "- a list\n"])
-def test_one_inference_service_per_file(tmp_path, capsys, text):
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("", "no InferenceService in it (no YAML document)"),
+        ("kind: A\n---\nkind: B\n", "expected one InferenceService, found 2 YAML documents"),
+        ("- a list\n", "expected an InferenceService, found no mapping"),  # was "1 documents"
+    ],
+)
+def test_one_inference_service_per_file(tmp_path, capsys, text, problem):
     path = tmp_path / "isvc.yaml"
     path.write_text(text)
     assert cli.main(["-f", str(path)]) == 2
-    assert "expected one InferenceService" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"kubesgl up: {path}: {problem}\n"
 
 
 def test_a_port_in_use(tmp_path, capsys):
