@@ -58,7 +58,8 @@ def build_parser(
         "--kube-namespace",
         default=None,
         metavar="NS",
-        help="namespace of the engine pods (default: the router pod's own, else `default`)",
+        help="namespace of the engine pods (default: the router pod's own, else `default`); "
+        "given alone, it turns Kubernetes discovery on for every engine pod there",
     )
     w.add_argument(
         "--kube-selector",
