@@ -4,13 +4,13 @@ container runs; later runs find it there."""
 from __future__ import annotations
 
 import os
-import re
 import shlex
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+from kubesgl.up.log_tail import clip, last_lines
 from kubesgl.up.plan import ModelStep
 
 
@@ -18,19 +18,12 @@ class ModelStepFailed(Exception):
     pass
 
 
-_COLOR = re.compile(r"\x1b\[[0-9;]*m")  # what `hf` writes to color its lines, even into a file
-ERROR_LINE_MAX = 400
-
-
-def _error_line(output: bytes) -> str:
-    """The line of a failed step's output that says why: its last one that says error (`hf`
-    ends with hints after it), else its last one; without color codes, at most ERROR_LINE_MAX
-    characters."""
-    lines = [_COLOR.sub("", line).strip() for line in output.decode(errors="replace").splitlines()]
-    lines = [line for line in lines if line]
+def _error_line(log_path: Path, start: int) -> str:
+    """The line of a failed step's log (after offset `start`) that says why: its last one that
+    says error (`hf` ends with hints after it), else its last one."""
+    lines = last_lines(log_path, start, size=65536)
     errors = [line for line in lines if "error" in line.lower()]
-    line = (errors or lines or [""])[-1]
-    return line if len(line) <= ERROR_LINE_MAX else line[: ERROR_LINE_MAX - 1] + "…"
+    return clip((errors or lines or [""])[-1])
 
 
 def ensure_model(step: ModelStep, log_path: Path) -> None:
@@ -54,9 +47,7 @@ def ensure_model(step: ModelStep, log_path: Path) -> None:
                     f"{argv[0]} is not installed; the model needs {shlex.join(argv)}"
                 ) from None
         if result.returncode != 0:
-            with log_path.open("rb") as log:
-                log.seek(start)
-                why = _error_line(log.read()[-65536:])
+            why = _error_line(log_path, start)
             raise ModelStepFailed(
                 f"{shlex.join(argv)} exited with code {result.returncode}"
                 f"{': ' + why if why else ''} (log: {log_path})"

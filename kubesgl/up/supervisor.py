@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from kubesgl import contract
+from kubesgl.up.log_tail import clip, last_lines
 from kubesgl.up.plan import LocalProcess
 
 BACKOFF_FIRST_S = 1.0
@@ -37,9 +38,6 @@ BACKOFF_RESET_S = 120.0
 HEALTH_TIMEOUT_S = 1.0
 # How long the processes of a group may take to be gone after SIGKILL.
 KILL_WAIT_S = 5.0
-# An engine's start-up error is one line with what to do at its end: shown whole, unless a line
-# runs on (an exception holding a large value), cut then with a mark.
-EXIT_LINE_MAX = 400
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 # loaded here, not between fork and exec, where the child may only make the system call
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
@@ -245,19 +243,8 @@ def exit_reason(returncode: int, log_path: Path) -> str:
     that ends a Python process is its last line)."""
     if returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"
-    with log_path.open("rb") as log:
-        log.seek(max(0, log.seek(0, os.SEEK_END) - 4096))
-        lines = [
-            line.strip()
-            for line in log.read().decode(errors="replace").splitlines()
-            if line.strip()
-        ]
-    if not lines:
-        return f"exit code {returncode}"
-    last = lines[-1]
-    if len(last) > EXIT_LINE_MAX:
-        last = last[: EXIT_LINE_MAX - 1] + "…"
-    return f"exit code {returncode}: {last}"
+    lines = last_lines(log_path)
+    return f"exit code {returncode}: {clip(lines[-1])}" if lines else f"exit code {returncode}"
 
 
 def _drain_when_parent_dies(parent: int) -> None:
