@@ -4,7 +4,7 @@ and a parser that raises where a command would exit, for checking command lines.
 `DefaultsOnce` adds " (default: X)" to a flag's help unless the help already says what its
 default is (mentions "default") or there is nothing to show: no value (None), a switch that is
 off (False), an empty list, or a required flag. tests/unit/test_help.py checks every command.
-`port_number` (or `free_port_or_number`) is the type of every command's --port.
+`port_number` (or `port_or_zero`) is the type of every command's --port.
 """
 
 from __future__ import annotations
@@ -52,18 +52,14 @@ class RefusingParser(argparse.ArgumentParser):
 def port_number(text: str, lowest: int = 1) -> int:
     """A --port: 1 to 65535. The OS would take 70000 as 70000 mod 65536 (the printed URL then
     names a port nobody listens on), and 0 as a free port, which only a command that logs
-    the port it bound may take (`free_port_or_number`)."""
+    the port it bound may take (`port_or_zero`)."""
     port = int(text) if text.lstrip("-").isdigit() else None
     if port is None or not lowest <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port from {lowest} to 65535, not {text!r}")
     return port
 
 
-def free_port_or_number(text: str) -> int:
-    """A --port of a server that logs the address it bound: 0 (a free port) to 65535."""
-    return port_number(text, lowest=0)
-
-
-def port_or_off(text: str) -> int:
-    """The port of an optional listener: 1 to 65535, or 0 for none."""
+def port_or_zero(text: str) -> int:
+    """A port from 0 to 65535, where 0 means what its flag says: a free port to a server that
+    logs the address it bound, no listener to an optional one."""
     return port_number(text, lowest=0)

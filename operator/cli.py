@@ -8,7 +8,7 @@ import sys
 
 import kopf
 
-from kubesgl.cli_help import DefaultsOnce, port_or_off
+from kubesgl.cli_help import DefaultsOnce, port_or_zero
 from kubesgl.contract import LOG_LEVELS
 from kubesgl.operator.handlers import OperatorState, registry
 from kubesgl.operator.kube import NoCluster, check_reachable, load_credentials
@@ -33,7 +33,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--liveness-port",
         # checked here: kopf would fail to bind 70000 or -1 only once connected to the cluster
-        type=port_or_off,
+        type=port_or_zero,
         default=8080,
         metavar="PORT",
         help="port of the /healthz endpoint for the pod's liveness probe (0 disables it)",

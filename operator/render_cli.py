@@ -45,11 +45,9 @@ def read_documents(filename: str) -> list[Any]:
 def print_problems(prog: str, filename: str, document: dict[str, Any], error: InvalidSpec) -> None:
     metadata = document.get("metadata")  # anything YAML holds: the problems say what is wrong
     name = metadata.get("name") if isinstance(metadata, dict) else None
-    which = f"InferenceService {name}" if isinstance(name, str) and name else None
-    print(
-        f"{prog}: {filename}: {which or 'InferenceService without metadata.name'}:",
-        file=sys.stderr,
-    )
+    named = isinstance(name, str) and name
+    which = f"InferenceService {name}" if named else "InferenceService without metadata.name"
+    print(f"{prog}: {filename}: {which}:", file=sys.stderr)
     for problem in error.problems:
         print(f"  {problem}", file=sys.stderr)
 

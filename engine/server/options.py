@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kubesgl.cli_help import RefusingParser, free_port_or_number
+from kubesgl.cli_help import RefusingParser, port_or_zero
 from kubesgl.contract import ENGINE_PORT, LOG_LEVELS
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.messages import HEARTBEAT_S
@@ -55,7 +55,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     )
     server.add_argument(
         "--port",
-        type=free_port_or_number,
+        type=port_or_zero,
         default=defaults.port,
         help=f"port of the HTTP API; 0: a free one, which the log names (default: {defaults.port})",
     )
