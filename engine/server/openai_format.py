@@ -133,8 +133,9 @@ class Reading:
 
 @dataclass(frozen=True)
 class ToolOutput:
-    """How a chat answer becomes tool calls: never ("none"), always (a "required" list of calls,
-    or the "named" function's arguments), or where the model wrote its own format ("auto")."""
+    """How a chat answer becomes tool calls: never ("none"), always (a "required" list of calls
+    unless cut before its first, or the "named" function's arguments), or where the model
+    wrote its own format ("auto")."""
 
     mode: str
     name: str | None = None  # the named function
@@ -175,8 +176,11 @@ def _auto(tools: ToolOutput, text: str) -> Reading:
     return Reading(content or None, calls, len(content))
 
 
-def _required(_: ToolOutput, text: str) -> Reading:
-    return Reading(None, tool_calls.parse_required(text), 0)
+def _required(tools: ToolOutput, text: str) -> Reading:
+    """The calls of the grammar's JSON list. A list cut short (max_tokens) before its first
+    call's name was whole holds none: its text is the content, not lost (as SGLang answers)."""
+    calls = tool_calls.parse_required(text)
+    return Reading(None, calls, 0) if calls else _as_text(tools, text)
 
 
 def _named(tools: ToolOutput, text: str) -> Reading:

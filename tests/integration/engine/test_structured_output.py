@@ -406,15 +406,21 @@ def test_auto_calls_are_of_declared_functions_and_one_without_parallel_calls(cli
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_forced_calls_cut_by_max_tokens_are_still_calls(client, stream):
-    """As vLLM: the named function with its arguments as far as they came; "required" never
-    shows its list of calls as content."""
+    """As vLLM: the named function with its arguments as far as they came."""
     named = {"type": "function", "function": {"name": "add"}}
     content, calls, finish = _answered(client, stream, tools=TOOLS, tool_choice=named, max_tokens=3)
     assert (content, [name for name, _ in calls], finish) == (None, ["add"], "length")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_answer_cut_before_its_first_call_is_content(client, stream):
+    """Cut before a name was whole, it holds no call: its text, the start of the list of
+    calls, is the content (it was lost: content null and no tool_calls)."""
     content, calls, finish = _answered(
         client, stream, tools=TOOLS, tool_choice="required", max_tokens=4
     )
-    assert (content, calls, finish) == (None, [], "length")  # cut before a name was whole
+    assert (calls, finish) == ([], "length")
+    assert content is not None and content.startswith("["), content
 
 
 @pytest.mark.parametrize(

@@ -292,10 +292,17 @@ def test_required_calls_cut_by_max_tokens_keep_the_whole_ones_and_a_named_last_o
             '[{"name": "get_weather", "parameters": {"city": "Par',
             [("get_weather", '{"city": "Par')],
         ),
-        (ToolOutput("required"), '[{"name": "get_', []),
     ],
 )
 def test_a_forced_call_cut_by_max_tokens_is_still_a_call(tools, text, calls):
-    """As vLLM: with finish_reason "length"; never the internal JSON list as content."""
+    """As vLLM: with finish_reason "length"; the JSON list around the calls is no content."""
     whole, streamed = answered_both_ways(tools, [text[:7], text[7:]], "length")
     assert whole == streamed == {"content": None, "calls": calls, "finish_reason": "length"}
+
+
+@pytest.mark.parametrize("text", ['[{"name": "get_', "[", '[{"na'])
+def test_a_required_answer_cut_before_its_first_call_keeps_its_text_as_content(text):
+    """No call could be read from it: its text was dropped (content null, no tool_calls),
+    streamed or not; it is the content now, as SGLang answers it."""
+    whole, streamed = answered_both_ways(ToolOutput("required"), [text[:2], text[2:]], "length")
+    assert whole == streamed == {"content": text, "calls": [], "finish_reason": "length"}
