@@ -81,6 +81,10 @@ Int = Annotated[int, BeforeValidator(_a_number)]
 Float = Annotated[float, BeforeValidator(_a_number)]
 """Every number a request carries: `"max_tokens": true` or `"3"` is a 400 (as at OpenAI)."""
 
+Seed = Annotated[Int, Field(ge=-(2**63), le=2**63 - 1)]
+"""A sampling seed: a signed 64-bit integer, as vLLM's schema bounds it (a seed vLLM refuses
+is refused here too, not sampled as its remainder)."""
+
 Bool = StrictBool
 """Every flag a request carries: `"stream": "yes"` is a 400, not true."""
 
@@ -262,7 +266,7 @@ class _SamplingFields(_Bootstrap):
     top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[Int, Field(ge=-1)] | None = None
     min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
-    seed: Int | None = None
+    seed: Seed | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: Bool = False
@@ -610,7 +614,7 @@ class NativeSamplingParams(_Lenient):
     top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[Int, Field(ge=-1)] = -1
     min_p: Annotated[Float, Field(ge=0, le=1)] = 0.0
-    seed: Int | None = None
+    seed: Seed | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: Bool = False

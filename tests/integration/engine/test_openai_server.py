@@ -330,6 +330,35 @@ def test_bad_completion_requests_get_400(llama_server, body, param):
     )
 
 
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "x", "seed": 2**63}, "seed"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "seed": -(2**63) - 1},
+            "seed",
+        ),
+        ("/generate", {"text": "x", "sampling_params": {"seed": 2**63}}, "sampling_params.seed"),
+    ],
+)
+def test_a_seed_outside_64_bits_is_a_400_on_every_route(llama_server, path, body, param):
+    """As vLLM's schema bounds it; it was taken, sampled as its remainder modulo 2**63."""
+    got = httpx.post(
+        llama_server.base_url + path, json=body, headers={"authorization": "Bearer sk-test"}
+    )
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert error["message"].startswith(f"{param}: Input should be"), error["message"]
+
+
+def test_a_negative_seed_samples_reproducibly_as_any_other(client):
+    ask = dict(model="tiny", prompt="Count from one to ten:", max_tokens=8, temperature=1.0)
+    got = [client.completions.create(**ask, seed=seed).choices[0].text for seed in (-7, -7, 7)]
+    assert got[0] == got[1] != got[2]
+
+
 HUGE_TOOL = {
     "type": "function",
     "function": {"name": "f", "description": "d" * 1_000_000, "parameters": {"type": "object"}},

@@ -148,6 +148,43 @@ def test_generate_refuses_sampling_params_n_it_would_ignore(n):
     assert one.sampling_params.n == 1
 
 
+SEED_PATHS = [
+    (ChatCompletionRequest, ("seed",)),
+    (CompletionRequest, ("seed",)),
+    (GenerateRequestBody, ("sampling_params", "seed")),
+]
+
+
+@pytest.mark.parametrize(
+    "model, path", SEED_PATHS, ids=[f"{model.__name__}.{'.'.join(p)}" for model, p in SEED_PATHS]
+)
+@pytest.mark.parametrize(
+    "seed, bound",
+    [
+        (2**63, "less than or equal to 9223372036854775807"),
+        (10**30, "less than or equal to 9223372036854775807"),
+        (-(2**63) - 1, "greater than or equal to -9223372036854775808"),
+    ],
+)
+def test_a_seed_outside_64_bits_is_a_400_naming_it(model, path, seed, bound):
+    """As vLLM's schema bounds it; it was taken, and sampled as its remainder modulo 2**63
+    (2**63 as 0 does)."""
+    with pytest.raises(ValidationError) as raised:
+        model.model_validate(_with(BASES[model], path, seed))
+    error = validation_error(raised.value.errors())
+    assert (error.status, error.param) == (400, ".".join(path)), error.message
+    assert error.message == f"{'.'.join(path)}: Input should be {bound}"
+
+
+@pytest.mark.parametrize(
+    "model, path", SEED_PATHS, ids=[f"{model.__name__}.{'.'.join(p)}" for model, p in SEED_PATHS]
+)
+def test_seeds_within_64_bits_are_taken_negative_ones_too(model, path):
+    for seed in (-(2**63), -7, 0, 2**63 - 1):
+        request = model.model_validate(_with(BASES[model], path, seed))
+        assert request.to_sampling_params().seed == seed
+
+
 def test_a_null_is_the_field_left_out():
     """`"stream": null` and the like: OpenAI allows null for its optional fields, and clients
     that forward options they were not given send it."""
