@@ -85,13 +85,18 @@ def route_of(path: str) -> str:
     return MODEL_PATH if path.startswith(MODEL_PREFIX) else path
 
 
+def card_model(path: str) -> str | None:
+    """The model a card's path names, unencoded (None: the path is no card's)."""
+    return path.removeprefix(MODEL_PREFIX) if route_of(path) == MODEL_PATH else None
+
+
 def models_path(path: str) -> str:
     """The path a models request is forwarded with. A model's name goes as one percent-encoded
     segment: as it came ("../../flush_cache", decoded by the server), the worker's URL would
     resolve it to another of the engine's routes, called with the router's engine key."""
-    if route_of(path) != MODEL_PATH:
+    model = card_model(path)
+    if model is None:
         return path
-    model = path.removeprefix(MODEL_PREFIX)
     if model in ("", ".", ".."):  # a segment no percent-encoding keeps from resolving
         # in the engines' (and OpenAI's) shape for a model not served
         raise RouterError(
@@ -103,8 +108,8 @@ def models_path(path: str) -> str:
 def _model_of(path: str, body: bytes) -> str | None:
     """The model a request for one worker names: a model's card, or a tokenizer request's
     `model` (a body that is no JSON names none: the engine says what is wrong with it)."""
-    if route_of(path) == MODEL_PATH:
-        return path.removeprefix(MODEL_PREFIX)
+    if (model := card_model(path)) is not None:
+        return model
     if path not in TOKENIZER_PATHS:
         return None
     try:
