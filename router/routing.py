@@ -167,10 +167,8 @@ class Forwarder:
         error.headers.append((b"retry-after", str(self.retry_after_s).encode()))
         return error
 
-    def _choose(
-        self, role: Role, policy: Policy, request: ParsedRequest, excluded: set[Worker]
-    ) -> Choice:
-        candidates = self._candidates(role, excluded, request.model)
+    def _choose(self, policy: Policy, candidates: list[Worker], request: ParsedRequest) -> Choice:
+        """The policy's pick among `candidates` (from _candidates), its cache decision counted."""
         choice: Choice = policy.choose(candidates, request.routing_text)
         if choice.decision is not None:
             self.metrics.cache_decisions.labels(choice.decision).inc()
@@ -179,7 +177,8 @@ class Forwarder:
     async def _mixed_once(
         self, request: ParsedRequest, headers: Headers, excluded: set[Worker]
     ) -> Reply:
-        worker = self._choose(Role.MIXED, self.policies.mixed, request, excluded).worker
+        candidates = self._candidates(Role.MIXED, excluded, request.model)
+        worker = self._choose(self.policies.mixed, candidates, request).worker
         return await self.upstream.exchange(
             worker, "POST", request.path, request.raw, headers, stream=request.stream
         )
@@ -187,10 +186,12 @@ class Forwarder:
     async def _pd_once(
         self, request: ParsedRequest, headers: Headers, excluded: set[Worker]
     ) -> Reply:
-        # Check the prefill pool before choosing, so that a policy never records a request
-        # never sent (the decode worker gets every request, alone or not).
+        # The prefill pool, asked once and before choosing, so that a policy never records a
+        # request never sent (the decode worker gets every request, alone or not); the
+        # prefill policy chooses among it when the request is handed over.
         prefills = self._candidates(Role.PREFILL, excluded, request.model)
-        decode = self._choose(Role.DECODE, self.policies.decode, request, excluded)
+        decodes = self._candidates(Role.DECODE, excluded, request.model)
+        decode = self._choose(self.policies.decode, decodes, request)
         route = self._pd_route(request, prefills, decode)
         routed = True
         try:
@@ -198,7 +199,7 @@ class Forwarder:
                 return await self.upstream.exchange(
                     decode.worker, "POST", request.path, request.raw, headers, stream=request.stream
                 )
-            prefill = self._choose(Role.PREFILL, self.policies.prefill, request, excluded).worker
+            prefill = self._choose(self.policies.prefill, prefills, request).worker
             return await self.pd.exchange(request, prefill, decode.worker, headers)
         except UpstreamError as error:
             # Refused, it was served no route: before any work (a retry elsewhere counts its
