@@ -161,9 +161,10 @@ class RouterApp:
         self.resolve: Resolve = resolve_host
         self._routes: dict[str, dict[str, Handler]] = {
             **{path: {"POST": self._generate} for path in GENERATION_PATHS},
+            "/v1/models": {"GET": self._list_models},
             **{
                 path: {"GET": self._any_worker}
-                for path in ("/v1/models", MODEL_PATH, *MODEL_INFO_PATHS, "/version")
+                for path in (MODEL_PATH, *MODEL_INFO_PATHS, "/version")
             },
             **{path: {"POST": self._any_worker} for path in TOKENIZER_PATHS},
             "/health": {"GET": self._health_status},
@@ -415,6 +416,9 @@ class RouterApp:
     async def _generate(self, scope: Scope, body: bytes) -> Reply:
         request = parse_generation_request(scope["path"], body)
         return await self.forwarder.generate(request, self._upstream_headers(scope))
+
+    async def _list_models(self, scope: Scope, body: bytes) -> Reply:
+        return await self.forwarder.list_models(self._upstream_headers(scope))
 
     async def _any_worker(self, scope: Scope, body: bytes) -> Reply:
         return await self.forwarder.any_worker(

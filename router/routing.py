@@ -7,9 +7,12 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 from kubesgl.router.errors import RouterError, no_worker
+from kubesgl.router.health import MODELS_PATH
 from kubesgl.router.metrics import RouterMetrics
+from kubesgl.router.model_list import cards_of, merged, served_sets
 from kubesgl.router.pd import PrefillDecodePair
 from kubesgl.router.policies import Choice, Policy
 from kubesgl.router.request_parsing import ParsedRequest
@@ -103,13 +106,73 @@ class Forwarder:
         self, method: str, path: str, body: bytes | None, headers: Headers, model: str | None
     ) -> Reply:
         """A request every worker of `model` (None: any worker) answers alike, from the least
-        loaded one that answers it (a decode worker in P/D mode): the model (/v1/models,
-        SGLang's /model_info), its tokenizer (vLLM's /tokenize, /detokenize), the version."""
-        role = Role.DECODE if self.workers.is_disaggregated() else Role.MIXED
+        loaded one that answers it (a decode worker in P/D mode): the model (a card, SGLang's
+        /model_info), its tokenizer (vLLM's /tokenize, /detokenize), the version."""
+        pool = partial(self._candidates, self._answering_role(), model=model)
+        return await self._least_loaded(pool, method, path, body, headers)
+
+    async def list_models(self, headers: Headers) -> Reply:
+        """GET /v1/models: the models the available workers serve (decode workers in P/D mode).
+        One worker of each set of served names answers, the least loaded, as any_worker; their
+        cards are merged by id. A set whose workers fail (after retries) is left out, and
+        logged: while one model's workers are down or loading, the others' stay listed. Only
+        if no set answers does the client get an error, the first set's."""
+        role = self._answering_role()
+        sets = served_sets(self.workers.available(role))
+        if len(sets) < 2:  # one set of names (or none: the 503): that worker's answer as it is
+            return await self.any_worker("GET", MODELS_PATH, None, headers, None)
+        # the router reads the answers: no compressed ones
+        headers = [(k, v) for k, v in headers if k.lower() != b"accept-encoding"]
+        outcomes = await asyncio.gather(*(self._models_of(role, s, headers) for s in sets))
+        card_lists = [cards_of(outcome) for outcome in outcomes]
+        if all(cards is None for cards in card_lists):
+            return self._first_outcome(role, outcomes[0])
+        for names, outcome, cards in zip(sets, outcomes, card_lists):
+            if cards is None:
+                reason = outcome if isinstance(outcome, Exception) else "no model list"
+                log.warning(
+                    "GET %s: the workers serving %s gave no model list (%s); the list "
+                    "leaves their models out",
+                    MODELS_PATH,
+                    _named(names),
+                    reason,
+                )
+        return merged(cards for cards in card_lists if cards is not None)
+
+    async def _models_of(
+        self, role: Role, names: frozenset[str], headers: Headers
+    ) -> Reply | RouterError | UpstreamError:
+        """The /v1/models answer of a worker serving `names`, or why there is none."""
+        pool = partial(self._serving, role, names)
+        try:
+            return await self._least_loaded(pool, "GET", MODELS_PATH, None, headers)
+        except (RouterError, UpstreamError) as error:
+            return error
+
+    def _first_outcome(self, role: Role, outcome: Reply | RouterError | UpstreamError) -> Reply:
+        """A list no set answered is the first set's answer or error, as one worker's list."""
+        if isinstance(outcome, RouterError):  # its workers left the pool: _candidates's 503
+            self.metrics.requests.labels("", "503").inc()
+            raise self.no_worker_error(role)
+        if isinstance(outcome, UpstreamError):
+            raise outcome
+        return outcome
+
+    def _answering_role(self) -> Role:
+        return Role.DECODE if self.workers.is_disaggregated() else Role.MIXED
+
+    async def _least_loaded(
+        self,
+        pool: Callable[[set[Worker]], list[Worker]],
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: Headers,
+    ) -> Reply:
+        """The answer of the least loaded of `pool(excluded)`, retried as a generation request."""
 
         async def once(excluded: set[Worker]) -> Reply:
-            candidates = self._candidates(role, excluded, model)
-            worker = min(candidates, key=lambda w: w.in_flight)
+            worker = min(pool(excluded), key=lambda w: w.in_flight)
             return await self.upstream.exchange(worker, method, path, body, headers, stream=False)
 
         return await self._with_retries(once)
@@ -135,8 +198,14 @@ class Forwarder:
             self._check_served(role, model)
             self.metrics.requests.labels("", "503").inc()
             raise self.no_worker_error(role, model)
-        # Workers that just failed this request go last, not away: they may be all there is.
-        return [w for w in available if w not in excluded] or available
+        return _excluded_last(available, excluded)
+
+    def _serving(self, role: Role, names: frozenset[str], excluded: set[Worker]) -> list[Worker]:
+        """The available workers that serve exactly `names` (a set of served_sets)."""
+        available = [w for w in self.workers.available(role) if frozenset(w.models) == names]
+        if not available:  # they left the pool since the list was asked
+            raise no_worker(f"no {role.value} worker serving {_named(names)} is left")
+        return _excluded_last(available, excluded)
 
     def _check_served(self, role: Role, model: str | None) -> None:
         """A 404 for a model no registered worker serves, as an engine answers one it does not
@@ -221,3 +290,12 @@ class Forwarder:
         if all(w.in_flight >= settings.max_prefill_in_flight for w in prefills):
             return "decode_only_saturated"
         return "disaggregated"
+
+
+def _named(names: frozenset[str]) -> str:
+    return ", ".join(sorted(map(repr, names))) or "models not named yet"
+
+
+def _excluded_last(available: list[Worker], excluded: set[Worker]) -> list[Worker]:
+    # Workers that just failed this request go last, not away: they may be all there is.
+    return [w for w in available if w not in excluded] or available

@@ -89,6 +89,7 @@ class FakeEngine:
         self.port = _free_port()
         self.healthy = True
         self.fail_status: int | None = None  # answer every generation request with this error
+        self.models_status: int | None = None  # answer GET /v1/models with this error
         self.fail_after_s = 0.0  # ... this long after the request came
         self.fail_after_kv: int | None = None  # prefill: send the KV cache, then this error
         self.late_answer_s = 0.0  # prefill: fail the room at once, answer the error this late
@@ -124,6 +125,12 @@ class FakeEngine:
     @property
     def prefix_cache_hit_ratio(self) -> float:
         return self._cached_chars / self._prompt_chars if self._prompt_chars else 0.0
+
+    @property
+    def models_listed(self) -> int:
+        """The /v1/models requests of clients, through the router: they carry a request id, the
+        router's own health checks none."""
+        return sum(any(k.lower() == "x-request-id" for k in h) for h in self.models_headers)
 
     async def start(self) -> FakeEngine:
         app = web.Application()
@@ -208,10 +215,11 @@ class FakeEngine:
         unauthorized = self._unauthorized(request)
         if unauthorized is not None:
             return unauthorized
+        if self.models_status is not None:
+            return _error(self.models_status, f"{self.name} fails on purpose")
         names = (self.model, *self.aliases)
-        return web.json_response(
-            {"object": "list", "data": [{"id": name, "object": "model"} for name in names]}
-        )
+        cards = [{"id": name, "object": "model", "owned_by": self.name} for name in names]
+        return web.json_response({"object": "list", "data": cards})
 
     async def _model(self, request: web.Request) -> web.Response:
         model = request.match_info["model"]

@@ -595,6 +595,26 @@ async def test_a_pd_request_goes_to_a_pair_of_its_model(engines, kv_table, start
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
 
 
+async def test_the_models_list_names_the_models_of_every_decode_worker(
+    engines, kv_table, start_router, client
+):
+    """Two pairs of two served names: the decode workers answer GET /v1/models, one of each
+    name, and the list names both (it named one worker's)."""
+    pairs = [
+        (
+            await engines(f"p-{model}", "prefill", kv=kv_table, model=model),
+            await engines(f"d-{model}", "decode", kv=kv_table, model=model),
+        )
+        for model in ("old-name", "new-name")
+    ]
+    prefills, decodes = zip(*pairs)
+    async with start_router(**pd_config(prefills, decodes)) as router:
+        await router.all_healthy()
+        listing = await client.get(router.url + "/v1/models")
+    assert [c["id"] for c in listing.json()["data"]] == ["old-name", "new-name"]
+    assert [e.models_listed for e in (*prefills, *decodes)] == [0, 0, 1, 1]
+
+
 async def test_a_request_retried_on_another_pair_is_one_pd_route(
     engines, kv_table, start_router, client
 ):

@@ -95,6 +95,61 @@ async def test_a_worker_serves_every_name_its_models_list(engines, start_router,
     assert "the workers serve 'alias', 'name'" in answers[2].json()["error"]["message"]
 
 
+async def test_the_models_list_names_every_model_the_workers_serve(engines, start_router, client):
+    """Workers of two sets of served names behind one router (a rename rolling out): GET
+    /v1/models was one worker's answer, and listed its names alone. One worker of each set
+    answers now, and the cards are merged by id, the first card of an id kept."""
+    old = await engines("old", model="old-name", aliases=("shared",))
+    new = await engines("new", model="new-name", aliases=("shared",))
+    twin = await engines("twin", model="new-name", aliases=("shared",))
+    async with start_router(workers=[old.url, new.url, twin.url]) as router:
+        await router.all_healthy()
+        listing = await client.get(router.url + "/v1/models")
+    assert listing.status_code == 200, listing.text
+    assert listing.json()["object"] == "list"
+    cards = listing.json()["data"]
+    assert [c["id"] for c in cards] == ["old-name", "shared", "new-name"]
+    assert cards[1]["owned_by"] == "old"
+    assert (old.models_listed, new.models_listed + twin.models_listed) == (1, 1)
+
+
+async def test_workers_of_one_set_of_names_list_their_models_as_before(
+    engines, start_router, client
+):
+    """One set of served names: one worker's answer, as the engine gave it."""
+    a, b = await engines("a"), await engines("b")
+    async with start_router(workers=[a.url, b.url]) as router:
+        await router.all_healthy()
+        listing = await client.get(router.url + "/v1/models")
+    assert listing.json() == {
+        "object": "list",
+        "data": [{"id": "fake-model", "object": "model", "owned_by": "a"}],
+    }
+    assert (a.models_listed, b.models_listed) == (1, 0)
+
+
+async def test_the_models_list_leaves_out_the_models_of_workers_that_fail(
+    engines, start_router, client, caplog
+):
+    """While the workers of one name fail to list it (after retries, for a 503), the list names
+    the others' models, and the router logs what it left out: the list was that first worker's
+    error. Only when no worker lists its models is the list an error, the first set's."""
+    old, new = await engines("old", model="old-name"), await engines("new", model="new-name")
+    async with start_router(workers=[old.url, new.url], breaker_failure_threshold=100) as router:
+        await router.all_healthy()
+        for status in (500, 503):
+            old.models_status = status
+            listing = await client.get(router.url + "/v1/models")
+            assert listing.status_code == 200, listing.text
+            assert [c["id"] for c in listing.json()["data"]] == ["new-name"]
+        old.models_status = new.models_status = 500
+        failed = await client.get(router.url + "/v1/models")
+    assert old.models_listed == 1 + 4 + 1  # the 500 once, the 503 retried 3 times, the 500 again
+    assert failed.status_code == 500 and old.url in failed.json()["error"]["message"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("the workers serving 'old-name' gave no model list" in w for w in warnings), warnings
+
+
 async def test_a_worker_back_in_the_pool_is_asked_its_model_again(engines, start_router, client):
     """An engine restarted at its address with another served name kept its old name in the
     router, which would now refuse requests for the new one (404) and send it the old one's."""
