@@ -87,12 +87,14 @@ def _assert_pool_clean(llm) -> None:
 
 @pytest.fixture
 def filled_kv_pool():
-    """filled_kv_pool(seed, layers=2, kv_heads=2, head_dim=8) -> a bfloat16 KVPool of 64 slots on
-    the CPU, random (seed) or zero (seed None): the two ends of a KV transfer."""
+    """filled_kv_pool(seed, layers=2, kv_heads=2, head_dim=8, device="cpu") -> a bfloat16 KVPool
+    of 64 slots, random (seed) or zero (seed None): the two ends of a KV transfer."""
     from kubesgl.engine.kvcache.pools import KVPool
 
-    def make(seed: int | None, layers: int = 2, kv_heads: int = 2, head_dim: int = 8) -> KVPool:
-        pool = KVPool(64, layers, kv_heads, head_dim, torch.bfloat16, torch.device("cpu"))
+    def make(
+        seed: int | None, layers: int = 2, kv_heads: int = 2, head_dim: int = 8, device="cpu"
+    ) -> KVPool:
+        pool = KVPool(64, layers, kv_heads, head_dim, torch.bfloat16, torch.device(device))
         if seed is not None:
             gen = torch.Generator().manual_seed(seed)
             for t in pool.k + pool.v:

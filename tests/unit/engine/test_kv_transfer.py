@@ -65,11 +65,24 @@ def cpu_seconds(threads: set[str]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def test_idle_agents_keep_no_core_busy(filled_kv_pool):
-    """Each agent's progress thread sleeps between its workers' events: with NIXL's Python
-    defaults it polled without pause, a core per idle engine."""
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+        ),
+    ],
+)
+def test_idle_agents_keep_no_core_busy(filled_kv_pool, device):
+    """Each agent's progress thread sleeps between its workers' events, for pools in host
+    memory and on a GPU alike: with NIXL's Python defaults it polled without pause, a core
+    per idle engine rank."""
+    torch.empty(0, device=device)  # the CUDA context's own threads start before the count
     before = set(os.listdir("/proc/self/task"))
-    pools = filled_kv_pool(1), filled_kv_pool(None)  # held: the agents write into them
+    # held: the agents write into them
+    pools = filled_kv_pool(1, device=device), filled_kv_pool(None, device=device)
     prefill, decode = KVTransferAgent(pools[0]), KVTransferAgent(pools[1])
     try:
         prefill.connect(decode.metadata, decode.layout)
