@@ -1,10 +1,11 @@
-"""What the wait of NIXL's progress thread between passes costs and saves for KV pools on a GPU:
-how late a KV write is seen done (by the prefill side, which frees the room) and its note seen
-(by the decode side, whose request then decodes), and how much CPU an idle agent burns.
+"""What the wait of NIXL's progress thread between passes costs and saves for KV pools on a GPU
+or in host memory: how late a KV write is seen done (by the prefill side, which frees the
+room) and its note seen (by the decode side, whose request then decodes), and how much CPU an
+idle agent burns.
 
-engine/disagg/kv_transfer.py gives UCX's progress thread a wait of 1 ms for pools in host
-memory (polled without a pause, an idle engine rank kept a core busy) and none for pools on a
-GPU, where the wait was not measured. This measures it: two processes on one GPU, each with a
+engine/disagg/kv_transfer.py gives UCX's progress thread a wait of 1 ms (polled without a
+pause, an idle engine rank kept a core busy), chosen from this script's figures in host
+memory and on an H100. It measures: two processes on one GPU (or the CPU), each with a
 KVTransferAgent over a pool of the Llama-3.1-8B shape (32 layers, 8 KV heads of 128, bf16:
 128 KiB a token), as a prefill and a decode engine have. For each wait in --delays-us, the
 prefill side writes --tokens tokens (contiguous, then scattered in runs of 16 as a paged pool
@@ -12,8 +13,8 @@ holds them) --repeats times, polling `done` and the decode side polling its noti
 without a pause; a poll loop the scheduler does not have, so the times are what the agents
 allow, not what an engine's step adds. Then both sleep and count their CPU time.
 
-    python benchmarks/kv_write_progress.py --delays-us 0,100,1000 \\
-        --out benchmarks/results/kv_write_progress_h100.json
+    python benchmarks/kv_write_progress.py --delays-us 0,100,1000 --tokens 512,4096 \\
+        --repeats 10 --out benchmarks/results/kv_write_progress_h100.json
 """
 
 from __future__ import annotations

@@ -70,13 +70,13 @@ class Transfer:
     nbytes: int
 
 
-# How long UCX's progress thread waits for its workers' events between passes, for pools in
-# host memory. NIXL's Python API sets no wait (pthrDelay 0), which the thread runs as poll()
-# with a zero timeout: a core kept busy by every idle engine rank, both cores of a laptop
-# running the quickstart. The thread wakes on the workers' events whatever the wait (a 256 MiB
-# write took as long either way here), so the wait only bounds how late it sees an event UCX
-# did not signal. Pools on a GPU keep NIXL's default until the wait is measured there.
-HOST_PROGRESS_THREAD_DELAY_US = 1000
+# How long UCX's progress thread waits for its workers' events between passes. NIXL's Python
+# API sets no wait (pthrDelay 0), which the thread runs as poll() with a zero timeout: a core
+# kept busy by every idle engine rank (both cores of a laptop running the quickstart). The
+# thread wakes on the workers' events whatever the wait, so the wait only bounds how late it
+# sees an event UCX did not signal: writes between two processes took no longer with it, in
+# host memory and on an H100 alike (benchmarks/README.md, "NIXL's progress thread").
+PROGRESS_THREAD_DELAY_US = 1000
 
 
 def _nixl_agent(name: str, progress_delay_us: int):
@@ -103,9 +103,7 @@ class KVTransferAgent:
     def __init__(self, pool: KVPool, name: str | None = None):
         self.name = name or f"kubesgl-{uuid.uuid4().hex[:12]}"  # unique among its peers
         self.layout = layout = layout_of(pool, self.name)
-        self.agent = _nixl_agent(
-            self.name, HOST_PROGRESS_THREAD_DELAY_US if layout.memory == "DRAM" else 0
-        )
+        self.agent = _nixl_agent(self.name, PROGRESS_THREAD_DELAY_US)
         buffers = [
             (address, layout.num_slots * layout.slot_bytes, layout.device_id, "")
             for address in layout.k_addresses + layout.v_addresses
