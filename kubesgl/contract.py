@@ -17,6 +17,9 @@ BOOTSTRAP_PORT: Final = (
     8998  # `--disaggregation-bootstrap-port`: a prefill engine's KV bootstrap server
 )
 ROUTER_PORT: Final = 8000  # `kubesgl router --port`, and the port of the router's Service
+# The router's route that answers 200 while its process serves, workers or none: its pods'
+# liveness probe (its /health, 503 while no worker can serve, is their readiness)
+ROUTER_LIVENESS_PATH: Final = "/liveness"
 
 # Idle HTTP connections: a server keeps one open this long, longer than the client in front of
 # it keeps one (load balancers commonly 60 s; the router, towards the engines, ROUTER_UPSTREAM_KEEP_ALIVE_S),

@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 import aiohttp
 
-from kubesgl.contract import ADMIN_KEY_ENV, not_served
+from kubesgl.contract import ADMIN_KEY_ENV, ROUTER_LIVENESS_PATH, not_served
 from kubesgl.gc_pacing import GcPacer, tick_every
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.config import RouterConfig
@@ -56,7 +56,8 @@ from kubesgl.router.workers import Role, WorkerRegistry, validate_worker_url
 
 log = logging.getLogger("kubesgl.router")
 access_log = logging.getLogger("kubesgl.router.access")
-QUIET_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: logged at DEBUG
+# probes and scrapes: logged at DEBUG
+QUIET_PATHS = frozenset({"/health", ROUTER_LIVENESS_PATH, "/metrics"})
 # A client's X-Request-Id is kept (and passed to the engine) when it looks like an id.
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 
@@ -168,6 +169,7 @@ class RouterApp:
             },
             **{path: {"POST": self._any_worker} for path in TOKENIZER_PATHS},
             "/health": {"GET": self._health_status},
+            ROUTER_LIVENESS_PATH: {"GET": self._liveness},
             "/metrics": {"GET": self._metrics},
             ADMIN_PATH: {
                 "GET": self._list_workers,
@@ -442,6 +444,11 @@ class RouterApp:
             # Returned, not raised: the router's readiness answer is no request it rejected, and
             # counts in no rejection (or no-worker request) metric.
             return _error_reply(self.forwarder.no_worker_error(role))
+        return json_reply(200, {"status": "ok"})
+
+    async def _liveness(self, scope: Scope, body: bytes) -> Reply:
+        # Answered by the event loop that serves every request, so a wedged router fails it;
+        # the workers are /health's matter, which no restart of the router would mend.
         return json_reply(200, {"status": "ok"})
 
     async def _metrics(self, scope: Scope, body: bytes) -> Reply:

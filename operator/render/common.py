@@ -74,9 +74,11 @@ def scrape_annotations(port: int) -> dict[str, str]:
     }
 
 
-def http_probe(port_name: str, period: int, failures: int, timeout: int = 3) -> Object:
+def http_probe(
+    port_name: str, period: int, failures: int, timeout: int = 3, path: str = "/health"
+) -> Object:
     return {
-        "httpGet": {"path": "/health", "port": port_name},
+        "httpGet": {"path": path, "port": port_name},
         "periodSeconds": period,
         "failureThreshold": failures,
         "timeoutSeconds": timeout,

@@ -128,7 +128,11 @@ def router_deployment(isvc: InferenceService) -> Object:
         "ports": [{"name": "http", "containerPort": contract.ROUTER_PORT}],
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
         "readinessProbe": http_probe("http", period=5, failures=2),
-        "livenessProbe": http_probe("http", period=15, failures=4, timeout=5),
+        # not /health: a router without a worker to serve (engines still loading, a pool down)
+        # is unready, not broken, and a restart would only lose its prefix trees
+        "livenessProbe": http_probe(
+            "http", period=15, failures=4, timeout=5, path=contract.ROUTER_LIVENESS_PATH
+        ),
         "securityContext": container_security_context(),
     }
     resources = router.resources.model_dump(by_alias=True)

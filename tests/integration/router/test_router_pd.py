@@ -361,6 +361,8 @@ async def test_health_needs_both_roles(engines, kv_table, start_router, client):
         await router.until(lambda: not router.app.can_serve(), timeout=5)
         health = await client.get(router.url + "/health")
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        liveness = await client.get(router.url + "/liveness")
+    assert liveness.status_code == 200  # one pool down: unready, not broken
     for answer in (health, response):  # /health says which role it lacks (kubesgl up prints it)
         assert (
             answer.status_code == 503

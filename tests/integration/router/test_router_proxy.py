@@ -359,6 +359,22 @@ async def test_no_worker_is_a_503_with_a_clear_message(start_router, client):
     assert error["code"] is None and "no worker is registered" in error["message"]
 
 
+async def test_liveness_answers_while_no_worker_can_serve(engines, start_router, client):
+    """/liveness is the router pod's liveness probe: a router with no worker, or whose workers
+    died, is unready (/health 503) but not broken, and must not be restarted for it."""
+    async with start_router() as router:
+        alone = [await client.get(router.url + path) for path in ("/liveness", "/health")]
+    a = await engines("a")
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        await a.kill()
+        await router.until(lambda: not router.app.can_serve(), timeout=5)
+        dead = [await client.get(router.url + path) for path in ("/liveness", "/health")]
+    for liveness, health in (alone, dead):
+        assert liveness.status_code == 200 and liveness.json() == {"status": "ok"}
+        assert health.status_code == 503
+
+
 async def test_health_503_is_no_rejection(engines, start_router, client):
     """Rejections are requests sent to no worker; the readiness answer of the router itself is
     none (`kubesgl up` asks it twice a second while the pool is not ready)."""

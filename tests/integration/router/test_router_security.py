@@ -186,8 +186,10 @@ async def test_with_the_engines_key_the_router_checks_clients_and_presents_its_o
                 assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
         assert not p.requests and not d.requests
         assert not [h for h in d.models_headers if lowercase(h).get("x-trace") == "refused"]
-        # /health, /metrics and /version stay open, as on an engine
+        # /health, /metrics and /version stay open, as on an engine, and /liveness (the kubelet
+        # sends no key)
         assert (await client.get(router.url + "/health")).status_code == 200
+        assert (await client.get(router.url + "/liveness")).status_code == 200
         assert (await client.get(router.url + "/metrics")).status_code == 200
         assert (await client.get(router.url + "/version")).status_code == 200
         ok = await client.post(

@@ -476,6 +476,16 @@ def test_the_router_has_requests_and_limits() -> None:
     assert router["containers"][0]["resources"] == given  # replaces the default as a whole
 
 
+def test_the_routers_liveness_probe_is_not_its_readiness() -> None:
+    """The router's /health answers 503 while no worker can serve. As its liveness probe too,
+    it had the kubelet restart the router every minute while the engines loaded their model or
+    a pool was down (CrashLoopBackOff, the prefix trees lost at each restart)."""
+    objects = objects_of(load_example("disaggregated.yaml"))
+    (router,) = engine_pod(objects, "llama-pd-router")["spec"]["containers"]
+    assert router["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert router["livenessProbe"]["httpGet"]["path"] == "/liveness"
+
+
 def test_shm_size_follows_tensor_parallelism_unless_given() -> None:
     def shm(document: dict[str, Any], name: str) -> dict[str, Any]:
         volumes = engine_pod(objects_of(document), name)["spec"]["volumes"]
