@@ -116,6 +116,12 @@ def _flag(option: str) -> str:
     return ENGINE_OPTIONS[option].flag
 
 
+# The engine prefers either flag to KUBESGL_API_KEY, the key the router sends (render/router.py)
+_API_KEY_WHY = (
+    "set spec.engine.apiKeySecret, which the engines and the router both read: an engine "
+    "given this flag keeps a key of its own, refuses the router's, and every request fails "
+    "while the pods show Ready"
+)
 # The flags the operator derives from the spec and that other objects rely on, each with why:
 # extraArgs may not give them another value (validation.py). The model path and served name
 # are not among them: nothing else the operator renders depends on them.
@@ -130,6 +136,8 @@ _OWNED_IN_EVERY_ROLE = {
     "--shutdown-timeout": (
         "set spec.engine.shutdownTimeoutSeconds, which the pod's grace period follows"
     ),
+    "--api-key": _API_KEY_WHY,
+    "--api-key-file": _API_KEY_WHY,
 }
 ENGINE_OWNED_FLAGS: dict[contract.EngineRole, dict[str, str]] = {
     contract.MIXED: _OWNED_IN_EVERY_ROLE,

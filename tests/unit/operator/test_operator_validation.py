@@ -475,13 +475,30 @@ def test_extra_args_the_engine_would_refuse_name_the_field_that_gave_them() -> N
             "spec.engine.extraArgs: may not set --shutdown-timeout (set "
             "spec.engine.shutdownTimeoutSeconds",
         ),
+        (
+            "spec.engine.extraArgs",
+            ["--api-key", "sekrit"],
+            "spec.engine.extraArgs: may not set --api-key (set spec.engine.apiKeySecret",
+        ),
+        # a key from a Secret, known in the pod only, is still the engine's own
+        (
+            "spec.engine.extraArgs",
+            ["--api-key=$(FROM_A_SECRET)"],
+            "spec.engine.extraArgs: may not set --api-key (set spec.engine.apiKeySecret",
+        ),
+        (
+            "spec.decode.extraArgs",
+            ["--api-key-f", "/keys/api"],
+            "spec.decode.extraArgs: may not set --api-key-file (set spec.engine.apiKeySecret",
+        ),
     ],
 )
 def test_extra_args_may_not_change_the_flags_the_operator_relies_on(
     path, extra_args, expected
 ) -> None:
     """A port, host, role, tensor-parallel size, device, bootstrap port or drain the pod's
-    probes, Services, GPUs or grace period do not follow made pods that never worked."""
+    probes, Services, GPUs or grace period do not follow made pods that never worked; an API
+    key the router does not have, pods that refused its every request."""
     document = with_changes(load_example("disaggregated.yaml"), path, extra_args)
     (problem,) = problems_of(document)
     assert problem.startswith(expected)
@@ -493,7 +510,7 @@ def test_owned_flags_are_checked_beside_a_variable_known_in_the_pod_only() -> No
     document = with_changes(
         load_example("disaggregated.yaml"),
         "spec.engine.extraArgs",
-        ["--api-key", "$(FROM_A_SECRET)", "--port", "9000"],
+        ["--served-model-name", "$(FROM_A_SECRET)", "--port", "9000"],
     )
     (problem,) = problems_of(document)
     assert problem.startswith("spec.engine.extraArgs: may not set --port")
