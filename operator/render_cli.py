@@ -1,15 +1,17 @@
-"""`kubesgl render -f FILE`: print the objects the operator would apply, as a YAML stream."""
+"""`kubesgl render -f FILE ...`: print the objects the operator would apply, as a YAML stream."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
-from kubesgl.operator.render import render
+from kubesgl.operator.render import Object, render
+from kubesgl.operator.spec import KIND
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 
 
@@ -42,49 +44,148 @@ def read_documents(filename: str) -> list[Any]:
         return [doc for doc in yaml.load_all(stream, Loader=_StrictLoader) if doc is not None]
 
 
-def print_problems(prog: str, filename: str, document: dict[str, Any], error: InvalidSpec) -> None:
+def _name_of(document: dict[str, Any]) -> str:
     metadata = document.get("metadata")  # anything YAML holds: the problems say what is wrong
     name = metadata.get("name") if isinstance(metadata, dict) else None
-    named = isinstance(name, str) and name
-    which = f"InferenceService {name}" if named else "InferenceService without metadata.name"
-    print(f"{prog}: {filename}: {which}:", file=sys.stderr)
+    return name if isinstance(name, str) and name else "without metadata.name"
+
+
+def print_problems(prog: str, filename: str, document: dict[str, Any], error: InvalidSpec) -> None:
+    print(f"{prog}: {filename}: {KIND} {_name_of(document)}:", file=sys.stderr)
     for problem in error.problems:
         print(f"  {problem}", file=sys.stderr)
 
 
+PROG = "kubesgl render"
+# What -f DIR reads, as kubectl does: the folder's files of these suffixes, not its subfolders.
+MANIFEST_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def input_files(filename: str) -> list[str]:
+    """The files one -f names: itself (- for standard input), or a folder's manifests in name
+    order; raises OSError, also for a folder without any."""
+    if filename == "-" or not os.path.isdir(filename):
+        return [filename]
+    paths = (os.path.join(filename, name) for name in sorted(os.listdir(filename)))
+    files = [path for path in paths if path.endswith(MANIFEST_SUFFIXES) and os.path.isfile(path)]
+    if not files:
+        *others, last = MANIFEST_SUFFIXES
+        raise OSError(f"no {', '.join(others)} or {last} file in it")
+    return files
+
+
+def list_items(document: Any) -> list[Any]:
+    """The objects a document holds: a List's items (what `kubectl get -o yaml` prints for
+    several objects; kubectl apply takes each), else the document itself."""
+    kind = document.get("kind") if isinstance(document, dict) else None
+    items = document.get("items") if isinstance(document, dict) else None
+    if isinstance(kind, str) and kind.endswith("List") and isinstance(items, list):
+        return [item for entry in items for item in list_items(entry)]
+    return [document]
+
+
+class Found(NamedTuple):
+    filename: str  # the file it came from, for messages
+    document: Any  # one object: a YAML document or a List's item
+
+
+def read_inputs(filenames: list[str]) -> tuple[list[Found], bool]:
+    """Every object of the files -f names, in order, and whether all of them could be read
+    (each problem is printed)."""
+    found: list[Found] = []
+    read = True
+    for given in filenames:
+        try:
+            files = input_files(given)
+        except OSError as error:
+            print(f"{PROG}: cannot read {given}: {error}", file=sys.stderr)
+            read = False
+            continue
+        for filename in files:
+            try:
+                documents = read_documents(filename)
+            except (OSError, yaml.YAMLError) as error:
+                print(f"{PROG}: cannot read {filename}: {error}", file=sys.stderr)
+                read = False
+                continue
+            if not documents:
+                print(
+                    f"{PROG}: {filename}: no InferenceService in it (no YAML document)",
+                    file=sys.stderr,
+                )
+                read = False
+            found += [
+                Found(filename, obj) for document in documents for obj in list_items(document)
+            ]
+    return found, read
+
+
+def render_inputs(found: list[Found]) -> tuple[list[Object], bool]:
+    """The objects each InferenceService found becomes, in order, and whether every one was
+    sound (each problem is printed). Objects of other kinds are skipped with a note: a file
+    for kubectl apply often holds a Secret or a namespace beside the InferenceService."""
+    objects: list[Object] = []
+    sound = True
+    # the file of each InferenceService rendered, by its namespace and name
+    first_in: dict[tuple[str, str], str] = {}
+    for filename, document in found:
+        if not isinstance(document, dict):
+            print(f"{PROG}: {filename}: a document is not a mapping", file=sys.stderr)
+            sound = False
+            continue
+        kind = document.get("kind")
+        # without a kind: checked as an InferenceService, whose problems name what is missing
+        if isinstance(kind, str) and kind != KIND:
+            print(
+                f"{PROG}: {filename}: skipped {kind} {_name_of(document)}: "
+                f"{PROG} renders {KIND}s only",
+                file=sys.stderr,
+            )
+            continue
+        try:
+            isvc = parse_inference_service(document)
+        except InvalidSpec as error:
+            print_problems(PROG, filename, document, error)
+            sound = False
+            continue
+        key = (isvc.metadata.namespace, isvc.metadata.name)
+        if key in first_in:
+            # its objects would be printed twice, and the second copy applied over the first
+            print(
+                f"{PROG}: {filename}: {KIND} {'/'.join(key)} given twice "
+                f"(first in {first_in[key]})",
+                file=sys.stderr,
+            )
+            sound = False
+            continue
+        first_in[key] = filename
+        objects += render(isvc)
+    return objects, sound
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="kubesgl render",
-        description="Print the Kubernetes objects an InferenceService becomes (a YAML stream)."
+        prog=PROG,
+        description="Print the Kubernetes objects InferenceServices become (a YAML stream)."
         " Owner references appear only when the input has metadata.uid.",
     )
     parser.add_argument(
         "-f",
         "--filename",
+        action="append",
         required=True,
-        help="InferenceService YAML file, or - for standard input",
+        help="a YAML or JSON file of InferenceServices (Lists of them too; other kinds are "
+        "skipped), a folder of such files (its .json, .yaml and .yml files in name order), or - "
+        "for standard input; give -f again for more, rendered in order",
     )
     args = parser.parse_args(argv)
-    try:
-        documents = read_documents(args.filename)
-    except (OSError, yaml.YAMLError) as error:
-        print(f"kubesgl render: cannot read {args.filename}: {error}", file=sys.stderr)
-        return 2
-    if not documents:
-        print(
-            f"kubesgl render: {args.filename}: no InferenceService in it (no YAML document)",
-            file=sys.stderr,
-        )
-        return 2
-    objects = []
-    for document in documents:
-        if not isinstance(document, dict):
-            print(f"kubesgl render: {args.filename}: a document is not a mapping", file=sys.stderr)
-            return 2
-        try:
-            objects += render(parse_inference_service(document))
-        except InvalidSpec as error:
-            print_problems("kubesgl render", args.filename, document, error)
-            return 2
+    if args.filename.count("-") > 1:
+        parser.error("-f - given twice: standard input is read once")
+    found, read = read_inputs(args.filename)
+    objects, sound = render_inputs(found)
+    if read and sound and not objects:
+        print(f"{PROG}: no {KIND} in the input", file=sys.stderr)
+    if not (read and sound and objects):
+        return 2  # nothing printed: a stream without some of the input's objects misleads
     yaml.dump_all(objects, sys.stdout, Dumper=_Dumper, sort_keys=False)
     return 0

@@ -3,12 +3,15 @@ and no torch."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+import pytest
 import yaml
-from operator_fixtures import REPO, load_example
+from operator_fixtures import REPO, load_example, with_changes
 
+from kubesgl.operator import render_cli
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import parse_inference_service
 
@@ -111,3 +114,133 @@ def test_a_key_given_twice_is_an_error_naming_both_lines() -> None:
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("kubesgl render: cannot read -: key 'apiVersion' given")
     assert "and again" in result.stderr and '"<stdin>", line' in result.stderr
+
+
+# Several inputs, as kubectl takes them. In-process: main prints the stream to sys.stdout.
+
+
+def _render_main(capsys, *args: str) -> tuple[int, list, str]:
+    """(status, the objects printed, standard error) of `kubesgl render ARGS`."""
+    status = render_cli.main(list(args))
+    out, err = capsys.readouterr()
+    return status, list(yaml.safe_load_all(out)), err
+
+
+def _example_named(name: str, example: str = "mixed.yaml") -> dict:
+    document = load_example(example)
+    document["metadata"]["name"] = name
+    return document
+
+
+def _rendered(*documents: dict) -> list:
+    return [obj for document in documents for obj in render(parse_inference_service(document))]
+
+
+def test_every_file_given_is_rendered_in_order(tmp_path, capsys) -> None:
+    """argparse kept the last -f alone: `-f a.yaml -f b.yaml` rendered b.yaml only."""
+    first, second = _example_named("first"), _example_named("second", "disaggregated.yaml")
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(first))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(second))
+    status, printed, err = _render_main(
+        capsys, "-f", str(tmp_path / "a.yaml"), "--filename", str(tmp_path / "b.yaml")
+    )
+    assert (status, err) == (0, "")
+    assert printed == _rendered(first, second)
+
+
+def test_a_directory_renders_its_manifests_in_name_order(tmp_path, capsys) -> None:
+    """As kubectl's -f DIR: the .json, .yaml and .yml files in it, not other files, not its
+    subfolders; it failed with "Is a directory"."""
+    documents = [_example_named(name) for name in ("one", "two", "three")]
+    (tmp_path / "2.yml").write_text(yaml.safe_dump(documents[1]))
+    (tmp_path / "1.yaml").write_text(yaml.safe_dump(documents[0]))
+    (tmp_path / "3.json").write_text(json.dumps(documents[2]))
+    (tmp_path / "README.md").write_text("not a manifest")
+    (tmp_path / "sub.yaml").mkdir()
+    (tmp_path / "sub.yaml" / "4.yaml").write_text(yaml.safe_dump(_example_named("four")))
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path))
+    assert (status, err) == (0, "")
+    assert printed == _rendered(*documents)
+
+
+def test_a_directory_without_manifests_is_an_error(tmp_path, capsys) -> None:
+    (tmp_path / "README.md").write_text("not a manifest")
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path))
+    assert (status, printed) == (2, [])
+    assert err == f"kubesgl render: cannot read {tmp_path}: no .json, .yaml or .yml file in it\n"
+
+
+def test_a_list_renders_its_items(tmp_path, capsys) -> None:
+    """`kubectl get kisvc -o yaml` prints a List; its items were refused as one object with
+    "metadata.name: Field required"."""
+    items = [_example_named("first"), _example_named("second", "disaggregated.yaml")]
+    listed = {"apiVersion": "v1", "kind": "List", "items": items, "metadata": {}}
+    (tmp_path / "list.yaml").write_text(yaml.safe_dump(listed))
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path / "list.yaml"))
+    assert (status, err) == (0, "")
+    assert printed == _rendered(*items)
+
+
+def test_objects_of_other_kinds_are_skipped_with_a_note(tmp_path, capsys) -> None:
+    """A Secret beside the InferenceService, as one file for kubectl apply: it was refused as
+    "kind: Input should be 'InferenceService'"."""
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token"}}
+    isvc = load_example("disaggregated.yaml")
+    (tmp_path / "all.yaml").write_text(yaml.safe_dump_all([secret, isvc]))
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path / "all.yaml"))
+    assert status == 0
+    assert printed == _rendered(isvc)
+    assert err == (
+        f"kubesgl render: {tmp_path / 'all.yaml'}: skipped Secret hf-token: "
+        "kubesgl render renders InferenceServices only\n"
+    )
+
+
+def test_no_inference_service_at_all_is_an_error(tmp_path, capsys) -> None:
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token"}}
+    (tmp_path / "secret.yaml").write_text(yaml.safe_dump(secret))
+    (tmp_path / "none.yaml").write_text(yaml.safe_dump({"kind": "List", "items": []}))
+    status, printed, err = _render_main(
+        capsys, "-f", str(tmp_path / "secret.yaml"), "-f", str(tmp_path / "none.yaml")
+    )
+    assert (status, printed) == (2, [])
+    assert err.endswith("kubesgl render: no InferenceService in the input\n")
+
+
+def test_one_inference_service_given_twice_is_refused_naming_it(tmp_path, capsys) -> None:
+    """Its objects would have been printed twice, the second copy applied over the first."""
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(load_example("mixed.yaml")))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(load_example("mixed.yaml")))
+    status, printed, err = _render_main(
+        capsys, "-f", str(tmp_path / "a.yaml"), "-f", str(tmp_path / "b.yaml")
+    )
+    assert (status, printed) == (2, [])
+    assert err == (
+        f"kubesgl render: {tmp_path / 'b.yaml'}: InferenceService default/qwen3-mixed "
+        f"given twice (first in {tmp_path / 'a.yaml'})\n"
+    )
+
+
+def test_every_bad_document_is_reported_and_nothing_is_printed(tmp_path, capsys) -> None:
+    """Render stopped at the first bad document; a fix then showed the next one."""
+    bad_replicas = with_changes(_example_named("one"), "spec.mixed.replicas", -1)
+    bad_mode = with_changes(_example_named("two"), "spec.mode", "split")
+    good = _example_named("three")
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump_all([bad_replicas, good, bad_mode, "text"]))
+    (tmp_path / "b.yaml").write_text("key: [unclosed\n")
+    status, printed, err = _render_main(
+        capsys, "-f", str(tmp_path / "a.yaml"), "-f", str(tmp_path / "b.yaml")
+    )
+    assert (status, printed) == (2, [])
+    assert f"{tmp_path / 'a.yaml'}: InferenceService one:\n  spec.mixed.replicas:" in err
+    assert f"{tmp_path / 'a.yaml'}: InferenceService two:\n  spec.mode:" in err
+    assert f"{tmp_path / 'a.yaml'}: a document is not a mapping" in err
+    assert f"kubesgl render: cannot read {tmp_path / 'b.yaml'}:" in err
+    assert "three" not in err
+
+
+def test_standard_input_given_twice_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        render_cli.main(["-f", "-", "-f", "-"])
+    assert exit_.value.code == 2
+    assert "standard input" in capsys.readouterr().err
