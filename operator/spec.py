@@ -9,14 +9,13 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from kubernetes.utils import parse_quantity
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
-    StrictInt,
-    StrictStr,
+    PlainValidator,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -48,7 +47,33 @@ class SpecModel(BaseModel):
     )
 
 
-Quantity = StrictInt | StrictStr
+# A Kubernetes quantity as the API server parses one (apimachinery's resource.Quantity): the
+# Python client's parse_quantity also takes "40 Gi", "1_000" and "Infinity", which the API
+# server refuses. No sign "-": each quantity of the spec is a size or an amount, which the API
+# server refuses below 0 (a negative integer is refused here, not by the CRD). The CRD has the
+# same pattern (tests/unit/operator/test_operator_crd.py).
+QUANTITY_PATTERN = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+
+
+def _quantity(value: object) -> int | str:
+    if isinstance(value, float):  # Kubernetes' own objects take `cpu: 0.5`; the CRD does not
+        raise ValueError(f'write {value} as a string ("{value}")')
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("a quantity is an integer or a string")
+    if isinstance(value, int) and value < 0 or isinstance(value, str) and value.startswith("-"):
+        raise ValueError(f"{value!r} is below 0")
+    if isinstance(value, str) and not re.fullmatch(QUANTITY_PATTERN, value):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity")
+    return value
+
+
+Quantity = Annotated[
+    int | str,
+    PlainValidator(_quantity),
+    WithJsonSchema(
+        {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY_PATTERN}]}
+    ),
+]
 
 
 class SecretKeyRef(SpecModel):
@@ -83,8 +108,8 @@ class HuggingFaceSource(SpecModel):
     repo: str = Field(pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
     revision: str = Field(default="main", min_length=1)
     token_secret: SecretKeyRef | None = None
-    # Size limit of the emptyDir the weights are downloaded into (a Kubernetes quantity).
-    size_limit: str | None = None
+    # Size limit of the emptyDir the weights are downloaded into.
+    size_limit: Quantity | None = None
 
 
 class TinySource(SpecModel):
@@ -147,25 +172,6 @@ class Resources(SpecModel):
     requests: dict[str, Quantity] = Field(default_factory=dict)
     limits: dict[str, Quantity] = Field(default_factory=dict)
 
-    @field_validator("requests", "limits", mode="before")
-    @classmethod
-    def _no_fractions(cls, value: Any) -> Any:
-        # Kubernetes' own objects take `cpu: 0.5`; the CRD takes an integer or a string
-        for name, quantity in value.items() if isinstance(value, dict) else ():
-            if isinstance(quantity, float):
-                raise ValueError(f'{name}: write {quantity} as a string ("{quantity}")')
-        return value
-
-    @field_validator("requests", "limits")
-    @classmethod
-    def _quantities_parse(cls, value: dict[str, Quantity]) -> dict[str, Quantity]:
-        for name, quantity in value.items():
-            try:
-                parse_quantity(quantity)
-            except ValueError:
-                raise ValueError(f"{name}: {quantity!r} is not a Kubernetes quantity") from None
-        return value
-
 
 class Toleration(SpecModel):
     key: str | None = None
@@ -211,9 +217,9 @@ class RoleSpec(Placement):
     replicas: int = Field(default=1, ge=0)
     env: list[EnvVar] = Field(default_factory=list)
     tensor_parallel_size: int = Field(default=1, ge=1)
-    # Size limit of the pod's memory-backed /dev/shm (a Kubernetes quantity); None: 1Gi per
-    # tensor-parallel rank (operator/render/engine.py, shm_size_limit).
-    shm_size_limit: str | None = None
+    # Size limit of the pod's memory-backed /dev/shm; None: 1Gi per tensor-parallel rank
+    # (operator/render/engine.py, shm_size_limit).
+    shm_size_limit: Quantity | None = None
 
 
 # The router pod's resources when spec.router.resources is not given (docs/operator.md, Router).

@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubernetes.utils import parse_quantity
 from pydantic import ValidationError
 
 from kubesgl import contract
@@ -70,15 +69,15 @@ def parse_inference_service(document: Mapping[str, Any]) -> InferenceService:
     return isvc
 
 
-# The members of the spec's unions (Quantity, imagePullSecrets' items), by pydantic's names.
-_UNION_MEMBERS = ("int", "str", "float", "bool", LocalObjectReference.__name__)
+# The members of the spec's unions (imagePullSecrets' items), by pydantic's names.
+_UNION_MEMBERS = ("str", LocalObjectReference.__name__)
 
 
 def _schema_problems(error: ValidationError) -> list[Problem]:
     problems = []
     for detail in error.errors():
         location = [str(part) for part in detail["loc"]]
-        # Union members (int | str) add their type name to the location: not a field.
+        # Union members (str | LocalObjectReference) add their type name to the location: not a field.
         location = [part for part in location if part not in _UNION_MEMBERS]
         problems.append(Problem(".".join(location) or "(document)", detail["msg"]))
     return problems
@@ -91,7 +90,6 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems += _model_problems(spec)
     problems += _gpu_problems(spec)
     problems += _autoscaling_problems(spec)
-    problems += _shm_problems(spec)
     problems += _network_policy_problems(spec)
     problems += _env_problems(spec)
     return problems
@@ -290,14 +288,6 @@ def _env_problems(spec: InferenceServiceSpec) -> list[Problem]:
     return problems
 
 
-def _shm_problems(spec: InferenceServiceSpec) -> list[Problem]:
-    return [
-        Problem(f"spec.{role}.shmSizeLimit", f"{block.shm_size_limit!r} is not a quantity")
-        for role, block in spec.engine_roles().items()
-        if block.shm_size_limit is not None and not _is_quantity(block.shm_size_limit)
-    ]
-
-
 def _network_policy_problems(spec: InferenceServiceSpec) -> list[Problem]:
     settings = spec.network_policy
     problems = []
@@ -349,17 +339,9 @@ def _mode_problems(spec: InferenceServiceSpec) -> list[Problem]:
 def _model_problems(spec: InferenceServiceSpec) -> list[Problem]:
     model = spec.model
     sources = [model.pvc, model.host_path, model.hugging_face, model.tiny]
-    problems = []
     if sum(source is not None for source in sources) != 1:
-        problems.append(
-            Problem("spec.model", "set exactly one of pvc, hostPath, huggingFace, tiny")
-        )
-    size_limit = model.hugging_face.size_limit if model.hugging_face else None
-    if size_limit is not None and not _is_quantity(size_limit):
-        problems.append(
-            Problem("spec.model.huggingFace.sizeLimit", f"{size_limit!r} is not a quantity")
-        )
-    return problems
+        return [Problem("spec.model", "set exactly one of pvc, hostPath, huggingFace, tiny")]
+    return []
 
 
 def _gpu_problems(spec: InferenceServiceSpec) -> list[Problem]:
@@ -413,11 +395,3 @@ def _autoscaling_problems(spec: InferenceServiceSpec) -> list[Problem]:
                 )
             )
     return problems
-
-
-def _is_quantity(value: str) -> bool:
-    try:
-        parse_quantity(value)
-    except ValueError:
-        return False
-    return True

@@ -20,6 +20,7 @@ from kubesgl.operator.spec import (
     GPU_RESOURCE,
     EngineSpec,
     InferenceService,
+    Quantity,
     RoleSpec,
     SecretKeyRef,
 )
@@ -75,10 +76,12 @@ def engine_grace_period_seconds(shutdown_timeout_seconds: int) -> int:
     )
 
 
-def shm_size_limit(block: RoleSpec) -> str:
+def shm_size_limit(block: RoleSpec) -> Quantity:
     """sizeLimit of the pod's /dev/shm. A memory-backed emptyDir counts against the pod's memory;
     without a size limit it may grow up to the pod's memory limit or, with none, the node's."""
-    return block.shm_size_limit or f"{SHM_PER_RANK_GI * block.tensor_parallel_size}Gi"
+    if block.shm_size_limit is not None:
+        return block.shm_size_limit
+    return f"{SHM_PER_RANK_GI * block.tensor_parallel_size}Gi"
 
 
 def model_path(isvc: InferenceService) -> str:
@@ -246,7 +249,7 @@ def _model_volume(isvc: InferenceService) -> Object:
         return {"name": "model", "hostPath": {"path": model.host_path.path, "type": "Directory"}}
     # downloaded or made at each pod start (validation guarantees exactly one source)
     empty_dir: Object = {}
-    if model.hugging_face is not None and model.hugging_face.size_limit:
+    if model.hugging_face is not None and model.hugging_face.size_limit is not None:
         empty_dir["sizeLimit"] = model.hugging_face.size_limit
     return {"name": "model", "emptyDir": empty_dir}
 

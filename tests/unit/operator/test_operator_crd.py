@@ -46,11 +46,12 @@ def _canonical(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         if "string" in kinds and None in kinds:  # a string or a model: untyped in the CRD
             return {"type": "any"}
         if sorted(kinds) == ["integer", "string"]:
-            return {"type": "int-or-string"}
+            (string,) = [option for option in options if option.get("type") == "string"]
+            return _int_or_string(string.get("pattern"))
         (schema,) = [option for option in options if option.get("type") != "null"]
         return _canonical(schema, defs)
     if schema.get("x-kubernetes-int-or-string"):
-        return {"type": "int-or-string"}
+        return _int_or_string(schema.get("pattern"))
     if schema.get("x-kubernetes-preserve-unknown-fields") and "type" not in schema:
         return {"type": "any"}
     result: dict[str, Any] = {"type": schema.get("type", "object")}
@@ -76,6 +77,11 @@ def _canonical(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if "items" in schema:
         result["items"] = _canonical(schema["items"], defs)
     return result
+
+
+def _int_or_string(pattern: str | None) -> dict[str, Any]:
+    """A quantity's schema: its pattern applies to the string form."""
+    return {"type": "int-or-string"} | ({} if pattern is None else {"pattern": pattern})
 
 
 def test_the_pydantic_model_mirrors_the_crd_schema() -> None:
@@ -148,6 +154,27 @@ def test_every_example_passes_the_crd_schema(path) -> None:
             "vpa",
             "spec.autoscaling.provider",
             "is not one of",
+        ),
+        (
+            "mixed.yaml",
+            "spec.mixed.resources.limits.memory",
+            "64 Gi",
+            "spec.mixed.resources.limits.memory",
+            "does not match",
+        ),
+        (
+            "disaggregated.yaml",
+            "spec.model.huggingFace.sizeLimit",
+            "40 Gi",
+            "spec.model.huggingFace.sizeLimit",
+            "does not match",
+        ),
+        (
+            "quickstart.yaml",
+            "spec.decode.shmSizeLimit",
+            "-1Gi",
+            "spec.decode.shmSizeLimit",
+            "does not match",
         ),
         (
             "disaggregated.yaml",

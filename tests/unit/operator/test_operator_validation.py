@@ -127,7 +127,7 @@ def problems_of(document) -> list[str]:
             "mixed.yaml",
             "spec.mixed.resources.limits",
             {"memory": "lots"},
-            "spec.mixed.resources.limits: Value error, memory: 'lots' is not a Kubernetes quantity",
+            "spec.mixed.resources.limits.memory: Value error, 'lots' is not a Kubernetes quantity",
         ),
         (
             "mixed.yaml",
@@ -170,7 +170,7 @@ def problems_of(document) -> list[str]:
             "mixed.yaml",
             "spec.mixed.resources.requests",
             {"cpu": 0.5},
-            'spec.mixed.resources.requests: Value error, cpu: write 0.5 as a string ("0.5")',
+            'spec.mixed.resources.requests.cpu: Value error, write 0.5 as a string ("0.5")',
         ),
         (
             "mixed.yaml",
@@ -236,13 +236,13 @@ def problems_of(document) -> list[str]:
             "disaggregated.yaml",
             "spec.model.huggingFace.sizeLimit",
             "big",
-            "spec.model.huggingFace.sizeLimit: 'big' is not a quantity",
+            "spec.model.huggingFace.sizeLimit: Value error, 'big' is not a Kubernetes quantity",
         ),
         (
             "quickstart.yaml",
             "spec.decode.shmSizeLimit",
             "lots",
-            "spec.decode.shmSizeLimit: 'lots' is not a quantity",
+            "spec.decode.shmSizeLimit: Value error, 'lots' is not a Kubernetes quantity",
         ),
         (
             "mixed.yaml",
@@ -254,7 +254,7 @@ def problems_of(document) -> list[str]:
             "mixed.yaml",
             "spec.router.resources.limits",
             {"memory": "lots"},
-            "spec.router.resources.limits: Value error, memory: 'lots' is not a Kubernetes quantity",
+            "spec.router.resources.limits.memory: Value error, 'lots' is not a Kubernetes quantity",
         ),
         (
             "disaggregated.yaml",
@@ -347,6 +347,40 @@ def problems_of(document) -> list[str]:
 def test_bad_input_names_the_field(example, path, value, expected) -> None:
     problems = problems_of(with_changes(load_example(example), path, value))
     assert any(problem.startswith(expected) for problem in problems), problems
+
+
+# Every quantity field of the spec, in an example that has the field's block
+QUANTITY_FIELDS = [
+    ("disaggregated.yaml", "spec.model.huggingFace.sizeLimit"),
+    ("quickstart.yaml", "spec.decode.shmSizeLimit"),
+    ("mixed.yaml", "spec.mixed.resources.limits.memory"),
+    ("mixed.yaml", "spec.router.resources.requests.cpu"),
+]
+
+
+@pytest.mark.parametrize(("example", "path"), QUANTITY_FIELDS)
+@pytest.mark.parametrize("value", ["40 Gi", "1_000", "Infinity", "2gi", "1e3.5", ""])
+def test_a_quantity_the_api_server_refuses_is_refused(example, path, value) -> None:
+    """The Python client's parse_quantity takes "40 Gi" (spaces, underscores, Infinity): the
+    spec was rendered, and the API server refused the Deployment."""
+    problems = problems_of(with_changes(load_example(example), path, value))
+    assert problems == [f"{path}: Value error, {value!r} is not a Kubernetes quantity"]
+
+
+@pytest.mark.parametrize(("example", "path"), QUANTITY_FIELDS)
+@pytest.mark.parametrize("value", ["-1Gi", -1])
+def test_a_quantity_below_0_is_refused(example, path, value) -> None:
+    """Each is a size or an amount, which the API server refuses below 0."""
+    problems = problems_of(with_changes(load_example(example), path, value))
+    assert problems == [f"{path}: Value error, {value!r} is below 0"]
+
+
+@pytest.mark.parametrize(("example", "path"), QUANTITY_FIELDS)
+@pytest.mark.parametrize("value", ["40Gi", "1.5Gi", "500m", ".5", "1e3", "+2k", "3", 4096, 0])
+def test_every_quantity_field_takes_a_kubernetes_quantity(example, path, value) -> None:
+    """One quantity type everywhere: sizeLimit and shmSizeLimit take an integer too, as the
+    emptyDir's own sizeLimit does."""
+    parse_inference_service(with_changes(load_example(example), path, value))
 
 
 def test_engine_rules_across_options_are_reported_per_role() -> None:
