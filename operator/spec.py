@@ -282,7 +282,8 @@ RoleAutoscaling = PrefillAutoscaling | DecodeAutoscaling | MixedAutoscaling
 
 class AutoscalingSpec(SpecModel):
     provider: Literal["hpa", "keda"] = "hpa"
-    # Prometheus that KEDA queries, e.g. http://prometheus.monitoring:9090 (KEDA only).
+    # Prometheus that KEDA queries, e.g. http://prometheus.monitoring:9090 (KEDA only: refused
+    # with hpa, whose metrics come through the custom-metrics adapter).
     prometheus_address: str | None = None
     prefill: PrefillAutoscaling | None = None
     decode: DecodeAutoscaling | None = None

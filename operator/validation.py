@@ -376,6 +376,14 @@ def _autoscaling_problems(spec: InferenceServiceSpec) -> list[Problem]:
         problems.append(
             Problem("spec.autoscaling.prometheusAddress", "required when provider is keda")
         )
+    if autoscaling.provider == "hpa" and autoscaling.prometheus_address is not None:
+        problems.append(
+            Problem(
+                "spec.autoscaling.prometheusAddress",
+                "only used when provider is keda: an HPA reads its metrics through the "
+                "cluster's custom-metrics adapter, whose own settings name its Prometheus",
+            )
+        )
     running = spec.engine_roles()
     for role in ENGINE_ROLES:
         scaling = autoscaling.for_role(role)

@@ -232,6 +232,12 @@ def problems_of(document) -> list[str]:
             ...,
             "spec.autoscaling.prometheusAddress: required when provider is keda",
         ),
+        (  # it was ignored: an HPA reads metrics through the custom-metrics adapter
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.prometheusAddress",
+            "http://prometheus.monitoring:9090",
+            "spec.autoscaling.prometheusAddress: only used when provider is keda",
+        ),
         (
             "disaggregated.yaml",
             "spec.model.huggingFace.sizeLimit",
