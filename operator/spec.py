@@ -235,7 +235,7 @@ class RouterSpec(Placement):
     cache_threshold: float | None = Field(default=None, ge=0, le=1)
     balance_abs_threshold: int | None = Field(default=None, ge=0)
     balance_rel_threshold: float | None = Field(default=None, ge=1)
-    pd_min_prefill_tokens: int | None = Field(default=None, ge=0)
+    pd_min_prefill_tokens: int | None = Field(default=None, ge=0)  # disaggregated mode only
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     # The key of the router's admin API (/workers); None: no worker can be added or removed.
     admin_key_secret: SecretKeyRef | None = None

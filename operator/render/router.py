@@ -56,8 +56,10 @@ def router_args(isvc: InferenceService) -> list[str]:
         "--cache-threshold": router.cache_threshold,
         "--balance-abs-threshold": router.balance_abs_threshold,
         "--balance-rel-threshold": router.balance_rel_threshold,
-        "--pd-min-prefill-tokens": router.pd_min_prefill_tokens,
     }
+    # P/D routing's own: not used in mixed mode, as spec.kvTransfer is not
+    if isvc.spec.mode == "disaggregated":
+        options["--pd-min-prefill-tokens"] = router.pd_min_prefill_tokens
     for flag, option in options.items():
         if option is not None:
             args += [flag, str(option)]

@@ -275,6 +275,19 @@ def test_cpu_device_requests_no_gpu() -> None:
     assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
 
 
+def test_prefill_decode_settings_are_not_used_in_mixed_mode() -> None:
+    """kvTransfer's UCX settings and router.pdMinPrefillTokens tune the handover from prefill to
+    decode pods: a mixed pool has none, and its router got --pd-min-prefill-tokens."""
+    document = load_example("mixed.yaml")
+    document["spec"]["kvTransfer"] = {"ucx": {"transports": "tcp"}}
+    document["spec"]["router"]["pdMinPrefillTokens"] = 64
+    objects = objects_of(document)
+    engine = engine_pod(objects, "qwen3-mixed-mixed")["spec"]["containers"][0]
+    assert not any(variable["name"].startswith("UCX_") for variable in engine["env"])
+    router = objects[("Deployment", "qwen3-mixed-router")]["spec"]["template"]["spec"]
+    assert not any(arg.startswith("--pd-") for arg in router["containers"][0]["args"])
+
+
 def test_router_discovers_pods_with_read_only_rbac() -> None:
     objects = objects_of(load_example("disaggregated.yaml"))
     role = objects[("Role", "llama-pd-router")]
