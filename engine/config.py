@@ -24,6 +24,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KvCacheDtype = Literal["auto", "fp8_e4m3"]
 LoadFormat = Literal["auto", "dummy"]
 AttentionBackendName = Literal["torch", "triton", "flashinfer"]
+AttentionBackend = Literal["auto", AttentionBackendName]  # what --attention-backend takes
 SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight"]
 
 _OPTION = "kubesgl.option"  # the key of an option's declaration in a field's metadata
@@ -163,7 +164,7 @@ class EngineConfig:
     default_max_tokens: int = option(
         4096, help="output limit of requests that give no max_tokens", ge=1
     )
-    attention_backend: Literal["auto", AttentionBackendName] = option(
+    attention_backend: AttentionBackend = option(
         "auto", help="auto: flashinfer on CUDA where installed, else triton; torch on the CPU"
     )
     schedule_policy: SchedulePolicyName = option(

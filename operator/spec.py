@@ -23,7 +23,7 @@ from pydantic.alias_generators import to_camel
 
 from kubesgl.contract import DECODE, MIXED, PREFILL, EngineRole, LogLevel, TinyArch
 from kubesgl.engine.config import (
-    AttentionBackendName,
+    AttentionBackend,
     Device,
     Dtype,
     KvCacheDtype,
@@ -141,7 +141,7 @@ class EngineSpec(SpecModel):
     max_running_requests: int | None = Field(default=None, ge=1)
     chunked_prefill_size: int | None = Field(default=None, ge=0)  # 0: no chunking
     max_total_tokens: int | None = Field(default=None, ge=1)
-    attention_backend: AttentionBackendName | None = None  # None: the engine's auto
+    attention_backend: AttentionBackend | None = None  # None: the engine's default, auto
     kv_cache_dtype: KvCacheDtype | None = None
     context_length: int | None = Field(default=None, ge=1)
     max_prefill_tokens: int | None = Field(default=None, ge=1)

@@ -161,30 +161,49 @@ def _just_outside(bounds: Bounds, step: float) -> list[float]:
     return values
 
 
+# spec.engine fields that take fewer values than their flag, each with why (the docs' table
+# names the CRD's values); every other field takes every value of its flag.
+CRD_NARROWER = {"device": "no `auto`: the operator must know whether the pods request GPUs"}
+
+
+def _value_type(name: str) -> object:
+    """The type of a spec.engine field, None (unset) left out."""
+    value_type = EngineSpec.model_fields[name].annotation
+    if typing.get_origin(value_type) in (typing.Union, types.UnionType):
+        (value_type,) = [t for t in typing.get_args(value_type) if t is not type(None)]
+    return value_type
+
+
+def _crd_choices(name: str) -> tuple:
+    value_type = _value_type(name)
+    return typing.get_args(value_type) if typing.get_origin(value_type) is typing.Literal else ()
+
+
 @pytest.mark.parametrize("name", SPEC_OPTIONS)
 def test_the_crd_field_takes_only_what_the_engine_takes(name):
     opt, field = ENGINE_OPTIONS[name], EngineSpec.model_fields[name]
-    value_type = field.annotation
-    if typing.get_origin(value_type) in (
-        typing.Union,
-        types.UnionType,
-    ):  # `X | None`: None is unset
-        (value_type,) = [t for t in typing.get_args(value_type) if t is not type(None)]
-    if typing.get_origin(value_type) is typing.Literal:
-        assert set(typing.get_args(value_type)) <= set(opt.choices), (
-            f"{name}: choices the engine lacks"
-        )
-        assert typing.get_args(value_type) == tuple(
-            c for c in opt.choices if c in typing.get_args(value_type)
-        )
+    choices = _crd_choices(name)
+    if choices:
+        assert set(choices) <= set(opt.choices), f"{name}: choices the engine lacks"
+        assert choices == tuple(c for c in opt.choices if c in choices)
     else:
-        assert value_type is opt.type and not opt.choices, name
+        assert _value_type(name) is opt.type and not opt.choices, name
     if field.default is not None:
         assert opt.problem(field.default) is None, name
     for value in _just_outside(opt.bounds, step=1 if opt.type is int else 1e-6):
         assert opt.problem(opt.type(value)) is not None
         with pytest.raises(pydantic.ValidationError):
             EngineSpec(**{name: opt.type(value)})
+
+
+@pytest.mark.parametrize("name", [name for name in SPEC_OPTIONS if ENGINE_OPTIONS[name].choices])
+def test_every_value_of_a_flag_is_a_value_of_its_crd_field(name):
+    """`attentionBackend: auto` was refused, while docs/server.md's table listed `auto` among
+    the values of the flag that attentionBackend sets."""
+    missing = set(ENGINE_OPTIONS[name].choices) - set(_crd_choices(name))
+    assert not missing or name in CRD_NARROWER, f"{name}: the CRD lacks {sorted(missing)}"
+    for value in _crd_choices(name):
+        assert getattr(_serve_args({to_camel(name): value}), name) == value
 
 
 def _serve_args(engine: dict) -> argparse.Namespace:
@@ -241,10 +260,28 @@ def option_table() -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for opt in CLI_OPTIONS:
-        crd = f"`{to_camel(opt.name)}`" if opt.name in SPEC_OPTIONS else NOT_IN_CRD[opt.name]
         flags = ", ".join(f"`{flag}`" for flag in opt.flags)
-        rows.append(f"| {flags} | {_values(opt)} | {_default(opt)} | {crd} | {opt.help} |")
+        rows.append(
+            f"| {flags} | {_values(opt)} | {_default(opt)} | {_crd_column(opt)} | {opt.help} |"
+        )
     return "\n".join(rows)
+
+
+def _crd_column(opt: EngineOption) -> str:
+    """The spec.engine field that sets the option, with its own values and default where they
+    are not the flag's."""
+    if opt.name not in SPEC_OPTIONS:
+        return NOT_IN_CRD[opt.name]
+    notes = []
+    if opt.name in CRD_NARROWER:
+        notes.append(", ".join(f"`{choice}`" for choice in _crd_choices(opt.name)))
+    default = EngineSpec.model_fields[opt.name].default
+    if default is not None and default != opt.default:
+        notes.append(f"default `{default}`")
+    if opt.name in CRD_NARROWER:
+        notes.append(CRD_NARROWER[opt.name])
+    field = f"`{to_camel(opt.name)}`"
+    return f"{field} ({'; '.join(notes)})" if notes else field
 
 
 def test_the_docs_table_lists_every_engine_option():
