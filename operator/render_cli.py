@@ -38,6 +38,10 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# What `kubesgl render` and `kubesgl up` say of a file that read_documents finds empty.
+NO_DOCUMENT = f"no {KIND} in it (no YAML document)"
+
+
 def read_documents(filename: str) -> list[Any]:
     """The YAML documents of a file, or of standard input for -; raises OSError or yaml.YAMLError."""
     with nullcontext(sys.stdin) if filename == "-" else open(filename) as stream:
@@ -109,10 +113,7 @@ def read_inputs(filenames: list[str]) -> tuple[list[Found], bool]:
                 read = False
                 continue
             if not documents:
-                print(
-                    f"{PROG}: {filename}: no InferenceService in it (no YAML document)",
-                    file=sys.stderr,
-                )
+                print(f"{PROG}: {filename}: {NO_DOCUMENT}", file=sys.stderr)
                 read = False
             found += [
                 Found(filename, obj) for document in documents for obj in list_items(document)

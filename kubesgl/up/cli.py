@@ -18,7 +18,7 @@ import yaml
 
 from kubesgl import contract
 from kubesgl.cli_help import port_number
-from kubesgl.operator.render_cli import print_problems, read_documents
+from kubesgl.operator.render_cli import NO_DOCUMENT, print_problems, read_documents
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
 from kubesgl.up.model import ModelStepFailed, ensure_model
@@ -153,7 +153,7 @@ def main(argv: list[str]) -> int:
 def _not_one_inference_service(documents: list[object]) -> str | None:
     """Why a file's YAML documents are not the one InferenceService `kubesgl up` runs."""
     if not documents:
-        return "no InferenceService in it (no YAML document)"
+        return NO_DOCUMENT
     if len(documents) > 1:
         return f"expected one InferenceService, found {len(documents)} YAML documents"
     if not isinstance(documents[0], dict):
