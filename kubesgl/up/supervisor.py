@@ -1,7 +1,7 @@
-"""Runs a plan's processes as Deployments run pods: a replica that dies is started again after a
-delay that doubles with each death in a row (Kubernetes' CrashLoopBackOff, on a shorter scale),
-and the reason is reported; `stop` drains everything, the router first, and leaves no process
-behind, also when one hangs.
+"""Runs a plan's processes as Deployments run pods: a replica that dies is started again, at once
+the first time and then after a delay that doubles with each death in a row (Kubernetes'
+CrashLoopBackOff, on a shorter scale), and the reason is reported; `stop` drains everything,
+the router first, and leaves no process behind, also when one hangs.
 
 Each process leads a process group of its own: the engines' scheduler and tokenizer processes
 are in it, and the terminal's Ctrl-C reaches `kubesgl up` alone, which stops them in order.
@@ -31,7 +31,7 @@ from kubesgl import contract
 from kubesgl.up.log_tail import clip, last_lines
 from kubesgl.up.plan import LocalProcess
 
-BACKOFF_FIRST_S = 1.0
+BACKOFF_FIRST_S = 1.0  # after the second death in a row; the first restarts at once
 BACKOFF_MAX_S = 60.0
 # A replica that ran this long before it died starts its backoff over (the kubelet: 10 minutes).
 BACKOFF_RESET_S = 120.0
@@ -207,10 +207,11 @@ class Supervisor:
         replica.popen = None
         ran = self.clock() - replica.started_at
         replica.deaths_in_a_row = 1 if ran >= BACKOFF_RESET_S else replica.deaths_in_a_row + 1
-        delay = min(BACKOFF_FIRST_S * 2 ** (replica.deaths_in_a_row - 1), BACKOFF_MAX_S)
+        delay = restart_delay(replica.deaths_in_a_row)
         replica.last_exit = exit_reason(code, replica.log_path)
         replica.state, replica.restart_at = State.BACKOFF, self.clock() + delay
-        self.on_event(replica, f"exited ({replica.last_exit}); restarting in {delay:g} s")
+        when = f"in {delay:g} s" if delay else "now"
+        self.on_event(replica, f"exited ({replica.last_exit}); restarting {when}")
 
     def _probe(self, replica: Replica) -> None:
         health = self.healthy(replica.process.url)
@@ -229,6 +230,14 @@ class Supervisor:
         replica.popen = None
         replica.state = State.STOPPED
         self.on_event(replica, f"killed: {why}" if running else "stopped")
+
+
+def restart_delay(deaths_in_a_row: int) -> float:
+    """0 for a first death: one exit (a kill, an OOM) is no crash loop, and the kubelet too
+    restarts a container's first exit at once; then 1 s, 2 s, 4 s, ... up to BACKOFF_MAX_S."""
+    if deaths_in_a_row <= 1:
+        return 0.0
+    return min(BACKOFF_FIRST_S * 2 ** (deaths_in_a_row - 2), BACKOFF_MAX_S)
 
 
 def _where(process: LocalProcess) -> str:

@@ -106,33 +106,37 @@ def children(replica) -> list[int]:
     return [int(pid) for pid in re.findall(r"^child (\d+)$", replica.log_path.read_text(), re.M)]
 
 
-def test_a_replica_that_dies_is_restarted_with_a_doubling_delay_and_its_reason(stand_in, tmp_path):
+def test_a_replica_that_dies_is_restarted_at_once_then_with_a_doubling_delay_and_its_reason(
+    stand_in, tmp_path
+):
     clock, events = FakeClock(), []
     supervisor = Supervisor(
         [stand_in("mixed-0", "crash")], tmp_path, lambda r, m: events.append(m), clock=clock
     )
     (replica,) = supervisor.replicas
+    reason = "exit code 3: RuntimeError: no memory left for the KV cache"
+    supervisor.tick()
+    replica.popen.wait()
+    supervisor.tick()  # a first exit (a kill, an OOM) is no crash loop yet: started in the same tick
+    assert events[-2:] == [f"exited ({reason}); restarting now", f"started, pid {replica.pid}"]
+    assert replica.state == State.STARTING and replica.restarts == 1
     for delay in (1, 2, 4):
-        supervisor.tick()
-        assert replica.state == State.STARTING
         replica.popen.wait()
         supervisor.tick()
         assert replica.state == State.BACKOFF and replica.popen is None
-        assert events[-1] == (
-            f"exited (exit code 3: RuntimeError: no memory left for the KV cache); "
-            f"restarting in {delay} s"
-        )
+        assert events[-1] == f"exited ({reason}); restarting in {delay} s"
         clock.now += delay - 0.01
         supervisor.tick()
         assert replica.state == State.BACKOFF  # not before its time
         clock.now += 0.01
-    supervisor.tick()
-    assert replica.restarts == 3 and replica.state == State.STARTING
+        supervisor.tick()
+        assert replica.state == State.STARTING
+    assert replica.restarts == 4
     replica.popen.wait()
     clock.now += 300  # it ran long enough this time: the delay starts over
     supervisor.tick()
-    assert events[-1].endswith("restarting in 1 s")
-    assert "restart 3: " in replica.log_path.read_text()  # each start is marked in the log
+    assert events[-2].endswith("restarting now") and replica.state == State.STARTING
+    assert "restart 5: " in replica.log_path.read_text()  # each start is marked in the log
 
 
 def test_the_router_starts_once_every_role_has_a_ready_replica(stand_in, tmp_path):
