@@ -46,6 +46,10 @@ ENGINE_ROLES: Final[tuple[EngineRole, ...]] = (MIXED, PREFILL, DECODE)
 API_KEY_ENV: Final = "KUBESGL_API_KEY"  # the engines' API key: engines and routers read it
 ADMIN_KEY_ENV: Final = "KUBESGL_ROUTER_ADMIN_KEY"  # the key of the router's admin API
 
+# The signal after which the router checks its workers out of the pool at once, not at its next
+# health check (a name: this module imports nothing)
+ROUTER_CHECK_SIGNAL: Final = "SIGUSR1"
+
 
 def bearer_key_problem(key: str) -> str | None:
     """Why no client could send `key` as `Authorization: Bearer KEY`, or None. A header value

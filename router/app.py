@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import re
+import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -137,11 +138,20 @@ class _Exchange:
 
 
 class RouterApp:
-    def __init__(self, config: RouterConfig, gc_pacer: GcPacer | None = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        gc_pacer: GcPacer | None = None,
+        check_signal: signal.Signals | None = None,
+    ) -> None:
         """`gc_pacer`: the router process's (kubesgl/gc_pacing.py), started at the end of
-        start-up; None leaves the garbage collector as it is (tests in one process)."""
+        start-up; None leaves the garbage collector as it is (tests in one process).
+        `check_signal`: the router process's contract.ROUTER_CHECK_SIGNAL, handled from
+        start-up on (before /health first answers) and ignored from shut-down on; None handles
+        no signal (tests in one process)."""
         self.config = config
         self.gc_pacer = gc_pacer
+        self.check_signal = check_signal
         self.workers = WorkerRegistry(
             make_breaker=lambda: CircuitBreaker(
                 config.breaker_failure_threshold, config.breaker_cooldown_s
@@ -212,6 +222,9 @@ class RouterApp:
         for url in c.decode:
             self.workers.add(url, Role.DECODE)
         self._tasks.append(asyncio.create_task(self._health.run()))
+        if self.check_signal is not None:
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(self.check_signal, self._health.check_out_of_pool)
         if c.kube is not None:
             watcher = PodWatcher(
                 self.workers, c.kube.namespace, c.kube.selector, c.kube.worker_port
@@ -223,6 +236,10 @@ class RouterApp:
             self._tasks.append(asyncio.create_task(tick_every(self.gc_pacer, busy)))
 
     async def shutdown(self) -> None:
+        if self.check_signal is not None:
+            asyncio.get_running_loop().remove_signal_handler(self.check_signal)
+            # a late one is ignored: its default would end the process mid-shut-down
+            signal.signal(self.check_signal, signal.SIG_IGN)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping
 
@@ -365,7 +366,7 @@ def main(argv: list[str]) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     uvicorn.run(
-        RouterApp(config, GcPacer()),
+        RouterApp(config, GcPacer(), signal.Signals[contract.ROUTER_CHECK_SIGNAL]),
         host=args.host,
         port=args.port,
         log_level=args.log_level,

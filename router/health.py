@@ -55,6 +55,14 @@ class HealthChecker:
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.workers.all()))
 
+    def check_out_of_pool(self) -> None:
+        """Checks now every worker out of the pool (contract.ROUTER_CHECK_SIGNAL): whoever
+        restarted an engine knows when it is ready, up to an interval before the next check.
+        Those in the pool wait for theirs: their failures must not count twice as fast."""
+        for worker in self.workers.all():
+            if not worker.healthy:
+                self.probe_soon(worker)
+
     def probe_soon(self, worker: Worker) -> None:
         task = asyncio.get_running_loop().create_task(self.check(worker))
         self._probes.add(task)

@@ -102,3 +102,38 @@ def test_a_router_that_could_never_get_a_worker_is_a_usage_error():
     )  # fmt: skip
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "no workers, and no way to add one" in run.stderr and ADMIN_KEY_ENV in run.stderr
+
+
+@pytest.mark.asyncio
+async def test_sigusr1_checks_the_workers_out_of_the_pool_at_once(engines):
+    """SIGUSR1, from whoever restarted an engine and saw it ready: the router checks the workers
+    out of its pool then, not at its next health check (60 s here), and leaves those in the pool
+    alone."""
+    in_pool, out = await engines("in"), await engines("out")
+    out.healthy = False
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "kubesgl", "router", "--worker", in_pool.url, out.url,
+            "--port", str(port), "--health-check-interval", "60", "--log-level", "warning",
+        ],
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_until_ready(url, process)  # `in` serves
+        await asyncio.sleep(0.5)  # the checks of the start are over
+        checked = len(in_pool.probe_headers), len(out.probe_headers)
+        assert checked[1] >= 1
+        out.healthy = True
+        process.send_signal(signal.SIGUSR1)
+        async with httpx.AsyncClient() as client, asyncio.timeout(5):
+            while True:
+                assert process.poll() is None, "the router exited"
+                listing = (await client.get(url + "/workers")).json()["workers"]
+                if {w["url"]: w["healthy"] for w in listing}[out.url]:
+                    break
+                await asyncio.sleep(0.05)
+        assert len(in_pool.probe_headers) == checked[0]
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
