@@ -47,7 +47,8 @@ API_KEY_ENV: Final = "KUBESGL_API_KEY"  # the engines' API key: engines and rout
 ADMIN_KEY_ENV: Final = "KUBESGL_ROUTER_ADMIN_KEY"  # the key of the router's admin API
 
 # The signal after which the router checks its workers out of the pool at once, not at its next
-# health check (a name: this module imports nothing)
+# health check: `kubesgl up` sends it when an engine turns ready (a name: this module imports
+# nothing)
 ROUTER_CHECK_SIGNAL: Final = "SIGUSR1"
 
 

@@ -147,8 +147,8 @@ class RouterApp:
         """`gc_pacer`: the router process's (kubesgl/gc_pacing.py), started at the end of
         start-up; None leaves the garbage collector as it is (tests in one process).
         `check_signal`: the router process's contract.ROUTER_CHECK_SIGNAL, handled from
-        start-up on (before /health first answers) and ignored from shut-down on; None handles
-        no signal (tests in one process)."""
+        start-up on (before /health first answers, after which `kubesgl up` may send it) and
+        ignored from shut-down on; None handles no signal (tests in one process)."""
         self.config = config
         self.gc_pacer = gc_pacer
         self.check_signal = check_signal

@@ -38,6 +38,7 @@ BACKOFF_RESET_S = 120.0
 HEALTH_TIMEOUT_S = 1.0
 # How long the processes of a group may take to be gone after SIGKILL.
 KILL_WAIT_S = 5.0
+ROUTER_CHECK_SIGNAL = signal.Signals[contract.ROUTER_CHECK_SIGNAL]
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 # loaded here, not between fork and exec, where the child may only make the system call
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
@@ -218,9 +219,23 @@ class Supervisor:
         if health.ok and replica.state != State.READY:
             replica.state = State.READY
             self.on_event(replica, f"ready on {_where(replica.process)}")
+            if replica.process.role != contract.ROUTER:
+                self._tell_routers()
         elif not health.ok and replica.state == State.READY:
             replica.state = State.UNREADY
             self.on_event(replica, f"not ready: /health fails ({health.why})")
+
+    def _tell_routers(self) -> None:
+        """An engine turned ready: the router checks the workers out of its pool now instead of
+        at its next health check, up to 5 s later. Only once it has answered /health: before,
+        it may not handle the signal yet, and the signal's default would end it."""
+        for router in self.replicas:
+            if router.process.role == contract.ROUTER and router.state in (
+                State.READY,
+                State.UNREADY,
+            ):
+                assert router.popen is not None  # a dead one is BACKOFF once noticed
+                router.popen.send_signal(ROUTER_CHECK_SIGNAL)  # nothing if it just exited
 
     def _kill(self, replica: Replica, why: str) -> None:
         assert replica.popen is not None

@@ -70,7 +70,7 @@ def test_a_killed_replica_is_restarted_and_serves_again(quickstart, plain_engine
     quickstart.wait_for(r"decode-0: exited \(killed by SIGKILL\); restarting now$", after=before)
     quickstart.wait_for(r"decode-0: ready on ", after=before)
     assert quickstart.engine_pid("decode-0") != killed
-    deadline = time.monotonic() + 60  # the router takes the replica back at its next health check
+    deadline = time.monotonic() + 60  # up told the router (SIGUSR1): it takes it back at once
     while (
         answer := quickstart.completion(PROMPTS[0])
     ).status_code != 200 and time.monotonic() < deadline:

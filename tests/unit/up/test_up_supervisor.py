@@ -31,6 +31,7 @@ if behaviour == "crash":
     print("RuntimeError: no memory left for the KV cache", flush=True)
     sys.exit(3)
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # same process group
+signal.signal(signal.SIGUSR1, lambda *_: print("SIGUSR1", flush=True))  # what a router does, noted
 print(f"child {child.pid}", flush=True)
 signal.signal(signal.SIGTERM, signal.SIG_IGN if behaviour == "hang" else lambda *_: sys.exit(0))
 
@@ -182,6 +183,31 @@ def test_the_router_starts_once_every_role_has_a_ready_replica(stand_in, tmp_pat
         ready.discard(prefill.url)
         supervisor.tick()
         assert events[-1] == "prefill-0: not ready: /health fails (503: not ready)"
+    finally:
+        supervisor.stop(threading.Event())
+
+
+def test_the_router_hears_at_once_of_an_engine_that_turns_ready(stand_in, tmp_path):
+    """It checks the workers out of its pool then (SIGUSR1), not at its next health check, up
+    to 5 s later: a killed engine's requests failed for that long after it was back. A router
+    that has not answered /health yet hears nothing: the signal's default would end it."""
+    supervisor = Supervisor(
+        [
+            stand_in("decode-0", "ok", contract.DECODE),
+            stand_in("router", "ok", contract.ROUTER, waits_for=(contract.DECODE,)),
+        ],
+        tmp_path,
+    )
+    engine, router = supervisor.replicas
+    try:
+        wait_for(lambda: supervisor.tick() or all_ready(supervisor.replicas))
+        killed = engine.pid
+        os.killpg(killed, signal.SIGKILL)
+        wait_for(lambda: supervisor.tick() or (engine.pid != killed and all_ready([engine])))
+        wait_for(lambda: "SIGUSR1" in router.log_path.read_text())
+        time.sleep(0.2)
+        assert router.log_path.read_text().count("SIGUSR1") == 1  # none when it started
+        assert router.state == State.READY and router.restarts == 0
     finally:
         supervisor.stop(threading.Event())
 
