@@ -13,7 +13,7 @@ retries (which wait the router's `Retry-After`), whose outcome it records.
 Run from a checkout's root; with `--baseline DIR` (another checkout) the rounds alternate
 between DIR and this one, so that other load on the machine weighs on both alike.
 
-    python benchmarks/up_recovery.py --rounds 5 --baseline ../kubesgl-7021818 \
+    python benchmarks/up_recovery.py --rounds 5 --baseline ../kubesgl-368b19d \
         --out benchmarks/results/up_recovery.json
 """
 
