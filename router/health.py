@@ -43,7 +43,9 @@ class HealthChecker:
         # The router's key: engines answer /health without one today, but a probe must not fail
         # (and take every worker out) the day they ask for it. It goes only where requests go.
         self.headers = headers or {}
-        self._probes: set[asyncio.Task[None]] = set()
+        # At most one check out of turn per worker: checks that overlap would count one moment
+        # of passing as several passed checks.
+        self._probes: dict[Worker, asyncio.Task[None]] = {}
         # A new worker is probed at once instead of waiting up to a full interval.
         workers.on_added(self.probe_soon)
 
@@ -64,9 +66,11 @@ class HealthChecker:
                 self.probe_soon(worker)
 
     def probe_soon(self, worker: Worker) -> None:
+        if worker in self._probes:
+            return
         task = asyncio.get_running_loop().create_task(self.check(worker))
-        self._probes.add(task)
-        task.add_done_callback(self._probes.discard)
+        self._probes[worker] = task
+        task.add_done_callback(lambda _: self._probes.pop(worker, None))
 
     async def check(self, worker: Worker) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
@@ -124,5 +128,5 @@ class HealthChecker:
             worker.models = tuple(str(i) for i in ids if i)
 
     def close(self) -> None:
-        for task in self._probes:
+        for task in self._probes.values():
             task.cancel()
