@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from contextlib import nullcontext
@@ -11,7 +12,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from kubesgl.operator.render import Object, render
-from kubesgl.operator.spec import KIND
+from kubesgl.operator.spec import API_GROUP, KIND
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 
 
@@ -42,10 +43,26 @@ class _StrictLoader(yaml.SafeLoader):
 NO_DOCUMENT = f"no {KIND} in it (no YAML document)"
 
 
+# What read_documents raises for a file it cannot read (a ValueError: not UTF-8, or bad JSON).
+READ_ERRORS = (OSError, ValueError, yaml.YAMLError)
+
+
 def read_documents(filename: str) -> list[Any]:
-    """The YAML documents of a file, or of standard input for -; raises OSError or yaml.YAMLError."""
+    """The YAML documents of a file, or of standard input for -; a .json file is read as JSON,
+    which YAML does not take when indented with tabs. Raises one of READ_ERRORS."""
     with nullcontext(sys.stdin) if filename == "-" else open(filename) as stream:
+        if filename.endswith(".json"):
+            text = stream.read()
+            return [json.loads(text, object_pairs_hook=_unique_keys)] if text.strip() else []
         return [doc for doc in yaml.load_all(stream, Loader=_StrictLoader) if doc is not None]
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused with a key given twice (as _StrictLoader refuses one in YAML)."""
+    keys = [key for key, _ in pairs]
+    if twice := next((key for key in keys if keys.count(key) > 1), None):
+        raise ValueError(f"key {twice!r} given twice in one object")
+    return dict(pairs)
 
 
 def _name_of(document: dict[str, Any]) -> str:
@@ -108,11 +125,13 @@ def read_inputs(filenames: list[str]) -> tuple[list[Found], bool]:
         for filename in files:
             try:
                 documents = read_documents(filename)
-            except (OSError, yaml.YAMLError) as error:
+            except READ_ERRORS as error:
                 print(f"{PROG}: cannot read {filename}: {error}", file=sys.stderr)
                 read = False
                 continue
-            if not documents:
+            if not documents and filename != given:  # a folder's empty file, as kubectl skips it
+                print(f"{PROG}: {filename}: skipped: no YAML document", file=sys.stderr)
+            elif not documents:
                 print(f"{PROG}: {filename}: {NO_DOCUMENT}", file=sys.stderr)
                 read = False
             found += [
@@ -134,12 +153,16 @@ def render_inputs(found: list[Found]) -> tuple[list[Object], bool]:
             print(f"{PROG}: {filename}: a document is not a mapping", file=sys.stderr)
             sound = False
             continue
-        kind = document.get("kind")
-        # without a kind: checked as an InferenceService, whose problems name what is missing
-        if isinstance(kind, str) and kind != KIND:
+        kind, api_version = document.get("kind"), document.get("apiVersion")
+        group = api_version.partition("/")[0] if isinstance(api_version, str) else ""
+        # Another group's kind of the same name (KServe's, serving.kserve.io) is skipped; one
+        # without a kind or a group is checked as ours, whose problems name what is wrong.
+        if (isinstance(kind, str) and kind != KIND) or (
+            "/" in str(api_version) and group != API_GROUP
+        ):
             print(
-                f"{PROG}: {filename}: skipped {kind} {_name_of(document)}: "
-                f"{PROG} renders {KIND}s only",
+                f"{PROG}: {filename}: skipped {api_version} {kind} {_name_of(document)}: "
+                f"{PROG} renders {API_GROUP} {KIND}s only",
                 file=sys.stderr,
             )
             continue

@@ -14,11 +14,14 @@ import tempfile
 import threading
 from pathlib import Path
 
-import yaml
-
 from kubesgl import contract
 from kubesgl.cli_help import port_number
-from kubesgl.operator.render_cli import NO_DOCUMENT, print_problems, read_documents
+from kubesgl.operator.render_cli import (
+    NO_DOCUMENT,
+    READ_ERRORS,
+    print_problems,
+    read_documents,
+)
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
 from kubesgl.up.model import ModelStepFailed, ensure_model
@@ -71,7 +74,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         documents = read_documents(args.filename)
-    except (OSError, yaml.YAMLError) as error:
+    except READ_ERRORS as error:
         print(f"{PROG}: cannot read {args.filename}: {error}", file=sys.stderr)
         return 2
     problem = _not_one_inference_service(documents)

@@ -191,9 +191,65 @@ def test_objects_of_other_kinds_are_skipped_with_a_note(tmp_path, capsys) -> Non
     assert status == 0
     assert printed == _rendered(isvc)
     assert err == (
-        f"kubesgl render: {tmp_path / 'all.yaml'}: skipped Secret hf-token: "
-        "kubesgl render renders InferenceServices only\n"
+        f"kubesgl render: {tmp_path / 'all.yaml'}: skipped v1 Secret hf-token: "
+        "kubesgl render renders kubesgl.io InferenceServices only\n"
     )
+
+
+def test_an_inference_service_of_another_group_is_skipped(tmp_path, capsys) -> None:
+    """KServe's InferenceService beside ours in one folder: it was checked as ours."""
+    kserve = {
+        "apiVersion": "serving.kserve.io/v1beta1",
+        "kind": "InferenceService",
+        "metadata": {"name": "sklearn-iris"},
+        "spec": {"predictor": {"model": {"modelFormat": {"name": "sklearn"}}}},
+    }
+    isvc = load_example("mixed.yaml")
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(kserve))
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(isvc))
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path))
+    assert (status, printed) == (0, _rendered(isvc))
+    assert err == (
+        f"kubesgl render: {tmp_path / 'a.yaml'}: skipped serving.kserve.io/v1beta1 "
+        "InferenceService sklearn-iris: kubesgl render renders kubesgl.io InferenceServices only\n"
+    )
+
+
+def test_json_indented_with_tabs_renders(tmp_path, capsys) -> None:
+    """`jq --tab` writes such JSON; read as YAML (which takes no tab indent) it was an error."""
+    isvc = load_example("mixed.yaml")
+    (tmp_path / "isvc.json").write_text(json.dumps(isvc, indent="\t"))
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path / "isvc.json"))
+    assert (status, err) == (0, "")
+    assert printed == _rendered(isvc)
+
+
+def test_a_json_key_given_twice_is_an_error(tmp_path, capsys) -> None:
+    (tmp_path / "isvc.json").write_text('{"kind": "InferenceService", "kind": "Secret"}')
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path / "isvc.json"))
+    assert (status, printed) == (2, [])
+    assert err == (
+        f"kubesgl render: cannot read {tmp_path / 'isvc.json'}: "
+        "key 'kind' given twice in one object\n"
+    )
+
+
+def test_a_file_that_is_no_text_is_an_error_not_a_traceback(tmp_path, capsys) -> None:
+    """A stray binary .json in a folder raised UnicodeDecodeError out of render."""
+    (tmp_path / "blob.json").write_bytes(b"\xff\xfe\x00binary")
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path))
+    assert (status, printed) == (2, [])
+    assert err.startswith(f"kubesgl render: cannot read {tmp_path / 'blob.json'}: 'utf-8' codec")
+
+
+def test_an_empty_file_in_a_folder_is_skipped_with_a_note(tmp_path, capsys) -> None:
+    """As kubectl skips it; given alone with -f it stays an error (above)."""
+    isvc = load_example("mixed.yaml")
+    (tmp_path / "a.yaml").write_text("# nothing yet\n")
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(isvc))
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path))
+    assert (status, printed) == (0, _rendered(isvc))
+    assert err == f"kubesgl render: {tmp_path / 'a.yaml'}: skipped: no YAML document\n"
 
 
 def test_no_inference_service_at_all_is_an_error(tmp_path, capsys) -> None:
