@@ -90,6 +90,8 @@ class Forwarder:
         self.retry = retry
         self.disaggregation = disaggregation
         self.pd = PrefillDecodePair(upstream)
+        # The sets of served names the last GET /v1/models left out (their workers failed)
+        self._unlisted: set[frozenset[str]] = set()
         for policy in policies.all():
             workers.on_removed(policy.forget)
 
@@ -127,16 +129,21 @@ class Forwarder:
         card_lists = [cards_of(outcome) for outcome in outcomes]
         if all(cards is None for cards in card_lists):
             return self._first_outcome(role, outcomes[0])
+        unlisted = {names for names, cards in zip(sets, card_lists) if cards is None}
         for names, outcome, cards in zip(sets, outcomes, card_lists):
             if cards is None:
+                # a warning when a set starts failing, not at each listing (UIs poll it)
+                level = logging.DEBUG if names in self._unlisted else logging.WARNING
                 reason = outcome if isinstance(outcome, Exception) else "no model list"
-                log.warning(
+                log.log(
+                    level,
                     "GET %s: the workers serving %s gave no model list (%s); the list "
                     "leaves their models out",
                     MODELS_PATH,
                     _named(names),
                     reason,
                 )
+        self._unlisted = unlisted
         return merged(cards for cards in card_lists if cards is not None)
 
     async def _models_of(
