@@ -38,8 +38,8 @@ IDLE_S = 3.0
 
 
 def agent_with_delay(pool: KVPool, delay_us: int) -> KVTransferAgent:
-    """A KVTransferAgent whose progress thread waits `delay_us` between passes, whatever the
-    engine chooses for its memory."""
+    """A KVTransferAgent whose progress thread waits `delay_us` between passes, in place of
+    the engine's PROGRESS_THREAD_DELAY_US."""
     make = kv_transfer._nixl_agent
     kv_transfer._nixl_agent = lambda name, _chosen: make(name, delay_us)  # type: ignore[assignment]
     try:

@@ -77,7 +77,8 @@ def _schema_problems(error: ValidationError) -> list[Problem]:
     problems = []
     for detail in error.errors():
         location = [str(part) for part in detail["loc"]]
-        # Union members (str | LocalObjectReference) add their type name to the location: not a field.
+        # Union members (str | LocalObjectReference) add their type name to the location:
+        # not a field.
         location = [part for part in location if part not in _UNION_MEMBERS]
         problems.append(Problem(".".join(location) or "(document)", detail["msg"]))
     return problems

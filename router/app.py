@@ -28,7 +28,7 @@ from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.config import RouterConfig
 from kubesgl.router.discovery import PodWatcher
 from kubesgl.router.errors import RouterError, bad_request
-from kubesgl.router.health import HealthChecker
+from kubesgl.router.health import MODELS_PATH, HealthChecker
 from kubesgl.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kubesgl.router.metrics import RouterMetrics
 from kubesgl.router.policies import make_policy
@@ -77,7 +77,7 @@ MODEL_PATH = MODEL_PREFIX + "{model}"  # one model's card: one route whatever th
 # vLLM's tokenizer routes: every worker has the model's tokenizer (P/D: either role's)
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 CLIENT_PATHS = frozenset(
-    {*GENERATION_PATHS, "/v1/models", MODEL_PATH, *MODEL_INFO_PATHS, *TOKENIZER_PATHS}
+    {*GENERATION_PATHS, MODELS_PATH, MODEL_PATH, *MODEL_INFO_PATHS, *TOKENIZER_PATHS}
 )
 _BEARER_CHALLENGE = [(b"www-authenticate", b"Bearer")]
 
@@ -172,7 +172,7 @@ class RouterApp:
         self.resolve: Resolve = resolve_host
         self._routes: dict[str, dict[str, Handler]] = {
             **{path: {"POST": self._generate} for path in GENERATION_PATHS},
-            "/v1/models": {"GET": self._list_models},
+            MODELS_PATH: {"GET": self._list_models},
             **{
                 path: {"GET": self._any_worker}
                 for path in (MODEL_PATH, *MODEL_INFO_PATHS, "/version")

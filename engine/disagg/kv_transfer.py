@@ -81,7 +81,7 @@ PROGRESS_THREAD_DELAY_US = 1000
 
 def _nixl_agent(name: str, progress_delay_us: int):
     """A NIXL agent with the UCX backend whose progress thread waits `progress_delay_us`
-    between passes. The Python API (nixl 1.5.1) has no option for that wait, so its C++
+    between passes (PROGRESS_THREAD_DELAY_US; benchmarks/kv_write_progress.py gives others). The Python API (nixl 1.5.1) has no option for that wait, so its C++
     agent is replaced, before any backend exists, by one configured alike but with the wait
     set (tests/unit/engine/test_kv_transfer.py notices a NIXL where this stops working)."""
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t

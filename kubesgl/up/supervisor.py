@@ -38,7 +38,7 @@ BACKOFF_RESET_S = 120.0
 HEALTH_TIMEOUT_S = 1.0
 # How long the processes of a group may take to be gone after SIGKILL.
 KILL_WAIT_S = 5.0
-ROUTER_CHECK_SIGNAL = signal.Signals[contract.ROUTER_CHECK_SIGNAL]
+CHECK_SIGNAL = signal.Signals[contract.ROUTER_CHECK_SIGNAL]
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 # loaded here, not between fork and exec, where the child may only make the system call
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
@@ -235,7 +235,7 @@ class Supervisor:
                 State.UNREADY,
             ):
                 assert router.popen is not None  # a dead one is BACKOFF once noticed
-                router.popen.send_signal(ROUTER_CHECK_SIGNAL)  # nothing if it just exited
+                router.popen.send_signal(CHECK_SIGNAL)  # nothing if it just exited
 
     def _kill(self, replica: Replica, why: str) -> None:
         assert replica.popen is not None
