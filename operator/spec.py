@@ -6,6 +6,7 @@ and minimums here equal the CRD's (tests/unit/operator/test_crd.py compares the 
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Any, Literal
 
@@ -74,6 +75,61 @@ Quantity = Annotated[
         {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY_PATTERN}]}
     ),
 ]
+
+# Kubernetes' rules for metadata keys: a name of up to 63 characters, alphanumeric at both
+# ends, with an optional DNS-subdomain prefix and a slash (apimachinery's IsQualifiedName).
+_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]"
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+ANNOTATIONS_MAX_BYTES = 256 * 1024  # the API server's limit on an object's annotations
+
+
+def _qualified_name(key: str) -> str:
+    prefix, _, name = key.rpartition("/")
+    if not re.fullmatch(_NAME, name) or (
+        "/" in key and (len(prefix) > 253 or not re.fullmatch(_DNS_SUBDOMAIN, prefix))
+    ):
+        raise ValueError(
+            f"{key!r} is not a Kubernetes key: an optional DNS-subdomain prefix and '/', then up "
+            "to 63 letters, digits, '-', '_' or '.', beginning and ending with a letter or digit"
+        )
+    return key
+
+
+def _label_value(value: str) -> str:
+    if value and not re.fullmatch(_NAME, value):
+        raise ValueError(
+            f"{value!r} is not a label value: empty, or up to 63 letters, digits, '-', '_' or "
+            "'.', beginning and ending with a letter or digit"
+        )
+    return value
+
+
+def _annotations_fit(annotations: dict[str, str]) -> dict[str, str]:
+    size = sum(len(key.encode()) + len(value.encode()) for key, value in annotations.items())
+    if size > ANNOTATIONS_MAX_BYTES:
+        raise ValueError(f"{size} bytes: the API server takes at most {ANNOTATIONS_MAX_BYTES}")
+    return annotations
+
+
+MetadataKey = Annotated[str, AfterValidator(_qualified_name)]
+Labels = dict[MetadataKey, Annotated[str, AfterValidator(_label_value)]]
+Annotations = Annotated[dict[MetadataKey, str], AfterValidator(_annotations_fit)]
+
+
+def _cidr(value: str) -> str:
+    # canonical only: one way to write each range, which the API server keeps as written
+    try:
+        network = ipaddress.ip_network(value)
+    except ValueError:
+        network = None
+    if network is None or "/" not in value:
+        raise ValueError(f"{value!r} is not a CIDR such as 10.0.0.0/8 (no host bits set)")
+    if str(network) != value:
+        raise ValueError(f"{value!r}: write it as {network}")
+    return value
+
+
+Cidr = Annotated[str, AfterValidator(_cidr)]
 
 
 class SecretKeyRef(SpecModel):
@@ -240,6 +296,10 @@ class RouterSpec(Placement):
     # The key of the router's admin API (/workers); None: no worker can be added or removed.
     admin_key_secret: SecretKeyRef | None = None
     resources: Resources = ROUTER_DEFAULT_RESOURCES
+    # The client-facing Service's: a cloud's load balancer settings (an internal one, say).
+    service_annotations: Annotations = Field(default_factory=dict)
+    # The clients a LoadBalancer Service admits, enforced by the cloud's load balancer.
+    load_balancer_source_ranges: list[Cidr] = Field(default_factory=list)
 
 
 class UcxSpec(SpecModel):

@@ -93,6 +93,7 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems += _autoscaling_problems(spec)
     problems += _network_policy_problems(spec)
     problems += _env_problems(spec)
+    problems += _router_service_problems(spec)
     return problems
 
 
@@ -287,6 +288,15 @@ def _env_problems(spec: InferenceServiceSpec) -> list[Problem]:
             if variable.value is not None and variable.value_from is not None:
                 problems.append(Problem(field, "set value or valueFrom, not both"))
     return problems
+
+
+def _router_service_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    router = spec.router
+    # the API server refuses source ranges on a Service of another type
+    if router.load_balancer_source_ranges and router.service_type != "LoadBalancer":
+        field = "spec.router.loadBalancerSourceRanges"
+        return [Problem(field, "only with serviceType LoadBalancer")]
+    return []
 
 
 def _network_policy_problems(spec: InferenceServiceSpec) -> list[Problem]:

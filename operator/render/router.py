@@ -169,20 +169,22 @@ def router_deployment(isvc: InferenceService) -> Object:
 
 
 def router_service(isvc: InferenceService) -> Object:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(isvc, naming.router_service_name(isvc.metadata.name), contract.ROUTER),
-        "spec": {
-            "type": isvc.spec.router.service_type,
-            "selector": naming.selector_labels(isvc.metadata.name, contract.ROUTER),
-            "ports": [
-                {
-                    "name": "http",
-                    "port": contract.ROUTER_PORT,
-                    "targetPort": "http",
-                    "protocol": "TCP",
-                }
-            ],
-        },
+    router = isvc.spec.router
+    meta = metadata(isvc, naming.router_service_name(isvc.metadata.name), contract.ROUTER)
+    if router.service_annotations:
+        meta["annotations"] = dict(router.service_annotations)
+    spec: Object = {
+        "type": router.service_type,
+        "selector": naming.selector_labels(isvc.metadata.name, contract.ROUTER),
+        "ports": [
+            {
+                "name": "http",
+                "port": contract.ROUTER_PORT,
+                "targetPort": "http",
+                "protocol": "TCP",
+            }
+        ],
     }
+    if router.load_balancer_source_ranges:
+        spec["loadBalancerSourceRanges"] = list(router.load_balancer_source_ranges)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": spec}

@@ -313,6 +313,24 @@ def test_router_discovers_pods_with_read_only_rbac() -> None:
         assert objects[("PodDisruptionBudget", f"llama-pd-{role}")]["spec"]["maxUnavailable"] == 1
 
 
+def test_the_router_service_takes_annotations_and_source_ranges() -> None:
+    plain = objects_of(load_example("mixed.yaml"))[("Service", "qwen3-mixed")]
+    assert "annotations" not in plain["metadata"]
+    assert "loadBalancerSourceRanges" not in plain["spec"]
+    internal = {"service.beta.kubernetes.io/aws-load-balancer-internal": "true"}
+    router = {
+        "serviceType": "LoadBalancer",
+        "serviceAnnotations": internal,
+        "loadBalancerSourceRanges": ["10.0.0.0/8", "fd00::/8"],
+    }
+    document = with_changes(load_example("mixed.yaml"), "spec.router", router)
+    service = objects_of(document)[("Service", "qwen3-mixed")]
+    assert service["metadata"]["annotations"] == internal
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["loadBalancerSourceRanges"] == ["10.0.0.0/8", "fd00::/8"]
+    kubernetes_validate.validate(service, K8S_VERSION, strict=True)
+
+
 def test_owner_references_only_with_a_uid() -> None:
     objects = objects_of(load_example("mixed.yaml"))
     for obj in objects.values():

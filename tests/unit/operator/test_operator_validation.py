@@ -348,6 +348,32 @@ def problems_of(document) -> list[str]:
             "",
             "spec.kvTransfer.ucx.netDevices: String should have at least 1 character",
         ),
+        (
+            "mixed.yaml",
+            "spec.router.serviceAnnotations",
+            {"-internal": "true"},
+            "spec.router.serviceAnnotations.-internal.[key]: Value error, '-internal' is not a "
+            "Kubernetes key",
+        ),
+        (
+            "mixed.yaml",
+            "spec.router.loadBalancerSourceRanges",
+            ["10.0.0.1/8"],
+            "spec.router.loadBalancerSourceRanges.0: Value error, '10.0.0.1/8' is not a CIDR",
+        ),
+        (
+            "mixed.yaml",
+            "spec.router.loadBalancerSourceRanges",
+            ["2001:DB8::/32"],
+            "spec.router.loadBalancerSourceRanges.0: Value error, '2001:DB8::/32': write it as "
+            "2001:db8::/32",
+        ),
+        (
+            "mixed.yaml",  # a ClusterIP Service: the API server refuses source ranges on it
+            "spec.router.loadBalancerSourceRanges",
+            ["10.0.0.0/8"],
+            "spec.router.loadBalancerSourceRanges: only with serviceType LoadBalancer",
+        ),
     ],
 )
 def test_bad_input_names_the_field(example, path, value, expected) -> None:
