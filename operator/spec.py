@@ -368,12 +368,31 @@ class LabelSelector(SpecModel):
     match_labels: dict[str, str] = Field(default_factory=dict)
 
 
+class IpBlock(SpecModel):
+    """A Kubernetes IPBlock: addresses in `cidr` but in none of `except`."""
+
+    cidr: Cidr
+    except_: list[Cidr] = Field(default_factory=list, alias="except")
+
+    @model_validator(mode="after")
+    def _exceptions_inside(self) -> IpBlock:
+        """The API server's rule: each exception a strict part of the block."""
+        block = ipaddress.ip_network(self.cidr)
+        for exception in map(ipaddress.ip_network, self.except_):
+            # an address of the other family is in no block of this one
+            if exception.prefixlen <= block.prefixlen or exception.network_address not in block:
+                raise ValueError(f"except: {exception} is not strictly inside {block}")
+        return self
+
+
 class NetworkPeer(SpecModel):
-    """A NetworkPolicy peer: pods by label, in namespaces by label. No namespaceSelector: the
-    InferenceService's namespace only; an empty one: every namespace."""
+    """A NetworkPolicy peer: pods by label, in namespaces by label, or (alone) addresses by
+    ipBlock. No namespaceSelector: the InferenceService's namespace only; an empty one: every
+    namespace."""
 
     namespace_selector: LabelSelector | None = None
     pod_selector: LabelSelector | None = None
+    ip_block: IpBlock | None = None
 
 
 # Prometheus as kube-prometheus-stack and the prometheus chart label its pods, in any namespace.

@@ -307,13 +307,14 @@ def _network_policy_problems(spec: InferenceServiceSpec) -> list[Problem]:
         ("metricsFrom", settings.metrics_from),
     ):
         for index, peer in enumerate(peers):
-            if peer.namespace_selector is None and peer.pod_selector is None:
-                problems.append(
-                    Problem(
-                        f"spec.networkPolicy.{name}.{index}",
-                        "set namespaceSelector, podSelector or both",
-                    )
-                )
+            selects = peer.namespace_selector is not None or peer.pod_selector is not None
+            if peer.ip_block is None and not selects:
+                message = "set ipBlock, or namespaceSelector, podSelector or both"
+            elif peer.ip_block is not None and selects:  # as the API server requires
+                message = "ipBlock goes alone, without namespaceSelector or podSelector"
+            else:
+                continue
+            problems.append(Problem(f"spec.networkPolicy.{name}.{index}", message))
     return problems
 
 

@@ -2,7 +2,8 @@
 
 One policy per pod role, named and labelled like the role's other objects, each selecting that
 role's pods and allowing only:
-- router: clients (spec.networkPolicy.clientsFrom; none given: any source) on the router port;
+- router: clients (spec.networkPolicy.clientsFrom, pods or address blocks; none given: any
+  source) on the router port;
   with clientsFrom, also the metrics scrapers;
 - every engine role: the instance's router pods and the metrics scrapers
   (spec.networkPolicy.metricsFrom) on the engine's HTTP port;
@@ -39,6 +40,8 @@ def _selector(selector: LabelSelector) -> Object:
 
 def _peer(peer: NetworkPeer) -> Object:
     rendered: Object = {}
+    if peer.ip_block is not None:
+        rendered["ipBlock"] = peer.ip_block.model_dump(by_alias=True, exclude_defaults=True)
     if peer.namespace_selector is not None:
         rendered["namespaceSelector"] = _selector(peer.namespace_selector)
     if peer.pod_selector is not None:

@@ -66,7 +66,7 @@ def _canonical(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if "const" in schema:
         result["enum"] = [schema["const"]]
     if schema.get("default") not in (None, {}, []):
-        result["default"] = schema["default"]
+        result["default"] = _without_nulls(schema["default"])
     if "properties" in schema:
         result["properties"] = {
             name: _canonical(sub, defs) for name, sub in schema["properties"].items()
@@ -82,6 +82,15 @@ def _canonical(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 def _int_or_string(pattern: str | None) -> dict[str, Any]:
     """A quantity's schema: its pattern applies to the string form."""
     return {"type": "int-or-string"} | ({} if pattern is None else {"pattern": pattern})
+
+
+def _without_nulls(value: Any) -> Any:
+    """pydantic writes the unset fields of a model in a default as null; the CRD leaves them out."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
 
 
 def test_the_pydantic_model_mirrors_the_crd_schema() -> None:

@@ -644,3 +644,17 @@ def test_network_policy_settings() -> None:
     assert not allowed(objects, pod("", None, "other", app="vmagent"), engine, 30000)
     prometheus = pod("", None, "monitoring", **{"app.kubernetes.io/name": "prometheus"})
     assert not allowed(objects, prometheus, engine, 30000)
+
+
+def test_clients_may_be_address_blocks() -> None:
+    block = {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}
+    clients = [{"ipBlock": block}, {"ipBlock": {"cidr": "fd00::/8"}}]
+    document = with_changes(load_example("mixed.yaml"), "spec.networkPolicy.clientsFrom", clients)
+    policy = objects_of(document)[("NetworkPolicy", "qwen3-mixed-router")]
+    (rule,) = policy["spec"]["ingress"]
+    prometheus = {
+        "namespaceSelector": {},
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    }
+    assert rule["from"] == [{"ipBlock": block}, {"ipBlock": {"cidr": "fd00::/8"}}, prometheus]
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)

@@ -308,7 +308,36 @@ def problems_of(document) -> list[str]:
             "mixed.yaml",
             "spec.networkPolicy.metricsFrom",
             [{"podSelector": {"matchLabels": {"app": "p"}}}, {}],
-            "spec.networkPolicy.metricsFrom.1: set namespaceSelector, podSelector or both",
+            "spec.networkPolicy.metricsFrom.1: set ipBlock, or namespaceSelector, podSelector "
+            "or both",
+        ),
+        (
+            "mixed.yaml",
+            "spec.networkPolicy.clientsFrom",
+            [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {"matchLabels": {"a": "b"}}}],
+            "spec.networkPolicy.clientsFrom.0: ipBlock goes alone, without namespaceSelector or "
+            "podSelector",
+        ),
+        (
+            "mixed.yaml",
+            "spec.networkPolicy.clientsFrom",
+            [{"ipBlock": {"cidr": "10.0.0.1/8"}}],
+            "spec.networkPolicy.clientsFrom.0.ipBlock.cidr: Value error, '10.0.0.1/8' is not a "
+            "CIDR",
+        ),
+        (
+            "mixed.yaml",
+            "spec.networkPolicy.clientsFrom",
+            [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.0.0.0/8"]}}],
+            "spec.networkPolicy.clientsFrom.0.ipBlock: Value error, except: 10.0.0.0/8 is not "
+            "strictly inside 10.0.0.0/8",
+        ),
+        (
+            "mixed.yaml",
+            "spec.networkPolicy.clientsFrom",
+            [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["fd00::/8"]}}],
+            "spec.networkPolicy.clientsFrom.0.ipBlock: Value error, except: fd00::/8 is not "
+            "strictly inside 10.0.0.0/8",
         ),
         (
             "mixed.yaml",
