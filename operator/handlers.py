@@ -86,8 +86,8 @@ def _snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
         "apiVersion": body.get("apiVersion"),
         "kind": body.get("kind"),
         "metadata": {
-            key: meta[key]
-            for key in ("name", "namespace", "uid", "generation", "deletionTimestamp")
+            key: _plain(meta[key])
+            for key in ("name", "namespace", "labels", "uid", "generation", "deletionTimestamp")
             if key in meta
         },
         "spec": _plain(body.get("spec", {})),

@@ -6,6 +6,8 @@ the keys live in kubesgl.contract, which the router reads too.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kubesgl.contract import (
     INSTANCE_LABEL,
     MANAGED_BY_LABEL,
@@ -31,6 +33,17 @@ def selector_labels(instance: str, role: PodRole | None = None) -> dict[str, str
 
 def object_labels(instance: str, role: PodRole | None = None) -> dict[str, str]:
     return {**selector_labels(instance, role), MANAGED_BY_LABEL: MANAGER}
+
+
+# The operator's own keys: what selects pods, what the operator's watches select, and the role
+# that pruning and teardown read (reconcile.py).
+OWNED_LABELS = frozenset({NAME_LABEL, INSTANCE_LABEL, ROLE_LABEL, MANAGED_BY_LABEL})
+
+
+def inherited_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """The InferenceService's labels that its children carry too: all but the operator's own
+    keys, which tools set on everything they apply (Helm's managed-by, Argo CD's instance)."""
+    return {key: value for key, value in labels.items() if key not in OWNED_LABELS}
 
 
 def role_object_name(instance: str, role: PodRole) -> str:

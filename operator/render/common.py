@@ -26,11 +26,17 @@ def expand_references(args: list[str], env: Mapping[str, str]) -> list[str]:
     return [ENV_REFERENCE.sub(lambda m: env.get(m.group(1), m.group(0)), arg) for arg in args]
 
 
+def labels(isvc: InferenceService, role: contract.PodRole | None = None) -> dict[str, str]:
+    """A child's labels: the InferenceService's, then the operator's own."""
+    inherited = naming.inherited_labels(isvc.metadata.labels)
+    return {**inherited, **naming.object_labels(isvc.metadata.name, role)}
+
+
 def metadata(isvc: InferenceService, name: str, role: contract.PodRole | None = None) -> Object:
     meta: Object = {
         "name": name,
         "namespace": isvc.metadata.namespace,
-        "labels": naming.object_labels(isvc.metadata.name, role),
+        "labels": labels(isvc, role),
     }
     # Without a uid (a file given to `kubesgl render`) there is no owner to point at yet.
     if isvc.metadata.uid:

@@ -11,6 +11,7 @@ from kubesgl.operator.render.common import (
     container_security_context,
     http_probe,
     image_pull,
+    labels,
     metadata,
     placement,
     pod_security_context,
@@ -369,7 +370,7 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
         "selector": {"matchLabels": naming.selector_labels(instance, role)},
         "template": {
             "metadata": {
-                "labels": naming.object_labels(instance, role),
+                "labels": labels(isvc, role),
                 "annotations": annotations,
             },
             "spec": pod_spec,

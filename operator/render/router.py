@@ -10,6 +10,7 @@ from kubesgl.operator.render.common import (
     container_security_context,
     http_probe,
     image_pull,
+    labels,
     metadata,
     placement,
     pod_security_context,
@@ -150,7 +151,7 @@ def router_deployment(isvc: InferenceService) -> Object:
             "selector": {"matchLabels": naming.selector_labels(instance, contract.ROUTER)},
             "template": {
                 "metadata": {
-                    "labels": naming.object_labels(instance, contract.ROUTER),
+                    "labels": labels(isvc, contract.ROUTER),
                     "annotations": scrape_annotations(contract.ROUTER_PORT),
                 },
                 "spec": {

@@ -394,6 +394,32 @@ def test_a_restart_changes_nothing(cluster: Cluster, operator: OperatorProcess) 
     assert INFERENCE_SERVICE.kind == isvc_after["kind"]
 
 
+def test_the_inference_services_labels_follow_to_the_children_and_settle(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    document = example("mixed.yaml")
+    document["metadata"]["labels"] = {"team": "search", "app.kubernetes.io/managed-by": "Helm"}
+    created = cluster.create_isvc(document)
+    children = settle(cluster, created)
+    for key, child in children.items():
+        labels = child["metadata"]["labels"]
+        assert labels["team"] == "search", key
+        assert labels["app.kubernetes.io/managed-by"] == "kubesgl-operator", key
+    time.sleep(2)  # room for re-applies, were the repair handler to see drift
+    assert versions(cluster.children("qwen3-mixed")) == versions(children)
+
+    cluster.patch_isvc("qwen3-mixed", {"metadata": {"labels": {"team": None, "tier": "gold"}}})
+
+    def relabelled() -> bool:
+        return all(
+            "team" not in child["metadata"]["labels"]
+            and child["metadata"]["labels"].get("tier") == "gold"
+            for child in cluster.children("qwen3-mixed").values()
+        )
+
+    wait_for(relabelled, what="the children to carry the new labels")
+
+
 def test_network_policies_are_kept_as_rendered_and_go_when_turned_off(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:

@@ -331,6 +331,45 @@ def test_the_router_service_takes_annotations_and_source_ranges() -> None:
     kubernetes_validate.validate(service, K8S_VERSION, strict=True)
 
 
+# The InferenceService's labels as Helm, Argo CD and Kueue users set them: the operator's own
+# keys among them are not copied.
+USER_LABELS = {
+    "team": "search",
+    "kueue.x-k8s.io/queue-name": "inference",
+    "app.kubernetes.io/managed-by": "Helm",
+    "app.kubernetes.io/instance": "argo-app",
+    "kubesgl.io/role": "prefill",
+}
+
+
+def test_the_inference_services_labels_reach_every_child_but_not_the_operators_keys() -> None:
+    document = load_example("disaggregated.yaml")
+    document["metadata"]["labels"] = USER_LABELS
+    document["metadata"]["annotations"] = {
+        "kubectl.kubernetes.io/last-applied-configuration": "{}",
+        "kubesgl.io/last-handled-configuration": "{}",
+    }
+    objects = objects_of(document)
+    plain = objects_of(load_example("disaggregated.yaml"))
+    copied = {"team": "search", "kueue.x-k8s.io/queue-name": "inference"}
+    metadatas = [obj["metadata"] for obj in objects.values()]
+    metadatas += [
+        obj["spec"]["template"]["metadata"]
+        for obj in objects.values()
+        if obj["kind"] == "Deployment"
+    ]
+    for meta in metadatas:
+        assert meta["labels"]["app.kubernetes.io/instance"] == "llama-pd"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] != "Helm"
+        assert meta["labels"] == {**copied, **meta["labels"]}
+        assert not any(key.endswith("-configuration") for key in meta.get("annotations", {}))
+    for key, obj in objects.items():
+        own = plain[key]["metadata"]["labels"]
+        assert obj["metadata"]["labels"] == {**copied, **own}  # a role only where it was
+        if obj["kind"] != "PodMonitor":
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
 def test_owner_references_only_with_a_uid() -> None:
     objects = objects_of(load_example("mixed.yaml"))
     for obj in objects.values():

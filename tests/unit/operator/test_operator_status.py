@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 from kubesgl.operator.drift import has_drifted
+from kubesgl.operator.handlers import _snapshot
+from kubesgl.operator.render import render
 from kubesgl.operator.status import Rollout, Verdict, compute_status, status_patch
+from kubesgl.operator.validation import parse_inference_service
 
 
 def rollout(
@@ -192,3 +197,31 @@ def test_a_refused_apply_is_degraded_and_keeps_what_runs_ready():
     }
     (degraded,) = [c for c in result["conditions"] if c["type"] == "Degraded"]
     assert degraded["message"] == refused.message
+
+
+def test_labels_and_annotations_of_others_are_no_drift() -> None:
+    """The repair handler renders from the indexed InferenceService: its labels must be there,
+    or every child carrying them would be re-applied, and what others add to a child (a
+    Deployment's revision, a mesh's or a cloud's annotations, labels) is not the operator's."""
+    body = {
+        "apiVersion": "kubesgl.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {
+            "name": "tiny",
+            "namespace": "default",
+            "uid": "u1",
+            "labels": {"team": "search"},
+            "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{}"},
+        },
+        "spec": {"image": "img", "model": {"hostPath": {"path": "/m"}}},
+    }
+    indexed = _snapshot(body)
+    assert "annotations" not in indexed["metadata"]
+    for desired in render(parse_inference_service(indexed)):
+        assert desired["metadata"]["labels"]["team"] == "search"
+        live = copy.deepcopy(desired)
+        live["metadata"]["labels"]["pod-template-hash"] = "5d4f"
+        live["metadata"].setdefault("annotations", {})["deployment.kubernetes.io/revision"] = "3"
+        assert not has_drifted(desired, live), desired["kind"]
+        del live["metadata"]["labels"]["team"]  # taken off by hand: put back
+        assert has_drifted(desired, live), desired["kind"]

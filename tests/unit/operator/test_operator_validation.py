@@ -379,6 +379,12 @@ def problems_of(document) -> list[str]:
         ),
         (
             "mixed.yaml",
+            "metadata.labels",
+            {"team": "search and rescue"},
+            "metadata.labels.team: Value error, 'search and rescue' is not a label value",
+        ),
+        (
+            "mixed.yaml",
             "spec.router.serviceAnnotations",
             {"-internal": "true"},
             "spec.router.serviceAnnotations.-internal.[key]: Value error, '-internal' is not a "
