@@ -257,6 +257,9 @@ class Placement(SpecModel):
     affinity: dict[str, Any] | None = None  # a Kubernetes Affinity, passed on as it is
     priority_class_name: str | None = Field(default=None, min_length=1)
     runtime_class_name: str | None = Field(default=None, min_length=1)
+    # The pods' own, beside the operator's: sidecar injection, cost tags per role.
+    pod_labels: Labels = Field(default_factory=dict)
+    pod_annotations: Annotations = Field(default_factory=dict)
     extra_args: list[str] = Field(default_factory=list)
 
 

@@ -18,7 +18,12 @@ from pydantic import ValidationError
 from kubesgl import contract
 from kubesgl.contract import ENGINE_ROLES, EngineRole
 from kubesgl.engine.server.options import check_serve_args, parse_serve_args
-from kubesgl.operator.render.common import ENV_REFERENCE, expand_references
+from kubesgl.operator import naming
+from kubesgl.operator.render.common import (
+    ENV_REFERENCE,
+    OWNED_POD_ANNOTATIONS,
+    expand_references,
+)
 from kubesgl.operator.render.engine import ENGINE_OWNED_FLAGS, engine_args
 from kubesgl.operator.render.router import ROUTER_OWNED_FLAGS, router_args, router_env
 from kubesgl.operator.spec import (
@@ -26,6 +31,7 @@ from kubesgl.operator.spec import (
     InferenceService,
     InferenceServiceSpec,
     LocalObjectReference,
+    Placement,
     RoleSpec,
 )
 from kubesgl.router.cli import check_router_args, parse_router_args
@@ -94,6 +100,7 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems += _network_policy_problems(spec)
     problems += _env_problems(spec)
     problems += _router_service_problems(spec)
+    problems += _pod_metadata_problems(spec)
     return problems
 
 
@@ -297,6 +304,26 @@ def _router_service_problems(spec: InferenceServiceSpec) -> list[Problem]:
         field = "spec.router.loadBalancerSourceRanges"
         return [Problem(field, "only with serviceType LoadBalancer")]
     return []
+
+
+def _pod_metadata_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    """A pod label or annotation the operator sets would be overwritten by its own value."""
+    blocks: list[tuple[str, Placement]] = [
+        *spec.engine_roles().items(),
+        (contract.ROUTER, spec.router),
+    ]
+    problems = []
+    for role, block in blocks:
+        for field, keys, owned in (
+            ("podLabels", block.pod_labels, naming.OWNED_LABELS),
+            ("podAnnotations", block.pod_annotations, OWNED_POD_ANNOTATIONS),
+        ):
+            problems += [
+                Problem(f"spec.{role}.{field}", f"{key} is set by the operator")
+                for key in keys
+                if key in owned
+            ]
+    return problems
 
 
 def _network_policy_problems(spec: InferenceServiceSpec) -> list[Problem]:

@@ -26,10 +26,15 @@ def expand_references(args: list[str], env: Mapping[str, str]) -> list[str]:
     return [ENV_REFERENCE.sub(lambda m: env.get(m.group(1), m.group(0)), arg) for arg in args]
 
 
-def labels(isvc: InferenceService, role: contract.PodRole | None = None) -> dict[str, str]:
-    """A child's labels: the InferenceService's, then the operator's own."""
+def labels(
+    isvc: InferenceService,
+    role: contract.PodRole | None = None,
+    pod_labels: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """A child's labels: the InferenceService's, a pod's own (spec.ROLE.podLabels) over them,
+    then the operator's own."""
     inherited = naming.inherited_labels(isvc.metadata.labels)
-    return {**inherited, **naming.object_labels(isvc.metadata.name, role)}
+    return {**inherited, **(pod_labels or {}), **naming.object_labels(isvc.metadata.name, role)}
 
 
 def metadata(isvc: InferenceService, name: str, role: contract.PodRole | None = None) -> Object:
@@ -77,6 +82,27 @@ def scrape_annotations(port: int) -> dict[str, str]:
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(port),
         "prometheus.io/path": "/metrics",
+    }
+
+
+# The pod annotations the operator sets (scrape_annotations, a prefill pod's bootstrap port,
+# which routers discover): spec.ROLE.podAnnotations may not name them (validation.py).
+OWNED_POD_ANNOTATIONS = frozenset(
+    {
+        *scrape_annotations(0),
+        contract.BOOTSTRAP_PORT_ANNOTATION,
+        contract.SGLANG_BOOTSTRAP_PORT_ANNOTATION,
+    }
+)
+
+
+def pod_metadata(
+    isvc: InferenceService, role: contract.PodRole, block: Placement, annotations: dict[str, str]
+) -> Object:
+    """A pod template's labels and annotations: the block's own beside the operator's."""
+    return {
+        "labels": labels(isvc, role, block.pod_labels),
+        "annotations": {**block.pod_annotations, **annotations},
     }
 
 

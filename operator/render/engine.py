@@ -11,9 +11,9 @@ from kubesgl.operator.render.common import (
     container_security_context,
     http_probe,
     image_pull,
-    labels,
     metadata,
     placement,
+    pod_metadata,
     pod_security_context,
     scrape_annotations,
 )
@@ -369,10 +369,7 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
         "progressDeadlineSeconds": ENGINE_PROGRESS_DEADLINE_SECONDS,
         "selector": {"matchLabels": naming.selector_labels(instance, role)},
         "template": {
-            "metadata": {
-                "labels": labels(isvc, role),
-                "annotations": annotations,
-            },
+            "metadata": pod_metadata(isvc, role, block, annotations),
             "spec": pod_spec,
         },
     }

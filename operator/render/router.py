@@ -10,9 +10,9 @@ from kubesgl.operator.render.common import (
     container_security_context,
     http_probe,
     image_pull,
-    labels,
     metadata,
     placement,
+    pod_metadata,
     pod_security_context,
     scrape_annotations,
 )
@@ -150,10 +150,9 @@ def router_deployment(isvc: InferenceService) -> Object:
             "replicas": router.replicas,
             "selector": {"matchLabels": naming.selector_labels(instance, contract.ROUTER)},
             "template": {
-                "metadata": {
-                    "labels": labels(isvc, contract.ROUTER),
-                    "annotations": scrape_annotations(contract.ROUTER_PORT),
-                },
+                "metadata": pod_metadata(
+                    isvc, contract.ROUTER, router, scrape_annotations(contract.ROUTER_PORT)
+                ),
                 "spec": {
                     "serviceAccountName": _router_name(isvc),
                     "enableServiceLinks": False,

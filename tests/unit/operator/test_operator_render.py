@@ -370,6 +370,38 @@ def test_the_inference_services_labels_reach_every_child_but_not_the_operators_k
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
+def test_pods_take_their_roles_labels_and_annotations() -> None:
+    document = load_example("disaggregated.yaml")
+    document["metadata"]["labels"] = {"team": "search", "tier": "gold"}
+    document["spec"]["decode"]["podLabels"] = {"sidecar.istio.io/inject": "true", "tier": ""}
+    document["spec"]["decode"]["podAnnotations"] = {"proxy.istio.io/config": "{}"}
+    document["spec"]["router"]["podAnnotations"] = {"cost-center": "42"}
+    objects = objects_of(document)
+
+    def pod_meta(role: str) -> dict[str, Any]:
+        return objects[("Deployment", f"llama-pd-{role}")]["spec"]["template"]["metadata"]
+
+    decode, prefill, router = pod_meta("decode"), pod_meta("prefill"), pod_meta("router")
+    assert decode["labels"] == {
+        "team": "search",
+        "tier": "",  # the role's own over the InferenceService's
+        "sidecar.istio.io/inject": "true",
+        **naming.object_labels("llama-pd", "decode"),
+    }
+    assert prefill["labels"] == {
+        "team": "search",
+        "tier": "gold",
+        **naming.object_labels("llama-pd", "prefill"),
+    }
+    assert decode["annotations"]["proxy.istio.io/config"] == "{}"
+    assert "proxy.istio.io/config" not in prefill["annotations"]
+    assert router["annotations"]["cost-center"] == "42"
+    assert router["annotations"]["prometheus.io/scrape"] == "true"
+    deployment = objects[("Deployment", "llama-pd-decode")]
+    assert "sidecar.istio.io/inject" not in deployment["metadata"]["labels"]  # pods' only
+    kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
+
+
 def test_owner_references_only_with_a_uid() -> None:
     objects = objects_of(load_example("mixed.yaml"))
     for obj in objects.values():

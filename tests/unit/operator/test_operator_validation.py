@@ -384,6 +384,24 @@ def problems_of(document) -> list[str]:
             "metadata.labels.team: Value error, 'search and rescue' is not a label value",
         ),
         (
+            "disaggregated.yaml",
+            "spec.decode.podLabels",
+            {"app.kubernetes.io/name": "llm"},
+            "spec.decode.podLabels: app.kubernetes.io/name is set by the operator",
+        ),
+        (
+            "mixed.yaml",
+            "spec.router.podAnnotations",
+            {"prometheus.io/scrape": "false"},
+            "spec.router.podAnnotations: prometheus.io/scrape is set by the operator",
+        ),
+        (
+            "mixed.yaml",
+            "spec.mixed.podLabels",
+            {"sidecar.istio.io/inject": True},
+            "spec.mixed.podLabels.sidecar.istio.io/inject: Input should be a valid string",
+        ),
+        (
             "mixed.yaml",
             "spec.router.serviceAnnotations",
             {"-internal": "true"},
