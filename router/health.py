@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from functools import partial
 
 import aiohttp
 
@@ -43,8 +44,8 @@ class HealthChecker:
         # The router's key: engines answer /health without one today, but a probe must not fail
         # (and take every worker out) the day they ask for it. It goes only where requests go.
         self.headers = headers or {}
-        # At most one check out of turn per worker: checks that overlap would count one moment
-        # of passing as several passed checks.
+        # The check in flight of each worker: one at a time, as two at once would count one
+        # moment of passing as two passed checks.
         self._probes: dict[Worker, asyncio.Task[None]] = {}
         # A new worker is probed at once instead of waiting up to a full interval.
         workers.on_added(self.probe_soon)
@@ -55,22 +56,34 @@ class HealthChecker:
             await asyncio.sleep(self.settings.interval_s)
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(w) for w in self.workers.all()))
+        # a check in flight (a new worker's, or one the signal asked for) is this round's
+        await asyncio.gather(*(self.probe_soon(w) for w in self.workers.all()))
 
     def check_out_of_pool(self) -> None:
         """Checks now every worker out of the pool (contract.ROUTER_CHECK_SIGNAL): whoever
         restarted an engine knows when it is ready, up to an interval before the next check.
         Those in the pool wait for theirs: their failures must not count twice as fast."""
         for worker in self.workers.all():
-            if not worker.healthy:
+            if worker.healthy:
+                continue
+            running = self._probes.get(worker)
+            if running is None:
                 self.probe_soon(worker)
+            else:  # it may have asked before the engine was ready: once more after it
+                running.add_done_callback(partial(self._probe_again, worker))
 
-    def probe_soon(self, worker: Worker) -> None:
-        if worker in self._probes:
-            return
-        task = asyncio.get_running_loop().create_task(self.check(worker))
-        self._probes[worker] = task
-        task.add_done_callback(lambda _: self._probes.pop(worker, None))
+    def _probe_again(self, worker: Worker, done: asyncio.Task[None]) -> None:
+        if not (done.cancelled() or worker.healthy) and self.workers.get(worker.url) is worker:
+            self.probe_soon(worker)
+
+    def probe_soon(self, worker: Worker) -> asyncio.Task[None]:
+        """The worker's check in flight, or a new one."""
+        task = self._probes.get(worker)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self.check(worker))
+            self._probes[worker] = task
+            task.add_done_callback(lambda _: self._probes.pop(worker, None))
+        return task
 
     async def check(self, worker: Worker) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)

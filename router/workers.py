@@ -118,10 +118,10 @@ class WorkerRegistry:
 
     make_breaker: Callable[[], CircuitBreaker] = CircuitBreaker
     _workers: dict[str, Worker] = field(default_factory=dict)
-    _on_added: list[Callable[[Worker], None]] = field(default_factory=list)
+    _on_added: list[Callable[[Worker], object]] = field(default_factory=list)
     _on_removed: list[Callable[[Worker], None]] = field(default_factory=list)
 
-    def on_added(self, callback: Callable[[Worker], None]) -> None:
+    def on_added(self, callback: Callable[[Worker], object]) -> None:
         self._on_added.append(callback)
 
     def on_removed(self, callback: Callable[[Worker], None]) -> None:
