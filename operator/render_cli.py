@@ -50,7 +50,7 @@ READ_ERRORS = (OSError, ValueError, yaml.YAMLError)
 def read_documents(filename: str) -> list[Any]:
     """The YAML documents of a file, or of standard input for -; a .json file is read as JSON,
     which YAML does not take when indented with tabs. Raises one of READ_ERRORS."""
-    with nullcontext(sys.stdin) if filename == "-" else open(filename) as stream:
+    with nullcontext(sys.stdin) if filename == "-" else open(filename, encoding="utf-8") as stream:
         if filename.endswith(".json"):
             text = stream.read()
             return [json.loads(text, object_pairs_hook=_unique_keys)] if text.strip() else []
@@ -156,9 +156,9 @@ def render_inputs(found: list[Found]) -> tuple[list[Object], bool]:
         kind, api_version = document.get("kind"), document.get("apiVersion")
         group = api_version.partition("/")[0] if isinstance(api_version, str) else ""
         # Another group's kind of the same name (KServe's, serving.kserve.io) is skipped; one
-        # without a kind or a group is checked as ours, whose problems name what is wrong.
-        if (isinstance(kind, str) and kind != KIND) or (
-            "/" in str(api_version) and group != API_GROUP
+        # without a kind, or of no group, is checked as ours, whose problems name what is wrong.
+        if isinstance(kind, str) and (
+            kind != KIND or ("/" in str(api_version) and group != API_GROUP)
         ):
             print(
                 f"{PROG}: {filename}: skipped {api_version} {kind} {_name_of(document)}: "

@@ -215,6 +215,14 @@ def test_an_inference_service_of_another_group_is_skipped(tmp_path, capsys) -> N
     )
 
 
+def test_an_object_without_kind_is_checked_as_ours_whatever_its_group(tmp_path, capsys) -> None:
+    """Skipped, it was named "None" in the note."""
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({"apiVersion": "example.com/v1"}))
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path / "a.yaml"))
+    assert (status, printed) == (2, [])
+    assert "kind" in err and "None" not in err
+
+
 def test_json_indented_with_tabs_renders(tmp_path, capsys) -> None:
     """`jq --tab` writes such JSON; read as YAML (which takes no tab indent) it was an error."""
     isvc = load_example("mixed.yaml")
