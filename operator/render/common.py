@@ -29,12 +29,12 @@ def expand_references(args: list[str], env: Mapping[str, str]) -> list[str]:
 def labels(
     isvc: InferenceService,
     role: contract.PodRole | None = None,
-    pod_labels: Mapping[str, str] | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """A child's labels: the InferenceService's, a pod's own (spec.ROLE.podLabels) over them,
-    then the operator's own."""
+    """A child's labels: the InferenceService's, the child's own from the spec over them (a
+    pod's podLabels, the PodMonitor's labels), then the operator's own over both."""
     inherited = naming.inherited_labels(isvc.metadata.labels)
-    return {**inherited, **(pod_labels or {}), **naming.object_labels(isvc.metadata.name, role)}
+    return {**inherited, **(extra or {}), **naming.object_labels(isvc.metadata.name, role)}
 
 
 def metadata(isvc: InferenceService, name: str, role: contract.PodRole | None = None) -> Object:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kubesgl import contract
 from kubesgl.operator import naming
-from kubesgl.operator.render.common import Object, metadata
+from kubesgl.operator.render.common import Object, labels, metadata
 from kubesgl.operator.spec import InferenceService
 
 
@@ -13,8 +13,9 @@ def pod_monitor(isvc: InferenceService) -> Object | None:
     if settings is None:
         return None
     meta = metadata(isvc, isvc.metadata.name)
-    # Extra labels let a Prometheus whose podMonitorSelector wants e.g. release=prometheus see it.
-    meta["labels"] = {**settings.labels, **meta["labels"]}
+    # Its own labels let a Prometheus whose podMonitorSelector wants e.g. release=prometheus see
+    # it: over the InferenceService's, which may hold another `release` (Helm's).
+    meta["labels"] = labels(isvc, extra=settings.labels)
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",

@@ -524,6 +524,19 @@ def test_pod_monitor_only_when_asked() -> None:
     ]
 
 
+def test_the_pod_monitors_labels_win_over_the_inference_services() -> None:
+    # Helm puts `release: <its release>` on what it applies; kube-prometheus-stack selects
+    # PodMonitors by `release: prometheus`: the PodMonitor's own labels must keep their values.
+    document = load_example("disaggregated.yaml")
+    document["metadata"]["labels"] = {"release": "my-app", "team": "search"}
+    monitor = objects_of(document)[("PodMonitor", "llama-pd")]
+    assert monitor["metadata"]["labels"] == {
+        "team": "search",
+        "release": "prometheus",
+        **naming.object_labels("llama-pd"),
+    }
+
+
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {
         variable["name"]: variable.get("value", variable.get("valueFrom"))
