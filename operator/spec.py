@@ -466,7 +466,8 @@ class Metadata(BaseModel):
     # characters: "-prefill" leaves 55.
     name: Annotated[str, Field(min_length=1, max_length=55), AfterValidator(_service_name)]
     namespace: str = "default"
-    # copied to every child (docs/operator.md, What an InferenceService becomes)
+    # copied to every child's metadata, not to pods (docs/operator.md, What an InferenceService
+    # becomes)
     labels: Labels = Field(default_factory=dict)
     uid: str | None = None
     generation: int | None = None

@@ -31,8 +31,8 @@ def labels(
     role: contract.PodRole | None = None,
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """A child's labels: the InferenceService's, the child's own from the spec over them (a
-    pod's podLabels, the PodMonitor's labels), then the operator's own over both."""
+    """A child's labels: the InferenceService's, the child's own from the spec over them (the
+    PodMonitor's labels), then the operator's own over both. Pods: pod_metadata."""
     inherited = naming.inherited_labels(isvc.metadata.labels)
     return {**inherited, **(extra or {}), **naming.object_labels(isvc.metadata.name, role)}
 
@@ -99,9 +99,12 @@ OWNED_POD_ANNOTATIONS = frozenset(
 def pod_metadata(
     isvc: InferenceService, role: contract.PodRole, block: Placement, annotations: dict[str, str]
 ) -> Object:
-    """A pod template's labels and annotations: the block's own beside the operator's."""
+    """A pod template's labels and annotations: the block's own beside the operator's. Not the
+    InferenceService's labels, which reach the children's metadata only: a change of the pod
+    template restarts every pod, and Helm changes its chart and version labels with each
+    upgrade (docs/operator.md, What an InferenceService becomes)."""
     return {
-        "labels": labels(isvc, role, block.pod_labels),
+        "labels": {**block.pod_labels, **naming.object_labels(isvc.metadata.name, role)},
         "annotations": {**block.pod_annotations, **annotations},
     }
 

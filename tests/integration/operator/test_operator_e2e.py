@@ -418,6 +418,11 @@ def test_the_inference_services_labels_follow_to_the_children_and_settle(
         )
 
     wait_for(relabelled, what="the children to carry the new labels")
+    # the pod templates did not change: no Deployment's spec did, so no pod restarts
+    for key, child in cluster.children("qwen3-mixed").items():
+        if child["kind"] == "Deployment":
+            assert "team" not in child["spec"]["template"]["metadata"]["labels"], key
+            assert child["metadata"]["generation"] == children[key]["metadata"]["generation"], key
 
 
 def test_network_policies_are_kept_as_rendered_and_go_when_turned_off(

@@ -352,22 +352,33 @@ def test_the_inference_services_labels_reach_every_child_but_not_the_operators_k
     objects = objects_of(document)
     plain = objects_of(load_example("disaggregated.yaml"))
     copied = {"team": "search", "kueue.x-k8s.io/queue-name": "inference"}
-    metadatas = [obj["metadata"] for obj in objects.values()]
-    metadatas += [
-        obj["spec"]["template"]["metadata"]
-        for obj in objects.values()
-        if obj["kind"] == "Deployment"
-    ]
-    for meta in metadatas:
+    for key, obj in objects.items():
+        meta = obj["metadata"]
         assert meta["labels"]["app.kubernetes.io/instance"] == "llama-pd"
         assert meta["labels"]["app.kubernetes.io/managed-by"] != "Helm"
-        assert meta["labels"] == {**copied, **meta["labels"]}
         assert not any(key.endswith("-configuration") for key in meta.get("annotations", {}))
-    for key, obj in objects.items():
         own = plain[key]["metadata"]["labels"]
-        assert obj["metadata"]["labels"] == {**copied, **own}  # a role only where it was
+        assert meta["labels"] == {**copied, **own}  # a role only where it was
         if obj["kind"] != "PodMonitor":
             kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_the_inference_services_labels_stay_off_the_pods() -> None:
+    """A relabel of the InferenceService (Helm's chart and version labels change with every
+    upgrade) must not restart the engines: the labels reach the Deployments' own metadata, where
+    Kueue reads its queue name, and not their pod templates."""
+    document = load_example("disaggregated.yaml")
+    document["metadata"]["labels"] = USER_LABELS
+    objects = objects_of(document)
+    plain = objects_of(load_example("disaggregated.yaml"))
+    deployments = [key for key, obj in objects.items() if obj["kind"] == "Deployment"]
+    assert len(deployments) == 3
+    for key in deployments:
+        deployment = objects[key]
+        assert deployment["metadata"]["labels"]["team"] == "search"
+        assert deployment["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "inference"
+        # the pods exactly as without the InferenceService's labels: no rollout
+        assert deployment["spec"]["template"] == plain[key]["spec"]["template"]
 
 
 def test_pods_take_their_roles_labels_and_annotations() -> None:
@@ -382,17 +393,12 @@ def test_pods_take_their_roles_labels_and_annotations() -> None:
         return objects[("Deployment", f"llama-pd-{role}")]["spec"]["template"]["metadata"]
 
     decode, prefill, router = pod_meta("decode"), pod_meta("prefill"), pod_meta("router")
-    assert decode["labels"] == {
-        "team": "search",
-        "tier": "",  # the role's own over the InferenceService's
+    assert decode["labels"] == {  # the role's own: none of the InferenceService's
+        "tier": "",
         "sidecar.istio.io/inject": "true",
         **naming.object_labels("llama-pd", "decode"),
     }
-    assert prefill["labels"] == {
-        "team": "search",
-        "tier": "gold",
-        **naming.object_labels("llama-pd", "prefill"),
-    }
+    assert prefill["labels"] == naming.object_labels("llama-pd", "prefill")
     assert decode["annotations"]["proxy.istio.io/config"] == "{}"
     assert "proxy.istio.io/config" not in prefill["annotations"]
     assert router["annotations"]["cost-center"] == "42"
