@@ -252,7 +252,7 @@ class Placement(SpecModel):
     """What every workload block shares: size and where its pods may run."""
 
     resources: Resources = Field(default_factory=Resources)
-    node_selector: dict[str, str] = Field(default_factory=dict)
+    node_selector: Labels = Field(default_factory=dict)  # checked as labels, as Kubernetes does
     tolerations: list[Toleration] = Field(default_factory=list)
     affinity: dict[str, Any] | None = None  # a Kubernetes Affinity, passed on as it is
     priority_class_name: str | None = Field(default=None, min_length=1)
@@ -358,7 +358,8 @@ class AutoscalingSpec(SpecModel):
 
 class PodMonitorSpec(SpecModel):
     interval: str = Field(default="15s", pattern=r"^[0-9]+(ms|s|m|h)$")
-    labels: dict[str, str] = Field(default_factory=dict)
+    # over the InferenceService's; the operator's own keys are refused (validation.py)
+    labels: Labels = Field(default_factory=dict)
 
 
 class MonitoringSpec(SpecModel):
@@ -368,7 +369,7 @@ class MonitoringSpec(SpecModel):
 class LabelSelector(SpecModel):
     """A Kubernetes label selector of equality terms; empty selects everything."""
 
-    match_labels: dict[str, str] = Field(default_factory=dict)
+    match_labels: Labels = Field(default_factory=dict)
 
 
 class IpBlock(SpecModel):

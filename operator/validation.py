@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +100,7 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems += _network_policy_problems(spec)
     problems += _env_problems(spec)
     problems += _router_service_problems(spec)
-    problems += _pod_metadata_problems(spec)
+    problems += _metadata_problems(spec)
     return problems
 
 
@@ -306,23 +306,31 @@ def _router_service_problems(spec: InferenceServiceSpec) -> list[Problem]:
     return []
 
 
-def _pod_metadata_problems(spec: InferenceServiceSpec) -> list[Problem]:
-    """A pod label or annotation the operator sets would be overwritten by its own value."""
+def _owned_key_problems(field: str, keys: Iterable[str], owned: frozenset[str]) -> list[Problem]:
+    """Keys of labels or annotations the operator sets: its own value would replace the one
+    given."""
+    return [Problem(field, f"{key} is set by the operator") for key in keys if key in owned]
+
+
+def _metadata_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    """Pods' labels and annotations, and the PodMonitor's labels, naming the operator's keys."""
     blocks: list[tuple[str, Placement]] = [
         *spec.engine_roles().items(),
         (contract.ROUTER, spec.router),
     ]
     problems = []
     for role, block in blocks:
-        for field, keys, owned in (
-            ("podLabels", block.pod_labels, naming.OWNED_LABELS),
-            ("podAnnotations", block.pod_annotations, OWNED_POD_ANNOTATIONS),
-        ):
-            problems += [
-                Problem(f"spec.{role}.{field}", f"{key} is set by the operator")
-                for key in keys
-                if key in owned
-            ]
+        problems += _owned_key_problems(
+            f"spec.{role}.podLabels", block.pod_labels, naming.OWNED_LABELS
+        )
+        problems += _owned_key_problems(
+            f"spec.{role}.podAnnotations", block.pod_annotations, OWNED_POD_ANNOTATIONS
+        )
+    pod_monitor = spec.monitoring.pod_monitor
+    if pod_monitor is not None:
+        problems += _owned_key_problems(
+            "spec.monitoring.podMonitor.labels", pod_monitor.labels, naming.OWNED_LABELS
+        )
     return problems
 
 

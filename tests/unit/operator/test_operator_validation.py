@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from operator_fixtures import EXAMPLES, load_example, with_changes
 
@@ -432,6 +434,77 @@ def problems_of(document) -> list[str]:
 def test_bad_input_names_the_field(example, path, value, expected) -> None:
     problems = problems_of(with_changes(load_example(example), path, value))
     assert any(problem.startswith(expected) for problem in problems), problems
+
+
+# Every map of labels (or of what Kubernetes checks as labels: a nodeSelector, a selector's
+# matchLabels), as (example, path set, value's place in it, where its problems are named)
+LABEL_FIELDS = [
+    ("mixed.yaml", "metadata.labels", None, "metadata.labels"),
+    ("disaggregated.yaml", "spec.decode.podLabels", None, "spec.decode.podLabels"),
+    ("mixed.yaml", "spec.router.podLabels", None, "spec.router.podLabels"),
+    ("mixed.yaml", "spec.mixed.nodeSelector", None, "spec.mixed.nodeSelector"),
+    ("mixed.yaml", "spec.router.nodeSelector", None, "spec.router.nodeSelector"),
+    (
+        "disaggregated.yaml",
+        "spec.monitoring.podMonitor.labels",
+        None,
+        "spec.monitoring.podMonitor.labels",
+    ),
+    (
+        "mixed.yaml",
+        "spec.networkPolicy.clientsFrom",
+        "podSelector",
+        "spec.networkPolicy.clientsFrom.0.podSelector.matchLabels",
+    ),
+    (
+        "mixed.yaml",
+        "spec.networkPolicy.metricsFrom",
+        "namespaceSelector",
+        "spec.networkPolicy.metricsFrom.0.namespaceSelector.matchLabels",
+    ),
+]
+
+
+def _with_labels(example: str, path: str, selector: str | None, labels: dict[str, Any]):
+    value: Any = labels if selector is None else [{selector: {"matchLabels": labels}}]
+    return with_changes(load_example(example), path, value)
+
+
+@pytest.mark.parametrize(("example", "path", "selector", "field"), LABEL_FIELDS)
+@pytest.mark.parametrize(
+    ("labels", "expected"),
+    [
+        ({"team": "search and rescue"}, "team: Value error, 'search and rescue' is not a label "),
+        ({"-team": "search"}, "-team.[key]: Value error, '-team' is not a Kubernetes key"),
+        ({"Example.com/team": "search"}, "Example.com/team.[key]: Value error"),
+        ({"team": "x" * 64}, "team: Value error"),
+    ],
+)
+def test_every_map_of_labels_is_checked_as_kubernetes_checks_labels(
+    example, path, selector, field, labels, expected
+) -> None:
+    """One type for every such map: a nodeSelector or matchLabels the API server refuses was
+    rendered, and the apply of the Deployment or NetworkPolicy failed."""
+    problems = problems_of(_with_labels(example, path, selector, labels))
+    assert any(problem.startswith(f"{field}.{expected}") for problem in problems), problems
+
+
+@pytest.mark.parametrize(("example", "path", "selector", "field"), LABEL_FIELDS)
+def test_every_map_of_labels_takes_kubernetes_labels(example, path, selector, field) -> None:
+    labels = {"team": "search", "example.com/tier": "", "nvidia.com/gpu.product": "H100-SXM"}
+    parse_inference_service(_with_labels(example, path, selector, labels))
+
+
+def test_pod_monitor_labels_may_not_name_the_operators_keys() -> None:
+    """The operator's own labels are set over them: the PodMonitor would not carry the value."""
+    document = with_changes(
+        load_example("disaggregated.yaml"),
+        "spec.monitoring.podMonitor.labels",
+        {"release": "prometheus", "app.kubernetes.io/instance": "llm"},
+    )
+    assert problems_of(document) == [
+        "spec.monitoring.podMonitor.labels: app.kubernetes.io/instance is set by the operator"
+    ]
 
 
 # Every quantity field of the spec, in an example that has the field's block
