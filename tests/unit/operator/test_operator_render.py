@@ -408,6 +408,54 @@ def test_pods_take_their_roles_labels_and_annotations() -> None:
     kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
 
 
+SELECTOR_KEYS = frozenset({"selector", "podSelector", "namespaceSelector", "matchLabels"})
+
+
+def _selectors(value: Any, path: str = "") -> dict[str, Any]:
+    """Every selector in a rendered object, by its path: a Deployment's spec.selector, a
+    Service's, a PDB's, a NetworkPolicy's podSelector and its peers', a PodMonitor's, the
+    router's --kube-selector, an autoscaler's metric selectors."""
+    found: dict[str, Any] = {}
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            if key in SELECTOR_KEYS:
+                found[f"{path}.{key}"] = sub
+            else:
+                found.update(_selectors(sub, f"{path}.{key}"))
+    elif isinstance(value, list):
+        for index, sub in enumerate(value):
+            found.update(_selectors(sub, f"{path}.{index}"))
+            if isinstance(sub, str) and sub == "--kube-selector":
+                found[f"{path}.{index + 1}"] = value[index + 1]
+    return found
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_labels_of_the_inference_service_and_its_pods_change_no_selector(path) -> None:
+    """Selectors are the operator's labels only: a Deployment's is immutable (the apply would
+    be refused), and a Service, PDB or NetworkPolicy selecting by a user's label would let go of
+    the pods when it changes, or take in others' pods carrying it."""
+    plain_document = yaml.safe_load(path.read_text())
+    document = with_changes(plain_document, "metadata.labels", USER_LABELS)
+    isvc = parse_inference_service(plain_document)
+    for role in [*isvc.spec.engine_roles(), "router"]:
+        document = with_changes(
+            document, f"spec.{role}.podLabels", {"team": "pods", "sidecar.istio.io/inject": "true"}
+        )
+    objects, plain = objects_of(document), objects_of(plain_document)
+    assert objects.keys() == plain.keys()
+    kinds = set()
+    for key, obj in objects.items():
+        selectors = _selectors(obj)
+        assert selectors == _selectors(plain[key]), key
+        kinds |= {key[0]} if selectors else set()
+        if obj["kind"] == "Deployment":  # its pods still match it
+            match = obj["spec"]["selector"]["matchLabels"]
+            assert match.items() <= obj["spec"]["template"]["metadata"]["labels"].items()
+            assert "team" not in match
+    assert {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+
+
 def test_owner_references_only_with_a_uid() -> None:
     objects = objects_of(load_example("mixed.yaml"))
     for obj in objects.values():
