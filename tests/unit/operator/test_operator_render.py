@@ -331,6 +331,15 @@ def test_the_router_service_takes_annotations_and_source_ranges() -> None:
     kubernetes_validate.validate(service, K8S_VERSION, strict=True)
 
 
+@pytest.mark.parametrize("service_type", ["ClusterIP", "NodePort", "LoadBalancer"])
+def test_the_router_service_leaves_external_traffic_policy_to_the_user(service_type) -> None:
+    """docs/operator.md (Security) has users set externalTrafficPolicy: Local on the Service
+    themselves: it survives the operator's forced apply only while the apply leaves it out."""
+    document = with_changes(load_example("mixed.yaml"), "spec.router.serviceType", service_type)
+    service = objects_of(document)[("Service", "qwen3-mixed")]
+    assert "externalTrafficPolicy" not in service["spec"]
+
+
 # The InferenceService's labels as Helm, Argo CD and Kueue users set them: the operator's own
 # keys among them are not copied.
 USER_LABELS = {
@@ -795,4 +804,14 @@ def test_clients_may_be_address_blocks() -> None:
         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
     }
     assert rule["from"] == [{"ipBlock": block}, {"ipBlock": {"cidr": "fd00::/8"}}, prometheus]
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+
+
+def test_scrapers_may_be_address_blocks() -> None:
+    """docs/operator.md (Security): metricsFrom takes an ipBlock as clientsFrom does."""
+    scrapers = [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
+    document = with_changes(load_example("mixed.yaml"), "spec.networkPolicy.metricsFrom", scrapers)
+    policy = objects_of(document)[("NetworkPolicy", "qwen3-mixed-mixed")]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"][1:] == scrapers  # after this instance's router pods
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
