@@ -3,6 +3,8 @@ Service per role."""
 
 from __future__ import annotations
 
+import copy
+
 from kubesgl import contract
 from kubesgl.engine.config import ENGINE_OPTIONS
 from kubesgl.operator import naming
@@ -32,6 +34,22 @@ HF_DOWNLOAD_DIR = f"{MODEL_ROOT}/hf"
 # for Llama-3.1-8B), which the engine never reads: not fetched at every pod start.
 HF_DOWNLOAD_SKIPS = ("--exclude", "original/*")
 TINY_MODEL_DIR = f"{MODEL_ROOT}/tiny"
+# The model init containers' resources (download-model, make-model), the same for every
+# InferenceService: without cpu and memory requests and limits, a namespace whose ResourceQuota
+# covers them refuses the pods (FailedCreate). KServe's storage-initializer defaults are the
+# precedent (inferenceservice-config, storageInitializer: requests cpu 100m, memory 100Mi;
+# limits cpu 1, memory 1Gi); memory is higher here. `hf download` streams the files to the
+# emptyDir, so its memory does not grow with the model, but hf_xet buffers chunks in memory
+# (defaults of GBs in xet-core; newer hf_xet sizes them from the cgroup's limit) and KServe's
+# 1Gi was OOM-killed on large models (kserve/kserve#4726); make-model imports torch (about
+# 240 MB resident, measured with --arch llama and qwen3-moe). A pod's effective request and
+# limit are the larger of its init containers' and the sum of its containers', so beside an
+# engine that asks for more, as one serving a real model does, these add nothing to what the
+# pod is scheduled and counted for (docs/operator.md, Model sources).
+MODEL_INIT_RESOURCES: Object = {
+    "requests": {"cpu": "100m", "memory": "1Gi"},
+    "limits": {"cpu": "1", "memory": "4Gi"},
+}
 # Time for routers and endpoints to stop sending new requests before SIGTERM starts the drain.
 PRESTOP_SLEEP_SECONDS = 10
 # What a draining engine may still take once its --shutdown-timeout is over, before its process
@@ -277,6 +295,7 @@ def _model_container(
             {"name": "model", "mountPath": MODEL_ROOT},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
+        "resources": copy.deepcopy(MODEL_INIT_RESOURCES),
         "securityContext": container_security_context(),
     }
 

@@ -229,6 +229,38 @@ def test_the_operators_own_engine_environment_is_what_a_role_may_not_name() -> N
     assert rendered == ENV_SET_BY_OPERATOR
 
 
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_init_container_has_cpu_and_memory_requests_and_limits(path) -> None:
+    """A namespace ResourceQuota on cpu or memory refuses a pod any of whose containers lacks
+    them (FailedCreate); the engine's are the user's, the init containers' the operator's."""
+    pods = [
+        o["spec"]["template"]["spec"]
+        for o in objects_of(yaml.safe_load(path.read_text())).values()
+        if o["kind"] == "Deployment"
+    ]
+    inits = [c for pod in pods for c in pod.get("initContainers", [])]
+    for init in inits:
+        for kind in ("requests", "limits"):
+            assert set(init["resources"][kind]) == {"cpu", "memory"}, (init["name"], kind)
+
+
+def test_init_containers_resources_are_the_operators_defaults() -> None:
+    """Both sources' init containers get the same resources, whatever the role's own."""
+    objects = objects_of(load_example("disaggregated.yaml"))
+    (download,) = engine_pod(objects, "llama-pd-decode")["spec"]["initContainers"]
+    quickstart = objects_of(load_example("quickstart.yaml"))
+    (make,) = engine_pod(quickstart, "quickstart-prefill")["spec"]["initContainers"]
+    assert download["name"] == "download-model" and make["name"] == "make-model"
+    assert (
+        download["resources"]
+        == make["resources"]
+        == {
+            "requests": {"cpu": "100m", "memory": "1Gi"},
+            "limits": {"cpu": "1", "memory": "4Gi"},
+        }
+    )
+
+
 def test_model_sources() -> None:
     hf = engine_pod(objects_of(load_example("disaggregated.yaml")), "llama-pd-decode")["spec"]
     (download,) = hf["initContainers"]
