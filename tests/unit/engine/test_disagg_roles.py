@@ -397,7 +397,8 @@ def test_a_room_already_in_use_is_a_409_on_both_engines(tiny_model, make_engine,
     model = tiny_model("llama")
     prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
     first, second = random_prompts(2, 10, 10, seed=6)
-    target = submit_pair(prefill, decode, "0", first, SamplingParams(max_tokens=4))
+    # ignore_eos: a sampled end of text would finish it early, as if the 409s had disturbed it
+    target = submit_pair(prefill, decode, "0", first, SamplingParams(max_tokens=4, ignore_eos=True))
     for engine in (prefill, decode):
         with pytest.raises(InvalidRequestError, match="already in use") as caught:
             engine.add_request(
