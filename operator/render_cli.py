@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any, NamedTuple
 
@@ -110,33 +111,40 @@ class Found(NamedTuple):
     document: Any  # one object: a YAML document or a List's item
 
 
+def _documents_of(given: str) -> Iterator[tuple[str, list[Any] | Exception]]:
+    """Each file one -f names with its documents, or the error that kept it from being read."""
+    try:
+        files = input_files(given)
+    except OSError as error:
+        yield given, error
+        return
+    for filename in files:
+        try:
+            documents: list[Any] | Exception = read_documents(filename)
+        except READ_ERRORS as error:
+            documents = error
+        yield filename, documents
+
+
 def read_inputs(filenames: list[str]) -> tuple[list[Found], bool]:
     """Every object of the files -f names, in order, and whether all of them could be read
     (each problem is printed)."""
     found: list[Found] = []
     read = True
     for given in filenames:
-        try:
-            files = input_files(given)
-        except OSError as error:
-            print(f"{PROG}: cannot read {given}: {error}", file=sys.stderr)
-            read = False
-            continue
-        for filename in files:
-            try:
-                documents = read_documents(filename)
-            except READ_ERRORS as error:
-                print(f"{PROG}: cannot read {filename}: {error}", file=sys.stderr)
+        for filename, documents in _documents_of(given):
+            if isinstance(documents, Exception):
+                print(f"{PROG}: cannot read {filename}: {documents}", file=sys.stderr)
                 read = False
-                continue
-            if not documents and filename != given:  # a folder's empty file, as kubectl skips it
+            elif not documents and filename != given:  # a folder's empty file, as kubectl skips it
                 print(f"{PROG}: {filename}: skipped: no YAML document", file=sys.stderr)
             elif not documents:
                 print(f"{PROG}: {filename}: {NO_DOCUMENT}", file=sys.stderr)
                 read = False
-            found += [
-                Found(filename, obj) for document in documents for obj in list_items(document)
-            ]
+            else:
+                found += [
+                    Found(filename, obj) for document in documents for obj in list_items(document)
+                ]
     return found, read
 
 
