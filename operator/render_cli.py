@@ -106,6 +106,18 @@ def list_items(document: Any) -> list[Any]:
     return [document]
 
 
+def other_kind(document: dict[str, Any]) -> str | None:
+    """`apiVersion kind name` of an object that is not an InferenceService of ours (a file for
+    kubectl apply often holds a Secret or a Namespace beside one), None for one to check as
+    ours. Another group's kind of the same name (KServe's, serving.kserve.io) is another kind;
+    one without a kind, or of no group, is checked as ours, whose problems name what is wrong."""
+    kind, api_version = document.get("kind"), document.get("apiVersion")
+    group = api_version.partition("/")[0] if isinstance(api_version, str) else ""
+    if isinstance(kind, str) and (kind != KIND or ("/" in str(api_version) and group != API_GROUP)):
+        return f"{api_version} {kind} {_name_of(document)}"
+    return None
+
+
 class Found(NamedTuple):
     filename: str  # the file it came from, for messages
     document: Any  # one object: a YAML document or a List's item
@@ -150,8 +162,7 @@ def read_inputs(filenames: list[str]) -> tuple[list[Found], bool]:
 
 def render_inputs(found: list[Found]) -> tuple[list[Object], bool]:
     """The objects each InferenceService found becomes, in order, and whether every one was
-    sound (each problem is printed). Objects of other kinds are skipped with a note: a file
-    for kubectl apply often holds a Secret or a namespace beside the InferenceService."""
+    sound (each problem is printed). Objects of other kinds are skipped with a note."""
     objects: list[Object] = []
     sound = True
     # the file of each InferenceService rendered, by its namespace and name
@@ -161,16 +172,10 @@ def render_inputs(found: list[Found]) -> tuple[list[Object], bool]:
             print(f"{PROG}: {filename}: a document is not a mapping", file=sys.stderr)
             sound = False
             continue
-        kind, api_version = document.get("kind"), document.get("apiVersion")
-        group = api_version.partition("/")[0] if isinstance(api_version, str) else ""
-        # Another group's kind of the same name (KServe's, serving.kserve.io) is skipped; one
-        # without a kind, or of no group, is checked as ours, whose problems name what is wrong.
-        if isinstance(kind, str) and (
-            kind != KIND or ("/" in str(api_version) and group != API_GROUP)
-        ):
+        other = other_kind(document)
+        if other is not None:
             print(
-                f"{PROG}: {filename}: skipped {api_version} {kind} {_name_of(document)}: "
-                f"{PROG} renders {API_GROUP} {KIND}s only",
+                f"{PROG}: {filename}: skipped {other}: {PROG} renders {API_GROUP} {KIND}s only",
                 file=sys.stderr,
             )
             continue

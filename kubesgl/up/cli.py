@@ -13,15 +13,19 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 from kubesgl import contract
 from kubesgl.cli_help import port_number
 from kubesgl.operator.render_cli import (
     NO_DOCUMENT,
     READ_ERRORS,
+    list_items,
+    other_kind,
     print_problems,
     read_documents,
 )
+from kubesgl.operator.spec import API_GROUP, KIND
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
 from kubesgl.up.model import ModelStepFailed, ensure_model
@@ -44,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-f",
         "--filename",
         required=True,
-        help="InferenceService YAML file, or - for standard input",
+        help="a YAML or JSON file holding one InferenceService (other kinds beside it are skipped), "
+        "or - for standard input",
     )
     parser.add_argument(
         "--port",
@@ -77,19 +82,21 @@ def main(argv: list[str]) -> int:
     except READ_ERRORS as error:
         print(f"{PROG}: cannot read {args.filename}: {error}", file=sys.stderr)
         return 2
-    problem = _not_one_inference_service(documents)
+    objects = _inference_services(args.filename, documents)
+    problem = _not_one_inference_service(documents, objects)
     if problem is not None:
         print(f"{PROG}: {args.filename}: {problem}", file=sys.stderr)
         return 2
+    document = objects[0]
     try:
-        isvc = parse_inference_service(documents[0])
+        isvc = parse_inference_service(document)
         gpus = visible_gpus() if isvc.spec.engine.device == "cuda" else ()
         settings = LocalSettings(
             host=args.host, port=args.port, gpus=gpus, model=args.model, environ=os.environ
         )
         local = plan(isvc, settings)
     except InvalidSpec as error:
-        print_problems(PROG, args.filename, documents[0], error)
+        print_problems(PROG, args.filename, document, error)
         return 2
     except NotEnoughGpus as error:
         print(f"{PROG}: {args.filename}: {error}", file=sys.stderr)
@@ -153,14 +160,33 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _not_one_inference_service(documents: list[object]) -> str | None:
-    """Why a file's YAML documents are not the one InferenceService `kubesgl up` runs."""
+def _inference_services(filename: str, documents: list[Any]) -> list[Any]:
+    """The objects of a file's documents (a List's items too) to run, as `kubesgl render` takes
+    them: other kinds are skipped with a note (a file for kubectl apply often holds a Secret or
+    a Namespace beside the InferenceService)."""
+    kept = []
+    for obj in (obj for document in documents for obj in list_items(document)):
+        other = other_kind(obj) if isinstance(obj, dict) else None
+        if other is None:
+            kept.append(obj)
+        else:
+            print(
+                f"{PROG}: {filename}: skipped {other}: {PROG} runs {API_GROUP} {KIND}s only",
+                file=sys.stderr,
+            )
+    return kept
+
+
+def _not_one_inference_service(documents: list[Any], objects: list[Any]) -> str | None:
+    """Why a file's YAML documents do not hold the one InferenceService `kubesgl up` runs."""
     if not documents:
         return NO_DOCUMENT
-    if len(documents) > 1:
-        return f"expected one InferenceService, found {len(documents)} YAML documents"
-    if not isinstance(documents[0], dict):
-        return "expected an InferenceService, found no mapping"
+    if not objects:
+        return f"no {KIND} in it"
+    if len(objects) > 1:
+        return f"expected one {KIND}, found {len(objects)}: {PROG} runs one at a time"
+    if not isinstance(objects[0], dict):
+        return f"expected an {KIND}, found no mapping"
     return None
 
 

@@ -63,8 +63,11 @@ def test_a_claim_needs_a_local_copy(tmp_path, capsys):
     ("text", "problem"),
     [
         ("", "no InferenceService in it (no YAML document)"),
-        ("kind: A\n---\nkind: B\n", "expected one InferenceService, found 2 YAML documents"),
         ("- a list\n", "expected an InferenceService, found no mapping"),  # was "1 documents"
+        (
+            "spec: {}\n---\nspec: {}\n",
+            "expected one InferenceService, found 2: kubesgl up runs one at a time",
+        ),
     ],
 )
 def test_one_inference_service_per_file(tmp_path, capsys, text, problem):
@@ -72,6 +75,32 @@ def test_one_inference_service_per_file(tmp_path, capsys, text, problem):
     path.write_text(text)
     assert cli.main(["-f", str(path)]) == 2
     assert capsys.readouterr().err == f"kubesgl up: {path}: {problem}\n"
+
+
+def test_other_kinds_beside_the_inference_service_are_skipped(tmp_path, capsys):
+    """A file for kubectl apply (a Namespace, a Secret and the InferenceService, or a List of
+    them) runs as `kubesgl render` reads it: the other kinds skipped with a note. Before, any
+    file of more than one document was refused."""
+    isvc = yaml.safe_load(QUICKSTART.read_text())
+    isvc["spec"]["prefill"] = {"replicas": -1}  # refused, so that nothing starts
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token"}}
+    kserve = {"apiVersion": "serving.kserve.io/v1beta1", "kind": "InferenceService"}
+    path = tmp_path / "all.yaml"
+    path.write_text(yaml.safe_dump_all([secret, {"kind": "List", "items": [kserve, isvc]}]))
+    assert cli.main(["-f", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines()[:4] == [
+        f"kubesgl up: {path}: skipped v1 Secret hf-token: kubesgl up runs kubesgl.io InferenceServices only",
+        f"kubesgl up: {path}: skipped serving.kserve.io/v1beta1 InferenceService without metadata.name: "
+        "kubesgl up runs kubesgl.io InferenceServices only",
+        f"kubesgl up: {path}: InferenceService quickstart:",
+        "  spec.prefill.replicas: Input should be greater than or equal to 0",
+    ]
+
+    path.write_text(yaml.safe_dump_all([secret]))
+    assert cli.main(["-f", str(path)]) == 2
+    assert (
+        capsys.readouterr().err.splitlines()[-1] == f"kubesgl up: {path}: no InferenceService in it"
+    )
 
 
 def test_a_port_in_use(tmp_path, capsys):
