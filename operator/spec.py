@@ -68,13 +68,23 @@ def _quantity(value: object) -> int | str:
     return value
 
 
-Quantity = Annotated[
-    int | str,
-    PlainValidator(_quantity),
-    WithJsonSchema(
-        {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY_PATTERN}]}
-    ),
-]
+_QUANTITY_SCHEMA = WithJsonSchema(
+    {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY_PATTERN}]}
+)
+Quantity = Annotated[int | str, PlainValidator(_quantity), _QUANTITY_SCHEMA]
+
+
+def _size(value: object) -> int | str:
+    quantity = _quantity(value)
+    number = re.match(r"\+?([0-9]*\.?[0-9]*)", str(quantity))
+    if number is not None and float(number.group(1) or 0) == 0:
+        raise ValueError(f"{value!r} leaves no room: give a size above 0, or leave it unset")
+    return quantity
+
+
+# The size limit of an emptyDir the pod writes into (the download, /dev/shm): a quantity above
+# 0, which the API server does not ask. The CRD's schema is Quantity's; 0 is refused here.
+Size = Annotated[int | str, PlainValidator(_size), _QUANTITY_SCHEMA]
 
 # Kubernetes' rules for metadata keys: a name of up to 63 characters, alphanumeric at both
 # ends, with an optional DNS-subdomain prefix and a slash (apimachinery's IsQualifiedName).
@@ -165,7 +175,7 @@ class HuggingFaceSource(SpecModel):
     revision: str = Field(default="main", min_length=1)
     token_secret: SecretKeyRef | None = None
     # Size limit of the emptyDir the weights are downloaded into.
-    size_limit: Quantity | None = None
+    size_limit: Size | None = None
 
 
 class TinySource(SpecModel):
@@ -278,7 +288,7 @@ class RoleSpec(Placement):
     tensor_parallel_size: int = Field(default=1, ge=1)
     # Size limit of the pod's memory-backed /dev/shm; None: 1Gi per tensor-parallel rank
     # (operator/render/engine.py, shm_size_limit).
-    shm_size_limit: Quantity | None = None
+    shm_size_limit: Size | None = None
 
 
 # The router pod's resources when spec.router.resources is not given (docs/operator.md, Router).

@@ -534,11 +534,25 @@ def test_a_quantity_below_0_is_refused(example, path, value) -> None:
 
 
 @pytest.mark.parametrize(("example", "path"), QUANTITY_FIELDS)
-@pytest.mark.parametrize("value", ["40Gi", "1.5Gi", "500m", ".5", "1e3", "+2k", "3", 4096, 0])
+@pytest.mark.parametrize("value", ["40Gi", "1.5Gi", "500m", ".5", "1e3", "+2k", "3", 4096])
 def test_every_quantity_field_takes_a_kubernetes_quantity(example, path, value) -> None:
     """One quantity type everywhere: sizeLimit and shmSizeLimit take an integer too, as the
     emptyDir's own sizeLimit does."""
     parse_inference_service(with_changes(load_example(example), path, value))
+
+
+@pytest.mark.parametrize(("example", "path"), QUANTITY_FIELDS)
+@pytest.mark.parametrize("value", [0, "0", "0Gi", "0.0", "+0", "0e3"])
+def test_a_size_limit_of_0_is_refused(example, path, value) -> None:
+    """An emptyDir the pod writes into (the download, /dev/shm) cannot be of size 0, which the
+    API server takes; a resource request or limit of 0 stays allowed (was: every 0 taken)."""
+    document = with_changes(load_example(example), path, value)
+    if not path.endswith("izeLimit"):
+        parse_inference_service(document)
+        return
+    assert problems_of(document) == [
+        f"{path}: Value error, {value!r} leaves no room: give a size above 0, or leave it unset"
+    ]
 
 
 def test_engine_rules_across_options_are_reported_per_role() -> None:
