@@ -1,7 +1,7 @@
 """Typed model of an InferenceService, mirroring crds/inferenceservice.yaml field for field.
 
 Python names are snake_case; the YAML/JSON names are the camelCase aliases. Defaults, enums
-and minimums here equal the CRD's (tests/unit/operator/test_crd.py compares the two trees).
+and minimums here equal the CRD's (tests/unit/operator/test_operator_crd.py compares the two trees).
 """
 
 from __future__ import annotations
