@@ -3,6 +3,8 @@ every example and rejects bad specs naming the field."""
 
 from __future__ import annotations
 
+import argparse
+import re
 from typing import Any
 
 import jsonschema
@@ -11,7 +13,9 @@ import pytest
 import yaml
 from operator_fixtures import EXAMPLES, crd, crd_schema, load_example, with_changes
 
+from kubesgl.engine.server.options import build_parser as engine_parser
 from kubesgl.operator.spec import InferenceServiceSpec
+from kubesgl.router.cli import build_parser as router_parser
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 
@@ -60,6 +64,30 @@ def test_every_field_has_a_description() -> None:
     """A platform engineer reads the CRD through `kubectl explain inferenceservice.spec...`:
     every property has a description (the anchors' once for each place they are used)."""
     assert _undescribed(crd_schema()) == []
+
+
+def _flag_default(parser: argparse.ArgumentParser, field: str) -> object:
+    flag = "--" + re.sub(r"([A-Z])", r"-\1", field).lower()
+    (action,) = [a for a in parser._actions if flag in a.option_strings]
+    return action.default
+
+
+@pytest.mark.parametrize(
+    ("block", "parser"), [("engine", engine_parser), ("router", router_parser)]
+)
+def test_a_default_a_description_names_is_its_flags(block, parser) -> None:
+    """A field the operator leaves unset takes its flag's default, which its description
+    names ("unset: 256"): the two must agree, or `kubectl explain` tells what no engine does.
+    A flag without a default (resolved at start, as memFractionStatic by device) is not checked."""
+    fields = crd_schema()["properties"]["spec"]["properties"][block]["properties"]
+    checked = 0
+    for field, schema in fields.items():
+        named = re.findall(r"unset: ([0-9.]+)\b", schema["description"])
+        default = _flag_default(parser(), field) if named else None
+        if default is not None:
+            assert [float(n) for n in named] == [float(default)], field
+            checked += 1
+    assert checked >= 2  # engine: pageSize, maxRunningRequests, ...; router: the thresholds
 
 
 def _canonical(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
