@@ -239,3 +239,18 @@ def test_the_schema_log_levels_are_the_operators() -> None:
 
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert tuple(schema["properties"]["logLevel"]["enum"]) == LOG_LEVELS
+
+
+def chart_notes(helm: Path, *values: str) -> str:
+    out = helm_run(helm, "install", "kubesgl", str(CHART), "--dry-run=client", *values)
+    return out.partition("NOTES:\n")[2]
+
+
+def test_the_notes_say_the_default_image_is_not_published(helm: Path) -> None:
+    """`helm install` with the default image.repository pulls an image nobody has pushed: the
+    notes say so and what to do (they did not: the operator pod sat in ImagePullBackOff)."""
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert f"ghcr.io/kubesgl/kubesgl:{version} is not published" in chart_notes(helm)
+    assert "not published" not in chart_notes(
+        helm, "--set", "image.repository=registry.example/kubesgl"
+    )
