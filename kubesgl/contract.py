@@ -28,6 +28,10 @@ ROUTER_LIVENESS_PATH: Final = "/liveness"
 SERVER_KEEP_ALIVE_S: Final = 75
 ROUTER_UPSTREAM_KEEP_ALIVE_S: Final = 60
 
+# An X-Request-Id that looks like an id: the router keeps a client's (else it makes one) and
+# passes it to the engine, which logs it; one pattern, or the engine drops the router's ids
+REQUEST_ID_PATTERN: Final = r"[A-Za-z0-9._:-]{1,128}"
+
 # The most sequences one request may ask of each prompt (its `n`): engines refuse more, and the
 # router too, before it draws a bootstrap room for each
 MAX_N: Final = 64

@@ -1,7 +1,7 @@
 """The router's ASGI application: the engine's HTTP surface plus admin and health endpoints.
 
 Plain ASGI rather than a web framework: every request passes through here, and the few
-routes need no more than a dict lookup (benchmarks/router/README.md has the comparison).
+routes need no more than a dict lookup (benchmarks/README.md, "Why plain ASGI and aiohttp", has the comparison).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 import aiohttp
 
-from kubesgl.contract import ADMIN_KEY_ENV, ROUTER_LIVENESS_PATH, not_served
+from kubesgl.contract import ADMIN_KEY_ENV, REQUEST_ID_PATTERN, ROUTER_LIVENESS_PATH, not_served
 from kubesgl.gc_pacing import GcPacer, tick_every
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.config import RouterConfig
@@ -60,7 +60,7 @@ access_log = logging.getLogger("kubesgl.router.access")
 # probes and scrapes: logged at DEBUG
 QUIET_PATHS = frozenset({"/health", ROUTER_LIVENESS_PATH, "/metrics"})
 # A client's X-Request-Id is kept (and passed to the engine) when it looks like an id.
-_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN.encode())
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -69,13 +69,13 @@ Handler = Callable[[Scope, bytes], Awaitable[Reply]]
 
 _JSON = [(b"content-type", b"application/json")]
 ADMIN_PATH = "/workers"
-# The engine's routes that check its API key: with one set, the router checks it in their place.
 # SGLang's description of the model (its vocabulary size, say): answered by a worker, as /v1/models.
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
 MODEL_PREFIX = "/v1/models/"
 MODEL_PATH = MODEL_PREFIX + "{model}"  # one model's card: one route whatever the model's name
 # vLLM's tokenizer routes: every worker has the model's tokenizer (P/D: either role's)
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+# The engine's routes that check its API key: with one set, the router checks it in their place.
 CLIENT_PATHS = frozenset(
     {*GENERATION_PATHS, MODELS_PATH, MODEL_PATH, *MODEL_INFO_PATHS, *TOKENIZER_PATHS}
 )

@@ -205,14 +205,14 @@ class Forwarder:
             self._check_served(role, model)
             self.metrics.requests.labels("", "503").inc()
             raise self.no_worker_error(role, model)
-        return _excluded_last(available, excluded)
+        return _without_failed_unless_none_left(available, excluded)
 
     def _serving(self, role: Role, names: frozenset[str], excluded: set[Worker]) -> list[Worker]:
         """The available workers that serve exactly `names` (a set of served_sets)."""
         available = [w for w in self.workers.available(role) if frozenset(w.models) == names]
         if not available:  # they left the pool since the list was asked
             raise no_worker(f"no {role.value} worker serving {_named(names)} is left")
-        return _excluded_last(available, excluded)
+        return _without_failed_unless_none_left(available, excluded)
 
     def _check_served(self, role: Role, model: str | None) -> None:
         """A 404 for a model no registered worker serves, as an engine answers one it does not
@@ -303,6 +303,8 @@ def _named(names: frozenset[str]) -> str:
     return ", ".join(sorted(map(repr, names))) or "models not named yet"
 
 
-def _excluded_last(available: list[Worker], excluded: set[Worker]) -> list[Worker]:
-    # Workers that just failed this request go last, not away: they may be all there is.
+def _without_failed_unless_none_left(
+    available: list[Worker], excluded: set[Worker]
+) -> list[Worker]:
+    # Workers that just failed this request are left out, unless they are all there is.
     return [w for w in available if w not in excluded] or available

@@ -55,13 +55,25 @@ _COMPILE: dict[str, Callable[[xgrammar.GrammarCompiler, str], xgrammar.CompiledG
 assert set(_COMPILE) == set(GRAMMAR_KINDS)
 
 
+# Each kind in a message's prose: not its field's name, which the server rewrites into the
+# client's (`sampling_params.json_schema`), where the message already names the field.
+_KIND_WORDS = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regular expression",
+    "ebnf": "EBNF grammar",
+}
+assert set(_KIND_WORDS) == set(GRAMMAR_KINDS)
+
+
 class UncompilableGrammar(Exception):
     """Why xgrammar cannot compile a grammar. Kept with the grammar, which requests share
     whatever field they gave it in, so it names no field: `refusal` words each request's."""
 
     def refusal(self, spec: GrammarSpec) -> InvalidRequestError:
         return InvalidRequestError(
-            f"{spec.param}: the {spec.kind} cannot be compiled: {self}", param=spec.param
+            f"{spec.param}: the {_KIND_WORDS[spec.kind]} cannot be compiled: {self}",
+            param=spec.param,
         )
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kubesgl.contract import REQUEST_ID_PATTERN
 from kubesgl.engine.metrics import EngineMetrics
 
 CLIENT_LEFT = 499  # the client disconnected: an abort (kubesgl_requests_total), not an error
@@ -20,7 +21,7 @@ UNCOUNTED_PATHS = frozenset(
 )  # probes: a 503 while loading or draining is no request error
 QUIET_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: logged at DEBUG
 # A client's X-Request-Id is logged when it looks like an id; anything else is not repeated.
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 access_log = logging.getLogger("kubesgl.access")
 

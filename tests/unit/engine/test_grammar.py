@@ -146,7 +146,7 @@ def test_shared_prefix_and_cached_grammar(llama, make_llm):
     "spec, words",
     [
         (GrammarSpec("json_schema", '{"type": "nonsense"}'), "nonsense"),
-        (GrammarSpec("json_schema", "{not json"), "json_schema"),
+        (GrammarSpec("json_schema", "{not json"), "JSON schema cannot be compiled: Check failed"),
         (GrammarSpec("regex", "(ab", param="regex"), "parenthesis"),
         (GrammarSpec("ebnf", "root ::= foo", param="ebnf"), "foo"),
     ],
@@ -222,7 +222,9 @@ def test_a_cached_compile_error_names_each_requests_own_field(llama, make_llm):
     for param in params:
         (out,) = llm.generate(["hi"], [param])
         assert out.finish_reason == "error"
-        assert out.finish_message.startswith(f"{param.grammar.param}: the regex cannot")
+        assert out.finish_message.startswith(
+            f"{param.grammar.param}: the regular expression cannot"
+        )
 
 
 def test_unknown_kind_is_refused(llama, make_llm):
