@@ -16,10 +16,9 @@ from kubesgl.contract import REQUEST_ID_PATTERN
 from kubesgl.engine.metrics import EngineMetrics
 
 CLIENT_LEFT = 499  # the client disconnected: an abort (kubesgl_requests_total), not an error
-UNCOUNTED_PATHS = frozenset(
-    {"/health"}
-)  # probes: a 503 while loading or draining is no request error
-QUIET_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapes: logged at DEBUG
+_PROBES = frozenset({"/health", "/health_generate"})
+UNCOUNTED_PATHS = _PROBES  # a 503 while loading or draining is no request error
+QUIET_PATHS = _PROBES | {"/metrics"}  # probes and scrapes: logged at DEBUG
 # A client's X-Request-Id is logged when it looks like an id; anything else is not repeated.
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 

@@ -267,7 +267,14 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     app.exception_handler(StarletteHTTPException)(_http_error)
     app.exception_handler(Exception)(_crash)
     app.include_router(health_routes)
-    add_sglang_routes(app, client, state.config, state.served_model_name, [Depends(authorized)])
+    add_sglang_routes(
+        app,
+        client,
+        state.config,
+        state.served_model_name,
+        [Depends(authorized)],
+        lambda: unavailable(app.state.served),
+    )
     app.include_router(api_routes)
     return app
 
@@ -313,12 +320,19 @@ def authorized(request: Request) -> None:
         )
 
 
-def serving(ctx: Served, model: str | None = None) -> None:
-    state = ctx.state
-    if state.draining:
-        raise APIError(503, "the server is shutting down", "service_unavailable")
+def unavailable(ctx: Served) -> str | None:
+    """Why the server takes no request now (a 503), or None: what /health, /health_generate
+    and the generation routes all answer by."""
+    if ctx.state.draining:
+        return "the server is shutting down"
     if not ctx.client.ready.is_set():
-        raise APIError(503, "the model is still loading", "service_unavailable")
+        return "the model is still loading"
+    return None
+
+
+def serving(ctx: Served, model: str | None = None) -> None:
+    if (why := unavailable(ctx)) is not None:
+        raise APIError(503, why, "service_unavailable")
     if model is not None:
         served_here(ctx, model)
 
@@ -430,7 +444,7 @@ api_routes = APIRouter(dependencies=[Depends(authorized)])
 
 @health_routes.get("/health")
 async def health(ctx: ServedHere) -> Response:
-    if ctx.state.draining or not ctx.client.ready.is_set():
+    if unavailable(ctx) is not None:
         return PlainTextResponse("not ready", status_code=503)
     return PlainTextResponse("ok")
 

@@ -54,6 +54,7 @@ class _Pending:
     sent: bool = False  # the request reached the tokenizer
     finished: bool = False  # its final output arrived
     closed: bool = False  # its reader left before the end; aborted, its end still to come
+    probe: bool = False  # a health check (/health_generate): no user's request, in no metric
 
 
 class EngineClient:
@@ -151,6 +152,8 @@ class EngineClient:
         now = time.perf_counter()
         pending.prompt_tokens, pending.cached_tokens = out.prompt_tokens, out.cached_tokens
         pending.finished = out.finish_reason is not None
+        if pending.probe:
+            return
         if out.queue_seconds is not None and out.prefill_seconds is not None:
             self.metrics.scheduled(out.queue_seconds, out.prefill_seconds)
         if out.token_ids:
@@ -171,6 +174,8 @@ class EngineClient:
             self._finished(pending, out.finish_reason.kind, now)
 
     def _finished(self, pending: _Pending, finish_reason: str, now: float) -> None:
+        if pending.probe:  # its abort too (a probe that timed out)
+            return
         decode = None if pending.first_token is None else now - pending.first_token
         if pending.handed_off:  # it did not finish here: its decode engine counts how it ends
             finish_reason, decode = HANDOFF, None
@@ -207,9 +212,13 @@ class EngineClient:
         self._stats_logged_at, self._tokens_since_log = now, 0
         self._prompt_tokens_logged = prompt_tokens
 
-    def generate(self, request: TokenizeRequest) -> AsyncGenerator[TextOutput, None]:
+    def generate(
+        self, request: TokenizeRequest, probe: bool = False
+    ) -> AsyncGenerator[TextOutput, None]:
         """Outputs of one request until it finishes. The request id is taken at once (a
-        duplicate raises DuplicateRequestId); leaving early, or `close`, aborts the request."""
+        duplicate raises DuplicateRequestId); leaving early, or `close`, aborts the request.
+        `probe`: a health check, which the request metrics leave out (as SGLang's
+        log_metrics=False does): probes every few seconds would skew them and autoscaling."""
         taken = self._pending.get(request.rid)
         if taken is not None:
             raise DuplicateRequestId(
@@ -217,7 +226,7 @@ class EngineClient:
                 if taken.closed
                 else f"request id {request.rid!r} is already in use"
             )
-        pending = self._pending[request.rid] = _Pending()
+        pending = self._pending[request.rid] = _Pending(probe=probe)
         return self._outputs(request, pending)
 
     async def _outputs(

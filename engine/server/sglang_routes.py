@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -29,7 +30,9 @@ def add_sglang_routes(
     config: EngineConfig,
     served_model_name: str,
     dependencies: list,
+    unavailable: Callable[[], str | None],
 ) -> None:
+    """`unavailable`: why the server takes no request now (loading, draining), or None."""
     router = APIRouter(dependencies=dependencies)
 
     def server_info() -> dict:
@@ -81,9 +84,10 @@ def add_sglang_routes(
         ]
 
     async def health_generate() -> Response:
-        """Healthy only if one token can be generated end to end."""
-        if not client.ready.is_set():
-            return PlainTextResponse("the model is still loading", status_code=503)
+        """Healthy only if one token can be generated end to end, and not draining: a
+        probe must take a draining engine out of rotation, as /health does."""
+        if (why := unavailable()) is not None:
+            return PlainTextResponse(why, status_code=503)
         request = TokenizeRequest(
             EngineClient.new_rid("health"),
             SamplingParams(max_tokens=1, temperature=0),
@@ -91,7 +95,7 @@ def add_sglang_routes(
         )
         try:
             async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
-                async for out in client.generate(request):
+                async for out in client.generate(request, probe=True):
                     if out.finish_reason is not None and out.finish_reason.kind == "error":
                         return PlainTextResponse(
                             f"generation failed: {out.finish_reason.message}", status_code=503

@@ -718,6 +718,30 @@ def test_disconnects_are_counted_as_aborts(llama_server):
     assert aborts() == before + 1
 
 
+def test_health_generate_generates_without_counting_a_request(llama_server):
+    """A load balancer's or router's probe every few seconds must not move the request
+    metrics that dashboards and autoscaling read."""
+    counted = [
+        'kubesgl_requests_total{finish_reason="length"}',
+        'kubesgl_requests_total{finish_reason="stop"}',
+        'kubesgl_requests_total{finish_reason="abort"}',
+        "kubesgl_e2e_request_latency_seconds_count",
+        "kubesgl_time_to_first_token_seconds_count",
+        "kubesgl_request_queue_time_seconds_count",
+        "kubesgl_prompt_tokens_total",
+        "kubesgl_generation_tokens_total",
+    ]
+    before = [llama_server.metric(name) for name in counted]
+    for _ in range(3):
+        probe = httpx.get(
+            llama_server.base_url + "/health_generate",
+            headers={"authorization": "Bearer sk-test"},
+        )
+        assert (probe.status_code, probe.text) == (200, "ok")
+    llama_server.wait_idle()
+    assert [llama_server.metric(name) for name in counted] == before
+
+
 def test_flush_cache_empties_the_prefix_cache_once_the_scheduler_has(llama_server):
     headers = {"authorization": "Bearer sk-test"}
     body = {"prompt": "the same prompt, a few tokens long, " * 8, "max_tokens": 1}

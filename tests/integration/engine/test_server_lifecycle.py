@@ -37,6 +37,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_clean(server_factory, tiny
     server.process.send_signal(signal.SIGTERM)
     time.sleep(0.1)
     assert httpx.get(server.base_url + "/health").status_code == 503
+    # a probe of SGLang's route takes the engine out of rotation too
+    assert httpx.get(server.base_url + "/health_generate").status_code == 503
     refused = httpx.post(
         server.base_url + "/v1/completions", json={"prompt": "late", "max_tokens": 2}
     )

@@ -26,8 +26,10 @@ class FakeClient:
         self.ready.set()
         self.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
         self.script = script
+        self.probes: list[bool] = []  # each generate call's `probe`
 
-    def generate(self, request):
+    def generate(self, request, probe: bool = False):
+        self.probes.append(probe)
         return self._outputs(request.rid)
 
     async def _outputs(self, rid: str):
@@ -64,15 +66,18 @@ def _errors(metrics: EngineMetrics) -> dict[tuple[str, str], float]:
     return found
 
 
-async def _requests(client: FakeClient, calls, api_key: str | None = None) -> list[int]:
+async def _responses(
+    client: FakeClient, calls, api_key: str | None = None, draining: bool = False
+) -> list[httpx.Response]:
     config = EngineConfig(model="m", max_request_body_bytes=2000)
-    app = build_app(client, ServerState(config, "m", api_key=api_key))
+    app = build_app(client, ServerState(config, "m", api_key=api_key, draining=draining))
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
-        return [
-            (await http.request(method, path, **kwargs)).status_code
-            for method, path, kwargs in calls
-        ]
+        return [await http.request(method, path, **kwargs) for method, path, kwargs in calls]
+
+
+async def _requests(client: FakeClient, calls, api_key: str | None = None) -> list[int]:
+    return [response.status_code for response in await _responses(client, calls, api_key)]
 
 
 def test_error_answers_are_counted_by_status_and_reason():
@@ -184,9 +189,12 @@ def test_tokens_that_arrive_with_the_first_are_no_inter_token_latency():
 # -- request times and lengths (issue 15, item 4) --------------------------------------------
 
 
-async def _through_engine_client(role: str, outputs: list[TextOutput], delay: float = 0.0):
+async def _through_engine_client(
+    role: str, outputs: list[TextOutput], delay: float = 0.0, probe: bool = False
+):
     """The metrics of an EngineClient that receives `outputs` for request r1 from the
-    detokenizer, `delay` seconds after the request was sent."""
+    detokenizer, `delay` seconds after the request was sent; a stream whose last output is not
+    final is left there (an abort)."""
     import shutil
     from pathlib import Path
 
@@ -202,11 +210,17 @@ async def _through_engine_client(role: str, outputs: list[TextOutput], delay: fl
     client.start()
     detokenizer = push(zmq.Context.instance(), endpoints.api_in)
     try:
-        stream = client.generate(TokenizeRequest("r1", SamplingParams()))
+        stream = client.generate(TokenizeRequest("r1", SamplingParams()), probe=probe)
         await asyncio.sleep(delay)
         for out in outputs:
             detokenizer.send_pyobj(TextBatch([out]))
-        assert [len(out.token_ids) async for out in stream] == [len(o.token_ids) for o in outputs]
+        read = []
+        async for out in stream:
+            read.append(len(out.token_ids))
+            if len(read) == len(outputs):
+                break
+        await stream.aclose()  # after a last output that is not final: the reader left
+        assert read == [len(o.token_ids) for o in outputs]
     finally:
         await client.shutdown()
         detokenizer.close(linger=0)
@@ -234,6 +248,66 @@ async def test_the_engine_client_records_times_lengths_and_cached_tokens():
     labels = {"role": "mixed"}
     assert metrics.registry.get_sample_value("kubesgl_cached_prompt_tokens_total", labels) == 32
     assert metrics.registry.get_sample_value("kubesgl_prompt_tokens_total", labels) == 40
+
+
+def _samples(metrics: EngineMetrics) -> dict[tuple, float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in metrics.registry.collect()
+        for sample in family.samples
+    }
+
+
+@pytest.mark.asyncio
+async def test_a_health_probe_moves_no_metric():
+    """/health_generate's token, every few seconds from a load balancer, is no user's request:
+    requests, latencies and token counts would count it, and autoscaling on them."""
+    probe = TextOutput(
+        "r1", "a", [5], FinishReason("length"), 1, 0, 1, queue_seconds=0.01, prefill_seconds=0.01
+    )
+    metrics = await _through_engine_client("mixed", [probe], probe=True)
+    assert _samples(metrics) == _samples(EngineMetrics("mixed"))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("probe, aborts", [(False, 1), (True, 0)])
+async def test_a_probe_left_before_its_end_is_no_abort(probe, aborts):
+    """A /health_generate that timed out: its request is aborted, but no user's abort."""
+    metrics = await _through_engine_client(
+        "mixed", [TextOutput("r1", "a", [5], None, 1, 0, 1)], probe=probe
+    )
+    labels = {"role": "mixed", "finish_reason": "abort"}
+    assert metrics.registry.get_sample_value("kubesgl_requests_total", labels) == aborts
+
+
+def test_health_generate_generates_one_token_as_a_probe(caplog):
+    client = FakeClient()
+    calls: list[tuple[str, str, dict]] = [
+        ("GET", "/health_generate", {}),
+        ("POST", "/health_generate", {}),
+    ]
+    with caplog.at_level("INFO", logger="kubesgl.access"):
+        answers = asyncio.run(_responses(client, calls))
+    assert [(a.status_code, a.text) for a in answers] == [(200, "ok"), (200, "ok")]
+    assert client.probes == [True, True]  # which the engine client's metrics leave out
+    assert not [r for r in caplog.records if r.name == "kubesgl.access"]  # DEBUG, as /health
+
+
+@pytest.mark.parametrize(
+    "loading, draining, why",
+    [(True, False, "the model is still loading"), (False, True, "the server is shutting down")],
+)
+def test_health_generate_is_an_uncounted_503_while_loading_or_draining(loading, draining, why):
+    """As /health: a draining engine must leave every rotation that probes either route."""
+    client = FakeClient()
+    if loading:
+        client.ready.clear()
+    calls: list[tuple[str, str, dict]] = [("GET", "/health_generate", {}), ("GET", "/health", {})]
+    answers = asyncio.run(_responses(client, calls, draining=draining))
+    assert [a.status_code for a in answers] == [503, 503]
+    assert answers[0].text == why
+    assert client.probes == []  # nothing generated
+    assert _errors(client.metrics) == {}
 
 
 @pytest.mark.asyncio
