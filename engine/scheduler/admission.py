@@ -29,7 +29,9 @@ class OutputEstimate:
 
     def finished(self, generated: int, allowed: int) -> None:
         """A request ended after `generated` of its `allowed` (max_tokens) outputs."""
-        if allowed > 0:
+        # one allowed token (a /health_generate probe) is always generated: no sign of how long
+        # answers run, and such a request reserves one token whatever the estimate
+        if allowed > 1:
             observed = min(1.0, generated / allowed)
             self.ratio = max(self.floor, (1 - self.weight) * self.ratio + self.weight * observed)
 

@@ -385,6 +385,15 @@ def test_output_estimate_follows_finished_requests_and_backs_off_on_retraction()
     assert estimate.outputs(100) == 100
 
 
+def test_requests_allowed_one_token_teach_the_estimate_nothing():
+    """/health_generate's probe (max_tokens 1), every few seconds: its one token is forced, so
+    it would drag the ratio toward reserving all of max_tokens for everyone else."""
+    estimate = OutputEstimate(ratio=0.2)
+    for _ in range(50):
+        estimate.finished(1, 1)
+    assert estimate.ratio == 0.2
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
