@@ -3,12 +3,13 @@
 the keys, pod labels and annotations, the architectures of the tiny model.
 
 Constants and a few pure functions over them (a lookup, a server's URL, what a key must be to
-travel in a header), and no imports beyond typing: every component imports this module, the
-torch-free router and operator included.
+travel in a header, what a label must be), and no imports beyond typing and re: every
+component imports this module, the torch-free router and operator included.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Final, Literal
 
 # Default ports
@@ -75,6 +76,35 @@ NAME_LABEL: Final = "app.kubernetes.io/name"
 INSTANCE_LABEL: Final = "app.kubernetes.io/instance"  # the InferenceService's name
 MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
 ROLE_LABEL: Final = "kubesgl.io/role"
+
+# Kubernetes' rules for label keys and values: a name of up to 63 characters, alphanumeric at
+# both ends; a key may have a DNS-subdomain prefix and a slash (apimachinery's IsQualifiedName)
+_LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def label_key_problem(key: str) -> str | None:
+    """Why `key` is no Kubernetes label (or annotation) key, or None."""
+    prefix, _, name = key.rpartition("/")
+    if not _LABEL_NAME.fullmatch(name) or (
+        "/" in key and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix))
+    ):
+        return (
+            f"{key!r} is not a Kubernetes key: an optional DNS-subdomain prefix and '/', then up "
+            "to 63 letters, digits, '-', '_' or '.', beginning and ending with a letter or digit"
+        )
+    return None
+
+
+def label_value_problem(value: str) -> str | None:
+    """Why `value` is no Kubernetes label value, or None."""
+    if value and not _LABEL_NAME.fullmatch(value):
+        return (
+            f"{value!r} is not a label value: empty, or up to 63 letters, digits, '-', '_' or "
+            "'.', beginning and ending with a letter or digit"
+        )
+    return None
+
 
 # A prefill pod's bootstrap port, under kubesgl's name and under SGLang's (SGLang's router
 # discovers prefill pods' bootstrap ports by the latter); pods carry both

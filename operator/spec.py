@@ -22,7 +22,16 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kubesgl.contract import DECODE, MIXED, PREFILL, EngineRole, LogLevel, TinyArch
+from kubesgl.contract import (
+    DECODE,
+    MIXED,
+    PREFILL,
+    EngineRole,
+    LogLevel,
+    TinyArch,
+    label_key_problem,
+    label_value_problem,
+)
 from kubesgl.engine.config import (
     AttentionBackend,
     Device,
@@ -86,31 +95,20 @@ def _size(value: object) -> int | str:
 # 0, which the API server does not ask. The CRD's schema is Quantity's; 0 is refused here.
 Size = Annotated[int | str, PlainValidator(_size), _QUANTITY_SCHEMA]
 
-# Kubernetes' rules for metadata keys: a name of up to 63 characters, alphanumeric at both
-# ends, with an optional DNS-subdomain prefix and a slash (apimachinery's IsQualifiedName).
-_NAME = r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]"
-_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 ANNOTATIONS_MAX_BYTES = 256 * 1024  # the API server's limit on an object's annotations
 
 
 def _qualified_name(key: str) -> str:
-    prefix, _, name = key.rpartition("/")
-    if not re.fullmatch(_NAME, name) or (
-        "/" in key and (len(prefix) > 253 or not re.fullmatch(_DNS_SUBDOMAIN, prefix))
-    ):
-        raise ValueError(
-            f"{key!r} is not a Kubernetes key: an optional DNS-subdomain prefix and '/', then up "
-            "to 63 letters, digits, '-', '_' or '.', beginning and ending with a letter or digit"
-        )
+    problem = label_key_problem(key)
+    if problem:
+        raise ValueError(problem)
     return key
 
 
 def _label_value(value: str) -> str:
-    if value and not re.fullmatch(_NAME, value):
-        raise ValueError(
-            f"{value!r} is not a label value: empty, or up to 63 letters, digits, '-', '_' or "
-            "'.', beginning and ending with a letter or digit"
-        )
+    problem = label_value_problem(value)
+    if problem:
+        raise ValueError(problem)
     return value
 
 

@@ -68,7 +68,8 @@ def build_parser(
         nargs="+",
         default=[],
         metavar="KEY=VALUE",
-        help="label selector of engine pods; turns Kubernetes discovery on",
+        help="label selector of engine pods, all of which must match (equality only; several, "
+        "or comma-separated as kubectl takes them: a=b,c=d); turns Kubernetes discovery on",
     )
     w.add_argument(
         "--kube-worker-port",

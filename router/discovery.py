@@ -34,13 +34,23 @@ WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; the watcher 
 
 
 def parse_selector(items: list[str]) -> dict[str, str]:
-    """["a=b", "c=d"] -> {"a": "b", "c": "d"}, the equality selectors of --kube-selector."""
+    """["a=b,c=d", "e=f"] -> {"a": "b", "c": "d", "e": "f"}: the equality selectors of
+    --kube-selector, comma-separated as kubectl takes them. ValueError for anything else: pods
+    are checked again against this dict, so a term it misread would drop every pod."""
     selector: dict[str, str] = {}
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"a label selector is KEY=VALUE, not {item!r}")
-        selector[key.strip()] = value.strip()
+        for term in item.split(","):
+            key, sep, value = (part.strip() for part in term.partition("="))
+            problem: str | None
+            if not sep:
+                problem = "not KEY=VALUE (only equality selectors are taken)"
+            elif selector.get(key, value) != value:  # the API server would match no pod
+                problem = f"the key {key!r} is given twice, also with {selector[key]!r}"
+            else:
+                problem = contract.label_key_problem(key) or contract.label_value_problem(value)
+            if problem:
+                raise ValueError(f"--kube-selector {item!r}: {problem}")
+            selector[key] = value
     return selector
 
 

@@ -39,6 +39,44 @@ def test_cli_builds_the_config_and_rejects_mixed_modes():
         parse_selector(["novalue"])
 
 
+def test_kube_selector_takes_kubectls_comma_form():
+    """`a=b,c=d` is two selectors, as kubectl reads it, not a=`b,c=d`, which matched no pod."""
+    args = build_parser().parse_args(["--kube-selector", "a=b,c=d", "e=f", "--kube-namespace", "n"])
+    selector = config_from_args(args).kube.selector
+    assert selector == {"a": "b", "c": "d", "e": "f"}
+    labels = {"a": "b", "c": "d", "e": "f"}
+    assert worker_from_pod(pod(labels=labels), selector, 30000) is not None
+    assert parse_selector(["example.com/app = x , tier="]) == {"example.com/app": "x", "tier": ""}
+
+
+@pytest.mark.parametrize(
+    "item",
+    ["novalue", "a=b,", ",a=b", "=b", "a!=b", "a==b", "a=b c", "a in (x)", "a-=b", "a=b/c",
+     "a=" + "v" * 64, "Bad_Prefix/a=b"],
+)  # fmt: skip
+def test_kube_selector_refuses_what_is_no_equality_selector(item, monkeypatch, capsys):
+    import uvicorn
+
+    from kubesgl.router import cli
+
+    def serve(app, **kwargs):
+        raise AssertionError(f"the router started with --kube-selector {item!r}")
+
+    monkeypatch.setattr(uvicorn, "run", serve)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--kube-selector", item])
+    assert exited.value.code == 2
+    reason = capsys.readouterr().err.splitlines()[-1]
+    assert reason.startswith(f"kubesgl router: error: --kube-selector {item!r}: "), reason
+
+
+def test_kube_selector_refuses_one_key_with_two_values():
+    """The API server would match neither value (both must hold); the router took the last."""
+    with pytest.raises(ValueError, match="'a'.*twice"):
+        parse_selector(["a=b", "a=c"])
+    assert parse_selector(["a=b", "a=b"]) == {"a": "b"}
+
+
 def pod(role="mixed", *, ready=True, ip="10.0.0.7", annotations=None, labels=None, deleting=False):
     meta = {"name": "p", "labels": {"app": "x", "kubesgl.io/role": role, **(labels or {})},
             "annotations": annotations or {}}  # fmt: skip
