@@ -13,10 +13,10 @@ The handlers are registered at import in `registry`, and keep their state in kop
 from __future__ import annotations
 
 import asyncio
-import collections
+import contextlib
 import datetime
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,34 @@ OURS = {contract.MANAGED_BY_LABEL: naming.MANAGER}
 APPLY_RETRY_SECONDS = 60
 
 
+class KeyedLocks:
+    """One asyncio.Lock per key, kept only while a task holds or awaits it, so that the locks of
+    InferenceServices come and go with them. Not dropped at tear-down: a handler may still hold
+    or await the lock then, and a lock dropped under a waiter lets the next task take a new one
+    of the same key while the waiter runs (asyncio.Lock reads unlocked between a release and
+    its waiter's wake-up, so `locked()` cannot tell)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}  # lock, its tasks
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._locks
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: tuple[str, str]) -> AsyncIterator[None]:
+        lock, tasks = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, tasks + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, tasks = self._locks[key]
+            if tasks == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, tasks - 1)
+
+
 @dataclass
 class OperatorState:
     """The operator's state, as kopf's memo: `kopf.run(memo=OperatorState())`. kopf hands each
@@ -60,16 +88,12 @@ class OperatorState:
 
     api: KubeApi | None = None
     # One status writer at a time per InferenceService, so the last one sees the newest counts.
-    status_locks: dict[tuple[str, str], asyncio.Lock] = field(
-        default_factory=lambda: collections.defaultdict(asyncio.Lock)
-    )
+    status_locks: KeyedLocks = field(default_factory=KeyedLocks)
     # What this process last wrote, ahead of the watch stream echoing it back.
     written_status: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     # Why the last apply of an InferenceService failed, until one succeeds: its Degraded.
     apply_failures: dict[tuple[str, str], Verdict] = field(default_factory=dict)
-    apply_locks: dict[tuple[str, str], asyncio.Lock] = field(
-        default_factory=lambda: collections.defaultdict(asyncio.Lock)
-    )
+    apply_locks: KeyedLocks = field(default_factory=KeyedLocks)
     # InferenceServices whose retired engine roles serve until their replacements are ready:
     # each event of their Deployments checks again (reconcile.prune_retired).
     retiring: set[tuple[str, str]] = field(default_factory=set)
@@ -176,7 +200,7 @@ async def publish_status(
     rollouts: kopf.Index,
 ) -> None:
     key = (namespace, name)
-    async with memo.status_locks[key]:
+    async with memo.status_locks.hold(key):
         stored = list(inference_services.get(key, []))
         if not stored or stored[0]["metadata"].get("deletionTimestamp"):
             return
@@ -248,7 +272,7 @@ async def reconcile(
     newest spec."""
     assert namespace is not None  # InferenceServices are namespaced
     key = (namespace, name)
-    async with memo.apply_locks[key]:
+    async with memo.apply_locks.hold(key):
         try:
             isvc = parse_inference_service(_snapshot(body))
         except InvalidSpec as error:
@@ -322,7 +346,8 @@ async def repair_child(
     if resource.kind == DEPLOYMENT.kind:
         key = (namespace, instance)
         if key in memo.retiring:
-            async with memo.apply_locks[key]:  # of the newest spec: one may have come meanwhile
+            # of the newest spec: one may have come meanwhile
+            async with memo.apply_locks.hold(key):
                 newest = list(inference_services.get(key, []))
                 try:
                     current = parse_inference_service(newest[0]) if newest else None

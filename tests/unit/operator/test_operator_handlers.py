@@ -1,0 +1,78 @@
+"""The kopf handlers called directly, with the cluster calls stubbed: the state they keep."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+from operator_fixtures import load_example
+
+from kubesgl.operator import handlers
+from kubesgl.operator.reconcile import Applied
+
+KEY = ("default", "one")
+
+
+class StatusWrites:
+    def __init__(self) -> None:
+        self.patches: list[tuple[str, str, dict[str, Any]]] = []
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.patches.append((namespace, name, status))
+
+
+async def test_deleting_an_inference_service_forgets_its_locks(monkeypatch):
+    """An operator that runs for months sees many InferenceServices come and go: each one's
+    locks must go with it, not stay for the life of the process."""
+    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc: Applied(objects=[]))
+    monkeypatch.setattr(handlers, "delete_children", lambda api, namespace, name, uid: 0)
+    body = load_example("mixed.yaml")
+    name = body["metadata"]["name"]
+    body["metadata"].update(namespace="default", uid="u-1", generation=1)
+    memo = handlers.OperatorState(api=StatusWrites())  # type: ignore[arg-type]
+    logger = logging.getLogger("test")
+    index = {("default", name): [body]}
+
+    await handlers.reconcile(
+        body=body, namespace="default", name=name, logger=logger, memo=memo,
+        inference_services=index, rollouts={},
+    )  # fmt: skip
+    assert memo.api.patches  # the handler ran through: it published a status
+    await handlers.tear_down(namespace="default", name=name, uid="u-1", logger=logger, memo=memo)
+    assert ("default", name) not in memo.status_locks
+    assert ("default", name) not in memo.apply_locks
+
+
+async def test_a_lock_stays_while_a_task_holds_or_awaits_it():
+    """Dropping the lock of a key that a task still awaits would let the next task take a new
+    lock of the same key while the waiter runs: two status writers at once."""
+    locks = handlers.KeyedLocks()
+    inside: list[str] = []
+    overlaps: list[tuple[str, ...]] = []
+
+    async def hold(task: str) -> None:
+        async with locks.hold(KEY):
+            inside.append(task)
+            overlaps.append(tuple(inside))
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            inside.remove(task)
+
+    first, second = asyncio.create_task(hold("a")), asyncio.create_task(hold("b"))
+    await asyncio.sleep(0)
+    assert KEY in locks  # held by a, awaited by b
+    await first
+    third = asyncio.create_task(hold("c"))  # b is woken but may not have run yet
+    await asyncio.gather(second, third)
+    assert overlaps == [("a",), ("b",), ("c",)]
+    assert KEY not in locks
+
+
+async def test_a_lock_is_forgotten_when_its_holder_fails():
+    locks = handlers.KeyedLocks()
+    with pytest.raises(RuntimeError):
+        async with locks.hold(KEY):
+            raise RuntimeError("the API server refused")
+    assert KEY not in locks
