@@ -266,7 +266,10 @@ def exit_reason(returncode: int, log_path: Path) -> str:
     """'killed by SIGKILL', or 'exit code 1' and the last line of the process's log (an error
     that ends a Python process is its last line)."""
     if returncode < 0:
-        return f"killed by {signal.Signals(-returncode).name}"
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:  # real-time signals (SIGRTMIN+n) have no member in signal.Signals
+            return f"killed by signal {-returncode}"
     lines = last_lines(log_path)
     return f"exit code {returncode}: {clip(lines[-1])}" if lines else f"exit code {returncode}"
 

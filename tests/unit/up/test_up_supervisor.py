@@ -382,3 +382,11 @@ def test_the_reason_of_an_exit_is_the_logs_last_line_whole(tmp_path):
     log.write_text("x" * 3000 + "\n")
     reason = exit_reason(1, log)
     assert reason.startswith("exit code 1: xxx") and reason.endswith("…") and len(reason) < 500
+
+
+def test_a_process_killed_by_a_signal_without_a_name_has_a_reason(tmp_path):
+    """signal.Signals has no member for real-time signals (SIGRTMIN+n): signal 40 raised
+    ValueError out of the supervisor's tick and took the whole `kubesgl up` down."""
+    log = tmp_path / "mixed-0.log"
+    assert exit_reason(-signal.SIGKILL, log) == "killed by SIGKILL"
+    assert exit_reason(-(signal.SIGRTMIN + 6), log) == f"killed by signal {signal.SIGRTMIN + 6}"
