@@ -4,12 +4,16 @@ and a parser that raises where a command would exit, for checking command lines.
 `DefaultsOnce` adds " (default: X)" to a flag's help unless the help already says what its
 default is (mentions "default") or there is nothing to show: no value (None), a switch that is
 off (False), an empty list, or a required flag. tests/unit/test_help.py checks every command.
-`port_number` (or `port_or_zero`) is the type of every command's --port.
+`port_number` (or `port_or_zero`) is the type of every command's --port; `at_least(N)` that of
+a whole-number flag with a floor, `fraction` that of a share from 0 to 1: argparse then refuses
+a bad value with a usage error that names the flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 from typing import NoReturn
 
 
@@ -63,3 +67,26 @@ def port_or_zero(text: str) -> int:
     """A port from 0 to 65535, where 0 means what its flag says: a free port to a server that
     logs the address it bound, no listener to an optional one."""
     return port_number(text, lowest=0)
+
+
+def at_least(lowest: int) -> Callable[[str], int]:
+    """The type of a whole-number flag whose values start at `lowest`: `type=at_least(1)`."""
+
+    def whole_number(text: str) -> int:
+        number = int(text) if text.lstrip("-").isdigit() else None
+        if number is None or number < lowest:
+            raise argparse.ArgumentTypeError(f"a whole number from {lowest} up, not {text!r}")
+        return number
+
+    return whole_number
+
+
+def fraction(text: str) -> float:
+    """A number from 0 to 1 (NaN is none: it compares false with both)."""
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not 0 <= number <= 1:
+        raise argparse.ArgumentTypeError(f"a number from 0 to 1, not {text!r}")
+    return number

@@ -13,6 +13,10 @@ import math
 import random
 from dataclasses import dataclass
 
+# Prompt token ids are drawn from here up to the vocabulary size: the lowest ids are often
+# special tokens (padding, begin and end of sequence).
+FIRST_TOKEN_ID = 10
+
 
 @dataclass(frozen=True)
 class BenchRequest:
@@ -28,7 +32,8 @@ def random_requests(
 
     return [
         BenchRequest(
-            [rng.randrange(10, vocab) for _ in range(length(input_len))], length(output_len)
+            [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(length(input_len))],
+            length(output_len),
         )
         for _ in range(count)
     ]
@@ -43,10 +48,13 @@ def shared_prefix_requests(
     vocab: int,
     rng: random.Random,
 ) -> list[BenchRequest]:
-    systems = [[rng.randrange(10, vocab) for _ in range(system_len)] for _ in range(groups)]
+    systems = [
+        [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(system_len)] for _ in range(groups)
+    ]
     requests = [
         BenchRequest(
-            systems[i % groups] + [rng.randrange(10, vocab) for _ in range(question_len)],
+            systems[i % groups]
+            + [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(question_len)],
             output_len,
         )
         for i in range(count)
@@ -65,5 +73,9 @@ def sharegpt_like_requests(
     for _ in range(count):
         prompt_len = min(lognormal(220, 1.0), max_len // 2)
         output_len = min(lognormal(180, 0.9), max_len - prompt_len)
-        out.append(BenchRequest([rng.randrange(10, vocab) for _ in range(prompt_len)], output_len))
+        out.append(
+            BenchRequest(
+                [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(prompt_len)], output_len
+            )
+        )
     return out

@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 import httpx
 
 from kubesgl.bench.datasets import (
+    FIRST_TOKEN_ID,
     BenchRequest,
     random_requests,
     shared_prefix_requests,
     sharegpt_like_requests,
 )
-from kubesgl.cli_help import DefaultsOnce
+from kubesgl.cli_help import DefaultsOnce, at_least, fraction
 
 
 @dataclass
@@ -235,31 +236,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="random lengths; a few long system prompts shared by many questions; or "
         "conversation-like lengths (kubesgl/bench/datasets.py)",
     )
-    parser.add_argument("--num-prompts", type=int, default=100, metavar="N", help="requests sent")
+    parser.add_argument(
+        "--num-prompts", type=at_least(1), default=100, metavar="N", help="requests sent"
+    )
     parser.add_argument(
         "--random-input-len",
-        type=int,
+        type=at_least(1),
         default=1024,
         metavar="N",
         help="random: prompt tokens (the most, with --random-range-ratio)",
     )
     parser.add_argument(
         "--random-output-len",
-        type=int,
+        type=at_least(1),
         default=128,
         metavar="N",
         help="random and shared-prefix: output tokens (the most, with --random-range-ratio)",
     )
     parser.add_argument(
         "--random-range-ratio",
-        type=float,
+        type=fraction,
         default=1.0,
         metavar="X",
         help="lengths are drawn in [ratio * len, len]; 1.0 makes them fixed",
     )
     parser.add_argument(
         "--prefix-groups",
-        type=int,
+        type=at_least(1),
         default=8,
         metavar="N",
         help="shared-prefix: system prompts the requests share",
@@ -287,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--vocab-size",
-        type=int,
+        type=at_least(FIRST_TOKEN_ID + 1),  # as vocab_size_of asks of the server's
         default=None,
         metavar="N",
         help="prompt token ids are drawn below this (default: the server's vocabulary size, "
@@ -302,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-concurrency",
-        type=int,
+        type=at_least(1),
         default=None,
         metavar="N",
         help="requests in flight at most (default: no limit)",
@@ -353,7 +356,7 @@ def vocab_size_of(base_url: str, headers: dict[str, str]) -> int:
         raise BenchSetupError(
             f"{exc}; give the model's vocabulary size with --vocab-size N"
         ) from None
-    if not isinstance(vocab, int) or vocab <= 10:
+    if not isinstance(vocab, int) or vocab <= FIRST_TOKEN_ID:
         raise BenchSetupError(
             f"GET {base_url}/model_info names no vocabulary size (got {vocab!r}); "
             "give it with --vocab-size N"
@@ -363,11 +366,8 @@ def vocab_size_of(base_url: str, headers: dict[str, str]) -> int:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.num_prompts < 1 or args.request_rate <= 0:
-        print(
-            "kubesgl bench serving: --num-prompts and --request-rate must be positive",
-            file=sys.stderr,
-        )
+    if args.request_rate <= 0:
+        print("kubesgl bench serving: --request-rate must be positive", file=sys.stderr)
         return 2
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
