@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 from common import engine_facts, engine_parser, make_llm, report
 
+from kubesgl.cli_help import fraction
 from kubesgl.engine import SamplingParams
 
 
@@ -70,14 +71,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument(
         "--random-range-ratio",
-        type=float,
+        type=fraction,
         default=1.0,
         help="lengths drawn from [ratio x length, length] (SGLang's meaning); 1: fixed lengths",
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not 0.0 <= args.random_range_ratio <= 1.0:
-        parser.error(f"--random-range-ratio must be in [0, 1], got {args.random_range_ratio}")
     lengths_rng = random.Random(1)  # its own stream: fixed lengths keep the prompts of before
     input_lens = draw_lengths(
         lengths_rng, args.num_prompts, args.input_len, args.random_range_ratio
