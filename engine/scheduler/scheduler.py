@@ -458,11 +458,12 @@ class Scheduler:
             req.num_computed += batch.extend_lens[i]
             if req.finished:
                 continue  # finished or aborted while this step ran: its token is dropped
-            token, logprob = result.token_ids[i], self._logprob(result, i, req)
             if i < batch.prefill_rows:
                 self.kv.cache_prefix(req)
                 if not batch.emits[i]:
-                    continue
+                    continue  # a chunk before its prompt's last: no token, no logprobs sampled
+            token, logprob = result.token_ids[i], self._logprob(result, i, req)
+            if i < batch.prefill_rows:
                 self.prefilling.remove(req)
                 if self.role.prompt_done(req, token, logprob):
                     req.prompt_done_at = time.perf_counter()

@@ -259,3 +259,23 @@ def test_mixed_chunk_needs_a_step_budget_above_the_running_requests(tiny_model):
             chunked_prefill_size=64,
             max_running_requests=64,
         )
+
+
+def test_a_prompt_chunk_asking_top_logprobs_beside_rows_asking_none(tiny_model, make_llm):
+    """The rows that emit a token in a step ask logprobs=0, so the step samples no top
+    logprobs; a chunk of a longer prompt in the same step that asks for the top 5 emits nothing
+    and must not read them. The scheduler read them (TypeError on result.top_ids, None), and its
+    process died with every request of the engine."""
+    from kubesgl.engine import SamplingParams
+
+    llm = make_llm(tiny_model("llama"), chunked_prefill_size=64)
+    short, long = [5, 6, 7], list(range(10, 310))  # the long prompt takes five chunks
+    outputs = llm.generate(
+        [short, long],
+        [
+            SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0),
+            SamplingParams(max_tokens=4, ignore_eos=True, logprobs=5),
+        ],
+    )
+    assert [len(out.logprobs) for out in outputs] == [4, 4]
+    assert [len(lp.top) for out in outputs for lp in out.logprobs] == [0] * 4 + [5] * 4
