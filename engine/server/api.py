@@ -308,7 +308,12 @@ def _route_problem(request: Request, exc: StarletteHTTPException) -> str:
 
 async def _crash(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("%s %s failed", request.method, request.url.path)
-    return APIError(500, f"internal server error: {type(exc).__name__}", "server_error").response()
+    return internal_error(exc).response()
+
+
+def internal_error(exc: Exception) -> APIError:
+    """A bug's answer: its kind, never its message (which may quote the request)."""
+    return APIError(500, f"internal server error: {type(exc).__name__}", "server_error")
 
 
 def authorized(request: Request) -> None:
@@ -829,10 +834,13 @@ async def stream_events(
             yield event(start)
         remaining = len(tasks)
         last_sent = time.monotonic()
+        failed: set[int] = set()  # choices whose chunk could not be made: ended, their rest dropped
         while remaining:
             index, out = await queue.get()
             if out is None:
                 remaining -= 1
+                continue
+            if index in failed:
                 continue
             choice = choices[index]
             choice.add(out)
@@ -840,7 +848,16 @@ async def stream_events(
                 on_error(out.finish_reason.status)  # the answer's status was 200: counted here
                 yield sse(APIError.of(out.finish_reason).body())
                 continue
-            if (chunk := formatter.chunk(choice, out)) is not None:
+            try:
+                chunk = formatter.chunk(choice, out)
+            except Exception as exc:  # a bug: an error event ends the choice, not a cut connection
+                logger.exception("a chunk of %s failed", formatter.response_id)
+                on_error(500)
+                yield sse(internal_error(exc).body())
+                failed.add(index)
+                tasks[index].cancel()  # closing its stream aborts its request
+                continue
+            if chunk is not None:
                 yield event(chunk)
                 last_sent = time.monotonic()
             elif time.monotonic() - last_sent > HELD_STREAM_KEEPALIVE_S:

@@ -100,7 +100,7 @@ def _parse_qwen(text: str) -> list[ToolCall | None]:
     for block in re.findall(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", text, flags=re.DOTALL):
         try:
             calls.append(_call_of(json.loads(block)))
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past what json reads
             calls.append(None)
     return calls
 
@@ -113,9 +113,10 @@ def _parse_llama3_json(text: str) -> list[ToolCall | None]:
     while at < len(body):
         try:
             obj, at = decoder.raw_decode(body, at)
-        except ValueError:
+            call = _call_of(obj)
+        except (ValueError, RecursionError):  # nested past what json reads or writes
             return [*calls, None]  # what follows cannot be split into calls
-        calls.append(_call_of(obj))
+        calls.append(call)
         while at < len(body) and body[at] in "; \n\t":
             at += 1
     return calls
@@ -208,10 +209,12 @@ def parse_required(text: str) -> list[ToolCall]:
     at = text.find("[") + 1
     while (at := _past_separators(text, at)) < len(text) and text[at] != "]":
         try:
-            obj, at = decoder.raw_decode(text, at)
-        except ValueError:
+            obj, end = decoder.raw_decode(text, at)
+            call = _call_of(obj)
+        except (ValueError, RecursionError):  # nested past what json reads or writes
             return calls + _cut_call(text[at:])
-        if (call := _call_of(obj)) is not None:
+        at = end
+        if call is not None:
             calls.append(call)
     return calls
 

@@ -270,3 +270,61 @@ def test_generate_answers_the_top_logprobs_it_was_asked_for():
         "output_top_logprobs"
         not in native_formatter("gen-1", top_logprobs=False).final([choice], {})["meta_info"]
     )
+
+
+def test_a_formatter_that_fails_mid_stream_ends_its_choice_with_an_error_event():
+    """The 200 is sent: the failure is an SSE error event, counted as an error, and the stream
+    still ends with [DONE] (it was a connection cut mid-body, counted nowhere); the choice's
+    request is closed, and the other choices go on."""
+    import asyncio
+    import json
+
+    from kubesgl.engine.server import api
+    from kubesgl.engine.server.openai_format import Formatter
+
+    good = chat_formatter({"id": "x"}, False)
+
+    def chunk(choice: Choice, out: TextOutput) -> dict | None:
+        if choice.index == 0 and out.text == "b":
+            raise RecursionError("maximum recursion depth exceeded")
+        return good.chunk(choice, out)
+
+    formatter = Formatter("x", good.final, chunk)
+    closed: list[int] = []
+    outputs = [[output(t, None, i, i == 2) for i, t in enumerate("abc")] for _ in range(2)]
+
+    async def rest(index: int):
+        try:
+            for out in outputs[index][1:]:
+                yield out
+                await asyncio.sleep(0)
+        finally:
+            closed.append(index)
+
+    async def events() -> list[str]:
+        errors: list[int] = []
+        stream = api.stream_events(
+            [rest(0), rest(1)],
+            [outputs[0][0], outputs[1][0]],
+            [Choice(index=0), Choice(index=1)],
+            {0, 1},
+            False,
+            formatter,
+            errors.append,
+        )
+        sent = [event async for event in stream]
+        assert errors == [500]
+        return sent
+
+    sent = asyncio.run(events())
+    assert sent[-1] == "data: [DONE]\n\n"
+    bodies = [json.loads(event.removeprefix("data: ")) for event in sent[:-1]]
+    (error,) = [b["error"] for b in bodies if "error" in b]
+    assert error["type"] == "server_error" and "RecursionError" in error["message"]
+    texts = [(c["index"], c["delta"].get("content")) for b in bodies for c in b.get("choices", [])]
+    assert [t for i, t in texts if i == 0] == ["a"] and [t for i, t in texts if i == 1] == [
+        "a",
+        "b",
+        "c",
+    ]
+    assert sorted(closed) == [0, 1]

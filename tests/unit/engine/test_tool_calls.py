@@ -306,3 +306,35 @@ def test_a_required_answer_cut_before_its_first_call_keeps_its_text_as_content(t
     streamed or not; it is the content now, as SGLang answers it."""
     whole, streamed = answered_both_ways(ToolOutput("required"), [text[:2], text[2:]], "length")
     assert whole == streamed == {"content": text, "calls": [], "finish_reason": "length"}
+
+
+DEEP = "[" * 1100  # past the depth Python's JSON reader can read: RecursionError, not ValueError
+
+
+@pytest.mark.parametrize(
+    "fmt, text",
+    [
+        (QWEN, "<tool_call>" + DEEP),
+        (QWEN, '<tool_call>\n{"name": "a", "arguments": ' + DEEP),
+        (LLAMA, '{"name": "a", "parameters": ' + DEEP),
+        (LLAMA, '{"name": "a", "parameters": {}}; ' + DEEP),
+    ],
+    ids=["qwen-block", "qwen-arguments", "llama3-first", "llama3-second"],
+)
+def test_an_auto_call_nested_too_deeply_to_read_is_text(fmt, text):
+    """As any call that cannot be read: the whole answer is the content, streamed or not
+    (the reader's RecursionError was a 500 after the whole generation, and cut the stream)."""
+    assert parse(fmt, text) == (text, [])
+    tools = ToolOutput("auto", format=fmt, declared=DECLARED)
+    whole, streamed = answered_both_ways(tools, [text[:5], text[5:]], "length")
+    assert whole == streamed == {"content": text, "calls": [], "finish_reason": "length"}
+
+
+def test_a_required_call_nested_too_deeply_to_read_is_one_cut_short():
+    """Read as far as it can be: its name, and its arguments as the model wrote them."""
+    whole = '{"name": "a", "parameters": {"x": 1}}'
+    assert parse_required(f'[{whole}, {{"name": "b", "parameters": {DEEP}') == [
+        ToolCall("a", '{"x": 1}'),
+        ToolCall("b", DEEP),
+    ]
+    assert parse_required("[" + DEEP) == []
