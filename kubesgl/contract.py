@@ -126,6 +126,29 @@ LOG_LEVELS: Final[tuple[LogLevel, ...]] = ("debug", "info", "warning", "error")
 # A request without a body: a 400 in the same words from an engine and the router (FastAPI
 # reports it as a missing field, json.loads as an error at character 0)
 EMPTY_BODY: Final = "the request body is empty: send a JSON object"
+# How deep a request body may nest arrays and objects (serde_json's default): engines refuse a
+# deeper one, which Python's JSON reader takes up to some 1000 levels but pickling it on to the
+# tokenizer process does not, from some 500; the router refuses, in the same words, only what
+# it cannot read
+MAX_BODY_DEPTH: Final = 128
+TOO_DEEP_BODY: Final = f"the request body nests arrays and objects more than {MAX_BODY_DEPTH} deep"
+
+
+def nested_deeper_than(limit: int, value: object) -> bool:
+    """Whether parsed JSON nests arrays and objects more than `limit` deep (`{}` is 1), read
+    level by level: recursing would fail on the very values this refuses."""
+    level = [value]
+    for _ in range(limit):
+        level = [
+            child
+            for v in level
+            if isinstance(v, dict | list)
+            for child in (v.values() if isinstance(v, dict) else v)
+        ]
+        if not level:
+            return False
+    return any(isinstance(v, dict | list) for v in level)
+
 
 # OpenAI's routes that engines and the router do not serve, by path prefix: a 404 that says
 # so (the same words from either), not "Not Found"

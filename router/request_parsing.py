@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kubesgl.contract import EMPTY_BODY, MAX_N
+from kubesgl.contract import EMPTY_BODY, MAX_N, TOO_DEEP_BODY
 from kubesgl.router.errors import bad_request
 
 CHAT_PATH = "/v1/chat/completions"
@@ -122,7 +122,7 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
-        raise bad_request("the request body nests arrays or objects too deeply") from None
+        raise bad_request(TOO_DEEP_BODY) from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     for field in BOOTSTRAP_FIELDS:

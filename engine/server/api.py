@@ -21,7 +21,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kubesgl import __version__
-from kubesgl.contract import EMPTY_BODY, not_served
+from kubesgl.contract import (
+    EMPTY_BODY,
+    MAX_BODY_DEPTH,
+    TOO_DEEP_BODY,
+    nested_deeper_than,
+    not_served,
+)
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import (
     BootstrapTarget,
@@ -300,6 +306,8 @@ def _route_problem(request: Request, exc: StarletteHTTPException) -> str:
     """In the router's words: the route that is not there, or the methods a route takes
     (Starlette's "Not Found" and "Method Not Allowed" named neither)."""
     path = request.url.path
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI could not even read the body
+        return TOO_DEEP_BODY
     if exc.status_code == 404 and exc.detail == "Not Found":  # routing's, not a handler's own
         return not_served(path) or f"no route for {request.method} {path}"
     allowed = (exc.headers or {}).get("Allow")
@@ -323,6 +331,20 @@ def authorized(request: Request) -> None:
         raise APIError(
             401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
         )
+
+
+async def shallow_body(request: Request) -> None:
+    """Refuses a body nested deeper than MAX_BODY_DEPTH before the route validates it or
+    sends any of it on (pickled to the tokenizer process, which fails from some 500 levels: a
+    500). FastAPI has read the body as JSON already; this takes what it read."""
+    if not await request.body():
+        return
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):  # a body FastAPI did not read as JSON: its 400
+        return
+    if nested_deeper_than(MAX_BODY_DEPTH, body):
+        raise APIError(400, TOO_DEEP_BODY)
 
 
 def unavailable(ctx: Served) -> str | None:
@@ -444,7 +466,7 @@ def bootstrap(ctx: Served, body, prompts: int, n: int) -> list[BootstrapTarget |
 
 ServedHere = Annotated[Served, Depends(served)]
 health_routes = APIRouter()
-api_routes = APIRouter(dependencies=[Depends(authorized)])
+api_routes = APIRouter(dependencies=[Depends(authorized), Depends(shallow_body)])
 
 
 @health_routes.get("/health")

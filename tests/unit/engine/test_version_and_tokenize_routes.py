@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from kubesgl import __version__
+from kubesgl.contract import MAX_BODY_DEPTH
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.messages import EngineInfo
@@ -54,7 +55,9 @@ async def test_version_is_kubesgls_as_vllm_shapes_it_and_needs_no_key():
 
 
 @contextlib.asynccontextmanager
-async def engine_of(model: str, api_key: str | None = None) -> AsyncIterator[httpx.AsyncClient]:
+async def engine_of(
+    model: str, api_key: str | None = None, context_length: int = CONTEXT
+) -> AsyncIterator[httpx.AsyncClient]:
     """The engine's app over a real EngineClient and the tokenizer process's loop, run in this
     event loop; no scheduler (nothing here generates)."""
     endpoints = Endpoints.create()
@@ -71,7 +74,9 @@ async def engine_of(model: str, api_key: str | None = None) -> AsyncIterator[htt
 
     tokenizer = asyncio.create_task(tokenizer_process())
     vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    to_api.send_pyobj(EngineInfo(model, CONTEXT, vocab_size, 1000, 1, "LlamaForCausalLM", [2]))
+    to_api.send_pyobj(
+        EngineInfo(model, context_length, vocab_size, 1000, 1, "LlamaForCausalLM", [2])
+    )
     try:
         await asyncio.wait_for(client.ready.wait(), 5)
         async with http(client, model, api_key) as engine:
@@ -239,3 +244,52 @@ async def test_an_unknown_route_or_method_is_named_as_the_router_names_it():
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
     assert wrong_method.json()["error"]["message"] == "/v1/completions accepts POST"
     assert "Responses API" in not_served.json()["error"]["message"]  # the routes it names
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def deep_parameters(depth: int) -> dict:
+    value: dict = {"type": "object"}
+    for _ in range(depth):
+        value = {"type": "object", "properties": {"a": value}}
+    return value
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "deep",
+    [
+        {"chat_template_kwargs": {"x": nested(900)}},
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": deep_parameters(250)}}
+            ]
+        },
+    ],
+    ids=["chat_template_kwargs", "tools"],
+)
+async def test_a_body_nested_too_deeply_is_a_400_naming_the_problem(tiny_model, path, deep):
+    """Python's JSON reader takes it, but sending it on to the tokenizer (pickle) did not:
+    a 500, not to be retried. The request is refused before anything is sent."""
+    async with engine_of(tiny_model("llama"), context_length=4096) as engine:  # the prompt fits
+        refused = await engine.post(path, json={"messages": CHAT, **deep})
+        unreadable = await engine.post(  # past what Python's JSON reader takes
+            path,
+            content=f'{{"messages": {json.dumps(CHAT)}, "x": {"[" * 1100}{"]" * 1100}}}',
+            headers={"content-type": "application/json"},
+        )
+        at_the_limit = await engine.post(
+            "/tokenize",
+            json={"messages": CHAT, "chat_template_kwargs": {"x": nested(MAX_BODY_DEPTH - 2)}},
+        )
+    for answer in (refused, unreadable):
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["message"] == (
+            f"the request body nests arrays and objects more than {MAX_BODY_DEPTH} deep"
+        )
+    assert at_the_limit.status_code == 200, at_the_limit.text
