@@ -135,19 +135,19 @@ TOO_DEEP_BODY: Final = f"the request body nests arrays and objects more than {MA
 
 
 def nested_deeper_than(limit: int, value: object) -> bool:
-    """Whether parsed JSON nests arrays and objects more than `limit` deep (`{}` is 1), read
-    level by level: recursing would fail on the very values this refuses."""
-    level = [value]
+    """Whether parsed JSON nests arrays and objects more than `limit` deep (`{}` is 1). Read
+    level by level, each level's arrays and objects only: a prompt's token ids cost one pass."""
+    level = [value] if isinstance(value, dict | list) else []
     for _ in range(limit):
         level = [
             child
             for v in level
-            if isinstance(v, dict | list)
             for child in (v.values() if isinstance(v, dict) else v)
+            if isinstance(child, dict | list)
         ]
         if not level:
             return False
-    return any(isinstance(v, dict | list) for v in level)
+    return True
 
 
 # OpenAI's routes that engines and the router do not serve, by path prefix: a 404 that says

@@ -297,7 +297,11 @@ async def _http_error(
     request: Request, exc: StarletteHTTPException
 ) -> JSONResponse:  # unknown path, wrong method
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    response = APIError(exc.status_code, _route_problem(request, exc), type_).response()
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI could not even read the body
+        message = TOO_DEEP_BODY
+    else:
+        message = _route_problem(request, exc)
+    response = APIError(exc.status_code, message, type_).response()
     response.headers.update(exc.headers or {})  # a 405's Allow, which HTTP requires
     return response
 
@@ -306,8 +310,6 @@ def _route_problem(request: Request, exc: StarletteHTTPException) -> str:
     """In the router's words: the route that is not there, or the methods a route takes
     (Starlette's "Not Found" and "Method Not Allowed" named neither)."""
     path = request.url.path
-    if isinstance(exc.__cause__, RecursionError):  # FastAPI could not even read the body
-        return TOO_DEEP_BODY
     if exc.status_code == 404 and exc.detail == "Not Found":  # routing's, not a handler's own
         return not_served(path) or f"no route for {request.method} {path}"
     allowed = (exc.headers or {}).get("Allow")
@@ -336,14 +338,16 @@ def authorized(request: Request) -> None:
 async def shallow_body(request: Request) -> None:
     """Refuses a body nested deeper than MAX_BODY_DEPTH before the route validates it or
     sends any of it on (pickled to the tokenizer process, which fails from some 500 levels: a
-    500). FastAPI has read the body as JSON already; this takes what it read."""
-    if not await request.body():
+    500). It checks what FastAPI read as JSON (Starlette keeps it on the request): a body of
+    another type, or one a route without a body ignores, is not read for this."""
+    if not hasattr(request, "_json"):
         return
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):  # a body FastAPI did not read as JSON: its 400
-        return
-    if nested_deeper_than(MAX_BODY_DEPTH, body):
+    # No more brackets than the limit, none nests deeper (those in strings only count extra):
+    # a prompt of token ids, however long, is not walked
+    raw = await request.body()
+    if raw.count(b"[") + raw.count(b"{") > MAX_BODY_DEPTH and nested_deeper_than(
+        MAX_BODY_DEPTH, request._json
+    ):
         raise APIError(400, TOO_DEEP_BODY)
 
 

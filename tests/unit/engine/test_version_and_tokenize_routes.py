@@ -283,13 +283,32 @@ async def test_a_body_nested_too_deeply_is_a_400_naming_the_problem(tiny_model, 
             content=f'{{"messages": {json.dumps(CHAT)}, "x": {"[" * 1100}{"]" * 1100}}}',
             headers={"content-type": "application/json"},
         )
+        past_the_limit = await engine.post(
+            "/tokenize",
+            json={"messages": CHAT, "chat_template_kwargs": {"x": nested(MAX_BODY_DEPTH - 1)}},
+        )
         at_the_limit = await engine.post(
             "/tokenize",
             json={"messages": CHAT, "chat_template_kwargs": {"x": nested(MAX_BODY_DEPTH - 2)}},
         )
-    for answer in (refused, unreadable):
+    for answer in (refused, unreadable, past_the_limit):
         assert answer.status_code == 400, answer.text
         assert answer.json()["error"]["message"] == (
             f"the request body nests arrays and objects more than {MAX_BODY_DEPTH} deep"
         )
     assert at_the_limit.status_code == 200, at_the_limit.text
+
+
+async def test_only_a_json_body_a_route_reads_is_checked_for_depth(tiny_model):
+    """A route without a body ignores one, deep or not; a body that is not JSON gets its own
+    answer, not the depth's (both were read for the depth check, and refused)."""
+    deep = json.dumps({"x": nested(MAX_BODY_DEPTH + 1)})
+    async with engine_of(tiny_model("llama")) as engine:
+        models = await engine.request(
+            "GET", "/v1/models", content=deep, headers={"content-type": "application/json"}
+        )
+        text = await engine.post(
+            "/v1/completions", content=deep, headers={"content-type": "text/plain"}
+        )
+    assert models.status_code == 200, models.text
+    assert "nests arrays and objects" not in text.text
