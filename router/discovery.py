@@ -34,15 +34,18 @@ WATCH_TIMEOUT_S = 300  # the API server ends each watch after this; the watcher 
 
 
 def parse_selector(items: list[str]) -> dict[str, str]:
-    """["a=b,c=d", "e=f"] -> {"a": "b", "c": "d", "e": "f"}: the equality selectors of
-    --kube-selector, comma-separated as kubectl takes them. ValueError for anything else: pods
+    """["a=b,c=d", "e==f"] -> {"a": "b", "c": "d", "e": "f"}: the equality selectors of
+    --kube-selector, comma-separated and with = or == as kubectl takes them. ValueError for anything else: pods
     are checked again against this dict, so a term it misread would drop every pod."""
     selector: dict[str, str] = {}
     for item in items:
         for term in item.split(","):
-            key, sep, value = (part.strip() for part in term.partition("="))
+            equals = "==" if "==" in term else "="  # kubectl takes both
+            key, sep, value = (part.strip() for part in term.partition(equals))
             problem: str | None
-            if not sep:
+            if "!=" in term or "(" in term:
+                problem = "only equality selectors are taken (KEY=VALUE), not !=, in or notin"
+            elif not sep:
                 problem = "not KEY=VALUE (only equality selectors are taken)"
             elif selector.get(key, value) != value:  # the API server would match no pod
                 problem = f"the key {key!r} is given twice, also with {selector[key]!r}"
