@@ -81,6 +81,17 @@ def at_least(lowest: int) -> Callable[[str], int]:
     return whole_number
 
 
+def positive_rate(text: str) -> float:
+    """A number above 0, inf included (NaN is none: it compares false with 0)."""
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"a number above 0 (inf: no limit), not {text!r}")
+    return number
+
+
 def fraction(text: str) -> float:
     """A number from 0 to 1 (NaN is none: it compares false with both)."""
     try:

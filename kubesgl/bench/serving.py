@@ -24,7 +24,7 @@ from kubesgl.bench.datasets import (
     shared_prefix_requests,
     sharegpt_like_requests,
 )
-from kubesgl.cli_help import DefaultsOnce, at_least, fraction
+from kubesgl.cli_help import DefaultsOnce, at_least, fraction, positive_rate
 
 
 @dataclass
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--request-rate",
-        type=float,
+        type=positive_rate,
         default=float("inf"),
         metavar="X",
         help="requests/s (Poisson); inf = all at once",
@@ -366,9 +366,6 @@ def vocab_size_of(base_url: str, headers: dict[str, str]) -> int:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.request_rate <= 0:
-        print("kubesgl bench serving: --request-rate must be positive", file=sys.stderr)
-        return 2
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         model = args.model or _ask(args.base_url, "/v1/models", headers)["data"][0]["id"]

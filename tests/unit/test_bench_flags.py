@@ -24,6 +24,8 @@ BASE = ["--base-url", "http://127.0.0.1:20001"]  # nothing listens: the parser r
         ("--num-prompts", "0"),
         ("--vocab-size", "10"),  # token ids are drawn in [10, vocab): none below 11
         ("--vocab-size", "many"),
+        ("--request-rate", "nan"),  # ran as all at once, reported as rate nan
+        ("--request-rate", "0"),
     ],
 )
 def test_a_bad_numeric_flag_is_a_usage_error_naming_it(flag, value, capsys):
