@@ -118,6 +118,17 @@ def other_kind(document: dict[str, Any]) -> str | None:
     return None
 
 
+def skipped_as_other_kind(prog: str, verb: str, filename: str, obj: Any) -> bool:
+    """Whether an object of a file is another kind than ours, said to be skipped if so."""
+    other = other_kind(obj) if isinstance(obj, dict) else None
+    if other is not None:
+        print(
+            f"{prog}: {filename}: skipped {other}: {prog} {verb} {API_GROUP} {KIND}s only",
+            file=sys.stderr,
+        )
+    return other is not None
+
+
 class Found(NamedTuple):
     filename: str  # the file it came from, for messages
     document: Any  # one object: a YAML document or a List's item
@@ -172,12 +183,7 @@ def render_inputs(found: list[Found]) -> tuple[list[Object], bool]:
             print(f"{PROG}: {filename}: a document is not a mapping", file=sys.stderr)
             sound = False
             continue
-        other = other_kind(document)
-        if other is not None:
-            print(
-                f"{PROG}: {filename}: skipped {other}: {PROG} renders {API_GROUP} {KIND}s only",
-                file=sys.stderr,
-            )
+        if skipped_as_other_kind(PROG, "renders", filename, document):
             continue
         try:
             isvc = parse_inference_service(document)

@@ -21,11 +21,11 @@ from kubesgl.operator.render_cli import (
     NO_DOCUMENT,
     READ_ERRORS,
     list_items,
-    other_kind,
     print_problems,
     read_documents,
+    skipped_as_other_kind,
 )
-from kubesgl.operator.spec import API_GROUP, KIND
+from kubesgl.operator.spec import KIND
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
 from kubesgl.up.model import ModelStepFailed, ensure_model
@@ -164,17 +164,12 @@ def _inference_services(filename: str, documents: list[Any]) -> list[Any]:
     """The objects of a file's documents (a List's items too) to run, as `kubesgl render` takes
     them: other kinds are skipped with a note (a file for kubectl apply often holds a Secret or
     a Namespace beside the InferenceService)."""
-    kept = []
-    for obj in (obj for document in documents for obj in list_items(document)):
-        other = other_kind(obj) if isinstance(obj, dict) else None
-        if other is None:
-            kept.append(obj)
-        else:
-            print(
-                f"{PROG}: {filename}: skipped {other}: {PROG} runs {API_GROUP} {KIND}s only",
-                file=sys.stderr,
-            )
-    return kept
+    return [
+        obj
+        for document in documents
+        for obj in list_items(document)
+        if not skipped_as_other_kind(PROG, "runs", filename, obj)
+    ]
 
 
 def _not_one_inference_service(documents: list[Any], objects: list[Any]) -> str | None:
