@@ -17,7 +17,6 @@ from kubesgl.engine.metrics import EngineMetrics
 
 CLIENT_LEFT = 499  # the client disconnected: an abort (kubesgl_requests_total), not an error
 _PROBES = frozenset({"/health", "/health_generate"})
-UNCOUNTED_PATHS = _PROBES  # a 503 while loading or draining is no request error
 QUIET_PATHS = _PROBES | {"/metrics"}  # probes and scrapes: logged at DEBUG
 # A client's X-Request-Id is logged when it looks like an id; anything else is not repeated.
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
@@ -86,14 +85,17 @@ class RequestAccounting:
             status = status or 500
             raise
         finally:
-            if (
-                status is not None
-                and status >= 400
-                and status != CLIENT_LEFT
-                and scope["path"] not in UNCOUNTED_PATHS
-            ):
+            if status is not None and counted_error(scope["path"], status):
                 self.metrics.request_error(status)
             log_access(scope, status, record)
+
+
+def counted_error(path: str, status: int) -> bool:
+    """Whether an answer counts in kubesgl_request_errors_total. A probe's 503 is its verdict
+    (loading, draining, no token), no request error; its 401 or a crash's 500 is one."""
+    if status < 400 or status == CLIENT_LEFT:
+        return False
+    return not (status == 503 and path in _PROBES)
 
 
 def log_access(scope: Scope, status: int | None, record: AccessRecord) -> None:

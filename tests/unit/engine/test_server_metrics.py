@@ -310,6 +310,17 @@ def test_health_generate_is_an_uncounted_503_while_loading_or_draining(loading, 
     assert _errors(client.metrics) == {}
 
 
+def test_a_probes_other_error_answers_are_counted():
+    """Only a probe's 503 (loading, draining) is no request error: a probe without the key
+    (401) or one that crashed (500) is."""
+    client = FakeClient("crash")
+    calls: list[tuple[str, str, dict]] = [("GET", "/health_generate", {})]
+    statuses = asyncio.run(_requests(client, calls, api_key="key"))
+    statuses += asyncio.run(_requests(client, calls))
+    assert statuses == [401, 500]
+    assert _errors(client.metrics) == {("401", "unauthorized"): 1, ("500", "internal"): 1}
+
+
 @pytest.mark.asyncio
 async def test_a_prefill_engines_handoff_is_left_out_of_its_ttft_and_is_no_finish_reason():
     """A prefill engine's answer to a room leaves once the KV is at the decode engine; the
