@@ -10,7 +10,14 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -764,6 +771,7 @@ async def respond(
                     include_usage,
                     formatter,
                     client.metrics.request_error,
+                    lambda index, why: client.close(subs[index].rid, error=why),
                 ),
                 media_type="text/event-stream",
             )
@@ -838,7 +846,10 @@ async def stream_events(
     include_usage: bool,
     formatter: Formatter,
     on_error: Callable[[int], None] = lambda status: None,
+    end: Callable[[int, str], Awaitable[None]] | None = None,
 ) -> AsyncIterator[str]:
+    """`end(index, why)`: aborts a choice's request that the server itself ends, before its
+    stream is closed (which would abort it as a client that left)."""
     queue: asyncio.Queue[tuple[int, TextOutput | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncGenerator[TextOutput, None], first: TextOutput) -> None:
@@ -881,7 +892,9 @@ async def stream_events(
                 on_error(500)
                 yield sse(internal_error(exc).body())
                 failed.add(index)
-                tasks[index].cancel()  # closing its stream aborts its request
+                if end is not None:  # counted above: no client's abort
+                    await end(index, "the API server failed to send its output")
+                tasks[index].cancel()  # closing its stream aborts its request, if end did not
                 continue
             if chunk is not None:
                 yield event(chunk)

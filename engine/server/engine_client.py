@@ -243,10 +243,13 @@ class EngineClient:
         finally:
             await self.close(request.rid)
 
-    async def close(self, rid: str) -> None:
-        """Forget a request; one still running is aborted and counted as such. Its id stays
-        taken until the engine's last output for it arrives: a request that reused the id
-        sooner would get that output, and the tokenizer would drop its state."""
+    async def close(self, rid: str, error: str | None = None) -> None:
+        """Forget a request; one still running is aborted. Its id stays taken until the
+        engine's last output for it arrives: a request that reused the id sooner would get
+        that output, and the tokenizer would drop its state. `error`: why the server ended it
+        itself, which its caller counts as an error answer, so it is no client's abort in
+        kubesgl_requests_total (as a request that ends with finish_reason "error"); None: its
+        client left, an abort."""
         pending = self._pending.get(rid)
         if pending is None or pending.closed:
             return
@@ -254,8 +257,9 @@ class EngineClient:
             del self._pending[rid]
             return
         pending.closed = True
-        await self.abort(rid, "the client disconnected")
-        self._finished(pending, "abort", time.perf_counter())
+        await self.abort(rid, error or "the client disconnected")
+        if error is None:
+            self._finished(pending, "abort", time.perf_counter())
 
     async def abort(self, rid: str, message: str) -> None:
         await self._to_tokenizer.send_pyobj(AbortRequest(rid, message))

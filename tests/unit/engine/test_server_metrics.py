@@ -52,7 +52,7 @@ class FakeClient:
             return
         yield TextOutput(rid, "b", [6], FinishReason("length"), 3, 0, 2)
 
-    async def close(self, rid: str) -> None:
+    async def close(self, rid: str, error: str | None = None) -> None:
         pass
 
 
@@ -583,3 +583,80 @@ def test_whole_requests_have_a_long_tail_and_lengths_double():
         assert max(_edges(metrics, name)) >= 7680, name
     for name in ("kubesgl_request_prompt_tokens", "kubesgl_request_generation_tokens"):
         assert _edges(metrics, name) == [2.0**i for i in range(18)], name
+
+
+@pytest.mark.asyncio
+async def test_a_request_the_server_ended_mid_stream_is_an_error_not_a_client_abort(monkeypatch):
+    """A chunk that failed to be made (a bug): the stream's error event counts it once, as a
+    500; its request is aborted in the scheduler as the server's doing, and counted as no
+    abort (docs/server.md: an abort is a client that left)."""
+    import shutil
+    from pathlib import Path
+
+    import zmq
+    import zmq.asyncio
+
+    from kubesgl.engine.ipc import Endpoints, pull, push
+    from kubesgl.engine.messages import AbortRequest, TextBatch, TokenizeRequest
+    from kubesgl.engine.server import api
+    from kubesgl.engine.server.engine_client import EngineClient
+    from kubesgl.engine.server.openai_format import Formatter
+
+    real_formatter = api.completion_formatter
+
+    def failing_formatter(*args, **kwargs):
+        good = real_formatter(*args, **kwargs)
+
+        def chunk(choice, out):
+            if out.text == "b":
+                raise RecursionError("maximum recursion depth exceeded")
+            return good.chunk(choice, out)
+
+        return Formatter(good.response_id, good.final, chunk)
+
+    monkeypatch.setattr(api, "completion_formatter", failing_formatter)
+    endpoints = Endpoints.create()
+    client = EngineClient(endpoints, EngineMetrics("mixed"))
+    client.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
+    client.ready.set()
+    client.start()
+    context = zmq.asyncio.Context()
+    tokenizer = pull(context, endpoints.tokenizer_in)
+    detokenizer = push(context, endpoints.api_in)
+    received: list = []
+
+    async def scheduler() -> None:  # generates until aborted, as the engine's processes do
+        while True:
+            message = await tokenizer.recv_pyobj()
+            received.append(message)
+            if isinstance(message, TokenizeRequest):
+                outputs = [TextOutput(message.rid, t, [5], None, 3, 0, 1) for t in "ab"]
+                await detokenizer.send_pyobj(TextBatch(outputs))
+            elif isinstance(message, AbortRequest):
+                end = TextOutput(message.rid, "", [], FinishReason("abort"), 3, 0, 2)
+                await detokenizer.send_pyobj(TextBatch([end]))
+
+    engine = asyncio.create_task(scheduler())
+    try:
+        app = build_app(client, ServerState(EngineConfig(model="m"), "m"))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
+            body = {"prompt": "hi", "max_tokens": 5, "stream": True}
+            answer = await http.post("/v1/completions", json=body)
+        assert answer.status_code == 200 and "RecursionError" in answer.text
+        for _ in range(100):  # the abort's final output frees the request's id
+            if not client.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        assert client.in_flight == 0
+    finally:
+        engine.cancel()
+        await client.shutdown()
+        context.destroy(linger=0)
+        client._context.destroy(linger=0)
+        shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+    (abort,) = [m for m in received if isinstance(m, AbortRequest)]
+    assert "client" not in abort.message
+    assert _errors(client.metrics) == {("500", "internal"): 1}
+    labels = {"role": "mixed", "finish_reason": "abort"}
+    assert client.metrics.registry.get_sample_value("kubesgl_requests_total", labels) == 0
