@@ -81,23 +81,22 @@ def at_least(lowest: int) -> Callable[[str], int]:
     return whole_number
 
 
-def positive_rate(text: str) -> float:
-    """A number above 0, inf included (NaN is none: it compares false with 0)."""
+def _number(text: str, allowed: Callable[[float], bool], wanted: str) -> float:
+    """A number the check `allowed` takes; NaN never is (it compares false with every bound)."""
     try:
         number = float(text)
     except ValueError:
         number = math.nan
-    if not number > 0:
-        raise argparse.ArgumentTypeError(f"a number above 0 (inf: no limit), not {text!r}")
+    if not allowed(number):
+        raise argparse.ArgumentTypeError(f"{wanted}, not {text!r}")
     return number
+
+
+def positive_rate(text: str) -> float:
+    """A number above 0, inf included."""
+    return _number(text, lambda n: n > 0, "a number above 0 (inf: no limit)")
 
 
 def fraction(text: str) -> float:
-    """A number from 0 to 1 (NaN is none: it compares false with both)."""
-    try:
-        number = float(text)
-    except ValueError:
-        number = math.nan
-    if not 0 <= number <= 1:
-        raise argparse.ArgumentTypeError(f"a number from 0 to 1, not {text!r}")
-    return number
+    """A number from 0 to 1."""
+    return _number(text, lambda n: 0 <= n <= 1, "a number from 0 to 1")
