@@ -24,7 +24,7 @@ from kubesgl.bench.datasets import (
     shared_prefix_requests,
     sharegpt_like_requests,
 )
-from kubesgl.cli_help import DefaultsOnce, at_least, fraction, positive_rate
+from kubesgl.cli_help import DefaultsOnce, at_least, fraction, positive_ms, positive_rate
 
 
 @dataclass
@@ -269,21 +269,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--system-prompt-len",
-        type=int,
+        type=at_least(0),
         default=1024,
         metavar="N",
-        help="shared-prefix: tokens of each system prompt",
+        help="shared-prefix: tokens of each system prompt (0: none, a baseline without sharing)",
     )
     parser.add_argument(
         "--question-len",
-        type=int,
+        type=at_least(1),  # so that no prompt is empty, whatever --system-prompt-len
         default=64,
         metavar="N",
         help="shared-prefix: tokens of each question after its system prompt",
     )
     parser.add_argument(
         "--max-context-len",
-        type=int,
+        type=at_least(2),  # a prompt gets half of it, and each needs a token
         default=4096,
         metavar="N",
         help="sharegpt: longest prompt + output",
@@ -316,10 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--goodput",
         nargs=2,
-        type=float,
+        type=positive_ms,
         default=None,
         metavar=("TTFT_MS", "ITL_MS"),
-        help="also count requests whose TTFT and own ITL p99 are within these bounds (goodput)",
+        help="also count requests whose TTFT and own ITL p99 are within these bounds (goodput);"
+        " inf leaves that one unbounded",
     )
     parser.add_argument(
         "--output-file", default=None, metavar="FILE", help="write the results as JSON here"
