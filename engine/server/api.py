@@ -771,7 +771,7 @@ async def respond(
                     include_usage,
                     formatter,
                     client.metrics.request_error,
-                    lambda index, why: client.close(subs[index].rid, error=why),
+                    end=lambda index, why: client.close(subs[index].rid, error=why),
                 ),
                 media_type="text/event-stream",
             )
@@ -846,10 +846,12 @@ async def stream_events(
     include_usage: bool,
     formatter: Formatter,
     on_error: Callable[[int], None] = lambda status: None,
-    end: Callable[[int, str], Awaitable[None]] | None = None,
+    *,
+    end: Callable[[int, str], Awaitable[None]],
 ) -> AsyncIterator[str]:
     """`end(index, why)`: aborts a choice's request that the server itself ends, before its
-    stream is closed (which would abort it as a client that left)."""
+    stream is closed (which would abort it as a client that left): no default, for a caller
+    without one would count such an end as a client's abort."""
     queue: asyncio.Queue[tuple[int, TextOutput | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncGenerator[TextOutput, None], first: TextOutput) -> None:
@@ -892,9 +894,9 @@ async def stream_events(
                 on_error(500)
                 yield sse(internal_error(exc).body())
                 failed.add(index)
-                if end is not None:  # counted above: no client's abort
-                    await end(index, "the API server failed to send its output")
-                tasks[index].cancel()  # closing its stream aborts its request, if end did not
+                # counted above: its request is ended as the server's doing, no client's abort
+                await end(index, "the API server failed to send its output")
+                tasks[index].cancel()  # closing its stream then has nothing left to abort
                 continue
             if chunk is not None:
                 yield event(chunk)

@@ -130,6 +130,10 @@ def test_completion_top_logprobs_name_the_sampled_token():
     ]
 
 
+async def never_ended(index: int, why: str) -> None:
+    raise AssertionError(f"choice {index} ended by the server: {why}")
+
+
 def test_a_stream_holding_its_text_back_sends_keepalive_comments(monkeypatch):
     """A named tool call streams nothing until its arguments are whole: an SSE comment (which
     clients skip) goes out instead, so that proxies do not close the connection as idle."""
@@ -146,7 +150,9 @@ def test_a_stream_holding_its_text_back_sends_keepalive_comments(monkeypatch):
         yield outputs[1]
 
     async def events() -> list[str]:
-        stream = api.stream_events([rest()], [outputs[0]], [Choice(index=0)], {0}, False, formatter)
+        stream = api.stream_events(
+            [rest()], [outputs[0]], [Choice(index=0)], {0}, False, formatter, end=never_ended
+        )
         return [event async for event in stream]
 
     sent = asyncio.run(events())
@@ -187,7 +193,13 @@ def _streamed(formatter, outputs: list[TextOutput], include_usage: bool) -> list
 
     async def events() -> list[str]:
         stream = api.stream_events(
-            [rest()], [outputs[0]], [Choice(index=0)], {0}, include_usage, formatter
+            [rest()],
+            [outputs[0]],
+            [Choice(index=0)],
+            {0},
+            include_usage,
+            formatter,
+            end=never_ended,
         )
         return [event async for event in stream]
 
@@ -301,6 +313,11 @@ def test_a_formatter_that_fails_mid_stream_ends_its_choice_with_an_error_event()
         finally:
             closed.append(index)
 
+    async def end(index: int, why: str) -> None:
+        ended.append(index)
+
+    ended: list[int] = []
+
     async def events() -> list[str]:
         errors: list[int] = []
         stream = api.stream_events(
@@ -311,6 +328,7 @@ def test_a_formatter_that_fails_mid_stream_ends_its_choice_with_an_error_event()
             False,
             formatter,
             errors.append,
+            end=end,
         )
         sent = [event async for event in stream]
         assert errors == [500]
@@ -327,4 +345,15 @@ def test_a_formatter_that_fails_mid_stream_ends_its_choice_with_an_error_event()
         "b",
         "c",
     ]
-    assert sorted(closed) == [0, 1]
+    assert sorted(closed) == [0, 1] and ended == [0]
+
+
+def test_stream_events_has_no_default_for_ending_a_choice():
+    """Without `end`, a choice the server ends would only have its stream closed, which aborts
+    its request as a client that left: every caller must say how the server ends one."""
+    import inspect
+
+    from kubesgl.engine.server import api
+
+    end = inspect.signature(api.stream_events).parameters["end"]
+    assert end.default is inspect.Parameter.empty
