@@ -51,7 +51,7 @@ from kubesgl.engine.sampling_params import (
 )
 from kubesgl.engine.server import tool_calls
 from kubesgl.engine.server.access import AccessRecord, RequestAccounting
-from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient
+from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient, EngineGone
 from kubesgl.engine.server.limits import (
     BodyLimit,
     check_prompt_chars,
@@ -568,7 +568,7 @@ async def tokenizer_answer(
 ) -> Tokenized:
     try:
         answer = await ctx.client.tokenizer_call(prompt, token_ids)
-    except RuntimeError as exc:  # the engine's processes are going away
+    except EngineGone as exc:  # another error is a bug: the crash answer's 500
         raise APIError(500, str(exc), "server_error") from exc
     if answer.error is not None:
         raise APIError.of(answer.error)

@@ -41,6 +41,10 @@ class DuplicateRequestId(ValueError):
     pass
 
 
+class EngineGone(RuntimeError):
+    """The engine's processes are going away (`fail_all`): no call to them will be answered."""
+
+
 @dataclass
 class _Pending:
     queue: asyncio.Queue[TextOutput] = field(default_factory=asyncio.Queue)
@@ -267,7 +271,7 @@ class EngineClient:
     async def flush_cache(self) -> bool:
         """Whether the scheduler emptied its prefix cache (it does only when idle)."""
         if self._failure is not None:
-            raise RuntimeError(self._failure)
+            raise EngineGone(self._failure)
         flush_id = next(self._flush_ids)
         answer = self._flushes[flush_id] = asyncio.get_running_loop().create_future()
         try:
@@ -284,7 +288,7 @@ class EngineClient:
         request's own (one tokenizer, one rendering of the chat template), and the API server
         loads no second tokenizer, whose work would hold up its event loop."""
         if self._failure is not None:
-            raise RuntimeError(self._failure)
+            raise EngineGone(self._failure)
         call_id = next(self._tokenizer_call_ids)
         answer = self._tokenizer_calls[call_id] = asyncio.get_running_loop().create_future()
         try:
@@ -306,7 +310,7 @@ class EngineClient:
         ]
         for call in calls:
             if not call.done():
-                call.set_exception(RuntimeError(message))
+                call.set_exception(EngineGone(message))
         for rid, pending in list(self._pending.items()):
             if pending.closed:
                 del self._pending[rid]

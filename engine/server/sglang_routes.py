@@ -16,7 +16,7 @@ from kubesgl.contract import DECODE, MIXED, PREFILL
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import TokenizeRequest
 from kubesgl.engine.sampling_params import SamplingParams
-from kubesgl.engine.server.engine_client import EngineClient
+from kubesgl.engine.server.engine_client import EngineClient, EngineGone
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 FLUSH_CACHE_TIMEOUT_S = 20.0  # a scheduler that is idle answers at its next loop
@@ -116,7 +116,7 @@ def add_sglang_routes(
         try:
             async with asyncio.timeout(FLUSH_CACHE_TIMEOUT_S):
                 flushed = await client.flush_cache()
-        except RuntimeError as exc:  # the engine's processes are going away
+        except EngineGone as exc:
             return PlainTextResponse(f"not flushed: {exc}", status_code=503)
         except TimeoutError:
             return PlainTextResponse(

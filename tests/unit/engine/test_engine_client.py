@@ -14,7 +14,7 @@ from kubesgl.engine.ipc import Endpoints, push
 from kubesgl.engine.messages import FinishReason, TextBatch, TextOutput, TokenizeRequest
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.sampling_params import SamplingParams
-from kubesgl.engine.server.engine_client import EngineClient
+from kubesgl.engine.server.engine_client import EngineClient, EngineGone
 
 
 @pytest.fixture
@@ -138,9 +138,9 @@ async def test_a_flush_answers_what_the_scheduler_did(client):
     gone = asyncio.ensure_future(engine_client.flush_cache())
     await asyncio.sleep(0.05)
     engine_client.fail_all("the scheduler died")
-    with pytest.raises(RuntimeError, match="the scheduler died"):
+    with pytest.raises(EngineGone, match="the scheduler died"):
         await gone
-    with pytest.raises(RuntimeError, match="the scheduler died"):  # at once, not after a timeout
+    with pytest.raises(EngineGone, match="the scheduler died"):  # at once, not after a timeout
         await asyncio.wait_for(engine_client.flush_cache(), 1)
 
 
@@ -219,7 +219,7 @@ async def test_tokenizer_calls_get_their_own_answers_and_end_when_the_engine_sto
     gone = asyncio.ensure_future(engine_client.tokenizer_call(token_ids=[7]))
     await asyncio.sleep(0.05)
     engine_client.fail_all("the tokenizer died")
-    with pytest.raises(RuntimeError, match="the tokenizer died"):
+    with pytest.raises(EngineGone, match="the tokenizer died"):
         await gone
-    with pytest.raises(RuntimeError, match="the tokenizer died"):
+    with pytest.raises(EngineGone, match="the tokenizer died"):
         await asyncio.wait_for(engine_client.tokenizer_call(token_ids=[8]), 1)

@@ -312,3 +312,23 @@ async def test_only_a_json_body_a_route_reads_is_checked_for_depth(tiny_model):
         )
     assert models.status_code == 200, models.text
     assert "nests arrays and objects" not in text.text
+
+
+async def test_only_an_engine_going_away_is_the_tokenizer_calls_own_500():
+    """Its 500 quotes why the engine's processes went away; another RuntimeError is a bug,
+    left to the server's crash answer, which names its kind and never its message."""
+    from kubesgl.engine.server.api import APIError, tokenizer_answer
+    from kubesgl.engine.server.engine_client import EngineGone
+
+    async def call(error: Exception) -> None:
+        async def tokenizer_call(prompt, token_ids):
+            raise error
+
+        ctx = SimpleNamespace(client=SimpleNamespace(tokenizer_call=tokenizer_call))
+        await tokenizer_answer(ctx, token_ids=[5])  # type: ignore[arg-type]
+
+    with pytest.raises(APIError) as answered:
+        await call(EngineGone("the tokenizer died"))
+    assert (answered.value.status, answered.value.message) == (500, "the tokenizer died")
+    with pytest.raises(RuntimeError, match="a bug"):
+        await call(RuntimeError("a bug"))
