@@ -40,7 +40,11 @@ from kubesgl.engine.messages import (
     TokenLogprob,
     TokenOutput,
 )
-from kubesgl.engine.sampling_params import InvalidRequestError, check_prompt_tokens
+from kubesgl.engine.sampling_params import (
+    InvalidRequestError,
+    SamplingParams,
+    check_prompt_tokens,
+)
 from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from kubesgl.engine.scheduler.grammar import GrammarBackend, GrammarState, UncompilableGrammar
 from kubesgl.engine.scheduler.kv_manager import KVManager
@@ -121,8 +125,7 @@ class Scheduler:
             bootstrap=request.bootstrap,
         )
         if params.min_tokens:
-            eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-            req.ending_ids = tuple(sorted(req.stop_ids.union(eos)))
+            req.ending_ids = tuple(sorted(self._ending_ids(params)))
         if params.grammar is not None:  # before the request is anywhere: this may raise
             assert self.grammars is not None  # validate() refuses grammars without a backend
             req.grammar_compiling = self.grammars.compile(params.grammar)
@@ -173,6 +176,11 @@ class Scheduler:
         room = min(self.limits.context_length, pool_tokens + 1) - len(request.input_ids)
         return max(1, min(self.limits.default_max_tokens, room))
 
+    def _ending_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The tokens that end a request: its stop tokens, and EOS unless it ignores EOS."""
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return frozenset(params.stop_token_ids) | eos
+
     def validate(self, request: GenerateRequest) -> None:
         """Raise InvalidRequestError, naming the problem, if `request` cannot run here."""
         limits, n = self.limits, len(request.input_ids)
@@ -203,6 +211,16 @@ class Scheduler:
                 f"min_tokens ({request.params.min_tokens}) exceeds the {max_tokens} tokens this "
                 "request may generate here",
                 param="min_tokens",
+            )
+        params = request.params
+        if params.min_tokens and self._ending_ids(params).issuperset(range(limits.vocab_size)):
+            # held back until min_tokens, every token would be: none is left to sample (the
+            # check stops at the first id missing, at once for any other request)
+            raise InvalidRequestError(
+                f"with min_tokens ({params.min_tokens}), stop_token_ids"
+                f"{'' if params.ignore_eos else ' and EOS'} may not cover the whole vocabulary "
+                f"(size {limits.vocab_size}): no token could be sampled before min_tokens",
+                param="stop_token_ids",
             )
         if n + max_tokens > limits.context_length:
             raise InvalidRequestError(

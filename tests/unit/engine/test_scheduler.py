@@ -125,6 +125,25 @@ def test_min_tokens_beyond_what_a_request_may_generate_is_refused(tiny_model, ma
     assert caught.value.param == "min_tokens"
 
 
+def test_min_tokens_with_every_token_an_end_is_refused(tiny_model, make_llm):
+    """Before min_tokens no token that ends the request may be sampled: if its stop tokens,
+    with EOS, are the whole vocabulary, none is left (it ended after one token)."""
+    llm = make_llm(tiny_model("llama"))
+    engine, scheduler = llm.engine, llm.engine.scheduler
+    eos, vocab = scheduler.eos_token_ids, scheduler.limits.vocab_size
+    rest = [t for t in range(vocab) if t not in eos]
+    with pytest.raises(InvalidRequestError, match="whole vocabulary") as caught:
+        submit(engine, "all", [5, 6, 7], max_tokens=4, min_tokens=2, stop_token_ids=rest)
+    assert caught.value.param == "stop_token_ids" and caught.value.status == 400
+    # ignoring EOS leaves it to sample, as one token short of the vocabulary does
+    submit(
+        engine, "eos", [5, 6, 7], max_tokens=4, min_tokens=2, stop_token_ids=rest, ignore_eos=True
+    )
+    submit(engine, "one", [5, 6, 7], max_tokens=4, min_tokens=2, stop_token_ids=rest[1:])
+    submit(engine, "none", [5, 6, 7], max_tokens=4, stop_token_ids=rest)  # no min_tokens
+    assert_well_formed(run_to_end(engine))
+
+
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "no-radix"])
 @pytest.mark.parametrize(
     "device,backend", [("cpu", "torch"), pytest.param("cuda", "triton", marks=pytest.mark.gpu)]
