@@ -108,6 +108,11 @@ class EngineClient:
     def in_flight(self) -> int:
         return len(self._pending)
 
+    @property
+    def user_requests(self) -> int:
+        """Requests in flight but health probes, which are no user's work."""
+        return sum(not pending.probe for pending in self._pending.values())
+
     async def _read_outputs(self) -> None:
         while True:
             message = await self._from_detokenizer.recv_pyobj()

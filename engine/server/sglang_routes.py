@@ -107,11 +107,11 @@ def add_sglang_routes(
         return PlainTextResponse("ok")
 
     async def flush_cache() -> Response:
-        if not client.ready.is_set():
-            return PlainTextResponse("not flushed: the model is still loading", status_code=503)
-        if client.in_flight:
+        if (why := unavailable()) is not None:  # loading, or draining: its requests still end
+            return PlainTextResponse(f"not flushed: {why}", status_code=503)
+        if client.user_requests:  # a /health_generate probe in flight is none
             return PlainTextResponse(
-                f"not flushed: {client.in_flight} requests are running", status_code=400
+                f"not flushed: {client.user_requests} requests are running", status_code=400
             )
         try:
             async with asyncio.timeout(FLUSH_CACHE_TIMEOUT_S):
@@ -125,7 +125,7 @@ def add_sglang_routes(
         if not flushed:
             return PlainTextResponse(
                 "not flushed: the engine is still finishing requests (ones their clients "
-                "left, or prefill/decode transfers); try again",
+                "left, health probes, or prefill/decode transfers); try again",
                 status_code=400,
             )
         return PlainTextResponse("Cache flushed.")

@@ -223,3 +223,15 @@ async def test_tokenizer_calls_get_their_own_answers_and_end_when_the_engine_sto
         await gone
     with pytest.raises(EngineGone, match="the tokenizer died"):
         await asyncio.wait_for(engine_client.tokenizer_call(token_ids=[8]), 1)
+
+
+@pytest.mark.asyncio
+async def test_user_requests_leave_health_probes_out(client):
+    """/flush_cache refuses while users' requests run; a /health_generate probe is none."""
+    engine_client, _ = client
+    engine_client.generate(TokenizeRequest("health-1", SamplingParams()), probe=True)
+    assert (engine_client.in_flight, engine_client.user_requests) == (1, 0)
+    engine_client.generate(TokenizeRequest("r1", SamplingParams()))
+    assert (engine_client.in_flight, engine_client.user_requests) == (2, 1)
+    await engine_client.close("health-1")  # not sent yet: forgotten
+    await engine_client.close("r1")

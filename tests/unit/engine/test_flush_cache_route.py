@@ -1,5 +1,5 @@
-"""/flush_cache never hangs: 503 while the model loads, 503 when the scheduler does not
-answer in time, and its answer otherwise."""
+"""/flush_cache never hangs: 503 while the model loads or the server drains, 503 when the
+scheduler does not answer in time, and its answer otherwise."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class FlushingClient:
         if ready:
             self.ready.set()
         self.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
-        self.in_flight = 0
+        self.in_flight = self.user_requests = 0
         self.answer = answer
 
     async def flush_cache(self) -> bool:
@@ -34,8 +34,9 @@ class FlushingClient:
         return bool(self.answer)
 
 
-async def _flush(client: FlushingClient) -> httpx.Response:
-    app = build_app(client, ServerState(EngineConfig(model="m"), "m"))  # type: ignore[arg-type]
+async def _flush(client: FlushingClient, draining: bool = False) -> httpx.Response:
+    state = ServerState(EngineConfig(model="m"), "m", draining=draining)
+    app = build_app(client, state)  # type: ignore[arg-type]
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
         return await http.post("/flush_cache")
@@ -56,3 +57,26 @@ async def test_flush_cache_answers_in_bounded_time(monkeypatch, ready, answer, s
     response = await asyncio.wait_for(_flush(FlushingClient(ready, answer)), 5)
     assert response.status_code == status
     assert response.text.startswith(text)
+
+
+@pytest.mark.asyncio
+async def test_flush_cache_is_refused_while_the_server_drains():
+    """As /health: a draining engine takes no more work, and its requests are still ending."""
+    response = await asyncio.wait_for(_flush(FlushingClient(True, True), draining=True), 5)
+    assert (response.status_code, response.text) == (
+        503,
+        "not flushed: the server is shutting down",
+    )
+
+
+@pytest.mark.asyncio
+async def test_a_health_probe_in_flight_is_no_running_request_to_flush():
+    """/health_generate's one-token request is no user's: it was answered "1 requests are
+    running"; the scheduler, which flushes only when idle, still has the last word."""
+    client = FlushingClient(True, True)
+    client.in_flight = 1  # the probe
+    response = await asyncio.wait_for(_flush(client), 5)
+    assert (response.status_code, response.text) == (200, "Cache flushed.")
+    client.user_requests = 2
+    response = await asyncio.wait_for(_flush(client), 5)
+    assert (response.status_code, response.text) == (400, "not flushed: 2 requests are running")
