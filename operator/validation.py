@@ -16,7 +16,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from kubesgl import contract
+from kubesgl.cli_help import RefusingParser
 from kubesgl.contract import ENGINE_ROLES, EngineRole
+from kubesgl.engine.server.options import build_parser as build_serve_parser
 from kubesgl.engine.server.options import check_serve_args, parse_serve_args
 from kubesgl.operator import naming
 from kubesgl.operator.render.common import (
@@ -34,7 +36,8 @@ from kubesgl.operator.spec import (
     Placement,
     RoleSpec,
 )
-from kubesgl.router.cli import check_router_args, parse_router_args
+from kubesgl.router.cli import build_parser as build_router_parser
+from kubesgl.router.cli import check_router_args
 
 # What the operator sets in an engine role's containers (render/engine.py): a role's env may
 # not name it (server-side apply refuses an env list that names a variable twice).
@@ -124,7 +127,9 @@ def _engine_problems(isvc: InferenceService) -> list[Problem]:
         if refused is not None:
             found = refused[0], f"the engine refuses these options: {refused[1]}"
         else:
-            found = _owned_flag_problem(parse_serve_args, argv, sections, ENGINE_OWNED_FLAGS[role])
+            found = _owned_flag_problem(
+                build_serve_parser, argv, sections, ENGINE_OWNED_FLAGS[role]
+            )
         if found is not None:
             roles_by_problem.setdefault(found, []).append(role)
     return [
@@ -230,20 +235,52 @@ def _first_refusal(
     return sections[-1][0], whole
 
 
+@dataclass(frozen=True)
+class _AsGiven:
+    """A flag's value that its type refuses, such as `$(VAR)` for a number: the kubelet may
+    yet replace it, so it equals no value the operator renders."""
+
+    text: str
+
+
+class _FlagsParser(RefusingParser):
+    """Finds the flags a command line sets, as its command does (abbreviations and
+    `--flag=value` included), whatever values they hold: a value that the flag's type or
+    choices refuse stays as given (_AsGiven, or the string), and what the parser does not know
+    is left over (a `$(VAR)` where a flag goes, which only the pod can tell). It still refuses
+    what no value can mend, such as a flag without its value at the end."""
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
+        try:
+            return super()._get_value(action, arg_string)
+        except argparse.ArgumentError:
+            return _AsGiven(arg_string)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        pass  # any choice: only the owned flags' values are compared, with the operator's
+
+
 def _owned_flag_problem(
-    parse: Callable[[list[str]], argparse.Namespace],
+    build_parser: Callable[[type[argparse.ArgumentParser]], argparse.ArgumentParser],
     argv: list[str],
     sections: Sections,
     owned: Mapping[str, str],
 ) -> tuple[str, str] | None:
-    """The first extraArgs that give a flag the operator relies on another value."""
+    """The first extraArgs that give a flag the operator relies on another value. Found
+    whatever the other flags hold: a `$(VAR)` known in the pod only, given to a flag that takes
+    a number or a choice, made the line unparseable, and the owned flags went unchecked."""
+    parser = build_parser(_FlagsParser)
+
+    def parse(args: list[str]) -> argparse.Namespace:
+        return parser.parse_known_args(args)[0]
+
     (_, own), *extra_sections = sections
     derived = parse(argv[:own])
     for field, end in extra_sections:
         try:
             given = parse(argv[:end])
         except ValueError:
-            continue  # a flag whose value is in the role's extraArgs, or `$(VAR)` as a number
+            continue  # a flag whose value is in the next section, say
         changed = _changed_flag(owned, derived, given)
         if changed is not None:
             return field, changed
@@ -277,7 +314,7 @@ def _router_problems(isvc: InferenceService) -> list[Problem]:
     refused = _first_refusal(functools.partial(check_router_args, environ=environ), argv, sections)
     if refused is not None:
         return [Problem(refused[0], f"the router refuses these options: {refused[1]}")]
-    changed = _owned_flag_problem(parse_router_args, argv, sections, ROUTER_OWNED_FLAGS)
+    changed = _owned_flag_problem(build_router_parser, argv, sections, ROUTER_OWNED_FLAGS)
     return [] if changed is None else [Problem(*changed)]
 
 

@@ -722,6 +722,33 @@ def test_owned_flags_are_checked_beside_a_variable_known_in_the_pod_only() -> No
     assert problem.startswith("spec.engine.extraArgs: may not set --port")
 
 
+@pytest.mark.parametrize(
+    "extra_args",
+    [
+        ["--port", "31000", "--log-level", "$(FROM_A_CONFIGMAP)"],
+        ["--max-running-requests", "$(FROM_A_CONFIGMAP)", "--po=31000"],
+        ["--port", "$(FROM_A_CONFIGMAP)"],
+        ["--port=$(FROM_A_CONFIGMAP)"],
+    ],
+)
+def test_owned_flags_are_found_whatever_a_variable_gives_another_flag(extra_args) -> None:
+    """A `$(VAR)` known in the pod only, given to a flag that takes a number or a choice, made
+    the command line unparseable, and the owned flags went unchecked: --port 31000 beside
+    `--log-level $(VAR)` was accepted, and the same --port with a plain value refused. A port
+    known in the pod only is not the operator's either."""
+    from_a_configmap = {"configMapKeyRef": {"name": "c", "key": "k"}}
+    document = with_changes(
+        load_example("mixed.yaml"),
+        "spec.mixed.env",
+        [{"name": "FROM_A_CONFIGMAP", "valueFrom": from_a_configmap}],
+    )
+    (problem,) = problems_of(with_changes(document, "spec.mixed.extraArgs", extra_args))
+    assert problem.startswith("spec.mixed.extraArgs: may not set --port"), problem
+    # the same variable for a flag the operator does not own is left to the pod
+    other = ["--port", "30000", "--log-level", "$(FROM_A_CONFIGMAP)"]
+    parse_inference_service(with_changes(document, "spec.mixed.extraArgs", other))
+
+
 def test_only_a_prefill_role_owns_the_bootstrap_port() -> None:
     """Mixed and decode engines announce no bootstrap port: the reason given was untrue."""
     document = with_changes(
