@@ -10,6 +10,7 @@ import ipaddress
 import re
 from typing import Annotated, Any, Literal
 
+from kubernetes.utils import parse_quantity
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -85,14 +86,26 @@ Quantity = Annotated[int | str, PlainValidator(_quantity), _QUANTITY_SCHEMA]
 
 def _size(value: object) -> int | str:
     quantity = _quantity(value)
-    number = re.match(r"\+?([0-9]*\.?[0-9]*)", str(quantity))
-    if number is not None and float(number.group(1) or 0) == 0:
+    size = parse_quantity(quantity)  # safe: the API server's pattern matched
+    if size == 0:
         raise ValueError(f"{value!r} leaves no room: give a size above 0, or leave it unset")
+    if size != size.to_integral_value():
+        text = str(quantity)
+        # 512m is 512 thousandths of a byte: Mi meant, most likely
+        meant = (
+            f"did you mean {text[:-1]}Mi?"
+            if text.endswith("m")
+            else "give whole bytes, such as 4Gi"
+        )
+        whole = "below one byte" if size < 1 else "not whole bytes"
+        bytes_ = format(size.normalize(), "f")
+        raise ValueError(f"{value!r} is {bytes_} bytes, {whole}; {meant}")
     return quantity
 
 
-# The size limit of an emptyDir the pod writes into (the download, /dev/shm): a quantity above
-# 0, which the API server does not ask. The CRD's schema is Quantity's; 0 is refused here.
+# The size limit of an emptyDir the pod writes into (the download, /dev/shm): whole bytes above
+# 0, which the API server does not ask (it takes 0, and 512m: 0.512 bytes). The CRD's schema is
+# Quantity's; 0 and fractions of a byte are refused here.
 Size = Annotated[int | str, PlainValidator(_size), _QUANTITY_SCHEMA]
 
 ANNOTATIONS_MAX_BYTES = 256 * 1024  # the API server's limit on an object's annotations

@@ -534,10 +534,10 @@ def test_a_quantity_below_0_is_refused(example, path, value) -> None:
 
 
 @pytest.mark.parametrize(("example", "path"), QUANTITY_FIELDS)
-@pytest.mark.parametrize("value", ["40Gi", "1.5Gi", "500m", ".5", "1e3", "+2k", "3", 4096])
+@pytest.mark.parametrize("value", ["40Gi", "1.5Gi", "2000m", ".5Ki", "1e3", "+2k", "3", 4096])
 def test_every_quantity_field_takes_a_kubernetes_quantity(example, path, value) -> None:
     """One quantity type everywhere: sizeLimit and shmSizeLimit take an integer too, as the
-    emptyDir's own sizeLimit does."""
+    emptyDir's own sizeLimit does (and whole bytes only: below)."""
     parse_inference_service(with_changes(load_example(example), path, value))
 
 
@@ -553,6 +553,28 @@ def test_a_size_limit_of_0_is_refused(example, path, value) -> None:
     assert problems_of(document) == [
         f"{path}: Value error, {value!r} leaves no room: give a size above 0, or leave it unset"
     ]
+
+
+@pytest.mark.parametrize(("example", "path"), QUANTITY_FIELDS)
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("512m", "'512m' is 0.512 bytes, below one byte; did you mean 512Mi?"),
+        ("1500m", "'1500m' is 1.5 bytes, not whole bytes; did you mean 1500Mi?"),
+        ("1e-9", "'1e-9' is 0.000000001 bytes, below one byte; give whole bytes, such as 4Gi"),
+        (".5", "'.5' is 0.5 bytes, below one byte; give whole bytes, such as 4Gi"),
+        ("0.1Ki", "'0.1Ki' is 102.4 bytes, not whole bytes; give whole bytes, such as 4Gi"),
+    ],
+)
+def test_a_size_limit_of_a_fraction_of_a_byte_is_refused(example, path, value, expected) -> None:
+    """A size limit is bytes: 512m is 0.512 bytes (512Mi meant, likely), which the API server
+    takes and no emptyDir can hold; only a size of exactly 0 was refused. A resource request or
+    limit still takes a fraction (cpu: 500m)."""
+    document = with_changes(load_example(example), path, value)
+    if not path.endswith("izeLimit"):
+        parse_inference_service(document)
+        return
+    assert problems_of(document) == [f"{path}: Value error, {expected}"]
 
 
 def test_engine_rules_across_options_are_reported_per_role() -> None:
