@@ -372,12 +372,13 @@ def _local_command(command: list[str]) -> list[str]:
 def _local_env(container: dict[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
     """The container's variables: plain values as rendered, except HOME (pods point it at /tmp for
     their read-only root filesystem; here caches stay in the user's home); values from Secrets
-    come from this environment under the same name, where set."""
+    come from this environment under the same name, where set. A variable with neither is set
+    to "" (render leaves an empty value out, as the API server does)."""
     env = {}
     for variable in container.get("env", []):
         name = variable["name"]
-        if "value" in variable and name != "HOME":
-            env[name] = variable["value"]
+        if "valueFrom" not in variable and name != "HOME":
+            env[name] = variable.get("value", "")
         elif "valueFrom" in variable and name in environ:
             env[name] = environ[name]
     return env

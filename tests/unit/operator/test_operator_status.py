@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
+
+from operator_fixtures import load_example, with_changes
 
 from kubesgl.operator.drift import has_drifted
 from kubesgl.operator.handlers import _snapshot
@@ -225,3 +228,41 @@ def test_labels_and_annotations_of_others_are_no_drift() -> None:
         assert not has_drifted(desired, live), desired["kind"]
         del live["metadata"]["labels"]["team"]  # taken off by hand: put back
         assert has_drifted(desired, live), desired["kind"]
+
+
+def _as_served(value: Any) -> Any:
+    """An object as the API server serves it back: the Go fields of an EnvVar's value, and of a
+    Toleration's key and value, are `omitempty`, so an empty string there is dropped."""
+    if isinstance(value, list):
+        return [_as_served(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    served = {key: _as_served(item) for key, item in value.items()}
+    for field, omitted in (("env", ("value",)), ("tolerations", ("key", "value"))):
+        for item in served.get(field, []):
+            for key in omitted:
+                if item.get(key) == "":
+                    del item[key]
+    return served
+
+
+def test_an_empty_environment_value_is_no_drift() -> None:
+    """`value: ""` was rendered as it is, and the API server drops it (EnvVar.value is
+    omitempty): the Deployment looked drifted for good, and the repair handler re-applied it,
+    logging "restoring Deployment", on every event."""
+    document = with_changes(
+        load_example("mixed.yaml"), "spec.mixed.env", [{"name": "EMPTY", "value": ""}]
+    )
+    document["metadata"]["uid"] = "u1"
+    objects = render(parse_inference_service(document))
+    deployment = next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-mixed")
+    )
+    assert not has_drifted(deployment, _as_served(deployment))
+    # still set, to the empty string: the variable without a value or a source
+    (empty,) = (
+        variable
+        for variable in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+        if variable["name"] == "EMPTY"
+    )
+    assert empty == {"name": "EMPTY"}

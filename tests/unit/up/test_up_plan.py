@@ -254,6 +254,15 @@ def test_the_pods_environment_except_home():
         assert engine.env == {"HF_HUB_OFFLINE": "1", "UCX_TLS": "tcp", "CUDA_VISIBLE_DEVICES": ""}
 
 
+def test_a_variable_with_an_empty_value_is_set_empty():
+    """Render leaves an empty value out, as the API server does; the pod's variable is still
+    set, to "", and so is the local process's."""
+    document = example("quickstart")
+    document["spec"]["decode"]["env"] = [{"name": "EMPTY", "value": ""}]
+    (decode,) = (e for e in local_plan(document).engines if "decode" in e.name)
+    assert decode.env["EMPTY"] == ""
+
+
 def test_models_made_or_downloaded_by_init_containers_go_to_the_cache():
     quickstart = example("quickstart")
     step = local_plan(quickstart).model_step
