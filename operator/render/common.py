@@ -8,7 +8,14 @@ from typing import Any
 
 from kubesgl import contract
 from kubesgl.operator import naming
-from kubesgl.operator.spec import API_GROUP, API_VERSION, KIND, InferenceService, Placement
+from kubesgl.operator.spec import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    InferenceService,
+    Placement,
+    Toleration,
+)
 
 Object = dict[str, Any]
 
@@ -127,10 +134,7 @@ def placement(block: Placement) -> Object:
     if block.node_selector:
         spec["nodeSelector"] = dict(block.node_selector)
     if block.tolerations:
-        spec["tolerations"] = [
-            toleration.model_dump(by_alias=True, exclude_none=True)
-            for toleration in block.tolerations
-        ]
+        spec["tolerations"] = [_toleration(toleration) for toleration in block.tolerations]
     if block.affinity:
         spec["affinity"] = block.affinity
     if block.priority_class_name:
@@ -138,6 +142,14 @@ def placement(block: Placement) -> Object:
     if block.runtime_class_name:
         spec["runtimeClassName"] = block.runtime_class_name
     return spec
+
+
+def _toleration(toleration: Toleration) -> Object:
+    """A toleration as the API server stores it: an empty key (with Exists, every taint) or
+    value is left out, as Toleration's omitempty fields are, or the live Deployment would never
+    hold what was rendered (drift.py)."""
+    fields = toleration.model_dump(by_alias=True, exclude_none=True)
+    return {name: value for name, value in fields.items() if value != ""}
 
 
 def image_pull(isvc: InferenceService) -> tuple[Object, Object]:

@@ -266,3 +266,24 @@ def test_an_empty_environment_value_is_no_drift() -> None:
         if variable["name"] == "EMPTY"
     )
     assert empty == {"name": "EMPTY"}
+
+
+def test_a_toleration_with_an_empty_key_or_value_is_no_drift() -> None:
+    """A Toleration's key and value are omitempty too: `value: ""` (the taint `gpu=:NoSchedule`)
+    or `key: ""` with Exists (every taint) were rendered as given, and the Deployment looked
+    drifted for good."""
+    tolerations = [
+        {"key": "gpu", "operator": "Equal", "value": "", "effect": "NoSchedule"},
+        {"key": "", "operator": "Exists"},
+    ]
+    document = with_changes(load_example("mixed.yaml"), "spec.mixed.tolerations", tolerations)
+    document["metadata"]["uid"] = "u1"
+    objects = render(parse_inference_service(document))
+    deployment = next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-mixed")
+    )
+    assert not has_drifted(deployment, _as_served(deployment))
+    assert deployment["spec"]["template"]["spec"]["tolerations"] == [
+        {"key": "gpu", "operator": "Equal", "effect": "NoSchedule"},
+        {"operator": "Exists"},
+    ]
