@@ -13,8 +13,9 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
-# containers' resources, an emptyDir's sizeLimit, an HPA metric's target (value, averageValue)
-_QUANTITY_FIELDS = frozenset({"resources", "sizeLimit", "target"})
+# containers' resources, an emptyDir's sizeLimit, an HPA metric's target (value, averageValue),
+# an env variable's resourceFieldRef divisor (spec.ROLE.env, passed on as given)
+_QUANTITY_FIELDS = frozenset({"resources", "sizeLimit", "target", "divisor"})
 
 
 def has_drifted(desired: Any, live: Any) -> bool:

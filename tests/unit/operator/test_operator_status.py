@@ -287,3 +287,27 @@ def test_a_toleration_with_an_empty_key_or_value_is_no_drift() -> None:
         {"key": "gpu", "operator": "Equal", "effect": "NoSchedule"},
         {"operator": "Exists"},
     ]
+
+
+def test_an_env_divisor_the_api_server_rewrites_is_no_drift() -> None:
+    """A resourceFieldRef's divisor is a quantity, which the API server stores canonical
+    ("1024Ki" as "1Mi", 1 as "1"): the Deployment looked drifted for good."""
+    for given, served in (("1024Ki", "1Mi"), (1, "1")):
+        source = {"resourceFieldRef": {"resource": "limits.memory", "divisor": given}}
+        document = with_changes(
+            load_example("mixed.yaml"), "spec.mixed.env", [{"name": "MEM", "valueFrom": source}]
+        )
+        document["metadata"]["uid"] = "u1"
+        objects = render(parse_inference_service(document))
+        deployment = next(
+            o
+            for o in objects
+            if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-mixed")
+        )
+        live = copy.deepcopy(deployment)
+        env = live["spec"]["template"]["spec"]["containers"][0]["env"]
+        (field,) = (v["valueFrom"]["resourceFieldRef"] for v in env if v["name"] == "MEM")
+        field["divisor"] = served
+        assert not has_drifted(deployment, live), given
+        field["divisor"] = "2Mi"
+        assert has_drifted(deployment, live)
