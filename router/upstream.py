@@ -219,8 +219,10 @@ class Attempt:
         self._trial = self._breaker.begin()
 
     def finish(self, status: str, *, worker_failed: bool | None) -> None:
-        """`worker_failed` None: the request was cancelled (the client left, or the other side
-        of a P/D pair failed), which says nothing of the worker: its breaker is not told."""
+        """`worker_failed` None: no verdict on the worker, whose breaker is not told (neither a
+        failure nor a success; a half-open trial lets the next request through): the request
+        was cancelled (the client left, or the other side of a P/D pair failed), or answered
+        with a client's error (4xx)."""
         if self._finished:
             return
         self._finished = True
@@ -297,8 +299,8 @@ class UpstreamClient:
             reply_headers = end_to_end_headers(list(response.raw_headers))
             if status >= 400 or not stream:
                 body = await self._read_all(worker, response)
-                if status >= 400:
-                    attempt.finish(str(status), worker_failed=status >= 500)
+                if status >= 400:  # a client's error (4xx) says nothing of the worker
+                    attempt.finish(str(status), worker_failed=True if status >= 500 else None)
                     raise UpstreamError.from_answer(worker, status, body)
                 attempt.finish(str(status), worker_failed=False)
                 return BufferedReply(status, reply_headers, body)

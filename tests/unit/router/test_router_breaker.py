@@ -147,3 +147,59 @@ def test_a_worker_that_only_failed_health_checks_keeps_its_breaker():
     registry.set_healthy(worker, False, "its health check timed out")
     registry.set_healthy(worker, True)
     assert worker.breaker.state is BreakerState.OPEN and not worker.can_serve()
+
+
+class _Answer:
+    """An aiohttp response of a worker that answers at once with `status`."""
+
+    def __init__(self, status: int) -> None:
+        self.status = status
+        self.raw_headers = [(b"content-type", b"application/json")]
+
+    async def read(self) -> bytes:
+        return b'{"error": {"message": "answered %d"}}' % self.status
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Session:
+    """A connection pool whose worker answers each request with the next status."""
+
+    def __init__(self, statuses: list[int]) -> None:
+        self.statuses = statuses
+
+    async def request(self, method, url, data, headers):
+        return _Answer(self.statuses.pop(0))
+
+
+def test_a_client_error_answer_counts_neither_way():
+    """4xx answers are the client's fault (docs/router.md): one between failures reset the
+    failure count, and a half-open trial answered 4xx closed the circuit of a failing worker."""
+    import asyncio
+
+    from kubesgl.router.upstream import UpstreamClient, UpstreamError
+
+    clock, registry, metrics, worker = pool_of_one("mixed", 5)
+    statuses = [500] * 4 + [400] + [500, 404]
+    client = UpstreamClient(_Session(statuses), metrics)  # type: ignore[arg-type]
+
+    async def send() -> int:
+        try:
+            await client.exchange(worker, "POST", "/v1/completions", b"{}", [], stream=False)
+        except UpstreamError as error:
+            return error.status
+        return 200
+
+    for _ in range(5):
+        asyncio.run(send())
+    assert worker.breaker.consecutive_failures == 4 and worker.breaker.state is BreakerState.CLOSED
+    asyncio.run(send())  # the fifth failure in a row: the 400 did not reset the count
+    assert worker.breaker.state is BreakerState.OPEN
+    clock.now += 10
+    assert asyncio.run(send()) == 404  # the half-open trial: a client's error
+    assert worker.breaker.state is BreakerState.HALF_OPEN and worker.breaker.allows_requests()
+    assert worker.in_flight == 0
