@@ -8,6 +8,11 @@ the KV decides nothing: the decode answer does. The router then cancels the room
 prefill engine's bootstrap server (room_cancel.py): a prefill engine that failed before it
 took them told no decode engine. Once the decode engine answers (a streamed answer's first
 chunk holds tokens, which need the KV), the prefill's part is done.
+
+An engine whose partner failed a room answers 5xx too (502, or 504 when the partner let it
+time out: engine/scheduler/roles.py), so a side's 5xx answer waits for the pair's verdict
+before its worker is blamed (`UpstreamError.settle`): the failure the client gets is its
+worker's; the other side's answer only passed it on, and counts against no breaker.
 """
 
 from __future__ import annotations
@@ -60,6 +65,11 @@ def draw_bootstrap_room() -> int:
 # refused request was not.
 DECODE_VERDICT_WAIT_S = 1.0
 
+# What an engine answers for a room its partner failed (engine/scheduler/roles.py: the partner
+# failed, 502, or did not act in time, 504): the other side's failure, passed on. An engine
+# fails a request by itself with a 500.
+PEER_FAILURE_STATUSES = frozenset({502, 504})
+
 
 class PrefillDecodePair:
     def __init__(self, upstream: UpstreamClient) -> None:
@@ -74,20 +84,29 @@ class PrefillDecodePair:
         rooms = [draw_bootstrap_room() for _ in range(request.choices)]  # new for every attempt
         payload = bootstrap_payload(request, prefill, rooms)
         prefill_task = asyncio.create_task(
-            self.upstream.drain(prefill, request.path, payload, headers)
+            self.upstream.drain(prefill, request.path, payload, headers, paired=True)
         )
         try:
             reply = await self._unless_prefill_fails(
                 self.upstream.exchange(
-                    decode, "POST", request.path, payload, headers, stream=request.stream
+                    decode,
+                    "POST",
+                    request.path,
+                    payload,
+                    headers,
+                    stream=request.stream,
+                    paired=True,
                 ),
                 prefill_task,
                 lambda error: self._cancel_rooms(prefill, rooms, error),
             )
         except BaseException as error:
-            if _refused(error):  # the decode engine's 4xx: the prefill engine's follows
-                await asyncio.wait({prefill_task}, timeout=DECODE_VERDICT_WAIT_S)
-            await _cancel(prefill_task)
+            try:
+                if _refused(error):  # the decode engine's 4xx: the prefill engine's follows
+                    await asyncio.wait({prefill_task}, timeout=DECODE_VERDICT_WAIT_S)
+            finally:
+                await _cancel(prefill_task)
+                _settle(prefill_task, cause=error)
             raise
         if isinstance(reply, StreamingReply):
             decode_stream = reply.chunks
@@ -115,8 +134,9 @@ class PrefillDecodePair:
                 await _settle_prefill_failure(decode_task, error)
                 cancel_prefill_rooms(error)  # the decode answer decides: it must not wait long
             return await _decode_verdict(decode_task, prefill_task)
-        except BaseException:
+        except BaseException as error:
             await _cancel(decode_task)
+            _settle(decode_task, cause=error)
             if (
                 decode_task.done()
                 and not decode_task.cancelled()
@@ -138,6 +158,7 @@ class PrefillDecodePair:
         finally:
             if chunks.broke_off:  # a decode that broke off needs no prefill
                 await _cancel(prefill_task)
+                _settle(prefill_task, cause=_own_failure(prefill_task))
             else:
                 self._let_finish(prefill_task)
             await chunks.aclose()
@@ -163,6 +184,7 @@ class PrefillDecodePair:
 
 
 def _log_outcome(task: asyncio.Task[None]) -> None:
+    _settle(task, cause=None if task.cancelled() else task.exception())  # its own failure
     if not task.cancelled() and task.exception() is not None:
         log.warning(
             "prefill failed after its decode engine had the KV cache (the answer went on): %s",
@@ -190,16 +212,50 @@ async def _decode_verdict(
 ) -> Reply:
     """The decode engine's answer; if it failed for want of the KV, the prefill's error (the
     cause), which may reach the router after the decode engine heard of the failed room. A
-    decode engine's refusal (4xx, or before any work) is its true answer, kept."""
+    decode engine's refusal (4xx, or before any work) is its true answer, kept, and so is its
+    own failure: a broken connection (the prefill's error that follows passes that on), or a
+    500 while the prefill engine answered that its partner failed (PEER_FAILURE_STATUSES)."""
     try:
         return await decode_task
     except UpstreamError as decode_error:
-        if _refused(decode_error) or decode_error.retryable:
-            raise
+        if _refused(decode_error) or decode_error.retryable or not decode_error.answered:
+            raise  # a decode engine whose connection broke failed by itself
         await asyncio.wait({prefill_task}, timeout=DECODE_VERDICT_WAIT_S)
         if not prefill_task.done() or (prefill_error := prefill_task.exception()) is None:
+            if _passed_on(decode_error):  # it names a prefill failure the router did not see
+                decode_error.settle(worker_failed=None)
             raise
+        if _passed_on(prefill_error) and not _passed_on(decode_error):
+            raise  # the decode engine failed by itself (a 500) and told the prefill engine
         raise prefill_error from decode_error
+
+
+def _passed_on(error: BaseException) -> bool:
+    """An engine's answer for a room its partner failed (PEER_FAILURE_STATUSES)."""
+    return (
+        isinstance(error, UpstreamError)
+        and error.answered
+        and error.status in PEER_FAILURE_STATUSES
+    )
+
+
+def _own_failure(task: asyncio.Task[Any]) -> BaseException | None:
+    """A side's error, unless it passed on its partner's failure (the partner failed too)."""
+    if not task.done() or task.cancelled():
+        return None
+    error = task.exception()
+    return None if error is None or _passed_on(error) else error
+
+
+def _settle(task: asyncio.Task[Any], cause: BaseException | None) -> None:
+    """Tells an ended side's 5xx answer the pair's verdict: its worker failed the request if
+    its error is `cause` (the one the client gets, or the prefill's own after the decode
+    engine answered); otherwise it only passed on the other side's failure, or the client
+    left before a verdict: no failure of its own."""
+    if task.done() and not task.cancelled():
+        error = task.exception()
+        if isinstance(error, UpstreamError):
+            error.settle(worker_failed=True if error is cause else None)
 
 
 def _refusal_of(task: asyncio.Task[Reply]) -> BaseException | None:

@@ -119,6 +119,19 @@ class UpstreamError(Exception):
         # the worker did nothing for the request (a retryable refusal is one; the router's
         # key refused is another, not retried: every engine would refuse it)
         self.before_work = before_work or retryable
+        # A 5xx answer of one side of a P/D pair, whose attempt waits for the pair's verdict
+        # (`settle`): it may be the other side's failure (pd.py).
+        self._pending: Attempt | None = None
+
+    def settle(self, *, worker_failed: bool | None) -> None:
+        """Ends the attempt of a P/D pair's answer with the pair's verdict: True, the worker
+        failed the request; None, its answer only passed on the other side's failure (counted
+        as `cancelled`, not told to its breaker). Nothing for an error ended already."""
+        attempt, self._pending = self._pending, None
+        if attempt is not None:
+            attempt.finish(
+                str(self.status) if worker_failed else "cancelled", worker_failed=worker_failed
+            )
 
     def body(self) -> bytes:
         return self._body or error_body(self.message, error_type="upstream_error")
@@ -289,8 +302,13 @@ class UpstreamClient:
         headers: Headers,
         *,
         stream: bool,
+        paired: bool = False,
     ) -> Reply:
-        """Sends one request; returns a complete answer, or a stream once its first chunk is in."""
+        """Sends one request; returns a complete answer, or a stream once its first chunk is in.
+
+        `paired`: one side of a P/D pair, which answers 5xx also when the other side failed
+        (an engine whose partner failed a room answers 502): such an answer's attempt is left
+        for the pair to end (`UpstreamError.settle`), which decides whose failure it was."""
         attempt = Attempt(worker, self.metrics)
         response: aiohttp.ClientResponse | None = None
         try:
@@ -299,9 +317,14 @@ class UpstreamClient:
             reply_headers = end_to_end_headers(list(response.raw_headers))
             if status >= 400 or not stream:
                 body = await self._read_all(worker, response)
-                if status >= 400:  # a client's error (4xx) says nothing of the worker
+                error = UpstreamError.from_answer(worker, status, body) if status >= 400 else None
+                if error is not None and status >= 500 and paired:
+                    error._pending = attempt
+                    raise error
+                if error is not None:
+                    # a client's error (4xx) says nothing of the worker: neither way
                     attempt.finish(str(status), worker_failed=True if status >= 500 else None)
-                    raise UpstreamError.from_answer(worker, status, body)
+                    raise error
                 attempt.finish(str(status), worker_failed=False)
                 return BufferedReply(status, reply_headers, body)
             chunks = response.content.iter_any()
@@ -309,8 +332,9 @@ class UpstreamClient:
                 first = await anext(chunks, b"")
             except TRANSPORT_ERRORS as exc:
                 raise self._failed(worker, exc) from exc
-        except UpstreamError:
-            attempt.finish("error", worker_failed=True)
+        except UpstreamError as error:
+            if error._pending is None:
+                attempt.finish("error", worker_failed=True)
             if response is not None:
                 response.close()
             raise
@@ -376,6 +400,8 @@ class UpstreamClient:
             else:
                 response.close()  # an unfinished answer: closing the connection aborts it upstream
 
-    async def drain(self, worker: Worker, path: str, payload: bytes, headers: Headers) -> None:
+    async def drain(
+        self, worker: Worker, path: str, payload: bytes, headers: Headers, *, paired: bool = False
+    ) -> None:
         """Sends a request and reads its answer to the end, raising if it failed."""
-        await self.exchange(worker, "POST", path, payload, headers, stream=False)
+        await self.exchange(worker, "POST", path, payload, headers, stream=False, paired=paired)

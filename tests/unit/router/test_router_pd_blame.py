@@ -1,0 +1,189 @@
+"""In P/D mode the failure of one side of a pair is counted against that side alone.
+
+An engine whose partner failed a room answers 502 itself (engine/scheduler/roles.py): a decode
+engine whose prefill failed, a prefill engine whose decode engine died. That answer is the
+other side's failure, not its own; counted as the worker's, one bad prefill worker opened the
+circuits of the healthy decode workers it was paired with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from kubesgl.router.breaker import BreakerState, CircuitBreaker
+from kubesgl.router.metrics import RouterMetrics
+from kubesgl.router.pd import PrefillDecodePair
+from kubesgl.router.request_parsing import parse_generation_request
+from kubesgl.router.upstream import UpstreamClient, UpstreamError
+from kubesgl.router.workers import Role, WorkerRegistry
+
+PREFILL, DECODE = "http://10.0.0.1:30000", "http://10.0.0.2:30000"
+
+
+class _Answer:
+    def __init__(self, status: int, message: str = "") -> None:
+        self.status = status
+        self.raw_headers = [(b"content-type", b"application/json")]
+        if status == 200:
+            self._body = json.dumps({"choices": [{"text": "ok"}]}).encode()
+        else:
+            self._body = json.dumps({"error": {"message": message}}).encode()
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def release(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Cancelled:
+    status = 200
+
+    async def __aenter__(self) -> _Cancelled:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+
+Side = Callable[[], Awaitable[_Answer]]
+
+
+class _Session:
+    """Answers each worker's request with its side's script; room cancels are accepted."""
+
+    def __init__(self, prefill: Side, decode: Side) -> None:
+        self.sides = {PREFILL: prefill, DECODE: decode}
+
+    async def request(self, method, url, data, headers):
+        return await self.sides[url.rsplit("/v1/", 1)[0]]()
+
+    def delete(self, url, **kwargs):
+        return _Cancelled()
+
+
+def after(delay_s: float, status: int, message: str = "") -> Side:
+    async def answer() -> _Answer:
+        await asyncio.sleep(delay_s)
+        return _Answer(status, message)
+
+    return answer
+
+
+def disconnected_after(delay_s: float) -> Side:
+    async def answer() -> _Answer:
+        await asyncio.sleep(delay_s)
+        raise aiohttp.ServerDisconnectedError()
+
+    return answer
+
+
+def pair(failure_threshold: int = 5):
+    registry = WorkerRegistry(make_breaker=lambda: CircuitBreaker(failure_threshold, 10.0))
+    prefill = registry.add(PREFILL, Role.PREFILL, 8998)
+    decode = registry.add(DECODE, Role.DECODE)
+    return registry, RouterMetrics(registry), prefill, decode
+
+
+def send(metrics: RouterMetrics, session: _Session, prefill, decode) -> UpstreamError | None:
+    request = parse_generation_request(
+        "/v1/completions", json.dumps({"model": "m", "prompt": "a long prompt"}).encode()
+    )
+
+    async def once() -> UpstreamError | None:
+        client = UpstreamClient(session, metrics)  # type: ignore[arg-type]
+        try:
+            await PrefillDecodePair(client).exchange(request, prefill, decode, [])
+        except UpstreamError as error:
+            return error
+        finally:
+            await asyncio.sleep(0.05)  # background room cancels end
+        return None
+
+    return asyncio.run(once())
+
+
+def counted(metrics: RouterMetrics, url: str, status: str) -> float:
+    value = metrics.registry.get_sample_value(
+        "kubesgl_router_requests_total", {"worker": url, "status": status}
+    )
+    return value or 0.0
+
+
+@pytest.mark.parametrize("prefill_first", [True, False])
+def test_a_failing_prefill_is_blamed_not_the_decode_that_answered_for_it(prefill_first):
+    """The prefill engine fails its room; the decode engine answers 502 (its peer failed),
+    before or after the prefill's own 500 reaches the router."""
+    _, metrics, prefill, decode = pair(failure_threshold=3)
+    prefill_delay, decode_delay = (0.0, 0.02) if prefill_first else (0.02, 0.0)
+    for _ in range(3):
+        session = _Session(
+            after(prefill_delay, 500, "the prefill engine failed"),
+            after(decode_delay, 502, "room 1 failed at the prefill engine"),
+        )
+        error = send(metrics, session, prefill, decode)
+        assert error is not None and error.worker is prefill and error.status == 500
+    assert prefill.breaker.state is BreakerState.OPEN
+    assert decode.breaker.state is BreakerState.CLOSED
+    assert decode.breaker.consecutive_failures == 0
+    assert prefill.in_flight == decode.in_flight == 0
+    assert counted(metrics, PREFILL, "500") == 3
+    # the decode engine's 502 was its partner's failure: counted as cancelled, no error of its own
+    assert counted(metrics, DECODE, "502") == 0 and counted(metrics, DECODE, "cancelled") == 3
+
+
+def test_a_dying_decode_is_blamed_not_the_prefill_that_answered_for_it():
+    """The decode engine's connection breaks; the prefill engine, whose decode engine died,
+    fails the room and answers 502, before the router hears of the broken connection."""
+    _, metrics, prefill, decode = pair(failure_threshold=1)
+    session = _Session(after(0.0, 502, "the decode engine died"), disconnected_after(0.02))
+    error = send(metrics, session, prefill, decode)
+    assert error is not None and error.worker is decode
+    assert decode.breaker.state is BreakerState.OPEN
+    assert prefill.breaker.state is BreakerState.CLOSED
+    assert counted(metrics, PREFILL, "502") == 0 and counted(metrics, DECODE, "error") == 1
+
+
+def test_a_decode_that_fails_by_itself_is_blamed_not_the_prefill_it_told():
+    """The decode engine fails the request itself (a 500) and its prefill engine, told of the
+    cancelled room, answers 502 first: the decode engine's failure is the cause."""
+    _, metrics, prefill, decode = pair(failure_threshold=1)
+    session = _Session(after(0.0, 502, "the decode engine failed the room"), after(0.02, 500))
+    error = send(metrics, session, prefill, decode)
+    assert error is not None and error.worker is decode and error.status == 500
+    assert decode.breaker.state is BreakerState.OPEN
+    assert prefill.breaker.state is BreakerState.CLOSED
+    assert prefill.in_flight == decode.in_flight == 0
+
+
+def test_a_prefill_that_fails_after_the_decode_answered_is_still_blamed():
+    """Once the decode engine has answered, the prefill's failure is its own (it is logged)."""
+    _, metrics, prefill, decode = pair(failure_threshold=1)
+    session = _Session(after(0.02, 500, "the prefill engine failed late"), after(0.0, 200))
+    assert send(metrics, session, prefill, decode) is None
+    assert prefill.breaker.state is BreakerState.OPEN
+    assert decode.breaker.state is BreakerState.CLOSED and prefill.in_flight == 0
+    assert counted(metrics, PREFILL, "500") == 1 and counted(metrics, DECODE, "200") == 1
+
+
+def test_a_decode_that_names_a_prefill_failure_is_not_blamed_while_the_prefill_is_silent():
+    """The decode engine answers that its room failed at the prefill engine, whose own answer
+    does not come within the verdict's wait: the client gets the decode's error, which is no
+    failure of the decode worker."""
+    _, metrics, prefill, decode = pair(failure_threshold=1)
+    session = _Session(after(5.0, 200), after(0.0, 504, "the prefill engine did not act in time"))
+    error = send(metrics, session, prefill, decode)
+    assert error is not None and error.worker is decode and error.status == 504
+    assert decode.breaker.state is prefill.breaker.state is BreakerState.CLOSED
+    assert (
+        counted(metrics, DECODE, "cancelled") == 1 and counted(metrics, PREFILL, "cancelled") == 1
+    )
+    assert prefill.in_flight == decode.in_flight == 0
