@@ -40,6 +40,14 @@ class ParsedRequest:
     choices: int  # sequences the request asks for: prompts x n
     token_ids: bool  # the routing text holds one character per prompt token (a token-id prompt)
     model: str | None = None  # the model it names; None: any worker's (/generate names none)
+    # A batch's prompts after the first, which the routing text (the first's) leaves out: their
+    # length in the routing text's units (characters, or ids of a token-id prompt)
+    more_prompt_chars: int = 0
+
+    @property
+    def prompt_chars(self) -> int:
+        """The length of all its prompts (each once, whatever `n`), in routing text units."""
+        return len(self.routing_text) + self.more_prompt_chars
 
     def tokens(self, chars: int) -> int:
         """Prompt tokens that `chars` characters of the routing text stand for: exact for a
@@ -54,17 +62,20 @@ def _token_ids_text(ids: list[Any], param: str) -> str:
     return "".join(chr(i % 0x110000) for i in ids)
 
 
-def _prompt_text(prompt: Any, param: str) -> tuple[str, int, bool]:
+def _prompt_text(prompt: Any, param: str) -> tuple[str, int, bool, int]:
     """Text of (the first prompt of) a `prompt`/`text`/`input_ids` value, how many prompts it
-    holds, and whether they are token ids."""
+    holds, whether they are token ids, and the length of the prompts after the first (as
+    characters of text, or token ids). The first prompt routes a batch: its prompts usually
+    share a prefix (a system prompt, few-shot examples), which a worker's cache holds once."""
     if isinstance(prompt, str):
-        return prompt, 1, False
+        return prompt, 1, False, 0
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return prompt[0], len(prompt), False
+            return prompt[0], len(prompt), False, sum(map(len, prompt[1:]))
         if all(isinstance(p, list) for p in prompt):
-            return _token_ids_text(prompt[0], param), len(prompt), True
-        return _token_ids_text(prompt, param), 1, True
+            ids = _token_ids_text(prompt[0], param)
+            return ids, len(prompt), True, sum(map(len, prompt[1:]))
+        return _token_ids_text(prompt, param), 1, True, 0
     raise bad_request(
         f"`{param}` must be a string, a list of strings, or a non-empty list of token ids", param
     )
@@ -135,18 +146,18 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
         raise bad_request("`stream` must be true or false", "stream")
 
     if path == CHAT_PATH:
-        text, prompts, token_ids = _chat_text(body), 1, False
+        text, prompts, token_ids, more = _chat_text(body), 1, False, 0
         n = _sample_count(body.get("n"), "n")
     elif path == COMPLETIONS_PATH:
         if "prompt" not in body:
             raise bad_request("`prompt` is required", "prompt")
-        text, prompts, token_ids = _prompt_text(body["prompt"], "prompt")
+        text, prompts, token_ids, more = _prompt_text(body["prompt"], "prompt")
         n = _sample_count(body.get("n"), "n")
     else:  # /generate: one sequence per prompt (engines refuse sampling_params.n other than 1)
         if "text" in body:
-            text, prompts, token_ids = _prompt_text(body["text"], "text")
+            text, prompts, token_ids, more = _prompt_text(body["text"], "text")
         elif "input_ids" in body:
-            text, prompts, token_ids = _prompt_text(body["input_ids"], "input_ids")
+            text, prompts, token_ids, more = _prompt_text(body["input_ids"], "input_ids")
         else:
             raise bad_request("`text` or `input_ids` is required", "text")
         sampling = body.get("sampling_params")
@@ -163,4 +174,4 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
             )
     # SGLang's /generate has no model: engines answer it with theirs, whatever it names
     model = None if path == GENERATE_PATH else requested_model(body)
-    return ParsedRequest(path, body, raw, text, stream, prompts * n, token_ids, model)
+    return ParsedRequest(path, body, raw, text, stream, prompts * n, token_ids, model, more)

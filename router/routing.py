@@ -290,8 +290,10 @@ class Forwarder:
     def _pd_route(self, request: ParsedRequest, prefills: list[Worker], decode: Choice) -> str:
         settings = self.disaggregation
         # Sent alone, the decode worker prefills what it lacks: the prompt less the prefix the
-        # decode policy believes it holds (the prefill pool's cache would not help it).
-        uncached = len(request.routing_text) - decode.cached
+        # decode policy believes it holds (the prefill pool's cache would not help it); for a
+        # batch every prompt, the first's cached prefix only taken off (the policy matched it
+        # alone), whatever `n` (the copies of a prompt share its prefill).
+        uncached = request.prompt_chars - decode.cached
         if request.tokens(uncached) < settings.min_prefill_tokens:
             return "decode_only_short"
         if all(w.in_flight >= settings.max_prefill_in_flight for w in prefills):

@@ -93,3 +93,45 @@ def test_an_empty_body_is_named_as_such():
         parse_generation_request("/v1/completions", b"")
     assert caught.value.status == 400
     assert caught.value.message == "the request body is empty: send a JSON object"
+
+
+def pd_route(body: dict) -> str:
+    """The P/D route of a completions request with one prefill and one decode worker."""
+    from kubesgl.router.metrics import RouterMetrics
+    from kubesgl.router.policies import Choice, make_policy
+    from kubesgl.router.routing import (
+        DisaggregationSettings,
+        Forwarder,
+        Policies,
+        RetrySettings,
+    )
+    from kubesgl.router.upstream import UpstreamClient
+    from kubesgl.router.workers import Role, WorkerRegistry
+
+    workers = WorkerRegistry()
+    prefill = workers.add("http://p:1", Role.PREFILL)
+    decode = workers.add("http://d:1", Role.DECODE)
+    metrics = RouterMetrics(workers)
+    policy = make_policy("round_robin")
+    forwarder = Forwarder(
+        workers,
+        Policies(policy, policy, policy),
+        UpstreamClient(None, metrics),  # type: ignore[arg-type]  # nothing is sent
+        metrics,
+        RetrySettings(),
+        DisaggregationSettings(min_prefill_tokens=128),
+    )
+    request = parse("/v1/completions", body)
+    return forwarder._pd_route(request, [prefill], Choice(decode))
+
+
+def test_a_batch_of_prompts_is_short_only_if_all_of_them_together_are():
+    """The decode worker alone prefills every prompt of a batch: the first prompt's length
+    alone sent a batch behind a short first prompt (or of many short ones) there."""
+    long = "lorem ipsum " * 100  # 1200 characters: about 300 tokens
+    assert pd_route({"prompt": ["hi", "yo"]}) == "decode_only_short"
+    assert pd_route({"prompt": ["hi", "yo"], "n": 8}) == "decode_only_short"  # one prefill each
+    assert pd_route({"prompt": ["hi", long, long]}) == "disaggregated"
+    assert pd_route({"prompt": ["hi"] + ["a short question"] * 40}) == "disaggregated"
+    assert pd_route({"prompt": [[1] * 10, [2] * 200]}) == "disaggregated"
+    assert pd_route({"prompt": [[1] * 10, [2] * 10]}) == "decode_only_short"
