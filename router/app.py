@@ -53,7 +53,7 @@ from kubesgl.router.upstream import (
     forwarded_headers,
     make_session,
 )
-from kubesgl.router.workers import Role, WorkerRegistry, validate_worker_url
+from kubesgl.router.workers import DISCOVERED, Role, WorkerRegistry, validate_worker_url
 
 log = logging.getLogger("kubesgl.router")
 access_log = logging.getLogger("kubesgl.router.access")
@@ -531,11 +531,25 @@ class RouterApp:
         if len(urls) != 1:
             raise bad_request("name the worker to remove: DELETE /workers?url=URL", "url")
         try:
-            worker = self.workers.remove(urls[0])
+            worker = self.workers.get(urls[0])
         except ValueError as exc:
             raise bad_request(str(exc), "url") from None
         if worker is None:
             raise RouterError(404, f"no worker {urls[0]!r} is registered", "not_found_error", "url")
+        if worker.source == DISCOVERED:
+            # Discovery would never add it back while its pod stays ready: the pool follows the
+            # cluster, so the pod is what to change.
+            raise RouterError(
+                409,
+                f"worker {worker.url} is pod {worker.pod}, found by Kubernetes discovery, and "
+                "follows the pod: it leaves the pool when the pod is not ready, is deleted, or "
+                "no longer matches --kube-selector (change one of the labels it names); the "
+                "admin API removes only the workers it or the command line added",
+                "invalid_request_error",
+                "url",
+                code="discovered_worker",
+            )
+        self.workers.remove(worker.url)
         return json_reply(200, {"removed": worker.url})
 
 

@@ -39,6 +39,7 @@ REJECTION_REASONS = {
     403: "forbidden",
     404: "not_found",
     405: "method_not_allowed",
+    409: "conflict",  # DELETE /workers of a worker discovery follows
     413: "too_large",
     500: "internal",
     503: "no_worker",

@@ -204,3 +204,33 @@ def test_the_router_warns_of_options_without_effect_at_start(monkeypatch, capsys
         "kubesgl router: --pd-max-prefill-in-flight has no effect: it applies to prefill/decode "
         "workers, and only mixed ones (--worker) are given"
     ]
+
+
+def test_the_admin_api_does_not_remove_a_worker_that_discovery_follows():
+    """DELETE /workers removed a discovered worker for good: its pod, still ready, stayed in the
+    watcher's pods, and no re-list brought it back. The pool follows the cluster instead: the
+    admin API refuses, naming how to take the pod out."""
+    import asyncio
+
+    from kubesgl.router.app import RouterApp
+    from kubesgl.router.discovery import PodWatcher
+    from kubesgl.router.errors import RouterError
+
+    app = RouterApp(RouterConfig(admin_api_key="adm"))
+    watcher = PodWatcher(app.workers, "llm", {"app": "x"})
+    pod = {"metadata": {"name": "eng-0", "labels": {"app": "x"}},
+           "status": {"phase": "Running", "podIP": "10.1.2.3", "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+    watcher._apply("eng-0", pod)
+    app.workers.add("http://10.1.2.4:30000", Role.MIXED, source="admin")
+
+    def delete(url: str):
+        return asyncio.run(app._remove_worker({"query_string": f"url={url}".encode()}, b""))
+
+    with pytest.raises(RouterError) as refused:
+        delete("http://10.1.2.3:30000")
+    assert refused.value.status == 409 and "eng-0" in refused.value.message
+    assert "ready" in refused.value.message and "--kube-selector" in refused.value.message
+    watcher._apply("eng-0", pod)  # a re-list
+    assert [w.url for w in app.workers.all()][0] == "http://10.1.2.3:30000"
+    assert delete("http://10.1.2.4:30000").status == 200  # an admin-added worker goes
+    assert [w.url for w in app.workers.all()] == ["http://10.1.2.3:30000"]
