@@ -137,8 +137,9 @@ class RouterMetrics:
         self.requests.labels("", "503")  # no worker could serve
         for status, reason in REJECTION_REASONS.items():
             self.rejections.labels(str(status), reason)
-        # The statuses each worker's kubesgl_router_requests_total series hold, by worker URL.
-        self._worker_statuses: dict[str, set[str]] = {}
+        # Each worker in the pool, by URL, with the statuses its kubesgl_router_requests_total
+        # series hold: the worker itself, as another may come back at its URL.
+        self._worker_statuses: dict[str, tuple[Worker, set[str]]] = {}
         for worker in workers.all():
             self._worker_added(worker)
         workers.on_added(self._worker_added)
@@ -146,21 +147,23 @@ class RouterMetrics:
         self.registry.register(_WorkerCollector(workers))
 
     def _worker_added(self, worker: Worker) -> None:
-        self._worker_statuses[worker.url] = set(WORKER_STATUSES)
+        self._worker_statuses[worker.url] = (worker, set(WORKER_STATUSES))
         for status in WORKER_STATUSES:
             self.requests.labels(worker.url, status)
 
     def _worker_removed(self, worker: Worker) -> None:
-        for status in self._worker_statuses.pop(worker.url, ()):
+        _, statuses = self._worker_statuses.pop(worker.url, (worker, set()))
+        for status in statuses:
             self.requests.remove(worker.url, status)
 
     def attempt_finished(self, worker: Worker, status: str) -> None:
         """Counts an attempt's outcome, unless its worker left the pool while it ran: that would
-        bring the removed worker's series back, never to go again."""
-        statuses = self._worker_statuses.get(worker.url)
-        if statuses is None:
+        bring the removed worker's series back, never to go again, or count it into another
+        worker that came back at its URL since (a pod ready again)."""
+        current = self._worker_statuses.get(worker.url)
+        if current is None or current[0] is not worker:
             return
-        statuses.add(status)
+        current[1].add(status)
         self.requests.labels(worker.url, status).inc()
 
     def rejected(self, status: int) -> None:

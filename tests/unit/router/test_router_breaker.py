@@ -203,3 +203,24 @@ def test_a_client_error_answer_counts_neither_way():
     assert asyncio.run(send()) == 404  # the half-open trial: a client's error
     assert worker.breaker.state is BreakerState.HALF_OPEN and worker.breaker.allows_requests()
     assert worker.in_flight == 0
+
+
+def test_an_attempt_on_a_removed_worker_counts_nowhere_once_its_url_is_back():
+    """A pod turns unready mid-request and ready again at the same address: the new worker's
+    series must not count the old worker's request (docs/router.md, Metrics)."""
+    from kubesgl.router.metrics import RouterMetrics
+    from kubesgl.router.upstream import Attempt
+    from kubesgl.router.workers import Role, WorkerRegistry
+
+    registry = WorkerRegistry()
+    metrics = RouterMetrics(registry)
+    old = registry.add("http://10.0.0.5:30000", Role.MIXED, source="kubernetes", pod="p")
+    running = Attempt(old, metrics)
+    registry.remove(old.url, pod="p")
+    new = registry.add("http://10.0.0.5:30000", Role.MIXED, source="kubernetes", pod="p")
+    running.finish("500", worker_failed=True)
+    labels = {"worker": new.url, "status": "500"}
+    assert metrics.registry.get_sample_value("kubesgl_router_requests_total", labels) is None
+    assert new.breaker.consecutive_failures == 0 and new.in_flight == 0
+    Attempt(new, metrics).finish("500", worker_failed=True)  # the new worker's own: counted
+    assert metrics.registry.get_sample_value("kubesgl_router_requests_total", labels) == 1
