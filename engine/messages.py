@@ -77,9 +77,10 @@ class TokenOutput:
     # from admission to its first token (prefill; on a decode engine, to the KV's arrival)
     queue_seconds: float | None = None
     prefill_seconds: float | None = None
-    # On a prefill engine's answer to a room (its one output): seconds from its first token to
-    # this output, spent waiting for the decode engine's slots and writing the KV there; the
-    # engine's TTFT leaves them out (docs/server.md, Metrics)
+    # On a prefill engine's answer to a room (its one output): seconds it waited for the
+    # decode engine's slots (before its admission, left out of queue_seconds) and from its
+    # first token to this output (the KV write); the engine's TTFT leaves them out
+    # (docs/server.md, Metrics)
     handoff_seconds: float | None = None
 
     @property

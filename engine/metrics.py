@@ -245,7 +245,7 @@ class EngineMetrics:
             "kubesgl_kv_transfer_wait_seconds",
             "Time a room waited for the other "
             "engine: decode, from admission to the KV's arrival; prefill, from the "
-            "prompt's end to the decode side's slots",
+            "request's arrival to the decode side's slots",
             labels,
             buckets=LATENCY_BUCKETS_S,
             registry=r,

@@ -115,9 +115,7 @@ class PrefillOutcome:
     reason: FailureReason | None = None
     nbytes: int = 0  # KV bytes written, over all ranks, and the write's time
     seconds: float = 0.0
-    waited: float = (
-        0.0  # from the prompt's end to the write's start: waiting for the decode side's slots
-    )
+    waited: float = 0.0  # from the request's arrival to the decode side's slots
 
     @property
     def ok(self) -> bool:
@@ -128,17 +126,17 @@ class PrefillOutcome:
 class _Room:
     """A room whose request runs here."""
 
+    opened_at: float
     target: RoomPosted | None = None  # where its KV goes, once the decode engine posted it
     src_slots: list[int] | None = None  # set once the prompt is prefilled
     note: RoomNote | None = None  # what the decode engine gets with the KV
-    prefilled_at: float = 0.0
     writing: set[int] = field(default_factory=set)  # ranks whose write is still in flight
     started: bool = False
     failed: bool = False
     write_error: str | None = None  # the first rank's write that failed: its note said so
     nbytes: int = 0  # the write's size over all ranks, and its time on this rank
     seconds: float = 0.0
-    waited: float = 0.0  # this rank: from the prompt's end to the write's start
+    waited: float = 0.0  # this rank: from the request's arrival to the decode side's slots
 
 
 @dataclass
@@ -195,13 +193,19 @@ class PrefillTransfers:
         """A request for `room` is queued here."""
         if room in self._rooms or room in self._closed:
             raise ValueError(f"room {room} is already in use")
-        self._rooms[room] = _Room(target=self._posted.pop(room, None))
+        self._rooms[room] = _Room(time.monotonic(), target=self._posted.pop(room, None))
+
+    def posted(self, room: int) -> bool:
+        """Whether the decode engine has posted the room's slots: its KV has a place there.
+        Only then is its prompt computed here (PrefillRole.may_admit)."""
+        state = self._rooms.get(room)
+        return state is not None and state.target is not None
 
     def prefilled(self, room: int, src_slots: list[int], note: RoomNote) -> None:
         """The prompt of `room` is in the pool at `src_slots`; `note` carries its first token.
         The slots must stay untouched while `busy(room)`."""
         state = self._rooms[room]
-        state.src_slots, state.note, state.prefilled_at = list(src_slots), note, time.monotonic()
+        state.src_slots, state.note = list(src_slots), note
 
     def abandon(
         self, room: int, reason: FailureReason, error: str, http_status: int | None = None
@@ -254,7 +258,7 @@ class PrefillTransfers:
         elif isinstance(fact, RoomPosted):
             state = self._rooms.get(fact.room)
             if state is not None:
-                state.target = fact
+                state.target, state.waited = fact, time.monotonic() - state.opened_at
             elif fact.room in self._closed:
                 self._last_word(fact.engine, self._closed.pop(fact.room))
             else:
@@ -418,7 +422,6 @@ class PrefillTransfers:
             state.started, state.writing = True, set(range(self.consensus.tp_size))
             if self.link is not None:  # a cancel must not free the slots while it runs
                 self.link.send(RoomWriting(room, writing=True))
-            state.waited = time.monotonic() - state.prefilled_at
             peer = self._peer_agents.get(state.target.engine)
             try:
                 if peer is None:
@@ -487,9 +490,8 @@ class PrefillTransfers:
         facts: list[PrefillFact] = [
             RoomTimedOut(room, f"no decode engine asked for room {room} within {self.timeout:g} s")
             for room, state in self._rooms.items()
-            if state.src_slots is not None
-            and state.target is None
-            and now - max(state.prefilled_at, self._queued_at.get(room, 0.0)) > self.timeout
+            if state.target is None
+            and now - max(state.opened_at, self._queued_at.get(room, 0.0)) > self.timeout
         ]
         old = tuple(room for room, seen in self._seen_at.items() if now - seen > 2 * self.timeout)
         old += tuple(

@@ -137,8 +137,10 @@ class SchedulerLoop:
         """Rank 0: what arrived since the last turn (waits while idle). Others: rank 0's list."""
         messages = []
         if self.rank == 0:
-            # sleep until a message arrives or it is time to turn
-            if not self.engine.scheduler.has_steps():
+            # Sleep until a message arrives or it is time to turn: while idle, and after a turn
+            # that could run nothing (requests waiting for memory, or a prefill engine's rooms
+            # for their decode slots), which turning at once would only repeat on a busy core.
+            if not self.engine.scheduler.has_steps() or self.engine.scheduler.stalled:
                 self.inbox.poll(self._idle_poll_ms())
             while self.inbox.poll(0):
                 message = self.inbox.recv_pyobj()

@@ -42,6 +42,9 @@ class Req:
     # end of its prefill time and TTFT); its answer leaves later, once its KV is at the decode
     # engine
     prompt_done_at: float | None = None
+    # A prefill engine's room: how long it waited for the decode engine's slots before it
+    # could be admitted, the decode pool's load, which its queue time and TTFT leave out
+    slots_wait: float = 0.0
     # Constrained decoding: the compilation it waits for before it is queued, then its matcher,
     # which has accepted every token of output_ids.
     grammar_compiling: Future | None = None

@@ -5,9 +5,12 @@ transfers report each turn, and when a finished request's slots may be reused.
 A request without a bootstrap room runs as in a mixed engine whatever the role: a decode
 engine prefills it locally (the router sends short prompts there alone), a prefill engine
 runs it to the end. A request with a room:
-- on a prefill engine reserves KV for its prompt only; once the prompt is computed and the
-  first token sampled it is TRANSFERRING, holding its slots until its KV has reached the
-  decode engine, and ends with that first token;
+- on a prefill engine waits until the decode engine has posted the room's slots (as in
+  SGLang: a prompt computed before its KV has a place would hold this pool while the decode
+  pool, full of rooms waiting for other prompts, held the place: each engine would wait for
+  the other until the timeout), then reserves KV for its prompt only; once the prompt is
+  computed and the first token sampled it is TRANSFERRING, holding its slots until its KV
+  has reached the decode engine, and ends with that first token;
 - on a decode engine reserves KV for the whole request, allocates the prompt's slots at
   once and is AWAITING_KV until the prefill engine's write lands; it then joins decoding
   with the first token the prefill engine sampled, counted as a mixed engine counts it.
@@ -111,6 +114,11 @@ class MixedRole:
 
     def refused(self, request: GenerateRequest, error: InvalidRequestError) -> None:
         """A request failed validation here."""
+
+    def may_admit(self, req: Req) -> bool:
+        """Whether `req` may be admitted yet, memory aside (False: the requests behind it go
+        first, it keeps its place in the queue)."""
+        return True
 
     def admit(self, req: Req) -> bool:
         """Give `req` its KV, or nothing (False: it waits). A request the role holds for a
@@ -240,6 +248,9 @@ class PrefillRole(_RoomRole):
         # A room's request ends here after its first token: its prompt's KV is all it needs.
         return prompt_len if room else super().kv_tokens(prompt_len, max_tokens, room)
 
+    def may_admit(self, req: Req) -> bool:
+        return req.bootstrap is None or self.transfers.posted(req.bootstrap.room)
+
     def accept(self, req: Req) -> None:
         super().accept(req)
         if req.bootstrap is not None:
@@ -282,6 +293,7 @@ class PrefillRole(_RoomRole):
                 self._sent.add(outcome.room)
                 self._transfers.append((outcome.nbytes, outcome.seconds))
                 self._kv_waits.append(outcome.waited)
+                req.slots_wait = outcome.waited
                 events.append(KVSent(req))
             elif outcome.reason is FailureReason.ABORTED:
                 # The decode engine's client left: an abort here too (no error answer, which

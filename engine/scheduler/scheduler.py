@@ -107,6 +107,7 @@ class Scheduler:
         self._prompt_tokens = self._cached_prompt_tokens = 0
         self._retractions = 0
         self._drained: list[TokenOutput] = []  # outputs of a step finished early to retract
+        self.stalled = False  # the last turn ran no step and gave no output (see `step`)
 
     # -- input -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -288,6 +289,9 @@ class Scheduler:
             self._drained = outputs + self._drained  # not lost: the next turn hands them out
             raise
         self._release_completed()
+        # Nothing ran and nothing came out: requests wait for an event (a transfer, a message,
+        # a grammar), which the process's loop waits for instead of turning at once.
+        self.stalled = batch is None and not outputs
         return outputs
 
     def _launch(self, batch: ScheduledBatch) -> Future[PendingStep]:
@@ -394,8 +398,8 @@ class Scheduler:
             if self._num_running() >= limits.max_running_requests:
                 break
             req = self.waiting[0]
-            if self._leader_prefilling(req):
-                # admitted once the leader's prompt is cached
+            if self._leader_prefilling(req) or not self.role.may_admit(req):
+                # admitted once the leader's prompt is cached, or the role lets it in
                 deferred.append(self.waiting.popleft())
                 continue
             if not self.role.admit(req):
@@ -604,11 +608,11 @@ class Scheduler:
             now = time.perf_counter()
             first_token = now if req.prompt_done_at is None else req.prompt_done_at
             out.queue_seconds, out.prefill_seconds = (
-                req.admitted - req.arrived,
+                max(0.0, req.admitted - req.arrived - req.slots_wait),
                 first_token - req.admitted,
             )
-            if req.prompt_done_at is not None:  # handed off: its first token waited for the KV
-                out.handoff_seconds = now - req.prompt_done_at
+            if req.prompt_done_at is not None:  # handed off: its answer waited for the KV
+                out.handoff_seconds = now - req.prompt_done_at + req.slots_wait
         return out
 
     def reset(self) -> None:

@@ -169,8 +169,8 @@ class EngineClient:
             last = pending.last_token
             since_last = now - (pending.arrival if last is None else last)
             if last is None and out.handoff_seconds is not None:
-                # a prefill engine's answer: its first token came before the wait for the decode
-                # engine's slots and the KV write, which the TTFT leaves out
+                # a prefill engine's answer: the wait for the decode engine's slots (before its
+                # prompt) and the KV write (after it) are left out of its TTFT
                 self.metrics.handed_off(max(0.0, since_last - out.handoff_seconds))
                 pending.handed_off = True
             else:

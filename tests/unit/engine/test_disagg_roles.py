@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import shutil
 import time
 from collections import defaultdict
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
+import zmq
 
 from kubesgl.engine import InvalidRequestError, SamplingParams
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.disagg.protocol import RoomCancelled
+from kubesgl.engine.ipc import Endpoints
 from kubesgl.engine.messages import BootstrapTarget, GenerateRequest
 from kubesgl.engine.sampling_params import GrammarSpec
 from kubesgl.engine.scheduler.engine import Engine
+from kubesgl.engine.scheduler.process import TRANSFER_POLL_MS, SchedulerLoop
 
 _rooms = itertools.count(1)
 
@@ -477,6 +482,33 @@ def test_a_burst_above_the_decode_engines_capacity_does_not_time_out_queued_room
     assert_idle(prefill, decode)
 
 
+def test_full_pools_taking_rooms_in_opposite_orders_do_not_wait_on_each_other(
+    tiny_model, make_engine, random_prompts
+):
+    """Each pool holds one request at a time and the engines get two rooms in opposite
+    orders. A prefill engine that computed the prompt of a room its decode engine had not
+    reserved would hold its pool for that room while the decode engine's pool waited for the
+    other room's KV, both until the timeout; it computes a prompt only once the decode engine
+    has posted the room's slots."""
+    model = tiny_model("llama")
+    timeout = 60.0
+    pools = {"max_total_tokens": 100, "disaggregation_timeout": timeout}
+    prefill, decode = make_engine(model, "prefill", **pools), make_engine(model, "decode", **pools)
+    prompts = random_prompts(2, 60, 60, seed=13)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    reference = mixed_reference(model, prompts, [params] * 2, make_engine)
+    port = prefill.role.transfers.link.port
+    targets = [BootstrapTarget(next(_rooms), "127.0.0.1", port) for _ in prompts]
+    for i in (0, 1):
+        decode.add_request(GenerateRequest(f"d{i}", prompts[i], params, bootstrap=targets[i]))
+    for i in (1, 0):
+        prefill.add_request(GenerateRequest(f"p{i}", prompts[i], params, bootstrap=targets[i]))
+    outputs = run([prefill, decode], finished(["d0", "d1", "p0", "p1"]), timeout=timeout / 3)
+    for i in (0, 1):
+        assert tokens(outputs, f"d{i}") == tokens(reference, f"m{i}"), i
+    assert_idle(prefill, decode)
+
+
 def test_a_decode_engine_retracts_its_local_requests_never_a_rooms(
     tiny_model, make_engine, random_prompts
 ):
@@ -580,10 +612,10 @@ def test_shutdown_frees_the_pool_even_if_closing_the_role_fails(
 def test_a_prefill_engines_prefill_time_ends_at_the_first_token_not_at_the_handoff(
     tiny_model, make_engine, random_prompts
 ):
-    """A prefill engine's kubesgl_request_prefill_time_seconds and TTFT are its own load: they
-    end when the prompt is computed and the first token sampled. The wait for the decode
-    engine's slots and the KV write that follow come with the answer as handoff_seconds (and
-    in kubesgl_kv_transfer_wait_seconds), so a saturated decode pool does not read as a slow
+    """A prefill engine's kubesgl_request_prefill_time_seconds, queue time and TTFT are its own
+    load. The wait for the decode engine's slots (before its prompt) and the KV write (after
+    its first token) come with the answer as handoff_seconds (and in
+    kubesgl_kv_transfer_wait_seconds), so a saturated decode pool does not read as a slow
     prefill pool (an autoscaler on prefill TTFT would add prefill replicas for it)."""
     model = tiny_model("llama")
     prefill, decode = make_engine(model, "prefill"), make_engine(model, "decode")
@@ -592,18 +624,78 @@ def test_a_prefill_engines_prefill_time_ends_at_the_first_token_not_at_the_hando
     target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
     prefill.add_request(GenerateRequest("p0", prompt, params, bootstrap=target))
     req = prefill.scheduler.requests["p0"]
-    early = run([prefill], lambda _: req.status.name == "TRANSFERRING")
     wait = 0.5  # the decode engine has no slots for it yet: its request comes only now
-    time.sleep(wait)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        assert not prefill.step()
+    assert req.status.name == "WAITING"  # its prompt waits for a place for its KV
     decode.add_request(GenerateRequest("d0", prompt, params, bootstrap=target))
     outputs = run([prefill, decode], finished(["p0", "d0"]))
-    [answer] = early["p0"] + outputs["p0"]
+    [answer] = outputs["p0"]
     assert answer.token_ids and answer.finish_reason.kind == "length"
     assert answer.prefill_seconds is not None and answer.prefill_seconds < wait
+    assert answer.queue_seconds is not None and answer.queue_seconds < wait
     assert answer.handoff_seconds is not None and answer.handoff_seconds >= wait
     [first] = [o for o in outputs["d0"] if o.prefill_seconds is not None]
     assert first.handoff_seconds is None  # the decode engine's own first token: no handoff
     assert_idle(prefill, decode)
+
+
+def test_a_room_no_decode_engine_asks_for_times_out_on_the_prefill_engine_uncomputed(
+    tiny_model, make_engine, random_prompts
+):
+    model = tiny_model("llama")
+    timeout = 1.0
+    prefill = make_engine(model, "prefill", disaggregation_timeout=timeout)
+    [prompt] = random_prompts(1, 10, 20, seed=7)
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
+    prefill.add_request(
+        GenerateRequest("p0", prompt, SamplingParams(max_tokens=4), bootstrap=target)
+    )
+    started = time.monotonic()
+    outputs = run([prefill], finished(["p0"]))
+    assert timeout < time.monotonic() - started < timeout + 5
+    [final] = outputs["p0"]
+    assert final.finish_reason.kind == "error" and final.finish_reason.status == 504
+    assert "no decode engine asked" in final.finish_reason.message
+    assert not final.token_ids and prefill.scheduler.stats().prompt_tokens == 0  # never computed
+    assert_idle(prefill)
+
+
+def test_a_prefill_engine_whose_rooms_wait_for_their_slots_waits_for_events_between_turns(
+    tiny_model, make_engine, random_prompts
+):
+    """Its queue holds a request that cannot be admitted until the decode engine posts the
+    room's slots: its loop waits for a message (TRANSFER_POLL_MS at most) before each turn
+    instead of turning a core busy."""
+    model = tiny_model("llama")
+    prefill = make_engine(model, "prefill")
+    [prompt] = random_prompts(1, 10, 20, seed=5)
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
+    params = SamplingParams(max_tokens=4)
+    prefill.add_request(GenerateRequest("p0", prompt, params, bootstrap=target))
+    assert not prefill.step() and prefill.scheduler.waiting
+
+    class Inbox:  # the loop's socket, its waits recorded
+        def __init__(self, socket):
+            self.socket, self.waits = socket, []
+
+        def poll(self, timeout=None):
+            self.waits.append(timeout)
+            return self.socket.poll(timeout)
+
+    endpoints, context = Endpoints.create(), zmq.Context()
+    loop = SchedulerLoop(prefill, 0, endpoints, None, context, None)
+    socket = loop.inbox
+    loop.inbox = inbox = Inbox(socket)  # type: ignore[assignment]
+    try:
+        assert loop._receive() == []
+        assert inbox.waits[0] == TRANSFER_POLL_MS
+    finally:
+        socket.close(linger=0)
+        loop.outbox.close(linger=0)
+        context.term()
+        shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
 
 
 def test_an_idle_prefill_engine_answers_a_registration_in_its_next_turn_not_its_idle_wait(
