@@ -1,4 +1,5 @@
-"""`kubesgl up -f FILE`: run an InferenceService on this machine until Ctrl-C, SIGTERM or SIGHUP."""
+"""`kubesgl up -f FILE`: run an InferenceService on this machine until Ctrl-C, SIGTERM or SIGHUP,
+or until a process exits with a configuration error (status 2), which `kubesgl up` exits with."""
 
 from __future__ import annotations
 
@@ -152,12 +153,28 @@ def main(argv: list[str]) -> int:
         while not stop.is_set():
             supervisor.tick()
             view.refresh(supervisor.replicas)
+            if supervisor.failed:
+                break
             stop.wait(TICK_S)
-        view.note("stopping: the router, then the engines (Ctrl-C again kills them at once)")
+        if supervisor.failed:
+            stop.set()  # as after a Ctrl-C: a Ctrl-C during the drain kills at once
+            names = ", ".join(replica.process.name for replica in supervisor.failed)
+            view.note(
+                f"stopping, {names} exited with status 2 (a configuration error): "
+                "the router, then the engines (Ctrl-C kills them at once)"
+            )
+        else:
+            view.note("stopping: the router, then the engines (Ctrl-C again kills them at once)")
     finally:
         supervisor.stop(force, on_tick=lambda: view.refresh(supervisor.replicas))
         view.close()
-    return 0
+    for replica in supervisor.failed:
+        print(
+            f"{PROG}: {replica.process.name} exited ({replica.last_exit}): a configuration "
+            "error, which a restart would only repeat; everything is stopped",
+            file=sys.stderr,
+        )
+    return 2 if supervisor.failed else 0
 
 
 def _inference_services(filename: str, documents: list[Any]) -> list[Any]:

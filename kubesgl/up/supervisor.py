@@ -1,7 +1,9 @@
 """Runs a plan's processes as Deployments run pods: a replica that dies is started again, at once
 the first time and then after a delay that doubles with each death in a row (Kubernetes'
-CrashLoopBackOff, on a shorter scale), and the reason is reported; `stop` drains everything,
-the router first, and leaves no process behind, also when one hangs.
+CrashLoopBackOff, on a shorter scale), and the reason is reported. A replica that exits with
+status 2, a usage or configuration error that every start would repeat, is not restarted: it is
+failed, and `kubesgl up` stops everything. `stop` drains everything, the router first, and
+leaves no process behind, also when one hangs.
 
 Each process leads a process group of its own: the engines' scheduler and tokenizer processes
 are in it, and the terminal's Ctrl-C reaches `kubesgl up` alone, which stops them in order.
@@ -38,6 +40,9 @@ BACKOFF_RESET_S = 120.0
 HEALTH_TIMEOUT_S = 1.0
 # How long the processes of a group may take to be gone after SIGKILL.
 KILL_WAIT_S = 5.0
+# The exit status of a usage or configuration error, found before the process serves (kubesgl
+# serve, kubesgl router, argparse): a restart would only repeat it.
+CONFIGURATION_ERROR_EXIT = 2
 CHECK_SIGNAL = signal.Signals[contract.ROUTER_CHECK_SIGNAL]
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 # loaded here, not between fork and exec, where the child may only make the system call
@@ -50,6 +55,7 @@ class State(StrEnum):
     READY = "ready"
     UNREADY = "unready"  # was ready, /health fails now
     BACKOFF = "backoff"  # died; starts again at restart_at
+    FAILED = "failed"  # exited with status 2, a configuration error: never started again
     STOPPING = "stopping"
     STOPPED = "stopped"
 
@@ -124,6 +130,11 @@ class Supervisor:
         self.healthy = healthy if healthy is not None else HttpHealth()
         self.clock = clock
 
+    @property
+    def failed(self) -> list[Replica]:
+        """The replicas that exited with a configuration error (status 2)."""
+        return [replica for replica in self.replicas if replica.state == State.FAILED]
+
     def tick(self) -> None:
         """Notices deaths, starts what is due and probes the health of what runs."""
         for replica in self.replicas:
@@ -144,7 +155,8 @@ class Supervisor:
             deadlines = {}
             for replica in group:
                 if replica.popen is None:
-                    replica.state = State.STOPPED
+                    if replica.state != State.FAILED:  # the reason everything stops stays shown
+                        replica.state = State.STOPPED
                     continue
                 replica.state = State.STOPPING
                 replica.popen.send_signal(signal.SIGTERM)  # the leader only, as the kubelet does
@@ -206,10 +218,18 @@ class Supervisor:
         code = replica.popen.returncode
         _kill_group(replica.popen.pid)  # what it leaves behind, its scheduler processes for example
         replica.popen = None
+        replica.last_exit = exit_reason(code, replica.log_path)
+        if code == CONFIGURATION_ERROR_EXIT:
+            replica.state = State.FAILED
+            self.on_event(
+                replica,
+                f"exited ({replica.last_exit}); not restarting: "
+                "a configuration error, which a restart would only repeat",
+            )
+            return
         ran = self.clock() - replica.started_at
         replica.deaths_in_a_row = 1 if ran >= BACKOFF_RESET_S else replica.deaths_in_a_row + 1
         delay = restart_delay(replica.deaths_in_a_row)
-        replica.last_exit = exit_reason(code, replica.log_path)
         replica.state, replica.restart_at = State.BACKOFF, self.clock() + delay
         when = f"in {delay:g} s" if delay else "now"
         self.on_event(replica, f"exited ({replica.last_exit}); restarting {when}")

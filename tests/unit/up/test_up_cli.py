@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import os
 import pty
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 
+from kubesgl import contract
 from kubesgl.up import cli
+from kubesgl.up.plan import LocalPlan, LocalProcess
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "quickstart.yaml"
 
@@ -170,6 +175,71 @@ def test_a_model_folder_that_is_not_there_is_refused(tmp_path, capsys, starts_no
     assert capsys.readouterr().err == (
         f"kubesgl up: {path}: spec.model.hostPath.path {missing}: not a folder on this machine\n"
     )
+
+
+REFUSING = """
+import sys
+print("loading", flush=True)
+print("kubesgl serve: --context-length 100000 exceeds the model's 2048", file=sys.stderr)
+sys.exit(2)
+"""
+SERVING = "import time; time.sleep(600)"  # never answers /health: starting until stopped
+
+
+def test_a_process_that_exits_with_status_2_stops_everything_with_status_2(
+    tmp_path, capsys, monkeypatch
+):
+    """Status 2 is a configuration error (`engine.contextLength` beyond the model's, say) that
+    every restart repeated: `kubesgl up` restarted both engines forever, never ready."""
+
+    def process(name: str, role: contract.PodRole, code: str) -> LocalProcess:
+        port = free_port()
+        return LocalProcess(name, role, (sys.executable, "-c", code), {}, port, 10)
+
+    engines = (
+        process("prefill-0", contract.PREFILL, REFUSING),
+        process("decode-0", contract.DECODE, SERVING),
+    )
+    router = process("router", contract.ROUTER, SERVING)
+    router = LocalProcess(**{**router.__dict__, "waits_for": (contract.PREFILL, contract.DECODE)})
+    local = LocalPlan("quickstart", "disaggregated", str(tmp_path), None, engines, router, ())
+    monkeypatch.setattr(cli, "plan", lambda isvc, settings: local)
+    handlers = {
+        signum: signal.getsignal(signum)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
+    # before the fix it never returned: a Ctrl-C after 30 s ends it, with status 0
+    ctrl_c = threading.Timer(30, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
+    try:
+        status = cli.main(
+            ["-f", str(QUICKSTART), "--port", str(free_port()), "--logs", str(tmp_path)]
+        )
+    finally:
+        ctrl_c.cancel()
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    out, err = capsys.readouterr()
+    assert status == 2
+    assert err == (
+        "kubesgl up: prefill-0 exited (exit code 2: kubesgl serve: --context-length 100000 "
+        "exceeds the model's 2048): a configuration error, which a restart would only repeat; "
+        "everything is stopped\n"
+    )
+    assert (
+        "prefill-0: exited (exit code 2: " in out
+        and "restart" not in (tmp_path / "prefill-0.log").read_text()
+    )
+    assert "stopping, prefill-0 exited with status 2 (a configuration error)" in out
+    (decode,) = re.findall(r"decode-0: started, pid (\d+)", out)
+    assert not Path(f"/proc/{decode}").exists()  # stopped (and reaped), not left behind
+    assert "decode-0: killed" not in out and "router: started" not in out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 HUNG_UP = r"""

@@ -30,6 +30,9 @@ if behaviour == "crash":
     print("loading the model", flush=True)
     print("RuntimeError: no memory left for the KV cache", flush=True)
     sys.exit(3)
+if behaviour == "usage":  # what kubesgl serve does with an option the model cannot take
+    print("kubesgl serve: --context-length 100000 exceeds the model's 2048", flush=True)
+    sys.exit(2)
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # same process group
 signal.signal(signal.SIGUSR1, lambda *_: print("SIGUSR1", flush=True))  # what a router does, noted
 print(f"child {child.pid}", flush=True)
@@ -138,6 +141,36 @@ def test_a_replica_that_dies_is_restarted_at_once_then_with_a_doubling_delay_and
     supervisor.tick()
     assert events[-2].endswith("restarting now") and replica.state == State.STARTING
     assert "restart 5: " in replica.log_path.read_text()  # each start is marked in the log
+
+
+def test_a_replica_that_exits_with_status_2_is_failed_not_restarted(stand_in, tmp_path):
+    """Status 2 is a usage or configuration error found before the process serves: every
+    restart repeated it, with a growing delay, and the service never turned ready."""
+    clock, events = FakeClock(), []
+    supervisor = Supervisor(
+        [stand_in("prefill-0", "usage", contract.PREFILL), stand_in("decode-0", "ok")],
+        tmp_path,
+        lambda r, m: events.append(f"{r.process.name}: {m}"),
+        clock=clock,
+    )
+    failing, other = supervisor.replicas
+    supervisor.tick()
+    failing.popen.wait()
+    supervisor.tick()
+    reason = "exit code 2: kubesgl serve: --context-length 100000 exceeds the model's 2048"
+    assert failing.state == State.FAILED and failing.popen is None
+    assert failing.last_exit == reason and supervisor.failed == [failing]
+    assert (
+        f"prefill-0: exited ({reason}); not restarting: "
+        "a configuration error, which a restart would only repeat"
+    ) in events
+    clock.now += 300
+    supervisor.tick()
+    assert failing.state == State.FAILED and failing.restarts == 0
+    assert other.popen is not None and other.popen.poll() is None  # stopping it is up's part
+    supervisor.stop(threading.Event())
+    assert failing.state == State.FAILED and other.state == State.STOPPED
+    assert supervisor.failed == [failing]
 
 
 def test_the_router_starts_once_every_role_has_a_ready_replica(stand_in, tmp_path):
