@@ -27,6 +27,13 @@ from kubesgl.operator.spec import InferenceService, ModelSpec
 from kubesgl.operator.validation import InvalidSpec, Problem
 
 ENGINE_HOST = "127.0.0.1"  # engines serve the router only; the router listens on --host
+# UCX's TCP transport (NIXL's, moving the KV from prefill to decode engines) listens on every
+# network device it finds, the host's external address included, although the engines are all
+# on this machine: kept to the loopback device, it listens on 127.0.0.1 only, as the engines'
+# HTTP and bootstrap servers do, and the KV still moves. Not where the spec
+# (kvTransfer.ucx.netDevices) or this environment names the devices, nor where UCX_TLS names no
+# tcp (an RDMA transport has no loopback device).
+UCX_LOOPBACK = {"UCX_NET_DEVICES": "lo"}
 # A pod's grace period when its spec sets none (the router's)
 KUBERNETES_GRACE_PERIOD_S = 30
 _MODEL_FLAG = ENGINE_OPTIONS["model"].flag
@@ -318,6 +325,8 @@ def _engine(
     if not gpus:
         _set_flag_value(args, _DEVICE_FLAG, "cpu")
     env = {**_local_env(container, settings.environ), "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    if role != contract.MIXED and _ucx_tcp_on_every_device({**settings.environ, **env}):
+        env.update(UCX_LOOPBACK)
     return LocalProcess(
         name,
         role,
@@ -382,6 +391,19 @@ def _local_env(container: dict[str, Any], environ: Mapping[str, str]) -> dict[st
         elif "valueFrom" in variable and name in environ:
             env[name] = environ[name]
     return env
+
+
+def _ucx_tcp_on_every_device(environment: Mapping[str, str]) -> bool:
+    """Whether UCX would use its TCP transport on every network device: no UCX_NET_DEVICES, and
+    UCX_TLS unset (UCX takes all it has), naming tcp or all, or excluding (^...) others."""
+    if "UCX_NET_DEVICES" in environment:
+        return False
+    transports = environment.get("UCX_TLS")
+    if transports is None:
+        return True
+    if transports.startswith("^"):
+        return "tcp" not in transports[1:].split(",")
+    return bool({"tcp", "all"} & set(transports.split(",")))
 
 
 def _unset_secret_keys(container: dict[str, Any]) -> tuple[str, ...]:

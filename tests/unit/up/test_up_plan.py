@@ -251,7 +251,45 @@ def test_keys_in_this_environment_reach_no_process_whose_pod_lacks_them():
 def test_the_pods_environment_except_home():
     local = local_plan(example("quickstart"))
     for engine in local.engines:
-        assert engine.env == {"HF_HUB_OFFLINE": "1", "UCX_TLS": "tcp", "CUDA_VISIBLE_DEVICES": ""}
+        assert engine.env == {
+            "HF_HUB_OFFLINE": "1",
+            "UCX_TLS": "tcp",
+            "UCX_NET_DEVICES": "lo",  # the one variable pods do not have (below)
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+
+
+def ucx_net_devices(document: dict[str, Any], environ: dict[str, str] | None = None) -> set:
+    local = local_plan(document, environ=environ or {})
+    return {engine.environment(environ or {}).get("UCX_NET_DEVICES") for engine in local.engines}
+
+
+def test_ucx_keeps_to_the_loopback_device():
+    """UCX's TCP transport (NIXL's) listened on the host's external address too, as well as on
+    127.0.0.1, where docs/up.md said the engines listen only on 127.0.0.1."""
+    assert ucx_net_devices(example("quickstart")) == {"lo"}
+    document = example("quickstart")
+    del document["spec"]["kvTransfer"]  # UCX takes every transport it has, tcp among them
+    assert ucx_net_devices(document) == {"lo"}
+    for transports in ("tcp,cuda_copy", "^rc", "all"):
+        document["spec"]["kvTransfer"] = {"ucx": {"transports": transports}}
+        assert ucx_net_devices(document) == {"lo"}, transports
+
+
+def test_ucx_devices_named_by_the_spec_or_this_environment_stay():
+    document = example("quickstart")
+    document["spec"]["kvTransfer"]["ucx"]["netDevices"] = "eth1"
+    assert ucx_net_devices(document) == {"eth1"}
+    assert ucx_net_devices(example("quickstart"), {"UCX_NET_DEVICES": "eth2"}) == {"eth2"}
+    # RDMA alone has no loopback device; tcp named only here counts too
+    document = example("quickstart")
+    document["spec"]["kvTransfer"]["ucx"]["transports"] = "rc,cuda_copy"
+    assert ucx_net_devices(document) == {None}
+    del document["spec"]["kvTransfer"]
+    assert ucx_net_devices(document, {"UCX_TLS": "rc"}) == {None}
+    assert ucx_net_devices(document, {"UCX_TLS": "tcp"}) == {"lo"}
+    # mixed engines move no KV
+    assert ucx_net_devices(example("mixed")) == {None}
 
 
 def test_a_variable_with_an_empty_value_is_set_empty():
