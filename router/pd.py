@@ -22,7 +22,7 @@ import json
 import logging
 import random
 from collections.abc import AsyncGenerator, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeGuard
 
 from kubesgl.router.request_parsing import ParsedRequest
 from kubesgl.router.room_cancel import cancel_rooms
@@ -227,6 +227,11 @@ async def _decode_verdict(
             raise
         if _passed_on(prefill_error) and not _passed_on(decode_error):
             raise  # the decode engine failed by itself (a 500) and told the prefill engine
+        if _timed_out_waiting_for_decode(prefill_error) and _passed_on(decode_error):
+            # No decode engine asked for the room in time (it stalled) and the decode engine
+            # passes that on: the prefill's error says what happened, the failure is the decode's
+            decode_error.settle(worker_failed=True)
+            prefill_error.settle(worker_failed=None)
         raise prefill_error from decode_error
 
 
@@ -237,6 +242,11 @@ def _passed_on(error: BaseException) -> bool:
         and error.answered
         and error.status in PEER_FAILURE_STATUSES
     )
+
+
+def _timed_out_waiting_for_decode(error: BaseException) -> TypeGuard[UpstreamError]:
+    """A prefill engine's 504: it gave up on a room no decode engine asked for in time."""
+    return isinstance(error, UpstreamError) and error.answered and error.status == 504
 
 
 def _own_failure(task: asyncio.Task[Any]) -> BaseException | None:
