@@ -137,10 +137,10 @@ class SchedulerLoop:
         """Rank 0: what arrived since the last turn (waits while idle). Others: rank 0's list."""
         messages = []
         if self.rank == 0:
-            # Sleep until a message arrives or it is time to turn: while idle, and after a turn
-            # that could run nothing (requests waiting for memory, or a prefill engine's rooms
-            # for their decode slots), which turning at once would only repeat on a busy core.
-            if not self.engine.scheduler.has_steps() or self.engine.scheduler.stalled:
+            # sleep until a message arrives or it is time to turn: while idle, and while what is
+            # queued waits for an event (memory, a prefill engine's rooms their decode slots)
+            scheduler = self.engine.scheduler
+            if not scheduler.has_steps() or scheduler.waits_for_events:
                 self.inbox.poll(self._idle_poll_ms())
             while self.inbox.poll(0):
                 message = self.inbox.recv_pyobj()

@@ -107,7 +107,7 @@ class Scheduler:
         self._prompt_tokens = self._cached_prompt_tokens = 0
         self._retractions = 0
         self._drained: list[TokenOutput] = []  # outputs of a step finished early to retract
-        self.stalled = False  # the last turn ran no step and gave no output (see `step`)
+        self._turn_ran_nothing = False  # see `waits_for_events`
 
     # -- input -------------------------------------------------------------------------
     def add_request(self, request: GenerateRequest) -> None:
@@ -273,6 +273,7 @@ class Scheduler:
         self._drained = []
         if batch is not None and not self.overlap:
             self._fill_vocab_mask(batch)
+        in_flight = None
         try:
             launched = (batch, self._launch(batch)) if batch else None
             if self.overlap:
@@ -288,11 +289,16 @@ class Scheduler:
         except BaseException:
             self._drained = outputs + self._drained  # not lost: the next turn hands them out
             raise
-        self._release_completed()
-        # Nothing ran and nothing came out: requests wait for an event (a transfer, a message,
-        # a grammar), which the process's loop waits for instead of turning at once.
-        self.stalled = batch is None and not outputs
+        released = self._release_completed()
+        self._turn_ran_nothing = batch is None and in_flight is None and not (outputs or released)
         return outputs
+
+    @property
+    def waits_for_events(self) -> bool:
+        """The last turn launched and finished no step, handed nothing out and freed nothing:
+        what is queued waits for an event (a KV transfer, a message, a grammar compiled), which
+        the process's loop waits for instead of turning again at once on a busy core."""
+        return self._turn_ran_nothing
 
     def _launch(self, batch: ScheduledBatch) -> Future[PendingStep]:
         try:
@@ -582,8 +588,8 @@ class Scheduler:
         req.status = ReqStatus.FINISHED
         self.finished_unreleased.append(req)
 
-    def _release_completed(self) -> None:
-        """Release finished requests that no step still running uses."""
+    def _release_completed(self) -> bool:
+        """Release finished requests that no step still running uses; whether any was."""
         keep = []
         for req in self.finished_unreleased:
             if req.last_step > self._completed_step or not self.role.can_release(req):
@@ -591,7 +597,9 @@ class Scheduler:
                 continue
             self.kv.release(req)
             self.requests.pop(req.rid, None)
+        released = len(keep) < len(self.finished_unreleased)
         self.finished_unreleased = keep
+        return released
 
     def _output(self, req: Req, tokens: list[int], logprobs) -> TokenOutput:
         out = TokenOutput(

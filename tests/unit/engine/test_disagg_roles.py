@@ -667,7 +667,7 @@ def test_a_prefill_engine_whose_rooms_wait_for_their_slots_waits_for_events_betw
 ):
     """Its queue holds a request that cannot be admitted until the decode engine posts the
     room's slots: its loop waits for a message (TRANSFER_POLL_MS at most) before each turn
-    instead of turning a core busy."""
+    instead of turning a core busy; once a turn runs a step, the next one follows at once."""
     model = tiny_model("llama")
     prefill = make_engine(model, "prefill")
     [prompt] = random_prompts(1, 10, 20, seed=5)
@@ -691,6 +691,12 @@ def test_a_prefill_engine_whose_rooms_wait_for_their_slots_waits_for_events_betw
     try:
         assert loop._receive() == []
         assert inbox.waits[0] == TRANSFER_POLL_MS
+        prefill.add_request(GenerateRequest("local", prompt, params))  # no room: it runs
+        prefill.step()
+        assert not prefill.scheduler.waits_for_events
+        inbox.waits.clear()
+        assert loop._receive() == []
+        assert inbox.waits == [0]  # no wait before a turn that has work to run
     finally:
         socket.close(linger=0)
         loop.outbox.close(linger=0)
