@@ -3,9 +3,10 @@
 Closed: requests flow. After `failure_threshold` consecutive failures it opens and the worker
 gets no requests for `cooldown_s`. Then it is half-open: one trial request may go; its
 success closes it, its failure opens it for another cooldown, and if it ends without a
-verdict (cancelled, or answered with a client's 4xx error) another may go. Health checks are a separate signal (a worker can answer /health
-and still fail every request), except that a worker re-entering the pool after it left it gets
-a new breaker (WorkerRegistry.set_healthy): it may be a restarted process.
+verdict (cancelled, or answered with a client's 4xx error) another may go. Health checks are
+a separate signal (a worker can answer /health and still fail every request), except that a
+worker re-entering the pool after it left it gets a new breaker (WorkerRegistry.set_healthy):
+it may be a restarted process.
 """
 
 from __future__ import annotations

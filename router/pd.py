@@ -184,11 +184,12 @@ class PrefillDecodePair:
 
 
 def _log_outcome(task: asyncio.Task[None]) -> None:
-    _settle(task, cause=None if task.cancelled() else task.exception())  # its own failure
-    if not task.cancelled() and task.exception() is not None:
+    error = _error_of(task)
+    _settle(task, cause=error)  # its own failure
+    if error is not None:
         log.warning(
             "prefill failed after its decode engine had the KV cache (the answer went on): %s",
-            task.exception(),
+            error,
         )
 
 
@@ -223,15 +224,15 @@ async def _decode_verdict(
         await asyncio.wait({prefill_task}, timeout=DECODE_VERDICT_WAIT_S)
         if not prefill_task.done() or (prefill_error := prefill_task.exception()) is None:
             if _passed_on(decode_error):  # it names a prefill failure the router did not see
-                decode_error.settle(worker_failed=None)
+                decode_error.settle(blamed=False)
             raise
         if _passed_on(prefill_error) and not _passed_on(decode_error):
             raise  # the decode engine failed by itself (a 500) and told the prefill engine
         if _timed_out_waiting_for_decode(prefill_error) and _passed_on(decode_error):
             # No decode engine asked for the room in time (it stalled) and the decode engine
             # passes that on: the prefill's error says what happened, the failure is the decode's
-            decode_error.settle(worker_failed=True)
-            prefill_error.settle(worker_failed=None)
+            decode_error.settle(blamed=True)
+            prefill_error.settle(blamed=False)
         raise prefill_error from decode_error
 
 
@@ -249,11 +250,14 @@ def _timed_out_waiting_for_decode(error: BaseException) -> TypeGuard[UpstreamErr
     return isinstance(error, UpstreamError) and error.answered and error.status == 504
 
 
+def _error_of(task: asyncio.Task[Any]) -> BaseException | None:
+    """The error a task ended with; None while it runs, or if it was cancelled or succeeded."""
+    return None if not task.done() or task.cancelled() else task.exception()
+
+
 def _own_failure(task: asyncio.Task[Any]) -> BaseException | None:
     """A side's error, unless it passed on its partner's failure (the partner failed too)."""
-    if not task.done() or task.cancelled():
-        return None
-    error = task.exception()
+    error = _error_of(task)
     return None if error is None or _passed_on(error) else error
 
 
@@ -262,17 +266,14 @@ def _settle(task: asyncio.Task[Any], cause: BaseException | None) -> None:
     its error is `cause` (the one the client gets, or the prefill's own after the decode
     engine answered); otherwise it only passed on the other side's failure, or the client
     left before a verdict: no failure of its own."""
-    if task.done() and not task.cancelled():
-        error = task.exception()
-        if isinstance(error, UpstreamError):
-            error.settle(worker_failed=True if error is cause else None)
+    error = _error_of(task)
+    if isinstance(error, UpstreamError):
+        error.settle(blamed=error is cause)
 
 
 def _refusal_of(task: asyncio.Task[Reply]) -> BaseException | None:
     """The engine's 4xx answer, if the task has ended with one."""
-    if not task.done() or task.cancelled():
-        return None
-    error = task.exception()
+    error = _error_of(task)
     return error if error is not None and _refused(error) else None
 
 

@@ -123,15 +123,16 @@ class UpstreamError(Exception):
         # (`settle`): it may be the other side's failure (pd.py).
         self._pending: Attempt | None = None
 
-    def settle(self, *, worker_failed: bool | None) -> None:
-        """Ends the attempt of a P/D pair's answer with the pair's verdict: True, the worker
-        failed the request; None, its answer only passed on the other side's failure (counted
-        as `cancelled`, not told to its breaker). Nothing for an error ended already."""
+    def settle(self, *, blamed: bool) -> None:
+        """Ends the attempt of a P/D pair's answer with the pair's verdict: `blamed`, its
+        worker failed the request; else its answer only passed on the other side's failure
+        (counted as `cancelled`, not told to its breaker). Nothing for an error ended already."""
         attempt, self._pending = self._pending, None
         if attempt is not None:
-            attempt.finish(
-                str(self.status) if worker_failed else "cancelled", worker_failed=worker_failed
-            )
+            if blamed:
+                attempt.finish(str(self.status), worker_failed=True)
+            else:
+                attempt.finish("cancelled", worker_failed=None)
 
     def body(self) -> bytes:
         return self._body or error_body(self.message, error_type="upstream_error")
@@ -227,7 +228,7 @@ class Attempt:
         self._breaker = worker.breaker
         self._metrics = metrics
         self._finished = False
-        self.worker_failed: bool | None = None  # set at the end; None: cancelled
+        self.worker_failed: bool | None = None  # set at the end; None: no verdict (finish)
         worker.in_flight += 1
         self._trial = self._breaker.begin()
 
