@@ -1,8 +1,10 @@
 """Runs a plan's processes as Deployments run pods: a replica that dies is started again, at once
 the first time and then after a delay that doubles with each death in a row (Kubernetes'
 CrashLoopBackOff, on a shorter scale), and the reason is reported. A replica that exits with
-status 2, a usage or configuration error that every start would repeat, is not restarted: it is
-failed, and `kubesgl up` stops everything. `stop` drains everything, the router first, and
+status 2 before it was ever ready, a usage or configuration error that every start would
+repeat, is not restarted: it is failed, and `kubesgl up` stops everything. One that has served
+before is backed off as any other death: its status 2 is a startup error that may pass, e.g.
+its port still held when it restarts at once. `stop` drains everything, the router first, and
 leaves no process behind, also when one hangs.
 
 Each process leads a process group of its own: the engines' scheduler and tokenizer processes
@@ -41,7 +43,7 @@ HEALTH_TIMEOUT_S = 1.0
 # How long the processes of a group may take to be gone after SIGKILL.
 KILL_WAIT_S = 5.0
 # The exit status of a usage or configuration error, found before the process serves (kubesgl
-# serve, kubesgl router, argparse): a restart would only repeat it.
+# serve, kubesgl router, argparse): a restart of a replica never ready would only repeat it.
 CONFIGURATION_ERROR_EXIT = 2
 CHECK_SIGNAL = signal.Signals[contract.ROUTER_CHECK_SIGNAL]
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
@@ -55,7 +57,7 @@ class State(StrEnum):
     READY = "ready"
     UNREADY = "unready"  # was ready, /health fails now
     BACKOFF = "backoff"  # died; starts again at restart_at
-    FAILED = "failed"  # exited with status 2, a configuration error: never started again
+    FAILED = "failed"  # status 2 before ever ready, a configuration error: never started again
     STOPPING = "stopping"
     STOPPED = "stopped"
 
@@ -71,6 +73,9 @@ class Replica:
     started_at: float = 0.0
     restart_at: float = 0.0
     deaths_in_a_row: int = 0
+    # /health has answered once: a later status 2 is no configuration error, as the same flags
+    # served (its port still held by what its last run left behind, for example)
+    has_been_ready: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -132,7 +137,7 @@ class Supervisor:
 
     @property
     def failed(self) -> list[Replica]:
-        """The replicas that exited with a configuration error (status 2)."""
+        """The replicas that exited with a configuration error (status 2 before ever ready)."""
         return [replica for replica in self.replicas if replica.state == State.FAILED]
 
     def tick(self) -> None:
@@ -219,7 +224,7 @@ class Supervisor:
         _kill_group(replica.popen.pid)  # what it leaves behind, its scheduler processes for example
         replica.popen = None
         replica.last_exit = exit_reason(code, replica.log_path)
-        if code == CONFIGURATION_ERROR_EXIT:
+        if code == CONFIGURATION_ERROR_EXIT and not replica.has_been_ready:
             replica.state = State.FAILED
             self.on_event(
                 replica,
@@ -238,6 +243,7 @@ class Supervisor:
         health = self.healthy(replica.process.url)
         if health.ok and replica.state != State.READY:
             replica.state = State.READY
+            replica.has_been_ready = True
             self.on_event(replica, f"ready on {_where(replica.process)}")
             if replica.process.role != contract.ROUTER:
                 self._tell_routers()

@@ -46,7 +46,12 @@ class Health(http.server.BaseHTTPRequestHandler):
     def log_message(self, *args):
         pass
 
-http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+try:
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+except OSError:  # kubesgl serve's preflight: a port in use is a StartupError, status 2
+    print(f"kubesgl serve: port {port} on 127.0.0.1 is in use", flush=True)
+    sys.exit(2)
+server.serve_forever()
 """
 
 
@@ -159,6 +164,7 @@ def test_a_replica_that_exits_with_status_2_is_failed_not_restarted(stand_in, tm
     supervisor.tick()
     reason = "exit code 2: kubesgl serve: --context-length 100000 exceeds the model's 2048"
     assert failing.state == State.FAILED and failing.popen is None
+    assert not failing.has_been_ready  # its first start, before /health answered
     assert failing.last_exit == reason and supervisor.failed == [failing]
     assert (
         f"prefill-0: exited ({reason}); not restarting: "
@@ -171,6 +177,46 @@ def test_a_replica_that_exits_with_status_2_is_failed_not_restarted(stand_in, tm
     supervisor.stop(threading.Event())
     assert failing.state == State.FAILED and other.state == State.STOPPED
     assert supervisor.failed == [failing]
+
+
+def test_status_2_from_a_replica_that_was_ready_is_restarted_with_backoff(stand_in, tmp_path):
+    """A replica that has served and died is restarted at once, maybe while its old port is
+    still held (by a process it left behind, or the kernel): kubesgl serve then exits 2 (a
+    StartupError), which is no configuration error here, since the same flags served before.
+    It backs off and recovers; it failed and stopped everything."""
+    clock, events = FakeClock(), []
+    supervisor = Supervisor(
+        [stand_in("mixed-0", "ok")],
+        tmp_path,
+        lambda r, m: events.append(m),
+        healthy=lambda url: Health(True),
+        clock=clock,
+    )
+    (replica,) = supervisor.replicas
+    supervisor.tick()
+    supervisor.tick()
+    assert replica.state == State.READY and replica.has_been_ready
+    replica.popen.send_signal(signal.SIGKILL)
+    replica.popen.wait()
+    with socket.socket() as holder:  # the old port, still held when it restarts at once
+        holder.bind(("127.0.0.1", replica.process.port))
+        holder.listen()
+        supervisor.tick()
+        assert events[-2] == "exited (killed by SIGKILL); restarting now"
+        assert replica.state == State.STARTING
+        replica.popen.wait()
+        supervisor.tick()
+        port = replica.process.port
+        reason = f"exit code 2: kubesgl serve: port {port} on 127.0.0.1 is in use"
+        assert events[-1] == f"exited ({reason}); restarting in 1 s"
+        assert replica.state == State.BACKOFF and supervisor.failed == []
+    clock.now += 1
+    supervisor.tick()  # the port is free now: it starts, and serves again
+    assert replica.state == State.STARTING and replica.restarts == 2
+    supervisor.tick()
+    assert replica.state == State.READY
+    supervisor.stop(threading.Event())
+    assert replica.state == State.STOPPED
 
 
 def test_the_router_starts_once_every_role_has_a_ready_replica(stand_in, tmp_path):
