@@ -89,23 +89,27 @@ def _size(value: object) -> int | str:
     size = parse_quantity(quantity)  # safe: the API server's pattern matched
     if size == 0:
         raise ValueError(f"{value!r} leaves no room: give a size above 0, or leave it unset")
-    if size != size.to_integral_value():
-        text = str(quantity)
-        # 512m is 512 thousandths of a byte: Mi meant, most likely
-        meant = (
-            f"did you mean {text[:-1]}Mi?"
-            if text.endswith("m")
-            else "give whole bytes, such as 4Gi"
-        )
-        whole = "below one byte" if size < 1 else "not whole bytes"
-        bytes_ = format(size.normalize(), "f")
-        raise ValueError(f"{value!r} is {bytes_} bytes, {whole}; {meant}")
+    text = str(quantity)
+    whole = size == size.to_integral_value()
+    bytes_ = format(size.normalize(), "f")
+    # 512m is 512 thousandths of a byte, and 2000m 2 bytes: Mi meant, most likely, whole or not
+    if text.endswith("m"):
+        if whole:
+            unit = "byte" if size == 1 else "bytes"
+            why = f"{bytes_} {unit}, m being thousandths of a byte"
+        else:
+            why = f"{bytes_} bytes, {'below one byte' if size < 1 else 'not whole bytes'}"
+        raise ValueError(f"{value!r} is {why}; did you mean {text[:-1]}Mi?")
+    if not whole:
+        below = "below one byte" if size < 1 else "not whole bytes"
+        raise ValueError(f"{value!r} is {bytes_} bytes, {below}; give whole bytes, such as 4Gi")
     return quantity
 
 
 # The size limit of an emptyDir the pod writes into (the download, /dev/shm): whole bytes above
-# 0, which the API server does not ask (it takes 0, and 512m: 0.512 bytes). The CRD's schema is
-# Quantity's; 0 and fractions of a byte are refused here.
+# 0, which the API server does not ask (it takes 0, and 512m: 0.512 bytes), and no m suffix
+# (2000m is 2 bytes, 2000Mi meant). The CRD's schema is Quantity's; 0, fractions of a byte and
+# the m suffix are refused here.
 Size = Annotated[int | str, PlainValidator(_size), _QUANTITY_SCHEMA]
 
 ANNOTATIONS_MAX_BYTES = 256 * 1024  # the API server's limit on an object's annotations

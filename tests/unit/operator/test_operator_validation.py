@@ -534,11 +534,31 @@ def test_a_quantity_below_0_is_refused(example, path, value) -> None:
 
 
 @pytest.mark.parametrize(("example", "path"), QUANTITY_FIELDS)
-@pytest.mark.parametrize("value", ["40Gi", "1.5Gi", "2000m", ".5Ki", "1e3", "+2k", "3", 4096])
+@pytest.mark.parametrize("value", ["40Gi", "1.5Gi", ".5Ki", "1e3", "+2k", "3", 4096])
 def test_every_quantity_field_takes_a_kubernetes_quantity(example, path, value) -> None:
     """One quantity type everywhere: sizeLimit and shmSizeLimit take an integer too, as the
-    emptyDir's own sizeLimit does (and whole bytes only: below)."""
+    emptyDir's own sizeLimit does (and whole bytes only, with no m suffix: below)."""
     parse_inference_service(with_changes(load_example(example), path, value))
+
+
+@pytest.mark.parametrize(("example", "path"), QUANTITY_FIELDS)
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("2000m", "'2000m' is 2 bytes, m being thousandths of a byte; did you mean 2000Mi?"),
+        ("1000m", "'1000m' is 1 byte, m being thousandths of a byte; did you mean 1000Mi?"),
+    ],
+)
+def test_a_size_limit_in_thousandths_is_refused_even_when_whole(
+    example, path, value, expected
+) -> None:
+    """2000m is 2 whole bytes, which the size limits took: the m suffix on a size is almost
+    surely a typo for Mi. A resource request or limit keeps taking it (cpu: 2000m)."""
+    document = with_changes(load_example(example), path, value)
+    if not path.endswith("izeLimit"):
+        parse_inference_service(document)
+        return
+    assert problems_of(document) == [f"{path}: Value error, {expected}"]
 
 
 @pytest.mark.parametrize(("example", "path"), QUANTITY_FIELDS)
