@@ -32,7 +32,7 @@ ENGINE_HOST = "127.0.0.1"  # engines serve the router only; the router listens o
 # on this machine: kept to the loopback device, it listens on 127.0.0.1 only, as the engines'
 # HTTP and bootstrap servers do, and the KV still moves. Not where the spec
 # (kvTransfer.ucx.netDevices) or this environment names the devices, nor where UCX_TLS names no
-# tcp (an RDMA transport has no loopback device).
+# tcp or an RDMA transport beside it (an RDMA transport has no loopback device: lo turns it off).
 UCX_LOOPBACK = {"UCX_NET_DEVICES": "lo"}
 # A pod's grace period when its spec sets none (the router's)
 KUBERNETES_GRACE_PERIOD_S = 30
@@ -393,9 +393,22 @@ def _local_env(container: dict[str, Any], environ: Mapping[str, str]) -> dict[st
     return env
 
 
+# UCX's InfiniBand (RDMA) transports and their aliases, by the start of their names: rc, rc_verbs,
+# rc_mlx5, rc_v, rc_x; ud, ud_verbs, ud_mlx5, ud_v, ud_x; dc, dc_mlx5, dc_x; ib (all of them);
+# mlx5; gga (gga_mlx5, BlueField). Each runs on an InfiniBand or RoCE device, which
+# UCX_NET_DEVICES=lo leaves out.
+_UCX_RDMA_TRANSPORTS = ("rc", "ud", "dc", "ib", "mlx", "gga")
+
+
 def _ucx_tcp_on_every_device(environment: Mapping[str, str]) -> bool:
-    """Whether UCX would use its TCP transport on every network device: no UCX_NET_DEVICES, and
-    UCX_TLS unset (UCX takes all it has), naming tcp or all, or excluding (^...) others."""
+    """Whether UCX would use its TCP transport on every network device, and only TCP among the
+    network transports named: no UCX_NET_DEVICES, and UCX_TLS unset (UCX takes all it has),
+    all, excluding (^...) others than tcp, or naming tcp and no RDMA transport. Where tcp is
+    named beside an RDMA one (rc,tcp), lo would leave the RDMA transport no device and silently
+    turn it off. Unset, all and ^... stay with lo: they ask for no RDMA transport, and the
+    engines of `kubesgl up` share one host, where the transports that carry the KV between local
+    processes (shared memory, cuda_ipc) use no network device and stay; whoever
+    wants RDMA between them names it (or UCX_NET_DEVICES)."""
     if "UCX_NET_DEVICES" in environment:
         return False
     transports = environment.get("UCX_TLS")
@@ -403,7 +416,11 @@ def _ucx_tcp_on_every_device(environment: Mapping[str, str]) -> bool:
         return True
     if transports.startswith("^"):
         return "tcp" not in transports[1:].split(",")
-    return bool({"tcp", "all"} & set(transports.split(",")))
+    # a transport may carry a suffix such as :aux (ud:aux, for connection setup only)
+    names = {transport.split(":")[0] for transport in transports.split(",")}
+    if any(name.startswith(_UCX_RDMA_TRANSPORTS) for name in names):
+        return False
+    return bool({"tcp", "all"} & names)
 
 
 def _unset_secret_keys(container: dict[str, Any]) -> tuple[str, ...]:

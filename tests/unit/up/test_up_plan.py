@@ -292,6 +292,31 @@ def test_ucx_devices_named_by_the_spec_or_this_environment_stay():
     assert ucx_net_devices(example("mixed")) == {None}
 
 
+@pytest.mark.parametrize(
+    "transports",
+    [
+        "rc,tcp",
+        "rc_mlx5,tcp",
+        "tcp,rc_verbs",
+        "ud,tcp",
+        "tcp,ud_x",
+        "dc_mlx5,tcp",
+        "ib,tcp",
+        "mlx5,tcp",
+        "tcp,cuda_copy,rc_x",
+        "tcp,ud:aux",
+    ],
+)
+def test_ucx_keeps_its_devices_where_rdma_is_named_beside_tcp(transports):
+    """UCX_NET_DEVICES=lo leaves UCX no InfiniBand device: an RDMA transport asked for beside tcp
+    (rc,tcp) was silently left out, and the KV went over TCP on 127.0.0.1."""
+    document = example("quickstart")
+    document["spec"]["kvTransfer"]["ucx"]["transports"] = transports
+    assert ucx_net_devices(document) == {None}
+    del document["spec"]["kvTransfer"]
+    assert ucx_net_devices(document, {"UCX_TLS": transports}) == {None}
+
+
 def test_a_variable_with_an_empty_value_is_set_empty():
     """Render leaves an empty value out, as the API server does; the pod's variable is still
     set, to "", and so is the local process's."""
