@@ -248,7 +248,13 @@ class _FlagsParser(RefusingParser):
     `--flag=value` included), whatever values they hold: a value that the flag's type or
     choices refuse stays as given (_AsGiven, or the string), and what the parser does not know
     is left over (a `$(VAR)` where a flag goes, which only the pod can tell). It still refuses
-    what no value can mend, such as a flag without its value at the end."""
+    what no value can mend, such as a flag without its value at the end.
+
+    `_get_value` and `_check_value` are argparse's private methods, not its API: this was
+    checked on Python 3.11 (3.11.7, as CI runs; pyproject also allows 3.12, the image's Ubuntu
+    python3). tests/unit/operator/test_operator_validation.py::
+    test_owned_flags_are_found_whatever_a_variable_gives_another_flag guards it: it fails
+    where another Python renames or stops calling them."""
 
     def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
         try:
@@ -267,8 +273,9 @@ def _owned_flag_problem(
     owned: Mapping[str, str],
 ) -> tuple[str, str] | None:
     """The first extraArgs that give a flag the operator relies on another value. Found
-    whatever the other flags hold: a `$(VAR)` known in the pod only, given to a flag that takes
-    a number or a choice, made the line unparseable, and the owned flags went unchecked."""
+    whatever the other flags hold (_FlagsParser): a `$(VAR)` known in the pod only, given to a
+    flag that takes a number or a choice, is no value a parser that checks types could take,
+    and a line it cannot parse would leave the owned flags beside it unchecked."""
     parser = build_parser(_FlagsParser)
 
     def parse(args: list[str]) -> argparse.Namespace:
