@@ -5,8 +5,8 @@ and a parser that raises where a command would exit, for checking command lines.
 default is (mentions "default") or there is nothing to show: no value (None), a switch that is
 off (False), an empty list, or a required flag. tests/unit/test_help.py checks every command.
 `port_number` (or `port_or_zero`) is the type of every command's --port; `at_least(N)` that of
-a whole-number flag with a floor, `fraction` that of a share from 0 to 1, `positive_rate` and
-`positive_ms` those of a rate and a time bound above 0: argparse then refuses a bad value with a
+a whole-number flag with a floor, `fraction` that of a share from 0 to 1, `above_zero(...)` that
+of a number above 0 such as a rate or a time bound: argparse then refuses a bad value with a
 usage error that names the flag.
 """
 
@@ -93,14 +93,14 @@ def _number(text: str, allowed: Callable[[float], bool], wanted: str) -> float:
     return number
 
 
-def positive_rate(text: str) -> float:
-    """A number above 0, inf included."""
-    return _number(text, lambda n: n > 0, "a number above 0 (inf: no limit)")
+def above_zero(what: str, inf: str) -> Callable[[str], float]:
+    """The type of a flag that takes a number above 0, inf included, refused as "WHAT above 0
+    (inf: INF)": `type=above_zero("milliseconds", "no bound")`."""
 
+    def number_above_zero(text: str) -> float:
+        return _number(text, lambda n: n > 0, f"{what} above 0 (inf: {inf})")
 
-def positive_ms(text: str) -> float:
-    """A time bound in milliseconds above 0, inf included."""
-    return _number(text, lambda n: n > 0, "milliseconds above 0 (inf: no bound)")
+    return number_above_zero
 
 
 def fraction(text: str) -> float:

@@ -24,7 +24,7 @@ from kubesgl.bench.datasets import (
     shared_prefix_requests,
     sharegpt_like_requests,
 )
-from kubesgl.cli_help import DefaultsOnce, at_least, fraction, positive_ms, positive_rate
+from kubesgl.cli_help import DefaultsOnce, above_zero, at_least, fraction
 
 
 @dataclass
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--request-rate",
-        type=positive_rate,
+        type=above_zero("a number", "no limit"),
         default=float("inf"),
         metavar="X",
         help="requests/s (Poisson); inf = all at once",
@@ -316,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--goodput",
         nargs=2,
-        type=positive_ms,
+        type=above_zero("milliseconds", "no bound"),
         default=None,
         metavar=("TTFT_MS", "ITL_MS"),
         help="also count requests whose TTFT and own ITL p99 are within these bounds (goodput);"
