@@ -90,19 +90,13 @@ def _size(value: object) -> int | str:
     if size == 0:
         raise ValueError(f"{value!r} leaves no room: give a size above 0, or leave it unset")
     text = str(quantity)
-    whole = size == size.to_integral_value()
-    bytes_ = format(size.normalize(), "f")
-    # 512m is 512 thousandths of a byte, and 2000m 2 bytes: Mi meant, most likely, whole or not
-    if text.endswith("m"):
-        if whole:
-            unit = "byte" if size == 1 else "bytes"
-            why = f"{bytes_} {unit}, m being thousandths of a byte"
-        else:
-            why = f"{bytes_} bytes, {'below one byte' if size < 1 else 'not whole bytes'}"
-        raise ValueError(f"{value!r} is {why}; did you mean {text[:-1]}Mi?")
-    if not whole:
-        below = "below one byte" if size < 1 else "not whole bytes"
-        raise ValueError(f"{value!r} is {bytes_} bytes, {below}; give whole bytes, such as 4Gi")
+    amount = format(size.normalize(), "f") + (" byte" if size == 1 else " bytes")
+    if text.endswith("m"):  # thousandths: 512m is 0.512 bytes, 2000m 2 bytes; Mi meant, likely
+        raise ValueError(
+            f"{value!r} is {amount}, m counting thousandths of a byte; did you mean {text[:-1]}Mi?"
+        )
+    if size != size.to_integral_value():
+        raise ValueError(f"{value!r} is {amount}, not whole bytes; give whole bytes, such as 4Gi")
     return quantity
 
 

@@ -545,8 +545,8 @@ def test_every_quantity_field_takes_a_kubernetes_quantity(example, path, value) 
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ("2000m", "'2000m' is 2 bytes, m being thousandths of a byte; did you mean 2000Mi?"),
-        ("1000m", "'1000m' is 1 byte, m being thousandths of a byte; did you mean 1000Mi?"),
+        ("2000m", "'2000m' is 2 bytes, m counting thousandths of a byte; did you mean 2000Mi?"),
+        ("1000m", "'1000m' is 1 byte, m counting thousandths of a byte; did you mean 1000Mi?"),
     ],
 )
 def test_a_size_limit_in_thousandths_is_refused_even_when_whole(
@@ -579,10 +579,10 @@ def test_a_size_limit_of_0_is_refused(example, path, value) -> None:
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ("512m", "'512m' is 0.512 bytes, below one byte; did you mean 512Mi?"),
-        ("1500m", "'1500m' is 1.5 bytes, not whole bytes; did you mean 1500Mi?"),
-        ("1e-9", "'1e-9' is 0.000000001 bytes, below one byte; give whole bytes, such as 4Gi"),
-        (".5", "'.5' is 0.5 bytes, below one byte; give whole bytes, such as 4Gi"),
+        ("512m", "'512m' is 0.512 bytes, m counting thousandths of a byte; did you mean 512Mi?"),
+        ("1500m", "'1500m' is 1.5 bytes, m counting thousandths of a byte; did you mean 1500Mi?"),
+        ("1e-9", "'1e-9' is 0.000000001 bytes, not whole bytes; give whole bytes, such as 4Gi"),
+        (".5", "'.5' is 0.5 bytes, not whole bytes; give whole bytes, such as 4Gi"),
         ("0.1Ki", "'0.1Ki' is 102.4 bytes, not whole bytes; give whole bytes, such as 4Gi"),
     ],
 )
