@@ -277,7 +277,8 @@ class PrefillTransfers:
             self._connect_tried(fact)
         elif isinstance(fact, RoomTimedOut):
             state = self._rooms.get(fact.room)
-            if state is not None and not state.started:
+            # rank 0's clock ran before this turn's facts: a post among them came in time
+            if state is not None and state.target is None:
                 del self._rooms[fact.room]
                 self._close(
                     fact.room,

@@ -180,6 +180,23 @@ def test_a_decode_side_that_never_asks_times_the_prefill_side_out(pair):
     assert not p.prefill.has_work()
 
 
+def test_a_post_that_came_in_time_wins_over_a_timeout_seen_in_the_same_turn(pair):
+    """The prefill side's scheduler was held up past the timeout (a long step, a pause) while
+    the decode side posted the room in time: its next turn sees both, and the room goes on (a
+    prefill engine's 504 means that no decode engine asked for the room; the router blames
+    the decode worker for it)."""
+    p = pair(timeout=0.3, decode_timeout=10.0)
+    p.decode.expect(p.target(7), [1])  # registers the decode side, which takes a prefill turn
+    p.run(lambda s, a: 7 in p.prefill._posted)
+    p.prefill.open(8)
+    p.decode.expect(p.target(8), [4, 5])
+    deadline = time.monotonic() + 0.6  # twice the timeout, the prefill side not turning
+    while time.monotonic() < deadline:
+        p.decode.poll()
+        time.sleep(0.01)
+    assert p.prefill.poll() == [] and p.prefill.posted(8)
+
+
 def test_a_room_the_prefill_side_never_runs_times_out_and_is_released_once_it_confirms(pair):
     p = pair(timeout=0.3)
     p.decode.expect(p.target(9), [4])
