@@ -231,6 +231,7 @@ async def _decode_verdict(
         if _timed_out_waiting_for_decode(prefill_error) and _passed_on(decode_error):
             # No decode engine asked for the room in time (it stalled) and the decode engine
             # passes that on: the prefill's error says what happened, the failure is the decode's
+            # (settled here: the callers' _settle of either error is then a no-op)
             decode_error.settle(blamed=True)
             prefill_error.settle(blamed=False)
         raise prefill_error from decode_error

@@ -138,7 +138,7 @@ class SchedulerLoop:
         messages = []
         if self.rank == 0:
             # sleep until a message arrives or it is time to turn: while idle, and while what is
-            # queued waits for an event (memory, a prefill engine's rooms their decode slots)
+            # queued waits for an event (memory; a prefill engine's rooms, for their decode slots)
             scheduler = self.engine.scheduler
             if not scheduler.has_steps() or scheduler.waits_for_events:
                 self.inbox.poll(self._idle_poll_ms())

@@ -224,7 +224,8 @@ class Supervisor:
         _kill_group(replica.popen.pid)  # what it leaves behind, its scheduler processes for example
         replica.popen = None
         replica.last_exit = exit_reason(code, replica.log_path)
-        if code == CONFIGURATION_ERROR_EXIT and not replica.has_been_ready:
+        # its first start, never ready: a later one may meet what an earlier run left (a port)
+        if code == CONFIGURATION_ERROR_EXIT and not (replica.restarts or replica.has_been_ready):
             replica.state = State.FAILED
             self.on_event(
                 replica,

@@ -183,7 +183,7 @@ def test_status_2_from_a_replica_that_was_ready_is_restarted_with_backoff(stand_
     """A replica that has served and died is restarted at once, maybe while its old port is
     still held (by a process it left behind, or the kernel): kubesgl serve then exits 2 (a
     StartupError), which is no configuration error here, since the same flags served before.
-    It backs off and recovers; it failed and stopped everything."""
+    It backs off and recovers; before, it failed and stopped everything."""
     clock, events = FakeClock(), []
     supervisor = Supervisor(
         [stand_in("mixed-0", "ok")],
