@@ -641,6 +641,24 @@ def test_a_prefill_engines_prefill_time_ends_at_the_first_token_not_at_the_hando
     assert_idle(prefill, decode)
 
 
+def test_no_turn_of_an_engine_with_work_to_run_waits_for_events(
+    tiny_model, make_engine, random_prompts
+):
+    """With overlap, turns launch a step, finish the one in flight or release finished
+    requests' pages until the work is done; none of them may make the loop wait, and an idle
+    turn does."""
+    engine = make_engine(tiny_model("llama"), "mixed")
+    for i, prompt in enumerate(random_prompts(3, 10, 20, seed=3)):
+        engine.add_request(GenerateRequest(f"r{i}", prompt, SamplingParams(max_tokens=1 + i)))
+    turns = 0
+    while engine.has_work():
+        engine.step()
+        turns += 1
+        assert not engine.scheduler.waits_for_events, turns
+    engine.step()  # nothing left: an idle turn
+    assert engine.scheduler.waits_for_events
+
+
 def test_a_room_no_decode_engine_asks_for_times_out_on_the_prefill_engine_uncomputed(
     tiny_model, make_engine, random_prompts
 ):
