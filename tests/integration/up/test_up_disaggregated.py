@@ -5,17 +5,15 @@ Ctrl-C leaves no process behind. One stack for the whole module, stopped by the 
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from up_harness import CHAT, MAX_TOKENS, PROMPTS, RunningUp, descendants
+from up_harness import CHAT, MAX_TOKENS, PROMPTS, RunningUp, descendants, listening_addresses
 
 from kubesgl import contract
 from kubesgl.up.status import read_counters
@@ -65,30 +63,6 @@ def test_answers_through_the_sdk_equal_a_plain_engine_through_both_engines(
     assert f'kubesgl_router_pd_routes_total{{route="disaggregated"}} {len(PROMPTS) + 1}.0' in routes
 
 
-def listening_addresses(pids: list[int]) -> set[str]:
-    """The addresses on which these processes' TCP sockets listen, from Linux's /proc."""
-    inodes = set()
-    for pid in pids:
-        try:
-            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:  # gone, or a descriptor closed meanwhile
-            continue
-        inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
-    addresses = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                packed = bytes.fromhex(fields[1].split(":")[0])
-                # each 32-bit word in the host's (little-endian) order
-                words = b"".join(packed[i : i + 4][::-1] for i in range(0, len(packed), 4))
-                addresses.add(str(ipaddress.ip_address(words)))
-    return addresses
-
-
-@pytest.mark.skipif(
-    sys.platform != "linux", reason="reads the listening sockets from Linux's /proc"
-)
 def test_every_process_listens_on_loopback_only(quickstart):
     """The engines' scheduler processes listened on the host's external address too: UCX's TCP
     transport (NIXL's, for the KV) takes every network device unless UCX_NET_DEVICES says."""

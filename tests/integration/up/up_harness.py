@@ -1,8 +1,9 @@
-"""Runs `kubesgl up` as a user would, in a process of its own, and looks at what it prints and
-at its process tree."""
+"""Runs `kubesgl up` as a user would, in a process of its own, and looks at what it prints, at
+its process tree and at the sockets it listens on (Linux's /proc)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -43,6 +44,27 @@ def descendants(pid: int) -> list[int]:
         found += children
         frontier = children
     return found
+
+
+def listening_addresses(pids: list[int]) -> set[str]:
+    """The addresses on which these processes' TCP sockets listen, from Linux's /proc."""
+    inodes = set()
+    for pid in pids:
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # gone, or a descriptor closed meanwhile
+            continue
+        inodes |= {link[8:-1] for link in links if link.startswith("socket:[")}
+    addresses = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                packed = bytes.fromhex(fields[1].split(":")[0])
+                # each 32-bit word in the host's (little-endian) order
+                words = b"".join(packed[i : i + 4][::-1] for i in range(0, len(packed), 4))
+                addresses.add(str(ipaddress.ip_address(words)))
+    return addresses
 
 
 def running(pid: int) -> bool:
