@@ -10,7 +10,6 @@ import ipaddress
 import re
 from typing import Annotated, Any, Literal
 
-from kubernetes.utils import parse_quantity
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -85,6 +84,10 @@ Quantity = Annotated[int | str, PlainValidator(_quantity), _QUANTITY_SCHEMA]
 
 
 def _size(value: object) -> int | str:
+    # imported here: the client package takes 0.4 s, which every `kubesgl up` and `kubesgl
+    # render` paid at start-up for a field few specs set
+    from kubernetes.utils import parse_quantity
+
     quantity = _quantity(value)
     size = parse_quantity(quantity)  # safe: the API server's pattern matched
     if size == 0:
