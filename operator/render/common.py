@@ -6,6 +6,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import BaseModel
+
 from kubesgl import contract
 from kubesgl.operator import naming
 from kubesgl.operator.spec import (
@@ -14,7 +16,6 @@ from kubesgl.operator.spec import (
     KIND,
     InferenceService,
     Placement,
-    Toleration,
 )
 
 Object = dict[str, Any]
@@ -134,7 +135,7 @@ def placement(block: Placement) -> Object:
     if block.node_selector:
         spec["nodeSelector"] = dict(block.node_selector)
     if block.tolerations:
-        spec["tolerations"] = [_toleration(toleration) for toleration in block.tolerations]
+        spec["tolerations"] = [as_stored(toleration) for toleration in block.tolerations]
     if block.affinity:
         spec["affinity"] = block.affinity
     if block.priority_class_name:
@@ -144,11 +145,12 @@ def placement(block: Placement) -> Object:
     return spec
 
 
-def _toleration(toleration: Toleration) -> Object:
-    """A toleration as the API server stores it: an empty key (with Exists, every taint) or
-    value is left out, as Toleration's omitempty fields are, or the live Deployment would never
-    hold what was rendered (drift.py)."""
-    fields = toleration.model_dump(by_alias=True, exclude_none=True)
+def as_stored(block: BaseModel) -> Object:
+    """A block of the spec passed on to a pod (a toleration, an env variable) as the API server
+    stores it: its empty strings left out, as their omitempty fields are (a toleration's empty
+    key, with Exists every taint, or value; an env variable's value, "" all the same), or the
+    live Deployment would never hold what was rendered (drift.py)."""
+    fields = block.model_dump(by_alias=True, exclude_none=True)
     return {name: value for name, value in fields.items() if value != ""}
 
 

@@ -10,6 +10,7 @@ from kubesgl.engine.config import ENGINE_OPTIONS
 from kubesgl.operator import naming
 from kubesgl.operator.render.common import (
     Object,
+    as_stored,
     container_security_context,
     http_probe,
     image_pull,
@@ -232,16 +233,8 @@ def _env(isvc: InferenceService) -> list[Object]:
 
 
 def role_env(block: RoleSpec) -> list[Object]:
-    """The role's own environment variables (spec.ROLE.env), after the operator's. An empty
-    value is left out, as the API server leaves it out (EnvVar.value is omitempty): the variable
-    is set to "" all the same, and the live Deployment holds what was rendered (drift.py)."""
-    rendered = []
-    for variable in block.env:
-        fields = variable.model_dump(by_alias=True, exclude_none=True)
-        if fields.get("value") == "":
-            del fields["value"]
-        rendered.append(fields)
-    return rendered
+    """The role's own environment variables (spec.ROLE.env), after the operator's."""
+    return [as_stored(variable) for variable in block.env]
 
 
 def secret_env(name: str, secret: SecretKeyRef) -> Object:
