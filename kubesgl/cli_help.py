@@ -54,11 +54,17 @@ class RefusingParser(argparse.ArgumentParser):
         pass
 
 
+def _whole_number(text: str) -> int | None:
+    """Digits, with a minus or not, as a number; None for anything else (int() would also take
+    " 7", "+7" and "7_000")."""
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
 def port_number(text: str, lowest: int = 1) -> int:
     """A --port: 1 to 65535. The OS would take 70000 as 70000 mod 65536 (the printed URL then
     names a port nobody listens on), and 0 as a free port, which only a command that logs
     the port it bound may take (`port_or_zero`)."""
-    port = int(text) if text.lstrip("-").isdigit() else None
+    port = _whole_number(text)
     if port is None or not lowest <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port from {lowest} to 65535, not {text!r}")
     return port
@@ -74,7 +80,7 @@ def at_least(lowest: int) -> Callable[[str], int]:
     """The type of a whole-number flag whose values start at `lowest`: `type=at_least(1)`."""
 
     def whole_number(text: str) -> int:
-        number = int(text) if text.lstrip("-").isdigit() else None
+        number = _whole_number(text)
         if number is None or number < lowest:
             raise argparse.ArgumentTypeError(f"a whole number from {lowest} up, not {text!r}")
         return number
