@@ -318,13 +318,12 @@ class UpstreamClient:
             reply_headers = end_to_end_headers(list(response.raw_headers))
             if status >= 400 or not stream:
                 body = await self._read_all(worker, response)
-                error = UpstreamError.from_answer(worker, status, body) if status >= 400 else None
-                if error is not None and status >= 500 and paired:
-                    error._pending = attempt
-                    raise error
-                if error is not None:
-                    # a client's error (4xx) says nothing of the worker: neither way
-                    attempt.finish(str(status), worker_failed=True if status >= 500 else None)
+                if status >= 400:
+                    error = UpstreamError.from_answer(worker, status, body)
+                    if paired and status >= 500:  # the pair decides whose failure it was
+                        error._pending = attempt
+                    else:  # a client's error (4xx) says nothing of the worker: neither way
+                        attempt.finish(str(status), worker_failed=True if status >= 500 else None)
                     raise error
                 attempt.finish(str(status), worker_failed=False)
                 return BufferedReply(status, reply_headers, body)
