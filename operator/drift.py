@@ -3,7 +3,9 @@
 Live objects carry more than was applied (defaults, status, other managers' fields), so the
 check is containment, not equality. The API server rewrites quantities ("0.5" into "500m",
 "1.5Gi" into "1536Mi", "1000" into "1k") in the fields of a quantity type, which is not drift
-either: those under `_QUANTITY_FIELDS`.
+either: those under `_QUANTITY_FIELDS`. Nor is an empty string or list that the live object
+leaves out: the API server drops those of its `omitempty` fields (an env variable's value, a
+toleration's key, an affinity's list of preferences), and those it keeps are compared.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ def has_drifted(desired: Any, live: Any) -> bool:
 def _contains(live: Any, desired: Any, quantities: bool) -> bool:
     if isinstance(desired, Mapping):
         return isinstance(live, Mapping) and all(
-            key in live and _contains(live[key], value, quantities or key in _QUANTITY_FIELDS)
+            _contains(live[key], value, quantities or key in _QUANTITY_FIELDS)
+            if key in live
+            else value in ("", [])
             for key, value in desired.items()
         )
     if isinstance(desired, list):

@@ -135,7 +135,7 @@ def placement(block: Placement) -> Object:
     if block.node_selector:
         spec["nodeSelector"] = dict(block.node_selector)
     if block.tolerations:
-        spec["tolerations"] = [as_stored(toleration) for toleration in block.tolerations]
+        spec["tolerations"] = [as_given(toleration) for toleration in block.tolerations]
     if block.affinity:
         spec["affinity"] = block.affinity
     if block.priority_class_name:
@@ -145,13 +145,9 @@ def placement(block: Placement) -> Object:
     return spec
 
 
-def as_stored(block: BaseModel) -> Object:
-    """A block of the spec passed on to a pod (a toleration, an env variable) as the API server
-    stores it: its empty strings left out, as their omitempty fields are (a toleration's empty
-    key, with Exists every taint, or value; an env variable's value, "" all the same), or the
-    live Deployment would never hold what was rendered (drift.py)."""
-    fields = block.model_dump(by_alias=True, exclude_none=True)
-    return {name: value for name, value in fields.items() if value != ""}
+def as_given(block: BaseModel) -> Object:
+    """A block of the spec passed on to a pod (a toleration, an env variable), as written."""
+    return block.model_dump(by_alias=True, exclude_none=True)
 
 
 def image_pull(isvc: InferenceService) -> tuple[Object, Object]:

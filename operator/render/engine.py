@@ -10,7 +10,7 @@ from kubesgl.engine.config import ENGINE_OPTIONS
 from kubesgl.operator import naming
 from kubesgl.operator.render.common import (
     Object,
-    as_stored,
+    as_given,
     container_security_context,
     http_probe,
     image_pull,
@@ -234,7 +234,7 @@ def _env(isvc: InferenceService) -> list[Object]:
 
 def role_env(block: RoleSpec) -> list[Object]:
     """The role's own environment variables (spec.ROLE.env), after the operator's."""
-    return [as_stored(variable) for variable in block.env]
+    return [as_given(variable) for variable in block.env]
 
 
 def secret_env(name: str, secret: SecretKeyRef) -> Object:

