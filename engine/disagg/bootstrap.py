@@ -285,7 +285,7 @@ class BootstrapServer:
                     "code": UNKNOWN_PEER,
                 }
             self._heard_at[engine] = time.monotonic()
-            self.emit(RoomsQueued(rooms))
+            self.emit(RoomsQueued(engine, rooms))
         return 200, {}
 
     def room_ended(self, engine: str, note: RoomNote) -> None:

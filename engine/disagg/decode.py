@@ -130,12 +130,19 @@ class DecodeTransfers:
             link.send(connect)
         self._rooms: dict[int, _Room] = {}
         self._queued: dict[int, BootstrapTarget] = {}  # rooms of requests not admitted yet
-        self._queue_told_at = 0.0  # rank 0: when the prefill engines last heard of them
+        self._queue_told_at = 0.0  # rank 0: when the prefill engines last heard of them all
+        # rank 0: rooms queued since the last turn, and those queued before it, which that
+        # turn's admissions left queued: their prefill engines hear of these at once, so that
+        # a room ended there first (a refused request) fails here now, not once it is posted
+        self._new: set[int] = set()
+        self._left_queued: set[int] = set()
 
     def queue(self, target: BootstrapTarget) -> None:
         """A request for `target` waits for admission here: its prefill engine must keep the
         prompt's KV meanwhile, however long that takes."""
         self._queued[target.room] = target
+        if self.link is not None:
+            self._new.add(target.room)
 
     def expect(self, target: BootstrapTarget, dst_slots: list[int]) -> None:
         """Ask the prefill engine of `target` to write the prompt's KV into `dst_slots`."""
@@ -162,6 +169,12 @@ class DecodeTransfers:
         if self.link is not None:
             self.link.send(CancelRoom(target.room, target.address, reason, aborted))
 
+    def unqueue(self, target: BootstrapTarget, reason: str, aborted: bool = False) -> None:
+        """A queued request ended here before its admission: `refuse`, unless the prefill
+        engine ended the room first (its note failed the request)."""
+        if target.room in self._queued:
+            self.refuse(target, reason, aborted)
+
     def has_rooms(self) -> bool:
         return bool(self._rooms or self._queued)
 
@@ -180,13 +193,7 @@ class DecodeTransfers:
         if self.link is not None:
             local += self.link.drain()
             now = time.monotonic()
-            if self._queued and now - self._queue_told_at > self.timeout / 4:
-                self._queue_told_at = now
-                by_address: dict[str, list[int]] = {}
-                for room, target in self._queued.items():
-                    by_address.setdefault(target.address, []).append(room)
-                for address, rooms in by_address.items():
-                    self.link.send(StillQueued(address, tuple(rooms)))
+            self._tell_queued(now)
             for room, state in self._rooms.items():
                 if state.waiting and not state.timed_out and now - state.asked_at > self.timeout:
                     state.timed_out = True
@@ -204,6 +211,23 @@ class DecodeTransfers:
         for fact in sorted(self.consensus.share(local), key=lambda f: isinstance(f, NoteOverdue)):
             outcomes += self._apply(fact)
         return outcomes
+
+    def _tell_queued(self, now: float) -> None:
+        """Rank 0: the prefill engines hear which rooms wait here: each as soon as a turn's
+        admissions have left it queued, and all every quarter of the timeout (so that they
+        never time its request out)."""
+        assert self.link is not None  # rank 0 alone talks to the bootstrap process
+        if self._queued and now - self._queue_told_at > self.timeout / 4:
+            self._queue_told_at = now
+            rooms = list(self._queued)
+        else:
+            rooms = [room for room in self._left_queued if room in self._queued]
+        self._left_queued, self._new = self._new, set()
+        by_address: dict[str, list[int]] = {}
+        for room in rooms:
+            by_address.setdefault(self._queued[room].address, []).append(room)
+        for address, rooms in by_address.items():
+            self.link.send(StillQueued(address, tuple(rooms)))
 
     def _apply(self, fact: DecodeFact | BootstrapFact) -> list[DecodeOutcome]:
         if isinstance(fact, NoteArrived):
@@ -261,7 +285,7 @@ class DecodeTransfers:
         note = fact.note
         state = self._rooms.get(note.room)
         if state is None:
-            return []  # a room that ended here already (its prefill engine was declared dead)
+            return self._queued_note(note)
         state.notes[fact.rank] = note
         failed_now = state.waiting and note.status is not RoomStatus.DONE
         if failed_now:
@@ -286,6 +310,22 @@ class DecodeTransfers:
                 )
             ]
         return [DecodeOutcome(note.room, released=True)] if complete else []
+
+    def _queued_note(self, note: RoomNote) -> list[DecodeOutcome]:
+        """The prefill engine ended a room whose request is still queued here (it refused
+        the request, its client left): the request fails now. No slots were posted, so no
+        write can come; a DONE note, which needs them, is not its prefill engine's."""
+        if note.status is RoomStatus.DONE or self._queued.pop(note.room, None) is None:
+            return []  # a room that ended here already (failed, or its prefill engine dead)
+        return [
+            DecodeOutcome(
+                note.room,
+                error=note.error,
+                reason=note.reason or FailureReason.REFUSED,
+                http_status=note.http_status,
+                released=True,
+            )
+        ]
 
     def _note_overdue(self, note: RoomNote) -> list[DecodeOutcome]:
         """The prefill engine's report ends the room, as its note would have, but a room it

@@ -139,6 +139,14 @@ class _Room:
     waited: float = 0.0  # this rank: from the request's arrival to the decode side's slots
 
 
+@dataclass(frozen=True)
+class _Queued:
+    """A room a decode engine said it has queued, its slots not posted yet."""
+
+    engine: str  # told at once should the room end here before its post
+    at: float  # when it last said so (rank 0's clock decides the timeouts)
+
+
 @dataclass
 class _Write:
     """A write of this rank in flight."""
@@ -174,9 +182,7 @@ class PrefillTransfers:
         self._posted: dict[int, RoomPosted] = {}  # posts whose request has not come (yet)
         self._closed: dict[int, RoomNote] = {}  # rooms that ended here before their post came
         self._seen_at: dict[int, float] = {}  # rank 0: when each post or closed room appeared
-        self._queued_at: dict[
-            int, float
-        ] = {}  # rank 0: when a decode engine last said it queued the room
+        self._queued: dict[int, _Queued] = {}  # rooms decode engines queued, not posted yet
         self._writes: dict[int, _Write] = {}  # this rank's writes in flight
         # this rank's facts for the next turn; facts the bootstrap link brings that are not the
         # prefill side's (the decode side's PostFailed...) are ignored
@@ -257,6 +263,7 @@ class PrefillTransfers:
             self._disconnect(fact.engine)
         elif isinstance(fact, RoomPosted):
             state = self._rooms.get(fact.room)
+            self._queued.pop(fact.room, None)  # its slots have come: queued there no more
             if state is not None:
                 state.target, state.waited = fact, time.monotonic() - state.opened_at
             elif fact.room in self._closed:
@@ -267,8 +274,12 @@ class PrefillTransfers:
         elif isinstance(fact, RoomCancelled):
             return self._cancel(fact)
         elif isinstance(fact, RoomsQueued):
-            if self.link is not None:
-                self._queued_at.update(dict.fromkeys(fact.rooms, time.monotonic()))
+            now = time.monotonic()
+            for room in fact.rooms:
+                self._queued[room] = _Queued(fact.engine, now)
+                # it ended here before the decode engine said so (or the note was lost)
+                if room in self._closed:
+                    self._notify(fact.engine, self._closed[room])
         elif isinstance(fact, WriteEnded):
             return self._write_ended(fact)
         elif isinstance(fact, WriteOverdue):
@@ -292,7 +303,7 @@ class PrefillTransfers:
                 self._posted.pop(room, None)
                 self._closed.pop(room, None)
                 self._seen_at.pop(room, None)
-                self._queued_at.pop(room, None)
+                self._queued.pop(room, None)
         return []
 
     def _connect(self, fact: PeerRegistered) -> None:
@@ -492,21 +503,28 @@ class PrefillTransfers:
             RoomTimedOut(room, f"no decode engine asked for room {room} within {self.timeout:g} s")
             for room, state in self._rooms.items()
             if state.target is None
-            and now - max(state.opened_at, self._queued_at.get(room, 0.0)) > self.timeout
+            and now - max(state.opened_at, self._queued[room].at if room in self._queued else 0.0)
+            > self.timeout
         ]
         old = tuple(room for room, seen in self._seen_at.items() if now - seen > 2 * self.timeout)
         old += tuple(
             room
-            for room, queued in self._queued_at.items()
-            if now - queued > 2 * self.timeout and room not in self._seen_at
+            for room, queued in self._queued.items()
+            if now - queued.at > 2 * self.timeout and room not in self._seen_at
         )
         if old:
             facts.append(RoomsForgotten(old))
         return facts
 
     def _close(self, room: int, note: RoomNote) -> None:
+        """The room ended here before its post came. A decode engine that said it queued the
+        room gets the note now (its request fails there at once, not once it is admitted and
+        posts the room, which answers with the note again); any other, when it posts."""
         self._closed[room] = note
         self._remember(room)
+        queued = self._queued.get(room)
+        if queued is not None:
+            self._notify(queued.engine, note)
 
     def _remember(self, room: int) -> None:
         if self.link is not None:

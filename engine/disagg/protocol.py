@@ -283,8 +283,10 @@ class PeerForgotten:
 
 @dataclass(frozen=True)
 class RoomsQueued:
-    """Rooms a live decode engine has queued but not admitted yet: not to be timed out."""
+    """Rooms a live decode engine has queued but not admitted yet: not to be timed out, and
+    told at once should they end here before they are posted."""
 
+    engine: str
     rooms: tuple[int, ...]
 
 

@@ -378,7 +378,8 @@ class DecodeRole(_RoomRole):
             if outcome.released:
                 self._held.discard(outcome.room)
             req = self.rooms.get(outcome.room)
-            if req is None or req.status is not ReqStatus.AWAITING_KV:
+            # WAITING: queued here, its room ended by the prefill engine before it was posted
+            if req is None or req.status not in (ReqStatus.WAITING, ReqStatus.AWAITING_KV):
                 continue
             if outcome.note is not None:
                 self._kv_waits.append(outcome.waited)
@@ -413,7 +414,7 @@ class DecodeRole(_RoomRole):
         aborted = req.finish_reason is not None and req.finish_reason.kind == "abort"
         if req.status is ReqStatus.WAITING:
             self._ended_early(req)
-            self.transfers.refuse(req.bootstrap, message, aborted)
+            self.transfers.unqueue(req.bootstrap, message, aborted)
         elif req.status is ReqStatus.AWAITING_KV and self.transfers.waiting(req.bootstrap.room):
             self._ended_early(req)
             self._held.add(req.bootstrap.room)

@@ -372,6 +372,38 @@ def test_a_request_the_prefill_engine_refuses_fails_on_the_decode_engine_at_once
     assert_idle(prefill, decode)
 
 
+def test_a_request_the_prefill_engine_refuses_fails_at_once_while_the_decode_engine_queues_it(
+    tiny_model, make_engine, random_prompts
+):
+    """The decode engine's batch is full, so it queues the room and posts no slots; the
+    prefill engine refuses the request (its context is shorter). The decode engine fails it
+    with the prefill engine's 400, counted `refused`, while its batch is still busy: not once
+    it could post the room, when the router, which waits 1 s for the decode engine's answer
+    after the prefill engine's refusal, would have aborted it (an abort, and a late 400)."""
+    model = tiny_model("llama")
+    prefill = make_engine(model, "prefill", context_length=64)
+    decode = make_engine(model, "decode", max_running_requests=1)
+    busy_prompt, prompt = random_prompts(2, 80, 80, seed=2)
+    busy = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+    decode.add_request(GenerateRequest("local", busy_prompt, busy))
+    decode.step()  # admitted: the batch is full
+    target = BootstrapTarget(next(_rooms), "127.0.0.1", prefill.role.transfers.link.port)
+    decode.add_request(
+        GenerateRequest("d0", prompt, SamplingParams(max_tokens=8), bootstrap=target)
+    )
+    with pytest.raises(InvalidRequestError, match="context length"):
+        prefill.add_request(
+            GenerateRequest("p0", prompt, SamplingParams(max_tokens=8), bootstrap=target)
+        )
+    outputs = run([prefill, decode], finished(["d0"]))
+    reason = outputs["d0"][-1].finish_reason
+    assert reason.kind == "error" and reason.status == 400 and "context length" in reason.message
+    assert not outputs["local"][-1].finished  # the room was never admitted
+    assert decode.role.stats().failures_by_reason == {"refused": 1}
+    step_until([prefill, decode], lambda: not decode.scheduler.has_work())
+    assert_idle(prefill, decode)
+
+
 def test_a_request_the_decode_engine_refuses_releases_the_prefill_engine_at_once(
     tiny_model, make_engine, random_prompts
 ):

@@ -29,6 +29,7 @@ from kubesgl.engine.disagg.protocol import (
     PoolLayout,
     RankAgent,
     RoomNote,
+    RoomsQueued,
     RoomStatus,
 )
 from kubesgl.engine.disagg.ranks import RankConsensus
@@ -300,6 +301,45 @@ def test_a_prefill_side_failure_reaches_the_decode_side_at_once(pair):
         True,
     )
     assert "too long" in outcome.error
+
+
+@pytest.mark.parametrize("first", ["refused", "queued"])
+def test_a_refusal_of_a_room_the_decode_side_has_queued_reaches_it_before_any_post(
+    pair, monkeypatch, first
+):
+    """The decode side has queued the room (its pool is full: no slots posted yet) when the
+    prefill side refuses the room's request, before or after it hears that the decode side
+    queued it: the refusal ends the queued room at once, not once its slots are posted, which
+    may be long after the router gave up on the pair."""
+    p = pair()
+    heard = []  # what the prefill side's turns took from its bootstrap server
+    drain = p.prefill.link.drain
+
+    def drain_heard():
+        facts = drain()
+        heard.extend(facts)
+        return facts
+
+    monkeypatch.setattr(p.prefill.link, "drain", drain_heard)
+    if first == "refused":
+        p.prefill.abandon(13, FailureReason.REFUSED, "the prompt is too long here", 400)
+    p.decode.queue(p.target(13))
+    _, arrived = p.run(
+        lambda s, a: any(isinstance(fact, RoomsQueued) and 13 in fact.rooms for fact in heard),
+        timeout=5,
+    )
+    if first == "queued":
+        p.prefill.abandon(13, FailureReason.REFUSED, "the prompt is too long here", 400)
+    arrived += p.run(lambda s, a: arrived or a, timeout=5)[1]
+    [outcome] = arrived
+    assert (outcome.room, outcome.reason, outcome.http_status, outcome.released) == (
+        13,
+        FailureReason.REFUSED,
+        400,
+        True,
+    )
+    assert "too long" in outcome.error
+    assert not p.decode.has_rooms()
 
 
 def test_a_failed_write_fails_the_room_on_both_sides(pair, monkeypatch):
@@ -1021,7 +1061,7 @@ def test_rooms_queued_after_being_forgotten_register_again_and_keep_waiting(pair
     p.server.forget_idle_peers()
     p.server._peer_idle_s = 600
     p.decode.link.service.client.still_queued(p.target(0).address, [100])
-    p.run(lambda s, a: 100 in p.prefill._queued_at, timeout=5)
+    p.run(lambda s, a: 100 in p.prefill._queued, timeout=5)
 
 
 def test_a_restart_fails_only_the_rooms_at_the_instance_that_went():
