@@ -109,7 +109,7 @@ def main(argv: list[str]) -> int:
     problem = _listen_problem(args.host, args.port)
     if problem is not None:
         print(f"{PROG}: {problem}", file=sys.stderr)
-        return 1
+        return 2
 
     log_dir = (
         Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix=f"kubesgl-up-{local.name}-"))

@@ -109,11 +109,13 @@ def test_other_kinds_beside_the_inference_service_are_skipped(tmp_path, capsys):
 
 
 def test_a_port_in_use(tmp_path, capsys):
+    """A port in use is a usage error, status 2 as every other refusal before anything starts
+    (it was 1, so a script could not tell it from a failure of a started process)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert cli.main(["-f", str(QUICKSTART), "--port", str(port), "--logs", str(tmp_path)]) == 1
+        assert cli.main(["-f", str(QUICKSTART), "--port", str(port), "--logs", str(tmp_path)]) == 2
     assert (
         capsys.readouterr().err
         == f"kubesgl up: 127.0.0.1:{port} is in use: choose another --port\n"
@@ -133,13 +135,13 @@ def test_an_address_not_of_this_machine_is_not_a_port_in_use(tmp_path, capsys, s
     """A --host this machine cannot listen on is named as such, not as a port in use: another
     --port would not help."""
     args = ["-f", str(QUICKSTART), "--logs", str(tmp_path)]
-    assert cli.main([*args, "--host", "192.0.2.1"]) == 1  # TEST-NET-1: no machine's address
+    assert cli.main([*args, "--host", "192.0.2.1"]) == 2  # TEST-NET-1: no machine's address
     err = capsys.readouterr().err
     assert err.startswith("kubesgl up: cannot listen on 192.0.2.1:8000: ")
     assert err.endswith("choose another --host\n")
     assert "in use" not in err
 
-    assert cli.main([*args, "--host", "no-such-host.invalid"]) == 1
+    assert cli.main([*args, "--host", "no-such-host.invalid"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kubesgl up: cannot listen on no-such-host.invalid:8000: ")
     assert "in use" not in err
