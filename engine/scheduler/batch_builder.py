@@ -24,7 +24,6 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) pairs over the 63-bit
 @dataclass
 class ScheduledBatch:
     step: int
-    mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]
     emits: list[bool]  # whether row i samples a real output token
@@ -139,9 +138,7 @@ class BatchBuilder:
             sampling=sampling,
             prefill_rows=len(prefill.reqs),
         )
-        return ScheduledBatch(
-            self._step, mode, reqs, list(lens), list(emits), len(prefill.reqs), forward
-        )
+        return ScheduledBatch(self._step, reqs, list(lens), list(emits), len(prefill.reqs), forward)
 
     def _sampling(self, reqs: list[Req], emits: list[bool]) -> SamplingBatch:
         params = [req.params for req in reqs]

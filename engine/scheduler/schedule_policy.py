@@ -92,7 +92,6 @@ class SchedulePolicy:
             raise ValueError(
                 f"unknown schedule policy {name!r}: one of {', '.join(SCHEDULE_POLICIES)}"
             )
-        self.name = name
         self._order = SCHEDULE_POLICIES[name]
         self.cache = cache
         self.max_wait = max_wait

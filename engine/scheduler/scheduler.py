@@ -79,9 +79,9 @@ class Scheduler:
         overlap: bool,
         future_capacity: int,
         stop_checker: StopStringChecker,
-        role: MixedRole | None = None,
-        grammars: GrammarBackend | None = None,
-        wait_for_grammars: bool = False,
+        role: MixedRole,
+        grammars: GrammarBackend | None,
+        wait_for_grammars: bool,
     ):
         self.executor = executor
         self.grammars = grammars  # None: the model has no tokenizer, so no grammar can be compiled
@@ -90,7 +90,7 @@ class Scheduler:
         self.wait_for_grammars = wait_for_grammars
         self.stop_checker = stop_checker
         self.kv = kv
-        self.role = role or MixedRole(kv)
+        self.role = role
         self.limits = limits
         self.eos_token_ids = eos_token_ids
         self.overlap = overlap
