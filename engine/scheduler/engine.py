@@ -83,6 +83,36 @@ def kv_pool_tokens(
     return tokens
 
 
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type: --kv-cache-dtype, "auto" being the model's `dtype`."""
+    if config.kv_cache_dtype != "fp8_e4m3":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError(
+            "--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer (Ada, Hopper)"
+        )
+    return torch.float8_e4m3fn
+
+
+def cuda_graph_sizes(config: EngineConfig, device: torch.device) -> tuple[int, int]:
+    """The largest decode batch captured in a CUDA graph, and the largest step in tokens
+    captured in piecewise ones (0: none captured)."""
+    if device.type != "cuda" or config.disable_cuda_graph:
+        if config.enable_piecewise_cuda_graph:
+            # with --disable-cuda-graph it is refused (EngineConfig.validate): the device has none
+            logger.warning("piecewise CUDA graphs off: no CUDA graphs on %s", device.type)
+        return 0, 0
+    max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
+    if not config.enable_piecewise_cuda_graph:
+        return max_bs, 0
+    # Chunked, no step is larger than the budget; unchunked, a larger step (a long first
+    # prompt, or prompts and decodes together) runs eagerly.
+    step_tokens = config.chunked_prefill_size
+    if step_tokens <= 0:
+        step_tokens = config.max_prefill_tokens
+    return max_bs, min(config.piecewise_cuda_graph_max_tokens, step_tokens)
+
+
 class Engine:
     def __init__(
         self,
@@ -116,15 +146,7 @@ class Engine:
         attn = self.model.attention_specs()[0]
 
         page = config.page_size
-        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8_e4m3" else self.dtype
-        if (
-            kv_dtype == torch.float8_e4m3fn
-            and self.device.type == "cuda"
-            and torch.cuda.get_device_capability() < (8, 9)
-        ):
-            raise ValueError(
-                "--kv-cache-dtype fp8_e4m3 needs a GPU of compute capability 8.9 or newer (Ada, Hopper)"
-            )
+        kv_dtype = kv_cache_dtype(config, self.dtype, self.device)
         tokens = kv_pool_tokens(
             config, self.model_config, kv_dtype, self.device, attn.num_kv_heads, self.context_length
         )
@@ -155,29 +177,13 @@ class Engine:
         backend = config.attention_backend
         if backend == "auto":
             backend = auto_backend(self.device, self.dtype, attn.head_dim)
-        graphs = self.device.type == "cuda" and not config.disable_cuda_graph
-        cuda_graph_max_bs = 0
-        if graphs:
-            cuda_graph_max_bs = min(config.max_running_requests, config.cuda_graph_max_bs)
-        piecewise_max_tokens = 0
-        if config.enable_piecewise_cuda_graph and not graphs:
-            # with --disable-cuda-graph it is refused (EngineConfig.validate): the device has none
-            logger.warning("piecewise CUDA graphs off: no CUDA graphs on %s", self.device.type)
-        elif config.enable_piecewise_cuda_graph:
-            # Chunked, no step is larger than the budget; unchunked, a larger step (a long
-            # first prompt, or prompts and decodes together) runs eagerly.
-            step_tokens = config.chunked_prefill_size
-            if step_tokens <= 0:
-                step_tokens = config.max_prefill_tokens
-            piecewise_max_tokens = min(config.piecewise_cuda_graph_max_tokens, step_tokens)
         runner = ModelRunner(
             self.model,
             kv_pool,
             table,
             backend,
             future_capacity,
-            cuda_graph_max_bs,
-            piecewise_max_tokens,
+            *cuda_graph_sizes(config, self.device),
         )
         overlap = not config.disable_overlap_schedule
         self.executor = OverlapExecutor(runner) if overlap else SyncExecutor(runner)
