@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, get_args
 
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent
 from kubesgl.engine.disagg.link import BootstrapLink
@@ -74,6 +76,8 @@ class NoteOverdue:
     note: RoomNote
 
 
+# What changes a room, in the same order on every rank: what this side's ranks saw, and
+# what rank 0's bootstrap process learned from the prefill engines
 DecodeFact = (
     NoteArrived
     | KVTimedOut
@@ -82,6 +86,7 @@ DecodeFact = (
     | PostFailed
     | CancelUnknown
     | CancelConfirmed
+    | EndReported
     | PeerLost
 )
 
@@ -230,56 +235,62 @@ class DecodeTransfers:
             self.link.send(StillQueued(address, tuple(rooms)))
 
     def _apply(self, fact: DecodeFact | BootstrapFact) -> list[DecodeOutcome]:
-        if isinstance(fact, NoteArrived):
-            return self._note(fact)
-        if isinstance(fact, KVTimedOut):
-            state = self._rooms.get(fact.room)
+        handler = _HANDLERS.get(type(fact))
+        if handler is None:
+            raise TypeError(f"not a decode-side fact: {fact!r}")
+        return handler(self, fact)
+
+    def _timed_out(self, fact: KVTimedOut) -> list[DecodeOutcome]:
+        state = self._rooms.get(fact.room)
+        if state is None or not state.waiting:
+            return []
+        self.cancel(fact.room, "the decode engine timed the room out")
+        error = f"room {fact.room}'s KV did not arrive within {self.timeout:g} s"
+        return [DecodeOutcome(fact.room, error=error, reason=FailureReason.TIMEOUT)]
+
+    def _post_failed(self, fact: PostFailed) -> list[DecodeOutcome]:
+        state = self._rooms.get(fact.room)
+        if fact.maybe_taken:  # as a timeout: fail the request, keep the slots until told
             if state is None or not state.waiting:
                 return []
-            self.cancel(fact.room, "the decode engine timed the room out")
-            error = f"room {fact.room}'s KV did not arrive within {self.timeout:g} s"
-            return [DecodeOutcome(fact.room, error=error, reason=FailureReason.TIMEOUT)]
-        if isinstance(fact, PostFailed):
-            state = self._rooms.get(fact.room)
-            if fact.maybe_taken:  # as a timeout: fail the request, keep the slots until told
-                if state is None or not state.waiting:
-                    return []
-                self.cancel(fact.room, fact.error)
-                return [DecodeOutcome(fact.room, error=fact.error, reason=fact.reason)]
-            # Its request may run there all the same, unless the room is another's (a 409)
-            if state is not None and self.link is not None and fact.http_status != 409:
-                self.link.send(CancelRoom(fact.room, state.target.address, fact.error))
-            return self._end(fact.room, fact.error, fact.reason, fact.http_status)
-        if isinstance(fact, CancelUnknown):
-            return self._end(fact.room, None, None)
-        if isinstance(fact, CancelConfirmed):
-            state = self._rooms.get(fact.room)
-            if state is not None and self.link is not None:
-                state.release_at = time.monotonic() + fact.release_after_s
-            return []
-        if isinstance(fact, LastWordOverdue):
-            if fact.room in self._rooms:
-                logger.warning(
-                    "room %d: the prefill engine's last word never came; its slots are "
-                    "released, as no write into them can come any more",
-                    fact.room,
-                )
-            return self._end(fact.room, None, None)
-        if isinstance(fact, EndReported):
-            state = self._rooms.get(fact.note.room)
-            if state is not None and self.link is not None and state.reported is None:
-                state.reported = fact.note
-                state.note_due_at = time.monotonic() + NOTE_GRACE_S
-            return []
-        if isinstance(fact, NoteOverdue):
-            return self._note_overdue(fact.note)
-        if isinstance(fact, PeerLost):
-            return [
-                outcome
-                for room in fact.rooms
-                for outcome in self._end(room, fact.error, FailureReason.PEER_LOST)
-            ]
-        raise TypeError(f"not a decode-side fact: {fact!r}")
+            self.cancel(fact.room, fact.error)
+            return [DecodeOutcome(fact.room, error=fact.error, reason=fact.reason)]
+        # Its request may run there all the same, unless the room is another's (a 409)
+        if state is not None and self.link is not None and fact.http_status != 409:
+            self.link.send(CancelRoom(fact.room, state.target.address, fact.error))
+        return self._end(fact.room, fact.error, fact.reason, fact.http_status)
+
+    def _cancel_unknown(self, fact: CancelUnknown) -> list[DecodeOutcome]:
+        return self._end(fact.room, None, None)
+
+    def _cancel_confirmed(self, fact: CancelConfirmed) -> list[DecodeOutcome]:
+        state = self._rooms.get(fact.room)
+        if state is not None and self.link is not None:
+            state.release_at = time.monotonic() + fact.release_after_s
+        return []
+
+    def _last_word_overdue(self, fact: LastWordOverdue) -> list[DecodeOutcome]:
+        if fact.room in self._rooms:
+            logger.warning(
+                "room %d: the prefill engine's last word never came; its slots are "
+                "released, as no write into them can come any more",
+                fact.room,
+            )
+        return self._end(fact.room, None, None)
+
+    def _end_reported(self, fact: EndReported) -> list[DecodeOutcome]:
+        state = self._rooms.get(fact.note.room)
+        if state is not None and self.link is not None and state.reported is None:
+            state.reported = fact.note
+            state.note_due_at = time.monotonic() + NOTE_GRACE_S
+        return []
+
+    def _peer_lost(self, fact: PeerLost) -> list[DecodeOutcome]:
+        return [
+            outcome
+            for room in fact.rooms
+            for outcome in self._end(room, fact.error, FailureReason.PEER_LOST)
+        ]
 
     def _note(self, fact: NoteArrived) -> list[DecodeOutcome]:
         note = fact.note
@@ -327,9 +338,10 @@ class DecodeTransfers:
             )
         ]
 
-    def _note_overdue(self, note: RoomNote) -> list[DecodeOutcome]:
+    def _note_overdue(self, fact: NoteOverdue) -> list[DecodeOutcome]:
         """The prefill engine's report ends the room, as its note would have, but a room it
         wrote fails: the note carries the first token."""
+        note = fact.note
         if note.room not in self._rooms:
             return []  # its notes came in the same turn
         logger.warning(
@@ -377,6 +389,21 @@ class DecodeTransfers:
         if self.link is not None:
             self.link.close()
         self.agent.close()
+
+
+# How each fact changes the rooms: every member of DecodeFact has its handler.
+_HANDLERS: dict[type, Callable[[DecodeTransfers, Any], list[DecodeOutcome]]] = {
+    NoteArrived: DecodeTransfers._note,
+    KVTimedOut: DecodeTransfers._timed_out,
+    LastWordOverdue: DecodeTransfers._last_word_overdue,
+    NoteOverdue: DecodeTransfers._note_overdue,
+    PostFailed: DecodeTransfers._post_failed,
+    CancelUnknown: DecodeTransfers._cancel_unknown,
+    CancelConfirmed: DecodeTransfers._cancel_confirmed,
+    EndReported: DecodeTransfers._end_reported,
+    PeerLost: DecodeTransfers._peer_lost,
+}
+assert set(_HANDLERS) == set(get_args(DecodeFact))
 
 
 def _note_or_none(message: bytes) -> RoomNote | None:
