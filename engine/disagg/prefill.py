@@ -4,15 +4,16 @@ decode engines posted, writes the KV there over NIXL, and says how each room end
 Every rank holds the same room table and changes it only by applying the facts every rank
 shares (ranks.py): rank 0 contributes what arrived at the bootstrap server (from the
 bootstrap process) and the rooms it timed out, each rank the writes of its own shard that
-ended. A room counts as sent once the
-writes of all ranks are done.
+ended. A room counts as sent once the writes of all ranks are done.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, get_args
 
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, Transfer, TransferError
 from kubesgl.engine.disagg.link import BootstrapLink
@@ -257,54 +258,46 @@ class PrefillTransfers:
         return outcomes
 
     def _apply(self, fact: PrefillFact | BootstrapFact) -> list[PrefillOutcome]:
-        if isinstance(fact, PeerRegistered):
-            self._connect(fact)
-        elif isinstance(fact, PeerForgotten):
-            self._disconnect(fact.engine)
-        elif isinstance(fact, RoomPosted):
-            state = self._rooms.get(fact.room)
-            self._queued.pop(fact.room, None)  # its slots have come: queued there no more
-            if state is not None:
-                state.target, state.waited = fact, time.monotonic() - state.opened_at
-            elif fact.room in self._closed:
-                self._last_word(fact.engine, self._closed.pop(fact.room))
-            else:
-                self._posted[fact.room] = fact
-                self._remember(fact.room)
-        elif isinstance(fact, RoomCancelled):
-            return self._cancel(fact)
-        elif isinstance(fact, RoomsQueued):
-            now = time.monotonic()
-            for room in fact.rooms:
-                self._queued[room] = _Queued(fact.engine, now)
-                # it ended here before the decode engine said so (or the note was lost)
-                if room in self._closed:
-                    self._notify(fact.engine, self._closed[room])
-        elif isinstance(fact, WriteEnded):
-            return self._write_ended(fact)
-        elif isinstance(fact, WriteOverdue):
-            return self._write_overdue(fact)
-        elif isinstance(fact, ConnectTried):
-            self._connect_tried(fact)
-        elif isinstance(fact, RoomTimedOut):
-            state = self._rooms.get(fact.room)
-            # rank 0's clock ran before this turn's facts: a post among them came in time
-            if state is not None and state.target is None:
-                del self._rooms[fact.room]
-                self._close(
-                    fact.room,
-                    RoomNote(
-                        fact.room, RoomStatus.FAILED, error=fact.error, reason=FailureReason.TIMEOUT
-                    ),
-                )
-                return [PrefillOutcome(fact.room, fact.error, FailureReason.TIMEOUT)]
-        elif isinstance(fact, RoomsForgotten):
-            for room in fact.rooms:
-                self._posted.pop(room, None)
-                self._closed.pop(room, None)
-                self._seen_at.pop(room, None)
-                self._queued.pop(room, None)
-        return []
+        handler = _HANDLERS.get(type(fact))  # none for the decode side's facts
+        return (handler(self, fact) or []) if handler is not None else []
+
+    def _room_posted(self, fact: RoomPosted) -> None:
+        state = self._rooms.get(fact.room)
+        self._queued.pop(fact.room, None)  # its slots have come: queued there no more
+        if state is not None:
+            state.target, state.waited = fact, time.monotonic() - state.opened_at
+        elif fact.room in self._closed:
+            self._last_word(fact.engine, self._closed.pop(fact.room))
+        else:
+            self._posted[fact.room] = fact
+            self._remember(fact.room)
+
+    def _rooms_queued(self, fact: RoomsQueued) -> None:
+        now = time.monotonic()
+        for room in fact.rooms:
+            self._queued[room] = _Queued(fact.engine, now)
+            # it ended here before the decode engine said so (or the note was lost)
+            if room in self._closed:
+                self._notify(fact.engine, self._closed[room])
+
+    def _room_timed_out(self, fact: RoomTimedOut) -> list[PrefillOutcome]:
+        state = self._rooms.get(fact.room)
+        # rank 0's clock ran before this turn's facts: a post among them came in time
+        if state is None or state.target is not None:
+            return []
+        del self._rooms[fact.room]
+        self._close(
+            fact.room,
+            RoomNote(fact.room, RoomStatus.FAILED, error=fact.error, reason=FailureReason.TIMEOUT),
+        )
+        return [PrefillOutcome(fact.room, fact.error, FailureReason.TIMEOUT)]
+
+    def _forget_rooms(self, fact: RoomsForgotten) -> None:
+        for room in fact.rooms:
+            self._posted.pop(room, None)
+            self._closed.pop(room, None)
+            self._seen_at.pop(room, None)
+            self._queued.pop(room, None)
 
     def _connect(self, fact: PeerRegistered) -> None:
         """Connects this rank; every rank's outcome is shared, and the registration answered
@@ -342,9 +335,10 @@ class PrefillTransfers:
             )
         self.link.send(PeerConnected(fact.engine, error))
 
-    def _disconnect(self, engine: str) -> None:
+    def _disconnect(self, fact: PeerForgotten) -> None:
         """A decode engine gone quiet: its connection goes, unless a room here still writes
         there (it registers again with its next post, if it was only idle)."""
+        engine = fact.engine
         targets = [state.target for state in self._rooms.values()] + list(self._posted.values())
         if engine not in self._peer_agents or any(t and t.engine == engine for t in targets):
             return
@@ -586,3 +580,20 @@ class PrefillTransfers:
         if self.link is not None:
             self.link.close()
         self.agent.close()
+
+
+# How each fact changes the rooms: every member of PrefillFact has its handler, which returns
+# the outcomes for the scheduler, if any.
+_HANDLERS: dict[type, Callable[[PrefillTransfers, Any], list[PrefillOutcome] | None]] = {
+    PeerRegistered: PrefillTransfers._connect,
+    PeerForgotten: PrefillTransfers._disconnect,
+    RoomPosted: PrefillTransfers._room_posted,
+    RoomCancelled: PrefillTransfers._cancel,
+    RoomsQueued: PrefillTransfers._rooms_queued,
+    WriteEnded: PrefillTransfers._write_ended,
+    WriteOverdue: PrefillTransfers._write_overdue,
+    ConnectTried: PrefillTransfers._connect_tried,
+    RoomTimedOut: PrefillTransfers._room_timed_out,
+    RoomsForgotten: PrefillTransfers._forget_rooms,
+}
+assert set(_HANDLERS) == set(get_args(PrefillFact))
