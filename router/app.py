@@ -313,32 +313,14 @@ class RouterApp:
                 )
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        methods = self._routes.get(route_of(scope["path"]))
-        if methods is None:
-            message = not_served(scope["path"]) or f"no route for {scope['method']} {scope['path']}"
-            await self._send(send, self._rejected(RouterError(404, message, "not_found_error")))
-            return
-        handler = methods.get(scope["method"])
-        if handler is None:
-            allowed = ", ".join(methods)
-            error = RouterError(
-                405,
-                f"{scope['path']} accepts {allowed}",
-                headers=[(b"allow", allowed.encode())],  # which HTTP requires of a 405
-            )
-            await self._send(send, self._rejected(error))
-            return
         try:
+            handler = self._handler(scope)
             self._authorize(scope)  # before the body is read: strangers' bodies are not buffered
-        except RouterError as error:
-            await self._send(send, self._rejected(error))
-            return
-        started = time.perf_counter()
-        try:
+            started = time.perf_counter()
             body = await _read_body(receive, self.config.max_request_bytes)
         except _ClientGone:
             return
-        except RouterError as error:
+        except RouterError as error:  # no such route or method, no key, a body too large
             await self._send(send, self._rejected(error))
             return
         exchange = _Exchange(asyncio.current_task())  # type: ignore[arg-type]
@@ -360,6 +342,22 @@ class RouterApp:
             watcher.cancel()
             if scope["path"] in GENERATION_PATHS:
                 self.metrics.request_duration.observe(time.perf_counter() - started)
+
+    def _handler(self, scope: Scope) -> Handler:
+        """The handler of the request's route and method; a 404 or a 405 where there is none."""
+        methods = self._routes.get(route_of(scope["path"]))
+        if methods is None:
+            message = not_served(scope["path"]) or f"no route for {scope['method']} {scope['path']}"
+            raise RouterError(404, message, "not_found_error")
+        handler = methods.get(scope["method"])
+        if handler is None:
+            allowed = ", ".join(methods)
+            raise RouterError(
+                405,
+                f"{scope['path']} accepts {allowed}",
+                headers=[(b"allow", allowed.encode())],  # which HTTP requires of a 405
+            )
+        return handler
 
     def _rejected(self, error: RouterError | UpstreamError) -> BufferedReply:
         """The error answer; one the router gives itself (no worker's) is counted as a rejection."""
