@@ -775,16 +775,8 @@ async def respond(
                 ),
                 media_type="text/event-stream",
             )
-        collect = asyncio.create_task(collect_all(streams, firsts, choices))
-        try:
-            await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not collect.done():  # closing the streams aborts the requests
-                collect.cancel()
-                await asyncio.gather(collect, return_exceptions=True)
-        if collect.cancelled():  # the client left
+        if not await collect_unless_left(streams, firsts, choices, disconnect):
             return Response(status_code=499)
-        collect.result()
     finally:
         disconnect.cancel()
     failed = next(
@@ -822,6 +814,27 @@ async def _close_all(
     firsts.cancel()
     await asyncio.gather(firsts, return_exceptions=True)
     await asyncio.gather(*(client.close(sub.rid) for sub in subs))
+
+
+async def collect_unless_left(
+    streams: list[AsyncGenerator[TextOutput, None]],
+    firsts: list[TextOutput],
+    choices: list[Choice],
+    disconnect: asyncio.Task[None],
+) -> bool:
+    """Every output of every stream into its choice; False if the client left first (closing
+    the streams then aborts the requests)."""
+    collect = asyncio.create_task(collect_all(streams, firsts, choices))
+    try:
+        await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not collect.done():
+            collect.cancel()
+            await asyncio.gather(collect, return_exceptions=True)
+    if collect.cancelled():
+        return False
+    collect.result()
+    return True
 
 
 async def collect_all(streams, firsts: list[TextOutput], choices: list[Choice]) -> None:
