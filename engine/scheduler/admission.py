@@ -17,9 +17,8 @@ class OutputEstimate:
     """The share of its remaining max_tokens a request is expected to generate."""
 
     ratio: float = 0.5  # before any request finished: half of max_tokens
-    floor: float = (
-        0.05  # never below: a burst of long answers after short ones must not retract everything
-    )
+    # never below: a burst of long answers after short ones must not retract everything
+    floor: float = 0.05
     weight: float = 0.1  # of each finished request in the moving average
     backoff: float = 1.5  # the ratio's growth on each shortage that retracts requests
 

@@ -55,9 +55,8 @@ class Req:
     row: int | None = None  # row of the request-to-token table
     slots: list[int] = field(default_factory=list)
     num_cached: int = 0  # page-aligned
-    num_prefix_hit: int = (
-        0  # prompt tokens found in the cache at admission (the prefill engine's, for a room)
-    )
+    # prompt tokens found in the cache at admission (the prefill engine's, for a room)
+    num_prefix_hit: int = 0
     last_node: TreeNode | None = None
     reserved_pages: int = 0  # pages still promised to this request for its remaining tokens
     table_len: int = 0  # leading slots already written to the device table row

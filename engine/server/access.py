@@ -30,9 +30,8 @@ class AccessRecord:
 
     started: float = field(default_factory=time.perf_counter)
     rid: str | None = None
-    choices: list = field(
-        default_factory=list
-    )  # api.Choice: token counts, read when the answer is done
+    # api.Choice: token counts, read when the answer is done
+    choices: list = field(default_factory=list)
     prompts_counted: set[int] = field(default_factory=set)  # the choices whose prompt counts
     ttft: float | None = None
 

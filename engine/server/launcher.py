@@ -74,9 +74,8 @@ class Server:
         self.config = config
         self.options = options
         self.listen_socket = listen_socket
-        self.failure: str | None = (
-            None  # why a child ended the server: its own line, where it left one
-        )
+        # why a child ended the server: its own line, where it left one
+        self.failure: str | None = None
         self.endpoints = Endpoints.create()
         # Requests without a seed sample from the schedulers' generator, seeded afresh at each
         # start (as SGLang's): with one fixed seed every replica, and every restart, drew the

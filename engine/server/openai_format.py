@@ -116,9 +116,8 @@ class Formatter:
     # (choice, its new output, already added to it) -> a chunk, or None when the output brings
     # nothing to send (a token that ends inside a character, text held back)
     chunk: Callable[[Choice, TextOutput], dict | None]
-    stream_start: Callable[[int], list[dict]] = (
-        lambda n: []
-    )  # (choices) -> chunks before any output
+    # (choices) -> chunks before any output
+    stream_start: Callable[[int], list[dict]] = lambda n: []
     usage_chunk: Callable[[dict], dict] = lambda u: {}  # (usage) -> the chunk that carries it
 
 

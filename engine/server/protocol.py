@@ -229,9 +229,8 @@ class JSONSchemaFormat(_Lenient):
 
     name: Text | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # none: any object
-    strict: Bool | None = (
-        None  # the schema is always enforced (xgrammar's strict mode: no extra properties)
-    )
+    # the schema is always enforced (xgrammar's strict mode: no extra properties)
+    strict: Bool | None = None
 
 
 class ResponseFormat(_Lenient):
