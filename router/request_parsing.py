@@ -7,6 +7,7 @@ flag and a text whose prefixes mirror the prompt's, for the cache-aware policy.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,20 +63,29 @@ def _token_ids_text(ids: list[Any], param: str) -> str:
     return "".join(chr(i % 0x110000) for i in ids)
 
 
-def _prompt_text(prompt: Any, param: str) -> tuple[str, int, bool, int]:
-    """Text of (the first prompt of) a `prompt`/`text`/`input_ids` value, how many prompts it
-    holds, whether they are token ids, and the length of the prompts after the first (as
-    characters of text, or token ids). The first prompt routes a batch: its prompts usually
-    share a prefix (a system prompt, few-shot examples), which a worker's cache holds once."""
+@dataclass(frozen=True)
+class _Prompts:
+    """A request's prompts as the router sees them. The first prompt routes a batch: its
+    prompts usually share a prefix (a system prompt, few-shot examples), which a worker's
+    cache holds once."""
+
+    text: str  # the routing text of the first prompt
+    count: int
+    token_ids: bool  # given as token ids, one character of `text` each
+    more_chars: int  # the length of the prompts after the first (characters, or token ids)
+
+
+def _prompts_in(prompt: Any, param: str) -> _Prompts:
+    """The prompts of a `prompt`/`text`/`input_ids` value."""
     if isinstance(prompt, str):
-        return prompt, 1, False, 0
+        return _Prompts(prompt, 1, False, 0)
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return prompt[0], len(prompt), False, sum(map(len, prompt[1:]))
+            return _Prompts(prompt[0], len(prompt), False, sum(map(len, prompt[1:])))
         if all(isinstance(p, list) for p in prompt):
             ids = _token_ids_text(prompt[0], param)
-            return ids, len(prompt), True, sum(map(len, prompt[1:]))
-        return _token_ids_text(prompt, param), 1, True, 0
+            return _Prompts(ids, len(prompt), True, sum(map(len, prompt[1:])))
+        return _Prompts(_token_ids_text(prompt, param), 1, True, 0)
     raise bad_request(
         f"`{param}` must be a string, a list of strings, or a non-empty list of token ids", param
     )
@@ -125,6 +135,50 @@ def _sample_count(value: Any, param: str) -> int:
     return int(value)
 
 
+def _chat_prompts(body: dict[str, Any]) -> tuple[_Prompts, int]:
+    return _Prompts(_chat_text(body), 1, False, 0), _sample_count(body.get("n"), "n")
+
+
+def _completion_prompts(body: dict[str, Any]) -> tuple[_Prompts, int]:
+    if "prompt" not in body:
+        raise bad_request("`prompt` is required", "prompt")
+    return _prompts_in(body["prompt"], "prompt"), _sample_count(body.get("n"), "n")
+
+
+def _generate_prompts(body: dict[str, Any]) -> tuple[_Prompts, int]:
+    """SGLang's /generate: one sequence per prompt (engines refuse sampling_params.n other
+    than 1)."""
+    if "text" in body:
+        prompts = _prompts_in(body["text"], "text")
+    elif "input_ids" in body:
+        prompts = _prompts_in(body["input_ids"], "input_ids")
+    else:
+        raise bad_request("`text` or `input_ids` is required", "text")
+    sampling = body.get("sampling_params")
+    if sampling is None:
+        sampling = {}
+    elif not isinstance(sampling, dict):
+        raise bad_request("`sampling_params` must be an object", "sampling_params")
+    n = _sample_count(sampling.get("n"), "sampling_params.n")
+    if n != 1:
+        raise bad_request(
+            f"/generate answers one sequence per prompt, got {n}; "
+            "ask /v1/completions with n for more",
+            "sampling_params.n",
+        )
+    return prompts, n
+
+
+# Where each generation route's body holds its prompts, and how many sequences (`n`) each
+# prompt asks for.
+_PROMPT_READERS: dict[str, Callable[[dict[str, Any]], tuple[_Prompts, int]]] = {
+    CHAT_PATH: _chat_prompts,
+    COMPLETIONS_PATH: _completion_prompts,
+    GENERATE_PATH: _generate_prompts,
+}
+assert set(_PROMPT_READERS) == set(GENERATION_PATHS)
+
+
 def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
     if not raw:
         raise bad_request(EMPTY_BODY)
@@ -145,33 +199,17 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
     elif not isinstance(stream, bool):
         raise bad_request("`stream` must be true or false", "stream")
 
-    if path == CHAT_PATH:
-        text, prompts, token_ids, more = _chat_text(body), 1, False, 0
-        n = _sample_count(body.get("n"), "n")
-    elif path == COMPLETIONS_PATH:
-        if "prompt" not in body:
-            raise bad_request("`prompt` is required", "prompt")
-        text, prompts, token_ids, more = _prompt_text(body["prompt"], "prompt")
-        n = _sample_count(body.get("n"), "n")
-    else:  # /generate: one sequence per prompt (engines refuse sampling_params.n other than 1)
-        if "text" in body:
-            text, prompts, token_ids, more = _prompt_text(body["text"], "text")
-        elif "input_ids" in body:
-            text, prompts, token_ids, more = _prompt_text(body["input_ids"], "input_ids")
-        else:
-            raise bad_request("`text` or `input_ids` is required", "text")
-        sampling = body.get("sampling_params")
-        if sampling is None:
-            sampling = {}
-        elif not isinstance(sampling, dict):
-            raise bad_request("`sampling_params` must be an object", "sampling_params")
-        n = _sample_count(sampling.get("n"), "sampling_params.n")
-        if n != 1:
-            raise bad_request(
-                f"/generate answers one sequence per prompt, got {n}; "
-                "ask /v1/completions with n for more",
-                "sampling_params.n",
-            )
+    prompts, n = _PROMPT_READERS[path](body)
     # SGLang's /generate has no model: engines answer it with theirs, whatever it names
     model = None if path == GENERATE_PATH else requested_model(body)
-    return ParsedRequest(path, body, raw, text, stream, prompts * n, token_ids, model, more)
+    return ParsedRequest(
+        path,
+        body,
+        raw,
+        prompts.text,
+        stream,
+        prompts.count * n,
+        prompts.token_ids,
+        model,
+        prompts.more_chars,
+    )
