@@ -105,6 +105,11 @@ class Req:
     def finished(self) -> bool:
         return self.status in (ReqStatus.FINISHED, ReqStatus.RELEASED)
 
+    @property
+    def aborted(self) -> bool:
+        """It ended as an abort: its client left, or the engine shut down."""
+        return self.finish_reason is not None and self.finish_reason.kind == "abort"
+
     def all_tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 

@@ -215,7 +215,7 @@ class _RoomRole(MixedRole):
         """A request aborted here (its client left) while its room was still open: the room
         failed on this engine too, though the other engine may never say so (its own request
         was aborted as well, by the router)."""
-        if req.finish_reason is not None and req.finish_reason.kind == "abort":
+        if req.aborted:
             self._count_failure(FailureReason.ABORTED)
 
     def num_held(self) -> int:
@@ -312,11 +312,7 @@ class PrefillRole(_RoomRole):
             self._sent.discard(room)
             return
         message = req.finish_reason.message if req.finish_reason else None
-        reason = (
-            FailureReason.ABORTED
-            if req.finish_reason and req.finish_reason.kind == "abort"
-            else FailureReason.REFUSED
-        )
+        reason = FailureReason.ABORTED if req.aborted else FailureReason.REFUSED
         self._ended_early(req)
         self.transfers.abandon(
             room, reason, f"the prefill engine ended the request: {message or reason.value}"
@@ -411,14 +407,13 @@ class DecodeRole(_RoomRole):
         if req.bootstrap is None:
             return
         message = (req.finish_reason.message if req.finish_reason else None) or "the request ended"
-        aborted = req.finish_reason is not None and req.finish_reason.kind == "abort"
         if req.status is ReqStatus.WAITING:
             self._ended_early(req)
-            self.transfers.unqueue(req.bootstrap, message, aborted)
+            self.transfers.unqueue(req.bootstrap, message, req.aborted)
         elif req.status is ReqStatus.AWAITING_KV and self.transfers.waiting(req.bootstrap.room):
             self._ended_early(req)
             self._held.add(req.bootstrap.room)
-            self.transfers.cancel(req.bootstrap.room, message, aborted)
+            self.transfers.cancel(req.bootstrap.room, message, req.aborted)
 
     def _busy(self, room: int) -> bool:
         return room in self._held
