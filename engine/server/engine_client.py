@@ -8,9 +8,9 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -34,6 +34,7 @@ from kubesgl.engine.metrics import HANDOFF, EngineMetrics
 from kubesgl.gc_pacing import GcPacer, tick_every
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 STATS_LOG_INTERVAL_S = 10.0  # while busy, a line with the scheduler's state this often
 
 
@@ -132,14 +133,10 @@ class EngineClient:
                 )
                 continue
             if isinstance(message, CacheFlushed):
-                flush = self._flushes.pop(message.flush_id, None)
-                if flush is not None and not flush.done():  # None: its caller gave up
-                    flush.set_result(message.flushed)
+                _answer(self._flushes, message.flush_id, message.flushed)
                 continue
             if isinstance(message, Tokenized):
-                call = self._tokenizer_calls.pop(message.call_id, None)
-                if call is not None and not call.done():  # None: its caller gave up
-                    call.set_result(message)
+                _answer(self._tokenizer_calls, message.call_id, message)
                 continue
             assert isinstance(message, TextBatch)
             if message.stats is not None:
@@ -275,15 +272,7 @@ class EngineClient:
 
     async def flush_cache(self) -> bool:
         """Whether the scheduler emptied its prefix cache (it does only when idle)."""
-        if self._failure is not None:
-            raise EngineGone(self._failure)
-        flush_id = next(self._flush_ids)
-        answer = self._flushes[flush_id] = asyncio.get_running_loop().create_future()
-        try:
-            await self._to_tokenizer.send_pyobj(FlushCache(flush_id))
-            return await answer
-        finally:
-            self._flushes.pop(flush_id, None)
+        return await self._ask(self._flushes, self._flush_ids, FlushCache)
 
     async def tokenizer_call(
         self, prompt: TokenizeRequest | None = None, token_ids: list[int] | None = None
@@ -292,15 +281,29 @@ class EngineClient:
         (/detokenize). It tokenizes requests anyway: asked there, the tokens are a generation
         request's own (one tokenizer, one rendering of the chat template), and the API server
         loads no second tokenizer, whose work would hold up its event loop."""
+        return await self._ask(
+            self._tokenizer_calls,
+            self._tokenizer_call_ids,
+            lambda call_id: TokenizerCall(call_id, prompt, token_ids),
+        )
+
+    async def _ask(
+        self,
+        calls: dict[int, asyncio.Future[T]],
+        ids: Iterator[int],
+        message: Callable[[int], object],
+    ) -> T:
+        """Sends `message(call_id)` down the pipeline and waits for the answer that the reader
+        of outputs files under its id in `calls`."""
         if self._failure is not None:
             raise EngineGone(self._failure)
-        call_id = next(self._tokenizer_call_ids)
-        answer = self._tokenizer_calls[call_id] = asyncio.get_running_loop().create_future()
+        call_id = next(ids)
+        answer = calls[call_id] = asyncio.get_running_loop().create_future()
         try:
-            await self._to_tokenizer.send_pyobj(TokenizerCall(call_id, prompt, token_ids))
+            await self._to_tokenizer.send_pyobj(message(call_id))
             return await answer
         finally:
-            self._tokenizer_calls.pop(call_id, None)
+            calls.pop(call_id, None)
 
     def fail_all(self, message: str) -> None:
         """End every request in flight with a 500: the engine's processes are going away and
@@ -346,3 +349,9 @@ class EngineClient:
     @staticmethod
     def new_rid(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _answer(calls: dict[int, asyncio.Future[T]], call_id: int, result: T) -> None:
+    call = calls.pop(call_id, None)
+    if call is not None and not call.done():  # None: its caller gave up
+        call.set_result(result)
