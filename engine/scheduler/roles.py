@@ -46,7 +46,13 @@ from kubesgl.engine.disagg.protocol import (
 from kubesgl.engine.disagg.ranks import RankConsensus
 from kubesgl.engine.distributed import TensorParallelGroup
 from kubesgl.engine.kvcache.pools import KVPool
-from kubesgl.engine.messages import DisaggStats, FinishReason, GenerateRequest, TokenLogprob
+from kubesgl.engine.messages import (
+    BootstrapTarget,
+    DisaggStats,
+    FinishReason,
+    GenerateRequest,
+    TokenLogprob,
+)
 from kubesgl.engine.sampling_params import InvalidRequestError
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req, ReqStatus
@@ -112,8 +118,9 @@ class MixedRole:
     def accept(self, req: Req) -> None:
         """A validated request is queued."""
 
-    def refused(self, request: GenerateRequest, error: InvalidRequestError) -> None:
-        """A request failed validation here."""
+    def refused(self, target: BootstrapTarget, message: str, status: int) -> None:
+        """A request for `target`'s room was refused here (its validation, or the API server's
+        checks before it): `message` and `status` are its answer."""
 
     def may_admit(self, req: Req) -> bool:
         """Whether `req` may be admitted yet, memory aside (False: the requests behind it go
@@ -256,13 +263,13 @@ class PrefillRole(_RoomRole):
         if req.bootstrap is not None:
             self.transfers.open(req.bootstrap.room)
 
-    def refused(self, request: GenerateRequest, error: InvalidRequestError) -> None:
-        if request.bootstrap is not None and request.bootstrap.room not in self.rooms:
+    def refused(self, target: BootstrapTarget, message: str, status: int) -> None:
+        if target.room not in self.rooms:  # else a live request's room, which it reused (409)
             self.transfers.abandon(
-                request.bootstrap.room,
+                target.room,
                 FailureReason.REFUSED,
-                f"the prefill engine refused the request: {error}",
-                error.status,
+                f"the prefill engine refused the request: {message}",
+                status,
             )
 
     def prompt_done(self, req: Req, token: int, logprob: TokenLogprob | None) -> bool:
@@ -346,13 +353,9 @@ class DecodeRole(_RoomRole):
                 param="bootstrap_host",
             )
 
-    def refused(self, request: GenerateRequest, error: InvalidRequestError) -> None:
-        if (
-            request.bootstrap is not None
-            and request.bootstrap.host
-            and request.bootstrap.room not in self.rooms
-        ):
-            self.transfers.refuse(request.bootstrap, str(error))
+    def refused(self, target: BootstrapTarget, message: str, status: int) -> None:
+        if target.host and target.room not in self.rooms:
+            self.transfers.refuse(target, message)
 
     def accept(self, req: Req) -> None:
         super().accept(req)

@@ -115,7 +115,8 @@ class Scheduler:
         try:
             self.validate(request)
         except InvalidRequestError as exc:
-            self.role.refused(request, exc)
+            if request.bootstrap is not None:
+                self.role.refused(request.bootstrap, str(exc), exc.status)
             raise
         params = dataclasses.replace(request.params, max_tokens=self._max_tokens(request))
         req = Req(
