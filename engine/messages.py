@@ -112,6 +112,18 @@ class TokenizeRequest:
 
 
 @dataclass
+class RoomRefused:
+    """API server or tokenizer -> scheduler: a request for a bootstrap room was refused before
+    the scheduler saw it (the server's limits, the tokenizer's checks). The role ends the room
+    as if the scheduler had refused the request: a prefill engine's decode engine hears of it
+    at once, with this answer, instead of waiting for the KV until the router gives up."""
+
+    target: BootstrapTarget
+    message: str
+    status: int  # the refusal's HTTP status
+
+
+@dataclass
 class TokenizerCall:
     """API server -> tokenizer: /tokenize (the tokens of `prompt`) or /detokenize (the text of
     `token_ids`); answered by a Tokenized of the same call_id, sent no further."""

@@ -34,6 +34,7 @@ from kubesgl.engine.messages import (
     FinishReason,
     FlushCache,
     GenerateRequest,
+    RoomRefused,
     Shutdown,
     StepOutputs,
     TokenOutput,
@@ -195,6 +196,9 @@ class SchedulerLoop:
             return []
         if isinstance(message, AbortRequest):
             return self.engine.abort_request(message.rid, message.message)
+        if isinstance(message, RoomRefused):
+            self.engine.role.refused(message.target, message.message, message.status)
+            return []
         if isinstance(message, FlushCache):
             busy = self.engine.has_work()
             if busy:

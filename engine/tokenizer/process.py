@@ -18,6 +18,7 @@ from kubesgl.engine.messages import (
     FinishReason,
     FlushCache,
     GenerateRequest,
+    RoomRefused,
     Shutdown,
     TextBatch,
     TextOutput,
@@ -180,7 +181,7 @@ class TokenizerLoop:
         if isinstance(message, Shutdown):
             self.to_scheduler.send_pyobj(message)
             return False
-        if isinstance(message, AbortRequest | FlushCache):
+        if isinstance(message, AbortRequest | FlushCache | RoomRefused):
             self.to_scheduler.send_pyobj(message)
             return True
         if isinstance(message, TokenizerCall):
@@ -189,7 +190,12 @@ class TokenizerLoop:
         try:
             input_ids = self.tokenizer.encode(message)
         except TokenizerError as exc:
-            self._fail(message.rid, FinishReason("error", message=str(exc), param=exc.param))
+            refusal = FinishReason("error", message=str(exc), param=exc.param)
+            self._fail(message.rid, refusal)
+            if message.bootstrap is not None:  # refused before the scheduler saw its room
+                self.to_scheduler.send_pyobj(
+                    RoomRefused(message.bootstrap, str(exc), refusal.status)
+                )
             return True
         except Exception as exc:
             logger.exception("tokenizing request %s failed", message.rid)

@@ -10,7 +10,9 @@ from test_scheduler import run_to_end, submit
 from kubesgl.engine import InvalidRequestError, SamplingParams
 from kubesgl.engine.messages import (
     AbortRequest,
+    BootstrapTarget,
     GenerateRequest,
+    RoomRefused,
     StepOutputs,
     TextBatch,
     TokenizeRequest,
@@ -61,6 +63,18 @@ def test_a_bad_request_is_a_400_that_names_the_field(loop):
     )
     reason = loop.to_api.sent[0].outputs[0].finish_reason
     assert (reason.status, reason.param) == (400, "messages")
+    assert loop.to_scheduler.sent == []  # no room: nothing for the scheduler
+
+
+def test_a_refused_request_for_a_room_ends_the_room_in_the_scheduler(loop):
+    """The scheduler never sees the request, but a prefill engine's role must end its room:
+    the decode engine waits for its KV (docs/disaggregation.md)."""
+    loop.tokenizer.hf.chat_template = None
+    target = BootstrapTarget(7, None, 8998)
+    chat = [{"role": "user", "content": "hi"}]
+    loop.from_api(TokenizeRequest("chat", SamplingParams(), messages=chat, bootstrap=target))
+    reason = loop.to_api.sent[0].outputs[0].finish_reason
+    assert loop.to_scheduler.sent == [RoomRefused(target, reason.message, 400)]
 
 
 def test_a_failing_detokenization_fails_its_request_and_aborts_it_in_the_scheduler(
