@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -406,19 +407,16 @@ def validated(
 def within_limits(
     ctx: Served,
     params: SamplingParams,
-    prompts: int,
-    n: int,
     texts: list[tuple[int, str]],
     token_prompts: Sequence[tuple[int, str]] = (),
     names: Mapping[str, str] | None = None,  # the client's names of the engine's fields
 ) -> None:
-    """The request's size against the server's limits (limits.py); `texts` holds the
-    characters of each text prompt and the field that holds it, `token_prompts` the length of
-    each prompt given as token ids and its field."""
+    """The request's size against the server's limits (limits.py) but its number of sequences
+    (`rooms`); `texts` holds the characters of each text prompt and the field that holds it,
+    `token_prompts` the length of each prompt given as token ids and its field."""
     config = ctx.state.config
     context_length = engine_info(ctx).context_length
     try:
-        check_sequences(config, prompts, n)
         check_stop_strings(config, params)
         for chars, param in texts:
             check_prompt_chars(config, context_length, chars, param)
@@ -467,12 +465,44 @@ def chat_prompt(
     return prompt, chat_chars(messages, tools, body.chat_template_kwargs)
 
 
-def bootstrap(ctx: Served, body, prompts: int, n: int) -> list[BootstrapTarget | None]:
+def rooms(
+    ctx: Served, body, prompts: int, n: int, names: Mapping[str, str] | None = None
+) -> list[BootstrapTarget | None]:
+    """The bootstrap target of each of the request's prompts x n sequences (None without
+    rooms), once their number is within the server's limit: a request refused for asking
+    too many ends no room (the client, not the limit, would bound the rooms it names)."""
+    config = ctx.state.config
     try:
+        check_sequences(config, prompts, n)
         # `bootstrap_port: null` means this engine's own --disaggregation-bootstrap-port
-        return body.bootstrap_targets(prompts, n, ctx.state.config.disaggregation_bootstrap_port)
+        return body.bootstrap_targets(prompts, n, config.disaggregation_bootstrap_port)
     except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param) from exc
+        message, field = in_clients_words(str(exc), exc.param, names)
+        raise APIError(400, message, param=field) from exc
+
+
+@contextlib.asynccontextmanager
+async def refusal_ends_rooms(
+    ctx: Served, targets: list[BootstrapTarget | None]
+) -> AsyncIterator[None]:
+    """A request this server refuses (APIError) before its engine sees it ends its rooms in
+    the engine all the same: a prefill engine's decode engine learns of the refusal at once,
+    as of one its scheduler makes, instead of waiting for KV that never comes until the
+    router gives up on it (docs/disaggregation.md, failures)."""
+    try:
+        yield
+    except APIError as exc:
+        refused = [target for target in targets if target is not None]
+        await ctx.client.refuse_rooms(refused, exc.message, exc.status)
+        raise
+
+
+def started(ctx: Served, subs: list[TokenizeRequest]) -> list[AsyncGenerator[TextOutput, None]]:
+    """The engine's outputs of each request (sent to it once read)."""
+    try:
+        return [ctx.client.generate(sub) for sub in subs]  # only a client-given rid can clash
+    except DuplicateRequestId as exc:
+        raise APIError(400, str(exc), param="rid") from exc
 
 
 ServedHere = Annotated[Served, Depends(served)]
@@ -578,6 +608,29 @@ async def tokenizer_answer(
 @api_routes.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -> Response:
     serving(ctx, body.model)
+    names = body.renamed_fields()
+    targets = rooms(ctx, body, 1, body.n, names)
+    async with refusal_ends_rooms(ctx, targets):
+        subs, streams, tool_output = _chat_requests(ctx, body, names, targets)
+    return await respond(
+        ctx,
+        request,
+        subs,
+        streams,
+        ["messages"] * len(subs),
+        body.stream,
+        body.include_usage,
+        chat_formatter(response_meta(ctx, subs), body.logprobs, tool_output),
+        names,
+    )
+
+
+def _chat_requests(
+    ctx: Served,
+    body: ChatCompletionRequest,
+    names: Mapping[str, str],
+    targets: list[BootstrapTarget | None],
+) -> tuple[list[TokenizeRequest], list[AsyncGenerator[TextOutput, None]], ToolOutput]:
     params = body.to_sampling_params()
     try:
         mode, named = body.tool_mode()
@@ -595,7 +648,6 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
     elif mode == "named":
         assert named is not None  # tool_mode returns the named tool in "named" mode
         params = dataclasses.replace(params, grammar=tool_calls.named_grammar(named))
-    names = body.renamed_fields()
     params = validated(ctx, params, names)
     tool_output = ToolOutput(
         mode,
@@ -605,44 +657,37 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
         body.parallel_tool_calls,
     )
     prompt, chars = chat_prompt(body, params, tools)
-    within_limits(ctx, params, 1, body.n, [(chars, "messages")], names=names)
-    subs = fan_out([prompt], body.n, params, "chatcmpl", bootstrap(ctx, body, 1, body.n))
-    return await respond(
-        ctx,
-        request,
-        subs,
-        ["messages"] * len(subs),
-        body.stream,
-        body.include_usage,
-        chat_formatter(response_meta(ctx, subs), body.logprobs, tool_output),
-        names,
-    )
+    within_limits(ctx, params, [(chars, "messages")], names=names)
+    subs = fan_out([prompt], body.n, params, "chatcmpl", targets)
+    return subs, started(ctx, subs), tool_output
 
 
 @api_routes.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: ServedHere) -> Response:
     serving(ctx, body.model)
-    params = validated(ctx, body.to_sampling_params())
     prompts = body.prompts()
     listed = isinstance(body.prompt, list) and any(isinstance(p, str | list) for p in body.prompt)
     fields = [f"prompt.{i}" for i in range(len(prompts))] if listed else ["prompt"]
-    within_limits(
-        ctx,
-        params,
-        len(prompts),
-        body.n,
-        [(len(p), param) for p, param in zip(prompts, fields) if isinstance(p, str)],
-        [(len(p), param) for p, param in zip(prompts, fields) if not isinstance(p, str)],
-    )
-    bases = [
-        TokenizeRequest("", params, **({"text": p} if isinstance(p, str) else {"input_ids": p}))
-        for p in prompts
-    ]
-    subs = fan_out(bases, body.n, params, "cmpl", bootstrap(ctx, body, len(bases), body.n))
+    targets = rooms(ctx, body, len(prompts), body.n)
+    async with refusal_ends_rooms(ctx, targets):
+        params = validated(ctx, body.to_sampling_params())
+        within_limits(
+            ctx,
+            params,
+            [(len(p), param) for p, param in zip(prompts, fields) if isinstance(p, str)],
+            [(len(p), param) for p, param in zip(prompts, fields) if not isinstance(p, str)],
+        )
+        bases = [
+            TokenizeRequest("", params, **({"text": p} if isinstance(p, str) else {"input_ids": p}))
+            for p in prompts
+        ]
+        subs = fan_out(bases, body.n, params, "cmpl", targets)
+        streams = started(ctx, subs)
     return await respond(
         ctx,
         request,
         subs,
+        streams,
         [field for field in fields for _ in range(body.n)],  # choice p * n + i: prompt p
         body.stream,
         body.include_usage,
@@ -654,29 +699,27 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServedHere
 async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere) -> Response:
     serving(ctx)
     names = body.renamed_fields()
-    params = validated(ctx, body.to_sampling_params(), names)
-    within_limits(
-        ctx,
-        params,
-        1,
-        1,
-        [(len(body.text), "text")] if body.text is not None else [],
-        [(len(body.input_ids), "input_ids")] if body.input_ids is not None else [],
-        names=names,
-    )
+    targets = rooms(ctx, body, 1, 1, names)
     rid = body.rid or EngineClient.new_rid("gen")
-    sub = TokenizeRequest(
-        rid,
-        params,
-        text=body.text,
-        input_ids=body.input_ids,
-        bootstrap=bootstrap(ctx, body, 1, 1)[0],
-    )
+    async with refusal_ends_rooms(ctx, targets):
+        params = validated(ctx, body.to_sampling_params(), names)
+        within_limits(
+            ctx,
+            params,
+            [(len(body.text), "text")] if body.text is not None else [],
+            [(len(body.input_ids), "input_ids")] if body.input_ids is not None else [],
+            names=names,
+        )
+        sub = TokenizeRequest(
+            rid, params, text=body.text, input_ids=body.input_ids, bootstrap=targets[0]
+        )
+        streams = started(ctx, [sub])
     prompt_field = "text" if body.text is not None else "input_ids"
     return await respond(
         ctx,
         request,
         [sub],
+        streams,
         [prompt_field],
         body.stream,
         False,
@@ -731,6 +774,7 @@ async def respond(
     ctx: Served,
     request: Request,
     subs: list[TokenizeRequest],
+    streams: list[AsyncGenerator[TextOutput, None]],  # of each sub (`started`)
     prompt_fields: list[str],  # of each sub: the request field its prompt came in, for errors
     stream: bool,
     include_usage: bool,
@@ -738,10 +782,6 @@ async def respond(
     renamed: Mapping[str, str] | None = None,  # the client's names of the engine's fields
 ) -> Response:
     client = ctx.client
-    try:
-        streams = [client.generate(sub) for sub in subs]  # only a client-given rid can clash
-    except DuplicateRequestId as exc:
-        raise APIError(400, str(exc), param="rid") from exc
     choices = [Choice(index=i) for i in range(len(subs))]
     first_of_prompt = {i for i, sub in enumerate(subs) if sub.prefix_leader is None}
     record: AccessRecord | None = request.scope.get("state", {}).get("access")

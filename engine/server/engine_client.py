@@ -18,10 +18,12 @@ import zmq.asyncio
 from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.messages import (
     AbortRequest,
+    BootstrapTarget,
     CacheFlushed,
     EngineInfo,
     FinishReason,
     FlushCache,
+    RoomRefused,
     SchedulerStats,
     Shutdown,
     TextBatch,
@@ -269,6 +271,12 @@ class EngineClient:
 
     async def abort(self, rid: str, message: str) -> None:
         await self._to_tokenizer.send_pyobj(AbortRequest(rid, message))
+
+    async def refuse_rooms(self, targets: list[BootstrapTarget], message: str, status: int) -> None:
+        """Requests for the rooms of `targets` were refused before they reached the engine,
+        answered `status` and `message`: the engine's role ends the rooms (RoomRefused)."""
+        for target in targets:
+            await self._to_tokenizer.send_pyobj(RoomRefused(target, message, status))
 
     async def flush_cache(self) -> bool:
         """Whether the scheduler emptied its prefix cache (it does only when idle)."""

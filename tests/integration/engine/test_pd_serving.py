@@ -345,6 +345,54 @@ def test_requests_sent_to_both_engines_as_sglangs_router_does(pd_stack):
     prefill.wait_idle()
 
 
+def test_a_request_the_prefill_api_server_refuses_fails_at_the_decode_engine_at_once(
+    tiny_model, tmp_path
+):
+    """The prefill engine's API server refuses the request before its scheduler sees the room
+    (a token-id prompt longer than its context, shorter than the decode engine's; a stop
+    string over its limit). Its decode engine hears of it at once and answers the prefill
+    engine's 400 with its reason, counted `refused`: the client's answer does not wait out
+    the router's 1 s wait for the decode engine, which then aborted the decode request."""
+    model = tiny_model("llama")
+    prefill, decode, bootstrap = start_pd_pair(
+        model,
+        tmp_path,
+        prefill_args=("--context-length", "64", "--max-stop-string-length", "8"),
+    )
+    router = start_router(
+        "--prefill",
+        f"{prefill.base_url}@{bootstrap}",
+        "--decode",
+        decode.base_url,
+        "--pd-min-prefill-tokens",
+        "0",
+        tmp_path=tmp_path,
+    )
+    try:
+        refusals = {
+            "context": {"prompt": [random.randrange(3, 500) for _ in range(80)]},
+            "--max-stop-string-length": {"prompt": "hi", "stop": ["a stop string"]},
+        }
+        for reason, request in refusals.items():
+            started = time.monotonic()
+            answer = httpx.post(
+                router.base_url + "/v1/completions",
+                json={"model": MODEL_NAME, "max_tokens": 4, **request},
+                timeout=60,
+            )
+            elapsed = time.monotonic() - started
+            assert answer.status_code == 400, answer.text
+            assert reason in answer.json()["error"]["message"], answer.text
+            assert elapsed < 1.0, elapsed  # the router's wait for the decode engine
+        decode.wait_idle()
+        assert decode.metric('kubesgl_disagg_failures_total{reason="refused"}') == 2
+        assert decode.metric('kubesgl_disagg_failures_total{reason="aborted"}') == 0
+    finally:
+        router.stop(timeout=30)
+        for server in (prefill, decode):
+            assert server.stop() == 0
+
+
 def prefill_bootstrap_port(prefill) -> int:
     args = prefill.process.args
     return int(args[args.index("--disaggregation-bootstrap-port") + 1])

@@ -372,14 +372,17 @@ def test_a_request_the_prefill_engine_refuses_fails_on_the_decode_engine_at_once
     assert_idle(prefill, decode)
 
 
+@pytest.mark.parametrize("refused_by", ["scheduler", "api_server"])
 def test_a_request_the_prefill_engine_refuses_fails_at_once_while_the_decode_engine_queues_it(
-    tiny_model, make_engine, random_prompts
+    tiny_model, make_engine, random_prompts, refused_by
 ):
     """The decode engine's batch is full, so it queues the room and posts no slots; the
-    prefill engine refuses the request (its context is shorter). The decode engine fails it
-    with the prefill engine's 400, counted `refused`, while its batch is still busy: not once
-    it could post the room, when the router, which waits 1 s for the decode engine's answer
-    after the prefill engine's refusal, would have aborted it (an abort, and a late 400)."""
+    prefill engine refuses the request (its context is shorter): its scheduler, or its API
+    server before the scheduler sees the request (RoomRefused, which the scheduler process
+    hands to the role). The decode engine fails it with the prefill engine's 400, counted
+    `refused`, while its batch is still busy: not once it could post the room, when the
+    router, which waits 1 s for the decode engine's answer after the prefill engine's
+    refusal, would have aborted it (an abort, and a late 400)."""
     model = tiny_model("llama")
     prefill = make_engine(model, "prefill", context_length=64)
     decode = make_engine(model, "decode", max_running_requests=1)
@@ -391,10 +394,13 @@ def test_a_request_the_prefill_engine_refuses_fails_at_once_while_the_decode_eng
     decode.add_request(
         GenerateRequest("d0", prompt, SamplingParams(max_tokens=8), bootstrap=target)
     )
-    with pytest.raises(InvalidRequestError, match="context length"):
-        prefill.add_request(
-            GenerateRequest("p0", prompt, SamplingParams(max_tokens=8), bootstrap=target)
-        )
+    if refused_by == "scheduler":
+        with pytest.raises(InvalidRequestError, match="context length"):
+            prefill.add_request(
+                GenerateRequest("p0", prompt, SamplingParams(max_tokens=8), bootstrap=target)
+            )
+    else:
+        prefill.role.refused(target, "the prompt is 80 tokens long; context length 64", 400)
     outputs = run([prefill, decode], finished(["d0"]))
     reason = outputs["d0"][-1].finish_reason
     assert reason.kind == "error" and reason.status == 400 and "context length" in reason.message
