@@ -32,7 +32,8 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop string, or stop or EOS token, that ended it
+    # the stop string, or stop_token_ids entry, that ended it (None: EOS, length, ...), as vLLM's
+    stop_reason: int | str | None = None
     finish_message: str | None = None  # why an aborted or refused request ended
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
@@ -225,11 +226,7 @@ class LLM:
                     assert out.finish_reason is not None  # a finished output says why
                     reason = reasons[out.rid] = out.finish_reason
                     result.finish_reason, result.finish_message = reason.kind, reason.message
-                    result.stop_reason = (
-                        reason.matched_str
-                        if reason.matched_str is not None
-                        else reason.matched_token
-                    )
+                    result.stop_reason = reason.stop_reason
                     pending.discard(out.rid)
 
     def _abandon(self, rids: set[str]) -> None:

@@ -45,6 +45,7 @@ class AbortRequest:
 class FinishReason:
     kind: str  # "stop" | "length" | "abort" | "error"
     matched_token: int | None = None  # the stop or EOS token that ended the request
+    stop_token: bool = False  # matched_token is one of the request's stop_token_ids
     matched_str: str | None = None  # the stop string that ended the request
     matched_end: int | None = None  # where it ends in the output text (characters)
     message: str | None = None  # why an aborted request ended, or what was wrong with it
@@ -53,6 +54,19 @@ class FinishReason:
 
     def __str__(self) -> str:
         return self.kind
+
+    @property
+    def matched(self) -> int | str | None:
+        """SGLang's `matched`: the stop string, or the stop or EOS token, that ended the request."""
+        return self.matched_str if self.matched_str is not None else self.matched_token
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        """vLLM's `stop_reason`: the stop string, or the stop_token_ids entry, that ended the
+        request; None for any other ending, EOS (or a grammar's end) included."""
+        if self.matched_str is not None:
+            return self.matched_str
+        return self.matched_token if self.stop_token else None
 
 
 @dataclass

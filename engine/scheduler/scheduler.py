@@ -552,7 +552,9 @@ class Scheduler:
 
     def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
         params = req.params
-        if token in req.stop_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if token in req.stop_ids:
+            return FinishReason("stop", matched_token=token, stop_token=True)
+        if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason("stop", matched_token=token)
         if req.grammar is not None:
             if not req.grammar.accept(token):

@@ -288,7 +288,9 @@ def test_eos_from_generation_config_ends_a_request_unless_ignored(
     )
     first_eos = greedy[0].token_ids.index(eos)
     assert stopped.token_ids == greedy[0].token_ids[: first_eos + 1]
-    assert stopped.finish_reason == "stop" and stopped.stop_reason == eos
+    # EOS, the model's own ending, names no stop_reason (as vLLM's): only a stop string or a
+    # stop_token_ids entry does
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
     assert ignored.token_ids == greedy[0].token_ids and ignored.finish_reason == "length"
 
 
