@@ -18,7 +18,7 @@ class Choice:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    ending: FinishReason | None = None  # why it ended, once it has
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[dict] = field(default_factory=list)
@@ -27,6 +27,10 @@ class Choice:
     top_token_ids: list[list[int]] = field(default_factory=list)
     error: FinishReason | None = None  # how it failed, if it did
     tokens_named_by_id: bool = False  # see TextOutput
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.ending.kind if self.ending is not None else None
 
     def add(self, out: TextOutput) -> None:
         self.text += out.text
@@ -37,7 +41,7 @@ class Choice:
             self.logprobs += logprob_entries(out)
             self.top_token_ids += [[token_id for token_id, _ in lp.top] for lp in out.logprobs]
         if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason.kind
+            self.ending = out.finish_reason
             if out.finish_reason.kind == "error":
                 self.error = out.finish_reason
 
@@ -200,6 +204,23 @@ def _finish(reason: str | None, calls: list) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+def stop_reason(reason: FinishReason | None) -> int | str | None:
+    """A choice's `stop_reason`, as vLLM's: the stop string or stop_token_ids entry that ended
+    it; None on EOS, length, or a choice (chunk) that has not ended."""
+    return reason.stop_reason if reason is not None else None
+
+
+def native_finish(reason: FinishReason | None) -> dict | None:
+    """SGLang's meta_info.finish_reason: its kind, and for "stop" the string or token matched."""
+    if reason is None:
+        return None
+    return (
+        {"type": reason.kind, "matched": reason.matched}
+        if reason.kind == "stop"
+        else {"type": reason.kind}
+    )
+
+
 def chat_formatter(
     meta: dict, want_logprobs: bool, tools: ToolOutput = ToolOutput("none")
 ) -> Formatter:
@@ -216,6 +237,7 @@ def chat_formatter(
                     "message": message,
                     "logprobs": {"content": c.logprobs} if want_logprobs else None,
                     "finish_reason": _finish(c.finish_reason, reading.calls),
+                    "stop_reason": stop_reason(c.ending),
                 }
             )
         return {**meta, "object": "chat.completion", "usage": usage_, "choices": answers}
@@ -235,6 +257,7 @@ def chat_formatter(
                         "delta": {"role": "assistant", "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
+                        "stop_reason": None,
                     }
                 ]
             )
@@ -254,6 +277,7 @@ def chat_formatter(
                     "delta": delta,
                     "logprobs": logprobs,
                     "finish_reason": _finish(reason, calls),
+                    "stop_reason": stop_reason(out.finish_reason),
                 }
             ]
         )
@@ -297,6 +321,7 @@ def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
                         else None
                     ),
                     "finish_reason": c.finish_reason,
+                    "stop_reason": stop_reason(c.ending),
                 }
                 for c in choices
             ],
@@ -327,6 +352,7 @@ def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
                     "text": out.text,
                     "logprobs": logprobs,
                     "finish_reason": out.finish_reason.kind if out.finish_reason else None,
+                    "stop_reason": stop_reason(out.finish_reason),
                 }
             ],
         }
@@ -363,7 +389,7 @@ def native_formatter(rid: str, top_logprobs: bool = False) -> Formatter:
             "output_ids": choice.token_ids,
             "meta_info": {
                 "id": rid,
-                "finish_reason": {"type": choice.finish_reason} if choice.finish_reason else None,
+                "finish_reason": native_finish(choice.ending),
                 "prompt_tokens": choice.prompt_tokens,
                 "completion_tokens": len(choice.token_ids),
                 "cached_tokens": choice.cached_tokens,

@@ -357,3 +357,68 @@ def test_stream_events_has_no_default_for_ending_a_choice():
 
     end = inspect.signature(api.stream_events).parameters["end"]
     assert end.default is inspect.Parameter.empty
+
+
+def _ending(reason: FinishReason | None, i: int = 0) -> TextOutput:
+    return TextOutput("r", "ab", [i], reason, 1, 0, i + 1)
+
+
+# how a choice ended -> its stop_reason, as vLLM's: the stop string or stop_token_ids entry
+# matched; null on EOS (or a grammar's end token) and on length
+_STOP_REASONS = [
+    (FinishReason("stop", matched_str="\n\n", matched_end=2), "\n\n"),
+    (FinishReason("stop", matched_token=7, stop_token=True), 7),
+    (FinishReason("stop", matched_token=2), None),
+    (FinishReason("length"), None),
+]
+
+
+def test_every_choice_says_its_stop_reason_as_vllm():
+    for reason, expected in _STOP_REASONS:
+        for formatter in (
+            chat_formatter({"id": "x"}, False),
+            completion_formatter({"id": "x"}, False),
+        ):
+            choice, out = Choice(index=0), _ending(reason)
+            choice.add(out)
+            (whole,) = formatter.final([choice], {})["choices"]
+            (last,) = formatter.chunk(choice, out)["choices"]
+            assert (whole["finish_reason"], whole["stop_reason"]) == (reason.kind, expected)
+            assert (last["finish_reason"], last["stop_reason"]) == (reason.kind, expected)
+
+
+def test_stream_chunks_before_the_last_have_stop_reason_null():
+    """The key is on every choice of every chunk, as vLLM's: null until the one that ends it."""
+    chat = chat_formatter({"id": "x"}, False)
+    (start,) = chat.stream_start(1)[0]["choices"]
+    assert "stop_reason" in start and start["stop_reason"] is None
+    for formatter in (chat, completion_formatter({"id": "x"}, False)):
+        choice, out = Choice(index=0), _ending(None)
+        choice.add(out)
+        (mid,) = formatter.chunk(choice, out)["choices"]
+        assert "stop_reason" in mid and mid["stop_reason"] is None
+
+
+def test_a_chat_answer_of_tool_calls_keeps_the_stop_reason():
+    formatter = chat_formatter({"id": "x"}, False, ToolOutput("named", name="f"))
+    choice = Choice(index=0)
+    choice.add(_ending(FinishReason("stop", matched_token=7, stop_token=True)))
+    (whole,) = formatter.final([choice], {})["choices"]
+    assert (whole["finish_reason"], whole["stop_reason"]) == ("tool_calls", 7)
+
+
+def test_generate_says_what_a_stop_matched_as_sglang():
+    """SGLang's meta_info.finish_reason: {"type": "stop", "matched": the string or token id},
+    EOS included; other endings are their type alone."""
+    expected = [
+        {"type": "stop", "matched": "\n\n"},
+        {"type": "stop", "matched": 7},
+        {"type": "stop", "matched": 2},
+        {"type": "length"},
+    ]
+    for (reason, _), finish in zip(_STOP_REASONS, expected):
+        choice = Choice(index=0)
+        choice.add(_ending(reason))
+        body = native_formatter("r").final([choice], {})
+        assert body["meta_info"]["finish_reason"] == finish
+    assert native_formatter("r").final([Choice(index=0)], {})["meta_info"]["finish_reason"] is None
