@@ -274,6 +274,50 @@ def test_logprobs(client):
     assert all(len(t) == 2 for t in completion.choices[0].logprobs.top_logprobs)
 
 
+def test_every_route_says_the_stop_reason_as_vllm_and_sglang(llama_server, offline):
+    """stop_reason on each choice, streamed (on the last chunk of the choice, null before) or
+    not: the stop string or stop token that ended it, null on length; /generate names it as
+    SGLang's finish_reason.matched."""
+    ref = greedy_offline(offline, PROMPTS[0], 30)
+    stop, stop_token = ref.text[10:14], ref.token_ids[3]
+    headers = {"authorization": "Bearer sk-test"}
+    cases = [
+        ({"stop": [stop]}, stop),
+        ({"stop_token_ids": [stop_token]}, stop_token),
+        ({"max_tokens": 2, "ignore_eos": True}, None),
+    ]
+    chat = [{"role": "user", "content": PROMPTS[0]}]
+    for extra, expected in cases:
+        for path, prompt in (
+            ("/v1/completions", {"prompt": PROMPTS[0]}),
+            ("/v1/chat/completions", {"messages": chat}),
+        ):
+            body = {"model": "tiny", "max_tokens": 30, "temperature": 0, **prompt, **extra}
+            whole = httpx.post(llama_server.base_url + path, json=body, headers=headers).json()
+            (choice,) = whole["choices"]
+            if path == "/v1/completions":  # a chat's template makes another answer, not asserted on
+                assert choice["stop_reason"] == expected, (path, extra)
+            chunks = []
+            with httpx.stream(
+                "POST", llama_server.base_url + path, json={**body, "stream": True}, headers=headers
+            ) as streamed:
+                for line in streamed.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks += json.loads(line.removeprefix("data: "))["choices"]
+            assert [c["stop_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+            assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == (
+                choice["finish_reason"],
+                choice["stop_reason"],
+            ), (path, extra)
+    sampling = {"max_new_tokens": 30, "temperature": 0, "stop": [stop]}
+    native = httpx.post(
+        llama_server.base_url + "/generate",
+        json={"text": PROMPTS[0], "sampling_params": sampling},
+        headers=headers,
+    ).json()
+    assert native["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
 def test_native_generate(llama_server, offline):
     body = {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 10, "temperature": 0}}
     got = httpx.post(
