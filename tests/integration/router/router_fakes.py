@@ -20,6 +20,9 @@ from typing import Any
 from aiohttp import web
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# the stop string a fake answer says ended it, as a real engine answers stop_reason and SGLang's
+# finish_reason.matched: the router passes it through untouched
+STOP_REASON = "</end>"
 
 
 def _free_port() -> int:
@@ -338,13 +341,14 @@ class FakeEngine:
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": "stop",
+                "stop_reason": STOP_REASON,
             }
             return {"id": "chatcmpl-fake", "object": "chat.completion", "model": "fake-model",
                     "choices": [choice], "usage": {"prompt_tokens": 1, "completion_tokens": self.tokens, "total_tokens": 1 + self.tokens}}  # fmt: skip
         if path == "/v1/completions":
             return {"id": "cmpl-fake", "object": "text_completion", "model": "fake-model",
-                    "choices": [{"index": 0, "text": text, "finish_reason": "stop"}]}  # fmt: skip
-        return {"text": text, "meta_info": {"finish_reason": {"type": "stop"}}}
+                    "choices": [{"index": 0, "text": text, "finish_reason": "stop", "stop_reason": STOP_REASON}]}  # fmt: skip
+        return {"text": text, "meta_info": {"finish_reason": {"type": "stop", "matched": STOP_REASON}}}  # fmt: skip
 
     def _chunk(self, path: str, index: int) -> bytes:
         text = self._text(index)

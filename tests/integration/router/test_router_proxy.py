@@ -8,6 +8,7 @@ import json
 import httpx
 import openai
 import pytest
+from router_fakes import STOP_REASON
 
 from kubesgl.router.health import HealthSettings
 
@@ -181,6 +182,9 @@ async def test_each_generation_route_is_forwarded(engines, start_router, client)
         other = await client.get(router.url + "/v1/models/other-model")
     assert completion.json()["choices"][0]["text"].startswith("a-tok0")
     assert generate.json()["text"].startswith("a-tok0")
+    # the answer as the worker gave it, vLLM's stop_reason and SGLang's matched included
+    assert completion.json()["choices"][0]["stop_reason"] == STOP_REASON
+    assert generate.json()["meta_info"]["finish_reason"]["matched"] == STOP_REASON
     assert models.json()["data"][0]["id"] == "fake-model"
     assert model.status_code == 200 and model.json()["id"] == "fake-model"
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
