@@ -493,7 +493,8 @@ async def refusal_ends_rooms(
         yield
     except APIError as exc:
         refused = [target for target in targets if target is not None]
-        await ctx.client.refuse_rooms(refused, exc.message, exc.status)
+        if refused:  # a request without rooms (a mixed engine's) has nothing to end
+            await ctx.client.refuse_rooms(refused, exc.message, exc.status)
         raise
 
 

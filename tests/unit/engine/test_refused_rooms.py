@@ -86,4 +86,4 @@ async def test_a_refused_request_without_a_room_ends_none():
     client = RefusingClient()
     response = await _post(client, "/v1/completions", {"model": "m", "prompt": [5] * CONTEXT})
     assert response.status_code == 400
-    assert [target for targets, _, _ in client.refused for target in targets] == []
+    assert client.refused == []  # the engine is not even told
