@@ -84,6 +84,7 @@ class Server:
         self.children: dict[str, mp.process.BaseProcess] = {}
         self._stopping = threading.Event()
         self.exit_code = 0
+        self._client: EngineClient | None = None  # the API server's, once it runs
 
     def _start_children(self) -> None:
         ctx = mp.get_context("spawn")
@@ -169,7 +170,7 @@ class Server:
         served_model_name = self.options.served_model_name or self.config.model
         metrics = EngineMetrics(self.config.role, served_model_name)
         metrics.set_build_info(kubesgl.__version__, served_model_name)
-        client = EngineClient(self.endpoints, metrics, GcPacer())
+        client = self._client = EngineClient(self.endpoints, metrics, GcPacer())
         client.start()
         state = ServerState(
             self.config, served_model_name=served_model_name, api_key=self.options.api_key
@@ -232,7 +233,12 @@ class Server:
         server.should_exit = True
 
     def _stop_children(self) -> None:
-        if self.exit_code != 0:  # a child died: the rest get no Shutdown message, stop them now
+        # A child died: the rest get no Shutdown message. Or the engine never became ready: a
+        # loading scheduler reads no Shutdown (nor does the bootstrap process, which only rank
+        # 0 stops), and there is nothing to finish (no request was admitted, no KV is being
+        # written), so waiting CHILD_STOP_S for them only delays the kill. Stop them now.
+        ready = self._client is not None and self._client.ready.is_set()
+        if self.exit_code != 0 or not ready:
             for child in self.children.values():
                 if child.is_alive():
                     child.terminate()
