@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -66,6 +68,59 @@ def test_shutdown_deadline_aborts_what_is_left(server_factory, tiny_model):
     worker.join(timeout=30)
     assert result["response"].json()["choices"][0]["finish_reason"] == "abort"
     assert server.process.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("engine", ["mixed", "prefill-tp2"])
+def test_sigterm_while_loading_stops_every_process_within_seconds(tiny_model, tmp_path, engine):
+    """An engine stopped while its schedulers still load (kubesgl up's Ctrl-C right after
+    start) has nothing to drain: it took 11 s, waiting for children that read no Shutdown
+    while loading before it killed them ("did not stop in time"). Every process (each
+    tensor-parallel rank, the tokenizer, a prefill engine's bootstrap process) is gone within
+    seconds, the server exits 0 with no traceback, and its socket folder is removed."""
+    from serve_harness import free_port, start_process
+
+    args: tuple[str, ...] = ()
+    ranks, children_expected = 1, 2  # scheduler ranks; + the tokenizer (+ bootstrap process)
+    if engine == "prefill-tp2":
+        args = ("--tp-size", "2", "--role", "prefill")
+        args += ("--disaggregation-bootstrap-port", str(free_port()))
+        ranks, children_expected = 2, 4
+    held = tmp_path / "held"
+    held.mkdir()
+    hold = os.path.join(os.path.dirname(__file__), "load_held")
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [hold, os.environ.get("PYTHONPATH")])),
+        "HELD_DIR": str(held),
+    }
+    server = start_process(
+        "serve",
+        "--model",
+        tiny_model("llama"),
+        "--device",
+        "cpu",
+        *args,
+        tmp_path=tmp_path,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(held.iterdir())) < ranks:  # every rank is loading its weights, forever
+            assert server.process.poll() is None and time.monotonic() < deadline, server.log()
+            time.sleep(0.05)
+        children = process_tree_alive(server.process.pid)
+        assert len(children) >= children_expected
+        sent_at = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0
+        assert wait_until_gone(children, timeout=5) == []
+        took = time.monotonic() - sent_at
+    finally:
+        if server.process.poll() is None:
+            os.killpg(server.process.pid, signal.SIGKILL)
+    log = server.log()
+    assert took < 5, f"stopped after {took:.1f} s:\n{log}"
+    assert "did not stop in time" not in log and "Traceback" not in log, log
+    assert not list(Path(tempfile.gettempdir()).glob(f"kubesgl-ipc-{server.process.pid}-*"))
 
 
 def test_a_dying_child_takes_the_server_down_with_a_clear_log(server_factory, tiny_model):
