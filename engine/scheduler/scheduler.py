@@ -552,10 +552,11 @@ class Scheduler:
 
     def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
         params = req.params
-        if token in req.stop_ids:
-            return FinishReason("stop", matched_token=token, stop_token=True)
+        # EOS first, as vLLM does: an EOS id also in stop_token_ids names no stop_reason
         if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason("stop", matched_token=token)
+        if token in req.stop_ids:
+            return FinishReason("stop", matched_token=token, stop_token=True)
         if req.grammar is not None:
             if not req.grammar.accept(token):
                 return FinishReason(

@@ -279,19 +279,24 @@ def test_eos_from_generation_config_ends_a_request_unless_ignored(
     eos = greedy[0].token_ids[4]
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos]}))
     llm = make_llm(str(path))
-    stopped, ignored = llm.generate(
-        [prompt, prompt],
+    stopped, ignored, also_listed, listed_only = llm.generate(
+        [prompt] * 4,
         [
             SamplingParams(max_tokens=20, temperature=0),
             SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[eos]),
+            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[eos]),
         ],
     )
     first_eos = greedy[0].token_ids.index(eos)
     assert stopped.token_ids == greedy[0].token_ids[: first_eos + 1]
     # EOS, the model's own ending, names no stop_reason (as vLLM's): only a stop string or a
-    # stop_token_ids entry does
+    # stop_token_ids entry does; an EOS listed in stop_token_ids too is EOS first, as in vLLM,
+    # unless EOS is ignored
     assert stopped.finish_reason == "stop" and stopped.stop_reason is None
     assert ignored.token_ids == greedy[0].token_ids and ignored.finish_reason == "length"
+    assert also_listed.token_ids == stopped.token_ids and also_listed.stop_reason is None
+    assert listed_only.token_ids == stopped.token_ids and listed_only.stop_reason == eos
 
 
 def test_bad_requests_raise_and_others_go_on(tiny_model, make_llm, random_prompts):
