@@ -311,15 +311,7 @@ class DecodeTransfers:
                     )
                 ]
         if failed_now:
-            return [
-                DecodeOutcome(
-                    note.room,
-                    error=note.error,
-                    reason=note.reason or FailureReason.REFUSED,
-                    http_status=note.http_status,
-                    released=complete,
-                )
-            ]
+            return [_failed(note, released=complete)]
         return [DecodeOutcome(note.room, released=True)] if complete else []
 
     def _queued_note(self, note: RoomNote) -> list[DecodeOutcome]:
@@ -328,15 +320,7 @@ class DecodeTransfers:
         write can come; a DONE note, which needs them, is not its prefill engine's."""
         if note.status is RoomStatus.DONE or self._queued.pop(note.room, None) is None:
             return []  # a room that ended here already (failed, or its prefill engine dead)
-        return [
-            DecodeOutcome(
-                note.room,
-                error=note.error,
-                reason=note.reason or FailureReason.REFUSED,
-                http_status=note.http_status,
-                released=True,
-            )
-        ]
+        return [_failed(note, released=True)]
 
     def _note_overdue(self, fact: NoteOverdue) -> list[DecodeOutcome]:
         """The prefill engine's report ends the room, as its note would have, but a room it
@@ -404,6 +388,17 @@ _HANDLERS: dict[type, Callable[[DecodeTransfers, Any], list[DecodeOutcome]]] = {
     PeerLost: DecodeTransfers._peer_lost,
 }
 assert set(_HANDLERS) == set(get_args(DecodeFact))
+
+
+def _failed(note: RoomNote, released: bool) -> DecodeOutcome:
+    """The request of a room its prefill engine failed, answered with that engine's error."""
+    return DecodeOutcome(
+        note.room,
+        error=note.error,
+        reason=note.reason or FailureReason.REFUSED,
+        http_status=note.http_status,
+        released=released,
+    )
 
 
 def _note_or_none(message: bytes) -> RoomNote | None:

@@ -49,6 +49,20 @@ def start_pd_pair(model, tmp_path, prefill_args=(), decode_args=(), decode_env=N
     return prefill, decode, bootstrap
 
 
+def start_pd_router(prefill, decode, bootstrap, tmp_path, *args):
+    """A router in front of the pair, sending even short prompts through both engines."""
+    return start_router(
+        "--prefill",
+        f"{prefill.base_url}@{bootstrap}",
+        "--decode",
+        decode.base_url,
+        "--pd-min-prefill-tokens",
+        "0",
+        *args,
+        tmp_path=tmp_path,
+    )
+
+
 @pytest.fixture(scope="module")
 def pd_stack(tiny_model, tmp_path_factory):
     """(router URL, mixed engine URL, prefill, decode) on the llama tiny model."""
@@ -56,17 +70,7 @@ def pd_stack(tiny_model, tmp_path_factory):
     model = tiny_model("llama")
     mixed = start_server(model, "--served-model-name", MODEL_NAME, tmp_path=tmp_path)
     prefill, decode, bootstrap = start_pd_pair(model, tmp_path)
-    router = start_router(
-        "--prefill",
-        f"{prefill.base_url}@{bootstrap}",
-        "--decode",
-        decode.base_url,
-        "--pd-min-prefill-tokens",
-        "0",  # these short prompts too
-        "--health-check-interval",
-        "0.5",
-        tmp_path=tmp_path,
-    )
+    router = start_pd_router(prefill, decode, bootstrap, tmp_path, "--health-check-interval", "0.5")
     yield router.base_url, mixed, prefill, decode
     router.stop(timeout=30)
     for server in (mixed, prefill, decode):
@@ -359,15 +363,7 @@ def test_a_request_the_prefill_api_server_refuses_fails_at_the_decode_engine_at_
         tmp_path,
         prefill_args=("--context-length", "64", "--max-stop-string-length", "8"),
     )
-    router = start_router(
-        "--prefill",
-        f"{prefill.base_url}@{bootstrap}",
-        "--decode",
-        decode.base_url,
-        "--pd-min-prefill-tokens",
-        "0",
-        tmp_path=tmp_path,
-    )
+    router = start_pd_router(prefill, decode, bootstrap, tmp_path)
     try:
         refusals = {
             "context": {"prompt": [random.randrange(3, 500) for _ in range(80)]},
