@@ -338,26 +338,36 @@ async def repair_child(
     wanted = {identity(obj): obj for obj in render(isvc)}
     target = wanted.get((resource.kind, body["metadata"]["name"]))
     if target is not None and (event.get("type") == "DELETED" or has_drifted(target, body)):
-        logger.info("restoring %s %s", *identity(target))
-        try:
-            await asyncio.to_thread(memo.kube().apply, target)
-        except ApplyRejected as error:  # the InferenceService's status says so already
-            logger.warning("could not restore: %s", error)
+        await _restore(target, memo, logger)
     if resource.kind == DEPLOYMENT.kind:
-        key = (namespace, instance)
-        if key in memo.retiring:
-            # of the newest spec: one may have come meanwhile
-            async with memo.apply_locks.hold(key):
-                newest = list(inference_services.get(key, []))
-                try:
-                    current = parse_inference_service(newest[0]) if newest else None
-                except InvalidSpec:
-                    current = None  # the InferenceService handler reports it
-                if current is not None and not await asyncio.to_thread(
-                    prune_retired, memo.kube(), current
-                ):
-                    memo.retiring.discard(key)
+        await _continue_retiring((namespace, instance), memo, inference_services)
         await publish_status(memo, namespace, instance, inference_services, rollouts)
+
+
+async def _restore(target: dict[str, Any], memo: OperatorState, logger: kopf.Logger) -> None:
+    logger.info("restoring %s %s", *identity(target))
+    try:
+        await asyncio.to_thread(memo.kube().apply, target)
+    except ApplyRejected as error:  # the InferenceService's status says so already
+        logger.warning("could not restore: %s", error)
+
+
+async def _continue_retiring(
+    key: tuple[str, str], memo: OperatorState, inference_services: kopf.Index
+) -> None:
+    """Goes on pruning the objects of roles the InferenceService no longer runs: they go once
+    its Deployments have rolled out, which a Deployment's change may have finished."""
+    if key not in memo.retiring:
+        return
+    # of the newest spec: one may have come meanwhile
+    async with memo.apply_locks.hold(key):
+        newest = list(inference_services.get(key, []))
+        try:
+            current = parse_inference_service(newest[0]) if newest else None
+        except InvalidSpec:
+            current = None  # the InferenceService handler reports it
+        if current is not None and not await asyncio.to_thread(prune_retired, memo.kube(), current):
+            memo.retiring.discard(key)
 
 
 for _kind in CHILD_KINDS:
