@@ -8,6 +8,7 @@ scheduler's state (running, waiting, KV usage, prefix hits) arrives with each st
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -18,12 +19,15 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kubesgl.contract import LATENCY_BUCKETS_S, MIXED, PREFILL, REQUEST_BUCKETS_S
 from kubesgl.engine.disagg.protocol import FailureReason
 from kubesgl.engine.messages import DisaggStats, GrammarStats, SchedulerStats
+
+_Metric = TypeVar("_Metric", bound=MetricWrapperBase)  # a metric and its series are of one class
 
 # No `_created` series beside each counter and histogram (prometheus_client's default): Prometheus
 # finds resets itself, and they would double the series each engine and router is scraped for.
@@ -81,6 +85,7 @@ _COMPILE_BUCKETS = (
 )
 # kubesgl_grammar_cache_total: whether a request's grammar was already compiled (or compiling)
 GRAMMAR_CACHE_RESULTS = ("hit", "miss")
+
 _ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 
 
@@ -100,17 +105,22 @@ class _WithLabel(Collector):
 
 
 class EngineMetrics:
+    """The metrics of an engine of one role. Each metric labelled by the role alone is bound to
+    its one series when made, so that series exists at zero before its first count; those with
+    more labels are reached through `_series`, and their known label values made at zero too."""
+
     def __init__(self, role: str, model_name: str = ""):
+        self.role = role
         self.registry = CollectorRegistry()  # the metrics as recorded, by role
         self._exported = CollectorRegistry(auto_describe=False)  # ... and at /metrics, by model too
         self._exported.register(_WithLabel(self.registry, "model_name", model_name))
         r, labels = self.registry, ["role"]
         self.num_running = Gauge(
             "kubesgl_num_running_requests", "Requests admitted and not finished", labels, registry=r
-        )
+        ).labels(role=role)
         self.num_waiting = Gauge(
             "kubesgl_num_waiting_requests", "Requests queued for admission", labels, registry=r
-        )
+        ).labels(role=role)
         self.kv_usage = Gauge(
             "kubesgl_kv_cache_usage_ratio",
             "Share of the KV pool committed: pages held by requests or locked in the prefix "
@@ -118,22 +128,22 @@ class EngineMetrics:
             "cache excluded); what admission is bound by",
             labels,
             registry=r,
-        )
+        ).labels(role=role)
         self.prefix_hit = Gauge(
             "kubesgl_prefix_cache_hit_ratio",
             "Prompt tokens served from the prefix cache, over all prompt tokens since start",
             labels,
             registry=r,
-        )
+        ).labels(role=role)
         self.prompt_tokens = Counter(
             "kubesgl_prompt_tokens", "Prompt tokens of finished requests", labels, registry=r
-        )
+        ).labels(role=role)
         self.generation_tokens = Counter(
             "kubesgl_generation_tokens",
             "Generated tokens (a P/D room's first: on the decode engine, whose answer holds it)",
             labels,
             registry=r,
-        )
+        ).labels(role=role)
         self.requests = Counter(
             "kubesgl_requests",
             "Finished requests, by finish_reason (prefill engines also: handoff, a room's request "
@@ -155,14 +165,14 @@ class EngineMetrics:
             labels,
             buckets=LATENCY_BUCKETS_S,
             registry=r,
-        )
+        ).labels(role=role)
         self.itl = Histogram(
             "kubesgl_inter_token_latency_seconds",
             "Time between tokens",
             labels,
             buckets=_ITL_BUCKETS,
             registry=r,
-        )
+        ).labels(role=role)
         self.e2e = Histogram(
             "kubesgl_e2e_request_latency_seconds",
             "Request latency, arrival to last token (a prefill engine's room: to its answer, "
@@ -170,14 +180,14 @@ class EngineMetrics:
             labels,
             buckets=REQUEST_BUCKETS_S,
             registry=r,
-        )
+        ).labels(role=role)
         self.queue_time = Histogram(
             "kubesgl_request_queue_time_seconds",
             "Time a request waited in the scheduler's queue before admission",
             labels,
             buckets=LATENCY_BUCKETS_S,
             registry=r,
-        )
+        ).labels(role=role)
         self.prefill_time = Histogram(
             "kubesgl_request_prefill_time_seconds",
             "From admission to the first token computed (a decode engine's room: to the KV's "
@@ -185,28 +195,28 @@ class EngineMetrics:
             labels,
             buckets=LATENCY_BUCKETS_S,
             registry=r,
-        )
+        ).labels(role=role)
         self.decode_time = Histogram(
             "kubesgl_request_decode_time_seconds",
             "From the first output token to the last",
             labels,
             buckets=REQUEST_BUCKETS_S,
             registry=r,
-        )
+        ).labels(role=role)
         self.prompt_length = Histogram(
             "kubesgl_request_prompt_tokens",
             "Prompt length of finished requests, in tokens",
             labels,
             buckets=_LENGTH_BUCKETS,
             registry=r,
-        )
+        ).labels(role=role)
         self.output_length = Histogram(
             "kubesgl_request_generation_tokens",
             "Tokens generated per finished request",
             labels,
             buckets=_LENGTH_BUCKETS,
             registry=r,
-        )
+        ).labels(role=role)
         self.cached_tokens = Counter(
             "kubesgl_cached_prompt_tokens",
             "Prompt tokens of finished requests "
@@ -214,17 +224,17 @@ class EngineMetrics:
             "kubesgl_prompt_tokens_total's)",
             labels,
             registry=r,
-        )
+        ).labels(role=role)
         self.retractions = Counter(
             "kubesgl_retractions",
             "Running requests sent back to the queue to free KV "
             "pages (they resume later where they stopped)",
             labels,
             registry=r,
-        )
+        ).labels(role=role)
         self.kv_capacity = Gauge(
             "kubesgl_kv_cache_capacity_tokens", "Tokens the KV pool holds", labels, registry=r
-        )
+        ).labels(role=role)
         self.build_info = Info(
             "kubesgl_build", "The kubesgl version and the model served", labels, registry=r
         )
@@ -233,14 +243,14 @@ class EngineMetrics:
             "KV bytes moved between prefill and decode",
             labels,
             registry=r,
-        )
+        ).labels(role=role)
         self.kv_transfer_seconds = Histogram(
             "kubesgl_kv_transfer_seconds",
             "Time to move one request's KV",
             labels,
             buckets=LATENCY_BUCKETS_S,
             registry=r,
-        )
+        ).labels(role=role)
         self.kv_transfer_wait = Histogram(
             "kubesgl_kv_transfer_wait_seconds",
             "Time a room waited for the other "
@@ -249,7 +259,7 @@ class EngineMetrics:
             labels,
             buckets=LATENCY_BUCKETS_S,
             registry=r,
-        )
+        ).labels(role=role)
         self.disagg_requests = Gauge(
             "kubesgl_disagg_requests",
             "Requests with a bootstrap room, by state",
@@ -268,71 +278,50 @@ class EngineMetrics:
             labels,
             buckets=_COMPILE_BUCKETS,
             registry=r,
-        )
+        ).labels(role=role)
         self.grammar_cache = Counter(
             "kubesgl_grammar_cache",
             "Requests with a grammar, by whether it was already compiled",
             labels + ["result"],
             registry=r,
         )
-        self.role = role
-        for metric in (
-            self.num_running,
-            self.num_waiting,
-            self.kv_usage,
-            self.prefix_hit,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.ttft,
-            self.itl,
-            self.e2e,
-            self.kv_transfer_bytes,
-            self.kv_transfer_seconds,
-            self.kv_transfer_wait,
-            self.queue_time,
-            self.prefill_time,
-            self.decode_time,
-            self.prompt_length,
-            self.output_length,
-            self.cached_tokens,
-            self.kv_capacity,
-            self.retractions,
-            self.grammar_compile,
-        ):
-            metric.labels(role=role)  # present from the start, at zero
-        for finish_reason in FINISH_REASONS + ((HANDOFF,) if role == PREFILL else ()):
-            self.requests.labels(role=role, finish_reason=finish_reason)
-        for result in GRAMMAR_CACHE_RESULTS:
-            self.grammar_cache.labels(role=role, result=result)
-        for status, reason in ERROR_REASONS.items():
-            self.request_errors.labels(role=role, status=str(status), reason=reason)
-        if role != MIXED:  # every known label value from the start, so rate() sees the first one
-            for state in DISAGG_STATES:
-                self.disagg_requests.labels(role=role, state=state)
-            for reason in FailureReason:
-                self.disagg_failures.labels(role=role, reason=reason.value)
-            for status in PD_ERROR_STATUSES:
-                self.request_errors.labels(
-                    role=role, status=str(status), reason=error_reason(status)
-                )
+        self._create_known_series()
         self._failures_seen: dict[str, int] = {}
         self._retractions_seen = 0
         self._grammar_cache_seen = {"hit": 0, "miss": 0}
+
+    def _series(self, metric: _Metric, **labels: str) -> _Metric:
+        """`metric`'s series for this engine's role and `labels` (made on first use)."""
+        return metric.labels(role=self.role, **labels)
+
+    def _create_known_series(self) -> None:
+        """Every known label value from the start, at zero: a series that appears already holding
+        its first count is invisible to rate() and increase()."""
+        for finish_reason in FINISH_REASONS + ((HANDOFF,) if self.role == PREFILL else ()):
+            self._series(self.requests, finish_reason=finish_reason)
+        for result in GRAMMAR_CACHE_RESULTS:
+            self._series(self.grammar_cache, result=result)
+        for status, reason in ERROR_REASONS.items():
+            self._series(self.request_errors, status=str(status), reason=reason)
+        if self.role != MIXED:  # P/D rooms only exist on prefill and decode engines
+            for state in DISAGG_STATES:
+                self._series(self.disagg_requests, state=state)
+            for failure in FailureReason:
+                self._series(self.disagg_failures, reason=failure.value)
+            for status in PD_ERROR_STATUSES:
+                self._series(self.request_errors, status=str(status), reason=error_reason(status))
 
     def render(self) -> bytes:
         """The /metrics text: every sample carries model_name beside its own labels."""
         return generate_latest(self._exported)
 
     def update_scheduler(self, stats: SchedulerStats) -> None:
-        role = self.role
-        self.num_running.labels(role=role).set(stats.num_running)
-        self.num_waiting.labels(role=role).set(stats.num_waiting)
-        self.kv_usage.labels(role=role).set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
-        self.kv_capacity.labels(role=role).set(stats.kv_total_tokens)
-        self.prefix_hit.labels(role=role).set(
-            stats.cached_prompt_tokens / max(stats.prompt_tokens, 1)
-        )
-        self.retractions.labels(role=role).inc(max(0, stats.retractions - self._retractions_seen))
+        self.num_running.set(stats.num_running)
+        self.num_waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_used_tokens / max(stats.kv_total_tokens, 1))
+        self.kv_capacity.set(stats.kv_total_tokens)
+        self.prefix_hit.set(stats.cached_prompt_tokens / max(stats.prompt_tokens, 1))
+        self.retractions.inc(max(0, stats.retractions - self._retractions_seen))
         self._retractions_seen = stats.retractions
         if stats.disagg is not None:
             self._update_disagg(stats.disagg)
@@ -341,29 +330,28 @@ class EngineMetrics:
 
     def _update_grammar(self, grammar: GrammarStats) -> None:
         for result, total in (("hit", grammar.cache_hits), ("miss", grammar.cache_misses)):
-            self.grammar_cache.labels(role=self.role, result=result).inc(
+            self._series(self.grammar_cache, result=result).inc(
                 max(0, total - self._grammar_cache_seen[result])
             )
             self._grammar_cache_seen[result] = total
         for seconds in grammar.compile_seconds:
-            self.grammar_compile.labels(role=self.role).observe(seconds)
+            self.grammar_compile.observe(seconds)
 
     def _update_disagg(self, disagg: DisaggStats) -> None:
-        role = self.role
         for state in DISAGG_STATES:
-            self.disagg_requests.labels(role=role, state=state).set(
+            self._series(self.disagg_requests, state=state).set(
                 disagg.requests_by_state.get(state, 0)
             )
         for reason, total in disagg.failures_by_reason.items():
-            self.disagg_failures.labels(role=role, reason=reason).inc(
+            self._series(self.disagg_failures, reason=reason).inc(
                 total - self._failures_seen.get(reason, 0)
             )
             self._failures_seen[reason] = total
         for nbytes, seconds in disagg.transfers:
-            self.kv_transfer_bytes.labels(role=role).inc(nbytes)
-            self.kv_transfer_seconds.labels(role=role).observe(seconds)
+            self.kv_transfer_bytes.inc(nbytes)
+            self.kv_transfer_seconds.observe(seconds)
         for seconds in disagg.kv_waits:
-            self.kv_transfer_wait.labels(role=role).observe(seconds)
+            self.kv_transfer_wait.observe(seconds)
 
     def tokens(self, count: int, since_last: float, first: bool) -> None:
         """`count` new tokens, `since_last` seconds after the previous ones (or the arrival).
@@ -372,32 +360,31 @@ class EngineMetrics:
         handoff, an output that several steps filled) came at no measured interval and are no
         inter-token latency. A later output of n tokens counts n intervals of since_last / n
         (SGLang's convention), so the ITL histogram counts every token after the first output."""
-        role = self.role
-        self.generation_tokens.labels(role=role).inc(count)
+        self.generation_tokens.inc(count)
         if first:
-            self.ttft.labels(role=role).observe(since_last)
+            self.ttft.observe(since_last)
             return
         for _ in range(count):
-            self.itl.labels(role=role).observe(since_last / count)
+            self.itl.observe(since_last / count)
 
     def handed_off(self, seconds_to_first_token: float) -> None:
         """A prefill engine's answer to a room: its TTFT, to the token computed. The token is
         the decode engine's first, which counts it as generated (it is in that engine's
         answer and usage), so summed over a P/D instance each token counts once."""
-        self.ttft.labels(role=self.role).observe(seconds_to_first_token)
+        self.ttft.observe(seconds_to_first_token)
 
     def request_error(self, status: int) -> None:
-        self.request_errors.labels(
-            role=self.role, status=str(status), reason=error_reason(status)
-        ).inc()
+        self._series(self.request_errors, status=str(status), reason=error_reason(status)).inc()
 
     def set_build_info(self, version: str, model: str) -> None:
-        self.build_info.labels(role=self.role).info({"version": version, "model": model})
+        # made here, not at construction: an info series before it is set would be one without
+        # version and model
+        self._series(self.build_info).info({"version": version, "model": model})
 
     def scheduled(self, queue_seconds: float, prefill_seconds: float) -> None:
         """A request's times in the scheduler, which come with its first output."""
-        self.queue_time.labels(role=self.role).observe(queue_seconds)
-        self.prefill_time.labels(role=self.role).observe(prefill_seconds)
+        self.queue_time.observe(queue_seconds)
+        self.prefill_time.observe(prefill_seconds)
 
     def finished(
         self,
@@ -408,14 +395,13 @@ class EngineMetrics:
         output_tokens: int = 0,
         decode_seconds: float | None = None,
     ) -> None:
-        role = self.role
-        self.e2e.labels(role=role).observe(seconds)
-        self.requests.labels(role=role, finish_reason=finish_reason).inc()
-        self.prompt_tokens.labels(role=role).inc(prompt_tokens)
-        self.cached_tokens.labels(role=role).inc(cached_tokens)
+        self.e2e.observe(seconds)
+        self._series(self.requests, finish_reason=finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
         if prompt_tokens:  # an abort before tokenization knows none
-            self.prompt_length.labels(role=role).observe(prompt_tokens)
+            self.prompt_length.observe(prompt_tokens)
         if finish_reason != HANDOFF:  # its output's length is the decode engine's to count
-            self.output_length.labels(role=role).observe(output_tokens)
+            self.output_length.observe(output_tokens)
         if decode_seconds is not None:
-            self.decode_time.labels(role=role).observe(decode_seconds)
+            self.decode_time.observe(decode_seconds)
