@@ -25,6 +25,8 @@ KvCacheDtype = Literal["auto", "fp8_e4m3"]
 LoadFormat = Literal["auto", "dummy"]
 AttentionBackendName = Literal["torch", "triton", "flashinfer"]
 AttentionBackend = Literal["auto", AttentionBackendName]  # what --attention-backend takes
+# The backends that run on CUDA GPUs only (triton also in its CPU interpreter, TRITON_INTERPRET=1)
+CUDA_ONLY_BACKENDS: frozenset[AttentionBackendName] = frozenset({"triton", "flashinfer"})
 SchedulePolicyName = Literal["fcfs", "lpm", "dfs-weight"]
 
 _OPTION = "kubesgl.option"  # the key of an option's declaration in a field's metadata

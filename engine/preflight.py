@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kubesgl.contract import PREFILL
-from kubesgl.engine.config import EngineConfig
+from kubesgl.engine.config import CUDA_ONLY_BACKENDS, AttentionBackendName, EngineConfig
 from kubesgl.engine.model_config import ModelConfig, ModelConfigError, load_model_config
 from kubesgl.engine.models.hub import HubError, resolve_model
 
@@ -153,7 +153,7 @@ def backend_device_problem(backend: str, device: str, environ: Mapping[str, str]
     these environment variables; None when it can. Torch-free: the operator checks its engine
     pods' options with it."""
     interpreted = backend == "triton" and environ.get("TRITON_INTERPRET") == "1"
-    if device == "cpu" and backend in ("triton", "flashinfer") and not interpreted:
+    if device == "cpu" and backend in CUDA_ONLY_BACKENDS and not interpreted:
         return f"--attention-backend {backend} runs on CUDA GPUs; on the CPU use torch (or auto)"
     return None
 
@@ -161,39 +161,23 @@ def backend_device_problem(backend: str, device: str, environ: Mapping[str, str]
 def _check_attention_backend(config: EngineConfig, model: ModelConfig, device: str) -> None:
     backend = config.attention_backend
     problem = backend_device_problem(backend, device, os.environ)
+    if problem is None and backend != "auto":  # auto picks one that fits
+        problem = _backend_model_problem(backend, config, model, device)
     if problem is not None:
         raise StartupError(problem)
-    if backend == "triton":
-        from kubesgl.engine.attention import triton_supports
 
-        if not triton_supports(model.head_dim):
-            raise StartupError(
-                f"--attention-backend triton needs a power-of-two head size of at least 16, and "
-                f"this model's is {model.head_dim}; use torch (or auto)"
-            )
-    elif backend == "flashinfer":
-        import importlib.util
 
-        import torch
+def _backend_model_problem(
+    backend: AttentionBackendName, config: EngineConfig, model: ModelConfig, device: str
+) -> str | None:
+    """Why the backend cannot run this model, in the dtype the engine will load it in."""
+    import torch
 
-        from kubesgl.engine.attention import FLASHINFER_HEAD_DIMS
-        from kubesgl.engine.models.loader import resolve_dtype
+    from kubesgl.engine.attention import ATTENTION_BACKENDS
+    from kubesgl.engine.models.loader import resolve_dtype
 
-        if importlib.util.find_spec("flashinfer") is None:
-            raise StartupError(
-                "--attention-backend flashinfer needs the flashinfer-python package "
-                "(pip install 'kubesgl[flashinfer]')"
-            )
-        if resolve_dtype(config.dtype, model, torch.device("cuda")) not in (
-            torch.float16,
-            torch.bfloat16,
-        ):
-            raise StartupError("--attention-backend flashinfer needs --dtype bfloat16 or float16")
-        if model.head_dim not in FLASHINFER_HEAD_DIMS:
-            raise StartupError(
-                f"--attention-backend flashinfer needs a head size in {FLASHINFER_HEAD_DIMS}, and "
-                f"this model's is {model.head_dim}; use triton, torch or auto"
-            )
+    dtype = resolve_dtype(config.dtype, model, torch.device(device))
+    return ATTENTION_BACKENDS[backend].problem(dtype, model.head_dim)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

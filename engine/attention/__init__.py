@@ -25,22 +25,44 @@ def triton_supports(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def _flashinfer_fits(dtype: torch.dtype, head_dim: int) -> bool:
+def _triton_problem(dtype: torch.dtype, head_dim: int) -> str | None:
+    if triton_supports(head_dim):
+        return None
     return (
-        importlib.util.find_spec("flashinfer") is not None
-        and dtype in (torch.float16, torch.bfloat16)
-        and head_dim in FLASHINFER_HEAD_DIMS
+        f"--attention-backend triton needs a power-of-two head size of at least 16, and "
+        f"this model's is {head_dim}; use torch (or auto)"
     )
+
+
+def _flashinfer_problem(dtype: torch.dtype, head_dim: int) -> str | None:
+    if importlib.util.find_spec("flashinfer") is None:
+        return (
+            "--attention-backend flashinfer needs the flashinfer-python package "
+            "(pip install 'kubesgl[flashinfer]')"
+        )
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "--attention-backend flashinfer needs --dtype bfloat16 or float16"
+    if head_dim not in FLASHINFER_HEAD_DIMS:
+        return (
+            f"--attention-backend flashinfer needs a head size in {FLASHINFER_HEAD_DIMS}, and "
+            f"this model's is {head_dim}; use triton, torch or auto"
+        )
+    return None
+
+
+def _torch_problem(dtype: torch.dtype, head_dim: int) -> str | None:
+    return None  # the reference: runs every dtype and head size
 
 
 @dataclass(frozen=True)
 class BackendEntry:
     """Where a backend's class lives (imported only when chosen: flashinfer may be absent), and
-    whether `auto` may pick it on CUDA for a model's dtype and head size."""
+    why it cannot run a model of this dtype and head size on CUDA (None where it can): the
+    message preflight refuses an explicit choice with, and what `auto` skips it for."""
 
     module: str
     class_name: str
-    auto_on_cuda: Callable[[torch.dtype, int], bool]
+    problem: Callable[[torch.dtype, int], str | None]
 
     def load(self) -> type[AttentionBackend]:
         return getattr(importlib.import_module(self.module), self.class_name)
@@ -51,17 +73,17 @@ ATTENTION_BACKENDS: dict[AttentionBackendName, BackendEntry] = {
     "flashinfer": BackendEntry(
         "kubesgl.engine.attention.flashinfer_backend",
         "FlashInferAttentionBackend",
-        _flashinfer_fits,
+        _flashinfer_problem,
     ),
     "triton": BackendEntry(
         "kubesgl.engine.attention.triton_backend",
         "TritonAttentionBackend",
-        lambda dtype, head_dim: triton_supports(head_dim),
+        _triton_problem,
     ),
     "torch": BackendEntry(
         "kubesgl.engine.attention.torch_backend",
         "TorchAttentionBackend",
-        lambda dtype, head_dim: True,
+        _torch_problem,
     ),
 }
 
@@ -73,7 +95,7 @@ def auto_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> Att
     if device.type != "cuda":
         return "torch"
     return next(
-        name for name, entry in ATTENTION_BACKENDS.items() if entry.auto_on_cuda(dtype, head_dim)
+        name for name, entry in ATTENTION_BACKENDS.items() if entry.problem(dtype, head_dim) is None
     )
 
 

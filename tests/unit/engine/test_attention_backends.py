@@ -64,6 +64,25 @@ def test_auto_on_cuda_prefers_flashinfer_where_it_can(
     assert auto_backend(torch.device("cuda"), dtype, head_dim) == expected
 
 
+@pytest.mark.parametrize(
+    "installed,dtype,head_dim,problem",
+    [
+        (False, torch.bfloat16, 128, "needs the flashinfer-python package"),
+        (True, torch.float32, 128, "needs --dtype bfloat16 or float16"),
+        (True, torch.bfloat16, 80, "needs a head size in (64, 128, 256), and this model's is 80"),
+    ],
+)
+def test_flashinfer_names_the_first_reason_it_cannot_run_a_model(
+    monkeypatch, installed, dtype, head_dim, problem
+):
+    """The reason preflight refuses `--attention-backend flashinfer` with."""
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if installed else None
+    )
+    found = ATTENTION_BACKENDS["flashinfer"].problem(dtype, head_dim)
+    assert found is not None and problem in found
+
+
 def test_flashinfer_backend_refuses_what_it_cannot_run_with_a_clear_error():
     pool = KVPool(64, 1, 2, 64, torch.bfloat16, torch.device("cpu"))
     table = ReqToTokenTable(4, 32, torch.device("cpu"))

@@ -90,6 +90,17 @@ def test_a_gpu_attention_backend_on_the_cpu(serve, tiny_model, backend):
     ]
 
 
+def test_an_attention_backend_that_cannot_run_the_models_head_size(serve, tiny_model, monkeypatch):
+    """The refusal is the registry's reason, the one `auto` passes triton over for."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton on the CPU, in its interpreter
+    model = tiny_model("llama", head_dim=24)
+    status, err = serve("--model", model, "--device", "cpu", "--attention-backend", "triton")
+    assert status == 2 and err == [
+        "kubesgl serve: --attention-backend triton needs a power-of-two head size of at least "
+        "16, and this model's is 24; use torch (or auto)"
+    ]
+
+
 def test_a_port_already_taken(serve, tiny_model):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
