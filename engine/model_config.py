@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,10 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
+# The RoPE scalings the engine implements (engine/layers/rotary.py), by config.json's rope_type.
+RopeType = Literal["default", "linear", "llama3", "yarn"]
+
+
 class ModelConfigError(ValueError):
     """The checkpoint cannot be served: unsupported architecture or an inconsistent config."""
 
@@ -43,7 +47,7 @@ class ModelConfigError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    rope_type: str = "default"  # default | linear | llama3 | yarn
+    rope_type: RopeType = "default"
     factor: float = 1.0
     original_max_position_embeddings: int | None = None
     # llama3
@@ -96,14 +100,19 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
+def _rope_type(params: dict[str, Any]) -> RopeType:
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in get_args(RopeType):
+        raise ModelConfigError(
+            f"unsupported rope type {rope_type!r} (supported: {', '.join(get_args(RopeType))})"
+        )
+    return cast(RopeType, rope_type)
+
+
 def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3", "yarn"):
-        raise ModelConfigError(
-            f"unsupported rope type {rope_type!r} (supported: default, linear, llama3, yarn)"
-        )
+    rope_type = _rope_type(params)
     original = params.get("original_max_position_embeddings")
     if original is None and rope_type in ("llama3", "yarn"):
         original = raw.get("original_max_position_embeddings", raw["max_position_embeddings"])

@@ -8,12 +8,13 @@ cached in float32 for every position up to the context length.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from kubesgl.engine.layers.kernels import LayerKernels
-from kubesgl.engine.model_config import RopeConfig
+from kubesgl.engine.model_config import RopeConfig, RopeType
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -67,18 +68,36 @@ def _yarn_inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     ) + extrapolation * keep_extrapolated, attention_factor
 
 
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies, factor applied to cos and sin)."""
-    if rope.rope_type == "yarn":
-        return _yarn_inv_freq(head_dim, rope)
-    inv_freq = 1.0 / (
+def _default_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    return 1.0 / (
         rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     )
-    if rope.rope_type == "linear":
-        inv_freq = inv_freq / rope.factor
-    elif rope.rope_type == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, rope)
-    return inv_freq, 1.0
+
+
+def _default(head_dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    return _default_inv_freq(head_dim, rope), 1.0
+
+
+def _linear(head_dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    return _default_inv_freq(head_dim, rope) / rope.factor, 1.0
+
+
+def _llama3(head_dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    return _llama3_inv_freq(_default_inv_freq(head_dim, rope), rope), 1.0
+
+
+# Each rope type's (inverse frequencies, factor applied to cos and sin) for a head size.
+ROPE_SCALINGS: dict[RopeType, Callable[[int, RopeConfig], tuple[torch.Tensor, float]]] = {
+    "default": _default,
+    "linear": _linear,
+    "llama3": _llama3,
+    "yarn": _yarn_inv_freq,
+}
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, factor applied to cos and sin)."""
+    return ROPE_SCALINGS[rope.rope_type](head_dim, rope)
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 import torch
 
-from kubesgl.engine.layers.rotary import rope_inv_freq
-from kubesgl.engine.model_config import ModelConfigError, parse_model_config
+from kubesgl.engine.layers.rotary import ROPE_SCALINGS, rope_inv_freq
+from kubesgl.engine.model_config import ModelConfigError, RopeType, parse_model_config
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -66,6 +68,10 @@ def test_rope_frequencies_equal_transformers(rope):
     assert scale == pytest.approx(expected_scale, rel=1e-12)
 
 
+def test_every_rope_type_the_config_accepts_has_its_scaling():
+    assert set(ROPE_SCALINGS) == set(get_args(RopeType))
+
+
 def test_per_architecture_differences():
     qwen2 = parse_model_config({**BASE, "architectures": ["Qwen2ForCausalLM"]})
     assert qwen2.qkv_bias and not qwen2.o_proj_bias and not qwen2.qk_norm
@@ -93,5 +99,8 @@ def test_per_architecture_differences():
 def test_unsupported_inputs_are_named():
     with pytest.raises(ModelConfigError, match="unsupported architecture.*BertModel"):
         parse_model_config({**BASE, "architectures": ["BertModel"]})
-    with pytest.raises(ModelConfigError, match="unsupported rope type 'longrope'"):
+    with pytest.raises(
+        ModelConfigError,
+        match=r"unsupported rope type 'longrope' \(supported: default, linear, llama3, yarn\)",
+    ):
         parse_model_config({**BASE, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
