@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from kubesgl.engine.config import LoadFormat
 from kubesgl.engine.distributed import get_tp_group
 from kubesgl.engine.layers.kernels import layer_kernels
 from kubesgl.engine.model_config import ModelConfig
@@ -33,11 +34,9 @@ def load_model(
     config: ModelConfig,
     dtype: torch.dtype,
     device: torch.device,
-    load_format: str = "auto",
+    load_format: LoadFormat = "auto",  # checked by EngineConfig.validate, which Engine calls first
     seed: int = 0,
 ) -> CausalLM:
-    if load_format not in ("auto", "dummy"):
-        raise ValueError(f"unsupported load format {load_format!r} (supported: auto, dummy)")
     with torch.device(device):
         model = CausalLM(config, dtype, device, layer_kernels(device))
     if load_format == "dummy":
