@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -21,6 +21,7 @@ from kubesgl.engine.sampling_params import (
 from kubesgl.engine.scheduler.engine import Engine
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
 
+logger = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
@@ -233,8 +234,12 @@ class LLM:
         """End the requests of an interrupted call and let go of what they hold."""
         for rid in rids:
             self.engine.abort_request(rid, "the generate call was interrupted")
-        with contextlib.suppress(Exception):  # the step in flight may be the one that failed
+        try:
             self.engine.scheduler.drain()
+        except Exception:
+            # The step in flight may be the one that failed: its error is already on its way
+            # to the caller, and a second raise here would hide it.
+            logger.debug("finishing an interrupted call's step in flight failed", exc_info=True)
 
     def _token_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
