@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import gc
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from kubesgl.engine.attention import auto_backend
+from kubesgl.engine.attention import AttentionLayerSpec, auto_backend
 from kubesgl.engine.config import CPU_MEM_FRACTION, GPU_MEM_FRACTION, EngineConfig
 from kubesgl.engine.disagg.link import BootstrapLink
 from kubesgl.engine.distributed import get_tp_group
@@ -113,6 +114,30 @@ def cuda_graph_sizes(config: EngineConfig, device: torch.device) -> tuple[int, i
     return max_bs, min(config.piecewise_cuda_graph_max_tokens, step_tokens)
 
 
+@dataclass(frozen=True)
+class KVCacheParts:
+    """The KV cache of one engine and the bookkeeping over it."""
+
+    pool: KVPool
+    table: ReqToTokenTable  # each request's row of token slots
+    kv: KVManager  # pages, rows and the prefix cache, as the scheduler hands them out
+    tokens: int  # the pool's usable tokens, the padding page excluded
+
+
+def scheduler_limits(config: EngineConfig, context_length: int, vocab_size: int) -> SchedulerLimits:
+    return SchedulerLimits(
+        context_length=context_length,
+        vocab_size=vocab_size,
+        max_running_requests=config.max_running_requests,
+        chunked_prefill_size=config.chunked_prefill_size,
+        mixed_chunk=config.enable_mixed_chunk,
+        max_prefill_tokens=config.max_prefill_tokens,
+        default_max_tokens=config.default_max_tokens,
+        schedule_policy=config.schedule_policy,
+        schedule_max_wait=config.schedule_max_wait,
+    )
+
+
 class Engine:
     def __init__(
         self,
@@ -129,6 +154,33 @@ class Engine:
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self._load_model()
+        attn = self.model.attention_specs()[0]
+        cache = self._build_kv_cache(attn)
+        overlap = not config.disable_overlap_schedule
+        # Slots where a step's sampled tokens wait for the next step, launched before they are
+        # known (overlap).
+        future_capacity = 4 * config.max_running_requests
+        self.executor = self._build_executor(cache, attn, overlap, future_capacity)
+        self.role = create_role(
+            config, cache.kv, cache.pool, get_tp_group(), bootstrap_host, bootstrap_link
+        )
+        self.scheduler = self._build_scheduler(cache.kv, overlap, future_capacity)
+        logger.info(
+            "engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s, role %s",
+            self.model_config.architecture,
+            self.device,
+            self.dtype,
+            cache.tokens,
+            config.page_size,
+            overlap,
+            not config.disable_radix_cache,
+            config.role,
+        )
+
+    def _load_model(self) -> None:
+        """The model's config, context length, dtype and weights, on this engine's device."""
+        config = self.config
         self.model_config = load_model_config(config.model)
         self.context_length = min(
             config.context_length or self.model_config.context_length,
@@ -143,21 +195,16 @@ class Engine:
             config.load_format,
             config.seed,
         )
-        attn = self.model.attention_specs()[0]
 
-        page = config.page_size
+    def _build_kv_cache(self, attn: AttentionLayerSpec) -> KVCacheParts:
+        """A pool as large as the memory left allows on every rank, in whole pages, and the
+        tables that hand it out."""
+        config = self.config
         kv_dtype = kv_cache_dtype(config, self.dtype, self.device)
-        tokens = kv_pool_tokens(
-            config, self.model_config, kv_dtype, self.device, attn.num_kv_heads, self.context_length
-        )
-        # Every rank must schedule alike, so all take the smallest pool any rank can hold.
-        tokens = int(
-            get_tp_group()
-            .all_reduce(torch.tensor([tokens], device=self.device), dist.ReduceOp.MIN)
-            .item()
-        )
+        page = config.page_size
+        tokens = self._pool_tokens_on_every_rank(attn, kv_dtype)
         num_pages = tokens // page + 1  # + the padding page
-        kv_pool = KVPool(
+        pool = KVPool(
             num_pages * page,
             self.model_config.num_layers,
             attn.num_kv_heads,
@@ -173,33 +220,52 @@ class Engine:
         table = ReqToTokenTable(num_rows + 1, self.context_length, self.device)
         allocator = PageAllocator(num_pages, page)
         radix = NoPrefixCache(allocator) if config.disable_radix_cache else RadixCache(allocator)
-        future_capacity = 4 * config.max_running_requests
-        backend = config.attention_backend
+        kv = KVManager(allocator, radix, num_rows)
+        return KVCacheParts(pool=pool, table=table, kv=kv, tokens=(num_pages - 1) * page)
+
+    def _pool_tokens_on_every_rank(self, attn: AttentionLayerSpec, kv_dtype: torch.dtype) -> int:
+        """The KV pool's size in tokens (kv_pool_tokens): every rank must schedule alike, so
+        all take the smallest pool any rank can hold."""
+        tokens = kv_pool_tokens(
+            self.config,
+            self.model_config,
+            kv_dtype,
+            self.device,
+            attn.num_kv_heads,
+            self.context_length,
+        )
+        return int(
+            get_tp_group()
+            .all_reduce(torch.tensor([tokens], device=self.device), dist.ReduceOp.MIN)
+            .item()
+        )
+
+    def _build_executor(
+        self,
+        cache: KVCacheParts,
+        attn: AttentionLayerSpec,
+        overlap: bool,
+        future_capacity: int,
+    ) -> OverlapExecutor | SyncExecutor:
+        """The model runner on `cache`, in an executor that overlaps steps or runs them one at
+        a time."""
+        backend = self.config.attention_backend
         if backend == "auto":
             backend = auto_backend(self.device, self.dtype, attn.head_dim)
         runner = ModelRunner(
             self.model,
-            kv_pool,
-            table,
+            cache.pool,
+            cache.table,
             backend,
             future_capacity,
-            *cuda_graph_sizes(config, self.device),
+            *cuda_graph_sizes(self.config, self.device),
         )
-        overlap = not config.disable_overlap_schedule
-        self.executor = OverlapExecutor(runner) if overlap else SyncExecutor(runner)
-        limits = SchedulerLimits(
-            context_length=self.context_length,
-            vocab_size=self.model_config.vocab_size,
-            max_running_requests=config.max_running_requests,
-            chunked_prefill_size=config.chunked_prefill_size,
-            mixed_chunk=config.enable_mixed_chunk,
-            max_prefill_tokens=config.max_prefill_tokens,
-            default_max_tokens=config.default_max_tokens,
-            schedule_policy=config.schedule_policy,
-            schedule_max_wait=config.schedule_max_wait,
-        )
-        kv = KVManager(allocator, radix, num_rows)
-        self.role = create_role(config, kv, kv_pool, get_tp_group(), bootstrap_host, bootstrap_link)
+        return OverlapExecutor(runner) if overlap else SyncExecutor(runner)
+
+    def _build_scheduler(self, kv: KVManager, overlap: bool, future_capacity: int) -> Scheduler:
+        """The scheduler over `kv`, driving this engine's executor and role (built first), with
+        the tokenizer's stop strings and grammars where the model has a tokenizer."""
+        config = self.config
         stop_checker = StopStringChecker(config.model)
         grammars = None
         if stop_checker.tokenizer is not None:
@@ -208,28 +274,17 @@ class Engine:
                 self.model_config.vocab_size,
                 sorted(self.model_config.eos_token_ids),
             )
-        self.scheduler = Scheduler(
-            self.executor,
-            kv,
-            limits,
-            self.model_config.eos_token_ids,
-            overlap,
-            future_capacity,
-            stop_checker,
-            self.role,
-            grammars,
+        return Scheduler(
+            executor=self.executor,
+            kv=kv,
+            limits=scheduler_limits(config, self.context_length, self.model_config.vocab_size),
+            eos_token_ids=self.model_config.eos_token_ids,
+            overlap=overlap,
+            future_capacity=future_capacity,
+            stop_checker=stop_checker,
+            role=self.role,
+            grammars=grammars,
             wait_for_grammars=config.tp_size > 1,
-        )
-        logger.info(
-            "engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s, role %s",
-            self.model_config.architecture,
-            self.device,
-            self.dtype,
-            (num_pages - 1) * page,
-            page,
-            overlap,
-            not config.disable_radix_cache,
-            config.role,
         )
 
     def validate(self, request: GenerateRequest) -> None:

@@ -72,6 +72,7 @@ class SchedulerLimits:
 class Scheduler:
     def __init__(
         self,
+        *,
         executor,
         kv: KVManager,
         limits: SchedulerLimits,
