@@ -76,18 +76,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Refused(Exception):
+    """`kubesgl up` stops before running anything: `message` (None: already reported, or
+    nothing to say) goes to standard error after the program's name, and it exits with
+    `code`."""
+
+    def __init__(self, message: str | None, code: int = 2):
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
+        local = _plan(args)
+        log_dir, view = _prepare(local, args)
+    except _Refused as refused:
+        if refused.message is not None:
+            print(f"{PROG}: {refused.message}", file=sys.stderr)
+        return refused.code
+    return _supervise(local, log_dir, view)
+
+
+def _plan(args: argparse.Namespace) -> LocalPlan:
+    """The processes to run for the file's InferenceService on this machine; raises _Refused
+    if it cannot be read or run here."""
+    try:
         documents = read_documents(args.filename)
     except READ_ERRORS as error:
-        print(f"{PROG}: cannot read {args.filename}: {error}", file=sys.stderr)
-        return 2
+        raise _Refused(f"cannot read {args.filename}: {error}") from error
     objects = _inference_services(args.filename, documents)
     problem = _not_one_inference_service(documents, objects)
     if problem is not None:
-        print(f"{PROG}: {args.filename}: {problem}", file=sys.stderr)
-        return 2
+        raise _Refused(f"{args.filename}: {problem}")
     document = objects[0]
     try:
         isvc = parse_inference_service(document)
@@ -97,28 +119,29 @@ def main(argv: list[str]) -> int:
         )
         local = plan(isvc, settings)
     except InvalidSpec as error:
-        print_problems(PROG, args.filename, document, error)
-        return 2
+        print_problems(PROG, args.filename, document, error)  # one line per problem
+        raise _Refused(None) from error
     except NotEnoughGpus as error:
-        print(f"{PROG}: {args.filename}: {error}", file=sys.stderr)
-        return 2
+        raise _Refused(f"{args.filename}: {error}") from error
     missing = _missing_model(local, args)
     if missing is not None:
-        print(f"{PROG}: {missing}", file=sys.stderr)
-        return 2
+        raise _Refused(missing)
     problem = _listen_problem(args.host, args.port)
     if problem is not None:
-        print(f"{PROG}: {problem}", file=sys.stderr)
-        return 2
+        raise _Refused(problem)
+    return local
 
+
+def _prepare(local: LocalPlan, args: argparse.Namespace) -> tuple[Path, StatusView]:
+    """The log folder and the status view, with the plan's notes shown and the model made if
+    it must be; raises _Refused if either fails or Ctrl-C stops the model step."""
     log_dir = (
         Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix=f"kubesgl-up-{local.name}-"))
     )
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        print(f"{PROG}: --logs {log_dir}: {error.strerror or error}", file=sys.stderr)
-        return 2
+        raise _Refused(f"--logs {log_dir}: {error.strerror or error}") from error
     view = StatusView(local, log_dir, sys.stdout, live=sys.stdout.isatty())
     for note in local.notes:
         view.note(note)
@@ -128,11 +151,15 @@ def main(argv: list[str]) -> int:
         try:
             ensure_model(step, log_dir / "model.log")
         except ModelStepFailed as error:
-            print(f"{PROG}: {error}", file=sys.stderr)
-            return 1
+            raise _Refused(str(error), code=1) from error
         except KeyboardInterrupt:
-            return 130
+            raise _Refused(None, code=130) from None
+    return log_dir, view
 
+
+def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> int:
+    """Run the plan's processes until Ctrl-C, SIGTERM or SIGHUP (status 0), or until one exits
+    with a configuration error (status 2, naming it); then drain and stop them all."""
     supervisor = Supervisor(local.processes, log_dir, on_event=view.event)
     stop, force = threading.Event(), threading.Event()
 
