@@ -7,7 +7,7 @@ Deployments ready -> status Ready, against the Kubernetes API emulator on loopba
 The real operator (`python -m kubesgl operator`) runs in a subprocess; this script plays
 kubectl and the Deployment controller through the kubernetes client and polls the emulator's
 memory every 10 ms.
-Needs the `test` extra (kmock).
+Needs the `test` extra (kmock) and the repository's tests/ (the emulator lives there).
 """
 
 from __future__ import annotations
@@ -31,10 +31,13 @@ from kubernetes.dynamic import DynamicClient
 
 from kubesgl.operator.kube import CHILD_KINDS, DEPLOYMENT, INFERENCE_SERVICE, Kind, kind_of
 from kubesgl.operator.render import render
-from kubesgl.operator.testing import running_api_server
 from kubesgl.operator.validation import parse_inference_service
 
 REPO = Path(__file__).resolve().parents[2]
+# The emulator is the operator tests' own, not part of the package.
+sys.path.insert(0, str(REPO / "tests" / "integration" / "operator"))
+from fake_api_server import running_api_server  # noqa: E402
+
 POLL_SECONDS = 0.01
 
 
@@ -192,9 +195,9 @@ def run(count: int, burst: int) -> dict[str, Any]:
     children_per_isvc = len(render(parse_inference_service(created[0])))
     return {
         "command": "python benchmarks/operator/bench_operator.py " + " ".join(sys.argv[1:]),
-        "setup": "kubesgl operator (kopf) in a subprocess against kubesgl.operator.testing's "
-        "kmock-based API emulator on loopback, in this process; reads poll the "
-        "emulator's memory every 10 ms",
+        "setup": "kubesgl operator (kopf) in a subprocess against the kmock-based API "
+        "emulator of tests/integration/operator/fake_api_server.py on loopback, in this "
+        "process; reads poll the emulator's memory every 10 ms",
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "example": "examples/disaggregated.yaml",
         "children_per_inference_service": children_per_isvc,

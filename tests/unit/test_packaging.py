@@ -85,6 +85,22 @@ def test_the_operator_folder_never_shadows_the_standard_library():
     assert installed.returncode == 0, installed.stderr
 
 
+def test_the_package_imports_nothing_only_the_test_extra_installs():
+    """The Kubernetes API emulator the operator tests and its benchmark run against is theirs
+    (tests/integration/operator/fake_api_server.py): a module of the package importing kmock
+    would fail in a plain install."""
+    test_only = ("kmock", "kubernetes_validate", "pytest")
+    pattern = re.compile(rf"^\s*(?:import|from)\s+(?:{'|'.join(test_only)})\b", flags=re.M)
+    folders = [ROOT / "kubesgl", *(ROOT / folder for folder in COMPONENTS)]
+    offenders = [
+        str(path.relative_to(ROOT))
+        for folder in folders
+        for path in folder.rglob("*.py")  # rglob does not descend into kubesgl/'s links
+        if pattern.search(path.read_text())
+    ]
+    assert offenders == []
+
+
 def readme_commands() -> list[str]:
     readme = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)\n```", readme, flags=re.S)

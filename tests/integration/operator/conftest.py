@@ -6,9 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fake_api_server import running_api_server
 from operator_harness import Cluster, OperatorProcess
-
-from kubesgl.operator.testing import running_api_server
 
 
 @pytest.fixture

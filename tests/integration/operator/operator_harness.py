@@ -11,11 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fake_api_server import RunningApiServer
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError
 
 from kubesgl.operator.kube import CHILD_KINDS, INFERENCE_SERVICE, Kind
-from kubesgl.operator.testing import RunningApiServer
 
 REPO = Path(__file__).resolve().parents[3]
 EXAMPLES = REPO / "examples"
