@@ -94,22 +94,19 @@ def failure(error: str, reason: FailureReason, status: int | None = None) -> Fin
     )
 
 
-class MixedRole:
-    """Prefill and decode in one engine: every request runs from prompt to last token here."""
+class Role:
+    """The scheduler's seam to an engine's role; each hook's default is what a mixed engine
+    does, where every request runs from prompt to last token."""
 
-    name = contract.MIXED
+    name: str
     transfers_kv = False  # a role that does polls its transfers every turn, idle or not
 
     def __init__(self, kv: KVManager):
         self.kv = kv
 
     def validate(self, request: GenerateRequest) -> None:
-        if request.bootstrap is not None:
-            raise InvalidRequestError(
-                f"this engine's role is {self.name}: bootstrap_room is only for prefill and "
-                "decode engines",
-                param="bootstrap_room",
-            )
+        """Raise InvalidRequestError if this role cannot run `request`."""
+        raise NotImplementedError
 
     def kv_tokens(self, prompt_len: int, max_tokens: int, room: bool) -> int:
         """KV positions a request may fill here: its prompt and all outputs but the last."""
@@ -173,7 +170,21 @@ class MixedRole:
         """Stop the role's servers and agents (at shutdown)."""
 
 
-class _RoomRole(MixedRole):
+class MixedRole(Role):
+    """Prefill and decode in one engine."""
+
+    name = contract.MIXED
+
+    def validate(self, request: GenerateRequest) -> None:
+        if request.bootstrap is not None:
+            raise InvalidRequestError(
+                f"this engine's role is {self.name}: bootstrap_room is only for prefill and "
+                "decode engines",
+                param="bootstrap_room",
+            )
+
+
+class _RoomRole(Role):
     """What the prefill and decode roles share: the live rooms and their accounting."""
 
     transfers_kv = True
@@ -435,7 +446,7 @@ def create_role(
     tp: TensorParallelGroup,
     bootstrap_host: str,
     link: BootstrapLink | None,
-) -> MixedRole:
+) -> Role:
     """The role `config.role` names, with its KV transfer wired to this rank's pool. Rank 0
     talks to the engine's bootstrap process through `link`; without one, it runs the
     bootstrap service in this process (an engine driven in process)."""

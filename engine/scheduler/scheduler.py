@@ -49,7 +49,7 @@ from kubesgl.engine.scheduler.batch_builder import BatchBuilder, ScheduledBatch
 from kubesgl.engine.scheduler.grammar import GrammarBackend, GrammarState, UncompilableGrammar
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req, ReqStatus
-from kubesgl.engine.scheduler.roles import KVArrived, KVSent, MixedRole
+from kubesgl.engine.scheduler.roles import KVArrived, KVSent, Role
 from kubesgl.engine.scheduler.schedule_policy import SchedulePolicy
 from kubesgl.engine.scheduler.stop_strings import StopStringChecker
 
@@ -80,7 +80,7 @@ class Scheduler:
         overlap: bool,
         future_capacity: int,
         stop_checker: StopStringChecker,
-        role: MixedRole,
+        role: Role,
         grammars: GrammarBackend | None,
         wait_for_grammars: bool,
     ):
