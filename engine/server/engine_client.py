@@ -62,6 +62,7 @@ class _Pending:
     finished: bool = False  # its final output arrived
     closed: bool = False  # its reader left before the end; aborted, its end still to come
     probe: bool = False  # a health check (/health_generate): no user's request, in no metric
+    room: int | None = None  # its bootstrap room, a prefill or decode engine's request
 
 
 class EngineClient:
@@ -234,7 +235,8 @@ class EngineClient:
                 if taken.closed
                 else f"request id {request.rid!r} is already in use"
             )
-        pending = self._pending[request.rid] = _Pending(probe=probe)
+        room = None if request.bootstrap is None else request.bootstrap.room
+        pending = self._pending[request.rid] = _Pending(probe=probe, room=room)
         return self._outputs(request, pending)
 
     async def _outputs(
@@ -274,9 +276,14 @@ class EngineClient:
 
     async def refuse_rooms(self, targets: list[BootstrapTarget], message: str, status: int) -> None:
         """Requests for the rooms of `targets` were refused before they reached the engine,
-        answered `status` and `message`: the engine's role ends the rooms (RoomRefused)."""
+        answered `status` and `message`: the engine's role ends the rooms (RoomRefused), but
+        those of requests in flight here. Such a room is its live request's (a retry with the
+        same rid and room is refused as a duplicate), which may not have been sent yet: the
+        scheduler, which leaves a room alone once its request is there, would end it first."""
+        held = {pending.room for pending in self._pending.values()}
         for target in targets:
-            await self._to_tokenizer.send_pyobj(RoomRefused(target, message, status))
+            if target.room not in held:
+                await self._to_tokenizer.send_pyobj(RoomRefused(target, message, status))
 
     async def flush_cache(self) -> bool:
         """Whether the scheduler emptied its prefix cache (it does only when idle)."""

@@ -5,15 +5,21 @@ once instead of waiting for KV that never comes (docs/disaggregation.md, failure
 from __future__ import annotations
 
 import asyncio
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
+import zmq
 
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.messages import BootstrapTarget
+from kubesgl.engine.ipc import Endpoints, pull
+from kubesgl.engine.messages import BootstrapTarget, EngineInfo, RoomRefused, TokenizeRequest
 from kubesgl.engine.metrics import EngineMetrics
+from kubesgl.engine.sampling_params import SamplingParams
 from kubesgl.engine.server.api import ServerState, build_app
+from kubesgl.engine.server.engine_client import EngineClient
 
 CONTEXT = 64
 
@@ -34,7 +40,7 @@ class RefusingClient:
         self.refused.append((targets, message, status))
 
 
-async def _post(client: RefusingClient, path: str, body: dict) -> httpx.Response:
+async def _post(client: RefusingClient | EngineClient, path: str, body: dict) -> httpx.Response:
     config = EngineConfig(
         model="m", role="prefill", disaggregation_bootstrap_port=8998, max_stop_string_length=8
     )
@@ -87,3 +93,48 @@ async def test_a_refused_request_without_a_room_ends_none():
     response = await _post(client, "/v1/completions", {"model": "m", "prompt": [5] * CONTEXT})
     assert response.status_code == 400
     assert client.refused == []  # the engine is not even told
+
+
+@pytest.fixture
+def engine_client():
+    """A real EngineClient, ready, and the tokenizer's end of its pipe (what it sends, in order)."""
+    endpoints = Endpoints.create()
+    tokenizer = pull(zmq.Context.instance(), endpoints.tokenizer_in)
+    client = EngineClient(endpoints, EngineMetrics("prefill"))
+    client.info = EngineInfo("m", CONTEXT, 1000, 8192, 1, "LlamaForCausalLM", [2])
+    client.ready.set()
+    yield client, tokenizer
+    tokenizer.close(linger=0)
+    client._context.destroy(linger=0)
+    shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+
+
+def _received(tokenizer: zmq.Socket) -> list:
+    messages = []
+    while tokenizer.poll(200):
+        messages.append(tokenizer.recv_pyobj())
+    return messages
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("retry_room", "ends_room"), [(7, False), (8, True)])
+async def test_a_retry_refused_for_its_rid_ends_no_room_of_the_live_request(
+    engine_client, retry_room, ends_room
+):
+    """/generate retried with the same rid while the first copy is registered but not sent
+    yet (its handler has not run on to the send): the retry's 400 must not end the room the
+    live request holds, for its RoomRefused would reach the scheduler first and abandon the
+    room (the live request then answers 409). A retry with a room of its own ends that one."""
+    client, tokenizer = engine_client
+    target = BootstrapTarget(7, "10.0.0.1", 8998)
+    live = client.generate(TokenizeRequest("r1", SamplingParams(), input_ids=[5], bootstrap=target))
+    retry = {"rid": "r1", "input_ids": [5], **ROOM, "bootstrap_room": retry_room}
+    response = await _post(client, "/generate", retry)
+    assert response.status_code == 400 and "already in use" in response.text
+    sending = asyncio.ensure_future(anext(live))  # the live request's handler goes on: sent
+    messages = await asyncio.to_thread(_received, tokenizer)
+    refused = [m.target.room for m in messages if isinstance(m, RoomRefused)]
+    assert refused == ([retry_room] if ends_room else [])
+    assert [m.rid for m in messages if isinstance(m, TokenizeRequest)] == ["r1"]
+    sending.cancel()
+    await asyncio.gather(sending, return_exceptions=True)
