@@ -488,12 +488,17 @@ async def refusal_ends_rooms(
     """A request this server refuses (APIError) before its engine sees it ends its rooms in
     the engine all the same: a prefill engine's decode engine learns of the refusal at once,
     as of one its scheduler makes, instead of waiting for KV that never comes until the
-    router gives up on it (docs/disaggregation.md, failures)."""
+    router gives up on it (docs/disaggregation.md, failures). So does a 404 for another
+    model's name and a draining engine's 503, where its partner serves the request (a
+    rolling upgrade). Not a loading engine's 503: its scheduler reads no message until it is
+    ready, and its bootstrap server, not listening until its pool exists, refuses the
+    partner's post of the room at once."""
     try:
         yield
     except APIError as exc:
         refused = [target for target in targets if target is not None]
-        if refused:  # a request without rooms (a mixed engine's) has nothing to end
+        # a request without rooms (a mixed engine's) has nothing to end
+        if refused and ctx.client.ready.is_set():
             await ctx.client.refuse_rooms(refused, exc.message, exc.status)
         raise
 
@@ -608,10 +613,10 @@ async def tokenizer_answer(
 
 @api_routes.post("/v1/chat/completions")
 async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -> Response:
-    serving(ctx, body.model)
     names = body.renamed_fields()
     targets = rooms(ctx, body, 1, body.n, names)
     async with refusal_ends_rooms(ctx, targets):
+        serving(ctx, body.model)
         subs, streams, tool_output = _chat_requests(ctx, body, names, targets)
     return await respond(
         ctx,
@@ -665,12 +670,12 @@ def _chat_requests(
 
 @api_routes.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request, ctx: ServedHere) -> Response:
-    serving(ctx, body.model)
     prompts = body.prompts()
     listed = isinstance(body.prompt, list) and any(isinstance(p, str | list) for p in body.prompt)
     fields = [f"prompt.{i}" for i in range(len(prompts))] if listed else ["prompt"]
     targets = rooms(ctx, body, len(prompts), body.n)
     async with refusal_ends_rooms(ctx, targets):
+        serving(ctx, body.model)
         params = validated(ctx, body.to_sampling_params())
         within_limits(
             ctx,
@@ -698,11 +703,11 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServedHere
 
 @api_routes.post("/generate")
 async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere) -> Response:
-    serving(ctx)
     names = body.renamed_fields()
     targets = rooms(ctx, body, 1, 1, names)
     rid = body.rid or EngineClient.new_rid("gen")
     async with refusal_ends_rooms(ctx, targets):
+        serving(ctx)
         params = validated(ctx, body.to_sampling_params(), names)
         within_limits(
             ctx,

@@ -40,17 +40,20 @@ class RefusingClient:
         self.refused.append((targets, message, status))
 
 
-async def _post(client: RefusingClient | EngineClient, path: str, body: dict) -> httpx.Response:
+async def _post(
+    client: RefusingClient | EngineClient, path: str, body: dict, draining: bool = False
+) -> httpx.Response:
     config = EngineConfig(
         model="m", role="prefill", disaggregation_bootstrap_port=8998, max_stop_string_length=8
     )
-    app = build_app(client, ServerState(config, "m"))  # type: ignore[arg-type]
+    app = build_app(client, ServerState(config, "m", draining=draining))  # type: ignore[arg-type]
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://engine") as http:
         return await http.post(path, json=body)
 
 
 ROOM = {"bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7}
+HELLO = {"role": "user", "content": "hi"}
 
 
 @pytest.mark.asyncio
@@ -75,6 +78,38 @@ async def test_a_refusal_ends_every_room_of_the_request_with_its_answer(path, bo
     copies = body.get("n", 1)
     rooms = [BootstrapTarget(7 + i, "10.0.0.1", 8998) for i in range(copies)]
     assert client.refused == [(rooms, error["message"], 400)]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("path", "body", "draining", "status"),
+    [
+        ("/v1/completions", {"model": "other", "prompt": "hi", "n": 2}, False, 404),
+        ("/v1/chat/completions", {"model": "other", "messages": [HELLO]}, False, 404),
+        ("/generate", {"text": "hi"}, True, 503),
+    ],
+    ids=["completions-model", "chat-model", "generate-draining"],
+)
+async def test_a_refusal_before_serving_ends_every_room(path, body, draining, status):
+    """Another model's name, or an engine draining, where its partner engine serves the
+    request (the two disagree during a rolling upgrade; SGLang's router sends it to both
+    anyway): the partner learns at once instead of waiting for the KV until its timeout."""
+    client = RefusingClient()
+    response = await _post(client, path, {**body, **ROOM}, draining)
+    assert response.status_code == status
+    copies = body.get("n", 1)
+    rooms = [BootstrapTarget(7 + i, "10.0.0.1", 8998) for i in range(copies)]
+    assert client.refused == [(rooms, response.json()["error"]["message"], status)]
+
+
+@pytest.mark.asyncio
+async def test_a_loading_engine_ends_no_room():
+    """Its scheduler reads no message until it is ready."""
+    client = RefusingClient()
+    client.ready.clear()
+    response = await _post(client, "/v1/completions", {"model": "m", "prompt": "hi", **ROOM})
+    assert response.status_code == 503 and "loading" in response.text
+    assert client.refused == []
 
 
 @pytest.mark.asyncio
