@@ -389,6 +389,43 @@ def test_a_request_the_prefill_api_server_refuses_fails_at_the_decode_engine_at_
             assert server.stop() == 0
 
 
+def test_a_request_for_a_model_the_prefill_engine_does_not_serve_fails_at_the_decode_engine_at_once(
+    tiny_model, tmp_path
+):
+    """The engines disagree on the served name (a rolling upgrade that renames it) and the
+    request goes to both, as SGLang's router sends it (the kubesgl router pairs only engines
+    that both serve the model): the decode engine answers the prefill engine's 404 at once,
+    counted `refused`, instead of waiting for the KV until its timeout (a 504)."""
+    model = tiny_model("llama")
+    prefill, decode, bootstrap = start_pd_pair(
+        model,
+        tmp_path,
+        prefill_args=("--served-model-name", "renamed"),
+        decode_args=("--disaggregation-timeout", "20"),
+    )
+    try:
+        body = {
+            "model": MODEL_NAME,
+            "prompt": "hi",
+            "max_tokens": 4,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bootstrap,
+            "bootstrap_room": random.getrandbits(62),
+        }
+        started = time.monotonic()
+        answers = send_to_both(prefill, decode, "/v1/completions", body)
+        elapsed = time.monotonic() - started
+        assert answers["p"].status_code == 404, answers["p"].text
+        assert answers["d"].status_code == 404, answers["d"].text
+        assert "'renamed'" in answers["d"].json()["error"]["message"], answers["d"].text
+        assert elapsed < 5, elapsed  # the decode engine's timeout is 20 s
+        decode.wait_idle()
+        assert decode.metric('kubesgl_disagg_failures_total{reason="refused"}') == 1
+    finally:
+        for server in (prefill, decode):
+            assert server.stop() == 0
+
+
 def prefill_bootstrap_port(prefill) -> int:
     args = prefill.process.args
     return int(args[args.index("--disaggregation-bootstrap-port") + 1])
