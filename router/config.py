@@ -48,7 +48,7 @@ class KubeDiscoverySettings:
     worker_port: int = contract.ENGINE_PORT
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keywords only: two floats swapped would type-check
 class RouterConfig:
     workers: list[str] = field(default_factory=list)
     prefill: list[tuple[str, int | None]] = field(default_factory=list)

@@ -15,7 +15,7 @@ log = logging.getLogger("kubesgl.router")
 MODELS_PATH = "/v1/models"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keywords only: two floats swapped would type-check
 class HealthSettings:
     interval_s: float = 5.0
     timeout_s: float = 3.0

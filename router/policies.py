@@ -55,7 +55,7 @@ class PowerOfTwoPolicy(Policy):
         return Choice(first if first.in_flight <= second.in_flight else second)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keywords only: two floats swapped would type-check
 class CacheAwareSettings:
     # Route to the longest match only when it covers more than this share of the request.
     cache_threshold: float = 0.3

@@ -22,7 +22,7 @@ from kubesgl.router.workers import Role, Worker, WorkerRegistry
 log = logging.getLogger("kubesgl.router")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keywords only: two floats swapped would type-check
 class RetrySettings:
     max_retries: int = 3
     initial_backoff_s: float = 0.05
@@ -41,7 +41,7 @@ class RetrySettings:
         return delay * random.uniform(1 - self.jitter, 1 + self.jitter)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # keywords only: two floats swapped would type-check
 class DisaggregationSettings:
     """When the router sends a request to a decode worker alone, which prefills it itself."""
 

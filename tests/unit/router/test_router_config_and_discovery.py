@@ -4,6 +4,9 @@ from kubesgl.contract import ADMIN_KEY_ENV
 from kubesgl.router.cli import build_parser, config_from_args
 from kubesgl.router.config import RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import parse_selector, worker_from_pod
+from kubesgl.router.health import HealthSettings
+from kubesgl.router.policies import CacheAwareSettings
+from kubesgl.router.routing import DisaggregationSettings, RetrySettings
 from kubesgl.router.workers import Role, WorkerRegistry, normalize_url
 
 
@@ -101,6 +104,49 @@ def test_the_flags_defaults_are_the_configs():
     assert config_from_args(build_parser().parse_args([]), admin) == RouterConfig(
         admin_api_key="adm"
     )
+
+
+# Each numeric flag, a value no other one gets, and where it lands in RouterConfig
+FLAG_FIELDS = {
+    "--cache-threshold": ("0.25", "cache_aware.cache_threshold"),
+    "--balance-abs-threshold": ("11", "cache_aware.balance_abs_threshold"),
+    "--balance-rel-threshold": ("2.5", "cache_aware.balance_rel_threshold"),
+    "--max-tree-chars": ("12", "cache_aware.max_tree_chars"),
+    "--pd-min-prefill-tokens": ("13", "disaggregation.min_prefill_tokens"),
+    "--pd-max-prefill-in-flight": ("14", "disaggregation.max_prefill_in_flight"),
+    "--health-check-interval": ("6.5", "health.interval_s"),
+    "--health-check-timeout": ("1.5", "health.timeout_s"),
+    "--health-failure-threshold": ("15", "health.failure_threshold"),
+    "--health-success-threshold": ("16", "health.success_threshold"),
+    "--breaker-failure-threshold": ("17", "breaker_failure_threshold"),
+    "--breaker-cooldown": ("7.5", "breaker_cooldown_s"),
+    "--max-retries": ("18", "retry.max_retries"),
+    "--retry-initial-backoff": ("0.125", "retry.initial_backoff_s"),
+    "--retry-max-backoff": ("3.5", "retry.max_backoff_s"),
+    "--connect-timeout": ("8.5", "connect_timeout_s"),
+    "--request-timeout": ("9.5", "request_timeout_s"),
+    "--max-connections": ("19", "max_connections"),
+}
+
+
+def test_each_flag_sets_its_own_field():
+    """Two floats swapped between flags and fields would type-check: each value is followed."""
+    argv = [arg for flag, (value, _) in FLAG_FIELDS.items() for arg in (flag, value)]
+    config = config_from_args(build_parser().parse_args(argv), {ADMIN_KEY_ENV: "adm"})
+    for flag, (value, path) in FLAG_FIELDS.items():
+        field = config
+        for name in path.split("."):
+            field = getattr(field, name)
+        assert field == type(field)(value), flag
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [CacheAwareSettings, HealthSettings, RetrySettings, DisaggregationSettings, RouterConfig],
+)
+def test_settings_take_keywords_only(settings):
+    with pytest.raises(TypeError):
+        settings(1)
 
 
 def test_worker_from_pod():
