@@ -15,6 +15,7 @@ from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV, LOG_LEVELS
 from kubesgl.router.config import KubeDiscoverySettings, RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import parse_selector
 from kubesgl.router.health import HealthSettings
+from kubesgl.router.options import add_options, options_of, values_from_args
 from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings
 from kubesgl.router.routing import DisaggregationSettings, RetrySettings
 from kubesgl.router.security import check_key
@@ -22,6 +23,14 @@ from kubesgl.router.security import check_key
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 # On SIGTERM, streams still running get this long to finish (Kubernetes' default grace is 30 s).
 GRACEFUL_SHUTDOWN_S = 25
+_BREAKER_OPTIONS = {"breaker_failure_threshold", "breaker_cooldown_s"}
+# The flags of --help's group "health, circuit breaker, retries, timeouts", in its order
+_RESILIENCE_OPTIONS = (
+    *options_of(HealthSettings),
+    *(opt for opt in options_of(RouterConfig) if opt.name in _BREAKER_OPTIONS),
+    *options_of(RetrySettings),
+    *(opt for opt in options_of(RouterConfig) if opt.name not in _BREAKER_OPTIONS),
+)
 
 
 def build_parser(
@@ -105,152 +114,20 @@ def build_parser(
         "command line shows in `ps`). Without a key, POST/DELETE /workers answer 403",
     )
 
-    defaults = RouterConfig()
     r = p.add_argument_group("routing")
-    cache = defaults.cache_aware
     r.add_argument(
         "--policy",
-        default=defaults.policy,
+        default=RouterConfig().policy,
         choices=POLICY_NAMES,
         help="how a worker is picked for a request (docs/router.md, Routing policies)",
     )
     r.add_argument("--prefill-policy", default=None, choices=POLICY_NAMES, help="default: --policy")
     r.add_argument("--decode-policy", default=None, choices=POLICY_NAMES, help="default: --policy")
-    r.add_argument(
-        "--cache-threshold",
-        type=float,
-        default=cache.cache_threshold,
-        metavar="X",
-        help="cache_aware: least matched share of a request to follow its cache",
-    )
-    r.add_argument(
-        "--balance-abs-threshold",
-        type=int,
-        default=cache.balance_abs_threshold,
-        metavar="N",
-        help="cache_aware: in-flight gap (max - min) beyond which loads are balanced",
-    )
-    r.add_argument(
-        "--balance-rel-threshold",
-        type=float,
-        default=cache.balance_rel_threshold,
-        metavar="X",
-        help="cache_aware: in-flight ratio (max / min) beyond which loads are balanced",
-    )
-    r.add_argument(
-        "--max-tree-chars",
-        type=int,
-        default=cache.max_tree_chars,
-        metavar="N",
-        help="cache_aware: characters remembered per worker (LRU eviction beyond)",
-    )
-
+    add_options(r, options_of(CacheAwareSettings))
     d = p.add_argument_group("prefill/decode: when a decode worker prefills a request itself")
-    pd = defaults.disaggregation
-    d.add_argument(
-        "--pd-min-prefill-tokens",
-        type=int,
-        default=pd.min_prefill_tokens,
-        metavar="N",
-        help="requests whose uncached prompt is shorter (estimated at 4 characters a token for "
-        "text) go to a decode worker alone; 0: always disaggregate",
-    )
-    d.add_argument(
-        "--pd-max-prefill-in-flight",
-        type=int,
-        default=pd.max_prefill_in_flight,
-        metavar="N",
-        help="when every prefill worker has this many requests in flight, new ones go to a "
-        "decode worker alone",
-    )
-
+    add_options(d, options_of(DisaggregationSettings))
     h = p.add_argument_group("health, circuit breaker, retries, timeouts")
-    health, retry = defaults.health, defaults.retry
-    h.add_argument(
-        "--health-check-interval",
-        type=float,
-        default=health.interval_s,
-        metavar="S",
-        help="seconds between two health checks of a worker",
-    )
-    h.add_argument(
-        "--health-check-timeout",
-        type=float,
-        default=health.timeout_s,
-        metavar="S",
-        help="seconds a health check may take before it counts as failed",
-    )
-    h.add_argument(
-        "--health-failure-threshold",
-        type=int,
-        default=health.failure_threshold,
-        metavar="N",
-        help="consecutive failed checks before a worker leaves the pool",
-    )
-    h.add_argument(
-        "--health-success-threshold",
-        type=int,
-        default=health.success_threshold,
-        metavar="N",
-        help="consecutive passed checks before it comes back",
-    )
-    h.add_argument(
-        "--breaker-failure-threshold",
-        type=int,
-        default=defaults.breaker_failure_threshold,
-        metavar="N",
-        help="consecutive failed requests that open a worker's circuit",
-    )
-    h.add_argument(
-        "--breaker-cooldown",
-        type=float,
-        default=defaults.breaker_cooldown_s,
-        metavar="S",
-        help="seconds an open circuit keeps a worker out",
-    )
-    h.add_argument(
-        "--max-retries",
-        type=int,
-        default=retry.max_retries,
-        metavar="N",
-        help="times a request a worker failed before answering is sent again, to another worker "
-        "where there is one",
-    )
-    h.add_argument(
-        "--retry-initial-backoff",
-        type=float,
-        default=retry.initial_backoff_s,
-        metavar="S",
-        help="seconds before the first retry; each next one waits twice as long",
-    )
-    h.add_argument(
-        "--retry-max-backoff",
-        type=float,
-        default=retry.max_backoff_s,
-        metavar="S",
-        help="longest wait before a retry",
-    )
-    h.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=defaults.connect_timeout_s,
-        metavar="S",
-        help="seconds to open a connection to a worker",
-    )
-    h.add_argument(
-        "--request-timeout",
-        type=float,
-        default=defaults.request_timeout_s,
-        metavar="S",
-        help="longest wait for the next byte of a worker's answer",
-    )
-    h.add_argument(
-        "--max-connections",
-        type=int,
-        default=defaults.max_connections,
-        metavar="N",
-        help="open connections to all workers together",
-    )
+    add_options(h, _RESILIENCE_OPTIONS)
     return p
 
 
@@ -293,32 +170,11 @@ def config_from_args(
         policy=args.policy,
         prefill_policy=args.prefill_policy,
         decode_policy=args.decode_policy,
-        cache_aware=CacheAwareSettings(
-            cache_threshold=args.cache_threshold,
-            balance_abs_threshold=args.balance_abs_threshold,
-            balance_rel_threshold=args.balance_rel_threshold,
-            max_tree_chars=args.max_tree_chars,
-        ),
-        health=HealthSettings(
-            interval_s=args.health_check_interval,
-            timeout_s=args.health_check_timeout,
-            failure_threshold=args.health_failure_threshold,
-            success_threshold=args.health_success_threshold,
-        ),
-        retry=RetrySettings(
-            max_retries=args.max_retries,
-            initial_backoff_s=args.retry_initial_backoff,
-            max_backoff_s=args.retry_max_backoff,
-        ),
-        disaggregation=DisaggregationSettings(
-            min_prefill_tokens=args.pd_min_prefill_tokens,
-            max_prefill_in_flight=args.pd_max_prefill_in_flight,
-        ),
-        breaker_failure_threshold=args.breaker_failure_threshold,
-        breaker_cooldown_s=args.breaker_cooldown,
-        connect_timeout_s=args.connect_timeout,
-        request_timeout_s=args.request_timeout,
-        max_connections=args.max_connections,
+        cache_aware=CacheAwareSettings(**values_from_args(CacheAwareSettings, args)),
+        health=HealthSettings(**values_from_args(HealthSettings, args)),
+        retry=RetrySettings(**values_from_args(RetrySettings, args)),
+        disaggregation=DisaggregationSettings(**values_from_args(DisaggregationSettings, args)),
+        **values_from_args(RouterConfig, args),
         admin_api_key=admin_api_key,
         api_key=api_key,
         kube=kube,

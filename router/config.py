@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from kubesgl import contract
 from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
 from kubesgl.router.health import HealthSettings
+from kubesgl.router.options import RouterOption, check_bounds, option, options_of
 from kubesgl.router.policies import POLICY_NAMES, CacheAwareSettings, PolicyName
 from kubesgl.router.routing import DisaggregationSettings, RetrySettings
 from kubesgl.router.security import check_key
@@ -31,14 +32,15 @@ def parse_prefill_spec(spec: str) -> tuple[str, int | None]:
     return validate_worker_url(url), int(port)
 
 
-def _changed_flags(settings: CacheAwareSettings | DisaggregationSettings, prefix: str) -> list[str]:
-    """The flags (`prefix` + field name) of the settings set apart from their defaults."""
-    default = type(settings)()
+def _changed_flags(settings: CacheAwareSettings | DisaggregationSettings) -> list[str]:
+    """The flags of the settings set apart from their defaults."""
     return [
-        prefix + f.name.replace("_", "-")
-        for f in fields(settings)
-        if getattr(settings, f.name) != getattr(default, f.name)
+        opt.flag for opt in options_of(type(settings)) if getattr(settings, opt.name) != opt.default
     ]
+
+
+_BREAKER_ERROR = "breaker: failure threshold >= 1 and cooldown >= 0"
+_CONNECTION_ERROR = "timeouts and the connection limit must be positive"
 
 
 @dataclass(frozen=True)
@@ -60,11 +62,41 @@ class RouterConfig:
     health: HealthSettings = field(default_factory=HealthSettings)
     retry: RetrySettings = field(default_factory=RetrySettings)
     disaggregation: DisaggregationSettings = field(default_factory=DisaggregationSettings)
-    breaker_failure_threshold: int = 5
-    breaker_cooldown_s: float = 10.0
-    connect_timeout_s: float = 5.0
-    request_timeout_s: float = 1800.0  # longest wait for the next byte of an answer
-    max_connections: int = 4096
+    breaker_failure_threshold: int = option(
+        5,
+        flag="--breaker-failure-threshold",
+        help="consecutive failed requests that open a worker's circuit",
+        error=_BREAKER_ERROR,
+        ge=1,
+    )
+    breaker_cooldown_s: float = option(
+        10.0,
+        flag="--breaker-cooldown",
+        help="seconds an open circuit keeps a worker out",
+        error=_BREAKER_ERROR,
+        ge=0,
+    )
+    connect_timeout_s: float = option(
+        5.0,
+        flag="--connect-timeout",
+        help="seconds to open a connection to a worker",
+        error=_CONNECTION_ERROR,
+        gt=0,
+    )
+    request_timeout_s: float = option(
+        1800.0,
+        flag="--request-timeout",
+        help="longest wait for the next byte of a worker's answer",
+        error=_CONNECTION_ERROR,
+        gt=0,
+    )
+    max_connections: int = option(
+        4096,
+        flag="--max-connections",
+        help="open connections to all workers together",
+        error=_CONNECTION_ERROR,
+        ge=1,
+    )
     max_request_bytes: int = 64 * 1024 * 1024
     # Opens the admin endpoints that change the pool (POST/DELETE /workers); None: they answer 403.
     admin_api_key: str | None = None
@@ -83,16 +115,13 @@ class RouterConfig:
             raise ValueError("give either --worker (mixed) or --prefill/--decode (P/D), not both")
         if bool(self.prefill) != bool(self.decode):
             raise ValueError("P/D mode needs at least one --prefill and one --decode worker")
-        if self.breaker_failure_threshold < 1 or self.breaker_cooldown_s < 0:
-            raise ValueError("breaker: failure threshold >= 1 and cooldown >= 0")
+        check_bounds(self)  # the breaker's, the timeouts and the connection limit
         for urls in (self.workers, self.decode, [url for url, _ in self.prefill]):
             for url in urls:
                 validate_worker_url(url)
         for name, key in ((ADMIN_KEY_ENV, self.admin_api_key), (API_KEY_ENV, self.api_key)):
             if key is not None:
                 check_key(name, key)
-        if self.connect_timeout_s <= 0 or self.request_timeout_s <= 0 or self.max_connections < 1:
-            raise ValueError("timeouts and the connection limit must be positive")
 
     def ignored_options(self) -> list[str]:
         """Why an option given has no effect with these workers and policies, a line each, for a
@@ -106,7 +135,7 @@ class RouterConfig:
             notes = [
                 f"{flag} has no effect: it applies to prefill/decode workers, and only mixed "
                 "ones (--worker) are given"
-                for flag in pd_flags + _changed_flags(self.disaggregation, "--pd-")
+                for flag in pd_flags + _changed_flags(self.disaggregation)
             ]
         policies = {self.policy}
         if not mixed_only:
@@ -115,6 +144,21 @@ class RouterConfig:
             notes += [
                 f"{flag} has no effect: it tunes the cache_aware policy, and workers are chosen "
                 f"by {' and '.join(sorted(policies))}"
-                for flag in _changed_flags(self.cache_aware, "--")
+                for flag in _changed_flags(self.cache_aware)
             ]
         return notes
+
+
+# Every option declared on a settings field (router/options.py), by flag: the command line's
+# numeric flags.
+ROUTER_OPTIONS: dict[str, RouterOption] = {
+    opt.flag: opt
+    for settings in (
+        CacheAwareSettings,
+        DisaggregationSettings,
+        HealthSettings,
+        RetrySettings,
+        RouterConfig,
+    )
+    for opt in options_of(settings)
+}

@@ -9,25 +9,49 @@ from functools import partial
 
 import aiohttp
 
+from kubesgl.router.options import check_bounds, option
 from kubesgl.router.workers import Worker, WorkerRegistry
 
 log = logging.getLogger("kubesgl.router")
 MODELS_PATH = "/v1/models"
+_TIMING_ERROR = "health check interval and timeout must be positive"
+_THRESHOLD_ERROR = "health check thresholds must be at least 1"
 
 
 @dataclass(frozen=True, kw_only=True)  # keywords only: two floats swapped would type-check
 class HealthSettings:
-    interval_s: float = 5.0
-    timeout_s: float = 3.0
-    failure_threshold: int = 2  # consecutive failed checks before a worker leaves the pool
-    success_threshold: int = 1  # consecutive passed checks before it comes back
+    interval_s: float = option(
+        5.0,
+        flag="--health-check-interval",
+        help="seconds between two health checks of a worker",
+        error=_TIMING_ERROR,
+        gt=0,
+    )
+    timeout_s: float = option(
+        3.0,
+        flag="--health-check-timeout",
+        help="seconds a health check may take before it counts as failed",
+        error=_TIMING_ERROR,
+        gt=0,
+    )
+    failure_threshold: int = option(
+        2,
+        flag="--health-failure-threshold",
+        help="consecutive failed checks before a worker leaves the pool",
+        error=_THRESHOLD_ERROR,
+        ge=1,
+    )
+    success_threshold: int = option(
+        1,
+        flag="--health-success-threshold",
+        help="consecutive passed checks before it comes back",
+        error=_THRESHOLD_ERROR,
+        ge=1,
+    )
     path: str = "/health"
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.timeout_s <= 0:
-            raise ValueError("health check interval and timeout must be positive")
-        if self.failure_threshold < 1 or self.success_threshold < 1:
-            raise ValueError("health check thresholds must be at least 1")
+        check_bounds(self)
 
 
 class HealthChecker:

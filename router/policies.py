@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kubesgl.router.options import check_bounds, option
 from kubesgl.router.radix_tree import PrefixTree
 from kubesgl.router.workers import Worker
 
@@ -55,27 +56,49 @@ class PowerOfTwoPolicy(Policy):
         return Choice(first if first.in_flight <= second.in_flight else second)
 
 
+_BALANCE_ERROR = "balance thresholds: absolute >= 0, relative >= 1"
+
+
 @dataclass(frozen=True, kw_only=True)  # keywords only: two floats swapped would type-check
 class CacheAwareSettings:
     # Route to the longest match only when it covers more than this share of the request.
-    cache_threshold: float = 0.3
+    cache_threshold: float = option(
+        0.3,
+        flag="--cache-threshold",
+        help="cache_aware: least matched share of a request to follow its cache",
+        error="cache threshold must be between 0 and 1",
+        ge=0,
+        le=1,
+    )
     # Loads are imbalanced when max - min > abs threshold AND max > min * rel threshold. SGLang's
     # router takes 64, which a pool of a few engines at modest concurrency never reaches: every
     # request behind a cached prefix then goes to one engine, also after another one (re)joins
     # (48 of 48 in benchmarks/router/small_pool.py). 4 spreads such a pool for a few more prefills
     # (docs/router.md, Routing policies); large pools at high load are balanced by the ratio anyway.
-    balance_abs_threshold: int = 4
-    balance_rel_threshold: float = 1.5
-    # Characters remembered per worker before least recently used text is evicted.
-    max_tree_chars: int = 2**24
+    balance_abs_threshold: int = option(
+        4,
+        flag="--balance-abs-threshold",
+        help="cache_aware: in-flight gap (max - min) beyond which loads are balanced",
+        error=_BALANCE_ERROR,
+        ge=0,
+    )
+    balance_rel_threshold: float = option(
+        1.5,
+        flag="--balance-rel-threshold",
+        help="cache_aware: in-flight ratio (max / min) beyond which loads are balanced",
+        error=_BALANCE_ERROR,
+        ge=1,
+    )
+    max_tree_chars: int = option(
+        2**24,
+        flag="--max-tree-chars",
+        help="cache_aware: characters remembered per worker (LRU eviction beyond)",
+        error="the tree size bound must be positive",
+        gt=0,
+    )
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ValueError("cache threshold must be between 0 and 1")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
-            raise ValueError("balance thresholds: absolute >= 0, relative >= 1")
-        if self.max_tree_chars <= 0:
-            raise ValueError("the tree size bound must be positive")
+        check_bounds(self)
 
 
 class CacheAwarePolicy(Policy):

@@ -13,6 +13,7 @@ from kubesgl.router.errors import RouterError, no_worker
 from kubesgl.router.health import MODELS_PATH
 from kubesgl.router.metrics import RouterMetrics
 from kubesgl.router.model_list import cards_of, merged, served_sets
+from kubesgl.router.options import check_bounds, option
 from kubesgl.router.pd import PrefillDecodePair
 from kubesgl.router.policies import Choice, Policy
 from kubesgl.router.request_parsing import ParsedRequest
@@ -20,19 +21,41 @@ from kubesgl.router.upstream import Headers, Reply, UpstreamClient, UpstreamErro
 from kubesgl.router.workers import Role, Worker, WorkerRegistry
 
 log = logging.getLogger("kubesgl.router")
+_RETRY_ERROR = "retry counts and backoffs must not be negative"
+_DISAGGREGATION_ERROR = (
+    "P/D: the shortest prefill to hand over is >= 0 tokens, the in-flight limit >= 1"
+)
 
 
 @dataclass(frozen=True, kw_only=True)  # keywords only: two floats swapped would type-check
 class RetrySettings:
-    max_retries: int = 3
-    initial_backoff_s: float = 0.05
-    max_backoff_s: float = 1.0
+    max_retries: int = option(
+        3,
+        flag="--max-retries",
+        help="times a request a worker failed before answering is sent again, to another worker "
+        "where there is one",
+        error=_RETRY_ERROR,
+        ge=0,
+    )
+    initial_backoff_s: float = option(
+        0.05,
+        flag="--retry-initial-backoff",
+        help="seconds before the first retry; each next one waits twice as long",
+        error=_RETRY_ERROR,
+        ge=0,
+    )
+    max_backoff_s: float = option(
+        1.0,
+        flag="--retry-max-backoff",
+        help="longest wait before a retry",
+        error=_RETRY_ERROR,
+        ge=0,
+    )
     multiplier: float = 2.0
     jitter: float = 0.2  # +-20%: retries of many requests do not land in lockstep
 
     def __post_init__(self) -> None:
-        if self.max_retries < 0 or self.initial_backoff_s < 0 or self.max_backoff_s < 0:
-            raise ValueError("retry counts and backoffs must not be negative")
+        check_bounds(self)
         if self.multiplier < 1 or not 0 <= self.jitter < 1:
             raise ValueError("the backoff multiplier must be >= 1 and the jitter in [0, 1)")
 
@@ -48,15 +71,26 @@ class DisaggregationSettings:
     # An uncached prompt shorter than this costs less to prefill in place than to hand over:
     # 128 tokens of the 8B shape prefill in ~3.4 ms on an H200 (37k tokens/s, benchmarks/README.md),
     # less than one decode step, while a handoff adds a second request and a KV write (~2-3 ms).
-    min_prefill_tokens: int = 128
+    min_prefill_tokens: int = option(
+        128,
+        flag="--pd-min-prefill-tokens",
+        help="requests whose uncached prompt is shorter (estimated at 4 characters a token for "
+        "text) go to a decode worker alone; 0: always disaggregate",
+        error=_DISAGGREGATION_ERROR,
+        ge=0,
+    )
     # Every prefill worker has this many requests in flight: the prefill pool is saturated.
-    max_prefill_in_flight: int = 64
+    max_prefill_in_flight: int = option(
+        64,
+        flag="--pd-max-prefill-in-flight",
+        help="when every prefill worker has this many requests in flight, new ones go to a "
+        "decode worker alone",
+        error=_DISAGGREGATION_ERROR,
+        ge=1,
+    )
 
     def __post_init__(self) -> None:
-        if self.min_prefill_tokens < 0 or self.max_prefill_in_flight < 1:
-            raise ValueError(
-                "P/D: the shortest prefill to hand over is >= 0 tokens, the in-flight limit >= 1"
-            )
+        check_bounds(self)
 
 
 @dataclass(frozen=True)

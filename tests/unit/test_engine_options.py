@@ -17,8 +17,9 @@ import yaml
 from pydantic.alias_generators import to_camel
 
 from kubesgl import contract
+from kubesgl.bounds import Bounds
 from kubesgl.engine.cli_args import CLI_OPTIONS, engine_config_from_args, help_text
-from kubesgl.engine.config import ENGINE_OPTIONS, Bounds, EngineConfig, EngineOption
+from kubesgl.engine.config import ENGINE_OPTIONS, EngineConfig, EngineOption
 from kubesgl.operator.render import render
 from kubesgl.operator.spec import EngineSpec
 from kubesgl.operator.validation import parse_inference_service

@@ -1,0 +1,39 @@
+"""Limits of a numeric option, shared by the engine's options (engine/config.py) and the
+router's (router/options.py), which must not import each other. Imports nothing: the
+torch-free operator reads both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Limits of a number: ge/le inclusive, gt/lt exclusive (pydantic's names)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def holds(self, value: float) -> bool:
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
+
+    def describe(self) -> str:
+        """'at least 1', 'in (0, 1)', ...: what a value must be."""
+        low = (
+            f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None
+        )
+        high = (
+            f"{self.le}]" if self.le is not None else f"{self.lt})" if self.lt is not None else None
+        )
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return f"at least {self.ge}" if self.ge is not None else f"more than {self.gt}"
+        return f"at most {self.le}" if self.le is not None else f"less than {self.lt}"
