@@ -40,6 +40,7 @@ from kubesgl.engine.config import (
     LoadFormat,
     SchedulePolicyName,
 )
+from kubesgl.router.config import ROUTER_OPTIONS
 from kubesgl.router.policies import PolicyName
 
 API_GROUP = "kubesgl.io"
@@ -310,13 +311,20 @@ ROUTER_DEFAULT_RESOURCES = Resources(
 )
 
 
+def _router_option(flag: str) -> Any:
+    """The spec.router field of a router option, named like its flag: unset (the router's
+    default), or a value within the limits the router declares (router/options.py)."""
+    bounds = ROUTER_OPTIONS[flag].bounds
+    return Field(default=None, ge=bounds.ge, gt=bounds.gt, le=bounds.le, lt=bounds.lt)
+
+
 class RouterSpec(Placement):
     replicas: int = Field(default=1, ge=0)
     policy: PolicyName = "cache_aware"
-    cache_threshold: float | None = Field(default=None, ge=0, le=1)
-    balance_abs_threshold: int | None = Field(default=None, ge=0)
-    balance_rel_threshold: float | None = Field(default=None, ge=1)
-    pd_min_prefill_tokens: int | None = Field(default=None, ge=0)  # disaggregated mode only
+    cache_threshold: float | None = _router_option("--cache-threshold")
+    balance_abs_threshold: int | None = _router_option("--balance-abs-threshold")
+    balance_rel_threshold: float | None = _router_option("--balance-rel-threshold")
+    pd_min_prefill_tokens: int | None = _router_option("--pd-min-prefill-tokens")  # P/D only
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     # The key of the router's admin API (/workers); None: no worker can be added or removed.
     admin_key_secret: SecretKeyRef | None = None

@@ -150,7 +150,7 @@ class RouterConfig:
 
 
 # Every option declared on a settings field (router/options.py), by flag: the command line's
-# numeric flags.
+# numeric flags, and the operator's spec.router fields named like them (operator/spec.py).
 ROUTER_OPTIONS: dict[str, RouterOption] = {
     opt.flag: opt
     for settings in (

@@ -1,8 +1,9 @@
 """Router options: each numeric option of `kubesgl router` is declared once, on the settings
 field it sets (CacheAwareSettings, DisaggregationSettings, HealthSettings, RetrySettings and
 RouterConfig's own): its flag, help text, default, limits and the error for a value beyond
-them. The command line (cli.py) and the settings' checks derive from these declarations
-(tests/unit/router/test_router_options.py).
+them. The command line (cli.py), the settings' checks, and the limits and render of the
+operator's spec.router fields named like the flags derive from these declarations; the CRD's
+limits are checked against them (tests/unit/test_router_options.py).
 
 This module imports nothing of the router: the settings' modules import it.
 """

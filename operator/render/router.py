@@ -17,8 +17,11 @@ from kubesgl.operator.render.common import (
     scrape_annotations,
 )
 from kubesgl.operator.render.engine import EXIT_SLACK_SECONDS, api_key_env, secret_env
-from kubesgl.operator.spec import InferenceService
+from kubesgl.operator.spec import InferenceService, RouterSpec
 from kubesgl.router.cli import GRACEFUL_SHUTDOWN_S
+from kubesgl.router.config import ROUTER_OPTIONS
+from kubesgl.router.options import options_of
+from kubesgl.router.routing import DisaggregationSettings
 
 # On SIGTERM the router gives streams still running GRACEFUL_SHUTDOWN_S to finish, then exits.
 ROUTER_GRACE_PERIOD_SECONDS = GRACEFUL_SHUTDOWN_S + EXIT_SLACK_SECONDS
@@ -37,6 +40,13 @@ ROUTER_OWNED_FLAGS = {
 }
 
 
+# spec.router's router options: the fields named like a router flag, rendered when set (unset:
+# the router's default), in the order of the router's declarations.
+_SPEC_OPTIONS = [opt for opt in ROUTER_OPTIONS.values() if opt.dest in RouterSpec.model_fields]
+# P/D routing's own: not used in mixed mode, as spec.kvTransfer is not
+_PD_FLAGS = {opt.flag for opt in options_of(DisaggregationSettings)}
+
+
 def router_args(isvc: InferenceService) -> list[str]:
     router = isvc.spec.router
     selectors = naming.selector_labels(isvc.metadata.name)
@@ -53,17 +63,10 @@ def router_args(isvc: InferenceService) -> list[str]:
     ]
     for key, value in selectors.items():
         args += ["--kube-selector", f"{key}={value}"]
-    options = {
-        "--cache-threshold": router.cache_threshold,
-        "--balance-abs-threshold": router.balance_abs_threshold,
-        "--balance-rel-threshold": router.balance_rel_threshold,
-    }
-    # P/D routing's own: not used in mixed mode, as spec.kvTransfer is not
-    if isvc.spec.mode == "disaggregated":
-        options["--pd-min-prefill-tokens"] = router.pd_min_prefill_tokens
-    for flag, option in options.items():
-        if option is not None:
-            args += [flag, str(option)]
+    for opt in _SPEC_OPTIONS:
+        value = getattr(router, opt.dest)
+        if value is not None and (opt.flag not in _PD_FLAGS or isvc.spec.mode == "disaggregated"):
+            args += [opt.flag, str(value)]
     return args + list(router.extra_args)
 
 
