@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,11 @@ IDLE_POLL_MS = 1000  # an idle rank 0 still broadcasts this often, so other rank
 # How often a prefill or decode engine turns while it only waits for KV transfers: a turn
 # applies what its NIXL agent received (the bootstrap process's facts wake it at once).
 TRANSFER_POLL_MS = 2
+
+# What each turn's broadcast brings every rank to apply: the tokenizer's messages for the
+# scheduler and rank 0's CollectGarbage. Shutdown comes the same way but ends the loop
+# instead (run); the bootstrap process's facts stop at rank 0's link (_receive).
+SchedulerMessage = GenerateRequest | AbortRequest | RoomRefused | FlushCache | CollectGarbage
 
 
 def run_scheduler(
@@ -134,9 +141,9 @@ class SchedulerLoop:
                 )
             )
 
-    def _receive(self) -> list:
+    def _receive(self) -> list[SchedulerMessage | Shutdown]:
         """Rank 0: what arrived since the last turn (waits while idle). Others: rank 0's list."""
-        messages = []
+        messages: list[SchedulerMessage | Shutdown] = []
         if self.rank == 0:
             # sleep until a message arrives or it is time to turn: while idle, and while what is
             # queued waits for an event (memory; a prefill engine's rooms, for their decode slots)
@@ -189,26 +196,38 @@ class SchedulerLoop:
                     self.outbox.send_pyobj(StepOutputs(outputs, stats))
                     last_stats, last_sent = stats, now
 
-    def _apply(self, message) -> list[TokenOutput]:
-        if isinstance(message, CollectGarbage):
-            assert self.gc_pacer is not None  # rank 0 sends it only with a pacer
-            self.gc_pacer.collect()
-            return []
-        if isinstance(message, AbortRequest):
-            return self.engine.abort_request(message.rid, message.message)
-        if isinstance(message, RoomRefused):
-            self.engine.role.refused(message.target, message.message, message.status)
-            return []
-        if isinstance(message, FlushCache):
-            busy = self.engine.has_work()
-            if busy:
-                logger.info("not flushing the prefix cache: requests are running")
-            else:
-                self.engine.scheduler.reset()
-                logger.info("prefix cache flushed")
-            if self.rank == 0:
-                self.outbox.send_pyobj(CacheFlushed(message.flush_id, not busy))
-            return []
+    def _apply(self, message: SchedulerMessage) -> list[TokenOutput]:
+        handler = _HANDLERS.get(type(message))
+        if handler is None:  # a fault of the engine's own processes, never a client's
+            raise TypeError(f"not a message for the scheduler: {message!r}")
+        return handler(self, message)
+
+    def _collect_garbage(self, message: CollectGarbage) -> list[TokenOutput]:
+        assert self.gc_pacer is not None  # rank 0 sends it only with a pacer
+        self.gc_pacer.collect()
+        return []
+
+    def _abort(self, message: AbortRequest) -> list[TokenOutput]:
+        return self.engine.abort_request(message.rid, message.message)
+
+    def _refuse_room(self, message: RoomRefused) -> list[TokenOutput]:
+        self.engine.role.refused(message.target, message.message, message.status)
+        return []
+
+    def _flush_cache(self, message: FlushCache) -> list[TokenOutput]:
+        busy = self.engine.has_work()
+        if busy:
+            logger.info("not flushing the prefix cache: requests are running")
+        else:
+            self.engine.scheduler.reset()
+            logger.info("prefix cache flushed")
+        if self.rank == 0:
+            self.outbox.send_pyobj(CacheFlushed(message.flush_id, not busy))
+        return []
+
+    def _admit(self, message: GenerateRequest) -> list[TokenOutput]:
+        """Adds the request; one the engine refuses or fails to add ends at once, with its
+        error, and the others go on."""
         try:
             self.engine.add_request(message)
         except InvalidRequestError as exc:
@@ -230,3 +249,15 @@ class SchedulerLoop:
                 prompt_tokens=len(message.input_ids),
             )
         ]
+
+
+# How each message a turn applies changes the engine: every member of SchedulerMessage has its
+# handler, which returns the outputs it ends at once, if any.
+_HANDLERS: dict[type, Callable[[SchedulerLoop, Any], list[TokenOutput]]] = {
+    GenerateRequest: SchedulerLoop._admit,
+    AbortRequest: SchedulerLoop._abort,
+    RoomRefused: SchedulerLoop._refuse_room,
+    FlushCache: SchedulerLoop._flush_cache,
+    CollectGarbage: SchedulerLoop._collect_garbage,
+}
+assert set(_HANDLERS) == set(get_args(SchedulerMessage))
