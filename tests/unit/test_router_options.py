@@ -1,7 +1,7 @@
 """Every numeric router option is declared once, on the settings field it sets
 (router/options.py): its flag on the command line, its limits in the settings' checks, the
-CRD's spec.router field named like it and the operator's render must each agree with that
-declaration."""
+CRD's spec.router field named like it, the operator's render and the option tables of
+docs/router.md must each agree with that declaration."""
 
 from __future__ import annotations
 
@@ -119,3 +119,58 @@ def test_every_router_option_of_the_crd_reaches_kubesgl_router(opt):
     assert getattr(build_parser().parse_args(args), opt.dest) == value
     unset = build_parser().parse_args(_rendered_router_args("disaggregated.yaml", {}))
     assert getattr(unset, opt.dest) == opt.default
+
+
+ROUTER_DOCS = ROOT / "docs" / "router.md"
+# The table of one --help group's declared options, with its markers
+_DOCS_TABLE = re.compile(
+    r"<!-- router options: (?P<group>[^;]*);.*?-->\n.*?\n<!-- end of router options -->", flags=re.S
+)
+# A default the docs write in prose after its flag: "`--flag` (3 s)", "`--flag` seconds
+# (default 5)". (That every flag they quote is the router's: tests/unit/test_docs_commands.py.)
+_PROSE_DEFAULT = re.compile(r"`(--[a-z][a-z0-9-]*)`(?: [a-z]+)? \((?:default )?(\d[\d.]*)")
+
+
+def _declared_options_by_group() -> dict[str, list[RouterOption]]:
+    """The declared options of each --help group that has any, in --help's order."""
+    by_dest = {opt.dest: opt for opt in OPTIONS}
+    groups = {
+        group.title or "": [by_dest[a.dest] for a in group._group_actions if a.dest in by_dest]
+        for group in build_parser()._action_groups
+    }
+    return {title: options for title, options in groups.items() if options}
+
+
+def _docs_default(value: float) -> str:
+    return f"`{str(value).removesuffix('.0')}`"  # 5.0 as 5, as the prose writes it
+
+
+def option_table(group: str, options: list[RouterOption]) -> str:
+    """The markdown table of one --help group's options that docs/router.md must contain."""
+    rows = [
+        f"<!-- router options: {group}; generated from the settings' declarations "
+        "(router/options.py); tests/unit/test_router_options.py prints it when it differs -->",
+        "| option | default | meaning |",
+        "| --- | --- | --- |",
+    ]
+    rows += [f"| `{opt.flag}` | {_docs_default(opt.default)} | {opt.help} |" for opt in options]
+    return "\n".join(rows)
+
+
+def test_the_docs_tables_list_every_router_option_with_its_default():
+    docs = ROUTER_DOCS.read_text()
+    found = {m["group"]: m.group(0) for m in _DOCS_TABLE.finditer(docs)}
+    expected = _declared_options_by_group()
+    assert {opt.flag for options in expected.values() for opt in options} == set(ROUTER_OPTIONS)
+    assert set(found) == set(expected), "docs/router.md: one table of router options per group"
+    for group, options in expected.items():
+        table = option_table(group, options) + "\n<!-- end of router options -->"
+        assert found[group] == table, "docs/router.md: replace the table with\n" + table
+
+
+def test_every_default_the_docs_write_in_prose_is_the_flags():
+    defaults = {flag: a.default for a in build_parser()._actions for flag in a.option_strings}
+    for flag, written in _PROSE_DEFAULT.findall(ROUTER_DOCS.read_text()):
+        assert float(written) == defaults[flag], (
+            f"docs/router.md: {flag} defaults to {defaults[flag]}"
+        )
