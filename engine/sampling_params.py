@@ -2,9 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from kubesgl.engine.config import Bounds
 
 GREEDY_TEMPERATURE = 1e-5
+
+# The limits of each numeric sampling field, the same on every route and in the offline LLM:
+# SamplingParams.validate holds a request to them, and the request bodies
+# (engine/server/protocol.py) take theirs from here, under their own names. Penalties in
+# [-2, 2] as OpenAI, vLLM and SGLang bound them; temperature uncapped, as SGLang's /generate
+# takes it (the OpenAI routes add OpenAI's cap of 2 in protocol.py).
+SAMPLING_BOUNDS: Mapping[str, Bounds] = MappingProxyType(
+    {
+        "max_tokens": Bounds(ge=1),
+        "min_tokens": Bounds(ge=0),
+        "temperature": Bounds(ge=0),
+        "top_p": Bounds(gt=0, le=1),
+        "top_k": Bounds(ge=-1),  # -1 and 0: no top-k cut
+        "min_p": Bounds(ge=0, le=1),
+        "repetition_penalty": Bounds(gt=0),  # vLLM's; SGLang's newest caps it at 2
+        "presence_penalty": Bounds(ge=-2, le=2),
+        "frequency_penalty": Bounds(ge=-2, le=2),
+        "logprobs": Bounds(ge=0, le=20),
+    }
+)
 
 
 class InvalidRequestError(ValueError):
@@ -132,12 +156,13 @@ class SamplingParams:
                 self.grammar.param,
                 f"must be given as text (a JSON schema serialized), got {type(self.grammar.spec).__name__}",
             )
-        check(
-            self.max_tokens is None or self.max_tokens >= 1,
-            "max_tokens",
-            f"must be at least 1, got {self.max_tokens!r}",
-        )
-        check(self.min_tokens >= 0, "min_tokens", f"must be non-negative, got {self.min_tokens}")
+        for name, bounds in SAMPLING_BOUNDS.items():
+            value = getattr(self, name)  # a number, or None for no limit or no logprobs
+            check(
+                value is None or bounds.holds(value),
+                name,
+                f"must be {bounds.describe()}, got {value}",
+            )
         check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
@@ -149,34 +174,6 @@ class SamplingParams:
             "cannot be given with a constraint on the answer (response_format, regex, "
             "json_schema, ebnf, or a required or named tool_choice): its grammar decides where "
             "the answer ends",
-        )
-        check(self.temperature >= 0, "temperature", f"must be non-negative, got {self.temperature}")
-        check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        check(
-            self.top_k == -1 or self.top_k >= 0,
-            "top_k",
-            f"must be -1 (off) or non-negative, got {self.top_k}",
-        )
-        check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
-        check(
-            self.repetition_penalty > 0,
-            "repetition_penalty",
-            f"must be positive, got {self.repetition_penalty}",
-        )
-        check(
-            -2 <= self.presence_penalty <= 2,
-            "presence_penalty",
-            f"must be in [-2, 2], got {self.presence_penalty}",
-        )
-        check(
-            -2 <= self.frequency_penalty <= 2,
-            "frequency_penalty",
-            f"must be in [-2, 2], got {self.frequency_penalty}",
-        )
-        check(
-            self.logprobs is None or 0 <= self.logprobs <= 20,
-            "logprobs",
-            f"must be in [0, 20], got {self.logprobs}",
         )
         check(
             all(isinstance(x, str) and x for x in self.stop), "stop", "must hold non-empty strings"
@@ -209,6 +206,6 @@ _NUMBERS = (
     "presence_penalty",
     "frequency_penalty",
 )
-_OPTIONAL_INTS = ("max_tokens", "top_k", "seed", "logprobs")
-_INTS = ("min_tokens",)
+_OPTIONAL_INTS = ("max_tokens", "seed", "logprobs")
+_INTS = ("min_tokens", "top_k")
 _FLAGS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")

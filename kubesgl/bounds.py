@@ -25,7 +25,11 @@ class Bounds:
         )
 
     def describe(self) -> str:
-        """'at least 1', 'in (0, 1)', ...: what a value must be."""
+        """'at least 1', 'in (0, 1)', 'positive', ...: what a value must be."""
+        if self == Bounds(ge=0):
+            return "non-negative"
+        if self == Bounds(gt=0):
+            return "positive"
         low = (
             f"[{self.ge}" if self.ge is not None else f"({self.gt}" if self.gt is not None else None
         )

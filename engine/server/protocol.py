@@ -27,12 +27,14 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from kubesgl.contract import MAX_N
 from kubesgl.engine.disagg.protocol import MAX_ROOM
 from kubesgl.engine.messages import BootstrapTarget
 from kubesgl.engine.sampling_params import (
+    SAMPLING_BOUNDS,
     SGLANG_GRAMMAR_FIELDS,
     GrammarSpec,
     InvalidRequestError,
@@ -84,6 +86,18 @@ Float = Annotated[float, BeforeValidator(_a_number)]
 Seed = Annotated[Int, Field(ge=-(2**63), le=2**63 - 1)]
 """A sampling seed: a signed 64-bit integer, as vLLM's schema bounds it (a seed vLLM refuses
 is refused here too, not sampled as its remainder)."""
+
+
+def engine_bounds(name: str) -> FieldInfo:
+    """The limits of the engine's sampling field `name` (SAMPLING_BOUNDS), for the request
+    field that sets it: a value out of them is a 400 naming the field as the client wrote it."""
+    bounds = SAMPLING_BOUNDS[name]
+    return Field(ge=bounds.ge, gt=bounds.gt, le=bounds.le, lt=bounds.lt)
+
+
+# OpenAI's API caps temperature at 2 (vLLM's newest engine too); SGLang's /generate, and so
+# the engine, take any non-negative one. The only limit of one route's own.
+OPENAI_MAX_TEMPERATURE = 2
 
 Bool = StrictBool
 """Every flag a request carries: `"stream": "yes"` is a 400, not true."""
@@ -260,18 +274,20 @@ class ResponseFormat(_Lenient):
 
 class _SamplingFields(_Bootstrap):
     model: Text | None = None
-    max_tokens: Annotated[Int, Field(ge=1)] | None = None
-    temperature: Annotated[Float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[Float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[Int, Field(ge=-1)] | None = None
-    min_p: Annotated[Float, Field(ge=0, le=1)] | None = None
+    max_tokens: Annotated[Int, engine_bounds("max_tokens")] | None = None
+    temperature: (
+        Annotated[Float, engine_bounds("temperature"), Field(le=OPENAI_MAX_TEMPERATURE)] | None
+    ) = None
+    top_p: Annotated[Float, engine_bounds("top_p")] | None = None
+    top_k: Annotated[Int, engine_bounds("top_k")] | None = None
+    min_p: Annotated[Float, engine_bounds("min_p")] | None = None
     seed: Seed | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: Bool = False
-    presence_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[Float, Field(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[Float, Field(gt=0)] | None = None
+    presence_penalty: Annotated[Float, engine_bounds("presence_penalty")] | None = None
+    frequency_penalty: Annotated[Float, engine_bounds("frequency_penalty")] | None = None
+    repetition_penalty: Annotated[Float, engine_bounds("repetition_penalty")] | None = None
     skip_special_tokens: Bool = True
     n: Annotated[Int, Field(ge=1, le=MAX_N)] = 1
     stream: Bool = False
@@ -287,7 +303,8 @@ class _SamplingFields(_Bootstrap):
     # the matched stop string ends the text: vLLM's name, and SGLang's
     include_stop_str_in_output: Bool = False
     no_stop_trim: Bool = False
-    min_tokens: Annotated[Int, Field(ge=0)] = 0  # vLLM's: no end before this many tokens
+    # vLLM's: no end before this many tokens
+    min_tokens: Annotated[Int, engine_bounds("min_tokens")] = 0
     # vLLM's guided decoding, not implemented here: SGLang's fields do the same
     guided_json: Annotated[Any, unsupported_unless(None, instead="response_format")] = None
     guided_regex: Annotated[Any, unsupported_unless(None, instead="regex")] = None
@@ -491,9 +508,9 @@ class NamedToolChoice(_Lenient):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[Int, engine_bounds("max_tokens")] | None = None
     logprobs: Bool = False
-    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[Int, engine_bounds("logprobs")] | None = None
     tools: Tools = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: Bool = True
@@ -559,8 +576,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: Text | PromptList
-    logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
-    max_tokens: Annotated[Int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+    logprobs: Annotated[Int, engine_bounds("logprobs")] | None = None
+    max_tokens: Annotated[Int, engine_bounds("max_tokens")] | None = 16  # OpenAI's default
     echo: Annotated[Bool, unsupported_unless(False)] = False
     best_of: Annotated[Int | None, unsupported_unless(None, 1, instead="n")] = None
     suffix: Annotated[str | None, unsupported_unless(None, "")] = None
@@ -608,25 +625,27 @@ class DetokenizeRequestBody(_Lenient):
 
 
 class NativeSamplingParams(_Lenient):
-    max_new_tokens: Annotated[Int, Field(ge=1)] | None = 128
-    temperature: Annotated[Float, Field(ge=0)] = 1.0
-    top_p: Annotated[Float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[Int, Field(ge=-1)] = -1
-    min_p: Annotated[Float, Field(ge=0, le=1)] = 0.0
+    max_new_tokens: Annotated[Int, engine_bounds("max_tokens")] | None = 128
+    temperature: Annotated[Float, engine_bounds("temperature")] = 1.0
+    top_p: Annotated[Float, engine_bounds("top_p")] = 1.0
+    top_k: Annotated[Int, engine_bounds("top_k")] = -1
+    min_p: Annotated[Float, engine_bounds("min_p")] = 0.0
     seed: Seed | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: Bool = False
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
-    repetition_penalty: Annotated[Float, Field(gt=0)] = 1.0
+    presence_penalty: Annotated[Float, engine_bounds("presence_penalty")] = 0.0
+    frequency_penalty: Annotated[Float, engine_bounds("frequency_penalty")] = 0.0
+    repetition_penalty: Annotated[Float, engine_bounds("repetition_penalty")] = 1.0
     skip_special_tokens: Bool = True
     no_stop_trim: Bool = False  # the matched stop string ends the text
     # SGLang's constraints on the output, at most one: a regex, a JSON schema (as text), an EBNF grammar
     regex: Text | None = None
     json_schema: Text | None = None
     ebnf: Text | None = None
-    min_new_tokens: Annotated[Int, Field(ge=0)] = 0  # no end before this many tokens
+    min_new_tokens: Annotated[Int, engine_bounds("min_tokens")] = (
+        0  # no end before this many tokens
+    )
     n: Int = 1  # SGLang's parallel sampling, which this route does not do
     # SGLang's, that would change the answer: not implemented here
     stop_regex: Annotated[Any, unsupported_unless(None, [])] = None
@@ -707,7 +726,7 @@ class GenerateRequestBody(_Bootstrap):
     stream: Bool = False
     rid: Text | None = None
     return_logprob: Bool = False
-    top_logprobs_num: Annotated[Int, Field(ge=0, le=20)] = 0
+    top_logprobs_num: Annotated[Int, engine_bounds("logprobs")] = 0
     # SGLang's inputs and adapters of a request, which would change the answer: a text model
     # without LoRA serves here, so they are refused, not ignored
     lora_path: Annotated[Any, unsupported_unless(None)] = None

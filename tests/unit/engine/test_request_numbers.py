@@ -202,7 +202,7 @@ def test_a_null_is_the_field_left_out():
 @pytest.mark.parametrize(
     "sampling, field",
     [
-        ({"presence_penalty": 3}, "sampling_params.presence_penalty"),
+        ({"stop": ["", "x"]}, "sampling_params.stop"),
         ({"stop_token_ids": [10**6]}, "sampling_params.stop_token_ids"),
         ({"stop": [str(i) for i in range(17)]}, "sampling_params.stop"),
     ],
