@@ -639,30 +639,20 @@ def _chat_requests(
 ) -> tuple[list[TokenizeRequest], list[AsyncGenerator[TextOutput, None]], ToolOutput]:
     params = body.to_sampling_params()
     try:
-        mode, named = body.tool_mode()
+        choice = body.tool_mode()
     except InvalidRequestError as exc:
         raise APIError(400, str(exc), param=exc.param) from exc
-    tools = None
-    if mode != "none":
-        assert body.tools is not None  # tool_mode refuses a tool_choice without tools
-        tools = [t.model_dump(exclude_none=True) for t in body.tools]
-    if mode == "required":
-        assert tools is not None
-        params = dataclasses.replace(
-            params, grammar=tool_calls.required_grammar(tools, body.parallel_tool_calls)
-        )
-    elif mode == "named":
-        assert named is not None  # tool_mode returns the named tool in "named" mode
-        params = dataclasses.replace(params, grammar=tool_calls.named_grammar(named))
+    if (grammar := choice.grammar(body.parallel_tool_calls)) is not None:
+        params = dataclasses.replace(params, grammar=grammar)
     params = validated(ctx, params, names)
     tool_output = ToolOutput(
-        mode,
-        named["function"]["name"] if named else None,
-        tool_calls.format_for_model(ctx.state.config.model) if mode == "auto" else None,
-        frozenset(t["function"]["name"] for t in tools or ()),
+        choice.mode,
+        choice.named["function"]["name"] if choice.named else None,
+        tool_calls.format_for_model(ctx.state.config.model) if choice.mode == "auto" else None,
+        frozenset(t["function"]["name"] for t in choice.tools),
         body.parallel_tool_calls,
     )
-    prompt, chars = chat_prompt(body, params, tools)
+    prompt, chars = chat_prompt(body, params, choice.template_tools)
     within_limits(ctx, params, [(chars, "messages")], names=names)
     subs = fan_out([prompt], body.n, params, "chatcmpl", targets)
     return subs, started(ctx, subs), tool_output

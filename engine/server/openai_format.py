@@ -140,7 +140,7 @@ class ToolOutput:
     unless cut before its first, or the "named" function's arguments), or where the model
     wrote its own format ("auto")."""
 
-    mode: str
+    mode: tool_calls.ToolMode
     name: str | None = None  # the named function
     format: tool_calls.ToolCallFormat | None = None  # "auto": the model's format, if known
     # "auto": the functions the request's tools declare (None: any name is taken)
@@ -192,7 +192,7 @@ def _named(tools: ToolOutput, text: str) -> Reading:
     return Reading(None, [tool_calls.ToolCall(tools.name, text)], 0)
 
 
-_READERS: dict[str, Callable[[ToolOutput, str], Reading]] = {
+_READERS: dict[tool_calls.ToolMode, Callable[[ToolOutput, str], Reading]] = {
     "none": _as_text,
     "auto": _auto,
     "required": _required,

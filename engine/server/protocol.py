@@ -41,6 +41,7 @@ from kubesgl.engine.sampling_params import (
     SamplingParams,
     is_utf8,
 )
+from kubesgl.engine.server.tool_calls import ToolChoice
 
 UTF8_ERROR = "invalid_utf8"
 UNSUPPORTED_ERROR = "unsupported"
@@ -538,12 +539,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise PydanticCustomError("needs_logprobs", "needs logprobs set to true")
         return value
 
-    def tool_mode(self) -> tuple[str, dict[str, Any] | None]:
-        """("none" | "auto" | "required" | "named", the named tool); InvalidRequestError where
+    def tool_mode(self) -> ToolChoice:
+        """tool_choice as it applies to this request's tools; InvalidRequestError where
         tool_choice and tools disagree."""
         choice = self.tool_choice or ("auto" if self.tools else "none")
         if choice == "none":
-            return "none", None
+            return ToolChoice("none")
         if not self.tools:
             raise InvalidRequestError("tool_choice needs tools", param="tool_choice")
         if (grammar := self.grammar()) is not None and choice != "auto":
@@ -552,15 +553,16 @@ class ChatCompletionRequest(_SamplingFields):
                 "constrain the answer",
                 param="tool_choice",
             )
+        tools = tuple(t.model_dump(exclude_none=True) for t in self.tools)
         if isinstance(choice, NamedToolChoice):
-            named = next((t for t in self.tools if t.function.name == choice.function.name), None)
+            named = next((t for t in tools if t["function"]["name"] == choice.function.name), None)
             if named is None:
                 raise InvalidRequestError(
                     f"tool_choice names {choice.function.name!r}, which is not in tools",
                     param="tool_choice",
                 )
-            return "named", named.model_dump()
-        return choice, None
+            return ToolChoice("named", named, tools)
+        return ToolChoice(choice, None, tools)
 
     def renamed_fields(self) -> Mapping[str, str]:
         """The client's names of the engine's fields, where they differ, for errors."""

@@ -1,6 +1,6 @@
-"""Tool calling: the grammar that `tool_choice` "required" or a named function imposes, and the
-parsers that read a model's own tool-call format out of its answer (`tool_choice` "auto"),
-chosen from the model's chat template."""
+"""Tool calling: a chat request's `tool_choice` (ToolChoice), the grammar that "required" or a
+named function imposes, and the parsers that read a model's own tool-call format out of its
+answer (`tool_choice` "auto"), chosen from the model's chat template."""
 
 from __future__ import annotations
 
@@ -11,9 +11,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kubesgl.engine.sampling_params import GrammarSpec
+
+# How a chat answer relates to its tools: no calls ("none"), calls where the model writes them
+# in its own format ("auto"), a list of calls ("required"), or the arguments of one named
+# function ("named")
+ToolMode = Literal["none", "auto", "required", "named"]
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,31 @@ def named_grammar(tool: dict[str, Any]) -> GrammarSpec:
         json.dumps(tool["function"].get("parameters") or {"type": "object"}),
         param="tools",
     )
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A chat request's tool_choice, checked against its tools."""
+
+    mode: ToolMode
+    named: dict[str, Any] | None = None  # "named": the tool it names, as `tools` declares it
+    # the request's tools, as the chat template takes them; none in mode "none", whose
+    # template is not shown them
+    tools: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template renders: None, no tools, in mode "none"."""
+        return list(self.tools) or None
+
+    def grammar(self, parallel: bool) -> GrammarSpec | None:
+        """The constraint a "required" or "named" choice puts on the answer; None otherwise
+        (`parallel`: more than one call allowed)."""
+        if self.named is not None:  # set in mode "named", and only there
+            return named_grammar(self.named)
+        if self.mode == "required":
+            return required_grammar(list(self.tools), parallel)
+        return None
 
 
 # The start of a call cut short, up to its name and any arguments that came

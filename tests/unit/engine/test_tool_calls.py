@@ -4,14 +4,19 @@ template, and streamed content held back where a call may begin."""
 from __future__ import annotations
 
 import json
+from typing import get_args
 
 import pytest
 
-from kubesgl.engine.server.openai_format import ToolOutput
+from kubesgl.engine.sampling_params import InvalidRequestError
+from kubesgl.engine.server.openai_format import _READERS, ToolOutput
+from kubesgl.engine.server.protocol import ChatCompletionRequest
 from kubesgl.engine.server.tool_calls import (
     FORMATS,
     ToolCall,
+    ToolMode,
     format_for_template,
+    named_grammar,
     parse_required,
     required_grammar,
 )
@@ -338,3 +343,74 @@ def test_a_required_call_nested_too_deeply_to_read_is_one_cut_short():
         ToolCall("b", DEEP),
     ]
     assert parse_required("[" + DEEP) == []
+
+
+def test_every_tool_mode_has_a_reader():
+    assert set(_READERS) == set(get_args(ToolMode))
+
+
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object"}},
+}
+
+
+def chat_with(**fields) -> ChatCompletionRequest:
+    messages = [{"role": "user", "content": "hi"}]
+    return ChatCompletionRequest.model_validate({"messages": messages, **fields})
+
+
+@pytest.mark.parametrize(
+    "fields, mode, grammar",
+    [
+        ({}, "none", None),
+        ({"tools": [WEATHER], "tool_choice": "none"}, "none", None),
+        ({"tools": [WEATHER]}, "auto", None),
+        ({"tools": [WEATHER], "tool_choice": "required"}, "required", required_grammar([WEATHER])),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            },
+            "named",
+            named_grammar(WEATHER),
+        ),
+    ],
+)
+def test_tool_choice_gives_its_mode_and_grammar(fields, mode, grammar):
+    choice = chat_with(**fields).tool_mode()
+    assert choice.mode == mode and choice.grammar(parallel=True) == grammar
+    # the template is shown the tools unless tool_choice is "none"
+    assert choice.template_tools == (None if mode == "none" else [WEATHER])
+
+
+def test_a_named_tool_choice_carries_its_tool():
+    other = {"type": "function", "function": {"name": "other"}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = chat_with(tools=[other, WEATHER], tool_choice=named).tool_mode()
+    assert choice.named == WEATHER
+
+
+def test_required_without_parallel_calls_allows_one_call():
+    choice = chat_with(tools=[WEATHER], tool_choice="required").tool_mode()
+    assert choice.grammar(parallel=False) == required_grammar([WEATHER], parallel=False)
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice names 'x', which is not in tools",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "regex": "a+"},
+            "regex and a required or named tool_choice cannot both constrain the answer",
+        ),
+    ],
+)
+def test_a_tool_choice_its_tools_cannot_meet_is_refused(fields, words):
+    with pytest.raises(InvalidRequestError, match=words) as refused:
+        chat_with(**fields).tool_mode()
+    assert refused.value.param == "tool_choice"
