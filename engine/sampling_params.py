@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from kubesgl.engine.config import Bounds
+from kubesgl.bounds import Bounds
 
 GREEDY_TEMPERATURE = 1e-5
 
