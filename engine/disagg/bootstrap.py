@@ -16,8 +16,6 @@ arrive. What either side learns goes to the scheduler as a `BootstrapFact`.
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import json
 import logging
 import queue
@@ -29,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TypeGuard
+from typing import get_args
 
 import httpx
 import zmq
@@ -37,9 +35,9 @@ import zmq
 from kubesgl import contract
 from kubesgl.engine.child_process import exit_with_parent
 from kubesgl.engine.disagg.protocol import (
-    MAX_ROOM,
     BootstrapFact,
     BootstrapRequest,
+    CancelBody,
     CancelConfirmed,
     CancelRoom,
     CancelUnknown,
@@ -51,6 +49,7 @@ from kubesgl.engine.disagg.protocol import (
     PeerForgotten,
     PeerLost,
     PeerRegistered,
+    PeerRegistration,
     PoolLayout,
     PostFailed,
     PostRoom,
@@ -58,11 +57,15 @@ from kubesgl.engine.disagg.protocol import (
     RoomCancelled,
     RoomEnded,
     RoomNote,
+    RoomPostBody,
     RoomPosted,
+    RoomsBody,
     RoomsQueued,
     RoomWriting,
     ServeBootstrap,
     StillQueued,
+    WireBody,
+    room_in_path,
 )
 from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.messages import Shutdown
@@ -70,6 +73,7 @@ from kubesgl.engine.messages import Shutdown
 logger = logging.getLogger(__name__)
 
 Emit = Callable[[BootstrapFact], None]
+Answer = tuple[int, dict]  # an HTTP status and its JSON body
 
 UNKNOWN_PEER = "unknown_peer"  # POST /kv/rooms from an engine this instance has not registered
 UNKNOWN_ROOM = "unknown_room"  # DELETE /kv/rooms/{room} of a room never posted here
@@ -91,16 +95,6 @@ CONNECT_RETRY_FIRST_S = 2.0
 CONNECT_RETRY_MAX_S = 60.0
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _room(value: object) -> int:
-    if _is_int(value) and 0 <= value <= MAX_ROOM:
-        return value
-    raise ValueError(f"a room is an integer in [0, {MAX_ROOM}], got {value!r}")
-
-
 @dataclass
 class _Unreachable:
     """A decode engine whose agents (`metadata`, per rank) could not be connected to."""
@@ -109,15 +103,6 @@ class _Unreachable:
     error: str
     wait_s: float  # from the last failure to the next try
     retry_at: float
-
-
-def _why_cancelled(body: dict) -> tuple[str, bool]:
-    """A cancel's reason, and whether the decode engine's request was aborted (its client
-    left); a decode engine that sends no `aborted` (an older one) cancelled for a reason."""
-    aborted = body.get("aborted", False)
-    if not isinstance(aborted, bool):
-        raise ValueError(f"aborted is true or false, got {aborted!r}")
-    return str(body.get("reason", "")), aborted
 
 
 class BootstrapServer:
@@ -165,7 +150,7 @@ class BootstrapServer:
 
     # Each method answers (status, body); the handler does the HTTP. Facts are emitted with
     # the lock held, so they reach the scheduler in the order the lock saw them.
-    def health(self) -> tuple[int, dict]:
+    def health(self) -> Answer:
         return 200, {"instance": self.instance, "tp_size": self.tp_size}
 
     def sweep_idle_peers(self) -> None:
@@ -189,11 +174,8 @@ class BootstrapServer:
                 if now - unreachable.retry_at > self._peer_idle_s:
                     del self._unreachable[engine]
 
-    def register(self, body: dict) -> tuple[int, dict]:
-        ranks = tuple(
-            RankAgent(base64.b64decode(r["metadata"]), PoolLayout.from_json(r["layout"]))
-            for r in body["ranks"]
-        )
+    def register(self, registration: PeerRegistration) -> Answer:
+        ranks = registration.ranks
         if len(ranks) != self.tp_size:
             return 400, {
                 "error": f"the decode engine has tensor-parallel size {len(ranks)}, this prefill engine "
@@ -201,7 +183,7 @@ class BootstrapServer:
             }
         for rank in ranks:
             self.layout.check_compatible(rank.layout)
-        engine, metadata = str(body["engine"]), tuple(rank.metadata for rank in ranks)
+        engine, metadata = registration.engine, tuple(rank.metadata for rank in ranks)
         connected: Future[str | None] = Future()
         with self._lock:
             unreachable = self._unreachable.get(engine)
@@ -253,8 +235,8 @@ class BootstrapServer:
         )
         self._unreachable[engine] = _Unreachable(metadata, error, wait_s, time.monotonic() + wait_s)
 
-    def post_room(self, body: dict) -> tuple[int, dict]:
-        room, engine, slots = _room(body["room"]), str(body["engine"]), body["slots"]
+    def post_room(self, post: RoomPostBody) -> Answer:
+        room, engine, slots = post.room, post.engine, post.slots
         now = time.monotonic()
         with self._lock:
             num_slots = self._engines.get(engine)
@@ -263,9 +245,7 @@ class BootstrapServer:
                     "error": f"decode engine {engine} is not registered with this prefill engine",
                     "code": UNKNOWN_PEER,
                 }
-            if not isinstance(slots, list) or not all(
-                _is_int(s) and 0 <= s < num_slots for s in slots
-            ):
+            if any(slot >= num_slots for slot in slots):
                 raise ValueError(f"slots must be slot numbers of the decode engine's {num_slots}")
             self._rooms = {r: t for r, t in self._rooms.items() if now - t < self._room_memory_s}
             self._settled &= self._rooms.keys()
@@ -273,11 +253,11 @@ class BootstrapServer:
             if room in self._rooms:
                 return 409, {"error": f"room {room} is already in use"}
             self._rooms[room] = self._heard_at[engine] = now
-            self.emit(RoomPosted(room, engine, tuple(slots)))
+            self.emit(RoomPosted(room, engine, slots))
         return 200, {"instance": self.instance}  # the one that took it
 
-    def rooms_queued(self, body: dict) -> tuple[int, dict]:
-        engine, rooms = str(body["engine"]), tuple(_room(room) for room in body["rooms"])
+    def rooms_queued(self, queued: RoomsBody) -> Answer:
+        engine, rooms = queued.engine, queued.rooms
         with self._lock:
             if engine not in self._engines:  # only a registered one may keep rooms waiting
                 return 404, {
@@ -299,12 +279,12 @@ class BootstrapServer:
             self._ended.pop(note.room, None)  # kept in the order of their ends
             self._ended[note.room] = (engine, note, now)
 
-    def rooms_ended(self, body: dict) -> tuple[int, dict]:
+    def rooms_ended(self, asked: RoomsBody) -> Answer:
         """Which of the rooms a decode engine asks about this instance has ended for it, and
         how (the first token left out: a DONE room whose note did not arrive fails there)."""
-        engine, rooms = str(body["engine"]), [_room(room) for room in body["rooms"]]
+        engine = asked.engine
         with self._lock:
-            ended = [self._ended.get(room) for room in rooms]
+            ended = [self._ended.get(room) for room in asked.rooms]
         return 200, {
             "ended": [note.outcome() for to, note, _ in filter(None, ended) if to == engine]
         }
@@ -317,7 +297,7 @@ class BootstrapServer:
                 self._writing.discard(room)
                 self._settled.add(room)
 
-    def cancel_room(self, room: int, reason: str, aborted: bool = False) -> tuple[int, dict]:
+    def cancel_room(self, room: int, cancel: CancelBody) -> Answer:
         """Cancelled whether posted or not (its request may be running, or still to come);
         the answer tells the decode engine whether a write into its slots can be under way.
         A posted room counts as written to until the scheduler, having taken the cancel, says
@@ -328,7 +308,7 @@ class BootstrapServer:
             posted = room in self._rooms
             in_flight = room in self._writing or (posted and room not in self._settled)
             if room not in self._cancelled:
-                self.emit(RoomCancelled(room, reason, aborted))
+                self.emit(RoomCancelled(room, cancel.reason, cancel.aborted))
             if posted:
                 self._cancelled.add(room)
         if not posted and not in_flight:
@@ -350,40 +330,35 @@ class BootstrapServer:
                 super().handle_one_request()
 
             def do_GET(self):  # noqa: N802 - http.server's naming
-                if self.path != "/health":
-                    return self._reply(404, {"error": f"no such path {self.path}"})
-                self._reply(*server.health())
+                self._answer("GET")
 
             def do_PUT(self):  # noqa: N802
-                if self.path != "/kv/peers":
-                    return self._reply(404, {"error": f"no such path {self.path}"})
-                self._answer(lambda: server.register(self._body()))
+                self._answer("PUT")
 
             def do_POST(self):  # noqa: N802
-                if self.path == "/kv/rooms":
-                    return self._answer(lambda: server.post_room(self._body()))
-                if self.path == "/kv/rooms/queued":
-                    return self._answer(lambda: server.rooms_queued(self._body()))
-                if self.path == "/kv/rooms/ended":
-                    return self._answer(lambda: server.rooms_ended(self._body()))
-                self._reply(404, {"error": f"no such path {self.path}"})
+                self._answer("POST")
 
             def do_DELETE(self):  # noqa: N802
-                prefix = "/kv/rooms/"
-                if not self.path.startswith(prefix):
-                    return self._reply(404, {"error": f"no such path {self.path}"})
-                self._answer(
-                    lambda: server.cancel_room(
-                        _room(int(self.path[len(prefix) :])), *_why_cancelled(self._body())
-                    )
-                )
+                self._answer("DELETE")
 
-            def _answer(self, handle) -> None:
+            def _answer(self, method: str) -> None:
+                found = _route(method, self.path)
+                if found is None:
+                    return self._reply(404, {"error": f"no such path {self.path}"})
+                route, room_text = found
                 try:
-                    status, body = handle()
-                except (KeyError, TypeError, ValueError) as exc:
+                    answer = getattr(server, route.answer)
+                    status, body = answer(*self._arguments(route, room_text))
+                except ValueError as exc:  # a path or body unlike the route's, slots off the pool
                     status, body = 400, {"error": f"{type(exc).__name__}: {exc}"}
                 self._reply(status, body)
+
+            def _arguments(self, route: _Route, room_text: str | None) -> list:
+                """The room in the path, if the route has one, then the body, if it takes one."""
+                arguments: list = [] if room_text is None else [room_in_path(room_text)]
+                if route.body is not None:
+                    arguments.append(route.body.from_json(self._body()))
+                return arguments
 
             def _body(self) -> dict:
                 length = int(self.headers.get("content-length", 0))
@@ -413,6 +388,39 @@ class BootstrapServer:
     def close(self) -> None:
         self._http.shutdown()
         self._http.server_close()
+
+
+@dataclass(frozen=True)
+class _Route:
+    body: type[WireBody] | None  # what the body must be (None: none is read)
+    # the server's method that answers, given the room in the path (where the route has one),
+    # then the body; named, so that it is looked up on the server (tests stand in for one)
+    answer: str
+
+
+_ROOM_IN_PATH = "{room}"  # at the end of a route's path: the rest of the request's path
+# The bootstrap server's requests (docs/disaggregation.md): every body of WireBody is one's.
+_ROUTES: dict[tuple[str, str], _Route] = {
+    ("GET", "/health"): _Route(None, "health"),
+    ("PUT", "/kv/peers"): _Route(PeerRegistration, "register"),
+    ("POST", "/kv/rooms"): _Route(RoomPostBody, "post_room"),
+    ("POST", "/kv/rooms/queued"): _Route(RoomsBody, "rooms_queued"),
+    ("POST", "/kv/rooms/ended"): _Route(RoomsBody, "rooms_ended"),
+    ("DELETE", "/kv/rooms/" + _ROOM_IN_PATH): _Route(CancelBody, "cancel_room"),
+}
+assert {route.body for route in _ROUTES.values()} - {None} == set(get_args(WireBody))
+assert all(callable(getattr(BootstrapServer, route.answer, None)) for route in _ROUTES.values())
+
+
+def _route(method: str, path: str) -> tuple[_Route, str | None] | None:
+    """The route of a request, and the room in its path (its text) where the route has one."""
+    if (route := _ROUTES.get((method, path))) is not None:
+        return route, None
+    for (route_method, pattern), route in _ROUTES.items():
+        prefix = pattern.removesuffix(_ROOM_IN_PATH)
+        if route_method == method and prefix != pattern and path.startswith(prefix):
+            return route, path[len(prefix) :]
+    return None
 
 
 # Failures before a request left: the prefill engine cannot have seen it.
@@ -543,14 +551,8 @@ class BootstrapClient:
             self.emit(PeerLost(lost, f"the prefill engine at {address} restarted"))
 
     def _register(self, address: str, peer: _Peer) -> _Registration:
-        ranks = [
-            {
-                "metadata": base64.b64encode(r.metadata).decode(),
-                "layout": dataclasses.asdict(r.layout),
-            }
-            for r in self.ranks
-        ]
-        answer = self._http.put(f"{address}/kv/peers", json={"engine": self.engine, "ranks": ranks})
+        registering = PeerRegistration(self.engine, self.ranks)
+        answer = self._http.put(f"{address}/kv/peers", json=registering.to_json())
         _raise_for_status(answer)
         body = answer.json()
         timeout_s = body.get("timeout_s")
@@ -565,7 +567,7 @@ class BootstrapClient:
     def _post(self, room: int, address: str, slots: list[int]) -> None:
         """A room joins its peer's watched rooms (those a lost peer fails) only once the
         peer may have it: a post still under way is no room of an instance that went."""
-        body = {"room": room, "engine": self.engine, "slots": slots}
+        body = RoomPostBody(room, self.engine, tuple(slots)).to_json()
         peer: _Peer | None = None
         sent = False  # this attempt's post left: a broken connection may hide a taken room
         try:
@@ -612,7 +614,7 @@ class BootstrapClient:
             peer.rooms[room] = instance
 
     def _still_queued(self, address: str, rooms: list[int]) -> None:
-        body = {"engine": self.engine, "rooms": rooms}
+        body = RoomsBody(self.engine, tuple(rooms)).to_json()
         try:
             for attempt in range(2):
                 peer, used = self._registered_peer(address)  # only a registered engine may say
@@ -636,7 +638,7 @@ class BootstrapClient:
                 pass
         try:
             answer = self._http.request(
-                "DELETE", f"{address}/kv/rooms/{room}", json={"reason": reason, "aborted": aborted}
+                "DELETE", f"{address}/kv/rooms/{room}", json=CancelBody(reason, aborted).to_json()
             )
             if answer.status_code == 404 and _code(answer) == UNKNOWN_ROOM:
                 self.emit(CancelUnknown(room))
@@ -720,7 +722,7 @@ class BootstrapClient:
         try:
             answer = self._http.post(
                 f"{address}/kv/rooms/ended",
-                json={"engine": self.engine, "rooms": rooms},
+                json=RoomsBody(self.engine, tuple(rooms)).to_json(),
                 timeout=min(self.heartbeat_s, 3.0),
             )
             _raise_for_status(answer)

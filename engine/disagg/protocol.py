@@ -12,11 +12,17 @@ No heavy imports here: every process of an engine loads this module.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
+from typing import TypeVar
 
 MAX_ROOM = 2**63 - 1  # rooms are random 63-bit integers, new for every attempt
+
+T = TypeVar("T")
 
 
 class FailureReason(StrEnum):
@@ -124,15 +130,23 @@ class PoolLayout:
     v_addresses: tuple[int, ...]
 
     @classmethod
-    def from_json(cls, body: dict) -> PoolLayout:
-        """The layout a peer sent (dataclasses.asdict of its own)."""
+    def from_json(cls, value: object, name: str) -> PoolLayout:
+        """The layout a peer sent (`asdict` of its own) as field `name` of its request's body.
+        A field this version does not know is refused: the peer's pool may differ by it."""
+        body = _checked(value, name, dict)
+        if unknown := body.keys() - {f.name for f in fields(cls)}:
+            raise ValueError(f"field {name!r} has fields no pool layout has: {sorted(unknown)}")
+        integers = _list_of(_integer)
         return cls(
-            **{
-                **body,
-                "slot_shape": tuple(body["slot_shape"]),
-                "k_addresses": tuple(body["k_addresses"]),
-                "v_addresses": tuple(body["v_addresses"]),
-            }
+            _field(body, "agent", _string, name),
+            _field(body, "memory", _string, name),
+            _field(body, "device_id", _integer, name),
+            _field(body, "slot_bytes", _integer, name),
+            _field(body, "slot_shape", integers, name),
+            _field(body, "dtype", _string, name),
+            _field(body, "num_slots", _integer, name),
+            _field(body, "k_addresses", integers, name),
+            _field(body, "v_addresses", integers, name),
         )
 
     def check_compatible(self, peer: PoolLayout) -> None:
@@ -152,6 +166,181 @@ class RankAgent:
 
     metadata: bytes  # NIXL agent metadata
     layout: PoolLayout
+
+    def to_json(self) -> dict:
+        return {"metadata": base64.b64encode(self.metadata).decode(), "layout": asdict(self.layout)}
+
+    @classmethod
+    def from_json(cls, value: object, name: str) -> RankAgent:
+        """`name`: where the rank is in its request's body (ranks[1]), for the errors."""
+        rank = _checked(value, name, dict)
+        return cls(
+            _field(rank, "metadata", _base64, name),
+            _field(rank, "layout", PoolLayout.from_json, name),
+        )
+
+
+# -- bodies of the bootstrap server's requests (decode engine -> prefill engine, JSON) -------
+# Their field names and JSON are the wire format: engines of this version and the previous one
+# pair up in a rolling upgrade. Each `from_json` takes a JSON object and raises ValueError
+# naming the first field that is missing or not what it must be; fields it does not know, it
+# leaves alone (a pool layout's excepted). A check takes a field's value and its name
+# (ranks[0].layout) for the error.
+
+_KINDS: dict[type, str] = {
+    str: "a string",
+    bool: "true or false",
+    int: "an integer",
+    list: "a list",
+    dict: "an object",
+}
+
+
+def _checked(value: object, name: str, kind: type[T]) -> T:
+    """`value` if it is a `kind` (a bool is no integer)."""
+    if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+        return value
+    raise ValueError(f"field {name!r} must be {_KINDS[kind]}, got {value!r:.100}")
+
+
+def _field(body: dict, key: str, check: Callable[[object, str], T], within: str = "") -> T:
+    """`body[key]`, checked; `within`: where `body` is in its request's body."""
+    name = f"{within}.{key}" if within else key
+    if key not in body:
+        raise ValueError(f"field {name!r} is missing")
+    return check(body[key], name)
+
+
+def _optional(body: dict, key: str, check: Callable[[object, str], T], default: T) -> T:
+    return check(body[key], key) if key in body else default
+
+
+def _list_of(item: Callable[[object, str], T]) -> Callable[[object, str], tuple[T, ...]]:
+    def check(value: object, name: str) -> tuple[T, ...]:
+        return tuple(item(v, f"{name}[{i}]") for i, v in enumerate(_checked(value, name, list)))
+
+    return check
+
+
+def _string(value: object, name: str) -> str:
+    return _checked(value, name, str)
+
+
+def _integer(value: object, name: str) -> int:
+    return _checked(value, name, int)
+
+
+def _flag(value: object, name: str) -> bool:
+    return _checked(value, name, bool)
+
+
+def _room(value: object, name: str) -> int:
+    room = _integer(value, name)
+    if not 0 <= room <= MAX_ROOM:
+        raise ValueError(
+            f"field {name!r} must be a room, an integer in [0, {MAX_ROOM}], got {room}"
+        )
+    return room
+
+
+def _slot(value: object, name: str) -> int:
+    slot = _integer(value, name)
+    if slot < 0:
+        raise ValueError(f"field {name!r} must be a slot number, got {slot}")
+    return slot
+
+
+def _base64(value: object, name: str) -> bytes:
+    try:
+        return base64.b64decode(_string(value, name))
+    except binascii.Error as exc:
+        raise ValueError(f"field {name!r} must be base64: {exc}") from None
+
+
+def room_in_path(text: str) -> int:
+    """The room of `DELETE /kv/rooms/{room}`."""
+    try:
+        room: int | None = int(text)
+    except ValueError:
+        room = None
+    if room is None or not 0 <= room <= MAX_ROOM:
+        raise ValueError(
+            f"the room in the path must be an integer in [0, {MAX_ROOM}], got {text!r:.100}"
+        )
+    return room
+
+
+@dataclass(frozen=True)
+class PeerRegistration:
+    """`PUT /kv/peers`: a decode engine's id, and its ranks' NIXL agents and pools in rank order."""
+
+    engine: str
+    ranks: tuple[RankAgent, ...]
+
+    def to_json(self) -> dict:
+        return {"engine": self.engine, "ranks": [rank.to_json() for rank in self.ranks]}
+
+    @classmethod
+    def from_json(cls, body: dict) -> PeerRegistration:
+        return cls(
+            _field(body, "engine", _string), _field(body, "ranks", _list_of(RankAgent.from_json))
+        )
+
+
+@dataclass(frozen=True)
+class RoomPostBody:
+    """`POST /kv/rooms`: a room, and where its prompt's KV goes in the decode engine's pool."""
+
+    room: int
+    engine: str
+    slots: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"room": self.room, "engine": self.engine, "slots": list(self.slots)}
+
+    @classmethod
+    def from_json(cls, body: dict) -> RoomPostBody:
+        return cls(
+            _field(body, "room", _room),
+            _field(body, "engine", _string),
+            _field(body, "slots", _list_of(_slot)),
+        )
+
+
+@dataclass(frozen=True)
+class RoomsBody:
+    """`POST /kv/rooms/queued` (rooms the decode engine has queued) and `POST /kv/rooms/ended`
+    (the rooms it asks about)."""
+
+    engine: str
+    rooms: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"engine": self.engine, "rooms": list(self.rooms)}
+
+    @classmethod
+    def from_json(cls, body: dict) -> RoomsBody:
+        return cls(_field(body, "engine", _string), _field(body, "rooms", _list_of(_room)))
+
+
+@dataclass(frozen=True)
+class CancelBody:
+    """`DELETE /kv/rooms/{room}`, from a decode engine or the router: why, and whether the
+    decode engine's request was aborted (its client left). Either may be left out: an older
+    decode engine sends no `aborted`."""
+
+    reason: str = ""
+    aborted: bool = False
+
+    def to_json(self) -> dict:
+        return {"reason": self.reason, "aborted": self.aborted}
+
+    @classmethod
+    def from_json(cls, body: dict) -> CancelBody:
+        return cls(_optional(body, "reason", _string, ""), _optional(body, "aborted", _flag, False))
+
+
+WireBody = PeerRegistration | RoomPostBody | RoomsBody | CancelBody
 
 
 # -- scheduler -> bootstrap process --------------------------------------------------------

@@ -6,9 +6,9 @@ once no write into them can come."""
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import dataclasses
+import json
 import threading
 import time
 
@@ -23,12 +23,16 @@ from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, TransferError
 from kubesgl.engine.disagg.link import LocalLink
 from kubesgl.engine.disagg.prefill import ClosingTurn, PrefillTransfers
 from kubesgl.engine.disagg.protocol import (
+    CancelBody,
     ConnectBootstrap,
     FailureReason,
     PeerRegistered,
+    PeerRegistration,
     PoolLayout,
     RankAgent,
     RoomNote,
+    RoomPostBody,
+    RoomsBody,
     RoomsQueued,
     RoomStatus,
 )
@@ -826,8 +830,8 @@ def test_a_post_whose_answer_is_lost_holds_the_slots_until_the_prefill_side_says
     client._http.timeout = httpx.Timeout(0.5)
     original = p.server.post_room
 
-    def slow(body):
-        answer = original(body)  # the room is taken...
+    def slow(post):
+        answer = original(post)  # the room is taken...
         time.sleep(1.0)  # ...but the answer is late
         return answer
 
@@ -1013,8 +1017,8 @@ def test_a_prefill_engine_that_does_not_say_its_timeout_is_still_registered_with
     p = pair()
     original = p.server.register
 
-    def old_register(body):
-        status, answer = original(body)
+    def old_register(registration):
+        status, answer = original(registration)
         return status, {"instance": answer["instance"]}
 
     p.server.register = old_register
@@ -1036,9 +1040,9 @@ def test_a_failed_registration_again_keeps_the_rooms_at_the_same_instance(pair):
     p.server.forget_idle_peers()
     original, calls = p.server.register, []
 
-    def failing_once(body):
+    def failing_once(registration):
         calls.append(1)
-        return (500, {"error": "not now"}) if len(calls) == 1 else original(body)
+        return (500, {"error": "not now"}) if len(calls) == 1 else original(registration)
 
     p.server.register = failing_once
     p.server._peer_idle_s = 600
@@ -1120,17 +1124,11 @@ def test_overlapping_registrations_of_one_decode_engine_both_take_the_connect_ou
     # The second used to take the first's place: the first then waited out CONNECT_WAIT_S and
     # was answered 200 though the connect had failed.
     p = pair()
-    body = {
-        "engine": "decode-twice",
-        "ranks": [
-            {
-                "metadata": base64.b64encode(p.decode_agent.metadata).decode(),
-                "layout": dataclasses.asdict(p.decode_agent.layout),
-            }
-        ],
-    }
+    twice = PeerRegistration(
+        "decode-twice", (RankAgent(p.decode_agent.metadata, p.decode_agent.layout),)
+    )
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        answers = [pool.submit(p.server.register, body) for _ in range(2)]
+        answers = [pool.submit(p.server.register, twice) for _ in range(2)]
         deadline = time.monotonic() + 5
         while sum(len(w) for w in p.server._connecting.values()) < 2:
             assert time.monotonic() < deadline
@@ -1235,7 +1233,7 @@ def test_a_prefill_engine_that_reports_no_ends_leaves_the_rooms_waiting(pair, mo
     """An older prefill engine answers 404 to the question (a rolling upgrade): its rooms
     wait for their notes as before, and its heartbeat still counts."""
     p = pair(timeout=30.0, dead_after_s=0.5)
-    monkeypatch.setattr(p.server, "rooms_ended", lambda body: (404, {"error": "no such path"}))
+    monkeypatch.setattr(p.server, "rooms_ended", lambda asked: (404, {"error": "no such path"}))
     notes = notes_held(p, monkeypatch)
     p.prefill.open(123)
     p.prefill.prefilled(123, [1], note(123, token=5))
@@ -1261,14 +1259,9 @@ LAYOUT = PoolLayout(
 )
 
 
-def registration(engine: str, metadata: bytes = b"agent-1") -> dict:
+def registration(engine: str, metadata: bytes = b"agent-1") -> PeerRegistration:
     layout = dataclasses.replace(LAYOUT, agent=f"{engine}-agent")
-    return {
-        "engine": engine,
-        "ranks": [
-            {"metadata": base64.b64encode(metadata).decode(), "layout": dataclasses.asdict(layout)}
-        ],
-    }
+    return PeerRegistration(engine, (RankAgent(metadata, layout),))
 
 
 class FakeScheduler:
@@ -1351,16 +1344,72 @@ def test_the_prefill_side_remembers_ended_rooms_for_their_engine_and_a_while_onl
     server = side.server
     server.room_ended("decode-a", RoomNote(5, RoomStatus.DONE))
     server.room_ended("decode-a", RoomNote(6, RoomStatus.FAILED, error="no", http_status=400))
-    status, body = server.rooms_ended({"engine": "decode-a", "rooms": [5, 6, 7]})
+    status, body = server.rooms_ended(RoomsBody("decode-a", (5, 6, 7)))
     assert status == 200
     assert body["ended"] == [
         {"room": 5, "status": "done", "error": None, "reason": None, "http_status": None},
         {"room": 6, "status": "failed", "error": "no", "reason": None, "http_status": 400},
     ]
-    assert server.rooms_ended({"engine": "decode-b", "rooms": [5, 6]})[1] == {"ended": []}
+    assert server.rooms_ended(RoomsBody("decode-b", (5, 6)))[1] == {"ended": []}
     time.sleep(0.5)  # twice the timeout: no request for those rooms comes any more
     server.room_ended("decode-a", RoomNote(8, RoomStatus.CANCELLED, error="gone"))
     assert set(server._ended) == {8}
+
+
+def test_the_bodies_keep_their_wire_format():
+    """Field names and JSON as the previous version sends and reads them: engines of both
+    pair up in a rolling upgrade."""
+    rank = RankAgent(b"agent-1", LAYOUT)
+    bodies = {
+        PeerRegistration("decode-a", (rank,)): {
+            "engine": "decode-a",
+            "ranks": [{"metadata": "YWdlbnQtMQ==", "layout": dataclasses.asdict(LAYOUT)}],
+        },
+        RoomPostBody(7, "decode-a", (1, 2)): {"room": 7, "engine": "decode-a", "slots": [1, 2]},
+        RoomsBody("decode-a", (7, 8)): {"engine": "decode-a", "rooms": [7, 8]},
+        CancelBody("gone", True): {"reason": "gone", "aborted": True},
+    }
+    for body, wire in bodies.items():
+        assert json.dumps(body.to_json()) == json.dumps(wire)
+        assert type(body).from_json(json.loads(json.dumps(wire))) == body
+    assert CancelBody.from_json({}) == CancelBody("", False)  # an older decode engine's
+
+
+LAYOUT_JSON = dataclasses.asdict(LAYOUT)
+
+
+def bad_layout(**fields) -> dict:
+    """A registration whose pool layout has these fields changed or added."""
+    return {"engine": "d", "ranks": [{"metadata": "", "layout": {**LAYOUT_JSON, **fields}}]}
+
+
+@pytest.mark.parametrize(
+    "method, path, body, named",
+    [
+        ("PUT", "/kv/peers", {"engine": "d"}, "field 'ranks' is missing"),
+        ("PUT", "/kv/peers", {"engine": 5, "ranks": []}, "field 'engine' must be a string"),
+        ("PUT", "/kv/peers", {"engine": "d", "ranks": [{"layout": LAYOUT_JSON}]},
+         "field 'ranks[0].metadata' is missing"),
+        ("PUT", "/kv/peers", bad_layout(num_slots="8"), "field 'ranks[0].layout.num_slots' must be"),
+        ("PUT", "/kv/peers", bad_layout(slot_shape=[2, None]), "'ranks[0].layout.slot_shape[1]'"),
+        ("PUT", "/kv/peers", bad_layout(extra=1), "field 'ranks[0].layout' has fields"),
+        ("POST", "/kv/rooms", {"room": 9, "slots": [1]}, "field 'engine' is missing"),
+        ("POST", "/kv/rooms", {"room": "9", "engine": "d", "slots": [1]}, "field 'room' must be"),
+        ("POST", "/kv/rooms", {"room": 9, "engine": "d", "slots": 1}, "field 'slots' must be a list"),
+        ("POST", "/kv/rooms/queued", {"engine": "d", "rooms": [1, True]}, "field 'rooms[1]'"),
+        ("POST", "/kv/rooms/ended", {"rooms": [1]}, "field 'engine' is missing"),
+        ("DELETE", "/kv/rooms/5", {"reason": 3}, "field 'reason' must be a string"),
+        ("DELETE", "/kv/rooms/5", {"aborted": "yes"}, "field 'aborted' must be true or false"),
+        ("DELETE", "/kv/rooms/x", {}, "the room in the path must be"),
+    ],
+)  # fmt: skip
+def test_a_body_unlike_its_request_s_is_refused_naming_the_field(
+    fake_scheduler, method, path, body, named
+):
+    side = fake_scheduler()
+    answer = httpx.request(method, f"http://127.0.0.1:{side.server.port}{path}", json=body)
+    assert answer.status_code == 400 and named in answer.json()["error"], answer.text
+    assert side.attempts == 0  # no registration was tried
 
 
 class RankOneNotes(RankConsensus):
