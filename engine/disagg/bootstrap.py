@@ -23,11 +23,11 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import get_args
+from typing import Any, TypeVar, get_args
 
 import httpx
 import zmq
@@ -41,6 +41,7 @@ from kubesgl.engine.disagg.protocol import (
     CancelConfirmed,
     CancelRoom,
     CancelUnknown,
+    ClientRequest,
     ConnectBootstrap,
     EndReported,
     FailureReason,
@@ -63,6 +64,7 @@ from kubesgl.engine.disagg.protocol import (
     RoomsQueued,
     RoomWriting,
     ServeBootstrap,
+    ServerRequest,
     StillQueued,
     WireBody,
     room_in_path,
@@ -208,9 +210,14 @@ class BootstrapServer:
             }
         return 200, {"instance": self.instance, "timeout_s": self.timeout_s}
 
-    def peer_connected(self, engine: str, error: str | None) -> None:
+    def handle(self, request: BootstrapRequest) -> None:
+        """What the scheduler tells the server (prefill role)."""
+        _handle(_SERVER_HANDLERS, self, request)
+
+    def peer_connected(self, outcome: PeerConnected) -> None:
         """The scheduler connected to a registered decode engine, or could not: then the
         registration goes, so that no room is taken for an engine no write can reach."""
+        engine, error = outcome.engine, outcome.error
         with self._lock:
             waiting = self._connecting.pop(engine, [])
             metadata = self._trying.pop(engine, None)
@@ -268,8 +275,8 @@ class BootstrapServer:
             self.emit(RoomsQueued(engine, rooms))
         return 200, {}
 
-    def room_ended(self, engine: str, note: RoomNote) -> None:
-        now = time.monotonic()
+    def room_ended(self, ended: RoomEnded) -> None:
+        engine, note, now = ended.engine, ended.note, time.monotonic()
         with self._lock:
             while self._ended:
                 oldest, (_, _, at) = next(iter(self._ended.items()))
@@ -289,13 +296,13 @@ class BootstrapServer:
             "ended": [note.outcome() for to, note, _ in filter(None, ended) if to == engine]
         }
 
-    def room_writing(self, room: int, writing: bool) -> None:
+    def room_writing(self, write: RoomWriting) -> None:
         with self._lock:
-            if writing:
-                self._writing.add(room)
+            if write.writing:
+                self._writing.add(write.room)
             else:  # the write ended, or the scheduler took a cancel: no write runs nor will
-                self._writing.discard(room)
-                self._settled.add(room)
+                self._writing.discard(write.room)
+                self._settled.add(write.room)
 
     def cancel_room(self, room: int, cancel: CancelBody) -> Answer:
         """Cancelled whether posted or not (its request may be running, or still to come);
@@ -390,6 +397,16 @@ class BootstrapServer:
         self._http.server_close()
 
 
+# What the scheduler tells a prefill engine's bootstrap server: every member of ServerRequest
+# has its handler.
+_SERVER_HANDLERS: dict[type, Callable[[BootstrapServer, Any], None]] = {
+    RoomWriting: BootstrapServer.room_writing,
+    PeerConnected: BootstrapServer.peer_connected,
+    RoomEnded: BootstrapServer.room_ended,
+}
+assert set(_SERVER_HANDLERS) == set(get_args(ServerRequest))
+
+
 @dataclass(frozen=True)
 class _Route:
     body: type[WireBody] | None  # what the body must be (None: none is read)
@@ -481,26 +498,35 @@ class BootstrapClient:
         )
         self._watcher.start()
 
-    def post(self, room: int, address: str, slots: list[int]) -> None:
-        self._posts[room] = self._workers.submit(self._post, room, address, list(slots))
+    def handle(self, request: BootstrapRequest) -> None:
+        """What the scheduler asks the client to do (decode role)."""
+        _handle(_CLIENT_HANDLERS, self, request)
 
-    def still_queued(self, address: str, rooms: list[int]) -> None:
-        """Tell the prefill engine at `address` that these rooms wait in this engine's queue."""
-        self._workers.submit(self._still_queued, address, rooms)
+    def post(self, post: PostRoom) -> None:
+        self._posts[post.room] = self._workers.submit(
+            self._post, post.room, post.address, list(post.slots)
+        )
 
-    def cancel(self, room: int, address: str, reason: str, aborted: bool = False) -> None:
+    def still_queued(self, queued: StillQueued) -> None:
+        """Tell the prefill engine at its address that these rooms wait in this engine's queue."""
+        self._workers.submit(self._still_queued, queued.address, list(queued.rooms))
+
+    def cancel(self, cancel: CancelRoom) -> None:
         """Cancel after the post has finished: a cancel overtaking its post would be lost.
         `aborted`: the room's request was aborted here (its client left)."""
-        self._workers.submit(self._cancel, self._posts.get(room), room, address, reason, aborted)
+        room = cancel.room
+        self._workers.submit(
+            self._cancel, self._posts.get(room), room, cancel.address, cancel.reason, cancel.aborted
+        )
 
-    def forget(self, room: int, address: str) -> None:
+    def forget(self, forget: ForgetRoom) -> None:
         """The room has ended on this side: stop watching its prefill engine for it."""
-        self._posts.pop(room, None)
+        self._posts.pop(forget.room, None)
         with self._lock:
-            self._cancel_again.pop(room, None)
-            peer = self._peers.get(address)
+            self._cancel_again.pop(forget.room, None)
+            peer = self._peers.get(forget.address)
             if peer is not None:
-                peer.rooms.pop(room, None)
+                peer.rooms.pop(forget.room, None)
 
     # -- worker threads ----------------------------------------------------------------
     def _registered_peer(self, address: str) -> tuple[_Peer, Future[_Registration]]:
@@ -740,18 +766,46 @@ class BootstrapClient:
         self._http.close()
 
 
+# What the scheduler asks a decode engine's bootstrap client to do: every member of
+# ClientRequest has its handler.
+_CLIENT_HANDLERS: dict[type, Callable[[BootstrapClient, Any], None]] = {
+    PostRoom: BootstrapClient.post,
+    CancelRoom: BootstrapClient.cancel,
+    ForgetRoom: BootstrapClient.forget,
+    StillQueued: BootstrapClient.still_queued,
+}
+assert set(_CLIENT_HANDLERS) == set(get_args(ClientRequest))
+
+Side = TypeVar("Side", BootstrapServer, BootstrapClient)
+
+
+def _handle(
+    handlers: Mapping[type, Callable[[Side, Any], None]], side: Side, request: BootstrapRequest
+) -> None:
+    handler = handlers.get(type(request))
+    if handler is None:  # the other side's request, or a second first one
+        raise TypeError(f"not a request for a {type(side).__name__}: {request!r}")
+    handler(side, request)
+
+
 class BootstrapService:
-    """The bootstrap process's work: a server (prefill) or a client (decode), set up by the
-    first request, then driven by the scheduler's requests."""
+    """The bootstrap process's work: its first request makes it a prefill engine's server
+    (ServeBootstrap) or a decode engine's client (ConnectBootstrap), which takes the
+    scheduler's requests from then on."""
 
     def __init__(self, emit: Emit):
         self.emit = emit
-        self.server: BootstrapServer | None = None
-        self.client: BootstrapClient | None = None
+        self.side: BootstrapServer | BootstrapClient | None = None
 
     def handle(self, request: BootstrapRequest) -> None:
+        if self.side is None:
+            self.side = self._start(request)
+        else:
+            self.side.handle(request)
+
+    def _start(self, request: BootstrapRequest) -> BootstrapServer | BootstrapClient:
         if isinstance(request, ServeBootstrap):
-            self.server = BootstrapServer(
+            server = BootstrapServer(
                 self.emit,
                 request.layout,
                 request.tp_size,
@@ -759,41 +813,27 @@ class BootstrapService:
                 request.port,
                 request.timeout_s,
             )
-            logger.info("bootstrap server listening on %s:%d", request.host, self.server.port)
-        elif isinstance(request, ConnectBootstrap):
-            self.client = BootstrapClient(
+            logger.info("bootstrap server listening on %s:%d", request.host, server.port)
+            return server
+        if isinstance(request, ConnectBootstrap):
+            return BootstrapClient(
                 self.emit, request.engine, request.ranks, request.heartbeat_s, request.dead_after_s
             )
-        elif isinstance(request, RoomWriting):
-            assert self.server is not None, "ServeBootstrap comes before any write"
-            self.server.room_writing(request.room, request.writing)
-        elif isinstance(request, PeerConnected):
-            assert self.server is not None, "ServeBootstrap comes before any registration"
-            self.server.peer_connected(request.engine, request.error)
-        elif isinstance(request, RoomEnded):
-            assert self.server is not None, "ServeBootstrap comes before any room"
-            self.server.room_ended(request.engine, request.note)
-        elif isinstance(request, PostRoom | CancelRoom | ForgetRoom | StillQueued):
-            self._handle_room(request)
-        else:
-            raise TypeError(f"not a bootstrap request: {request!r}")
+        raise TypeError(f"ServeBootstrap or ConnectBootstrap comes first, not {request!r}")
 
-    def _handle_room(self, request: PostRoom | CancelRoom | ForgetRoom | StillQueued) -> None:
-        assert self.client is not None, "ConnectBootstrap comes before any room request"
-        if isinstance(request, PostRoom):
-            self.client.post(request.room, request.address, list(request.slots))
-        elif isinstance(request, CancelRoom):
-            self.client.cancel(request.room, request.address, request.reason, request.aborted)
-        elif isinstance(request, ForgetRoom):
-            self.client.forget(request.room, request.address)
-        else:
-            self.client.still_queued(request.address, list(request.rooms))
+    @property
+    def server(self) -> BootstrapServer | None:
+        """The prefill engine's server, once ServeBootstrap came."""
+        return self.side if isinstance(self.side, BootstrapServer) else None
+
+    @property
+    def client(self) -> BootstrapClient | None:
+        """The decode engine's client, once ConnectBootstrap came."""
+        return self.side if isinstance(self.side, BootstrapClient) else None
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        if self.client is not None:
-            self.client.close()
+        if self.side is not None:
+            self.side.close()
 
 
 def quiet_request_logs() -> None:

@@ -426,17 +426,11 @@ class RoomEnded:
     note: RoomNote
 
 
-BootstrapRequest = (
-    ServeBootstrap
-    | ConnectBootstrap
-    | PostRoom
-    | CancelRoom
-    | ForgetRoom
-    | StillQueued
-    | RoomWriting
-    | PeerConnected
-    | RoomEnded
-)
+# After the first request (ServeBootstrap or ConnectBootstrap), which makes the bootstrap
+# process a prefill engine's server or a decode engine's client, the requests for that side
+ServerRequest = RoomWriting | PeerConnected | RoomEnded
+ClientRequest = PostRoom | CancelRoom | ForgetRoom | StillQueued
+BootstrapRequest = ServeBootstrap | ConnectBootstrap | ServerRequest | ClientRequest
 
 
 # -- bootstrap process -> scheduler: what arrived at a prefill engine's bootstrap server ----

@@ -26,15 +26,19 @@ from kubesgl.engine.disagg.protocol import (
     CancelBody,
     ConnectBootstrap,
     FailureReason,
+    PeerConnected,
     PeerRegistered,
     PeerRegistration,
     PoolLayout,
+    PostRoom,
     RankAgent,
+    RoomEnded,
     RoomNote,
     RoomPostBody,
     RoomsBody,
     RoomsQueued,
     RoomStatus,
+    StillQueued,
 )
 from kubesgl.engine.disagg.ranks import RankConsensus
 from kubesgl.engine.messages import BootstrapTarget
@@ -815,7 +819,7 @@ def test_first_posts_to_a_new_prefill_engine_arrive_while_every_worker_thread_wa
     for _ in range(7):
         client._workers.submit(busy.wait, 10)
     try:
-        client.post(100, address, [0])
+        client.post(PostRoom(100, address, (0,)))
         p.run(lambda s, a: 100 in p.prefill._posted, timeout=5)
     finally:
         busy.set()
@@ -1064,7 +1068,7 @@ def test_rooms_queued_after_being_forgotten_register_again_and_keep_waiting(pair
     p.server._peer_idle_s = 0
     p.server.forget_idle_peers()
     p.server._peer_idle_s = 600
-    p.decode.link.service.client.still_queued(p.target(0).address, [100])
+    p.decode.link.service.client.still_queued(StillQueued(p.target(0).address, (100,)))
     p.run(lambda s, a: 100 in p.prefill._queued, timeout=5)
 
 
@@ -1134,7 +1138,7 @@ def test_overlapping_registrations_of_one_decode_engine_both_take_the_connect_ou
             assert time.monotonic() < deadline
             time.sleep(0.01)
         started = time.monotonic()
-        p.server.peer_connected("decode-twice", "no UCX transport in common")
+        p.server.peer_connected(PeerConnected("decode-twice", "no UCX transport in common"))
         statuses = [answer.result()[0] for answer in answers]
     assert statuses == [502, 502] and time.monotonic() - started < 1
 
@@ -1278,7 +1282,7 @@ class FakeScheduler:
         if isinstance(fact, PeerRegistered):
             self.attempts += 1
             threading.Thread(
-                target=self.server.peer_connected, args=(fact.engine, self.error)
+                target=self.server.peer_connected, args=(PeerConnected(fact.engine, self.error),)
             ).start()
 
 
@@ -1342,8 +1346,9 @@ def test_the_prefill_side_remembers_ended_rooms_for_their_engine_and_a_while_onl
 ):
     side = fake_scheduler(timeout_s=0.2)
     server = side.server
-    server.room_ended("decode-a", RoomNote(5, RoomStatus.DONE))
-    server.room_ended("decode-a", RoomNote(6, RoomStatus.FAILED, error="no", http_status=400))
+    server.room_ended(RoomEnded("decode-a", RoomNote(5, RoomStatus.DONE)))
+    failed = RoomNote(6, RoomStatus.FAILED, error="no", http_status=400)
+    server.room_ended(RoomEnded("decode-a", failed))
     status, body = server.rooms_ended(RoomsBody("decode-a", (5, 6, 7)))
     assert status == 200
     assert body["ended"] == [
@@ -1352,7 +1357,7 @@ def test_the_prefill_side_remembers_ended_rooms_for_their_engine_and_a_while_onl
     ]
     assert server.rooms_ended(RoomsBody("decode-b", (5, 6)))[1] == {"ended": []}
     time.sleep(0.5)  # twice the timeout: no request for those rooms comes any more
-    server.room_ended("decode-a", RoomNote(8, RoomStatus.CANCELLED, error="gone"))
+    server.room_ended(RoomEnded("decode-a", RoomNote(8, RoomStatus.CANCELLED, error="gone")))
     assert set(server._ended) == {8}
 
 
