@@ -358,6 +358,11 @@ class BootstrapServer:
                     status, body = answer(*self._arguments(route, room_text))
                 except ValueError as exc:  # a path or body unlike the route's, slots off the pool
                     status, body = 400, {"error": f"{type(exc).__name__}: {exc}"}
+                except Exception as exc:
+                    # This server's fault: answered, or the caller would read a dropped
+                    # connection as the prefill engine gone.
+                    logger.exception("bootstrap server: %s %s failed", method, self.path)
+                    status, body = 500, {"error": f"{type(exc).__name__}: {exc}"}
                 self._reply(status, body)
 
             def _arguments(self, route: _Route, room_text: str | None) -> list:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
+import logging
 import threading
 import time
 
@@ -1415,6 +1416,21 @@ def test_a_body_unlike_its_request_s_is_refused_naming_the_field(
     answer = httpx.request(method, f"http://127.0.0.1:{side.server.port}{path}", json=body)
     assert answer.status_code == 400 and named in answer.json()["error"], answer.text
     assert side.attempts == 0  # no registration was tried
+
+
+def test_a_fault_of_the_server_is_answered_500_and_logged(fake_scheduler, caplog):
+    """A bug in a route's method is the server's, not the caller's: a 500 naming it, not a
+    dropped connection (which a decode engine reads as the prefill engine gone)."""
+    side = fake_scheduler()
+
+    def broken() -> tuple[int, dict]:
+        raise KeyError("a bug")
+
+    side.server.health = broken
+    with caplog.at_level(logging.ERROR, logger="kubesgl.engine.disagg.bootstrap"):
+        answer = httpx.get(f"http://127.0.0.1:{side.server.port}/health")
+    assert answer.status_code == 500 and "KeyError" in answer.json()["error"], answer.text
+    assert any(record.exc_info for record in caplog.records)
 
 
 class RankOneNotes(RankConsensus):
