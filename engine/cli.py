@@ -8,7 +8,7 @@ import sys
 
 from kubesgl.engine.child_process import start_failure_line
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
-from kubesgl.engine.llm import LLM, OFFLINE_REFUSED
+from kubesgl.engine.config import OFFLINE_REFUSED
 from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
 
 # Engine options kubesgl generate cannot honour, and why: a value other than the default is
@@ -57,6 +57,10 @@ def main(argv: list[str]) -> int:
         seed=args.seed,
     )
     options = {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
+    # torch and transformers take seconds to import: not before the arguments are parsed, so
+    # that --help and a usage error are answered at once
+    from kubesgl.engine.llm import LLM
+
     try:
         llm = LLM(config.model, **options)
     except (

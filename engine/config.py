@@ -290,3 +290,24 @@ def _engine_options() -> dict[str, EngineOption]:
 
 
 ENGINE_OPTIONS: dict[str, EngineOption] = _engine_options()
+
+# Engine options that only a served engine honours, and why: the offline `LLM` refuses a value
+# other than the default (an option is never ignored); `kubesgl generate` refuses their flags.
+# Here, not in llm.py, so that `kubesgl generate` builds its parser without importing torch.
+OFFLINE_REFUSED: dict[str, str] = {
+    "tp_size": "offline generation runs one engine process on one device; "
+    "tensor parallelism is served (kubesgl serve --tp-size N)",
+    "role": "offline generation runs the whole request in one engine; "
+    "prefill and decode engines are served (kubesgl serve --role ...)",
+    "disaggregation_bootstrap_port": "only prefill and decode engines, which are served, have a bootstrap server",
+    "disaggregation_timeout": "only prefill and decode engines, which are served, transfer KV",
+    **dict.fromkeys(
+        (
+            "max_sequences_per_request",
+            "max_stop_string_length",
+            "max_request_body_bytes",
+            "max_prompt_chars_per_token",
+        ),
+        "a limit of the HTTP server's requests; offline generation serves none",
+    ),
+}

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kubesgl.engine.config import ENGINE_OPTIONS, EngineConfig
+from kubesgl.engine.config import ENGINE_OPTIONS, OFFLINE_REFUSED, EngineConfig
 from kubesgl.engine.messages import FinishReason, GenerateRequest, TokenLogprob
 from kubesgl.engine.preflight import check_engine
 from kubesgl.engine.sampling_params import (
@@ -114,27 +114,6 @@ def _params(params: object) -> SamplingParams:
     if isinstance(params, dict):
         return SamplingParams(**_from_sglang_names(params))
     raise TypeError(f"sampling params must be a SamplingParams or a dict, got {params!r:.80}")
-
-
-# Engine options that only a served engine honours, and why: the offline `LLM` refuses a value
-# other than the default (an option is never ignored); `kubesgl generate` refuses their flags.
-OFFLINE_REFUSED = {
-    "tp_size": "offline generation runs one engine process on one device; "
-    "tensor parallelism is served (kubesgl serve --tp-size N)",
-    "role": "offline generation runs the whole request in one engine; "
-    "prefill and decode engines are served (kubesgl serve --role ...)",
-    "disaggregation_bootstrap_port": "only prefill and decode engines, which are served, have a bootstrap server",
-    "disaggregation_timeout": "only prefill and decode engines, which are served, transfer KV",
-    **dict.fromkeys(
-        (
-            "max_sequences_per_request",
-            "max_stop_string_length",
-            "max_request_body_bytes",
-            "max_prompt_chars_per_token",
-        ),
-        "a limit of the HTTP server's requests; offline generation serves none",
-    ),
-}
 
 
 def _refuse_served_options(config: EngineConfig) -> None:

@@ -10,7 +10,6 @@ from kubesgl.contract import API_KEY_ENV
 from kubesgl.engine.cli_args import engine_config_from_args
 from kubesgl.engine.preflight import StartupError, check_bootstrap_port, check_engine, listen_socket
 from kubesgl.engine.server.api_key import resolve_api_key
-from kubesgl.engine.server.launcher import Server
 from kubesgl.engine.server.options import build_parser, server_options
 
 
@@ -35,6 +34,10 @@ def main(argv: list[str]) -> int:
     except StartupError as exc:
         print(f"kubesgl serve: {exc}", file=sys.stderr)
         return 2
+    # torch, transformers and the HTTP stack take seconds to import: not before the arguments
+    # are parsed and checked, so that --help and a usage error are answered at once
+    from kubesgl.engine.server.launcher import Server
+
     server = Server(config, options, sock)
     status = server.run()
     if server.failure:  # the last line of the log names the problem (kubesgl up shows it)

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +88,39 @@ def test_every_port_flag_refuses_a_port_outside_1_to_65535(argv, monkeypatch, ca
         else:  # the URL `up` prints, the port the router logs, would be 0
             with pytest.raises(argparse.ArgumentTypeError):
                 port.type("0")
+
+
+# A fresh interpreter each, in the repository: this test process may have torch loaded by other
+# tests.
+REPO = Path(__file__).resolve().parents[2]
+PARSE_ONLY = """
+import sys
+from kubesgl.cli import main
+
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+sys.exit(", ".join(sorted({"torch", "transformers"} & set(sys.modules))) or None)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["serve", "--help"], ["serve"], ["generate", "--help"], ["generate", "--model", "X"]],
+    ids=" ".join,
+)
+def test_help_and_usage_errors_of_the_engine_commands_import_no_torch(argv):
+    """--help and an argparse error are answered at once: torch and transformers, seconds to
+    import, only once the arguments are parsed (`generate --model X` took 12 s to say --prompt
+    is required)."""
+    result = subprocess.run(
+        [sys.executable, "-c", PARSE_ONLY, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert result.returncode == 0, (
+        f"`kubesgl {' '.join(argv)}` imported {result.stderr.splitlines()[-1:]}"
+    )

@@ -129,7 +129,7 @@ def test_the_offline_llm_refuses_an_option_only_a_server_honours(option, value, 
 
 def test_generate_refuses_what_the_offline_llm_refuses():
     from kubesgl.engine.cli import REFUSED
-    from kubesgl.engine.llm import OFFLINE_REFUSED
+    from kubesgl.engine.config import OFFLINE_REFUSED
 
     assert OFFLINE_REFUSED.items() <= REFUSED.items()
 

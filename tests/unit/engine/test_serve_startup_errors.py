@@ -12,6 +12,7 @@ import pytest
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.preflight import StartupError, check_engine, listen_socket
 from kubesgl.engine.server import cli as serve_cli
+from kubesgl.engine.server.launcher import Server
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def serve(monkeypatch, capsys):
     def no_server(self):
         raise AssertionError("the server was started")
 
-    monkeypatch.setattr(serve_cli.Server, "run", no_server)
+    monkeypatch.setattr(Server, "run", no_server)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
     def run(*args: str) -> tuple[int, list[str]]:
