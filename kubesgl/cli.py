@@ -37,7 +37,19 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        try:
+            return _dispatch(sys.argv[1:] if argv is None else argv)
+        finally:  # an argparse exit too: what is still buffered goes now, not at exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # `kubesgl -h | head -3`, `kubesgl render ... | head`: the reader has gone, which is no
+        # error of ours
+        return _reader_gone()
+
+
+def _dispatch(argv: list[str]) -> int:
+    """Runs the command ARGV names; its status."""
     if not argv:
         print(usage(), file=sys.stderr)
         return 2
@@ -59,11 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"kubesgl: command {name!r} is not available in this build", file=sys.stderr)
         return 2
-    try:
-        return int(module.main(rest) or 0)
-    except BrokenPipeError:
-        # `kubesgl render ... | head`: the reader has gone, which is no error of ours
-        return _reader_gone()
+    return int(module.main(rest) or 0)
 
 
 def _reader_gone() -> int:

@@ -6,6 +6,7 @@ without being listed here."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -124,3 +125,42 @@ def test_help_and_usage_errors_of_the_engine_commands_import_no_torch(argv):
     assert result.returncode == 0, (
         f"`kubesgl {' '.join(argv)}` imported {result.stderr.splitlines()[-1:]}"
     )
+
+
+def _with_reader_gone(argv: list[str], buffered: bool) -> subprocess.CompletedProcess[str]:
+    """`kubesgl ARGV | head` once head has exited: stdout is a pipe whose reader is closed."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if not buffered:  # each write reaches the pipe at once, and fails there
+        env["PYTHONUNBUFFERED"] = "1"
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "kubesgl", *argv],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+            env=env,
+        )
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+@pytest.mark.parametrize("argv", [["--help"], ["--version"]], ids=" ".join)
+def test_a_reader_that_goes_away_is_no_traceback(argv, buffered):
+    # `kubesgl -h | head -3` ended with a BrokenPipeError traceback (unbuffered: at the print;
+    # buffered: "Exception ignored" as Python flushed stdout at exit, status 120)
+    result = _with_reader_gone(argv, buffered)
+    assert (result.returncode, result.stderr) == (141, "")  # as a tool SIGPIPE ended
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
+def test_a_reader_that_goes_away_from_a_commands_help_is_no_traceback(argv):
+    # Buffered, a short help was written at exit: "Exception ignored ... BrokenPipeError" and
+    # status 120. A help longer than the buffer (serve's) reaches the pipe as argparse writes it,
+    # and argparse ignores the failed write itself: status 0.
+    result = _with_reader_gone([*argv, "--help"], buffered=True)
+    assert result.stderr == "" and result.returncode in (0, 141)
