@@ -2,7 +2,7 @@
 
 A streamed answer is committed to the client only once the worker's first body chunk has
 arrived; until then any failure is an `UpstreamError` that the caller may retry elsewhere.
-After that, a broken stream ends with an SSE error event, never silently.
+After that, a broken stream ends with an SSE error event and `data: [DONE]`, never silently.
 """
 
 from __future__ import annotations
@@ -385,9 +385,12 @@ class UpstreamClient:
             worker = attempt.worker
             if _connection_lost(exc):
                 self.on_worker_lost(worker)
-            yield sse_error_event(
+            message = (
                 f"{worker.role.value} worker {worker.url} broke off the stream: {_reason(exc)}"
             )
+            # [DONE] still follows, as it follows an engine's own error event (SGLang's and
+            # vLLM's, on /generate too): clients that read up to [DONE] see the stream end
+            yield sse_error_event(message) + SSE_DONE
         except (asyncio.CancelledError, GeneratorExit):
             if done_sent:  # a client that stops reading at [DONE] had its whole answer
                 attempt.finish(str(response.status), worker_failed=False)

@@ -44,10 +44,10 @@ async def test_worker_killed_mid_run(engines, start_router, client):
 
         await b.kill()
 
-        # The stream already coming from b ends with an error event (and no [DONE]).
+        # The stream already coming from b ends with an error event, then [DONE] as an engine's.
         rest = [line async for line in lines]
         await stream_cm.__aexit__(None, None, None)
-        assert len(rest) == 1 and rest[0] != "data: [DONE]"
+        assert len(rest) == 2 and rest[1] == "data: [DONE]"
         error = json.loads(rest[0].removeprefix("data: "))["error"]
         assert b.url in error["message"] and error["code"] is None
         # The request b was working on is not sent on: it may be what killed b. Its client
@@ -73,6 +73,35 @@ async def test_worker_killed_mid_run(engines, start_router, client):
                 response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
                 assert response.status_code == 200
         assert served_by(response) == "b"
+
+
+@pytest.mark.parametrize(
+    ("path", "prompt"),
+    [
+        ("/v1/completions", {"prompt": "s"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "s"}]}),
+        ("/generate", {"text": "s"}),
+    ],
+    ids=["completions", "chat", "generate"],
+)
+async def test_a_stream_broken_off_ends_with_an_error_event_then_done(
+    path, prompt, engines, start_router, client
+):
+    """As an engine's stream after its own error event, SGLang's /generate's included."""
+    a = await engines("a", tokens=3)
+    a.hold = asyncio.Event()
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        body = {**prompt, "stream": True}
+        async with client.stream("POST", router.url + path, json=body) as response:
+            lines = (line async for line in response.aiter_lines() if line)
+            assert "a-tok0" in await anext(lines)
+            await a.kill()
+            async with asyncio.timeout(5):
+                rest = [line async for line in lines]
+    assert len(rest) == 2 and rest[1] == "data: [DONE]"
+    error = json.loads(rest[0].removeprefix("data: "))["error"]
+    assert "broke off the stream" in error["message"] and error["type"] == "upstream_error"
 
 
 async def test_a_restarted_worker_serves_a_burst_at_once(engines, start_router, client):
