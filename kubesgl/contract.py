@@ -126,6 +126,14 @@ LOG_LEVELS: Final[tuple[LogLevel, ...]] = ("debug", "info", "warning", "error")
 # A request without a body: a 400 in the same words from an engine and the router (FastAPI
 # reports it as a missing field, json.loads as an error at character 0)
 EMPTY_BODY: Final = "the request body is empty: send a JSON object"
+
+
+def not_json(reason: object) -> str:
+    """A 400 in the same words from an engine and the router for a body that JSON's reader
+    refused (bad syntax, bytes that are not UTF-8), `reason` the reader's (which byte, where)."""
+    return f"the request body is not valid JSON: {reason}"
+
+
 # How deep a request body may nest arrays and objects (serde_json's default): engines refuse a
 # deeper one, which Python's JSON reader takes up to some 1000 levels but pickling it on to the
 # tokenizer process does not, from some 500; the router refuses, in the same words, only what

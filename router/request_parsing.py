@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kubesgl.contract import EMPTY_BODY, MAX_N, TOO_DEEP_BODY
+from kubesgl.contract import EMPTY_BODY, MAX_N, TOO_DEEP_BODY, not_json
 from kubesgl.router.errors import bad_request
 
 CHAT_PATH = "/v1/chat/completions"
@@ -185,7 +185,7 @@ def parse_generation_request(path: str, raw: bytes) -> ParsedRequest:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+        raise bad_request(not_json(exc)) from None
     except RecursionError:
         raise bad_request(TOO_DEEP_BODY) from None
     if not isinstance(body, dict):

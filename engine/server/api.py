@@ -34,6 +34,7 @@ from kubesgl.contract import (
     MAX_BODY_DEPTH,
     TOO_DEEP_BODY,
     nested_deeper_than,
+    not_json,
     not_served,
 )
 from kubesgl.engine.config import EngineConfig
@@ -307,6 +308,8 @@ async def _http_error(
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     if isinstance(exc.__cause__, RecursionError):  # FastAPI could not even read the body
         message = TOO_DEEP_BODY
+    elif isinstance(exc.__cause__, UnicodeDecodeError):  # nor decode it: say which byte
+        message = not_json(exc.__cause__)
     else:
         message = _route_problem(request, exc)
     response = APIError(exc.status_code, message, type_).response()

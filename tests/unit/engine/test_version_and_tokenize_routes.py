@@ -26,6 +26,8 @@ from kubesgl.engine.server.api import ServerState, build_app
 from kubesgl.engine.server.engine_client import EngineClient
 from kubesgl.engine.tokenizer.loader import load_tokenizer
 from kubesgl.engine.tokenizer.process import Tokenizer, TokenizerLoop
+from kubesgl.router.errors import RouterError
+from kubesgl.router.request_parsing import parse_generation_request
 
 pytestmark = pytest.mark.asyncio
 CONTEXT = 64  # the engine's context length here: max_model_len, and the bound of the limits
@@ -244,6 +246,24 @@ async def test_an_unknown_route_or_method_is_named_as_the_router_names_it():
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
     assert wrong_method.json()["error"]["message"] == "/v1/completions accepts POST"
     assert "Responses API" in not_served.json()["error"]["message"]  # the routes it names
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate"])
+async def test_a_body_that_is_not_utf8_is_named_as_the_router_names_it(path):
+    """FastAPI's words were "There was an error parsing the body"; the router's name the byte
+    and where it is."""
+    body = b'{"model": "tiny", "prompt": "\xff\xfe"}'
+    async with http(ReadyClient()) as engine:
+        answer = await engine.post(path, content=body, headers={"content-type": "application/json"})
+    with pytest.raises(RouterError) as routed:
+        parse_generation_request(path, body)
+    assert answer.status_code == 400 and answer.json()["error"] == {
+        "message": routed.value.message,
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    assert "can't decode byte 0xff in position 29" in routed.value.message
 
 
 def nested(depth: int) -> list:
