@@ -80,7 +80,15 @@ def _a_number(value: Any) -> Any:
     return value
 
 
-Int = Annotated[int, BeforeValidator(_a_number)]
+def _an_integer(value: Any) -> Any:
+    """A whole float as the integer it is (`1e30`): pydantic converts one only within 64 bits,
+    and called a larger one "Unable to parse input string", though a number was sent; as an
+    int, the field's bounds answer it, as they answer `10**30`."""
+    value = _a_number(value)
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(_an_integer)]
 Float = Annotated[float, BeforeValidator(_a_number)]
 """Every number a request carries: `"max_tokens": true` or `"3"` is a 400 (as at OpenAI)."""
 
