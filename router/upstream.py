@@ -388,9 +388,10 @@ class UpstreamClient:
             message = (
                 f"{worker.role.value} worker {worker.url} broke off the stream: {_reason(exc)}"
             )
-            # [DONE] still follows, as it follows an engine's own error event (SGLang's and
-            # vLLM's, on /generate too): clients that read up to [DONE] see the stream end
-            yield sse_error_event(message) + SSE_DONE
+            if not done_sent:  # else the client has its whole answer: nothing may follow
+                # [DONE] still follows, as it follows an engine's own error event (SGLang's
+                # and vLLM's, on /generate too): clients that read up to [DONE] see the end
+                yield sse_error_event(message) + SSE_DONE
         except (asyncio.CancelledError, GeneratorExit):
             if done_sent:  # a client that stops reading at [DONE] had its whole answer
                 attempt.finish(str(response.status), worker_failed=False)
