@@ -6,10 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import logging
-import re
 import time
 from collections.abc import (
     AsyncGenerator,
@@ -19,8 +17,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,11 +34,9 @@ from kubesgl.contract import (
     not_json,
     not_served,
 )
-from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import (
     BootstrapTarget,
     EngineInfo,
-    FinishReason,
     TextOutput,
     Tokenized,
     TokenizeRequest,
@@ -51,9 +46,17 @@ from kubesgl.engine.sampling_params import (
     SamplingParams,
     check_prompt_tokens,
 )
-from kubesgl.engine.server import tool_calls
+from kubesgl.engine.server import sglang_routes, tool_calls
 from kubesgl.engine.server.access import AccessRecord, RequestAccounting
+from kubesgl.engine.server.context import (
+    Served,
+    ServedHere,
+    ServerState,
+    authorized,
+    unavailable,
+)
 from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient, EngineGone
+from kubesgl.engine.server.errors import APIError, in_clients_words
 from kubesgl.engine.server.limits import (
     BodyLimit,
     check_prompt_chars,
@@ -79,87 +82,8 @@ from kubesgl.engine.server.protocol import (
     GenerateRequestBody,
     TokenizeRequestBody,
 )
-from kubesgl.engine.server.sglang_routes import add_sglang_routes
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ServerState:
-    config: EngineConfig
-    served_model_name: str
-    api_key: str | None = field(default=None, repr=False)  # never logged
-    draining: bool = False
-    started: int = field(default_factory=lambda: int(time.time()))  # the models' `created`
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-
-    @classmethod
-    def of(
-        cls,
-        reason: FinishReason,
-        prompt_field: str = "prompt",
-        renamed: Mapping[str, str] | None = None,
-    ) -> APIError:
-        """The answer to a request that ended in error; the engine calls its prompt "prompt",
-        the client knows it by the field it came in (`messages`, `prompt.1`, `text`), and
-        other fields by the names in `renamed` (see in_clients_words)."""
-        type_ = "invalid_request_error" if reason.status < 500 else "server_error"
-        message, param = in_clients_words(
-            reason.message or "generation failed", reason.param, renamed
-        )
-        param = prompt_field if param == "prompt" else param
-        return cls(reason.status, message, type_, param=param)
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-    def response(self) -> JSONResponse:
-        # OpenAI's SDKs retry a 5xx unless told not to: a 500 is this engine failing at the
-        # request, which another try may break again (a 503, "try later", they may retry)
-        headers = {"x-should-retry": "false"} if self.status == 500 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-def in_clients_words(
-    message: str, param: str | None, names: Mapping[str, str] | None
-) -> tuple[str, str | None]:
-    """An engine's error message and field in the names the client gave the fields `names`
-    maps (the engine's output limit "max_tokens" is chat's `max_completion_tokens` where the
-    client sent that). In the message only the field it starts with, and names no prose
-    holds (with an underscore: `stop` may be a word, `--max-stop-string-length` a flag)."""
-    names = names or {}
-    if param is not None and param in names and message.startswith(f"{param} "):
-        message = names[param] + message[len(param) :]
-    for engine_name, client_name in names.items():
-        if "_" in engine_name:
-            field = rf"(?<![\w.-]){re.escape(engine_name)}(?![\w-])"
-            message = re.sub(field, client_name, message)
-    return message, names.get(param or "", param)
 
 
 def validation_error(errors: Sequence[dict]) -> APIError:
@@ -257,18 +181,6 @@ async def wait_for_disconnect(request: Request) -> None:
         pass
 
 
-@dataclass(frozen=True)
-class Served:
-    """What the handlers serve with, kept on `app.state.served` by build_app."""
-
-    client: EngineClient
-    state: ServerState
-
-
-def served(request: Request) -> Served:
-    return request.app.state.served
-
-
 def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     app = FastAPI(title="kubesgl engine", docs_url=None, redoc_url=None)
     app.state.served = Served(client, state)
@@ -282,14 +194,7 @@ def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     app.exception_handler(StarletteHTTPException)(_http_error)
     app.exception_handler(Exception)(_crash)
     app.include_router(health_routes)
-    add_sglang_routes(
-        app,
-        client,
-        state.config,
-        state.served_model_name,
-        [Depends(authorized)],
-        lambda: unavailable(app.state.served),
-    )
+    app.include_router(sglang_routes.routes)
     app.include_router(api_routes)
     return app
 
@@ -337,15 +242,6 @@ def internal_error(exc: Exception) -> APIError:
     return APIError(500, f"internal server error: {type(exc).__name__}", "server_error")
 
 
-def authorized(request: Request) -> None:
-    api_key = served(request).state.api_key
-    given = request.headers.get("authorization", "").encode()
-    if api_key is not None and not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
-        raise APIError(
-            401, "missing or wrong API key", "authentication_error", code="invalid_api_key"
-        )
-
-
 async def shallow_body(request: Request) -> None:
     """Refuses a body nested deeper than MAX_BODY_DEPTH before the route validates it or
     sends any of it on (pickled to the tokenizer process, which fails from some 500 levels: a
@@ -360,16 +256,6 @@ async def shallow_body(request: Request) -> None:
         MAX_BODY_DEPTH, request._json
     ):
         raise APIError(400, TOO_DEEP_BODY)
-
-
-def unavailable(ctx: Served) -> str | None:
-    """Why the server takes no request now (a 503), or None: what /health, /health_generate
-    and the generation routes all answer by."""
-    if ctx.state.draining:
-        return "the server is shutting down"
-    if not ctx.client.ready.is_set():
-        return "the model is still loading"
-    return None
 
 
 def serving(ctx: Served, model: str | None = None) -> None:
@@ -514,7 +400,6 @@ def started(ctx: Served, subs: list[TokenizeRequest]) -> list[AsyncGenerator[Tex
         raise APIError(400, str(exc), param="rid") from exc
 
 
-ServedHere = Annotated[Served, Depends(served)]
 health_routes = APIRouter()
 api_routes = APIRouter(dependencies=[Depends(authorized), Depends(shallow_body)])
 

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kubesgl import __version__
 from kubesgl.contract import DECODE, MIXED, PREFILL
-from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import TokenizeRequest
 from kubesgl.engine.sampling_params import SamplingParams
+from kubesgl.engine.server.context import ServedHere, authorized, unavailable
 from kubesgl.engine.server.engine_client import EngineClient, EngineGone
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -24,24 +23,17 @@ FLUSH_CACHE_TIMEOUT_S = 20.0  # a scheduler that is idle answers at its next loo
 _DISAGGREGATION_MODE = {MIXED: "null", PREFILL: "prefill", DECODE: "decode"}
 
 
-def add_sglang_routes(
-    app: FastAPI,
-    client: EngineClient,
-    config: EngineConfig,
-    served_model_name: str,
-    dependencies: list,
-    unavailable: Callable[[], str | None],
-) -> None:
-    """`unavailable`: why the server takes no request now (loading, draining), or None."""
-    router = APIRouter(dependencies=dependencies)
+routes = APIRouter(dependencies=[Depends(authorized)])
 
-    def server_info() -> dict:
-        info = client.info
-        return {
+
+def server_info(ctx: ServedHere) -> JSONResponse:
+    config, info = ctx.state.config, ctx.client.info
+    return JSONResponse(
+        {
             **dataclasses.asdict(config),
             "model_path": config.model,
             "tokenizer_path": config.model,
-            "served_model_name": served_model_name,
+            "served_model_name": ctx.state.served_model_name,
             "dp_size": 1,
             "disaggregation_mode": _DISAGGREGATION_MODE[config.role],
             "disaggregation_transfer_backend": "nixl",
@@ -49,14 +41,17 @@ def add_sglang_routes(
             "max_total_num_tokens": info.max_total_tokens if info else None,
             "version": __version__,
         }
+    )
 
-    def model_info() -> dict:
-        """The fields of SGLang's answer (its router reads them to name the served model)."""
-        info = client.info
-        return {
+
+def model_info(ctx: ServedHere) -> JSONResponse:
+    """The fields of SGLang's answer (its router reads them to name the served model)."""
+    config, info = ctx.state.config, ctx.client.info
+    return JSONResponse(
+        {
             "model_path": config.model,
             "tokenizer_path": config.model,
-            "served_model_name": served_model_name,
+            "served_model_name": ctx.state.served_model_name,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": "default",
@@ -68,13 +63,16 @@ def add_sglang_routes(
             "vocab_size": info.vocab_size if info else None,
             "eos_token_ids": info.eos_token_ids if info else None,
         }
+    )
 
-    def load() -> list[dict]:
-        stats = client.stats
-        running, waiting, tokens = (
-            (stats.num_running, stats.num_waiting, stats.kv_used_tokens) if stats else (0, 0, 0)
-        )
-        return [
+
+def load(ctx: ServedHere) -> JSONResponse:
+    stats = ctx.client.stats
+    running, waiting, tokens = (
+        (stats.num_running, stats.num_waiting, stats.kv_used_tokens) if stats else (0, 0, 0)
+    )
+    return JSONResponse(
+        [
             {
                 "dp_rank": 0,
                 "num_reqs": running + waiting,
@@ -82,59 +80,64 @@ def add_sglang_routes(
                 "num_tokens": tokens,
             }
         ]
+    )
 
-    async def health_generate() -> Response:
-        """Healthy only if one token can be generated end to end, and not draining: a
-        probe must take a draining engine out of rotation, as /health does."""
-        if (why := unavailable()) is not None:
-            return PlainTextResponse(why, status_code=503)
-        request = TokenizeRequest(
-            EngineClient.new_rid("health"),
-            SamplingParams(max_tokens=1, temperature=0),
-            input_ids=[1],
+
+async def health_generate(ctx: ServedHere) -> Response:
+    """Healthy only if one token can be generated end to end, and not draining: a
+    probe must take a draining engine out of rotation, as /health does."""
+    if (why := unavailable(ctx)) is not None:
+        return PlainTextResponse(why, status_code=503)
+    request = TokenizeRequest(
+        EngineClient.new_rid("health"),
+        SamplingParams(max_tokens=1, temperature=0),
+        input_ids=[1],
+    )
+    try:
+        async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+            async for out in ctx.client.generate(request, probe=True):
+                if out.finish_reason is not None and out.finish_reason.kind == "error":
+                    return PlainTextResponse(
+                        f"generation failed: {out.finish_reason.message}", status_code=503
+                    )
+    except TimeoutError:
+        return PlainTextResponse(
+            f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s", status_code=503
         )
-        try:
-            async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
-                async for out in client.generate(request, probe=True):
-                    if out.finish_reason is not None and out.finish_reason.kind == "error":
-                        return PlainTextResponse(
-                            f"generation failed: {out.finish_reason.message}", status_code=503
-                        )
-        except TimeoutError:
-            return PlainTextResponse(
-                f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s", status_code=503
-            )
-        return PlainTextResponse("ok")
+    return PlainTextResponse("ok")
 
-    async def flush_cache() -> Response:
-        if (why := unavailable()) is not None:  # loading, or draining: its requests still end
-            return PlainTextResponse(f"not flushed: {why}", status_code=503)
-        if client.user_requests:  # a /health_generate probe in flight is none
-            return PlainTextResponse(
-                f"not flushed: {client.user_requests} requests are running", status_code=400
-            )
-        try:
-            async with asyncio.timeout(FLUSH_CACHE_TIMEOUT_S):
-                flushed = await client.flush_cache()
-        except EngineGone as exc:
-            return PlainTextResponse(f"not flushed: {exc}", status_code=503)
-        except TimeoutError:
-            return PlainTextResponse(
-                f"no answer from the scheduler within {FLUSH_CACHE_TIMEOUT_S:g} s", status_code=503
-            )
-        if not flushed:
-            return PlainTextResponse(
-                "not flushed: the engine is still finishing requests (ones their clients "
-                "left, health probes, or prefill/decode transfers); try again",
-                status_code=400,
-            )
-        return PlainTextResponse("Cache flushed.")
 
-    for path in ("/server_info", "/get_server_info"):
-        router.add_api_route(path, lambda: JSONResponse(server_info()), methods=["GET"])
-    for path in ("/model_info", "/get_model_info"):
-        router.add_api_route(path, lambda: JSONResponse(model_info()), methods=["GET"])
-    router.add_api_route("/get_load", lambda: JSONResponse(load()), methods=["GET"])
-    router.add_api_route("/health_generate", health_generate, methods=["GET", "POST"])
-    router.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
-    app.include_router(router)
+async def flush_cache(ctx: ServedHere) -> Response:
+    client = ctx.client
+    if (why := unavailable(ctx)) is not None:  # loading, or draining: its requests still end
+        return PlainTextResponse(f"not flushed: {why}", status_code=503)
+    if client.user_requests:  # a /health_generate probe in flight is none
+        return PlainTextResponse(
+            f"not flushed: {client.user_requests} requests are running", status_code=400
+        )
+    try:
+        async with asyncio.timeout(FLUSH_CACHE_TIMEOUT_S):
+            flushed = await client.flush_cache()
+    except EngineGone as exc:
+        return PlainTextResponse(f"not flushed: {exc}", status_code=503)
+    except TimeoutError:
+        return PlainTextResponse(
+            f"no answer from the scheduler within {FLUSH_CACHE_TIMEOUT_S:g} s", status_code=503
+        )
+    if not flushed:
+        return PlainTextResponse(
+            "not flushed: the engine is still finishing requests (ones their clients "
+            "left, health probes, or prefill/decode transfers); try again",
+            status_code=400,
+        )
+    return PlainTextResponse("Cache flushed.")
+
+
+# each under SGLang's name and, where it has one, its older /get_... name
+for path in ("/server_info", "/get_server_info"):
+    routes.add_api_route(path, server_info, methods=["GET"])
+for path in ("/model_info", "/get_model_info"):
+    routes.add_api_route(path, model_info, methods=["GET"])
+routes.add_api_route("/get_load", load, methods=["GET"])
+routes.add_api_route("/health_generate", health_generate, methods=["GET", "POST"])
+routes.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
