@@ -17,7 +17,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,8 +49,8 @@ from kubesgl.engine.sampling_params import (
 from kubesgl.engine.server import sglang_routes, tool_calls
 from kubesgl.engine.server.access import AccessRecord, RequestAccounting
 from kubesgl.engine.server.context import (
-    Served,
-    ServedHere,
+    Ctx,
+    ServerContext,
     ServerState,
     authorized,
     unavailable,
@@ -183,7 +183,7 @@ async def wait_for_disconnect(request: Request) -> None:
 
 def build_app(client: EngineClient, state: ServerState) -> FastAPI:
     app = FastAPI(title="kubesgl engine", docs_url=None, redoc_url=None)
-    app.state.served = Served(client, state)
+    app.state.server_context = ServerContext(client, state)
     document_errors_as_answered(app)
     app.add_middleware(BodyLimit, limit=state.config.max_request_body_bytes)
     app.add_middleware(RequestAccounting, metrics=client.metrics)  # outermost: sees the 413 too
@@ -258,14 +258,17 @@ async def shallow_body(request: Request) -> None:
         raise APIError(400, TOO_DEEP_BODY)
 
 
-def serving(ctx: Served, model: str | None = None) -> None:
+def require_available(ctx: ServerContext, model: str | None = None) -> None:
+    """A 503 while the server takes no request (loading, draining), else a 404 if `model`
+    names another model than the one served."""
     if (why := unavailable(ctx)) is not None:
         raise APIError(503, why, "service_unavailable")
     if model is not None:
-        served_here(ctx, model)
+        require_model(ctx, model)
 
 
-def served_here(ctx: Served, model: str) -> None:
+def require_model(ctx: ServerContext, model: str) -> None:
+    """A 404 unless `model` is the served model's name."""
     served = ctx.state.served_model_name
     if model != served:
         raise APIError(
@@ -276,14 +279,14 @@ def served_here(ctx: Served, model: str) -> None:
         )
 
 
-def engine_info(ctx: Served) -> EngineInfo:
+def engine_info(ctx: ServerContext) -> EngineInfo:
     info = ctx.client.info
-    assert info is not None  # sent with `ready`, before which serving() answers 503
+    assert info is not None  # sent with `ready`, before which require_available answers 503
     return info
 
 
 def validated(
-    ctx: Served, params: SamplingParams, names: Mapping[str, str] | None = None
+    ctx: ServerContext, params: SamplingParams, names: Mapping[str, str] | None = None
 ) -> SamplingParams:
     try:
         params.validate(engine_info(ctx).vocab_size)
@@ -294,15 +297,15 @@ def validated(
 
 
 def within_limits(
-    ctx: Served,
+    ctx: ServerContext,
     params: SamplingParams,
     texts: list[tuple[int, str]],
     token_prompts: Sequence[tuple[int, str]] = (),
     names: Mapping[str, str] | None = None,  # the client's names of the engine's fields
 ) -> None:
     """The request's size against the server's limits (limits.py) but its number of sequences
-    (`rooms`); `texts` holds the characters of each text prompt and the field that holds it,
-    `token_prompts` the length of each prompt given as token ids and its field."""
+    (`bootstrap_targets`); `texts` holds the characters of each text prompt and the field that
+    holds it, `token_prompts` the length of each prompt given as token ids and its field."""
     config = ctx.state.config
     context_length = engine_info(ctx).context_length
     try:
@@ -354,8 +357,21 @@ def chat_prompt(
     return prompt, chat_chars(messages, tools, body.chat_template_kwargs)
 
 
-def rooms(
-    ctx: Served, body, prompts: int, n: int, names: Mapping[str, str] | None = None
+class BootstrapBody(Protocol):
+    """A request body with SGLang's bootstrap fields (protocol.py's _Bootstrap): which room of
+    which prefill engine each choice fills or reads."""
+
+    def bootstrap_targets(
+        self, prompts: int, n: int, default_port: int
+    ) -> list[BootstrapTarget | None]: ...
+
+
+def bootstrap_targets(
+    ctx: ServerContext,
+    body: BootstrapBody,
+    prompts: int,
+    n: int,
+    names: Mapping[str, str] | None = None,
 ) -> list[BootstrapTarget | None]:
     """The bootstrap target of each of the request's prompts x n sequences (None without
     rooms), once their number is within the server's limit: a request refused for asking
@@ -372,7 +388,7 @@ def rooms(
 
 @contextlib.asynccontextmanager
 async def refusal_ends_rooms(
-    ctx: Served, targets: list[BootstrapTarget | None]
+    ctx: ServerContext, targets: list[BootstrapTarget | None]
 ) -> AsyncIterator[None]:
     """A request this server refuses (APIError) before its engine sees it ends its rooms in
     the engine all the same: a prefill engine's decode engine learns of the refusal at once,
@@ -392,7 +408,9 @@ async def refusal_ends_rooms(
         raise
 
 
-def started(ctx: Served, subs: list[TokenizeRequest]) -> list[AsyncGenerator[TextOutput, None]]:
+def start_streams(
+    ctx: ServerContext, subs: list[TokenizeRequest]
+) -> list[AsyncGenerator[TextOutput, None]]:
     """The engine's outputs of each request (sent to it once read)."""
     try:
         return [ctx.client.generate(sub) for sub in subs]  # only a client-given rid can clash
@@ -405,14 +423,14 @@ api_routes = APIRouter(dependencies=[Depends(authorized), Depends(shallow_body)]
 
 
 @health_routes.get("/health")
-async def health(ctx: ServedHere) -> Response:
+async def health(ctx: Ctx) -> Response:
     if unavailable(ctx) is not None:
         return PlainTextResponse("not ready", status_code=503)
     return PlainTextResponse("ok")
 
 
 @health_routes.get("/metrics")
-async def metrics(ctx: ServedHere) -> Response:
+async def metrics(ctx: Ctx) -> Response:
     return Response(ctx.client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -421,7 +439,7 @@ async def version() -> dict:
     return {"version": __version__}
 
 
-def model_card(ctx: Served) -> dict:
+def model_card(ctx: ServerContext) -> dict:
     """The served model as OpenAI describes a model (and vLLM's max_model_len)."""
     card = {
         "id": ctx.state.served_model_name,
@@ -435,19 +453,19 @@ def model_card(ctx: Served) -> dict:
 
 
 @api_routes.get("/v1/models")
-async def models(ctx: ServedHere) -> dict:
+async def models(ctx: Ctx) -> dict:
     return {"object": "list", "data": [model_card(ctx)]}
 
 
 @api_routes.get("/v1/models/{model:path}")  # :path, for names with a slash (org/name)
-async def model(model: str, ctx: ServedHere) -> dict:
-    served_here(ctx, model)
+async def model(model: str, ctx: Ctx) -> dict:
+    require_model(ctx, model)
     return model_card(ctx)
 
 
 @api_routes.post("/tokenize")  # vLLM's
-async def tokenize(body: TokenizeRequestBody, ctx: ServedHere) -> dict:
-    serving(ctx, body.model)
+async def tokenize(body: TokenizeRequestBody, ctx: Ctx) -> dict:
+    require_available(ctx, body.model)
     if body.messages is not None:
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         prompt, chars = chat_prompt(body, SamplingParams(), tools, body.add_special_tokens)
@@ -468,8 +486,8 @@ async def tokenize(body: TokenizeRequestBody, ctx: ServedHere) -> dict:
 
 
 @api_routes.post("/detokenize")  # vLLM's
-async def detokenize(body: DetokenizeRequestBody, ctx: ServedHere) -> dict:
-    serving(ctx, body.model)
+async def detokenize(body: DetokenizeRequestBody, ctx: Ctx) -> dict:
+    require_available(ctx, body.model)
     info = engine_info(ctx)
     if len(body.tokens) > info.context_length:  # no sequence of this model is longer
         raise APIError(
@@ -488,7 +506,7 @@ async def detokenize(body: DetokenizeRequestBody, ctx: ServedHere) -> dict:
 
 
 async def tokenizer_answer(
-    ctx: Served, prompt: TokenizeRequest | None = None, token_ids: list[int] | None = None
+    ctx: ServerContext, prompt: TokenizeRequest | None = None, token_ids: list[int] | None = None
 ) -> Tokenized:
     try:
         answer = await ctx.client.tokenizer_call(prompt, token_ids)
@@ -500,11 +518,11 @@ async def tokenizer_answer(
 
 
 @api_routes.post("/v1/chat/completions")
-async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -> Response:
+async def chat(body: ChatCompletionRequest, request: Request, ctx: Ctx) -> Response:
     names = body.renamed_fields()
-    targets = rooms(ctx, body, 1, body.n, names)
+    targets = bootstrap_targets(ctx, body, 1, body.n, names)
     async with refusal_ends_rooms(ctx, targets):
-        serving(ctx, body.model)
+        require_available(ctx, body.model)
         subs, streams, tool_output = _chat_requests(ctx, body, names, targets)
     return await respond(
         ctx,
@@ -520,7 +538,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: ServedHere) -
 
 
 def _chat_requests(
-    ctx: Served,
+    ctx: ServerContext,
     body: ChatCompletionRequest,
     names: Mapping[str, str],
     targets: list[BootstrapTarget | None],
@@ -543,17 +561,17 @@ def _chat_requests(
     prompt, chars = chat_prompt(body, params, choice.template_tools)
     within_limits(ctx, params, [(chars, "messages")], names=names)
     subs = fan_out([prompt], body.n, params, "chatcmpl", targets)
-    return subs, started(ctx, subs), tool_output
+    return subs, start_streams(ctx, subs), tool_output
 
 
 @api_routes.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request, ctx: ServedHere) -> Response:
+async def completions(body: CompletionRequest, request: Request, ctx: Ctx) -> Response:
     prompts = body.prompts()
     listed = isinstance(body.prompt, list) and any(isinstance(p, str | list) for p in body.prompt)
     fields = [f"prompt.{i}" for i in range(len(prompts))] if listed else ["prompt"]
-    targets = rooms(ctx, body, len(prompts), body.n)
+    targets = bootstrap_targets(ctx, body, len(prompts), body.n)
     async with refusal_ends_rooms(ctx, targets):
-        serving(ctx, body.model)
+        require_available(ctx, body.model)
         params = validated(ctx, body.to_sampling_params())
         within_limits(
             ctx,
@@ -566,7 +584,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServedHere
             for p in prompts
         ]
         subs = fan_out(bases, body.n, params, "cmpl", targets)
-        streams = started(ctx, subs)
+        streams = start_streams(ctx, subs)
     return await respond(
         ctx,
         request,
@@ -580,12 +598,12 @@ async def completions(body: CompletionRequest, request: Request, ctx: ServedHere
 
 
 @api_routes.post("/generate")
-async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere) -> Response:
+async def generate(body: GenerateRequestBody, request: Request, ctx: Ctx) -> Response:
     names = body.renamed_fields()
-    targets = rooms(ctx, body, 1, 1, names)
+    targets = bootstrap_targets(ctx, body, 1, 1, names)
     rid = body.rid or EngineClient.new_rid("gen")
     async with refusal_ends_rooms(ctx, targets):
-        serving(ctx)
+        require_available(ctx)
         params = validated(ctx, body.to_sampling_params(), names)
         within_limits(
             ctx,
@@ -597,7 +615,7 @@ async def generate(body: GenerateRequestBody, request: Request, ctx: ServedHere)
         sub = TokenizeRequest(
             rid, params, text=body.text, input_ids=body.input_ids, bootstrap=targets[0]
         )
-        streams = started(ctx, [sub])
+        streams = start_streams(ctx, [sub])
     prompt_field = "text" if body.text is not None else "input_ids"
     return await respond(
         ctx,
@@ -644,7 +662,7 @@ def fan_out(
     return subs
 
 
-def response_meta(ctx: Served, subs: list[TokenizeRequest]) -> dict:
+def response_meta(ctx: ServerContext, subs: list[TokenizeRequest]) -> dict:
     """What every response and chunk of one OpenAI request carries: the id its choices share
     (their rids less the choice index), when it was created, and the served model's name."""
     return {
@@ -655,10 +673,10 @@ def response_meta(ctx: Served, subs: list[TokenizeRequest]) -> dict:
 
 
 async def respond(
-    ctx: Served,
+    ctx: ServerContext,
     request: Request,
     subs: list[TokenizeRequest],
-    streams: list[AsyncGenerator[TextOutput, None]],  # of each sub (`started`)
+    streams: list[AsyncGenerator[TextOutput, None]],  # of each sub (`start_streams`)
     prompt_fields: list[str],  # of each sub: the request field its prompt came in, for errors
     stream: bool,
     include_usage: bool,

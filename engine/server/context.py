@@ -27,21 +27,22 @@ class ServerState:
 
 
 @dataclass(frozen=True)
-class Served:
-    """What the handlers serve with, kept on `app.state.served` by build_app."""
+class ServerContext:
+    """What the handlers serve with, kept on `app.state.server_context` by build_app."""
 
     client: EngineClient
     state: ServerState
 
 
-def served(request: Request) -> Served:
-    return request.app.state.served
+def server_context(request: Request) -> ServerContext:
+    return request.app.state.server_context
 
 
-ServedHere = Annotated[Served, Depends(served)]
+# a handler's parameter `ctx: Ctx` is its ServerContext, which FastAPI hands it
+Ctx = Annotated[ServerContext, Depends(server_context)]
 
 
-def authorized(request: Request, ctx: ServedHere) -> None:
+def authorized(request: Request, ctx: Ctx) -> None:
     api_key = ctx.state.api_key
     given = request.headers.get("authorization", "").encode()
     if api_key is not None and not hmac.compare_digest(given, f"Bearer {api_key}".encode()):
@@ -50,7 +51,7 @@ def authorized(request: Request, ctx: ServedHere) -> None:
         )
 
 
-def unavailable(ctx: Served) -> str | None:
+def unavailable(ctx: ServerContext) -> str | None:
     """Why the server takes no request now (a 503), or None: what /health, /health_generate
     and the generation routes all answer by."""
     if ctx.state.draining:

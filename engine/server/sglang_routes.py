@@ -14,7 +14,7 @@ from kubesgl import __version__
 from kubesgl.contract import DECODE, MIXED, PREFILL
 from kubesgl.engine.messages import TokenizeRequest
 from kubesgl.engine.sampling_params import SamplingParams
-from kubesgl.engine.server.context import ServedHere, authorized, unavailable
+from kubesgl.engine.server.context import Ctx, authorized, unavailable
 from kubesgl.engine.server.engine_client import EngineClient, EngineGone
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -26,7 +26,7 @@ _DISAGGREGATION_MODE = {MIXED: "null", PREFILL: "prefill", DECODE: "decode"}
 routes = APIRouter(dependencies=[Depends(authorized)])
 
 
-def server_info(ctx: ServedHere) -> JSONResponse:
+def server_info(ctx: Ctx) -> JSONResponse:
     config, info = ctx.state.config, ctx.client.info
     return JSONResponse(
         {
@@ -44,7 +44,7 @@ def server_info(ctx: ServedHere) -> JSONResponse:
     )
 
 
-def model_info(ctx: ServedHere) -> JSONResponse:
+def model_info(ctx: Ctx) -> JSONResponse:
     """The fields of SGLang's answer (its router reads them to name the served model)."""
     config, info = ctx.state.config, ctx.client.info
     return JSONResponse(
@@ -66,7 +66,7 @@ def model_info(ctx: ServedHere) -> JSONResponse:
     )
 
 
-def load(ctx: ServedHere) -> JSONResponse:
+def load(ctx: Ctx) -> JSONResponse:
     stats = ctx.client.stats
     running, waiting, tokens = (
         (stats.num_running, stats.num_waiting, stats.kv_used_tokens) if stats else (0, 0, 0)
@@ -83,7 +83,7 @@ def load(ctx: ServedHere) -> JSONResponse:
     )
 
 
-async def health_generate(ctx: ServedHere) -> Response:
+async def health_generate(ctx: Ctx) -> Response:
     """Healthy only if one token can be generated end to end, and not draining: a
     probe must take a draining engine out of rotation, as /health does."""
     if (why := unavailable(ctx)) is not None:
@@ -107,7 +107,7 @@ async def health_generate(ctx: ServedHere) -> Response:
     return PlainTextResponse("ok")
 
 
-async def flush_cache(ctx: ServedHere) -> Response:
+async def flush_cache(ctx: Ctx) -> Response:
     client = ctx.client
     if (why := unavailable(ctx)) is not None:  # loading, or draining: its requests still end
         return PlainTextResponse(f"not flushed: {why}", status_code=503)

@@ -13,7 +13,7 @@ from kubesgl import __version__
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import EngineInfo
 from kubesgl.engine.server import sglang_routes
-from kubesgl.engine.server.context import Served, ServerState, served
+from kubesgl.engine.server.context import ServerContext, ServerState, server_context
 
 INFO = EngineInfo("m", 4096, 1000, 8192, 1, "LlamaForCausalLM", [2])
 
@@ -24,7 +24,7 @@ def _routes_alone(info: EngineInfo | None, stats: SimpleNamespace | None) -> Tes
     state = ServerState(config, "served-name")
     app = FastAPI()
     app.include_router(sglang_routes.routes)
-    app.dependency_overrides[served] = lambda: Served(client, state)  # type: ignore[arg-type]
+    app.dependency_overrides[server_context] = lambda: ServerContext(client, state)  # type: ignore[arg-type]
     return TestClient(app)
 
 
