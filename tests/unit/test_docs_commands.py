@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import re
 from pathlib import Path
 
@@ -121,3 +122,25 @@ def test_the_check_finds_a_flag_a_command_lacks(flags):
     assert command_lines("kubesgl bench serving --base-url u") == [
         ("bench serving", " --base-url u")
     ]
+
+
+CURL_DATA = re.compile(r"curl [^\n]*?/v1/chat/completions .*?-d '(\{.*?\})'", re.S)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/up.md"])
+def test_the_quickstart_curl_gives_the_answer_shown(page):
+    """The quickstart's model has random weights: sampled at the default temperature it drew
+    its end-of-sequence token first now and then, and the curl printed an empty answer that
+    stopped, not the 16 tokens and "length" shown. Every chat curl of the page ignores it."""
+    text = (ROOT / page).read_text()
+    bodies = [
+        json.loads(body)
+        for code in re.findall(r"```(?:bash|console)\n(.*?)```", text, flags=re.S)
+        for body in CURL_DATA.findall(code.replace("\\\n", " "))
+    ]
+    assert bodies
+    assert [body.get("ignore_eos") for body in bodies] == [True] * len(bodies)
+    for shown in re.findall(r'^\{"id":"chatcmpl-.*$', text, flags=re.M):
+        assert '"finish_reason":"length"' in shown
+        tokens = int(re.search(r'"completion_tokens":(\d+)', shown).group(1))
+        assert tokens == bodies[0]["max_tokens"]
