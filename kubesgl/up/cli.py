@@ -7,12 +7,14 @@ import argparse
 import errno
 import os
 import shlex
+import shutil
 import signal
 import socket
 import stat
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from kubesgl.up.supervisor import Supervisor
 
 PROG = "kubesgl up"
 TICK_S = 0.5
+INTERRUPTED = 130  # the exit status of a Ctrl-C before any process ran, as a shell's
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,16 +90,34 @@ class _Refused(Exception):
         self.code = code
 
 
+@dataclass(frozen=True)
+class _LogFolder:
+    path: Path
+    temporary: bool  # made for this run (no --logs): removed when it ends cleanly
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         local = _plan(args)
-        log_dir, view = _prepare(local, args)
+        logs = _log_folder(local.name, args.logs)
     except _Refused as refused:
-        if refused.message is not None:
-            print(f"{PROG}: {refused.message}", file=sys.stderr)
-        return refused.code
-    return _supervise(local, log_dir, view)
+        return _report(refused)
+    try:
+        view = _prepare(local, logs.path)
+    except _Refused as refused:
+        status, troubled = _report(refused), refused.code != INTERRUPTED
+    else:
+        status, troubled = _supervise(local, logs.path, view)
+    _leave(logs, keep=troubled)
+    return status
+
+
+def _report(refused: _Refused) -> int:
+    """Says why `kubesgl up` stops before running anything; its exit status."""
+    if refused.message is not None:
+        print(f"{PROG}: {refused.message}", file=sys.stderr)
+    return refused.code
 
 
 def _plan(args: argparse.Namespace) -> LocalPlan:
@@ -132,16 +153,32 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
     return local
 
 
-def _prepare(local: LocalPlan, args: argparse.Namespace) -> tuple[Path, StatusView]:
-    """The log folder and the status view, with the plan's notes shown and the model made if
-    it must be; raises _Refused if either fails or Ctrl-C stops the model step."""
-    log_dir = (
-        Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix=f"kubesgl-up-{local.name}-"))
-    )
+def _log_folder(name: str, logs: str | None) -> _LogFolder:
+    """The folder of --logs, made if it is not there, else a new temporary one."""
+    if logs is None:
+        return _LogFolder(Path(tempfile.mkdtemp(prefix=f"kubesgl-up-{name}-")), temporary=True)
     try:
-        log_dir.mkdir(parents=True, exist_ok=True)
+        Path(logs).mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise _Refused(f"--logs {log_dir}: {error.strerror or error}") from error
+        raise _Refused(f"--logs {logs}: {error.strerror or error}") from error
+    return _LogFolder(Path(logs), temporary=False)
+
+
+def _leave(logs: _LogFolder, keep: bool) -> None:
+    """A temporary log folder goes once `kubesgl up` ends cleanly; after trouble it stays, for
+    its logs to be read, and standard error says where (the header naming it has scrolled
+    away). A folder of --logs always stays."""
+    if not logs.temporary:
+        return
+    if keep:
+        print(f"{PROG}: logs kept in {logs.path}", file=sys.stderr)
+    else:
+        shutil.rmtree(logs.path, ignore_errors=True)
+
+
+def _prepare(local: LocalPlan, log_dir: Path) -> StatusView:
+    """The status view, with the plan's notes shown and the model made if it must be; raises
+    _Refused if the model step fails or Ctrl-C stops it."""
     view = StatusView(local, log_dir, sys.stdout, live=sys.stdout.isatty())
     for note in local.notes:
         view.note(note)
@@ -153,13 +190,14 @@ def _prepare(local: LocalPlan, args: argparse.Namespace) -> tuple[Path, StatusVi
         except ModelStepFailed as error:
             raise _Refused(str(error), code=1) from error
         except KeyboardInterrupt:
-            raise _Refused(None, code=130) from None
-    return log_dir, view
+            raise _Refused(None, code=INTERRUPTED) from None
+    return view
 
 
-def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> int:
+def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> tuple[int, bool]:
     """Run the plan's processes until Ctrl-C, SIGTERM or SIGHUP (status 0), or until one exits
-    with a configuration error (status 2, naming it); then drain and stop them all."""
+    with a configuration error (status 2, naming it); then drain and stop them all. Also
+    whether a process had trouble: it exited on its own, or was killed as it stopped."""
     supervisor = Supervisor(local.processes, log_dir, on_event=view.event)
     stop, force = threading.Event(), threading.Event()
 
@@ -201,7 +239,7 @@ def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> int:
             "error, which a restart would only repeat; everything is stopped",
             file=sys.stderr,
         )
-    return 2 if supervisor.failed else 0
+    return (2 if supervisor.failed else 0), bool(supervisor.troubled)
 
 
 def _inference_services(filename: str, documents: list[Any]) -> list[Any]:

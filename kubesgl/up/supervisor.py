@@ -76,6 +76,7 @@ class Replica:
     # /health has answered once: a later status 2 is no configuration error, as the same flags
     # served (its port still held by what its last run left behind, for example)
     has_been_ready: bool = False
+    killed: bool = False  # it did not stop on SIGTERM in time, or a second Ctrl-C killed it
 
     @property
     def pid(self) -> int | None:
@@ -139,6 +140,12 @@ class Supervisor:
     def failed(self) -> list[Replica]:
         """The replicas that exited with a configuration error (status 2 before ever ready)."""
         return [replica for replica in self.replicas if replica.state == State.FAILED]
+
+    @property
+    def troubled(self) -> list[Replica]:
+        """The replicas whose logs tell of trouble: each that exited on its own (a crash, a kill
+        from outside, a configuration error), or had to be killed as it stopped."""
+        return [replica for replica in self.replicas if replica.last_exit or replica.killed]
 
     def tick(self) -> None:
         """Notices deaths, starts what is due and probes the health of what runs."""
@@ -271,6 +278,7 @@ class Supervisor:
         replica.popen.wait()
         replica.popen = None
         replica.state = State.STOPPED
+        replica.killed = running
         self.on_event(replica, f"killed: {why}" if running else "stopped")
 
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import yaml
 
 from kubesgl import contract
 from kubesgl.up import cli
+from kubesgl.up.model import ModelStepFailed
 from kubesgl.up.plan import LocalPlan, LocalProcess
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "quickstart.yaml"
@@ -291,3 +293,92 @@ def test_an_ipv6_address_is_free_to_listen_on_when_nothing_holds_it():
         taken.bind(("::1", port))
         taken.listen()
         assert cli._listen_problem("::1", port) is not None
+
+
+CRASHING = "import sys; sys.exit(1)"  # a crash, restarted with a backoff until stopped
+
+
+@pytest.fixture
+def temporary_root(tmp_path, monkeypatch) -> Path:
+    """Where `kubesgl up` makes its temporary log folder in these tests."""
+    root = tmp_path / "tmp"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+def fake_plan(tmp_path: Path, monkeypatch, **codes: str) -> None:
+    """`kubesgl up` runs these processes, by name and Python code, as its plan."""
+    processes = [
+        LocalProcess(name, contract.DECODE, (sys.executable, "-c", code), {}, free_port(), 10)
+        for name, code in codes.items()
+    ]
+    router = LocalProcess("router", contract.ROUTER, (sys.executable, "-c", SERVING), {}, 1, 10)
+    router = LocalProcess(**{**router.__dict__, "waits_for": (contract.DECODE,)})
+    local = LocalPlan("quickstart", "disaggregated", str(tmp_path), None, (*processes,), router, ())
+    monkeypatch.setattr(cli, "plan", lambda isvc, settings: local)
+
+
+def run_up(args: list[str], ctrl_c_after_s: float) -> int:
+    """`kubesgl up` with these arguments, stopped by a Ctrl-C after a while."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    ctrl_c = threading.Timer(ctrl_c_after_s, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
+    try:
+        return cli.main(["-f", str(QUICKSTART), "--port", str(free_port()), *args])
+    finally:
+        ctrl_c.cancel()
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def test_a_clean_end_removes_the_temporary_log_folder(
+    tmp_path, monkeypatch, capsys, temporary_root
+):
+    """Every run without --logs left a /tmp/kubesgl-up-NAME-* folder behind."""
+    fake_plan(tmp_path, monkeypatch, **{"decode-0": SERVING})
+    assert run_up([], ctrl_c_after_s=1.5) == 0
+    out, err = capsys.readouterr()
+    assert f"logs: {temporary_root}/kubesgl-up-quickstart-" in out and "decode-0: stopped" in out
+    assert list(temporary_root.iterdir()) == [] and "kept" not in err
+
+
+def test_a_folder_given_with_logs_stays_after_a_clean_end(tmp_path, monkeypatch, temporary_root):
+    fake_plan(tmp_path, monkeypatch, **{"decode-0": SERVING})
+    assert run_up(["--logs", str(tmp_path / "logs")], ctrl_c_after_s=1.5) == 0
+    assert (tmp_path / "logs" / "decode-0.log").exists()
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [(REFUSING, 2), (CRASHING, 0)],
+    ids=["a configuration error", "a crash, restarted"],
+)
+def test_trouble_keeps_the_temporary_log_folder_and_says_where(
+    tmp_path, monkeypatch, capsys, temporary_root, code, status
+):
+    """Its logs tell what went wrong: an engine that exited with status 2 (which stops
+    everything), or one that crashed and was restarted before the Ctrl-C."""
+    fake_plan(tmp_path, monkeypatch, **{"decode-0": code})
+    assert run_up([], ctrl_c_after_s=3) == status
+    (kept,) = temporary_root.iterdir()
+    assert (kept / "decode-0.log").exists()
+    assert capsys.readouterr().err.endswith(f"kubesgl up: logs kept in {kept}\n")
+
+
+def test_a_failed_model_step_keeps_the_temporary_log_folder(
+    tmp_path, monkeypatch, capsys, temporary_root
+):
+    def fail(step, log_path: Path) -> None:
+        log_path.write_text("401 Client Error\n")
+        raise ModelStepFailed("hf download ... exited with code 1")
+
+    monkeypatch.setattr(cli, "ensure_model", fail)
+    spec = ["-f", str(QUICKSTART), "--port", str(free_port())]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no model made yet
+    assert cli.main(spec) == 1
+    (kept,) = temporary_root.iterdir()
+    assert (kept / "model.log").read_text() == "401 Client Error\n"
+    assert capsys.readouterr().err == (
+        f"kubesgl up: hf download ... exited with code 1\nkubesgl up: logs kept in {kept}\n"
+    )
