@@ -12,6 +12,7 @@ import signal
 import sys
 
 import kubesgl
+from kubesgl.up.interrupt import INTERRUPTED, stop_on_signals
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("kubesgl.engine.server.cli", "run an engine: OpenAI-compatible server"),
@@ -64,8 +65,12 @@ def _dispatch(argv: list[str]) -> int:
         print(f"kubesgl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module_name, _ = SUBCOMMANDS[name]
+    if name == "up":
+        stop_on_signals()  # from its first moment, its imports included: kubesgl/up/interrupt.py
     try:
         module = importlib.import_module(module_name)
+    except KeyboardInterrupt:
+        return INTERRUPTED  # Ctrl-C while the command loads: it has done nothing, no traceback
     except ModuleNotFoundError as exc:
         if not exc.name or not module_name.startswith(exc.name):
             raise

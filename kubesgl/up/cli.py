@@ -31,6 +31,7 @@ from kubesgl.operator.render_cli import (
 from kubesgl.operator.spec import KIND
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
+from kubesgl.up.interrupt import INTERRUPTED, stop_on_signals
 from kubesgl.up.model import ModelStepFailed, ensure_model
 from kubesgl.up.plan import LocalPlan, LocalSettings, NotEnoughGpus, plan
 from kubesgl.up.status import StatusView
@@ -38,7 +39,6 @@ from kubesgl.up.supervisor import Supervisor
 
 PROG = "kubesgl up"
 TICK_S = 0.5
-INTERRUPTED = 130  # the exit status of a Ctrl-C before any process ran, as a shell's
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,16 +97,21 @@ class _LogFolder:
 
 
 def main(argv: list[str]) -> int:
+    stop_on_signals()  # already, where `kubesgl` ran it; a test may call main itself
     args = build_parser().parse_args(argv)
     try:
         local = _plan(args)
         logs = _log_folder(local.name, args.logs)
     except _Refused as refused:
         return _report(refused)
+    except KeyboardInterrupt:
+        return INTERRUPTED
     try:
         view = _prepare(local, logs.path)
     except _Refused as refused:
-        status, troubled = _report(refused), refused.code != INTERRUPTED
+        status, troubled = _report(refused), True
+    except KeyboardInterrupt:
+        status, troubled = INTERRUPTED, False
     else:
         status, troubled = _supervise(local, logs.path, view)
     _leave(logs, keep=troubled)
@@ -178,7 +183,7 @@ def _leave(logs: _LogFolder, keep: bool) -> None:
 
 def _prepare(local: LocalPlan, log_dir: Path) -> StatusView:
     """The status view, with the plan's notes shown and the model made if it must be; raises
-    _Refused if the model step fails or Ctrl-C stops it."""
+    _Refused if the model step fails."""
     view = StatusView(local, log_dir, sys.stdout, live=sys.stdout.isatty())
     for note in local.notes:
         view.note(note)
@@ -189,8 +194,6 @@ def _prepare(local: LocalPlan, log_dir: Path) -> StatusView:
             ensure_model(step, log_dir / "model.log")
         except ModelStepFailed as error:
             raise _Refused(str(error), code=1) from error
-        except KeyboardInterrupt:
-            raise _Refused(None, code=INTERRUPTED) from None
     return view
 
 
@@ -198,7 +201,6 @@ def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> tuple[int, 
     """Run the plan's processes until Ctrl-C, SIGTERM or SIGHUP (status 0), or until one exits
     with a configuration error (status 2, naming it); then drain and stop them all. Also
     whether a process had trouble: it exited on its own, or was killed as it stopped."""
-    supervisor = Supervisor(local.processes, log_dir, on_event=view.event)
     stop, force = threading.Event(), threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
@@ -214,6 +216,7 @@ def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> tuple[int, 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
     signal.signal(signal.SIGHUP, on_hangup)
+    supervisor = Supervisor(local.processes, log_dir, on_event=view.event)  # stops as above now
     try:
         while not stop.is_set():
             supervisor.tick()

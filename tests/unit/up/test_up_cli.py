@@ -26,6 +26,15 @@ from kubesgl.up.plan import LocalPlan, LocalProcess
 QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "quickstart.yaml"
 
 
+@pytest.fixture(autouse=True)
+def keep_signal_handlers():
+    """main sets its own for SIGINT and SIGTERM: this process's come back after each test."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
 def spec_file(tmp_path: Path, **changes) -> str:
     document = yaml.safe_load(QUICKSTART.read_text())
     document["spec"].update(changes)
