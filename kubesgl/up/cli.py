@@ -32,7 +32,7 @@ from kubesgl.operator.spec import KIND
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
 from kubesgl.up.interrupt import INTERRUPTED, stop_on_signals
-from kubesgl.up.model import ModelStepFailed, ensure_model
+from kubesgl.up.model import ModelStepFailed, cpu_size_note, ensure_model
 from kubesgl.up.plan import LocalPlan, LocalSettings, NotEnoughGpus, plan
 from kubesgl.up.status import StatusView
 from kubesgl.up.supervisor import Supervisor
@@ -187,9 +187,12 @@ def _prepare(local: LocalPlan, log_dir: Path) -> StatusView:
     view = StatusView(local, log_dir, sys.stdout, live=sys.stdout.isatty())
     for note in local.notes:
         view.note(note)
+    size_note = cpu_size_note(local)
+    if size_note is not None:
+        view.note(size_note)
     step = local.model_step
     if step is not None and not step.path.exists():
-        view.note(f"making the model, once: {shlex.join(step.argv(step.path))}")
+        view.note(f"{step.action} the model, once: {shlex.join(step.argv(step.path))}")
         try:
             ensure_model(step, log_dir / "model.log")
         except ModelStepFailed as error:

@@ -11,7 +11,13 @@ import tempfile
 from pathlib import Path
 
 from kubesgl.up.log_tail import clip, last_lines
-from kubesgl.up.plan import ModelStep
+from kubesgl.up.plan import LocalPlan, ModelStep
+
+# Weights this large (about 2 billion parameters in bfloat16) answer slowly on a CPU, and each
+# engine replica holds its own copy in this machine's memory.
+LARGE_ON_CPU_BYTES = 4 * 10**9
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+LAPTOP_EXAMPLE = "examples/quickstart.yaml is the example for a laptop"
 
 
 class ModelStepFailed(Exception):
@@ -62,3 +68,39 @@ def ensure_model(step: ModelStep, log_path: Path) -> None:
             log.write(f"model ready at {step.path}\n")
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+
+
+def weights_size(folder: Path) -> int | None:
+    """The bytes of a model folder's weight files; None where the folder is not here."""
+    if not folder.is_dir():
+        return None
+    return sum(path.stat().st_size for pattern in WEIGHT_FILES for path in folder.glob(pattern))
+
+
+def cpu_size_note(local: LocalPlan) -> str | None:
+    """What to know before the engines run the plan's model on the CPU where it is large, or
+    still to download and so of a size unknown here: it may be slow, or not fit in memory.
+    Not a refusal: a user may want it."""
+    if any(engine.gpus for engine in local.engines):
+        return None
+    copies = (
+        f"each of the {len(local.engines)} engines holds a copy in memory and runs it on the CPU"
+    )
+    size = weights_size(Path(local.model_path))
+    step = local.model_step
+    if size is None and step is not None and step.downloads:
+        limit = (
+            f"up to {step.size_limit}, the pod volume's sizeLimit"
+            if step.size_limit
+            else ("its size unknown until then")
+        )
+        return (
+            f"the model is not on this machine: it is downloaded first ({limit}), then {copies}: "
+            f"slow for a model of billions of parameters, if it fits at all; {LAPTOP_EXAMPLE}"
+        )
+    if size is None or size < LARGE_ON_CPU_BYTES:
+        return None
+    return (
+        f"the model's weights take {size / 1e9:.1f} GB, and {copies}: slow, if it fits at all; "
+        f"{LAPTOP_EXAMPLE}"
+    )

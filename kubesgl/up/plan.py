@@ -146,6 +146,12 @@ class ModelStep:
     pod_path: str  # the model's path in the pod, which `argv` replaces
     env: Mapping[str, str]
     path: Path  # the model's folder on this machine once the step has run
+    downloads: bool = False  # from the Hub (hf download), else made here (make-tiny-model)
+    size_limit: str | None = None  # of the pod's volume for a download, where the spec sets one
+
+    @property
+    def action(self) -> str:
+        return "downloading" if self.downloads else "making"
 
     def argv(self, into: Path) -> list[str]:
         return [*self.command, *(str(into) if arg == self.pod_path else arg for arg in self.args)]
@@ -293,8 +299,15 @@ def _local_model(
         pod_path,
         _local_env(init, settings.environ),
         settings.cache_dir / "models" / _cache_key(model),
+        downloads=model.hugging_face is not None,
+        size_limit=_size_limit(model),
     )
     return str(step.path), step
+
+
+def _size_limit(model: ModelSpec) -> str | None:
+    hub = model.hugging_face
+    return str(hub.size_limit) if hub is not None and hub.size_limit is not None else None
 
 
 def _cache_key(model: ModelSpec) -> str:

@@ -391,3 +391,32 @@ def test_a_failed_model_step_keeps_the_temporary_log_folder(
     assert capsys.readouterr().err == (
         f"kubesgl up: hf download ... exited with code 1\nkubesgl up: logs kept in {kept}\n"
     )
+
+
+DISAGGREGATED = QUICKSTART.parent / "disaggregated.yaml"
+
+
+def test_a_download_to_run_on_the_cpu_is_named_so_after_a_note(
+    tmp_path, monkeypatch, capsys, temporary_root
+):
+    """examples/disaggregated.yaml without a GPU: "making the model, once: hf download
+    meta-llama/Llama-3.1-8B-Instruct ...", about 16 GB for three engines on the CPU, unsaid."""
+    monkeypatch.setattr(cli, "visible_gpus", lambda: ())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def fail(step, log_path: Path) -> None:  # nothing is downloaded
+        raise ModelStepFailed("stopped by the test")
+
+    monkeypatch.setattr(cli, "ensure_model", fail)
+    assert cli.main(["-f", str(DISAGGREGATED), "--port", str(free_port())]) == 1
+    notes = [line.split(" ", 1)[1] for line in capsys.readouterr().out.splitlines()[4:]]
+    assert notes[0] == "no GPU here: the engines run on the CPU"
+    assert notes[1] == (
+        "the model is not on this machine: it is downloaded first (up to 40Gi, the pod "
+        "volume's sizeLimit), then each of the 3 engines holds a copy in memory and runs it on "
+        "the CPU: slow for a model of billions of parameters, if it fits at all; "
+        "examples/quickstart.yaml is the example for a laptop"
+    )
+    assert notes[2].startswith(
+        "downloading the model, once: hf download meta-llama/Llama-3.1-8B-Instruct "
+    )

@@ -7,9 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from kubesgl.up.model import ModelStepFailed, ensure_model
-from kubesgl.up.plan import ModelStep
+from kubesgl.operator.validation import parse_inference_service
+from kubesgl.up.model import ModelStepFailed, cpu_size_note, ensure_model
+from kubesgl.up.plan import LocalPlan, LocalSettings, ModelStep, plan
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 WRITE = "import pathlib, sys; pathlib.Path(sys.argv[1], 'config.json').write_text('{}')"
 
@@ -70,3 +74,40 @@ def test_a_failed_step_says_why_in_its_error_line(tmp_path):
     quiet = step(tmp_path, "print('no space left'); raise SystemExit(3)")
     with pytest.raises(ModelStepFailed, match=r"exited with code 3: no space left \(log: "):
         ensure_model(quiet, log)
+
+
+def quickstart_plan(tmp_path: Path, gpus: tuple[str, ...] = (), **settings) -> LocalPlan:
+    document = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
+    document["spec"]["engine"]["device"] = "cuda"
+    return plan(
+        parse_inference_service(document),
+        LocalSettings(gpus=gpus, cache_dir=tmp_path / "cache", **settings),
+    )
+
+
+def model_folder(tmp_path: Path, weights_bytes: int) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with (folder / "model.safetensors").open("wb") as weights:
+        weights.truncate(weights_bytes)  # sparse: no disk taken
+    return folder
+
+
+def test_a_large_local_model_on_the_cpu_gets_a_note(tmp_path):
+    folder = model_folder(tmp_path, 16 * 10**9)
+    assert cpu_size_note(quickstart_plan(tmp_path, model=str(folder))) == (
+        "the model's weights take 16.0 GB, and each of the 2 engines holds a copy in memory "
+        "and runs it on the CPU: slow, if it fits at all; examples/quickstart.yaml is the "
+        "example for a laptop"
+    )
+    assert cpu_size_note(quickstart_plan(tmp_path, gpus=("0", "1"), model=str(folder))) is None
+
+
+def test_a_small_model_or_one_made_here_gets_none(tmp_path):
+    assert (
+        cpu_size_note(quickstart_plan(tmp_path, model=str(model_folder(tmp_path, 10**6)))) is None
+    )
+    tiny = quickstart_plan(tmp_path)
+    assert tiny.model_step is not None and tiny.model_step.action == "making"
+    assert cpu_size_note(tiny) is None  # the tiny model, made on the spot
