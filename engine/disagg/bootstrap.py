@@ -356,8 +356,15 @@ class BootstrapServer:
                 try:
                     answer = getattr(server, route.answer)
                     status, body = answer(*self._arguments(route, room_text))
-                except ValueError as exc:  # a path or body unlike the route's, slots off the pool
+                except (ValueError, RecursionError) as exc:
+                    # a path or body unlike the route's (one nested too deep to read), slots
+                    # off the pool
                     status, body = 400, {"error": f"{type(exc).__name__}: {exc}"}
+                except (TimeoutError, ConnectionError):
+                    # the peer stalled or left while it sent its body: as http.server does
+                    # when reading a request fails, close without an answer or a log line
+                    self.close_connection = True
+                    return
                 except Exception as exc:
                     # This server's fault: answered, or the caller would read a dropped
                     # connection as the prefill engine gone.
@@ -518,7 +525,7 @@ class BootstrapClient:
 
     def cancel(self, cancel: CancelRoom) -> None:
         """Cancel after the post has finished: a cancel overtaking its post would be lost.
-        `aborted`: the room's request was aborted here (its client left)."""
+        `cancel.aborted`: the room's request was aborted here (its client left)."""
         room = cancel.room
         self._workers.submit(
             self._cancel, self._posts.get(room), room, cancel.address, cancel.reason, cancel.aborted

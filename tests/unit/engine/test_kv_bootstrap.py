@@ -1433,6 +1433,32 @@ def test_a_fault_of_the_server_is_answered_500_and_logged(fake_scheduler, caplog
     assert any(record.exc_info for record in caplog.records)
 
 
+def test_a_peer_that_stalls_or_leaves_is_no_fault_of_the_server(fake_scheduler, caplog):
+    """A read that times out or a connection reset while the body comes is closed without an
+    answer or an error logged, as http.server does (not a 500 for a paused decode engine)."""
+    side = fake_scheduler()
+
+    def reset() -> tuple[int, dict]:
+        raise ConnectionResetError("the peer left")
+
+    side.server.health = reset
+    with caplog.at_level(logging.ERROR, logger="kubesgl.engine.disagg.bootstrap"):
+        with pytest.raises(httpx.RemoteProtocolError):
+            httpx.get(f"http://127.0.0.1:{side.server.port}/health")
+    assert not caplog.records
+
+
+def test_a_body_nested_too_deep_to_read_is_a_400(fake_scheduler):
+    side = fake_scheduler()
+    deep = "[" * 100_000 + "]" * 100_000
+    answer = httpx.post(
+        f"http://127.0.0.1:{side.server.port}/kv/rooms",
+        content=f'{{"engine": {deep}}}',
+        headers={"content-type": "application/json"},
+    )
+    assert answer.status_code == 400 and "RecursionError" in answer.json()["error"], answer.text
+
+
 class RankOneNotes(RankConsensus):
     """Rank 0 of two, with rank 1's facts made up: `arrive` hands its notes to the next turn."""
 
