@@ -381,17 +381,19 @@ class UpstreamClient:
             complete = True
             attempt.finish(str(response.status), worker_failed=False)
         except TRANSPORT_ERRORS as exc:
-            attempt.finish("error", worker_failed=True)
             worker = attempt.worker
             if _connection_lost(exc):
                 self.on_worker_lost(worker)
+            if done_sent:  # the client has its whole answer: nothing may follow, nothing failed
+                attempt.finish(str(response.status), worker_failed=False)
+                return
+            attempt.finish("error", worker_failed=True)
             message = (
                 f"{worker.role.value} worker {worker.url} broke off the stream: {_reason(exc)}"
             )
-            if not done_sent:  # else the client has its whole answer: nothing may follow
-                # [DONE] still follows, as it follows an engine's own error event (SGLang's
-                # and vLLM's, on /generate too): clients that read up to [DONE] see the end
-                yield sse_error_event(message) + SSE_DONE
+            # [DONE] still follows, as it follows an engine's own error event (SGLang's and
+            # vLLM's, on /generate too): clients that read up to [DONE] see the stream end
+            yield sse_error_event(message) + SSE_DONE
         except (asyncio.CancelledError, GeneratorExit):
             if done_sent:  # a client that stops reading at [DONE] had its whole answer
                 attempt.finish(str(response.status), worker_failed=False)

@@ -300,6 +300,26 @@ async def test_a_client_that_leaves_after_done_had_its_whole_answer(engines, sta
     assert f'kubesgl_router_requests_total{{status="cancelled",worker="{a.url}"}} 0.0' in text
 
 
+async def test_a_stream_broken_off_after_its_done_was_whole(engines, start_router, client):
+    """The worker's [DONE] came, then its connection broke before the body's end: the client
+    has its whole answer, and no error event or second [DONE] follows; counted by its status."""
+    a = await engines("a", tokens=3)
+    a.eof_after_done_s = 30.0
+    async with start_router(workers=[a.url]) as router:
+        await router.ready()
+        body = {"prompt": "s", "stream": True}
+        async with client.stream("POST", router.url + "/v1/completions", json=body) as response:
+            lines = (line async for line in response.aiter_lines() if line)
+            seen = [line async for line in _until_done(lines)]
+            await a.kill()
+            async with asyncio.timeout(5):
+                rest = [line async for line in lines]
+        text = (await client.get(router.url + "/metrics")).text
+    assert seen[-1] == "data: [DONE]" and rest == [], rest
+    assert f'kubesgl_router_requests_total{{status="200",worker="{a.url}"}} 1.0' in text
+    assert f'kubesgl_router_requests_total{{status="error",worker="{a.url}"}} 0.0' in text
+
+
 async def _until_done(lines):
     async for line in lines:
         yield line
