@@ -5,6 +5,16 @@ torch-free operator reads both."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
+
+
+class Limits(TypedDict):
+    """Bounds as pydantic's Field takes them (keyword arguments)."""
+
+    ge: float | None
+    gt: float | None
+    le: float | None
+    lt: float | None
 
 
 @dataclass(frozen=True)
@@ -23,6 +33,10 @@ class Bounds:
             and (self.le is None or value <= self.le)
             and (self.lt is None or value < self.lt)
         )
+
+    def limits(self) -> Limits:
+        """The limits as pydantic's Field takes them: `Field(**bounds.limits())`."""
+        return {"ge": self.ge, "gt": self.gt, "le": self.le, "lt": self.lt}
 
     def describe(self) -> str:
         """'at least 1', 'in (0, 1)', 'positive', ...: what a value must be."""

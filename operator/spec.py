@@ -314,8 +314,7 @@ ROUTER_DEFAULT_RESOURCES = Resources(
 def _router_option(flag: str) -> Any:
     """The spec.router field of a router option, named like its flag: unset (the router's
     default), or a value within the limits the router declares (router/options.py)."""
-    bounds = ROUTER_OPTIONS[flag].bounds
-    return Field(default=None, ge=bounds.ge, gt=bounds.gt, le=bounds.le, lt=bounds.lt)
+    return Field(default=None, **ROUTER_OPTIONS[flag].bounds.limits())
 
 
 class RouterSpec(Placement):

@@ -95,8 +95,9 @@ def failure(error: str, reason: FailureReason, status: int | None = None) -> Fin
 
 
 class Role:
-    """The scheduler's seam to an engine's role; each hook's default is what a mixed engine
-    does, where every request runs from prompt to last token."""
+    """The scheduler's seam to an engine's role. Each hook's default but validate's (each role
+    has its own) is what a mixed engine does, where every request runs from prompt to last
+    token."""
 
     name: str
     transfers_kv = False  # a role that does polls its transfers every turn, idle or not

@@ -100,8 +100,7 @@ is refused here too, not sampled as its remainder)."""
 def engine_bounds(name: str) -> FieldInfo:
     """The limits of the engine's sampling field `name` (SAMPLING_BOUNDS), for the request
     field that sets it: a value out of them is a 400 naming the field as the client wrote it."""
-    bounds = SAMPLING_BOUNDS[name]
-    return Field(ge=bounds.ge, gt=bounds.gt, le=bounds.le, lt=bounds.lt)
+    return Field(**SAMPLING_BOUNDS[name].limits())
 
 
 # OpenAI's API caps temperature at 2 (vLLM's newest engine too); SGLang's /generate, and so
@@ -653,9 +652,8 @@ class NativeSamplingParams(_Lenient):
     regex: Text | None = None
     json_schema: Text | None = None
     ebnf: Text | None = None
-    min_new_tokens: Annotated[Int, engine_bounds("min_tokens")] = (
-        0  # no end before this many tokens
-    )
+    # no end before this many tokens
+    min_new_tokens: Annotated[Int, engine_bounds("min_tokens")] = 0
     n: Int = 1  # SGLang's parallel sampling, which this route does not do
     # SGLang's, that would change the answer: not implemented here
     stop_regex: Annotated[Any, unsupported_unless(None, [])] = None

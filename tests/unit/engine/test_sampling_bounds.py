@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from kubesgl.engine.config import Bounds
+from kubesgl.bounds import Bounds
 from kubesgl.engine.sampling_params import SAMPLING_BOUNDS, InvalidRequestError, SamplingParams
 from kubesgl.engine.server.api import validation_error
 from kubesgl.engine.server.protocol import (
