@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import zmq
+
+
+def _destroy_without_waiting(context: zmq.Context) -> None:
+    """pyzmq destroys a context the garbage collector finds open, and its term() waits forever
+    for a socket's unsent messages (linger -1): a context some test left open hung a whole run
+    at the next collection, in an unrelated test (CI, tests/unit/up/test_up_cli.py). Here it is
+    named as a ResourceWarning, which pytest reports, and ended without waiting."""
+    if not context._shadow and not context.closed:
+        warnings.warn(f"a test left {context} open", ResourceWarning, stacklevel=2)
+        context.destroy(linger=0)
+
+
+zmq.Context.__del__ = _destroy_without_waiting  # type: ignore[method-assign]
 
 
 def pytest_collection_modifyitems(config, items):
