@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -9,13 +10,15 @@ import zmq
 
 
 def _destroy_without_waiting(context: zmq.Context) -> None:
-    """pyzmq destroys a context the garbage collector finds open, and its term() waits forever
-    for a socket's unsent messages (linger -1): a context some test left open hung a whole run
-    at the next collection, in an unrelated test (CI, tests/unit/up/test_up_cli.py). Here it is
-    named as a ResourceWarning, which pytest reports, and ended without waiting."""
+    """pyzmq destroys a context the garbage collector finds open, and its term() may wait
+    forever (a socket's unsent messages, a socket another thread holds): a context some test
+    left open hung a whole run at the next collection, in an unrelated test (CI,
+    tests/unit/up/test_up_cli.py), even with linger 0. Here it is named as a ResourceWarning,
+    which pytest reports, and destroyed on a daemon thread, which holds it (its dealloc would
+    wait as well) and which the interpreter does not wait for."""
     if not context._shadow and not context.closed:
         warnings.warn(f"a test left {context} open", ResourceWarning, stacklevel=2)
-        context.destroy(linger=0)
+        threading.Thread(target=context.destroy, kwargs={"linger": 0}, daemon=True).start()
 
 
 zmq.Context.__del__ = _destroy_without_waiting  # type: ignore[method-assign]
