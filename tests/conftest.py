@@ -3,25 +3,37 @@
 from __future__ import annotations
 
 import threading
-import warnings
 
 import pytest
 import zmq
 
+_left_open: list[str] = []  # zmq contexts the garbage collector found open
+
 
 def _destroy_without_waiting(context: zmq.Context) -> None:
-    """pyzmq destroys a context the garbage collector finds open, and its term() may wait
-    forever (a socket's unsent messages, a socket another thread holds): a context some test
-    left open hung a whole run at the next collection, in an unrelated test (CI,
-    tests/unit/up/test_up_cli.py), even with linger 0. Here it is named as a ResourceWarning,
-    which pytest reports, and destroyed on a daemon thread, which holds it (its dealloc would
-    wait as well) and which the interpreter does not wait for."""
+    """A context the garbage collector finds with sockets open (a test that left it so, or
+    the code under test) hangs pyzmq's own destroy: term() waits for sockets whose finalizers
+    have not run yet, and a whole run stopped in an unrelated test. Here it is recorded (the
+    run fails, naming it) and destroyed on a daemon thread, which the interpreter does not
+    wait for."""
     if not context._shadow and not context.closed:
-        warnings.warn(f"a test left {context} open", ResourceWarning, stacklevel=2)
+        _left_open.append(repr(context))
         threading.Thread(target=context.destroy, kwargs={"linger": 0}, daemon=True).start()
 
 
 zmq.Context.__del__ = _destroy_without_waiting  # type: ignore[method-assign]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _left_open:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _left_open:
+        terminalreporter.section("zmq contexts left open", sep="=", red=True)
+        for context in _left_open:
+            terminalreporter.line(f"{context}: found by the garbage collector, not closed")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -95,6 +95,23 @@ class EngineClient:
         self._tokens_since_log = 0
         self._prompt_tokens_logged = 0  # the scheduler's count of new prompt tokens, last line
 
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stops reading and closes the sockets (not the requests' `close`). A context the
+        garbage collector finds with sockets open hangs it: pyzmq's term() waits for them."""
+        tasks = [task for task in (self._reader, self._pacing) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._from_detokenizer.close()
+        self._to_tokenizer.close()  # its linger still delivers a Shutdown just sent
+        await asyncio.to_thread(self._context.term)  # which waits up to that linger
+
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-outputs")
         self._reader.add_done_callback(self._reader_ended)

@@ -170,42 +170,45 @@ class Server:
         served_model_name = self.options.served_model_name or self.config.model
         metrics = EngineMetrics(self.config.role, served_model_name)
         metrics.set_build_info(kubesgl.__version__, served_model_name)
-        client = self._client = EngineClient(self.endpoints, metrics, GcPacer())
-        client.start()
-        state = ServerState(
-            self.config, served_model_name=served_model_name, api_key=self.options.api_key
-        )
-        app = build_app(client, state)
-        uv_config = uvicorn.Config(
-            app,
-            host=self.options.host,
-            port=self.options.port,
-            log_level=self.options.log_level,
-            timeout_graceful_shutdown=5,
-            timeout_keep_alive=SERVER_KEEP_ALIVE_S,
-            access_log=False,
-        )
-        server = _UvicornServer(uv_config)
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(
-                sig, lambda: asyncio.ensure_future(self._drain(server, client, state))
+        async with EngineClient(self.endpoints, metrics, GcPacer()) as client:
+            self._client = client
+            client.start()
+            state = ServerState(
+                self.config, served_model_name=served_model_name, api_key=self.options.api_key
             )
-        threading.Thread(
-            target=self._watch_children,
-            args=(server, client, loop),
-            name="child-watch",
-            daemon=True,
-        ).start()
-        if self.listen_socket is not None:  # uvicorn names no address when given a socket
-            host, port = self.listen_socket.getsockname()[:2]
-            logger.info(
-                "HTTP API on %s (/health answers 200 once the engine is ready)",
-                contract.http_url(host, port),
+            app = build_app(client, state)
+            uv_config = uvicorn.Config(
+                app,
+                host=self.options.host,
+                port=self.options.port,
+                log_level=self.options.log_level,
+                timeout_graceful_shutdown=5,
+                timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+                access_log=False,
             )
-        await server.serve(sockets=[self.listen_socket] if self.listen_socket is not None else None)
-        if not self._stopping.is_set():
-            await client.shutdown()
+            server = _UvicornServer(uv_config)
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(
+                    sig, lambda: asyncio.ensure_future(self._drain(server, client, state))
+                )
+            threading.Thread(
+                target=self._watch_children,
+                args=(server, client, loop),
+                name="child-watch",
+                daemon=True,
+            ).start()
+            if self.listen_socket is not None:  # uvicorn names no address when given a socket
+                host, port = self.listen_socket.getsockname()[:2]
+                logger.info(
+                    "HTTP API on %s (/health answers 200 once the engine is ready)",
+                    contract.http_url(host, port),
+                )
+            await server.serve(
+                sockets=[self.listen_socket] if self.listen_socket is not None else None
+            )
+            if not self._stopping.is_set():
+                await client.shutdown()
 
     async def _drain(
         self, server: uvicorn.Server, client: EngineClient, state: ServerState

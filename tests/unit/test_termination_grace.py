@@ -165,6 +165,23 @@ def _uvicorn_graceful_shutdown_s(
     return float(timeout)
 
 
+def test_a_server_that_fails_to_start_serving_closes_its_engine_client(monkeypatch):
+    # Its zmq context, left open, hung a later test's garbage collection (pyzmq's term()
+    # waits for open sockets): the whole CI run stopped in an unrelated test.
+    from kubesgl.engine.server import launcher
+
+    class Refused(Exception):
+        pass
+
+    def config(*args: Any, **kwargs: Any) -> None:
+        raise Refused
+
+    monkeypatch.setattr(launcher.uvicorn, "Config", config)
+    with server_of(launcher, launcher.ServerOptions()) as server, pytest.raises(Refused):
+        asyncio.run(server._serve())
+    assert server._client._context.closed
+
+
 def test_the_engine_exits_within_its_budget_after_the_drain(monkeypatch):
     # imported here, not at the top: the other tests need no engine
     from kubesgl.engine.server import launcher

@@ -25,9 +25,8 @@ async def client():
     detokenizer = push(zmq.Context.instance(), endpoints.api_in)
     yield engine_client, detokenizer
     await engine_client.shutdown()
-    # Close the sockets now: a context collected later with sockets open waits for them forever.
     detokenizer.close(linger=0)
-    engine_client._context.destroy(linger=0)
+    await engine_client.aclose()
     shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
 
 
@@ -81,7 +80,25 @@ async def test_the_gc_pacer_starts_when_the_engine_is_ready_and_hears_whether_re
     finally:
         await engine_client.shutdown()
         detokenizer.close(linger=0)
-        engine_client._context.destroy(linger=0)
+        await engine_client.aclose()
+        shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+
+
+@pytest.mark.asyncio
+async def test_leaving_the_client_closes_its_sockets_and_still_delivers_a_shutdown_just_sent():
+    from kubesgl.engine.ipc import pull
+    from kubesgl.engine.messages import Shutdown
+
+    endpoints = Endpoints.create()
+    tokenizer = pull(zmq.Context.instance(), endpoints.tokenizer_in)
+    try:
+        async with EngineClient(endpoints, EngineMetrics("mixed")) as engine_client:
+            engine_client.start()
+            await engine_client.shutdown()
+        assert engine_client._context.closed
+        assert tokenizer.poll(2000) and isinstance(tokenizer.recv_pyobj(), Shutdown)
+    finally:
+        tokenizer.close(linger=0)
         shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
 
 

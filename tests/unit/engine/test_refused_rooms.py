@@ -131,7 +131,7 @@ async def test_a_refused_request_without_a_room_ends_none():
 
 
 @pytest.fixture
-def engine_client():
+async def engine_client():
     """A real EngineClient, ready, and the tokenizer's end of its pipe (what it sends, in order)."""
     endpoints = Endpoints.create()
     tokenizer = pull(zmq.Context.instance(), endpoints.tokenizer_in)
@@ -140,7 +140,7 @@ def engine_client():
     client.ready.set()
     yield client, tokenizer
     tokenizer.close(linger=0)
-    client._context.destroy(linger=0)
+    await client.aclose()
     shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
 
 

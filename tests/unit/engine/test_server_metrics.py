@@ -224,7 +224,7 @@ async def _through_engine_client(
     finally:
         await client.shutdown()
         detokenizer.close(linger=0)
-        client._context.destroy(linger=0)
+        await client.aclose()
         shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
     return client.metrics
 
@@ -653,7 +653,7 @@ async def test_a_request_the_server_ended_mid_stream_is_an_error_not_a_client_ab
         engine.cancel()
         await client.shutdown()
         context.destroy(linger=0)
-        client._context.destroy(linger=0)
+        await client.aclose()
         shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
     (abort,) = [m for m in received if isinstance(m, AbortRequest)]
     assert "client" not in abort.message

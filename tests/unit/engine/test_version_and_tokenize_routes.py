@@ -88,7 +88,7 @@ async def engine_of(
         await client.shutdown()
         to_api.close(linger=0)
         context.destroy(linger=0)
-        client._context.destroy(linger=0)
+        await client.aclose()
         shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
 
 
