@@ -306,6 +306,12 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def check_device(self) -> None:
+        """Raises where the device can run no more work: after a CUDA error (an illegal
+        address, say) every later call on its context fails."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def shutdown(self) -> None:
         """Finish the step in flight, stop the KV transfers (a prefill engine's writes in
         flight end first), the executor and the grammar compiler, and let go of the model,

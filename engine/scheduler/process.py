@@ -51,6 +51,9 @@ IDLE_POLL_MS = 1000  # an idle rank 0 still broadcasts this often, so other rank
 # How often a prefill or decode engine turns while it only waits for KV transfers: a turn
 # applies what its NIXL agent received (the bootstrap process's facts wake it at once).
 TRANSFER_POLL_MS = 2
+# A step that fails ends its own requests and the engine serves on; this many in a row mean the
+# engine is broken, not one request: the process exits and the server with it.
+MAX_FAILED_STEPS = 3
 
 # What each turn's broadcast brings every rank to apply: the tokenizer's messages for the
 # scheduler and rank 0's CollectGarbage. Shutdown comes the same way but ends the loop
@@ -126,6 +129,7 @@ class SchedulerLoop:
         self.control = control
         self.context = context
         self.link = link  # rank 0 of a prefill or decode engine: what the bootstrap process learned comes in here
+        self.failed_steps = 0  # in a row
         if rank == 0:
             self.inbox = pull(self.context, endpoints.scheduler_in)
             self.outbox = push(self.context, endpoints.detokenizer_in)
@@ -182,7 +186,7 @@ class SchedulerLoop:
                 outputs += self._apply(message)
             # a role that transfers KV polls its transfers every turn, idle or not
             if self.engine.has_work() or self.engine.role.transfers_kv:
-                outputs += self.engine.step()
+                outputs += self._step()
             if self.rank == 0:
                 stats = self.engine.scheduler.stats()
                 # gauges must follow releases that emit nothing; histogram samples go out once
@@ -195,6 +199,23 @@ class SchedulerLoop:
                 ):
                     self.outbox.send_pyobj(StepOutputs(outputs, stats))
                     last_stats, last_sent = stats, now
+
+    def _step(self) -> list[TokenOutput]:
+        """A step that raises has ended its requests with a 500 (handed out next turn), so
+        one request that breaks a step does not take the others down. Going on is unsafe, and
+        the error ends the process, with several ranks (they could part ways), when the device
+        no longer answers, or after MAX_FAILED_STEPS in a row."""
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            self.failed_steps += 1
+            if self.engine.config.tp_size > 1 or self.failed_steps >= MAX_FAILED_STEPS:
+                raise
+            self.engine.check_device()
+            logger.exception("a step failed: its requests end with an error, the engine serves on")
+            return []
+        self.failed_steps = 0
+        return outputs
 
     def _apply(self, message: SchedulerMessage) -> list[TokenOutput]:
         handler = _HANDLERS.get(type(message))
