@@ -246,6 +246,8 @@ class RouterApp:
         self._tasks.clear()
         if self._health is not None:
             self._health.close()
+        if self._forwarder is not None:  # its prefill drains use the session
+            await self._forwarder.aclose()
         if self._session is not None:
             await self._session.close()
 

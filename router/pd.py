@@ -70,6 +70,11 @@ DECODE_VERDICT_WAIT_S = 1.0
 # fails a request by itself with a 500.
 PEER_FAILURE_STATUSES = frozenset({502, 504})
 
+# How long a router shutting down waits for its prefill drains and room cancels before it
+# cancels them (before its HTTP session closes under them). Small: it comes out of the 5 s
+# its pod's grace period leaves after its own graceful shutdown (docs/operator.md).
+DRAIN_GRACE_AT_SHUTDOWN_S = 3.0
+
 
 class PrefillDecodePair:
     def __init__(self, upstream: UpstreamClient) -> None:
@@ -181,6 +186,17 @@ class PrefillDecodePair:
     def _keep(self, task: asyncio.Task[None]) -> None:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def aclose(self) -> None:
+        """Ends the background tasks before the router's session closes: they get
+        DRAIN_GRACE_AT_SHUTDOWN_S to finish, then are cancelled (a cancelled drain is no
+        failure of its worker: the router left, not the engine)."""
+        pending = set(self._background)
+        if pending:
+            await asyncio.wait(pending, timeout=DRAIN_GRACE_AT_SHUTDOWN_S)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 def _log_outcome(task: asyncio.Task[None]) -> None:

@@ -129,6 +129,10 @@ class Forwarder:
         for policy in policies.all():
             workers.on_removed(policy.forget)
 
+    async def aclose(self) -> None:
+        """Ends the work it left running after its answers (before the session closes)."""
+        await self.pd.aclose()
+
     async def generate(self, request: ParsedRequest, headers: Headers) -> Reply:
         if self.workers.is_disaggregated():
             return await self._with_retries(

@@ -651,3 +651,53 @@ async def test_tokenize_goes_to_one_worker_and_is_no_pd_route(
     assert tokens.status_code == 200 and tokens.json()["tokens"] == [104, 105]
     assert not p.requests and [r["body"] for r in d.requests] == [{"prompt": "hi"}]
     assert set(pd_route_counts(metrics).values()) == {0}
+
+
+def _outcomes(router, worker_url: str) -> dict[str, float]:
+    """The router's attempts on one worker, by status (read from its registry, which outlives
+    its HTTP server)."""
+    return {
+        sample.labels["status"]: sample.value
+        for family in router.app.metrics.registry.collect()
+        if family.name == "kubesgl_router_requests"
+        for sample in family.samples
+        if sample.labels.get("worker") == worker_url and sample.name.endswith("_total")
+    }
+
+
+@pytest.mark.parametrize("prefill_answers_in_time", [True, False])
+async def test_a_router_shutting_down_ends_the_prefill_drains_it_let_run_without_blaming_them(
+    prefill_answers_in_time, engines, kv_table, start_router, client, monkeypatch, caplog
+):
+    """The client has its answer; the prefill engine holds its own (the KV is sent). A router
+    that shuts down (a rolling update) waits a little for that answer, then cancels the
+    drain: not a broken connection (the session closed under it), counted as a failure of a
+    healthy prefill worker (its breaker, its metrics, out of the pool), nor a task destroyed
+    while pending."""
+    monkeypatch.setattr("kubesgl.router.pd.DRAIN_GRACE_AT_SHUTDOWN_S", 0.5)
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.hold = asyncio.Event()
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        assert response.status_code == 200
+        await p.wait_for_requests(1)
+        if prefill_answers_in_time:  # once the router's shutdown has begun
+            shutdown = router.app.shutdown
+
+            async def answer_then_shut_down() -> None:
+                asyncio.get_running_loop().call_later(0.1, p.hold.set)
+                await shutdown()
+
+            router.app.shutdown = answer_then_shut_down  # type: ignore[method-assign]
+    (prefill,) = [worker for worker in router.app.workers.all() if worker.url == p.url]
+    assert prefill.in_flight == 0
+    assert prefill.breaker.consecutive_failures == 0
+    assert "prefill failed" not in caplog.text
+    assert not router.app._forwarder.pd._background
+    if prefill_answers_in_time:
+        assert _outcomes(router, p.url) == {"200": 1, "error": 0, "cancelled": 0}
+    else:
+        assert _outcomes(router, p.url) == {"200": 0, "error": 0, "cancelled": 1}
+        async with asyncio.timeout(2):
+            await p.client_gone.wait()  # the engine saw its request end
