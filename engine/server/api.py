@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -82,6 +82,7 @@ from kubesgl.engine.server.protocol import (
     GenerateRequestBody,
     TokenizeRequestBody,
 )
+from kubesgl.engine.server.stream_response import EngineStreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -704,7 +705,7 @@ async def respond(
                 await asyncio.gather(*(s.aclose() for s in streams))
                 raise APIError.of(out.finish_reason, prompt_field, renamed)
         if stream:  # the streaming response watches for the client leaving itself
-            return StreamingResponse(
+            return EngineStreamResponse(
                 stream_events(
                     streams,
                     firsts,
@@ -715,6 +716,7 @@ async def respond(
                     client.metrics.request_error,
                     end=lambda index, why: client.close(subs[index].rid, error=why),
                 ),
+                streams,
                 media_type="text/event-stream",
             )
         if not await collect_unless_left(streams, firsts, choices, disconnect):
@@ -803,7 +805,7 @@ async def stream_events(
     on_error: Callable[[int], None] = lambda status: None,
     *,
     end: Callable[[int, str], Awaitable[None]],
-) -> AsyncIterator[str]:
+) -> AsyncGenerator[str, None]:
     """`end(index, why)`: aborts a choice's request that the server itself ends, before its
     stream is closed (which would abort it as a client that left): no default, for a caller
     without one would count such an end as a client's abort."""

@@ -5,6 +5,7 @@ for SGLang) can drive a kubesgl engine: /server_info, /model_info, /health_gener
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 from fastapi import APIRouter, Depends
@@ -94,8 +95,11 @@ async def health_generate(ctx: Ctx) -> Response:
         input_ids=[1],
     )
     try:
-        async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
-            async for out in ctx.client.generate(request, probe=True):
+        async with (
+            asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S),
+            contextlib.aclosing(ctx.client.generate(request, probe=True)) as outputs,
+        ):  # closed as the route answers, not when collected: the probe's id is held till then
+            async for out in outputs:
                 if out.finish_reason is not None and out.finish_reason.kind == "error":
                     return PlainTextResponse(
                         f"generation failed: {out.finish_reason.message}", status_code=503
