@@ -219,26 +219,29 @@ def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> tuple[int, 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
     signal.signal(signal.SIGHUP, on_hangup)
-    supervisor = Supervisor(local.processes, log_dir, on_event=view.event)  # stops as above now
-    try:
-        while not stop.is_set():
-            supervisor.tick()
-            view.refresh(supervisor.replicas)
+    # stops as above now; its probes end with the block
+    with Supervisor(local.processes, log_dir, on_event=view.event) as supervisor:
+        try:
+            while not stop.is_set():
+                supervisor.tick()
+                view.refresh(supervisor.replicas)
+                if supervisor.failed:
+                    break
+                stop.wait(TICK_S)
             if supervisor.failed:
-                break
-            stop.wait(TICK_S)
-        if supervisor.failed:
-            stop.set()  # as after a Ctrl-C: a Ctrl-C during the drain kills at once
-            names = ", ".join(replica.process.name for replica in supervisor.failed)
-            view.note(
-                f"stopping, {names} exited with status 2 (a configuration error): "
-                "the router, then the engines (Ctrl-C kills them at once)"
-            )
-        else:
-            view.note("stopping: the router, then the engines (Ctrl-C again kills them at once)")
-    finally:
-        supervisor.stop(force, on_tick=lambda: view.refresh(supervisor.replicas))
-        view.close()
+                stop.set()  # as after a Ctrl-C: a Ctrl-C during the drain kills at once
+                names = ", ".join(replica.process.name for replica in supervisor.failed)
+                view.note(
+                    f"stopping, {names} exited with status 2 (a configuration error): "
+                    "the router, then the engines (Ctrl-C kills them at once)"
+                )
+            else:
+                view.note(
+                    "stopping: the router, then the engines (Ctrl-C again kills them at once)"
+                )
+        finally:
+            supervisor.stop(force, on_tick=lambda: view.refresh(supervisor.replicas))
+            view.close()
     for replica in supervisor.failed:
         print(
             f"{PROG}: {replica.process.name} exited ({replica.last_exit}): a configuration "

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -60,6 +61,10 @@ class State(StrEnum):
     FAILED = "failed"  # status 2 before ever ready, a configuration error: never started again
     STOPPING = "stopping"
     STOPPED = "stopped"
+
+
+# The states whose replicas a tick probes: running, whether ready or not.
+PROBED = frozenset({State.STARTING, State.READY, State.UNREADY})
 
 
 @dataclass(eq=False)
@@ -99,7 +104,10 @@ class HttpHealth:
             timeout=HEALTH_TIMEOUT_S, limits=httpx.Limits(max_keepalive_connections=0)
         )
 
-    def __call__(self, url: str) -> Health:
+    def close(self) -> None:
+        self._client.close()
+
+    def __call__(self, url: str) -> Health:  # called from several threads at once: httpx allows it
         try:
             answer = self._client.get(url + "/health")
         except httpx.HTTPError as exc:
@@ -133,8 +141,25 @@ class Supervisor:
     ):
         self.replicas = [Replica(p, log_dir / f"{p.name}.log") for p in processes]
         self.on_event = on_event
-        self.healthy = healthy if healthy is not None else HttpHealth()
+        self._own_health: HttpHealth | None = None  # closed by `close`
+        if healthy is None:
+            healthy = self._own_health = HttpHealth()
+        self.healthy = healthy
         self.clock = clock
+        # Every replica probed at once: in turn, each hung one held the tick for its timeout.
+        self._probes = ThreadPoolExecutor(max(1, len(self.replicas)), "kubesgl-up-probe")
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Ends the probes' threads and client (not the replicas: `stop` does)."""
+        self._probes.shutdown(wait=True)
+        if self._own_health is not None:
+            self._own_health.close()
 
     @property
     def failed(self) -> list[Replica]:
@@ -148,15 +173,20 @@ class Supervisor:
         return [replica for replica in self.replicas if replica.last_exit or replica.killed]
 
     def tick(self) -> None:
-        """Notices deaths, starts what is due and probes the health of what runs."""
+        """Notices deaths, starts what is due and takes in the health of what runs. The probes
+        run first, together; their answers are taken in replica order, so that one turning
+        ready lets those waiting for its role start in the same tick."""
+        probed = [replica for replica in self.replicas if replica.state in PROBED]
+        urls = [replica.process.url for replica in probed]
+        health = dict(zip(probed, self._probes.map(self.healthy, urls)))
         for replica in self.replicas:
             if replica.popen is not None and replica.popen.poll() is not None:
-                self._died(replica)
+                self._died(replica)  # its probe's answer, if any, is dropped
             due = replica.state == State.BACKOFF and self.clock() >= replica.restart_at
             if due or (replica.state == State.WAITING and self._may_start(replica)):
                 self._start(replica)
-            elif replica.state in (State.STARTING, State.READY, State.UNREADY):
-                self._probe(replica)
+            elif replica.state in PROBED:  # it was running when the probes began
+                self._take_health(replica, health[replica])
 
     def stop(self, force: threading.Event, on_tick: Callable[[], None] = lambda: None) -> None:
         """The router first, so that no new request reaches an engine, then the engines. Each
@@ -247,8 +277,7 @@ class Supervisor:
         when = f"in {delay:g} s" if delay else "now"
         self.on_event(replica, f"exited ({replica.last_exit}); restarting {when}")
 
-    def _probe(self, replica: Replica) -> None:
-        health = self.healthy(replica.process.url)
+    def _take_health(self, replica: Replica, health: Health) -> None:
         if health.ok and replica.state != State.READY:
             replica.state = State.READY
             replica.has_been_ready = True

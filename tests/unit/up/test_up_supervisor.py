@@ -469,3 +469,35 @@ def test_a_process_killed_by_a_signal_without_a_name_has_a_reason(tmp_path):
     log = tmp_path / "mixed-0.log"
     assert exit_reason(-signal.SIGKILL, log) == "killed by SIGKILL"
     assert exit_reason(-(signal.SIGRTMIN + 6), log) == f"killed by signal {signal.SIGRTMIN + 6}"
+
+
+def test_replicas_that_never_answer_are_probed_together_not_one_after_another(
+    tmp_path, monkeypatch
+):
+    """Probed in turn, each hung replica cost its probe's whole timeout: with four, a tick
+    took four, and so did noticing a death, a restart or the first Ctrl-C."""
+    timeout_s = 0.5
+    monkeypatch.setattr("kubesgl.up.supervisor.HEALTH_TIMEOUT_S", timeout_s)
+    hung = socket.socket()  # connections are taken (the backlog) and never answered
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)
+    port = hung.getsockname()[1]
+    sleeper = (sys.executable, "-c", "import time; time.sleep(600)")
+    processes = [LocalProcess(f"mixed-{i}", contract.MIXED, sleeper, {}, port, 5) for i in range(4)]
+    with Supervisor(processes, tmp_path) as supervisor:
+        try:
+            supervisor.tick()  # starts them
+            started = time.monotonic()
+            supervisor.tick()  # probes them
+            took = time.monotonic() - started
+            assert [replica.state for replica in supervisor.replicas] == [State.STARTING] * 4
+            assert took < 2 * timeout_s
+        finally:
+            supervisor.stop(threading.Event())
+            hung.close()
+
+
+def test_the_supervisor_closes_its_health_client_when_it_ends(tmp_path):
+    with Supervisor([], tmp_path) as supervisor:
+        client = supervisor.healthy._client  # type: ignore[attr-defined]
+    assert client.is_closed
