@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -440,6 +441,76 @@ class DecodeRole(_RoomRole):
         return self.transfers.has_rooms()
 
 
+@dataclass(frozen=True)
+class RoleInputs:
+    """What a role is built from: this rank's KV and tensor-parallel group, and rank 0's
+    channel to the engine's bootstrap process."""
+
+    config: EngineConfig
+    kv: KVManager
+    pool: KVPool
+    tp: TensorParallelGroup
+    bootstrap_host: str
+    link: BootstrapLink | None
+
+
+@dataclass(frozen=True)
+class TransferInputs:
+    """What a disaggregated role's KV transfers share: this rank's NIXL agent, the ranks'
+    consensus, and rank 0's bootstrap link."""
+
+    agent: KVTransferAgent
+    consensus: RankConsensus
+    link: BootstrapLink | None
+
+    @classmethod
+    def of(cls, inputs: RoleInputs) -> TransferInputs:
+        agent = KVTransferAgent(inputs.pool)
+        consensus = RankConsensus(inputs.tp.rank, inputs.tp.size, inputs.tp.control)
+        link = LocalLink() if consensus.is_leader and inputs.link is None else inputs.link
+        return cls(agent, consensus, link)
+
+
+def _mixed_role(inputs: RoleInputs) -> Role:
+    return MixedRole(inputs.kv)  # no KV transfer: no NIXL agent
+
+
+def _prefill_role(inputs: RoleInputs) -> Role:
+    shared, config = TransferInputs.of(inputs), inputs.config
+    transfers = PrefillTransfers(
+        shared.agent,
+        shared.consensus,
+        shared.link,
+        config.disaggregation_timeout,
+        inputs.bootstrap_host,
+        config.disaggregation_bootstrap_port,
+    )
+    return PrefillRole(inputs.kv, transfers)
+
+
+def _decode_role(inputs: RoleInputs) -> Role:
+    shared, tp = TransferInputs.of(inputs), inputs.tp
+    # The bootstrap process registers every rank's agent with the prefill engines: it needs them all.
+    ranks = [RankAgent(shared.agent.metadata, shared.agent.layout)]
+    if tp.size > 1:
+        gathered: list[RankAgent | None] = [None] * tp.size
+        dist.all_gather_object(gathered, ranks[0], group=tp.control)
+        ranks = cast(list[RankAgent], gathered)  # all_gather_object filled every entry
+    connect = ConnectBootstrap(f"decode-{uuid.uuid4().hex[:12]}", tuple(ranks))
+    transfers = DecodeTransfers(
+        shared.agent, shared.consensus, shared.link, inputs.config.disaggregation_timeout, connect
+    )
+    return DecodeRole(inputs.kv, transfers)
+
+
+ROLE_FACTORIES: dict[contract.EngineRole, Callable[[RoleInputs], Role]] = {
+    contract.MIXED: _mixed_role,
+    contract.PREFILL: _prefill_role,
+    contract.DECODE: _decode_role,
+}
+assert set(ROLE_FACTORIES) == set(contract.ENGINE_ROLES)
+
+
 def create_role(
     config: EngineConfig,
     kv: KVManager,
@@ -451,23 +522,5 @@ def create_role(
     """The role `config.role` names, with its KV transfer wired to this rank's pool. Rank 0
     talks to the engine's bootstrap process through `link`; without one, it runs the
     bootstrap service in this process (an engine driven in process)."""
-    if config.role == contract.MIXED:
-        return MixedRole(kv)
-    agent = KVTransferAgent(pool)
-    consensus = RankConsensus(tp.rank, tp.size, tp.control)
-    if consensus.is_leader and link is None:
-        link = LocalLink()
-    timeout = config.disaggregation_timeout
-    if config.role == contract.PREFILL:
-        transfers = PrefillTransfers(
-            agent, consensus, link, timeout, bootstrap_host, config.disaggregation_bootstrap_port
-        )
-        return PrefillRole(kv, transfers)
-    # The bootstrap process registers every rank's agent with the prefill engines: it needs them all.
-    ranks = [RankAgent(agent.metadata, agent.layout)]
-    if tp.size > 1:
-        gathered: list[RankAgent | None] = [None] * tp.size
-        dist.all_gather_object(gathered, ranks[0], group=tp.control)
-        ranks = cast(list[RankAgent], gathered)  # all_gather_object filled every entry
-    connect = ConnectBootstrap(f"decode-{uuid.uuid4().hex[:12]}", tuple(ranks))
-    return DecodeRole(kv, DecodeTransfers(agent, consensus, link, timeout, connect))
+    build = ROLE_FACTORIES[config.role]
+    return build(RoleInputs(config, kv, pool, tp, bootstrap_host, link))
