@@ -244,8 +244,9 @@ class BootstrapServer:
 
     def post_room(self, post: RoomPostBody) -> Answer:
         room, engine, slots = post.room, post.engine, post.slots
-        now = time.monotonic()
         with self._lock:
+            # under the lock: rooms are remembered in the order of their times (expiry)
+            now = time.monotonic()
             num_slots = self._engines.get(engine)
             if num_slots is None:
                 return 404, {
@@ -254,14 +255,23 @@ class BootstrapServer:
                 }
             if any(slot >= num_slots for slot in slots):
                 raise ValueError(f"slots must be slot numbers of the decode engine's {num_slots}")
-            self._rooms = {r: t for r, t in self._rooms.items() if now - t < self._room_memory_s}
-            self._settled &= self._rooms.keys()
-            self._cancelled &= self._rooms.keys()
+            self._forget_old_rooms(now)
             if room in self._rooms:
                 return 409, {"error": f"room {room} is already in use"}
             self._rooms[room] = self._heard_at[engine] = now
             self.emit(RoomPosted(room, engine, slots))
         return 200, {"instance": self.instance}  # the one that took it
+
+    def _forget_old_rooms(self, now: float) -> None:
+        """Oldest first, up to the first room still remembered: a post costs what expires,
+        not what is remembered (thousands of rooms at a few hundred posts a second)."""
+        while self._rooms:
+            oldest, posted_at = next(iter(self._rooms.items()))
+            if now - posted_at < self._room_memory_s:
+                break
+            del self._rooms[oldest]
+            self._settled.discard(oldest)
+            self._cancelled.discard(oldest)
 
     def rooms_queued(self, queued: RoomsBody) -> Answer:
         engine, rooms = queued.engine, queued.rooms
@@ -302,7 +312,10 @@ class BootstrapServer:
                 self._writing.add(write.room)
             else:  # the write ended, or the scheduler took a cancel: no write runs nor will
                 self._writing.discard(write.room)
-                self._settled.add(write.room)
+                # only a remembered room: the rooms' expiry is what forgets it again (a room
+                # cancelled before its post is settled by no post)
+                if write.room in self._rooms:
+                    self._settled.add(write.room)
 
     def cancel_room(self, room: int, cancel: CancelBody) -> Answer:
         """Cancelled whether posted or not (its request may be running, or still to come);

@@ -39,6 +39,7 @@ from kubesgl.engine.disagg.protocol import (
     RoomsBody,
     RoomsQueued,
     RoomStatus,
+    RoomWriting,
     StillQueued,
 )
 from kubesgl.engine.disagg.ranks import RankConsensus
@@ -1360,6 +1361,50 @@ def test_the_prefill_side_remembers_ended_rooms_for_their_engine_and_a_while_onl
     time.sleep(0.5)  # twice the timeout: no request for those rooms comes any more
     server.room_ended(RoomEnded("decode-a", RoomNote(8, RoomStatus.CANCELLED, error="gone")))
     assert set(server._ended) == {8}
+
+
+class CountedRooms(dict):
+    """The server's posted rooms, counting the entries read through items()."""
+
+    read = 0
+
+    def items(self):
+        for entry in super().items():
+            self.read += 1
+            yield entry
+
+
+def test_posted_rooms_expire_oldest_first_and_a_post_reads_no_room_still_remembered(
+    fake_scheduler,
+):
+    """Each post rebuilt the whole table of remembered rooms (two minutes of them by
+    default): its cost grew with the rooms remembered. Rooms past the window are forgotten,
+    with what was known of them, and the first one still remembered ends the expiry."""
+    side = fake_scheduler()
+    side.error = None
+    server = side.server
+    assert server.register(registration("decode-a"))[0] == 200
+
+    def post(room: int) -> int:
+        return server.post_room(RoomPostBody(room, "decode-a", (0,)))[0]
+
+    server._room_memory_s = 0.1
+    assert post(1) == 200
+    server.room_writing(RoomWriting(1, writing=False))
+    server.cancel_room(1, CancelBody("test"))
+    # a room cancelled before its post is not kept: no expiry would forget it
+    server.room_writing(RoomWriting(9, writing=False))
+    assert (server._settled, server._cancelled) == ({1}, {1})
+    time.sleep(0.15)
+    assert post(2) == 200  # room 1 is forgotten, with what was known of it
+    assert list(server._rooms) == [2] and (server._settled, server._cancelled) == (set(), set())
+    server._room_memory_s = 60.0
+    for room in range(3, 1003):
+        assert post(room) == 200
+    server._rooms = rooms = CountedRooms(server._rooms)
+    assert post(1003) == 200
+    assert rooms.read == 1  # the oldest room, still remembered: none of the other thousand
+    assert len(server._rooms) == 1002 and post(2) == 409  # remembered: a duplicate
 
 
 def test_the_bodies_keep_their_wire_format():
