@@ -11,11 +11,14 @@ memory (DRAM) for pools on the CPU and device memory (VRAM) for pools on a GPU.
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from dataclasses import dataclass
 
 from kubesgl.engine.disagg.protocol import PoolLayout
 from kubesgl.engine.kvcache.pools import KVPool
+
+logger = logging.getLogger(__name__)
 
 
 def layout_of(pool: KVPool, agent: str) -> PoolLayout:
@@ -172,7 +175,11 @@ class KVTransferAgent:
     def done(self, transfer: Transfer) -> bool:
         """True once the transfer has completed (its handle is then released); raises if it failed."""
         with _nixl("the KV write"):
-            state = self.agent.check_xfer_state(transfer.handle)
+            try:
+                state = self.agent.check_xfer_state(transfer.handle)
+            except Exception:  # the write failed all the same: nothing checks its handle again
+                self.agent.release_xfer_handle(transfer.handle)
+                raise
             if state == "PROC":
                 return False
             self.agent.release_xfer_handle(transfer.handle)
@@ -193,7 +200,14 @@ class KVTransferAgent:
             ]
 
     def close(self) -> None:
-        for peer in self.peers:
-            self.agent.remove_remote_agent(peer)
-        self.peers.clear()
-        self.agent.deregister_memory(self._registered)
+        """Forgets every peer, then the pool's memory: a peer that cannot be removed (its
+        engine died) is logged and leaves the others and the memory to be released."""
+        try:
+            for peer in self.peers:
+                try:
+                    self.agent.remove_remote_agent(peer)
+                except Exception as exc:  # noqa: BLE001 - NIXL's own errors, see _nixl
+                    logger.warning("removing the agent %s: %s: %s", peer, type(exc).__name__, exc)
+            self.peers.clear()
+        finally:
+            self.agent.deregister_memory(self._registered)

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, slot_runs
+from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, Transfer, TransferError, slot_runs
 from kubesgl.engine.kvcache.pools import KVPool
 
 
@@ -158,3 +158,64 @@ def test_releasing_a_write_in_flight_does_not_stop_it(monkeypatch):
         prefill.close()
         decode.close()
     assert landed()
+
+
+class FailingNixl:
+    """Stands in for an agent's NIXL calls that fail for a peer that died (named in `dead`):
+    records the handles released, the agents removed and the memory deregistered, which
+    the real agent then does."""
+
+    def __init__(self, agent: KVTransferAgent, monkeypatch, dead: tuple[str, ...] = ()):
+        self.dead, self.released, self.removed, self.deregistered = dead, [], [], []
+        real = agent.agent
+        real_remove, real_deregister = real.remove_remote_agent, real.deregister_memory
+
+        def remove(peer: str) -> None:
+            self.removed.append(peer)
+            if peer in self.dead:
+                self.fail()
+            real_remove(peer)
+
+        def deregister(registered) -> None:
+            self.deregistered.append(registered)
+            real_deregister(registered)
+
+        monkeypatch.setattr(real, "check_xfer_state", self.fail)
+        monkeypatch.setattr(real, "release_xfer_handle", self.released.append)
+        monkeypatch.setattr(real, "remove_remote_agent", remove)
+        monkeypatch.setattr(real, "deregister_memory", deregister)
+
+    def fail(self, *args) -> None:
+        raise RuntimeError("nixlRemoteDisconnectError")
+
+
+def test_a_write_whose_check_fails_releases_its_handle(filled_kv_pool, monkeypatch):
+    """A check of the transfer's state that raised left its handle never released: one
+    leaked per failed write."""
+    agent = KVTransferAgent(filled_kv_pool(None))
+    try:
+        nixl = FailingNixl(agent, monkeypatch)
+        handle = object()
+        with pytest.raises(TransferError, match="nixlRemoteDisconnectError"):
+            agent.done(Transfer(handle, descriptors=1, nbytes=8))
+        assert nixl.released == [handle]
+    finally:
+        agent.close()
+
+
+def test_closing_past_a_peer_that_cannot_be_removed_still_frees_the_memory(
+    filled_kv_pool, monkeypatch, caplog
+):
+    """One peer whose removal raised (its engine died) stopped the close: the peers after it
+    were not removed and the pool's memory stayed registered."""
+    prefill, decode = KVTransferAgent(filled_kv_pool(1)), KVTransferAgent(filled_kv_pool(None))
+    try:
+        prefill.connect(decode.metadata, decode.layout)
+        prefill.peers = {"kubesgl-gone": decode.layout, **prefill.peers}  # the dead one first
+        nixl = FailingNixl(prefill, monkeypatch, dead=("kubesgl-gone",))
+        prefill.close()
+        assert nixl.removed == ["kubesgl-gone", decode.name] and not prefill.peers
+        assert len(nixl.deregistered) == 1
+        assert "removing the agent kubesgl-gone" in caplog.text
+    finally:
+        decode.close()
