@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar, get_args
@@ -34,6 +34,7 @@ import zmq
 
 from kubesgl import contract
 from kubesgl.engine.child_process import exit_with_parent
+from kubesgl.engine.disagg.lanes import AddressLanes
 from kubesgl.engine.disagg.protocol import (
     BootstrapFact,
     BootstrapRequest,
@@ -505,12 +506,13 @@ class BootstrapClient:
         self.emit, self.engine, self.ranks = emit, engine, ranks
         self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, connect=3.0))
-        self._workers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kubesgl-kv-rooms")
+        # Per prefill engine, a share of the threads: one that hangs (3 s to connect, 10 s
+        # to answer) holds its share, not the posts to the others.
+        self._workers = AddressLanes(workers=16, per_address=4, name="kubesgl-kv-rooms")
         # Registrations on threads of their own: posts wait for them, and on the posts' pool
-        # a burst of posts could take every thread and leave the registration none.
-        self._registrations = ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="kubesgl-kv-register"
-        )
+        # a burst of posts could take every thread and leave the registration none. One at
+        # a time per prefill engine is all there is (the latest, tried again if it failed).
+        self._registrations = AddressLanes(workers=4, per_address=1, name="kubesgl-kv-register")
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}  # prefill engine address -> its current registration
         self._posts: dict[int, Future] = {}
@@ -529,20 +531,28 @@ class BootstrapClient:
 
     def post(self, post: PostRoom) -> None:
         self._posts[post.room] = self._workers.submit(
-            self._post, post.room, post.address, list(post.slots)
+            post.address, self._post, post.room, post.address, list(post.slots)
         )
 
     def still_queued(self, queued: StillQueued) -> None:
         """Tell the prefill engine at its address that these rooms wait in this engine's queue."""
-        self._workers.submit(self._still_queued, queued.address, list(queued.rooms))
+        self._workers.submit(queued.address, self._still_queued, queued.address, list(queued.rooms))
 
     def cancel(self, cancel: CancelRoom) -> None:
         """Cancel after the post has finished: a cancel overtaking its post would be lost.
         `cancel.aborted`: the room's request was aborted here (its client left)."""
-        room = cancel.room
-        self._workers.submit(
-            self._cancel, self._posts.get(room), room, cancel.address, cancel.reason, cancel.aborted
-        )
+        room, address = cancel.room, cancel.address
+
+        def send() -> None:
+            self._workers.submit(
+                address, self._cancel, room, address, cancel.reason, cancel.aborted
+            )
+
+        post = self._posts.get(room)
+        if post is None:
+            send()
+        else:  # chained, not waited for on a worker thread: the post may take seconds
+            post.add_done_callback(lambda _: send())
 
     def forget(self, forget: ForgetRoom) -> None:
         """The room has ended on this side: stop watching its prefill engine for it."""
@@ -563,7 +573,9 @@ class BootstrapClient:
             if peer.registration is None or (
                 peer.registration.done() and peer.registration.exception() is not None
             ):
-                peer.registration = self._registrations.submit(self._register, address, peer)
+                peer.registration = self._registrations.submit(
+                    address, self._register, address, peer
+                )
             used = peer.registration
         used.result()
         return peer, used
@@ -578,7 +590,9 @@ class BootstrapClient:
             return False
         with self._lock:
             if self._peers.get(address) is peer and peer.registration is used:
-                peer.registration = self._registrations.submit(self._register, address, peer)
+                peer.registration = self._registrations.submit(
+                    address, self._register, address, peer
+                )
         return True
 
     def _lost(self, address: str, peer: _Peer, error: str) -> None:
@@ -679,14 +693,7 @@ class BootstrapClient:
                 "telling %s about %d queued rooms failed: %s", address, len(rooms), _why(exc)
             )
 
-    def _cancel(
-        self, post: Future | None, room: int, address: str, reason: str, aborted: bool = False
-    ) -> None:
-        if post is not None:
-            try:
-                post.result()
-            except Exception:  # noqa: BLE001 - not posted: the prefill engine may still run the request
-                pass
+    def _cancel(self, room: int, address: str, reason: str, aborted: bool = False) -> None:
         try:
             answer = self._http.request(
                 "DELETE", f"{address}/kv/rooms/{room}", json=CancelBody(reason, aborted).to_json()
@@ -731,7 +738,7 @@ class BootstrapClient:
                 watched = [(a, p) for a, p in self._peers.items() if p.rooms]
                 cancel_again, self._cancel_again = self._cancel_again, {}
             for room, (address, reason, aborted) in cancel_again.items():
-                self._workers.submit(self._cancel, None, room, address, reason, aborted)
+                self._workers.submit(address, self._cancel, room, address, reason, aborted)
             for address, peer in watched:
                 try:
                     instance = self._instance(address, peer)
@@ -786,8 +793,8 @@ class BootstrapClient:
 
     def close(self) -> None:
         self._stop.set()
-        self._workers.shutdown(wait=False, cancel_futures=True)
-        self._registrations.shutdown(wait=False, cancel_futures=True)
+        self._workers.close()
+        self._registrations.close()
         self._http.close()
 
 

@@ -10,6 +10,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -814,17 +815,35 @@ def test_a_decode_engine_of_another_tensor_parallel_size_is_refused_with_the_rea
 def test_first_posts_to_a_new_prefill_engine_arrive_while_every_worker_thread_waits(pair):
     """A burst of rooms posted at once to a prefill engine not registered with yet: each post
     waits for the registration, which waited for a worker thread that no post would free (a
-    deadlock for good). Here seven threads are kept busy and the eighth post is the first."""
+    deadlock for good). Here all threads but one are kept busy and the last post is the first."""
     p = pair()
     client, address = p.decode.link.service.client, p.target(0).address
     busy = threading.Event()
-    for _ in range(7):
-        client._workers.submit(busy.wait, 10)
+    for i in range(15):  # of 16, at most 4 per address
+        client._workers.submit(f"http://busy-{i % 4}:1", busy.wait, 10)
     try:
         client.post(PostRoom(100, address, (0,)))
         p.run(lambda s, a: 100 in p.prefill._posted, timeout=5)
     finally:
         busy.set()
+
+
+def test_a_prefill_engine_that_never_answers_does_not_delay_posts_to_the_others(pair):
+    """One pool of eight threads served every prefill engine, and a cancel held a thread
+    while its post waited: an engine whose connections are never accepted (each post then
+    waits for its read timeout) took every thread, and posts to the others waited with it."""
+    p = pair()
+    client = p.decode.link.service.client
+    client._http.timeout = httpx.Timeout(2.0)
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)  # connections complete in the backlog, and nothing reads them
+        hung_port = hung.getsockname()[1]
+        for room in range(200, 216):
+            p.decode.expect(BootstrapTarget(room, "127.0.0.1", hung_port), [room - 200])
+            p.decode.cancel(room, "the client went away")
+        p.decode.expect(p.target(220), [20])
+        p.run(lambda s, a: 220 in p.prefill._posted, timeout=1.0)
 
 
 def test_a_post_whose_answer_is_lost_holds_the_slots_until_the_prefill_side_says(pair):
