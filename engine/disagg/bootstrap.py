@@ -32,7 +32,6 @@ from typing import Any, TypeVar, get_args
 import httpx
 import zmq
 
-from kubesgl import contract
 from kubesgl.engine.child_process import exit_with_parent
 from kubesgl.engine.disagg.lanes import AddressLanes
 from kubesgl.engine.disagg.protocol import (
@@ -52,10 +51,8 @@ from kubesgl.engine.disagg.protocol import (
     PeerLost,
     PeerRegistered,
     PeerRegistration,
-    PoolLayout,
     PostFailed,
     PostRoom,
-    RankAgent,
     RoomCancelled,
     RoomEnded,
     RoomNote,
@@ -111,17 +108,9 @@ class _Unreachable:
 class BootstrapServer:
     """HTTP endpoint of a prefill engine for the decode engines; what arrives, it emits."""
 
-    def __init__(
-        self,
-        emit: Emit,
-        layout: PoolLayout,
-        tp_size: int,
-        host: str = "0.0.0.0",
-        port: int = contract.BOOTSTRAP_PORT,
-        timeout_s: float = 60.0,
-    ):
-        self.emit, self.layout, self.tp_size = emit, layout, tp_size
-        self.timeout_s = timeout_s  # the engine's --disaggregation-timeout
+    def __init__(self, emit: Emit, serve: ServeBootstrap):
+        self.emit, self.layout, self.tp_size = emit, serve.layout, serve.tp_size
+        self.timeout_s = timeout_s = serve.timeout_s  # the engine's --disaggregation-timeout
         self.instance = uuid.uuid4().hex  # a restarted engine is a new instance
         self._room_memory_s = 2 * timeout_s  # no request for a room comes after this
         self._writing: set[int] = set()  # rooms with a write in flight (RoomWriting)
@@ -143,7 +132,7 @@ class BootstrapServer:
         # first, for as long as posted rooms are remembered: a note NIXL does not deliver
         # leaves the decode engine waiting, which asks (POST /kv/rooms/ended)
         self._ended: dict[int, tuple[str, RoomNote, float]] = {}
-        self._http = ThreadingHTTPServer((host, port), self._handler())
+        self._http = ThreadingHTTPServer((serve.host, serve.port), self._handler())
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
         self._thread = threading.Thread(
@@ -495,16 +484,9 @@ class _Peer:
 class BootstrapClient:
     """Decode side: all HTTP to prefill engines, on worker threads. What it learns, it emits."""
 
-    def __init__(
-        self,
-        emit: Emit,
-        engine: str,
-        ranks: tuple[RankAgent, ...],
-        heartbeat_s: float = 2.0,
-        dead_after_s: float = 10.0,
-    ):
-        self.emit, self.engine, self.ranks = emit, engine, ranks
-        self.heartbeat_s, self.dead_after_s = heartbeat_s, dead_after_s
+    def __init__(self, emit: Emit, connect: ConnectBootstrap):
+        self.emit, self.engine, self.ranks = emit, connect.engine, connect.ranks
+        self.heartbeat_s, self.dead_after_s = connect.heartbeat_s, connect.dead_after_s
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, connect=3.0))
         # Per prefill engine, a share of the threads: one that hangs (3 s to connect, 10 s
         # to answer) holds its share, not the posts to the others.
@@ -837,20 +819,11 @@ class BootstrapService:
 
     def _start(self, request: BootstrapRequest) -> BootstrapServer | BootstrapClient:
         if isinstance(request, ServeBootstrap):
-            server = BootstrapServer(
-                self.emit,
-                request.layout,
-                request.tp_size,
-                request.host,
-                request.port,
-                request.timeout_s,
-            )
+            server = BootstrapServer(self.emit, request)
             logger.info("bootstrap server listening on %s:%d", request.host, server.port)
             return server
         if isinstance(request, ConnectBootstrap):
-            return BootstrapClient(
-                self.emit, request.engine, request.ranks, request.heartbeat_s, request.dead_after_s
-            )
+            return BootstrapClient(self.emit, request)
         raise TypeError(f"ServeBootstrap or ConnectBootstrap comes first, not {request!r}")
 
     @property

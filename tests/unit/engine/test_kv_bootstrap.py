@@ -41,6 +41,7 @@ from kubesgl.engine.disagg.protocol import (
     RoomsQueued,
     RoomStatus,
     RoomWriting,
+    ServeBootstrap,
     StillQueued,
 )
 from kubesgl.engine.disagg.ranks import RankConsensus
@@ -1100,7 +1101,7 @@ def test_a_restart_fails_only_the_rooms_at_the_instance_that_went():
     from kubesgl.engine.disagg.bootstrap import BootstrapClient, _Peer
 
     emitted: list = []
-    client = BootstrapClient(emitted.append, "decode-test", ())
+    client = BootstrapClient(emitted.append, ConnectBootstrap("decode-test", ()))
     try:
         peer = _Peer(rooms={50: "old", 56: "new"})
         client._restarted("http://p:1", peer, "new")
@@ -1297,7 +1298,9 @@ class FakeScheduler:
     def __init__(self, timeout_s: float = 60.0):
         self.error: str | None = "no UCX transport in common"
         self.attempts = 0
-        self.server = BootstrapServer(self.emit, LAYOUT, 1, "127.0.0.1", 0, timeout_s)
+        self.server = BootstrapServer(
+            self.emit, ServeBootstrap(LAYOUT, 1, "127.0.0.1", 0, timeout_s)
+        )
 
     def emit(self, fact) -> None:
         if isinstance(fact, PeerRegistered):
