@@ -105,6 +105,15 @@ class _Unreachable:
     retry_at: float
 
 
+@dataclass(frozen=True)
+class _EndedRoom:
+    """A room's last word, as it went out to its decode engine."""
+
+    engine: str
+    note: RoomNote
+    at: float  # time.monotonic() when it went
+
+
 class BootstrapServer:
     """HTTP endpoint of a prefill engine for the decode engines; what arrives, it emits."""
 
@@ -128,10 +137,10 @@ class BootstrapServer:
         self._peer_idle_s = PEER_IDLE_S
         self._next_sweep = 0.0
         self._rooms: dict[int, float] = {}  # posted rooms, until forgotten: a duplicate is a 409
-        # rooms whose last word went out (room -> its decode engine, the word, when), oldest
-        # first, for as long as posted rooms are remembered: a note NIXL does not deliver
-        # leaves the decode engine waiting, which asks (POST /kv/rooms/ended)
-        self._ended: dict[int, tuple[str, RoomNote, float]] = {}
+        # rooms whose last word went out, oldest first, for as long as posted rooms are
+        # remembered: a note NIXL does not deliver leaves the decode engine waiting, which
+        # asks (POST /kv/rooms/ended)
+        self._ended: dict[int, _EndedRoom] = {}
         self._http = ThreadingHTTPServer((serve.host, serve.port), self._handler())
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
@@ -276,15 +285,15 @@ class BootstrapServer:
         return 200, {}
 
     def room_ended(self, ended: RoomEnded) -> None:
-        engine, note, now = ended.engine, ended.note, time.monotonic()
+        note, now = ended.note, time.monotonic()
         with self._lock:
             while self._ended:
-                oldest, (_, _, at) = next(iter(self._ended.items()))
-                if now - at < self._room_memory_s:
+                oldest, last_word = next(iter(self._ended.items()))
+                if now - last_word.at < self._room_memory_s:
                     break
                 del self._ended[oldest]
             self._ended.pop(note.room, None)  # kept in the order of their ends
-            self._ended[note.room] = (engine, note, now)
+            self._ended[note.room] = _EndedRoom(ended.engine, note, now)
 
     def rooms_ended(self, asked: RoomsBody) -> Answer:
         """Which of the rooms a decode engine asks about this instance has ended for it, and
@@ -292,9 +301,7 @@ class BootstrapServer:
         engine = asked.engine
         with self._lock:
             ended = [self._ended.get(room) for room in asked.rooms]
-        return 200, {
-            "ended": [note.outcome() for to, note, _ in filter(None, ended) if to == engine]
-        }
+        return 200, {"ended": [e.note.outcome() for e in filter(None, ended) if e.engine == engine]}
 
     def room_writing(self, write: RoomWriting) -> None:
         with self._lock:
@@ -498,9 +505,9 @@ class BootstrapClient:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}  # prefill engine address -> its current registration
         self._posts: dict[int, Future] = {}
-        # cancelled rooms whose write was in flight at the prefill engine: asked about again
-        # at the next heartbeat (room -> address, reason, aborted)
-        self._cancel_again: dict[int, tuple[str, str, bool]] = {}
+        # cancels of rooms whose write was in flight at the prefill engine: asked again at
+        # the next heartbeat
+        self._cancel_again: dict[int, CancelRoom] = {}
         self._stop = threading.Event()
         self._watcher = threading.Thread(
             target=self._watch, name="kubesgl-kv-heartbeat", daemon=True
@@ -523,14 +530,11 @@ class BootstrapClient:
     def cancel(self, cancel: CancelRoom) -> None:
         """Cancel after the post has finished: a cancel overtaking its post would be lost.
         `cancel.aborted`: the room's request was aborted here (its client left)."""
-        room, address = cancel.room, cancel.address
 
         def send() -> None:
-            self._workers.submit(
-                address, self._cancel, room, address, cancel.reason, cancel.aborted
-            )
+            self._workers.submit(cancel.address, self._cancel, cancel)
 
-        post = self._posts.get(room)
+        post = self._posts.get(cancel.room)
         if post is None:
             send()
         else:  # chained, not waited for on a worker thread: the post may take seconds
@@ -675,17 +679,20 @@ class BootstrapClient:
                 "telling %s about %d queued rooms failed: %s", address, len(rooms), _why(exc)
             )
 
-    def _cancel(self, room: int, address: str, reason: str, aborted: bool = False) -> None:
+    def _cancel(self, cancel: CancelRoom) -> None:
+        room, address = cancel.room, cancel.address
         try:
             answer = self._http.request(
-                "DELETE", f"{address}/kv/rooms/{room}", json=CancelBody(reason, aborted).to_json()
+                "DELETE",
+                f"{address}/kv/rooms/{room}",
+                json=CancelBody(cancel.reason, cancel.aborted).to_json(),
             )
             if answer.status_code == 404 and _code(answer) == UNKNOWN_ROOM:
                 self.emit(CancelUnknown(room))
             elif answer.status_code == 200 and answer.json().get("write_in_flight"):
                 # the slots stay held: the write's end brings the last word; should that be
                 # lost, the next heartbeat asks again
-                self._ask_again(room, address, reason, aborted)
+                self._ask_again(cancel)
             elif answer.status_code == 200 and (timeout_s := self._write_timeout(address)):
                 # no write in flight: twice its timeout covers a last word that is lost
                 self.emit(CancelConfirmed(room, release_after_s=2 * timeout_s))
@@ -696,16 +703,16 @@ class BootstrapClient:
                 self.emit(PeerLost((room,), error))  # its slots here, if any, are free
                 return
             logger.warning("cancelling room %d at %s failed: %s", room, address, _why(exc))
-            self._ask_again(room, address, reason, aborted)
+            self._ask_again(cancel)
 
-    def _ask_again(self, room: int, address: str, reason: str, aborted: bool) -> None:
+    def _ask_again(self, cancel: CancelRoom) -> None:
         """Cancel the room again at the next heartbeat, while it is watched: a room no longer
         watched has ended here (its engine found dead, its last word come), or never held
         slots here (refused before its post: its prefill engine times it out)."""
         with self._lock:
-            peer = self._peers.get(address)
-            if peer is not None and room in peer.rooms:
-                self._cancel_again[room] = (address, reason, aborted)
+            peer = self._peers.get(cancel.address)
+            if peer is not None and cancel.room in peer.rooms:
+                self._cancel_again[cancel.room] = cancel
 
     def _write_timeout(self, address: str) -> float | None:
         with self._lock:
@@ -719,8 +726,8 @@ class BootstrapClient:
             with self._lock:
                 watched = [(a, p) for a, p in self._peers.items() if p.rooms]
                 cancel_again, self._cancel_again = self._cancel_again, {}
-            for room, (address, reason, aborted) in cancel_again.items():
-                self._workers.submit(address, self._cancel, room, address, reason, aborted)
+            for cancel in cancel_again.values():
+                self._workers.submit(cancel.address, self._cancel, cancel)
             for address, peer in watched:
                 try:
                     instance = self._instance(address, peer)
