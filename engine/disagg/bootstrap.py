@@ -838,11 +838,6 @@ class BootstrapService:
         """The prefill engine's server, once ServeBootstrap came."""
         return self.side if isinstance(self.side, BootstrapServer) else None
 
-    @property
-    def client(self) -> BootstrapClient | None:
-        """The decode engine's client, once ConnectBootstrap came."""
-        return self.side if isinstance(self.side, BootstrapClient) else None
-
     def close(self) -> None:
         if self.side is not None:
             self.side.close()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kubesgl.engine.disagg import bootstrap
-from kubesgl.engine.disagg.bootstrap import BootstrapServer
+from kubesgl.engine.disagg.bootstrap import BootstrapClient, BootstrapServer
 from kubesgl.engine.disagg.decode import DecodeTransfers, NoteArrived
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, TransferError
 from kubesgl.engine.disagg.link import LocalLink
@@ -82,6 +82,13 @@ class Pair:
         self.decode = DecodeTransfers(
             self.decode_agent, RankConsensus(), LocalLink(), decode_timeout or timeout, connect
         )
+
+    @property
+    def client(self) -> BootstrapClient:
+        """The decode side's bootstrap client, which its link runs in this process."""
+        client = self.decode.link.service.side
+        assert isinstance(client, BootstrapClient), "ConnectBootstrap comes first"
+        return client
 
     def target(self, room: int) -> BootstrapTarget:
         return BootstrapTarget(room, "127.0.0.1", self.server.port)
@@ -696,7 +703,7 @@ def test_a_room_cancelled_at_a_dead_prefill_engine_is_released_by_the_cancel(pai
     p = pair()
     p.decode.expect(p.target(16), [1])
     p.run(lambda s, a: 16 in p.prefill._posted)
-    p.decode.link.service.client.heartbeat_s = 30  # no heartbeat from now on
+    p.client.heartbeat_s = 30  # no heartbeat from now on
     time.sleep(0.15)
     p.server.close()  # the prefill engine is gone
     p.decode.cancel(16, "the client went away")
@@ -724,7 +731,7 @@ def test_an_unreachable_prefill_engine_is_dead_only_after_its_silence(pair):
     p = pair(dead_after_s=0.6)
     p.decode.expect(p.target(18), [1])
     p.run(lambda s, a: 18 in p.prefill._posted)
-    unreachable(p.decode.link.service.client, "/health")
+    unreachable(p.client, "/health")
     started = time.monotonic()
     _, arrived = p.run(released(18))
     assert arrived[0].reason is FailureReason.PEER_LOST
@@ -738,7 +745,7 @@ def test_a_cancel_that_cannot_reach_the_prefill_engine_keeps_the_slots(pair):
     p = pair()
     p.decode.expect(p.target(19), [1])
     p.run(lambda s, a: 19 in p.prefill._posted)
-    client = p.decode.link.service.client
+    client = p.client
     client.heartbeat_s = 30  # no heartbeat from now on
     time.sleep(0.15)
     unreachable(client, "/kv/rooms/19")
@@ -818,7 +825,7 @@ def test_first_posts_to_a_new_prefill_engine_arrive_while_every_worker_thread_wa
     waits for the registration, which waited for a worker thread that no post would free (a
     deadlock for good). Here all threads but one are kept busy and the last post is the first."""
     p = pair()
-    client, address = p.decode.link.service.client, p.target(0).address
+    client, address = p.client, p.target(0).address
     busy = threading.Event()
     for i in range(15):  # of 16, at most 4 per address
         client._workers.submit(f"http://busy-{i % 4}:1", busy.wait, 10)
@@ -834,7 +841,7 @@ def test_a_prefill_engine_that_never_answers_does_not_delay_posts_to_the_others(
     while its post waited: an engine whose connections are never accepted (each post then
     waits for its read timeout) took every thread, and posts to the others waited with it."""
     p = pair()
-    client = p.decode.link.service.client
+    client = p.client
     client._http.timeout = httpx.Timeout(2.0)
     with socket.socket() as hung:
         hung.bind(("127.0.0.1", 0))
@@ -852,7 +859,7 @@ def test_a_post_whose_answer_is_lost_holds_the_slots_until_the_prefill_side_says
     the request, yet may reuse the room's slots only once no write can come (here: its
     cancel reached the prefill engine, which drops the room)."""
     p = pair(timeout=5.0)
-    client = p.decode.link.service.client
+    client = p.client
     client._http.timeout = httpx.Timeout(0.5)
     original = p.server.post_room
 
@@ -894,7 +901,7 @@ def test_concurrent_posts_after_a_restart_keep_the_rooms_the_new_instance_took(
     pair, filled_kv_pool
 ):
     p = pair()
-    p.decode.link.service.client.heartbeat_s = 30  # a restart between two heartbeats
+    p.client.heartbeat_s = 30  # a restart between two heartbeats
     restarted = p.restart_prefill(filled_kv_pool, posted_room=50)
     try:
         rooms = set(range(51, 57))
@@ -1090,7 +1097,7 @@ def test_rooms_queued_after_being_forgotten_register_again_and_keep_waiting(pair
     p.server._peer_idle_s = 0
     p.server.forget_idle_peers()
     p.server._peer_idle_s = 600
-    p.decode.link.service.client.still_queued(StillQueued(p.target(0).address, (100,)))
+    p.client.still_queued(StillQueued(p.target(0).address, (100,)))
     p.run(lambda s, a: 100 in p.prefill._queued, timeout=5)
 
 
@@ -1098,7 +1105,7 @@ def test_a_restart_fails_only_the_rooms_at_the_instance_that_went():
     """A post sent under the registration with the old instance may reach the new one (it
     restarted in between, and this engine registered again): that room is at the new
     instance, and fails with the old one's rooms no more (CI caught a burst losing it)."""
-    from kubesgl.engine.disagg.bootstrap import BootstrapClient, _Peer
+    from kubesgl.engine.disagg.bootstrap import _Peer
 
     emitted: list = []
     client = BootstrapClient(emitted.append, ConnectBootstrap("decode-test", ()))
