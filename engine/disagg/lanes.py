@@ -19,7 +19,7 @@ T = TypeVar("T")
 @dataclass
 class _Lane:
     running: int = 0  # this address's tasks on the pool's threads
-    waiting: deque[Callable[[], None]] = field(default_factory=deque)
+    waiting: deque[tuple[Future, Callable[[], None]]] = field(default_factory=deque)
 
 
 class AddressLanes:
@@ -48,14 +48,16 @@ class AddressLanes:
                 lane.running += 1
                 self._pool.submit(task)
             else:
-                lane.waiting.append(task)
+                lane.waiting.append((future, task))
         return future
 
     def _run(
         self, address: str, future: Future[T], work: Callable[..., T], args: tuple[object, ...]
     ) -> None:
         try:
-            if future.set_running_or_notify_cancel():
+            if self._closed:  # queued before `close`: it never runs, and says so
+                future.cancel()
+            elif future.set_running_or_notify_cancel():
                 try:
                     future.set_result(work(*args))
                 except BaseException as exc:  # as ThreadPoolExecutor: the future carries it
@@ -67,15 +69,22 @@ class AddressLanes:
         """The finished task's place in its lane goes to the lane's next, if any."""
         with self._lock:
             lane = self._lanes[address]
-            if lane.waiting and not self._closed:
-                self._pool.submit(lane.waiting.popleft())
+            if lane.waiting:  # none once closed
+                _, task = lane.waiting.popleft()
+                self._pool.submit(task)
                 return
             lane.running -= 1
             if not lane.running:
                 del self._lanes[address]
 
     def close(self) -> None:
-        """Work not started never runs; work running is not waited for."""
+        """Work not started never runs, its future cancelled (whoever waits on it is let go);
+        work running is not waited for."""
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+            waiting = [future for lane in self._lanes.values() for future, _ in lane.waiting]
+            for lane in self._lanes.values():
+                lane.waiting.clear()
+        for future in waiting:
+            future.cancel()
+        self._pool.shutdown(wait=False)  # what it queued still runs: to cancel its future

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from concurrent.futures import CancelledError
 
 import pytest
 
@@ -30,6 +31,39 @@ def test_work_submitted_after_close_never_runs():
     lanes = AddressLanes(workers=2, per_address=1, name="test-lanes")
     lanes.close()
     assert lanes.submit("a", pytest.fail, "ran").cancelled()
+
+
+def test_close_cancels_the_work_not_started_so_nothing_waits_on_it_forever():
+    lanes = AddressLanes(workers=2, per_address=1, name="test-lanes")
+    stalled = threading.Event()
+    try:
+        running = lanes.submit("hung", stalled.wait, 10)
+        other = lanes.submit("other", stalled.wait, 10)
+        waiting_in_its_lane = lanes.submit("hung", pytest.fail, "ran")
+        lanes.close()
+        assert waiting_in_its_lane.cancelled()
+        stalled.set()
+        assert running.result(timeout=2) and other.result(timeout=2)
+    finally:
+        stalled.set()
+        lanes.close()
+
+
+def test_work_queued_on_the_pool_when_it_closes_is_cancelled_not_run():
+    lanes = AddressLanes(workers=2, per_address=1, name="test-lanes")
+    stalled = threading.Event()
+    try:
+        held = [lanes.submit(address, stalled.wait, 10) for address in ("a", "b")]
+        queued = lanes.submit("c", pytest.fail, "ran")  # no thread free: queued on the pool
+        lanes.close()
+        stalled.set()
+        for future in held:
+            future.result(timeout=2)
+        with pytest.raises(CancelledError):
+            queued.result(timeout=2)
+    finally:
+        stalled.set()
+        lanes.close()
 
 
 def test_a_share_that_leaves_no_thread_for_the_others_is_refused():
