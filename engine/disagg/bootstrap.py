@@ -497,7 +497,7 @@ class BootstrapClient:
         self._http = httpx.Client(timeout=httpx.Timeout(10.0, connect=3.0))
         # Per prefill engine, a share of the threads: one that hangs (3 s to connect, 10 s
         # to answer) holds its share, not the posts to the others.
-        self._workers = AddressLanes(workers=16, per_address=4, name="kubesgl-kv-rooms")
+        self._workers = AddressLanes(workers=32, per_address=8, name="kubesgl-kv-rooms")
         # Registrations on threads of their own: posts wait for them, and on the posts' pool
         # a burst of posts could take every thread and leave the registration none. One at
         # a time per prefill engine is all there is (the latest, tried again if it failed).
