@@ -449,18 +449,30 @@ class RouterApp:
         )
 
     def missing_role(self) -> Role | None:
-        """A role the router needs and has no worker able to serve (None: it can serve)."""
-        needed = (Role.PREFILL, Role.DECODE) if self.workers.is_disaggregated() else (Role.MIXED,)
-        return next((role for role in needed if not self.workers.available(role)), None)
+        """The role the router cannot serve without, when no worker of it can serve (None: it
+        can serve). In P/D mode that is the decode pool alone: while no prefill worker can
+        serve, a decode worker prefills each request itself."""
+        needed = Role.DECODE if self.workers.is_disaggregated() else Role.MIXED
+        return None if self.workers.available(needed) else needed
 
     def can_serve(self) -> bool:
         return self.missing_role() is None
+
+    def degraded(self) -> str | None:
+        """Why the router serves without a part of its pool (P/D mode, no prefill worker can
+        serve: requests go to a decode worker alone), or None."""
+        if not self.workers.is_disaggregated() or self.workers.available(Role.PREFILL):
+            return None
+        missing = self.forwarder.no_worker_error(Role.PREFILL).message
+        return f"{missing}; requests go to a decode worker alone, which prefills them itself"
 
     async def _health_status(self, scope: Scope, body: bytes) -> Reply:
         if (role := self.missing_role()) is not None:  # the answer says which role, and why
             # Returned, not raised: the router's readiness answer is no request it rejected, and
             # counts in no rejection (or no-worker request) metric.
             return _error_reply(self.forwarder.no_worker_error(role))
+        if (reason := self.degraded()) is not None:  # ready: the decode pool serves every request
+            return json_reply(200, {"status": "degraded", "message": reason})
         return json_reply(200, {"status": "ok"})
 
     async def _liveness(self, scope: Scope, body: bytes) -> Reply:

@@ -27,7 +27,12 @@ from kubesgl.router.workers import Worker, WorkerRegistry
 disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PD_ROUTES = ("disaggregated", "decode_only_short", "decode_only_saturated")
+PD_ROUTES = (
+    "disaggregated",
+    "decode_only_short",
+    "decode_only_saturated",
+    "decode_only_no_prefill",
+)
 CACHE_DECISIONS = ("hit", "miss", "balance")
 # The outcomes of kubesgl_router_requests_total that every worker's series start with, at
 # zero once the worker is known: rate() then sees the first success, failure or abort.
@@ -124,8 +129,9 @@ class RouterMetrics:
         self.pd_routes = Counter(
             "kubesgl_router_pd_routes",
             "P/D mode: requests sent to a prefill and a decode worker (disaggregated), or to a "
-            "decode worker alone (short uncached prompt, or no prefill capacity); once per request, "
-            "by the attempt that served it, and none for a request the engines refused",
+            "decode worker alone (short uncached prompt, a saturated prefill pool, or no prefill "
+            "worker that can serve); once per request, by the attempt that served it, and none "
+            "for a request the engines refused",
             ["route"],
             registry=self.registry,
         )

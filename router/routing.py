@@ -16,6 +16,7 @@ from kubesgl.router.model_list import cards_of, merged, served_sets
 from kubesgl.router.options import check_bounds, option
 from kubesgl.router.pd import PrefillDecodePair
 from kubesgl.router.policies import Choice, Policy
+from kubesgl.router.prefill_outage import PrefillOutages
 from kubesgl.router.request_parsing import ParsedRequest
 from kubesgl.router.upstream import Headers, Reply, UpstreamClient, UpstreamError
 from kubesgl.router.workers import Role, Worker, WorkerRegistry
@@ -124,6 +125,7 @@ class Forwarder:
         self.retry = retry
         self.disaggregation = disaggregation
         self.pd = PrefillDecodePair(upstream)
+        self._prefill_outages = PrefillOutages()
         # The sets of served names the last GET /v1/models left out (their workers failed)
         self._unlisted: set[frozenset[str]] = set()
         for policy in policies.all():
@@ -300,11 +302,11 @@ class Forwarder:
     async def _pd_once(
         self, request: ParsedRequest, headers: Headers, excluded: set[Worker]
     ) -> Reply:
+        decodes = self._candidates(Role.DECODE, excluded, request.model)
         # The prefill pool, asked once and before choosing, so that a policy never records a
         # request never sent (the decode worker gets every request, alone or not); the
         # prefill policy chooses among it when the request is handed over.
-        prefills = self._candidates(Role.PREFILL, excluded, request.model)
-        decodes = self._candidates(Role.DECODE, excluded, request.model)
+        prefills = self._prefill_pool(excluded, request.model)
         decode = self._choose(self.policies.decode, decodes, request)
         route = self._pd_route(request, prefills, decode)
         routed = True
@@ -325,6 +327,15 @@ class Forwarder:
             if routed:
                 self.metrics.pd_routes.labels(route).inc()
 
+    def _prefill_pool(self, excluded: set[Worker], model: str | None) -> list[Worker]:
+        """The prefill workers that may take the request, maybe none: a decode worker then
+        prefills it itself rather than the router refusing it (or retrying it on a prefill
+        worker that failed it already) while the decode pool can serve."""
+        available = self.workers.available(Role.PREFILL, model)
+        missing = None if available else self.no_worker_error(Role.PREFILL, model).message
+        self._prefill_outages.note(model, missing)
+        return [w for w in available if w not in excluded]
+
     def _pd_route(self, request: ParsedRequest, prefills: list[Worker], decode: Choice) -> str:
         settings = self.disaggregation
         # Sent alone, the decode worker prefills what it lacks: the prompt less the prefix the
@@ -334,6 +345,8 @@ class Forwarder:
         uncached = request.prompt_chars - decode.cached
         if request.tokens(uncached) < settings.min_prefill_tokens:
             return "decode_only_short"
+        if not prefills:
+            return "decode_only_no_prefill"
         if all(w.in_flight >= settings.max_prefill_in_flight for w in prefills):
             return "decode_only_saturated"
         return "disaggregated"

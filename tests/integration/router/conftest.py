@@ -58,7 +58,9 @@ class RouterHarness:
                 await asyncio.sleep(0.01)
 
     async def ready(self, timeout: float = 10.0) -> None:
-        await self.until(self.app.can_serve, timeout)
+        """Until the whole pool can serve (in P/D mode, prefill workers too: the router serves
+        without them, each request by a decode worker alone)."""
+        await self.until(lambda: self.app.can_serve() and self.app.degraded() is None, timeout)
 
     async def all_healthy(self, timeout: float = 10.0) -> None:
         workers = self.app.workers

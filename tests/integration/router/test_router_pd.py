@@ -352,21 +352,39 @@ async def test_batched_requests_get_one_room_per_choice(engines, kv_table, start
     assert isinstance(rooms[1], int) and rooms[1] not in rooms[0]
 
 
-async def test_health_needs_both_roles(engines, kv_table, start_router, client):
+async def test_without_a_prefill_worker_the_decode_pool_serves_and_the_router_stays_ready(
+    engines, kv_table, start_router, client
+):
+    """A trial's only prefill engine died: once it failed its health checks, the router refused
+    every request, and its /health went 503 (a Kubernetes router pod out of Ready), while the
+    decode engine, which prefills a request without a bootstrap room itself, was healthy."""
     (p,), (d,) = await pd_pool(engines, kv_table)
-    async with start_router(**pd_config([p], [d])) as router:
+    config = pd_config([p], [d], disaggregation=DisaggregationSettings())  # the defaults
+    async with start_router(**config) as router:
         await router.ready()
-        assert (await client.get(router.url + "/health")).status_code == 200
         p.healthy = False
-        await router.until(lambda: not router.app.can_serve(), timeout=5)
+        await router.until(lambda: router.app.degraded() is not None, timeout=5)
         health = await client.get(router.url + "/health")
-        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        long_prompt = {"prompt": "word " * 400}  # ~500 tokens: handed over if P could take it
+        served = await client.post(router.url + "/v1/completions", json=long_prompt)
+        metrics = (await client.get(router.url + "/metrics")).text
+        d.healthy = False
+        await router.until(lambda: not router.app.can_serve(), timeout=5)
+        unready = await client.get(router.url + "/health")
+        refused = await client.post(router.url + "/v1/completions", json=long_prompt)
         liveness = await client.get(router.url + "/liveness")
-    assert liveness.status_code == 200  # one pool down: unready, not broken
-    for answer in (health, response):  # /health says which role it lacks (kubesgl up prints it)
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert health.json()["message"].startswith(
+        "no prefill worker can serve: 1 registered, 1 failing"
+    )
+    assert served.status_code == 200 and served.json()["choices"][0]["text"].startswith("d0")
+    assert not p.requests and "bootstrap_room" not in d.requests[0]["body"]
+    assert pd_route_counts(metrics)["decode_only_no_prefill"] == 1
+    assert liveness.status_code == 200  # the decode pool down too: unready, not broken
+    for answer in (unready, refused):  # /health says which role it lacks (kubesgl up prints it)
         assert (
             answer.status_code == 503
-            and "no prefill worker can serve" in answer.json()["error"]["message"]
+            and "no decode worker can serve" in answer.json()["error"]["message"]
         )
 
 
@@ -636,6 +654,7 @@ async def test_a_request_retried_on_another_pair_is_one_pd_route(
         "disaggregated": 2,
         "decode_only_short": 0,
         "decode_only_saturated": 0,
+        "decode_only_no_prefill": 0,
     }
 
 
