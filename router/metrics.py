@@ -89,8 +89,8 @@ class RouterMetrics:
             "kubesgl_router_requests",
             "Upstream attempts by worker and outcome: the HTTP status, `error` when the "
             "connection failed or broke mid-stream, or `cancelled` when the client left or the "
-            "other side of a P/D pair failed (its own 502 or 504 then only passed that on; "
-            "worker is empty when none could serve)",
+            "other side of a P/D pair failed or refused the request (its own 502 or 504, or a "
+            "prefill's 409, then only passed that on; worker is empty when none could serve)",
             ["worker", "status"],
             registry=self.registry,
         )

@@ -12,7 +12,9 @@ chunk holds tokens, which need the KV), the prefill's part is done.
 An engine whose partner failed a room answers 5xx too (502, or 504 when the partner let it
 time out: engine/scheduler/roles.py), so a side's 5xx answer waits for the pair's verdict
 before its worker is blamed (`UpstreamError.settle`): the failure the client gets is its
-worker's; the other side's answer only passed it on, and counts against no breaker.
+worker's; the other side's answer only passed it on, and counts against no breaker. So does a
+prefill engine's 409 for the room its decode engine closed as it refused the request: the
+client gets the decode's refusal, and the 409 is no answer of the prefill worker's own.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from kubesgl.contract import API_KEY_ENV, ROUTER_UPSTREAM_KEEP_ALIVE_S
 from kubesgl.router.errors import error_body, sse_error_event
 from kubesgl.router.metrics import RouterMetrics
 from kubesgl.router.security import GuardedResolver
-from kubesgl.router.workers import Worker
+from kubesgl.router.workers import Role, Worker
 
 log = logging.getLogger("kubesgl.router")
 
@@ -41,6 +41,10 @@ _HOP_BY_HOP = frozenset(
 # The client's credentials: the router checks them (docs/router.md, Security) and engines never
 # see them; they get the router's own key instead.
 _CLIENT_CREDENTIALS = frozenset({b"authorization", b"cookie"})
+
+# A prefill engine's answer for a room that was closed before its scheduler took the request: its
+# decode engine refused the request first (engine/scheduler/roles.py)
+ROOM_CLOSED_STATUS = 409
 
 Headers = list[tuple[bytes, bytes]]
 # Failures of a worker connection: refused, reset, cut mid-body, too slow to answer.
@@ -125,12 +129,13 @@ class UpstreamError(Exception):
 
     def settle(self, *, blamed: bool) -> None:
         """Ends the attempt of a P/D pair's answer with the pair's verdict: `blamed`, its
-        worker failed the request; else its answer only passed on the other side's failure
-        (counted as `cancelled`, not told to its breaker). Nothing for an error ended already."""
+        answer was its own (a 5xx: its worker failed the request); else it only passed on the
+        other side's failure or refusal (counted as `cancelled`, not told to its breaker).
+        Nothing for an error ended already."""
         attempt, self._pending = self._pending, None
         if attempt is not None:
             if blamed:
-                attempt.finish(str(self.status), worker_failed=True)
+                attempt.finish(str(self.status), worker_failed=_failed_by(self.status))
             else:
                 attempt.finish("cancelled", worker_failed=None)
 
@@ -260,6 +265,19 @@ class Attempt:
         self._metrics.attempt_finished(self.worker, status)
 
 
+def _failed_by(status: int) -> bool | None:
+    """The verdict on a worker that answered an error: a 5xx is its failure; a client's error
+    (4xx) says nothing of it, neither way."""
+    return True if status >= 500 else None
+
+
+def _may_pass_on(worker: Worker, status: int) -> bool:
+    """An error answer of one side of a P/D pair that may be the other side's outcome passed on:
+    a 5xx (its partner failed the room), or a prefill engine's 409 (its decode engine refused
+    the request and closed the room first)."""
+    return status >= 500 or (status == ROOM_CLOSED_STATUS and worker.role is Role.PREFILL)
+
+
 def _connection_lost(exc: BaseException) -> bool:
     """Refused, reset or closed (not merely slow): the worker's process is gone or going."""
     connection_error = isinstance(exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError)
@@ -308,8 +326,9 @@ class UpstreamClient:
         """Sends one request; returns a complete answer, or a stream once its first chunk is in.
 
         `paired`: one side of a P/D pair, which answers 5xx also when the other side failed
-        (an engine whose partner failed a room answers 502): such an answer's attempt is left
-        for the pair to end (`UpstreamError.settle`), which decides whose failure it was."""
+        (an engine whose partner failed a room answers 502), and a prefill engine 409 when its
+        decode engine refused the request: such an answer's attempt is left for the pair to
+        end (`UpstreamError.settle`), which decides whose answer it was (_may_pass_on)."""
         attempt = Attempt(worker, self.metrics)
         response: aiohttp.ClientResponse | None = None
         try:
@@ -320,10 +339,10 @@ class UpstreamClient:
                 body = await self._read_all(worker, response)
                 if status >= 400:
                     error = UpstreamError.from_answer(worker, status, body)
-                    if paired and status >= 500:  # the pair decides whose failure it was
+                    if paired and _may_pass_on(worker, status):  # the pair decides whose it was
                         error._pending = attempt
-                    else:  # a client's error (4xx) says nothing of the worker: neither way
-                        attempt.finish(str(status), worker_failed=True if status >= 500 else None)
+                    else:
+                        attempt.finish(str(status), worker_failed=_failed_by(status))
                     raise error
                 attempt.finish(str(status), worker_failed=False)
                 return BufferedReply(status, reply_headers, body)

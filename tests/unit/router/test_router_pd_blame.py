@@ -209,3 +209,37 @@ def test_a_decode_that_never_asked_for_its_room_is_blamed_not_the_prefill_that_t
     assert counted(metrics, PREFILL, "cancelled") == 1
     assert counted(metrics, DECODE, str(decode_status)) == 1
     assert prefill.in_flight == decode.in_flight == 0
+
+
+@pytest.mark.parametrize("prefill_first", [True, False])
+def test_a_prefill_409_for_the_room_its_decode_closed_is_no_error_of_the_prefill(prefill_first):
+    """A trial's `max_tokens: 10**9`: the decode engine refuses it (400) and closes its room,
+    which the prefill engine then answers 409. The client gets the decode's 400; the prefill's
+    409 only passed that refusal on, and counted as its own it made a client's mistake look
+    like a prefill-side error."""
+    _, metrics, prefill, decode = pair(failure_threshold=1)
+    prefill_delay, decode_delay = (0.0, 0.02) if prefill_first else (0.02, 0.0)
+    session = _Session(
+        after(prefill_delay, 409, "bootstrap_room 1 was cancelled by its decode engine"),
+        after(decode_delay, 400, "lower max_tokens to at most 2034"),
+    )
+    error = send(metrics, session, prefill, decode)
+    assert error is not None and error.worker is decode and error.status == 400
+    assert counted(metrics, DECODE, "400") == 1
+    assert counted(metrics, PREFILL, "409") == 0 and counted(metrics, PREFILL, "cancelled") == 1
+    assert decode.breaker.state is prefill.breaker.state is BreakerState.CLOSED
+    assert prefill.in_flight == decode.in_flight == 0
+
+
+def test_a_prefill_409_the_decode_does_not_explain_is_counted_as_the_prefills():
+    """The decode engine says nothing within the verdict's wait: the prefill's 409 is the
+    client's answer, and its own (a client's error: its breaker is not told)."""
+    _, metrics, prefill, decode = pair(failure_threshold=1)
+    session = _Session(after(0.0, 409, "bootstrap_room 1 is already in use"), after(5.0, 200))
+    error = send(metrics, session, prefill, decode)
+    assert error is not None and error.worker is prefill and error.status == 409
+    assert counted(metrics, PREFILL, "409") == 1 and counted(metrics, DECODE, "cancelled") == 1
+    assert (
+        prefill.breaker.state is BreakerState.CLOSED and prefill.breaker.consecutive_failures == 0
+    )
+    assert prefill.in_flight == decode.in_flight == 0
