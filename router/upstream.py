@@ -95,6 +95,20 @@ def make_session(
     )
 
 
+# What a client reads when a worker's stream breaks off, by the error's type (the first that
+# matches). The exception's own text, for the log only, names aiohttp's internals: its
+# "TransferEncodingError: 400" is no HTTP status.
+_BREAK_OFF_REASONS: tuple[tuple[type[BaseException], str], ...] = (
+    (asyncio.TimeoutError, "it sent nothing within the router's read timeout"),
+    (aiohttp.ClientPayloadError, "the connection ended before the response did"),
+    (aiohttp.ClientError, "the connection broke"),
+)
+
+
+def _break_off_reason(exc: BaseException) -> str:
+    return next(plain for kind, plain in _BREAK_OFF_REASONS if isinstance(exc, kind))
+
+
 def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -407,9 +421,9 @@ class UpstreamClient:
                 attempt.finish(str(response.status), worker_failed=False)
                 return
             attempt.finish("error", worker_failed=True)
-            message = (
-                f"{worker.role.value} worker {worker.url} broke off the stream: {_reason(exc)}"
-            )
+            broke_off = f"{worker.role.value} worker {worker.url} broke off the stream"
+            log.warning("%s: %s", broke_off, _reason(exc))
+            message = f"{broke_off}: {_break_off_reason(exc)}"
             # [DONE] still follows, as it follows an engine's own error event (SGLang's and
             # vLLM's, on /generate too): clients that read up to [DONE] see the stream end
             yield sse_error_event(message) + SSE_DONE

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 
+import aiohttp
 import pytest
 
 from kubesgl.router.metrics import RouterMetrics
@@ -46,3 +49,45 @@ def test_a_relay_that_fails_unexpectedly_ends_its_attempt():
 
     asyncio.run(relay_all())
     assert worker.in_flight == 0 and response.closed
+
+
+def _relayed_after(error: Exception, caplog: pytest.LogCaptureFixture) -> tuple[str, str]:
+    """The error event a stream that broke with `error` ends with, and what the router logged."""
+    workers = WorkerRegistry()
+    worker = workers.add("http://w:1", Role.DECODE)
+    metrics = RouterMetrics(workers)
+    client = UpstreamClient(None, metrics)  # type: ignore[arg-type]  # no request is sent
+
+    async def relay_all() -> list[bytes]:
+        response, attempt = _Response(), Attempt(worker, metrics)
+        relay = client._relay(b"", _chunks_then(error), response, attempt)  # type: ignore[arg-type]
+        return [chunk async for chunk in relay]
+
+    caplog.set_level(logging.WARNING, logger="kubesgl.router")
+    *_, last = asyncio.run(relay_all())
+    event = json.loads(last.split(b"\n\n")[0].removeprefix(b"data: "))
+    return event["error"]["message"], caplog.text
+
+
+@pytest.mark.parametrize(
+    ("error", "plain"),
+    [
+        (
+            aiohttp.ClientPayloadError(
+                "Response payload is not completed: <TransferEncodingError: 400, message='Not "
+                "enough data to satisfy transfer length header.'>"
+            ),
+            "the connection ended before the response did",
+        ),
+        (aiohttp.ServerDisconnectedError(), "the connection broke"),
+        (aiohttp.SocketTimeoutError("Timeout on reading data from socket"), "it sent nothing "),
+    ],
+    ids=["cut", "disconnected", "silent"],
+)
+def test_a_broken_stream_ends_with_a_plain_message_and_logs_the_exception(error, plain, caplog):
+    """A trial's decode engine died mid-stream: the client read aiohttp's internals, whose
+    "400" is no HTTP status. The exception goes to the router's log instead."""
+    message, logged = _relayed_after(error, caplog)
+    assert message.startswith(f"decode worker http://w:1 broke off the stream: {plain}")
+    assert "aiohttp" not in message and type(error).__name__ not in message
+    assert type(error).__name__ in logged and "http://w:1" in logged
