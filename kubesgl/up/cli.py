@@ -98,8 +98,8 @@ class _LogFolder:
 
 def main(argv: list[str]) -> int:
     stop_on_signals()  # already, where `kubesgl` ran it; a test may call main itself
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         local = _plan(args)
         logs = _log_folder(local.name, args.logs)
     except _Refused as refused:

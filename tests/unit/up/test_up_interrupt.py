@@ -99,3 +99,17 @@ def test_sigint_during_the_model_step_stops_it_where_sigint_was_ignored(tmp_path
     assert "making the model, once: " in out and "started" not in out
     assert list((tmp_path / "tmp").iterdir()) == []  # the logs: nothing failed
     assert list(models.iterdir()) == []  # no half-made model either
+
+
+def test_a_signal_while_it_reads_its_arguments_stops_it_quietly(monkeypatch):
+    # The window the test above hit now and then on a loaded machine: the signal came after
+    # the imports and before the plan, and its KeyboardInterrupt ended the process with a
+    # traceback (status -2).
+    from kubesgl.up import cli
+
+    class Interrupted:
+        def parse_args(self, argv):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", Interrupted)
+    assert cli.main(["-f", str(QUICKSTART)]) == 130
