@@ -15,16 +15,15 @@ import tempfile
 
 import torch
 
+from kubesgl.cli_help import CommandParser
 from kubesgl.engine import LLM
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 
 
-def engine_parser(doc: str | None, **defaults) -> argparse.ArgumentParser:
+def engine_parser(doc: str | None, **defaults) -> CommandParser:
     """The argument parser of a benchmark that builds an engine: its docstring as the help, and
     every option of `kubesgl serve`'s engine with this benchmark's own defaults."""
-    parser = argparse.ArgumentParser(
-        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = CommandParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
     parser.set_defaults(**defaults)
     return parser

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 
+from kubesgl.cli_help import CommandParser
 from kubesgl.engine.child_process import start_failure_line
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.config import OFFLINE_REFUSED
@@ -19,8 +19,8 @@ REFUSED = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kubesgl generate", description=__doc__)
+def build_parser() -> CommandParser:
+    parser = CommandParser(prog="kubesgl generate", description=__doc__)
     add_engine_args(parser, refused=REFUSED)
     sampling = parser.add_argument_group("generation")
     sampling.add_argument(

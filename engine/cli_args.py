@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from kubesgl.cli_help import CommandParser
 from kubesgl.engine.config import ENGINE_OPTIONS, EngineConfig, EngineOption
 
 CLI_OPTIONS = [opt for opt in ENGINE_OPTIONS.values() if opt.cli]
@@ -33,10 +34,13 @@ class _Refused(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def add_engine_args(parser: argparse.ArgumentParser, refused: dict[str, str] | None = None) -> None:
+def add_engine_args(parser: CommandParser, refused: dict[str, str] | None = None) -> None:
     """One flag per engine option. `refused`: options (by name) that this command cannot
     honour, each with the reason a value other than the default is refused."""
     refused = refused or {}
+    parser.names_elsewhere |= {
+        name: opt.flag for opt in CLI_OPTIONS for name in opt.named_elsewhere
+    }
     group = parser.add_argument_group("engine options")
     for opt in CLI_OPTIONS:
         if opt.name in refused:

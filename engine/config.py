@@ -43,6 +43,7 @@ class _Declared:
     bounds: Bounds
     cli: bool
     aliases: tuple[str, ...]
+    named_elsewhere: tuple[str, ...]
 
 
 def option(
@@ -55,11 +56,14 @@ def option(
     lt: float | None = None,
     cli: bool = True,
     aliases: tuple[str, ...] = (),
+    named_elsewhere: tuple[str, ...] = (),
 ) -> Any:
     """An EngineConfig field: its default and help text, and the bounds of a number. `cli=False`
     keeps it off the command line (the offline `LLM` API sets it); `aliases` are more flags
-    for it (another engine's name, so that its command lines run unchanged)."""
-    declared = _Declared(help, Bounds(ge, gt, le, lt), cli, aliases)
+    for it (another engine's name, so that its command lines run unchanged); `named_elsewhere`
+    are other servers' flags of the same meaning that kubesgl does not take: their error names
+    the option's flag."""
+    declared = _Declared(help, Bounds(ge, gt, le, lt), cli, aliases, named_elsewhere)
     return field(default=default, metadata={_OPTION: declared})
 
 
@@ -70,7 +74,13 @@ class EngineConfig:
         "downloads into its cache; with HF_HUB_OFFLINE=1 the cached copy, no network",
         aliases=("--model-path",),  # SGLang's flag (vLLM's is --model)
     )
-    tp_size: int = option(1, help="tensor-parallel ranks: one process and one device each", ge=1)
+    tp_size: int = option(
+        1,
+        help="tensor-parallel ranks: one process and one device each",
+        ge=1,
+        aliases=("--tp",),  # SGLang's documented spelling (a prefix its parser takes)
+        named_elsewhere=("--tensor-parallel-size", "-tp"),  # vLLM's; the first SGLang's too
+    )
     role: EngineRole = option(
         MIXED,
         help="mixed runs whole requests; prefill and decode engines split "
@@ -102,9 +112,13 @@ class EngineConfig:
         help="tokens per KV page: prefixes are cached and shared in whole pages; FlashInfer "
         "reads whole pages (16-64 speed up its decode with an FP8 KV cache)",
         ge=1,
+        named_elsewhere=("--block-size",),  # vLLM's tokens per KV block
     )
     max_running_requests: int = option(
-        256, help="requests admitted at once (each holds its KV until it ends)", ge=1
+        256,
+        help="requests admitted at once (each holds its KV until it ends)",
+        ge=1,
+        named_elsewhere=("--max-num-seqs",),  # vLLM's
     )
     chunked_prefill_size: int = option(
         8192, help="prompt tokens per prefill step; 0 or less disables chunking"
@@ -126,11 +140,13 @@ class EngineConfig:
         f"process, its cgroup limit included, for the KV cache (unset: {CPU_MEM_FRACTION})",
         gt=0,
         lt=1,
+        named_elsewhere=("--gpu-memory-utilization",),  # vLLM's GPU share for weights and KV
     )
     context_length: int | None = option(
         None,
         help="longest prompt plus output; unset: the model's max_position_embeddings, which "
         "is also the most it takes (more is refused at start)",
+        named_elsewhere=("--max-model-len",),  # vLLM's
     )
     default_max_tokens: int = option(
         4096, help="output limit of requests that give no max_tokens", ge=1
@@ -155,7 +171,9 @@ class EngineConfig:
         False, help="build each step only after the previous one ended"
     )
     disable_cuda_graph: bool = option(
-        False, help="run every step eagerly, without CUDA graphs (piecewise ones included)"
+        False,
+        help="run every step eagerly, without CUDA graphs (piecewise ones included)",
+        named_elsewhere=("--enforce-eager",),  # vLLM's
     )
     cuda_graph_max_bs: int = option(256, help="largest decode batch captured in a CUDA graph", ge=1)
     enable_piecewise_cuda_graph: bool = option(
@@ -230,6 +248,7 @@ class EngineOption:
     bounds: Bounds
     cli: bool
     aliases: tuple[str, ...] = ()  # more flags for it
+    named_elsewhere: tuple[str, ...] = ()  # other servers' flags for it, refused with its flag
 
     @property
     def flag(self) -> str:
@@ -285,6 +304,7 @@ def _engine_options() -> dict[str, EngineOption]:
             declared.bounds,
             declared.cli,
             declared.aliases,
+            declared.named_elsewhere,
         )
     return options
 

@@ -8,6 +8,8 @@ off (False), an empty list, or a required flag. tests/unit/test_help.py checks e
 a whole-number flag with a floor, `fraction` that of a share from 0 to 1, `above_zero(...)` that
 of a number above 0 such as a rate or a time bound: argparse then refuses a bad value with a
 usage error that names the flag.
+`CommandParser` is the parser of every command: it takes no abbreviations, and it answers a
+flag that another server names differently with the flag to use.
 """
 
 from __future__ import annotations
@@ -40,12 +42,41 @@ class DefaultsOnce(argparse.HelpFormatter):
         return help_
 
 
-class RefusingParser(argparse.ArgumentParser):
+_UNRECOGNIZED = "unrecognized arguments: "  # how argparse starts the error of unknown flags
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of a `kubesgl` command. It takes flags whole: argparse would take any prefix
+    that names one flag alone (`--tp` for `--tp-size`), whose meaning a new flag could change.
+    `names_elsewhere` maps another server's flag (vLLM's `--max-model-len`) to this command's
+    flag of the same meaning, which the error of an unknown flag then names."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+        self.names_elsewhere: dict[str, str] = {}
+
+    def error(self, message: str) -> NoReturn:
+        super().error(self.with_hints(message))
+
+    def with_hints(self, message: str) -> str:
+        """The message, and for each unknown flag that another server names, the flag to use."""
+        if not message.startswith(_UNRECOGNIZED):
+            return message
+        given = [arg.split("=", 1)[0] for arg in message.removeprefix(_UNRECOGNIZED).split()]
+        hints = [
+            f"{flag} is {self.names_elsewhere[flag]} in {self.prog}"
+            for flag in dict.fromkeys(given)
+            if flag in self.names_elsewhere
+        ]
+        return "; ".join([message, *hints])
+
+
+class RefusingParser(CommandParser):
     """Raises ValueError with what the command would print and exit on: for the operator, which
     checks the command lines it renders with the parsers of the commands that run them."""
 
     def error(self, message: str) -> NoReturn:
-        raise ValueError(message)
+        raise ValueError(self.with_hints(message))
 
     def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
         raise ValueError(message or "the command would exit at start (--help, say)")

@@ -8,14 +8,14 @@ import sys
 
 import kopf
 
-from kubesgl.cli_help import DefaultsOnce, port_or_zero
+from kubesgl.cli_help import CommandParser, DefaultsOnce, port_or_zero
 from kubesgl.contract import LOG_LEVELS
 from kubesgl.operator.handlers import OperatorState, registry
 from kubesgl.operator.kube import NoCluster, check_reachable, load_credentials
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kubesgl operator",
         description="Reconcile InferenceService objects into engine, router and autoscaler"
         " objects.",

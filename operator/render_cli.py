@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -12,6 +11,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from kubesgl.cli_help import CommandParser
 from kubesgl.operator.render import Object, render
 from kubesgl.operator.spec import API_GROUP, KIND
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
@@ -207,7 +207,7 @@ def render_inputs(found: list[Found]) -> tuple[list[Object], bool]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog=PROG,
         description="Print the Kubernetes objects InferenceServices become (a YAML stream)."
         " Owner references appear only when the input has metadata.uid.",

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kubesgl import contract
-from kubesgl.cli_help import RefusingParser
+from kubesgl.cli_help import CommandParser, RefusingParser
 from kubesgl.contract import ENGINE_ROLES, EngineRole
 from kubesgl.engine.server.options import build_parser as build_serve_parser
 from kubesgl.engine.server.options import check_serve_args, parse_serve_args
@@ -244,11 +244,11 @@ class _AsGiven:
 
 
 class _FlagsParser(RefusingParser):
-    """Finds the flags a command line sets, as its command does (abbreviations and
-    `--flag=value` included), whatever values they hold: a value that the flag's type or
-    choices refuse stays as given (_AsGiven, or the string), and what the parser does not know
-    is left over (a `$(VAR)` where a flag goes, which only the pod can tell). It still refuses
-    what no value can mend, such as a flag without its value at the end.
+    """Finds the flags a command line sets, as its command does (aliases and `--flag=value`
+    included), whatever values they hold: a value that the flag's type or choices refuse stays
+    as given (_AsGiven, or the string), and what the parser does not know is left over (a
+    `$(VAR)` where a flag goes, which only the pod can tell). It still refuses what no value
+    can mend, such as a flag without its value at the end.
 
     `_get_value` and `_check_value` are argparse's private methods, not its API: this was
     checked on Python 3.11 (3.11.7, as CI runs; pyproject also allows 3.12, the image's Ubuntu
@@ -267,7 +267,7 @@ class _FlagsParser(RefusingParser):
 
 
 def _owned_flag_problem(
-    build_parser: Callable[[type[argparse.ArgumentParser]], argparse.ArgumentParser],
+    build_parser: Callable[[type[CommandParser]], CommandParser],
     argv: list[str],
     sections: Sections,
     owned: Mapping[str, str],
@@ -298,7 +298,7 @@ def _changed_flag(
     owned: Mapping[str, str], derived: argparse.Namespace, given: argparse.Namespace
 ) -> str | None:
     """Why the first of the owned flags whose value the command line, as its command parses it
-    (abbreviations and `--flag=value` included), changes from the operator's may not be set."""
+    (aliases and `--flag=value` included), changes from the operator's may not be set."""
     for flag, why in owned.items():
         dest = flag.removeprefix("--").replace("-", "_")  # argparse's rule
         if getattr(given, dest) != getattr(derived, dest):

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Mapping
 
 from kubesgl import contract
-from kubesgl.cli_help import DefaultsOnce, RefusingParser, port_number
+from kubesgl.cli_help import CommandParser, DefaultsOnce, RefusingParser, port_number
 from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV, LOG_LEVELS
 from kubesgl.router.config import KubeDiscoverySettings, RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import parse_selector
@@ -34,8 +34,8 @@ _RESILIENCE_OPTIONS = (
 
 
 def build_parser(
-    parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
-) -> argparse.ArgumentParser:
+    parser_class: type[CommandParser] = CommandParser,
+) -> CommandParser:
     p = parser_class(
         prog="kubesgl router",
         description="Cache-aware router and prefill/decode orchestrator in front of kubesgl engines.",
@@ -189,8 +189,8 @@ def config_from_args(
 
 
 def parse_router_args(argv: list[str]) -> argparse.Namespace:
-    """The arguments as `kubesgl router` parses them (abbreviations and `--flag=value`
-    resolved); ValueError for an unknown flag or a bad value."""
+    """The arguments as `kubesgl router` parses them (`--flag=value` resolved); ValueError for
+    an unknown flag or a bad value."""
     return build_parser(RefusingParser).parse_args(argv)
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kubesgl.cli_help import DefaultsOnce
+from kubesgl.cli_help import CommandParser, DefaultsOnce
 from kubesgl.contract import TINY_ARCHS, TinyArch
 from kubesgl.engine.model_config import parse_model_config
 from kubesgl.engine.models.weights import synthetic_checkpoint
@@ -205,7 +205,7 @@ def head_dim_arg(text: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="kubesgl make-tiny-model", description=__doc__, formatter_class=DefaultsOnce
     )
     parser.add_argument("dir", help="output directory")

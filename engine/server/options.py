@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kubesgl.cli_help import RefusingParser, port_or_zero
+from kubesgl.cli_help import CommandParser, RefusingParser, port_or_zero
 from kubesgl.contract import ENGINE_PORT, LOG_LEVELS
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.messages import HEARTBEAT_S
@@ -45,7 +45,7 @@ class ServerOptions:
             )
 
 
-def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser):
+def build_parser(parser_class: type[CommandParser] = CommandParser) -> CommandParser:
     parser = parser_class(prog="kubesgl serve", description="the OpenAI-compatible server")
     add_engine_args(parser)
     defaults = ServerOptions()
@@ -103,8 +103,8 @@ def server_options(args: argparse.Namespace, api_key: str | None = None) -> Serv
 
 
 def parse_serve_args(argv: list[str]) -> argparse.Namespace:
-    """The arguments as `kubesgl serve` parses them (abbreviations and `--flag=value` resolved),
-    not yet checked together; ValueError for an unknown flag or a bad value."""
+    """The arguments as `kubesgl serve` parses them (`--flag=value` resolved), not yet checked
+    together; ValueError for an unknown flag or a bad value."""
     return build_parser(RefusingParser).parse_args(argv)
 
 

@@ -24,7 +24,7 @@ from kubesgl.bench.datasets import (
     shared_prefix_requests,
     sharegpt_like_requests,
 )
-from kubesgl.cli_help import DefaultsOnce, above_zero, at_least, fraction
+from kubesgl.cli_help import CommandParser, DefaultsOnce, above_zero, at_least, fraction
 
 
 @dataclass
@@ -211,8 +211,8 @@ def server_root(url: str) -> str:
     return url.rstrip("/").removesuffix("/v1")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    parser = CommandParser(
         prog="kubesgl bench serving", description=__doc__, formatter_class=DefaultsOnce
     )
     parser.add_argument(

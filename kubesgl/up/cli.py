@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kubesgl import contract
-from kubesgl.cli_help import port_number
+from kubesgl.cli_help import CommandParser, port_number
 from kubesgl.operator.render_cli import (
     NO_DOCUMENT,
     READ_ERRORS,
@@ -41,8 +41,8 @@ PROG = "kubesgl up"
 TICK_S = 0.5
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    parser = CommandParser(
         prog=PROG,
         description="Run an InferenceService on this machine: every replica of its engine roles and "
         "the router, as local processes started from the command lines the operator puts in pods. Runs until "

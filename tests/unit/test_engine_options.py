@@ -20,6 +20,7 @@ from kubesgl import contract
 from kubesgl.bounds import Bounds
 from kubesgl.engine.cli_args import CLI_OPTIONS, engine_config_from_args, help_text
 from kubesgl.engine.config import ENGINE_OPTIONS, EngineConfig, EngineOption
+from kubesgl.engine.server.options import parse_serve_args
 from kubesgl.operator.render import render
 from kubesgl.operator.spec import EngineSpec
 from kubesgl.operator.validation import parse_inference_service
@@ -304,3 +305,74 @@ def test_a_cuda_graph_batch_size_below_one_is_refused_not_graphs_off(value):
     refuses it too."""
     with pytest.raises(ValueError, match="--cuda-graph-max-bs must be at least 1"):
         EngineConfig(model="m", cuda_graph_max_bs=value).validate()
+
+
+# SGLang's flags (sglang.launch_server) that kubesgl serve takes under the same name, each with
+# a value: a command line written for SGLang keeps running, `--flag=value` form included
+SGLANG_FLAGS = {
+    "--model-path": "m",
+    "--tp-size": "1",
+    "--tp": "1",  # its docs' spelling, a prefix its own parser takes
+    "--context-length": "512",
+    "--mem-fraction-static": "0.5",
+    "--max-running-requests": "8",
+    "--max-total-tokens": "4096",
+    "--max-prefill-tokens": "1024",
+    "--chunked-prefill-size": "512",
+    "--page-size": "16",
+    "--kv-cache-dtype": "auto",
+    "--attention-backend": "torch",
+    "--schedule-policy": "lpm",
+    "--cuda-graph-max-bs": "8",
+    "--served-model-name": "n",
+}
+
+
+@pytest.mark.parametrize(("flag", "value"), SGLANG_FLAGS.items())
+def test_sglangs_flags_stay_accepted(flag, value):
+    args = ["--model", "m"] if flag != "--model-path" else []
+    parser = _parser("serve")
+    assert parser.parse_args([*args, flag, value]) == parser.parse_args([*args, f"{flag}={value}"])
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize(
+    ("given", "ours"),
+    [
+        (["--max-model-len", "512"], "--context-length"),
+        (["--tensor-parallel-size", "1"], "--tp-size"),
+        (["-tp", "1"], "--tp-size"),
+        (["--gpu-memory-utilization=0.5"], "--mem-fraction-static"),
+        (["--max-num-seqs", "8"], "--max-running-requests"),
+        (["--block-size", "16"], "--page-size"),
+        (["--enforce-eager"], "--disable-cuda-graph"),
+    ],
+)
+def test_another_servers_flag_is_refused_with_the_flag_to_use(command, given, ours, capsys):
+    """vLLM's flags were refused as `unrecognized arguments` and nothing more."""
+    prompt = ["--prompt", "p"] if command == "generate" else []
+    with pytest.raises(SystemExit) as exit_:
+        _parser(command).parse_args(["--model", "m", *prompt, *given])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit_.value.code == 2
+    assert err == (
+        f"kubesgl {command}: error: unrecognized arguments: {' '.join(given)}; "
+        f"{given[0].split('=')[0]} is {ours} in kubesgl {command}"
+    )
+
+
+def test_every_flag_named_elsewhere_points_to_an_option_kubesgl_serve_takes():
+    parser = _parser("serve")
+    for opt in CLI_OPTIONS:
+        for flag in opt.named_elsewhere:
+            assert flag not in parser._option_string_actions, flag  # refused, not taken
+            with pytest.raises(ValueError, match=f"; {flag} is {opt.flag} in kubesgl serve$"):
+                parse_serve_args(["--model", "m", flag, "1"])
+
+
+@pytest.mark.parametrize("prefix", ["--tp-s", "--context", "--mem-fraction", "--mod"])
+def test_a_prefix_of_a_flag_is_not_the_flag(prefix):
+    """argparse took any prefix that names one flag alone, so that a new flag could change
+    what a command line that ran meant."""
+    with pytest.raises(ValueError, match=f"unrecognized arguments: {prefix} 1$"):
+        parse_serve_args(["--model", "m", prefix, "1"])

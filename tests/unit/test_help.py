@@ -47,6 +47,7 @@ def test_help_exits_0_and_every_flag_has_help_and_its_default_once(argv, monkeyp
         return
     (parser,) = parsers
     assert out == parser.format_help()
+    assert not parser.allow_abbrev, f"{' '.join(argv)} takes a prefix of a flag for the flag"
     formatter = parser._get_formatter()
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:

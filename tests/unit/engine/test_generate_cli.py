@@ -58,10 +58,10 @@ def test_a_missing_model_is_a_clear_error(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "flag"),
     [
-        (["--tp-size", "64"], "--tp-size"),
+        (["--tp-size", "64"], "--tp-size/--tp"),
         (["--role", "prefill"], "--role"),
-        (["--tp-size", "64", "--role", "prefill"], "--tp-size"),
-        (["--tp", "2"], "--tp-size"),  # an abbreviation is the same flag
+        (["--tp-size", "64", "--role", "prefill"], "--tp-size/--tp"),
+        (["--tp", "2"], "--tp-size/--tp"),  # SGLang's spelling is the same flag
         (["--disaggregation-timeout", "5"], "--disaggregation-timeout"),
         (["--disaggregation-bootstrap-port", "9000"], "--disaggregation-bootstrap-port"),
         (["--default-max-tokens", "8"], "--default-max-tokens"),

@@ -667,6 +667,12 @@ def test_extra_args_the_engine_would_refuse_name_the_field_that_gave_them() -> N
         "spec.engine.extraArgs: the engine refuses these options: unrecognized arguments: "
         "--max-runing-requests 8 (prefill, decode)"
     ]
+    # a prefix of a flag is no flag, and another server's flag names the engine's
+    with_prefix = with_changes(document, "spec.decode.extraArgs", ["--po=8080", "--block-size=16"])
+    assert problems_of(with_prefix) == [
+        "spec.decode.extraArgs: the engine refuses these options: unrecognized arguments: "
+        "--po=8080 --block-size=16; --block-size is --page-size in kubesgl serve (decode)"
+    ]
     with_role = with_changes(document, "spec.decode.extraArgs", ["--page-size", "0"])
     assert problems_of(with_role) == [
         "spec.decode.extraArgs: the engine refuses these options: --page-size must be at least 1, "
@@ -690,8 +696,9 @@ def test_extra_args_the_engine_would_refuse_name_the_field_that_gave_them() -> N
             ["--port", "8080"],
             "spec.prefill.extraArgs: may not set --port",
         ),
-        # argparse's abbreviations and --flag=value forms are the flag too
-        ("spec.decode.extraArgs", ["--po=8080"], "spec.decode.extraArgs: may not set --port"),
+        # --flag=value and another engine's flag of the option are the flag too
+        ("spec.decode.extraArgs", ["--port=8080"], "spec.decode.extraArgs: may not set --port"),
+        ("spec.prefill.extraArgs", ["--tp", "2"], "spec.prefill.extraArgs: may not set --tp-size"),
         (
             "spec.engine.extraArgs",
             ["--host", "127.0.0.1"],
@@ -736,7 +743,7 @@ def test_extra_args_the_engine_would_refuse_name_the_field_that_gave_them() -> N
         ),
         (
             "spec.decode.extraArgs",
-            ["--api-key-f", "/keys/api"],
+            ["--api-key-file", "/keys/api"],
             "spec.decode.extraArgs: may not set --api-key-file (set spec.engine.apiKeySecret",
         ),
     ],
@@ -768,7 +775,7 @@ def test_owned_flags_are_checked_beside_a_variable_known_in_the_pod_only() -> No
     "extra_args",
     [
         ["--port", "31000", "--log-level", "$(FROM_A_CONFIGMAP)"],
-        ["--max-running-requests", "$(FROM_A_CONFIGMAP)", "--po=31000"],
+        ["--max-running-requests", "$(FROM_A_CONFIGMAP)", "--port=31000"],
         ["--port", "$(FROM_A_CONFIGMAP)"],
         ["--port=$(FROM_A_CONFIGMAP)"],
     ],
