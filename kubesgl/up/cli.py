@@ -38,6 +38,7 @@ from kubesgl.up.status import StatusView
 from kubesgl.up.supervisor import Supervisor
 
 PROG = "kubesgl up"
+NO_IMAGE = "none: kubesgl up runs no image"  # spec.image of a spec that gives none
 TICK_S = 0.5
 
 
@@ -138,7 +139,7 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
         raise _Refused(f"{args.filename}: {problem}")
     document = objects[0]
     try:
-        isvc = parse_inference_service(document)
+        isvc = parse_inference_service(_image_optional(document))
         gpus = visible_gpus() if isvc.spec.engine.device == "cuda" else ()
         settings = LocalSettings(
             host=args.host, port=args.port, gpus=gpus, model=args.model, environ=os.environ
@@ -156,6 +157,15 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
     if problem is not None:
         raise _Refused(problem)
     return local
+
+
+def _image_optional(document: dict[str, Any]) -> dict[str, Any]:
+    """The document with a stand-in for a `spec.image` it leaves out. The schema (the CRD's)
+    requires the image, which every pod runs; kubesgl up runs processes, not the image."""
+    spec = document.get("spec")
+    if not isinstance(spec, dict) or "image" in spec:
+        return document
+    return {**document, "spec": {**spec, "image": NO_IMAGE}}
 
 
 def _log_folder(name: str, logs: str | None) -> _LogFolder:

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from kubesgl import contract
+from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up import cli
 from kubesgl.up.model import ModelStepFailed
 from kubesgl.up.plan import LocalPlan, LocalProcess
@@ -54,6 +55,21 @@ def test_the_operators_validation_errors_name_each_field(tmp_path, capsys):
     path = spec_file(tmp_path, decode=None)
     assert cli.main(["-f", path]) == 2
     assert "  spec.decode: required when mode is disaggregated" in capsys.readouterr().err
+
+
+def test_a_spec_without_an_image_runs_though_a_cluster_needs_one(tmp_path, capsys):
+    """kubesgl up runs no image, yet refused a laptop's spec without one: `spec.image: Field
+    required`. The operator and kubesgl render still require it: pods run it."""
+    path = spec_file(tmp_path, decode=None)  # refused later, so that nothing starts
+    document = yaml.safe_load(Path(path).read_text())
+    del document["spec"]["image"]
+    Path(path).write_text(yaml.safe_dump(document))
+    assert cli.main(["-f", path]) == 2
+    assert capsys.readouterr().err.splitlines()[1:] == [
+        "  spec.decode: required when mode is disaggregated"
+    ]
+    with pytest.raises(InvalidSpec, match="spec.image: Field required"):
+        parse_inference_service(document)
 
 
 def test_more_gpus_than_this_machine_has(tmp_path, capsys, monkeypatch):
