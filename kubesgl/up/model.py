@@ -35,12 +35,14 @@ def _error_line(log_path: Path, start: int) -> str:
 def ensure_model(step: ModelStep, log_path: Path) -> None:
     """Runs the step unless its folder exists. The step writes into a fresh folder that is renamed
     into place once it succeeds: an interrupted run leaves no half-made model behind, and two
-    runs at once do not mix their files."""
+    runs at once do not mix their files. A step that fails removes the cache folders it made
+    (`hf/ORG/NAME/` of a download's `hf/ORG/NAME/REVISION`) too."""
     if step.path.exists():
         return
-    step.path.parent.mkdir(parents=True, exist_ok=True)
+    made = _make_folder(step.path.parent)
     partial = Path(tempfile.mkdtemp(prefix=f"{step.path.name}.partial-", dir=step.path.parent))
     argv = step.argv(partial)
+    succeeded = False
     try:
         with log_path.open("ab") as log:
             start = log.tell()  # the log may hold earlier runs' lines
@@ -66,8 +68,28 @@ def ensure_model(step: ModelStep, log_path: Path) -> None:
             # another run finished first: keep its copy
         with log_path.open("a") as log:  # the step's own lines name the folder it wrote into
             log.write(f"model ready at {step.path}\n")
+        succeeded = True
     finally:
         shutil.rmtree(partial, ignore_errors=True)
+        if not succeeded:
+            _remove_empty(made)
+
+
+def _make_folder(folder: Path) -> list[Path]:
+    """Makes the folder and the parents it lacks; those it made, the deepest first."""
+    missing = [path for path in (folder, *folder.parents) if not path.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Removes the folders, the deepest first, up to one that is not empty: another run may
+    have put a model of its own there meanwhile."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def weights_size(folder: Path) -> int | None:

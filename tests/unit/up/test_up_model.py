@@ -45,11 +45,32 @@ def test_a_failed_step_leaves_nothing_and_says_where_its_log_is(tmp_path):
         ModelStepFailed, match=r"exited with code 3: no space left \(log: .*model.log\)"
     ):
         ensure_model(failing, tmp_path / "model.log")
-    assert not failing.path.exists() and list(failing.path.parent.iterdir()) == []
+    assert not (tmp_path / "cache").exists()  # the folders it made for the model
     assert "no space left" in (tmp_path / "model.log").read_text()
     missing = ModelStep(("no-such-command-here",), (), "/models/hf", {}, tmp_path / "hf")
     with pytest.raises(ModelStepFailed, match="no-such-command-here is not installed"):
         ensure_model(missing, tmp_path / "model.log")
+
+
+def test_a_failed_download_removes_the_folders_it_made_and_only_those(tmp_path):
+    """`kubesgl up -f examples/disaggregated.yaml` with no network failed cleanly but left
+    ~/.cache/kubesgl/models/hf/meta-llama/Llama-3.1-8B-Instruct/ behind, empty."""
+    models = tmp_path / "cache" / "models"
+    (models / "tiny-llama").mkdir(parents=True)  # another model's, before this step
+    failing = ModelStep(
+        (sys.executable, "-c", "raise SystemExit(1)"),
+        ("/models/hf",),
+        "/models/hf",
+        {},
+        models / "hf" / "meta-llama" / "Llama-3.1-8B-Instruct" / "main",
+    )
+    with pytest.raises(ModelStepFailed):
+        ensure_model(failing, tmp_path / "model.log")
+    assert [p.name for p in models.iterdir()] == ["tiny-llama"]
+    (models / "hf" / "meta-llama" / "Llama-3.2-1B").mkdir(parents=True)  # this org's other model
+    with pytest.raises(ModelStepFailed):
+        ensure_model(failing, tmp_path / "model.log")
+    assert [p.name for p in (models / "hf" / "meta-llama").iterdir()] == ["Llama-3.2-1B"]
 
 
 def test_a_failed_step_says_why_in_its_error_line(tmp_path):
