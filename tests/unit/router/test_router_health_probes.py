@@ -11,10 +11,12 @@ from aiohttp import web
 from kubesgl.router.health import HealthChecker, HealthSettings
 from kubesgl.router.workers import Role, Worker, WorkerRegistry
 
+PROBES = web.AppKey("probes", list[int])  # the statuses the stand-in engine answered
+
 
 async def slow_engine(answers: list[int]) -> web.AppRunner:
     """An engine whose /health takes 0.2 s to answer, with `answers` in turn (200 after them),
-    and appends each status it answered to `answers`' record: runner.app["probes"]."""
+    and appends each status it answered to `answers`' record: runner.app[PROBES]."""
     probes: list[int] = []
 
     async def health(_: web.Request) -> web.Response:
@@ -27,7 +29,7 @@ async def slow_engine(answers: list[int]) -> web.AppRunner:
         return web.json_response({"object": "list", "data": [{"id": "m"}]})
 
     app = web.Application()
-    app["probes"] = probes
+    app[PROBES] = probes
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     runner = web.AppRunner(app)
@@ -53,7 +55,7 @@ def run_checks(
                 await result
             await asyncio.sleep(1.0)
         await runner.cleanup()
-        return runner.app["probes"], worker
+        return runner.app[PROBES], worker
 
     return asyncio.run(go())
 
