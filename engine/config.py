@@ -78,8 +78,9 @@ class EngineConfig:
         1,
         help="tensor-parallel ranks: one process and one device each",
         ge=1,
-        aliases=("--tp",),  # SGLang's documented spelling (a prefix its parser takes)
-        named_elsewhere=("--tensor-parallel-size", "-tp"),  # vLLM's; the first SGLang's too
+        # SGLang's documented spelling (a prefix its parser takes), and its and vLLM's full name
+        aliases=("--tp", "--tensor-parallel-size"),
+        named_elsewhere=("-tp",),  # vLLM's
     )
     role: EngineRole = option(
         MIXED,

@@ -201,15 +201,20 @@ class SchedulerLoop:
                     last_stats, last_sent = stats, now
 
     def _step(self) -> list[TokenOutput]:
-        """A step that raises has ended its requests with a 500 (handed out next turn), so
-        one request that breaks a step does not take the others down. Going on is unsafe, and
-        the error ends the process, with several ranks (they could part ways), when the device
-        no longer answers, or after MAX_FAILED_STEPS in a row."""
+        """A step whose requests the scheduler ended with a 500 for its error (handed out next
+        turn) does not take the others down: the engine serves on. Any other error ends the
+        process, as does one where going on is unsafe: with several ranks (they could part
+        ways), when the device no longer answers, or at MAX_FAILED_STEPS in a row."""
         try:
             outputs = self.engine.step()
-        except Exception:
+        except Exception as exc:
             self.failed_steps += 1
-            if self.engine.config.tp_size > 1 or self.failed_steps >= MAX_FAILED_STEPS:
+            contained = exc is self.engine.scheduler.contained_failure
+            if (
+                not contained
+                or self.engine.config.tp_size > 1
+                or self.failed_steps >= MAX_FAILED_STEPS
+            ):
                 raise
             self.engine.check_device()
             logger.exception("a step failed: its requests end with an error, the engine serves on")

@@ -68,6 +68,10 @@ class Req:
     fill_len: int = -1  # -1: the prompt's length
     num_scheduled: int = 0
     num_computed: int = 0
+    # A step it was part of failed: that step's KV was never written and the steps launched
+    # behind it read it, so num_computed stays where the failure found it (nothing of theirs
+    # reaches the prefix cache)
+    kv_lost: bool = False
     outputs_scheduled: int = 0  # sampled tokens scheduled, in flight included
     future_slot: int | None = None  # where the in-flight step leaves this request's newest token
     last_step: int = -1  # the latest step this request is part of

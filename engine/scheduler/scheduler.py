@@ -108,6 +108,9 @@ class Scheduler:
         self._prompt_tokens = self._cached_prompt_tokens = 0
         self._retractions = 0
         self._drained: list[TokenOutput] = []  # outputs of a step finished early to retract
+        # The latest error of a step whose requests were ended for it (_fail_requests): a
+        # serving engine may go on after that error, not after others (process.py)
+        self.contained_failure: BaseException | None = None
         self._turn_ran_nothing = False  # see `waits_for_events`
 
     # -- input -------------------------------------------------------------------------
@@ -268,15 +271,15 @@ class Scheduler:
     def step(self) -> list[TokenOutput]:
         """Apply what the role's KV transfers report, schedule and launch one step; with
         overlap, handle the previous step's results."""
-        outputs = self._queue_compiled() if self.compiling else []
-        outputs += self._apply_role_events()
-        batch = self._schedule()
-        outputs += self._drained
-        self._drained = []
-        if batch is not None and not self.overlap:
-            self._fill_vocab_mask(batch)
-        in_flight = None
+        outputs: list[TokenOutput] = []
+        batch = in_flight = None
         try:
+            if self.compiling:
+                outputs += self._queue_compiled()
+            outputs += self._apply_role_events()
+            batch = self._schedule()
+            outputs += self._drained
+            self._drained = []
             launched = (batch, self._launch(batch)) if batch else None
             if self.overlap:
                 in_flight, self._in_flight = self._in_flight, launched
@@ -304,6 +307,8 @@ class Scheduler:
 
     def _launch(self, batch: ScheduledBatch) -> Future[PendingStep]:
         try:
+            if not self.overlap:  # with overlap, filled while the step before is processed
+                self._fill_vocab_mask(batch)
             return self.executor.launch(batch.forward)
         except BaseException as exc:
             # It never ran: its requests wait only for the step in flight, if there is one.
@@ -327,8 +332,10 @@ class Scheduler:
         """A step that failed (the device, or a bug) ends every request in it with an error,
         kept for the next turn's outputs, so that they are released once no step uses them
         and the engine can serve the next requests. Its caller raises the error on."""
+        self.contained_failure = error
         message = f"the step failed: {type(error).__name__}: {error}"
         for req in batch.reqs:
+            req.kv_lost = True
             if not req.finished:
                 req.finish_reason = FinishReason("error", message=message, status=500)
                 self._finish(req)
@@ -485,7 +492,8 @@ class Scheduler:
         self._completed_step = max(self._completed_step, batch.step)
         outputs = []
         for i, req in enumerate(batch.reqs):
-            req.num_computed += batch.extend_lens[i]
+            if not req.kv_lost:
+                req.num_computed += batch.extend_lens[i]
             if req.finished:
                 continue  # finished or aborted while this step ran: its token is dropped
             if i < batch.prefill_rows:

@@ -32,5 +32,9 @@ class EngineStreamResponse(StreamingResponse):
         finally:
             # The body first: its own readers of the streams end (a stream another task
             # reads cannot be closed); then the streams a body never started left open.
-            await self._body.aclose()
-            await asyncio.gather(*(stream.aclose() for stream in self._engine_streams))
+            try:
+                await self._body.aclose()
+            finally:  # a close that fails (the engine's sockets closed at shutdown) ends no other
+                await asyncio.gather(
+                    *(stream.aclose() for stream in self._engine_streams), return_exceptions=True
+                )

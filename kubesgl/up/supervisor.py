@@ -185,7 +185,7 @@ class Supervisor:
             due = replica.state == State.BACKOFF and self.clock() >= replica.restart_at
             if due or (replica.state == State.WAITING and self._may_start(replica)):
                 self._start(replica)
-            elif replica.state in PROBED:  # it was running when the probes began
+            elif replica.state in PROBED and replica in health:  # running then and since
                 self._take_health(replica, health[replica])
 
     def stop(self, force: threading.Event, on_tick: Callable[[], None] = lambda: None) -> None:

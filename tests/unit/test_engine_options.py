@@ -313,6 +313,7 @@ SGLANG_FLAGS = {
     "--model-path": "m",
     "--tp-size": "1",
     "--tp": "1",  # its docs' spelling, a prefix its own parser takes
+    "--tensor-parallel-size": "1",  # its full name, and vLLM's
     "--context-length": "512",
     "--mem-fraction-static": "0.5",
     "--max-running-requests": "8",
@@ -340,7 +341,6 @@ def test_sglangs_flags_stay_accepted(flag, value):
     ("given", "ours"),
     [
         (["--max-model-len", "512"], "--context-length"),
-        (["--tensor-parallel-size", "1"], "--tp-size"),
         (["-tp", "1"], "--tp-size"),
         (["--gpu-memory-utilization=0.5"], "--mem-fraction-static"),
         (["--max-num-seqs", "8"], "--max-running-requests"),

@@ -29,18 +29,21 @@ def loop(tiny_model, make_llm):
     shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
 
 
-def fail_launches(monkeypatch, loop, count: int) -> None:
-    """The next `count` steps fail as they are launched (a bug, or one request's bad input)."""
-    executor = loop.engine.executor
-    launch, left = executor.launch, [count]
+def fail_steps(monkeypatch, loop, count: int) -> list[int]:
+    """The next `count` forward passes raise (a bug, or one request's bad input), on the
+    executor's thread as on a device: the scheduler hears of it when it processes the step.
+    Returns the count left, which a test may set to 0."""
+    runner = loop.engine.executor.runner
+    run, left = runner.run, [count]
 
     def failing(batch):
         if left[0]:
             left[0] -= 1
             raise RuntimeError("the kernel failed")
-        return launch(batch)
+        return run(batch)
 
-    monkeypatch.setattr(executor, "launch", failing)
+    monkeypatch.setattr(runner, "run", failing)
+    return left
 
 
 def run_until_idle(loop) -> dict:
@@ -52,30 +55,52 @@ def run_until_idle(loop) -> dict:
     return ends
 
 
+def params() -> SamplingParams:
+    return SamplingParams(max_tokens=3, ignore_eos=True)
+
+
 def test_a_step_that_fails_ends_its_requests_and_the_next_request_is_served(loop, monkeypatch):
-    params = SamplingParams(max_tokens=3, ignore_eos=True)
-    loop.engine.add_request(GenerateRequest("unlucky", [1, 2, 3, 4], params))
-    fail_launches(monkeypatch, loop, 1)
-    assert loop._step() == []  # no exception: the process lives on
-    ends = run_until_idle(loop)
+    loop.engine.add_request(GenerateRequest("unlucky", [1, 2, 3, 4], params()))
+    fail_steps(monkeypatch, loop, 1)
+    ends = run_until_idle(loop)  # no exception: the process lives on
     assert ends["unlucky"].finish_reason.kind == "error"
     assert ends["unlucky"].finish_reason.status == 500
     assert "the kernel failed" in ends["unlucky"].finish_reason.message
-    loop.engine.add_request(GenerateRequest("next", [1, 2, 3, 4], params))
+    loop.engine.add_request(GenerateRequest("next", [1, 2, 3, 4], params()))
     ends = run_until_idle(loop)
     assert ends["next"].finish_reason.kind == "length" and loop.failed_steps == 0
 
 
 def test_steps_that_fail_in_a_row_end_the_process(loop, monkeypatch):
-    fail_launches(monkeypatch, loop, MAX_FAILED_STEPS)
-    params = SamplingParams(max_tokens=3, ignore_eos=True)
-    for i in range(MAX_FAILED_STEPS - 1):
-        loop.engine.add_request(GenerateRequest(f"r{i}", [1, 2, 3, 4], params))
-        assert loop._step() == []
-    loop.engine.add_request(GenerateRequest("last", [1, 2, 3, 4], params))
+    left = fail_steps(monkeypatch, loop, 100)
     with pytest.raises(RuntimeError, match="the kernel failed"):
-        loop._step()
+        for turn in range(4 * MAX_FAILED_STEPS):
+            loop.engine.add_request(GenerateRequest(f"r{turn}", [1, 2, 3, 4], params()))
+            loop._step()
+    assert loop.failed_steps == MAX_FAILED_STEPS
+    left[0] = loop.failed_steps = 0  # the step in flight, if any, still fails: one in a row
     run_until_idle(loop)  # what the failures ended is still handed out
+
+
+def test_an_error_whose_requests_were_not_ended_ends_the_process_at_once(loop, monkeypatch):
+    # raised before any batch was made: the scheduler ended nothing for it, and requests it
+    # half scheduled could wait forever in an engine that went on
+    def broken() -> None:
+        raise RuntimeError("a bug in scheduling")
+
+    monkeypatch.setattr(loop.engine.scheduler, "_schedule", broken)
+    loop.engine.add_request(GenerateRequest("r", [1, 2, 3, 4], params()))
+    with pytest.raises(RuntimeError, match="a bug in scheduling"):
+        loop._step()
+    assert loop.failed_steps == 1
+    monkeypatch.undo()
+    run_until_idle(loop)
+
+
+def raises_within_a_few_turns(loop, match: str) -> None:
+    with pytest.raises(RuntimeError, match=match):
+        for _ in range(4):  # with overlap, a step's failure is heard a turn later
+            loop._step()
 
 
 def test_a_failed_step_ends_the_process_when_the_device_no_longer_answers(loop, monkeypatch):
@@ -83,18 +108,16 @@ def test_a_failed_step_ends_the_process_when_the_device_no_longer_answers(loop, 
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(loop.engine, "check_device", gone)
-    fail_launches(monkeypatch, loop, 1)
-    loop.engine.add_request(GenerateRequest("r", [1, 2, 3, 4], SamplingParams(max_tokens=2)))
-    with pytest.raises(RuntimeError, match="illegal memory access"):
-        loop._step()
+    fail_steps(monkeypatch, loop, 1)
+    loop.engine.add_request(GenerateRequest("r", [1, 2, 3, 4], params()))
+    raises_within_a_few_turns(loop, "illegal memory access")
     run_until_idle(loop)
 
 
 def test_a_failed_step_ends_the_process_with_several_ranks(loop, monkeypatch):
     # a rank that carried on alone could part ways with the others in their collectives
     monkeypatch.setattr(loop.engine, "config", dataclasses.replace(loop.engine.config, tp_size=2))
-    fail_launches(monkeypatch, loop, 1)
-    loop.engine.add_request(GenerateRequest("r", [1, 2, 3, 4], SamplingParams(max_tokens=2)))
-    with pytest.raises(RuntimeError, match="the kernel failed"):
-        loop._step()
+    fail_steps(monkeypatch, loop, 1)
+    loop.engine.add_request(GenerateRequest("r", [1, 2, 3, 4], params()))
+    raises_within_a_few_turns(loop, "the kernel failed")
     run_until_idle(loop)

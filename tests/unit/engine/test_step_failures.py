@@ -18,7 +18,16 @@ from kubesgl.engine.sampling_params import GrammarSpec, SamplingParams
 def test_a_step_that_fails_does_not_break_the_next_generate(
     tiny_model, make_llm, overlap, where, failing_launch
 ):
-    llm = make_llm(tiny_model("llama"), disable_overlap_schedule=not overlap)
+    # prompts of several chunks: a step launched behind the failed one (overlap) computes on
+    # KV that was never written, which must not reach the prefix cache
+    options = dict(
+        disable_overlap_schedule=not overlap,
+        chunked_prefill_size=8,
+        page_size=1,  # a page per token: a chunk's KV is cached whole
+    )
+    # the reference from an engine of its own: the pages of this one then hold nothing that a
+    # step which never ran could pass for its KV
+    clean, llm = (make_llm(tiny_model("llama"), **options) for _ in range(2))
     executor = llm.engine.executor
     launch = executor.launch
     launches = 0
@@ -35,8 +44,10 @@ def test_a_step_that_fails_does_not_break_the_next_generate(
         failed.set_exception(error)
         return failed
 
-    prompt, params = [5, 6, 7], SamplingParams(max_tokens=4, temperature=0)
-    [expected] = llm.generate([prompt], params)
+    prompt = list(range(5, 37))
+    # logprobs: any KV that differs from a clean run's shows in them, if not in the tokens
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    [expected] = clean.generate([prompt], params)
     executor.launch = launch_once_failing
     with pytest.raises(RuntimeError, match="failed this step"):
         llm.generate([prompt, [8, 9]], params)
@@ -45,7 +56,11 @@ def test_a_step_that_fails_does_not_break_the_next_generate(
     for _ in range(3):  # idle turns: the failed requests' errors go out, then they are released
         scheduler.step()
     assert not scheduler.has_work() and not scheduler.requests
-    assert llm.generate([prompt, [8, 9]], params)[0].token_ids == expected.token_ids
+    [retried, _] = llm.generate([prompt, [8, 9]], params)
+    assert retried.token_ids == expected.token_ids
+    assert [t.logprob for t in retried.logprobs] == pytest.approx(
+        [t.logprob for t in expected.logprobs], abs=1e-4
+    )
     scheduler.drain()
     assert not scheduler.has_work() and not scheduler.requests
 
@@ -81,3 +96,32 @@ def test_a_request_whose_grammar_cannot_start_compiling_leaves_nothing_behind(
         engine.add_request(GenerateRequest("g", [5, 6, 7], params))
     assert "g" not in engine.scheduler.requests
     assert engine.abort_request("g", "the client left") == []
+
+
+def test_a_grammar_mask_that_fails_to_fill_ends_its_step_without_overlap(
+    tiny_model, make_llm, monkeypatch
+):
+    # Filled before the step's launch there, outside the failure handling: its requests were
+    # left scheduled, never launched nor ended, and their clients waited forever.
+    llm = make_llm(tiny_model("llama"), disable_overlap_schedule=True)
+    scheduler = llm.engine.scheduler
+    fill = scheduler._fill_vocab_mask
+    left = [1]
+
+    def failing(batch):
+        if left[0]:
+            left[0] -= 1
+            raise RuntimeError("the matcher failed")
+        fill(batch)
+
+    monkeypatch.setattr(scheduler, "_fill_vocab_mask", failing)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for rid in ("a", "b"):
+        llm.engine.add_request(GenerateRequest(rid, [5, 6, 7, 8], params))
+    with pytest.raises(RuntimeError, match="the matcher failed"):
+        llm.engine.step()
+    ends = {}
+    for _ in range(5):
+        ends |= {out.rid: out.finish_reason for out in llm.engine.step() if out.finish_reason}
+    assert {rid: reason.kind for rid, reason in ends.items()} == {"a": "error", "b": "error"}
+    assert not scheduler.has_work() and not scheduler.requests
