@@ -58,10 +58,13 @@ def test_a_missing_model_is_a_clear_error(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "flag"),
     [
-        (["--tp-size", "64"], "--tp-size/--tp"),
+        (["--tp-size", "64"], "--tp-size/--tp/--tensor-parallel-size"),
         (["--role", "prefill"], "--role"),
-        (["--tp-size", "64", "--role", "prefill"], "--tp-size/--tp"),
-        (["--tp", "2"], "--tp-size/--tp"),  # SGLang's spelling is the same flag
+        (["--tp-size", "64", "--role", "prefill"], "--tp-size/--tp/--tensor-parallel-size"),
+        (
+            ["--tp", "2"],
+            "--tp-size/--tp/--tensor-parallel-size",
+        ),  # SGLang's spelling is the same flag
         (["--disaggregation-timeout", "5"], "--disaggregation-timeout"),
         (["--disaggregation-bootstrap-port", "9000"], "--disaggregation-bootstrap-port"),
         (["--default-max-tokens", "8"], "--default-max-tokens"),
