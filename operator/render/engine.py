@@ -75,8 +75,8 @@ POD_START_SECONDS = 600
 # How long a rollout may go without a new pod ready before the Deployment reports
 # ProgressDeadlineExceeded (Degraded, status.py): the pod's start, the startup probe's whole
 # budget, and the first readiness check after it. Kubernetes' default, 600 s, called an engine
-# still loading its model a failure.
-ENGINE_PROGRESS_DEADLINE_SECONDS = (
+# still loading its model a failure. The router's too: it is unready until an engine can serve.
+PROGRESS_DEADLINE_SECONDS = (
     POD_START_SECONDS
     + STARTUP_PROBE_PERIOD_SECONDS * STARTUP_PROBE_FAILURES
     + READINESS_PROBE_PERIOD_SECONDS
@@ -386,7 +386,7 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
     if init is not None:
         pod_spec["initContainers"] = [init]
     spec: Object = {
-        "progressDeadlineSeconds": ENGINE_PROGRESS_DEADLINE_SECONDS,
+        "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
         "selector": {"matchLabels": naming.selector_labels(instance, role)},
         "template": {
             "metadata": pod_metadata(isvc, role, block, annotations),

@@ -16,7 +16,12 @@ from kubesgl.operator.render.common import (
     pod_security_context,
     scrape_annotations,
 )
-from kubesgl.operator.render.engine import EXIT_SLACK_SECONDS, api_key_env, secret_env
+from kubesgl.operator.render.engine import (
+    EXIT_SLACK_SECONDS,
+    PROGRESS_DEADLINE_SECONDS,
+    api_key_env,
+    secret_env,
+)
 from kubesgl.operator.spec import InferenceService, RouterSpec
 from kubesgl.router.cli import GRACEFUL_SHUTDOWN_S
 from kubesgl.router.config import ROUTER_OPTIONS
@@ -151,6 +156,7 @@ def router_deployment(isvc: InferenceService) -> Object:
         "metadata": metadata(isvc, _router_name(isvc), contract.ROUTER),
         "spec": {
             "replicas": router.replicas,
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
             "selector": {"matchLabels": naming.selector_labels(instance, contract.ROUTER)},
             "template": {
                 "metadata": pod_metadata(

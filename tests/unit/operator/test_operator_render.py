@@ -162,17 +162,24 @@ def test_engine_pod_contract() -> None:
 
 def test_a_rollout_may_last_as_long_as_an_engine_may_take_to_start() -> None:
     """Kubernetes' default progress deadline (600 s) marked an engine still loading its model,
-    which its startup probe allows an hour, ProgressDeadlineExceeded: Degraded."""
-    for (kind, _), deployment in objects_of(load_example("disaggregated.yaml")).items():
-        if kind != "Deployment" or "router" in deployment["metadata"]["name"]:
-            continue
+    which its startup probe allows an hour, ProgressDeadlineExceeded: Degraded. The router too:
+    it is unready until an engine can serve."""
+    deployments = {
+        name: obj
+        for (kind, name), obj in objects_of(load_example("disaggregated.yaml")).items()
+        if kind == "Deployment"
+    }
+    router = deployments.pop("llama-pd-router")
+    for deployment in deployments.values():
         (container,) = deployment["spec"]["template"]["spec"]["containers"]
         startup, readiness = container["startupProbe"], container["readinessProbe"]
         longest_start = (
             startup["periodSeconds"] * startup["failureThreshold"] + readiness["periodSeconds"]
         )
         # and the pod's start before the probe: scheduling, image pull, model download
-        assert deployment["spec"]["progressDeadlineSeconds"] >= longest_start + 600
+        deadline = deployment["spec"]["progressDeadlineSeconds"]
+        assert deadline >= longest_start + 600
+        assert router["spec"].get("progressDeadlineSeconds") == deadline
 
 
 def test_roles_and_router_take_scheduling_fields_and_roles_their_environment() -> None:
