@@ -21,7 +21,8 @@ from kubesgl.router.routing import DisaggregationSettings, RetrySettings
 from kubesgl.router.security import check_key
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-# On SIGTERM, streams still running get this long to finish (Kubernetes' default grace is 30 s).
+# On SIGTERM, streams still running get this long to finish; the router pod's grace period
+# follows it (operator/render/router.py).
 GRACEFUL_SHUTDOWN_S = 25
 _BREAKER_OPTIONS = {"breaker_failure_threshold", "breaker_cooldown_s"}
 # The flags of --help's group "health, circuit breaker, retries, timeouts", in its order

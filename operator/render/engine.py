@@ -51,7 +51,8 @@ MODEL_INIT_RESOURCES: Object = {
     "requests": {"cpu": "100m", "memory": "1Gi"},
     "limits": {"cpu": "1", "memory": "4Gi"},
 }
-# Time for routers and endpoints to stop sending new requests before SIGTERM starts the drain.
+# Time for routers, endpoints and load balancers to stop sending new requests to a pod being
+# deleted before its SIGTERM: engines and routers stop listening then.
 PRESTOP_SLEEP_SECONDS = 10
 # What a draining engine may still take once its --shutdown-timeout is over, before its process
 # has exited (engine/server/launcher.py): 5 s for the aborted requests to end, 5 s for uvicorn
@@ -81,6 +82,11 @@ PROGRESS_DEADLINE_SECONDS = (
     + STARTUP_PROBE_PERIOD_SECONDS * STARTUP_PROBE_FAILURES
     + READINESS_PROBE_PERIOD_SECONDS
 )
+
+
+def prestop_pause() -> Object:
+    """A container's lifecycle: the pause before SIGTERM (PRESTOP_SLEEP_SECONDS)."""
+    return {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}}
 
 
 def engine_grace_period_seconds(shutdown_timeout_seconds: int) -> int:
@@ -360,7 +366,7 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
         ),
         "readinessProbe": http_probe("http", period=READINESS_PROBE_PERIOD_SECONDS, failures=2),
         "livenessProbe": http_probe("http", period=15, failures=4, timeout=5),
-        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "lifecycle": prestop_pause(),
         "securityContext": container_security_context(),
     }
     resources = _resources(isvc, block)

@@ -18,8 +18,10 @@ from kubesgl.operator.render.common import (
 )
 from kubesgl.operator.render.engine import (
     EXIT_SLACK_SECONDS,
+    PRESTOP_SLEEP_SECONDS,
     PROGRESS_DEADLINE_SECONDS,
     api_key_env,
+    prestop_pause,
     secret_env,
 )
 from kubesgl.operator.spec import InferenceService, RouterSpec
@@ -28,8 +30,9 @@ from kubesgl.router.config import ROUTER_OPTIONS
 from kubesgl.router.options import options_of
 from kubesgl.router.routing import DisaggregationSettings
 
-# On SIGTERM the router gives streams still running GRACEFUL_SHUTDOWN_S to finish, then exits.
-ROUTER_GRACE_PERIOD_SECONDS = GRACEFUL_SHUTDOWN_S + EXIT_SLACK_SECONDS
+# The kubelet counts the grace period from the start of the preStop pause; after the pause,
+# SIGTERM gives streams still running GRACEFUL_SHUTDOWN_S to finish, then the router exits.
+ROUTER_GRACE_PERIOD_SECONDS = PRESTOP_SLEEP_SECONDS + GRACEFUL_SHUTDOWN_S + EXIT_SLACK_SECONDS
 
 
 # The flags the operator sets and that its other objects rely on, each with why: extraArgs may
@@ -144,6 +147,8 @@ def router_deployment(isvc: InferenceService) -> Object:
         "livenessProbe": http_probe(
             "http", period=15, failures=4, timeout=5, path=contract.ROUTER_LIVENESS_PATH
         ),
+        # uvicorn closes its listener at SIGTERM: clients still sent here would be refused
+        "lifecycle": prestop_pause(),
         "securityContext": container_security_context(),
     }
     resources = router.resources.model_dump(by_alias=True)

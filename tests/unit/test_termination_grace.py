@@ -19,7 +19,11 @@ import pytest
 import yaml
 
 from kubesgl.operator.render import render
-from kubesgl.operator.render.engine import ENGINE_EXIT_AFTER_DRAIN_SECONDS, EXIT_SLACK_SECONDS
+from kubesgl.operator.render.engine import (
+    ENGINE_EXIT_AFTER_DRAIN_SECONDS,
+    EXIT_SLACK_SECONDS,
+    PRESTOP_SLEEP_SECONDS,
+)
 from kubesgl.operator.validation import parse_inference_service
 from kubesgl.router.cli import GRACEFUL_SHUTDOWN_S
 from kubesgl.up.plan import LocalSettings, plan
@@ -42,14 +46,16 @@ def test_engine_grace_period_is_pause_plus_drain_plus_exit(path, shutdown_timeou
     document["spec"].setdefault("engine", {})["shutdownTimeoutSeconds"] = shutdown_timeout
     for role, pod in pods(document).items():
         container = pod["containers"][0]
+        pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert pause == PRESTOP_SLEEP_SECONDS
         if role == "router":
-            # uvicorn's graceful shutdown (router/cli.py) and slack; no preStop pause
-            assert "lifecycle" not in container
-            assert pod["terminationGracePeriodSeconds"] >= GRACEFUL_SHUTDOWN_S + EXIT_SLACK_SECONDS
+            # the pause, uvicorn's graceful shutdown (router/cli.py) and slack
+            assert pod["terminationGracePeriodSeconds"] == (
+                pause + GRACEFUL_SHUTDOWN_S + EXIT_SLACK_SECONDS
+            )
             continue
         args = container["args"]
         drain = float(args[args.index("--shutdown-timeout") + 1])
-        pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]
         assert drain == shutdown_timeout
         assert pod["terminationGracePeriodSeconds"] == (
             pause + drain + ENGINE_EXIT_AFTER_DRAIN_SECONDS + EXIT_SLACK_SECONDS

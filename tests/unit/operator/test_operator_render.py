@@ -686,7 +686,9 @@ def test_the_router_has_requests_and_limits() -> None:
         "requests": {"cpu": "500m", "memory": "512Mi"},
         "limits": {"cpu": "2", "memory": "2Gi"},
     }
-    assert router["terminationGracePeriodSeconds"] == 30  # its 25 s of graceful shutdown and slack
+    # a 10 s preStop pause (endpoints stop sending to it first), 25 s of graceful shutdown, slack
+    assert router["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": 10}}}
+    assert router["terminationGracePeriodSeconds"] == 10 + 25 + 5
     given = {"requests": {"cpu": 2}, "limits": {"memory": "4Gi"}}
     document = with_changes(load_example("mixed.yaml"), "spec.router.resources", given)
     router = engine_pod(objects_of(document), "qwen3-mixed-router")["spec"]
