@@ -253,11 +253,25 @@ def api_key_env(isvc: InferenceService) -> list[Object]:
     return [] if secret is None else [secret_env(contract.API_KEY_ENV, secret)]
 
 
+# GPUs under names other than GPU_RESOURCE: MIG slices of the mixed strategy
+# (nvidia.com/mig-3g.40gb) and time-sliced GPUs renamed (nvidia.com/gpu.shared). Not every
+# nvidia.com/ resource: the network operator's RDMA devices (nvidia.com/hostdev) are none.
+OTHER_GPU_RESOURCE_PREFIXES = ("nvidia.com/mig-", "nvidia.com/gpu")
+
+
+def _asks_for_other_gpus(block: RoleSpec) -> bool:
+    given = {*block.resources.requests, *block.resources.limits}
+    return any(
+        name != GPU_RESOURCE and name.startswith(OTHER_GPU_RESOURCE_PREFIXES) for name in given
+    )
+
+
 def _resources(isvc: InferenceService, block: RoleSpec) -> Object:
     resources: Object = {}
     requests = dict(block.resources.requests)
     limits = dict(block.resources.limits)
-    if isvc.spec.engine.device == "cuda":
+    # with both, a pod asks for a whole GPU beside its slice and stays Pending
+    if isvc.spec.engine.device == "cuda" and not _asks_for_other_gpus(block):
         limits[GPU_RESOURCE] = block.tensor_parallel_size
     if requests:
         resources["requests"] = requests

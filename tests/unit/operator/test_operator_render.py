@@ -314,6 +314,25 @@ def test_cpu_device_requests_no_gpu() -> None:
     assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
 
 
+@pytest.mark.parametrize("kind", ["limits", "requests"])
+@pytest.mark.parametrize("gpu", ["nvidia.com/mig-3g.40gb", "nvidia.com/gpu.shared"])
+def test_a_role_asking_for_another_gpu_resource_gets_no_whole_gpu_too(gpu, kind) -> None:
+    """A MIG slice (mixed strategy) or a renamed time-sliced GPU: with nvidia.com/gpu beside it
+    the pod asked for both and stayed Pending."""
+    document = with_changes(load_example("mixed.yaml"), f"spec.mixed.resources.{kind}", {gpu: 1})
+    container = engine_pod(objects_of(document), "qwen3-mixed-mixed")["spec"]["containers"][0]
+    assert container["resources"][kind] == {gpu: 1}
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+
+
+def test_a_network_device_of_nvidias_is_no_gpu() -> None:
+    # the NVIDIA network operator's RDMA devices (UCX over RDMA between prefill and decode)
+    limits = {"nvidia.com/hostdev": 1}
+    document = with_changes(load_example("mixed.yaml"), "spec.mixed.resources.limits", limits)
+    container = engine_pod(objects_of(document), "qwen3-mixed-mixed")["spec"]["containers"][0]
+    assert container["resources"]["limits"] == {"nvidia.com/hostdev": 1, "nvidia.com/gpu": 1}
+
+
 def test_prefill_decode_settings_are_not_used_in_mixed_mode() -> None:
     """kvTransfer's UCX settings and router.pdMinPrefillTokens tune the handover from prefill to
     decode pods: a mixed pool has none, and its router got --pd-min-prefill-tokens."""
