@@ -72,6 +72,8 @@ def pod_security_context() -> Object:
         "runAsUser": RUN_AS_USER,
         "runAsGroup": RUN_AS_USER,
         "fsGroup": RUN_AS_USER,
+        # not every file of a writable volume (a shared models PVC) at each pod start
+        "fsGroupChangePolicy": "OnRootMismatch",
         "seccompProfile": {"type": "RuntimeDefault"},
     }
 

@@ -714,6 +714,17 @@ def test_the_router_has_requests_and_limits() -> None:
     assert router["containers"][0]["resources"] == given  # replaces the default as a whole
 
 
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_a_volume_already_owned_by_the_pods_group_is_not_chowned_again(path) -> None:
+    """With fsGroup alone the kubelet changes the group of every file of a writable volume (a
+    shared models PVC) at each pod start."""
+    for (kind, _), obj in objects_of(yaml.safe_load(path.read_text())).items():
+        if kind == "Deployment":
+            security = obj["spec"]["template"]["spec"]["securityContext"]
+            assert security["fsGroup"] == 1000
+            assert security["fsGroupChangePolicy"] == "OnRootMismatch"
+
+
 def test_the_routers_liveness_probe_is_not_its_readiness() -> None:
     """The router's /health answers 503 while no worker can serve. As its liveness probe too,
     it had the kubelet restart the router every minute while the engines loaded their model or
