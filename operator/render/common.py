@@ -147,6 +147,20 @@ def placement(block: Placement) -> Object:
     return spec
 
 
+def spread_over_nodes(isvc: InferenceService, role: contract.PodRole) -> Object:
+    """A role's pods preferably on different nodes, so that one node going down takes one
+    replica, not all; preferred, as a pod left Pending would serve nothing."""
+    constraint = {
+        "maxSkew": 1,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": naming.selector_labels(isvc.metadata.name, role)},
+        # counted within one ReplicaSet: a rollout's old pods do not skew its new ones
+        "matchLabelKeys": ["pod-template-hash"],
+    }
+    return {"topologySpreadConstraints": [constraint]}
+
+
 def as_given(block: BaseModel) -> Object:
     """A block of the spec passed on to a pod (a toleration, an env variable), as written."""
     return block.model_dump(by_alias=True, exclude_none=True)

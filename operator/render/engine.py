@@ -19,6 +19,7 @@ from kubesgl.operator.render.common import (
     pod_metadata,
     pod_security_context,
     scrape_annotations,
+    spread_over_nodes,
 )
 from kubesgl.operator.spec import (
     GPU_RESOURCE,
@@ -400,6 +401,7 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
             {"name": "tmp", "emptyDir": {}},
         ],
         **pod_pull,
+        **spread_over_nodes(isvc, role),
         **placement(block),
     }
     init = _model_init_container(isvc, block)

@@ -15,6 +15,7 @@ from kubesgl.operator.render.common import (
     pod_metadata,
     pod_security_context,
     scrape_annotations,
+    spread_over_nodes,
 )
 from kubesgl.operator.render.engine import (
     EXIT_SLACK_SECONDS,
@@ -175,6 +176,7 @@ def router_deployment(isvc: InferenceService) -> Object:
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {}}],
                     **pod_pull,
+                    **spread_over_nodes(isvc, contract.ROUTER),
                     **placement(router),
                 },
             },

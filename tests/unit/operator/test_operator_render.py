@@ -715,6 +715,22 @@ def test_the_router_has_requests_and_limits() -> None:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_each_roles_pods_prefer_different_nodes(path) -> None:
+    """Replicas on one node all went down with it; preferred only, never left Pending."""
+    for (kind, _), obj in objects_of(yaml.safe_load(path.read_text())).items():
+        if kind == "Deployment":
+            assert obj["spec"]["template"]["spec"]["topologySpreadConstraints"] == [
+                {
+                    "maxSkew": 1,
+                    "topologyKey": "kubernetes.io/hostname",
+                    "whenUnsatisfiable": "ScheduleAnyway",
+                    "labelSelector": obj["spec"]["selector"],
+                    "matchLabelKeys": ["pod-template-hash"],
+                }
+            ]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_a_volume_already_owned_by_the_pods_group_is_not_chowned_again(path) -> None:
     """With fsGroup alone the kubelet changes the group of every file of a writable volume (a
     shared models PVC) at each pod start."""
