@@ -189,5 +189,8 @@ def pod_disruption_budget(isvc: InferenceService, role: contract.PodRole) -> Obj
         "spec": {
             "maxUnavailable": 1,
             "selector": {"matchLabels": naming.selector_labels(isvc.metadata.name, role)},
+            # a pod not ready (loading, crash-looping) serves nothing the budget protects, and
+            # under the default policy, once the budget is spent, it blocked node drains
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }

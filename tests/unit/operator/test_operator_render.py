@@ -731,6 +731,21 @@ def test_each_roles_pods_prefer_different_nodes(path) -> None:
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_pods_that_are_not_ready_never_block_a_drain(path) -> None:
+    """An engine stuck loading or crash-looping used up its role's budget: with Kubernetes'
+    default policy a node drain waited on it for ever."""
+    budgets = [
+        obj
+        for (kind, _), obj in objects_of(yaml.safe_load(path.read_text())).items()
+        if kind == "PodDisruptionBudget"
+    ]
+    assert budgets
+    for budget in budgets:
+        assert budget["spec"]["maxUnavailable"] == 1
+        assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_a_volume_already_owned_by_the_pods_group_is_not_chowned_again(path) -> None:
     """With fsGroup alone the kubelet changes the group of every file of a writable volume (a
     shared models PVC) at each pod start."""
