@@ -260,17 +260,36 @@ def api_key_env(isvc: InferenceService) -> list[Object]:
 OTHER_GPU_RESOURCE_PREFIXES = ("nvidia.com/mig-", "nvidia.com/gpu")
 
 
+EPHEMERAL_STORAGE = "ephemeral-storage"
+
+
+def _asked_for(block: RoleSpec) -> set[str]:
+    """The resources a role's block names, as a request or a limit."""
+    return {*block.resources.requests, *block.resources.limits}
+
+
 def _asks_for_other_gpus(block: RoleSpec) -> bool:
-    given = {*block.resources.requests, *block.resources.limits}
     return any(
-        name != GPU_RESOURCE and name.startswith(OTHER_GPU_RESOURCE_PREFIXES) for name in given
+        name != GPU_RESOURCE and name.startswith(OTHER_GPU_RESOURCE_PREFIXES)
+        for name in _asked_for(block)
     )
+
+
+def _download_size_limit(isvc: InferenceService) -> Quantity | None:
+    """The sizeLimit of the node-disk emptyDir a Hugging Face model is downloaded into."""
+    source = isvc.spec.model.hugging_face
+    return None if source is None else source.size_limit
 
 
 def _resources(isvc: InferenceService, block: RoleSpec) -> Object:
     resources: Object = {}
     requests = dict(block.resources.requests)
     limits = dict(block.resources.limits)
+    # room on the node's disk for the download: without it the scheduler may pick a node the
+    # kubelet then evicts the pod from mid-download (a limit given alone is the request too)
+    download_size = _download_size_limit(isvc)
+    if download_size is not None and EPHEMERAL_STORAGE not in _asked_for(block):
+        requests[EPHEMERAL_STORAGE] = download_size
     # with both, a pod asks for a whole GPU beside its slice and stays Pending
     if isvc.spec.engine.device == "cuda" and not _asks_for_other_gpus(block):
         limits[GPU_RESOURCE] = block.tensor_parallel_size
@@ -290,8 +309,9 @@ def _model_volume(isvc: InferenceService) -> Object:
         return {"name": "model", "hostPath": {"path": model.host_path.path, "type": "Directory"}}
     # downloaded or made at each pod start (validation guarantees exactly one source)
     empty_dir: Object = {}
-    if model.hugging_face is not None and model.hugging_face.size_limit is not None:
-        empty_dir["sizeLimit"] = model.hugging_face.size_limit
+    download_size = _download_size_limit(isvc)
+    if download_size is not None:
+        empty_dir["sizeLimit"] = download_size
     return {"name": "model", "emptyDir": empty_dir}
 
 

@@ -745,6 +745,24 @@ def test_pods_that_are_not_ready_never_block_a_drain(path) -> None:
         assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
 
 
+def test_a_download_to_the_nodes_disk_requests_room_for_it() -> None:
+    """Without an ephemeral-storage request the scheduler put the pod on a node without room
+    for the model, where the kubelet evicted it mid-download."""
+    document = load_example("disaggregated.yaml")
+    assert document["spec"]["model"]["huggingFace"]["sizeLimit"] == "40Gi"
+    decode = engine_pod(objects_of(document), "llama-pd-decode")["spec"]
+    assert decode["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "40Gi"
+    # the role's own ask for ephemeral storage, a request or a limit (the request then), wins
+    for kind in ("requests", "limits"):
+        given = with_changes(document, f"spec.decode.resources.{kind}", {"ephemeral-storage": 1})
+        (container,) = engine_pod(objects_of(given), "llama-pd-decode")["spec"]["containers"]
+        storage = [values.get("ephemeral-storage") for values in container["resources"].values()]
+        assert 1 in storage and "40Gi" not in storage
+    unbounded = with_changes(document, "spec.model.huggingFace.sizeLimit", ...)
+    decode = engine_pod(objects_of(unbounded), "llama-pd-decode")["spec"]
+    assert "ephemeral-storage" not in decode["containers"][0]["resources"].get("requests", {})
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_a_volume_already_owned_by_the_pods_group_is_not_chowned_again(path) -> None:
     """With fsGroup alone the kubelet changes the group of every file of a writable volume (a
