@@ -1,3 +1,3 @@
-from kubesgl.cli import main
+from kubesgl.cli import run
 
-raise SystemExit(main())
+run()

@@ -10,6 +10,7 @@ import importlib
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import kubesgl
 from kubesgl.up.interrupt import INTERRUPTED, stop_on_signals
@@ -35,6 +36,18 @@ def usage() -> str:
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     lines += ["", "Run `kubesgl <command> --help` for the options of one command."]
     return "\n".join(lines)
+
+
+def run() -> NoReturn:
+    """The `kubesgl` command (pyproject.toml) and `python -m kubesgl`: `main`'s status as the
+    process's. An interrupted run ends at once with 130: CPython 3.11 can turn a
+    KeyboardInterrupt that was handled into a death by SIGINT at exit (status -2, nothing
+    printed), seen when the signal came while `kubesgl up` was still importing."""
+    status = main()
+    if status == INTERRUPTED:
+        sys.stderr.flush()  # stdout is flushed by main
+        os._exit(status)
+    sys.exit(status)
 
 
 def main(argv: list[str] | None = None) -> int:
