@@ -211,15 +211,16 @@ async def publish_status(
             for owner_uid, rollout in rollouts.get(key, [])
             if owner_uid == uid
         }
-        endpoint: str | None
         problems: str | None
         try:
             isvc = parse_inference_service(isvc_body)
         except InvalidSpec as error:
-            roles, endpoint, problems = sorted(mine), None, str(error)
+            # nothing is applied: what runs goes on serving, at the same endpoint
+            roles, problems = sorted(mine), str(error)
         else:
-            roles = [*isvc.spec.engine_roles(), contract.ROUTER]
-            endpoint, problems = naming.router_endpoint(name, namespace), None
+            roles, problems = [*isvc.spec.engine_roles(), contract.ROUTER], None
+        serves = problems is None or contract.ROUTER in mine
+        endpoint = naming.router_endpoint(name, namespace) if serves else None
         previous = memo.written_status.get(key, isvc_body.get("status") or {})
         new = compute_status(
             generation=isvc_body["metadata"].get("generation", 0),

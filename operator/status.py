@@ -121,12 +121,24 @@ def _overall(per_role: Mapping[str, Mapping[str, Verdict]]) -> dict[str, Verdict
     }
 
 
-def _invalid(problems: str) -> dict[str, Verdict]:
+def _held_back(
+    overall: Mapping[str, Verdict], failure: Verdict, progressing: str
+) -> dict[str, Verdict]:
+    """Nothing new is applied (an invalid spec, a refused apply): Degraded says why and
+    Progressing stops, while what already runs keeps its Ready and goes on serving."""
     return {
-        "Ready": Verdict(False, "InvalidSpec", problems),
-        "Progressing": Verdict(False, "InvalidSpec", "nothing is applied until the spec is fixed"),
-        "Degraded": Verdict(True, "InvalidSpec", problems),
+        **overall,
+        "Progressing": Verdict(False, failure.reason, progressing),
+        "Degraded": failure,
     }
+
+
+def _invalid(overall: Mapping[str, Verdict], problems: str, running: bool) -> dict[str, Verdict]:
+    failure = Verdict(True, "InvalidSpec", problems)
+    held_back = _held_back(overall, failure, "nothing is applied until the spec is fixed")
+    if not running:  # no role to be Ready from: the spec never ran
+        held_back["Ready"] = Verdict(False, "InvalidSpec", problems)
+    return held_back
 
 
 def _conditions(
@@ -164,19 +176,16 @@ def compute_status(
     now: str,
     apply_failure: Verdict | None = None,
 ) -> Object:
-    """roles: the roles the spec runs (engine roles and router); problems: why the spec is
-    invalid, or None when it is valid; apply_failure: why the API server refused the last
-    apply of a valid spec (what is already running keeps its Ready), or None."""
+    """roles: the roles the spec runs (engine roles and router), or those still running when
+    the spec is invalid; problems: why the spec is invalid, or None when it is valid;
+    apply_failure: why the API server refused the last apply of a valid spec, or None. Either
+    way what is already running keeps its Ready."""
     per_role = {role: _role_verdicts(rollouts.get(role)) for role in roles}
-    overall = _invalid(problems) if problems is not None else _overall(per_role)
-    if problems is None and apply_failure is not None:
-        overall = {
-            **overall,
-            "Progressing": Verdict(
-                False, apply_failure.reason, "applied again until the cluster takes it"
-            ),
-            "Degraded": apply_failure,
-        }
+    overall = _overall(per_role)
+    if problems is not None:
+        overall = _invalid(overall, problems, running=bool(per_role))
+    elif apply_failure is not None:
+        overall = _held_back(overall, apply_failure, "applied again until the cluster takes it")
     previous_roles = previous.get("roles") or {}
     status: Object = {
         "observedGeneration": generation,

@@ -277,6 +277,29 @@ def test_a_spec_that_cannot_work_is_degraded_with_an_event_and_applies_nothing(
     assert cluster.condition("llama-pd", "Degraded")["status"] == "False"
 
 
+def test_an_invalid_edit_of_a_serving_service_keeps_it_ready_at_its_endpoint(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    """Nothing is applied, so the running pods go on serving: `kubectl wait`, Argo CD and Flux
+    must not see the model down because of a typo; Degraded says what is wrong."""
+    settle(cluster, cluster.create_isvc(example("mixed.yaml")))
+    mark_ready(cluster, "qwen3-mixed-mixed")
+    mark_ready(cluster, "qwen3-mixed-router")
+    wait_for(
+        lambda: cluster.condition("qwen3-mixed", "Ready").get("status") == "True", what="Ready"
+    )
+    cluster.patch_isvc("qwen3-mixed", {"spec": {"prefill": {"replicas": 1}}})  # mixed mode
+    wait_for(
+        lambda: cluster.condition("qwen3-mixed", "Degraded").get("reason") == "InvalidSpec",
+        what="Degraded InvalidSpec",
+    )
+    assert cluster.condition("qwen3-mixed", "Ready")["status"] == "True"
+    assert cluster.condition("qwen3-mixed", "Progressing")["reason"] == "InvalidSpec"
+    assert (
+        cluster.isvc("qwen3-mixed")["status"]["endpoint"] == "http://qwen3-mixed.default.svc:8000"
+    )
+
+
 def test_a_child_the_api_server_refuses_degrades_the_service_with_its_message(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:

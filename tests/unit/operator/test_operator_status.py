@@ -104,8 +104,33 @@ def test_an_invalid_spec_degrades_without_endpoint_roles() -> None:
         previous={},
         now="t",
     )
-    assert conditions(result)["Degraded"] == ("True", "InvalidSpec")
+    assert conditions(result) == {
+        "Ready": ("False", "InvalidSpec"),
+        "Progressing": ("False", "InvalidSpec"),
+        "Degraded": ("True", "InvalidSpec"),
+    }
     assert "endpoint" not in result
+
+
+def test_an_invalid_edit_keeps_what_runs_ready() -> None:
+    """A typo in a serving InferenceService's spec applies nothing: the old pods go on serving,
+    so Ready stays theirs while Degraded says the spec is invalid."""
+    running = [rollout(role) for role in ("mixed", "router")]
+    result = compute_status(
+        generation=4,
+        roles=["mixed", "router"],
+        rollouts={r.role: r for r in running},
+        endpoint="http://x:8000",
+        problems="spec.mixed.replicas: ...",
+        previous={},
+        now="t",
+    )
+    assert conditions(result) == {
+        "Ready": ("True", "AllRolesReady"),
+        "Progressing": ("False", "InvalidSpec"),
+        "Degraded": ("True", "InvalidSpec"),
+    }
+    assert result["endpoint"] == "http://x:8000"
 
 
 def test_transition_times_only_move_on_change() -> None:
