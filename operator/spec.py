@@ -296,12 +296,19 @@ class EnvVar(SpecModel):
 
 
 class RoleSpec(Placement):
-    replicas: int = Field(default=1, ge=0)
+    # None: the operator does not write the count (1 at creation, then what the Deployment
+    # has: an autoscaler's last count once autoscaling is removed), so no apply scales it down.
+    replicas: int | None = Field(default=None, ge=0)
     env: list[EnvVar] = Field(default_factory=list)
     tensor_parallel_size: int = Field(default=1, ge=1)
     # Size limit of the pod's memory-backed /dev/shm; None: 1Gi per tensor-parallel rank
     # (operator/render/engine.py, shm_size_limit).
     shm_size_limit: Size | None = None
+
+    @property
+    def replicas_at_creation(self) -> int:
+        """The count a new Deployment of the role gets: Kubernetes' default, 1, where unset."""
+        return 1 if self.replicas is None else self.replicas
 
 
 # The router pod's resources when spec.router.resources is not given (docs/operator.md, Router).

@@ -270,7 +270,9 @@ def _refuse_idle_roles(replicas: dict[contract.EngineRole, int]) -> None:
 def _replicas(isvc: InferenceService, role: contract.EngineRole) -> int:
     """The Deployment's replicas, or the least an autoscaler keeps where one owns the count."""
     scaling = isvc.spec.autoscaling_for(role)
-    return scaling.min_replicas if scaling is not None else isvc.spec.engine_roles()[role].replicas
+    if scaling is not None:
+        return scaling.min_replicas
+    return isvc.spec.engine_roles()[role].replicas_at_creation
 
 
 def _local_model(

@@ -435,8 +435,9 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
             "spec": pod_spec,
         },
     }
-    # An autoscaler owns the replica count of an autoscaled role: never write it.
-    if isvc.spec.autoscaling_for(role) is None:
+    # An autoscaler owns the replica count of an autoscaled role, and an unset count is the
+    # Deployment's own (RoleSpec.replicas): never write it then.
+    if isvc.spec.autoscaling_for(role) is None and block.replicas is not None:
         spec = {"replicas": block.replicas, **spec}
     return {
         "apiVersion": "apps/v1",

@@ -214,6 +214,22 @@ def test_a_role_at_zero_turned_autoscaled_falls_back_to_one_replica(
     assert "replicas" not in decode_turned_autoscaled(cluster, 0)["spec"]  # the default, 1
 
 
+def test_removing_autoscaling_keeps_the_autoscalers_count(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    """With `replicas` unset (ignored while autoscaled), the decode pool stays at the count the
+    HPA left, through later changes too, instead of dropping to 1 in one apply."""
+    settle(cluster, cluster.create_isvc(example("autoscaled-hpa.yaml")))
+    cluster.patch(DEPLOYMENT, "llama-hpa-decode", {"spec": {"replicas": 8}}, subresource="scale")
+    cluster.patch_isvc("llama-hpa", {"spec": {"autoscaling": None}})
+    children = settle(cluster, cluster.isvc("llama-hpa"))
+    assert ("HorizontalPodAutoscaler", "llama-hpa-decode") not in children
+    cluster.patch_isvc("llama-hpa", {"spec": {"image": "ghcr.io/kubesgl/kubesgl:0.2.0"}})
+    settle(cluster, cluster.isvc("llama-hpa"))
+    time.sleep(1)  # room for a wrong write to land
+    assert cluster.get(DEPLOYMENT, "llama-hpa-decode")["spec"]["replicas"] == 8
+
+
 def test_status_follows_the_deployments(cluster: Cluster, operator: OperatorProcess) -> None:
     created = cluster.create_isvc(example("mixed.yaml"))
     settle(cluster, created)

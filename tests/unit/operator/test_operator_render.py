@@ -532,6 +532,16 @@ def test_owner_references_only_with_a_uid() -> None:
     assert all("ownerReferences" not in obj["metadata"] for obj in plain)
 
 
+def test_an_unset_engine_replicas_is_left_to_the_deployment() -> None:
+    """No apply writes a count the spec does not give: removing autoscaling would otherwise
+    scale a role from the autoscaler's count to 1 at once."""
+    document = load_example("mixed.yaml")
+    document["spec"]["mixed"].pop("replicas")
+    assert "replicas" not in objects_of(document)[("Deployment", "qwen3-mixed-mixed")]["spec"]
+    document["spec"]["mixed"]["replicas"] = 3
+    assert objects_of(document)[("Deployment", "qwen3-mixed-mixed")]["spec"]["replicas"] == 3
+
+
 def test_hpa_owns_replicas_of_autoscaled_roles() -> None:
     objects = objects_of(load_example("autoscaled-hpa.yaml"))
     for role in ("prefill", "decode"):

@@ -27,7 +27,7 @@ def test_defaults_follow_the_crd() -> None:
     spec = parse_inference_service(minimal).spec
     assert spec.mode == "mixed"
     assert list(spec.engine_roles()) == ["mixed"]
-    assert spec.engine_roles()["mixed"].replicas == 1
+    assert spec.engine_roles()["mixed"].replicas is None  # the Deployment's own count
     assert spec.engine.device == "cuda" and spec.engine.shutdown_timeout_seconds == 60
     assert spec.router.policy == "cache_aware" and spec.router.replicas == 1
     assert spec.router.admin_key_secret is None
