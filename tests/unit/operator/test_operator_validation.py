@@ -234,6 +234,13 @@ def problems_of(document) -> list[str]:
             ...,
             "spec.autoscaling.prometheusAddress: required when provider is keda",
         ),
+        (  # the HPA's external metric selects on a label only the PodMonitor makes
+            "autoscaled-hpa.yaml",
+            "spec.monitoring.podMonitor",
+            ...,
+            "spec.autoscaling.decode.metric: kvCacheUsage with provider hpa is an external "
+            "metric selected by the app_kubernetes_io_instance label",
+        ),
         (  # it was ignored: an HPA reads metrics through the custom-metrics adapter
             "autoscaled-hpa.yaml",
             "spec.autoscaling.prometheusAddress",
@@ -434,6 +441,21 @@ def problems_of(document) -> list[str]:
 def test_bad_input_names_the_field(example, path, value, expected) -> None:
     problems = problems_of(with_changes(load_example(example), path, value))
     assert any(problem.startswith(expected) for problem in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("example", "role", "metric"),
+    [
+        ("autoscaled-keda.yaml", "decode", "kvCacheUsage"),  # KEDA selects namespace and pod
+        ("autoscaled-hpa.yaml", "decode", "waitingRequests"),  # per-pod: namespace and pod
+    ],
+)
+def test_autoscaling_on_namespace_and_pod_labels_needs_no_pod_monitor(
+    example, role, metric
+) -> None:
+    """Prometheus's scrape configs for the prometheus.io annotations keep those labels too."""
+    document = with_changes(load_example(example), "spec.monitoring.podMonitor", ...)
+    parse_inference_service(with_changes(document, f"spec.autoscaling.{role}.metric", metric))
 
 
 # Every map of labels (or of what Kubernetes checks as labels: a nodeSelector, a selector's
