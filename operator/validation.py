@@ -27,7 +27,7 @@ from kubesgl.operator.render.common import (
     OWNED_POD_ANNOTATIONS,
     expand_references,
 )
-from kubesgl.operator.render.engine import ENGINE_OWNED_FLAGS, engine_args
+from kubesgl.operator.render.engine import ENGINE_OWNED_FLAGS, engine_args, shm_size_limit
 from kubesgl.operator.render.router import ROUTER_OWNED_FLAGS, router_args, router_env
 from kubesgl.operator.spec import (
     GPU_RESOURCE,
@@ -101,6 +101,7 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems += _mode_problems(spec)
     problems += _model_problems(spec)
     problems += _gpu_problems(spec)
+    problems += _shm_problems(spec)
     problems += _autoscaling_problems(spec)
     problems += _network_policy_problems(spec)
     problems += _env_problems(spec)
@@ -457,6 +458,28 @@ def _gpu_problems(spec: InferenceServiceSpec) -> list[Problem]:
                         " or be left out: each tensor-parallel rank uses one GPU",
                     )
                 )
+    return problems
+
+
+def _shm_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    """A memory-backed /dev/shm counts against the container's memory limit: one as large
+    leaves the engine nothing, and NCCL's buffers filling it get the pod OOM-killed."""
+    # imported here, as in spec._size: the client package is slow to import for `kubesgl up`
+    from kubernetes.utils import parse_quantity
+
+    problems = []
+    for role, block in spec.engine_roles().items():
+        memory = block.resources.limits.get("memory")
+        shm = shm_size_limit(block)
+        if memory is not None and parse_quantity(shm) >= parse_quantity(memory):
+            problems.append(
+                Problem(
+                    f"spec.{role}.shmSizeLimit",
+                    f"/dev/shm ({shm}; unset: 1Gi per tensor-parallel rank) must be below "
+                    f"resources.limits.memory ({memory}): it is memory-backed and counts "
+                    "against that limit; raise the limit or lower shmSizeLimit",
+                )
+            )
     return problems
 
 

@@ -234,6 +234,19 @@ def problems_of(document) -> list[str]:
             ...,
             "spec.autoscaling.prometheusAddress: required when provider is keda",
         ),
+        (  # counted against the memory limit, /dev/shm would leave the engine nothing
+            "quickstart.yaml",
+            "spec.decode.shmSizeLimit",
+            "8Gi",
+            "spec.decode.shmSizeLimit: /dev/shm (8Gi; unset: 1Gi per tensor-parallel rank) "
+            "must be below resources.limits.memory (2Gi)",
+        ),
+        (  # the default, 1Gi per rank, too
+            "mixed.yaml",
+            "spec.mixed.resources.limits.memory",
+            "1Gi",
+            "spec.mixed.shmSizeLimit: /dev/shm (1Gi; unset: 1Gi per tensor-parallel rank)",
+        ),
         (  # the HPA's external metric selects on a label only the PodMonitor makes
             "autoscaled-hpa.yaml",
             "spec.monitoring.podMonitor",
@@ -532,8 +545,9 @@ def test_pod_monitor_labels_may_not_name_the_operators_keys() -> None:
 # Every quantity field of the spec, in an example that has the field's block
 QUANTITY_FIELDS = [
     ("disaggregated.yaml", "spec.model.huggingFace.sizeLimit"),
-    ("quickstart.yaml", "spec.decode.shmSizeLimit"),
-    ("mixed.yaml", "spec.mixed.resources.limits.memory"),
+    # roles without a memory limit, which /dev/shm must be below
+    ("disaggregated.yaml", "spec.decode.shmSizeLimit"),
+    ("mixed.yaml", "spec.mixed.resources.requests.memory"),
     ("mixed.yaml", "spec.router.resources.requests.cpu"),
 ]
 
