@@ -62,9 +62,6 @@ class KeyedLocks:
     def __init__(self) -> None:
         self._locks: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}  # lock, its tasks
 
-    def __contains__(self, key: object) -> bool:
-        return key in self._locks
-
     @contextlib.asynccontextmanager
     async def hold(self, key: tuple[str, str]) -> AsyncIterator[None]:
         lock, tasks = self._locks.get(key, (asyncio.Lock(), 0))

@@ -1,4 +1,5 @@
-"""The kopf handlers called directly, with the cluster calls stubbed: the state they keep."""
+"""The kopf handlers called directly, with the cluster calls stubbed: the state they keep
+(KeyedLocks' map read directly: the operator never asks which keys it holds)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ async def test_a_reconciled_inference_service_keeps_no_lock(monkeypatch):
         inference_services=index, rollouts={},
     )  # fmt: skip
     assert memo.api.patches  # the handler ran through: it published a status
-    assert ("default", name) not in memo.status_locks
-    assert ("default", name) not in memo.apply_locks
+    assert ("default", name) not in memo.status_locks._locks
+    assert ("default", name) not in memo.apply_locks._locks
 
 
 async def test_a_lock_stays_while_a_task_holds_or_awaits_it():
@@ -61,12 +62,12 @@ async def test_a_lock_stays_while_a_task_holds_or_awaits_it():
 
     first, second = asyncio.create_task(hold("a")), asyncio.create_task(hold("b"))
     await asyncio.sleep(0)
-    assert KEY in locks  # held by a, awaited by b
+    assert KEY in locks._locks  # held by a, awaited by b
     await first
     third = asyncio.create_task(hold("c"))  # b is woken but may not have run yet
     await asyncio.gather(second, third)
     assert overlaps == [("a",), ("b",), ("c",)]
-    assert KEY not in locks
+    assert KEY not in locks._locks
 
 
 async def test_a_lock_is_forgotten_when_its_holder_fails():
@@ -74,4 +75,4 @@ async def test_a_lock_is_forgotten_when_its_holder_fails():
     with pytest.raises(RuntimeError):
         async with locks.hold(KEY):
             raise RuntimeError("the API server refused")
-    assert KEY not in locks
+    assert KEY not in locks._locks
