@@ -132,7 +132,9 @@ class EngineConfig:
     )
     max_prefill_tokens: int = option(16384, help="prompt tokens admitted in one prefill step", ge=1)
     max_total_tokens: int | None = option(
-        None, help="KV pool size in tokens; unset: sized from free memory (--mem-fraction-static)"
+        None,
+        help="KV pool size in tokens; unset: sized from free memory (--mem-fraction-static)",
+        ge=1,
     )
     mem_fraction_static: float | None = option(
         None,
@@ -147,6 +149,7 @@ class EngineConfig:
         None,
         help="longest prompt plus output; unset: the model's max_position_embeddings, which "
         "is also the most it takes (more is refused at start)",
+        ge=1,
         named_elsewhere=("--max-model-len",),  # vLLM's
     )
     default_max_tokens: int = option(

@@ -33,6 +33,7 @@ from kubesgl.contract import (
     label_value_problem,
 )
 from kubesgl.engine.config import (
+    ENGINE_OPTIONS,
     AttentionBackend,
     Device,
     Dtype,
@@ -207,6 +208,12 @@ class ModelSpec(SpecModel):
     tiny: TinySource | None = None
 
 
+def _engine_option(name: str) -> Any:
+    """The spec.engine field of a numeric engine option: unset (the engine's default), or a
+    value within the limits the engine declares (engine/config.py)."""
+    return Field(default=None, **ENGINE_OPTIONS[name].bounds.limits())
+
+
 class EngineSpec(SpecModel):
     """Options of every engine pod. A field named like an EngineConfig field (engine/config.py)
     is that `kubesgl serve` option, rendered when set (None: the engine's default); its choices
@@ -216,25 +223,25 @@ class EngineSpec(SpecModel):
     device: Device = "cuda"  # no `auto`: the operator must know whether to request GPUs
     dtype: Dtype = "auto"
     load_format: LoadFormat = "auto"
-    page_size: int | None = Field(default=None, ge=1)
-    max_running_requests: int | None = Field(default=None, ge=1)
-    chunked_prefill_size: int | None = Field(default=None, ge=0)  # 0: no chunking
-    max_total_tokens: int | None = Field(default=None, ge=1)
+    page_size: int | None = _engine_option("page_size")
+    max_running_requests: int | None = _engine_option("max_running_requests")
+    chunked_prefill_size: int | None = _engine_option("chunked_prefill_size")  # <= 0: no chunking
+    max_total_tokens: int | None = _engine_option("max_total_tokens")
     attention_backend: AttentionBackend | None = None  # None: the engine's default, auto
     kv_cache_dtype: KvCacheDtype | None = None
-    context_length: int | None = Field(default=None, ge=1)
-    max_prefill_tokens: int | None = Field(default=None, ge=1)
-    mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
-    default_max_tokens: int | None = Field(default=None, ge=1)
-    cuda_graph_max_bs: int | None = Field(default=None, ge=1)
-    piecewise_cuda_graph_max_tokens: int | None = Field(default=None, ge=1)
-    disaggregation_timeout: float | None = Field(default=None, gt=0)
-    max_sequences_per_request: int | None = Field(default=None, ge=1)
-    max_stop_string_length: int | None = Field(default=None, ge=1)
-    max_request_body_bytes: int | None = Field(default=None, ge=1024)
-    max_prompt_chars_per_token: int | None = Field(default=None, ge=1)
+    context_length: int | None = _engine_option("context_length")
+    max_prefill_tokens: int | None = _engine_option("max_prefill_tokens")
+    mem_fraction_static: float | None = _engine_option("mem_fraction_static")
+    default_max_tokens: int | None = _engine_option("default_max_tokens")
+    cuda_graph_max_bs: int | None = _engine_option("cuda_graph_max_bs")
+    piecewise_cuda_graph_max_tokens: int | None = _engine_option("piecewise_cuda_graph_max_tokens")
+    disaggregation_timeout: float | None = _engine_option("disaggregation_timeout")
+    max_sequences_per_request: int | None = _engine_option("max_sequences_per_request")
+    max_stop_string_length: int | None = _engine_option("max_stop_string_length")
+    max_request_body_bytes: int | None = _engine_option("max_request_body_bytes")
+    max_prompt_chars_per_token: int | None = _engine_option("max_prompt_chars_per_token")
     schedule_policy: SchedulePolicyName | None = None
-    schedule_max_wait: float | None = Field(default=None, gt=0)
+    schedule_max_wait: float | None = _engine_option("schedule_max_wait")
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False

@@ -181,6 +181,24 @@ def _crd_choices(name: str) -> tuple:
     return typing.get_args(value_type) if typing.get_origin(value_type) is typing.Literal else ()
 
 
+def _spec_bounds(name: str) -> Bounds:
+    """The limits of a spec.engine field, as pydantic keeps them."""
+    limits = {
+        key: getattr(constraint, key)
+        for constraint in EngineSpec.model_fields[name].metadata
+        for key in ("ge", "gt", "le", "lt")
+        if hasattr(constraint, key)
+    }
+    return Bounds(**limits)
+
+
+@pytest.mark.parametrize("name", SPEC_OPTIONS)
+def test_a_numeric_crd_field_has_the_engines_bounds(name):
+    """One declaration: a number the flag takes, the field takes too (chunkedPrefillSize -1,
+    no chunking, as --chunked-prefill-size -1)."""
+    assert _spec_bounds(name) == ENGINE_OPTIONS[name].bounds
+
+
 @pytest.mark.parametrize("name", SPEC_OPTIONS)
 def test_the_crd_field_takes_only_what_the_engine_takes(name):
     opt, field = ENGINE_OPTIONS[name], EngineSpec.model_fields[name]
