@@ -21,7 +21,6 @@ from kubesgl.contract import ENGINE_ROLES, EngineRole
 from kubesgl.engine.server.options import build_parser as build_serve_parser
 from kubesgl.engine.server.options import check_serve_args, parse_serve_args
 from kubesgl.operator import naming
-from kubesgl.operator.render.autoscaling import INSTANCE_PROMETHEUS_LABEL, MAX_OVER_PODS
 from kubesgl.operator.render.common import (
     ENV_REFERENCE,
     OWNED_POD_ANNOTATIONS,
@@ -35,7 +34,6 @@ from kubesgl.operator.spec import (
     InferenceServiceSpec,
     LocalObjectReference,
     Placement,
-    RoleAutoscaling,
     RoleSpec,
 )
 from kubesgl.router.cli import build_parser as build_router_parser
@@ -463,7 +461,10 @@ def _gpu_problems(spec: InferenceServiceSpec) -> list[Problem]:
 
 def _shm_problems(spec: InferenceServiceSpec) -> list[Problem]:
     """A memory-backed /dev/shm counts against the container's memory limit: one as large
-    leaves the engine nothing, and NCCL's buffers filling it get the pod OOM-killed."""
+    leaves the engine nothing, and NCCL's buffers filling it get the pod OOM-killed. On the
+    CPU nothing fills it (and `kubesgl up` makes none)."""
+    if spec.engine.device != "cuda":
+        return []
     # imported here, as in spec._size: the client package is slow to import for `kubesgl up`
     from kubernetes.utils import parse_quantity
 
@@ -481,14 +482,6 @@ def _shm_problems(spec: InferenceServiceSpec) -> list[Problem]:
                 )
             )
     return problems
-
-
-def _selects_on_pod_monitor_labels(spec: InferenceServiceSpec, scaling: RoleAutoscaling) -> bool:
-    """An HPA's external metric selects the InferenceService's series by a label that only the
-    PodMonitor's podTargetLabels make (render/autoscaling.py, hpa_metric); the per-pod
-    metrics and KEDA's queries need only namespace and pod, which Prometheus's scrape
-    configs for the pods' prometheus.io annotations keep too."""
-    return scaling.metric in MAX_OVER_PODS and spec.monitoring.pod_monitor is None
 
 
 def _autoscaling_problems(spec: InferenceServiceSpec) -> list[Problem]:
@@ -518,15 +511,6 @@ def _autoscaling_problems(spec: InferenceServiceSpec) -> list[Problem]:
             problems.append(Problem(field, f"the {role} role does not run in {spec.mode} mode"))
         if scaling.min_replicas > scaling.max_replicas:
             problems.append(Problem(f"{field}.minReplicas", "greater than maxReplicas"))
-        if autoscaling.provider == "hpa" and _selects_on_pod_monitor_labels(spec, scaling):
-            problems.append(
-                Problem(
-                    f"{field}.metric",
-                    f"{scaling.metric} with provider hpa is an external metric selected by the "
-                    f"{INSTANCE_PROMETHEUS_LABEL} label, which only the PodMonitor puts on the "
-                    "series: set spec.monitoring.podMonitor, or the HPA finds no metric",
-                )
-            )
         if scaling.metric == "kvCacheUsage" and scaling.target > 1:
             problems.append(
                 Problem(
