@@ -75,7 +75,11 @@ def apply_children(api: KubeApi, isvc: InferenceService) -> Applied:
     for obj in desired:
         live = existing.get(identity(obj))
         if live is not None and obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
-            _hand_over_replicas(api, obj, live)
+            role = _role(obj)
+            autoscaled = (
+                role in contract.ENGINE_ROLES and isvc.spec.autoscaling_for(role) is not None
+            )
+            _hand_over_replicas(api, obj, live, autoscaled)
         api.apply(obj)
     retiring = _retired_roles(isvc, stale.values())
     for child in stale.values():
@@ -155,18 +159,20 @@ def _refuse_to_take_over(api: KubeApi, obj: Object, uid: str) -> None:
         )
 
 
-def _hand_over_replicas(api: KubeApi, deployment: Object, live: Object) -> None:
-    """An autoscaled Deployment is applied without replicas. Where the operator still holds
-    the field alone (autoscaling just turned on), leaving it out would reset it to the
+def _hand_over_replicas(api: KubeApi, deployment: Object, live: Object, autoscaled: bool) -> None:
+    """An autoscaled Deployment, or one whose role leaves `replicas` unset, is applied without
+    replicas. Where the operator still holds the field alone (autoscaling just turned on, the
+    count just unset), leaving it out would reset it to the
     default, 1 replica, until the autoscaler scales up again; so another field manager first
     applies the running count, and the field stays when the operator lets go of it. The
-    autoscaler changes it from there (Kubernetes' "transferring ownership"). A role at 0 is
-    let fall back to 1: an HPA does not scale a target that has no replicas."""
+    autoscaler changes it from there (Kubernetes' "transferring ownership"). An autoscaled
+    role at 0 is let fall back to 1: an HPA does not scale a target that has no replicas; a
+    role not autoscaled stays at 0."""
     meta = deployment["metadata"]
     if not _applies_field(live, naming.MANAGER, "spec", "replicas"):
         return
     running = live["spec"].get("replicas", 1)
-    if running == 0:
+    if running == 0 and autoscaled:
         return
     replicas = {
         "apiVersion": deployment["apiVersion"],

@@ -147,18 +147,27 @@ def placement(block: Placement) -> Object:
     return spec
 
 
+# Where a role's pods preferably spread: over nodes, and over zones too, since pods that set
+# constraints of their own lose the scheduler's default spreading (zones included).
+SPREAD_TOPOLOGY_KEYS = ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
+
+
 def spread_over_nodes(isvc: InferenceService, role: contract.PodRole) -> Object:
-    """A role's pods preferably on different nodes, so that one node going down takes one
-    replica, not all; preferred, as a pod left Pending would serve nothing."""
-    constraint = {
-        "maxSkew": 1,
-        "topologyKey": "kubernetes.io/hostname",
-        "whenUnsatisfiable": "ScheduleAnyway",
-        "labelSelector": {"matchLabels": naming.selector_labels(isvc.metadata.name, role)},
-        # counted within one ReplicaSet: a rollout's old pods do not skew its new ones
-        "matchLabelKeys": ["pod-template-hash"],
-    }
-    return {"topologySpreadConstraints": [constraint]}
+    """A role's pods preferably on different nodes and zones, so that one going down takes
+    one replica, not all; preferred, as a pod left Pending would serve nothing."""
+    selector = {"matchLabels": naming.selector_labels(isvc.metadata.name, role)}
+    constraints = [
+        {
+            "maxSkew": 1,
+            "topologyKey": key,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": selector,
+            # counted within one ReplicaSet: a rollout's old pods do not skew its new ones
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+        for key in SPREAD_TOPOLOGY_KEYS
+    ]
+    return {"topologySpreadConstraints": constraints}
 
 
 def as_given(block: BaseModel) -> Object:

@@ -214,6 +214,22 @@ def test_a_role_at_zero_turned_autoscaled_falls_back_to_one_replica(
     assert "replicas" not in decode_turned_autoscaled(cluster, 0)["spec"]  # the default, 1
 
 
+def test_a_role_at_zero_whose_replicas_is_unset_stays_at_zero(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    """Scaled to 0 by hand, then `replicas` removed from the spec: the count is the
+    Deployment's own, and no apply may start a GPU pod nobody asked for."""
+    manifest = example("mixed.yaml")
+    manifest["spec"]["mixed"]["replicas"] = 0
+    settle(cluster, cluster.create_isvc(manifest))
+    cluster.patch_isvc("qwen3-mixed", {"spec": {"mixed": {"replicas": None}}})
+    settle(cluster, cluster.isvc("qwen3-mixed"))
+    cluster.patch_isvc("qwen3-mixed", {"spec": {"image": "ghcr.io/kubesgl/kubesgl:0.2.0"}})
+    settle(cluster, cluster.isvc("qwen3-mixed"))
+    time.sleep(1)  # room for a wrong write to land
+    assert cluster.get(DEPLOYMENT, "qwen3-mixed-mixed")["spec"]["replicas"] == 0
+
+
 def test_removing_autoscaling_keeps_the_autoscalers_count(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:

@@ -732,11 +732,13 @@ def test_each_roles_pods_prefer_different_nodes(path) -> None:
             assert obj["spec"]["template"]["spec"]["topologySpreadConstraints"] == [
                 {
                     "maxSkew": 1,
-                    "topologyKey": "kubernetes.io/hostname",
+                    "topologyKey": key,
                     "whenUnsatisfiable": "ScheduleAnyway",
                     "labelSelector": obj["spec"]["selector"],
                     "matchLabelKeys": ["pod-template-hash"],
                 }
+                # zones too: pods with constraints of their own lose the scheduler's defaults
+                for key in ("kubernetes.io/hostname", "topology.kubernetes.io/zone")
             ]
 
 
