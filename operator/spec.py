@@ -48,6 +48,17 @@ API_GROUP = "kubesgl.io"
 API_VERSION = "v1alpha1"
 KIND = "InferenceService"
 GPU_RESOURCE = "nvidia.com/gpu"  # the extended resource of a GPU (the NVIDIA device plugin)
+# A MIG slice of the device plugin's mixed strategy (nvidia.com/mig-3g.40gb): one per process
+MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
+
+
+def is_gpu_resource(name: str) -> bool:
+    """A GPU under any name the device plugin gives one: GPU_RESOURCE, a renamed time-sliced
+    GPU (nvidia.com/gpu.shared) or a MIG slice. Not every nvidia.com/ resource: the network
+    operator's RDMA devices (nvidia.com/hostdev) are none."""
+    return name.startswith((GPU_RESOURCE, MIG_RESOURCE_PREFIX))
+
+
 PLURAL = "inferenceservices"
 
 

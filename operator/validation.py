@@ -30,11 +30,13 @@ from kubesgl.operator.render.engine import ENGINE_OWNED_FLAGS, engine_args, shm_
 from kubesgl.operator.render.router import ROUTER_OWNED_FLAGS, router_args, router_env
 from kubesgl.operator.spec import (
     GPU_RESOURCE,
+    MIG_RESOURCE_PREFIX,
     InferenceService,
     InferenceServiceSpec,
     LocalObjectReference,
     Placement,
     RoleSpec,
+    is_gpu_resource,
 )
 from kubesgl.router.cli import build_parser as build_router_parser
 from kubesgl.router.cli import check_router_args
@@ -440,23 +442,31 @@ def _gpu_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems = []
     for role, block in spec.engine_roles().items():
         for kind in ("requests", "limits"):
-            given = getattr(block.resources, kind).get(GPU_RESOURCE)
-            if given is None:
-                continue
-            field = f"spec.{role}.resources.{kind}.{GPU_RESOURCE}"
-            if spec.engine.device == "cpu":
-                problems.append(
-                    Problem(field, "must be left out: with device cpu the engine uses no GPU")
-                )
-            elif str(given) != str(block.tensor_parallel_size):
-                problems.append(
-                    Problem(
-                        field,
-                        f"must equal tensorParallelSize ({block.tensor_parallel_size})"
-                        " or be left out: each tensor-parallel rank uses one GPU",
-                    )
-                )
+            for name, given in getattr(block.resources, kind).items():
+                if is_gpu_resource(name):
+                    field = f"spec.{role}.resources.{kind}.{name}"
+                    problems += [
+                        Problem(field, why) for why in _gpu_count_problems(spec, block, name, given)
+                    ]
     return problems
+
+
+def _gpu_count_problems(
+    spec: InferenceServiceSpec, block: RoleSpec, name: str, given: object
+) -> list[str]:
+    tp = block.tensor_parallel_size
+    if spec.engine.device == "cpu":
+        return ["must be left out: with device cpu the engine uses no GPU"]
+    if name.startswith(MIG_RESOURCE_PREFIX) and tp > 1:
+        return [
+            f"a MIG slice serves one process: tensorParallelSize {tp} needs whole GPUs "
+            f"({GPU_RESOURCE})"
+        ]
+    if str(given) != str(tp):
+        return [
+            f"must equal tensorParallelSize ({tp}) or be left out: each tensor-parallel rank uses one GPU"
+        ]
+    return []
 
 
 def _shm_problems(spec: InferenceServiceSpec) -> list[Problem]:

@@ -28,6 +28,7 @@ from kubesgl.operator.spec import (
     Quantity,
     RoleSpec,
     SecretKeyRef,
+    is_gpu_resource,
 )
 
 MODEL_ROOT = "/models"
@@ -254,12 +255,6 @@ def api_key_env(isvc: InferenceService) -> list[Object]:
     return [] if secret is None else [secret_env(contract.API_KEY_ENV, secret)]
 
 
-# GPUs under names other than GPU_RESOURCE: MIG slices of the mixed strategy
-# (nvidia.com/mig-3g.40gb) and time-sliced GPUs renamed (nvidia.com/gpu.shared). Not every
-# nvidia.com/ resource: the network operator's RDMA devices (nvidia.com/hostdev) are none.
-OTHER_GPU_RESOURCE_PREFIXES = ("nvidia.com/mig-", "nvidia.com/gpu")
-
-
 EPHEMERAL_STORAGE = "ephemeral-storage"
 
 
@@ -269,10 +264,7 @@ def _asked_for(block: RoleSpec) -> set[str]:
 
 
 def _asks_for_other_gpus(block: RoleSpec) -> bool:
-    return any(
-        name != GPU_RESOURCE and name.startswith(OTHER_GPU_RESOURCE_PREFIXES)
-        for name in _asked_for(block)
-    )
+    return any(name != GPU_RESOURCE and is_gpu_resource(name) for name in _asked_for(block))
 
 
 def _download_size_limit(isvc: InferenceService) -> Quantity | None:

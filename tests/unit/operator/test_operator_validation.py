@@ -137,6 +137,18 @@ def problems_of(document) -> list[str]:
             {"nvidia.com/gpu": 2},
             "spec.mixed.resources.limits.nvidia.com/gpu: must equal tensorParallelSize (1)",
         ),
+        (  # a renamed time-sliced GPU is counted as one
+            "mixed.yaml",
+            "spec.mixed.resources.limits",
+            {"nvidia.com/gpu.shared": 2},
+            "spec.mixed.resources.limits.nvidia.com/gpu.shared: must equal tensorParallelSize (1)",
+        ),
+        (  # a CUDA process sees one MIG slice: ranks on slices never meet
+            "mixed.yaml",
+            "spec.mixed",
+            {"tensorParallelSize": 2, "resources": {"limits": {"nvidia.com/mig-3g.40gb": 2}}},
+            "spec.mixed.resources.limits.nvidia.com/mig-3g.40gb: a MIG slice serves one process",
+        ),
         (
             "mixed.yaml",
             "metadata.name",
@@ -874,11 +886,14 @@ def test_a_cpu_engine_takes_no_gpu_and_no_gpu_only_attention_backend() -> None:
         triton, "spec.mixed.env", [{"name": "TRITON_INTERPRET", "value": "1"}]
     )
     parse_inference_service(interpreted)  # Triton's interpreter runs on the CPU
-    gpus = with_changes(cpu, "spec.mixed.resources", {"limits": {"nvidia.com/gpu": 4}})
-    assert problems_of(gpus) == [
-        "spec.mixed.resources.limits.nvidia.com/gpu: must be left out: with device cpu the "
-        "engine uses no GPU"
-    ]
+    for gpu in ("nvidia.com/gpu", "nvidia.com/mig-1g.10gb"):
+        gpus = with_changes(cpu, "spec.mixed.resources", {"limits": {gpu: 4}})
+        assert problems_of(gpus) == [
+            f"spec.mixed.resources.limits.{gpu}: must be left out: with device cpu the "
+            "engine uses no GPU"
+        ]
+    rdma = with_changes(cpu, "spec.mixed.resources", {"limits": {"nvidia.com/hostdev": 1}})
+    parse_inference_service(rdma)  # an RDMA device of NVIDIA's network operator is no GPU
 
 
 def test_the_command_line_is_checked_as_the_pod_runs_it() -> None:
