@@ -6,6 +6,7 @@ is not installed. Each entry names a module exposing `main(argv: list[str]) -> i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
@@ -45,7 +46,8 @@ def run() -> NoReturn:
     printed), seen when the signal came while `kubesgl up` was still importing."""
     status = main()
     if status == INTERRUPTED:
-        sys.stderr.flush()  # stdout is flushed by main
+        with contextlib.suppress(OSError):  # stdout is flushed by main; stderr may be gone
+            sys.stderr.flush()
         os._exit(status)
     sys.exit(status)
 
