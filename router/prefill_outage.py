@@ -5,6 +5,7 @@ at every request: a prefill pool down for minutes would otherwise fill the log."
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger("kubesgl.router")
@@ -16,16 +17,17 @@ class PrefillOutages:
     # Only models a decode worker serves are noted (the router answers others 404 first).
     _models: set[str | None] = field(default_factory=set)
 
-    def note(self, model: str | None, missing: str | None) -> None:
-        """`missing`: why no prefill worker can serve a request for `model`; None: one can."""
-        if missing is not None and model not in self._models:
+    def note(self, model: str | None, why_missing: Callable[[], str] | None) -> None:
+        """`why_missing`: says why no prefill worker can serve a request for `model` (asked
+        only as an outage starts, not at each of its requests); None: one can."""
+        if why_missing is not None and model not in self._models:
             self._models.add(model)
             log.warning(
                 "%s%s: requests go to a decode worker alone, which prefills them itself",
-                missing,
+                why_missing(),
                 _for(model),
             )
-        elif missing is None and model in self._models:
+        elif why_missing is None and model in self._models:
             self._models.discard(model)
             log.info(
                 "a prefill worker can serve%s again: requests are handed over again", _for(model)

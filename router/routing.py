@@ -332,8 +332,10 @@ class Forwarder:
         prefills it itself rather than the router refusing it (or retrying it on a prefill
         worker that failed it already) while the decode pool can serve."""
         available = self.workers.available(Role.PREFILL, model)
-        missing = None if available else self.no_worker_error(Role.PREFILL, model).message
-        self._prefill_outages.note(model, missing)
+        why_missing = (
+            None if available else lambda: self.no_worker_error(Role.PREFILL, model).message
+        )
+        self._prefill_outages.note(model, why_missing)
         return [w for w in available if w not in excluded]
 
     def _pd_route(self, request: ParsedRequest, prefills: list[Worker], decode: Choice) -> str:

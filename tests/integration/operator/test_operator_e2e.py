@@ -194,6 +194,14 @@ def decode_turned_autoscaled(cluster: Cluster, replicas: int) -> dict[str, Any]:
     return children[("Deployment", "llama-hpa-decode")]
 
 
+def replicas_after_an_unrelated_edit(cluster: Cluster, name: str, deployment: str) -> int:
+    """A Deployment's count once the InferenceService's image has changed and the apply landed."""
+    cluster.patch_isvc(name, {"spec": {"image": "ghcr.io/kubesgl/kubesgl:0.2.0"}})
+    settle(cluster, cluster.isvc(name))
+    time.sleep(1)  # room for a wrong write to land
+    return cluster.get(DEPLOYMENT, deployment)["spec"]["replicas"]
+
+
 def test_turning_autoscaling_on_keeps_the_replicas_that_run(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:
@@ -201,10 +209,7 @@ def test_turning_autoscaling_on_keeps_the_replicas_that_run(
     assert decode_turned_autoscaled(cluster, 4)["spec"].get("replicas") == 4
     # and the operator no longer holds it: the HPA's count survives the next change
     cluster.patch(DEPLOYMENT, "llama-hpa-decode", {"spec": {"replicas": 6}}, subresource="scale")
-    cluster.patch_isvc("llama-hpa", {"spec": {"image": "ghcr.io/kubesgl/kubesgl:0.2.0"}})
-    settle(cluster, cluster.isvc("llama-hpa"))
-    time.sleep(1)  # room for a wrong write to land
-    assert cluster.get(DEPLOYMENT, "llama-hpa-decode")["spec"]["replicas"] == 6
+    assert replicas_after_an_unrelated_edit(cluster, "llama-hpa", "llama-hpa-decode") == 6
 
 
 def test_a_role_at_zero_turned_autoscaled_falls_back_to_one_replica(
@@ -224,10 +229,7 @@ def test_a_role_at_zero_whose_replicas_is_unset_stays_at_zero(
     settle(cluster, cluster.create_isvc(manifest))
     cluster.patch_isvc("qwen3-mixed", {"spec": {"mixed": {"replicas": None}}})
     settle(cluster, cluster.isvc("qwen3-mixed"))
-    cluster.patch_isvc("qwen3-mixed", {"spec": {"image": "ghcr.io/kubesgl/kubesgl:0.2.0"}})
-    settle(cluster, cluster.isvc("qwen3-mixed"))
-    time.sleep(1)  # room for a wrong write to land
-    assert cluster.get(DEPLOYMENT, "qwen3-mixed-mixed")["spec"]["replicas"] == 0
+    assert replicas_after_an_unrelated_edit(cluster, "qwen3-mixed", "qwen3-mixed-mixed") == 0
 
 
 def test_removing_autoscaling_keeps_the_autoscalers_count(
@@ -240,10 +242,7 @@ def test_removing_autoscaling_keeps_the_autoscalers_count(
     cluster.patch_isvc("llama-hpa", {"spec": {"autoscaling": None}})
     children = settle(cluster, cluster.isvc("llama-hpa"))
     assert ("HorizontalPodAutoscaler", "llama-hpa-decode") not in children
-    cluster.patch_isvc("llama-hpa", {"spec": {"image": "ghcr.io/kubesgl/kubesgl:0.2.0"}})
-    settle(cluster, cluster.isvc("llama-hpa"))
-    time.sleep(1)  # room for a wrong write to land
-    assert cluster.get(DEPLOYMENT, "llama-hpa-decode")["spec"]["replicas"] == 8
+    assert replicas_after_an_unrelated_edit(cluster, "llama-hpa", "llama-hpa-decode") == 8
 
 
 def test_status_follows_the_deployments(cluster: Cluster, operator: OperatorProcess) -> None:
