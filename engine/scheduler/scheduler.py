@@ -442,8 +442,8 @@ class Scheduler:
         if self.kv.pages_short(ready) == 0:
             return ready
         if self._in_flight is not None:  # retraction frees pages: no step may still use them
-            self._drained += self._process(*self._in_flight)
-            self._in_flight = None
+            in_flight, self._in_flight = self._in_flight, None
+            self._drained += self._process_or_fail(*in_flight)
             self._release_completed()
             ready = [r for r in ready if not r.finished]
         retracted = 0

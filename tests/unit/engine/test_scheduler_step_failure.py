@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,16 +20,23 @@ from kubesgl.engine.sampling_params import SamplingParams
 from kubesgl.engine.scheduler.process import MAX_FAILED_STEPS, SchedulerLoop
 
 
-@pytest.fixture
-def loop(tiny_model, make_llm):
-    engine = make_llm(tiny_model("llama")).engine
+@contextmanager
+def serving_loop(engine) -> Iterator[SchedulerLoop]:
     endpoints, context = Endpoints.create(), zmq.Context()
     loop = SchedulerLoop(engine, 0, endpoints, None, context, None)
-    yield loop
-    loop.inbox.close(linger=0)
-    loop.outbox.close(linger=0)
-    context.term()
-    shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+    try:
+        yield loop
+    finally:
+        loop.inbox.close(linger=0)
+        loop.outbox.close(linger=0)
+        context.term()
+        shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+
+
+@pytest.fixture
+def loop(tiny_model, make_llm):
+    with serving_loop(make_llm(tiny_model("llama")).engine) as loop:
+        yield loop
 
 
 def fail_steps(monkeypatch, loop, count: int) -> list[int]:
@@ -121,3 +131,33 @@ def test_a_failed_step_ends_the_process_with_several_ranks(loop, monkeypatch):
     loop.engine.add_request(GenerateRequest("r", [1, 2, 3, 4], params()))
     raises_within_a_few_turns(loop, "the kernel failed")
     run_until_idle(loop)
+
+
+def test_a_step_that_fails_while_drained_for_a_retraction_is_contained(
+    make_llm, tiny_model, monkeypatch
+):
+    # A pool too small for its decodes: the step in flight is finished early so that requests
+    # can be retracted, and it is that step which fails.
+    engine = make_llm(tiny_model("llama"), max_total_tokens=128, page_size=1).engine
+    scheduler, failed = engine.scheduler, []
+    fit_decode = scheduler._fit_decode
+
+    def fail_the_step_in_flight(ready):
+        if not failed and scheduler._in_flight and scheduler.kv.pages_short(ready) > 0:
+            batch, _ = scheduler._in_flight
+            future: Future = Future()
+            future.set_exception(RuntimeError("the kernel failed"))
+            scheduler._in_flight = (batch, future)
+            failed.append(batch.reqs)
+        return fit_decode(ready)
+
+    monkeypatch.setattr(scheduler, "_fit_decode", fail_the_step_in_flight)
+    with serving_loop(engine) as loop:
+        for i in range(6):
+            sampling = SamplingParams(max_tokens=60, ignore_eos=True)
+            engine.add_request(GenerateRequest(f"r{i}", [5 + i] * 10, sampling))
+        ends = run_until_idle(loop)  # no exception: the process lives on
+        assert failed, "no retraction happened: the pool is not small enough"
+        assert {ends[r.rid].finish_reason.kind for r in failed[0]} == {"error"}
+        assert len(ends) == 6 and loop.failed_steps == 0
+        scheduler.check_integrity()
