@@ -119,7 +119,10 @@ class EngineMetrics:
             "kubesgl_num_running_requests", "Requests admitted and not finished", labels, registry=r
         ).labels(role=role)
         self.num_waiting = Gauge(
-            "kubesgl_num_waiting_requests", "Requests queued for admission", labels, registry=r
+            "kubesgl_num_waiting_requests",
+            "Requests queued for admission (those whose grammar still compiles included)",
+            labels,
+            registry=r,
         ).labels(role=role)
         self.kv_usage = Gauge(
             "kubesgl_kv_cache_usage_ratio",

@@ -649,7 +649,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=self._num_running(),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.compiling),  # compiling: seconds at times
             kv_used_tokens=self.kv.committed_tokens(),
             kv_total_tokens=self.kv.allocator.total_pages * self.kv.page_size,
             prompt_tokens=self._prompt_tokens,

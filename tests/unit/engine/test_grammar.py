@@ -234,7 +234,8 @@ def test_unknown_kind_is_refused(llama, make_llm):
 
 
 def test_compiling_does_not_hold_other_requests(llama, make_llm):
-    """A request whose grammar is still compiling waits aside; the others step on."""
+    """A request whose grammar is still compiling waits aside, counted as waiting; the others
+    step on."""
     from concurrent.futures import Future
 
     from kubesgl.engine.messages import GenerateRequest
@@ -252,6 +253,7 @@ def test_compiling_does_not_hold_other_requests(llama, make_llm):
     for _ in range(10):
         finished |= {o.rid for o in scheduler.step() if o.finished}
     assert finished == {"p"} and scheduler.requests["g"] in scheduler.compiling
+    assert scheduler.stats().num_waiting == 1  # the load the router and the autoscaler see
     scheduler.add_request(GenerateRequest("aborted", [5, 6], _schema_params("enum", temperature=0)))
     (out,) = scheduler.abort_request(
         "aborted"
