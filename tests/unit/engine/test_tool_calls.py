@@ -414,3 +414,18 @@ def test_a_tool_choice_its_tools_cannot_meet_is_refused(fields, words):
     with pytest.raises(InvalidRequestError, match=words) as refused:
         chat_with(**fields).tool_mode()
     assert refused.value.param == "tool_choice"
+
+
+@pytest.mark.parametrize(
+    "tools, text, finish",
+    [
+        # OpenAI's answers (vLLM's too): a forced named function ends as any answer, "stop"
+        (ToolOutput("named", name="a"), '{"k": 1}', "stop"),
+        (ToolOutput("required"), '[{"name": "a", "parameters": {"k": 1}}]', "tool_calls"),
+        (ToolOutput("auto", format=QWEN, declared=DECLARED), QWEN_CALL.format("a"), "tool_calls"),
+    ],
+)
+def test_the_finish_reason_of_an_answer_of_calls_is_openais(tools, text, finish):
+    whole, streamed = answered_both_ways(tools, [text[:5], text[5:]], "stop")
+    assert whole["calls"] and whole == streamed
+    assert whole["finish_reason"] == finish
