@@ -72,6 +72,39 @@ Text = Annotated[str, AfterValidator(_utf8)]
 """Every string a request carries: valid UTF-8, or a 400 that names the field."""
 
 
+def _utf8_throughout(value: Any) -> Any:
+    """Every key and string of a JSON value, however deep, is valid UTF-8 (a schema, a tool's
+    parameters, template variables), or the 400 of Text, not the schema compiler's or the
+    template's words for it later."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            _utf8(item)
+        elif isinstance(item, dict):
+            pending += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            pending += item
+    return value
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(_utf8_throughout)]
+
+
+def _utf8_json_text(text: str) -> str:
+    """A schema given as text holds no escape of a lone surrogate ("\\ud800") either; text
+    that is no JSON is left to the schema compiler's 400."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    _utf8_throughout(value)
+    return text
+
+
+JsonText = Annotated[Text, AfterValidator(_utf8_json_text)]
+
+
 def _a_number(value: Any) -> Any:
     if isinstance(value, bool):  # pydantic would take `true` for 1, as Python does
         raise PydanticCustomError("not_a_number", "must be a number, not true or false")
@@ -250,7 +283,7 @@ class JSONSchemaFormat(_Lenient):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 
     name: Text | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # none: any object
+    schema_: JsonObject | None = Field(default=None, alias="schema")  # none: any object
     # the schema is always enforced (xgrammar's strict mode: no extra properties)
     strict: Bool | None = None
 
@@ -303,7 +336,7 @@ class _SamplingFields(_Bootstrap):
     response_format: ResponseFormat | None = None
     # SGLang's constraints, as its OpenAI routes take them (the OpenAI SDK's extra_body)
     regex: Text | None = None
-    json_schema: Text | None = None  # the schema as text
+    json_schema: JsonText | None = None  # the schema as text
     ebnf: Text | None = None
     logit_bias: Annotated[dict[str, float] | None, unsupported_unless(None, {})] = None
     modalities: Annotated[list[str] | None, unsupported_unless(None, ["text"])] = None
@@ -457,9 +490,9 @@ def _json_or_text(text: str) -> Any:
 
 
 class FunctionSpec(_Lenient):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    name: Annotated[Text, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
     description: Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
 
 
 class Tool(_Lenient):
@@ -537,7 +570,7 @@ class ChatCompletionRequest(_SamplingFields):
     # vLLM's and SGLang's control of the chat template
     add_generation_prompt: Bool = True  # the prompt ends with the start of an assistant turn
     continue_final_message: ContinueFinalMessage = False
-    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    chat_template_kwargs: JsonObject | None = None  # more variables for the template
 
     @field_validator("top_logprobs")
     @classmethod
@@ -614,7 +647,7 @@ class TokenizeRequestBody(_Lenient):
     tools: Tools = None
     add_generation_prompt: Bool = True
     continue_final_message: ContinueFinalMessage = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JsonObject | None = None
     # unset: vLLM's defaults, a prompt's yes and messages' no (their template writes them)
     add_special_tokens: Bool | None = None
     return_token_strs: Annotated[Bool | None, unsupported_unless(None, False)] = None
@@ -650,7 +683,7 @@ class NativeSamplingParams(_Lenient):
     no_stop_trim: Bool = False  # the matched stop string ends the text
     # SGLang's constraints on the output, at most one: a regex, a JSON schema (as text), an EBNF grammar
     regex: Text | None = None
-    json_schema: Text | None = None
+    json_schema: JsonText | None = None
     ebnf: Text | None = None
     # no end before this many tokens
     min_new_tokens: Annotated[Int, engine_bounds("min_tokens")] = 0

@@ -11,6 +11,11 @@ import pytest
 
 SURROGATE = "\ud800"  # json.dumps writes it as the escape "\ud800", as a JavaScript client does
 
+
+def tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
 CASES = [
     ("/v1/completions", {"prompt": SURROGATE}, "prompt"),
     ("/v1/completions", {"prompt": ["fine", "a" + SURROGATE]}, "prompt.1"),
@@ -37,7 +42,38 @@ CASES = [
         {"messages": [{"role": "user", "content": "hi"}], "stop": [SURROGATE]},
         "stop.0",
     ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [tool(SURROGATE, {})]},
+        "tools.0.function.name",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [tool("f", {SURROGATE: 1})]},
+        "tools.0.function.parameters",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"enum": ["ok", SURROGATE]}},
+            },
+        },
+        "response_format.json_schema.schema",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"x": SURROGATE}},
+        "chat_template_kwargs",
+    ),
     ("/generate", {"text": SURROGATE}, "text"),
+    (  # the schema as text, its surrogate an escape within it
+        "/generate",
+        {"text": "hi", "sampling_params": {"json_schema": json.dumps({"pattern": SURROGATE})}},
+        "sampling_params.json_schema",
+    ),
     ("/generate", {"text": "hi", "sampling_params": {"stop": SURROGATE}}, "sampling_params.stop"),
     (
         "/generate",
