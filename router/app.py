@@ -47,10 +47,12 @@ from kubesgl.router.security import (
 )
 from kubesgl.router.upstream import (
     BufferedReply,
+    ConnectionSlots,
     Reply,
     UpstreamClient,
     UpstreamError,
     forwarded_headers,
+    make_control_session,
     make_session,
 )
 from kubesgl.router.workers import DISCOVERED, Role, WorkerRegistry, validate_worker_url
@@ -158,7 +160,8 @@ class RouterApp:
             )
         )
         self.metrics = RouterMetrics(self.workers)
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # the requests it passes on
+        self._control_session: aiohttp.ClientSession | None = None  # its own: health, cancels
         self._forwarder: Forwarder | None = None
         self._health: HealthChecker | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -198,11 +201,17 @@ class RouterApp:
 
     async def startup(self) -> None:
         c = self.config
-        self._session = make_session(c.max_connections, c.connect_timeout_s, c.request_timeout_s)
+        self._session = make_session(c.connect_timeout_s, c.request_timeout_s)
+        self._control_session = make_control_session()
         policy = lambda name: make_policy(name or c.policy, c.cache_aware)  # noqa: E731
         policies = Policies(policy(c.policy), policy(c.prefill_policy), policy(c.decode_policy))
         upstream = UpstreamClient(
-            self._session, self.metrics, on_worker_lost=self.workers.mark_lost
+            self._session,
+            self.metrics,
+            on_worker_lost=self.workers.mark_lost,
+            # the slot wait is bounded as a connection is: a request is refused in that time
+            slots=ConnectionSlots(c.max_connections, c.connect_timeout_s),
+            control_session=self._control_session,
         )
         self._forwarder = Forwarder(
             self.workers,
@@ -214,7 +223,7 @@ class RouterApp:
             max(1, math.ceil(min(c.health.interval_s, c.breaker_cooldown_s))),
         )
         probe_headers = {k.decode(): v.decode() for k, v in self._credentials}
-        self._health = HealthChecker(self.workers, self._session, c.health, probe_headers)
+        self._health = HealthChecker(self.workers, self._control_session, c.health, probe_headers)
         for url in c.workers:
             self.workers.add(url, Role.MIXED)
         for url, port in c.prefill:
@@ -246,10 +255,11 @@ class RouterApp:
         self._tasks.clear()
         if self._health is not None:
             self._health.close()
-        if self._forwarder is not None:  # its prefill drains use the session
+        if self._forwarder is not None:  # its prefill drains and room cancels use the sessions
             await self._forwarder.aclose()
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._control_session):
+            if session is not None:
+                await session.close()
 
     # -- ASGI --------------------------------------------------------------------------------
 
@@ -364,7 +374,7 @@ class RouterApp:
     def _rejected(self, error: RouterError | UpstreamError) -> BufferedReply:
         """The error answer; one the router gives itself (no worker's) is counted as a rejection."""
         if isinstance(error, RouterError):
-            self.metrics.rejected(error.status)
+            self.metrics.rejected(error.status, error.reason)
         return _error_reply(error)
 
     async def _send(self, send: Send, reply: Reply, exchange: _Exchange | None = None) -> None:

@@ -79,7 +79,8 @@ class RouterConfig:
     connect_timeout_s: float = option(
         5.0,
         flag="--connect-timeout",
-        help="seconds to open a connection to a worker",
+        help="seconds to open a connection to a worker, and the longest wait for a free one "
+        "(--max-connections) before the request is answered 503",
         error=_CONNECTION_ERROR,
         gt=0,
     )
@@ -93,7 +94,8 @@ class RouterConfig:
     max_connections: int = option(
         4096,
         flag="--max-connections",
-        help="open connections to all workers together",
+        help="requests open to all workers together (health checks aside); one more waits "
+        "for a free connection",
         error=_CONNECTION_ERROR,
         ge=1,
     )

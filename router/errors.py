@@ -43,6 +43,8 @@ class RouterError(Exception):
     param: str | None = None
     code: str | None = None
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # beside content-type
+    # kubesgl_router_rejections_total's reason; None: the status's (metrics.REJECTION_REASONS)
+    reason: str | None = None
 
     def __str__(self) -> str:
         return self.message

@@ -49,6 +49,8 @@ REJECTION_REASONS = {
     500: "internal",
     503: "no_worker",
 }
+# Rejections whose reason is not their status's: no free connection slot (--max-connections)
+OTHER_REJECTIONS = ((503, "connection_limit"),)
 
 
 class _WorkerCollector(Collector):
@@ -141,7 +143,7 @@ class RouterMetrics:
         for decision in CACHE_DECISIONS:
             self.cache_decisions.labels(decision)
         self.requests.labels("", "503")  # no worker could serve
-        for status, reason in REJECTION_REASONS.items():
+        for status, reason in (*REJECTION_REASONS.items(), *OTHER_REJECTIONS):
             self.rejections.labels(str(status), reason)
         # Each worker in the pool, by URL, with the statuses its kubesgl_router_requests_total
         # series hold: the worker itself, as another may come back at its URL.
@@ -172,8 +174,9 @@ class RouterMetrics:
         current[1].add(status)
         self.requests.labels(worker.url, status).inc()
 
-    def rejected(self, status: int) -> None:
-        self.rejections.labels(str(status), REJECTION_REASONS.get(status, "other")).inc()
+    def rejected(self, status: int, reason: str | None = None) -> None:
+        reason = reason or REJECTION_REASONS.get(status, "other")
+        self.rejections.labels(str(status), reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

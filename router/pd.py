@@ -26,6 +26,7 @@ import random
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, TypeGuard
 
+from kubesgl.router.errors import RouterError
 from kubesgl.router.request_parsing import ParsedRequest
 from kubesgl.router.room_cancel import cancel_rooms
 from kubesgl.router.upstream import (
@@ -183,7 +184,9 @@ class PrefillDecodePair:
         at its bootstrap server, they fail at the decode engine at once instead of at its
         timeout. Sent in the background: the decode engine's answer does not wait for it."""
         reason = f"the router cancelled it, its prefill request failed: {error}"
-        self._keep(asyncio.create_task(cancel_rooms(self.upstream.session, prefill, rooms, reason)))
+        self._keep(
+            asyncio.create_task(cancel_rooms(self.upstream.control_session, prefill, rooms, reason))
+        )
 
     def _keep(self, task: asyncio.Task[None]) -> None:
         self._background.add(task)
@@ -213,8 +216,10 @@ def _log_outcome(task: asyncio.Task[None]) -> None:
 
 async def _settle_prefill_failure(decode_task: asyncio.Task[Reply], error: BaseException) -> None:
     """Raises the prefill's error unless the decode engine may still answer well."""
-    if isinstance(error, UpstreamError) and error.before_work:
-        raise error  # no KV comes (a retryable refusal goes to another pair)
+    if isinstance(error, RouterError) or (isinstance(error, UpstreamError) and error.before_work):
+        # no KV comes (a retryable refusal goes to another pair; the router's own refusal, no
+        # connection slot for the prefill request, is the client's answer)
+        raise error
     if _refused(error):  # the decode engine refuses it too, or fails when told
         await asyncio.wait({decode_task}, timeout=DECODE_VERDICT_WAIT_S)
         # The decode engine's refusal is the answer: it may be the cause of the prefill's (a

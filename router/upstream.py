@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from kubesgl.contract import API_KEY_ENV, ROUTER_UPSTREAM_KEEP_ALIVE_S
-from kubesgl.router.errors import error_body, sse_error_event
+from kubesgl.router.errors import RouterError, error_body, sse_error_event
 from kubesgl.router.metrics import RouterMetrics
 from kubesgl.router.security import GuardedResolver
 from kubesgl.router.workers import Role, Worker
@@ -75,23 +75,90 @@ def _as_text(headers: Headers) -> list[tuple[str, str]]:
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
 
 
-def make_session(
-    max_connections: int, connect_timeout_s: float, read_timeout_s: float
-) -> aiohttp.ClientSession:
+def make_session(connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
     """The pooled client for all worker traffic: keep-alive connections, bytes passed as they are,
-    never to a link-local or metadata address, whatever a worker's name resolves to."""
+    never to a link-local or metadata address, whatever a worker's name resolves to. Its
+    connector sets no limit: `ConnectionSlots` admits requests, so aiohttp's connect timeout
+    measures the connection itself (DNS, TCP, TLS), never a wait for a free slot."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(
-            limit=max_connections,
+            limit=0,
             limit_per_host=0,
             resolver=GuardedResolver(),
             keepalive_timeout=ROUTER_UPSTREAM_KEEP_ALIVE_S,
         ),
         timeout=aiohttp.ClientTimeout(
-            total=None, connect=connect_timeout_s, sock_read=read_timeout_s
+            total=None,
+            connect=connect_timeout_s,
+            sock_connect=connect_timeout_s,
+            sock_read=read_timeout_s,
         ),
         auto_decompress=False,  # compressed answers go to the client compressed, as sent
         skip_auto_headers=("Accept-Encoding", "User-Agent"),  # only what the client itself sent
+    )
+
+
+def make_control_session() -> aiohttp.ClientSession:
+    """The router's own small requests to workers (health checks, model lists, room cancels),
+    apart from the traffic it passes on: a pool full of long streams must not fail them (and
+    take healthy workers out). No connection limit: each worker has one check in flight at a
+    time, and each request bounds its own time (its `total` timeout)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(
+            limit=0,
+            limit_per_host=0,
+            resolver=GuardedResolver(),
+            keepalive_timeout=ROUTER_UPSTREAM_KEEP_ALIVE_S,
+        ),
+        skip_auto_headers=("User-Agent",),
+    )
+
+
+class ConnectionSlots:
+    """The router's admission of requests to workers: at most `limit` open at once (the
+    --max-connections). A request that finds no free slot within `wait_s` is refused by the
+    router (`pool_full`), a 503 with Retry-After: the wait says nothing of any worker, so it
+    moves no breaker and fails no health check."""
+
+    def __init__(self, limit: int | None, wait_s: float) -> None:
+        self.limit = limit
+        self.wait_s = wait_s
+        self._free = asyncio.Semaphore(limit) if limit is not None else None
+
+    async def acquire(self) -> Callable[[], None]:
+        """Waits for a slot; returns its release (idempotent)."""
+        free = self._free
+        if free is None:
+            return lambda: None
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await free.acquire()
+        except TimeoutError:
+            raise pool_full(self.limit or 0, self.wait_s) from None
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                free.release()
+
+        return release
+
+
+# What a client told the connection limit is reached should wait before asking again.
+POOL_FULL_RETRY_AFTER_S = 1
+
+
+def pool_full(limit: int, wait_s: float) -> RouterError:
+    return RouterError(
+        503,
+        f"the router has {limit} requests open to its workers (--max-connections) and no slot "
+        f"freed within {wait_s:g} s (--connect-timeout); try again",
+        "service_unavailable",
+        code="connection_limit",
+        headers=[(b"retry-after", str(POOL_FULL_RETRY_AFTER_S).encode())],
+        reason="connection_limit",
     )
 
 
@@ -304,8 +371,13 @@ class UpstreamClient:
         session: aiohttp.ClientSession,
         metrics: RouterMetrics,
         on_worker_lost: Callable[[Worker], None] = lambda worker: None,
+        slots: ConnectionSlots | None = None,
+        control_session: aiohttp.ClientSession | None = None,
     ) -> None:
         self.session = session
+        # the router's own requests (room cancels); None: `session` (tests)
+        self.control_session = control_session or session
+        self.slots = slots or ConnectionSlots(None, 0)
         self.metrics = metrics
         # Takes a worker whose connection broke out of the pool at once, not at the next
         # health check, so the requests that follow go elsewhere.
@@ -343,7 +415,13 @@ class UpstreamClient:
         (an engine whose partner failed a room answers 502), and a prefill engine 409 when its
         decode engine refused the request: such an answer's attempt is left for the pair to
         end (`UpstreamError.settle`), which decides whose answer it was (_may_pass_on)."""
-        attempt = Attempt(worker, self.metrics)
+        # before the attempt: a request the router refuses for want of a slot never reached it
+        release_slot = await self.slots.acquire()
+        try:
+            attempt = Attempt(worker, self.metrics)
+        except BaseException:
+            release_slot()
+            raise
         response: aiohttp.ClientResponse | None = None
         try:
             response = await self._open(worker, method, path, payload, headers)
@@ -359,6 +437,7 @@ class UpstreamClient:
                         attempt.finish(str(status), worker_failed=_failed_by(status))
                     raise error
                 attempt.finish(str(status), worker_failed=False)
+                release_slot()  # its connection is back in the pool (_read_all)
                 return BufferedReply(status, reply_headers, body)
             chunks = response.content.iter_any()
             try:
@@ -370,18 +449,21 @@ class UpstreamClient:
                 attempt.finish("error", worker_failed=True)
             if response is not None:
                 response.close()
+            release_slot()
             raise
         except BaseException:  # cancelled: the client left, or the other side of a P/D pair failed
             attempt.finish("cancelled", worker_failed=None)
             if response is not None:
                 response.close()
+            release_slot()
             raise
 
         async def release() -> None:
             attempt.finish("cancelled", worker_failed=None)
             response.close()
+            release_slot()
 
-        relay = self._relay(first, chunks, response, attempt)
+        relay = self._relay(first, chunks, response, attempt, release_slot)
         return StreamingReply(status, reply_headers, Stream(relay, release, attempt))
 
     async def _read_all(self, worker: Worker, response: aiohttp.ClientResponse) -> bytes:
@@ -399,6 +481,7 @@ class UpstreamClient:
         chunks: AsyncIterator[bytes],
         response: aiohttp.ClientResponse,
         attempt: Attempt,
+        release_slot: Callable[[], None] = lambda: None,
     ) -> AsyncGenerator[bytes, None]:
         complete = False
         # The worker's last event is being sent or was sent: a client may leave then, its
@@ -438,6 +521,7 @@ class UpstreamClient:
                 response.release()
             else:
                 response.close()  # an unfinished answer: closing the connection aborts it upstream
+            release_slot()
 
     async def drain(
         self, worker: Worker, path: str, payload: bytes, headers: Headers, *, paired: bool = False

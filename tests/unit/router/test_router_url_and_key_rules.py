@@ -160,7 +160,7 @@ def test_the_connection_pool_never_resolves_a_name_to_a_forbidden_address():
         assert [r["host"] for r in await resolver.resolve("fine.test", 80)] == ["127.0.0.1"]
         with pytest.raises(OSError, match="169.254.169.254"):
             await resolver.resolve("rebound.test", 80)
-        session = make_session(10, 1.0, 1.0)
+        session = make_session(1.0, 1.0)
         try:
             assert isinstance(session.connector._resolver, GuardedResolver)  # type: ignore[union-attr]
         finally:
