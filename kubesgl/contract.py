@@ -29,6 +29,11 @@ ROUTER_LIVENESS_PATH: Final = "/liveness"
 SERVER_KEEP_ALIVE_S: Final = 75
 ROUTER_UPSTREAM_KEEP_ALIVE_S: Final = 60
 
+# Seconds requests in flight get to finish after SIGTERM, by default: the engine's and the
+# router's --shutdown-timeout alike, so that a router in front of engines started with their
+# defaults cuts no stream they would still finish.
+SHUTDOWN_TIMEOUT_S: Final = 30
+
 # An X-Request-Id that looks like an id: the router keeps a client's (else it makes one) and
 # passes it to the engine, which logs it; one pattern, or the engine drops the router's ids
 REQUEST_ID_PATTERN: Final = r"[A-Za-z0-9._:-]{1,128}"

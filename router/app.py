@@ -27,7 +27,7 @@ from kubesgl.gc_pacing import GcPacer, tick_every
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.config import RouterConfig
 from kubesgl.router.discovery import PodWatcher
-from kubesgl.router.errors import RouterError, bad_request
+from kubesgl.router.errors import RouterError, bad_request, sse_error_event
 from kubesgl.router.health import MODELS_PATH, HealthChecker
 from kubesgl.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kubesgl.router.metrics import RouterMetrics
@@ -46,6 +46,7 @@ from kubesgl.router.security import (
     resolved_problem,
 )
 from kubesgl.router.upstream import (
+    SSE_DONE,
     BufferedReply,
     ConnectionSlots,
     Reply,
@@ -137,6 +138,7 @@ class _Exchange:
     task: asyncio.Task[Any]
     answered: bool = False  # the last byte is on its way: a disconnect is no longer news
     disconnected: bool = False
+    cut: bool = False  # the router's shutdown cut its stream, which it ended (_send)
 
 
 class RouterApp:
@@ -347,9 +349,11 @@ class RouterApp:
                 reply = self._rejected(RouterError(500, "internal router error", "internal_error"))
             await self._send(send, reply, exchange)
         except asyncio.CancelledError:
-            if not exchange.disconnected:
+            if not (exchange.disconnected or exchange.cut):
                 raise
-            exchange.task.uncancel()  # the client left: its upstream request is closed, done
+            # the client left, or the shutdown cut its stream, ended: its upstream request is
+            # closed, done
+            exchange.task.uncancel()
         finally:
             watcher.cancel()
             if scope["path"] in GENERATION_PATHS:
@@ -385,15 +389,36 @@ class RouterApp:
                 exchange.answered = True
             await send({"type": "http.response.body", "body": reply.body})
             return
-        async with contextlib.aclosing(reply.chunks) as chunks:
-            await send(
-                {"type": "http.response.start", "status": reply.status, "headers": reply.headers}
-            )
-            async for chunk in chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if exchange is not None:
-                exchange.answered = True
-            await send({"type": "http.response.body", "body": b""})
+        last = b""
+        try:
+            async with contextlib.aclosing(reply.chunks) as chunks:
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": reply.status,
+                        "headers": reply.headers,
+                    }
+                )
+                async for chunk in chunks:
+                    last = chunk
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if exchange is not None:
+                    exchange.answered = True
+                await send({"type": "http.response.body", "body": b""})
+        except asyncio.CancelledError:
+            # Cancelled, and not for its client leaving: the graceful shutdown's time is up
+            # (uvicorn cancels what still runs). The stream ends as one a worker broke off
+            # does, not silently; its worker's request is closed (aclosing), no failure of it.
+            if exchange is None or exchange.disconnected or exchange.answered:
+                raise
+            exchange.cut = exchange.answered = True
+            end = b"" if last.endswith(SSE_DONE) else sse_error_event(_cut_message(self.config))
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(_CUT_SEND_TIMEOUT_S):  # a client that reads no more
+                    await send(
+                        {"type": "http.response.body", "body": end + SSE_DONE if end else b""}
+                    )
+            raise
 
     # -- handlers ----------------------------------------------------------------------------
 
@@ -573,6 +598,17 @@ class RouterApp:
             )
         self.workers.remove(worker.url)
         return json_reply(200, {"removed": worker.url})
+
+
+# How long the last event of a stream the shutdown cuts may take to send
+_CUT_SEND_TIMEOUT_S = 1.0
+
+
+def _cut_message(config: RouterConfig) -> str:
+    return (
+        "the router is shutting down and its --shutdown-timeout "
+        f"({config.shutdown_timeout_s:g} s) is over: the stream was cut; send the request again"
+    )
 
 
 # A 500 (an engine's failure, or the router's own) is not to be sent again: OpenAI's SDKs

@@ -21,9 +21,6 @@ from kubesgl.router.routing import DisaggregationSettings, RetrySettings
 from kubesgl.router.security import check_key
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-# On SIGTERM, streams still running get this long to finish; the router pod's grace period
-# follows it (operator/render/router.py).
-GRACEFUL_SHUTDOWN_S = 25
 _BREAKER_OPTIONS = {"breaker_failure_threshold", "breaker_cooldown_s"}
 # The flags of --help's group "health, circuit breaker, retries, timeouts", in its order
 _RESILIENCE_OPTIONS = (
@@ -236,7 +233,9 @@ def main(argv: list[str]) -> int:
         access_log=False,  # one log line per request costs more than the routing itself
         proxy_headers=False,  # the router never uses the client's address: skip the middleware
         server_header=False,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        # streams still running at SIGTERM get this long (RouterApp ends those it cuts); the
+        # router pod's grace period follows it (operator/render/router.py)
+        timeout_graceful_shutdown=config.shutdown_timeout_s,
         timeout_keep_alive=contract.SERVER_KEEP_ALIVE_S,
     )
     return 0

@@ -99,6 +99,14 @@ class RouterConfig:
         error=_CONNECTION_ERROR,
         ge=1,
     )
+    shutdown_timeout_s: int = option(
+        contract.SHUTDOWN_TIMEOUT_S,
+        flag="--shutdown-timeout",
+        help="seconds streams still running get to finish after SIGTERM; one cut then ends with "
+        "an SSE error event and [DONE]",
+        error="the shutdown timeout must be at least 1 s",
+        ge=1,
+    )
     max_request_bytes: int = 64 * 1024 * 1024
     # Opens the admin endpoints that change the pool (POST/DELETE /workers); None: they answer 403.
     admin_api_key: str | None = None

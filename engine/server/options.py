@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kubesgl.cli_help import CommandParser, RefusingParser, port_or_zero
-from kubesgl.contract import ENGINE_PORT, LOG_LEVELS
+from kubesgl.contract import ENGINE_PORT, LOG_LEVELS, SHUTDOWN_TIMEOUT_S
 from kubesgl.engine.cli_args import add_engine_args, engine_config_from_args
 from kubesgl.engine.messages import HEARTBEAT_S
 from kubesgl.engine.preflight import backend_device_problem
@@ -22,7 +22,7 @@ class ServerOptions:
     port: int = ENGINE_PORT
     api_key: str | None = field(default=None, repr=False)  # never logged
     served_model_name: str | None = None
-    shutdown_timeout: float = 30.0
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT_S
     # a ready engine whose scheduler sends nothing, not even its heartbeat, for this long is
     # hung (a step that never ends): the server exits, so that its pod restarts
     watchdog_timeout: float = 300.0

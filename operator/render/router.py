@@ -26,14 +26,18 @@ from kubesgl.operator.render.engine import (
     secret_env,
 )
 from kubesgl.operator.spec import InferenceService, RouterSpec
-from kubesgl.router.cli import GRACEFUL_SHUTDOWN_S
 from kubesgl.router.config import ROUTER_OPTIONS
 from kubesgl.router.options import options_of
 from kubesgl.router.routing import DisaggregationSettings
 
-# The kubelet counts the grace period from the start of the preStop pause; after the pause,
-# SIGTERM gives streams still running GRACEFUL_SHUTDOWN_S to finish, then the router exits.
-ROUTER_GRACE_PERIOD_SECONDS = PRESTOP_SLEEP_SECONDS + GRACEFUL_SHUTDOWN_S + EXIT_SLACK_SECONDS
+
+def router_grace_period_seconds(shutdown_timeout_seconds: int) -> int:
+    """The router pod's terminationGracePeriodSeconds. The kubelet counts it from the start of
+    the preStop pause; after the pause, SIGTERM gives streams still running the router's
+    --shutdown-timeout (the engines' spec.engine.shutdownTimeoutSeconds: the router cuts no
+    stream its engine still drains), then the router exits (its prefill drains get 3 s of the
+    slack, router/pd.py)."""
+    return PRESTOP_SLEEP_SECONDS + shutdown_timeout_seconds + EXIT_SLACK_SECONDS
 
 
 # The flags the operator sets and that its other objects rely on, each with why: extraArgs may
@@ -46,6 +50,10 @@ ROUTER_OWNED_FLAGS = {
         "Role lets it watch"
     ),
     "--kube-selector": "fixed: it selects this InferenceService's engine pods",
+    "--shutdown-timeout": (
+        "set spec.engine.shutdownTimeoutSeconds, which the engines' drain and the router pod's "
+        "grace period follow"
+    ),
 }
 
 
@@ -69,6 +77,9 @@ def router_args(isvc: InferenceService) -> list[str]:
         router.policy,
         "--kube-namespace",
         isvc.metadata.namespace,
+        # streams get as long as their engines drain
+        "--shutdown-timeout",
+        str(isvc.spec.engine.shutdown_timeout_seconds),
     ]
     for key, value in selectors.items():
         args += ["--kube-selector", f"{key}={value}"]
@@ -172,7 +183,9 @@ def router_deployment(isvc: InferenceService) -> Object:
                     "serviceAccountName": _router_name(isvc),
                     "enableServiceLinks": False,
                     "securityContext": pod_security_context(),
-                    "terminationGracePeriodSeconds": ROUTER_GRACE_PERIOD_SECONDS,
+                    "terminationGracePeriodSeconds": router_grace_period_seconds(
+                        isvc.spec.engine.shutdown_timeout_seconds
+                    ),
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {}}],
                     **pod_pull,

@@ -25,7 +25,6 @@ from kubesgl.operator.render.engine import (
     PRESTOP_SLEEP_SECONDS,
 )
 from kubesgl.operator.validation import parse_inference_service
-from kubesgl.router.cli import GRACEFUL_SHUTDOWN_S
 from kubesgl.up.plan import LocalSettings, plan
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
@@ -49,9 +48,12 @@ def test_engine_grace_period_is_pause_plus_drain_plus_exit(path, shutdown_timeou
         pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]
         assert pause == PRESTOP_SLEEP_SECONDS
         if role == "router":
-            # the pause, uvicorn's graceful shutdown (router/cli.py) and slack
+            # the pause, uvicorn's graceful shutdown (the router's --shutdown-timeout, the
+            # engines' drain) and slack
+            args = container["args"]
+            assert args[args.index("--shutdown-timeout") + 1] == str(shutdown_timeout)
             assert pod["terminationGracePeriodSeconds"] == (
-                pause + GRACEFUL_SHUTDOWN_S + EXIT_SLACK_SECONDS
+                pause + shutdown_timeout + EXIT_SLACK_SECONDS
             )
             continue
         args = container["args"]

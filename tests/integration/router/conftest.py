@@ -26,13 +26,19 @@ FAST = RouterConfig(
     breaker_failure_threshold=2,
     breaker_cooldown_s=0.3,
     request_timeout_s=10.0,
+    shutdown_timeout_s=1,
 )
 
 
 @contextlib.asynccontextmanager
 async def serve_router(app: RouterApp) -> AsyncIterator[str]:
     """Runs the router on a free loopback port in this event loop; yields its base URL."""
-    config = uvicorn.Config(app, lifespan="on", log_level="warning", timeout_graceful_shutdown=1)
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        log_level="warning",
+        timeout_graceful_shutdown=app.config.shutdown_timeout_s,  # as `kubesgl router` runs it
+    )
     server = uvicorn.Server(config)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -137,3 +138,38 @@ async def test_sigusr1_checks_the_workers_out_of_the_pool_at_once(engines):
     finally:
         process.terminate()
         assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+@pytest.mark.asyncio
+async def test_a_stream_the_shutdown_cuts_ends_with_an_error_event_and_done(engines):
+    """SIGTERM gives streams --shutdown-timeout to finish; one still running then is cut, and
+    ends as a stream a worker broke off does (an SSE error event, then [DONE]), not silently."""
+    engine = await engines("e", tokens=3)
+    engine.hold = asyncio.Event()  # the stream pauses after its first chunk
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "kubesgl", "router", "--worker", engine.url,
+            "--port", str(port), "--shutdown-timeout", "1", "--log-level", "warning",
+        ],
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_until_ready(url, process)
+        async with httpx.AsyncClient(timeout=20) as client:
+            body = {"prompt": "hi", "stream": True}
+            async with client.stream("POST", url + "/v1/completions", json=body) as answer:
+                lines = (line async for line in answer.aiter_lines() if line)
+                assert "e-tok0" in await anext(lines)
+                process.terminate()
+                rest = [line async for line in lines]
+        # the router exits once the stream is ended
+        assert process.wait(timeout=10) in (0, -signal.SIGTERM)
+    finally:
+        engine.hold.set()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert rest[-1] == "data: [DONE]", rest
+    error = json.loads(rest[-2].removeprefix("data: "))["error"]
+    assert "shutting down" in error["message"] and "--shutdown-timeout (1 s)" in error["message"]

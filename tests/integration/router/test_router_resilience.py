@@ -288,3 +288,31 @@ async def test_admin_endpoints_add_list_and_remove_workers(engines, start_router
         assert again.status_code == 404
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
         assert response.status_code == 503
+
+
+async def test_a_stream_still_running_when_the_shutdown_timeout_ends_is_ended(
+    engines, start_router, client
+):
+    """uvicorn cancels what still runs at the end of the graceful shutdown (FAST's 1 s
+    --shutdown-timeout here): a started stream ends with an error event and [DONE], and its
+    worker is not blamed."""
+    engine = await engines("e", tokens=3)
+    engine.hold = asyncio.Event()
+    lines: list[str] = []
+
+    async def read() -> None:
+        body = {"prompt": "s", "stream": True}
+        async with client.stream("POST", router.url + "/v1/completions", json=body) as stream:
+            lines.extend([line async for line in stream.aiter_lines() if line])
+
+    async with start_router(workers=[engine.url]) as router:
+        await router.ready()
+        reader = asyncio.create_task(read())
+        worker = router.app.workers.all()[0]
+        await router.until(lambda: worker.in_flight == 1)  # the stream has started
+    await asyncio.wait_for(reader, 5)
+    engine.hold.set()
+    assert "e-tok0" in lines[0] and lines[-1] == "data: [DONE]", lines
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert "shutting down" in error["message"]
+    assert worker.in_flight == 0 and worker.breaker.consecutive_failures == 0

@@ -17,6 +17,7 @@ from operator_fixtures import EXAMPLES, REPO, load_example, with_changes
 from kubesgl.operator import naming
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import ENV_SET_BY_OPERATOR, InvalidSpec, parse_inference_service
+from kubesgl.router.cli import check_router_args
 
 K8S_VERSION = kubernetes_validate.utils.latest_version()
 # KEDA and prometheus-operator CRDs, as generated into pydantic models by cloudcoil.
@@ -715,13 +716,36 @@ def test_the_router_has_requests_and_limits() -> None:
         "requests": {"cpu": "500m", "memory": "512Mi"},
         "limits": {"cpu": "2", "memory": "2Gi"},
     }
-    # a 10 s preStop pause (endpoints stop sending to it first), 25 s of graceful shutdown, slack
+    # a 10 s preStop pause (endpoints stop sending to it first), the engines' 60 s drain
+    # (spec.engine.shutdownTimeoutSeconds' default) for its streams, slack
     assert router["containers"][0]["lifecycle"] == {"preStop": {"sleep": {"seconds": 10}}}
-    assert router["terminationGracePeriodSeconds"] == 10 + 25 + 5
+    assert router["terminationGracePeriodSeconds"] == 10 + 60 + 5
     given = {"requests": {"cpu": 2}, "limits": {"memory": "4Gi"}}
     document = with_changes(load_example("mixed.yaml"), "spec.router.resources", given)
     router = engine_pod(objects_of(document), "qwen3-mixed-router")["spec"]
     assert router["containers"][0]["resources"] == given  # replaces the default as a whole
+
+
+@pytest.mark.parametrize(("example", "router_name"), [
+    ("mixed.yaml", "qwen3-mixed-router"), ("disaggregated.yaml", "llama-pd-router"),
+])  # fmt: skip
+@pytest.mark.parametrize("shutdown_timeout", [1, 120, 900])
+def test_the_router_gives_streams_as_long_as_the_engines_drain(
+    example, router_name, shutdown_timeout
+) -> None:
+    """The router's --shutdown-timeout is the engines' (spec.engine.shutdownTimeoutSeconds):
+    it used to cut streams after a fixed 25 s that its engines were still draining. Its
+    grace period follows it as an engine's does."""
+    document = with_changes(
+        load_example(example), "spec.engine.shutdownTimeoutSeconds", shutdown_timeout
+    )
+    pod = engine_pod(objects_of(document), router_name)["spec"]
+    args = pod["containers"][0]["args"]
+    assert args.count("--shutdown-timeout") == 1
+    assert args[args.index("--shutdown-timeout") + 1] == str(shutdown_timeout)
+    # the preStop pause, the drain, slack
+    assert pod["terminationGracePeriodSeconds"] == 10 + shutdown_timeout + 5
+    check_router_args(args[1:], {})  # the router takes the command line
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

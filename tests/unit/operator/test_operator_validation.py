@@ -864,7 +864,12 @@ def test_router_extra_args_are_checked_by_the_routers_own_parser() -> None:
         "spec.router.extraArgs: the router refuses these options: the admin key is given twice: "
         "set KUBESGL_ROUTER_ADMIN_KEY or pass --admin-api-key, not both"
     ]
-    for flag in (["--port=8080"], ["--host", "127.0.0.1"], ["--kube-selector", "a=b"]):
+    for flag in (
+        ["--port=8080"],
+        ["--host", "127.0.0.1"],
+        ["--kube-selector", "a=b"],
+        ["--shutdown-timeout", "5"],  # spec.engine.shutdownTimeoutSeconds sets it
+    ):
         (problem,) = problems_of(with_changes(document, "spec.router.extraArgs", flag))
         assert problem.startswith("spec.router.extraArgs: may not set --"), problem
     parse_inference_service(with_changes(document, "spec.router.extraArgs", ["--max-retries", "5"]))
