@@ -323,6 +323,9 @@ class Forwarder:
             # serve, a 400)
             routed = not (error.before_work or (error.answered and error.status < 500))
             raise
+        except RouterError:  # the router's own refusal (no free connection): sent nowhere
+            routed = False
+            raise
         finally:
             if routed:
                 self.metrics.pd_routes.labels(route).inc()

@@ -720,3 +720,39 @@ async def test_a_router_shutting_down_ends_the_prefill_drains_it_let_run_without
         assert _outcomes(router, p.url) == {"200": 0, "error": 0, "cancelled": 1}
         async with asyncio.timeout(2):
             await p.client_gone.wait()  # the engine saw its request end
+
+
+async def test_a_pair_without_a_free_connection_is_refused_by_the_router(
+    engines, kv_table, start_router, client
+):
+    """Streams hold every connection of --max-connections: the next pair's prefill and decode
+    requests find none, and the router refuses the request itself (503, Retry-After): no
+    worker is blamed, no route counted, nothing sent."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    d.hold = asyncio.Event()  # decode streams pause after their first chunk
+    config = pd_config([p], [d], max_connections=2, connect_timeout_s=0.3)
+
+    async def stream() -> None:
+        body = {**BODY, "stream": True}
+        async with client.stream("POST", router.url + "/v1/chat/completions", json=body) as r:
+            async for _ in r.aiter_bytes():
+                pass
+
+    async with start_router(**config) as router:
+        await router.ready()
+        held = [asyncio.create_task(stream()) for _ in range(2)]
+        decode = router.app.workers.get(d.url)
+        prefill = router.app.workers.get(p.url)
+        await router.until(lambda: decode.in_flight == 2 and prefill.in_flight == 0)
+        sent = len(p.requests), len(d.requests)
+        refused = await client.post(router.url + "/v1/chat/completions", json=BODY)
+        assert (len(p.requests), len(d.requests)) == sent
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "connection_limit"
+        for worker in (prefill, decode):
+            assert worker.breaker.consecutive_failures == 0 and worker.healthy
+        d.hold.set()
+        await asyncio.gather(*held)
+        metrics = (await client.get(router.url + "/metrics")).text
+    assert 'kubesgl_router_pd_routes_total{route="disaggregated"} 2.0' in metrics
+    assert 'kubesgl_router_rejections_total{reason="connection_limit",status="503"} 1.0' in metrics
