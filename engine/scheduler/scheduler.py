@@ -189,7 +189,7 @@ class Scheduler:
 
     def validate(self, request: GenerateRequest) -> None:
         """Raise InvalidRequestError, naming the problem, if `request` cannot run here."""
-        limits, n = self.limits, len(request.input_ids)
+        limits, n, page = self.limits, len(request.input_ids), self.kv.page_size
         if request.rid in self.requests:
             raise InvalidRequestError(f"request id {request.rid!r} is already in use", param="rid")
         if n == 0:
@@ -234,14 +234,19 @@ class Scheduler:
                 f"length of {limits.context_length}; lower max_tokens to at most {limits.context_length - n}",
                 param="max_tokens",
             )
-        pool = self.kv.allocator.total_pages
-        need = pages_for(
-            self.role.kv_tokens(n, max_tokens, request.bootstrap is not None), self.kv.page_size
-        )
-        if need > pool:
+        room, pool_tokens = request.bootstrap is not None, self.kv.allocator.total_pages * page
+        need = self.role.kv_tokens(n, max_tokens, room)
+        if pages_for(need, page) > self.kv.allocator.total_pages:
+            prompt_need = self.role.kv_tokens(n, 1, room)
+            if pages_for(prompt_need, page) > self.kv.allocator.total_pages:
+                raise InvalidRequestError(
+                    f"the prompt ({n} tokens) needs {prompt_need} tokens of KV cache; the pool "
+                    f"holds {pool_tokens}",
+                    param="prompt",
+                )
             raise InvalidRequestError(
-                f"the request needs {need * self.kv.page_size} tokens of KV cache; the pool holds "
-                f"{pool * self.kv.page_size}",
+                f"the request needs {need} tokens of KV cache; the pool holds {pool_tokens}: "
+                f"lower max_tokens to at most {pool_tokens - prompt_need + 1}",
                 param="max_tokens",
             )
 

@@ -324,10 +324,14 @@ def test_bad_requests_raise_and_others_go_on(tiny_model, make_llm, random_prompt
     assert all(sum(len(o.token_ids) for o in outs) == 10 for outs in outputs.values())
 
 
-def test_request_larger_than_the_pool_is_rejected(tiny_model, make_llm):
+def test_request_larger_than_the_pool_is_rejected_naming_what_to_lower(tiny_model, make_llm):
     llm = make_llm(tiny_model("llama"), max_total_tokens=64)
-    with pytest.raises(InvalidRequestError, match="pool holds 64"):
+    with pytest.raises(InvalidRequestError, match="pool holds 64.*at most 25") as too_long:
         llm.generate([[5] * 40], SamplingParams(max_tokens=40))
+    assert too_long.value.param == "max_tokens"
+    with pytest.raises(InvalidRequestError, match="prompt .80 tokens.*pool holds 64") as prompt:
+        llm.generate([[5] * 80], SamplingParams(max_tokens=1))
+    assert prompt.value.param == "prompt"  # no max_tokens would do
 
 
 def test_unsupported_architecture_is_named(tmp_path, tiny_model):
