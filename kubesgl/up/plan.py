@@ -95,6 +95,19 @@ class PortPicker:
                 return port
 
 
+def _besides(fixed: frozenset[int], free_port: Callable[[], int]) -> Callable[[], int]:
+    """`free_port` less the plan's fixed ports: the router's --port is free when the engines'
+    ports are picked, as the router binds it only once they are ready, and an engine given it
+    left the router unable to listen."""
+
+    def pick() -> int:
+        while (port := free_port()) in fixed:
+            pass
+        return port
+
+    return pick
+
+
 def _free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -224,6 +237,7 @@ def plan(isvc: InferenceService, settings: LocalSettings) -> LocalPlan:
     first_pod = pods[next(iter(roles))]
     model_path, model_step = _local_model(isvc.spec.model, first_pod, settings)
     free_gpus = list(settings.gpus)
+    free_port = _besides(frozenset({settings.port}), settings.free_port)
     engines = []
     for role, block in roles.items():
         for index in range(replicas[role]):
@@ -231,7 +245,9 @@ def plan(isvc: InferenceService, settings: LocalSettings) -> LocalPlan:
             if use_gpus:
                 gpus = tuple(free_gpus[: block.tensor_parallel_size])
                 del free_gpus[: block.tensor_parallel_size]
-            engines.append(_engine(f"{role}-{index}", role, pods[role], model_path, gpus, settings))
+            engines.append(
+                _engine(f"{role}-{index}", role, pods[role], model_path, gpus, settings, free_port)
+            )
     router = _router(pods[contract.ROUTER], tuple(engines), tuple(roles), settings)
     return LocalPlan(
         isvc.metadata.name,
@@ -326,16 +342,17 @@ def _engine(
     model_path: str,
     gpus: tuple[str, ...],
     settings: LocalSettings,
+    free_port: Callable[[], int],  # settings.free_port less the plan's fixed ports
 ) -> LocalProcess:
     container = pod["containers"][0]
     args = list(container["args"])
-    port = settings.free_port()
+    port = free_port()
     _set_flag_value(args, _MODEL_FLAG, model_path)
     _set_flag_value(args, "--host", ENGINE_HOST)
     _set_flag_value(args, "--port", str(port))
     bootstrap_port = None
     if role == contract.PREFILL:
-        bootstrap_port = settings.free_port()
+        bootstrap_port = free_port()
         _set_flag_value(args, _BOOTSTRAP_FLAG, str(bootstrap_port))
     if not gpus:
         _set_flag_value(args, _DEVICE_FLAG, "cpu")

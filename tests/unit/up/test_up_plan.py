@@ -43,13 +43,11 @@ def local_plan(document: dict[str, Any], gpus: int = 0, **settings: Any) -> Loca
     isvc = parse_inference_service(document)
     if isvc.spec.model.pvc is not None:
         settings.setdefault("model", "/local/copy")
+    settings.setdefault("free_port", counting_ports())
     return plan(
         isvc,
         LocalSettings(
-            gpus=tuple(str(i) for i in range(gpus)),
-            cache_dir=Path("/cache"),
-            free_port=counting_ports(),
-            **settings,
+            gpus=tuple(str(i) for i in range(gpus)), cache_dir=Path("/cache"), **settings
         ),
     )
 
@@ -402,3 +400,23 @@ def test_ports_come_from_outside_the_range_of_outgoing_connections(monkeypatch) 
         monkeypatch.setattr(plan_module, "PORT_RANGE", range(busy, busy + 1))
         monkeypatch.setattr(plan_module, "_outgoing_ports", lambda: range(0))
         assert plan_module.PortPicker()() != busy  # in use: another free port instead
+
+
+def test_no_engine_gets_the_routers_port(monkeypatch) -> None:
+    """The router binds its --port only once the engines are ready: free when the engines' ports
+    were picked, it went to an engine, and the router could not listen ("a configuration
+    error")."""
+    from kubesgl.up import plan as plan_module
+
+    router_port = 27490
+    monkeypatch.setattr(plan_module, "PORT_RANGE", range(router_port, router_port + 1))
+    monkeypatch.setattr(plan_module, "_outgoing_ports", lambda: range(0))
+    local = local_plan(example("quickstart"), port=router_port, free_port=plan_module.PortPicker())
+    assert local.router.port == router_port
+    taken = [engine.port for engine in local.engines]
+    taken += [engine.bootstrap_port for engine in local.engines if engine.bootstrap_port]
+    assert router_port not in taken and len(set(taken)) == len(taken)
+
+    ports = iter([41000, 41001, 41002, 41003])  # any picker: the router's comes first here
+    local = local_plan(example("quickstart"), port=41000, free_port=lambda: next(ports))
+    assert {engine.port for engine in local.engines} == {41001, 41003}
