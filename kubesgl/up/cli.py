@@ -14,6 +14,7 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from kubesgl.operator.render_cli import (
 from kubesgl.operator.spec import KIND
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
-from kubesgl.up.interrupt import INTERRUPTED, stop_on_signals
+from kubesgl.up.interrupt import DUPLICATE_SIGNAL_WINDOW_S, INTERRUPTED, stop_on_signals
 from kubesgl.up.model import ModelStepFailed, cpu_size_note, ensure_model
 from kubesgl.up.plan import LocalPlan, LocalSettings, NotEnoughGpus, plan
 from kubesgl.up.status import StatusView
@@ -215,16 +216,26 @@ def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> tuple[int, 
     with a configuration error (status 2, naming it); then drain and stop them all. Also
     whether a process had trouble: it exited on its own, or was killed as it stopped."""
     stop, force = threading.Event(), threading.Event()
+    stopped_at: list[float] = []  # when a signal stopped it, if one did
+
+    def stop_now() -> None:
+        if not stop.is_set():
+            stopped_at.append(time.monotonic())
+            stop.set()
 
     def on_signal(signum: int, frame: object) -> None:
-        # the first Ctrl-C drains; a second one kills what is still running
-        (force if stop.is_set() else stop).set()
+        # the first Ctrl-C drains; a second one kills what is still running, unless it is the
+        # first one again (a signal to the process group: DUPLICATE_SIGNAL_WINDOW_S)
+        if not stop.is_set():
+            stop_now()
+        elif not stopped_at or time.monotonic() - stopped_at[0] >= DUPLICATE_SIGNAL_WINDOW_S:
+            force.set()
 
     def on_hangup(signum: int, frame: object) -> None:
         # The terminal was closed: drain as on Ctrl-C, with nowhere to write to. A hangup
         # never escalates (the kernel and the shell may both send one).
         detach_from_terminal()
-        stop.set()
+        stop_now()
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)

@@ -5,9 +5,16 @@ with status 130 (the supervisor then takes either as its drain). Kept free of im
 from __future__ import annotations
 
 import signal
+import time
 from types import FrameType
 
 INTERRUPTED = 130  # the exit status of a Ctrl-C before any process runs, as a shell's
+# A signal this soon after the one that stopped `kubesgl up` is the same stop, not a second
+# Ctrl-C: a signal sent to a process and then to its process group reaches it twice, a few
+# milliseconds apart (`timeout -s INT 25 kubesgl up ...` does so; coreutils' timeout signals its
+# child, then the group). A person's second Ctrl-C comes later than this.
+DUPLICATE_SIGNAL_WINDOW_S = 0.5
+_raised_at: float | None = None  # when _interrupt last raised KeyboardInterrupt
 
 
 def stop_on_signals() -> None:
@@ -20,4 +27,11 @@ def stop_on_signals() -> None:
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """KeyboardInterrupt, but not again for the same stop sent twice (it would break into the
+    handling of the first, with a traceback)."""
+    global _raised_at
+    now = time.monotonic()
+    if _raised_at is not None and now - _raised_at < DUPLICATE_SIGNAL_WINDOW_S:
+        return
+    _raised_at = now
     raise KeyboardInterrupt

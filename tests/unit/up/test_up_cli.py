@@ -436,3 +436,42 @@ def test_a_download_to_run_on_the_cpu_is_named_so_after_a_note(
     assert notes[2].startswith(
         "downloading the model, once: hf download meta-llama/Llama-3.1-8B-Instruct "
     )
+
+
+DRAINING = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1), sys.exit(0)))
+time.sleep(600)
+"""
+DEAF = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+
+
+def run_up_signalled(args: list[str], at_s: list[float]) -> int:
+    """`kubesgl up` with these arguments, sent SIGINT at each of these times."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    timers = [threading.Timer(t, os.kill, (os.getpid(), signal.SIGINT)) for t in at_s]
+    for timer in timers:
+        timer.start()
+    try:
+        return cli.main(["-f", str(QUICKSTART), "--port", str(free_port()), *args])
+    finally:
+        for timer in timers:
+            timer.cancel()
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def test_a_stop_signal_sent_twice_at_once_drains(tmp_path, monkeypatch, capsys):
+    """`timeout -s INT 25 kubesgl up ...` signals `kubesgl up` and then its process group: two
+    SIGINTs milliseconds apart were taken as Ctrl-C twice, and everything was killed."""
+    fake_plan(tmp_path, monkeypatch, **{"decode-0": DRAINING})
+    assert run_up_signalled(["--logs", str(tmp_path)], at_s=[2.0, 2.05]) == 0
+    out = capsys.readouterr().out
+    assert "decode-0: stopped" in out and "killed" not in out
+
+
+def test_ctrl_c_twice_kills_at_once(tmp_path, monkeypatch, capsys):
+    later = 2.0 + cli.DUPLICATE_SIGNAL_WINDOW_S + 0.3
+    fake_plan(tmp_path, monkeypatch, **{"decode-0": DEAF})  # would be killed after 10 s
+    assert run_up_signalled(["--logs", str(tmp_path)], at_s=[2.0, later]) == 0
+    assert "decode-0: killed: at once, as asked" in capsys.readouterr().out

@@ -113,3 +113,26 @@ def test_a_signal_while_it_reads_its_arguments_stops_it_quietly(monkeypatch):
 
     monkeypatch.setattr(cli, "build_parser", Interrupted)
     assert cli.main(["-f", str(QUICKSTART)]) == 130
+
+
+def test_the_same_stop_sent_twice_interrupts_once():
+    """A signal to the process and then to its process group (`timeout -s INT ...`) arrives
+    twice, milliseconds apart: the second broke into the handling of the first, with a
+    KeyboardInterrupt traceback. A later one interrupts again."""
+    from kubesgl.up.interrupt import DUPLICATE_SIGNAL_WINDOW_S, stop_on_signals
+
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop_on_signals()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        os.kill(os.getpid(), signal.SIGINT)  # as the handling of the first goes on
+        time.sleep(0.05)
+        time.sleep(DUPLICATE_SIGNAL_WINDOW_S)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
