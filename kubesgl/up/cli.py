@@ -175,6 +175,8 @@ def _log_folder(name: str, logs: str | None) -> _LogFolder:
         return _LogFolder(Path(tempfile.mkdtemp(prefix=f"kubesgl-up-{name}-")), temporary=True)
     try:
         Path(logs).mkdir(parents=True, exist_ok=True)
+    except FileExistsError as error:  # a file of that name: "File exists" said too little
+        raise _Refused(f"--logs {logs}: {os.strerror(errno.ENOTDIR)}") from error
     except OSError as error:
         raise _Refused(f"--logs {logs}: {error.strerror or error}") from error
     return _LogFolder(Path(logs), temporary=False)

@@ -188,7 +188,10 @@ def test_logs_that_name_a_file_are_a_usage_error(tmp_path, capsys, starts_nothin
     not_a_folder = tmp_path / "log.txt"
     not_a_folder.write_text("")
     assert cli.main(["-f", str(QUICKSTART), "--logs", str(not_a_folder)]) == 2
-    assert capsys.readouterr().err.startswith(f"kubesgl up: --logs {not_a_folder}: ")
+    assert capsys.readouterr().err == f"kubesgl up: --logs {not_a_folder}: Not a directory\n"
+    inside = not_a_folder / "logs"
+    assert cli.main(["-f", str(QUICKSTART), "--logs", str(inside)]) == 2
+    assert capsys.readouterr().err == f"kubesgl up: --logs {inside}: Not a directory\n"
 
 
 def test_a_model_folder_that_is_not_there_is_refused(tmp_path, capsys, starts_nothing):
