@@ -24,6 +24,7 @@ from kubesgl.cli_help import CommandParser, port_number
 from kubesgl.operator.render_cli import (
     NO_DOCUMENT,
     READ_ERRORS,
+    input_files,
     list_items,
     print_problems,
     read_documents,
@@ -55,6 +56,7 @@ def build_parser() -> CommandParser:
         "--filename",
         required=True,
         help="a YAML or JSON file holding one InferenceService (other kinds beside it are skipped), "
+        "a folder of such files holding one in all (its .json, .yaml and .yml files), "
         "or - for standard input",
     )
     parser.add_argument(
@@ -130,15 +132,11 @@ def _report(refused: _Refused) -> int:
 def _plan(args: argparse.Namespace) -> LocalPlan:
     """The processes to run for the file's InferenceService on this machine; raises _Refused
     if it cannot be read or run here."""
-    try:
-        documents = read_documents(args.filename)
-    except READ_ERRORS as error:
-        raise _Refused(f"cannot read {args.filename}: {error}") from error
-    objects = _inference_services(args.filename, documents)
-    problem = _not_one_inference_service(documents, objects)
+    documents, found = _read(args.filename)
+    problem = _not_one_inference_service(documents, [obj for _, obj in found])
     if problem is not None:
         raise _Refused(f"{args.filename}: {problem}")
-    document = objects[0]
+    filename, document = found[0]  # a folder's file that holds it, for messages
     try:
         isvc = parse_inference_service(_image_optional(document))
         gpus = visible_gpus() if isvc.spec.engine.device == "cuda" else ()
@@ -147,17 +145,37 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
         )
         local = plan(isvc, settings)
     except InvalidSpec as error:
-        print_problems(PROG, args.filename, document, error)  # one line per problem
+        print_problems(PROG, filename, document, error)  # one line per problem
         raise _Refused(None) from error
     except NotEnoughGpus as error:
-        raise _Refused(f"{args.filename}: {error}") from error
-    missing = _missing_model(local, args)
+        raise _Refused(f"{filename}: {error}") from error
+    missing = _missing_model(local, args.model, filename)
     if missing is not None:
         raise _Refused(missing)
     problem = _listen_problem(args.host, args.port)
     if problem is not None:
         raise _Refused(problem)
     return local
+
+
+def _read(given: str) -> tuple[list[Any], list[tuple[str, Any]]]:
+    """The YAML documents of the file -f names, or of a folder's manifests as `kubesgl render -f
+    DIR` reads them, and the objects to run in them, each with its file; raises _Refused where
+    one cannot be read."""
+    try:
+        files = input_files(given)
+    except OSError as error:  # a folder without any manifest
+        raise _Refused(f"cannot read {given}: {error}") from error
+    documents: list[Any] = []
+    found: list[tuple[str, Any]] = []
+    for filename in files:
+        try:
+            read = read_documents(filename)
+        except READ_ERRORS as error:
+            raise _Refused(f"cannot read {filename}: {error}") from error
+        documents += read
+        found += [(filename, obj) for obj in _inference_services(filename, read)]
+    return documents, found
 
 
 def _image_optional(document: dict[str, Any]) -> dict[str, Any]:
@@ -311,12 +329,12 @@ def detach_from_terminal() -> None:
     os.close(devnull)
 
 
-def _missing_model(local: LocalPlan, args: argparse.Namespace) -> str | None:
+def _missing_model(local: LocalPlan, model: str | None, filename: str) -> str | None:
     """Why the model folder to serve as it is (--model, a hostPath) cannot be served: every
     engine would exit at start and be restarted forever."""
     if local.model_step is not None or Path(local.model_path).is_dir():
         return None
-    source = "--model" if args.model is not None else f"{args.filename}: spec.model.hostPath.path"
+    source = "--model" if model is not None else f"{filename}: spec.model.hostPath.path"
     return f"{source} {local.model_path}: not a folder on this machine"
 
 

@@ -478,3 +478,41 @@ def test_ctrl_c_twice_kills_at_once(tmp_path, monkeypatch, capsys):
     fake_plan(tmp_path, monkeypatch, **{"decode-0": DEAF})  # would be killed after 10 s
     assert run_up_signalled(["--logs", str(tmp_path)], at_s=[2.0, later]) == 0
     assert "decode-0: killed: at once, as asked" in capsys.readouterr().out
+
+
+def test_a_folder_holding_one_inference_service_is_read_as_render_reads_it(tmp_path, capsys):
+    """`kubesgl render -f DIR` reads a folder's manifests; `kubesgl up -f DIR` said only
+    "[Errno 21] Is a directory"."""
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    (folder / "isvc.yaml").write_text(QUICKSTART.read_text())
+    (folder / "secret.yaml").write_text("apiVersion: v1\nkind: Secret\nmetadata: {name: key}\n")
+    (folder / "README.md").write_text("not a manifest\n")
+    missing = tmp_path / "no-such-model"
+    assert cli.main(["-f", str(folder), "--logs", str(tmp_path), "--model", str(missing)]) == 2
+    assert capsys.readouterr().err == (  # read and planned: stopped only by the model
+        f"kubesgl up: {folder}/secret.yaml: skipped v1 Secret key: kubesgl up runs "
+        "kubesgl.io InferenceServices only\n"
+        f"kubesgl up: --model {missing}: not a folder on this machine\n"
+    )
+    invalid = Path(spec_file(tmp_path, prefill={"replicas": -1})).read_text()
+    (folder / "isvc.yaml").write_text(invalid)
+    assert cli.main(["-f", str(folder), "--logs", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[1] == f"kubesgl up: {folder}/isvc.yaml: InferenceService quickstart:"
+
+
+def test_a_folder_of_several_inference_services_or_none_is_refused(tmp_path, capsys):
+    examples = QUICKSTART.parent
+    count = len(list(examples.glob("*.yaml")))
+    assert cli.main(["-f", str(examples), "--logs", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"kubesgl up: {examples}: expected one InferenceService, found {count}: "
+        "kubesgl up runs one at a time\n"
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["-f", str(empty), "--logs", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"kubesgl up: cannot read {empty}: no .json, .yaml or .yml file in it\n"
+    )
