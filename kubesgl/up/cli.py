@@ -37,7 +37,7 @@ from kubesgl.up.interrupt import DUPLICATE_SIGNAL_WINDOW_S, INTERRUPTED, stop_on
 from kubesgl.up.model import ModelStepFailed, cpu_size_note, ensure_model
 from kubesgl.up.plan import LocalPlan, LocalSettings, NotEnoughGpus, plan
 from kubesgl.up.status import StatusView
-from kubesgl.up.supervisor import Supervisor
+from kubesgl.up.supervisor import Replica, Supervisor
 
 PROG = "kubesgl up"
 NO_IMAGE = "none: kubesgl up runs no image"  # spec.image of a spec that gives none
@@ -272,14 +272,11 @@ def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> tuple[int, 
             if supervisor.failed:
                 stop.set()  # as after a Ctrl-C: a Ctrl-C during the drain kills at once
                 names = ", ".join(replica.process.name for replica in supervisor.failed)
-                view.note(
-                    f"stopping, {names} exited with status 2 (a configuration error): "
-                    "the router, then the engines (Ctrl-C kills them at once)"
-                )
+                what = _what_stops(supervisor.replicas, "(Ctrl-C kills {} at once)")
+                view.note(f"stopping, {names} exited with status 2 (a configuration error): {what}")
             else:
-                view.note(
-                    "stopping: the router, then the engines (Ctrl-C again kills them at once)"
-                )
+                what = _what_stops(supervisor.replicas, "(Ctrl-C again kills {} at once)")
+                view.note(f"stopping: {what}")
         finally:
             supervisor.stop(force, on_tick=lambda: view.refresh(supervisor.replicas))
             view.close()
@@ -290,6 +287,21 @@ def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> tuple[int, 
             file=sys.stderr,
         )
     return (2 if supervisor.failed else 0), bool(supervisor.troubled)
+
+
+def _what_stops(replicas: list[Replica], kill_hint: str) -> str:
+    """What the drain stops, in its order: what runs, the router only once it has started (it
+    waits for the engines to be ready), with kill_hint naming them."""
+    running = [replica for replica in replicas if replica.popen is not None]
+    router = any(replica.process.role == contract.ROUTER for replica in running)
+    engines = any(replica.process.role != contract.ROUTER for replica in running)
+    if router and engines:
+        return f"the router, then the engines {kill_hint.format('them')}"
+    if engines:
+        return f"the engines, the router not having started {kill_hint.format('them')}"
+    if router:
+        return f"the router {kill_hint.format('it')}"
+    return "nothing runs"
 
 
 def _inference_services(filename: str, documents: list[Any]) -> list[Any]:

@@ -262,7 +262,10 @@ def test_a_process_that_exits_with_status_2_stops_everything_with_status_2(
         "prefill-0: exited (exit code 2: " in out
         and "restart" not in (tmp_path / "prefill-0.log").read_text()
     )
-    assert "stopping, prefill-0 exited with status 2 (a configuration error)" in out
+    assert (
+        "stopping, prefill-0 exited with status 2 (a configuration error): the engines, the "
+        "router not having started (Ctrl-C kills them at once)" in out
+    )
     (decode,) = re.findall(r"decode-0: started, pid (\d+)", out)
     assert not Path(f"/proc/{decode}").exists()  # stopped (and reaped), not left behind
     assert "decode-0: killed" not in out and "router: started" not in out
@@ -516,3 +519,16 @@ def test_a_folder_of_several_inference_services_or_none_is_refused(tmp_path, cap
     assert capsys.readouterr().err == (
         f"kubesgl up: cannot read {empty}: no .json, .yaml or .yml file in it\n"
     )
+
+
+def test_the_stopping_line_names_only_what_runs(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C while the engines still loaded said "stopping: the router, then the engines",
+    though the router, which waits for them, had not started."""
+    fake_plan(tmp_path, monkeypatch, **{"decode-0": SERVING})  # never ready: no router
+    assert run_up(["--logs", str(tmp_path)], ctrl_c_after_s=1.5) == 0
+    out = capsys.readouterr().out
+    assert (
+        "stopping: the engines, the router not having started (Ctrl-C again kills them at once)"
+        in out
+    )
+    assert "router: started" not in out and "the router, then" not in out
