@@ -75,6 +75,13 @@ def test_bench_without_a_kind_is_a_usage_error(capsys):
     assert main(["bench"]) == 2 and "kubesgl bench serving" in capsys.readouterr().err
 
 
+def test_an_unknown_benchmark_is_named(capsys):
+    """`kubesgl bench foo` printed the usage alone, where `kubesgl bogus` names the command."""
+    assert main(["bench", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kubesgl bench: unknown benchmark 'foo'\n\nusage: kubesgl bench ")
+
+
 @pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
 def test_every_port_flag_refuses_a_port_outside_1_to_65535(argv, monkeypatch, capsys):
     # `kubesgl serve --port 70000` listened on 4464 (70000 mod 65536) while it printed 70000
