@@ -371,7 +371,8 @@ def test_stop_timeouts_are_the_pods_grace_periods_without_the_prestop_pause():
     assert {e.stop_timeout_s for e in local.engines} == {
         7 + 22 + 5
     }  # the drain, the exit after it, slack
-    assert local.router.stop_timeout_s == 25 + 5  # the router's graceful shutdown, and slack
+    # the router's graceful shutdown (the engines' drain, its --shutdown-timeout), and slack
+    assert local.router.stop_timeout_s == 7 + 5
     assert local.router.waits_for == (contract.PREFILL, contract.DECODE)
 
 
