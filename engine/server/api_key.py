@@ -18,7 +18,8 @@ def add_api_key_args(group: argparse._ArgumentGroup) -> None:
         "--api-key",
         default=None,
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on /v1/* and /generate; other users of this "
+        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and "
+        "/version (docs/security.md); other users of this "
         f"machine can read a command line: prefer --api-key-file or ${API_KEY_ENV} "
         f"(default: ${API_KEY_ENV} where set, else no key)",
     )
