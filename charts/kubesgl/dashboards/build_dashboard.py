@@ -216,17 +216,21 @@ def router_row() -> Row:
     # A worker's pod name where discovery knows it (the info series is 1 per worker and router replica)
     worker_pod = f"on (worker) group_left (worker_pod) max by (worker, worker_pod) (kubesgl_router_worker_info{{{SELECTOR}}})"
     failed = 'worker!="", status!~"2..|cancelled"'
+    # The attempts whose answer is the client's: a P/D request is also an attempt on its
+    # prefill worker, whose answer the router drains (counted, the requests would be doubled)
+    answers = (
+        f'sum by (status) (rate(kubesgl_router_requests_total{{{SELECTOR}, worker!=""}}[{RATE}]) '
+        f'and on (worker) kubesgl_router_worker_info{{{SELECTOR}, role!="prefill"}})'
+    )
     return Row(
         "Router",
         [
             Panel(
-                "Answers by status: attempts on workers, and the router's own rejections",
+                "Answers by status: of mixed and decode workers (a P/D request's prefill attempt "
+                "is drained, no answer), and the router's own rejections",
                 "reqps",
                 [
-                    (
-                        s.rate("kubesgl_router_requests_total", "status", 'worker!=""'),
-                        "{{status}} from a worker",
-                    ),
+                    (answers, "{{status}} from a worker"),
                     (
                         s.rate("kubesgl_router_rejections_total", "status, reason"),
                         "{{status}} {{reason}} (router)",
