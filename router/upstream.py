@@ -81,12 +81,7 @@ def make_session(connect_timeout_s: float, read_timeout_s: float) -> aiohttp.Cli
     connector sets no limit: `ConnectionSlots` admits requests, so aiohttp's connect timeout
     measures the connection itself (DNS, TCP, TLS), never a wait for a free slot."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(
-            limit=0,
-            limit_per_host=0,
-            resolver=GuardedResolver(),
-            keepalive_timeout=ROUTER_UPSTREAM_KEEP_ALIVE_S,
-        ),
+        connector=_unlimited_connector(),
         timeout=aiohttp.ClientTimeout(
             total=None,
             connect=connect_timeout_s,
@@ -104,13 +99,18 @@ def make_control_session() -> aiohttp.ClientSession:
     take healthy workers out). No connection limit: each worker has one check in flight at a
     time, and each request bounds its own time (its `total` timeout)."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(
-            limit=0,
-            limit_per_host=0,
-            resolver=GuardedResolver(),
-            keepalive_timeout=ROUTER_UPSTREAM_KEEP_ALIVE_S,
-        ),
-        skip_auto_headers=("User-Agent",),
+        connector=_unlimited_connector(), skip_auto_headers=("User-Agent",)
+    )
+
+
+def _unlimited_connector() -> aiohttp.TCPConnector:
+    """Keep-alive connections to workers, never to a link-local or metadata address whatever a
+    worker's name resolves to; no limit of aiohttp's (the sessions' callers bound their own)."""
+    return aiohttp.TCPConnector(
+        limit=0,
+        limit_per_host=0,
+        resolver=GuardedResolver(),
+        keepalive_timeout=ROUTER_UPSTREAM_KEEP_ALIVE_S,
     )
 
 
