@@ -1,0 +1,319 @@
+"""The alerting rules the chart ships (charts/kubesgl/alerts): generated from their script,
+every expression valid PromQL reading metrics kubesgl exports, and, run by promtool on
+synthetic series, each alert fires where it should and stays silent where it should not."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import promql_parser
+import pytest
+import yaml
+from test_dashboard import exported_metric_names
+
+ROOT = Path(__file__).resolve().parents[2]
+ALERTS = ROOT / "charts" / "kubesgl" / "alerts"
+RULES = ALERTS / "kubesgl.rules.yaml"
+PROMTOOL = shutil.which("promtool")  # Debian's prometheus package ships it
+# .ci/run installs Prometheus and sets this, so that CI fails rather than skips if the install broke.
+REQUIRED = os.environ.get("KUBESGL_REQUIRE_PROMETHEUS") == "1"
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None and not REQUIRED,
+    reason="needs promtool (apt-get install prometheus)",
+)
+
+
+def builder():
+    spec = importlib.util.spec_from_file_location("build_alerts", ALERTS / "build_alerts.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def rules() -> list[dict]:
+    (group,) = yaml.safe_load(RULES.read_text())["groups"]
+    return group["rules"]
+
+
+def test_committed_rules_are_the_generated_ones():
+    assert RULES.read_text() == builder().render()
+
+
+def test_every_expression_parses_as_promql():
+    for rule in rules():
+        promql_parser.parse(rule["expr"])  # raises on a syntax error
+
+
+def test_every_metric_the_alerts_read_is_exported():
+    exported = exported_metric_names()
+    read = {
+        name
+        for rule in rules()
+        # kubesgl_io_role is a label: the pods' kubesgl.io/role, which the PodMonitor copies
+        for name in re.findall(r"\bkubesgl_(?!io_role\b)[a-z0-9_]+", rule["expr"])
+    }
+    assert read and read <= exported, sorted(read - exported)
+
+
+def test_every_alert_says_how_long_how_bad_and_where_to_look():
+    names = [rule["alert"] for rule in rules()]
+    assert len(set(names)) == len(names)
+    docs = (ROOT / "docs" / "operator.md").read_text()
+    for rule in rules():
+        assert re.fullmatch(r"\d+m", rule["for"]), rule["alert"]
+        assert rule["labels"]["severity"] in ("critical", "warning"), rule["alert"]
+        assert set(rule["annotations"]) == {"summary", "description"}, rule["alert"]
+        assert "$labels.app_kubernetes_io_instance" in rule["annotations"]["summary"]
+        assert "docs/operator.md#alerts" in rule["annotations"]["description"]
+        assert f"`{rule['alert']}`" in docs, f"docs/operator.md's table lacks {rule['alert']}"
+        # a counter is read through rate(), or only for its labels (group); a gauge never rated
+        for read in re.finditer(r"\bkubesgl_(?!io_role\b)[a-z0-9_]+", rule["expr"]):
+            before = rule["expr"][: read.start()]
+            rated = before.endswith("rate(")
+            if read.group().endswith("_total"):
+                assert rated or re.search(r"group by \([^)]*\) \($", before), read.group()
+            else:
+                assert not rated, read.group()
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    if PROMTOOL is None:
+        raise RuntimeError("KUBESGL_REQUIRE_PROMETHEUS=1 but no promtool binary is on PATH")
+    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60)
+
+
+@needs_promtool
+def test_promtool_checks_the_rules_and_their_templates():
+    result = promtool("check", "rules", str(RULES))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def series(metric: str, values: str, **labels: str) -> dict:
+    matchers = ", ".join(f'{key}="{value}"' for key, value in labels.items())
+    return {"series": f"{metric}{{{matchers}}}", "values": values}
+
+
+def router(instance: str, metric: str, values: str, pod: str = "router-0", **labels: str) -> dict:
+    return series(
+        metric,
+        values,
+        namespace="ns",
+        app_kubernetes_io_instance=instance,
+        kubesgl_io_role="router",
+        pod=pod,
+        **labels,
+    )
+
+
+def worker(instance: str, url: str, role: str, healthy: str, pod: str = "router-0") -> list[dict]:
+    """A worker as one router replica exports it: its health, its info, and the
+    requests_total{worker=""} series every router has from its start."""
+    return [
+        router(instance, "kubesgl_router_worker_healthy", healthy, pod, worker=url),
+        router(
+            instance,
+            "kubesgl_router_worker_info",
+            "1x30",
+            pod,
+            worker=url,
+            role=role,
+            worker_pod="",
+            model_name="m",
+        ),
+    ]
+
+
+def router_up(instance: str, pod: str = "router-0") -> dict:
+    return router(instance, "kubesgl_router_requests_total", "0x30", pod, status="503")
+
+
+def fires(instance: str, severity: str, **labels: str) -> dict:
+    return {
+        "exp_labels": {
+            "severity": severity,
+            "namespace": "ns",
+            "app_kubernetes_io_instance": instance,
+            **labels,
+        }
+    }
+
+
+def worker_cases() -> dict:
+    return {
+        "interval": "1m",
+        "input_series": [
+            # down: its one worker unhealthy; empty: discovery found no worker at all
+            router_up("down"),
+            *worker("down", "http://w1", "mixed", "0x30"),
+            router_up("empty"),
+            # fine: one router replica sees its worker unhealthy, the other healthy
+            router_up("fine"),
+            *worker("fine", "http://w1", "mixed", "0x30"),
+            router_up("fine", "router-1"),
+            *worker("fine", "http://w1", "mixed", "1x30", "router-1"),
+            # flap: unhealthy for a minute only
+            router_up("flap"),
+            *worker("flap", "http://w1", "mixed", "1 1 0 1x30"),
+            # P/D: prefill healthy, decode not (nodecode); both healthy (pd)
+            router_up("nodecode"),
+            *worker("nodecode", "http://p1", "prefill", "1x30"),
+            *worker("nodecode", "http://d1", "decode", "0x30"),
+            router_up("pd"),
+            *worker("pd", "http://p1", "prefill", "1x30"),
+            *worker("pd", "http://d1", "decode", "1x30"),
+            *worker("pd", "http://d2", "decode", "0x30"),
+            # P/D whose decode pods discovery dropped (not ready): only prefill workers left
+            router_up("gone"),
+            *worker("gone", "http://p1", "prefill", "1x30"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "1m", "alertname": "KubesglRouterNoHealthyWorker", "exp_alerts": []},
+            {
+                "eval_time": "5m",
+                "alertname": "KubesglRouterNoHealthyWorker",
+                "exp_alerts": [fires("down", "critical"), fires("empty", "critical")],
+            },
+            {"eval_time": "1m", "alertname": "KubesglRouterNoDecodeWorker", "exp_alerts": []},
+            {
+                "eval_time": "5m",
+                "alertname": "KubesglRouterNoDecodeWorker",
+                "exp_alerts": [fires("nodecode", "critical"), fires("gone", "critical")],
+            },
+        ],
+    }
+
+
+def error_cases() -> dict:
+    """Counters per minute: 600 is 10 requests a second."""
+
+    def attempts(instance: str, url: str, role: str, per_status: dict[str, int]) -> list[dict]:
+        found = worker(instance, url, role, "1x30")
+        for status, per_minute in per_status.items():
+            found.append(
+                router(
+                    instance,
+                    "kubesgl_router_requests_total",
+                    f"0+{per_minute}x30",
+                    worker=url,
+                    status=status,
+                )
+            )
+        return found
+
+    def rejections(instance: str, per_minute: dict[tuple[str, str], int]) -> list[dict]:
+        found = [router_up(instance)]
+        for (status, reason), count in per_minute.items():
+            found.append(
+                router(
+                    instance,
+                    "kubesgl_router_rejections_total",
+                    f"0+{count}x30",
+                    status=status,
+                    reason=reason,
+                )
+            )
+        return found
+
+    zero = {("500", "internal"): 0, ("503", "no_worker"): 0}
+    return {
+        "interval": "1m",
+        "input_series": [
+            # failing: 60 of 660 answers a minute are 500s (9%)
+            *rejections("failing", zero),
+            *attempts("failing", "http://w1", "mixed", {"200": 600, "500": 30, "error": 0}),
+            *attempts("failing", "http://w2", "mixed", {"200": 0, "500": 30, "error": 0}),
+            # healthy: 1%, and 4xx, which are the clients' own, and cancellations
+            *rejections("healthy", {**zero, ("400", "invalid_request"): 300}),
+            *attempts(
+                "healthy", "http://w1", "mixed", {"200": 600, "500": 6, "404": 300, "cancelled": 60}
+            ),
+            # broken: connections that break count as failures (10%)
+            *rejections("broken", zero),
+            *attempts("broken", "http://w1", "mixed", {"200": 540, "error": 60}),
+            # rejected: the router's own 503s, no worker could serve (2 of 12)
+            *rejections("rejected", {**zero, ("503", "no_worker"): 120}),
+            *attempts("rejected", "http://w1", "mixed", {"200": 600}),
+            # P/D: a failing prefill worker counts its 502, the decode worker `cancelled`; the
+            # prefill attempts are no answers: 60 failures in 600 answers (10%), where counting
+            # the prefill attempts too would have made it 5%
+            *rejections("pd", zero),
+            *attempts("pd", "http://p1", "prefill", {"200": 540, "502": 60}),
+            *attempts("pd", "http://d1", "decode", {"200": 540, "cancelled": 60}),
+            # P/D, healthy: every request counts on both sides
+            *rejections("pd-ok", zero),
+            *attempts("pd-ok", "http://p1", "prefill", {"200": 600}),
+            *attempts("pd-ok", "http://d1", "decode", {"200": 597, "500": 3}),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "9m", "alertname": "KubesglHighServerErrorRatio", "exp_alerts": []},
+            {
+                "eval_time": "15m",
+                "alertname": "KubesglHighServerErrorRatio",
+                "exp_alerts": [
+                    fires(name, "critical") for name in ("failing", "broken", "rejected", "pd")
+                ],
+            },
+        ],
+    }
+
+
+def engine_cases() -> dict:
+    def engine(pod: str, usage: str, waiting: str) -> list[dict]:
+        labels = {
+            "namespace": "ns",
+            "app_kubernetes_io_instance": "svc",
+            "kubesgl_io_role": "decode",
+            "role": "decode",
+            "model_name": "m",
+            "pod": pod,
+        }
+        return [
+            series("kubesgl_kv_cache_usage_ratio", usage, **labels),
+            series("kubesgl_num_waiting_requests", waiting, **labels),
+        ]
+
+    full = {"role": "decode", "model_name": "m"}
+    return {
+        "interval": "1m",
+        "input_series": [
+            *engine("saturated", "0.97x30", "4x30"),
+            # full with a queue for 8 minutes, then the queue drains: never 10 minutes on end
+            *engine("drained", "0.97x30", "2x8 0x30"),
+            *engine("busy", "0.97x30", "0x30"),  # full, and nothing waits: admission keeps up
+            *engine("queued", "0.5x30", "8x30"),  # requests wait, KV to spare
+            *engine("burst", "0.97x30", "0x10 3x3 0x20"),  # a queue for three minutes
+        ],
+        "alert_rule_test": [
+            {"eval_time": "9m", "alertname": "KubesglKVCacheFull", "exp_alerts": []},
+            {
+                "eval_time": "10m",
+                "alertname": "KubesglKVCacheFull",
+                "exp_alerts": [fires("svc", "warning", pod="saturated", **full)],
+            },
+        ],
+    }
+
+
+@needs_promtool
+def test_alerts_fire_when_they_should_and_not_otherwise(tmp_path: Path):
+    # annotations left out: promtool compares them too, and `promtool check rules` above checks
+    # their templates; these cases are about the expressions and their `for`
+    document = yaml.safe_load(RULES.read_text())
+    for rule in document["groups"][0]["rules"]:
+        del rule["annotations"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(document))
+    tests = {
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": "1m",
+        "tests": [worker_cases(), error_cases(), engine_cases()],
+    }
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    result = promtool("test", "rules", str(tmp_path / "tests.yaml"))
+    assert result.returncode == 0, result.stdout + result.stderr
