@@ -193,6 +193,38 @@ def test_the_dashboard_ships_as_a_sidecar_configmap(helm: Path) -> None:
     assert "ConfigMap" not in [doc["kind"] for doc in yaml.safe_load_all(disabled) if doc]
 
 
+def test_the_alerts_ship_as_a_prometheusrule_when_enabled(helm: Path) -> None:
+    """Off by default (a PrometheusRule needs the prometheus-operator's CRD); on, its spec is
+    the generated rules file as it is (their {{ $labels }} templates untouched by Helm), with
+    the labels a Prometheus's ruleSelector asks for."""
+    assert "PrometheusRule" not in [obj["kind"] for obj in chart_objects(helm)]
+    enabled = ["--set", "alerts.enabled=true"]
+    helm_run(helm, "lint", str(CHART), "--strict", *enabled)
+    (rule,) = [
+        obj
+        for obj in chart_objects(
+            helm,
+            *enabled,
+            "--set",
+            "alerts.labels.release=prometheus",
+            "--set",
+            "alerts.namespace=monitoring",
+        )
+        if obj["kind"] == "PrometheusRule"
+    ]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["metadata"]["namespace"] == "monitoring"
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    assert rule["metadata"]["labels"]["app.kubernetes.io/instance"] == "kubesgl"
+    rules_file = CHART / "alerts" / "kubesgl.rules.yaml"
+    assert rule["spec"] == yaml.safe_load(rules_file.read_text())
+    assert "{{ $labels.app_kubernetes_io_instance }}" in str(rule["spec"])
+    (default_namespace,) = [
+        obj for obj in chart_objects(helm, *enabled) if obj["kind"] == "PrometheusRule"
+    ]
+    assert default_namespace["metadata"]["namespace"] == "kubesgl-system"
+
+
 @pytest.mark.parametrize(
     "secrets", ["imagePullSecrets={regcred,other}", "imagePullSecrets[0].name=regcred"]
 )
@@ -214,6 +246,8 @@ def test_image_pull_secrets_as_names_or_as_kubernetes_writes_them(helm: Path, se
         ("tolerations[0].efect=NoSchedule", "at '/tolerations/0': additional properties 'efect'"),
         ("dashboards.label=grafana dashboard", "at '/dashboards/label': 'grafana dashboard'"),
         ("dashboards.namespace=Monitoring", "at '/dashboards/namespace': 'Monitoring'"),
+        ("alerts.labels.release=my release", "at '/alerts/labels/release': 'my release'"),
+        ("alerts.enable=true", "at '/alerts': additional properties 'enable'"),
         ("serviceAccount.create=false", "at '/serviceAccount/name': minLength"),
     ],
 )
