@@ -284,18 +284,87 @@ def engine_cases() -> dict:
         "interval": "1m",
         "input_series": [
             *engine("saturated", "0.97x30", "4x30"),
-            # full with a queue for 8 minutes, then the queue drains: never 10 minutes on end
-            *engine("drained", "0.97x30", "2x8 0x30"),
+            # full, its queue emptied at every other scrape: saturated all the same
+            *engine("flicker", "0.97x30", " ".join(["3", "0"] * 15)),
             *engine("busy", "0.97x30", "0x30"),  # full, and nothing waits: admission keeps up
             *engine("queued", "0.5x30", "8x30"),  # requests wait, KV to spare
-            *engine("burst", "0.97x30", "0x10 3x3 0x20"),  # a queue for three minutes
+            # a queue for 4 minutes from 11m: pending until 5 minutes after it, no more
+            *engine("burst", "0.97x30", "0x10 3x3 0x20"),
         ],
         "alert_rule_test": [
             {"eval_time": "9m", "alertname": "KubesglKVCacheFull", "exp_alerts": []},
             {
                 "eval_time": "10m",
                 "alertname": "KubesglKVCacheFull",
-                "exp_alerts": [fires("svc", "warning", pod="saturated", **full)],
+                "exp_alerts": [
+                    fires("svc", "warning", pod=pod, **full) for pod in ("saturated", "flicker")
+                ],
+            },
+            {
+                "eval_time": "25m",
+                "alertname": "KubesglKVCacheFull",
+                "exp_alerts": [
+                    fires("svc", "warning", pod=pod, **full) for pod in ("saturated", "flicker")
+                ],
+            },
+        ],
+    }
+
+
+def pd_cases() -> dict:
+    def engine(instance: str, metric: str, values: str, **labels: str) -> dict:
+        role = labels.pop("role", "decode")
+        return series(
+            metric,
+            values,
+            namespace="ns",
+            app_kubernetes_io_instance=instance,
+            kubesgl_io_role=role,
+            role=role,
+            model_name="m",
+            pod=f"{instance}-{role}-0",
+            **labels,
+        )
+
+    failures = "kubesgl_disagg_failures_total"
+    return {
+        "interval": "1m",
+        "input_series": [
+            # a transport that keeps failing, on both engines (each counts its rooms)
+            engine("broken", failures, "0+2x30", reason="transfer"),
+            engine("broken", failures, "0+2x30", reason="transfer", role="prefill"),
+            # clients that leave and requests one engine refuses: no transfer's fault
+            engine("clients", failures, "0+5x30", reason="aborted"),
+            engine("clients", failures, "0+5x30", reason="refused"),
+            # a partner lost once, in a rollout: a few minutes of rate, then none
+            engine("rollout", failures, "0x5 3x30", reason="peer_lost"),
+            # retractions: 60 a minute over 60 finished requests (storm), 6 over 60 (fine),
+            # and 60 on an engine that finishes nothing
+            engine("storm", "kubesgl_retractions_total", "0+60x30"),
+            engine("storm", "kubesgl_requests_total", "0+60x30", finish_reason="stop"),
+            engine("calm", "kubesgl_retractions_total", "0+6x30"),
+            engine("calm", "kubesgl_requests_total", "0+60x30", finish_reason="stop"),
+            engine("stuck", "kubesgl_retractions_total", "0+60x30"),
+            engine("stuck", "kubesgl_requests_total", "0x30", finish_reason="stop"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "14m", "alertname": "KubesglKVTransferFailures", "exp_alerts": []},
+            {
+                "eval_time": "20m",
+                "alertname": "KubesglKVTransferFailures",
+                "exp_alerts": [
+                    fires("broken", "warning", role=role, reason="transfer")
+                    for role in ("decode", "prefill")
+                ],
+            },
+            {"eval_time": "14m", "alertname": "KubesglRetractionStorm", "exp_alerts": []},
+            {
+                "eval_time": "20m",
+                "alertname": "KubesglRetractionStorm",
+                "exp_alerts": [
+                    fires(name, "warning", role="decode", model_name="m", pod=f"{name}-decode-0")
+                    for name in ("storm", "stuck")
+                ],
             },
         ],
     }
@@ -312,7 +381,7 @@ def test_alerts_fire_when_they_should_and_not_otherwise(tmp_path: Path):
     tests = {
         "rule_files": ["rules.yaml"],
         "evaluation_interval": "1m",
-        "tests": [worker_cases(), error_cases(), engine_cases()],
+        "tests": [worker_cases(), error_cases(), engine_cases(), pd_cases()],
     }
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
     result = promtool("test", "rules", str(tmp_path / "tests.yaml"))

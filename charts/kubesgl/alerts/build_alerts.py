@@ -149,8 +149,10 @@ def server_errors() -> Alert:
 
 
 def kv_cache_full() -> Alert:
-    usage = f"max by ({ENGINE_POD}) (min_over_time(kubesgl_kv_cache_usage_ratio[{WINDOW}])) > 0.9"
-    waiting = f"max by ({ENGINE_POD}) (min_over_time(kubesgl_num_waiting_requests[{WINDOW}])) > 0"
+    # Its average over 5 minutes (the pool fills and frees as requests come and go), with a queue
+    # at some scrape of those 5 minutes (one that empties between two scrapes still saturates)
+    usage = f"max by ({ENGINE_POD}) (avg_over_time(kubesgl_kv_cache_usage_ratio[{WINDOW}])) > 0.9"
+    waiting = f"max by ({ENGINE_POD}) (max_over_time(kubesgl_num_waiting_requests[{WINDOW}])) > 0"
     return Alert(
         "KubesglKVCacheFull",
         f"({usage}) and on ({ENGINE_POD}) ({waiting})",
@@ -159,8 +161,8 @@ def kv_cache_full() -> Alert:
         f"kubesgl {WHO}: {{{{ $labels.role }}}} engine {{{{ $labels.pod }}}} has its KV cache "
         "full and requests waiting",
         f"The {{{{ $labels.role }}}} engine {{{{ $labels.pod }}}} of InferenceService {WHO} "
-        "(model {{ $labels.model_name }}) kept over 90% of its KV pool committed with requests "
-        "queued for 15 minutes: it is saturated, and queue time adds to every request's TTFT. "
+        "(model {{ $labels.model_name }}) kept over 90% of its KV pool committed, with requests "
+        "queued, for 15 minutes: it is saturated, and queue time adds to every request's TTFT. "
         "Add replicas (or an autoscaler on kvCacheUsage or waiting requests), or give the "
         "engine more KV memory (memFractionStatic, kvCacheDtype fp8_e4m3); the dashboard's "
         "engine rows show queue time and retractions.",
