@@ -162,7 +162,7 @@ def kv_cache_full() -> Alert:
         "full and requests waiting",
         f"The {{{{ $labels.role }}}} engine {{{{ $labels.pod }}}} of InferenceService {WHO} "
         "(model {{ $labels.model_name }}) kept over 90% of its KV pool committed, with requests "
-        "queued, for 15 minutes: it is saturated, and queue time adds to every request's TTFT. "
+        "queued, for 10 minutes: it is saturated, and queue time adds to every request's TTFT. "
         "Add replicas (or an autoscaler on kvCacheUsage or waiting requests), or give the "
         "engine more KV memory (memFractionStatic, kvCacheDtype fp8_e4m3); the dashboard's "
         "engine rows show queue time and retractions.",
