@@ -141,8 +141,7 @@ class BootstrapServer:
         # remembered: a note NIXL does not deliver leaves the decode engine waiting, which
         # asks (POST /kv/rooms/ended)
         self._ended: dict[int, _EndedRoom] = {}
-        self._http = ThreadingHTTPServer((serve.host, serve.port), self._handler())
-        self._http.daemon_threads = True
+        self._http = _BootstrapHTTPServer((serve.host, serve.port), self._handler())
         self.port = self._http.server_address[1]
         self._thread = threading.Thread(
             target=self._http.serve_forever, name="kubesgl-bootstrap", daemon=True
@@ -476,6 +475,17 @@ class _Registration:
     # its --disaggregation-timeout, after which a write fails its request (None: an engine
     # too old to say)
     timeout_s: float | None
+
+
+class _BootstrapHTTPServer(ThreadingHTTPServer):
+    """A thread per request. The listen backlog is long: at the default of 5, a burst of
+    decode posts that came faster than the accept loop took them (its thread short of the GIL
+    on a busy engine) lost connections beyond it, and each such decode engine waited out its
+    connect timeout and failed the room as if this engine were gone. The kernel caps it at
+    net.core.somaxconn."""
+
+    daemon_threads = True
+    request_queue_size = 4096
 
 
 @dataclass(eq=False)

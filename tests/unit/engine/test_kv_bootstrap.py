@@ -10,6 +10,7 @@ import concurrent.futures
 import dataclasses
 import json
 import logging
+import select
 import socket
 import threading
 import time
@@ -1564,3 +1565,39 @@ def test_a_note_of_another_rank_in_the_turn_the_report_falls_due_wins(pair, monk
     p.decode._rooms[125].note_due_at = time.monotonic()  # and the report falls due in it
     _, [outcome] = p.run(lambda s, a: a)
     assert outcome.error is None and outcome.note.first_token == 42, outcome
+
+
+def test_a_burst_of_posts_waits_in_the_listen_backlog_instead_of_being_dropped(pair):
+    """Decode posts arriving faster than the bootstrap server's accept loop takes them (its
+    thread short of the GIL on a busy engine) waited in a listen backlog of 5: the kernel
+    dropped the connections beyond it, and each such decode engine's connect timed out (3 s)
+    and failed its room as peer_lost, the prefill engine alive. Here the accept loop is held
+    while 64 connections arrive: every one must be established."""
+    p = pair()
+    http = p.server._http
+    accept, release = http.get_request, threading.Event()
+
+    def held_accept():
+        release.wait(10)
+        return accept()
+
+    http.get_request = held_accept
+    burst = []
+    try:
+        for _ in range(64):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", p.server.port))
+            burst.append(s)
+        deadline, established = time.monotonic() + 2.0, set()
+        while len(established) < len(burst) and time.monotonic() < deadline:
+            _, writable, _ = select.select([], [s for s in burst if s not in established], [], 0.1)
+            established |= {
+                s for s in writable if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            }
+        assert len(established) == len(burst)
+    finally:
+        release.set()
+        http.get_request = accept
+        for s in burst:
+            s.close()
