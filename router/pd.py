@@ -247,7 +247,8 @@ async def _decode_verdict(
         await asyncio.wait({prefill_task}, timeout=DECODE_VERDICT_WAIT_S)
         if not prefill_task.done() or (prefill_error := prefill_task.exception()) is None:
             if _passed_on(decode_error):  # it names a prefill failure the router did not see
-                decode_error.settle(blamed=False)
+                # the client's answer, blamed on neither worker: counted by its status
+                decode_error.settle(blamed=False, answers_client=True)
             raise
         if _passed_on(prefill_error) and not _passed_on(decode_error):
             raise  # the decode engine failed by itself (a 500) and told the prefill engine

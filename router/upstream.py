@@ -208,15 +208,19 @@ class UpstreamError(Exception):
         # (`settle`): it may be the other side's failure (pd.py).
         self._pending: Attempt | None = None
 
-    def settle(self, *, blamed: bool) -> None:
+    def settle(self, *, blamed: bool, answers_client: bool = False) -> None:
         """Ends the attempt of a P/D pair's answer with the pair's verdict: `blamed`, its
         answer was its own (a 5xx: its worker failed the request); else it only passed on the
-        other side's failure or refusal (counted as `cancelled`, not told to its breaker).
-        Nothing for an error ended already."""
+        other side's failure or refusal, and is not told to its breaker: counted as
+        `cancelled`, unless `answers_client` (the client gets this very answer and no other
+        attempt is blamed for it), then by its status, so that the client's 5xx is in a 5xx
+        series. Nothing for an error ended already."""
         attempt, self._pending = self._pending, None
         if attempt is not None:
             if blamed:
                 attempt.finish(str(self.status), worker_failed=_failed_by(self.status))
+            elif answers_client:
+                attempt.finish(str(self.status), worker_failed=None)
             else:
                 attempt.finish("cancelled", worker_failed=None)
 

@@ -314,6 +314,37 @@ async def test_dead_prefill_is_retried_on_another(engines, kv_table, start_route
     assert len(p1.requests) == 3
 
 
+def _counts(router) -> dict[tuple[str, str], float]:
+    """The router's attempts by (worker, status), those that happened."""
+    return {
+        (sample.labels["worker"], sample.labels["status"]): sample.value
+        for family in router.app.metrics.registry.collect()
+        if family.name == "kubesgl_router_requests"
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.value and sample.labels["worker"]
+    }
+
+
+async def test_a_decode_error_the_prefill_does_not_explain_is_counted_by_its_status(
+    engines, kv_table, start_router, client
+):
+    """The prefill request answered 200 and the decode engine answers 502 for the room (its
+    KV note lost, say): the router cannot tell whose failure it was and blames neither, but
+    the client's 502 is counted by its status on the decode worker, not as `cancelled`, in no
+    5xx series."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    d.fail_status, d.fail_after_s = 502, 0.1
+    async with start_router(**pd_config([p], [d], breaker_failure_threshold=1)) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        async with asyncio.timeout(2):
+            await out_of_flight(router)
+        counts = _counts(router)
+        assert router.app.workers.get(d.url).breaker.consecutive_failures == 0
+    assert response.status_code == 502
+    assert counts == {(p.url, "200"): 1, (d.url, "502"): 1}
+
+
 async def test_a_prefill_dying_mid_stream_leaves_the_decode_stream_whole(
     engines, kv_table, start_router, client
 ):

@@ -177,15 +177,30 @@ def test_a_prefill_that_fails_after_the_decode_answered_is_still_blamed():
 def test_a_decode_that_names_a_prefill_failure_is_not_blamed_while_the_prefill_is_silent():
     """The decode engine answers that its room failed at the prefill engine, whose own answer
     does not come within the verdict's wait: the client gets the decode's error, which is no
-    failure of the decode worker."""
+    failure of the decode worker, counted by its status (the client's 5xx)."""
     _, metrics, prefill, decode = pair(failure_threshold=1)
     session = _Session(after(5.0, 200), after(0.0, 504, "the prefill engine did not act in time"))
     error = send(metrics, session, prefill, decode)
     assert error is not None and error.worker is decode and error.status == 504
     assert decode.breaker.state is prefill.breaker.state is BreakerState.CLOSED
-    assert (
-        counted(metrics, DECODE, "cancelled") == 1 and counted(metrics, PREFILL, "cancelled") == 1
-    )
+    assert counted(metrics, DECODE, "504") == 1 and counted(metrics, PREFILL, "cancelled") == 1
+    assert prefill.in_flight == decode.in_flight == 0
+
+
+def test_a_decode_that_names_a_prefill_failure_the_prefill_denies_is_counted_by_its_status():
+    """The prefill request answered 200 (its part done, as far as it knows) and the decode
+    engine answers 502, naming a prefill failure: the router cannot tell whose failure it
+    was, so no breaker is told, but the client's 502 is counted under its status on the
+    decode worker (as `cancelled` it was in no 5xx series: an alert on 5xx missed it)."""
+    _, metrics, prefill, decode = pair(failure_threshold=1)
+    session = _Session(after(0.0, 200), after(0.02, 502, "the KV note did not arrive"))
+    error = send(metrics, session, prefill, decode)
+    assert error is not None and error.worker is decode and error.status == 502
+    assert not error.retryable
+    assert counted(metrics, DECODE, "502") == 1 and counted(metrics, DECODE, "cancelled") == 0
+    assert counted(metrics, PREFILL, "200") == 1
+    assert decode.breaker.state is prefill.breaker.state is BreakerState.CLOSED
+    assert decode.breaker.consecutive_failures == 0
     assert prefill.in_flight == decode.in_flight == 0
 
 
