@@ -15,6 +15,14 @@ before its worker is blamed (`UpstreamError.settle`): the failure the client get
 worker's; the other side's answer only passed it on, and counts against no breaker. So does a
 prefill engine's 409 for the room its decode engine closed as it refused the request: the
 client gets the decode's refusal, and the 409 is no answer of the prefill worker's own.
+
+A decode engine that passes on a prefill failure (502 or 504) while the prefill request has
+not answered within DECODE_VERDICT_WAIT_S names a prefill engine that is hung or cannot be
+reached (its bootstrap server timed out the decode engine's post, or let the room time out):
+the failure is the prefill worker's, whose attempt ends as `error` (its breaker told, as for
+a request the router itself timed out), and since the decode engine answered an error before
+any output, the request goes to another pair (`UpstreamError.retryable`, without that
+prefill worker), as a refusal before any work does.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from kubesgl.router.errors import RouterError
 from kubesgl.router.request_parsing import ParsedRequest
 from kubesgl.router.room_cancel import cancel_rooms
 from kubesgl.router.upstream import (
+    Attempt,
     Headers,
     Reply,
     Stream,
@@ -91,8 +100,16 @@ class PrefillDecodePair:
     ) -> Reply:
         rooms = [draw_bootstrap_room() for _ in range(request.choices)]  # new for every attempt
         payload = bootstrap_payload(request, prefill, rooms)
+        prefill_attempts: list[Attempt] = []
         prefill_task = asyncio.create_task(
-            self.upstream.drain(prefill, request.path, payload, headers, paired=True)
+            self.upstream.drain(
+                prefill,
+                request.path,
+                payload,
+                headers,
+                paired=True,
+                on_attempt=prefill_attempts.append,
+            )
         )
         try:
             reply = await self._unless_prefill_fails(
@@ -112,9 +129,14 @@ class PrefillDecodePair:
             try:
                 if _refused(error):  # the decode engine's 4xx: the prefill engine's follows
                     await asyncio.wait({prefill_task}, timeout=DECODE_VERDICT_WAIT_S)
+                elif isinstance(error, _SilentPrefill):
+                    for attempt in prefill_attempts:  # its failure, before its cancel ends it
+                        attempt.finish("error", worker_failed=True)
             finally:
                 await _cancel(prefill_task)
                 _settle(prefill_task, cause=error)
+            if isinstance(error, _SilentPrefill):
+                raise error.retry_without(prefill) from error.decode_error
             raise
         if isinstance(reply, StreamingReply):
             decode_stream = reply.chunks
@@ -238,13 +260,20 @@ async def _decode_verdict(
     cause), which may reach the router after the decode engine heard of the failed room. A
     decode engine's refusal (4xx, or before any work) is its true answer, kept, and so is its
     own failure: a broken connection (the prefill's error that follows passes that on), or a
-    500 while the prefill engine answered that its partner failed (PEER_FAILURE_STATUSES)."""
+    500 while the prefill engine answered that its partner failed (PEER_FAILURE_STATUSES).
+    A decode engine that passes on a prefill failure while the prefill request has not
+    answered raises _SilentPrefill: the prefill worker failed (hung, or unreachable from its
+    decode engine). One that passes on a failure while the prefill request answered well is
+    the client's answer, no worker blamed (which side failed, the router cannot tell)."""
     try:
         return await decode_task
     except UpstreamError as decode_error:
         if _refused(decode_error) or decode_error.retryable or not decode_error.answered:
             raise  # a decode engine whose connection broke failed by itself
         await asyncio.wait({prefill_task}, timeout=DECODE_VERDICT_WAIT_S)
+        if not prefill_task.done() and _passed_on(decode_error):
+            decode_error.settle(blamed=False)  # it only passed on the prefill's failure
+            raise _SilentPrefill(decode_error) from decode_error
         if not prefill_task.done() or (prefill_error := prefill_task.exception()) is None:
             if _passed_on(decode_error):  # it names a prefill failure the router did not see
                 # the client's answer, blamed on neither worker: counted by its status
@@ -259,6 +288,28 @@ async def _decode_verdict(
             decode_error.settle(blamed=True)
             prefill_error.settle(blamed=False)
         raise prefill_error from decode_error
+
+
+class _SilentPrefill(Exception):
+    """The decode engine passed on a prefill failure (`decode_error`, settled: not its own)
+    while the prefill request had not answered within DECODE_VERDICT_WAIT_S."""
+
+    def __init__(self, decode_error: UpstreamError) -> None:
+        super().__init__(decode_error.message)
+        self.decode_error = decode_error
+
+    def retry_without(self, prefill: Worker) -> UpstreamError:
+        """The prefill worker's failure, retryable: the decode engine answered an error before
+        any output (a stream's error comes before its first chunk), so another pair may serve
+        the request; the client gets the decode engine's answer if none does."""
+        decode_error = self.decode_error
+        return UpstreamError(
+            prefill,
+            decode_error.status,
+            f"{decode_error.message} (prefill worker {prefill.url} had not answered)",
+            retryable=True,
+            answered=True,
+        )
 
 
 def _passed_on(error: BaseException) -> bool:

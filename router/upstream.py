@@ -412,13 +412,16 @@ class UpstreamClient:
         *,
         stream: bool,
         paired: bool = False,
+        on_attempt: Callable[[Attempt], None] | None = None,
     ) -> Reply:
         """Sends one request; returns a complete answer, or a stream once its first chunk is in.
 
         `paired`: one side of a P/D pair, which answers 5xx also when the other side failed
         (an engine whose partner failed a room answers 502), and a prefill engine 409 when its
         decode engine refused the request: such an answer's attempt is left for the pair to
-        end (`UpstreamError.settle`), which decides whose answer it was (_may_pass_on)."""
+        end (`UpstreamError.settle`), which decides whose answer it was (_may_pass_on).
+        `on_attempt` gets the request's attempt once it is counted in flight: a pair that
+        finds the worker failed it while it has not answered ends it so before closing it."""
         # before the attempt: a request the router refuses for want of a slot never reached it
         release_slot = await self.slots.acquire()
         try:
@@ -426,6 +429,8 @@ class UpstreamClient:
         except BaseException:
             release_slot()
             raise
+        if on_attempt is not None:
+            on_attempt(attempt)
         response: aiohttp.ClientResponse | None = None
         try:
             response = await self._open(worker, method, path, payload, headers)
@@ -528,7 +533,23 @@ class UpstreamClient:
             release_slot()
 
     async def drain(
-        self, worker: Worker, path: str, payload: bytes, headers: Headers, *, paired: bool = False
+        self,
+        worker: Worker,
+        path: str,
+        payload: bytes,
+        headers: Headers,
+        *,
+        paired: bool = False,
+        on_attempt: Callable[[Attempt], None] | None = None,
     ) -> None:
         """Sends a request and reads its answer to the end, raising if it failed."""
-        await self.exchange(worker, "POST", path, payload, headers, stream=False, paired=paired)
+        await self.exchange(
+            worker,
+            "POST",
+            path,
+            payload,
+            headers,
+            stream=False,
+            paired=paired,
+            on_attempt=on_attempt,
+        )

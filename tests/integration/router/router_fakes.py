@@ -99,6 +99,10 @@ class FakeEngine:
         # prefill: answer fail_status without taking the room (a crashed handler's or a proxy's
         # 5xx), so nobody tells the decode engine
         self.fail_without_room = False
+        # prefill: hung (SIGSTOP): takes a request and never answers it, and its decode engine's
+        # post of the room to its bootstrap server times out after this many seconds, which
+        # fails the room there (502 "could not be reached ... ReadTimeout")
+        self.hung_post_timeout_s: float | None = None
         self.cancelled_rooms: list[tuple[int, dict[str, Any]]] = []  # DELETE /kv/rooms, in order
         # While set to an unset Event, answers pause (streams after their first chunk) until it is set.
         self.hold: asyncio.Event | None = None
@@ -251,6 +255,8 @@ class FakeEngine:
         body, unauthorized = await self._record(request)
         if unauthorized is not None:
             return unauthorized
+        if self.role == "prefill" and self.hung_post_timeout_s is not None:
+            return await self._hang(body, self.hung_post_timeout_s)
         if self.fail_status is not None:
             try:
                 await asyncio.sleep(self.fail_after_s)
@@ -316,6 +322,22 @@ class FakeEngine:
                 self.client_gone.set()
                 raise
         return web.json_response(self._completion(request.path))
+
+    async def _hang(self, body: dict[str, Any], post_timeout_s: float) -> web.Response:
+        address = f"http://{body['bootstrap_host']}:{body['bootstrap_port']}"
+        rooms = _rooms(body)
+        reason = (
+            f"the prefill engine at {address} could not be reached for room {rooms[0]}: "
+            "ReadTimeout: timed out"
+        )
+        # the decode engine's post times out whether or not the router closes this request
+        asyncio.get_running_loop().call_later(post_timeout_s, self._fail_rooms, body, reason)
+        try:
+            await asyncio.Event().wait()  # never answers
+        except asyncio.CancelledError:
+            self.client_gone.set()
+            raise
+        raise AssertionError("unreachable")
 
     async def _cancel_room(self, request: web.Request) -> web.Response:
         room, body = int(request.match_info["room"]), await request.json()

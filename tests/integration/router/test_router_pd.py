@@ -9,7 +9,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kubesgl.router.routing import DisaggregationSettings
+from kubesgl.router.routing import DisaggregationSettings, RetrySettings
 
 pytestmark = pytest.mark.asyncio
 
@@ -323,6 +323,71 @@ def _counts(router) -> dict[tuple[str, str], float]:
         for sample in family.samples
         if sample.name.endswith("_total") and sample.value and sample.labels["worker"]
     }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_hung_prefill_is_blamed_and_its_request_served_by_another_pair(
+    stream, engines, kv_table, start_router, client
+):
+    """A prefill engine hangs (SIGSTOP): it never answers the request, and the decode engine's
+    post of the room to its bootstrap server times out (502 "could not be reached ...
+    ReadTimeout"). The decode engine answered an error before any output (a stream too: its
+    error comes before the first chunk), so the router retries the request on another pair
+    without that prefill worker, whose failure it was: its attempt counts as `error` in its
+    breaker, the decode's, which passed the failure on, as `cancelled`. The client got a 502,
+    no worker blamed, and both attempts counted `cancelled`."""
+    (hung, p1), (d,) = await pd_pool(engines, kv_table, prefills=2)
+    hung.hung_post_timeout_s = 0.2
+    config = pd_config([hung, p1], [d], policy="round_robin", breaker_failure_threshold=100)
+    async with start_router(**config) as router:
+        await router.all_healthy()
+        response = await client.post(
+            router.url + "/v1/completions", json={"prompt": "x", "stream": stream}
+        )
+        assert response.status_code == 200, response.text
+        assert "d0-tok2" in response.text
+        async with asyncio.timeout(2):
+            await hung.client_gone.wait()  # its request is closed
+            await out_of_flight(router)
+        prefill = router.app.workers.get(hung.url)
+        assert prefill.breaker.consecutive_failures == 1
+        assert router.app.workers.get(d.url).breaker.consecutive_failures == 0
+        counts = _counts(router)
+    assert len(hung.requests) == len(p1.requests) == 1 and len(d.requests) == 2
+    assert p1.requests[0]["body"]["bootstrap_room"] != hung.requests[0]["body"]["bootstrap_room"]
+    assert counts == {
+        (hung.url, "error"): 1,
+        (d.url, "cancelled"): 1,
+        (d.url, "200"): 1,
+        (p1.url, "200"): 1,
+    }
+    assert router.app.metrics.registry.get_sample_value("kubesgl_router_retries_total") == 1
+
+
+async def test_a_hung_prefill_without_retries_left_answers_the_decodes_error_counted_once(
+    engines, kv_table, start_router, client
+):
+    """No retry left (--max-retries 0): the client gets the decode engine's 502, which names
+    the prefill engine, and the failure is counted once, in a 5xx-or-error series (the
+    server-error alert's): the hung prefill worker's `error`; the decode's attempt, which only
+    passed it on, `cancelled`."""
+    (hung,), (d,) = await pd_pool(engines, kv_table)
+    hung.hung_post_timeout_s = 0.2
+    config = pd_config([hung], [d], retry=RetrySettings(max_retries=0))
+    async with start_router(**config) as router:
+        await router.ready()
+        response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        async with asyncio.timeout(2):
+            await out_of_flight(router)
+        counts = _counts(router)
+        prefill = router.app.workers.get(hung.url)
+        assert prefill.breaker.consecutive_failures == 1
+    assert response.status_code == 502
+    message = response.json()["error"]["message"]
+    assert message.startswith(f"decode worker {d.url} answered 502: ")
+    assert "could not be reached" in message and "ReadTimeout" in message
+    assert f"prefill worker {hung.url} had not answered" in message
+    assert counts == {(hung.url, "error"): 1, (d.url, "cancelled"): 1}
 
 
 async def test_a_decode_error_the_prefill_does_not_explain_is_counted_by_its_status(

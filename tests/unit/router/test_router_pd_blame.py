@@ -174,16 +174,36 @@ def test_a_prefill_that_fails_after_the_decode_answered_is_still_blamed():
     assert counted(metrics, PREFILL, "500") == 1 and counted(metrics, DECODE, "200") == 1
 
 
-def test_a_decode_that_names_a_prefill_failure_is_not_blamed_while_the_prefill_is_silent():
-    """The decode engine answers that its room failed at the prefill engine, whose own answer
-    does not come within the verdict's wait: the client gets the decode's error, which is no
-    failure of the decode worker, counted by its status (the client's 5xx)."""
+@pytest.mark.parametrize("decode_status", [502, 504])
+def test_a_prefill_silent_while_its_decode_names_its_failure_is_blamed_and_retryable(
+    decode_status,
+):
+    """The decode engine answers that its room failed at the prefill engine (its post to a
+    hung prefill engine's bootstrap server timed out: 502 "could not be reached ...
+    ReadTimeout"; or the room timed out: 504), whose own answer does not come within the
+    verdict's wait: the prefill worker failed, and its circuit opens (it was blamed on
+    nobody, and the client got the 502). The decode engine answered
+    an error before any output, so the error is retryable without that prefill worker; the
+    decode's attempt only passed the failure on (`cancelled`): one failed attempt counted,
+    the prefill's, as `error` (no answer of its own, as a request the router timed out)."""
     _, metrics, prefill, decode = pair(failure_threshold=1)
-    session = _Session(after(5.0, 200), after(0.0, 504, "the prefill engine did not act in time"))
+    session = _Session(
+        after(5.0, 200),
+        after(
+            0.0, decode_status, "the prefill engine at http://10.0.0.1:8998 could not be reached"
+        ),
+    )
     error = send(metrics, session, prefill, decode)
-    assert error is not None and error.worker is decode and error.status == 504
-    assert decode.breaker.state is prefill.breaker.state is BreakerState.CLOSED
-    assert counted(metrics, DECODE, "504") == 1 and counted(metrics, PREFILL, "cancelled") == 1
+    assert error is not None and error.worker is prefill and error.status == decode_status
+    assert error.retryable
+    assert error.message.startswith(f"decode worker {DECODE} answered {decode_status}: ")
+    assert "could not be reached" in error.message and PREFILL in error.message
+    assert prefill.breaker.state is BreakerState.OPEN
+    assert decode.breaker.state is BreakerState.CLOSED
+    assert decode.breaker.consecutive_failures == 0
+    assert counted(metrics, PREFILL, "error") == 1 and counted(metrics, PREFILL, "cancelled") == 0
+    assert counted(metrics, DECODE, "cancelled") == 1
+    assert counted(metrics, DECODE, str(decode_status)) == 0
     assert prefill.in_flight == decode.in_flight == 0
 
 

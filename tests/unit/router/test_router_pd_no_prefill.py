@@ -43,7 +43,7 @@ class _Upstream:
             raise UpstreamError(worker, 503, "draining", retryable=True, answered=True)
         return BufferedReply(200, [], b"{}")
 
-    async def drain(self, worker, path, payload, headers, *, paired=False):
+    async def drain(self, worker, path, payload, headers, *, paired=False, on_attempt=None):
         await self.exchange(worker, "POST", path, payload, headers, stream=False)
 
 
