@@ -90,9 +90,10 @@ class RouterMetrics:
         self.requests = Counter(
             "kubesgl_router_requests",
             "Upstream attempts by worker and outcome: the HTTP status, `error` when the "
-            "connection failed or broke mid-stream, or `cancelled` when the client left or the "
-            "other side of a P/D pair failed or refused the request (its own 502 or 504, or a "
-            "prefill's 409, then only passed that on; worker is empty when none could serve)",
+            "connection failed, timed out or broke mid-stream (or a P/D prefill request had not "
+            "answered when its decode worker failed for it), or `cancelled` when the client left "
+            "or the other side of a P/D pair failed or refused the request (its own 502 or 504, "
+            "or a prefill's 409, then only passed that on; worker is empty when none could serve)",
             ["worker", "status"],
             registry=self.registry,
         )
