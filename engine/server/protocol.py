@@ -96,7 +96,7 @@ def _utf8_json_text(text: str) -> str:
     that is no JSON is left to the schema compiler's 400."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested too deep: the compiler's 400 says so
         return text
     _utf8_throughout(value)
     return text

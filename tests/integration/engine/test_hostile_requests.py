@@ -147,3 +147,18 @@ def test_every_error_has_openais_body_and_the_schema_says_400(llama_server):
         }
     responses = schema["paths"]["/v1/completions"]["post"]["responses"]
     assert "400" in responses and "422" not in responses
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+def test_a_schema_nested_too_deep_for_a_json_reader_is_a_400(llama_server, path):
+    # Python's reader gives up (RecursionError) where the schema compiler answers a 400
+    schema = "[" * 200_000
+    body = (
+        {"text": "hi", "sampling_params": {"json_schema": schema, "max_new_tokens": 2}}
+        if path == "/generate"
+        else {"model": "tiny", "prompt": "hi", "json_schema": schema, "max_tokens": 2}
+    )
+    headers = {"authorization": "Bearer sk-test"}
+    with httpx.Client(base_url=llama_server.base_url, headers=headers, timeout=30) as client:
+        answer = client.post(path, json=body)
+    assert answer.status_code == 400, answer.text
