@@ -50,7 +50,8 @@ REJECTION_REASONS = {
     503: "no_worker",
 }
 # Rejections whose reason is not their status's: no free connection slot (--max-connections)
-OTHER_REJECTIONS = ((503, "connection_limit"),)
+CONNECTION_LIMIT = "connection_limit"
+OTHER_REJECTIONS = ((503, CONNECTION_LIMIT),)
 
 
 class _WorkerCollector(Collector):

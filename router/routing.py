@@ -11,7 +11,7 @@ from functools import partial
 
 from kubesgl.router.errors import RouterError, no_worker
 from kubesgl.router.health import MODELS_PATH
-from kubesgl.router.metrics import RouterMetrics
+from kubesgl.router.metrics import CONNECTION_LIMIT, RouterMetrics
 from kubesgl.router.model_list import cards_of, merged, served_sets
 from kubesgl.router.options import check_bounds, option
 from kubesgl.router.pd import PrefillDecodePair
@@ -198,6 +198,8 @@ class Forwarder:
 
     def _first_outcome(self, role: Role, outcome: Reply | RouterError | UpstreamError) -> Reply:
         """A list no set answered is the first set's answer or error, as one worker's list."""
+        if isinstance(outcome, RouterError) and outcome.reason == CONNECTION_LIMIT:
+            raise outcome  # no free connection (--max-connections), not a worker missing
         if isinstance(outcome, RouterError):  # its workers left the pool: _candidates's 503
             self.metrics.requests.labels("", "503").inc()
             raise self.no_worker_error(role)

@@ -17,7 +17,7 @@ import aiohttp
 
 from kubesgl.contract import API_KEY_ENV, ROUTER_UPSTREAM_KEEP_ALIVE_S
 from kubesgl.router.errors import RouterError, error_body, sse_error_event
-from kubesgl.router.metrics import RouterMetrics
+from kubesgl.router.metrics import CONNECTION_LIMIT, RouterMetrics
 from kubesgl.router.security import GuardedResolver
 from kubesgl.router.workers import Role, Worker
 
@@ -156,9 +156,9 @@ def pool_full(limit: int, wait_s: float) -> RouterError:
         f"the router has {limit} requests open to its workers (--max-connections) and no slot "
         f"freed within {wait_s:g} s (--connect-timeout); try again",
         "service_unavailable",
-        code="connection_limit",
+        code=CONNECTION_LIMIT,
         headers=[(b"retry-after", str(POOL_FULL_RETRY_AFTER_S).encode())],
-        reason="connection_limit",
+        reason=CONNECTION_LIMIT,
     )
 
 

@@ -96,3 +96,35 @@ async def test_a_request_without_a_free_connection_is_refused_by_the_router(
         after = await client.post(router.url + "/v1/completions", json={"prompt": "y"})
         assert after.status_code == 200
         assert worker.in_flight == 0
+
+
+async def test_a_model_list_without_a_free_connection_says_so(start_router, engines, client):
+    """With workers serving different models, GET /v1/models asks one of each; a full pool
+    was answered as if their workers had left it (503 no_worker)."""
+    first, second = await engines("e1", model="m1"), await engines("e2", model="m2")
+    for engine in (first, second):
+        engine.hold = asyncio.Event()
+    health = HealthSettings(interval_s=60, timeout_s=0.5, failure_threshold=1, success_threshold=1)
+    async with start_router(
+        workers=[first.url, second.url], max_connections=2, connect_timeout_s=0.3, health=health
+    ) as router:
+        await router.all_healthy()
+        streams = [
+            asyncio.create_task(_stream(client, router.url, model)) for model in ("m1", "m2")
+        ]
+        try:
+            await router.until(lambda: sum(w.in_flight for w in router.app.workers.all()) == 2)
+            listing = await client.get(router.url + "/v1/models")
+            assert listing.status_code == 503
+            assert listing.json()["error"]["code"] == "connection_limit"
+        finally:
+            for engine in (first, second):
+                engine.hold.set()
+            await asyncio.gather(*streams)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, model: str) -> None:
+    body = {"model": model, "prompt": "hi", "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as answer:
+        async for _ in answer.aiter_bytes():
+            pass
