@@ -27,7 +27,7 @@ from kubesgl.gc_pacing import GcPacer, tick_every
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.config import RouterConfig
 from kubesgl.router.discovery import PodWatcher
-from kubesgl.router.errors import RouterError, bad_request, sse_error_event
+from kubesgl.router.errors import RouterError, bad_request
 from kubesgl.router.health import MODELS_PATH, HealthChecker
 from kubesgl.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kubesgl.router.metrics import RouterMetrics
@@ -55,6 +55,7 @@ from kubesgl.router.upstream import (
     forwarded_headers,
     make_control_session,
     make_session,
+    sse_stream_end,
 )
 from kubesgl.router.workers import DISCOVERED, Role, WorkerRegistry, validate_worker_url
 
@@ -412,12 +413,12 @@ class RouterApp:
             if exchange is None or exchange.disconnected or exchange.answered:
                 raise
             exchange.cut = exchange.answered = True
-            end = b"" if last.endswith(SSE_DONE) else sse_error_event(_cut_message(self.config))
+            end = (
+                b"" if last.endswith(SSE_DONE) else sse_stream_end(last, _cut_message(self.config))
+            )
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(_CUT_SEND_TIMEOUT_S):  # a client that reads no more
-                    await send(
-                        {"type": "http.response.body", "body": end + SSE_DONE if end else b""}
-                    )
+                    await send({"type": "http.response.body", "body": end})
             raise
 
     # -- handlers ----------------------------------------------------------------------------

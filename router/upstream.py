@@ -29,6 +29,15 @@ log = logging.getLogger("kubesgl.router")
 RETRYABLE_STATUSES = frozenset({429, 503})
 SSE_DONE = b"data: [DONE]\n\n"  # the last event of an OpenAI or SGLang stream
 
+
+def sse_stream_end(last_chunk: bytes, message: str) -> bytes:
+    """The error event and [DONE] that end a stream cut short after `last_chunk`: chunks need
+    not end where events do, and an event cut midway is closed first, or the client would read
+    the error as the rest of its line."""
+    gap = b"" if not last_chunk or last_chunk.endswith(b"\n\n") else b"\n\n"
+    return gap + sse_error_event(message) + SSE_DONE
+
+
 # Headers of one connection, not of the message; `date` is the router's own to send (the
 # server adds it), so a worker's would only duplicate it.
 _HOP_BY_HOP = frozenset(
@@ -496,12 +505,13 @@ class UpstreamClient:
         # The worker's last event is being sent or was sent: a client may leave then, its
         # answer whole (set before the yield, which a client leaving mid-send interrupts)
         done_sent = False
+        last = first
         try:
             if first:
                 done_sent = first.endswith(SSE_DONE)
                 yield first
             async for chunk in chunks:
-                done_sent = chunk.endswith(SSE_DONE)
+                done_sent, last = chunk.endswith(SSE_DONE), chunk
                 yield chunk
             complete = True
             attempt.finish(str(response.status), worker_failed=False)
@@ -518,7 +528,7 @@ class UpstreamClient:
             message = f"{broke_off}: {_break_off_reason(exc)}"
             # [DONE] still follows, as it follows an engine's own error event (SGLang's and
             # vLLM's, on /generate too): clients that read up to [DONE] see the stream end
-            yield sse_error_event(message) + SSE_DONE
+            yield sse_stream_end(last, message)
         except (asyncio.CancelledError, GeneratorExit):
             if done_sent:  # a client that stops reading at [DONE] had its whole answer
                 attempt.finish(str(response.status), worker_failed=False)

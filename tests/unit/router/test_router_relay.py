@@ -91,3 +91,25 @@ def test_a_broken_stream_ends_with_a_plain_message_and_logs_the_exception(error,
     assert message.startswith(f"decode worker http://w:1 broke off the stream: {plain}")
     assert "aiohttp" not in message and type(error).__name__ not in message
     assert type(error).__name__ in logged and "http://w:1" in logged
+
+
+async def _half_an_event_then(error: Exception):
+    yield b'data: {"choices": [{"text": "hel'  # a chunk need not end where its event does
+    raise error
+
+
+def test_a_stream_that_breaks_mid_event_ends_with_an_event_of_its_own():
+    workers = WorkerRegistry()
+    worker = workers.add("http://w:1", Role.MIXED)
+    metrics = RouterMetrics(workers)
+    client = UpstreamClient(None, metrics)  # type: ignore[arg-type]  # no request is sent
+
+    async def relay_all() -> bytes:
+        chunks = _half_an_event_then(aiohttp.ClientPayloadError("cut"))
+        relay = client._relay(b"", chunks, _Response(), Attempt(worker, metrics))  # type: ignore[arg-type]
+        return b"".join([chunk async for chunk in relay])
+
+    events = asyncio.run(relay_all()).split(b"\n\n")
+    assert events[0] == b'data: {"choices": [{"text": "hel'  # as sent, closed
+    assert json.loads(events[1].removeprefix(b"data: "))["error"]["type"] == "upstream_error"
+    assert events[2:] == [b"data: [DONE]", b""]
