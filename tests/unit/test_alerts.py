@@ -240,11 +240,12 @@ def error_cases() -> dict:
             # rejected: the router's own 503s, no worker could serve (2 of 12)
             *rejections("rejected", {**zero, ("503", "no_worker"): 120}),
             *attempts("rejected", "http://w1", "mixed", {"200": 600}),
-            # P/D: a failing prefill worker counts its 502, the decode worker `cancelled`; the
+            # P/D: a failing prefill worker counts its own failure (a 500, or `error` when hung),
+            # the decode worker, which passed it on, `cancelled`; the
             # prefill attempts are no answers: 60 failures in 600 answers (10%), where counting
             # the prefill attempts too would have made it 5%
             *rejections("pd", zero),
-            *attempts("pd", "http://p1", "prefill", {"200": 540, "502": 60}),
+            *attempts("pd", "http://p1", "prefill", {"200": 540, "500": 30, "error": 30}),
             *attempts("pd", "http://d1", "decode", {"200": 540, "cancelled": 60}),
             # P/D, healthy: every request counts on both sides
             *rejections("pd-ok", zero),

@@ -159,5 +159,5 @@ def test_a_step_that_fails_while_drained_for_a_retraction_is_contained(
         ends = run_until_idle(loop)  # no exception: the process lives on
         assert failed, "no retraction happened: the pool is not small enough"
         assert {ends[r.rid].finish_reason.kind for r in failed[0]} == {"error"}
-        assert len(ends) == 6 and loop.failed_steps == 0
+        assert len(ends) == 6  # the others served on
         scheduler.check_integrity()
