@@ -33,7 +33,7 @@ from kubesgl.operator.render_cli import (
 from kubesgl.operator.spec import KIND
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
-from kubesgl.up.interrupt import DUPLICATE_SIGNAL_WINDOW_S, INTERRUPTED, stop_on_signals
+from kubesgl.up.interrupt import INTERRUPTED, repeats, stop_on_signals
 from kubesgl.up.model import ModelStepFailed, cpu_size_note, ensure_model
 from kubesgl.up.plan import LocalPlan, LocalSettings, NotEnoughGpus, plan
 from kubesgl.up.status import StatusView
@@ -245,10 +245,10 @@ def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> tuple[int, 
 
     def on_signal(signum: int, frame: object) -> None:
         # the first Ctrl-C drains; a second one kills what is still running, unless it is the
-        # first one again (a signal to the process group: DUPLICATE_SIGNAL_WINDOW_S)
+        # first one again (a signal to the process group: `repeats`)
         if not stop.is_set():
             stop_now()
-        elif not stopped_at or time.monotonic() - stopped_at[0] >= DUPLICATE_SIGNAL_WINDOW_S:
+        elif not repeats(stopped_at[0] if stopped_at else None):
             force.set()
 
     def on_hangup(signum: int, frame: object) -> None:

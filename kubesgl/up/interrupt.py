@@ -17,6 +17,11 @@ DUPLICATE_SIGNAL_WINDOW_S = 0.5
 _raised_at: float | None = None  # when _interrupt last raised KeyboardInterrupt
 
 
+def repeats(first_at: float | None) -> bool:
+    """Whether a signal now is the one that came at `first_at` (None: none came) again."""
+    return first_at is not None and time.monotonic() - first_at < DUPLICATE_SIGNAL_WINDOW_S
+
+
 def stop_on_signals() -> None:
     """SIGINT and SIGTERM raise KeyboardInterrupt from now on, SIGINT also where it was ignored:
     a shell starts a script's background job with SIGINT ignored, and `kubesgl up` takes SIGINT
@@ -30,8 +35,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
     """KeyboardInterrupt, but not again for the same stop sent twice (it would break into the
     handling of the first, with a traceback)."""
     global _raised_at
-    now = time.monotonic()
-    if _raised_at is not None and now - _raised_at < DUPLICATE_SIGNAL_WINDOW_S:
+    if repeats(_raised_at):
         return
-    _raised_at = now
+    _raised_at = time.monotonic()
     raise KeyboardInterrupt

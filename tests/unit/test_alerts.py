@@ -4,18 +4,16 @@ synthetic series, each alert fires where it should and stays silent where it sho
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import promql_parser
 import pytest
 import yaml
-from test_dashboard import exported_metric_names
+from test_dashboard import exported_metric_names, load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "charts" / "kubesgl" / "alerts"
@@ -30,11 +28,7 @@ needs_promtool = pytest.mark.skipif(
 
 
 def builder():
-    spec = importlib.util.spec_from_file_location("build_alerts", ALERTS / "build_alerts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ALERTS / "build_alerts.py")
 
 
 def rules() -> list[dict]:

@@ -15,14 +15,17 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "charts" / "kubesgl" / "dashboards"
 
 
-def builder():
-    spec = importlib.util.spec_from_file_location(
-        "build_dashboard", DASHBOARDS / "build_dashboard.py"
-    )
+def load_script(path: Path):
+    """A generator script of the chart's (not a package's module), imported from its file."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def builder():
+    return load_script(DASHBOARDS / "build_dashboard.py")
 
 
 def committed() -> dict:

@@ -22,14 +22,7 @@ async def streams_held(
 ) -> AsyncIterator[None]:
     """`count` streams started and paused by `engine` (its `hold`), each holding a slot."""
     hold = engine.hold
-
-    async def one() -> None:
-        body = {"prompt": "hi", "stream": True}
-        async with client.stream("POST", router.url + "/v1/completions", json=body) as answer:
-            async for _ in answer.aiter_bytes():
-                pass
-
-    tasks = [asyncio.create_task(one()) for _ in range(count)]
+    tasks = [asyncio.create_task(_stream(client, router.url)) for _ in range(count)]
     try:
         await router.until(lambda: router.app.workers.all()[0].in_flight == count)
         yield
@@ -123,8 +116,9 @@ async def test_a_model_list_without_a_free_connection_says_so(start_router, engi
             await asyncio.gather(*streams)
 
 
-async def _stream(client: httpx.AsyncClient, url: str, model: str) -> None:
-    body = {"model": model, "prompt": "hi", "stream": True}
+async def _stream(client: httpx.AsyncClient, url: str, model: str | None = None) -> None:
+    """One streamed completion, read to its end (a model of None: the router picks)."""
+    body = {"prompt": "hi", "stream": True} | ({"model": model} if model else {})
     async with client.stream("POST", url + "/v1/completions", json=body) as answer:
         async for _ in answer.aiter_bytes():
             pass

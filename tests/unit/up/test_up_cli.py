@@ -20,7 +20,7 @@ import yaml
 
 from kubesgl import contract
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
-from kubesgl.up import cli
+from kubesgl.up import cli, interrupt
 from kubesgl.up.model import ModelStepFailed
 from kubesgl.up.plan import LocalPlan, LocalProcess
 
@@ -477,7 +477,7 @@ def test_a_stop_signal_sent_twice_at_once_drains(tmp_path, monkeypatch, capsys):
 
 
 def test_ctrl_c_twice_kills_at_once(tmp_path, monkeypatch, capsys):
-    later = 2.0 + cli.DUPLICATE_SIGNAL_WINDOW_S + 0.3
+    later = 2.0 + interrupt.DUPLICATE_SIGNAL_WINDOW_S + 0.3
     fake_plan(tmp_path, monkeypatch, **{"decode-0": DEAF})  # would be killed after 10 s
     assert run_up_signalled(["--logs", str(tmp_path)], at_s=[2.0, later]) == 0
     assert "decode-0: killed: at once, as asked" in capsys.readouterr().out
