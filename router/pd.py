@@ -101,6 +101,10 @@ class PrefillDecodePair:
         rooms = [draw_bootstrap_room() for _ in range(request.choices)]  # new for every attempt
         payload = bootstrap_payload(request, prefill, rooms)
         prefill_attempts: list[Attempt] = []
+        # Both slots at once: pairs each holding a prefill slot would wait on decode slots.
+        # Each task releases its own: both run their first step (taking it) before this
+        # coroutine can be cancelled, as they were scheduled first.
+        prefill_slot, decode_slot = await self.upstream.slots.acquire_together(2)
         prefill_task = asyncio.create_task(
             self.upstream.drain(
                 prefill,
@@ -109,6 +113,7 @@ class PrefillDecodePair:
                 headers,
                 paired=True,
                 on_attempt=prefill_attempts.append,
+                slot=prefill_slot,
             )
         )
         try:
@@ -121,6 +126,7 @@ class PrefillDecodePair:
                     headers,
                     stream=request.stream,
                     paired=True,
+                    slot=decode_slot,
                 ),
                 prefill_task,
                 lambda error: self._cancel_rooms(prefill, rooms, error),

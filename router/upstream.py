@@ -133,26 +133,48 @@ class ConnectionSlots:
         self.limit = limit
         self.wait_s = wait_s
         self._free = asyncio.Semaphore(limit) if limit is not None else None
+        # One taker at a time: two P/D pairs each holding one of the last two slots would
+        # wait on each other's second until both timed out.
+        self._taking = asyncio.Lock()
 
     async def acquire(self) -> Callable[[], None]:
         """Waits for a slot; returns its release (idempotent)."""
+        return (await self.acquire_together(1))[0]
+
+    async def acquire_together(self, count: int) -> list[Callable[[], None]]:
+        """Waits for `count` slots, taken at once (a P/D pair's two requests); returns their
+        releases. A wait that times out or is cancelled keeps none."""
         free = self._free
         if free is None:
-            return lambda: None
+            return [lambda: None] * count
+        limit = self.limit or 0
+        if count > limit:  # never free at once: refused now, not after a wait that stalls all
+            raise pool_full(limit, self.wait_s)
+        releases: list[Callable[[], None]] = []
         try:
-            async with asyncio.timeout(self.wait_s):
-                await free.acquire()
-        except TimeoutError:
-            raise pool_full(self.limit or 0, self.wait_s) from None
-        released = False
+            async with asyncio.timeout(self.wait_s), self._taking:
+                for _ in range(count):
+                    await free.acquire()
+                    releases.append(_release_once(free))
+        except BaseException as error:
+            for release in releases:
+                release()
+            if isinstance(error, TimeoutError):
+                raise pool_full(limit, self.wait_s) from None
+            raise
+        return releases
 
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                free.release()
 
-        return release
+def _release_once(free: asyncio.Semaphore) -> Callable[[], None]:
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            free.release()
+
+    return release
 
 
 # What a client told the connection limit is reached should wait before asking again.
@@ -422,6 +444,7 @@ class UpstreamClient:
         stream: bool,
         paired: bool = False,
         on_attempt: Callable[[Attempt], None] | None = None,
+        slot: Callable[[], None] | None = None,
     ) -> Reply:
         """Sends one request; returns a complete answer, or a stream once its first chunk is in.
 
@@ -430,9 +453,10 @@ class UpstreamClient:
         decode engine refused the request: such an answer's attempt is left for the pair to
         end (`UpstreamError.settle`), which decides whose answer it was (_may_pass_on).
         `on_attempt` gets the request's attempt once it is counted in flight: a pair that
-        finds the worker failed it while it has not answered ends it so before closing it."""
+        finds the worker failed it while it has not answered ends it so before closing it.
+        `slot`: the release of a slot taken for it (a P/D pair takes its two at once)."""
         # before the attempt: a request the router refuses for want of a slot never reached it
-        release_slot = await self.slots.acquire()
+        release_slot = slot or await self.slots.acquire()
         try:
             attempt = Attempt(worker, self.metrics)
         except BaseException:
@@ -551,6 +575,7 @@ class UpstreamClient:
         *,
         paired: bool = False,
         on_attempt: Callable[[Attempt], None] | None = None,
+        slot: Callable[[], None] | None = None,
     ) -> None:
         """Sends a request and reads its answer to the end, raising if it failed."""
         await self.exchange(
@@ -562,4 +587,5 @@ class UpstreamClient:
             stream=False,
             paired=paired,
             on_attempt=on_attempt,
+            slot=slot,
         )

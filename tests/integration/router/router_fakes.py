@@ -45,6 +45,7 @@ class KVTransferTable:
     """Rooms a fake prefill has filled, keyed by (bootstrap host, bootstrap port, room)."""
 
     rooms: dict[tuple[str, int, int], asyncio.Future[str]] = field(default_factory=dict)
+    asked: dict[tuple[str, int, int], asyncio.Event] = field(default_factory=dict)  # by decode
 
     def _room(self, key: tuple[str, int, int]) -> asyncio.Future[str]:
         if key not in self.rooms:
@@ -65,7 +66,12 @@ class KVTransferTable:
         return True
 
     async def wait(self, key: tuple[str, int, int], timeout: float) -> str:
+        self.asked.setdefault(key, asyncio.Event()).set()
         return await asyncio.wait_for(asyncio.shield(self._room(key)), timeout)
+
+    async def until_asked(self, key: tuple[str, int, int], timeout: float) -> None:
+        """Until a decode engine asks for the room (its post to the bootstrap server)."""
+        await asyncio.wait_for(self.asked.setdefault(key, asyncio.Event()).wait(), timeout)
 
 
 class FakeEngine:
@@ -96,6 +102,9 @@ class FakeEngine:
         self.fail_after_s = 0.0  # ... this long after the request came
         self.fail_after_kv: int | None = None  # prefill: send the KV cache, then this error
         self.late_answer_s = 0.0  # prefill: fail the room at once, answer the error this late
+        # prefill: as a real engine, take the request, then wait (up to this long) for its decode
+        # engine to ask for the room before the KV cache is sent; None: send it at once
+        self.room_wait_s: float | None = None
         # prefill: answer fail_status without taking the room (a crashed handler's or a proxy's
         # 5xx), so nobody tells the decode engine
         self.fail_without_room = False
@@ -312,7 +321,13 @@ class FakeEngine:
             return _error(400, f"{self.name}: bootstrap address is not mine")
         assert self.kv is not None
         for room in _rooms(body):
-            self.kv.fill((body["bootstrap_host"], body["bootstrap_port"], room), self.name)
+            key = (body["bootstrap_host"], body["bootstrap_port"], room)
+            if self.room_wait_s is not None:
+                try:
+                    await self.kv.until_asked(key, self.room_wait_s)
+                except TimeoutError:
+                    return _error(504, f"{self.name}: no decode engine asked for room {room}")
+            self.kv.fill(key, self.name)
         if self.fail_after_kv is not None:
             return _error(self.fail_after_kv, f"{self.name} fails after sending the KV cache")
         if self.hold is not None:  # the KV cache is sent, the answer is not

@@ -821,12 +821,12 @@ async def test_a_router_shutting_down_ends_the_prefill_drains_it_let_run_without
 async def test_a_pair_without_a_free_connection_is_refused_by_the_router(
     engines, kv_table, start_router, client
 ):
-    """Streams hold every connection of --max-connections: the next pair's prefill and decode
-    requests find none, and the router refuses the request itself (503, Retry-After): no
-    worker is blamed, no route counted, nothing sent."""
+    """Streams hold all connections of --max-connections but one: the next pair, whose prefill
+    and decode requests need two, finds too few, and the router refuses the request itself
+    (503, Retry-After): no worker is blamed, no route counted, nothing sent."""
     (p,), (d,) = await pd_pool(engines, kv_table)
     d.hold = asyncio.Event()  # decode streams pause after their first chunk
-    config = pd_config([p], [d], max_connections=2, connect_timeout_s=0.3)
+    config = pd_config([p], [d], max_connections=3, connect_timeout_s=0.3)
 
     async def stream() -> None:
         body = {**BODY, "stream": True}
@@ -852,3 +852,37 @@ async def test_a_pair_without_a_free_connection_is_refused_by_the_router(
         metrics = (await client.get(router.url + "/metrics")).text
     assert 'kubesgl_router_pd_routes_total{route="disaggregated"} 2.0' in metrics
     assert 'kubesgl_router_rejections_total{reason="connection_limit",status="503"} 1.0' in metrics
+
+
+async def test_a_pair_sends_nothing_until_it_has_both_connections(
+    engines, kv_table, start_router, client
+):
+    """One connection of --max-connections is free: a pair took it for its prefill request,
+    which a prefill engine holds until its decode engine asks for the room, and waited for
+    a second for its decode request, till the router refused it: the prefill engine had the
+    request for nothing (and pairs each holding one connection could wait on each other). A
+    pair takes its two at once, or sends nothing."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    d.hold = asyncio.Event()  # decode streams pause after their first chunk
+    p.room_wait_s = 5.0
+    config = pd_config([p], [d], max_connections=2, connect_timeout_s=0.3)
+    async with start_router(**config) as router:
+        await router.ready()
+        body = {**BODY, "stream": True}
+        held = asyncio.create_task(client.post(router.url + "/v1/chat/completions", json=body))
+        decode = router.app.workers.get(d.url)
+        await router.until(lambda: decode.in_flight == 1 and not p.requests[1:])
+        await router.until(lambda: router.app.workers.get(p.url).in_flight == 0)
+        refused = await client.post(router.url + "/v1/chat/completions", json=BODY)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "connection_limit"
+        assert len(p.requests) == len(d.requests) == 1  # the held stream's only
+        d.hold.set()
+        assert (await held).status_code == 200
+        # with the stream's connection back, a burst of pairs at the limit is served
+        d.hold = None
+        answers = await asyncio.gather(
+            *(client.post(router.url + "/v1/chat/completions", json=BODY) for _ in range(3))
+        )
+        await out_of_flight(router)
+    assert [a.status_code for a in answers] == [200] * 3

@@ -19,7 +19,7 @@ from kubesgl.router.metrics import RouterMetrics
 from kubesgl.router.policies import RoundRobinPolicy
 from kubesgl.router.request_parsing import parse_generation_request
 from kubesgl.router.routing import DisaggregationSettings, Forwarder, Policies, RetrySettings
-from kubesgl.router.upstream import BufferedReply, UpstreamError
+from kubesgl.router.upstream import BufferedReply, ConnectionSlots, UpstreamError
 from kubesgl.router.workers import Role, Worker, WorkerRegistry
 
 PREFILL, DECODE = "http://10.0.0.1:30000", "http://10.0.0.2:30000"
@@ -34,8 +34,11 @@ class _Upstream:
     def __init__(self) -> None:
         self.sent: list[tuple[Worker, dict[str, object]]] = []
         self.prefill_refuses = False
+        self.slots = ConnectionSlots(None, 0)
 
-    async def exchange(self, worker, method, path, payload, headers, *, stream, paired=False):
+    async def exchange(
+        self, worker, method, path, payload, headers, *, stream, paired=False, slot=None
+    ):
         self.sent.append((worker, json.loads(payload)))
         if paired and worker.role is Role.DECODE:
             await asyncio.sleep(0.05)
@@ -43,7 +46,9 @@ class _Upstream:
             raise UpstreamError(worker, 503, "draining", retryable=True, answered=True)
         return BufferedReply(200, [], b"{}")
 
-    async def drain(self, worker, path, payload, headers, *, paired=False, on_attempt=None):
+    async def drain(
+        self, worker, path, payload, headers, *, paired=False, on_attempt=None, slot=None
+    ):
         await self.exchange(worker, "POST", path, payload, headers, stream=False)
 
 
