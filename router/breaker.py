@@ -61,8 +61,10 @@ class CircuitBreaker:
         self.consecutive_failures = 0
         self.opened_at = None
 
-    def record_failure(self) -> None:
+    def record_failure(self, *, open_now: bool = False) -> None:
+        """`open_now`: a failure that every request until the worker recovers would repeat, at
+        a cost to each (a hung P/D prefill engine), opens the circuit whatever the threshold."""
         self.consecutive_failures += 1
         was_trial = self.state is BreakerState.HALF_OPEN
-        if was_trial or self.consecutive_failures >= self.failure_threshold:
+        if open_now or was_trial or self.consecutive_failures >= self.failure_threshold:
             self.opened_at = self.clock()

@@ -136,8 +136,11 @@ class PrefillDecodePair:
                 if _refused(error):  # the decode engine's 4xx: the prefill engine's follows
                     await asyncio.wait({prefill_task}, timeout=DECODE_VERDICT_WAIT_S)
                 elif isinstance(error, _SilentPrefill):
-                    for attempt in prefill_attempts:  # its failure, before its cancel ends it
-                        attempt.finish("error", worker_failed=True)
+                    # its failure, before its cancel ends it; its circuit opens at once: each
+                    # request sent to a hung prefill engine waits out the decode engine's post
+                    # timeout (10 s) before its retry, until health checks take it out
+                    for attempt in prefill_attempts:
+                        attempt.finish("error", worker_failed=True, open_breaker=True)
             finally:
                 await _cancel(prefill_task)
                 _settle(prefill_task, cause=error)

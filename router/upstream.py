@@ -353,11 +353,14 @@ class Attempt:
         worker.in_flight += 1
         self._trial = self._breaker.begin()
 
-    def finish(self, status: str, *, worker_failed: bool | None) -> None:
+    def finish(
+        self, status: str, *, worker_failed: bool | None, open_breaker: bool = False
+    ) -> None:
         """`worker_failed` None: no verdict on the worker, whose breaker is not told (neither a
         failure nor a success; a half-open trial lets the next request through): the request
         was cancelled (the client left, or the other side of a P/D pair failed), or answered
-        with a client's error (4xx)."""
+        with a client's error (4xx). `open_breaker`: its failure opens the worker's circuit at
+        once (`CircuitBreaker.record_failure`)."""
         if self._finished:
             return
         self._finished = True
@@ -368,7 +371,7 @@ class Attempt:
             breaker.end_trial()
         if worker_failed:
             was_open = not breaker.allows_requests()
-            breaker.record_failure()
+            breaker.record_failure(open_now=open_breaker)
             if not was_open and not breaker.allows_requests() and breaker is self.worker.breaker:
                 log.warning(
                     "worker %s: circuit breaker open after %d failed requests (%s)",

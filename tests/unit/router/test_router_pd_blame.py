@@ -181,12 +181,13 @@ def test_a_prefill_silent_while_its_decode_names_its_failure_is_blamed_and_retry
     """The decode engine answers that its room failed at the prefill engine (its post to a
     hung prefill engine's bootstrap server timed out: 502 "could not be reached ...
     ReadTimeout"; or the room timed out: 504), whose own answer does not come within the
-    verdict's wait: the prefill worker failed, and its circuit opens (it was blamed on
-    nobody, and the client got the 502). The decode engine answered
+    verdict's wait: the prefill worker failed, and its circuit opens at once, whatever
+    --breaker-failure-threshold (each request sent to it until then would wait out the decode
+    engine's post timeout, some 11 s, before its retry). The decode engine answered
     an error before any output, so the error is retryable without that prefill worker; the
     decode's attempt only passed the failure on (`cancelled`): one failed attempt counted,
     the prefill's, as `error` (no answer of its own, as a request the router timed out)."""
-    _, metrics, prefill, decode = pair(failure_threshold=1)
+    _, metrics, prefill, decode = pair()
     session = _Session(
         after(5.0, 200),
         after(
