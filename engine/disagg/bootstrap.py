@@ -512,6 +512,9 @@ class BootstrapClient:
         # a burst of posts could take every thread and leave the registration none. One at
         # a time per prefill engine is all there is (the latest, tried again if it failed).
         self._registrations = AddressLanes(workers=4, per_address=1, name="kubesgl-kv-register")
+        # Heartbeat checks, all at once: one after another, each hung prefill engine added its
+        # timeout to the round, and the others' rooms failed that much later.
+        self._checks = AddressLanes(workers=32, per_address=1, name="kubesgl-kv-check")
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}  # prefill engine address -> its current registration
         self._posts: dict[int, Future] = {}
@@ -732,6 +735,7 @@ class BootstrapClient:
     def _watch(self) -> None:
         """Heartbeat: every prefill engine with rooms answers /health, or its rooms fail
         (within about `dead_after_s`); rooms at an instance other than the one answering fail."""
+        checks: dict[str, Future[None]] = {}
         while not self._stop.wait(self.heartbeat_s):
             with self._lock:
                 watched = [(a, p) for a, p in self._peers.items() if p.rooms]
@@ -739,14 +743,20 @@ class BootstrapClient:
             for cancel in cancel_again.values():
                 self._workers.submit(cancel.address, self._cancel, cancel)
             for address, peer in watched:
-                try:
-                    instance = self._instance(address, peer)
-                except _Dead as dead:
-                    self._lost(address, peer, str(dead))
-                    continue
-                if instance is not None:
-                    self._restarted(address, peer, instance)
-                    self._ask_ended(address, peer)
+                if address not in checks or checks[address].done():  # else its last still runs
+                    checks[address] = self._checks.submit(address, self._check, address, peer)
+            checks = {address: check for address, check in checks.items() if not check.done()}
+
+    def _check(self, address: str, peer: _Peer) -> None:
+        """One heartbeat of one prefill engine, bounded by its requests' timeouts."""
+        try:
+            instance = self._instance(address, peer)
+        except _Dead as dead:
+            self._lost(address, peer, str(dead))
+            return
+        if instance is not None:
+            self._restarted(address, peer, instance)
+            self._ask_ended(address, peer)
 
     def _instance(self, address: str, peer: _Peer) -> str | None:
         """The instance answering at `address`; None while it is slow or confused, until it
@@ -794,6 +804,7 @@ class BootstrapClient:
         self._stop.set()
         self._workers.close()
         self._registrations.close()
+        self._checks.close()
         self._http.close()
 
 

@@ -855,6 +855,40 @@ def test_a_prefill_engine_that_never_answers_does_not_delay_posts_to_the_others(
         p.run(lambda s, a: 220 in p.prefill._posted, timeout=1.0)
 
 
+def test_hung_prefill_engines_do_not_make_a_heartbeat_round_last_a_timeout_each():
+    """The heartbeat checked the prefill engines one after another: each hung one (its /health
+    answered only at the check's timeout) delayed the checks of the rest by that much, and
+    their dead engines' rooms failed that much later. They are checked all at once."""
+    hung = [f"http://10.0.0.{i}:8998" for i in range(1, 6)]
+    started: dict[str, float] = {}
+
+    class _Hung:
+        def get(self, url: str, timeout: float) -> httpx.Response:
+            started.setdefault(url.removesuffix("/health"), time.monotonic())
+            time.sleep(timeout)
+            raise httpx.ReadTimeout("timed out")
+
+        def close(self) -> None:
+            pass
+
+    connect = ConnectBootstrap("decode-test", (), heartbeat_s=0.2, dead_after_s=60.0)
+    client = BootstrapClient(lambda fact: None, connect)
+    client._http.close()
+    client._http = _Hung()  # type: ignore[assignment]
+    with client._lock:
+        for address in hung:
+            client._peers[address] = bootstrap._Peer(rooms={1: "instance"})
+    try:
+        deadline = time.monotonic() + 5.0
+        while len(started) < len(hung) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        client.close()
+    assert len(started) == len(hung)
+    # one after another, the last began four timeouts (0.8 s) after the first
+    assert max(started.values()) - min(started.values()) < 0.2
+
+
 def test_a_post_whose_answer_is_lost_holds_the_slots_until_the_prefill_side_says(pair):
     """The prefill engine took the room but its answer came too late: the decode side fails
     the request, yet may reuse the room's slots only once no write can come (here: its
