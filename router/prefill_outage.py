@@ -13,6 +13,8 @@ log = logging.getLogger("kubesgl.router")
 
 @dataclass
 class PrefillOutages:
+    # Whether a decode worker serves the model still (worker.serves).
+    decode_serves: Callable[[str | None], bool]
     # The models (None: requests that name none) whose last request found no prefill worker.
     # Only models a decode worker serves are noted (the router answers others 404 first).
     _models: set[str | None] = field(default_factory=set)
@@ -21,6 +23,9 @@ class PrefillOutages:
         """`why_missing`: says why no prefill worker can serve a request for `model` (asked
         only as an outage starts, not at each of its requests); None: one can."""
         if why_missing is not None and model not in self._models:
+            # Models come and go (an engine restarted under another name): those no decode
+            # worker serves any more are forgotten, so the set holds only models served.
+            self._models = {m for m in self._models if self.decode_serves(m)}
             self._models.add(model)
             log.warning(
                 "%s%s: requests go to a decode worker alone, which prefills them itself",

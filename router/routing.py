@@ -125,7 +125,9 @@ class Forwarder:
         self.retry = retry
         self.disaggregation = disaggregation
         self.pd = PrefillDecodePair(upstream)
-        self._prefill_outages = PrefillOutages()
+        self._prefill_outages = PrefillOutages(
+            lambda model: any(w.serves(model) for w in workers.with_role(Role.DECODE))
+        )
         # The sets of served names the last GET /v1/models left out (their workers failed)
         self._unlisted: set[frozenset[str]] = set()
         for policy in policies.all():

@@ -71,8 +71,8 @@ def _forwarder(*roles: Role) -> tuple[Forwarder, _Upstream, dict[Role, Worker]]:
     return forwarder, upstream, workers
 
 
-def _send(forwarder: Forwarder, prompt: str = LONG_PROMPT) -> None:
-    body = json.dumps({"model": "m", "prompt": prompt}).encode()
+def _send(forwarder: Forwarder, prompt: str = LONG_PROMPT, model: str = "m") -> None:
+    body = json.dumps({"model": model, "prompt": prompt}).encode()
     asyncio.run(forwarder.generate(parse_generation_request("/v1/completions", body), []))
 
 
@@ -162,3 +162,14 @@ def test_the_outage_is_logged_as_it_starts_and_ends_not_per_request(caplog):
         f"worker {PREFILL} is now healthy",
         "a prefill worker can serve (model 'm') again: requests are handed over again",
     ]
+
+
+def test_the_outages_of_models_no_decode_worker_serves_any_more_are_forgotten():
+    """The decode engine restarts under one name after another while no prefill worker can
+    serve: each name's outage was kept for good, one more for each name ever served."""
+    forwarder, _, workers = _forwarder(Role.PREFILL, Role.DECODE)
+    _fail_health(forwarder, workers[Role.PREFILL])
+    for i in range(50):
+        workers[Role.DECODE].models = (f"m{i}",)
+        _send(forwarder, model=f"m{i}")
+    assert forwarder._prefill_outages._models == {"m49"}
