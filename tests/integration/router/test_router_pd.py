@@ -839,7 +839,9 @@ async def test_a_pair_without_a_free_connection_is_refused_by_the_router(
         held = [asyncio.create_task(stream()) for _ in range(2)]
         decode = router.app.workers.get(d.url)
         prefill = router.app.workers.get(p.url)
-        await router.until(lambda: decode.in_flight == 2 and prefill.in_flight == 0)
+        await router.until(
+            lambda: decode.in_flight == 2 and prefill.in_flight == 0 and len(d.requests) == 2
+        )
         sent = len(p.requests), len(d.requests)
         refused = await client.post(router.url + "/v1/chat/completions", json=BODY)
         assert (len(p.requests), len(d.requests)) == sent
