@@ -89,6 +89,8 @@ class EngineClient:
         self._to_tokenizer = push(self._context, endpoints.tokenizer_in)
         self._from_detokenizer = pull(self._context, endpoints.api_in)
         self._reader: asyncio.Task | None = None
+        self._shutdown_sent = False
+        self._closing: asyncio.Future[None] | None = None  # aclose's work, done once
         self.reader_failure: str | None = None  # why the reader of outputs ended, if it failed
         self.stats_log_interval_s = STATS_LOG_INTERVAL_S
         self._stats_logged_at = time.perf_counter()
@@ -103,14 +105,25 @@ class EngineClient:
 
     async def aclose(self) -> None:
         """Stops reading and closes the sockets (not the requests' `close`). A context the
-        garbage collector finds with sockets open hangs it: pyzmq's term() waits for them."""
-        tasks = [task for task in (self._reader, self._pacing) if task is not None]
-        for task in tasks:
-            task.cancel()
+        garbage collector finds with sockets open hangs it: pyzmq's term() waits for them. Done
+        once: a later or concurrent call waits for the first (a second term() of the context,
+        while the first waits, never returns)."""
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._closing)
+
+    async def _close(self) -> None:
+        tasks = self._stop_tasks()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._from_detokenizer.close()
         self._to_tokenizer.close()  # its linger still delivers a Shutdown just sent
         await asyncio.to_thread(self._context.term)  # which waits up to that linger
+
+    def _stop_tasks(self) -> list[asyncio.Task]:
+        tasks = [task for task in (self._reader, self._pacing) if task is not None]
+        for task in tasks:
+            task.cancel()  # again on a cancelled task: a no-op once it is done
+        return tasks
 
     def start(self) -> None:
         self._reader = asyncio.create_task(self._read_outputs(), name="engine-outputs")
@@ -373,10 +386,12 @@ class EngineClient:
             await self.abort(rid, message)
 
     async def shutdown(self) -> None:
-        await self._to_tokenizer.send_pyobj(Shutdown())
-        for task in (self._reader, self._pacing):
-            if task is not None:
-                task.cancel()
+        """Asks the engine's processes to stop, and stops reading their outputs. The Shutdown
+        goes once, and only before `aclose`, which closes its socket."""
+        if not self._shutdown_sent and self._closing is None:
+            self._shutdown_sent = True
+            await self._to_tokenizer.send_pyobj(Shutdown())
+        self._stop_tasks()
 
     @staticmethod
     def new_rid(prefix: str) -> str:

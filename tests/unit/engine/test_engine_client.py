@@ -103,6 +103,42 @@ async def test_leaving_the_client_closes_its_sockets_and_still_delivers_a_shutdo
 
 
 @pytest.mark.asyncio
+async def test_shutdown_and_aclose_do_their_work_once_whichever_runs_again_or_later(monkeypatch):
+    """The launcher's drain and its serve loop may both shut down, and the with-block's exit
+    closes after them: one Shutdown goes to the engine, the context is terminated once (a
+    second term() while the first waits never returns), and a shutdown after the close, whose
+    socket is gone, does nothing."""
+    from kubesgl.engine.ipc import pull
+    from kubesgl.engine.messages import Shutdown
+
+    endpoints = Endpoints.create()
+    tokenizer = pull(zmq.Context.instance(), endpoints.tokenizer_in)
+    engine_client = EngineClient(endpoints, EngineMetrics("mixed"))
+    terms: list[None] = []
+    term = engine_client._context.term
+
+    def term_once() -> None:
+        terms.append(None)
+        if len(terms) == 1:  # a second would hang (or abort) the test
+            term()
+
+    monkeypatch.setattr(engine_client._context, "term", term_once)
+    try:
+        engine_client.start()
+        await engine_client.shutdown()
+        await engine_client.shutdown()
+        await asyncio.gather(engine_client.aclose(), engine_client.aclose())
+        await engine_client.shutdown()
+        await engine_client.aclose()
+        assert engine_client._context.closed and len(terms) == 1
+        assert tokenizer.poll(2000) and isinstance(tokenizer.recv_pyobj(), Shutdown)
+        assert not tokenizer.poll(200)
+    finally:
+        tokenizer.close(linger=0)
+        shutil.rmtree(Path(endpoints.api_in.removeprefix("ipc://")).parent, ignore_errors=True)
+
+
+@pytest.mark.asyncio
 async def test_a_request_id_stays_taken_until_the_engine_has_ended_its_request(client):
     """A client that leaves and retries at once with the same rid (SGLang's /generate takes
     one) must not get the first request's abort, nor leave the second without a reader."""
