@@ -9,7 +9,6 @@ registered and posts rooms as fast as it can; no KV moves and nothing else runs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import threading
 import time
@@ -27,17 +26,7 @@ from kubesgl.engine.disagg.protocol import (
     ServeBootstrap,
 )
 
-LAYOUT = PoolLayout(
-    agent="prefill",
-    memory="DRAM",
-    device_id=0,
-    slot_bytes=16,
-    slot_shape=(2, 4),
-    dtype="float16",
-    num_slots=8,
-    k_addresses=(1000,),
-    v_addresses=(2000,),
-)
+LAYOUT = PoolLayout.stand_in("prefill")
 DECODE = "decode-0"
 
 
@@ -52,7 +41,7 @@ def registered_server() -> BootstrapServer:
 
     server = BootstrapServer(emit, ServeBootstrap(LAYOUT, 1, "127.0.0.1", 0, 60.0))
     servers.append(server)
-    agent = RankAgent(b"decode-agent", dataclasses.replace(LAYOUT, agent=DECODE))
+    agent = RankAgent(b"decode-agent", PoolLayout.stand_in(DECODE))
     assert server.register(PeerRegistration(DECODE, (agent,)))[0] == 200
     return server
 

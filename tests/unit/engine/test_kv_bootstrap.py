@@ -1314,21 +1314,11 @@ def test_a_prefill_engine_that_reports_no_ends_leaves_the_rooms_waiting(pair, mo
     assert outcome.note.first_token == 5
 
 
-LAYOUT = PoolLayout(
-    agent="prefill-agent",
-    memory="DRAM",
-    device_id=0,
-    slot_bytes=16,
-    slot_shape=(2, 4),
-    dtype="float16",
-    num_slots=8,
-    k_addresses=(1000,),
-    v_addresses=(2000,),
-)
+LAYOUT = PoolLayout.stand_in("prefill-agent")
 
 
 def registration(engine: str, metadata: bytes = b"agent-1") -> PeerRegistration:
-    layout = dataclasses.replace(LAYOUT, agent=f"{engine}-agent")
+    layout = PoolLayout.stand_in(f"{engine}-agent")
     return PeerRegistration(engine, (RankAgent(metadata, layout),))
 
 
