@@ -8,6 +8,7 @@ left out (its default), as OpenAI reads it; where null has a meaning of its own,
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, ClassVar, Literal, cast
@@ -44,12 +45,13 @@ from kubesgl.engine.sampling_params import (
 from kubesgl.engine.server.tool_calls import ToolChoice
 
 UTF8_ERROR = "invalid_utf8"
+UTF8_MESSAGE = "is not valid UTF-8 text (it holds a lone surrogate)"
 UNSUPPORTED_ERROR = "unsupported"
 
 
 def _utf8(value: str) -> str:
     if not is_utf8(value):
-        raise PydanticCustomError(UTF8_ERROR, "is not valid UTF-8 text (it holds a lone surrogate)")
+        raise PydanticCustomError(UTF8_ERROR, UTF8_MESSAGE)
     return value
 
 
@@ -91,14 +93,24 @@ def _utf8_throughout(value: Any) -> Any:
 JsonObject = Annotated[dict[str, Any], AfterValidator(_utf8_throughout)]
 
 
+# A JSON string's escapes, each read whole from its backslash on (so that in "\\ud800" the
+# first escape is the backslash's, the rest no escape): a surrogate pair, one character, or a
+# lone surrogate (the group), or any other.
+_JSON_ESCAPE = re.compile(
+    r"\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+    r"|(u[dD][89a-fA-F][0-9a-fA-F]{2})|.)",
+    re.DOTALL,
+)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # maybe one: then the escapes are read
+
+
 def _utf8_json_text(text: str) -> str:
-    """A schema given as text holds no escape of a lone surrogate ("\\ud800") either; text
-    that is no JSON is left to the schema compiler's 400."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):  # nested too deep: the compiler's 400 says so
-        return text
-    _utf8_throughout(value)
+    """A schema given as text holds no escape of a lone surrogate ("\\ud800") either. Its
+    escapes are read, the text not parsed: the schema compiler parses it (a text that is no
+    JSON is its 400), off the event loop, where a parse here took 16 ms for a 0.6 MB schema
+    (0.2 to 2.5 ms read so)."""
+    if _SURROGATE_ESCAPE.search(text) and any(e[1] for e in _JSON_ESCAPE.finditer(text)):
+        raise PydanticCustomError(UTF8_ERROR, UTF8_MESSAGE)
     return text
 
 

@@ -4,7 +4,10 @@ request goes on (issue: a lone surrogate crashed the whole engine)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from pydantic import TypeAdapter, ValidationError
 from test_scheduler import run_to_end, submit
 
 from kubesgl.engine import InvalidRequestError, SamplingParams
@@ -18,6 +21,8 @@ from kubesgl.engine.messages import (
     TokenizeRequest,
     TokenOutput,
 )
+from kubesgl.engine.sampling_params import is_utf8
+from kubesgl.engine.server.protocol import JsonText
 from kubesgl.engine.tokenizer.process import Tokenizer, TokenizerLoop
 
 
@@ -103,6 +108,35 @@ def test_stop_strings_that_are_not_utf8_are_refused_before_they_reach_the_schedu
     with pytest.raises(InvalidRequestError) as caught:
         SamplingParams(stop=["ok", "\ud800"]).validate(100)
     assert caught.value.param == "stop"
+
+
+@pytest.mark.parametrize(
+    "escapes",
+    [
+        r"\ud800",
+        r"\uDFFF",
+        r"\ud83d\ude00",  # a pair: one character
+        r"\uD83D\uDE00",
+        r"\ud83d\ud83d\ude00",
+        r"\ud83dx",
+        r"\\ud800",  # an escaped backslash, then text
+        r"\\\ud800",
+        r"\\\\ud800",
+        r"\ud83d\\ude00",
+        r"\u00e9\n\"",
+    ],
+)
+def test_a_schema_given_as_text_is_refused_for_the_lone_surrogates_a_json_reader_finds(escapes):
+    """The server reads a schema text's escapes without parsing it: what it refuses is what
+    the parsed text would hold, a lone surrogate in a string or a key, and nothing else."""
+    text = f'{{"enum": ["{escapes}"], "{escapes}": 1}}'
+    lone = not is_utf8(json.loads(text)["enum"][0])
+    try:
+        TypeAdapter(JsonText).validate_python(text)
+        refused = False
+    except ValidationError as error:
+        refused = error.errors()[0]["type"] == "invalid_utf8"
+    assert refused == lone
 
 
 def test_an_exception_while_checking_one_request_fails_it_alone(
