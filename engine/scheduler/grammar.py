@@ -17,8 +17,9 @@ from kubesgl.engine.sampling_params import GRAMMAR_KINDS, GrammarSpec, InvalidRe
 
 CACHE_ENTRIES = 512  # compiled grammars kept; a 128k vocabulary makes each tens of kB to a few MB
 _ANY_OBJECT = '{"type": "object"}'
-# xgrammar's errors start with a timestamp and its source file: "[08:51:28] /project/cpp/x.cc:94: "
-_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] [^:]+:\d+: ")
+# xgrammar's errors start with a timestamp and its source file: "[08:51:28] /project/cpp/x.cc:94: ",
+# and so does each error they quote (a schema nested too deep for its JSON reader)
+_XGRAMMAR_PREFIX = re.compile(r"\[[\d:]+\] [^:\s]+:\d+: ")
 
 
 # How xgrammar 0.2.9 writes the raw characters of a JSON string: a string with minLength or

@@ -5,6 +5,7 @@ batch are untouched; the mask of each step follows the token of the step before.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import jsonschema
@@ -147,6 +148,8 @@ def test_shared_prefix_and_cached_grammar(llama, make_llm):
     [
         (GrammarSpec("json_schema", '{"type": "nonsense"}'), "nonsense"),
         (GrammarSpec("json_schema", "{not json"), "JSON schema cannot be compiled: Check failed"),
+        # an error within an error: xgrammar writes a timestamp and source file before each
+        (GrammarSpec("json_schema", "[" * 20000 + "]" * 20000), "Maximum recursion depth"),
         (GrammarSpec("regex", "(ab", param="regex"), "parenthesis"),
         (GrammarSpec("ebnf", "root ::= foo", param="ebnf"), "foo"),
     ],
@@ -160,6 +163,7 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_the_problem(llama, make_l
     message = out[0].finish_message
     assert out[0].finish_reason == "error" and message.startswith(f"{spec.param}: ")
     assert words in message and "cannot be compiled" in message
+    assert not re.search(r"\[[\d:]+\] |/project/cpp", message), message
     assert out[1].finish_reason == "length"  # the other request is unharmed
 
 
