@@ -20,6 +20,9 @@ _ANY_OBJECT = '{"type": "object"}'
 # xgrammar's errors start with a timestamp and its source file: "[08:51:28] /project/cpp/x.cc:94: ",
 # and so does each error they quote (a schema nested too deep for its JSON reader)
 _XGRAMMAR_PREFIX = re.compile(r"\[[\d:]+\] [^:\s]+:\d+: ")
+# and a JSON text its reader refused is quoted whole after the error: the client's own, a schema
+# of any size
+_XGRAMMAR_QUOTE = re.compile(r"\s*\. The JSON string is:.*", re.DOTALL)
 
 
 # How xgrammar 0.2.9 writes the raw characters of a JSON string: a string with minLength or
@@ -119,7 +122,8 @@ class GrammarBackend:
         try:
             compiled = _COMPILE[spec.kind](compiler, spec.spec)
         except (RuntimeError, ValueError) as exc:
-            raise UncompilableGrammar(_XGRAMMAR_PREFIX.sub("", str(exc).strip())) from None
+            error = _XGRAMMAR_QUOTE.sub(".", _XGRAMMAR_PREFIX.sub("", str(exc).strip()))
+            raise UncompilableGrammar(error) from None
         with self._stats_lock:
             self.stats.compile_seconds.append(time.perf_counter() - start)
         return compiled
