@@ -24,9 +24,15 @@ from kubesgl.operator import naming
 from kubesgl.operator.render.common import (
     ENV_REFERENCE,
     OWNED_POD_ANNOTATIONS,
+    Object,
     expand_references,
 )
-from kubesgl.operator.render.engine import ENGINE_OWNED_FLAGS, engine_args, shm_size_limit
+from kubesgl.operator.render.engine import (
+    ENGINE_OWNED_FLAGS,
+    engine_args,
+    engine_resources,
+    shm_size_limit,
+)
 from kubesgl.operator.render.router import ROUTER_OWNED_FLAGS, router_args, router_env
 from kubesgl.operator.spec import (
     GPU_RESOURCE,
@@ -100,7 +106,9 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems: list[Problem] = []
     problems += _mode_problems(spec)
     problems += _model_problems(spec)
-    problems += _gpu_problems(spec)
+    gpu_problems = _gpu_problems(spec)
+    problems += gpu_problems
+    problems += _resource_problems(spec, reported={problem.field for problem in gpu_problems})
     problems += _shm_problems(spec)
     problems += _autoscaling_problems(spec)
     problems += _network_policy_problems(spec)
@@ -467,6 +475,51 @@ def _gpu_count_problems(
             f"must equal tensorParallelSize ({tp}) or be left out: each tensor-parallel rank uses one GPU"
         ]
     return []
+
+
+def _overcommit_allowed(name: str) -> bool:
+    """Whether Kubernetes lets a container request less of a resource than its limit: the
+    native ones (no domain, or kubernetes.io's) but hugepages; not an extended resource
+    (nvidia.com/gpu, rdma/hca), a device counted whole (apimachinery's IsOvercommitAllowed)."""
+    native = "/" not in name or "kubernetes.io/" in name
+    return native and not name.startswith("hugepages-")
+
+
+def _resource_problems(spec: InferenceServiceSpec, reported: set[str]) -> list[Problem]:
+    """The containers' requests as rendered (the GPUs the operator adds to the limits
+    included), held to the API server's rule: a resource it does not overcommit is set in the
+    limits, its request, if given, equal. It refuses the Deployment's pod template otherwise:
+    an ApplyFailed retried each minute, naming the Deployment's field, not the spec's, with
+    the children before it applied. `reported`: fields already refused."""
+    # imported here, as in spec._size: the client package is slow to import for `kubesgl up`
+    from kubernetes.utils import parse_quantity
+
+    blocks: list[tuple[contract.PodRole, Object]] = [
+        (role, engine_resources(spec, block)) for role, block in spec.engine_roles().items()
+    ]
+    blocks.append((contract.ROUTER, spec.router.resources.model_dump(by_alias=True)))
+    problems = []
+    for role, resources in blocks:
+        limits = resources.get("limits") or {}
+        for name, request in (resources.get("requests") or {}).items():
+            field = f"spec.{role}.resources.requests.{name}"
+            if _overcommit_allowed(name) or field in reported:
+                continue
+            limit = limits.get(name)
+            if limit is None:
+                message = (
+                    f"{name} is not overcommitted, so Kubernetes needs it in resources.limits "
+                    "(a request, if given, equal to it): give it there"
+                )
+            elif parse_quantity(request) != parse_quantity(limit):
+                message = (
+                    f"must equal resources.limits.{name} ({limit}): Kubernetes does not "
+                    f"overcommit {name}"
+                )
+            else:
+                continue
+            problems.append(Problem(field, message))
+    return problems
 
 
 def _shm_problems(spec: InferenceServiceSpec) -> list[Problem]:

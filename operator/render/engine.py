@@ -25,6 +25,7 @@ from kubesgl.operator.spec import (
     GPU_RESOURCE,
     EngineSpec,
     InferenceService,
+    InferenceServiceSpec,
     Quantity,
     RoleSpec,
     SecretKeyRef,
@@ -267,23 +268,25 @@ def _asks_for_other_gpus(block: RoleSpec) -> bool:
     return any(name != GPU_RESOURCE and is_gpu_resource(name) for name in _asked_for(block))
 
 
-def _download_size_limit(isvc: InferenceService) -> Quantity | None:
+def _download_size_limit(spec: InferenceServiceSpec) -> Quantity | None:
     """The sizeLimit of the node-disk emptyDir a Hugging Face model is downloaded into."""
-    source = isvc.spec.model.hugging_face
+    source = spec.model.hugging_face
     return None if source is None else source.size_limit
 
 
-def _resources(isvc: InferenceService, block: RoleSpec) -> Object:
+def engine_resources(spec: InferenceServiceSpec, block: RoleSpec) -> Object:
+    """The engine container's requests and limits, as rendered: the block's own, and what
+    the operator adds (the download's disk, the GPUs)."""
     resources: Object = {}
     requests = dict(block.resources.requests)
     limits = dict(block.resources.limits)
     # room on the node's disk for the download: without it the scheduler may pick a node the
     # kubelet then evicts the pod from mid-download (a limit given alone is the request too)
-    download_size = _download_size_limit(isvc)
+    download_size = _download_size_limit(spec)
     if download_size is not None and EPHEMERAL_STORAGE not in _asked_for(block):
         requests[EPHEMERAL_STORAGE] = download_size
     # with both, a pod asks for a whole GPU beside its slice and stays Pending
-    if isvc.spec.engine.device == "cuda" and not _asks_for_other_gpus(block):
+    if spec.engine.device == "cuda" and not _asks_for_other_gpus(block):
         limits[GPU_RESOURCE] = block.tensor_parallel_size
     if requests:
         resources["requests"] = requests
@@ -301,7 +304,7 @@ def _model_volume(isvc: InferenceService) -> Object:
         return {"name": "model", "hostPath": {"path": model.host_path.path, "type": "Directory"}}
     # downloaded or made at each pod start (validation guarantees exactly one source)
     empty_dir: Object = {}
-    download_size = _download_size_limit(isvc)
+    download_size = _download_size_limit(isvc.spec)
     if download_size is not None:
         empty_dir["sizeLimit"] = download_size
     return {"name": "model", "emptyDir": empty_dir}
@@ -396,7 +399,7 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
         "lifecycle": prestop_pause(),
         "securityContext": container_security_context(),
     }
-    resources = _resources(isvc, block)
+    resources = engine_resources(isvc.spec, block)
     if resources:
         container["resources"] = resources
     pod_spec: Object = {

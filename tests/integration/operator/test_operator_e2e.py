@@ -308,6 +308,38 @@ def test_a_spec_that_cannot_work_is_degraded_with_an_event_and_applies_nothing(
     assert cluster.condition("llama-pd", "Degraded")["status"] == "False"
 
 
+def test_an_extended_resource_requested_without_its_limit_is_degraded_with_an_event(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    """The API server refuses such a pod template: the InferenceService names its own field,
+    and nothing is applied until the resource is given in the limits."""
+    document = example("disaggregated.yaml")
+    document["spec"]["decode"]["resources"]["requests"]["rdma/hca"] = 1
+    cluster.create_isvc(document)
+    degraded = wait_for(
+        lambda: (
+            (c := cluster.condition("llama-pd", "Degraded")).get("reason") == "InvalidSpec" and c
+        ),
+        what="Degraded InvalidSpec",
+    )
+    assert degraded["status"] == "True"
+    assert (
+        "spec.decode.resources.requests.rdma/hca: rdma/hca is not overcommitted"
+        in (degraded["message"])
+    )
+    events = wait_for(
+        lambda: [e for e in cluster.events() if e.get("reason") == "InvalidSpec"],
+        what="an InvalidSpec event",
+    )
+    assert "spec.decode.resources.requests.rdma/hca" in events[0]["message"]
+    assert events[0]["type"] == "Warning"
+    assert cluster.children("llama-pd") == {}
+
+    cluster.patch_isvc("llama-pd", {"spec": {"decode": {"resources": {"limits": {"rdma/hca": 1}}}}})
+    settle(cluster, cluster.isvc("llama-pd"))
+    assert cluster.condition("llama-pd", "Degraded")["status"] == "False"
+
+
 def test_an_invalid_edit_of_a_serving_service_keeps_it_ready_at_its_endpoint(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:

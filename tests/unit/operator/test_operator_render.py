@@ -315,14 +315,15 @@ def test_cpu_device_requests_no_gpu() -> None:
     assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
 
 
-@pytest.mark.parametrize("kind", ["limits", "requests"])
+@pytest.mark.parametrize("kinds", [["limits"], ["requests", "limits"]])
 @pytest.mark.parametrize("gpu", ["nvidia.com/mig-3g.40gb", "nvidia.com/gpu.shared"])
-def test_a_role_asking_for_another_gpu_resource_gets_no_whole_gpu_too(gpu, kind) -> None:
+def test_a_role_asking_for_another_gpu_resource_gets_no_whole_gpu_too(gpu, kinds) -> None:
     """A MIG slice (mixed strategy) or a renamed time-sliced GPU: with nvidia.com/gpu beside it
     the pod asked for both and stayed Pending."""
-    document = with_changes(load_example("mixed.yaml"), f"spec.mixed.resources.{kind}", {gpu: 1})
+    resources = {kind: {gpu: 1} for kind in kinds}
+    document = with_changes(load_example("mixed.yaml"), "spec.mixed.resources", resources)
     container = engine_pod(objects_of(document), "qwen3-mixed-mixed")["spec"]["containers"][0]
-    assert container["resources"][kind] == {gpu: 1}
+    assert container["resources"] == resources
     assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
 
 

@@ -933,3 +933,59 @@ def test_the_command_line_is_checked_as_the_pod_runs_it() -> None:
         by_variable, "spec.decode.env", [{"name": "PAGES", "valueFrom": from_secret}]
     )
     parse_inference_service(by_variable)  # known in the pod only: not checked
+
+
+@pytest.mark.parametrize(
+    ("path", "resources", "expected"),
+    [
+        (  # an RDMA device requested only: the API server refused every pod of the Deployment
+            "spec.mixed.resources",
+            {"requests": {"rdma/hca": 1}},
+            "spec.mixed.resources.requests.rdma/hca: rdma/hca is not overcommitted, so "
+            "Kubernetes needs it in resources.limits",
+        ),
+        (  # a MIG slice: the operator adds no whole GPU to the limits beside it
+            "spec.mixed.resources",
+            {"requests": {"nvidia.com/mig-3g.40gb": 1}},
+            "spec.mixed.resources.requests.nvidia.com/mig-3g.40gb: nvidia.com/mig-3g.40gb is "
+            "not overcommitted",
+        ),
+        (
+            "spec.decode.resources",
+            {"requests": {"nvidia.com/hostdev": 1}, "limits": {"nvidia.com/hostdev": 2}},
+            "spec.decode.resources.requests.nvidia.com/hostdev: must equal "
+            "resources.limits.nvidia.com/hostdev (2)",
+        ),
+        (
+            "spec.router.resources",
+            {"requests": {"hugepages-2Mi": "1Gi", "memory": "1Gi"}},
+            "spec.router.resources.requests.hugepages-2Mi: hugepages-2Mi is not overcommitted",
+        ),
+    ],
+)
+def test_a_resource_kubernetes_does_not_overcommit_is_set_in_the_limits(
+    path, resources, expected
+) -> None:
+    example = "disaggregated.yaml" if path.startswith("spec.decode") else "mixed.yaml"
+    problems = problems_of(with_changes(load_example(example), path, resources))
+    assert any(problem.startswith(expected) for problem in problems), problems
+
+
+def test_resources_kubernetes_takes_are_taken() -> None:
+    document = load_example("mixed.yaml")
+    for resources in (
+        {"limits": {"rdma/hca": 1}},  # the request is the limit
+        {"requests": {"rdma/hca": "1"}, "limits": {"rdma/hca": 1}},
+        {"requests": {"nvidia.com/gpu": 1}},  # the operator sets the limit: tensorParallelSize
+        {"requests": {"cpu": "4", "nvidia.com/hostdev": 1}, "limits": {"nvidia.com/hostdev": 1}},
+    ):
+        parse_inference_service(with_changes(document, "spec.mixed.resources", resources))
+    gpu_on_cpu = with_changes(document, "spec.engine.device", "cpu")
+    gpu_on_cpu = with_changes(
+        gpu_on_cpu, "spec.mixed.resources", {"requests": {"nvidia.com/gpu": 1}}
+    )
+    # reported once, as the GPU rule says it
+    assert problems_of(gpu_on_cpu) == [
+        "spec.mixed.resources.requests.nvidia.com/gpu: must be left out: with device cpu the "
+        "engine uses no GPU"
+    ]
