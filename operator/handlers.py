@@ -278,6 +278,12 @@ async def reconcile(
             kopf.warn(body, reason="InvalidSpec", message=f"nothing applied: {error}")
             await publish_status(memo, namespace, name, inference_services, rollouts)
             return
+        if not body.get("status") and key not in memo.written_status:
+            # A new InferenceService: its status says at once that its roles are being
+            # created, not after the apply's calls (an error there leaves it none till a retry).
+            # Not on a change: the running Deployments, not yet changed, would read as the new
+            # generation rolled out.
+            await publish_status(memo, namespace, name, inference_services, rollouts)
         try:
             applied = await asyncio.to_thread(apply_children, memo.kube(), isvc)
         except (MissingApi, ApplyRejected) as error:

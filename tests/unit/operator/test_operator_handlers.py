@@ -76,3 +76,52 @@ async def test_a_lock_is_forgotten_when_its_holder_fails():
         async with locks.hold(KEY):
             raise RuntimeError("the API server refused")
     assert KEY not in locks._locks
+
+
+def _reconciling(body: dict[str, Any], memo: handlers.OperatorState) -> Any:
+    return handlers.reconcile(
+        body=body, namespace="default", name=body["metadata"]["name"],
+        logger=logging.getLogger("test"), memo=memo,
+        inference_services={("default", body["metadata"]["name"]): [body]}, rollouts={},
+    )  # fmt: skip
+
+
+async def test_a_new_inference_service_has_a_status_before_its_children_are_applied(monkeypatch):
+    """Not only after the apply's many calls, nor never when one of them fails (kopf retries
+    the handler later): `kubectl get` shows it being created at once."""
+    seen: list[list[Any]] = []
+
+    def apply_children(api: StatusWrites, isvc: Any) -> Applied:
+        seen.append(list(api.patches))
+        raise ConnectionResetError("the API server went away")
+
+    monkeypatch.setattr(handlers, "apply_children", apply_children)
+    body = load_example("mixed.yaml")
+    body["metadata"].update(namespace="default", uid="u-1", generation=1)
+    memo = handlers.OperatorState(api=StatusWrites())  # type: ignore[arg-type]
+    with pytest.raises(ConnectionResetError):
+        await _reconciling(body, memo)
+    ((_, _, status),) = seen[0]
+    assert status["observedGeneration"] == 1
+    conditions = {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+    assert conditions["Progressing"] == ("True", "RolesProgressing")
+    assert conditions["Ready"] == ("False", "RolesNotReady")
+
+
+async def test_a_changed_inference_service_has_its_status_written_after_the_apply(monkeypatch):
+    """Before it, the Deployments of the last generation would read as the new one's rollout
+    done."""
+    seen: list[list[Any]] = []
+
+    def apply_children(api: StatusWrites, isvc: Any) -> Applied:
+        seen.append(list(api.patches))
+        return Applied(objects=[])
+
+    monkeypatch.setattr(handlers, "apply_children", apply_children)
+    body = load_example("mixed.yaml")
+    body["metadata"].update(namespace="default", uid="u-1", generation=2)
+    body["status"] = {"observedGeneration": 1, "conditions": []}
+    memo = handlers.OperatorState(api=StatusWrites())  # type: ignore[arg-type]
+    await _reconciling(body, memo)
+    assert seen == [[]]
+    assert memo.api.patches  # type: ignore[union-attr]
