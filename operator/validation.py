@@ -477,20 +477,26 @@ def _gpu_count_problems(
     return []
 
 
+def _extended(name: str) -> bool:
+    """An extended resource (nvidia.com/gpu, rdma/hca): a device plugin's, counted in whole
+    devices; not a native one (no domain, or kubernetes.io's). apimachinery's
+    IsExtendedResourceName."""
+    return "/" in name and "kubernetes.io/" not in name
+
+
 def _overcommit_allowed(name: str) -> bool:
     """Whether Kubernetes lets a container request less of a resource than its limit: the
-    native ones (no domain, or kubernetes.io's) but hugepages; not an extended resource
-    (nvidia.com/gpu, rdma/hca), a device counted whole (apimachinery's IsOvercommitAllowed)."""
-    native = "/" not in name or "kubernetes.io/" in name
-    return native and not name.startswith("hugepages-")
+    native ones but hugepages (apimachinery's IsOvercommitAllowed)."""
+    return not _extended(name) and not name.startswith("hugepages-")
 
 
 def _resource_problems(spec: InferenceServiceSpec, reported: set[str]) -> list[Problem]:
-    """The containers' requests as rendered (the GPUs the operator adds to the limits
-    included), held to the API server's rule: a resource it does not overcommit is set in the
-    limits, its request, if given, equal. It refuses the Deployment's pod template otherwise:
-    an ApplyFailed retried each minute, naming the Deployment's field, not the spec's, with
-    the children before it applied. `reported`: fields already refused."""
+    """The containers' resources as rendered (the GPUs the operator adds to the limits
+    included), held to the API server's rules: an extended resource is a whole number, and a
+    resource it does not overcommit is set in the limits, its request, if given, equal. It
+    refuses the Deployment's pod template otherwise: an ApplyFailed retried each minute,
+    naming the Deployment's field, not the spec's, with the children before it applied.
+    `reported`: fields already refused."""
     # imported here, as in spec._size: the client package is slow to import for `kubesgl up`
     from kubernetes.utils import parse_quantity
 
@@ -500,6 +506,14 @@ def _resource_problems(spec: InferenceServiceSpec, reported: set[str]) -> list[P
     blocks.append((contract.ROUTER, spec.router.resources.model_dump(by_alias=True)))
     problems = []
     for role, resources in blocks:
+        for kind in ("requests", "limits"):
+            for name, amount in (resources.get(kind) or {}).items():
+                field = f"spec.{role}.resources.{kind}.{name}"
+                whole = parse_quantity(amount) == parse_quantity(amount).to_integral_value()
+                if _extended(name) and not whole and field not in reported:
+                    message = f"{amount!r}: Kubernetes counts {name} in whole devices"
+                    problems.append(Problem(field, message))
+        reported = reported | {problem.field for problem in problems}
         limits = resources.get("limits") or {}
         for name, request in (resources.get("requests") or {}).items():
             field = f"spec.{role}.resources.requests.{name}"

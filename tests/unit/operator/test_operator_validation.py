@@ -989,3 +989,30 @@ def test_resources_kubernetes_takes_are_taken() -> None:
         "spec.mixed.resources.requests.nvidia.com/gpu: must be left out: with device cpu the "
         "engine uses no GPU"
     ]
+
+
+@pytest.mark.parametrize(
+    ("path", "resources", "field"),
+    [
+        ("spec.mixed.resources", {"limits": {"rdma/hca": "500m"}}, "limits.rdma/hca"),
+        (
+            "spec.mixed.resources",
+            {"limits": {"nvidia.com/hostdev": "1.5"}},
+            "limits.nvidia.com/hostdev",
+        ),
+        (
+            "spec.router.resources",
+            {"limits": {"example.com/dongle": "0.5"}},
+            "limits.example.com/dongle",
+        ),
+    ],
+)
+def test_an_extended_resource_is_counted_in_whole_devices(path, resources, field) -> None:
+    """The API server refused the Deployment (`must be an integer`), blaming its own field."""
+    problems = problems_of(with_changes(load_example("mixed.yaml"), path, resources))
+    role = path.split(".")[1]
+    amount = next(iter(next(iter(resources.values())).values()))
+    assert problems == [
+        f"spec.{role}.resources.{field}: {amount!r}: Kubernetes counts {field.split('.', 1)[1]} "
+        "in whole devices"
+    ]
