@@ -288,3 +288,16 @@ def test_the_notes_say_the_default_image_is_not_published(helm: Path) -> None:
     assert "not published" not in chart_notes(
         helm, "--set", "image.repository=registry.example/kubesgl"
     )
+
+
+@pytest.mark.parametrize("values", [[], WATCH_TWO], ids=["all-namespaces", "two-namespaces"])
+def test_the_operator_is_granted_no_update(helm: Path, values: list[str]) -> None:
+    """It patches (server-side apply, kopf's finalizer and annotations, the status) and posts
+    Events: a whole-object update is granted only where Kubernetes asks it, on the finalizers
+    of the owner that blockOwnerDeletion points at."""
+    roles = [obj for obj in chart_objects(helm, *values) if obj["kind"] in ("ClusterRole", "Role")]
+    rights = set().union(*map(granted, roles))
+    assert {(group, resource) for group, resource, verb in rights if verb == "update"} == {
+        ("kubesgl.io", "inferenceservices/finalizers")
+    }
+    assert {verb for group, resource, verb in rights if resource == "events"} == {"create"}
