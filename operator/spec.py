@@ -265,9 +265,33 @@ class EngineSpec(SpecModel):
     extra_args: list[str] = Field(default_factory=list)
 
 
+# The resources a container takes under a name without a domain (apimachinery's
+# IsStandardContainerResourceName), hugepages-<page size> beside them.
+STANDARD_CONTAINER_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+
+
+def _resource_name(name: str) -> str:
+    """A container's resource as the API server names one: a qualified name, and without a
+    domain one of its own (`gpu` alone is none: nvidia.com/gpu)."""
+    problem = label_key_problem(name)
+    if problem:
+        raise ValueError(problem)
+    if "/" not in name and not (
+        name in STANDARD_CONTAINER_RESOURCES or name.startswith("hugepages-")
+    ):
+        raise ValueError(
+            f"{name!r} is no container resource: cpu, memory, ephemeral-storage, "
+            "hugepages-<size>, or a device plugin's with its domain (nvidia.com/gpu)"
+        )
+    return name
+
+
+ResourceName = Annotated[str, AfterValidator(_resource_name)]
+
+
 class Resources(SpecModel):
-    requests: dict[str, Quantity] = Field(default_factory=dict)
-    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[ResourceName, Quantity] = Field(default_factory=dict)
+    limits: dict[ResourceName, Quantity] = Field(default_factory=dict)
 
 
 class Toleration(SpecModel):

@@ -1016,3 +1016,39 @@ def test_an_extended_resource_is_counted_in_whole_devices(path, resources, field
         f"spec.{role}.resources.{field}: {amount!r}: Kubernetes counts {field.split('.', 1)[1]} "
         "in whole devices"
     ]
+
+
+@pytest.mark.parametrize(
+    ("path", "resources", "expected"),
+    [
+        (
+            "spec.mixed.resources",
+            {"limits": {"gpu": 1}},
+            "spec.mixed.resources.limits.gpu.[key]: Value error, 'gpu' is no container resource",
+        ),
+        (
+            "spec.mixed.resources",
+            {"requests": {"Memory": "1Gi"}},
+            "spec.mixed.resources.requests.Memory.[key]: Value error, 'Memory' is no container "
+            "resource",
+        ),
+        (
+            "spec.router.resources",
+            {"limits": {"nvidia.com/gpu ": 1}},
+            "spec.router.resources.limits.nvidia.com/gpu .[key]: Value error, 'nvidia.com/gpu ' "
+            "is not a Kubernetes key",
+        ),
+    ],
+)
+def test_a_resource_name_the_api_server_refuses_is_refused(path, resources, expected) -> None:
+    """It refused the Deployment (`must be a standard resource for containers`), blaming its
+    own field."""
+    problems = problems_of(with_changes(load_example("mixed.yaml"), path, resources))
+    assert any(problem.startswith(expected) for problem in problems), problems
+
+
+def test_every_resource_name_a_container_takes_is_taken() -> None:
+    resources = {"cpu": "1", "memory": "8Gi", "ephemeral-storage": "1Gi", "hugepages-2Mi": "1Gi"}
+    resources |= {"nvidia.com/gpu": 1, "rdma/hca": 1, "example.com/dongle": 1}
+    document = with_changes(load_example("mixed.yaml"), "spec.mixed.resources.limits", resources)
+    parse_inference_service(document)
