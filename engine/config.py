@@ -121,6 +121,12 @@ class EngineConfig:
         ge=1,
         named_elsewhere=("--max-num-seqs",),  # vLLM's
     )
+    max_queued_requests: int | None = option(
+        None,
+        help="requests that may wait for admission; one more is refused with a 503 and "
+        "Retry-After, so that a router tries another engine; unset: no limit",
+        ge=1,
+    )
     chunked_prefill_size: int = option(
         8192, help="prompt tokens per prefill step; 0 or less disables chunking"
     )

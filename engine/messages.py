@@ -33,6 +33,9 @@ class GenerateRequest:
     # in the prefix cache, then share it instead of computing it n times.
     prefix_leader: str | None = None
     bootstrap: BootstrapTarget | None = None  # prefill/decode: the room this request fills or reads
+    # The first sequence of the client request this one is part of (its prompts times n),
+    # None for that first one: a request is queued or refused whole (--max-queued-requests)
+    request_leader: str | None = None
 
 
 @dataclass
@@ -123,6 +126,7 @@ class TokenizeRequest:
     add_special_tokens: bool | None = None
     prefix_leader: str | None = None
     bootstrap: BootstrapTarget | None = None
+    request_leader: str | None = None  # see GenerateRequest
 
 
 @dataclass

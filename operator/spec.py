@@ -236,6 +236,7 @@ class EngineSpec(SpecModel):
     load_format: LoadFormat = "auto"
     page_size: int | None = _engine_option("page_size")
     max_running_requests: int | None = _engine_option("max_running_requests")
+    max_queued_requests: int | None = _engine_option("max_queued_requests")
     chunked_prefill_size: int | None = _engine_option("chunked_prefill_size")  # <= 0: no chunking
     max_total_tokens: int | None = _engine_option("max_total_tokens")
     attention_backend: AttentionBackend | None = None  # None: the engine's default, auto

@@ -129,6 +129,7 @@ def scheduler_limits(config: EngineConfig, context_length: int, vocab_size: int)
         context_length=context_length,
         vocab_size=vocab_size,
         max_running_requests=config.max_running_requests,
+        max_queued_requests=config.max_queued_requests,
         chunked_prefill_size=config.chunked_prefill_size,
         mixed_chunk=config.enable_mixed_chunk,
         max_prefill_tokens=config.max_prefill_tokens,

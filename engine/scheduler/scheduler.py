@@ -61,6 +61,7 @@ class SchedulerLimits:
     context_length: int
     vocab_size: int
     max_running_requests: int
+    max_queued_requests: int | None  # waiting (or compiling) requests; None: no limit
     chunked_prefill_size: int  # <= 0: no chunking
     max_prefill_tokens: int
     default_max_tokens: int  # for requests that leave max_tokens unset
@@ -248,6 +249,15 @@ class Scheduler:
                 f"the request needs {need} tokens of KV cache; the pool holds {pool_tokens}: "
                 f"lower max_tokens to at most {pool_tokens - prompt_need + 1}",
                 param="max_tokens",
+            )
+        # last: a request that could never run is a 400; and a client request's later
+        # sequences follow its first, so that none is refused in part
+        queued, most = self._num_queued(), limits.max_queued_requests
+        if most is not None and request.request_leader not in self.requests and queued >= most:
+            raise InvalidRequestError(
+                f"the request queue is full: {queued} requests wait for admission "
+                f"(--max-queued-requests {most}); try again shortly or on another engine",
+                status=503,
             )
 
     def abort_request(self, rid: str, message: str = "aborted") -> list[TokenOutput]:
@@ -488,6 +498,11 @@ class Scheduler:
         leader = self.requests.get(req.prefix_leader) if req.prefix_leader else None
         return leader is not None and leader.status in (ReqStatus.WAITING, ReqStatus.PREFILLING)
 
+    def _num_queued(self) -> int:
+        """Requests waiting for admission, those whose grammar compiles (seconds at times)
+        included."""
+        return len(self.waiting) + len(self.compiling)
+
     def _num_running(self) -> int:
         return len(self.prefilling) + len(self.decoding) + self.role.num_held()
 
@@ -654,7 +669,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=self._num_running(),
-            num_waiting=len(self.waiting) + len(self.compiling),  # compiling: seconds at times
+            num_waiting=self._num_queued(),
             kv_used_tokens=self.kv.committed_tokens(),
             kv_total_tokens=self.kv.allocator.total_pages * self.kv.page_size,
             prompt_tokens=self._prompt_tokens,

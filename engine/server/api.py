@@ -640,8 +640,9 @@ def fan_out(
 ) -> list[TokenizeRequest]:
     """n copies of every prompt; copies after the first share its cached prompt, and
     seeded copies get distinct seeds so that they differ. Choice p * n + i is copy i of
-    prompt p and takes targets[p * n + i]."""
+    prompt p and takes targets[p * n + i]. All follow the first into the queue."""
     group = EngineClient.new_rid(prefix)
+    first = f"{group}-0"
     subs = []
     for p, base in enumerate(bases):
         leader = None
@@ -657,6 +658,7 @@ def fan_out(
                     params=copy,
                     prefix_leader=leader,
                     bootstrap=targets[p * n + i],
+                    request_leader=None if rid == first else first,
                 )
             )
             leader = leader or rid

@@ -11,6 +11,10 @@ from fastapi.responses import JSONResponse
 
 from kubesgl.engine.messages import FinishReason
 
+# Seconds a client refused with a 503 (the engine loading or draining, its queue full) waits
+# before it asks again; a router asks another engine at once.
+RETRY_AFTER_S = 1
+
 
 class APIError(Exception):
     def __init__(
@@ -59,8 +63,12 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         # OpenAI's SDKs retry a 5xx unless told not to: a 500 is this engine failing at the
-        # request, which another try may break again (a 503, "try later", they may retry)
-        headers = {"x-should-retry": "false"} if self.status == 500 else None
+        # request, which another try may break again; a 503 (loading, draining, the queue
+        # full) says when to try again
+        headers = {
+            500: {"x-should-retry": "false"},
+            503: {"retry-after": str(RETRY_AFTER_S)},
+        }.get(self.status)
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -204,7 +204,12 @@ class TokenizerLoop:
         self.tokenizer.start(message)
         self.to_scheduler.send_pyobj(
             GenerateRequest(
-                message.rid, input_ids, message.params, message.prefix_leader, message.bootstrap
+                message.rid,
+                input_ids,
+                message.params,
+                prefix_leader=message.prefix_leader,
+                bootstrap=message.bootstrap,
+                request_leader=message.request_leader,
             )
         )
         return True

@@ -58,6 +58,7 @@ CRD_SAMPLES = {
     "loadFormat": "dummy",
     "pageSize": 16,
     "maxRunningRequests": 8,
+    "maxQueuedRequests": 64,
     "chunkedPrefillSize": 512,
     "maxTotalTokens": 4096,
     "attentionBackend": "flashinfer",

@@ -1,0 +1,80 @@
+"""A served engine with --max-queued-requests: a burst beyond its queue gets 503s with
+Retry-After at once (streams too, as a status, not an error event), the requests it took all
+finish, and a request of more sequences than the queue holds is served whole."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+from serve_harness import start_server
+
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    server = start_server(
+        tiny_model("llama"),
+        "--served-model-name",
+        "tiny",
+        "--max-running-requests",
+        "1",
+        "--max-queued-requests",
+        "2",
+        tmp_path=tmp_path_factory.mktemp("queue"),
+    )
+    yield server
+    assert server.stop() == 0
+
+
+def _body(i: int, stream: bool) -> dict:
+    return {
+        "model": "tiny",
+        "prompt": f"request {i}",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+async def _burst(base_url: str, count: int) -> list[tuple[int, dict, str, str | None]]:
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+
+        async def one(i: int):
+            stream = i % 2 == 1
+            response = await client.post("/v1/completions", json=_body(i, stream))
+            text = response.text
+            body = response.json() if not stream or response.status_code != 200 else {}
+            return response.status_code, body, text, response.headers.get("retry-after")
+
+        return await asyncio.gather(*(one(i) for i in range(count)))
+
+
+def test_a_burst_beyond_the_queue_is_refused_at_once_and_the_rest_is_served(server):
+    answers = asyncio.run(_burst(server.base_url, 12))
+    refused = [a for a in answers if a[0] == 503]
+    served = [a for a in answers if a[0] == 200]
+    assert len(refused) + len(served) == 12, [a[0] for a in answers]
+    assert refused and len(served) >= 3  # one running, two waiting, at the least
+    for _, body, _, retry_after in refused:
+        assert retry_after == "1"
+        assert "queue is full" in body["error"]["message"]
+        assert "--max-queued-requests 2" in body["error"]["message"]
+    for _, body, text, _ in served:
+        if body:
+            assert body["usage"]["completion_tokens"] == MAX_TOKENS
+        else:
+            assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    counted = re.search(r'kubesgl_request_errors_total\{[^}]*status="503"[^}]*\} (\S+)', metrics)
+    assert counted is not None and float(counted.group(1)) == len(refused)
+
+
+def test_a_request_of_more_sequences_than_the_queue_holds_is_served_whole(server):
+    body = {**_body(0, False), "n": 3, "prompt": ["one", "two"], "max_tokens": 4}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["choices"]) == 6
