@@ -177,8 +177,9 @@ def _release_once(free: asyncio.Semaphore) -> Callable[[], None]:
     return release
 
 
-# What a client told the connection limit is reached should wait before asking again.
-POOL_FULL_RETRY_AFTER_S = 1
+# What a client should wait before asking again when no connection is free, or when every
+# worker tried was busy (its 503 passed on).
+TRY_AGAIN_AFTER_S = 1
 
 
 def pool_full(limit: int, wait_s: float) -> RouterError:
@@ -188,7 +189,7 @@ def pool_full(limit: int, wait_s: float) -> RouterError:
         f"freed within {wait_s:g} s (--connect-timeout); try again",
         "service_unavailable",
         code=CONNECTION_LIMIT,
-        headers=[(b"retry-after", str(POOL_FULL_RETRY_AFTER_S).encode())],
+        headers=[(b"retry-after", str(TRY_AGAIN_AFTER_S).encode())],
         reason=CONNECTION_LIMIT,
     )
 
@@ -385,9 +386,10 @@ class Attempt:
 
 
 def _failed_by(status: int) -> bool | None:
-    """The verdict on a worker that answered an error: a 5xx is its failure; a client's error
-    (4xx) says nothing of it, neither way."""
-    return True if status >= 500 else None
+    """The verdict on a worker that answered an error: a 5xx is its failure, but a 503, "not
+    now" (its queue full, or it loads or drains: the health checks see those), which like a
+    client's error (4xx) says nothing of it, neither way."""
+    return True if status >= 500 and status != 503 else None
 
 
 def _may_pass_on(worker: Worker, status: int) -> bool:

@@ -230,13 +230,34 @@ async def test_circuit_breaker_keeps_a_failing_worker_out(engines, start_router,
     assert state == {a.url: (True, "open"), b.url: (True, "closed")}
 
 
+async def test_a_worker_that_answers_503_is_busy_not_failing(engines, start_router, client):
+    """An engine's 503 says "not now" (its queue full, --max-queued-requests; loading;
+    draining): the request goes to another worker, and the busy one's circuit stays closed,
+    or a burst would shut an engine out for the cooldown just as its queue drained."""
+    a, b = await engines("a"), await engines("b")
+    a.fail_status = 503
+    async with start_router(
+        workers=[a.url, b.url],
+        policy="round_robin",
+        breaker_failure_threshold=2,
+        breaker_cooldown_s=60,
+    ) as router:
+        await router.ready()
+        for _ in range(8):
+            response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+            assert response.status_code == 200 and "b-tok0" in response.text
+        listing = (await client.get(router.url + "/workers")).json()["workers"]
+    assert len(a.requests) > 2  # asked past the failure threshold, each 503 retried on b
+    assert {w["url"]: w["circuit"] for w in listing} == {a.url: "closed", b.url: "closed"}
+
+
 async def test_all_attempts_failing_returns_the_last_error(engines, start_router, client):
     a = await engines("a")
     a.fail_status = 503  # refused before any work: retried
     async with start_router(workers=[a.url], breaker_failure_threshold=100) as router:
         await router.ready()
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
-    assert response.status_code == 503
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
     message = response.json()["error"]["message"]
     assert a.url in message and "a fails on purpose" in message
     assert len(a.requests) == 4  # the first attempt and 3 retries
