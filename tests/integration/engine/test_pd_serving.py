@@ -4,6 +4,7 @@ client sees when either engine fails."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -383,6 +384,53 @@ def test_a_request_the_prefill_api_server_refuses_fails_at_the_decode_engine_at_
         decode.wait_idle()
         assert decode.metric('kubesgl_disagg_failures_total{reason="refused"}') == 2
         assert decode.metric('kubesgl_disagg_failures_total{reason="aborted"}') == 0
+    finally:
+        router.stop(timeout=30)
+        for server in (prefill, decode):
+            assert server.stop() == 0
+
+
+def test_a_prefill_engine_whose_queue_is_full_sheds_the_burst_with_503s_and_leaks_nothing(
+    tiny_model, tmp_path
+):
+    """A prefill engine with --max-queued-requests refuses the rooms beyond its queue with a
+    503 at once; the router passes it on, with Retry-After, when every try was refused (and
+    ends the decode engine's request for the room): a burst gets answers and 503s, never a
+    502, and both engines end idle."""
+    model = tiny_model("llama")
+    prefill, decode, bootstrap = start_pd_pair(
+        model,
+        tmp_path,
+        prefill_args=("--max-running-requests", "1", "--max-queued-requests", "1"),
+    )
+    router = start_pd_router(prefill, decode, bootstrap, tmp_path, "--max-retries", "0")
+    try:
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
+                body = {"model": MODEL_NAME, "max_tokens": 4, "ignore_eos": True}
+                return await asyncio.gather(
+                    *(
+                        client.post("/v1/completions", json={**body, "prompt": "x " * (50 + i)})
+                        for i in range(12)
+                    )
+                )
+
+        answers = asyncio.run(burst())
+        statuses = sorted(answer.status_code for answer in answers)
+        assert set(statuses) == {200, 503}, statuses
+        for answer in answers:
+            if answer.status_code == 503:
+                assert answer.headers["retry-after"] == "1"
+                assert "queue is full" in answer.json()["error"]["message"], answer.text
+            else:
+                assert answer.json()["usage"]["completion_tokens"] == 4
+        for server in (prefill, decode):
+            server.wait_idle()
+        refused = statuses.count(503)
+        assert prefill.metric('kubesgl_request_errors_total{status="503"}') == refused
+        for reason in ("timeout", "transfer", "peer_lost"):  # the refusals failed no transfer
+            assert decode.metric(f'kubesgl_disagg_failures_total{{reason="{reason}"}}') == 0
     finally:
         router.stop(timeout=30)
         for server in (prefill, decode):
