@@ -588,6 +588,16 @@ def _autoscaling_problems(spec: InferenceServiceSpec) -> list[Problem]:
             problems.append(Problem(field, f"the {role} role does not run in {spec.mode} mode"))
         if scaling.min_replicas > scaling.max_replicas:
             problems.append(Problem(f"{field}.minReplicas", "greater than maxReplicas"))
+        queue = spec.engine.max_queued_requests
+        if scaling.metric == "waitingRequests" and queue is not None and scaling.target >= queue:
+            problems.append(
+                Problem(
+                    f"{field}.target",
+                    f"a pod's waitingRequests never exceeds engine.maxQueuedRequests ({queue}), "
+                    "which refuses the requests beyond it: the target must be below it, or the "
+                    "pool never scales out",
+                )
+            )
         if scaling.metric == "kvCacheUsage" and scaling.target > 1:
             problems.append(
                 Problem(

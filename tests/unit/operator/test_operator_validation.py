@@ -240,6 +240,14 @@ def problems_of(document) -> list[str]:
             2,
             "spec.autoscaling.decode.target: kvCacheUsage is a ratio of the KV pool: the target must be in (0, 1]",
         ),
+        (  # the prefill pods' waitingRequests (target 4) never pass the queue the engines keep
+            "autoscaled-hpa.yaml",
+            "spec.engine.maxQueuedRequests",
+            4,
+            "spec.autoscaling.prefill.target: a pod's waitingRequests never exceeds "
+            "engine.maxQueuedRequests (4), which refuses the requests beyond it: the target "
+            "must be below it, or the pool never scales out",
+        ),
         (
             "autoscaled-keda.yaml",
             "spec.autoscaling.prometheusAddress",
