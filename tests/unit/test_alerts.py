@@ -245,6 +245,24 @@ def error_cases() -> dict:
             *rejections("pd-ok", zero),
             *attempts("pd-ok", "http://p1", "prefill", {"200": 600}),
             *attempts("pd-ok", "http://d1", "decode", {"200": 597, "500": 3}),
+            # shedding: full queues (--max-queued-requests) refuse 300 attempts a minute with
+            # 503, each retried on the other worker, which serves it: every client is served
+            *rejections("shedding", zero),
+            *attempts("shedding", "http://w1", "mixed", {"200": 300, "503": 300}),
+            *attempts("shedding", "http://w2", "mixed", {"200": 600, "503": 0}),
+            # P/D shedding: prefill workers refuse, the pair is tried again (the decode
+            # attempt of the refused pair counts `cancelled`)
+            *rejections("pd-shedding", zero),
+            *attempts("pd-shedding", "http://p1", "prefill", {"200": 600, "503": 300}),
+            *attempts("pd-shedding", "http://d1", "decode", {"200": 600, "cancelled": 300}),
+            # shedding and failing: 60 500s in 660 answers (9%), among 1200 refusals that,
+            # counted as answers, would have thinned them out to 3%
+            *rejections("shedding-failing", zero),
+            *attempts("shedding-failing", "http://w1", "mixed", {"200": 600, "503": 1200}),
+            *attempts("shedding-failing", "http://w2", "mixed", {"500": 60}),
+            # no free connection: the router's own 503 connection_limit, 120 of 720 answers
+            *rejections("limited", {**zero, ("503", "connection_limit"): 120}),
+            *attempts("limited", "http://w1", "mixed", {"200": 600}),
         ],
         "alert_rule_test": [
             {"eval_time": "9m", "alertname": "KubesglHighServerErrorRatio", "exp_alerts": []},
@@ -252,7 +270,15 @@ def error_cases() -> dict:
                 "eval_time": "15m",
                 "alertname": "KubesglHighServerErrorRatio",
                 "exp_alerts": [
-                    fires(name, "critical") for name in ("failing", "broken", "rejected", "pd")
+                    fires(name, "critical")
+                    for name in (
+                        "failing",
+                        "broken",
+                        "rejected",
+                        "pd",
+                        "shedding-failing",
+                        "limited",
+                    )
                 ],
             },
         ],

@@ -119,17 +119,23 @@ def server_errors() -> Alert:
     # the side whose failure it was counts it (the other side's 502 or 504 that passed it on
     # counts `cancelled`, docs/router.md), so a failing prefill worker's failures are only in
     # its own series: counting failures on prefill workers too misses none and doubles none.
+    # A worker's 503 is no failure: "not now" (its queue full, --max-queued-requests; or it
+    # loads or drains), which the router retries on another worker and does not hold against
+    # its circuit breaker either. The router's own 503s (no_worker, connection_limit) are
+    # answers to clients that no worker took, and count.
     failed = (
         f"sum by ({SERVICE}) ("
-        f'rate(kubesgl_router_requests_total{{worker!="", status=~"5..|error"}}[{WINDOW}]) '
+        f'rate(kubesgl_router_requests_total{{worker!="", status=~"5..|error", status!="503"}}'
+        f"[{WINDOW}]) "
         f'or rate(kubesgl_router_rejections_total{{status=~"5.."}}[{WINDOW}]))'
     )
     # Every answer: attempts on mixed and decode workers (a P/D request's prefill attempt is
-    # drained, not answered) and the router's own rejections (its 503 no_worker is also
-    # requests_total{worker=""}, left out above).
+    # drained, not answered) but their 503s (a refusal retried elsewhere is no answer: counted,
+    # it would thin the failures out while engines shed load), and the router's own rejections
+    # (its 503 no_worker is also requests_total{worker=""}, left out above).
     answers = (
         f"sum by ({SERVICE}) ("
-        f'(rate(kubesgl_router_requests_total{{worker!=""}}[{WINDOW}]) '
+        f'(rate(kubesgl_router_requests_total{{worker!="", status!="503"}}[{WINDOW}]) '
         f'and on ({ROUTER_WORKER}) kubesgl_router_worker_info{{role!="prefill"}}) '
         f"or rate(kubesgl_router_rejections_total[{WINDOW}]))"
     )
@@ -142,9 +148,10 @@ def server_errors() -> Alert:
         f"Over 5% of the requests to InferenceService {WHO} failed for 10 minutes: 5xx answers "
         "and broken connections of its workers (a failed attempt that the router retried "
         "elsewhere included) and the router's own 5xx (503 no_worker: no worker could serve; "
-        "503 connection_limit: --max-connections reached; 500 internal). Look at the "
-        "dashboard's Router row (answers by status, failed attempts per worker), the router's "
-        "logs and the failing workers' logs.",
+        "503 connection_limit: --max-connections reached; 500 internal). A worker's 503 (its "
+        "queue full, or it loads or drains) is no failure here, as for its circuit breaker: "
+        "the router tries another worker. Look at the dashboard's Router row (answers by "
+        "status, failed attempts per worker), the router's logs and the failing workers' logs.",
     )
 
 
