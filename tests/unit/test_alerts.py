@@ -332,6 +332,110 @@ def engine_cases() -> dict:
     }
 
 
+def queue_cases() -> dict:
+    """Engines that refuse requests with 503: their queues full (--max-queued-requests), or
+    loading or draining. Counters per minute."""
+
+    def engine(
+        instance: str, pod: str, finished: str, refused: str, waiting: str, role: str = "mixed"
+    ) -> list[dict]:
+        labels = {
+            "namespace": "ns",
+            "app_kubernetes_io_instance": instance,
+            "kubesgl_io_role": role,
+            "role": role,
+            "model_name": "m",
+            "pod": pod,
+        }
+        return [
+            series("kubesgl_requests_total", finished, finish_reason="stop", **labels),
+            series(
+                "kubesgl_request_errors_total",
+                refused,
+                status="503",
+                reason="unavailable",
+                **labels,
+            ),
+            series(
+                "kubesgl_request_errors_total",
+                "0x40",
+                status="400",
+                reason="invalid_request",
+                **labels,
+            ),
+            series("kubesgl_num_waiting_requests", waiting, **labels),
+        ]
+
+    def step(at: int, by: int) -> str:
+        """A counter that grows by `by` at minute `at`, over 40 minutes."""
+        return " ".join(str(0 if minute < at else by) for minute in range(41))
+
+    def during(at: int, value: int) -> str:
+        """A gauge at `value` in minute `at` only."""
+        return " ".join(str(value if minute == at else 0) for minute in range(41))
+
+    return {
+        "interval": "1m",
+        "input_series": [
+            # shedding: both pods refuse 60 a minute, finish 600, their queues full (9%)
+            *engine("shedding", "a", "0+600x40", "0+60x40", "8x40"),
+            *engine("shedding", "b", "0+600x40", "0+60x40", "8x40"),
+            # loading: every request refused, none waiting (a static worker list's engine
+            # that the router still tries, say): no queue, no shedding
+            *engine("loading", "a", "0x40", "0+600x40", "0x40"),
+            *engine("loading", "b", "0+600x40", "0x40", "0x40"),
+            # a rollout: each of 4 pods, draining one after another 3 minutes apart, refuses
+            # the 10 requests of its few seconds before the router sees it, with its queue
+            # still there (under 1% of the 600 a minute the pods finish)
+            *[
+                pod
+                for index in range(4)
+                for pod in engine(
+                    "rollout",
+                    f"r{index}",
+                    "0+150x40",
+                    step(2 + 3 * index, 10),
+                    during(2 + 3 * index, 3),
+                )
+            ],
+            # a trickle: 6 refusals a minute in 606 (1%)
+            *engine("trickle", "a", "0+600x40", "0+6x40", "8x40"),
+            # a burst: 9% refused for 6 minutes, then none
+            *engine("burst", "a", "0+600x40", "0+60x5 360x35", "8x5 0x35"),
+            # P/D: the prefill engines shed (they finish as handoff), the decode ones do not
+            *engine("pd", "p", "0+600x40", "0+60x40", "8x40", role="prefill"),
+            *engine("pd", "d", "0+600x40", "0x40", "2x40", role="decode"),
+        ],
+        "alert_rule_test": [
+            {"eval_time": "9m", "alertname": "KubesglEngineQueueFull", "exp_alerts": []},
+            {  # the rollout's drains, 3 minutes apart, are over at 17m
+                "eval_time": "15m",
+                "alertname": "KubesglEngineQueueFull",
+                "exp_alerts": [
+                    fires("shedding", "warning", role="mixed"),
+                    fires("pd", "warning", role="prefill"),
+                ],
+            },
+            {
+                "eval_time": "20m",
+                "alertname": "KubesglEngineQueueFull",
+                "exp_alerts": [
+                    fires("shedding", "warning", role="mixed"),
+                    fires("pd", "warning", role="prefill"),
+                ],
+            },
+            {
+                "eval_time": "35m",
+                "alertname": "KubesglEngineQueueFull",
+                "exp_alerts": [
+                    fires("shedding", "warning", role="mixed"),
+                    fires("pd", "warning", role="prefill"),
+                ],
+            },
+        ],
+    }
+
+
 def pd_cases() -> dict:
     def engine(instance: str, metric: str, values: str, **labels: str) -> dict:
         role = labels.pop("role", "decode")
@@ -402,7 +506,7 @@ def test_alerts_fire_when_they_should_and_not_otherwise(tmp_path: Path):
     tests = {
         "rule_files": ["rules.yaml"],
         "evaluation_interval": "1m",
-        "tests": [worker_cases(), error_cases(), engine_cases(), pd_cases()],
+        "tests": [worker_cases(), error_cases(), engine_cases(), queue_cases(), pd_cases()],
     }
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
     result = promtool("test", "rules", str(tmp_path / "tests.yaml"))

@@ -121,8 +121,9 @@ def server_errors() -> Alert:
     # its own series: counting failures on prefill workers too misses none and doubles none.
     # A worker's 503 is no failure: "not now" (its queue full, --max-queued-requests; or it
     # loads or drains), which the router retries on another worker and does not hold against
-    # its circuit breaker either. The router's own 503s (no_worker, connection_limit) are
-    # answers to clients that no worker took, and count.
+    # its circuit breaker either; engines that keep refusing are KubesglEngineQueueFull's. The
+    # router's own 503s (no_worker, connection_limit) are answers to clients that no worker
+    # took, and count.
     failed = (
         f"sum by ({SERVICE}) ("
         f'rate(kubesgl_router_requests_total{{worker!="", status=~"5..|error", status!="503"}}'
@@ -176,6 +177,43 @@ def kv_cache_full() -> Alert:
     )
 
 
+def engine_queue_full() -> Alert:
+    # An engine's 503 is its queue full (--max-queued-requests), or a request that came while
+    # it loads or drains (the metric does not tell them apart). Only a pod with requests
+    # waiting at some scrape of the window counts its 503s: a full queue holds some, a loading
+    # engine none. A draining one may still hold a queue, but gets requests only until the
+    # router and the Service see it not ready (seconds), and a rollout's drains, one pod after
+    # another, are a few seconds of each pod's share: far below 5% of the role's requests.
+    queued = f"max by ({ENGINE_POD}) (max_over_time(kubesgl_num_waiting_requests[{WINDOW}])) > 0"
+    refused = (
+        f"sum by ({SERVICE}, role) ("
+        f'rate(kubesgl_request_errors_total{{status="503"}}[{WINDOW}]) '
+        f"and on ({ENGINE_POD}) ({queued}))"
+    )
+    # Every request the role's engines answered: finished (a prefill engine's handed off
+    # included), or answered with an error of any status
+    received = (
+        f"(sum by ({SERVICE}, role) (rate(kubesgl_requests_total[{WINDOW}])) "
+        f"+ sum by ({SERVICE}, role) (rate(kubesgl_request_errors_total[{WINDOW}])))"
+    )
+    return Alert(
+        "KubesglEngineQueueFull",
+        f"({refused} / {received}) > 0.05",
+        "10m",
+        "warning",
+        f"kubesgl {WHO}: {{{{ $labels.role }}}} engines refuse "
+        "{{ $value | humanizePercentage }} of requests, their queues full",
+        f"The {{{{ $labels.role }}}} engines of InferenceService {WHO} refused over 5% of the "
+        "requests sent to them with 503 for 10 minutes, with requests waiting: their queues "
+        "are full (engine.maxQueuedRequests). The router sends each refused request to another "
+        "engine, and its client gets the 503 (with Retry-After: 1) only when every engine "
+        "tried refused it, but the role has no room left for bursts. Add replicas of the role "
+        "(or an autoscaler on waiting requests or kvCacheUsage), or raise maxQueuedRequests "
+        "if the engines may queue more at the cost of queue time. The dashboard's engine rows "
+        "show the 503s (errors by status and reason) and the waiting requests.",
+    )
+
+
 def kv_transfer_failures() -> Alert:
     # `aborted` is the client leaving; `refused` is mostly a request one engine takes and the
     # other does not (its own limits), answered to the client as such (docs/disaggregation.md):
@@ -221,6 +259,7 @@ ALERTS = [
     scrape_down(),
     server_errors(),
     kv_cache_full(),
+    engine_queue_full(),
     kv_transfer_failures(),
     retraction_storm(),
 ]
