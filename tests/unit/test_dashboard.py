@@ -173,3 +173,23 @@ def test_panels_do_not_overlap():
         }
         assert not cells & taken, panel["title"]
         taken |= cells
+
+
+def test_load_shedding_shows_per_engine_pod_and_in_the_routers_answers():
+    """Engines whose queues are full (--max-queued-requests) refuse with 503, which the router
+    sends elsewhere (KubesglEngineQueueFull): each engine row shows the 503s per pod, and the
+    router row the 503s the router itself answered to clients, by reason."""
+    by_row = {
+        title: [target["expr"] for panel in panels for target in panel["targets"]]
+        for title, panels in rows().items()
+    }
+    for role in ("Mixed", "Prefill", "Decode"):
+        assert any(
+            expr.startswith("sum by (pod) (rate(kubesgl_request_errors_total{")
+            and 'status="503"' in expr
+            for expr in by_row[f"{role} engines"]
+        ), role
+    assert any(
+        expr.startswith("sum by (status, reason) (rate(kubesgl_router_rejections_total{")
+        for expr in by_row["Router"]
+    )

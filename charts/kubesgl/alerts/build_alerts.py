@@ -210,7 +210,7 @@ def engine_queue_full() -> Alert:
         "tried refused it, but the role has no room left for bursts. Add replicas of the role "
         "(or an autoscaler on waiting requests or kvCacheUsage), or raise maxQueuedRequests "
         "if the engines may queue more at the cost of queue time. The dashboard's engine rows "
-        "show the 503s (errors by status and reason) and the waiting requests.",
+        "show the requests refused per pod and the waiting requests.",
     )
 
 

@@ -90,6 +90,12 @@ def engine_row(role: str) -> Row:
             [(s.rate("kubesgl_request_errors_total", "status, reason"), "{{status}} {{reason}}")],
         ),
         Panel(
+            # load shedding: the router sends each to another engine (docs/operator.md, Alerts)
+            "Requests refused with 503 per pod (queue full: maxQueuedRequests; or loading, draining)",
+            "reqps",
+            [(s.rate("kubesgl_request_errors_total", "pod", 'status="503"'), "{{pod}}")],
+        ),
+        Panel(
             "Tokens per second",
             "short",
             [
