@@ -80,7 +80,8 @@ DECODE_VERDICT_WAIT_S = 1.0
 # What an engine answers for a room its partner failed (engine/scheduler/roles.py: the partner
 # failed, 502, or did not act in time, 504): the other side's failure, passed on. An engine
 # fails a request by itself with a 500.
-PEER_FAILURE_STATUSES = frozenset({502, 504})
+ROOM_TIMEOUT_STATUS = 504
+PEER_FAILURE_STATUSES = frozenset({502, ROOM_TIMEOUT_STATUS})
 
 # How long a router shutting down waits for its prefill drains and room cancels before it
 # cancels them (before its HTTP session closes under them). Small: it comes out of the 5 s
@@ -136,11 +137,13 @@ class PrefillDecodePair:
                 if _refused(error):  # the decode engine's 4xx: the prefill engine's follows
                     await asyncio.wait({prefill_task}, timeout=DECODE_VERDICT_WAIT_S)
                 elif isinstance(error, _SilentPrefill):
-                    # its failure, before its cancel ends it; its circuit opens at once: each
-                    # request sent to a hung prefill engine waits out the decode engine's post
-                    # timeout (10 s) before its retry, until health checks take it out
+                    # its failure, before its cancel ends it; unreachable, its circuit opens at
+                    # once: each request sent to a hung prefill engine waits out the decode
+                    # engine's post timeout (10 s) before its retry, until health checks take it
+                    # out
+                    at_once = error.unreachable_reason()
                     for attempt in prefill_attempts:
-                        attempt.finish("error", worker_failed=True, open_breaker=True)
+                        attempt.finish("error", worker_failed=True, open_now=at_once)
             finally:
                 await _cancel(prefill_task)
                 _settle(prefill_task, cause=error)
@@ -307,6 +310,14 @@ class _SilentPrefill(Exception):
         super().__init__(decode_error.message)
         self.decode_error = decode_error
 
+    def unreachable_reason(self) -> str | None:
+        """Why the prefill worker's circuit opens at once: its decode engine could not reach
+        it (a 502). None for a room that timed out (a 504), which a prefill engine merely busy
+        with a deep queue also causes: one failure towards the threshold."""
+        if self.decode_error.status == ROOM_TIMEOUT_STATUS:
+            return None
+        return "its decode engine could not reach it"
+
     def retry_without(self, prefill: Worker) -> UpstreamError:
         """The prefill worker's failure, retryable: the decode engine answered an error before
         any output (a stream's error comes before its first chunk), so another pair may serve
@@ -332,7 +343,9 @@ def _passed_on(error: BaseException) -> bool:
 
 def _timed_out_waiting_for_decode(error: BaseException) -> TypeGuard[UpstreamError]:
     """A prefill engine's 504: it gave up on a room no decode engine asked for in time."""
-    return isinstance(error, UpstreamError) and error.answered and error.status == 504
+    return (
+        isinstance(error, UpstreamError) and error.answered and error.status == ROOM_TIMEOUT_STATUS
+    )
 
 
 def _error_of(task: asyncio.Task[Any]) -> BaseException | None:

@@ -355,13 +355,13 @@ class Attempt:
         self._trial = self._breaker.begin()
 
     def finish(
-        self, status: str, *, worker_failed: bool | None, open_breaker: bool = False
+        self, status: str, *, worker_failed: bool | None, open_now: str | None = None
     ) -> None:
         """`worker_failed` None: no verdict on the worker, whose breaker is not told (neither a
         failure nor a success; a half-open trial lets the next request through): the request
         was cancelled (the client left, or the other side of a P/D pair failed), or answered
-        with a client's error (4xx). `open_breaker`: its failure opens the worker's circuit at
-        once (`CircuitBreaker.record_failure`)."""
+        with a client's error (4xx). `open_now`: why its failure opens the worker's circuit at
+        once, whatever the threshold (`CircuitBreaker.record_failure`)."""
         if self._finished:
             return
         self._finished = True
@@ -372,14 +372,19 @@ class Attempt:
             breaker.end_trial()
         if worker_failed:
             was_open = not breaker.allows_requests()
-            breaker.record_failure(open_now=open_breaker)
+            breaker.record_failure(open_now=open_now is not None)
             if not was_open and not breaker.allows_requests() and breaker is self.worker.breaker:
-                log.warning(
-                    "worker %s: circuit breaker open after %d failed requests (%s)",
-                    self.worker.url,
-                    breaker.consecutive_failures,
-                    status,
-                )
+                if open_now is not None:
+                    log.warning(
+                        "worker %s: circuit breaker open at once: %s", self.worker.url, open_now
+                    )
+                else:
+                    log.warning(
+                        "worker %s: circuit breaker open after %d failed requests (%s)",
+                        self.worker.url,
+                        breaker.consecutive_failures,
+                        status,
+                    )
         elif worker_failed is False:
             breaker.record_success()
         self._metrics.attempt_finished(self.worker, status)
