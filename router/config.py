@@ -95,9 +95,9 @@ class RouterConfig:
         4096,
         flag="--max-connections",
         help="requests open to all workers together (health checks aside); one more waits "
-        "for a free connection",
-        error=_CONNECTION_ERROR,
-        ge=1,
+        "for a free connection; at least 2, the two a prefill/decode request takes at once",
+        error="the connection limit must be at least 2: a prefill/decode request takes two at once",
+        ge=2,
     )
     shutdown_timeout_s: int = option(
         contract.SHUTDOWN_TIMEOUT_S,

@@ -147,9 +147,6 @@ class ConnectionSlots:
         free = self._free
         if free is None:
             return [lambda: None] * count
-        limit = self.limit or 0
-        if count > limit:  # never free at once: refused now, not after a wait that stalls all
-            raise pool_full(limit, self.wait_s)
         releases: list[Callable[[], None]] = []
         try:
             async with asyncio.timeout(self.wait_s), self._taking:
@@ -160,7 +157,7 @@ class ConnectionSlots:
             for release in releases:
                 release()
             if isinstance(error, TimeoutError):
-                raise pool_full(limit, self.wait_s) from None
+                raise pool_full(self.limit or 0, self.wait_s) from None
             raise
         return releases
 

@@ -6,9 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
-
-from kubesgl.router.errors import RouterError
 from kubesgl.router.metrics import RouterMetrics
 from kubesgl.router.pd import PrefillDecodePair
 from kubesgl.router.request_parsing import parse_generation_request
@@ -65,18 +62,3 @@ def test_a_pair_cancelled_at_any_step_leaks_no_slot():
     for steps in range(1, 6):
         asyncio.run(run(steps))
     assert prefill.in_flight == decode.in_flight == 0
-
-
-def test_a_pair_under_a_limit_of_one_is_refused_at_once():
-    """Two slots never come free under --max-connections 1: the pair is refused without the
-    wait, in which it would keep every other request from the one slot."""
-
-    async def run() -> None:
-        slots = ConnectionSlots(1, wait_s=5.0)
-        async with asyncio.timeout(0.5):
-            with pytest.raises(RouterError) as refused:
-                await slots.acquire_together(2)
-            assert refused.value.code == "connection_limit"
-            (await slots.acquire())()  # its slot is free
-
-    asyncio.run(run())
