@@ -394,9 +394,11 @@ def test_a_prefill_engine_whose_queue_is_full_sheds_the_burst_with_503s_and_leak
     tiny_model, tmp_path
 ):
     """A prefill engine with --max-queued-requests refuses the rooms beyond its queue with a
-    503 at once; the router passes it on, with Retry-After, when every try was refused (and
-    ends the decode engine's request for the room): a burst gets answers and 503s, never a
-    502, and both engines end idle."""
+    503 at once. A router that may not retry passes it on, with Retry-After (and ends the
+    decode engine's request for the room): a burst gets answers and 503s, never a 502. One
+    that retries (the default) finds every prefill engine refusing and sends the request to
+    the decode engine alone, which prefills it itself: every request is answered. Both
+    engines end idle."""
     model = tiny_model("llama")
     prefill, decode, bootstrap = start_pd_pair(
         model,
@@ -404,10 +406,11 @@ def test_a_prefill_engine_whose_queue_is_full_sheds_the_burst_with_503s_and_leak
         prefill_args=("--max-running-requests", "1", "--max-queued-requests", "1"),
     )
     router = start_pd_router(prefill, decode, bootstrap, tmp_path, "--max-retries", "0")
+    retrying = start_pd_router(prefill, decode, bootstrap, tmp_path)
     try:
 
-        async def burst() -> list[httpx.Response]:
-            async with httpx.AsyncClient(base_url=router.base_url, timeout=60) as client:
+        async def burst(base_url: str = router.base_url) -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
                 body = {"model": MODEL_NAME, "max_tokens": 4, "ignore_eos": True}
                 return await asyncio.gather(
                     *(
@@ -431,7 +434,14 @@ def test_a_prefill_engine_whose_queue_is_full_sheds_the_burst_with_503s_and_leak
         assert prefill.metric('kubesgl_request_errors_total{status="503"}') == refused
         for reason in ("timeout", "transfer", "peer_lost"):  # the refusals failed no transfer
             assert decode.metric(f'kubesgl_disagg_failures_total{{reason="{reason}"}}') == 0
+
+        answers = asyncio.run(burst(retrying.base_url))
+        assert [answer.status_code for answer in answers] == [200] * len(answers)
+        assert retrying.metric('kubesgl_router_pd_routes_total{route="decode_only_no_prefill"}') > 0
+        for server in (prefill, decode):
+            server.wait_idle()
     finally:
+        retrying.stop(timeout=30)
         router.stop(timeout=30)
         for server in (prefill, decode):
             assert server.stop() == 0
