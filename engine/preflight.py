@@ -20,6 +20,7 @@ from kubesgl.contract import PREFILL
 from kubesgl.engine.config import CUDA_ONLY_BACKENDS, AttentionBackendName, EngineConfig
 from kubesgl.engine.model_config import ModelConfig, ModelConfigError, load_model_config
 from kubesgl.engine.models.hub import HubError, resolve_model
+from kubesgl.listen import bind_problem
 
 
 class StartupError(ValueError):
@@ -180,30 +181,6 @@ def _backend_model_problem(
     return ATTENTION_BACKENDS[backend].problem(dtype, model.head_dim)
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """The HTTP API's listening socket, bound now, so that a port in use is found before
-    anything starts (uvicorn serves on this socket)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except socket.gaierror as exc:
-        raise StartupError(
-            f"--host {host}: not an address of this machine ({exc.strerror})"
-        ) from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(
-            2048
-        )  # uvicorn's backlog; only a listening socket keeps a second server off the port
-    except OSError as exc:
-        sock.close()
-        raise StartupError(_bind_problem(f"--port {port}", host, port, exc)) from None
-    return sock
-
-
 def check_bootstrap_port(config: EngineConfig, host: str) -> None:
     """A prefill engine's KV bootstrap port must be free too (its bootstrap server binds it
     once the model is loaded)."""
@@ -222,17 +199,5 @@ def check_bootstrap_port(config: EngineConfig, host: str) -> None:
             sock.bind(address)
         except OSError as exc:
             raise StartupError(
-                _bind_problem("--disaggregation-bootstrap-port", host, port, exc)
+                bind_problem("--disaggregation-bootstrap-port", host, port, exc)
             ) from None
-
-
-def _bind_problem(what: str, host: str, port: int, exc: OSError) -> str:
-    import errno
-
-    if exc.errno == errno.EADDRINUSE:
-        return f"{what}: port {port} on {host} is already in use (another server?); choose another port"
-    if exc.errno == errno.EACCES:
-        return f"{what}: not allowed to listen on port {port} (ports below 1024 need privileges)"
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return f"--host {host}: not an address of this machine"
-    return f"{what}: cannot listen on {host}:{port}: {exc.strerror}"

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from kubesgl import contract
 from kubesgl.cli_help import CommandParser, DefaultsOnce, RefusingParser, port_number
 from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV, LOG_LEVELS
+from kubesgl.listen import CannotListen, listen_socket
 from kubesgl.router.config import KubeDiscoverySettings, RouterConfig, parse_prefill_spec
 from kubesgl.router.discovery import parse_selector
 from kubesgl.router.health import HealthSettings
@@ -217,6 +218,14 @@ def main(argv: list[str]) -> int:
     if not (config.workers or config.prefill or config.kube):  # the admin key is set
         print("kubesgl router: no workers yet; add them with POST /workers", file=sys.stderr)
 
+    # a port in use: one line and status 2 before anything starts, as `kubesgl serve` says it
+    # (uvicorn's own bind fails after the app's startup, with status 3)
+    try:
+        sock = listen_socket(args.host, args.port)
+    except CannotListen as exc:
+        print(f"kubesgl router: {exc}", file=sys.stderr)
+        return 2
+
     import uvicorn  # imported late: `--help` stays fast
 
     from kubesgl.gc_pacing import GcPacer
@@ -225,10 +234,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(
+    server_config = uvicorn.Config(
         RouterApp(config, GcPacer(), signal.Signals[contract.ROUTER_CHECK_SIGNAL]),
-        host=args.host,
-        port=args.port,
         log_level=args.log_level,
         access_log=False,  # one log line per request costs more than the routing itself
         proxy_headers=False,  # the router never uses the client's address: skip the middleware
@@ -238,4 +245,7 @@ def main(argv: list[str]) -> int:
         timeout_graceful_shutdown=config.shutdown_timeout_s,
         timeout_keep_alive=contract.SERVER_KEEP_ALIVE_S,
     )
+    host, port = sock.getsockname()[:2]  # uvicorn names no address when given a socket
+    logging.getLogger("kubesgl.router").info("listening on %s", contract.http_url(host, port))
+    uvicorn.Server(server_config).run(sockets=[sock])
     return 0

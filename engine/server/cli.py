@@ -8,9 +8,10 @@ import sys
 
 from kubesgl.contract import API_KEY_ENV
 from kubesgl.engine.cli_args import engine_config_from_args
-from kubesgl.engine.preflight import StartupError, check_bootstrap_port, check_engine, listen_socket
+from kubesgl.engine.preflight import StartupError, check_bootstrap_port, check_engine
 from kubesgl.engine.server.api_key import resolve_api_key
 from kubesgl.engine.server.options import build_parser, server_options
+from kubesgl.listen import CannotListen, listen_socket
 
 
 def main(argv: list[str]) -> int:
@@ -31,7 +32,7 @@ def main(argv: list[str]) -> int:
         config = check_engine(config)  # a Hugging Face id becomes its snapshot's folder
         check_bootstrap_port(config, args.host)
         sock = listen_socket(args.host, args.port)
-    except StartupError as exc:
+    except (StartupError, CannotListen) as exc:
         print(f"kubesgl serve: {exc}", file=sys.stderr)
         return 2
     # torch, transformers and the HTTP stack take seconds to import: not before the arguments

@@ -69,7 +69,7 @@ class Server:
         options: ServerOptions,
         listen_socket: socket.socket | None = None,
     ):
-        """`listen_socket`: the HTTP API's, bound already (preflight.listen_socket); without
+        """`listen_socket`: the HTTP API's, bound already (kubesgl.listen.listen_socket); without
         one, uvicorn binds host:port itself."""
         self.config = config
         self.options = options

@@ -10,9 +10,10 @@ import socket
 import pytest
 
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.preflight import StartupError, check_engine, listen_socket
+from kubesgl.engine.preflight import StartupError, check_engine
 from kubesgl.engine.server import cli as serve_cli
 from kubesgl.engine.server.launcher import Server
+from kubesgl.listen import CannotListen, listen_socket
 
 
 @pytest.fixture
@@ -141,7 +142,7 @@ def test_a_prefill_engines_bootstrap_port_already_taken(serve, tiny_model):
 def test_the_listening_socket_is_bound_before_anything_starts():
     sock = listen_socket("127.0.0.1", 0)
     try:
-        with pytest.raises(StartupError, match="already in use"):
+        with pytest.raises(CannotListen, match="already in use"):
             listen_socket("127.0.0.1", sock.getsockname()[1]).close()
     finally:
         sock.close()

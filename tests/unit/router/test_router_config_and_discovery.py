@@ -244,8 +244,9 @@ def test_the_router_warns_of_options_without_effect_at_start(monkeypatch, capsys
 
     from kubesgl.router import cli
 
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)
-    assert cli.main(["--worker", "http://w:1", "--pd-max-prefill-in-flight", "8"]) == 0
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: None)
+    argv = ["--worker", "http://w:1", "--pd-max-prefill-in-flight", "8", "--port", "23017"]
+    assert cli.main(argv) == 0
     assert capsys.readouterr().err.splitlines() == [
         "kubesgl router: --pd-max-prefill-in-flight has no effect: it applies to prefill/decode "
         "workers, and only mixed ones (--worker) are given"
@@ -280,3 +281,25 @@ def test_the_admin_api_does_not_remove_a_worker_that_discovery_follows():
     assert [w.url for w in app.workers.all()][0] == "http://10.1.2.3:30000"
     assert delete("http://10.1.2.4:30000").status == 200  # an admin-added worker goes
     assert [w.url for w in app.workers.all()] == ["http://10.1.2.3:30000"]
+
+
+def test_the_router_refuses_a_port_in_use_at_start(monkeypatch, capsys):
+    """It bound its port only in uvicorn's startup, and a port in use ended it with status 3
+    and "Application shutdown complete" as its last line, which `kubesgl up` restarted forever;
+    now it is one line and status 2 before anything starts, as from `kubesgl serve`."""
+    import socket
+
+    import uvicorn
+
+    from kubesgl.router import cli
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: pytest.fail("it served"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["--worker", "http://w:1", "--port", str(port)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"kubesgl router: --port {port}: port {port} on 127.0.0.1 is already in use "
+        "(another server?); choose another port"
+    ]

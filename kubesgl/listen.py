@@ -1,0 +1,47 @@
+"""The listening socket of a server (`kubesgl serve`, `kubesgl router`), bound before anything
+else starts, so that a port in use is refused at once with one line naming the flag to change,
+instead of after the model loads or the workers are found."""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+BACKLOG = 2048  # uvicorn's
+
+
+class CannotListen(ValueError):
+    """The address cannot be listened on; the message is one line naming the flag to change."""
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port, for uvicorn to serve. Listening, not only bound: only a
+    listening socket keeps a second server off the port."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as exc:
+        raise CannotListen(
+            f"--host {host}: not an address of this machine ({exc.strerror})"
+        ) from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise CannotListen(bind_problem(f"--port {port}", host, port, exc)) from None
+    return sock
+
+
+def bind_problem(what: str, host: str, port: int, exc: OSError) -> str:
+    """Why binding host:port failed, naming the flag `what` to change."""
+    if exc.errno == errno.EADDRINUSE:
+        return f"{what}: port {port} on {host} is already in use (another server?); choose another port"
+    if exc.errno == errno.EACCES:
+        return f"{what}: not allowed to listen on port {port} (ports below 1024 need privileges)"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host}: not an address of this machine"
+    return f"{what}: cannot listen on {host}:{port}: {exc.strerror}"
