@@ -6,11 +6,12 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Mapping
 
 from kubesgl import contract
-from kubesgl.cli_help import CommandParser, DefaultsOnce, RefusingParser, port_number
+from kubesgl.cli_help import CommandParser, DefaultsOnce, RefusingParser, at_least, port_number
 from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV, LOG_LEVELS
 from kubesgl.listen import CannotListen, listen_socket
 from kubesgl.router.config import KubeDiscoverySettings, RouterConfig, parse_prefill_spec
@@ -98,6 +99,13 @@ def build_parser(
         type=port_number,
         default=contract.ROUTER_PORT,
         help="port of the OpenAI-compatible API",
+    )
+    s.add_argument(
+        "--fd",
+        type=at_least(0),
+        default=None,
+        help="serve on this listening socket, inherited open, instead of binding --host and "
+        "--port (kubesgl up holds the router's port from its own start and passes it)",
     )
     s.add_argument(
         "--log-level",
@@ -200,6 +208,16 @@ def check_router_args(argv: list[str], environ: Mapping[str, str]) -> None:
     config_from_args(parse_router_args(argv), environ)
 
 
+def _listener(args: argparse.Namespace) -> socket.socket:
+    """The socket of --fd, listening already, else one listening on --host and --port now."""
+    if args.fd is None:
+        return listen_socket(args.host, args.port)
+    try:
+        return socket.socket(fileno=args.fd)
+    except OSError as exc:
+        raise CannotListen(f"--fd {args.fd}: not an open socket ({exc.strerror})") from None
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -221,7 +239,7 @@ def main(argv: list[str]) -> int:
     # a port in use: one line and status 2 before anything starts, as `kubesgl serve` says it
     # (uvicorn's own bind fails after the app's startup, with status 3)
     try:
-        sock = listen_socket(args.host, args.port)
+        sock = _listener(args)
     except CannotListen as exc:
         print(f"kubesgl router: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ from typing import Any
 
 from kubesgl import contract
 from kubesgl.cli_help import CommandParser, port_number
+from kubesgl.listen import CannotListen, listen_socket
 from kubesgl.operator.render_cli import (
     NO_DOCUMENT,
     READ_ERRORS,
@@ -35,7 +36,7 @@ from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
 from kubesgl.up.interrupt import INTERRUPTED, repeats, stop_on_signals
 from kubesgl.up.model import ModelStepFailed, cpu_size_note, ensure_model
-from kubesgl.up.plan import LocalPlan, LocalSettings, NotEnoughGpus, plan
+from kubesgl.up.plan import LocalPlan, LocalSettings, NotEnoughGpus, plan, serving_on
 from kubesgl.up.status import StatusView
 from kubesgl.up.supervisor import Replica, Supervisor
 
@@ -104,8 +105,20 @@ def main(argv: list[str]) -> int:
     stop_on_signals()  # already, where `kubesgl` ran it; a test may call main itself
     try:
         args = build_parser().parse_args(argv)
-        local = _plan(args)
-        logs = _log_folder(local.name, args.logs)
+        local, listener = _plan(args)
+    except _Refused as refused:
+        return _report(refused)
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    with listener:  # the router's port is this run's until it ends, the router's restarts included
+        return _run(local, args.logs)
+
+
+def _run(local: LocalPlan, logs_given: str | None) -> int:
+    """Makes the model if it must, runs the plan's processes until they stop, and leaves the
+    log folder; the exit status."""
+    try:
+        logs = _log_folder(local.name, logs_given)
     except _Refused as refused:
         return _report(refused)
     except KeyboardInterrupt:
@@ -129,9 +142,10 @@ def _report(refused: _Refused) -> int:
     return refused.code
 
 
-def _plan(args: argparse.Namespace) -> LocalPlan:
-    """The processes to run for the file's InferenceService on this machine; raises _Refused
-    if it cannot be read or run here."""
+def _plan(args: argparse.Namespace) -> tuple[LocalPlan, socket.socket]:
+    """The processes to run for the file's InferenceService on this machine, and the socket
+    listening on the router's port that its router serves on; raises _Refused if it cannot be
+    read or run here."""
     documents, found = _read(args.filename)
     problem = _not_one_inference_service(documents, [obj for _, obj in found])
     if problem is not None:
@@ -152,10 +166,11 @@ def _plan(args: argparse.Namespace) -> LocalPlan:
     missing = _missing_model(local, args.model, filename)
     if missing is not None:
         raise _Refused(missing)
-    problem = _listen_problem(args.host, args.port)
-    if problem is not None:
-        raise _Refused(problem)
-    return local
+    try:
+        listener = listen_socket(args.host, args.port)
+    except CannotListen as error:
+        raise _Refused(str(error)) from error
+    return serving_on(local, listener.fileno()), listener
 
 
 def _read(given: str) -> tuple[list[Any], list[tuple[str, Any]]]:
@@ -348,23 +363,3 @@ def _missing_model(local: LocalPlan, model: str | None, filename: str) -> str | 
         return None
     source = "--model" if model is not None else f"{filename}: spec.model.hostPath.path"
     return f"{source} {local.model_path}: not a folder on this machine"
-
-
-def _listen_problem(host: str, port: int) -> str | None:
-    """None when the router could listen on host:port, else what stands in the way and which
-    flag to change."""
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as error:
-        return f"cannot listen on {host}:{port}: {error.strerror}: choose another --host"
-    with socket.socket(family) as s:  # an IPv6 address needs an IPv6 socket
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router's server does
-        try:
-            s.bind(address)
-        except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                return f"{host}:{port} is in use: choose another --port"
-            if error.errno == errno.EACCES:
-                return f"cannot listen on {host}:{port}: {error.strerror}: choose another --port"
-            return f"cannot listen on {host}:{port}: {error.strerror}: choose another --host"
-    return None

@@ -14,7 +14,7 @@ import random
 import socket
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +97,8 @@ class PortPicker:
 
 def _besides(fixed: frozenset[int], free_port: Callable[[], int]) -> Callable[[], int]:
     """`free_port` less the plan's fixed ports: the router's --port is free when the engines'
-    ports are picked, as the router binds it only once they are ready, and an engine given it
-    left the router unable to listen."""
+    ports are picked, as `kubesgl up` listens on it only once the plan is made, and an engine
+    given it left the router unable to listen."""
 
     def pick() -> int:
         while (port := free_port()) in fixed:
@@ -140,6 +140,7 @@ class LocalProcess:
     ] = ()  # roles that need a ready replica before this starts
     host: str = ENGINE_HOST  # where it answers on this machine
     unset_env: tuple[str, ...] = ()  # variables of the environment of `kubesgl up` it does not get
+    pass_fds: tuple[int, ...] = ()  # file descriptors of `kubesgl up` it inherits
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """Its variables: `env` over `base` less `unset_env`."""
@@ -199,6 +200,14 @@ class LocalPlan:
     def base_url(self) -> str:
         """The OpenAI base URL clients use."""
         return self.router.url + "/v1"
+
+
+def serving_on(local: LocalPlan, fd: int) -> LocalPlan:
+    """The plan with its router serving on `fd`, a socket `kubesgl up` listens on from its own
+    start: no other process can take the port while the engines load (the router starts only
+    once they are ready), and what answers on it is this plan's router."""
+    router = replace(local.router, argv=(*local.router.argv, "--fd", str(fd)), pass_fds=(fd,))
+    return replace(local, router=router)
 
 
 def plan(isvc: InferenceService, settings: LocalSettings) -> LocalPlan:

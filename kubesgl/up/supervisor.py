@@ -247,6 +247,7 @@ class Supervisor:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                pass_fds=process.pass_fds,
                 preexec_fn=functools.partial(_drain_when_parent_dies, os.getpid())
                 if _LIBC is not None
                 else None,

@@ -19,10 +19,12 @@ import pytest
 import yaml
 
 from kubesgl import contract
+from kubesgl.listen import CannotListen
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up import cli, interrupt
 from kubesgl.up.model import ModelStepFailed
 from kubesgl.up.plan import LocalPlan, LocalProcess
+from kubesgl.up.supervisor import Supervisor
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "quickstart.yaml"
 
@@ -143,9 +145,9 @@ def test_a_port_in_use(tmp_path, capsys):
         taken.listen()
         port = taken.getsockname()[1]
         assert cli.main(["-f", str(QUICKSTART), "--port", str(port), "--logs", str(tmp_path)]) == 2
-    assert (
-        capsys.readouterr().err
-        == f"kubesgl up: 127.0.0.1:{port} is in use: choose another --port\n"
+    assert capsys.readouterr().err == (
+        f"kubesgl up: --port {port}: port {port} on 127.0.0.1 is already in use (another "
+        "server?); choose another port\n"
     )
 
 
@@ -164,13 +166,11 @@ def test_an_address_not_of_this_machine_is_not_a_port_in_use(tmp_path, capsys, s
     args = ["-f", str(QUICKSTART), "--logs", str(tmp_path)]
     assert cli.main([*args, "--host", "192.0.2.1"]) == 2  # TEST-NET-1: no machine's address
     err = capsys.readouterr().err
-    assert err.startswith("kubesgl up: cannot listen on 192.0.2.1:8000: ")
-    assert err.endswith("choose another --host\n")
-    assert "in use" not in err
+    assert err == "kubesgl up: --host 192.0.2.1: not an address of this machine\n"
 
     assert cli.main([*args, "--host", "no-such-host.invalid"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kubesgl up: cannot listen on no-such-host.invalid:8000: ")
+    assert err.startswith("kubesgl up: --host no-such-host.invalid: not an address of this machine")
     assert "in use" not in err
 
 
@@ -319,11 +319,58 @@ def test_an_ipv6_address_is_free_to_listen_on_when_nothing_holds_it():
     with socket.socket(socket.AF_INET6) as probe:
         probe.bind(("::1", 0))
         port = probe.getsockname()[1]
-    assert cli._listen_problem("::1", port) is None
+    cli.listen_socket("::1", port).close()
     with socket.socket(socket.AF_INET6) as taken:
         taken.bind(("::1", port))
         taken.listen()
-        assert cli._listen_problem("::1", port) is not None
+        with pytest.raises(CannotListen, match="already in use"):
+            cli.listen_socket("::1", port)
+
+
+def test_the_routers_port_is_held_from_the_start_and_handed_to_the_router(
+    tmp_path, monkeypatch, capsys
+):
+    """The router bound --port only once the engines were ready, 15 to 30 s after the check at
+    start: a second `kubesgl up` on the same port passed that check, its router failed to bind
+    and was restarted forever, while its readiness probe reached the first one's router and
+    announced it ready. Now `kubesgl up` listens on the port from its start, and its router
+    serves that socket."""
+    fake_plan(tmp_path, monkeypatch, **{"decode-0": SERVING})
+    port = free_port()
+    seen = {}
+
+    class Probe(Supervisor):
+        def tick(self) -> None:
+            if not seen:
+                seen["another server listens"] = _listens_on(port)  # while the engines load
+                (router,) = [r for r in self.replicas if r.process.role == contract.ROUTER]
+                seen["router"] = router.process
+            super().tick()
+
+    monkeypatch.setattr(cli, "Supervisor", Probe)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        assert cli.main(["-f", str(QUICKSTART), "--port", str(port), "--logs", str(tmp_path)]) == 0
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert not seen["another server listens"]
+    (fd,) = seen["router"].pass_fds
+    assert seen["router"].argv[-2:] == ("--fd", str(fd))
+    assert _listens_on(port)  # free again once it ends
+
+
+def _listens_on(port: int) -> bool:
+    """Whether another server could listen on the port now, as the router's own server does."""
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            other.bind(("127.0.0.1", port))
+            other.listen()
+        except OSError:
+            return False
+        return True
 
 
 CRASHING = "import sys; sys.exit(1)"  # a crash, restarted with a backoff until stopped
