@@ -36,7 +36,16 @@ from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.up.gpus import visible_gpus
 from kubesgl.up.interrupt import INTERRUPTED, repeats, stop_on_signals
 from kubesgl.up.model import ModelStepFailed, cpu_size_note, ensure_model
-from kubesgl.up.plan import LocalPlan, LocalSettings, NotEnoughGpus, plan, serving_on
+from kubesgl.up.plan import (
+    PORT_RANGE,
+    LocalPlan,
+    LocalSettings,
+    NoFreePort,
+    NotEnoughGpus,
+    PortPicker,
+    plan,
+    serving_on,
+)
 from kubesgl.up.status import StatusView
 from kubesgl.up.supervisor import Replica, Supervisor
 
@@ -70,6 +79,15 @@ def build_parser() -> CommandParser:
         "--host", default="127.0.0.1", help="address the router listens on (default: 127.0.0.1)"
     )
     parser.add_argument(
+        "--port-range",
+        metavar="LOW-HIGH",
+        type=port_range,
+        default=None,
+        help="the ports of the engines and their bootstrap servers, e.g. 23000-23099 (default: "
+        f"free ones from {PORT_RANGE.start}-{PORT_RANGE.stop - 1} outside the kernel's range for "
+        "outgoing connections)",
+    )
+    parser.add_argument(
         "--logs",
         metavar="DIR",
         default=None,
@@ -82,6 +100,18 @@ def build_parser() -> CommandParser:
         help="serve this local model folder instead of spec.model (needed for a pvc source)",
     )
     return parser
+
+
+def port_range(text: str) -> range:
+    """LOW-HIGH, two ports, both in the range."""
+    low, dash, high = text.partition("-")
+    try:
+        ports = range(port_number(low), port_number(high) + 1)
+    except argparse.ArgumentTypeError:
+        ports = range(0)
+    if not (dash and ports):
+        raise argparse.ArgumentTypeError(f"LOW-HIGH, two ports from 1 to 65535, not {text!r}")
+    return ports
 
 
 class _Refused(Exception):
@@ -155,7 +185,12 @@ def _plan(args: argparse.Namespace) -> tuple[LocalPlan, socket.socket]:
         isvc = parse_inference_service(_image_optional(document))
         gpus = visible_gpus() if isvc.spec.engine.device == "cuda" else ()
         settings = LocalSettings(
-            host=args.host, port=args.port, gpus=gpus, model=args.model, environ=os.environ
+            host=args.host,
+            port=args.port,
+            gpus=gpus,
+            model=args.model,
+            environ=os.environ,
+            free_port=PortPicker(args.port_range),
         )
         local = plan(isvc, settings)
     except InvalidSpec as error:
@@ -163,6 +198,12 @@ def _plan(args: argparse.Namespace) -> tuple[LocalPlan, socket.socket]:
         raise _Refused(None) from error
     except NotEnoughGpus as error:
         raise _Refused(f"{filename}: {error}") from error
+    except NoFreePort as error:
+        low, high = args.port_range.start, args.port_range.stop - 1
+        raise _Refused(
+            f"--port-range {low}-{high}: too few free ports in it (an engine needs one, a "
+            "prefill engine two)"
+        ) from error
     missing = _missing_model(local, args.model, filename)
     if missing is not None:
         raise _Refused(missing)

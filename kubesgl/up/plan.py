@@ -72,20 +72,39 @@ def _outgoing_ports() -> range:
     return range(low, high + 1)
 
 
-class PortPicker:
-    """Hands out ports free now and outside the range of outgoing connections (where there is
-    one), never the same twice: a plan picks every port before any process binds one."""
+class NoFreePort(Exception):
+    """Every port of the range given is in use or handed out already."""
 
-    def __init__(self) -> None:
+
+class PortPicker:
+    """Hands out ports free now, never the same twice: a plan picks every port before any
+    process binds one. From `ports` where given (`--port-range`), all of them tried before it
+    gives up; else from PORT_RANGE outside the range of outgoing connections (where there is
+    one), and what binding port 0 gives where none of those is free."""
+
+    def __init__(self, ports: range | None = None) -> None:
         self.handed_out: set[int] = set()
+        self.ports = ports
         self.outgoing = _outgoing_ports()  # read once: a plan picks several ports
 
     def __call__(self) -> int:
+        if self.ports is not None:
+            candidates = [p for p in self.ports if p not in self.handed_out]
+            return self._first_free(random.sample(candidates, len(candidates)))
         candidates = [p for p in PORT_RANGE if p not in self.outgoing and p not in self.handed_out]
-        for port in random.sample(candidates, min(len(candidates), 64)):
+        try:
+            return self._first_free(random.sample(candidates, min(len(candidates), 64)))
+        except NoFreePort:
+            return self._any_free()
+
+    def _first_free(self, candidates: list[int]) -> int:
+        for port in candidates:
             if _free(port):
                 self.handed_out.add(port)
                 return port
+        raise NoFreePort
+
+    def _any_free(self) -> int:
         while True:  # the kernel's range covers them all: what it gives
             with socket.socket() as s:
                 s.bind((ENGINE_HOST, 0))

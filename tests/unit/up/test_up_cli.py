@@ -579,3 +579,33 @@ def test_the_stopping_line_names_only_what_runs(tmp_path, monkeypatch, capsys):
         in out
     )
     assert "router: started" not in out and "the router, then" not in out
+
+
+def test_the_engines_ports_come_from_the_port_range_given(tmp_path, capsys, starts_nothing):
+    """On a shared or firewalled host the engines' and bootstrap servers' ports must come from a
+    range of the user's; they came from 20000-32767 whatever the host allowed."""
+    args = ["-f", str(QUICKSTART), "--port", str(free_port())]
+    local, listener = cli._plan(
+        cli.build_parser().parse_args([*args, "--port-range", "23100-23102"])
+    )
+    listener.close()
+    ports = [p.port for p in local.engines] + [p.bootstrap_port for p in local.engines]
+    assert sorted(port for port in ports if port is not None) == [23100, 23101, 23102]
+
+    # one prefill engine (two ports) and one decode engine (one)
+    assert cli.main([*args, "--port-range", "23100-23101", "--logs", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        "kubesgl up: --port-range 23100-23101: too few free ports in it (an engine needs one, "
+        "a prefill engine two)\n"
+    )
+
+
+@pytest.mark.parametrize("text", ["23100", "23101-23100", "0-10", "23100-70000", "a-b", "-"])
+def test_a_port_range_that_is_none_is_a_usage_error(tmp_path, capsys, text, starts_nothing):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["-f", str(QUICKSTART), "--port-range", text, "--logs", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert (
+        f"--port-range: LOW-HIGH, two ports from 1 to 65535, not {text!r}"
+        in capsys.readouterr().err
+    )
