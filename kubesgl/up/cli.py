@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -45,9 +46,10 @@ from kubesgl.up.plan import (
     PortPicker,
     plan,
     serving_on,
+    spec_field,
 )
 from kubesgl.up.status import StatusView
-from kubesgl.up.supervisor import Replica, Supervisor
+from kubesgl.up.supervisor import Replica, Supervisor, by_reason
 
 PROG = "kubesgl up"
 NO_IMAGE = "none: kubesgl up runs no image"  # spec.image of a spec that gives none
@@ -336,13 +338,20 @@ def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> tuple[int, 
         finally:
             supervisor.stop(force, on_tick=lambda: view.refresh(supervisor.replicas))
             view.close()
-    for replica in supervisor.failed:
+    for why, names in by_reason(supervisor.failed).items():  # every replica says the same
         print(
-            f"{PROG}: {replica.process.name} exited ({replica.last_exit}): a configuration "
-            "error, which a restart would only repeat; everything is stopped",
+            f"{PROG}: {names} exited ({why}): a configuration error{_in_spec(why)}, which a "
+            "restart would only repeat; everything is stopped",
             file=sys.stderr,
         )
     return (2 if supervisor.failed else 0), bool(supervisor.troubled)
+
+
+def _in_spec(why: str) -> str:
+    """' in spec.engine.contextLength' where an engine's error names the flag of a spec field."""
+    flag = re.search(r"kubesgl serve: (--[a-z0-9-]+)", why)
+    field = spec_field(flag[1]) if flag else None
+    return f" in {field}" if field else ""
 
 
 def _what_stops(replicas: list[Replica], kill_hint: str) -> str:

@@ -23,7 +23,7 @@ from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
 from kubesgl.engine.config import ENGINE_OPTIONS
 from kubesgl.operator.render import render
 from kubesgl.operator.render.common import expand_references
-from kubesgl.operator.spec import InferenceService, ModelSpec
+from kubesgl.operator.spec import EngineSpec, InferenceService, ModelSpec
 from kubesgl.operator.validation import InvalidSpec, Problem
 
 ENGINE_HOST = "127.0.0.1"  # engines serve the router only; the router listens on --host
@@ -219,6 +219,15 @@ class LocalPlan:
     def base_url(self) -> str:
         """The OpenAI base URL clients use."""
         return self.router.url + "/v1"
+
+
+def spec_field(flag: str) -> str | None:
+    """The spec field an engine's flag is rendered from (--context-length:
+    spec.engine.contextLength), None for a flag no spec.engine field sets."""
+    name = flag.removeprefix("--").replace("-", "_")
+    if name not in ENGINE_OPTIONS or name not in EngineSpec.model_fields:
+        return None
+    return f"spec.engine.{EngineSpec.model_fields[name].alias}"
 
 
 def serving_on(local: LocalPlan, fd: int) -> LocalPlan:

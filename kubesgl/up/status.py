@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubesgl import contract
 from kubesgl.up.plan import LocalPlan
-from kubesgl.up.supervisor import Replica, State, all_ready
+from kubesgl.up.supervisor import Replica, State, all_ready, by_reason
 
 SCRAPE_INTERVAL_S = 1.0
 SHOWN_EVENTS = 8
@@ -169,7 +169,6 @@ def format_table(
     lines = [
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
     ]
-    for replica in replicas:
-        if replica.last_exit:
-            lines.append(f"{replica.process.name} last exited: {replica.last_exit}")
+    for why, names in by_reason(replicas).items():
+        lines.append(f"{names} last exited: {why}")
     return lines

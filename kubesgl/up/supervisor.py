@@ -265,11 +265,8 @@ class Supervisor:
         # its first start, never ready: a later one may meet what an earlier run left (a port)
         if code == CONFIGURATION_ERROR_EXIT and not (replica.restarts or replica.has_been_ready):
             replica.state = State.FAILED
-            self.on_event(
-                replica,
-                f"exited ({replica.last_exit}); not restarting: "
-                "a configuration error, which a restart would only repeat",
-            )
+            # its last line goes to standard error once, for every replica it stopped
+            self.on_event(replica, "exited with status 2, a configuration error: not restarting")
             return
         ran = self.clock() - replica.started_at
         replica.deaths_in_a_row = 1 if ran >= BACKOFF_RESET_S else replica.deaths_in_a_row + 1
@@ -310,6 +307,16 @@ class Supervisor:
         replica.state = State.STOPPED
         replica.killed = running
         self.on_event(replica, f"killed: {why}" if running else "stopped")
+
+
+def by_reason(replicas: Sequence[Replica]) -> dict[str, str]:
+    """Each last exit of the replicas, with the names of those that exited so, comma-separated:
+    the replicas of one spec refuse it with one message, said once."""
+    names: dict[str, list[str]] = {}
+    for replica in replicas:
+        if replica.last_exit:
+            names.setdefault(replica.last_exit, []).append(replica.process.name)
+    return {why: ", ".join(each) for why, each in names.items()}
 
 
 def restart_delay(deaths_in_a_row: int) -> float:

@@ -255,11 +255,11 @@ def test_a_process_that_exits_with_status_2_stops_everything_with_status_2(
     assert status == 2
     assert err == (
         "kubesgl up: prefill-0 exited (exit code 2: kubesgl serve: --context-length 100000 "
-        "exceeds the model's 2048): a configuration error, which a restart would only repeat; "
-        "everything is stopped\n"
+        "exceeds the model's 2048): a configuration error in spec.engine.contextLength, which "
+        "a restart would only repeat; everything is stopped\n"
     )
     assert (
-        "prefill-0: exited (exit code 2: " in out
+        "prefill-0: exited with status 2" in out
         and "restart" not in (tmp_path / "prefill-0.log").read_text()
     )
     assert (
@@ -269,6 +269,48 @@ def test_a_process_that_exits_with_status_2_stops_everything_with_status_2(
     (decode,) = re.findall(r"decode-0: started, pid (\d+)", out)
     assert not Path(f"/proc/{decode}").exists()  # stopped (and reaped), not left behind
     assert "decode-0: killed" not in out and "router: started" not in out
+
+
+ENGINE_REFUSING = """
+import sys
+print("kubesgl serve: --context-length 100000 exceeds this model's context length, 2048", file=sys.stderr)
+sys.exit(2)
+"""
+
+
+def test_replicas_refusing_the_spec_alike_say_it_once_naming_the_spec_field(
+    tmp_path, capsys, monkeypatch
+):
+    """Each replica of a spec the engines refuse says the same, and it was printed once per
+    replica as it exited and again per replica as everything stopped (four times for the
+    quickstart's two engines), naming the engine's flag, not the field of the spec to change."""
+
+    def process(name: str, role: contract.PodRole, code: str) -> LocalProcess:
+        return LocalProcess(name, role, (sys.executable, "-c", code), {}, free_port(), 10)
+
+    engines = (
+        process("prefill-0", contract.PREFILL, ENGINE_REFUSING),
+        process("decode-0", contract.DECODE, ENGINE_REFUSING),
+    )
+    router = process("router", contract.ROUTER, SERVING)
+    router = LocalProcess(**{**router.__dict__, "waits_for": (contract.PREFILL, contract.DECODE)})
+    local = LocalPlan("quickstart", "disaggregated", str(tmp_path), None, engines, router, ())
+    monkeypatch.setattr(cli, "plan", lambda isvc, settings: local)
+    status = run_up(["--logs", str(tmp_path)], ctrl_c_after_s=30)
+    out, err = capsys.readouterr()
+    assert status == 2
+    message = "--context-length 100000 exceeds this model's context length, 2048"
+    assert (out + err).count(message) == 1
+    # decode-0 too, unless it was stopped before it exited on its own
+    assert re.fullmatch(
+        re.escape("kubesgl up: prefill-0")
+        + "(, decode-0)?"
+        + re.escape(
+            f" exited (exit code 2: kubesgl serve: {message}): a configuration error in "
+            "spec.engine.contextLength, which a restart would only repeat; everything is stopped\n"
+        ),
+        err,
+    )
 
 
 def free_port() -> int:

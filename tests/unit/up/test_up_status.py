@@ -118,6 +118,16 @@ def test_the_table_shows_states_ports_devices_rates_and_the_last_exit(tmp_path):
     assert lines[3] == "decode-0 last exited: killed by SIGKILL"
 
 
+def test_replicas_that_exited_alike_share_one_line_below_the_table(tmp_path):
+    """Every replica refusing the spec says the same: one line each repeated it."""
+    why = "exit code 2: kubesgl serve: --context-length 100000 exceeds the model's 2048"
+    replicas = [
+        Replica(process(name, contract.DECODE, port), tmp_path / f"{name}.log", last_exit=why)
+        for name, port in (("decode-0", 30001), ("decode-1", 30002))
+    ]
+    assert format_table(replicas, {})[3:] == [f"decode-0, decode-1 last exited: {why}"]
+
+
 def local_plan() -> LocalPlan:
     return LocalPlan(
         "demo",
