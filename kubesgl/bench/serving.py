@@ -1,7 +1,7 @@
 """`kubesgl bench serving`: drive a server with a request set at a request rate (Poisson
 arrivals) or a fixed concurrency, streaming every answer, and report TTFT, TPOT, ITL and
-end-to-end latency percentiles with request and token throughputs (printed, and saved as
-JSON). The shape follows SGLang's bench_serving."""
+end-to-end latency percentiles with request and token throughputs (printed, and written as
+JSON to --output-file where given). The shape follows SGLang's bench_serving."""
 
 from __future__ import annotations
 

@@ -172,3 +172,12 @@ def test_a_reader_that_goes_away_from_a_commands_help_is_no_traceback(argv):
     # and argparse ignores the failed write itself: status 0.
     result = _with_reader_gone([*argv, "--help"], buffered=True)
     assert result.stderr == "" and result.returncode in (0, 141)
+
+
+def test_bench_serving_says_its_results_are_saved_only_with_output_file(capsys):
+    """Its help said the results were "printed, and saved as JSON": nothing is saved without
+    --output-file."""
+    with pytest.raises(SystemExit):
+        main(["bench", "serving", "--help"])
+    description = " ".join(capsys.readouterr().out.split("options:")[0].split())
+    assert "(printed, and written as JSON to --output-file where given)" in description
