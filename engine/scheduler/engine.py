@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kubesgl.contract import PREFILL
 from kubesgl.engine.attention import AttentionLayerSpec, auto_backend
 from kubesgl.engine.config import CPU_MEM_FRACTION, GPU_MEM_FRACTION, EngineConfig
 from kubesgl.engine.disagg.link import BootstrapLink
@@ -82,6 +83,26 @@ def kv_pool_tokens(
             "raise --mem-fraction-static or give --max-total-tokens"
         )
     return tokens
+
+
+def short_pool_warning(config: EngineConfig, pool_tokens: int, context_length: int) -> str | None:
+    """What to say at start where the KV pool cannot hold a request of the whole context: every
+    longer one is refused. (vLLM refuses to start; a pool sized from the memory left may be all
+    this machine has, and serves shorter requests.)"""
+    # a prefill engine keeps a prompt's KV alone; others all outputs' but the last one's too
+    longest = pool_tokens if config.role == PREFILL else pool_tokens + 1
+    if longest >= context_length:
+        return None
+    what = "prompt" if config.role == PREFILL else "request (prompt and max_tokens together)"
+    if config.max_total_tokens is not None:
+        fix = f"give --max-total-tokens of at least {context_length}"
+    else:
+        fix = "give the engine more memory (--mem-fraction-static)"
+    return (
+        f"the KV pool holds {pool_tokens} tokens, fewer than the context length "
+        f"({context_length}): the longest {what} that fits is {longest} tokens, and longer ones "
+        f"are refused; to serve the whole context, {fix}, or lower --context-length to {longest}"
+    )
 
 
 def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -158,6 +179,9 @@ class Engine:
         self._load_model()
         attn = self.model.attention_specs()[0]
         cache = self._build_kv_cache(attn)
+        warning = short_pool_warning(config, cache.tokens, self.context_length)
+        if warning is not None:
+            logger.warning(warning)
         overlap = not config.disable_overlap_schedule
         # Slots where a step's sampled tokens wait for the next step, launched before they are
         # known (overlap).

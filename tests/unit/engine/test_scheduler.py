@@ -6,6 +6,7 @@ scheduler.py is taken out.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 
 import pytest
@@ -332,6 +333,26 @@ def test_request_larger_than_the_pool_is_rejected_naming_what_to_lower(tiny_mode
     with pytest.raises(InvalidRequestError, match="prompt .80 tokens.*pool holds 64") as prompt:
         llm.generate([[5] * 80], SamplingParams(max_tokens=1))
     assert prompt.value.param == "prompt"  # no max_tokens would do
+
+
+def test_a_pool_shorter_than_the_context_is_warned_of_at_start(tiny_model, make_llm, caplog):
+    """--max-total-tokens 16 on a 2048-context model started without a word and then refused
+    every longer request; the warning's longest request is the one that fits."""
+    with caplog.at_level(logging.WARNING, logger="kubesgl.engine.scheduler.engine"):
+        llm = make_llm(tiny_model("llama"), max_total_tokens=64)
+    assert caplog.messages == [
+        "the KV pool holds 64 tokens, fewer than the context length (2048): the longest request "
+        "(prompt and max_tokens together) that fits is 65 tokens, and longer ones are refused; "
+        "to serve the whole context, give --max-total-tokens of at least 2048, or lower "
+        "--context-length to 65"
+    ]
+    llm.generate([[5] * 40], SamplingParams(max_tokens=25))
+    with pytest.raises(InvalidRequestError, match="pool holds 64"):
+        llm.generate([[5] * 40], SamplingParams(max_tokens=26))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kubesgl.engine.scheduler.engine"):
+        make_llm(tiny_model("llama"), max_total_tokens=64, context_length=65)
+    assert caplog.messages == []
 
 
 def test_unsupported_architecture_is_named(tmp_path, tiny_model):
