@@ -18,11 +18,16 @@ from kubesgl.engine.sampling_params import GRAMMAR_KINDS, GrammarSpec, InvalidRe
 CACHE_ENTRIES = 512  # compiled grammars kept; a 128k vocabulary makes each tens of kB to a few MB
 _ANY_OBJECT = '{"type": "object"}'
 # xgrammar's errors start with a timestamp and its source file: "[08:51:28] /project/cpp/x.cc:94: ",
-# and so does each error they quote (a schema nested too deep for its JSON reader)
-_XGRAMMAR_PREFIX = re.compile(r"\[[\d:]+\] [^:\s]+:\d+: ")
+# and so does each error they quote, after their "...: " (a schema nested too deep for its JSON
+# reader); text of the client's elsewhere is left as it is
+_XGRAMMAR_PREFIX = re.compile(r"(?:^|(?<=: ))\[[\d:]+\] [^:\s]+:\d+: ")
 # and a JSON text its reader refused is quoted whole after the error: the client's own, a schema
-# of any size
-_XGRAMMAR_QUOTE = re.compile(r"\s*\. The JSON string is:.*", re.DOTALL)
+# of any size, cut off by a plain split (a regex over the client's text, such as a run of
+# spaces, can take seconds of the scheduler's loop)
+_XGRAMMAR_QUOTE = ". The JSON string is:"
+# xgrammar's own words run to about 200 characters; what is longer quotes the client's text
+# (a type, a rule's name), which the 400 need not send back whole
+_XGRAMMAR_ERROR_CHARS = 300
 
 
 # How xgrammar 0.2.9 writes the raw characters of a JSON string: a string with minLength or
@@ -68,6 +73,16 @@ _KIND_WORDS = {
     "ebnf": "EBNF grammar",
 }
 assert set(_KIND_WORDS) == set(GRAMMAR_KINDS)
+
+
+def _xgrammar_error(message: str) -> str:
+    """xgrammar's error, without its timestamps and source files, the JSON text it quotes,
+    or more than _XGRAMMAR_ERROR_CHARS characters."""
+    error, quoted, _ = message.partition(_XGRAMMAR_QUOTE)
+    error = _XGRAMMAR_PREFIX.sub("", error.strip()) + ("." if quoted else "")
+    if len(error) > _XGRAMMAR_ERROR_CHARS:
+        return error[: _XGRAMMAR_ERROR_CHARS - 3] + "..."
+    return error
 
 
 class UncompilableGrammar(Exception):
@@ -122,8 +137,7 @@ class GrammarBackend:
         try:
             compiled = _COMPILE[spec.kind](compiler, spec.spec)
         except (RuntimeError, ValueError) as exc:
-            error = _XGRAMMAR_QUOTE.sub(".", _XGRAMMAR_PREFIX.sub("", str(exc).strip()))
-            raise UncompilableGrammar(error) from None
+            raise UncompilableGrammar(_xgrammar_error(str(exc))) from None
         with self._stats_lock:
             self.stats.compile_seconds.append(time.perf_counter() - start)
         return compiled

@@ -168,6 +168,22 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_the_problem(llama, make_l
     assert out[1].finish_reason == "length"  # the other request is unharmed
 
 
+def test_a_schema_quoted_in_the_error_costs_the_scheduler_no_time_and_the_400_no_length(
+    llama, make_llm
+):
+    """xgrammar quotes the client's text in its error: a regex over it took 2-4 s for a run of
+    40,000 spaces, the scheduler's loop stopped for every request; the 400 sent it all back."""
+    llm = make_llm(llama)
+    schema = '{"type": "nonsense' + " " * 40_000 + 'x"}'
+    params = SamplingParams(max_tokens=4, grammar=GrammarSpec("json_schema", schema))
+    start = time.perf_counter()
+    [out] = llm.generate(["hi"], params)
+    elapsed = time.perf_counter() - start
+    assert out.finish_reason == "error" and 'Unsupported type "nonsense' in out.finish_message
+    assert out.finish_message.endswith("...") and len(out.finish_message) < 400
+    assert elapsed < 1.0, f"{elapsed:.2f} s"
+
+
 def test_bounded_strings_hold_no_raw_control_characters(llama, make_llm):
     """xgrammar's rule for a string with maxLength let raw control characters in (5 of 30
     seeded answers in a trial), which strict JSON, and the OpenAI SDK's parse(), refuse."""
