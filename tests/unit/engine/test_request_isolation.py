@@ -5,6 +5,7 @@ request goes on (issue: a lone surrogate crashed the whole engine)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from pydantic import TypeAdapter, ValidationError
@@ -127,8 +128,8 @@ def test_stop_strings_that_are_not_utf8_are_refused_before_they_reach_the_schedu
     ],
 )
 def test_a_schema_given_as_text_is_refused_for_the_lone_surrogates_a_json_reader_finds(escapes):
-    """The server reads a schema text's escapes without parsing it: what it refuses is what
-    the parsed text would hold, a lone surrogate in a string or a key, and nothing else."""
+    """What the server refuses in a schema given as text is what the parsed text holds, a
+    lone surrogate in a string or a key, and nothing else."""
     text = f'{{"enum": ["{escapes}"], "{escapes}": 1}}'
     lone = not is_utf8(json.loads(text)["enum"][0])
     try:
@@ -137,6 +138,31 @@ def test_a_schema_given_as_text_is_refused_for_the_lone_surrogates_a_json_reader
     except ValidationError as error:
         refused = error.errors()[0]["type"] == "invalid_utf8"
     assert refused == lone
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"description": "\\ud83d\\ude00' + "\\n" * 1_000_000 + '"}',
+        '{"description": "' + "\\ud83d\\ude00" * 160_000 + '"}',
+    ],
+    ids=["escapes-after-a-pair", "pairs"],
+)
+def test_a_schema_text_full_of_escapes_is_checked_at_the_cost_of_a_parse(text):
+    """2 MB of escapes after a surrogate pair, or of pairs: the check runs on the event loop,
+    where reading each escape in Python took 100-200 ms, 15 to 70 parses of the text."""
+
+    def seconds(check) -> float:
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            check(text)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    parse = seconds(json.loads)
+    checked = seconds(TypeAdapter(JsonText).validate_python)
+    assert checked < 10 * parse, f"{checked * 1000:.1f} ms, a parse {parse * 1000:.1f} ms"
 
 
 def test_an_exception_while_checking_one_request_fails_it_alone(
