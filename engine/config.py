@@ -331,6 +331,8 @@ OFFLINE_REFUSED: dict[str, str] = {
     "prefill and decode engines are served (kubesgl serve --role ...)",
     "disaggregation_bootstrap_port": "only prefill and decode engines, which are served, have a bootstrap server",
     "disaggregation_timeout": "only prefill and decode engines, which are served, transfer KV",
+    "max_queued_requests": "offline generation takes one request at a time "
+    "(each LLM.generate call), queued whole; only a server's queue fills",
     **dict.fromkeys(
         (
             "max_sequences_per_request",

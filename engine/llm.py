@@ -154,15 +154,9 @@ class LLM:
         invalid."""
         prompt_list = _prompt_list(prompts)
         params_list = _params_list(params, len(prompt_list))
-        rids = [f"llm-{next(_ids)}" for _ in prompt_list]
-        requests = [  # one call is one request: queued whole, whatever --max-queued-requests
-            GenerateRequest(
-                rid,
-                self._token_ids(prompt),
-                p,
-                request_leader=None if rid == rids[0] else rids[0],
-            )
-            for rid, prompt, p in zip(rids, prompt_list, params_list)
+        requests = [
+            GenerateRequest(rid=f"llm-{next(_ids)}", input_ids=self._token_ids(prompt), params=p)
+            for prompt, p in zip(prompt_list, params_list)
         ]
         for request in requests:
             self.engine.validate(request)

@@ -68,6 +68,7 @@ def test_a_missing_model_is_a_clear_error(tmp_path, capsys):
         (["--disaggregation-timeout", "5"], "--disaggregation-timeout"),
         (["--disaggregation-bootstrap-port", "9000"], "--disaggregation-bootstrap-port"),
         (["--default-max-tokens", "8"], "--default-max-tokens"),
+        (["--max-queued-requests", "8"], "--max-queued-requests"),
     ],
 )
 def test_an_option_generate_cannot_honour_is_refused_not_ignored(args, flag, capsys):
@@ -101,7 +102,13 @@ def test_the_default_of_a_refused_option_is_accepted_and_they_are_not_in_help(ti
     help_ = build_parser().format_help()
     assert all(
         flag not in help_
-        for flag in ("--tp-size", "--role", "--disaggregation-", "--default-max-tokens")
+        for flag in (
+            "--tp-size",
+            "--role",
+            "--disaggregation-",
+            "--default-max-tokens",
+            "--max-queued-requests",
+        )
     )
 
 
@@ -120,6 +127,7 @@ def test_the_offline_llm_refuses_tensor_parallelism(tiny_model):
         ("max_sequences_per_request", 1, "a limit of the HTTP server's requests"),
         ("max_request_body_bytes", 1024, "a limit of the HTTP server's requests"),
         ("disaggregation_timeout", 0.001, "which are served, transfer KV"),
+        ("max_queued_requests", 1, "offline generation takes one request at a time"),
     ],
 )
 def test_the_offline_llm_refuses_an_option_only_a_server_honours(option, value, reason):

@@ -1,6 +1,7 @@
 """--max-queued-requests: an engine whose waiting queue is full refuses one more request with
 a 503 that names the limit, so that a router sends it to another engine; a request that could
-never run is still its 400, and a client request's sequences are queued or refused whole."""
+never run is still its 400, and a client request's sequences are queued or refused whole. The
+engine a server runs (the offline LLM refuses the option)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,28 @@ import pytest
 from test_scheduler import run_to_end, submit
 
 from kubesgl.engine import InvalidRequestError, SamplingParams
+from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import GenerateRequest
+from kubesgl.engine.scheduler.engine import Engine
 from kubesgl.engine.server.api import APIError
 
 
 @pytest.fixture
-def llm(tiny_model, make_llm):
-    return make_llm(tiny_model("llama"), max_queued_requests=2, max_running_requests=1)
+def engine(tiny_model):
+    config = EngineConfig(
+        model=tiny_model("llama"),
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=16384,
+        max_queued_requests=2,
+        max_running_requests=1,
+    )
+    engine = Engine(config)
+    yield engine
+    engine.shutdown()
 
 
-def test_a_request_beyond_the_queue_limit_is_a_503_naming_it(llm):
-    engine = llm.engine
+def test_a_request_beyond_the_queue_limit_is_a_503_naming_it(engine):
     for rid in ("a", "b"):
         submit(engine, rid, [1, 2, 3], max_tokens=4)
     with pytest.raises(InvalidRequestError) as refused:
@@ -32,8 +44,7 @@ def test_a_request_beyond_the_queue_limit_is_a_503_naming_it(llm):
     assert [o.finish_reason.kind for o in run_to_end(engine)["d"] if o.finished] == ["length"]
 
 
-def test_a_request_that_could_never_run_is_its_400_whatever_the_queue(llm):
-    engine = llm.engine
+def test_a_request_that_could_never_run_is_its_400_whatever_the_queue(engine):
     for rid in ("a", "b"):
         submit(engine, rid, [1, 2, 3], max_tokens=4)
     with pytest.raises(InvalidRequestError) as refused:
@@ -42,8 +53,7 @@ def test_a_request_that_could_never_run_is_its_400_whatever_the_queue(llm):
     run_to_end(engine)
 
 
-def test_the_sequences_of_one_client_request_are_queued_whole(llm):
-    engine = llm.engine
+def test_the_sequences_of_one_client_request_are_queued_whole(engine):
     submit(engine, "a", [1, 2, 3], max_tokens=4)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     engine.add_request(GenerateRequest("g-0", [4, 5, 6], params))
@@ -51,11 +61,6 @@ def test_the_sequences_of_one_client_request_are_queued_whole(llm):
         engine.add_request(GenerateRequest(f"g-{i}", [4, 5, 6], params, request_leader="g-0"))
     finished = {rid for rid, outs in run_to_end(engine).items() if outs[-1].finished}
     assert finished == {"a", "g-0", "g-1", "g-2", "g-3", "g-4"}
-
-
-def test_an_offline_batch_larger_than_the_queue_runs_whole(llm):
-    outputs = llm.generate([[1, 2, 3]] * 6, SamplingParams(max_tokens=3, ignore_eos=True))
-    assert [len(o.token_ids) for o in outputs] == [3] * 6
 
 
 def test_the_503_tells_a_client_when_to_try_again():
