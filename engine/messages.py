@@ -36,6 +36,8 @@ class GenerateRequest:
     # The first sequence of the client request this one is part of (its prompts times n),
     # None for that first one: a request is queued or refused whole (--max-queued-requests)
     request_leader: str | None = None
+    # a health check (/health_generate): a busy engine, its queue full, is still healthy
+    probe: bool = False
 
 
 @dataclass
@@ -127,6 +129,7 @@ class TokenizeRequest:
     prefix_leader: str | None = None
     bootstrap: BootstrapTarget | None = None
     request_leader: str | None = None  # see GenerateRequest
+    probe: bool = False  # see GenerateRequest; and in no request metric
 
 
 @dataclass

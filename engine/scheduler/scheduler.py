@@ -250,10 +250,12 @@ class Scheduler:
                 f"lower max_tokens to at most {pool_tokens - prompt_need + 1}",
                 param="max_tokens",
             )
-        # last: a request that could never run is a 400; and a client request's later
-        # sequences follow its first, so that none is refused in part
+        # last: a request that could never run is a 400; a health probe is never turned away
+        # for a busy engine; and a client request's later sequences follow its first, so that
+        # none is refused in part
         queued, most = self._num_queued(), limits.max_queued_requests
-        if most is not None and request.request_leader not in self.requests and queued >= most:
+        exempt = request.probe or request.request_leader in self.requests
+        if most is not None and not exempt and queued >= most:
             raise InvalidRequestError(
                 f"the request queue is full: {queued} requests wait for admission "
                 f"(--max-queued-requests {most}); try again shortly or on another engine",

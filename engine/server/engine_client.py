@@ -251,13 +251,12 @@ class EngineClient:
         self._stats_logged_at, self._tokens_since_log = now, 0
         self._prompt_tokens_logged = prompt_tokens
 
-    def generate(
-        self, request: TokenizeRequest, probe: bool = False
-    ) -> AsyncGenerator[TextOutput, None]:
+    def generate(self, request: TokenizeRequest) -> AsyncGenerator[TextOutput, None]:
         """Outputs of one request until it finishes. The request id is taken at once (a
         duplicate raises DuplicateRequestId); leaving early, or `close`, aborts the request.
-        `probe`: a health check, which the request metrics leave out (as SGLang's
-        log_metrics=False does): probes every few seconds would skew them and autoscaling."""
+        A probe (`request.probe`, a health check) is left out of the request metrics (as
+        SGLang's log_metrics=False does): probes every few seconds would skew them and
+        autoscaling."""
         taken = self._pending.get(request.rid)
         if taken is not None:
             raise DuplicateRequestId(
@@ -266,7 +265,7 @@ class EngineClient:
                 else f"request id {request.rid!r} is already in use"
             )
         room = None if request.bootstrap is None else request.bootstrap.room
-        pending = self._pending[request.rid] = _Pending(probe=probe, room=room)
+        pending = self._pending[request.rid] = _Pending(probe=request.probe, room=room)
         return self._outputs(request, pending)
 
     async def _outputs(

@@ -93,11 +93,12 @@ async def health_generate(ctx: Ctx) -> Response:
         EngineClient.new_rid("health"),
         SamplingParams(max_tokens=1, temperature=0),
         input_ids=[1],
+        probe=True,
     )
     try:
         async with (
             asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S),
-            contextlib.aclosing(ctx.client.generate(request, probe=True)) as outputs,
+            contextlib.aclosing(ctx.client.generate(request)) as outputs,
         ):  # closed as the route answers, not when collected: the probe's id is held till then
             async for out in outputs:
                 if out.finish_reason is not None and out.finish_reason.kind == "error":

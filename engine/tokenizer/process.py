@@ -210,6 +210,7 @@ class TokenizerLoop:
                 prefix_leader=message.prefix_leader,
                 bootstrap=message.bootstrap,
                 request_leader=message.request_leader,
+                probe=message.probe,
             )
         )
         return True

@@ -1,11 +1,13 @@
 """A served engine with --max-queued-requests: a burst beyond its queue gets 503s with
 Retry-After at once (streams too, as a status, not an error event), the requests it took all
-finish, and a request of more sequences than the queue holds is served whole."""
+finish, a request of more sequences than the queue holds is served whole, and a health probe
+is taken whatever the queue."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import httpx
 import pytest
@@ -78,3 +80,37 @@ def test_a_request_of_more_sequences_than_the_queue_holds_is_served_whole(server
     response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     assert len(response.json()["choices"]) == 6
+
+
+def test_health_generate_answers_ok_while_the_queue_is_full(server):
+    """/health_generate on an engine merely busy is healthy: its 503 "queue is full" took
+    the engine out of SGLang's router, and of any probe's rotation."""
+
+    async def run() -> tuple[int, str, int]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+
+            async def waiting() -> int:
+                return (await client.get("/get_load")).json()[0]["num_waiting_reqs"]
+
+            long = {**_body(0, False), "max_tokens": 1500}
+            busy = [
+                asyncio.create_task(client.post("/v1/completions", json=long)) for _ in range(3)
+            ]
+            deadline = time.monotonic() + 30
+            while await waiting() < 2:  # one running, two waiting: the queue is full
+                assert time.monotonic() < deadline, "the queue never filled"
+                await asyncio.sleep(0.02)
+            refused = await client.post("/v1/completions", json=_body(1, False))
+            probe = asyncio.create_task(client.get("/health_generate"))
+            while not probe.done() and await waiting() < 3:  # the probe waits its turn
+                assert time.monotonic() < deadline, "the probe neither waited nor answered"
+                await asyncio.sleep(0.02)
+            for task in busy:  # their clients leave: the probe runs
+                task.cancel()
+            await asyncio.gather(*busy, return_exceptions=True)
+            answer = await probe
+            return answer.status_code, answer.text, refused.status_code
+
+    status, text, refused = asyncio.run(run())
+    assert refused == 503  # the queue was full
+    assert (status, text) == (200, "ok")

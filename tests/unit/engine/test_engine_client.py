@@ -282,7 +282,7 @@ async def test_tokenizer_calls_get_their_own_answers_and_end_when_the_engine_sto
 async def test_user_requests_leave_health_probes_out(client):
     """/flush_cache refuses while users' requests run; a /health_generate probe is none."""
     engine_client, _ = client
-    engine_client.generate(TokenizeRequest("health-1", SamplingParams()), probe=True)
+    engine_client.generate(TokenizeRequest("health-1", SamplingParams(), probe=True))
     assert (engine_client.in_flight, engine_client.user_requests) == (1, 0)
     engine_client.generate(TokenizeRequest("r1", SamplingParams()))
     assert (engine_client.in_flight, engine_client.user_requests) == (2, 1)

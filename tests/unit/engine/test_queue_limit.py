@@ -44,6 +44,17 @@ def test_a_request_beyond_the_queue_limit_is_a_503_naming_it(engine):
     assert [o.finish_reason.kind for o in run_to_end(engine)["d"] if o.finished] == ["length"]
 
 
+def test_a_health_probe_is_taken_whatever_the_queue(engine):
+    """/health_generate's probe on an engine merely busy: a 503 would take it out of a
+    router's rotation (SGLang's router, users' probes)."""
+    for rid in ("a", "b"):
+        submit(engine, rid, [1, 2, 3], max_tokens=4)
+    probe = GenerateRequest("health", [1], SamplingParams(max_tokens=1), probe=True)
+    engine.add_request(probe)
+    outputs = run_to_end(engine)
+    assert [o.finish_reason.kind for o in outputs["health"] if o.finished] == ["length"]
+
+
 def test_a_request_that_could_never_run_is_its_400_whatever_the_queue(engine):
     for rid in ("a", "b"):
         submit(engine, rid, [1, 2, 3], max_tokens=4)

@@ -32,7 +32,7 @@ class HoldingClient:
         self.first_finish = first_finish
         self.held: set[str] = set()
 
-    def generate(self, request, probe: bool = False):
+    def generate(self, request):
         self.held.add(request.rid)
         return self._outputs(request.rid)
 

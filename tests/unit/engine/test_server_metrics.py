@@ -26,10 +26,10 @@ class FakeClient:
         self.ready.set()
         self.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
         self.script = script
-        self.probes: list[bool] = []  # each generate call's `probe`
+        self.probes: list[bool] = []  # each generate call's `request.probe`
 
-    def generate(self, request, probe: bool = False):
-        self.probes.append(probe)
+    def generate(self, request):
+        self.probes.append(request.probe)
         return self._outputs(request.rid)
 
     async def _outputs(self, rid: str):
@@ -210,7 +210,7 @@ async def _through_engine_client(
     client.start()
     detokenizer = push(zmq.Context.instance(), endpoints.api_in)
     try:
-        stream = client.generate(TokenizeRequest("r1", SamplingParams()), probe=probe)
+        stream = client.generate(TokenizeRequest("r1", SamplingParams(), probe=probe))
         await asyncio.sleep(delay)
         for out in outputs:
             detokenizer.send_pyobj(TextBatch([out]))
