@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar, get_args
 
@@ -745,6 +746,7 @@ class BootstrapClient:
             for address, peer in watched:
                 if address not in checks or checks[address].done():  # else its last still runs
                     checks[address] = self._checks.submit(address, self._check, address, peer)
+                    checks[address].add_done_callback(partial(_log_failed_check, address))
             checks = {address: check for address, check in checks.items() if not check.done()}
 
     def _check(self, address: str, peer: _Peer) -> None:
@@ -924,6 +926,14 @@ def _raise_for_status(answer: httpx.Response) -> None:
 
 def _why(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
+
+
+def _log_failed_check(address: str, check: Future[None]) -> None:
+    """A heartbeat check that raised, which no one else reads: its rooms wait for the next."""
+    if not check.cancelled() and (exc := check.exception()) is not None:
+        logger.error(
+            "the heartbeat check of the prefill engine at %s failed", address, exc_info=exc
+        )
 
 
 def _nothing_listens(exc: BaseException) -> bool:

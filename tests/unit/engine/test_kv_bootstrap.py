@@ -889,6 +889,39 @@ def test_hung_prefill_engines_do_not_make_a_heartbeat_round_last_a_timeout_each(
     assert max(started.values()) - min(started.values()) < 0.2
 
 
+def test_a_heartbeat_check_that_fails_is_logged_once_with_its_address(caplog):
+    """The checks run on worker threads whose futures nobody else reads: an exception there
+    (here the scheduler's end of a restart's news) vanished without a word."""
+    address = "http://10.0.0.1:8998"
+
+    class _Restarted:
+        def get(self, url: str, timeout: float) -> httpx.Response:
+            return httpx.Response(200, json={"instance": "new"}, request=httpx.Request("GET", url))
+
+        def close(self) -> None:
+            pass
+
+    def emit(fact) -> None:
+        raise RuntimeError("the scheduler's queue is gone")
+
+    connect = ConnectBootstrap("decode-test", (), heartbeat_s=0.05, dead_after_s=60.0)
+    client = BootstrapClient(emit, connect)
+    client._http.close()
+    client._http = _Restarted()  # type: ignore[assignment]
+    with client._lock:
+        client._peers[address] = bootstrap._Peer(rooms={1: "old"})
+    try:
+        deadline = time.monotonic() + 5.0
+        while "heartbeat check" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # six heartbeats more: the room is gone, nothing else to check
+    finally:
+        client.close()
+    [record] = [r for r in caplog.records if "heartbeat check" in r.getMessage()]
+    assert record.levelname == "ERROR" and address in record.getMessage()
+    assert record.exc_info is not None and "queue is gone" in str(record.exc_info[1])
+
+
 def test_a_post_whose_answer_is_lost_holds_the_slots_until_the_prefill_side_says(pair):
     """The prefill engine took the room but its answer came too late: the decode side fails
     the request, yet may reuse the room's slots only once no write can come (here: its
