@@ -252,7 +252,10 @@ class Scheduler:
             )
         # last: a request that could never run is a 400; a health probe is never turned away
         # for a busy engine; and a client request's later sequences follow its first, so that
-        # none is refused in part
+        # none is refused in part. Only while the first is here: one that already finished
+        # (its one token, a stop or an error before its followers arrived) leaves them to the
+        # queue's check, and a refused one fails the whole request in the API server, whose
+        # client gets the 503 and no partial answer.
         queued, most = self._num_queued(), limits.max_queued_requests
         exempt = request.probe or request.request_leader in self.requests
         if most is not None and not exempt and queued >= most:
