@@ -74,6 +74,10 @@ Handler = Callable[[Scope, bytes], Awaitable[Reply]]
 
 _JSON = [(b"content-type", b"application/json")]
 ADMIN_PATH = "/workers"
+# The router's own endpoints (probes, scrapes, the admin API): their answers count in
+# kubesgl_router_responses_total only when the router rejected the request, as every
+# rejection does (kubesgl_router_rejections_total), on any path
+OWN_PATHS = frozenset({*QUIET_PATHS, ADMIN_PATH})
 # SGLang's description of the model (its vocabulary size, say): answered by a worker, as /v1/models.
 MODEL_INFO_PATHS = ("/model_info", "/get_model_info")
 MODEL_PREFIX = "/v1/models/"
@@ -337,19 +341,21 @@ class RouterApp:
         except _ClientGone:
             return
         except RouterError as error:  # no such route or method, no key, a body too large
-            await self._send(send, self._rejected(error))
+            await self._send(send, self._rejected(error), counted=True)
             return
         exchange = _Exchange(asyncio.current_task())  # type: ignore[arg-type]
         watcher = asyncio.create_task(_watch_disconnect(receive, exchange))
         try:
+            counted = scope["path"] not in OWN_PATHS
             try:
                 reply = await handler(scope, body)
             except (RouterError, UpstreamError) as error:
-                reply = self._rejected(error)
+                reply, counted = self._rejected(error), True
             except Exception:
                 log.exception("unexpected error in %s %s", scope["method"], scope["path"])
-                reply = self._rejected(RouterError(500, "internal router error", "internal_error"))
-            await self._send(send, reply, exchange)
+                error = RouterError(500, "internal router error", "internal_error")
+                reply, counted = self._rejected(error), True
+            await self._send(send, reply, exchange, counted=counted)
         except asyncio.CancelledError:
             if not (exchange.disconnected or exchange.cut):
                 raise
@@ -383,7 +389,13 @@ class RouterApp:
             self.metrics.rejected(error.status, error.reason)
         return _error_reply(error)
 
-    async def _send(self, send: Send, reply: Reply, exchange: _Exchange | None = None) -> None:
+    async def _send(
+        self, send: Send, reply: Reply, exchange: _Exchange | None = None, *, counted: bool
+    ) -> None:
+        """Sends the answer; `counted`: one a client gets for its request, counted by status
+        as it starts (kubesgl_router_responses_total)."""
+        if counted:
+            self.metrics.answered(reply.status)
         if isinstance(reply, BufferedReply):
             headers = reply.headers + [(b"content-length", str(len(reply.body)).encode())]
             await send({"type": "http.response.start", "status": reply.status, "headers": headers})

@@ -52,6 +52,10 @@ REJECTION_REASONS = {
 # Rejections whose reason is not their status's: no free connection slot (--max-connections)
 CONNECTION_LIMIT = "connection_limit"
 OTHER_REJECTIONS = ((503, CONNECTION_LIMIT),)
+# The statuses of kubesgl_router_responses_total at zero from the start, the answers clients
+# commonly get: a success, their own errors (a bad request, a wrong key, a model not served,
+# too many requests), the workers' and the router's failures. Others appear at their first.
+RESPONSE_STATUSES = ("200", "400", "401", "404", "429", "500", "502", "503", "504")
 
 
 class _WorkerCollector(Collector):
@@ -125,6 +129,16 @@ class RouterMetrics:
             ["status", "reason"],
             registry=self.registry,
         )
+        self.responses = Counter(
+            "kubesgl_router_responses",
+            "Answers sent to clients by HTTP status, once per request as its answer starts: "
+            "a worker's (after any retries: the last try's), or the router's own (each of "
+            "kubesgl_router_rejections_total); none for /health, /liveness, /metrics and "
+            "/workers unless rejected. A stream counts by the status it started with, "
+            "also one broken later",
+            ["status"],
+            registry=self.registry,
+        )
         self.retries = Counter(
             "kubesgl_router_retries",
             "Requests sent again to another worker after a failure before any byte reached the client",
@@ -145,6 +159,8 @@ class RouterMetrics:
         for decision in CACHE_DECISIONS:
             self.cache_decisions.labels(decision)
         self.requests.labels("", "503")  # no worker could serve
+        for status in RESPONSE_STATUSES:
+            self.responses.labels(status)
         for status, reason in (*REJECTION_REASONS.items(), *OTHER_REJECTIONS):
             self.rejections.labels(str(status), reason)
         # Each worker in the pool, by URL, with the statuses its kubesgl_router_requests_total
@@ -179,6 +195,9 @@ class RouterMetrics:
     def rejected(self, status: int, reason: str | None = None) -> None:
         reason = reason or REJECTION_REASONS.get(status, "other")
         self.rejections.labels(str(status), reason).inc()
+
+    def answered(self, status: int) -> None:
+        self.responses.labels(str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,7 +13,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubesgl.engine.metrics import FINISH_REASONS, HANDOFF, EngineMetrics
-from kubesgl.router.metrics import CACHE_DECISIONS, PD_ROUTES, WORKER_STATUSES, RouterMetrics
+from kubesgl.router.metrics import (
+    CACHE_DECISIONS,
+    PD_ROUTES,
+    RESPONSE_STATUSES,
+    WORKER_STATUSES,
+    RouterMetrics,
+)
 from kubesgl.router.workers import Role, WorkerRegistry
 
 
@@ -81,6 +87,9 @@ def test_every_router_counter_has_its_series_at_zero_from_the_start():
     for url in ("http://before:30000", "http://after:30000"):
         assert {(url, status) for status in WORKER_STATUSES} <= requests
     assert ("", "503") in requests
+    responses = {s["status"] for s in counters["kubesgl_router_responses"]}
+    assert {"200", "400", "404", "429", "500", "502", "503", "504"} <= responses
+    assert responses == set(RESPONSE_STATUSES)
     assert all(
         value == 0
         for family in text_string_to_metric_families(metrics.render().decode())
@@ -167,6 +176,58 @@ def test_the_routers_own_rejections_are_counted_by_status_and_reason():
     assert total == sum(expected.values())
     # the no-worker answer is also the attempt counted without a worker, as before
     assert _counter(app.metrics, "kubesgl_router_requests_total", worker="", status="503") == 1
+
+
+def test_the_answers_clients_got_are_counted_once_by_status_and_probes_are_not():
+    """kubesgl_router_responses_total: every answer the router sent, by status, its own
+    rejections among them (on any path, as they count in kubesgl_router_rejections_total),
+    but not the router's own answers to probes, scrapes and the admin API: /health (its 503
+    while no worker can serve included), /liveness, /metrics, GET /workers."""
+    from kubesgl.contract import ROUTER_LIVENESS_PATH
+    from kubesgl.router.app import RouterApp
+    from kubesgl.router.config import RouterConfig
+
+    app = RouterApp(RouterConfig(api_key="k"))
+    key = [(b"authorization", b"Bearer k")]
+    calls = [  # (expected status, request, counted); no worker is registered
+        (404, ("GET", "/nowhere", b"", ()), True),
+        (401, ("POST", "/v1/completions", b"{}", ()), True),
+        (400, ("POST", "/v1/completions", b"not json", key), True),
+        (503, ("POST", "/v1/completions", b'{"prompt": "hi"}', key), True),
+        (503, ("POST", "/v1/completions", b'{"prompt": "hi"}', key), True),
+        (403, ("POST", "/workers", b"{}", ()), True),  # a rejection, whatever the path
+        (405, ("POST", "/metrics", b"", ()), True),
+        (200, ("GET", "/metrics", b"", ()), False),
+        (503, ("GET", "/health", b"", ()), False),  # readiness: no worker can serve
+        (200, ("GET", ROUTER_LIVENESS_PATH, b"", ()), False),
+        (200, ("GET", "/workers", b"", ()), False),
+    ]
+
+    async def scenario() -> list[int]:
+        await app.startup()
+        try:
+            return [await _call(app, *request) for _, request, _ in calls]
+        finally:
+            await app.shutdown()
+
+    assert asyncio.run(scenario()) == [status for status, _, _ in calls]
+    expected = {404: 1, 401: 1, 400: 1, 503: 2, 403: 1, 405: 1, 200: 0}
+    for status, count in expected.items():
+        got = _counter(app.metrics, "kubesgl_router_responses_total", status=str(status))
+        assert got == count, (status, got)
+
+    def total(family_name: str) -> float:
+        return sum(
+            s.value
+            for family in app.metrics.registry.collect()
+            if family.name == family_name
+            for s in family.samples
+            if s.name.endswith("_total")
+        )
+
+    assert total("kubesgl_router_responses") == sum(counted for _, _, counted in calls)
+    # each rejection was an answer, and here every answer a rejection
+    assert total("kubesgl_router_rejections") == total("kubesgl_router_responses")
 
 
 def test_the_router_writes_one_access_line_per_request_without_keys(caplog):

@@ -17,6 +17,14 @@ def served_by(response) -> str:
     return response.json()["choices"][0]["text"].split("-tok")[0]
 
 
+def answered(router, status: int) -> float:
+    """kubesgl_router_responses_total{status}: the answers clients got with that status."""
+    sample = router.app.metrics.registry.get_sample_value(
+        "kubesgl_router_responses_total", {"status": str(status)}
+    )
+    return sample or 0.0
+
+
 async def test_worker_killed_mid_run(engines, start_router, client):
     a, b, c = await engines("a"), await engines("b", tokens=3), await engines("c")
     b.hold = asyncio.Event()
@@ -165,6 +173,8 @@ async def test_failed_requests_are_retried_on_another_worker(
                 assert response.status_code == 200
                 assert "b-tok0" in response.text
         metrics = (await client.get(router.url + "/metrics")).text
+        # the clients got four 200s; a's 503s, retried on b, reached none of them
+        assert (answered(router, 200), answered(router, 503)) == (4, 0)
     assert len(a.requests) >= 1
     assert "kubesgl_router_retries_total 0.0" not in metrics
     # each retry is logged with the failure behind it: the worker and its answer
@@ -257,6 +267,8 @@ async def test_all_attempts_failing_returns_the_last_error(engines, start_router
     async with start_router(workers=[a.url], breaker_failure_threshold=100) as router:
         await router.ready()
         response = await client.post(router.url + "/v1/completions", json={"prompt": "x"})
+        # the worker's 503, passed on after every try, is the client's one answer
+        assert (answered(router, 503), answered(router, 200)) == (1, 0)
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     message = response.json()["error"]["message"]
     assert a.url in message and "a fails on purpose" in message
