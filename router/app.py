@@ -426,9 +426,10 @@ class RouterApp:
             if exchange is None or exchange.disconnected or exchange.answered:
                 raise
             exchange.cut = exchange.answered = True
-            end = (
-                b"" if last.endswith(SSE_DONE) else sse_stream_end(last, _cut_message(self.config))
-            )
+            end = b""
+            if not last.endswith(SSE_DONE):  # cut short: no longer whole
+                end = sse_stream_end(last, _cut_message(self.config))
+                self.metrics.broken_streams.labels("shutdown").inc()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(_CUT_SEND_TIMEOUT_S):  # a client that reads no more
                     await send({"type": "http.response.body", "body": end})

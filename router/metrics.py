@@ -56,6 +56,9 @@ OTHER_REJECTIONS = ((503, CONNECTION_LIMIT),)
 # commonly get: a success, their own errors (a bad request, a wrong key, a model not served,
 # too many requests), the workers' and the router's failures. Others appear at their first.
 RESPONSE_STATUSES = ("200", "400", "401", "404", "429", "500", "502", "503", "504")
+# Why a stream that had started ended with the router's SSE error event: its worker broke it
+# off (the connection broke or went silent), or the router's shutdown timeout cut it.
+BROKEN_STREAM_REASONS = ("worker", "shutdown")
 
 
 class _WorkerCollector(Collector):
@@ -135,8 +138,17 @@ class RouterMetrics:
             "a worker's (after any retries: the last try's), or the router's own (each of "
             "kubesgl_router_rejections_total); none for /health, /liveness, /metrics and "
             "/workers unless rejected. A stream counts by the status it started with, "
-            "also one broken later",
+            "also one broken later (kubesgl_router_broken_streams_total)",
             ["status"],
+            registry=self.registry,
+        )
+        self.broken_streams = Counter(
+            "kubesgl_router_broken_streams",
+            "Streamed answers that had started and that the router ended with an SSE error "
+            "event and [DONE]: their worker broke off (`worker`: the connection broke or sent "
+            "nothing within the read timeout), or the router's shutdown timeout cut them "
+            "(`shutdown`); an engine's own error event, passed on, is not counted here",
+            ["reason"],
             registry=self.registry,
         )
         self.retries = Counter(
@@ -161,6 +173,8 @@ class RouterMetrics:
         self.requests.labels("", "503")  # no worker could serve
         for status in RESPONSE_STATUSES:
             self.responses.labels(status)
+        for reason in BROKEN_STREAM_REASONS:
+            self.broken_streams.labels(reason)
         for status, reason in (*REJECTION_REASONS.items(), *OTHER_REJECTIONS):
             self.rejections.labels(str(status), reason)
         # Each worker in the pool, by URL, with the statuses its kubesgl_router_requests_total

@@ -559,6 +559,7 @@ class UpstreamClient:
             message = f"{broke_off}: {_break_off_reason(exc)}"
             # [DONE] still follows, as it follows an engine's own error event (SGLang's and
             # vLLM's, on /generate too): clients that read up to [DONE] see the stream end
+            self.metrics.broken_streams.labels("worker").inc()
             yield sse_stream_end(last, message)
         except (asyncio.CancelledError, GeneratorExit):
             if done_sent:  # a client that stops reading at [DONE] had its whole answer

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kubesgl.engine.metrics import FINISH_REASONS, HANDOFF, EngineMetrics
 from kubesgl.router.metrics import (
+    BROKEN_STREAM_REASONS,
     CACHE_DECISIONS,
     PD_ROUTES,
     RESPONSE_STATUSES,
@@ -90,6 +91,8 @@ def test_every_router_counter_has_its_series_at_zero_from_the_start():
     responses = {s["status"] for s in counters["kubesgl_router_responses"]}
     assert {"200", "400", "404", "429", "500", "502", "503", "504"} <= responses
     assert responses == set(RESPONSE_STATUSES)
+    broken = {s["reason"] for s in counters["kubesgl_router_broken_streams"]}
+    assert broken == set(BROKEN_STREAM_REASONS) == {"worker", "shutdown"}
     assert all(
         value == 0
         for family in text_string_to_metric_families(metrics.render().decode())

@@ -274,6 +274,10 @@ async def test_a_decode_stream_that_breaks_closes_the_prefill_request(
         async with asyncio.timeout(2):  # the prefill's request is closed, not left to run on
             await p.client_gone.wait()
             await out_of_flight(router)
+    # one answer, a 200 stream its decode worker broke off, counted once
+    metrics = router.app.metrics.registry.get_sample_value
+    assert metrics("kubesgl_router_responses_total", {"status": "200"}) == 1
+    assert metrics("kubesgl_router_broken_streams_total", {"reason": "worker"}) == 1
 
 
 async def test_a_prefill_that_refuses_before_working_is_retried_at_once(

@@ -25,6 +25,13 @@ def answered(router, status: int) -> float:
     return sample or 0.0
 
 
+def broken_streams(router, reason: str) -> float:
+    sample = router.app.metrics.registry.get_sample_value(
+        "kubesgl_router_broken_streams_total", {"reason": reason}
+    )
+    return sample or 0.0
+
+
 async def test_worker_killed_mid_run(engines, start_router, client):
     a, b, c = await engines("a"), await engines("b", tokens=3), await engines("c")
     b.hold = asyncio.Event()
@@ -110,6 +117,9 @@ async def test_a_stream_broken_off_ends_with_an_error_event_then_done(
     assert len(rest) == 2 and rest[1] == "data: [DONE]"
     error = json.loads(rest[0].removeprefix("data: "))["error"]
     assert "broke off the stream" in error["message"] and error["type"] == "upstream_error"
+    # a 200 answer, and a stream broken by its worker
+    assert answered(router, 200) == 1 and answered(router, 502) == 0
+    assert (broken_streams(router, "worker"), broken_streams(router, "shutdown")) == (1, 0)
 
 
 async def test_a_restarted_worker_serves_a_burst_at_once(engines, start_router, client):
@@ -349,3 +359,5 @@ async def test_a_stream_still_running_when_the_shutdown_timeout_ends_is_ended(
     error = json.loads(lines[-2].removeprefix("data: "))["error"]
     assert "shutting down" in error["message"]
     assert worker.in_flight == 0 and worker.breaker.consecutive_failures == 0
+    assert answered(router, 200) == 1
+    assert (broken_streams(router, "shutdown"), broken_streams(router, "worker")) == (1, 0)
