@@ -185,7 +185,31 @@ def worker_cases() -> dict:
 
 
 def error_cases() -> dict:
-    """Counters per minute: 600 is 10 requests a second."""
+    """Counters per minute: 600 is 10 requests a second. The answers clients got
+    (kubesgl_router_responses_total) and the streams broken after they started; some cases also
+    feed the attempts on workers, which tell nothing of what clients got: the alert reads none."""
+
+    def answers(instance: str, per_status: dict[str, int], broken: int = 0) -> list[dict]:
+        found = [router_up(instance)]
+        for status, per_minute in per_status.items():
+            found.append(
+                router(
+                    instance,
+                    "kubesgl_router_responses_total",
+                    f"0+{per_minute}x30",
+                    status=status,
+                )
+            )
+        for reason, per_minute in (("worker", broken), ("shutdown", 0)):
+            found.append(
+                router(
+                    instance,
+                    "kubesgl_router_broken_streams_total",
+                    f"0+{per_minute}x30",
+                    reason=reason,
+                )
+            )
+        return found
 
     def attempts(instance: str, url: str, role: str, per_status: dict[str, int]) -> list[dict]:
         found = worker(instance, url, role, "1x30")
@@ -201,68 +225,53 @@ def error_cases() -> dict:
             )
         return found
 
-    def rejections(instance: str, per_minute: dict[tuple[str, str], int]) -> list[dict]:
-        found = [router_up(instance)]
-        for (status, reason), count in per_minute.items():
-            found.append(
-                router(
-                    instance,
-                    "kubesgl_router_rejections_total",
-                    f"0+{count}x30",
-                    status=status,
-                    reason=reason,
-                )
-            )
-        return found
-
-    zero = {("500", "internal"): 0, ("503", "no_worker"): 0}
     return {
         "interval": "1m",
         "input_series": [
             # failing: 60 of 660 answers a minute are 500s (9%)
-            *rejections("failing", zero),
-            *attempts("failing", "http://w1", "mixed", {"200": 600, "500": 30, "error": 0}),
-            *attempts("failing", "http://w2", "mixed", {"200": 0, "500": 30, "error": 0}),
-            # healthy: 1%, and 4xx, which are the clients' own, and cancellations
-            *rejections("healthy", {**zero, ("400", "invalid_request"): 300}),
-            *attempts(
-                "healthy", "http://w1", "mixed", {"200": 600, "500": 6, "404": 300, "cancelled": 60}
-            ),
-            # broken: connections that break count as failures (10%)
-            *rejections("broken", zero),
-            *attempts("broken", "http://w1", "mixed", {"200": 540, "error": 60}),
+            *answers("failing", {"200": 600, "500": 60}),
+            # healthy: 1%, and 4xx, which are the clients' own (a client that left got none)
+            *answers("healthy", {"200": 600, "500": 6, "404": 300, "400": 300}),
+            # broken: connections that break count as failures, before the answer started
+            # (the client's 502) or after (a 200 stream ended by an error event): 60 of 600
+            *answers("broken", {"200": 570, "502": 30}, broken=30),
             # rejected: the router's own 503s, no worker could serve (2 of 12)
-            *rejections("rejected", {**zero, ("503", "no_worker"): 120}),
-            *attempts("rejected", "http://w1", "mixed", {"200": 600}),
-            # P/D: a failing prefill worker counts its own failure (a 500, or `error` when hung),
-            # the decode worker, which passed it on, `cancelled`; the
-            # prefill attempts are no answers: 60 failures in 600 answers (10%), where counting
-            # the prefill attempts too would have made it 5%
-            *rejections("pd", zero),
+            *answers("rejected", {"200": 600, "503": 120}),
+            # P/D: a failing prefill worker fails 60 of 600 requests: one answer each, whatever
+            # the attempts on both sides
+            *answers("pd", {"200": 540, "502": 60}),
             *attempts("pd", "http://p1", "prefill", {"200": 540, "500": 30, "error": 30}),
             *attempts("pd", "http://d1", "decode", {"200": 540, "cancelled": 60}),
-            # P/D, healthy: every request counts on both sides
-            *rejections("pd-ok", zero),
+            # P/D, healthy
+            *answers("pd-ok", {"200": 597, "500": 3}),
             *attempts("pd-ok", "http://p1", "prefill", {"200": 600}),
             *attempts("pd-ok", "http://d1", "decode", {"200": 597, "500": 3}),
             # shedding: full queues (--max-queued-requests) refuse 300 attempts a minute with
             # 503, each retried on the other worker, which serves it: every client is served
-            *rejections("shedding", zero),
+            *answers("shedding", {"200": 900}),
             *attempts("shedding", "http://w1", "mixed", {"200": 300, "503": 300}),
             *attempts("shedding", "http://w2", "mixed", {"200": 600, "503": 0}),
             # P/D shedding: prefill workers refuse, the pair is tried again (the decode
             # attempt of the refused pair counts `cancelled`)
-            *rejections("pd-shedding", zero),
+            *answers("pd-shedding", {"200": 600}),
             *attempts("pd-shedding", "http://p1", "prefill", {"200": 600, "503": 300}),
             *attempts("pd-shedding", "http://d1", "decode", {"200": 600, "cancelled": 300}),
-            # shedding and failing: 60 500s in 660 answers (9%), among 1200 refusals that,
-            # counted as answers, would have thinned them out to 3%
-            *rejections("shedding-failing", zero),
+            # every worker full: each of 60 requests a minute refused on all four tries (the
+            # first and 3 retries), the last worker's 503 passed on: 60 of 600 clients got 503
+            *answers("passed-on", {"200": 540, "503": 60}),
+            *attempts("passed-on", "http://w1", "mixed", {"200": 270, "503": 120}),
+            *attempts("passed-on", "http://w2", "mixed", {"200": 270, "503": 120}),
+            # retried: connections refused on one worker, each retried on another that served
+            # it: failed attempts (10%) that no client saw
+            *answers("retried", {"200": 600}),
+            *attempts("retried", "http://w1", "mixed", {"200": 300, "error": 60}),
+            *attempts("retried", "http://w2", "mixed", {"200": 300}),
+            # shedding and failing: 60 500s in 660 answers (9%), among 1200 refusals retried
+            *answers("shedding-failing", {"200": 600, "500": 60}),
             *attempts("shedding-failing", "http://w1", "mixed", {"200": 600, "503": 1200}),
             *attempts("shedding-failing", "http://w2", "mixed", {"500": 60}),
             # no free connection: the router's own 503 connection_limit, 120 of 720 answers
-            *rejections("limited", {**zero, ("503", "connection_limit"): 120}),
-            *attempts("limited", "http://w1", "mixed", {"200": 600}),
+            *answers("limited", {"200": 600, "503": 120}),
         ],
         "alert_rule_test": [
             {"eval_time": "9m", "alertname": "KubesglHighServerErrorRatio", "exp_alerts": []},
@@ -276,6 +285,7 @@ def error_cases() -> dict:
                         "broken",
                         "rejected",
                         "pd",
+                        "passed-on",
                         "shedding-failing",
                         "limited",
                     )

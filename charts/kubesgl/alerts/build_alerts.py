@@ -115,44 +115,33 @@ def scrape_down() -> Alert:
 
 
 def server_errors() -> Alert:
-    # Failed attempts: 5xx answers and broken connections, on every worker. In P/D mode only
-    # the side whose failure it was counts it (the other side's 502 or 504 that passed it on
-    # counts `cancelled`, docs/router.md), so a failing prefill worker's failures are only in
-    # its own series: counting failures on prefill workers too misses none and doubles none.
-    # A worker's 503 is no failure: "not now" (its queue full, --max-queued-requests; or it
-    # loads or drains), which the router retries on another worker and does not hold against
-    # its circuit breaker either; engines that keep refusing are KubesglEngineQueueFull's. The
-    # router's own 503s (no_worker, connection_limit) are answers to clients that no worker
-    # took, and count.
+    # What clients were answered (kubesgl_router_responses_total: once per request, after any
+    # retries): a worker's 503 or failed connection that the router retried elsewhere is no
+    # answer, so an InferenceService shedding load onto its other engines pages no one, while
+    # one passed on after every try, as the router's own 503s (no_worker, connection_limit),
+    # reached a client and counts. A stream that started 200 and broke off later (its worker's
+    # connection broke, or the shutdown timeout cut it) failed its client too. Probes,
+    # scrapes and admin calls are in neither.
     failed = (
         f"sum by ({SERVICE}) ("
-        f'rate(kubesgl_router_requests_total{{worker!="", status=~"5..|error", status!="503"}}'
-        f"[{WINDOW}]) "
-        f'or rate(kubesgl_router_rejections_total{{status=~"5.."}}[{WINDOW}]))'
+        f'rate(kubesgl_router_responses_total{{status=~"5.."}}[{WINDOW}]) '
+        f"or rate(kubesgl_router_broken_streams_total[{WINDOW}]))"
     )
-    # Every answer: attempts on mixed and decode workers (a P/D request's prefill attempt is
-    # drained, not answered) but their 503s (a refusal retried elsewhere is no answer: counted,
-    # it would thin the failures out while engines shed load), and the router's own rejections
-    # (its 503 no_worker is also requests_total{worker=""}, left out above).
-    answers = (
-        f"sum by ({SERVICE}) ("
-        f'(rate(kubesgl_router_requests_total{{worker!="", status!="503"}}[{WINDOW}]) '
-        f'and on ({ROUTER_WORKER}) kubesgl_router_worker_info{{role!="prefill"}}) '
-        f"or rate(kubesgl_router_rejections_total[{WINDOW}]))"
-    )
+    answers = f"sum by ({SERVICE}) (rate(kubesgl_router_responses_total[{WINDOW}]))"
     return Alert(
         "KubesglHighServerErrorRatio",
         f"({failed} / {answers}) > 0.05",
         "10m",
         "critical",
         f"kubesgl {WHO}: {{{{ $value | humanizePercentage }}}} of requests fail with 5xx",
-        f"Over 5% of the requests to InferenceService {WHO} failed for 10 minutes: 5xx answers "
-        "and broken connections of its workers (a failed attempt that the router retried "
-        "elsewhere included) and the router's own 5xx (503 no_worker: no worker could serve; "
-        "503 connection_limit: --max-connections reached; 500 internal). A worker's 503 (its "
-        "queue full, or it loads or drains) is no failure here, as for its circuit breaker: "
-        "the router tries another worker. Look at the dashboard's Router row (answers by "
-        "status, failed attempts per worker), the router's logs and the failing workers' logs.",
+        f"Over 5% of the answers that clients of InferenceService {WHO} got were server errors "
+        "for 10 minutes: 5xx answers (a worker's, after the router's retries: 500, 502 when a "
+        "worker's connection broke, 503 when every worker tried was busy; or the router's own: "
+        "503 no_worker, no worker could serve; 503 connection_limit, --max-connections "
+        "reached; 500 internal), and streams broken off after they started. Look at the "
+        "dashboard's Router row (answers by status, failed attempts per worker), the router's "
+        "logs and the failing workers' logs; for 503s, KubesglEngineQueueFull and the "
+        "engines' refusals per pod.",
     )
 
 
