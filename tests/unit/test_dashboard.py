@@ -193,3 +193,18 @@ def test_load_shedding_shows_per_engine_pod_and_in_the_routers_answers():
         expr.startswith("sum by (status, reason) (rate(kubesgl_router_rejections_total{")
         for expr in by_row["Router"]
     )
+
+
+def test_the_routers_answers_by_status_are_what_clients_got():
+    """kubesgl_router_responses_total, once per client request (a worker's 503 that the router
+    retried elsewhere is none, one passed on after every try is), with the streams broken off
+    after they started and the router's own rejections by reason; the attempts on workers are
+    the failed attempts panel's."""
+    (panel,) = [p for p in rows()["Router"] if p["title"].startswith("Answers")]
+    exprs = [target["expr"] for target in panel["targets"]]
+    assert exprs[0].startswith("sum by (status) (rate(kubesgl_router_responses_total{")
+    assert any(
+        expr.startswith("sum by (reason) (rate(kubesgl_router_broken_streams_total{")
+        for expr in exprs
+    )
+    assert not any("kubesgl_router_requests_total" in expr for expr in exprs)

@@ -222,24 +222,24 @@ def router_row() -> Row:
     # A worker's pod name where discovery knows it (the info series is 1 per worker and router replica)
     worker_pod = f"on (worker) group_left (worker_pod) max by (worker, worker_pod) (kubesgl_router_worker_info{{{SELECTOR}}})"
     failed = 'worker!="", status!~"2..|cancelled"'
-    # The attempts whose answer is the client's: a P/D request is also an attempt on its
-    # prefill worker, whose answer the router drains (counted, the requests would be doubled)
-    answers = (
-        f'sum by (status) (rate(kubesgl_router_requests_total{{{SELECTOR}, worker!=""}}[{RATE}]) '
-        f'and on (worker) kubesgl_router_worker_info{{{SELECTOR}, role!="prefill"}})'
-    )
     return Row(
         "Router",
         [
             Panel(
-                "Answers by status: of mixed and decode workers (a P/D request's prefill attempt "
-                "is drained, no answer), and the router's own rejections",
+                # once per client request, after any retries (a worker's 503 sent elsewhere is
+                # none); a stream broken off after it started is also a 200 answer
+                "Answers to clients by status (the router's own rejections among them, by "
+                "reason; streams broken off after they started 200)",
                 "reqps",
                 [
-                    (answers, "{{status}} from a worker"),
+                    (s.rate("kubesgl_router_responses_total", "status"), "{{status}}"),
                     (
                         s.rate("kubesgl_router_rejections_total", "status, reason"),
                         "{{status}} {{reason}} (router)",
+                    ),
+                    (
+                        s.rate("kubesgl_router_broken_streams_total", "reason"),
+                        "broken off ({{reason}})",
                     ),
                 ],
             ),

@@ -196,6 +196,7 @@ class Prometheus:
             "kubesgl_request_errors_total",
             "kubesgl_router_requests_total",
             "kubesgl_router_rejections_total",
+            "kubesgl_router_responses_total",
         )
         deadline = time.monotonic() + timeout
         while True:
@@ -494,6 +495,28 @@ def test_dashboard_and_autoscaling_queries_on_a_live_prometheus(
             total("kubesgl_router_rejections_total", "router")
             == seen["router_400"] + seen["router_404"]
         )
+
+        # The answers the clients got, once per request: an aborted stream had started 200,
+        # and a request whose attempt failed in the outage was retried and answered once
+        def answers(router: str) -> dict[str, float]:
+            counted = {
+                status: total(f'kubesgl_router_responses_total{{status="{status}"}}', router)
+                for status in ("200", "400", "404")
+            }
+            assert total("kubesgl_router_responses_total", router) == sum(counted.values())
+            assert total("kubesgl_router_broken_streams_total", router) == 0
+            return counted
+
+        assert answers("router") == {
+            "200": seen["ok"] + seen["aborted"],
+            "400": seen["router_400"] + seen["engine_400"],
+            "404": seen["router_404"],
+        }
+        assert answers("pd_router") == {
+            "200": pd_seen["ok"] + pd_seen["aborted"],
+            "400": pd_seen["engine_400"],
+            "404": 0,
+        }
         assert (
             total('kubesgl_router_requests_total{worker!="",status="200"}', "router") == seen["ok"]
         )
