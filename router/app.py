@@ -353,8 +353,8 @@ class RouterApp:
                 reply, counted = self._rejected(error), True
             except Exception:
                 log.exception("unexpected error in %s %s", scope["method"], scope["path"])
-                error = RouterError(500, "internal router error", "internal_error")
-                reply, counted = self._rejected(error), True
+                internal = RouterError(500, "internal router error", "internal_error")
+                reply, counted = self._rejected(internal), True
             await self._send(send, reply, exchange, counted=counted)
         except asyncio.CancelledError:
             if not (exchange.disconnected or exchange.cut):

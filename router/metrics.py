@@ -171,8 +171,8 @@ class RouterMetrics:
         for decision in CACHE_DECISIONS:
             self.cache_decisions.labels(decision)
         self.requests.labels("", "503")  # no worker could serve
-        for status in RESPONSE_STATUSES:
-            self.responses.labels(status)
+        for answer in RESPONSE_STATUSES:
+            self.responses.labels(answer)
         for reason in BROKEN_STREAM_REASONS:
             self.broken_streams.labels(reason)
         for status, reason in (*REJECTION_REASONS.items(), *OTHER_REJECTIONS):

@@ -233,6 +233,33 @@ def test_the_answers_clients_got_are_counted_once_by_status_and_probes_are_not()
     assert total("kubesgl_router_rejections") == total("kubesgl_router_responses")
 
 
+def test_an_unexpected_error_is_a_500_answer_and_an_internal_rejection(caplog):
+    from kubesgl.router.app import RouterApp
+    from kubesgl.router.config import RouterConfig
+
+    app = RouterApp(RouterConfig())
+
+    async def broken(scope, body):
+        raise RuntimeError("a bug")
+
+    app._routes["/version"] = {"GET": broken}
+
+    async def scenario() -> int:
+        await app.startup()
+        try:
+            return await _call(app, "GET", "/version")
+        finally:
+            await app.shutdown()
+
+    assert asyncio.run(scenario()) == 500
+    assert "unexpected error in GET /version" in caplog.text
+    assert _counter(app.metrics, "kubesgl_router_responses_total", status="500") == 1
+    assert (
+        _counter(app.metrics, "kubesgl_router_rejections_total", status="500", reason="internal")
+        == 1
+    )
+
+
 def test_the_router_writes_one_access_line_per_request_without_keys(caplog):
     from kubesgl.router.app import RouterApp, _request_id
     from kubesgl.router.config import RouterConfig
