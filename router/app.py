@@ -47,7 +47,7 @@ from kubesgl.router.security import (
 )
 from kubesgl.router.upstream import (
     SSE_DONE,
-    TRY_AGAIN_AFTER_S,
+    TRY_AGAIN_LATER,
     BufferedReply,
     ConnectionSlots,
     Reply,
@@ -631,15 +631,12 @@ def _cut_message(config: RouterConfig) -> str:
 _NO_RETRY = [(b"x-should-retry", b"false")]
 
 
-# A worker's 503 passed on (every worker tried was busy: their queues full) says when to try again
-_TRY_LATER = [(b"retry-after", str(TRY_AGAIN_AFTER_S).encode())]
-
-
 def _error_reply(error: RouterError | UpstreamError) -> BufferedReply:
     if isinstance(error, RouterError):
         extra = error.headers
     else:
-        extra = _TRY_LATER if error.status == 503 else []
+        # a worker's 503 passed on (every worker tried was busy): when to try again
+        extra = [TRY_AGAIN_LATER] if error.status == 503 else []
     no_retry = _NO_RETRY if error.status == 500 else []
     return BufferedReply(error.status, list(_JSON) + extra + no_retry, error.body())
 

@@ -177,6 +177,7 @@ def _release_once(free: asyncio.Semaphore) -> Callable[[], None]:
 # What a client should wait before asking again when no connection is free, or when every
 # worker tried was busy (its 503 passed on).
 TRY_AGAIN_AFTER_S = 1
+TRY_AGAIN_LATER = (b"retry-after", str(TRY_AGAIN_AFTER_S).encode())  # its header
 
 
 def pool_full(limit: int, wait_s: float) -> RouterError:
@@ -186,7 +187,7 @@ def pool_full(limit: int, wait_s: float) -> RouterError:
         f"freed within {wait_s:g} s (--connect-timeout); try again",
         "service_unavailable",
         code=CONNECTION_LIMIT,
-        headers=[(b"retry-after", str(TRY_AGAIN_AFTER_S).encode())],
+        headers=[TRY_AGAIN_LATER],
         reason=CONNECTION_LIMIT,
     )
 
