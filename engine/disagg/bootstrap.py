@@ -516,6 +516,7 @@ class BootstrapClient:
         # Heartbeat checks, all at once: one after another, each hung prefill engine added its
         # timeout to the round, and the others' rooms failed that much later.
         self._checks = AddressLanes(workers=32, per_address=1, name="kubesgl-kv-check")
+        self._failing_checks: set[str] = set()  # addresses whose last check raised
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}  # prefill engine address -> its current registration
         self._posts: dict[int, Future] = {}
@@ -746,8 +747,23 @@ class BootstrapClient:
             for address, peer in watched:
                 if address not in checks or checks[address].done():  # else its last still runs
                     checks[address] = self._checks.submit(address, self._check, address, peer)
-                    checks[address].add_done_callback(partial(_log_failed_check, address))
+                    checks[address].add_done_callback(partial(self._checked, address))
             checks = {address: check for address, check in checks.items() if not check.done()}
+
+    def _checked(self, address: str, check: Future[None]) -> None:
+        """A heartbeat check ended. One that raised, which no one else reads, is logged at
+        ERROR once until a check of that engine passes (after, at DEBUG: it would repeat every
+        beat); its rooms wait for the next."""
+        if check.cancelled():
+            return
+        if (exc := check.exception()) is None:
+            self._failing_checks.discard(address)
+            return
+        level = logging.DEBUG if address in self._failing_checks else logging.ERROR
+        self._failing_checks.add(address)
+        logger.log(
+            level, "the heartbeat check of the prefill engine at %s failed", address, exc_info=exc
+        )
 
     def _check(self, address: str, peer: _Peer) -> None:
         """One heartbeat of one prefill engine, bounded by its requests' timeouts."""
@@ -926,14 +942,6 @@ def _raise_for_status(answer: httpx.Response) -> None:
 
 def _why(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, RuntimeError) else f"{type(exc).__name__}: {exc}"
-
-
-def _log_failed_check(address: str, check: Future[None]) -> None:
-    """A heartbeat check that raised, which no one else reads: its rooms wait for the next."""
-    if not check.cancelled() and (exc := check.exception()) is not None:
-        logger.error(
-            "the heartbeat check of the prefill engine at %s failed", address, exc_info=exc
-        )
 
 
 def _nothing_listens(exc: BaseException) -> bool:

@@ -922,6 +922,57 @@ def test_a_heartbeat_check_that_fails_is_logged_once_with_its_address(caplog):
     assert record.exc_info is not None and "queue is gone" in str(record.exc_info[1])
 
 
+def test_a_heartbeat_check_failing_beat_after_beat_is_logged_once_until_one_passes(caplog):
+    """A check that keeps failing (here its question of the rooms ended) would write an
+    ERROR and its traceback every heartbeat: once, until a check of that engine passes."""
+    address = "http://10.0.0.1:8998"
+    failing = threading.Event()
+    failing.set()
+
+    class _Alive:
+        def get(self, url: str, timeout: float) -> httpx.Response:
+            return httpx.Response(200, json={"instance": "old"}, request=httpx.Request("GET", url))
+
+        def close(self) -> None:
+            pass
+
+    connect = ConnectBootstrap("decode-test", (), heartbeat_s=0.02, dead_after_s=60.0)
+    client = BootstrapClient(lambda fact: None, connect)
+    client._http.close()
+    client._http = _Alive()  # type: ignore[assignment]
+    checks = []
+
+    def ask_ended(address: str, peer) -> None:
+        checks.append(address)
+        if failing.is_set():
+            raise RuntimeError("a bug of ours")
+
+    client._ask_ended = ask_ended  # type: ignore[method-assign]
+    with client._lock:
+        client._peers[address] = bootstrap._Peer(rooms={1: "old"})
+
+    def errors() -> int:
+        return sum(
+            r.levelname == "ERROR" and "heartbeat check" in r.getMessage() for r in caplog.records
+        )
+
+    def beats(count: int) -> None:
+        deadline, start = time.monotonic() + 5.0, len(checks)
+        while len(checks) < start + count and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    try:
+        beats(10)
+        assert errors() == 1
+        failing.clear()
+        beats(3)
+        failing.set()
+        beats(3)
+    finally:
+        client.close()
+    assert errors() == 2  # failing again after a pass: said again
+
+
 def test_a_post_whose_answer_is_lost_holds_the_slots_until_the_prefill_side_says(pair):
     """The prefill engine took the room but its answer came too late: the decode side fails
     the request, yet may reuse the room's slots only once no write can come (here: its
