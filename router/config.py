@@ -40,7 +40,7 @@ def _changed_flags(settings: CacheAwareSettings | DisaggregationSettings) -> lis
 
 
 _BREAKER_ERROR = "breaker: failure threshold >= 1 and cooldown >= 0"
-_CONNECTION_ERROR = "timeouts and the connection limit must be positive"
+_TIMEOUT_ERROR = "timeouts must be positive"
 
 
 @dataclass(frozen=True)
@@ -81,14 +81,14 @@ class RouterConfig:
         flag="--connect-timeout",
         help="seconds to open a connection to a worker, and the longest wait for a free one "
         "(--max-connections) before the request is answered 503",
-        error=_CONNECTION_ERROR,
+        error=_TIMEOUT_ERROR,
         gt=0,
     )
     request_timeout_s: float = option(
         1800.0,
         flag="--request-timeout",
         help="longest wait for the next byte of a worker's answer",
-        error=_CONNECTION_ERROR,
+        error=_TIMEOUT_ERROR,
         gt=0,
     )
     max_connections: int = option(

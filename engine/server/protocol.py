@@ -100,8 +100,8 @@ def _utf8_json_text(text: str) -> str:
     """A schema given as text holds no escape of a lone surrogate ("\\ud800") either; text
     that is no JSON is left to the schema compiler's 400. Text without an escape of a
     surrogate is not parsed (a 0.6 MB schema took 16 ms, on the event loop); text with one is
-    parsed and its strings read (reading its escapes one by one instead took 200 ms for 2 MB
-    of "\\n" after a surrogate pair, 25 parses)."""
+    parsed and its strings read (matching its every escape in Python instead took 148 ms for
+    2 MB of "\\n" after a surrogate pair, where a parse takes 5.5 ms)."""
     if not _SURROGATE_ESCAPE.search(text):
         return text
     try:

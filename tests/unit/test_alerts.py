@@ -225,6 +225,8 @@ def error_cases() -> dict:
             )
         return found
 
+    # The rule reads only the answers; the attempts beside them are what the workers saw, so
+    # that a rule reading attempts again (retried refusals and errors as failures) fails here.
     return {
         "interval": "1m",
         "input_series": [
