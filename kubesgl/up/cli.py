@@ -105,14 +105,16 @@ def build_parser() -> CommandParser:
 
 
 def port_range(text: str) -> range:
-    """LOW-HIGH, two ports, both in the range."""
+    """LOW-HIGH, two ports, the first no higher than the second."""
     low, dash, high = text.partition("-")
     try:
         ports = range(port_number(low), port_number(high) + 1)
     except argparse.ArgumentTypeError:
-        ports = range(0)
-    if not (dash and ports):
+        ports = None
+    if not dash or ports is None:
         raise argparse.ArgumentTypeError(f"LOW-HIGH, two ports from 1 to 65535, not {text!r}")
+    if not ports:
+        raise argparse.ArgumentTypeError(f"LOW-HIGH, LOW no higher than HIGH, not {text!r}")
     return ports
 
 
