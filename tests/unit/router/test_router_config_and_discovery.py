@@ -1,3 +1,6 @@
+import os
+import socket
+
 import pytest
 
 from kubesgl.contract import ADMIN_KEY_ENV
@@ -240,13 +243,19 @@ def test_options_that_have_no_effect_are_named_with_the_reason():
 
 
 def test_the_router_warns_of_options_without_effect_at_start(monkeypatch, capsys):
+    """Served on a socket of its own (--fd): it failed where --port 23017 was taken."""
     import uvicorn
 
     from kubesgl.router import cli
 
-    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: None)
-    argv = ["--worker", "http://w:1", "--pd-max-prefill-in-flight", "8", "--port", "23017"]
-    assert cli.main(argv) == 0
+    served: list[socket.socket] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: served.extend(sockets))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        fd = str(os.dup(listener.fileno()))  # the router's socket closes its own copy
+        argv = ["--worker", "http://w:1", "--pd-max-prefill-in-flight", "8", "--fd", fd]
+        assert cli.main(argv) == 0
+    (sock,) = served
+    sock.close()
     assert capsys.readouterr().err.splitlines() == [
         "kubesgl router: --pd-max-prefill-in-flight has no effect: it applies to prefill/decode "
         "workers, and only mixed ones (--worker) are given"
