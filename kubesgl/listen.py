@@ -16,20 +16,21 @@ class CannotListen(ValueError):
 
 def listen_socket(host: str, port: int) -> socket.socket:
     """A socket listening on host:port, for uvicorn to serve. Listening, not only bound: only a
-    listening socket keeps a second server off the port."""
+    listening socket keeps a second server off the port. Its family is the one uvicorn's own
+    socket takes (uvicorn.Config.bind_socket): IPv6 where the host has a ':', else IPv4, so that
+    a name such as localhost, which may resolve to ::1 first, means 127.0.0.1, and an empty
+    host every IPv4 address, as 0.0.0.0 does."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except socket.gaierror as exc:
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except socket.gaierror as exc:  # its errno is no errno value: EAI_NONAME is -2
+        sock.close()
         raise CannotListen(
             f"--host {host}: not an address of this machine ({exc.strerror})"
         ) from None
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(BACKLOG)
     except OSError as exc:
         sock.close()
         raise CannotListen(bind_problem(f"--port {port}", host, port, exc)) from None

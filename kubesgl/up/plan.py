@@ -433,7 +433,7 @@ def _router(
         settings.port,
         _stop_timeout(pod),
         waits_for=roles,
-        host=ENGINE_HOST if settings.host in ("0.0.0.0", "::") else settings.host,
+        host=ENGINE_HOST if settings.host in ("", "0.0.0.0", "::") else settings.host,
         unset_env=_unset_secret_keys(container),
     )
 

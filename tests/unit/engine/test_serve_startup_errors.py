@@ -148,6 +148,31 @@ def test_the_listening_socket_is_bound_before_anything_starts():
         sock.close()
 
 
+def test_the_listening_socket_takes_uvicorns_family(monkeypatch):
+    """IPv6 only where the host has a ':', as uvicorn's own socket (uvicorn.Config.bind_socket):
+    the first address of getaddrinfo was taken, so a localhost resolving to ::1 first listened
+    on ::1 alone, where uvicorn had listened on 127.0.0.1."""
+    resolved = socket.getaddrinfo
+
+    def ipv6_first(host, *args, **kwargs):
+        found = resolved(host, *args, **kwargs)
+        if host != "localhost":
+            return found
+        return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", 0, 0, 0)), *found]
+
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_first)
+    for host, family in (("localhost", socket.AF_INET), ("::1", socket.AF_INET6)):
+        with listen_socket(host, 0) as sock:
+            assert sock.family == family
+
+
+def test_an_empty_host_listens_on_every_ipv4_address():
+    """As uvicorn takes it, and 0.0.0.0; it was refused as `--host : not an address of this
+    machine`."""
+    with listen_socket("", 0) as sock:
+        assert sock.getsockname()[0] == "0.0.0.0"
+
+
 @pytest.mark.parametrize(
     ("arch", "tp_size", "fits"),
     [

@@ -381,6 +381,13 @@ def test_the_routers_url_brackets_an_ipv6_address():
     assert router.url == f"http://[::1]:{router.port}"
 
 
+def test_a_router_on_every_address_is_reached_on_127_0_0_1():
+    """An empty --host is every IPv4 address, as 0.0.0.0 (kubesgl/listen.py, as uvicorn)."""
+    for host in ("", "0.0.0.0", "::"):
+        router = local_plan(example("quickstart"), host=host).router
+        assert router.url == f"http://127.0.0.1:{router.port}"
+
+
 def test_ports_come_from_outside_the_range_of_outgoing_connections(monkeypatch) -> None:
     """A port that binding port 0 gives is in the kernel's range for outgoing connections: any
     connection could take it before the engine binds it, and a prefill engine crash-looped on
