@@ -23,6 +23,7 @@ from kubesgl.router.routing import DisaggregationSettings, RetrySettings
 from kubesgl.router.security import check_key
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+DEFAULT_HOST = "127.0.0.1"
 _BREAKER_OPTIONS = {"breaker_failure_threshold", "breaker_cooldown_s"}
 # The flags of --help's group "health, circuit breaker, retries, timeouts", in its order
 _RESILIENCE_OPTIONS = (
@@ -89,23 +90,26 @@ def build_parser(
     )
 
     s = p.add_argument_group("server")
+    # None where not given: --fd takes neither (its socket has its address already)
     s.add_argument(
         "--host",
-        default="127.0.0.1",
-        help="address to listen on (0.0.0.0: every interface, as in a pod)",
+        default=None,
+        help=f"address to listen on (default: {DEFAULT_HOST}; 0.0.0.0: every interface, as in "
+        "a pod)",
     )
     s.add_argument(
         "--port",
         type=port_number,
-        default=contract.ROUTER_PORT,
-        help="port of the OpenAI-compatible API",
+        default=None,
+        help=f"port of the OpenAI-compatible API (default: {contract.ROUTER_PORT})",
     )
     s.add_argument(
         "--fd",
         type=at_least(0),
         default=None,
         help="serve on this listening socket, inherited open, instead of binding --host and "
-        "--port (kubesgl up holds the router's port from its own start and passes it)",
+        "--port, which it takes neither of (kubesgl up holds the router's port from its own "
+        "start and passes it)",
     )
     s.add_argument(
         "--log-level",
@@ -162,6 +166,12 @@ def _keys(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str | N
 def config_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> RouterConfig:
+    if args.fd is not None and (args.host is not None or args.port is not None):
+        # the socket's address is its own: either flag would be ignored
+        raise ValueError(
+            f"--fd {args.fd} serves a socket that listens already: give --host and --port, or "
+            "--fd, not both"
+        )
     admin_api_key, api_key = _keys(args, os.environ if environ is None else environ)
     kube = None
     if args.kube_selector or args.kube_namespace:
@@ -211,11 +221,19 @@ def check_router_args(argv: list[str], environ: Mapping[str, str]) -> None:
 def _listener(args: argparse.Namespace) -> socket.socket:
     """The socket of --fd, listening already, else one listening on --host and --port now."""
     if args.fd is None:
-        return listen_socket(args.host, args.port)
+        return listen_socket(
+            DEFAULT_HOST if args.host is None else args.host,
+            contract.ROUTER_PORT if args.port is None else args.port,
+        )
     try:
-        return socket.socket(fileno=args.fd)
+        sock = socket.socket(fileno=args.fd)
     except OSError as exc:
         raise CannotListen(f"--fd {args.fd}: not an open socket ({exc.strerror})") from None
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        # uvicorn would fail on its first accept(), after the app's startup
+        sock.close()
+        raise CannotListen(f"--fd {args.fd}: a socket that does not listen (bound, connected?)")
+    return sock
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,7 @@ import os
 import random
 import socket
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -232,9 +232,11 @@ def spec_field(flag: str) -> str | None:
 
 def serving_on(local: LocalPlan, fd: int) -> LocalPlan:
     """The plan with its router serving on `fd`, a socket `kubesgl up` listens on from its own
-    start: no other process can take the port while the engines load (the router starts only
-    once they are ready), and what answers on it is this plan's router."""
-    router = replace(local.router, argv=(*local.router.argv, "--fd", str(fd)), pass_fds=(fd,))
+    start, in place of its --host and --port (the router refuses them beside --fd): no other
+    process can take the port while the engines load (the router starts only once they are
+    ready), and what answers on it is this plan's router."""
+    argv = (*_without(local.router.argv, ("--host", "--port")), "--fd", str(fd))
+    router = replace(local.router, argv=argv, pass_fds=(fd,))
     return replace(local, router=router)
 
 
@@ -416,7 +418,7 @@ def _router(
     settings: LocalSettings,
 ) -> LocalProcess:
     container = pod["containers"][0]
-    args = _without_discovery(container["args"])
+    args = _without(container["args"], _DISCOVERY_FLAGS)
     _set_flag_value(args, "--host", settings.host)
     _set_flag_value(args, "--port", str(settings.port))
     # the engines by flag, as `kubesgl router --prefill URL@PORT --decode URL`
@@ -521,9 +523,7 @@ def _set_flag_value(args: list[str], flag: str, value: str) -> None:
     args[args.index(flag) + 1] = value
 
 
-def _without_discovery(args: list[str]) -> list[str]:
-    """The arguments less each discovery flag and its value."""
-    dropped = {
-        i + offset for i, arg in enumerate(args) if arg in _DISCOVERY_FLAGS for offset in (0, 1)
-    }
+def _without(args: Sequence[str], flags: tuple[str, ...]) -> list[str]:
+    """The arguments less each of these flags and its value."""
+    dropped = {i + offset for i, arg in enumerate(args) if arg in flags for offset in (0, 1)}
     return [arg for i, arg in enumerate(args) if i not in dropped]

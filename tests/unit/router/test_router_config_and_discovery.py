@@ -312,3 +312,40 @@ def test_the_router_refuses_a_port_in_use_at_start(monkeypatch, capsys):
         f"kubesgl router: --port {port}: port {port} on 127.0.0.1 is already in use "
         "(another server?); choose another port"
     ]
+
+
+@pytest.mark.parametrize("address", [["--host", "0.0.0.0"], ["--port", "9000"]])
+def test_a_socket_to_serve_takes_no_address_beside_it(monkeypatch, capsys, address):
+    """--fd beside --host or --port served the socket and ignored them without a word."""
+    import uvicorn
+
+    from kubesgl.router import cli
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: pytest.fail("it served"))
+    argv = ["--worker", "http://w:1", "--fd", "3", *address]
+    with pytest.raises(ValueError, match="give --host and --port, or --fd, not both"):
+        cli.check_router_args(argv, {})
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "kubesgl router: error: --fd 3 serves a socket that listens already: give --host and "
+        "--port, or --fd, not both"
+    )
+
+
+def test_a_socket_to_serve_must_listen(monkeypatch, capsys):
+    """A bound socket that does not listen was served, and uvicorn failed on its first
+    accept, after the app's startup."""
+    import uvicorn
+
+    from kubesgl.router import cli
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda server, sockets: pytest.fail("it served"))
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        fd = os.dup(bound.fileno())  # the router closes its copy
+        assert cli.main(["--worker", "http://w:1", "--fd", str(fd)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"kubesgl router: --fd {fd}: a socket that does not listen (bound, connected?)"
+    ]

@@ -16,7 +16,15 @@ from kubesgl.engine.server.options import build_parser as serve_parser
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service
 from kubesgl.router.cli import build_parser as router_parser
-from kubesgl.up.plan import ENGINE_HOST, LocalPlan, LocalSettings, NotEnoughGpus, plan
+from kubesgl.router.cli import check_router_args
+from kubesgl.up.plan import (
+    ENGINE_HOST,
+    LocalPlan,
+    LocalSettings,
+    NotEnoughGpus,
+    plan,
+    serving_on,
+)
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[3] / "examples"
 EXAMPLES = sorted(EXAMPLES_DIR.glob("*.yaml"))
@@ -379,6 +387,15 @@ def test_stop_timeouts_are_the_pods_grace_periods_without_the_prestop_pause():
 def test_the_routers_url_brackets_an_ipv6_address():
     router = local_plan(example("quickstart"), host="::1").router
     assert router.url == f"http://[::1]:{router.port}"
+
+
+def test_the_router_serving_the_socket_of_kubesgl_up_is_given_no_address_beside_it():
+    """The router refuses --host and --port beside --fd, which it would ignore."""
+    local = local_plan(example("quickstart"), host="0.0.0.0", port=9000)
+    argv = serving_on(local, 7).router.argv
+    assert list(argv[:4]) == [*KUBESGL, "router"] and argv[-2:] == ("--fd", "7")
+    assert "--host" not in argv and "--port" not in argv
+    check_router_args(list(argv[4:]), {})
 
 
 def test_a_router_on_every_address_is_reached_on_127_0_0_1():
