@@ -144,13 +144,15 @@ def main(argv: list[str]) -> int:
         return _report(refused)
     except KeyboardInterrupt:
         return INTERRUPTED
-    with listener:  # the router's port is this run's until it ends, the router's restarts included
-        return _run(local, args.logs)
+    # the router's port is this run's, the router's restarts included, until the router stops
+    with listener:
+        return _run(local, args.logs, listener)
 
 
-def _run(local: LocalPlan, logs_given: str | None) -> int:
+def _run(local: LocalPlan, logs_given: str | None, listener: socket.socket) -> int:
     """Makes the model if it must, runs the plan's processes until they stop, and leaves the
-    log folder; the exit status."""
+    log folder; the exit status. `listener`, the router's port, is closed as the router
+    stops."""
     try:
         logs = _log_folder(local.name, logs_given)
     except _Refused as refused:
@@ -164,7 +166,7 @@ def _run(local: LocalPlan, logs_given: str | None) -> int:
     except KeyboardInterrupt:
         status, troubled = INTERRUPTED, False
     else:
-        status, troubled = _supervise(local, logs.path, view)
+        status, troubled = _supervise(local, logs.path, view, listener)
     _leave(logs, keep=troubled)
     return status
 
@@ -291,10 +293,15 @@ def _prepare(local: LocalPlan, log_dir: Path) -> StatusView:
     return view
 
 
-def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> tuple[int, bool]:
+def _supervise(
+    local: LocalPlan, log_dir: Path, view: StatusView, listener: socket.socket
+) -> tuple[int, bool]:
     """Run the plan's processes until Ctrl-C, SIGTERM or SIGHUP (status 0), or until one exits
     with a configuration error (status 2, naming it); then drain and stop them all. Also
-    whether a process had trouble: it exited on its own, or was killed as it stopped."""
+    whether a process had trouble: it exited on its own, or was killed as it stopped. The
+    router's port (`listener`) is closed as the router gets its SIGTERM: a connection is then
+    refused, once the router's server has closed its copy, instead of waiting in the port's
+    queue while the engines drain, to be reset when `kubesgl up` ends."""
     stop, force = threading.Event(), threading.Event()
     stopped_at: list[float] = []  # when a signal stopped it, if one did
 
@@ -338,7 +345,11 @@ def _supervise(local: LocalPlan, log_dir: Path, view: StatusView) -> tuple[int, 
                 what = _what_stops(supervisor.replicas, "(Ctrl-C again kills {} at once)")
                 view.note(f"stopping: {what}")
         finally:
-            supervisor.stop(force, on_tick=lambda: view.refresh(supervisor.replicas))
+            supervisor.stop(
+                force,
+                on_tick=lambda: view.refresh(supervisor.replicas),
+                routers_stopping=listener.close,
+            )
             view.close()
     for why, names in by_reason(supervisor.failed).items():  # every replica says the same
         print(

@@ -188,39 +188,54 @@ class Supervisor:
             elif replica.state in PROBED and replica in health:  # running then and since
                 self._take_health(replica, health[replica])
 
-    def stop(self, force: threading.Event, on_tick: Callable[[], None] = lambda: None) -> None:
+    def stop(
+        self,
+        force: threading.Event,
+        on_tick: Callable[[], None] = lambda: None,
+        routers_stopping: Callable[[], None] = lambda: None,
+    ) -> None:
         """The router first, so that no new request reaches an engine, then the engines. Each
         gets SIGTERM (its drain) and, after its pod's grace period or at once when `force` is
-        set, SIGKILL for its whole process group."""
+        set, SIGKILL for its whole process group. `routers_stopping` is called once the
+        routers have their SIGTERM, from when none starts again (`kubesgl up` closes its
+        listening socket on the router's port there)."""
         routers = [r for r in self.replicas if r.process.role == contract.ROUTER]
-        for group in (routers, [r for r in self.replicas if r not in routers]):
-            deadlines = {}
-            for replica in group:
-                if replica.popen is None:
-                    if replica.state != State.FAILED:  # the reason everything stops stays shown
-                        replica.state = State.STOPPED
-                    continue
-                replica.state = State.STOPPING
-                replica.popen.send_signal(signal.SIGTERM)  # the leader only, as the kubelet does
-                deadlines[replica] = self.clock() + replica.process.stop_timeout_s
-            while deadlines:
-                for replica, deadline in list(deadlines.items()):
-                    assert replica.popen is not None  # only started replicas have a deadline
-                    if (
-                        replica.popen.poll() is not None
-                        or force.is_set()
-                        or self.clock() >= deadline
-                    ):
-                        self._kill(
-                            replica,
-                            "at once, as asked"
-                            if force.is_set()
-                            else f"it did not stop within {replica.process.stop_timeout_s:g} s",
-                        )
-                        del deadlines[replica]
-                on_tick()
-                if deadlines:
-                    time.sleep(0.1)
+        deadlines = self._terminate(routers)
+        routers_stopping()
+        self._wait(deadlines, force, on_tick)
+        self._wait(self._terminate([r for r in self.replicas if r not in routers]), force, on_tick)
+
+    def _terminate(self, group: list[Replica]) -> dict[Replica, float]:
+        """SIGTERM to each running replica of the group; when each must have stopped by."""
+        deadlines = {}
+        for replica in group:
+            if replica.popen is None:
+                if replica.state != State.FAILED:  # the reason everything stops stays shown
+                    replica.state = State.STOPPED
+                continue
+            replica.state = State.STOPPING
+            replica.popen.send_signal(signal.SIGTERM)  # the leader only, as the kubelet does
+            deadlines[replica] = self.clock() + replica.process.stop_timeout_s
+        return deadlines
+
+    def _wait(
+        self, deadlines: dict[Replica, float], force: threading.Event, on_tick: Callable[[], None]
+    ) -> None:
+        """Until each replica has exited, or is killed at its deadline or when `force` is set."""
+        while deadlines:
+            for replica, deadline in list(deadlines.items()):
+                assert replica.popen is not None  # only started replicas have a deadline
+                if replica.popen.poll() is not None or force.is_set() or self.clock() >= deadline:
+                    self._kill(
+                        replica,
+                        "at once, as asked"
+                        if force.is_set()
+                        else f"it did not stop within {replica.process.stop_timeout_s:g} s",
+                    )
+                    del deadlines[replica]
+            on_tick()
+            if deadlines:
+                time.sleep(0.1)
 
     def _may_start(self, replica: Replica) -> bool:
         return all(

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -401,6 +402,73 @@ def test_the_routers_port_is_held_from_the_start_and_handed_to_the_router(
     (fd,) = seen["router"].pass_fds
     assert seen["router"].argv[-2:] == ("--fd", str(fd))
     assert _listens_on(port)  # free again once it ends
+
+
+READY_THEN_DRAINING = r"""
+import http.server, signal, sys, threading, time
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # its server's thread too
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+signal.sigwait({signal.SIGTERM})
+print("draining", flush=True)
+time.sleep(3)
+"""
+
+
+def test_the_routers_port_refuses_connections_once_the_router_stops(tmp_path, monkeypatch):
+    """`kubesgl up` held the router's port until it ended: while the engines drained (87 s at
+    most) a new connection was taken into the port's queue, where nothing accepted it, and
+    reset when it ended. The router's own server refuses one once it stops; so does the port
+    now, while the engines still drain."""
+    engine_port, port = free_port(), free_port()
+    engine = LocalProcess(
+        "decode-0",
+        contract.DECODE,
+        (sys.executable, "-c", READY_THEN_DRAINING, str(engine_port)),
+        {},
+        engine_port,
+        30,
+    )
+    router = LocalProcess(
+        "router",
+        contract.ROUTER,
+        (sys.executable, "-c", SERVING),
+        {},
+        1,
+        10,
+        waits_for=(contract.DECODE,),
+    )
+    local = LocalPlan("quickstart", "disaggregated", str(tmp_path), None, (engine,), router, ())
+    monkeypatch.setattr(cli, "plan", lambda isvc, settings: local)
+    connected: list[bool] = []
+
+    def client() -> None:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "router.log").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the router starts once the engine is ready
+        os.kill(os.getpid(), signal.SIGINT)
+        while "draining" not in (tmp_path / "decode-0.log").read_text().splitlines():
+            time.sleep(0.05)  # the router has stopped: the engines are stopped after it
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            connected.append(True)
+        except ConnectionRefusedError:
+            connected.append(False)
+
+    threading.Thread(target=client, daemon=True).start()
+    args = ["-f", str(QUICKSTART), "--port", str(port), "--logs", str(tmp_path)]
+    assert cli.main(args) == 0
+    assert (tmp_path / "router.log").exists()  # it ran, on the port's socket
+    assert connected == [False]
 
 
 def _listens_on(port: int) -> bool:
