@@ -40,13 +40,14 @@ from kubesgl.up.model import ModelStepFailed, cpu_size_note, ensure_model
 from kubesgl.up.plan import (
     PORT_RANGE,
     LocalPlan,
+    LocalProcess,
     LocalSettings,
     NoFreePort,
     NotEnoughGpus,
     PortPicker,
     plan,
     serving_on,
-    spec_field,
+    spec_fields,
 )
 from kubesgl.up.status import StatusView
 from kubesgl.up.supervisor import Replica, Supervisor, by_reason
@@ -352,19 +353,21 @@ def _supervise(
             )
             view.close()
     for why, names in by_reason(supervisor.failed).items():  # every replica says the same
+        processes = [r.process for r in supervisor.failed if r.last_exit == why]
         print(
-            f"{PROG}: {names} exited ({why}): a configuration error{_in_spec(why)}, which a "
-            "restart would only repeat; everything is stopped",
+            f"{PROG}: {names} exited ({why}): a configuration error{_in_spec(why, processes)}, "
+            "which a restart would only repeat; everything is stopped",
             file=sys.stderr,
         )
     return (2 if supervisor.failed else 0), bool(supervisor.troubled)
 
 
-def _in_spec(why: str) -> str:
-    """' in spec.engine.contextLength' where an engine's error names the flag of a spec field."""
+def _in_spec(why: str, processes: list[LocalProcess]) -> str:
+    """' in spec.engine.contextLength' where an engine's error names the flag of a spec field,
+    or ' in spec.decode.extraArgs' where those set it; the field of each process that exited."""
     flag = re.search(r"kubesgl serve: (--[a-z0-9-]+)", why)
-    field = spec_field(flag[1]) if flag else None
-    return f" in {field}" if field else ""
+    fields = spec_fields(processes, flag[1]) if flag else []
+    return f" in {' and '.join(fields)}" if fields else ""
 
 
 def _what_stops(replicas: list[Replica], kill_hint: str) -> str:

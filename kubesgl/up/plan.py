@@ -13,7 +13,7 @@ import os
 import random
 import socket
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -160,6 +160,10 @@ class LocalProcess:
     host: str = ENGINE_HOST  # where it answers on this machine
     unset_env: tuple[str, ...] = ()  # variables of the environment of `kubesgl up` it does not get
     pass_fds: tuple[int, ...] = ()  # file descriptors of `kubesgl up` it inherits
+    # an engine's command line as rendered, in parts by the spec field each comes from, in
+    # order: (spec.engine, its fields' flags), (spec.engine.extraArgs, ...), (spec.decode.extraArgs,
+    # ...); where a flag it refuses was set (`spec_fields`)
+    spec_args: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """Its variables: `env` over `base` less `unset_env`."""
@@ -221,13 +225,33 @@ class LocalPlan:
         return self.router.url + "/v1"
 
 
-def spec_field(flag: str) -> str | None:
-    """The spec field an engine's flag is rendered from (--context-length:
-    spec.engine.contextLength), None for a flag no spec.engine field sets."""
+def spec_fields(processes: Iterable[LocalProcess], flag: str) -> list[str]:
+    """The spec fields that gave these engines a flag, each one's last (extraArgs override
+    what comes before them): the spec.engine field it is rendered from (--context-length:
+    spec.engine.contextLength), or the extraArgs that carry it (spec.decode.extraArgs)."""
     name = flag.removeprefix("--").replace("-", "_")
+    flags = ENGINE_OPTIONS[name].flags if name in ENGINE_OPTIONS else (flag,)
+    fields: list[str] = []
+    for process in processes:
+        given = [field for field, args in process.spec_args if _carries(args, flags)]
+        field = given[-1] if given else None
+        if field == "spec.engine":  # a flag no spec.engine field sets (--port) names none
+            field = _engine_field(name)
+        if field is not None and field not in fields:
+            fields.append(field)
+    return fields
+
+
+def _engine_field(name: str) -> str | None:
+    """The spec.engine field of an engine option, if one sets it."""
     if name not in ENGINE_OPTIONS or name not in EngineSpec.model_fields:
         return None
     return f"spec.engine.{EngineSpec.model_fields[name].alias}"
+
+
+def _carries(args: Sequence[str], flags: tuple[str, ...]) -> bool:
+    """Whether the arguments give one of these flags (`--flag value` or `--flag=value`)."""
+    return any(arg.split("=", 1)[0] in flags for arg in args if arg.startswith("--"))
 
 
 def serving_on(local: LocalPlan, fd: int) -> LocalPlan:
@@ -284,9 +308,10 @@ def plan(isvc: InferenceService, settings: LocalSettings) -> LocalPlan:
             if use_gpus:
                 gpus = tuple(free_gpus[: block.tensor_parallel_size])
                 del free_gpus[: block.tensor_parallel_size]
-            engines.append(
-                _engine(f"{role}-{index}", role, pods[role], model_path, gpus, settings, free_port)
+            engine = _engine(
+                f"{role}-{index}", role, pods[role], model_path, gpus, settings, free_port
             )
+            engines.append(replace(engine, spec_args=_spec_args(isvc, role, pods[role])))
     router = _router(pods[contract.ROUTER], tuple(engines), tuple(roles), settings)
     return LocalPlan(
         isvc.metadata.name,
@@ -306,6 +331,22 @@ def _rendered_pods(isvc: InferenceService) -> dict[str, dict[str, Any]]:
         for obj in render(isvc)
         if obj["kind"] == "Deployment"
     }
+
+
+def _spec_args(
+    isvc: InferenceService, role: contract.EngineRole, pod: dict[str, Any]
+) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """The engine's rendered arguments in parts by the field each comes from (render puts
+    spec.engine.extraArgs, then the role's, after the flags of spec.engine's fields)."""
+    args = pod["containers"][0]["args"]
+    engine_extra = len(isvc.spec.engine.extra_args)
+    role_extra = len(isvc.spec.engine_roles()[role].extra_args)
+    own = len(args) - engine_extra - role_extra
+    return (
+        ("spec.engine", tuple(args[:own])),
+        ("spec.engine.extraArgs", tuple(args[own : own + engine_extra])),
+        (f"spec.{role}.extraArgs", tuple(args[own + engine_extra :])),
+    )
 
 
 def _refuse_idle_roles(replicas: dict[contract.EngineRole, int]) -> None:

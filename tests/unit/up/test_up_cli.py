@@ -217,6 +217,8 @@ print("kubesgl serve: --context-length 100000 exceeds the model's 2048", file=sy
 sys.exit(2)
 """
 SERVING = "import time; time.sleep(600)"  # never answers /health: starting until stopped
+# the engines' command line as spec.engine.contextLength: 100000 renders it
+CONTEXT_LENGTH = (("spec.engine", ("serve", "--context-length", "100000")),)
 
 
 def test_a_process_that_exits_with_status_2_stops_everything_with_status_2(
@@ -227,7 +229,8 @@ def test_a_process_that_exits_with_status_2_stops_everything_with_status_2(
 
     def process(name: str, role: contract.PodRole, code: str) -> LocalProcess:
         port = free_port()
-        return LocalProcess(name, role, (sys.executable, "-c", code), {}, port, 10)
+        argv = (sys.executable, "-c", code)
+        return LocalProcess(name, role, argv, {}, port, 10, spec_args=CONTEXT_LENGTH)
 
     engines = (
         process("prefill-0", contract.PREFILL, REFUSING),
@@ -287,7 +290,8 @@ def test_replicas_refusing_the_spec_alike_say_it_once_naming_the_spec_field(
     quickstart's two engines), naming the engine's flag, not the field of the spec to change."""
 
     def process(name: str, role: contract.PodRole, code: str) -> LocalProcess:
-        return LocalProcess(name, role, (sys.executable, "-c", code), {}, free_port(), 10)
+        argv = (sys.executable, "-c", code)
+        return LocalProcess(name, role, argv, {}, free_port(), 10, spec_args=CONTEXT_LENGTH)
 
     engines = (
         process("prefill-0", contract.PREFILL, ENGINE_REFUSING),
@@ -312,6 +316,53 @@ def test_replicas_refusing_the_spec_alike_say_it_once_naming_the_spec_field(
         ),
         err,
     )
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"engine": {"contextLength": 100000}}, "spec.engine.contextLength"),
+        ({"engine": {"extraArgs": ["--context-length=100000"]}}, "spec.engine.extraArgs"),
+        ({"decode": {"extraArgs": ["--context-length", "100000"]}}, "spec.decode.extraArgs"),
+        (  # extraArgs override the field
+            {
+                "engine": {"contextLength": 1024},
+                "decode": {"extraArgs": ["--context-length", "100000"]},
+            },
+            "spec.decode.extraArgs",
+        ),
+    ],
+)
+def test_a_configuration_error_names_the_field_that_set_the_flag(tmp_path, changes, field):
+    """It named spec.engine.contextLength for any error of --context-length, also one that
+    spec.decode.extraArgs set."""
+    document = yaml.safe_load(QUICKSTART.read_text())
+    for block, values in changes.items():
+        document["spec"].setdefault(block, {}).update(values)
+    path = tmp_path / "isvc.yaml"
+    path.write_text(yaml.safe_dump(document))
+    args = cli.build_parser().parse_args(["-f", str(path), "--port", str(free_port())])
+    local, listener = cli._plan(args)
+    listener.close()
+    (decode,) = [engine for engine in local.engines if engine.role == contract.DECODE]
+    why = "exit code 2: kubesgl serve: --context-length 100000 exceeds this model's 2048"
+    assert cli._in_spec(why, [decode]) == f" in {field}"
+
+
+def test_replicas_whose_flag_comes_from_two_fields_name_both(tmp_path):
+    document = yaml.safe_load(QUICKSTART.read_text())
+    document["spec"]["engine"]["contextLength"] = 100000
+    document["spec"]["decode"]["extraArgs"] = ["--context-length", "100000"]
+    path = tmp_path / "isvc.yaml"
+    path.write_text(yaml.safe_dump(document))
+    args = cli.build_parser().parse_args(["-f", str(path), "--port", str(free_port())])
+    local, listener = cli._plan(args)
+    listener.close()
+    why = "exit code 2: kubesgl serve: --context-length 100000 exceeds this model's 2048"
+    assert cli._in_spec(why, list(local.engines)) == (
+        " in spec.engine.contextLength and spec.decode.extraArgs"
+    )
+    assert cli._in_spec("exit code 2: kubesgl serve: --port 1 is in use", list(local.engines)) == ""
 
 
 def free_port() -> int:
