@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from kubesgl.contract import PREFILL
 from kubesgl.engine.config import CUDA_ONLY_BACKENDS, AttentionBackendName, EngineConfig
 from kubesgl.engine.model_config import ModelConfig, ModelConfigError, load_model_config
 from kubesgl.engine.models.hub import HubError, resolve_model
-from kubesgl.listen import bind_problem
+from kubesgl.listen import CannotListen, bound_socket
 
 
 class StartupError(ValueError):
@@ -188,16 +187,6 @@ def check_bootstrap_port(config: EngineConfig, host: str) -> None:
     if config.role != PREFILL or port == 0:
         return
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except socket.gaierror:
-        return  # listen_socket names the host
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            raise StartupError(
-                bind_problem("--disaggregation-bootstrap-port", host, port, exc)
-            ) from None
+        bound_socket(host, port, "--disaggregation-bootstrap-port").close()
+    except CannotListen as exc:
+        raise StartupError(str(exc)) from None

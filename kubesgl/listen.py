@@ -20,12 +20,23 @@ def listen_socket(host: str, port: int) -> socket.socket:
     socket takes (uvicorn.Config.bind_socket): IPv6 where the host has a ':', else IPv4, so that
     a name such as localhost, which may resolve to ::1 first, means 127.0.0.1, and an empty
     host every IPv4 address, as 0.0.0.0 does."""
+    sock = bound_socket(host, port, "--port")
+    try:
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise CannotListen(bind_problem(f"--port {port}", host, port, exc)) from None
+    return sock
+
+
+def bound_socket(host: str, port: int, flag: str) -> socket.socket:
+    """A socket bound to host:port in uvicorn's family (listen_socket); CannotListen names
+    `flag`, the port's, or --host."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-        sock.listen(BACKLOG)
     except socket.gaierror as exc:  # its errno is no errno value: EAI_NONAME is -2
         sock.close()
         raise CannotListen(
@@ -33,7 +44,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
         ) from None
     except OSError as exc:
         sock.close()
-        raise CannotListen(bind_problem(f"--port {port}", host, port, exc)) from None
+        raise CannotListen(bind_problem(f"{flag} {port}", host, port, exc)) from None
     return sock
 
 

@@ -565,6 +565,7 @@ def _set_flag_value(args: list[str], flag: str, value: str) -> None:
 
 
 def _without(args: Sequence[str], flags: tuple[str, ...]) -> list[str]:
-    """The arguments less each of these flags and its value."""
+    """The arguments less each of these flags and its value, given apart or as --flag=value."""
     dropped = {i + offset for i, arg in enumerate(args) if arg in flags for offset in (0, 1)}
-    return [arg for i, arg in enumerate(args) if i not in dropped]
+    joined = {i for i, arg in enumerate(args) if arg.partition("=")[0] in flags and "=" in arg}
+    return [arg for i, arg in enumerate(args) if i not in dropped | joined]

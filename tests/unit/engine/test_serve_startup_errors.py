@@ -5,12 +5,13 @@ started. (A problem only a child can find is tests/integration/engine/test_serve
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
 
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.preflight import StartupError, check_engine
+from kubesgl.engine.preflight import StartupError, check_bootstrap_port, check_engine
 from kubesgl.engine.server import cli as serve_cli
 from kubesgl.engine.server.launcher import Server
 from kubesgl.listen import CannotListen, listen_socket
@@ -135,8 +136,22 @@ def test_a_prefill_engines_bootstrap_port_already_taken(serve, tiny_model):
     assert (
         status == 2
         and len(err) == 1
-        and err[0].startswith("kubesgl serve: --disaggregation-bootstrap-port: ")
+        and err[0].startswith(f"kubesgl serve: --disaggregation-bootstrap-port {port}: ")
     )
+
+
+def test_a_bootstrap_port_is_checked_on_the_address_the_engine_listens_on():
+    """As the engine's own port (listen_socket's family, an empty host every IPv4 address): an
+    empty --host skipped the check, and the port in use failed only after the model loaded."""
+    config = EngineConfig(model="m", role="prefill", disaggregation_bootstrap_port=0)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = dataclasses.replace(config, disaggregation_bootstrap_port=port)
+        for host in ("", "0.0.0.0"):
+            with pytest.raises(StartupError, match="--disaggregation-bootstrap-port"):
+                check_bootstrap_port(config, host)
 
 
 def test_the_listening_socket_is_bound_before_anything_starts():

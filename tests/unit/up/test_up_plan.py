@@ -398,6 +398,16 @@ def test_the_router_serving_the_socket_of_kubesgl_up_is_given_no_address_beside_
     check_router_args(list(argv[4:]), {})
 
 
+def test_the_routers_address_in_its_extra_args_gives_way_to_the_socket_too():
+    """Router extraArgs may repeat the rendered address as --port=8000 (the operator refuses
+    only a changed one): dropped beside --fd as --port 8000 is, not refused by the router."""
+    document = example("quickstart")
+    document["spec"].setdefault("router", {})["extraArgs"] = ["--port=8000", "--host=0.0.0.0"]
+    argv = serving_on(local_plan(document), 7).router.argv
+    assert not any(arg.startswith(("--host", "--port")) for arg in argv), argv
+    check_router_args(list(argv[4:]), {})
+
+
 def test_a_router_on_every_address_is_reached_on_127_0_0_1():
     """An empty --host is every IPv4 address, as 0.0.0.0 (kubesgl/listen.py, as uvicorn)."""
     for host in ("", "0.0.0.0", "::"):
