@@ -1,8 +1,8 @@
 """A seeded random workload through the scheduler's features at once: requests arriving between
 steps, n copies of a prompt behind their first (prefix_leader), stop tokens, min_tokens, seeded
-sampling, aborts of waiting, prefilling, decoding and retracted requests, a queue limit, and a
-pool so small, under an output estimate kept low, that running requests are retracted again
-and again. After every step the pages add up; at the end every request ended exactly once, and
+sampling, aborts of waiting, decoding and retracted requests (prefilling ones where the draws
+fall so), a queue limit, and a pool so small, under an output estimate kept low, that running
+requests are retracted again and again. After every step the pages add up; at the end every request ended exactly once, and
 each that ran to its own end returned what it returns alone on a large pool (an aborted one: a
 prefix of that)."""
 
@@ -78,7 +78,11 @@ def test_random_workload_ends_every_request_exactly(config, tiny_model, make_llm
             rid = f"g{group}-{i}"
             leader = None if i == 0 else first
             try:
-                engine.add_request(GenerateRequest(rid, prompt, params, leader, None, leader))
+                engine.add_request(
+                    GenerateRequest(
+                        rid, prompt, params, prefix_leader=leader, request_leader=leader
+                    )
+                )
             except InvalidRequestError as refused:
                 assert refused.status == 503 and i == 0  # the queue is full; copies follow
                 refusals.append(rid)
