@@ -233,12 +233,12 @@ def spec_fields(processes: Iterable[LocalProcess], flag: str) -> list[str]:
     flags = ENGINE_OPTIONS[name].flags if name in ENGINE_OPTIONS else (flag,)
     fields: list[str] = []
     for process in processes:
-        given = [field for field, args in process.spec_args if _carries(args, flags)]
-        field = given[-1] if given else None
-        if field == "spec.engine":  # a flag no spec.engine field sets (--port) names none
-            field = _engine_field(name)
-        if field is not None and field not in fields:
-            fields.append(field)
+        given = [source for source, args in process.spec_args if _carries(args, flags)]
+        blamed = given[-1] if given else None
+        if blamed == "spec.engine":  # a flag no spec.engine field sets (--port) names none
+            blamed = _engine_field(name)
+        if blamed is not None and blamed not in fields:
+            fields.append(blamed)
     return fields
 
 
