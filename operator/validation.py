@@ -128,7 +128,7 @@ def _engine_problems(isvc: InferenceService) -> list[Problem]:
     for role, block in isvc.spec.engine_roles().items():
         values = {var.name: var.value for var in block.env if var.value is not None}
         argv = expand_references(engine_args(isvc, role, block)[1:], values)  # after `serve`
-        sections = _argv_sections(isvc, role, block, len(argv))
+        sections = argv_sections(isvc, role, block, len(argv))
         # a variable from a Secret, a ConfigMap or the pod is known in the pod only: the line
         # is not checked as a whole, but the owned flags still are
         in_pod_only = any(ENV_REFERENCE.search(arg) for arg in argv)
@@ -216,7 +216,7 @@ def _pairing_problems(isvc: InferenceService) -> list[Problem]:
 Sections = list[tuple[str, int]]
 
 
-def _argv_sections(
+def argv_sections(
     isvc: InferenceService, role: EngineRole, block: RoleSpec, length: int
 ) -> Sections:
     """A role's command line: the spec's own options, spec.engine.extraArgs, the role's."""

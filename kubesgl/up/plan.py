@@ -24,7 +24,7 @@ from kubesgl.engine.config import ENGINE_OPTIONS
 from kubesgl.operator.render import render
 from kubesgl.operator.render.common import expand_references
 from kubesgl.operator.spec import EngineSpec, InferenceService, ModelSpec
-from kubesgl.operator.validation import InvalidSpec, Problem
+from kubesgl.operator.validation import InvalidSpec, Problem, argv_sections
 
 ENGINE_HOST = "127.0.0.1"  # engines serve the router only; the router listens on --host
 # UCX's TCP transport (NIXL's, moving the KV from prefill to decode engines) listens on every
@@ -336,17 +336,12 @@ def _rendered_pods(isvc: InferenceService) -> dict[str, dict[str, Any]]:
 def _spec_args(
     isvc: InferenceService, role: contract.EngineRole, pod: dict[str, Any]
 ) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """The engine's rendered arguments in parts by the field each comes from (render puts
-    spec.engine.extraArgs, then the role's, after the flags of spec.engine's fields)."""
+    """The engine's rendered arguments in parts by the field each comes from, as the
+    operator's validation cuts them (argv_sections)."""
     args = pod["containers"][0]["args"]
-    engine_extra = len(isvc.spec.engine.extra_args)
-    role_extra = len(isvc.spec.engine_roles()[role].extra_args)
-    own = len(args) - engine_extra - role_extra
-    return (
-        ("spec.engine", tuple(args[:own])),
-        ("spec.engine.extraArgs", tuple(args[own : own + engine_extra])),
-        (f"spec.{role}.extraArgs", tuple(args[own + engine_extra :])),
-    )
+    sections = argv_sections(isvc, role, isvc.spec.engine_roles()[role], len(args))
+    starts = [0, *(end for _, end in sections[:-1])]
+    return tuple((source, tuple(args[start:end])) for (source, end), start in zip(sections, starts))
 
 
 def _refuse_idle_roles(replicas: dict[contract.EngineRole, int]) -> None:
