@@ -635,10 +635,17 @@ def _error_reply(error: RouterError | UpstreamError) -> BufferedReply:
     if isinstance(error, RouterError):
         extra = error.headers
     else:
-        # a worker's 503 passed on (every worker tried was busy): when to try again
-        extra = [TRY_AGAIN_LATER] if error.status == 503 else []
+        # a worker's 503 passed on (every worker tried was busy): when to try again, as the
+        # worker said if it did (its queue's wait, its drain's end), else the router's second
+        extra = [_retry_after(error)] if error.status == 503 else []
     no_retry = _NO_RETRY if error.status == 500 else []
     return BufferedReply(error.status, list(_JSON) + extra + no_retry, error.body())
+
+
+def _retry_after(error: UpstreamError) -> tuple[bytes, bytes]:
+    if error.retry_after is None:
+        return TRY_AGAIN_LATER
+    return (b"retry-after", error.retry_after)
 
 
 def _request_id(scope: Scope) -> str:

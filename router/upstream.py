@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 
 import aiohttp
 
@@ -180,6 +181,22 @@ TRY_AGAIN_AFTER_S = 1
 TRY_AGAIN_LATER = (b"retry-after", str(TRY_AGAIN_AFTER_S).encode())  # its header
 
 
+def retry_after_of(headers: Headers) -> bytes | None:
+    """A worker's Retry-After, to pass on as sent, if valid (RFC 9110, 10.2.3): seconds, a
+    non-negative integer, or an HTTP date. None for none, or one that is neither: a client
+    must not get a value it cannot read, which the router's own would replace."""
+    value = next((v.strip() for k, v in headers if k.lower() == b"retry-after"), None)
+    if value is None:
+        return None
+    if value.isdigit():  # bytes: ASCII digits only
+        return value
+    try:
+        parsedate_to_datetime(value.decode("latin-1"))
+    except (ValueError, TypeError):
+        return None
+    return value
+
+
 def pool_full(limit: int, wait_s: float) -> RouterError:
     return RouterError(
         503,
@@ -223,6 +240,7 @@ class UpstreamError(Exception):
         body: bytes | None = None,
         answered: bool = False,
         before_work: bool = False,
+        retry_after: bytes | None = None,
     ) -> None:
         super().__init__(message)
         self.worker = worker
@@ -230,6 +248,7 @@ class UpstreamError(Exception):
         self.message = message
         self.retryable = retryable
         self._body = body
+        self.retry_after = retry_after  # the worker's valid Retry-After (retry_after_of)
         self.answered = answered  # the worker answered with this error (it was reached)
         # the worker did nothing for the request (a retryable refusal is one; the router's
         # key refused is another, not retried: every engine would refuse it)
@@ -264,7 +283,9 @@ class UpstreamError(Exception):
         return cls(worker, 502, message, retryable=isinstance(exc, NOT_SENT_ERRORS))
 
     @classmethod
-    def from_answer(cls, worker: Worker, status: int, body: bytes) -> UpstreamError:
+    def from_answer(
+        cls, worker: Worker, status: int, body: bytes, retry_after: bytes | None = None
+    ) -> UpstreamError:
         """An error answer. Client errors (4xx) pass through verbatim: they are the caller's."""
         try:
             message = str(json.loads(body)["error"]["message"])
@@ -279,9 +300,19 @@ class UpstreamError(Exception):
             return cls(worker, 502, message, retryable=False, before_work=True)
         retryable = status in RETRYABLE_STATUSES
         if status < 500:
-            return cls(worker, status, message, retryable=retryable, body=body, answered=True)
+            return cls(
+                worker,
+                status,
+                message,
+                retryable=retryable,
+                body=body,
+                answered=True,
+                retry_after=retry_after,
+            )
         message = f"{worker.role.value} worker {worker.url} answered {status}: {message}"
-        return cls(worker, status, message, retryable=retryable, answered=True)
+        return cls(
+            worker, status, message, retryable=retryable, answered=True, retry_after=retry_after
+        )
 
 
 @dataclass
@@ -480,7 +511,9 @@ class UpstreamClient:
             if status >= 400 or not stream:
                 body = await self._read_all(worker, response)
                 if status >= 400:
-                    error = UpstreamError.from_answer(worker, status, body)
+                    error = UpstreamError.from_answer(
+                        worker, status, body, retry_after_of(reply_headers)
+                    )
                     if paired and _may_pass_on(worker, status):  # the pair decides whose it was
                         error._pending = attempt
                     else:
