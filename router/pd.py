@@ -23,6 +23,12 @@ the failure is the prefill worker's, whose attempt ends as `error` (its breaker 
 a request the router itself timed out), and since the decode engine answered an error before
 any output, the request goes to another pair (`UpstreamError.retryable`, without that
 prefill worker), as a refusal before any work does.
+
+A prefill request whose connection broke (its engine died mid-prefill) while the decode engine
+then passes that failure on (502 or 504, before any output) leaves the client nothing sent and
+a decode engine that did nothing wrong: the request goes once more, without that prefill worker
+(`UpstreamError.retry_once`), to another pair or a decode worker alone. Only once: it may be
+the request that killed the engine, and must not visit every prefill engine in turn.
 """
 
 from __future__ import annotations
@@ -276,7 +282,9 @@ async def _decode_verdict(
     A decode engine that passes on a prefill failure while the prefill request has not
     answered raises _SilentPrefill: the prefill worker failed (hung, or unreachable from its
     decode engine). One that passes on a failure while the prefill request answered well is
-    the client's answer, no worker blamed (which side failed, the router cannot tell)."""
+    the client's answer, no worker blamed (which side failed, the router cannot tell). A
+    prefill's broken connection that the decode engine passes on is retried once
+    (`UpstreamError.retry_once`)."""
     try:
         return await decode_task
     except UpstreamError as decode_error:
@@ -299,6 +307,11 @@ async def _decode_verdict(
             # (settled here: the callers' _settle of either error is then a no-op)
             decode_error.settle(blamed=True)
             prefill_error.settle(blamed=False)
+        if _lost_connection(prefill_error) and _passed_on(decode_error):
+            # The prefill engine died (or its connection broke) and the decode engine failed
+            # the request for want of its KV, before any output: another pair, or a decode
+            # engine alone, may serve it; once, as it may be the request that killed it
+            prefill_error.retry_once = True
         raise prefill_error from decode_error
 
 
@@ -339,6 +352,11 @@ def _passed_on(error: BaseException) -> bool:
         and error.answered
         and error.status in PEER_FAILURE_STATUSES
     )
+
+
+def _lost_connection(error: BaseException) -> TypeGuard[UpstreamError]:
+    """A side's connection refused, reset or closed before it answered: its engine is gone."""
+    return isinstance(error, UpstreamError) and error.connection_lost and not error.answered
 
 
 def _timed_out_waiting_for_decode(error: BaseException) -> TypeGuard[UpstreamError]:

@@ -231,12 +231,15 @@ class Forwarder:
     async def _with_retries(self, once: Callable[[set[Worker]], Awaitable[Reply]]) -> Reply:
         excluded: set[Worker] = set()
         retry = 0
+        broke_one = False  # a retry_once failure was retried already: the next is the answer
         while True:
             try:
                 return await once(excluded)
             except UpstreamError as error:
-                if not error.retryable or retry >= self.retry.max_retries:
+                may_retry = error.retryable or (error.retry_once and not broke_one)
+                if not may_retry or retry >= self.retry.max_retries:
                     raise
+                broke_one = broke_one or error.retry_once
                 excluded.add(error.worker)
                 self.metrics.retries.inc()
                 log.info("retry %d of %d: %s", retry + 1, self.retry.max_retries, error)
@@ -322,10 +325,12 @@ class Forwarder:
             prefill = self._choose(self.policies.prefill, prefills, request).worker
             return await self.pd.exchange(request, prefill, decode.worker, headers)
         except UpstreamError as error:
-            # Refused, it was served no route: before any work (a retry elsewhere counts its
-            # own), or as a request the engines do not take (a 404 for a model they do not
-            # serve, a 400)
-            routed = not (error.before_work or (error.answered and error.status < 500))
+            # Served no route: refused before any work, or cut short by a prefill engine that
+            # died under it (a retry elsewhere counts its own), or refused as a request the
+            # engines do not take (a 404 for a model they do not serve, a 400)
+            routed = not (
+                error.before_work or error.retry_once or (error.answered and error.status < 500)
+            )
             raise
         except RouterError:  # the router's own refusal (no free connection): sent nowhere
             routed = False

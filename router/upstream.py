@@ -250,6 +250,12 @@ class UpstreamError(Exception):
         self._body = body
         self.retry_after = retry_after  # the worker's valid Retry-After (retry_after_of)
         self.answered = answered  # the worker answered with this error (it was reached)
+        # its connection was refused, reset or closed (not merely slow): its process is gone
+        self.connection_lost = False
+        # a P/D prefill worker's broken connection that its decode worker passed on before it
+        # sent the client anything: the request may go once more elsewhere (pd.py); only
+        # once, as it may be the request that broke the engine
+        self.retry_once = False
         # the worker did nothing for the request (a retryable refusal is one; the router's
         # key refused is another, not retried: every engine would refuse it)
         self.before_work = before_work or retryable
@@ -280,7 +286,9 @@ class UpstreamError(Exception):
     def unreachable(cls, worker: Worker, exc: Exception) -> UpstreamError:
         """The connection failed: retryable only if the request never left."""
         message = f"{worker.role.value} worker {worker.url} failed: {_reason(exc)}"
-        return cls(worker, 502, message, retryable=isinstance(exc, NOT_SENT_ERRORS))
+        error = cls(worker, 502, message, retryable=isinstance(exc, NOT_SENT_ERRORS))
+        error.connection_lost = _connection_lost(exc)
+        return error
 
     @classmethod
     def from_answer(
