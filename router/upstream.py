@@ -183,8 +183,8 @@ TRY_AGAIN_LATER = (b"retry-after", str(TRY_AGAIN_AFTER_S).encode())  # its heade
 
 def retry_after_of(headers: Headers) -> bytes | None:
     """A worker's Retry-After, to pass on as sent, if valid (RFC 9110, 10.2.3): seconds, a
-    non-negative integer, or an HTTP date. None for none, or one that is neither: a client
-    must not get a value it cannot read, which the router's own would replace."""
+    non-negative integer, or an HTTP date. None for none, or for one that is neither: the
+    router's own then goes instead, as a client must not get a value it cannot read."""
     value = next((v.strip() for k, v in headers if k.lower() == b"retry-after"), None)
     if value is None:
         return None
