@@ -727,6 +727,19 @@ def test_the_router_has_requests_and_limits() -> None:
     assert router["containers"][0]["resources"] == given  # replaces the default as a whole
 
 
+@pytest.mark.parametrize("replicas", [1, 4, 10])
+def test_a_router_rollout_stops_no_router_before_its_replacement_is_ready(replicas) -> None:
+    """Kubernetes' default stops a quarter of 4 or more routers before their replacements
+    serve: a rollout then served on fewer routers, and one whose new pods never become ready
+    (an image older than the operator, refusing a flag the operator renders) kept them down."""
+    document = with_changes(load_example("mixed.yaml"), "spec.router.replicas", replicas)
+    router = objects_of(document)[("Deployment", "qwen3-mixed-router")]["spec"]
+    assert router["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": 0},
+    }
+
+
 @pytest.mark.parametrize(("example", "router_name"), [
     ("mixed.yaml", "qwen3-mixed-router"), ("disaggregated.yaml", "llama-pd-router"),
 ])  # fmt: skip
