@@ -265,9 +265,10 @@ async def reconcile(
     **_: Any,
 ) -> None:
     """Apply the InferenceService's children and publish its status; a spec that cannot work
-    or a child the cluster refuses is reported there, and in a Warning Event. One apply at a
-    time per InferenceService (the retry timer and a change may come together), each of the
-    newest spec."""
+    or a child the cluster refuses is reported there, and in a Warning Event; an apply of a
+    model whose revision can move, in a Warning Event. One apply at a time per
+    InferenceService (the retry timer and a change may come together), each of the newest
+    spec."""
     assert namespace is not None  # InferenceServices are namespaced
     key = (namespace, name)
     async with memo.apply_locks.hold(key):
@@ -295,11 +296,28 @@ async def reconcile(
         else:
             memo.apply_failures.pop(key, None)
             logger.info("applied %d objects", len(applied.objects))
+            unpinned = unpinned_revision(isvc)
+            if unpinned is not None:
+                kopf.warn(body, reason="UnpinnedRevision", message=unpinned)
             if applied.retiring:
                 memo.retiring.add(key)
             else:
                 memo.retiring.discard(key)
         await publish_status(memo, namespace, name, inference_services, rollouts)
+
+
+def unpinned_revision(isvc: InferenceService) -> str | None:
+    """Why the pods of a Hugging Face model may load different weights, or None. Told, not
+    refused: `main` is the default, and which commit a branch names is the Hub's to say (no
+    call from here)."""
+    source = isvc.spec.model.hugging_face
+    if source is None or source.pinned:
+        return None
+    return (
+        f"spec.model.huggingFace.revision {source.revision!r} is a branch or tag, not a commit "
+        "id (40 hex digits): each pod downloads the model when it starts, so pods started at "
+        "different times may load different commits; set the commit to pin them"
+    )
 
 
 @kopf.on.delete(*ISVC, registry=registry, id="delete")

@@ -195,12 +195,23 @@ class HostPathSource(SpecModel):
     path: str = Field(pattern=r"^/")
 
 
+# A commit's full id, the one revision a repository cannot move (a branch or a tag can).
+COMMIT_ID = re.compile(r"[0-9a-f]{40}")
+
+
 class HuggingFaceSource(SpecModel):
     repo: str = Field(pattern=r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+    # main by default, as hf download's; a branch moves, so docs/operator.md asks for a commit
     revision: str = Field(default="main", min_length=1)
     token_secret: SecretKeyRef | None = None
     # Size limit of the emptyDir the weights are downloaded into.
     size_limit: Size | None = None
+
+    @property
+    def pinned(self) -> bool:
+        """Whether every pod downloads the same weights: each downloads at its start, and a
+        branch or tag may name another commit by then."""
+        return COMMIT_ID.fullmatch(self.revision) is not None
 
 
 class TinySource(SpecModel):

@@ -125,3 +125,46 @@ async def test_a_changed_inference_service_has_its_status_written_after_the_appl
     await _reconciling(body, memo)
     assert seen == [[]]
     assert memo.api.patches  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(("revision", "warned"), [
+    (None, True), ("main", True), ("v1.0", True),
+    ("0e9e39f249a16976918f6564b8830bc894c89659", False),
+    ("0E9E39F249A16976918F6564B8830BC894C89659", True),  # the Hub's ids are lowercase
+    ("0e9e39f", True),  # a short id: the Hub resolves only full ones
+])  # fmt: skip
+async def test_an_applied_hugging_face_revision_that_can_move_is_warned_of(
+    monkeypatch, revision, warned
+):
+    """Each pod downloads its model when it starts: under `main`, the default, pods started
+    at different times loaded different commits, and nothing said so."""
+    warnings: list[tuple[str, str]] = []
+    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc: Applied(objects=[]))
+    monkeypatch.setattr(
+        handlers.kopf, "warn", lambda body, reason, message: warnings.append((reason, message))
+    )
+    body = load_example("disaggregated.yaml")
+    source = body["spec"]["model"]["huggingFace"]
+    source.pop("revision")
+    if revision is not None:
+        source["revision"] = revision
+    body["metadata"].update(namespace="default", uid="u-1", generation=1)
+    await _reconciling(body, handlers.OperatorState(api=StatusWrites()))  # type: ignore[arg-type]
+    if warned:
+        ((reason, message),) = warnings
+        assert reason == "UnpinnedRevision"
+        assert f"revision {revision or 'main'!r} is a branch or tag" in message
+    else:
+        assert warnings == []
+
+
+async def test_a_model_from_a_volume_is_not_warned_of(monkeypatch):
+    warnings: list[str] = []
+    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc: Applied(objects=[]))
+    monkeypatch.setattr(
+        handlers.kopf, "warn", lambda body, reason, message: warnings.append(reason)
+    )
+    body = load_example("mixed.yaml")
+    body["metadata"].update(namespace="default", uid="u-1", generation=1)
+    await _reconciling(body, handlers.OperatorState(api=StatusWrites()))  # type: ignore[arg-type]
+    assert warnings == []
