@@ -3,6 +3,8 @@ with a Prometheus trigger. Either one then owns the role's replica count."""
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from kubesgl.contract import EngineRole
 from kubesgl.operator import naming
 from kubesgl.operator.render.common import Object, metadata
@@ -30,6 +32,13 @@ def hpa_quantity(target: float) -> str:
     if float(target).is_integer():
         return str(int(target))
     return f"{round(target * 1000)}m"
+
+
+def keda_threshold(target: float) -> str:
+    """A target as a KEDA threshold: the spec's value to its last digit, without an exponent.
+    Not `:g`, which kept 6 significant digits: 1234567 became 1.23457e+06 (1234570), 123456.7
+    became 123457, 0.0012345678 became 0.00123457."""
+    return format(Decimal(repr(target)).normalize(), "f")
 
 
 def hpa_metric(isvc: InferenceService, role: EngineRole, scaling: RoleAutoscaling) -> Object:
@@ -109,7 +118,7 @@ def scaled_object(
                         "query": prometheus_query(
                             isvc.metadata.namespace, name, role, scaling.metric
                         ),
-                        "threshold": f"{scaling.target:g}",
+                        "threshold": keda_threshold(scaling.target),
                     },
                 }
             ],

@@ -584,6 +584,20 @@ def test_keda_scaled_objects_query_the_role_pods() -> None:
     assert prefill["metadata"]["threshold"] == "0.5"
 
 
+@pytest.mark.parametrize(("target", "threshold"), [
+    (2, "2"), (0.8, "0.8"), (1234567, "1234567"), (123456.7, "123456.7"),
+    (0.0012345678, "0.0012345678"), (1e16, "10000000000000000"),
+])  # fmt: skip
+def test_a_keda_threshold_is_the_targets_every_digit(target, threshold) -> None:
+    """Written with 6 significant digits, 1234567 was 1.23457e+06: KEDA scaled at 1234570."""
+    document = with_changes(
+        load_example("autoscaled-keda.yaml"), "spec.autoscaling.prefill.target", target
+    )
+    scaled = objects_of(document)[("ScaledObject", "llama-keda-prefill")]
+    assert scaled["spec"]["triggers"][0]["metadata"]["threshold"] == threshold
+    assert float(threshold) == target
+
+
 @pytest.mark.parametrize("provider", ["hpa", "keda"])
 def test_decode_scales_on_rooms_waiting_for_kv_slots(provider: str) -> None:
     """A decode pod's queue holds the rooms its KV pool has no slots for: the decode pool's
