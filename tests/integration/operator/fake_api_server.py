@@ -2,8 +2,8 @@
 behaviour the operator relies on. Needs the `test` extra (kmock).
 
 kmock keeps objects as plain JSON and merges patches into them. On top of that, this adds:
-- metadata the API server assigns: uid, creationTimestamp, resourceVersion, and a generation
-  that grows when the spec changes;
+- metadata the API server assigns: uid, creationTimestamp, resourceVersion, a generation
+  that grows when the spec changes, and a name from a generateName;
 - server-side apply: a PATCH with `application/apply-patch+yaml` creates a missing object, and
   fields that the same field manager applied before but no longer applies are removed unless
   another manager applies them too (shared ownership); `metadata.managedFields` lists what
@@ -149,6 +149,8 @@ class KubernetesApiServer(kmock.KubernetesEmulator):
 
     def _prepare_create(self, data: dict[str, Any]) -> None:
         meta = data.setdefault("metadata", {})
+        if "name" not in meta and "generateName" in meta:  # kopf's Events: each its own
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         meta.setdefault("uid", str(uuid.uuid4()))
         meta.setdefault("creationTimestamp", _now())
         meta["generation"] = 1

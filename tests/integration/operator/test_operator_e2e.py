@@ -308,6 +308,28 @@ def test_a_spec_that_cannot_work_is_degraded_with_an_event_and_applies_nothing(
     assert cluster.condition("llama-pd", "Degraded")["status"] == "False"
 
 
+def test_a_hugging_face_branch_is_applied_with_a_warning_event_and_a_commit_without(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    """Each pod downloads `main` as the branch is when it starts: the event says so."""
+    created = cluster.create_isvc(example("disaggregated.yaml"))
+    settle(cluster, created)
+    events = wait_for(
+        lambda: [e for e in cluster.events() if e.get("reason") == "UnpinnedRevision"],
+        what="an UnpinnedRevision event",
+    )
+    assert events[0]["type"] == "Warning"
+    assert "revision 'main' is a branch or tag" in events[0]["message"]
+
+    commit = {"spec": {"model": {"huggingFace": {"revision": "a" * 40}}}}
+    cluster.patch_isvc("llama-pd", commit)
+    settle(cluster, cluster.isvc("llama-pd"))
+    download = cluster.get(DEPLOYMENT, "llama-pd-decode")["spec"]["template"]["spec"]
+    assert "a" * 40 in download["initContainers"][0]["args"]
+    unpinned = [e for e in cluster.events() if e.get("reason") == "UnpinnedRevision"]
+    assert len(unpinned) == len(events)  # the commit's apply posted none
+
+
 def test_an_extended_resource_requested_without_its_limit_is_degraded_with_an_event(
     cluster: Cluster, operator: OperatorProcess
 ) -> None:
