@@ -265,8 +265,8 @@ async def reconcile(
     **_: Any,
 ) -> None:
     """Apply the InferenceService's children and publish its status; a spec that cannot work
-    or a child the cluster refuses is reported there, and in a Warning Event; an apply of a
-    model whose revision can move, in a Warning Event. One apply at a time per
+    or a child the cluster refuses is reported there, and in a Warning Event; so is an applied
+    Hugging Face revision that can move, in an Event only. One apply at a time per
     InferenceService (the retry timer and a change may come together), each of the newest
     spec."""
     assert namespace is not None  # InferenceServices are namespaced
@@ -316,7 +316,7 @@ def unpinned_revision(isvc: InferenceService) -> str | None:
     return (
         f"spec.model.huggingFace.revision {source.revision!r} is a branch or tag, not a commit "
         "id (40 hex digits): each pod downloads the model when it starts, so pods started at "
-        "different times may load different commits; set the commit to pin them"
+        "different times may load different commits; give a commit id to pin them"
     )
 
 
