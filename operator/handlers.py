@@ -43,7 +43,7 @@ from kubesgl.operator.reconcile import (
 from kubesgl.operator.render import render
 from kubesgl.operator.spec import InferenceService
 from kubesgl.operator.status import Rollout, Verdict, compute_status, status_patch
-from kubesgl.operator.validation import InvalidSpec, parse_inference_service
+from kubesgl.operator.validation import InvalidSpec, parse_inference_service, unpinned_revision
 
 ISVC = (INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural)
 OURS = {contract.MANAGED_BY_LABEL: naming.MANAGER}
@@ -304,20 +304,6 @@ async def reconcile(
             else:
                 memo.retiring.discard(key)
         await publish_status(memo, namespace, name, inference_services, rollouts)
-
-
-def unpinned_revision(isvc: InferenceService) -> str | None:
-    """Why the pods of a Hugging Face model may load different weights, or None. Told, not
-    refused: `main` is the default, and which commit a branch names is the Hub's to say (no
-    call from here)."""
-    source = isvc.spec.model.hugging_face
-    if source is None or source.pinned:
-        return None
-    return (
-        f"spec.model.huggingFace.revision {source.revision!r} is a branch or tag, not a commit "
-        "id (40 hex digits): each pod downloads the model when it starts, so pods started at "
-        "different times may load different commits; give a commit id to pin them"
-    )
 
 
 @kopf.on.delete(*ISVC, registry=registry, id="delete")

@@ -14,7 +14,7 @@ import yaml
 from kubesgl.cli_help import CommandParser
 from kubesgl.operator.render import Object, render
 from kubesgl.operator.spec import API_GROUP, KIND
-from kubesgl.operator.validation import InvalidSpec, parse_inference_service
+from kubesgl.operator.validation import InvalidSpec, parse_inference_service, unpinned_revision
 
 
 class _Dumper(yaml.SafeDumper):
@@ -202,6 +202,11 @@ def render_inputs(found: list[Found]) -> tuple[list[Object], bool]:
             sound = False
             continue
         first_in[key] = filename
+        warning = unpinned_revision(isvc)
+        if warning is not None:  # rendered all the same, as the operator applies it
+            print(
+                f"{PROG}: {filename}: {KIND} {'/'.join(key)}: warning: {warning}", file=sys.stderr
+            )
         objects += render(isvc)
     return objects, sound
 

@@ -101,6 +101,20 @@ def _schema_problems(error: ValidationError) -> list[Problem]:
     return problems
 
 
+def unpinned_revision(isvc: InferenceService) -> str | None:
+    """Why the pods of a Hugging Face model may load different weights, or None: a warning of
+    the operator's and `kubesgl render`'s, not a problem, as `main` is the default; which
+    commit a branch names is the Hub's to say, and nothing here asks it."""
+    source = isvc.spec.model.hugging_face
+    if source is None or source.pinned:
+        return None
+    return (
+        f"spec.model.huggingFace.revision {source.revision!r} is a branch or tag, not a commit "
+        "id (40 hex digits): each pod downloads the model when it starts, so pods started at "
+        "different times may load different commits; give a commit id to pin them"
+    )
+
+
 def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     """Rules across fields: each one is a spec the API server accepts but that cannot run."""
     problems: list[Problem] = []

@@ -36,6 +36,33 @@ def test_prints_the_rendered_objects_as_a_yaml_stream() -> None:
     assert "&id" not in result.stdout  # no YAML anchors
 
 
+COMMIT = "0e9e39f249a16976918f6564b8830bc894c89659"  # a Hugging Face commit id's form
+
+
+@pytest.mark.parametrize(("revision", "warned"), [(None, True), ("v1.0", True), (COMMIT, False)])
+def test_a_hugging_face_branch_is_rendered_with_a_warning(tmp_path, capsys, revision, warned):
+    """As the operator's UnpinnedRevision Event: the spec renders, and the note says that its
+    pods may load different commits."""
+    document = load_example("disaggregated.yaml")
+    source = document["spec"]["model"]["huggingFace"]
+    source.pop("revision")
+    if revision is not None:
+        source["revision"] = revision
+    (tmp_path / "isvc.yaml").write_text(yaml.safe_dump(document))
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path / "isvc.yaml"))
+    assert (status, printed) == (0, _rendered(document))
+    if warned:
+        assert err == (
+            f"kubesgl render: {tmp_path / 'isvc.yaml'}: InferenceService default/llama-pd: "
+            f"warning: spec.model.huggingFace.revision {revision or 'main'!r} is a branch or "
+            "tag, not a commit id (40 hex digits): each pod downloads the model when it starts, "
+            "so pods started at different times may load different commits; give a commit id "
+            "to pin them\n"
+        )
+    else:
+        assert err == ""
+
+
 def test_a_bad_spec_exits_2_naming_the_field() -> None:
     document = load_example("disaggregated.yaml")
     del document["spec"]["decode"]
@@ -92,7 +119,7 @@ def test_a_reader_that_goes_away_is_no_traceback() -> None:
     read, write = os.pipe()
     os.close(read)
     process = subprocess.run(
-        [sys.executable, "-m", "kubesgl", "render", "-f", "examples/disaggregated.yaml"],
+        [sys.executable, "-m", "kubesgl", "render", "-f", "examples/autoscaled-keda.yaml"],
         stdout=write,
         stderr=subprocess.PIPE,
         text=True,
@@ -138,7 +165,7 @@ def _rendered(*documents: dict) -> list:
 
 def test_every_file_given_is_rendered_in_order(tmp_path, capsys) -> None:
     """argparse kept the last -f alone: `-f a.yaml -f b.yaml` rendered b.yaml only."""
-    first, second = _example_named("first"), _example_named("second", "disaggregated.yaml")
+    first, second = _example_named("first"), _example_named("second", "autoscaled-keda.yaml")
     (tmp_path / "a.yaml").write_text(yaml.safe_dump(first))
     (tmp_path / "b.yaml").write_text(yaml.safe_dump(second))
     status, printed, err = _render_main(
@@ -173,7 +200,7 @@ def test_a_directory_without_manifests_is_an_error(tmp_path, capsys) -> None:
 def test_a_list_renders_its_items(tmp_path, capsys) -> None:
     """`kubectl get kisvc -o yaml` prints a List; its items were refused as one object with
     "metadata.name: Field required"."""
-    items = [_example_named("first"), _example_named("second", "disaggregated.yaml")]
+    items = [_example_named("first"), _example_named("second", "autoscaled-keda.yaml")]
     listed = {"apiVersion": "v1", "kind": "List", "items": items, "metadata": {}}
     (tmp_path / "list.yaml").write_text(yaml.safe_dump(listed))
     status, printed, err = _render_main(capsys, "-f", str(tmp_path / "list.yaml"))
@@ -186,6 +213,7 @@ def test_objects_of_other_kinds_are_skipped_with_a_note(tmp_path, capsys) -> Non
     "kind: Input should be 'InferenceService'"."""
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "hf-token"}}
     isvc = load_example("disaggregated.yaml")
+    isvc["spec"]["model"]["huggingFace"]["revision"] = COMMIT  # no warning of a branch
     (tmp_path / "all.yaml").write_text(yaml.safe_dump_all([secret, isvc]))
     status, printed, err = _render_main(capsys, "-f", str(tmp_path / "all.yaml"))
     assert status == 0
