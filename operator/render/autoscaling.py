@@ -35,9 +35,8 @@ def hpa_quantity(target: float) -> str:
 
 
 def keda_threshold(target: float) -> str:
-    """A target as a KEDA threshold: the spec's value to its last digit, without an exponent.
-    Not `:g`, which kept 6 significant digits: 1234567 became 1.23457e+06 (1234570), 123456.7
-    became 123457, 0.0012345678 became 0.00123457."""
+    """A target as a KEDA threshold: the spec's value to its last digit, without an exponent
+    (`:g` keeps 6 significant digits: 1234567 would scale at 1.23457e+06)."""
     return format(Decimal(repr(target)).normalize(), "f")
 
 
