@@ -23,7 +23,14 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from kubesgl.contract import LATENCY_BUCKETS_S, MIXED, PREFILL, REQUEST_BUCKETS_S
+from kubesgl.contract import (
+    LATENCY_BUCKETS_S,
+    MIXED,
+    PARTNER_FAILED_STATUS,
+    PARTNER_TIMEOUT_STATUS,
+    PREFILL,
+    REQUEST_BUCKETS_S,
+)
 from kubesgl.engine.disagg.protocol import FailureReason
 from kubesgl.engine.messages import DisaggStats, GrammarStats, SchedulerStats
 
@@ -55,7 +62,7 @@ ERROR_REASONS = {
 # ... and the statuses only prefill and decode engines answer, under the reasons any other
 # status gets (`error_reason`): a bootstrap room already in use or closed (409), the other
 # engine failed (502) or did not act in time (504)
-PD_ERROR_STATUSES = (409, 502, 504)
+PD_ERROR_STATUSES = (409, PARTNER_FAILED_STATUS, PARTNER_TIMEOUT_STATUS)
 
 
 def error_reason(status: int) -> str:

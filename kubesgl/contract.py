@@ -42,6 +42,25 @@ REQUEST_ID_PATTERN: Final = r"[A-Za-z0-9._:-]{1,128}"
 # router too, before it draws a bootstrap room for each
 MAX_N: Final = 64
 
+# Bootstrap rooms, which tie a request's prefill and decode halves together: the router draws
+# each at random, BOOTSTRAP_ROOM_BITS bits, new for every attempt; engines refuse a room outside
+# 0 to MAX_BOOTSTRAP_ROOM
+BOOTSTRAP_ROOM_BITS: Final = 63
+MAX_BOOTSTRAP_ROOM: Final = 2**BOOTSTRAP_ROOM_BITS - 1
+
+# What a prefill or decode engine answers for a room its partner engine failed: the partner
+# failed (502) or did not act in time (504). The router reads either as the other side's failure
+# passed on; an engine that fails a request by itself answers 500.
+PARTNER_FAILED_STATUS: Final = 502
+PARTNER_TIMEOUT_STATUS: Final = 504
+PARTNER_FAILURE_STATUSES: Final = frozenset({PARTNER_FAILED_STATUS, PARTNER_TIMEOUT_STATUS})
+
+# Seconds a client refused with a 503 (an engine loading, draining or with its queue full; the
+# router with no free connection, or every worker it tried busy and none saying when) waits
+# before it asks again: the Retry-After of those 503s. A router refused by an engine asks
+# another engine at once.
+RETRY_AFTER_S: Final = 1
+
 # Roles: an engine's `--role`, and the value of ROLE_LABEL on every pod the operator makes
 MIXED: Final = "mixed"  # one engine runs whole requests
 PREFILL: Final = "prefill"

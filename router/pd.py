@@ -40,6 +40,7 @@ import random
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, TypeGuard
 
+from kubesgl.contract import BOOTSTRAP_ROOM_BITS, PARTNER_FAILURE_STATUSES, PARTNER_TIMEOUT_STATUS
 from kubesgl.router.errors import RouterError
 from kubesgl.router.request_parsing import ParsedRequest
 from kubesgl.router.room_cancel import cancel_rooms
@@ -71,7 +72,7 @@ def bootstrap_payload(request: ParsedRequest, prefill: Worker, rooms: list[int])
 
 
 def draw_bootstrap_room() -> int:
-    return random.getrandbits(63)
+    return random.getrandbits(BOOTSTRAP_ROOM_BITS)
 
 
 # How long one engine's failure waits for the other engine's answer before the router decides
@@ -82,12 +83,6 @@ def draw_bootstrap_room() -> int:
 # word). An engine whose request is cancelled counts it as aborted by its client, which a
 # refused request was not.
 DECODE_VERDICT_WAIT_S = 1.0
-
-# What an engine answers for a room its partner failed (engine/scheduler/roles.py: the partner
-# failed, 502, or did not act in time, 504): the other side's failure, passed on. An engine
-# fails a request by itself with a 500.
-ROOM_TIMEOUT_STATUS = 504
-PEER_FAILURE_STATUSES = frozenset({502, ROOM_TIMEOUT_STATUS})
 
 # How long a router shutting down waits for its prefill drains and room cancels before it
 # cancels them (before its HTTP session closes under them). Small: it comes out of the 5 s
@@ -278,7 +273,7 @@ async def _decode_verdict(
     cause), which may reach the router after the decode engine heard of the failed room. A
     decode engine's refusal (4xx, or before any work) is its true answer, kept, and so is its
     own failure: a broken connection (the prefill's error that follows passes that on), or a
-    500 while the prefill engine answered that its partner failed (PEER_FAILURE_STATUSES).
+    500 while the prefill engine answered that its partner failed (PARTNER_FAILURE_STATUSES).
     A decode engine that passes on a prefill failure while the prefill request has not
     answered raises _SilentPrefill: the prefill worker failed (hung, or unreachable from its
     decode engine). One that passes on a failure while the prefill request answered well is
@@ -327,7 +322,7 @@ class _SilentPrefill(Exception):
         """Why the prefill worker's circuit opens at once: its decode engine could not reach
         it (a 502). None for a room that timed out (a 504), which a prefill engine merely busy
         with a deep queue also causes: one failure towards the threshold."""
-        if self.decode_error.status == ROOM_TIMEOUT_STATUS:
+        if self.decode_error.status == PARTNER_TIMEOUT_STATUS:
             return None
         return "its decode engine could not reach it"
 
@@ -346,11 +341,11 @@ class _SilentPrefill(Exception):
 
 
 def _passed_on(error: BaseException) -> bool:
-    """An engine's answer for a room its partner failed (PEER_FAILURE_STATUSES)."""
+    """An engine's answer for a room its partner failed (PARTNER_FAILURE_STATUSES)."""
     return (
         isinstance(error, UpstreamError)
         and error.answered
-        and error.status in PEER_FAILURE_STATUSES
+        and error.status in PARTNER_FAILURE_STATUSES
     )
 
 
@@ -362,7 +357,9 @@ def _lost_connection(error: BaseException) -> TypeGuard[UpstreamError]:
 def _timed_out_waiting_for_decode(error: BaseException) -> TypeGuard[UpstreamError]:
     """A prefill engine's 504: it gave up on a room no decode engine asked for in time."""
     return (
-        isinstance(error, UpstreamError) and error.answered and error.status == ROOM_TIMEOUT_STATUS
+        isinstance(error, UpstreamError)
+        and error.answered
+        and error.status == PARTNER_TIMEOUT_STATUS
     )
 
 

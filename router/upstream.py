@@ -16,7 +16,7 @@ from email.utils import parsedate_to_datetime
 
 import aiohttp
 
-from kubesgl.contract import API_KEY_ENV, ROUTER_UPSTREAM_KEEP_ALIVE_S
+from kubesgl.contract import API_KEY_ENV, RETRY_AFTER_S, ROUTER_UPSTREAM_KEEP_ALIVE_S
 from kubesgl.router.errors import RouterError, error_body, sse_error_event
 from kubesgl.router.metrics import CONNECTION_LIMIT, RouterMetrics
 from kubesgl.router.security import GuardedResolver
@@ -175,10 +175,9 @@ def _release_once(free: asyncio.Semaphore) -> Callable[[], None]:
     return release
 
 
-# What a client should wait before asking again when no connection is free, or when every
-# worker tried was busy (its 503 passed on).
-TRY_AGAIN_AFTER_S = 1
-TRY_AGAIN_LATER = (b"retry-after", str(TRY_AGAIN_AFTER_S).encode())  # its header
+# The Retry-After of the router's 503 when no connection is free, or when every worker tried
+# was busy (its 503 passed on)
+TRY_AGAIN_LATER = (b"retry-after", str(RETRY_AFTER_S).encode())
 
 
 def retry_after_of(headers: Headers) -> bytes | None:

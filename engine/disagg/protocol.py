@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import TypeVar
 
-MAX_ROOM = 2**63 - 1  # rooms are random 63-bit integers, new for every attempt
+from kubesgl.contract import MAX_BOOTSTRAP_ROOM
 
 T = TypeVar("T")
 
@@ -252,9 +252,9 @@ def _flag(value: object, name: str) -> bool:
 
 def _room(value: object, name: str) -> int:
     room = _integer(value, name)
-    if not 0 <= room <= MAX_ROOM:
+    if not 0 <= room <= MAX_BOOTSTRAP_ROOM:
         raise ValueError(
-            f"field {name!r} must be a room, an integer in [0, {MAX_ROOM}], got {room}"
+            f"field {name!r} must be a room, an integer in [0, {MAX_BOOTSTRAP_ROOM}], got {room}"
         )
     return room
 
@@ -279,9 +279,9 @@ def room_in_path(text: str) -> int:
         room: int | None = int(text)
     except ValueError:
         room = None
-    if room is None or not 0 <= room <= MAX_ROOM:
+    if room is None or not 0 <= room <= MAX_BOOTSTRAP_ROOM:
         raise ValueError(
-            f"the room in the path must be an integer in [0, {MAX_ROOM}], got {text!r:.100}"
+            f"the room in the path must be an integer in [0, {MAX_BOOTSTRAP_ROOM}], got {text!r:.100}"
         )
     return room
 

@@ -58,11 +58,11 @@ from kubesgl.engine.sampling_params import InvalidRequestError
 from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.request import Req, ReqStatus
 
-# What a failed room answers: the partner engine failed (502), or did not act in time (504).
-# A partner whose own request was aborted failed the room too: its client left, this one's did
-# not, and a 500 would say this engine failed by itself (docs/disaggregation.md).
-_FAILURE_STATUS = {FailureReason.TIMEOUT: 504}
-_PEER_FAILURE = 502
+# What a failed room answers (kubesgl/contract.py): the partner engine failed, or did not act in
+# time. A partner whose own request was aborted failed the room too: its client left, this
+# one's did not, and a 500 would say this engine failed by itself (docs/disaggregation.md).
+_FAILURE_STATUS = {FailureReason.TIMEOUT: contract.PARTNER_TIMEOUT_STATUS}
+_PEER_FAILURE = contract.PARTNER_FAILED_STATUS
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,8 @@ from collections.abc import Mapping
 
 from fastapi.responses import JSONResponse
 
+from kubesgl.contract import RETRY_AFTER_S
 from kubesgl.engine.messages import FinishReason
-
-# Seconds a client refused with a 503 (the engine loading or draining, its queue full) waits
-# before it asks again; a router asks another engine at once.
-RETRY_AFTER_S = 1
 
 
 class APIError(Exception):

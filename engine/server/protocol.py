@@ -31,8 +31,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-from kubesgl.contract import MAX_N
-from kubesgl.engine.disagg.protocol import MAX_ROOM
+from kubesgl.contract import MAX_BOOTSTRAP_ROOM, MAX_N
 from kubesgl.engine.messages import BootstrapTarget
 from kubesgl.engine.sampling_params import (
     SAMPLING_BOUNDS,
@@ -224,7 +223,7 @@ def _accepts_null(annotation: Any, metadata: list[Any]) -> bool:
     return True
 
 
-Room = Annotated[Int, Field(ge=0, le=MAX_ROOM)]
+Room = Annotated[Int, Field(ge=0, le=MAX_BOOTSTRAP_ROOM)]
 
 
 class _Bootstrap(_Lenient):
@@ -260,7 +259,9 @@ class _Bootstrap(_Lenient):
         )
         return [
             BootstrapTarget(
-                (room + copy) % (MAX_ROOM + 1), host, default_port if port is None else port
+                (room + copy) % (MAX_BOOTSTRAP_ROOM + 1),
+                host,
+                default_port if port is None else port,
             )
             for (room, copy), (host, _), (port, _) in zip(rooms, hosts, ports)
         ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kubesgl.engine.disagg.protocol import MAX_ROOM
+from kubesgl.contract import MAX_BOOTSTRAP_ROOM
 from kubesgl.engine.messages import BootstrapTarget
 from kubesgl.engine.sampling_params import InvalidRequestError
 from kubesgl.engine.server.protocol import CompletionRequest
@@ -29,8 +29,10 @@ def test_one_room_for_all_numbers_the_copies_as_sglang_does():
         BootstrapTarget(11, "p", 8998),
         BootstrapTarget(12, "p", 8998),
     ]
-    assert [t.room for t in targets(1, 2, bootstrap_host="p", bootstrap_room=MAX_ROOM)] == [
-        MAX_ROOM,
+    assert [
+        t.room for t in targets(1, 2, bootstrap_host="p", bootstrap_room=MAX_BOOTSTRAP_ROOM)
+    ] == [
+        MAX_BOOTSTRAP_ROOM,
         0,
     ]
 
