@@ -4,6 +4,7 @@ leaves it, and what the tokenizer, detokenizer and API server pass along."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kubesgl import contract
 from kubesgl.engine.sampling_params import SamplingParams
@@ -46,9 +47,15 @@ class AbortRequest:
     message: str = "aborted"
 
 
+# How a request ended: "stop" (a stop string or token, or EOS), "length" (its token budget),
+# "abort" (cut short before either: `message` says why), "error" (refused or failed: `message`
+# and `status` say how)
+FinishKind = Literal["stop", "length", "abort", "error"]
+
+
 @dataclass(frozen=True)
 class FinishReason:
-    kind: str  # "stop" | "length" | "abort" | "error"
+    kind: FinishKind
     matched_token: int | None = None  # the stop or EOS token that ended the request
     stop_token: bool = False  # matched_token is one of the request's stop_token_ids
     matched_str: str | None = None  # the stop string that ended the request

@@ -8,7 +8,7 @@ scheduler's state (running, waiting, KV usage, prefix hits) arrives with each st
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 from prometheus_client import (
     CollectorRegistry,
@@ -32,7 +32,7 @@ from kubesgl.contract import (
     REQUEST_BUCKETS_S,
 )
 from kubesgl.engine.disagg.protocol import FailureReason
-from kubesgl.engine.messages import DisaggStats, GrammarStats, SchedulerStats
+from kubesgl.engine.messages import DisaggStats, FinishKind, GrammarStats, SchedulerStats
 
 _Metric = TypeVar("_Metric", bound=MetricWrapperBase)  # a metric and its series are of one class
 
@@ -45,7 +45,7 @@ disable_created_metrics()
 DISAGG_STATES = ("waiting", "prefilling", "transferring", "awaiting_kv", "decoding", "finished")
 
 # finish_reason values of kubesgl_requests_total ("error" is counted by kubesgl_request_errors_total).
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = tuple(kind for kind in get_args(FinishKind) if kind != "error")
 # ... and on a prefill engine, a room's request whose KV reached the decode engine: handed
 # off, not finished (its answer's finish_reason says "length"; the decode engine counts its end)
 HANDOFF = "handoff"
