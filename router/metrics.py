@@ -8,6 +8,7 @@ attempt counters go with them: a pool that discovery keeps changing leaves no st
 from __future__ import annotations
 
 from collections.abc import Iterator
+from enum import StrEnum
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,12 +28,18 @@ from kubesgl.router.workers import Worker, WorkerRegistry
 disable_created_metrics()
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PD_ROUTES = (
-    "disaggregated",
-    "decode_only_short",
-    "decode_only_saturated",
-    "decode_only_no_prefill",
-)
+
+
+class PDRoute(StrEnum):
+    """Where a request of a prefill/decode pool went (kubesgl_router_pd_routes' route label)."""
+
+    DISAGGREGATED = "disaggregated"  # to a prefill and a decode worker
+    # To a decode worker alone, which prefills the prompt itself, because
+    DECODE_ONLY_SHORT = "decode_only_short"  # what the decode worker has not cached is short
+    DECODE_ONLY_SATURATED = "decode_only_saturated"  # every prefill worker is saturated
+    DECODE_ONLY_NO_PREFILL = "decode_only_no_prefill"  # no prefill worker can serve it
+
+
 CACHE_DECISIONS = ("hit", "miss", "balance")
 # The outcomes of kubesgl_router_requests_total that every worker's series start with, at
 # zero once the worker is known: rate() then sees the first success, failure or abort.
@@ -166,7 +173,7 @@ class RouterMetrics:
             registry=self.registry,
         )
         # Known label values present from the start, at zero: rate() sees the first increment
-        for route in PD_ROUTES:
+        for route in PDRoute:
             self.pd_routes.labels(route)
         for decision in CACHE_DECISIONS:
             self.cache_decisions.labels(decision)

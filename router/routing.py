@@ -11,7 +11,7 @@ from functools import partial
 
 from kubesgl.router.errors import RouterError, no_worker
 from kubesgl.router.health import MODELS_PATH
-from kubesgl.router.metrics import CONNECTION_LIMIT, RouterMetrics
+from kubesgl.router.metrics import CONNECTION_LIMIT, PDRoute, RouterMetrics
 from kubesgl.router.model_list import cards_of, merged, served_sets
 from kubesgl.router.options import check_bounds, option
 from kubesgl.router.pd import PrefillDecodePair
@@ -318,7 +318,8 @@ class Forwarder:
         route = self._pd_route(request, prefills, decode)
         routed = True
         try:
-            if route != "disaggregated":  # a decode engine prefills a request without a room itself
+            # a decode engine prefills a request without a room itself
+            if route != PDRoute.DISAGGREGATED:
                 return await self.upstream.exchange(
                     decode.worker, "POST", request.path, request.raw, headers, stream=request.stream
                 )
@@ -350,7 +351,7 @@ class Forwarder:
         self._prefill_outages.note(model, why_missing)
         return [w for w in available if w not in excluded]
 
-    def _pd_route(self, request: ParsedRequest, prefills: list[Worker], decode: Choice) -> str:
+    def _pd_route(self, request: ParsedRequest, prefills: list[Worker], decode: Choice) -> PDRoute:
         settings = self.disaggregation
         # Sent alone, the decode worker prefills what it lacks: the prompt less the prefix the
         # decode policy believes it holds (the prefill pool's cache would not help it); for a
@@ -358,12 +359,12 @@ class Forwarder:
         # alone), whatever `n` (the copies of a prompt share its prefill).
         uncached = request.prompt_chars - decode.cached
         if request.tokens(uncached) < settings.min_prefill_tokens:
-            return "decode_only_short"
+            return PDRoute.DECODE_ONLY_SHORT
         if not prefills:
-            return "decode_only_no_prefill"
+            return PDRoute.DECODE_ONLY_NO_PREFILL
         if all(w.in_flight >= settings.max_prefill_in_flight for w in prefills):
-            return "decode_only_saturated"
-        return "disaggregated"
+            return PDRoute.DECODE_ONLY_SATURATED
+        return PDRoute.DISAGGREGATED
 
 
 def _named(names: frozenset[str]) -> str:

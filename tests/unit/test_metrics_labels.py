@@ -16,9 +16,9 @@ from kubesgl.engine.metrics import FINISH_REASONS, HANDOFF, EngineMetrics
 from kubesgl.router.metrics import (
     BROKEN_STREAM_REASONS,
     CACHE_DECISIONS,
-    PD_ROUTES,
     RESPONSE_STATUSES,
     WORKER_STATUSES,
+    PDRoute,
     RouterMetrics,
 )
 from kubesgl.router.workers import Role, WorkerRegistry
@@ -80,7 +80,7 @@ def test_every_router_counter_has_its_series_at_zero_from_the_start():
     counters = samples(metrics.render().decode())
     for name, series in counters.items():
         assert series, f"{name} has no series before its first increment"
-    assert {s["route"] for s in counters["kubesgl_router_pd_routes"]} == set(PD_ROUTES)
+    assert {s["route"] for s in counters["kubesgl_router_pd_routes"]} == set(PDRoute)
     assert {s["decision"] for s in counters["kubesgl_router_cache_decisions"]} == set(
         CACHE_DECISIONS
     )
