@@ -100,12 +100,12 @@ def auto_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> Att
 
 
 def create_backend(name: str, **kwargs) -> AttentionBackend:
-    for known, entry in ATTENTION_BACKENDS.items():
-        if known == name:
-            return entry.load()(**kwargs)
-    raise ValueError(
-        f"attention backend {name!r} is not available (available: {', '.join(ATTENTION_BACKENDS)})"
-    )
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention backend {name!r} is not available "
+            f"(available: {', '.join(ATTENTION_BACKENDS)})"
+        )
+    return ATTENTION_BACKENDS[name].load()(**kwargs)
 
 
 __all__ = [
