@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import kubesgl
-from kubesgl.engine.disagg.bootstrap import BootstrapServer
+from kubesgl.engine.disagg.bootstrap_server import BootstrapServer
 from kubesgl.engine.disagg.protocol import (
     PeerConnected,
     PeerRegistered,

@@ -203,6 +203,10 @@ class RankAgent:
 # leaves alone (a pool layout's excepted). A check takes a field's value and its name
 # (ranks[0].layout) for the error.
 
+# The `code` of a bootstrap server's 404 answers that the decode engine acts on
+UNKNOWN_PEER = "unknown_peer"  # POST /kv/rooms from an engine this instance has not registered
+UNKNOWN_ROOM = "unknown_room"  # DELETE /kv/rooms/{room} of a room never posted here
+
 _KINDS: dict[type, str] = {
     str: "a string",
     bool: "true or false",
@@ -553,3 +557,5 @@ BootstrapFact = (
     | EndReported
     | PeerLost
 )
+
+Emit = Callable[[BootstrapFact], None]  # how the bootstrap process's side hands a fact on

@@ -19,8 +19,9 @@ import httpx
 import pytest
 import torch
 
-from kubesgl.engine.disagg import bootstrap
-from kubesgl.engine.disagg.bootstrap import BootstrapClient, BootstrapServer
+from kubesgl.engine.disagg import bootstrap_client, bootstrap_server
+from kubesgl.engine.disagg.bootstrap_client import BootstrapClient
+from kubesgl.engine.disagg.bootstrap_server import BootstrapServer
 from kubesgl.engine.disagg.decode import DecodeTransfers, NoteArrived
 from kubesgl.engine.disagg.kv_transfer import KVTransferAgent, TransferError
 from kubesgl.engine.disagg.link import LocalLink
@@ -877,7 +878,7 @@ def test_hung_prefill_engines_do_not_make_a_heartbeat_round_last_a_timeout_each(
     client._http = _Hung()  # type: ignore[assignment]
     with client._lock:
         for address in hung:
-            client._peers[address] = bootstrap._Peer(rooms={1: "instance"})
+            client._peers[address] = bootstrap_client._Peer(rooms={1: "instance"})
     try:
         deadline = time.monotonic() + 5.0
         while len(started) < len(hung) and time.monotonic() < deadline:
@@ -909,7 +910,7 @@ def test_a_heartbeat_check_that_fails_is_logged_once_with_its_address(caplog):
     client._http.close()
     client._http = _Restarted()  # type: ignore[assignment]
     with client._lock:
-        client._peers[address] = bootstrap._Peer(rooms={1: "old"})
+        client._peers[address] = bootstrap_client._Peer(rooms={1: "old"})
     try:
         deadline = time.monotonic() + 5.0
         while "heartbeat check" not in caplog.text and time.monotonic() < deadline:
@@ -949,7 +950,7 @@ def test_a_heartbeat_check_failing_beat_after_beat_is_logged_once_until_one_pass
 
     client._ask_ended = ask_ended  # type: ignore[method-assign]
     with client._lock:
-        client._peers[address] = bootstrap._Peer(rooms={1: "old"})
+        client._peers[address] = bootstrap_client._Peer(rooms={1: "old"})
 
     def errors() -> int:
         return sum(
@@ -1224,7 +1225,7 @@ def test_a_restart_fails_only_the_rooms_at_the_instance_that_went():
     """A post sent under the registration with the old instance may reach the new one (it
     restarted in between, and this engine registered again): that room is at the new
     instance, and fails with the old one's rooms no more (CI caught a burst losing it)."""
-    from kubesgl.engine.disagg.bootstrap import _Peer
+    from kubesgl.engine.disagg.bootstrap_client import _Peer
 
     emitted: list = []
     client = BootstrapClient(emitted.append, ConnectBootstrap("decode-test", ()))
@@ -1256,7 +1257,7 @@ def test_the_bootstrap_process_logs_no_line_per_heartbeat(caplog):
 def test_a_refusal_is_found_behind_the_exceptions_that_carry_it():
     """httpx wraps the OSError; an async connect to a name of several addresses raises a
     group, refused only if every address refused."""
-    from kubesgl.engine.disagg.bootstrap import _nothing_listens
+    from kubesgl.engine.disagg.bootstrap_client import _nothing_listens
 
     def wrapped(cause: BaseException) -> httpx.ConnectError:
         try:
@@ -1365,7 +1366,7 @@ def test_a_room_taken_before_the_connect_to_its_decode_engine_failed_fails_soon(
     """The scheduler took longer than the registration's wait to find the decode engine
     unreachable: the room posted meanwhile cannot be written, and no note can reach the
     decode side either (no connection); it waited its whole timeout."""
-    monkeypatch.setattr(bootstrap, "CONNECT_WAIT_S", 0.2)
+    monkeypatch.setattr(bootstrap_server, "CONNECT_WAIT_S", 0.2)
     p = pair(timeout=30.0)
 
     def slow_unreachable(metadata, layout):
@@ -1610,7 +1611,7 @@ def test_a_fault_of_the_server_is_answered_500_and_logged(fake_scheduler, caplog
         raise KeyError("a bug")
 
     side.server.health = broken
-    with caplog.at_level(logging.ERROR, logger="kubesgl.engine.disagg.bootstrap"):
+    with caplog.at_level(logging.ERROR, logger="kubesgl.engine.disagg.bootstrap_server"):
         answer = httpx.get(f"http://127.0.0.1:{side.server.port}/health")
     assert answer.status_code == 500 and "KeyError" in answer.json()["error"], answer.text
     assert any(record.exc_info for record in caplog.records)
@@ -1625,7 +1626,7 @@ def test_a_peer_that_stalls_or_leaves_is_no_fault_of_the_server(fake_scheduler, 
         raise ConnectionResetError("the peer left")
 
     side.server.health = reset
-    with caplog.at_level(logging.ERROR, logger="kubesgl.engine.disagg.bootstrap"):
+    with caplog.at_level(logging.ERROR, logger="kubesgl.engine.disagg.bootstrap_server"):
         with pytest.raises(httpx.RemoteProtocolError):
             httpx.get(f"http://127.0.0.1:{side.server.port}/health")
     assert not caplog.records
