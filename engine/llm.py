@@ -140,7 +140,7 @@ class LLM:
     def tokenizer(self):
         """The model's tokenizer, loaded with the engine; None for a directory without one
         (token ids only)."""
-        return self.engine.scheduler.stop_checker.tokenizer
+        return self.engine.tokenizer
 
     def generate(
         self,

@@ -30,6 +30,7 @@ from kubesgl.engine.scheduler.kv_manager import KVManager
 from kubesgl.engine.scheduler.roles import create_role
 from kubesgl.engine.scheduler.scheduler import Scheduler, SchedulerLimits
 from kubesgl.engine.scheduler.stop_strings import StopStringChecker
+from kubesgl.engine.tokenizer.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,10 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self._load_model()
+        # Loaded with the engine, not at the first request with a stop string or a grammar: a
+        # load inside the scheduler's loop holds every running request for a second or more.
+        # None for a model without a tokenizer (token ids in and out).
+        self.tokenizer = load_tokenizer(config.model, warn=False)
         attn = self.model.attention_specs()[0]
         cache = self._build_kv_cache(attn)
         warning = short_pool_warning(config, cache.tokens, self.context_length)
@@ -291,11 +296,11 @@ class Engine:
         """The scheduler over `kv`, driving this engine's executor and role (built first), with
         the tokenizer's stop strings and grammars where the model has a tokenizer."""
         config = self.config
-        stop_checker = StopStringChecker(config.model)
-        grammars = None
-        if stop_checker.tokenizer is not None:
+        stop_checker = grammars = None
+        if self.tokenizer is not None:
+            stop_checker = StopStringChecker(self.tokenizer)
             grammars = GrammarBackend(
-                stop_checker.tokenizer,
+                self.tokenizer,
                 self.model_config.vocab_size,
                 sorted(self.model_config.eos_token_ids),
             )

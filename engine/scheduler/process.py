@@ -101,7 +101,7 @@ def _warm_up(engine: Engine) -> None:
     """One tiny request through every stage, so the first real request pays no first-use
     cost (a stop string too, where the model has a tokenizer); then the cache and counters are
     cleared so metrics count real traffic only."""
-    stop = ["\x00"] if engine.scheduler.stop_checker.tokenizer is not None else []
+    stop = ["\x00"] if engine.tokenizer is not None else []
     engine.add_request(
         GenerateRequest(
             "warmup", [1, 2, 3, 4], SamplingParams(max_tokens=2, ignore_eos=True, stop=stop)

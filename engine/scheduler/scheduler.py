@@ -80,7 +80,7 @@ class Scheduler:
         eos_token_ids: frozenset[int],
         overlap: bool,
         future_capacity: int,
-        stop_checker: StopStringChecker,
+        stop_checker: StopStringChecker | None,
         role: Role,
         grammars: GrammarBackend | None,
         wait_for_grammars: bool,
@@ -90,7 +90,7 @@ class Scheduler:
         # Tensor parallelism: every rank must queue a request at the same step, so each waits for
         # its compilation at arrival instead of polling for it.
         self.wait_for_grammars = wait_for_grammars
-        self.stop_checker = stop_checker
+        self.stop_checker = stop_checker  # None: no tokenizer, so no stop string can be matched
         self.kv = kv
         self.role = role
         self.limits = limits
@@ -201,7 +201,7 @@ class Scheduler:
                 param="prompt",
             )
         request.params.validate(limits.vocab_size)
-        if request.params.stop and self.stop_checker.tokenizer is None:
+        if request.params.stop and self.stop_checker is None:
             raise InvalidRequestError(
                 "this model has no tokenizer: stop strings cannot be matched", param="stop"
             )
@@ -598,9 +598,11 @@ class Scheduler:
                 )
             if req.grammar.terminated:  # the grammar's end: its stop token, not part of the text
                 return FinishReason("stop", matched_token=token)
-        if params.stop and (matched := self.stop_checker.match(req)) is not None:
-            stop, end = matched
-            return FinishReason("stop", matched_str=stop, matched_end=end)
+        if params.stop:
+            assert self.stop_checker is not None  # validate() refuses stop strings without one
+            if (matched := self.stop_checker.match(req)) is not None:
+                stop, end = matched
+                return FinishReason("stop", matched_str=stop, matched_end=end)
         if len(req.output_ids) >= req.max_tokens:
             return FinishReason("length")
         return None

@@ -8,7 +8,6 @@ from functools import cached_property
 
 from kubesgl.engine.scheduler.request import Req
 from kubesgl.engine.tokenizer.detokenizer import DecodeState, IncrementalDetokenizer
-from kubesgl.engine.tokenizer.loader import load_tokenizer
 
 
 @dataclass
@@ -20,11 +19,10 @@ class _Progress:
 
 
 class StopStringChecker:
-    def __init__(self, model_path: str):
-        # Loaded now, with the engine, not at the first request with a stop string: that load held
-        # every running request (1.3 s; 3.2 s at TP 2). None for a model without a tokenizer, whose
-        # requests cannot have stop strings (Scheduler.validate).
-        self.tokenizer = load_tokenizer(model_path, warn=False)
+    def __init__(self, tokenizer):
+        """`tokenizer`: the model's, which the engine loads (a model without one has no
+        checker: its requests cannot have stop strings, Scheduler.validate)."""
+        self.tokenizer = tokenizer
         # per request, and gone with it: a Req is hashed by identity
         self._progress: weakref.WeakKeyDictionary[Req, _Progress] = weakref.WeakKeyDictionary()
 

@@ -123,15 +123,12 @@ def _long_stops(count: int, length: int) -> list[str]:
     return [f"{i:02d}" + "q" * (length - 2) for i in range(count)]  # never in the output
 
 
-def test_the_scheduler_reads_each_character_once_however_long_the_stop_strings(
-    tiny_model, tokenizer, reads
-):
+def test_the_scheduler_reads_each_character_once_however_long_the_stop_strings(tokenizer, reads):
     output = tokenizer.encode(
         "The quick brown fox jumps over the lazy dog. " * 60
     )  # about 2,000 tokens
-    checker = StopStringChecker(tiny_model("llama"))
     counting = Counting(tokenizer)
-    checker.__dict__["tokenizer"] = counting  # the checker's own is loaded on first use
+    checker = StopStringChecker(counting)
     req = Req("r", [1, 2, 3], SamplingParams(stop=_long_stops(16, 5000), max_tokens=len(output)))
     for token in output:
         req.output_ids.append(token)
@@ -145,10 +142,10 @@ def test_the_scheduler_reads_each_character_once_however_long_the_stop_strings(
     assert "".join(reads) == tokenizer.decode(output)
 
 
-def test_the_scheduler_finds_a_stop_string_as_the_detokenizer_cuts_it(tiny_model, tokenizer):
+def test_the_scheduler_finds_a_stop_string_as_the_detokenizer_cuts_it(tokenizer):
     text = "one two three four five six seven eight nine ten"
     output = tokenizer.encode(text)
-    checker = StopStringChecker(tiny_model("llama"))
+    checker = StopStringChecker(tokenizer)
     req = Req("r", [1], SamplingParams(stop=["nine", "e fo"], max_tokens=100))
     for token in output:
         req.output_ids.append(token)
@@ -166,7 +163,7 @@ def test_the_scheduler_finds_a_stop_string_as_the_detokenizer_cuts_it(tiny_model
     assert "".join(pieces) == "one two thre"
 
 
-def test_no_stop_string_counts_before_min_tokens(tiny_model, tokenizer):
+def test_no_stop_string_counts_before_min_tokens(tokenizer):
     """A match before min_tokens is read past, and the rest of its token's text is still
     read (the matcher stopped at that match, missing one completed later in the same text);
     the text is cut where the counted match ends, not at an earlier occurrence."""
@@ -174,7 +171,7 @@ def test_no_stop_string_counts_before_min_tokens(tiny_model, tokenizer):
     output = tokenizer.encode(text)
     stops = ["two", "thr"]
     first_two = next(i for i in range(len(output)) if "two" in tokenizer.decode(output[: i + 1]))
-    checker = StopStringChecker(tiny_model("llama"))
+    checker = StopStringChecker(tokenizer)
     req = Req("r", [1], SamplingParams(stop=stops, max_tokens=100, min_tokens=first_two + 2))
     found = None
     for token in output:
@@ -230,9 +227,7 @@ def _tokens_without_text(tokenizer) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("kind", ["invalid bytes", "skipped special tokens"])
-def test_output_that_never_settles_into_text_keeps_the_decoded_window_short(
-    tiny_model, tokenizer, kind
-):
+def test_output_that_never_settles_into_text_keeps_the_decoded_window_short(tokenizer, kind):
     """Text that keeps ending in U+FFFD waits for the rest of a character; a model can emit bytes
     that never complete one, and the window must not grow with them."""
     token = _tokens_without_text(tokenizer)[kind]
@@ -243,9 +238,8 @@ def test_output_that_never_settles_into_text_keeps_the_decoded_window_short(
         detok.step(state, [token], finished=False, matched_stop=None)
     assert max(counting.windows) <= 2 * (MAX_PENDING_TOKENS + 1)
 
-    checker = StopStringChecker(tiny_model("llama"))
     counting = Counting(tokenizer)
-    checker.__dict__["tokenizer"] = counting
+    checker = StopStringChecker(counting)
     req = Req("r", [1], SamplingParams(stop=["zz"], max_tokens=1000))
     for _ in range(600):
         req.output_ids.append(token)
@@ -266,11 +260,10 @@ def test_a_character_split_over_tokens_still_waits_for_its_last_byte(tokenizer):
     )
 
 
-def test_the_checker_forgets_a_request_with_it(tiny_model, tokenizer):
+def test_the_checker_forgets_a_request_with_it(tokenizer):
     import gc
 
-    checker = StopStringChecker(tiny_model("llama"))
-    checker.__dict__["tokenizer"] = tokenizer
+    checker = StopStringChecker(tokenizer)
     req = Req("r", [1], SamplingParams(stop=["zz"], max_tokens=10))
     req.output_ids.append(tokenizer.encode("a")[0])
     checker.match(req)
