@@ -33,6 +33,11 @@ class KVManager:
         self.estimate = OutputEstimate()
 
     # -- capacity ----------------------------------------------------------------------
+    @property
+    def pool_tokens(self) -> int:
+        """KV tokens the pool can ever hand out (the padding page excluded)."""
+        return self.allocator.total_pages * self.page_size
+
     def available_pages(self) -> int:
         """Pages free or evictable that no reservation has promised."""
         return (

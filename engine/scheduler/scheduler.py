@@ -179,8 +179,7 @@ class Scheduler:
         or the pool ends first."""
         if request.params.max_tokens is not None:
             return request.params.max_tokens
-        pool_tokens = self.kv.allocator.total_pages * self.kv.page_size
-        room = min(self.limits.context_length, pool_tokens + 1) - len(request.input_ids)
+        room = min(self.limits.context_length, self.kv.pool_tokens + 1) - len(request.input_ids)
         return max(1, min(self.limits.default_max_tokens, room))
 
     def _ending_ids(self, params: SamplingParams) -> frozenset[int]:
@@ -189,74 +188,108 @@ class Scheduler:
         return frozenset(params.stop_token_ids) | eos
 
     def validate(self, request: GenerateRequest) -> None:
-        """Raise InvalidRequestError, naming the problem, if `request` cannot run here."""
-        limits, n, page = self.limits, len(request.input_ids), self.kv.page_size
+        """Raise InvalidRequestError, naming the problem, if `request` cannot run here. The
+        checks run in this order, so a request with several problems is told the first."""
+        self._check_ids(request)
+        request.params.validate(self.limits.vocab_size)
+        self._check_tokenizer_features(request.params)
+        self.role.validate(request)
+        check_prompt_tokens(self.limits.context_length, len(request.input_ids))
+        max_tokens = self._max_tokens(request)
+        self._check_min_tokens(request.params, max_tokens)
+        self._check_context(len(request.input_ids), max_tokens)
+        self._check_kv_pool(request, max_tokens)
+        self._check_queue_space(request)
+
+    def _check_ids(self, request: GenerateRequest) -> None:
+        """A request id not in use, and a prompt of token ids in the vocabulary."""
+        vocab_size = self.limits.vocab_size
         if request.rid in self.requests:
             raise InvalidRequestError(f"request id {request.rid!r} is already in use", param="rid")
-        if n == 0:
+        if len(request.input_ids) == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        if any(not 0 <= t < limits.vocab_size for t in request.input_ids):
+        if any(not 0 <= t < vocab_size for t in request.input_ids):
             raise InvalidRequestError(
-                f"the prompt has token ids outside the vocabulary (size {limits.vocab_size})",
+                f"the prompt has token ids outside the vocabulary (size {vocab_size})",
                 param="prompt",
             )
-        request.params.validate(limits.vocab_size)
-        if request.params.stop and self.stop_checker is None:
+
+    def _check_tokenizer_features(self, params: SamplingParams) -> None:
+        """Stop strings and grammars need the model's tokenizer."""
+        if params.stop and self.stop_checker is None:
             raise InvalidRequestError(
                 "this model has no tokenizer: stop strings cannot be matched", param="stop"
             )
-        if request.params.grammar is not None and self.grammars is None:
+        if params.grammar is not None and self.grammars is None:
             raise InvalidRequestError(
                 "this model has no tokenizer: its output cannot be constrained to a grammar",
-                param=request.params.grammar.param,
+                param=params.grammar.param,
             )
-        self.role.validate(request)
-        check_prompt_tokens(limits.context_length, n)
-        max_tokens = self._max_tokens(request)
-        if request.params.min_tokens > max_tokens:  # max_tokens unset: the default, or less
+
+    def _check_min_tokens(self, params: SamplingParams, max_tokens: int) -> None:
+        """min_tokens within the tokens the request may generate, and a token left to sample
+        before it."""
+        if params.min_tokens > max_tokens:  # max_tokens unset: the default, or less
             raise InvalidRequestError(
-                f"min_tokens ({request.params.min_tokens}) exceeds the {max_tokens} tokens this "
+                f"min_tokens ({params.min_tokens}) exceeds the {max_tokens} tokens this "
                 "request may generate here",
                 param="min_tokens",
             )
-        params = request.params
-        if params.min_tokens and self._ending_ids(params).issuperset(range(limits.vocab_size)):
+        vocab_size = self.limits.vocab_size
+        if params.min_tokens and self._ending_ids(params).issuperset(range(vocab_size)):
             # held back until min_tokens, every token would be: none is left to sample (the
             # check stops at the first id missing, at once for any other request)
             raise InvalidRequestError(
                 f"with min_tokens ({params.min_tokens}), stop_token_ids"
                 f"{'' if params.ignore_eos else ' and EOS'} may not cover the whole vocabulary "
-                f"(size {limits.vocab_size}): no token could be sampled before min_tokens",
+                f"(size {vocab_size}): no token could be sampled before min_tokens",
                 param="stop_token_ids",
             )
-        if n + max_tokens > limits.context_length:
+
+    def _check_context(self, n: int, max_tokens: int) -> None:
+        """The prompt (`n` tokens) and max_tokens within the context length."""
+        context_length = self.limits.context_length
+        if n + max_tokens > context_length:
             raise InvalidRequestError(
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds this model's context "
-                f"length of {limits.context_length}; lower max_tokens to at most {limits.context_length - n}",
+                f"length of {context_length}; lower max_tokens to at most {context_length - n}",
                 param="max_tokens",
             )
-        room, pool_tokens = request.bootstrap is not None, self.kv.allocator.total_pages * page
+
+    def _check_kv_pool(self, request: GenerateRequest, max_tokens: int) -> None:
+        """The KV the request may fill here (its role's count) within the pool: the prompt's
+        alone, then with max_tokens."""
+        n, room = len(request.input_ids), request.bootstrap is not None
+        page, total_pages, pool_tokens = (
+            self.kv.page_size,
+            self.kv.allocator.total_pages,
+            self.kv.pool_tokens,
+        )
         need = self.role.kv_tokens(n, max_tokens, room)
-        if pages_for(need, page) > self.kv.allocator.total_pages:
-            prompt_need = self.role.kv_tokens(n, 1, room)
-            if pages_for(prompt_need, page) > self.kv.allocator.total_pages:
-                raise InvalidRequestError(
-                    f"the prompt ({n} tokens) needs {prompt_need} tokens of KV cache; the pool "
-                    f"holds {pool_tokens}",
-                    param="prompt",
-                )
+        if pages_for(need, page) <= total_pages:
+            return
+        prompt_need = self.role.kv_tokens(n, 1, room)
+        if pages_for(prompt_need, page) > total_pages:
             raise InvalidRequestError(
-                f"the request needs {need} tokens of KV cache; the pool holds {pool_tokens}: "
-                f"lower max_tokens to at most {pool_tokens - prompt_need + 1}",
-                param="max_tokens",
+                f"the prompt ({n} tokens) needs {prompt_need} tokens of KV cache; the pool "
+                f"holds {pool_tokens}",
+                param="prompt",
             )
-        # last: a request that could never run is a 400; a health probe is never turned away
-        # for a busy engine; and a client request's later sequences follow its first, so that
-        # none is refused in part. Only while the first is here: one that already finished
-        # (its one token, a stop or an error before its followers arrived) leaves them to the
-        # queue's check, and a refused one fails the whole request in the API server, whose
-        # client gets the 503 and no partial answer.
-        queued, most = self._num_queued(), limits.max_queued_requests
+        raise InvalidRequestError(
+            f"the request needs {need} tokens of KV cache; the pool holds {pool_tokens}: "
+            f"lower max_tokens to at most {pool_tokens - prompt_need + 1}",
+            param="max_tokens",
+        )
+
+    def _check_queue_space(self, request: GenerateRequest) -> None:
+        """Room in the queue (--max-queued-requests). Checked last: a request that could never
+        run is a 400; a health probe is never turned away for a busy engine; and a client
+        request's later sequences follow its first, so that none is refused in part. Only
+        while the first is here: one that already finished (its one token, a stop or an error
+        before its followers arrived) leaves them to the queue's check, and a refused one
+        fails the whole request in the API server, whose client gets the 503 and no partial
+        answer."""
+        queued, most = self._num_queued(), self.limits.max_queued_requests
         exempt = request.probe or request.request_leader in self.requests
         if most is not None and not exempt and queued >= most:
             raise InvalidRequestError(
@@ -678,7 +711,7 @@ class Scheduler:
             num_running=self._num_running(),
             num_waiting=self._num_queued(),
             kv_used_tokens=self.kv.committed_tokens(),
-            kv_total_tokens=self.kv.allocator.total_pages * self.kv.page_size,
+            kv_total_tokens=self.kv.pool_tokens,
             prompt_tokens=self._prompt_tokens,
             cached_prompt_tokens=self._cached_prompt_tokens,
             disagg=self.role.stats(),
