@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kubesgl.contract import PREFILL
 from kubesgl.engine.attention import AttentionLayerSpec, auto_backend
 from kubesgl.engine.config import CPU_MEM_FRACTION, GPU_MEM_FRACTION, EngineConfig
 from kubesgl.engine.disagg.link import BootstrapLink
@@ -27,7 +26,7 @@ from kubesgl.engine.model_config import ModelConfig, load_model_config
 from kubesgl.engine.models.loader import load_model, resolve_dtype
 from kubesgl.engine.scheduler.grammar import GrammarBackend
 from kubesgl.engine.scheduler.kv_manager import KVManager
-from kubesgl.engine.scheduler.roles import create_role
+from kubesgl.engine.scheduler.roles import Role, create_role
 from kubesgl.engine.scheduler.scheduler import Scheduler, SchedulerLimits
 from kubesgl.engine.scheduler.stop_strings import StopStringChecker
 from kubesgl.engine.tokenizer.loader import load_tokenizer
@@ -86,15 +85,15 @@ def kv_pool_tokens(
     return tokens
 
 
-def short_pool_warning(config: EngineConfig, pool_tokens: int, context_length: int) -> str | None:
+def short_pool_warning(
+    config: EngineConfig, role: Role, pool_tokens: int, context_length: int
+) -> str | None:
     """What to say at start where the KV pool cannot hold a request of the whole context: every
     longer one is refused. (vLLM refuses to start; a pool sized from the memory left may be all
     this machine has, and serves shorter requests.)"""
-    # a prefill engine keeps a prompt's KV alone; others all outputs' but the last one's too
-    longest = pool_tokens if config.role == PREFILL else pool_tokens + 1
+    longest, what = role.longest_request(pool_tokens)
     if longest >= context_length:
         return None
-    what = "prompt" if config.role == PREFILL else "request (prompt and max_tokens together)"
     if config.max_total_tokens is not None:
         fix = f"give --max-total-tokens of at least {context_length}"
     else:
@@ -184,9 +183,6 @@ class Engine:
         self.tokenizer = load_tokenizer(config.model, warn=False)
         attn = self.model.attention_specs()[0]
         cache = self._build_kv_cache(attn)
-        warning = short_pool_warning(config, cache.tokens, self.context_length)
-        if warning is not None:
-            logger.warning(warning)
         overlap = not config.disable_overlap_schedule
         # Slots where a step's sampled tokens wait for the next step, launched before they are
         # known (overlap).
@@ -195,6 +191,9 @@ class Engine:
         self.role = create_role(
             config, cache.kv, cache.pool, get_tp_group(), bootstrap_host, bootstrap_link
         )
+        warning = short_pool_warning(config, self.role, cache.tokens, self.context_length)
+        if warning is not None:
+            logger.warning(warning)
         self.scheduler = self._build_scheduler(cache.kv, overlap, future_capacity)
         logger.info(
             "engine ready: %s on %s in %s, KV pool %d tokens (page %d), overlap %s, radix cache %s, role %s",

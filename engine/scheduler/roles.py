@@ -116,6 +116,12 @@ class Role:
         """KV positions a request may fill here: its prompt and all outputs but the last."""
         return prompt_len + max_tokens - 1
 
+    def longest_request(self, pool_tokens: int) -> tuple[int, str]:
+        """The most tokens of a request whose KV (kv_tokens) fits a pool of `pool_tokens`,
+        and what those tokens are: the prompt and max_tokens together, the last output's KV
+        never kept."""
+        return pool_tokens + 1, "request (prompt and max_tokens together)"
+
     def accept(self, req: Req) -> None:
         """A validated request is queued."""
 
@@ -269,6 +275,9 @@ class PrefillRole(_RoomRole):
     def kv_tokens(self, prompt_len: int, max_tokens: int, room: bool) -> int:
         # A room's request ends here after its first token: its prompt's KV is all it needs.
         return prompt_len if room else super().kv_tokens(prompt_len, max_tokens, room)
+
+    def longest_request(self, pool_tokens: int) -> tuple[int, str]:
+        return pool_tokens, "prompt"  # a room's request: its prompt's KV alone (kv_tokens)
 
     def may_admit(self, req: Req) -> bool:
         return req.bootstrap is None or self.transfers.posted(req.bootstrap.room)

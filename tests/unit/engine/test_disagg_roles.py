@@ -778,3 +778,18 @@ def test_an_idle_prefill_engine_answers_a_registration_in_its_next_turn_not_its_
     assert not transfers._rooms and prefill.scheduler.has_work()
     server = transfers.link.service.server
     step_until([prefill, decode], lambda: not server._connecting)  # and it is answered
+
+
+def test_a_prefill_engines_short_pool_warning_counts_the_prompt_alone():
+    """A room's request ends on a prefill engine with its first token: the KV it keeps is its
+    prompt's, so the pool's every token is a prompt token (Role.longest_request)."""
+    from kubesgl.engine.scheduler.engine import short_pool_warning
+    from kubesgl.engine.scheduler.roles import PrefillRole
+
+    config = EngineConfig(model="unused", role="prefill", max_total_tokens=64)
+    role = PrefillRole(None, None)  # type: ignore[arg-type]  # longest_request reads neither
+    warning = short_pool_warning(config, role, 64, 2048)
+    assert warning is not None
+    assert "the longest prompt that fits is 64 tokens" in warning
+    assert warning.endswith("lower --context-length to 64")
+    assert short_pool_warning(config, role, 64, 64) is None
