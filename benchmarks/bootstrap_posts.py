@@ -26,7 +26,24 @@ from kubesgl.engine.disagg.protocol import (
     ServeBootstrap,
 )
 
-LAYOUT = PoolLayout.stand_in("prefill")
+
+def stand_in_layout(agent: str) -> PoolLayout:
+    """A pool of 8 slots of one layer at made-up addresses: what a bootstrap server is given
+    where no KV moves."""
+    return PoolLayout(
+        agent=agent,
+        memory="DRAM",
+        device_id=0,
+        slot_bytes=16,
+        slot_shape=(2, 4),
+        dtype="float16",
+        num_slots=8,
+        k_addresses=(1000,),
+        v_addresses=(2000,),
+    )
+
+
+LAYOUT = stand_in_layout("prefill")
 DECODE = "decode-0"
 
 
@@ -41,7 +58,7 @@ def registered_server() -> BootstrapServer:
 
     server = BootstrapServer(emit, ServeBootstrap(LAYOUT, 1, "127.0.0.1", 0, 60.0))
     servers.append(server)
-    agent = RankAgent(b"decode-agent", PoolLayout.stand_in(DECODE))
+    agent = RankAgent(b"decode-agent", stand_in_layout(DECODE))
     assert server.register(PeerRegistration(DECODE, (agent,)))[0] == 200
     return server
 

@@ -87,7 +87,17 @@ class _EndedRoom:
 class BootstrapServer:
     """HTTP endpoint of a prefill engine for the decode engines; what arrives, it emits."""
 
-    def __init__(self, emit: Emit, serve: ServeBootstrap):
+    def __init__(
+        self,
+        emit: Emit,
+        serve: ServeBootstrap,
+        *,
+        retry_first_s: float = CONNECT_RETRY_FIRST_S,
+        retry_max_s: float = CONNECT_RETRY_MAX_S,
+        peer_idle_s: float = PEER_IDLE_S,
+    ):
+        """`retry_first_s`, `retry_max_s`: the back-off of a decode engine that could not be
+        connected to; `peer_idle_s`: the silence after which a decode engine is forgotten."""
         self.emit, self.layout, self.tp_size = emit, serve.layout, serve.tp_size
         self.timeout_s = timeout_s = serve.timeout_s  # the engine's --disaggregation-timeout
         self.instance = uuid.uuid4().hex  # a restarted engine is a new instance
@@ -103,8 +113,8 @@ class BootstrapServer:
         self._connecting: dict[str, list[Future[str | None]]] = {}
         self._trying: dict[str, tuple[bytes, ...]] = {}  # the agents the latest one is for
         self._unreachable: dict[str, _Unreachable] = {}  # decode engines refused for a while
-        self._retry_first_s, self._retry_max_s = CONNECT_RETRY_FIRST_S, CONNECT_RETRY_MAX_S
-        self._peer_idle_s = PEER_IDLE_S
+        self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
+        self.peer_idle_s = peer_idle_s
         self._next_sweep = 0.0
         self._rooms: dict[int, float] = {}  # posted rooms, until forgotten: a duplicate is a 409
         # rooms whose last word went out, oldest first, for as long as posted rooms are
@@ -131,17 +141,18 @@ class BootstrapServer:
             self._next_sweep = now + _SWEEP_EVERY_S
             self.forget_idle_peers()
 
-    def forget_idle_peers(self) -> None:
-        """Drops the registrations of decode engines silent for the idle limit, and the
-        back-off of those that have not tried again for as long."""
+    def forget_idle_peers(self, idle_s: float | None = None) -> None:
+        """Drops the registrations of decode engines silent for `idle_s` (None: peer_idle_s),
+        and the back-off of those that have not tried again for as long."""
         now = time.monotonic()
+        idle_s = self.peer_idle_s if idle_s is None else idle_s
         with self._lock:
             for engine, heard_at in list(self._heard_at.items()):
-                if now - heard_at > self._peer_idle_s:
+                if now - heard_at > idle_s:
                     del self._heard_at[engine], self._engines[engine]
                     self.emit(PeerForgotten(engine))
             for engine, unreachable in list(self._unreachable.items()):
-                if now - unreachable.retry_at > self._peer_idle_s:
+                if now - unreachable.retry_at > idle_s:
                     del self._unreachable[engine]
 
     def register(self, registration: PeerRegistration) -> Answer:
@@ -207,9 +218,9 @@ class BootstrapServer:
         the last time if that failed too."""
         last = self._unreachable.get(engine)
         wait_s = (
-            min(2 * last.wait_s, self._retry_max_s)
+            min(2 * last.wait_s, self.retry_max_s)
             if last is not None and last.metadata == metadata
-            else self._retry_first_s
+            else self.retry_first_s
         )
         self._unreachable[engine] = _Unreachable(metadata, error, wait_s, time.monotonic() + wait_s)
 

@@ -149,22 +149,6 @@ class PoolLayout:
             _field(body, "v_addresses", integers, name),
         )
 
-    @classmethod
-    def stand_in(cls, agent: str) -> PoolLayout:
-        """A pool of 8 slots of one layer at made-up addresses: what a bootstrap server is
-        given where no KV moves (its tests, benchmarks/bootstrap_posts.py)."""
-        return cls(
-            agent=agent,
-            memory="DRAM",
-            device_id=0,
-            slot_bytes=16,
-            slot_shape=(2, 4),
-            dtype="float16",
-            num_slots=8,
-            k_addresses=(1000,),
-            v_addresses=(2000,),
-        )
-
     def check_compatible(self, peer: PoolLayout) -> None:
         mine = (len(self.k_addresses), len(self.v_addresses), self.slot_shape, self.dtype)
         theirs = (len(peer.k_addresses), len(peer.v_addresses), peer.slot_shape, peer.dtype)

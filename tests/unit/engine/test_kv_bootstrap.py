@@ -1111,14 +1111,13 @@ def test_a_decode_engine_not_heard_from_is_forgotten_and_registers_again_when_ba
     the idle limit, with no room here, is forgotten; if it was only idle, its next post
     registers it again and the room runs."""
     p = pair()
-    p.server._peer_idle_s = 0.3
     p.decode.expect(p.target(90), [1])
     p.prefill.open(90)
     p.prefill.prefilled(90, [2], note(90))
     p.run(lambda s, a: s and a)
     assert p.prefill._peer_agents and p.prefill_agent.peers
     time.sleep(0.5)
-    p.server.forget_idle_peers()  # as every request to the bootstrap server does
+    p.server.forget_idle_peers(idle_s=0.3)  # as every request to the bootstrap server does
     p.run(lambda s, a: not p.prefill._peer_agents, timeout=5)
     assert not p.prefill_agent.peers and not p.server._engines
     p.decode.expect(p.target(91), [3])
@@ -1133,11 +1132,10 @@ def test_a_forgotten_decode_engine_with_a_room_here_keeps_its_connection_and_its
     write still goes there), and the decode side, told `unknown_peer` on its next post by the
     same instance, registers again without giving up the rooms it has here."""
     p = pair()
-    p.server._peer_idle_s = 0.3
     p.decode.expect(p.target(92), [1])
     p.run(lambda s, a: 92 in p.prefill._posted)
     time.sleep(0.5)
-    p.server.forget_idle_peers()
+    p.server.forget_idle_peers(idle_s=0.3)
     p.run(lambda s, a: not p.server._engines, timeout=5)
     p.decode.expect(p.target(93), [2])
     p.run(lambda s, a: 93 in p.prefill._posted, timeout=5)
@@ -1189,8 +1187,7 @@ def test_a_failed_registration_again_keeps_the_rooms_at_the_same_instance(pair):
     p = pair(dead_after_s=0.5)
     p.decode.expect(p.target(97), [1])
     p.run(lambda s, a: 97 in p.prefill._posted)
-    p.server._peer_idle_s = 0
-    p.server.forget_idle_peers()
+    p.server.forget_idle_peers(idle_s=0)
     original, calls = p.server.register, []
 
     def failing_once(registration):
@@ -1198,7 +1195,6 @@ def test_a_failed_registration_again_keeps_the_rooms_at_the_same_instance(pair):
         return (500, {"error": "not now"}) if len(calls) == 1 else original(registration)
 
     p.server.register = failing_once
-    p.server._peer_idle_s = 600
     p.decode.expect(p.target(98), [2])
     _, arrived = p.run(released(98))
     assert arrived[0].error and "not now" in arrived[0].error
@@ -1214,9 +1210,7 @@ def test_rooms_queued_after_being_forgotten_register_again_and_keep_waiting(pair
     p = pair()
     p.decode.expect(p.target(99), [1])  # registers
     p.run(lambda s, a: 99 in p.prefill._posted)
-    p.server._peer_idle_s = 0
-    p.server.forget_idle_peers()
-    p.server._peer_idle_s = 600
+    p.server.forget_idle_peers(idle_s=0)
     p.client.still_queued(StillQueued(p.target(0).address, (100,)))
     p.run(lambda s, a: 100 in p.prefill._queued, timeout=5)
 
@@ -1399,11 +1393,27 @@ def test_a_prefill_engine_that_reports_no_ends_leaves_the_rooms_waiting(pair, mo
     assert outcome.note.first_token == 5
 
 
-LAYOUT = PoolLayout.stand_in("prefill-agent")
+def stand_in_layout(agent: str) -> PoolLayout:
+    """A pool of 8 slots of one layer at made-up addresses: what a bootstrap server is given
+    where no KV moves."""
+    return PoolLayout(
+        agent=agent,
+        memory="DRAM",
+        device_id=0,
+        slot_bytes=16,
+        slot_shape=(2, 4),
+        dtype="float16",
+        num_slots=8,
+        k_addresses=(1000,),
+        v_addresses=(2000,),
+    )
+
+
+LAYOUT = stand_in_layout("prefill-agent")
 
 
 def registration(engine: str, metadata: bytes = b"agent-1") -> PeerRegistration:
-    layout = PoolLayout.stand_in(f"{engine}-agent")
+    layout = stand_in_layout(f"{engine}-agent")
     return PeerRegistration(engine, (RankAgent(metadata, layout),))
 
 
@@ -1412,11 +1422,12 @@ class FakeScheduler:
     with `error` (None: it succeeds), answered from a thread as the scheduler would (the
     server emits with its lock held); `attempts` counts the connects tried."""
 
-    def __init__(self, timeout_s: float = 60.0):
+    def __init__(self, timeout_s: float = 60.0, **server_options: float):
+        """`server_options`: the BootstrapServer's keyword arguments (its back-off, say)."""
         self.error: str | None = "no UCX transport in common"
         self.attempts = 0
         self.server = BootstrapServer(
-            self.emit, ServeBootstrap(LAYOUT, 1, "127.0.0.1", 0, timeout_s)
+            self.emit, ServeBootstrap(LAYOUT, 1, "127.0.0.1", 0, timeout_s), **server_options
         )
 
     def emit(self, fact) -> None:
@@ -1447,9 +1458,8 @@ def test_a_decode_engine_that_cannot_be_reached_is_tried_again_only_after_a_back
     rank try again (one add_remote_agent each, on the scheduler's thread): one per request
     the decode engine got. It is refused at once with the error for a while, longer after
     each failure up to a cap; a decode engine with new agents (restarted) is tried at once."""
-    side = fake_scheduler()
+    side = fake_scheduler(retry_first_s=0.5, retry_max_s=1.0)
     server = side.server
-    server._retry_first_s, server._retry_max_s = 0.5, 1.0
     for _ in range(4):
         status, body = server.register(registration("decode-a"))
         assert status == 502 and "no UCX transport in common" in body["error"], body
@@ -1472,13 +1482,11 @@ def test_a_decode_engine_that_cannot_be_reached_is_tried_again_only_after_a_back
 
 
 def test_the_back_off_of_a_decode_engine_gone_quiet_is_forgotten(fake_scheduler):
-    side = fake_scheduler()
+    side = fake_scheduler(retry_first_s=0.05)
     server = side.server
-    server._retry_first_s = 0.05
     assert server.register(registration("decode-a"))[0] == 502
     time.sleep(0.1)
-    server._peer_idle_s = 0
-    server.forget_idle_peers()
+    server.forget_idle_peers(idle_s=0)
     assert not server._unreachable
 
 
