@@ -118,7 +118,7 @@ class SchedulerLoop:
         engine: Engine,
         rank: int,
         endpoints: Endpoints,
-        control,
+        control: dist.ProcessGroup | None,
         context: zmq.Context,
         link: ProcessLink | None,
         gc_pacer: GcPacer | None = None,

@@ -30,7 +30,8 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kubesgl.engine.executor.model_runner import PendingStep
+from kubesgl.engine.executor.model_runner import PendingStep, StepResult
+from kubesgl.engine.executor.worker import OverlapExecutor, SyncExecutor
 from kubesgl.engine.forward_batch import VocabMask
 from kubesgl.engine.kvcache.allocator import pages_for
 from kubesgl.engine.messages import (
@@ -74,7 +75,7 @@ class Scheduler:
     def __init__(
         self,
         *,
-        executor,
+        executor: SyncExecutor | OverlapExecutor,
         kv: KVManager,
         limits: SchedulerLimits,
         eos_token_ids: frozenset[int],
@@ -570,11 +571,14 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _logprob(result, i: int, req: Req) -> TokenLogprob | None:
+    def _logprob(result: StepResult, i: int, req: Req) -> TokenLogprob | None:
         if result.logprobs is None or req.params.logprobs is None:
             return None
         k = req.params.logprobs
-        top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k])) if k else []
+        top: list[tuple[int, float]] = []
+        if k:  # the step sampled the top ids of its batch's largest k
+            assert result.top_ids is not None and result.top_logprobs is not None
+            top = list(zip(result.top_ids[i][:k], result.top_logprobs[i][:k]))
         return TokenLogprob(result.token_ids[i], result.logprobs[i], top)
 
     def _accept(self, req: Req, token: int, logprob: TokenLogprob | None) -> TokenOutput:
@@ -674,7 +678,9 @@ class Scheduler:
         self.finished_unreleased = keep
         return released
 
-    def _output(self, req: Req, tokens: list[int], logprobs) -> TokenOutput:
+    def _output(
+        self, req: Req, tokens: list[int], logprobs: list[TokenLogprob] | None
+    ) -> TokenOutput:
         out = TokenOutput(
             rid=req.rid,
             token_ids=tokens,
@@ -704,6 +710,8 @@ class Scheduler:
 
     # -- inspection --------------------------------------------------------------------
     def check_integrity(self) -> None:
+        """Raise if the KV bookkeeping breaks its invariants (every page in exactly one place);
+        an invariant check that tests call after their requests, never the serving loop."""
         self.kv.check_integrity(self.requests.values())
 
     def stats(self) -> SchedulerStats:
