@@ -69,8 +69,8 @@ class BootstrapService:
 
 
 def quiet_request_logs() -> None:
-    """httpx logs every request at INFO: a decode engine's heartbeat, every 2 s, made a fifth
-    of its log at rest. Failures that matter are logged here; `--log-level debug` shows all."""
+    """httpx logs every request at INFO: a decode engine's heartbeat, every 2 s, would fill
+    its log at rest. Failures that matter are logged here; `--log-level debug` shows all."""
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("httpx").setLevel(logging.WARNING)
 

@@ -91,8 +91,8 @@ class BootstrapClient:
         # a burst of posts could take every thread and leave the registration none. One at
         # a time per prefill engine is all there is (the latest, tried again if it failed).
         self._registrations = AddressLanes(workers=4, per_address=1, name="kubesgl-kv-register")
-        # Heartbeat checks, all at once: one after another, each hung prefill engine added its
-        # timeout to the round, and the others' rooms failed that much later.
+        # Heartbeat checks, all at once: one after another, each hung prefill engine would add
+        # its timeout to the round, and the others' rooms would fail that much later.
         self._checks = AddressLanes(workers=32, per_address=1, name="kubesgl-kv-check")
         self._failing_checks: set[str] = set()  # addresses whose last check raised
         self._lock = threading.Lock()

@@ -447,9 +447,9 @@ def _route(method: str, path: str) -> tuple[_Route, str | None] | None:
 
 class _BootstrapHTTPServer(ThreadingHTTPServer):
     """A thread per request. The listen backlog is long: at the default of 5, a burst of
-    decode posts that came faster than the accept loop took them (its thread short of the GIL
-    on a busy engine) lost connections beyond it, and each such decode engine waited out its
-    connect timeout and failed the room as if this engine were gone. The kernel caps it at
+    decode posts that comes faster than the accept loop takes them (its thread short of the
+    GIL on a busy engine) loses connections beyond it, and each such decode engine waits out
+    its connect timeout and fails the room as if this engine were gone. The kernel caps it at
     net.core.somaxconn."""
 
     daemon_threads = True

@@ -77,7 +77,7 @@ class Transfer:
 # API sets no wait (pthrDelay 0), which the thread runs as poll() with a zero timeout: a core
 # kept busy by every idle engine rank (both cores of a laptop running the quickstart). The
 # thread wakes on the workers' events whatever the wait, so the wait only bounds how late it
-# sees an event UCX did not signal: writes between two processes took no longer with it, in
+# sees an event UCX did not signal: writes between two processes take no longer with it, in
 # host memory and on an H100 alike (benchmarks/README.md, "NIXL's progress thread").
 PROGRESS_THREAD_DELAY_US = 1000
 

@@ -60,8 +60,8 @@ class RadixCache:
 
     def _common_len(self, key: list[int], tokens: list[int], start: int) -> int:
         """Page-aligned length of the common prefix of `key` and `tokens[start:]`. Slices are
-        compared (in C), bisecting on a mismatch: a token-by-token loop cost ~32 ms per step
-        when --schedule-policy lpm matched 128 waiting prompts of 4096 tokens."""
+        compared (in C), bisecting on a mismatch: a token-by-token loop costs ~32 ms per step
+        when --schedule-policy lpm matches 128 waiting prompts of 4096 tokens."""
         limit = min(len(key), len(tokens) - start)
         if key[:limit] == tokens[start : start + limit]:
             n = limit

@@ -33,10 +33,10 @@ _XGRAMMAR_ERROR_CHARS = 300
 # How xgrammar 0.2.9 writes the raw characters of a JSON string: a string with minLength or
 # maxLength as the first class, which lets control characters in, any other as the second.
 # Both let encoded surrogates (U+D800-DFFF) in, which are not UTF-8. Strict JSON refuses either
-# (the OpenAI SDK's parse() failed on 5 of 30 answers with maxLength in a trial). Swapped in the
-# grammar's text for JSON's own class, the bounds stay xgrammar's repetition (as a regex
-# `pattern`, maxLength 4000 took 6 s to compile). A release that writes other classes is left
-# as it is.
+# (the OpenAI SDK's parse() fails on an answer that holds one, common with maxLength). Swapped in
+# the grammar's text for JSON's own class, the bounds stay xgrammar's repetition (as a regex
+# `pattern`, a maxLength in the thousands takes seconds to compile). A release that writes other
+# classes is left as it is.
 _XGRAMMAR_STRING_CHARACTERS = (r"[^\"\\\r\n]", r"[^\0-\x1f\"\\\r\n]")
 _JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 
