@@ -41,11 +41,7 @@ from kubesgl.engine.messages import (
     Tokenized,
     TokenizeRequest,
 )
-from kubesgl.engine.sampling_params import (
-    InvalidRequestError,
-    SamplingParams,
-    check_prompt_tokens,
-)
+from kubesgl.engine.sampling_params import SamplingParams, check_prompt_tokens
 from kubesgl.engine.server import sglang_routes, tool_calls
 from kubesgl.engine.server.access import AccessRecord, RequestAccounting
 from kubesgl.engine.server.context import (
@@ -56,7 +52,7 @@ from kubesgl.engine.server.context import (
     unavailable,
 )
 from kubesgl.engine.server.engine_client import DuplicateRequestId, EngineClient, EngineGone
-from kubesgl.engine.server.errors import APIError, in_clients_words
+from kubesgl.engine.server.errors import APIError, as_bad_request
 from kubesgl.engine.server.limits import (
     BodyLimit,
     check_prompt_chars,
@@ -289,11 +285,8 @@ def engine_info(ctx: ServerContext) -> EngineInfo:
 def validated(
     ctx: ServerContext, params: SamplingParams, names: Mapping[str, str] | None = None
 ) -> SamplingParams:
-    try:
+    with as_bad_request(names):
         params.validate(engine_info(ctx).vocab_size)
-    except InvalidRequestError as exc:
-        message, param = in_clients_words(str(exc), exc.param, names)
-        raise APIError(400, message, param=param) from exc
     return params
 
 
@@ -309,15 +302,12 @@ def within_limits(
     holds it, `token_prompts` the length of each prompt given as token ids and its field."""
     config = ctx.state.config
     context_length = engine_info(ctx).context_length
-    try:
+    with as_bad_request(names):
         check_stop_strings(config, params)
         for chars, param in texts:
             check_prompt_chars(config, context_length, chars, param)
         for tokens, param in token_prompts:
             check_prompt_tokens(context_length, tokens, param)
-    except InvalidRequestError as exc:
-        message, field = in_clients_words(str(exc), exc.param, names)
-        raise APIError(400, message, param=field) from exc
 
 
 def chat_chars(
@@ -378,13 +368,10 @@ def bootstrap_targets(
     rooms), once their number is within the server's limit: a request refused for asking
     too many ends no room (the client, not the limit, would bound the rooms it names)."""
     config = ctx.state.config
-    try:
+    with as_bad_request(names):
         check_sequences(config, prompts, n)
         # `bootstrap_port: null` means this engine's own --disaggregation-bootstrap-port
         return body.bootstrap_targets(prompts, n, config.disaggregation_bootstrap_port)
-    except InvalidRequestError as exc:
-        message, field = in_clients_words(str(exc), exc.param, names)
-        raise APIError(400, message, param=field) from exc
 
 
 @contextlib.asynccontextmanager
@@ -478,10 +465,8 @@ async def tokenize(body: TokenizeRequestBody, ctx: Ctx) -> dict:
             "", SamplingParams(), text=body.prompt, add_special_tokens=body.add_special_tokens
         )
     context_length = engine_info(ctx).context_length
-    try:  # the tokenizer serves every request: no single one may hold it up
+    with as_bad_request():  # the tokenizer serves every request: no single one may hold it up
         check_prompt_chars(ctx.state.config, context_length, chars, param)
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param) from exc
     tokens = (await tokenizer_answer(ctx, prompt=prompt)).token_ids
     return {"count": len(tokens), "max_model_len": context_length, "tokens": tokens}
 
@@ -545,10 +530,8 @@ def _chat_requests(
     targets: list[BootstrapTarget | None],
 ) -> tuple[list[TokenizeRequest], list[AsyncGenerator[TextOutput, None]], ToolOutput]:
     params = body.to_sampling_params()
-    try:
+    with as_bad_request(names):
         choice = body.tool_mode()
-    except InvalidRequestError as exc:
-        raise APIError(400, str(exc), param=exc.param) from exc
     if (grammar := choice.grammar(body.parallel_tool_calls)) is not None:
         params = dataclasses.replace(params, grammar=grammar)
     params = validated(ctx, params, names)

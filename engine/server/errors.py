@@ -4,13 +4,15 @@ wrong API key, and the routes share it."""
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from fastapi.responses import JSONResponse
 
 from kubesgl.contract import RETRY_AFTER_S
 from kubesgl.engine.messages import FinishReason
+from kubesgl.engine.sampling_params import InvalidRequestError
 
 
 class APIError(Exception):
@@ -84,3 +86,14 @@ def in_clients_words(
             field = rf"(?<![\w.-]){re.escape(engine_name)}(?![\w-])"
             message = re.sub(field, client_name, message)
     return message, names.get(param or "", param)
+
+
+@contextlib.contextmanager
+def as_bad_request(names: Mapping[str, str] | None = None) -> Iterator[None]:
+    """An InvalidRequestError raised inside becomes a 400, its message and field in the client's
+    words (in_clients_words: `names` maps the engine's field names to the client's)."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        message, param = in_clients_words(str(exc), exc.param, names)
+        raise APIError(400, message, param=param) from exc
