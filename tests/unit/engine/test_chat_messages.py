@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kubesgl.engine.server.api import validation_error
+from kubesgl.engine.server.errors import validation_error
 from kubesgl.engine.server.protocol import ChatCompletionRequest
 
 CALL = {"id": "c1", "function": {"name": "f", "arguments": "{}"}}

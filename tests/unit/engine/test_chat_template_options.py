@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from kubesgl.engine import SamplingParams
 from kubesgl.engine.messages import TokenizeRequest
-from kubesgl.engine.server.api import validation_error
+from kubesgl.engine.server.errors import validation_error
 from kubesgl.engine.server.protocol import ChatCompletionRequest
 from kubesgl.engine.tokenizer.process import Tokenizer, TokenizerError
 

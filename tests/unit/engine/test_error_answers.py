@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 
 from kubesgl.engine.messages import FinishReason
-from kubesgl.engine.server.api import APIError, validation_error
+from kubesgl.engine.server.errors import APIError, validation_error
 from kubesgl.engine.server.protocol import CompletionRequest
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from pydantic import StrictInt, TypeAdapter, ValidationError
 
-from kubesgl.engine.server.api import validation_error
+from kubesgl.engine.server.errors import validation_error
 from kubesgl.engine.server.protocol import CompletionRequest
 
 

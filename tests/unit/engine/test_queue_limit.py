@@ -12,7 +12,7 @@ from kubesgl.engine import InvalidRequestError, SamplingParams
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import GenerateRequest
 from kubesgl.engine.scheduler.engine import Engine
-from kubesgl.engine.server.api import APIError
+from kubesgl.engine.server.errors import APIError
 
 
 @pytest.fixture

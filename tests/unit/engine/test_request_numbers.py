@@ -11,8 +11,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from kubesgl.engine.sampling_params import InvalidRequestError
-from kubesgl.engine.server.api import validation_error
-from kubesgl.engine.server.errors import in_clients_words
+from kubesgl.engine.server.errors import in_clients_words, validation_error
 from kubesgl.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from kubesgl.bounds import Bounds
 from kubesgl.engine.sampling_params import SAMPLING_BOUNDS, InvalidRequestError, SamplingParams
-from kubesgl.engine.server.api import validation_error
+from kubesgl.engine.server.errors import validation_error
 from kubesgl.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -337,8 +337,9 @@ async def test_only_a_json_body_a_route_reads_is_checked_for_depth(tiny_model):
 async def test_only_an_engine_going_away_is_the_tokenizer_calls_own_500():
     """Its 500 quotes why the engine's processes went away; another RuntimeError is a bug,
     left to the server's crash answer, which names its kind and never its message."""
-    from kubesgl.engine.server.api import APIError, tokenizer_answer
+    from kubesgl.engine.server.api import tokenizer_answer
     from kubesgl.engine.server.engine_client import EngineGone
+    from kubesgl.engine.server.errors import APIError
 
     async def call(error: Exception) -> None:
         async def tokenizer_call(prompt, token_ids):
