@@ -3,24 +3,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
 import logging
 import time
 from collections.abc import (
-    AsyncGenerator,
     AsyncIterator,
-    Awaitable,
-    Callable,
     Mapping,
     Sequence,
 )
 from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kubesgl import __version__
@@ -32,13 +28,12 @@ from kubesgl.contract import (
 from kubesgl.engine.messages import (
     BootstrapTarget,
     EngineInfo,
-    TextOutput,
     Tokenized,
     TokenizeRequest,
 )
 from kubesgl.engine.sampling_params import SamplingParams, check_prompt_tokens
 from kubesgl.engine.server import sglang_routes, tool_calls
-from kubesgl.engine.server.access import AccessRecord, RequestAccounting
+from kubesgl.engine.server.access import RequestAccounting
 from kubesgl.engine.server.context import (
     Ctx,
     ServerContext,
@@ -51,7 +46,6 @@ from kubesgl.engine.server.errors import (
     APIError,
     answer_errors_as_openai,
     as_bad_request,
-    internal_error,
 )
 from kubesgl.engine.server.limits import (
     BodyLimit,
@@ -60,13 +54,10 @@ from kubesgl.engine.server.limits import (
     check_stop_strings,
 )
 from kubesgl.engine.server.openai_format import (
-    Choice,
-    Formatter,
     ToolOutput,
     chat_formatter,
     completion_formatter,
     native_formatter,
-    usage,
 )
 from kubesgl.engine.server.protocol import (
     ChatCompletionRequest,
@@ -75,25 +66,9 @@ from kubesgl.engine.server.protocol import (
     GenerateRequestBody,
     TokenizeRequestBody,
 )
-from kubesgl.engine.server.stream_response import EngineStreamResponse
+from kubesgl.engine.server.responses import Stream, respond
 
 logger = logging.getLogger(__name__)
-
-
-def sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
-
-
-# A stream that sends nothing while its text is held back (a named tool call's arguments, a
-# long run of a possible stop string) sends an SSE comment this often instead, which clients
-# skip: proxies between it and the client close connections idle for a minute or so.
-HELD_STREAM_KEEPALIVE_S = 10.0
-SSE_KEEPALIVE = ": held back\n\n"
-
-
-async def wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def build_app(client: EngineClient, state: ServerState) -> FastAPI:
@@ -265,9 +240,7 @@ async def refusal_ends_rooms(
         raise
 
 
-def start_streams(
-    ctx: ServerContext, subs: list[TokenizeRequest]
-) -> list[AsyncGenerator[TextOutput, None]]:
+def start_streams(ctx: ServerContext, subs: list[TokenizeRequest]) -> list[Stream]:
     """The engine's outputs of each request (sent to it once read)."""
     try:
         return [ctx.client.generate(sub) for sub in subs]  # only a client-given rid can clash
@@ -397,7 +370,7 @@ def _chat_requests(
     body: ChatCompletionRequest,
     names: Mapping[str, str],
     targets: list[BootstrapTarget | None],
-) -> tuple[list[TokenizeRequest], list[AsyncGenerator[TextOutput, None]], ToolOutput]:
+) -> tuple[list[TokenizeRequest], list[Stream], ToolOutput]:
     params = body.to_sampling_params()
     with as_bad_request(names):
         choice = body.tool_mode()
@@ -525,200 +498,3 @@ def response_meta(ctx: ServerContext, subs: list[TokenizeRequest]) -> dict:
         "created": int(time.time()),
         "model": ctx.state.served_model_name,
     }
-
-
-async def respond(
-    ctx: ServerContext,
-    request: Request,
-    subs: list[TokenizeRequest],
-    streams: list[AsyncGenerator[TextOutput, None]],  # of each sub (`start_streams`)
-    prompt_fields: list[str],  # of each sub: the request field its prompt came in, for errors
-    stream: bool,
-    include_usage: bool,
-    formatter: Formatter,
-    renamed: Mapping[str, str] | None = None,  # the client's names of the engine's fields
-) -> Response:
-    client = ctx.client
-    choices = [Choice(index=i) for i in range(len(subs))]
-    first_of_prompt = {i for i, sub in enumerate(subs) if sub.prefix_leader is None}
-    record: AccessRecord | None = request.scope.get("state", {}).get("access")
-    if record is not None:
-        record.rid = formatter.response_id
-        record.choices, record.prompts_counted = choices, first_of_prompt
-    # A client that leaves aborts its requests, whether they wait for admission (which may
-    # take long) or generate; one watcher serves both phases.
-    disconnect = asyncio.create_task(wait_for_disconnect(request))
-    try:
-        firsts = await first_outputs(client, subs, streams, disconnect)
-        if firsts is None:
-            return Response(status_code=499)
-        if record is not None:  # the TTFT of the metrics (engine_client.py), the last choice's
-            record.first_tokens(min(out.handoff_seconds or 0.0 for out in firsts))
-        for out, prompt_field in zip(firsts, prompt_fields):
-            if out.finish_reason is not None and out.finish_reason.kind == "error":
-                await asyncio.gather(*(s.aclose() for s in streams))
-                raise APIError.of(out.finish_reason, prompt_field, renamed)
-        if stream:  # the streaming response watches for the client leaving itself
-            return EngineStreamResponse(
-                stream_events(
-                    streams,
-                    firsts,
-                    choices,
-                    first_of_prompt,
-                    include_usage,
-                    formatter,
-                    client.metrics.request_error,
-                    end=lambda index, why: client.close(subs[index].rid, error=why),
-                ),
-                streams,
-                media_type="text/event-stream",
-            )
-        if not await collect_unless_left(streams, firsts, choices, disconnect):
-            return Response(status_code=499)
-    finally:
-        disconnect.cancel()
-    failed = next(
-        ((c.error, f) for c, f in zip(choices, prompt_fields) if c.error is not None), None
-    )
-    if failed is not None:  # a request that failed after it started is no 200
-        raise APIError.of(*failed, renamed)
-    return JSONResponse(formatter.final(choices, usage(choices, first_of_prompt)))
-
-
-async def first_outputs(
-    client: EngineClient,
-    subs: list[TokenizeRequest],
-    streams: list[AsyncGenerator[TextOutput, None]],
-    disconnect: asyncio.Task[None],
-) -> list[TextOutput] | None:
-    """The first output of every stream, or None if the client left before they all came;
-    the requests are closed then, and when this fails."""
-    firsts = asyncio.ensure_future(asyncio.gather(*(anext(s) for s in streams)))
-    try:
-        racing: list[asyncio.Future[Any]] = [firsts, disconnect]
-        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
-        if firsts.done():
-            return firsts.result()
-    except BaseException:
-        await _close_all(client, subs, firsts)
-        raise
-    await _close_all(client, subs, firsts)
-    return None
-
-
-async def _close_all(
-    client: EngineClient, subs: list[TokenizeRequest], firsts: asyncio.Future[Any]
-) -> None:
-    firsts.cancel()
-    await asyncio.gather(firsts, return_exceptions=True)
-    await asyncio.gather(*(client.close(sub.rid) for sub in subs))
-
-
-async def collect_unless_left(
-    streams: list[AsyncGenerator[TextOutput, None]],
-    firsts: list[TextOutput],
-    choices: list[Choice],
-    disconnect: asyncio.Task[None],
-) -> bool:
-    """Every output of every stream into its choice; False if the client left first (closing
-    the streams then aborts the requests)."""
-    collect = asyncio.create_task(collect_all(streams, firsts, choices))
-    try:
-        await asyncio.wait([collect, disconnect], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not collect.done():
-            collect.cancel()
-            await asyncio.gather(collect, return_exceptions=True)
-    if collect.cancelled():
-        return False
-    collect.result()
-    return True
-
-
-async def collect_all(streams, firsts: list[TextOutput], choices: list[Choice]) -> None:
-    async def one(
-        stream: AsyncGenerator[TextOutput, None], first: TextOutput, choice: Choice
-    ) -> None:
-        choice.add(first)
-        try:
-            async for out in stream:
-                choice.add(out)
-        finally:
-            await stream.aclose()
-
-    await asyncio.gather(*(one(s, f, c) for s, f, c in zip(streams, firsts, choices)))
-
-
-async def stream_events(
-    streams,
-    firsts,
-    choices: list[Choice],
-    first_of_prompt: set[int],
-    include_usage: bool,
-    formatter: Formatter,
-    on_error: Callable[[int], None] = lambda status: None,
-    *,
-    end: Callable[[int, str], Awaitable[None]],
-) -> AsyncGenerator[str, None]:
-    """`end(index, why)`: aborts a choice's request that the server itself ends, before its
-    stream is closed (which would abort it as a client that left): no default, for a caller
-    without one would count such an end as a client's abort."""
-    queue: asyncio.Queue[tuple[int, TextOutput | None]] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncGenerator[TextOutput, None], first: TextOutput) -> None:
-        try:
-            queue.put_nowait((index, first))
-            async for out in stream:
-                queue.put_nowait((index, out))
-        finally:
-            await stream.aclose()
-            queue.put_nowait((index, None))
-
-    def event(chunk: dict) -> str:
-        # OpenAI's include_usage: every chunk before the usage chunk has the field, null
-        return sse({**chunk, "usage": None} if include_usage else chunk)
-
-    tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
-    try:
-        for start in formatter.stream_start(len(choices)):
-            yield event(start)
-        remaining = len(tasks)
-        last_sent = time.monotonic()
-        failed: set[int] = set()  # choices whose chunk could not be made: ended, their rest dropped
-        while remaining:
-            index, out = await queue.get()
-            if out is None:
-                remaining -= 1
-                continue
-            if index in failed:
-                continue
-            choice = choices[index]
-            choice.add(out)
-            if out.finish_reason is not None and out.finish_reason.kind == "error":
-                on_error(out.finish_reason.status)  # the answer's status was 200: counted here
-                yield sse(APIError.of(out.finish_reason).body())
-                continue
-            try:
-                chunk = formatter.chunk(choice, out)
-            except Exception as exc:  # a bug: an error event ends the choice, not a cut connection
-                logger.exception("a chunk of %s failed", formatter.response_id)
-                on_error(500)
-                yield sse(internal_error(exc).body())
-                failed.add(index)
-                # counted above: its request is ended as the server's doing, no client's abort
-                await end(index, "the API server failed to send its output")
-                tasks[index].cancel()  # closing its stream then has nothing left to abort
-                continue
-            if chunk is not None:
-                yield event(chunk)
-                last_sent = time.monotonic()
-            elif time.monotonic() - last_sent > HELD_STREAM_KEEPALIVE_S:
-                yield SSE_KEEPALIVE
-                last_sent = time.monotonic()
-        if include_usage:
-            yield sse(formatter.usage_chunk(usage(choices, first_of_prompt)))
-        yield sse("[DONE]")
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -130,6 +130,10 @@ def test_completion_top_logprobs_name_the_sampled_token():
     ]
 
 
+def no_errors_counted(status: int) -> None:
+    raise AssertionError(f"no error event expected, got one of status {status}")
+
+
 async def never_ended(index: int, why: str) -> None:
     raise AssertionError(f"choice {index} ended by the server: {why}")
 
@@ -139,9 +143,9 @@ def test_a_stream_holding_its_text_back_sends_keepalive_comments(monkeypatch):
     clients skip) goes out instead, so that proxies do not close the connection as idle."""
     import asyncio
 
-    from kubesgl.engine.server import api
+    from kubesgl.engine.server import responses
 
-    monkeypatch.setattr(api, "HELD_STREAM_KEEPALIVE_S", 0.0)
+    monkeypatch.setattr(responses, "HELD_STREAM_KEEPALIVE_S", 0.0)
     formatter = chat_formatter({"id": "x"}, False, ToolOutput("named", name="f"))
     stop = FinishReason("stop", matched_token=2)
     outputs = [output('{"a": ', None, 0, False), TextOutput("r", "1}", [1], stop, 1, 0, 2)]
@@ -150,14 +154,21 @@ def test_a_stream_holding_its_text_back_sends_keepalive_comments(monkeypatch):
         yield outputs[1]
 
     async def events() -> list[str]:
-        stream = api.stream_events(
-            [rest()], [outputs[0]], [Choice(index=0)], {0}, False, formatter, end=never_ended
+        stream = responses.stream_events(
+            [rest()],
+            [outputs[0]],
+            [Choice(index=0)],
+            {0},
+            False,
+            formatter,
+            no_errors_counted,
+            end=never_ended,
         )
         return [event async for event in stream]
 
     sent = asyncio.run(events())
     assert sent[0].startswith("data: ") and "assistant" in sent[0]  # the role
-    assert sent[1] == api.SSE_KEEPALIVE  # the arguments held back
+    assert sent[1] == responses.SSE_KEEPALIVE  # the arguments held back
     assert '"tool_calls"' in sent[2] and sent[-1] == "data: [DONE]\n\n"
 
 
@@ -185,20 +196,21 @@ def _streamed(formatter, outputs: list[TextOutput], include_usage: bool) -> list
     import asyncio
     import json
 
-    from kubesgl.engine.server import api
+    from kubesgl.engine.server import responses
 
     async def rest():
         for out in outputs[1:]:
             yield out
 
     async def events() -> list[str]:
-        stream = api.stream_events(
+        stream = responses.stream_events(
             [rest()],
             [outputs[0]],
             [Choice(index=0)],
             {0},
             include_usage,
             formatter,
+            no_errors_counted,
             end=never_ended,
         )
         return [event async for event in stream]
@@ -291,7 +303,7 @@ def test_a_formatter_that_fails_mid_stream_ends_its_choice_with_an_error_event()
     import asyncio
     import json
 
-    from kubesgl.engine.server import api
+    from kubesgl.engine.server import responses
     from kubesgl.engine.server.openai_format import Formatter
 
     good = chat_formatter({"id": "x"}, False)
@@ -320,7 +332,7 @@ def test_a_formatter_that_fails_mid_stream_ends_its_choice_with_an_error_event()
 
     async def events() -> list[str]:
         errors: list[int] = []
-        stream = api.stream_events(
+        stream = responses.stream_events(
             [rest(0), rest(1)],
             [outputs[0][0], outputs[1][0]],
             [Choice(index=0), Choice(index=1)],
@@ -353,9 +365,9 @@ def test_stream_events_has_no_default_for_ending_a_choice():
     its request as a client that left: every caller must say how the server ends one."""
     import inspect
 
-    from kubesgl.engine.server import api
+    from kubesgl.engine.server import responses
 
-    end = inspect.signature(api.stream_events).parameters["end"]
+    end = inspect.signature(responses.stream_events).parameters["end"]
     assert end.default is inspect.Parameter.empty
 
 
