@@ -33,9 +33,10 @@ from kubesgl.engine.disagg.prefill import CLOSE_WAIT_S
 from kubesgl.engine.ipc import Endpoints
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.scheduler.process import run_scheduler
-from kubesgl.engine.server.api import ServerState, build_app
+from kubesgl.engine.server.api import build_app
+from kubesgl.engine.server.context import ServerState
 from kubesgl.engine.server.engine_client import EngineClient
-from kubesgl.engine.server.options import ServerOptions
+from kubesgl.engine.server.options import ServerOptions, served_model_name
 from kubesgl.engine.tokenizer.process import run_tokenizer
 from kubesgl.gc_pacing import GcPacer
 
@@ -167,15 +168,14 @@ class Server:
         return self.exit_code
 
     async def _serve(self) -> None:
-        served_model_name = self.options.served_model_name or self.config.model
-        metrics = EngineMetrics(self.config.role, served_model_name)
-        metrics.set_build_info(kubesgl.__version__, served_model_name)
+        # options made from a command line have the name (server_options); others, --model's
+        name = served_model_name(self.options.served_model_name, self.config.model)
+        metrics = EngineMetrics(self.config.role, name)
+        metrics.set_build_info(kubesgl.__version__, name)
         async with EngineClient(self.endpoints, metrics, GcPacer()) as client:
             self._client = client
             client.start()
-            state = ServerState(
-                self.config, served_model_name=served_model_name, api_key=self.options.api_key
-            )
+            state = ServerState(self.config, served_model_name=name, api_key=self.options.api_key)
             app = build_app(client, state)
             uv_config = uvicorn.Config(
                 app,

@@ -90,12 +90,18 @@ def build_parser(parser_class: type[CommandParser] = CommandParser) -> CommandPa
     return parser
 
 
+def served_model_name(given: str | None, model: str) -> str:
+    """The model's name to clients: --served-model-name where given, else --model as given (a
+    Hugging Face id, not the snapshot folder it resolves to)."""
+    return model if given is None else given
+
+
 def server_options(args: argparse.Namespace, api_key: str | None = None) -> ServerOptions:
     return ServerOptions(
         host=args.host,
         port=args.port,
         api_key=api_key,
-        served_model_name=args.model if args.served_model_name is None else args.served_model_name,
+        served_model_name=served_model_name(args.served_model_name, args.model),
         shutdown_timeout=args.shutdown_timeout,
         watchdog_timeout=args.watchdog_timeout,
         log_level=args.log_level,

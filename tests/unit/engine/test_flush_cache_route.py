@@ -12,7 +12,8 @@ import pytest
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.server import sglang_routes
-from kubesgl.engine.server.api import ServerState, build_app
+from kubesgl.engine.server.api import build_app
+from kubesgl.engine.server.context import ServerState
 
 
 class FlushingClient:

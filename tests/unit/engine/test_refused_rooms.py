@@ -18,7 +18,8 @@ from kubesgl.engine.ipc import Endpoints, pull
 from kubesgl.engine.messages import BootstrapTarget, EngineInfo, RoomRefused, TokenizeRequest
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.sampling_params import SamplingParams
-from kubesgl.engine.server.api import ServerState, build_app
+from kubesgl.engine.server.api import build_app
+from kubesgl.engine.server.context import ServerState
 from kubesgl.engine.server.engine_client import EngineClient
 
 CONTEXT = 64

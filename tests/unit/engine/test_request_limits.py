@@ -189,7 +189,7 @@ def test_an_api_key_no_client_could_send_stops_the_server(argv, environ, tmp_pat
 
 
 def test_the_api_key_is_in_no_repr():
-    from kubesgl.engine.server.api import ServerState
+    from kubesgl.engine.server.context import ServerState
 
     assert "sk-secret" not in repr(ServerOptions(api_key="sk-secret"))
     assert "sk-secret" not in repr(ServerState(EngineConfig(model="m"), "m", api_key="sk-secret"))

@@ -14,8 +14,8 @@ from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import FinishReason, TextOutput
 from kubesgl.engine.metrics import EngineMetrics
 from kubesgl.engine.server import sglang_routes
-from kubesgl.engine.server.api import ServerState, build_app
-from kubesgl.engine.server.context import ServerContext
+from kubesgl.engine.server.api import build_app
+from kubesgl.engine.server.context import ServerContext, ServerState
 
 _FAILED = FinishReason("error", status=500, message="the step failed")
 

@@ -14,7 +14,8 @@ import pytest
 from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.messages import FinishReason, TextOutput
 from kubesgl.engine.metrics import ERROR_REASONS, EngineMetrics
-from kubesgl.engine.server.api import ServerState, build_app
+from kubesgl.engine.server.api import build_app
+from kubesgl.engine.server.context import ServerState
 
 
 class FakeClient:

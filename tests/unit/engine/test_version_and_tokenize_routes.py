@@ -22,7 +22,8 @@ from kubesgl.engine.config import EngineConfig
 from kubesgl.engine.ipc import Endpoints, pull, push
 from kubesgl.engine.messages import EngineInfo
 from kubesgl.engine.metrics import EngineMetrics
-from kubesgl.engine.server.api import ServerState, build_app
+from kubesgl.engine.server.api import build_app
+from kubesgl.engine.server.context import ServerState
 from kubesgl.engine.server.engine_client import EngineClient
 from kubesgl.engine.tokenizer.loader import load_tokenizer
 from kubesgl.engine.tokenizer.process import Tokenizer, TokenizerLoop
