@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import zmq
 import zmq.asyncio
@@ -151,41 +151,46 @@ class EngineClient:
         while True:
             message = await self._from_detokenizer.recv_pyobj()
             self.heard_at = time.monotonic()
-            if isinstance(message, EngineInfo):
-                self.info = message
-                self.ready.set()
-                if self.gc_pacer is not None and self._pacing is None:
-                    self.gc_pacer.start()  # start-up is over: what is alive now stays
-                    self._pacing = asyncio.create_task(
-                        tick_every(self.gc_pacer, lambda: self.in_flight > 0), name="gc-pacing"
-                    )
-                logger.info(
-                    "engine ready: context %d, KV pool %d tokens",
-                    message.context_length,
-                    message.max_total_tokens,
-                )
+            handler = _HANDLERS.get(type(message))
+            if handler is None:  # a fault of the engine's own processes, never a client's
+                raise TypeError(f"not a message for the API server: {message!r}")
+            handler(self, message)
+
+    def _ready(self, message: EngineInfo) -> None:
+        self.info = message
+        self.ready.set()
+        if self.gc_pacer is not None and self._pacing is None:
+            self.gc_pacer.start()  # start-up is over: what is alive now stays
+            self._pacing = asyncio.create_task(
+                tick_every(self.gc_pacer, lambda: self.in_flight > 0), name="gc-pacing"
+            )
+        logger.info(
+            "engine ready: context %d, KV pool %d tokens",
+            message.context_length,
+            message.max_total_tokens,
+        )
+
+    def _flushed(self, message: CacheFlushed) -> None:
+        _answer(self._flushes, message.flush_id, message.flushed)
+
+    def _tokenized(self, message: Tokenized) -> None:
+        _answer(self._tokenizer_calls, message.call_id, message)
+
+    def _outputs_arrived(self, message: TextBatch) -> None:
+        if message.stats is not None:
+            self.stats = message.stats
+            self.metrics.update_scheduler(message.stats)
+            self._log_stats(message.stats)
+        for out in message.outputs:
+            pending = self._pending.get(out.rid)
+            if pending is None:
                 continue
-            if isinstance(message, CacheFlushed):
-                _answer(self._flushes, message.flush_id, message.flushed)
+            if pending.closed:  # no reader: only its end matters, which frees its id
+                if out.finish_reason is not None:
+                    del self._pending[out.rid]
                 continue
-            if isinstance(message, Tokenized):
-                _answer(self._tokenizer_calls, message.call_id, message)
-                continue
-            assert isinstance(message, TextBatch)
-            if message.stats is not None:
-                self.stats = message.stats
-                self.metrics.update_scheduler(message.stats)
-                self._log_stats(message.stats)
-            for out in message.outputs:
-                pending = self._pending.get(out.rid)
-                if pending is None:
-                    continue
-                if pending.closed:  # no reader: only its end matters, which frees its id
-                    if out.finish_reason is not None:
-                        del self._pending[out.rid]
-                    continue
-                self._account(pending, out)
-                pending.queue.put_nowait(out)
+            self._account(pending, out)
+            pending.queue.put_nowait(out)
 
     def _account(self, pending: _Pending, out: TextOutput) -> None:
         now = time.perf_counter()
@@ -395,6 +400,18 @@ class EngineClient:
     @staticmethod
     def new_rid(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# What the detokenizer sends the API server (the scheduler's EngineInfo and CacheFlushed it
+# passes on), and how each changes the client: every member has its handler.
+FromEngine = EngineInfo | CacheFlushed | Tokenized | TextBatch
+_HANDLERS: dict[type, Callable[[EngineClient, Any], None]] = {
+    EngineInfo: EngineClient._ready,
+    CacheFlushed: EngineClient._flushed,
+    Tokenized: EngineClient._tokenized,
+    TextBatch: EngineClient._outputs_arrived,
+}
+assert set(_HANDLERS) == set(get_args(FromEngine))
 
 
 def _answer(calls: dict[int, asyncio.Future[T]], call_id: int, result: T) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 import logging
 import signal
+from collections.abc import Callable
+from typing import Any, Protocol, get_args
 
 import zmq
 
@@ -20,6 +22,7 @@ from kubesgl.engine.messages import (
     GenerateRequest,
     RoomRefused,
     Shutdown,
+    StepOutputs,
     TextBatch,
     TextOutput,
     Tokenized,
@@ -169,24 +172,50 @@ class Tokenizer:
         return list(self._token_bytes(token_id))
 
 
+class Sender(Protocol):
+    """Where the loop sends messages: a PUSH socket (tests pass a recorder)."""
+
+    def send_pyobj(self, obj: object, /) -> object: ...
+
+
+# What the API server sends the process, and what the scheduler (rank 0) does
+FromApi = TokenizeRequest | TokenizerCall | AbortRequest | FlushCache | RoomRefused | Shutdown
+FromScheduler = StepOutputs | EngineInfo | CacheFlushed
+
+
 class TokenizerLoop:
     """What the process does with each message. An exception that one request raises becomes
     that request's error answer (500, logged) and every other request goes on."""
 
-    def __init__(self, tokenizer: Tokenizer, to_scheduler, to_api):
+    def __init__(self, tokenizer: Tokenizer, to_scheduler: Sender, to_api: Sender):
         self.tokenizer, self.to_scheduler, self.to_api = tokenizer, to_scheduler, to_api
 
-    def from_api(self, message) -> bool:
+    def from_api(self, message: FromApi) -> bool:
         """Handles one message from the API server; False once it was Shutdown."""
-        if isinstance(message, Shutdown):
-            self.to_scheduler.send_pyobj(message)
-            return False
-        if isinstance(message, AbortRequest | FlushCache | RoomRefused):
-            self.to_scheduler.send_pyobj(message)
-            return True
-        if isinstance(message, TokenizerCall):
-            self.to_api.send_pyobj(self._answer(message))
-            return True
+        handler = _FROM_API.get(type(message))
+        if handler is None:  # a fault of the engine's own processes, never a client's
+            raise TypeError(f"not a message for the tokenizer: {message!r}")
+        return handler(self, message)
+
+    def from_scheduler(self, message: FromScheduler) -> None:
+        handler = _FROM_SCHEDULER.get(type(message))
+        if handler is None:
+            raise TypeError(f"not a message for the detokenizer: {message!r}")
+        handler(self, message)
+
+    def _shut_down(self, message: Shutdown) -> bool:
+        self.to_scheduler.send_pyobj(message)
+        return False
+
+    def _pass_to_scheduler(self, message: AbortRequest | FlushCache | RoomRefused) -> bool:
+        self.to_scheduler.send_pyobj(message)
+        return True
+
+    def _call(self, message: TokenizerCall) -> bool:
+        self.to_api.send_pyobj(self._answer(message))
+        return True
+
+    def _tokenize(self, message: TokenizeRequest) -> bool:
         try:
             input_ids = self.tokenizer.encode(message)
         except TokenizerError as exc:
@@ -215,10 +244,10 @@ class TokenizerLoop:
         )
         return True
 
-    def from_scheduler(self, message) -> None:
-        if isinstance(message, EngineInfo | CacheFlushed):
-            self.to_api.send_pyobj(message)
-            return
+    def _pass_to_api(self, message: EngineInfo | CacheFlushed) -> None:
+        self.to_api.send_pyobj(message)
+
+    def _detokenize(self, message: StepOutputs) -> None:
         texts = []
         for out in message.outputs:
             try:
@@ -246,6 +275,25 @@ class TokenizerLoop:
 
     def _fail(self, rid: str, reason: FinishReason) -> None:
         self.to_api.send_pyobj(TextBatch([_error_output(rid, reason)]))
+
+
+# How each message changes the process: every member of FromApi and FromScheduler has its
+# handler; one from the API server returns False to end the loop (Shutdown).
+_FROM_API: dict[type, Callable[[TokenizerLoop, Any], bool]] = {
+    TokenizeRequest: TokenizerLoop._tokenize,
+    TokenizerCall: TokenizerLoop._call,
+    AbortRequest: TokenizerLoop._pass_to_scheduler,
+    FlushCache: TokenizerLoop._pass_to_scheduler,
+    RoomRefused: TokenizerLoop._pass_to_scheduler,
+    Shutdown: TokenizerLoop._shut_down,
+}
+assert set(_FROM_API) == set(get_args(FromApi))
+_FROM_SCHEDULER: dict[type, Callable[[TokenizerLoop, Any], None]] = {
+    StepOutputs: TokenizerLoop._detokenize,
+    EngineInfo: TokenizerLoop._pass_to_api,
+    CacheFlushed: TokenizerLoop._pass_to_api,
+}
+assert set(_FROM_SCHEDULER) == set(get_args(FromScheduler))
 
 
 def _internal_error(what: str, exc: Exception) -> FinishReason:
