@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kubesgl.contract import REQUEST_ID_PATTERN
 from kubesgl.engine.metrics import EngineMetrics
+from kubesgl.engine.server.openai_format import Choice
 
 CLIENT_LEFT = 499  # the client disconnected: an abort (kubesgl_requests_total), not an error
 _PROBES = frozenset({"/health", "/health_generate"})
@@ -30,8 +31,7 @@ class AccessRecord:
 
     started: float = field(default_factory=time.perf_counter)
     rid: str | None = None
-    # api.Choice: token counts, read when the answer is done
-    choices: list = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)  # their token counts, read at the end
     prompts_counted: set[int] = field(default_factory=set)  # the choices whose prompt counts
     ttft: float | None = None
 
