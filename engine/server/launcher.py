@@ -79,8 +79,9 @@ class Server:
         self.failure: str | None = None
         self.endpoints = Endpoints.create()
         # Requests without a seed sample from the schedulers' generator, seeded afresh at each
-        # start (as SGLang's): with one fixed seed every replica, and every restart, drew the
-        # same numbers. The tensor-parallel ranks share it, so that they sample the same tokens.
+        # start (as SGLang's), so that replicas and restarts do not draw the same numbers, as
+        # one fixed seed makes them. The tensor-parallel ranks share it, so that they sample
+        # the same tokens.
         self.sampling_seed = secrets.randbits(63)
         self.children: dict[str, mp.process.BaseProcess] = {}
         self._stopping = threading.Event()
