@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import time
 from collections.abc import (
     AsyncIterator,
@@ -67,8 +66,6 @@ from kubesgl.engine.server.protocol import (
     TokenizeRequestBody,
 )
 from kubesgl.engine.server.responses import Stream, respond
-
-logger = logging.getLogger(__name__)
 
 
 def build_app(client: EngineClient, state: ServerState) -> FastAPI:

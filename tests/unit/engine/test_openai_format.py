@@ -371,6 +371,17 @@ def test_stream_events_has_no_default_for_ending_a_choice():
     assert end.default is inspect.Parameter.empty
 
 
+def test_stream_events_has_no_default_for_counting_error_events():
+    """An error event goes out in a 200 answer, which the access middleware does not count as
+    an error: a caller without `on_error` would count it nowhere."""
+    import inspect
+
+    from kubesgl.engine.server import responses
+
+    on_error = inspect.signature(responses.stream_events).parameters["on_error"]
+    assert on_error.default is inspect.Parameter.empty
+
+
 def _ending(reason: FinishReason | None, i: int = 0) -> TextOutput:
     return TextOutput("r", "ab", [i], reason, 1, 0, i + 1)
 
