@@ -573,11 +573,14 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: Annotated[
         str | dict[str, Any] | None, unsupported_unless(None, "none", instead="tool_choice")
     ] = None
-    # OpenAI's options this server does not implement (a reasoning model's effort, web
-    # search, predicted outputs): refused unless they ask for nothing
+    # OpenAI's options this server does not implement (a reasoning model's effort, the
+    # answer's verbosity, web search, predicted outputs, moderation of the input and output):
+    # refused unless they ask for nothing
     reasoning_effort: Annotated[str | None, unsupported_unless(None)] = None
+    verbosity: Annotated[str | None, unsupported_unless(None)] = None
     web_search_options: Annotated[dict[str, Any] | None, unsupported_unless(None)] = None
     prediction: Annotated[dict[str, Any] | None, unsupported_unless(None)] = None
+    moderation: Annotated[dict[str, Any] | None, unsupported_unless(None)] = None
     # vLLM's and SGLang's control of the chat template
     add_generation_prompt: Bool = True  # the prompt ends with the start of an assistant turn
     continue_final_message: ContinueFinalMessage = False

@@ -506,7 +506,13 @@ def _tool(name: str) -> dict:
         ("/v1/chat/completions", {**CHAT, "stream_options": {}}, "stream_options"),
         ("/v1/chat/completions", {**CHAT, "guided_choice": ["a", "b"]}, "guided_choice"),
         ("/v1/chat/completions", {**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
+        ("/v1/chat/completions", {**CHAT, "verbosity": "low"}, "verbosity"),
         ("/v1/chat/completions", {**CHAT, "web_search_options": {}}, "web_search_options"),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "moderation": {"model": "omni-moderation-latest"}},
+            "moderation",
+        ),
         (
             "/v1/chat/completions",
             {**CHAT, "prediction": {"type": "content", "content": "x"}},
