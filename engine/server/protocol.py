@@ -431,8 +431,20 @@ class _SamplingFields(_Bootstrap):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _text_only(kind: str) -> str:
+    """A part of another kind (an image, audio, a file) is refused in words that say why, not
+    pydantic's "Input should be 'text'": the engine serves text models."""
+    if kind != "text":
+        raise PydanticCustomError(
+            "text_only",
+            "{kind} content is not supported by this server: it takes text parts only",
+            {"kind": kind},
+        )
+    return kind
+
+
 class TextPart(_Lenient):
-    type: Literal["text"]
+    type: Annotated[Text, AfterValidator(_text_only)]
     text: Text
 
 

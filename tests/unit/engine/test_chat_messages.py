@@ -31,6 +31,25 @@ def test_an_incomplete_message_is_a_400_naming_it(message, words):
     assert error.status == 400 and error.param == "messages.1" and words in error.message
 
 
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "file-1"}},
+    ],
+)
+def test_a_part_that_is_not_text_is_refused_in_words_that_say_so(part):
+    """A client sending an image to a text model learns that the server takes no images, not
+    that a field "should be 'text'"."""
+    message = {"role": "user", "content": [{"type": "text", "text": "what is it?"}, part]}
+    with pytest.raises(ValidationError) as raised:
+        ChatCompletionRequest.model_validate({"messages": [message]})
+    error = validation_error(raised.value.errors())
+    assert error.status == 400 and error.param == "messages.0.content.1.type"
+    assert f"{part['type']} content is not supported by this server" in error.message
+
+
 def test_complete_messages_are_taken():
     request = ChatCompletionRequest.model_validate(
         {
