@@ -63,6 +63,7 @@ class FinishReason:
     message: str | None = None  # why an aborted request ended, or what was wrong with it
     param: str | None = None  # for "error": the request field at fault
     status: int = 400  # for "error": the HTTP status to answer with (5xx: this server failed)
+    code: str | None = None  # for "error": OpenAI's error code, where it has one
 
     def __str__(self) -> str:
         return self.kind

@@ -31,13 +31,21 @@ SAMPLING_BOUNDS: Mapping[str, Bounds] = MappingProxyType(
 )
 
 
+# OpenAI's error code for a request that does not fit the model's context: clients that trim
+# a conversation when it outgrows the context look for it
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
 class InvalidRequestError(ValueError):
     """A request the engine cannot serve; the message names the offending field."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ):
         super().__init__(message)
         self.param = param
         self.status = status  # 409 for a conflict with a running request, else 400
+        self.code = code  # OpenAI's error code, where it has one
 
 
 def check_prompt_tokens(context_length: int, tokens: int, param: str = "prompt") -> None:
@@ -47,6 +55,7 @@ def check_prompt_tokens(context_length: int, tokens: int, param: str = "prompt")
         raise InvalidRequestError(
             f"the prompt is {tokens} tokens long; this model's context length is {context_length}",
             param=param,
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
 
 

@@ -257,7 +257,9 @@ class SchedulerLoop:
         try:
             self.engine.add_request(message)
         except InvalidRequestError as exc:
-            reason = FinishReason("error", message=str(exc), param=exc.param, status=exc.status)
+            reason = FinishReason(
+                "error", message=str(exc), param=exc.param, status=exc.status, code=exc.code
+            )
         except Exception as exc:  # one request's fault must not stop the others
             logger.exception("admitting request %s failed", message.rid)
             reason = FinishReason(

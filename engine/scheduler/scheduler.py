@@ -42,6 +42,7 @@ from kubesgl.engine.messages import (
     TokenOutput,
 )
 from kubesgl.engine.sampling_params import (
+    CONTEXT_LENGTH_EXCEEDED,
     InvalidRequestError,
     SamplingParams,
     check_prompt_tokens,
@@ -255,6 +256,7 @@ class Scheduler:
                 f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds this model's context "
                 f"length of {context_length}; lower max_tokens to at most {context_length - n}",
                 param="max_tokens",
+                code=CONTEXT_LENGTH_EXCEEDED,
             )
 
     def _check_kv_pool(self, request: GenerateRequest, max_tokens: int) -> None:

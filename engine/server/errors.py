@@ -57,7 +57,7 @@ class APIError(Exception):
             reason.message or "generation failed", reason.param, renamed
         )
         param = prompt_field if param == "prompt" else param
-        return cls(reason.status, message, type_, param=param)
+        return cls(reason.status, message, type_, param=param, code=reason.code)
 
     def body(self) -> dict:
         return {
@@ -105,7 +105,7 @@ def as_bad_request(names: Mapping[str, str] | None = None) -> Iterator[None]:
         yield
     except InvalidRequestError as exc:
         message, param = in_clients_words(str(exc), exc.param, names)
-        raise APIError(400, message, param=param) from exc
+        raise APIError(400, message, param=param, code=exc.code) from exc
 
 
 def validation_error(errors: Sequence[dict]) -> APIError:

@@ -10,7 +10,11 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from kubesgl.engine.config import EngineConfig
-from kubesgl.engine.sampling_params import InvalidRequestError, SamplingParams
+from kubesgl.engine.sampling_params import (
+    CONTEXT_LENGTH_EXCEEDED,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -153,4 +157,5 @@ def check_prompt_chars(config: EngineConfig, context_length: int, chars: int, pa
             f"the prompt is {chars} characters long; this model's context is {context_length} tokens, and a "
             f"prompt over {limit} characters ({per_token} per token, --max-prompt-chars-per-token) cannot fit",
             param=param,
+            code=CONTEXT_LENGTH_EXCEEDED,
         )

@@ -463,6 +463,28 @@ def test_a_tokenized_prompt_too_long_names_its_field(llama_server, path, body, p
     assert error["param"] == param and "tokens long" in error["message"], error
 
 
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages"),  # tokenized
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2048}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x" * 40000}]}, "messages"),  # characters
+    ],
+)
+def test_a_request_over_the_context_has_openais_code(client, body, param):
+    """OpenAI answers `code: "context_length_exceeded"`, which clients that trim a conversation
+    grown too long look for; each of the engine's context checks answers it."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", **body)
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == param
+
+
+def test_a_token_id_prompt_over_the_context_has_openais_code(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt=[5] * 4096, max_tokens=1)
+    assert refused.value.code == "context_length_exceeded" and refused.value.param == "prompt"
+
+
 def test_bad_chat_requests_get_400(llama_server):
     headers = {"authorization": "Bearer sk-test", "content-type": "application/json"}
     url = llama_server.base_url + "/v1/chat/completions"
