@@ -40,6 +40,16 @@ class BannedTokens:
     token_ids: torch.Tensor  # [N] int64
 
 
+@dataclass
+class LogitBias:
+    """Amounts added to rows' logits before sampling, (rows[i], token_ids[i]) by values[i]:
+    the requests' logit_bias."""
+
+    rows: torch.Tensor  # [N] int64, rows of the batch
+    token_ids: torch.Tensor  # [N] int64
+    values: torch.Tensor  # [N] float32
+
+
 class VocabMask:
     """Which tokens each row may sample, as a bitmask (bit t of row i: token t allowed), filled
     by the scheduler from its grammars. With overlap, a step is launched before the tokens of
@@ -84,6 +94,7 @@ class SamplingBatch:
     seeded_rows: list[tuple[int, int]] = field(default_factory=list)
     penalties: PenaltyBatch | None = None
     banned: BannedTokens | None = None
+    logit_bias: LogitBias | None = None
     top_logprobs: int = -1  # -1: no logprobs in this batch; k >= 0: sampled token's and top k
     vocab_mask: VocabMask | None = None  # rows with a grammar; None when the batch has none
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kubesgl.bounds import Bounds
 
 GREEDY_TEMPERATURE = 1e-5
+
+# OpenAI's bound of a logit_bias value: -100 bans a token in effect, 100 all but forces it
+LOGIT_BIAS_BOUND = 100
 
 # The limits of each numeric sampling field, the same on every route and in the offline LLM:
 # SamplingParams.validate holds a request to them, and the request bodies
@@ -113,6 +116,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the top k
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias: added to these tokens' logits before sampling (after penalties)
+    logit_bias: dict[int, float] = field(default_factory=dict)
     grammar: GrammarSpec | None = (
         None  # constrained decoding: every output token keeps the text valid
     )
@@ -204,6 +209,24 @@ class SamplingParams:
             not bad_ids,
             "stop_token_ids",
             f"contains ids outside the vocabulary (size {vocab_size}): {bad_ids}",
+        )
+        self._validate_logit_bias(vocab_size, check)
+
+    def _validate_logit_bias(
+        self, vocab_size: int, check: Callable[[bool, str, str], None]
+    ) -> None:
+        bias = self.logit_bias
+        check(isinstance(bias, dict), "logit_bias", f"must map token ids to numbers, got {bias!r}")
+        bad_ids = [t for t in bias if not (_is_int(t) and 0 <= t < vocab_size)]
+        check(
+            not bad_ids,
+            "logit_bias",
+            f"has token ids outside the vocabulary (size {vocab_size}): {bad_ids}",
+        )
+        check(
+            all(_is_number(v) and abs(v) <= LOGIT_BIAS_BOUND for v in bias.values()),
+            "logit_bias",
+            f"values must be numbers from -{LOGIT_BIAS_BOUND} to {LOGIT_BIAS_BOUND}",
         )
 
 

@@ -118,6 +118,11 @@ class Sampler:
             logits = self.penalty_state.apply(logits, rows, sampling.penalties)
         # logprobs are the model's own distribution: masks go on a copy when they are reported
         keep_raw = sampling.top_logprobs >= 0
+        if sampling.logit_bias is not None:
+            bias = sampling.logit_bias
+            if logits is raw_logits and keep_raw:
+                logits = logits.clone()
+            logits[bias.rows, bias.token_ids] += bias.values.to(logits.dtype)
         if sampling.banned is not None:  # tokens that would end a request before min_tokens
             if logits is raw_logits and keep_raw:
                 logits = logits.clone()

@@ -11,6 +11,7 @@ from kubesgl.engine.forward_batch import (
     BannedTokens,
     ForwardBatch,
     ForwardMode,
+    LogitBias,
     PenaltyBatch,
     SamplingBatch,
     VocabMask,
@@ -174,6 +175,11 @@ class BatchBuilder:
             if req.outputs_scheduled < req.params.min_tokens
             for token in req.ending_ids
         ]
+        biased = [
+            (row, token, value)
+            for row, p in enumerate(params)
+            for token, value in p.logit_bias.items()
+        ]
         wanted = [p.logprobs for p, emit in zip(params, emits) if p.logprobs is not None and emit]
         return SamplingBatch(
             temperatures=torch.tensor(
@@ -194,6 +200,13 @@ class BatchBuilder:
                 token_ids=torch.tensor([token for _, token in banned], dtype=torch.int64),
             )
             if banned
+            else None,
+            logit_bias=LogitBias(
+                rows=torch.tensor([row for row, _, _ in biased], dtype=torch.int64),
+                token_ids=torch.tensor([token for _, token, _ in biased], dtype=torch.int64),
+                values=torch.tensor([value for _, _, value in biased], dtype=torch.float32),
+            )
+            if biased
             else None,
             top_logprobs=max(wanted) if wanted else -1,
             # filled by the scheduler once every row's earlier tokens are known

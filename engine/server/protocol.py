@@ -34,6 +34,7 @@ from pydantic_core import PydanticCustomError
 from kubesgl.contract import MAX_BOOTSTRAP_ROOM, MAX_N
 from kubesgl.engine.messages import BootstrapTarget
 from kubesgl.engine.sampling_params import (
+    LOGIT_BIAS_BOUND,
     SAMPLING_BOUNDS,
     SGLANG_GRAMMAR_FIELDS,
     GrammarSpec,
@@ -143,6 +144,27 @@ def engine_bounds(name: str) -> FieldInfo:
     """The limits of the engine's sampling field `name` (SAMPLING_BOUNDS), for the request
     field that sets it: a value out of them is a 400 naming the field as the client wrote it."""
     return Field(**SAMPLING_BOUNDS[name].limits())
+
+
+def _token_id_keys(value: dict[str, float] | None) -> dict[str, float] | None:
+    """OpenAI's logit_bias is keyed by token ids written as text ("50256"), not by tokens."""
+    for key in value or {}:
+        if not (key.isascii() and key.isdigit()):
+            raise PydanticCustomError(
+                "token_id_key", "keys must be token ids, got {key!r}", {"key": key}
+            )
+    return value
+
+
+LogitBias = Annotated[
+    dict[str, Annotated[Float, Field(ge=-LOGIT_BIAS_BOUND, le=LOGIT_BIAS_BOUND)]] | None,
+    AfterValidator(_token_id_keys),
+]
+"""OpenAI's logit_bias: token id -> an amount added to its logit, from -100 to 100."""
+
+
+def logit_bias_by_id(value: dict[str, float] | None) -> dict[int, float]:
+    return {int(token): bias for token, bias in (value or {}).items()}
 
 
 # OpenAI's API caps temperature at 2 (vLLM's newest engine too); SGLang's /generate, and so
@@ -349,7 +371,7 @@ class _SamplingFields(_Bootstrap):
     regex: Text | None = None
     json_schema: JsonText | None = None  # the schema as text
     ebnf: Text | None = None
-    logit_bias: Annotated[dict[str, float] | None, unsupported_unless(None, {})] = None
+    logit_bias: LogitBias = None
     modalities: Annotated[list[str] | None, unsupported_unless(None, ["text"])] = None
     audio: Annotated[dict[str, Any] | None, unsupported_unless(None)] = None
     # the matched stop string ends the text: vLLM's name, and SGLang's
@@ -423,6 +445,7 @@ class _SamplingFields(_Bootstrap):
             skip_special_tokens=self.skip_special_tokens,
             min_tokens=self.min_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output or self.no_stop_trim,
+            logit_bias=logit_bias_by_id(self.logit_bias),
             grammar=self.grammar(),
         )
 
@@ -716,7 +739,7 @@ class NativeSamplingParams(_Lenient):
     n: Int = 1  # SGLang's parallel sampling, which this route does not do
     # SGLang's, that would change the answer: not implemented here
     stop_regex: Annotated[Any, unsupported_unless(None, [])] = None
-    logit_bias: Annotated[Any, unsupported_unless(None, {})] = None
+    logit_bias: LogitBias = None
 
     @field_validator("n")
     @classmethod
@@ -835,5 +858,6 @@ class GenerateRequestBody(_Bootstrap):
             include_stop_str_in_output=sp.no_stop_trim,
             min_tokens=sp.min_new_tokens,
             logprobs=self.top_logprobs_num if self.return_logprob else None,
+            logit_bias=logit_bias_by_id(sp.logit_bias),
             grammar=sp.grammar(),
         )

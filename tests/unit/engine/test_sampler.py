@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kubesgl.engine import SamplingParams
+from kubesgl.engine import InvalidRequestError, SamplingParams
 from kubesgl.engine.executor.sampler import PenaltyState, top_k_top_p_min_p_mask
 
 
@@ -154,3 +154,48 @@ def test_penalty_counts_take_only_the_rows_that_emit():
     assert seen[1].nonzero().flatten().tolist() == [2, 3, 7]
     assert seen[2].nonzero().flatten().tolist() == [4]
     assert seen[3].nonzero().flatten().tolist() == [6]
+
+
+def test_logit_bias_moves_tokens_as_openai_defines_it(llm):
+    """+100 all but forces a token and -100 bans one in effect, in one batch with a request
+    that asked for no bias; the reported logprobs stay the model's own."""
+    prompt = [20, 21, 22, 23]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    plain = llm.generate([prompt], greedy)[0]
+    forced, banned, unbiased = llm.generate(
+        [prompt] * 3,
+        [
+            SamplingParams(max_tokens=8, temperature=1.0, seed=1, logit_bias={7: 100}),
+            SamplingParams(
+                max_tokens=8,
+                temperature=0,
+                ignore_eos=True,
+                logit_bias={t: -100 for t in set(plain.token_ids)},
+            ),
+            greedy,
+        ],
+    )
+    assert forced.token_ids == [7] * 8
+    assert not set(banned.token_ids) & set(plain.token_ids)
+    assert unbiased.token_ids == plain.token_ids
+    biased_first = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=1, temperature=0, logprobs=0, logit_bias={7: 100}),
+    )[0]
+    assert biased_first.token_ids == [7]
+    assert biased_first.logprobs[0].logprob < -1  # the model's own, not the biased one
+
+
+@pytest.mark.parametrize(
+    "bias, words",
+    [
+        ({10_000: 1}, "outside the vocabulary"),
+        ({-1: 1}, "outside the vocabulary"),
+        ({7: 101}, "from -100 to 100"),
+        ({7: "1"}, "from -100 to 100"),
+    ],
+)
+def test_a_logit_bias_out_of_bounds_is_refused(bias, words):
+    with pytest.raises(InvalidRequestError) as refused:
+        SamplingParams(logit_bias=bias).validate(vocab_size=636)
+    assert refused.value.param == "logit_bias" and words in str(refused.value)
