@@ -151,7 +151,7 @@ def _token_id_keys(value: dict[str, float] | None) -> dict[str, float] | None:
     for key in value or {}:
         if not (key.isascii() and key.isdigit()):
             raise PydanticCustomError(
-                "token_id_key", "keys must be token ids, got {key!r}", {"key": key}
+                "token_id_key", "keys must be token ids, got {key}", {"key": repr(key)}
             )
     return value
 

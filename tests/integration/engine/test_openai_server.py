@@ -504,7 +504,7 @@ def test_logit_bias_moves_the_tokens_it_names(client):
 @pytest.mark.parametrize(
     "bias, words",
     [
-        ({"hello": 1}, "keys must be token ids"),
+        ({"hello": 1}, "keys must be token ids, got 'hello'"),
         ({"7": 101}, "less than or equal to 100"),
         ({"100000": 1}, "outside the vocabulary"),
     ],
