@@ -12,6 +12,9 @@ GREEDY_TEMPERATURE = 1e-5
 
 # OpenAI's bound of a logit_bias value: -100 bans a token in effect, 100 all but forces it
 LOGIT_BIAS_BOUND = 100
+# Tokens one logit_bias may name: every step of the request builds its entries again, so a
+# bias over a whole vocabulary (150k entries, tens of ms) would slow every request it runs with
+LOGIT_BIAS_MAX_TOKENS = 1024
 
 # The limits of each numeric sampling field, the same on every route and in the offline LLM:
 # SamplingParams.validate holds a request to them, and the request bodies
@@ -217,6 +220,11 @@ class SamplingParams:
     ) -> None:
         bias = self.logit_bias
         check(isinstance(bias, dict), "logit_bias", f"must map token ids to numbers, got {bias!r}")
+        check(
+            len(bias) <= LOGIT_BIAS_MAX_TOKENS,
+            "logit_bias",
+            f"may name at most {LOGIT_BIAS_MAX_TOKENS} tokens, got {len(bias)}",
+        )
         bad_ids = [t for t in bias if not (_is_int(t) and 0 <= t < vocab_size)]
         check(
             not bad_ids,

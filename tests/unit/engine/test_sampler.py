@@ -193,9 +193,10 @@ def test_logit_bias_moves_tokens_as_openai_defines_it(llm):
         ({-1: 1}, "outside the vocabulary"),
         ({7: 101}, "from -100 to 100"),
         ({7: "1"}, "from -100 to 100"),
+        (dict.fromkeys(range(1025), 1.0), "at most 1024 tokens"),
     ],
 )
 def test_a_logit_bias_out_of_bounds_is_refused(bias, words):
     with pytest.raises(InvalidRequestError) as refused:
-        SamplingParams(logit_bias=bias).validate(vocab_size=636)
+        SamplingParams(logit_bias=bias).validate(vocab_size=2048)
     assert refused.value.param == "logit_bias" and words in str(refused.value)
