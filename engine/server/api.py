@@ -156,10 +156,10 @@ def chat_chars(
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any] | None,
 ) -> int:
-    """The characters a chat prompt renders from: the messages' text, their earlier tool
-    calls, the tools' definitions and the client's template variables (the template may
+    """The characters a chat prompt renders from: the messages' text and names, their earlier
+    tool calls, the tools' definitions and the client's template variables (the template may
     write all of them into the prompt)."""
-    chars = sum(len(m["content"]) for m in messages)
+    chars = sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
     chars += sum(len(json.dumps(m["tool_calls"])) for m in messages if "tool_calls" in m)
     chars += len(json.dumps(template_kwargs)) if template_kwargs else 0
     return chars + (len(json.dumps(tools)) if tools else 0)

@@ -487,6 +487,7 @@ class ChatMessage(_Lenient):
     content: Text | list[TextPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: Text | None = None  # a tool's answer: to which call
+    name: Text | None = None  # OpenAI's participant name: the template may write it, as vLLM's do
 
     @model_validator(mode="after")
     def _complete(self) -> ChatMessage:
@@ -525,6 +526,8 @@ class ChatMessage(_Lenient):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
         return message
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
+from kubesgl.engine.server.api import chat_chars
 from kubesgl.engine.server.errors import validation_error
 from kubesgl.engine.server.protocol import ChatCompletionRequest
 
@@ -62,3 +63,14 @@ def test_complete_messages_are_taken():
         }
     )
     assert [m.role for m in request.messages] == ["system", "user", "assistant", "tool"]
+
+
+def test_a_message_name_reaches_the_template_and_counts_toward_its_characters():
+    """OpenAI's participant name, which vLLM hands its chat templates, was dropped: a template
+    that writes it (to tell two users apart) never saw it."""
+    request = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi", "name": "alice"}]}
+    )
+    (message,) = [m.as_template_input() for m in request.messages]
+    assert message["name"] == "alice"
+    assert chat_chars([message], None, None) == len("hi") + len("alice")
