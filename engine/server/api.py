@@ -151,15 +151,18 @@ def within_limits(
             check_prompt_tokens(context_length, tokens, param)
 
 
+_MESSAGE_TEXT = ("content", "name", "tool_call_id")  # a template message's text fields
+
+
 def chat_chars(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any] | None,
 ) -> int:
-    """The characters a chat prompt renders from: the messages' text and names, their earlier
-    tool calls, the tools' definitions and the client's template variables (the template may
-    write all of them into the prompt)."""
-    chars = sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
+    """The characters a chat prompt renders from: the messages' text, names and the ids of the
+    calls they answer, their earlier tool calls, the tools' definitions and the client's
+    template variables (the template may write all of them into the prompt)."""
+    chars = sum(len(m[key]) for m in messages for key in _MESSAGE_TEXT if key in m)
     chars += sum(len(json.dumps(m["tool_calls"])) for m in messages if "tool_calls" in m)
     chars += len(json.dumps(template_kwargs)) if template_kwargs else 0
     return chars + (len(json.dumps(tools)) if tools else 0)

@@ -74,3 +74,13 @@ def test_a_message_name_reaches_the_template_and_counts_toward_its_characters():
     (message,) = [m.as_template_input() for m in request.messages]
     assert message["name"] == "alice"
     assert chat_chars([message], None, None) == len("hi") + len("alice")
+
+
+def test_a_tool_call_id_counts_toward_the_prompts_characters():
+    """A template may write it, and it was not counted: a long one passed the character limit
+    and was tokenized, as the limit exists to prevent."""
+    request = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "tool", "content": "sunny", "tool_call_id": "c" * 1000}]}
+    )
+    messages = [m.as_template_input() for m in request.messages]
+    assert chat_chars(messages, None, None) == len("sunny") + 1000
