@@ -93,6 +93,22 @@ def test_min_tokens_on_cuda_with_graphs(tiny_model):
         assert len(out.token_ids) >= 6 and stop not in out.token_ids[:6], out.token_ids
 
 
+def test_logit_bias_on_cuda_with_graphs(tiny_model):
+    """A logit_bias applies to the logits on the device, in graph-replayed decode steps too:
+    +100 forces its token at every step of a sampled request, beside one without a bias."""
+    batch = prompts(2, seed=4)
+    with LLM(tiny_model("llama"), device="cuda", dtype="bfloat16", max_total_tokens=8192) as llm:
+        forced, plain = llm.generate(
+            batch,
+            [
+                SamplingParams(max_tokens=8, temperature=1.0, seed=1, logit_bias={7: 100}),
+                SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+            ],
+        )
+    assert forced.token_ids == [7] * 8
+    assert len(plain.token_ids) == 8
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton", "flashinfer"])
 def test_retraction_storm_on_cuda_returns_what_a_large_pool_returns(backend, tiny_model):
     """Retracted requests resume exactly with CUDA graphs and overlap on, for each backend:
