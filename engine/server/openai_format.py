@@ -3,9 +3,10 @@ final JSON body or a stream of chunks, tool calls included."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kubesgl.engine.messages import FinishReason, TextOutput
 from kubesgl.engine.server import tool_calls
@@ -111,18 +112,32 @@ def usage(choices: list[Choice], prompts_counted: set[int]) -> dict:
     }
 
 
-@dataclass(frozen=True)
-class Formatter:
-    """How one endpoint shapes its final body and its stream chunks."""
+class Formatter(ABC):
+    """How one endpoint shapes one request's answer: its final body, or its stream's chunks.
+    One per request: a stream's formatter may remember what it has sent."""
 
-    response_id: str  # the `id` the answer carries (the access log's rid)
-    final: Callable[[list[Choice], dict], dict]  # (choices, usage) -> the whole answer
-    # (choice, its new output, already added to it) -> a chunk, or None when the output brings
-    # nothing to send (a token that ends inside a character, text held back)
-    chunk: Callable[[Choice, TextOutput], dict | None]
-    # (choices) -> chunks before any output
-    stream_start: Callable[[int], list[dict]] = lambda n: []
-    usage_chunk: Callable[[dict], dict] = lambda u: {}  # (usage) -> the chunk that carries it
+    @property
+    @abstractmethod
+    def response_id(self) -> str:
+        """The `id` the answer carries (the access log's rid)."""
+
+    @abstractmethod
+    def final(self, choices: list[Choice], usage_: dict) -> dict:
+        """The whole answer, from its choices and their usage."""
+
+    @abstractmethod
+    def chunk(self, choice: Choice, out: TextOutput) -> dict | None:
+        """The chunk of a choice's new output (already added to the choice), or None when the
+        output brings nothing to send (a token that ends inside a character, text held back)."""
+
+    def stream_start(self, n: int) -> list[dict]:
+        """The chunks sent before any output of the n choices: none, unless an endpoint opens
+        its stream with some."""
+        return []
+
+    @abstractmethod
+    def usage_chunk(self, usage_: dict) -> dict:
+        """The chunk that carries the usage, after every choice's last."""
 
 
 @dataclass(frozen=True)
@@ -222,180 +237,226 @@ def native_finish(reason: FinishReason | None) -> dict | None:
     )
 
 
-def chat_formatter(
-    meta: dict, want_logprobs: bool, tools: ToolOutput = ToolOutput("none")
-) -> Formatter:
-    def final(choices: list[Choice], usage_: dict) -> dict:
-        answers = []
-        for c in choices:
-            reading = tools.read(c.text)
-            message: dict[str, Any] = {"role": "assistant", "content": reading.content}
-            if reading.calls:
-                message["tool_calls"] = [call.as_openai() for call in reading.calls]
-            answers.append(
-                {
-                    "index": c.index,
-                    "message": message,
-                    "logprobs": {"content": c.logprobs} if want_logprobs else None,
-                    "finish_reason": tools.finish_reason(c.finish_reason, reading.calls),
-                    "stop_reason": stop_reason(c.ending),
-                }
-            )
-        return {**meta, "object": "chat.completion", "usage": usage_, "choices": answers}
+@dataclass
+class OpenAIFormatter(Formatter):
+    """What OpenAI's answers share: every body and chunk opens with the request's meta and
+    the name of its object, and the usage comes in a chunk of no choices."""
 
-    sent: dict[int, int] = {}  # characters of each choice's text streamed as content
+    meta: dict  # the id, created and model every body and chunk of the request carries
+    want_logprobs: bool
+    final_object: ClassVar[str]  # the whole answer's "object"
+    chunk_object: ClassVar[str]  # a stream chunk's "object"
 
-    def chunk_of(choices: list[dict]) -> dict:
-        return {**meta, "object": "chat.completion.chunk", "choices": choices}
+    @property
+    def response_id(self) -> str:
+        return self.meta["id"]
 
-    def start(n: int) -> list[dict]:
+    def answer(self, choices: list[dict], usage_: dict) -> dict:
+        return {**self.meta, "object": self.final_object, "usage": usage_, "choices": choices}
+
+    def chunk_of(self, choices: list[dict]) -> dict:
+        return {**self.meta, "object": self.chunk_object, "choices": choices}
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return {**self.chunk_of([]), "usage": usage_}
+
+
+@dataclass
+class ChatFormatter(OpenAIFormatter):
+    """/v1/chat/completions: messages, and the tool calls the request's tools make of them."""
+
+    tools: ToolOutput = ToolOutput("none")
+    # characters of each choice's text streamed as content so far: content that may turn out
+    # to be a call is held back, and sent (or not) when the answer is whole
+    content_sent: dict[int, int] = field(default_factory=dict, init=False)
+    final_object: ClassVar[str] = "chat.completion"
+    chunk_object: ClassVar[str] = "chat.completion.chunk"
+
+    def final(self, choices: list[Choice], usage_: dict) -> dict:
+        return self.answer([self.final_choice(c) for c in choices], usage_)
+
+    def final_choice(self, choice: Choice) -> dict:
+        reading = self.tools.read(choice.text)
+        message: dict[str, Any] = {"role": "assistant", "content": reading.content}
+        if reading.calls:
+            message["tool_calls"] = [call.as_openai() for call in reading.calls]
+        return {
+            "index": choice.index,
+            "message": message,
+            "logprobs": {"content": choice.logprobs} if self.want_logprobs else None,
+            "finish_reason": self.tools.finish_reason(choice.finish_reason, reading.calls),
+            "stop_reason": stop_reason(choice.ending),
+        }
+
+    def stream_start(self, n: int) -> list[dict]:
         # a chunk per choice, as OpenAI and vLLM send them: each chunk holds one choice
-        return [
-            chunk_of(
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                        "stop_reason": None,
-                    }
-                ]
-            )
-            for i in range(n)
-        ]
+        return [self.chunk_of([self.role_choice(i)]) for i in range(n)]
 
-    def chunk(choice: Choice, out: TextOutput) -> dict | None:
-        logprobs = {"content": logprob_entries(out)} if want_logprobs and out.logprobs else None
+    @staticmethod
+    def role_choice(index: int) -> dict:
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+            "stop_reason": None,
+        }
+
+    def chunk(self, choice: Choice, out: TextOutput) -> dict | None:
+        logprobs = self.streamed_logprobs(out)
         reason = out.finish_reason.kind if out.finish_reason else None
-        delta, calls = content_delta(choice, out, reason)
+        delta, calls = self.delta(choice, out, reason)
         if not (delta.get("content") or calls or logprobs or reason):
             return None
-        return chunk_of(
-            [
-                {
-                    "index": choice.index,
-                    "delta": delta,
-                    "logprobs": logprobs,
-                    "finish_reason": tools.finish_reason(reason, calls),
-                    "stop_reason": stop_reason(out.finish_reason),
-                }
-            ]
-        )
+        sent = {
+            "index": choice.index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": self.tools.finish_reason(reason, calls),
+            "stop_reason": stop_reason(out.finish_reason),
+        }
+        return self.chunk_of([sent])
 
-    def content_delta(
-        choice: Choice, out: TextOutput, reason: str | None
+    def streamed_logprobs(self, out: TextOutput) -> dict | None:
+        return {"content": logprob_entries(out)} if self.want_logprobs and out.logprobs else None
+
+    def delta(
+        self, choice: Choice, out: TextOutput, reason: str | None
     ) -> tuple[dict[str, Any], list[tool_calls.ToolCall]]:
-        if tools.mode == "none":  # mid-stream chunks always carry content, if only ""
+        """The chunk's delta, and the calls it carries."""
+        if self.tools.mode == "none":  # mid-stream chunks always carry content, if only ""
             return ({"content": out.text} if out.text or reason is None else {}), []
-        done = sent.get(choice.index, 0)
+        return self.delta_with_tools(choice, reason)
+
+    def delta_with_tools(
+        self, choice: Choice, reason: str | None
+    ) -> tuple[dict[str, Any], list[tool_calls.ToolCall]]:
+        """Mid-stream, the content before where a call may begin; at the end, what was held
+        back: content, or the calls with the content before them."""
+        done = self.content_sent.get(choice.index, 0)
         calls: list[tool_calls.ToolCall] = []
         if reason is None:
-            upto = max(done, tools.held_from(choice.text))
-        else:  # the whole answer: what was held back is content, or calls with the content before them
-            reading = tools.read(choice.text)
+            upto = max(done, self.tools.held_from(choice.text))
+        else:
+            reading = self.tools.read(choice.text)
             upto, calls = max(done, reading.content_end), reading.calls
         delta: dict[str, Any] = {"content": choice.text[done:upto]} if upto > done else {}
-        sent[choice.index] = upto
+        self.content_sent[choice.index] = upto
         if calls:
             delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(calls)]
         return delta, calls
 
-    return Formatter(meta["id"], final, chunk, start, lambda u: {**chunk_of([]), "usage": u})
 
+@dataclass
+class CompletionFormatter(OpenAIFormatter):
+    """/v1/completions: text, with logprobs in the completions API's shape."""
 
-def completion_formatter(meta: dict, want_logprobs: bool) -> Formatter:
-    def final(choices: list[Choice], usage_: dict) -> dict:
+    # where each choice's next token starts in its text: a chunk's text_offset goes on from
+    # the chunks before it
+    next_text_offset: dict[int, int] = field(default_factory=dict, init=False)
+    final_object: ClassVar[str] = "text_completion"
+    chunk_object: ClassVar[str] = "text_completion"
+
+    def final(self, choices: list[Choice], usage_: dict) -> dict:
+        return self.answer([self.final_choice(c) for c in choices], usage_)
+
+    def final_choice(self, choice: Choice) -> dict:
+        logprobs = None
+        if self.want_logprobs:
+            lengths = text_lengths(choice.logprobs, choice.tokens_named_by_id)
+            logprobs = completion_logprobs(choice.logprobs, lengths)
         return {
-            **meta,
-            "object": "text_completion",
-            "usage": usage_,
-            "choices": [
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "logprobs": (
-                        completion_logprobs(
-                            c.logprobs, text_lengths(c.logprobs, c.tokens_named_by_id)
-                        )
-                        if want_logprobs
-                        else None
-                    ),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": stop_reason(c.ending),
-                }
-                for c in choices
-            ],
+            "index": choice.index,
+            "text": choice.text,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": stop_reason(choice.ending),
         }
 
-    text_offsets: dict[int, int] = {}  # where each choice's next token starts in its text
-
-    def chunk(choice: Choice, out: TextOutput) -> dict | None:
-        logprobs = None
-        if want_logprobs and out.logprobs:
-            # counted token by token, as in the whole answer, not from the text sent so far:
-            # text held back (part of a character, a possible stop string) comes later
-            entries, start = logprob_entries(out), text_offsets.get(choice.index, 0)
-            lengths = text_lengths(entries, out.tokens_named_by_id)
-            logprobs = completion_logprobs(entries, lengths, start)
-            text_offsets[choice.index] = start + sum(lengths)
+    def chunk(self, choice: Choice, out: TextOutput) -> dict | None:
+        logprobs = self.streamed_logprobs(choice, out)
         # A token whose text comes later sends nothing now (an engine without a tokenizer
         # holds none back: each of its tokens is a chunk, with no text)
         news = out.text or (out.token_ids and not out.text_held)
         if not (news or logprobs or out.finish_reason):
             return None
-        return {
-            **meta,
-            "object": "text_completion",
-            "choices": [
-                {
-                    "index": choice.index,
-                    "text": out.text,
-                    "logprobs": logprobs,
-                    "finish_reason": out.finish_reason.kind if out.finish_reason else None,
-                    "stop_reason": stop_reason(out.finish_reason),
-                }
-            ],
+        sent = {
+            "index": choice.index,
+            "text": out.text,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason.kind if out.finish_reason else None,
+            "stop_reason": stop_reason(out.finish_reason),
         }
+        return self.chunk_of([sent])
 
-    return Formatter(
-        meta["id"],
-        final,
-        chunk,
-        usage_chunk=lambda u: {**meta, "object": "text_completion", "choices": [], "usage": u},
-    )
+    def streamed_logprobs(self, choice: Choice, out: TextOutput) -> dict | None:
+        if not (self.want_logprobs and out.logprobs):
+            return None
+        # text offsets counted token by token, as in the whole answer, not from the text sent
+        # so far: text held back (part of a character, a possible stop string) comes later
+        entries, start = logprob_entries(out), self.next_text_offset.get(choice.index, 0)
+        lengths = text_lengths(entries, out.tokens_named_by_id)
+        self.next_text_offset[choice.index] = start + sum(lengths)
+        return completion_logprobs(entries, lengths, start)
 
 
-def native_formatter(rid: str, top_logprobs: bool = False) -> Formatter:
-    """SGLang's /generate answer; `top_logprobs`: the request asked for top_logprobs_num > 0,
-    which SGLang answers in output_top_logprobs."""
+@dataclass
+class NativeFormatter(Formatter):
+    """SGLang's /generate answer: each chunk is the whole answer so far, as SGLang streams it.
+    `top_logprobs`: the request asked for top_logprobs_num > 0, which SGLang answers in
+    output_top_logprobs."""
 
-    def body(choice: Choice) -> dict:
-        logprobs: dict[str, list] = {}
-        if choice.logprobs:
-            logprobs["output_token_logprobs"] = [
-                [e["logprob"], token_id, e["token"]]
-                for e, token_id in zip(choice.logprobs, choice.token_ids)
-            ]
-            if top_logprobs:
-                logprobs["output_top_logprobs"] = [
-                    [
-                        [t["logprob"], token_id, t["token"]]
-                        for t, token_id in zip(e["top_logprobs"], ids)
-                    ]
-                    for e, ids in zip(choice.logprobs, choice.top_token_ids)
-                ]
+    rid: str
+    top_logprobs: bool = False
+
+    @property
+    def response_id(self) -> str:
+        return self.rid
+
+    def final(self, choices: list[Choice], usage_: dict) -> dict:
+        return self.body(choices[0])  # /generate asks for one choice; its meta_info counts usage
+
+    def chunk(self, choice: Choice, out: TextOutput) -> dict | None:
+        return self.body(choice)
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return {}  # never asked: /generate takes no include_usage
+
+    def body(self, choice: Choice) -> dict:
         return {
             "text": choice.text,
             "output_ids": choice.token_ids,
             "meta_info": {
-                "id": rid,
+                "id": self.rid,
                 "finish_reason": native_finish(choice.ending),
                 "prompt_tokens": choice.prompt_tokens,
                 "completion_tokens": len(choice.token_ids),
                 "cached_tokens": choice.cached_tokens,
-                **logprobs,
+                **self.logprob_fields(choice),
             },
         }
 
-    return Formatter(rid, lambda choices, _: body(choices[0]), lambda choice, out: body(choice))
+    def logprob_fields(self, choice: Choice) -> dict[str, list]:
+        if not choice.logprobs:
+            return {}
+        fields: dict[str, list] = {
+            "output_token_logprobs": [
+                [e["logprob"], token_id, e["token"]]
+                for e, token_id in zip(choice.logprobs, choice.token_ids)
+            ]
+        }
+        if self.top_logprobs:
+            fields["output_top_logprobs"] = [
+                [
+                    [t["logprob"], token_id, t["token"]]
+                    for t, token_id in zip(e["top_logprobs"], ids)
+                ]
+                for e, ids in zip(choice.logprobs, choice.top_token_ids)
+            ]
+        return fields
+
+
+# the names api.py calls them by, until its call sites take the classes' own
+chat_formatter = ChatFormatter
+completion_formatter = CompletionFormatter
+native_formatter = NativeFormatter

@@ -304,16 +304,15 @@ def test_a_formatter_that_fails_mid_stream_ends_its_choice_with_an_error_event()
     import json
 
     from kubesgl.engine.server import responses
-    from kubesgl.engine.server.openai_format import Formatter
+    from kubesgl.engine.server.openai_format import ChatFormatter
 
-    good = chat_formatter({"id": "x"}, False)
+    class FailingChat(ChatFormatter):
+        def chunk(self, choice: Choice, out: TextOutput) -> dict | None:
+            if choice.index == 0 and out.text == "b":
+                raise RecursionError("maximum recursion depth exceeded")
+            return super().chunk(choice, out)
 
-    def chunk(choice: Choice, out: TextOutput) -> dict | None:
-        if choice.index == 0 and out.text == "b":
-            raise RecursionError("maximum recursion depth exceeded")
-        return good.chunk(choice, out)
-
-    formatter = Formatter("x", good.final, chunk)
+    formatter = FailingChat({"id": "x"}, False)
     closed: list[int] = []
     outputs = [[output(t, None, i, i == 2) for i, t in enumerate("abc")] for _ in range(2)]
 
@@ -352,7 +351,9 @@ def test_a_formatter_that_fails_mid_stream_ends_its_choice_with_an_error_event()
     (error,) = [b["error"] for b in bodies if "error" in b]
     assert error["type"] == "server_error" and "RecursionError" in error["message"]
     texts = [(c["index"], c["delta"].get("content")) for b in bodies for c in b.get("choices", [])]
-    assert [t for i, t in texts if i == 0] == ["a"] and [t for i, t in texts if i == 1] == [
+    # each choice opens with its role chunk (content ""), then its text
+    assert [t for i, t in texts if i == 0] == ["", "a"] and [t for i, t in texts if i == 1] == [
+        "",
         "a",
         "b",
         "c",

@@ -601,21 +601,15 @@ async def test_a_request_the_server_ended_mid_stream_is_an_error_not_a_client_ab
     from kubesgl.engine.messages import AbortRequest, TextBatch, TokenizeRequest
     from kubesgl.engine.server import api
     from kubesgl.engine.server.engine_client import EngineClient
-    from kubesgl.engine.server.openai_format import Formatter
+    from kubesgl.engine.server.openai_format import CompletionFormatter
 
-    real_formatter = api.completion_formatter
-
-    def failing_formatter(*args, **kwargs):
-        good = real_formatter(*args, **kwargs)
-
-        def chunk(choice, out):
+    class FailingCompletion(CompletionFormatter):
+        def chunk(self, choice, out):
             if out.text == "b":
                 raise RecursionError("maximum recursion depth exceeded")
-            return good.chunk(choice, out)
+            return super().chunk(choice, out)
 
-        return Formatter(good.response_id, good.final, chunk)
-
-    monkeypatch.setattr(api, "completion_formatter", failing_formatter)
+    monkeypatch.setattr(api, "completion_formatter", FailingCompletion)
     endpoints = Endpoints.create()
     client = EngineClient(endpoints, EngineMetrics("mixed"))
     client.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
