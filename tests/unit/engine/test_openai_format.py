@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from kubesgl.engine.messages import FinishReason, TextOutput, TokenLogprob
 from kubesgl.engine.server.openai_format import (
+    ChatFormatter,
     Choice,
+    CompletionFormatter,
+    NativeFormatter,
     ToolOutput,
-    chat_formatter,
-    completion_formatter,
-    native_formatter,
 )
 from kubesgl.engine.server.tool_calls import FORMATS
 
@@ -48,11 +48,11 @@ def test_a_stream_sends_no_chunk_for_a_token_that_brings_no_text():
         return chunks
 
     for formatter in (
-        chat_formatter({"id": "x"}, False),
-        chat_formatter(
+        ChatFormatter({"id": "x"}, False),
+        ChatFormatter(
             {"id": "x"}, False, ToolOutput("auto", format=FORMATS[0], declared=frozenset())
         ),
-        completion_formatter({"id": "x"}, False),
+        CompletionFormatter({"id": "x"}, False),
     ):
         chunks = sent(formatter, ["a", "", "\u00e9", ""])
         assert chunks[1] is None
@@ -63,7 +63,7 @@ def test_a_stream_sends_no_chunk_for_a_token_that_brings_no_text():
 def test_each_token_of_an_engine_without_a_tokenizer_is_a_chunk():
     """Its tokens bring no text and hold none back: each is news (the answer's progress, which a
     benchmark times), not text to come later."""
-    formatter, choice = completion_formatter({"id": "x"}, False), Choice(index=0)
+    formatter, choice = CompletionFormatter({"id": "x"}, False), Choice(index=0)
     chunks = []
     for i in range(3):
         out = output("", None, i, i == 2, held=False)
@@ -77,7 +77,7 @@ def test_streamed_text_offsets_count_tokens_as_the_whole_answer_does():
     logprob sent before its text: offsets count the tokens, not the text sent so far."""
     tokens = ["ab", "\ufffd", "\ufffd", "c", " stop", "d"]
     texts = ["ab", "", "\u00e9", "c", "", " stopd"]  # the detokenizer's releases
-    formatter = completion_formatter({"id": "x"}, True)
+    formatter = CompletionFormatter({"id": "x"}, True)
     choice, streamed = Choice(index=0), []
     for i, (text, token) in enumerate(zip(texts, tokens)):
         out = output(text, token, i, i == len(tokens) - 1)
@@ -90,7 +90,7 @@ def test_streamed_text_offsets_count_tokens_as_the_whole_answer_does():
 def test_completion_top_logprobs_name_the_sampled_token():
     """OpenAI's completions: "up to logprobs + 1 elements", the sampled token always among
     them; `logprobs: 0` gave empty dicts."""
-    formatter = completion_formatter({"id": "x"}, True)
+    formatter = CompletionFormatter({"id": "x"}, True)
     choice = Choice(index=0)
     out = TextOutput(
         "r",
@@ -118,10 +118,10 @@ def test_completion_top_logprobs_name_the_sampled_token():
         token_bytes=[[0xE6]],
         top_bytes=[[[0xE5]]],
     )  # fmt: skip
-    assert completion_formatter({"id": "x"}, True).chunk(Choice(index=0), same)["choices"][0][
+    assert CompletionFormatter({"id": "x"}, True).chunk(Choice(index=0), same)["choices"][0][
         "logprobs"
     ]["top_logprobs"] == [{"\ufffd": -0.1}]
-    none = completion_formatter({"id": "x"}, True)
+    none = CompletionFormatter({"id": "x"}, True)
     out.logprobs = [TokenLogprob(7, -0.5), TokenLogprob(8, -0.2)]
     out.top_strings, out.top_bytes = [[], []], [[], []]
     assert none.chunk(Choice(index=0), out)["choices"][0]["logprobs"]["top_logprobs"] == [
@@ -146,7 +146,7 @@ def test_a_stream_holding_its_text_back_sends_keepalive_comments(monkeypatch):
     from kubesgl.engine.server import responses
 
     monkeypatch.setattr(responses, "HELD_STREAM_KEEPALIVE_S", 0.0)
-    formatter = chat_formatter({"id": "x"}, False, ToolOutput("named", name="f"))
+    formatter = ChatFormatter({"id": "x"}, False, ToolOutput("named", name="f"))
     stop = FinishReason("stop", matched_token=2)
     outputs = [output('{"a": ', None, 0, False), TextOutput("r", "1}", [1], stop, 1, 0, 2)]
 
@@ -175,7 +175,7 @@ def test_a_stream_holding_its_text_back_sends_keepalive_comments(monkeypatch):
 def test_a_token_with_logprobs_and_no_text_still_carries_content():
     """Sent for its logprobs, mid-stream, with `content: ""` as before: code that appends each
     chunk's content must not meet None before the last chunk."""
-    formatter = chat_formatter({"id": "x"}, True)
+    formatter = ChatFormatter({"id": "x"}, True)
     out = output("", "\ufffd", 0, False)
     choice = Choice(index=0)
     choice.add(out)
@@ -186,7 +186,7 @@ def test_a_token_with_logprobs_and_no_text_still_carries_content():
 def test_each_choice_of_a_chat_stream_has_its_own_role_chunk():
     """As OpenAI and vLLM stream n > 1: one role delta per choice index, each chunk one choice
     (clients that read choices[0] of each chunk see every choice's role)."""
-    starts = chat_formatter({"id": "x"}, False).stream_start(3)
+    starts = ChatFormatter({"id": "x"}, False).stream_start(3)
     assert [[c["index"] for c in chunk["choices"]] for chunk in starts] == [[0], [1], [2]]
     assert all(chunk["choices"][0]["delta"]["role"] == "assistant" for chunk in starts)
 
@@ -225,7 +225,7 @@ def test_with_include_usage_every_chunk_but_the_last_has_usage_null():
     field, but with a null value" (code that tests `chunk.usage !== null` must not read a
     missing field as usage). Without it, no chunk has the field."""
     outputs = [output("a", None, 0, False), output("b", None, 1, True)]
-    for formatter in (chat_formatter({"id": "x"}, False), completion_formatter({"id": "x"}, False)):
+    for formatter in (ChatFormatter({"id": "x"}, False), CompletionFormatter({"id": "x"}, False)):
         *chunks, last = _streamed(formatter, outputs, include_usage=True)
         assert chunks and all("usage" in c and c["usage"] is None for c in chunks)
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
@@ -247,7 +247,7 @@ def test_text_offsets_of_an_engine_without_a_tokenizer_count_no_placeholders(tin
         (path / name).unlink()
     tokenizer = Tokenizer(str(path))
     tokenizer.start(TokenizeRequest("r", SamplingParams(), input_ids=[5]))
-    formatter, choice, streamed = completion_formatter({"id": "x"}, True), Choice(index=0), []
+    formatter, choice, streamed = CompletionFormatter({"id": "x"}, True), Choice(index=0), []
     for i, token_id in enumerate((11, 12, 13)):
         reason = FinishReason("length") if i == 2 else None
         out = tokenizer.decode(TokenOutput("r", [token_id], reason, [TokenLogprob(token_id, -1.0)]))
@@ -281,18 +281,18 @@ def test_generate_answers_the_top_logprobs_it_was_asked_for():
     )
     choice = Choice(index=0)
     choice.add(out)
-    meta = native_formatter("gen-1", top_logprobs=True).final([choice], {})["meta_info"]
+    meta = NativeFormatter("gen-1", top_logprobs=True).final([choice], {})["meta_info"]
     assert meta["output_token_logprobs"] == [[-0.5, 7, "a"], [-0.25, 8, "b"]]
     assert meta["output_top_logprobs"] == [
         [[-0.5, 7, "a"], [-1.5, 3, "x"]],
         [[-0.25, 8, "b"], [-2.0, 4, "y"]],
     ]
-    streamed = native_formatter("gen-1", top_logprobs=True).chunk(choice, out)["meta_info"]
+    streamed = NativeFormatter("gen-1", top_logprobs=True).chunk(choice, out)["meta_info"]
     assert streamed["output_top_logprobs"] == meta["output_top_logprobs"]
     # without top_logprobs_num, as SGLang: the sampled tokens' logprobs only
     assert (
         "output_top_logprobs"
-        not in native_formatter("gen-1", top_logprobs=False).final([choice], {})["meta_info"]
+        not in NativeFormatter("gen-1", top_logprobs=False).final([choice], {})["meta_info"]
     )
 
 
@@ -304,7 +304,6 @@ def test_a_formatter_that_fails_mid_stream_ends_its_choice_with_an_error_event()
     import json
 
     from kubesgl.engine.server import responses
-    from kubesgl.engine.server.openai_format import ChatFormatter
 
     class FailingChat(ChatFormatter):
         def chunk(self, choice: Choice, out: TextOutput) -> dict | None:
@@ -400,8 +399,8 @@ _STOP_REASONS = [
 def test_every_choice_says_its_stop_reason_as_vllm():
     for reason, expected in _STOP_REASONS:
         for formatter in (
-            chat_formatter({"id": "x"}, False),
-            completion_formatter({"id": "x"}, False),
+            ChatFormatter({"id": "x"}, False),
+            CompletionFormatter({"id": "x"}, False),
         ):
             choice, out = Choice(index=0), _ending(reason)
             choice.add(out)
@@ -413,10 +412,10 @@ def test_every_choice_says_its_stop_reason_as_vllm():
 
 def test_stream_chunks_before_the_last_have_stop_reason_null():
     """The key is on every choice of every chunk, as vLLM's: null until the one that ends it."""
-    chat = chat_formatter({"id": "x"}, False)
+    chat = ChatFormatter({"id": "x"}, False)
     (start,) = chat.stream_start(1)[0]["choices"]
     assert "stop_reason" in start and start["stop_reason"] is None
-    for formatter in (chat, completion_formatter({"id": "x"}, False)):
+    for formatter in (chat, CompletionFormatter({"id": "x"}, False)):
         choice, out = Choice(index=0), _ending(None)
         choice.add(out)
         (mid,) = formatter.chunk(choice, out)["choices"]
@@ -424,7 +423,7 @@ def test_stream_chunks_before_the_last_have_stop_reason_null():
 
 
 def test_a_chat_answer_of_tool_calls_keeps_the_stop_reason():
-    formatter = chat_formatter({"id": "x"}, False, ToolOutput("named", name="f"))
+    formatter = ChatFormatter({"id": "x"}, False, ToolOutput("named", name="f"))
     choice = Choice(index=0)
     choice.add(_ending(FinishReason("stop", matched_token=7, stop_token=True)))
     (whole,) = formatter.final([choice], {})["choices"]
@@ -443,6 +442,6 @@ def test_generate_says_what_a_stop_matched_as_sglang():
     for (reason, _), finish in zip(_STOP_REASONS, expected):
         choice = Choice(index=0)
         choice.add(_ending(reason))
-        body = native_formatter("r").final([choice], {})
+        body = NativeFormatter("r").final([choice], {})
         assert body["meta_info"]["finish_reason"] == finish
-    assert native_formatter("r").final([Choice(index=0)], {})["meta_info"]["finish_reason"] is None
+    assert NativeFormatter("r").final([Choice(index=0)], {})["meta_info"]["finish_reason"] is None

@@ -35,10 +35,10 @@ def answered_both_ways(tools: ToolOutput, pieces: list[str], reason: str) -> tup
     """The message of the whole answer, and the one a client assembles from the stream, each
     with its finish_reason and calls as (name, arguments)."""
     from kubesgl.engine.messages import FinishReason, TextOutput
-    from kubesgl.engine.server.openai_format import Choice, chat_formatter
+    from kubesgl.engine.server.openai_format import ChatFormatter, Choice
 
     streamed = {"content": "", "calls": [], "finish_reason": None}
-    formatter, choice = chat_formatter({"id": "x"}, False, tools), Choice(index=0)
+    formatter, choice = ChatFormatter({"id": "x"}, False, tools), Choice(index=0)
     for i, piece in enumerate(pieces):
         finish = FinishReason(reason, matched_token=2) if i == len(pieces) - 1 else None
         out = TextOutput("r", piece, [i], finish, 1, 0, i + 1)
@@ -52,7 +52,7 @@ def answered_both_ways(tools: ToolOutput, pieces: list[str], reason: str) -> tup
             ]
             streamed["finish_reason"] = sent["finish_reason"] or streamed["finish_reason"]
     streamed["content"] = streamed["content"] or None
-    (final,) = chat_formatter({"id": "x"}, False, tools).final([choice], {})["choices"]
+    (final,) = ChatFormatter({"id": "x"}, False, tools).final([choice], {})["choices"]
     whole = {
         "content": final["message"]["content"],
         "calls": [
@@ -167,9 +167,9 @@ def test_streamed_content_is_held_where_a_call_may_begin():
 
 def test_an_auto_call_streams_as_delta_tool_calls_after_the_content_before_it():
     from kubesgl.engine.messages import FinishReason, TextOutput
-    from kubesgl.engine.server.openai_format import Choice, chat_formatter
+    from kubesgl.engine.server.openai_format import ChatFormatter, Choice
 
-    formatter = chat_formatter(
+    formatter = ChatFormatter(
         {"id": "x"}, False, ToolOutput("auto", format=QWEN, declared=DECLARED)
     )
     choice, chunks = Choice(index=0), []
@@ -197,9 +197,9 @@ def test_an_auto_call_streams_as_delta_tool_calls_after_the_content_before_it():
 
 def test_streamed_text_that_holds_no_call_is_all_sent_by_the_end():
     from kubesgl.engine.messages import FinishReason, TextOutput
-    from kubesgl.engine.server.openai_format import Choice, chat_formatter
+    from kubesgl.engine.server.openai_format import ChatFormatter, Choice
 
-    formatter = chat_formatter(
+    formatter = ChatFormatter(
         {"id": "x"}, False, ToolOutput("auto", format=QWEN, declared=DECLARED)
     )
     choice, sent = Choice(index=0), ""
