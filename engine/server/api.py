@@ -53,10 +53,10 @@ from kubesgl.engine.server.limits import (
     check_stop_strings,
 )
 from kubesgl.engine.server.openai_format import (
+    ChatFormatter,
+    CompletionFormatter,
+    NativeFormatter,
     ToolOutput,
-    chat_formatter,
-    completion_formatter,
-    native_formatter,
 )
 from kubesgl.engine.server.protocol import (
     ChatCompletionRequest,
@@ -360,7 +360,7 @@ async def chat(body: ChatCompletionRequest, request: Request, ctx: Ctx) -> Respo
         ["messages"] * len(subs),
         body.stream,
         body.include_usage,
-        chat_formatter(response_meta(ctx, subs), body.logprobs, tool_output),
+        ChatFormatter(response_meta(ctx, subs), body.logprobs, tool_output),
         names,
     )
 
@@ -419,7 +419,7 @@ async def completions(body: CompletionRequest, request: Request, ctx: Ctx) -> Re
         [field for field in fields for _ in range(body.n)],  # choice p * n + i: prompt p
         body.stream,
         body.include_usage,
-        completion_formatter(response_meta(ctx, subs), body.logprobs is not None),
+        CompletionFormatter(response_meta(ctx, subs), body.logprobs is not None),
     )
 
 
@@ -451,7 +451,7 @@ async def generate(body: GenerateRequestBody, request: Request, ctx: Ctx) -> Res
         [prompt_field],
         body.stream,
         False,
-        native_formatter(rid, top_logprobs=body.return_logprob and body.top_logprobs_num > 0),
+        NativeFormatter(rid, top_logprobs=body.return_logprob and body.top_logprobs_num > 0),
         names,
     )
 

@@ -454,9 +454,3 @@ class NativeFormatter(Formatter):
                 for e, ids in zip(choice.logprobs, choice.top_token_ids)
             ]
         return fields
-
-
-# the names api.py calls them by, until its call sites take the classes' own
-chat_formatter = ChatFormatter
-completion_formatter = CompletionFormatter
-native_formatter = NativeFormatter

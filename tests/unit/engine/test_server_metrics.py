@@ -609,7 +609,7 @@ async def test_a_request_the_server_ended_mid_stream_is_an_error_not_a_client_ab
                 raise RecursionError("maximum recursion depth exceeded")
             return super().chunk(choice, out)
 
-    monkeypatch.setattr(api, "completion_formatter", FailingCompletion)
+    monkeypatch.setattr(api, "CompletionFormatter", FailingCompletion)
     endpoints = Endpoints.create()
     client = EngineClient(endpoints, EngineMetrics("mixed"))
     client.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
