@@ -122,7 +122,7 @@ class Sampler:
             bias = sampling.logit_bias
             if logits is raw_logits and keep_raw:
                 logits = logits.clone()
-            logits[bias.rows, bias.token_ids] += bias.values.to(logits.device, logits.dtype)
+            logits[bias.rows, bias.token_ids] += bias.values
         if sampling.banned is not None:  # tokens that would end a request before min_tokens
             if logits is raw_logits and keep_raw:
                 logits = logits.clone()
