@@ -140,10 +140,12 @@ class Forwarder:
     async def generate(self, request: ParsedRequest, headers: Headers) -> Reply:
         if self.workers.is_disaggregated():
             return await self._with_retries(
-                lambda excluded: self._pd_once(request, headers, excluded)
+                lambda excluded, retry_once_left: self._pd_once(
+                    request, headers, excluded, retry_once_left
+                )
             )
         return await self._with_retries(
-            lambda excluded: self._mixed_once(request, headers, excluded)
+            lambda excluded, _: self._mixed_once(request, headers, excluded)
         )
 
     async def any_worker(
@@ -222,21 +224,25 @@ class Forwarder:
     ) -> Reply:
         """The answer of the least loaded of `pool(excluded)`, retried as a generation request."""
 
-        async def once(excluded: set[Worker]) -> Reply:
+        async def once(excluded: set[Worker], _: bool) -> Reply:
             worker = min(pool(excluded), key=lambda w: w.in_flight)
             return await self.upstream.exchange(worker, method, path, body, headers, stream=False)
 
         return await self._with_retries(once)
 
-    async def _with_retries(self, once: Callable[[set[Worker]], Awaitable[Reply]]) -> Reply:
+    async def _with_retries(self, once: Callable[[set[Worker], bool], Awaitable[Reply]]) -> Reply:
+        """`once(excluded, retry_once_left)`'s answer, tried again as its errors allow:
+        `retry_once_left` tells an attempt whether a `retry_once` error of its own would be
+        retried (else that error is the client's answer)."""
         excluded: set[Worker] = set()
         retry = 0
         broke_one = False  # a retry_once failure was retried already: the next is the answer
         while True:
+            retry_once_left = not broke_one and retry < self.retry.max_retries
             try:
-                return await once(excluded)
+                return await once(excluded, retry_once_left)
             except UpstreamError as error:
-                may_retry = error.retryable or (error.retry_once and not broke_one)
+                may_retry = error.retryable or (error.retry_once and retry_once_left)
                 if not may_retry or retry >= self.retry.max_retries:
                     raise
                 broke_one = broke_one or error.retry_once
@@ -307,7 +313,7 @@ class Forwarder:
         )
 
     async def _pd_once(
-        self, request: ParsedRequest, headers: Headers, excluded: set[Worker]
+        self, request: ParsedRequest, headers: Headers, excluded: set[Worker], retry_once_left: bool
     ) -> Reply:
         decodes = self._candidates(Role.DECODE, excluded, request.model)
         # The prefill pool, asked once and before choosing, so that a policy never records a
@@ -327,10 +333,14 @@ class Forwarder:
             return await self.pd.exchange(request, prefill, decode.worker, headers)
         except UpstreamError as error:
             # Served no route: refused before any work, or cut short by a prefill engine that
-            # died under it (a retry elsewhere counts its own), or refused as a request the
-            # engines do not take (a 404 for a model they do not serve, a 400)
+            # died under it and retried (the retry counts its own; one not retried, the one
+            # retry spent or none allowed, is the client's answer and counts this route), or
+            # refused as a request the engines do not take (a 404 for a model they do not
+            # serve, a 400)
             routed = not (
-                error.before_work or error.retry_once or (error.answered and error.status < 500)
+                error.before_work
+                or (error.retry_once and retry_once_left)
+                or (error.answered and error.status < 500)
             )
             raise
         except RouterError:  # the router's own refusal (no free connection): sent nowhere

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from kubesgl.router.breaker import BreakerState, CircuitBreaker
-from kubesgl.router.metrics import RouterMetrics
+from kubesgl.router.metrics import PDRoute, RouterMetrics
 from kubesgl.router.policies import RoundRobinPolicy
 from kubesgl.router.request_parsing import parse_generation_request
 from kubesgl.router.routing import DisaggregationSettings, Forwarder, Policies, RetrySettings
@@ -88,7 +88,9 @@ class _Session:
         return _Cancelled()
 
 
-def _forwarder(prefills: int, session: _Session) -> tuple[Forwarder, WorkerRegistry]:
+def _forwarder(
+    prefills: int, session: _Session, max_retries: int = 3
+) -> tuple[Forwarder, WorkerRegistry]:
     registry = WorkerRegistry(make_breaker=lambda: CircuitBreaker(5, 60.0))
     for i in range(prefills):
         registry.add(f"http://10.0.0.{i + 1}:30000", Role.PREFILL, 8998)
@@ -103,7 +105,7 @@ def _forwarder(prefills: int, session: _Session) -> tuple[Forwarder, WorkerRegis
         policies,
         client,
         metrics,
-        RetrySettings(initial_backoff_s=0, max_backoff_s=0),
+        RetrySettings(max_retries=max_retries, initial_backoff_s=0, max_backoff_s=0),
         DisaggregationSettings(),
     )
     return forwarder, registry
@@ -134,6 +136,14 @@ def _sample(forwarder: Forwarder, name: str, **labels: str) -> float:
 
 def _counted(forwarder: Forwarder, url: str, status: str) -> float:
     return _sample(forwarder, "kubesgl_router_requests_total", worker=url, status=status)
+
+
+def _routes(forwarder: Forwarder) -> dict[str, float]:
+    """The P/D routes counted, each route by name (every series, those at 0 too)."""
+    return {
+        route.value: _sample(forwarder, "kubesgl_router_pd_routes_total", route=route.value)
+        for route in PDRoute
+    }
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["buffered", "stream"])
@@ -172,6 +182,21 @@ def test_a_request_that_kills_each_prefill_engine_it_reaches_is_tried_on_two_onl
     [decode] = registry.with_role(Role.DECODE)
     assert decode.breaker.state is BreakerState.CLOSED
     assert decode.breaker.consecutive_failures == 0
+    # the route counted once, for the attempt that answered the client: the first attempt's
+    # was left to its retry, the retry's error is the answer and counts its own
+    assert _routes(forwarder) == {route.value: 0 for route in PDRoute} | {"disaggregated": 1}
+
+
+def test_a_request_its_prefill_engine_died_under_with_no_retry_allowed_counts_its_route():
+    """With --max-retries 0 the first attempt's error is the client's answer: no retry counts
+    the route for it."""
+    session = _Session()
+    forwarder, _ = _forwarder(2, session, max_retries=0)
+    error = _send(forwarder)
+    assert isinstance(error, UpstreamError) and error.status == 502
+    assert len([url for url, _ in session.sent if url != DECODE]) == 1
+    assert _sample(forwarder, "kubesgl_router_retries_total") == 0
+    assert _routes(forwarder) == {route.value: 0 for route in PDRoute} | {"disaggregated": 1}
 
 
 def test_a_decode_engine_that_fails_by_itself_as_its_prefill_dies_is_not_retried():
