@@ -147,13 +147,30 @@ def engine_bounds(name: str) -> FieldInfo:
 
 
 def _token_id_keys(value: dict[str, float] | None) -> dict[str, float] | None:
-    """OpenAI's logit_bias is keyed by token ids written as text ("50256"), not by tokens."""
+    """OpenAI's logit_bias is keyed by token ids written as text ("50256"), not by tokens.
+    Every key is checked here, so that logit_bias_by_id cannot fail on one (int() refuses more
+    than 4300 digits): a key is a 64-bit token id at most, and no two keys name one token
+    ("7" and "007": the bias a client meant for it is not known)."""
+    keys: dict[int, str] = {}
     for key in value or {}:
-        if not (key.isascii() and key.isdigit()):
+        digits = key.lstrip("0") if key.isascii() and key.isdigit() else None
+        if digits is None or len(digits) > 19 or int(digits or "0") > MAX_TOKEN_ID:
+            shown = repr(key) if len(key) <= 40 else f"{key[:20]!r}... ({len(key)} characters)"
             raise PydanticCustomError(
-                "token_id_key", "keys must be token ids, got {key}", {"key": repr(key)}
+                "token_id_key", "keys must be token ids, got {key}", {"key": shown}
             )
+        token = int(digits or "0")
+        if token in keys:
+            raise PydanticCustomError(
+                "token_id_key",
+                "token {token} is named twice, as {first} and {second}",
+                {"token": token, "first": repr(keys[token]), "second": repr(key)},
+            )
+        keys[token] = key
     return value
+
+
+MAX_TOKEN_ID = 2**63 - 1  # a token id is a 64-bit integer wherever it goes
 
 
 LogitBias = Annotated[
@@ -164,6 +181,7 @@ LogitBias = Annotated[
 
 
 def logit_bias_by_id(value: dict[str, float] | None) -> dict[int, float]:
+    """A logit_bias _token_id_keys has checked, keyed by token ids."""
     return {int(token): bias for token, bias in (value or {}).items()}
 
 

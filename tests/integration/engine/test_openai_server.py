@@ -507,7 +507,11 @@ def test_logit_bias_moves_the_tokens_it_names(client):
         ({"hello": 1}, "keys must be token ids, got 'hello'"),
         ({"7": 101}, "less than or equal to 100"),
         ({"100000": 1}, "outside the vocabulary"),
+        # int() refuses more than 4300 digits: such a key was a 500, a traceback in the log
+        ({"9" * 4301: 1}, "keys must be token ids, got '99999999999999999999'..."),
+        ({"7": 1, "007": -1}, "token 7 is named twice"),
     ],
+    ids=["not-an-id", "too-large", "outside-the-vocabulary", "4301-digits", "token-twice"],
 )
 def test_a_bad_logit_bias_is_a_400(client, bias, words):
     with pytest.raises(openai.BadRequestError) as refused:
