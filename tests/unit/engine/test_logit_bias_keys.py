@@ -65,3 +65,11 @@ def test_a_token_named_twice_is_a_400(model, base, param):
 def test_keys_become_token_ids(model, base, param):
     request = model.model_validate(_with_bias(base, param, {"007": 1.5, "0": -100, "42": 100}))
     assert request.to_sampling_params().logit_bias  # type: ignore[attr-defined] == {7: 1.5, 0: -100, 42: 100}
+
+
+@pytest.mark.parametrize("model, base, param", REQUESTS, ids=ROUTES)
+@pytest.mark.parametrize("amount", [101, "1", None], ids=["out-of-range", "a-string", "null"])
+def test_a_bad_amount_is_a_400_naming_its_key(model, base, param, amount):
+    """As docs/server.md says: param is the path to the bad value, as for any other field."""
+    error = _refusal(model, _with_bias(base, param, {"7": amount}))
+    assert error.status == 400 and error.param == f"{param}.7"
