@@ -12,8 +12,9 @@ GREEDY_TEMPERATURE = 1e-5
 
 # OpenAI's bound of a logit_bias value: -100 bans a token in effect, 100 all but forces it
 LOGIT_BIAS_BOUND = 100
-# Tokens one logit_bias may name: every step of the request builds its entries again, so a
-# bias over a whole vocabulary (150k entries, tens of ms) would slow every request it runs with
+# Tokens one logit_bias may name: every step of the request joins its entries (built once, as
+# tensors, when it arrives: Req.bias) into the batch's, copies them to the device and adds
+# them, so a bias over a whole vocabulary (150k entries) would slow every request it runs with
 LOGIT_BIAS_MAX_TOKENS = 1024
 
 # The limits of each numeric sampling field, the same on every route and in the offline LLM:

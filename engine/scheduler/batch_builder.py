@@ -175,11 +175,7 @@ class BatchBuilder:
             if req.outputs_scheduled < req.params.min_tokens
             for token in req.ending_ids
         ]
-        biased = [
-            (row, token, value)
-            for row, p in enumerate(params)
-            for token, value in p.logit_bias.items()
-        ]
+        biased = [(row, req.bias) for row, req in enumerate(reqs) if req.bias is not None]
         wanted = [p.logprobs for p, emit in zip(params, emits) if p.logprobs is not None and emit]
         return SamplingBatch(
             temperatures=torch.tensor(
@@ -201,19 +197,27 @@ class BatchBuilder:
             )
             if banned
             else None,
-            logit_bias=LogitBias(
-                rows=torch.tensor([row for row, _, _ in biased], dtype=torch.int64),
-                token_ids=torch.tensor([token for _, token, _ in biased], dtype=torch.int64),
-                values=torch.tensor([value for _, _, value in biased], dtype=torch.float32),
-            )
-            if biased
-            else None,
+            logit_bias=_logit_bias(biased) if biased else None,
             top_logprobs=max(wanted) if wanted else -1,
             # filled by the scheduler once every row's earlier tokens are known
             vocab_mask=VocabMask(len(reqs), self.vocab_size)
             if any(r.grammar for r in reqs)
             else None,
         )
+
+
+def _logit_bias(biased: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]]) -> LogitBias:
+    """The rows' logit biases as one list of entries: each request's tensors, built when it
+    arrived (Req.bias), joined, and its row repeated once per entry."""
+    token_ids = [ids for _, (ids, _) in biased]
+    return LogitBias(
+        rows=torch.repeat_interleave(
+            torch.tensor([row for row, _ in biased], dtype=torch.int64),
+            torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64),
+        ),
+        token_ids=torch.cat(token_ids),
+        values=torch.cat([values for _, (_, values) in biased]),
+    )
 
 
 def _decode_input(req: Req) -> int:

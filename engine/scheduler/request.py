@@ -7,6 +7,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+import torch
+
 from kubesgl.engine.kvcache.radix_cache import TreeNode
 from kubesgl.engine.messages import BootstrapTarget, FinishReason, TokenLogprob
 from kubesgl.engine.sampling_params import SamplingParams
@@ -82,11 +84,23 @@ class Req:
     # the tokens that would end it (its stop tokens, EOS unless ignored), which it may not
     # sample while it has fewer than params.min_tokens outputs; set by the scheduler
     ending_ids: tuple[int, ...] = ()
+    # params.logit_bias as tensors (token ids, amounts), built once: every step of the request
+    # applies them, and the batch only joins its requests' (None: no bias)
+    bias: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.fill_len < 0:
             self.fill_len = len(self.prompt_ids)
         self.stop_ids = frozenset(self.params.stop_token_ids)
+        bias = self.params.logit_bias
+        self.bias = (
+            (
+                torch.tensor(list(bias), dtype=torch.int64),
+                torch.tensor(list(bias.values()), dtype=torch.float32),
+            )
+            if bias
+            else None
+        )
 
     @property
     def prompt_len(self) -> int:
