@@ -146,6 +146,9 @@ def engine_bounds(name: str) -> FieldInfo:
     return Field(**SAMPLING_BOUNDS[name].limits())
 
 
+MAX_TOKEN_ID = 2**63 - 1  # a token id is a 64-bit integer wherever it goes
+
+
 def _token_id_keys(value: dict[str, float] | None) -> dict[str, float] | None:
     """OpenAI's logit_bias is keyed by token ids written as text ("50256"), not by tokens.
     Every key is checked here, so that logit_bias_by_id cannot fail on one (int() refuses more
@@ -168,9 +171,6 @@ def _token_id_keys(value: dict[str, float] | None) -> dict[str, float] | None:
             )
         keys[token] = key
     return value
-
-
-MAX_TOKEN_ID = 2**63 - 1  # a token id is a 64-bit integer wherever it goes
 
 
 LogitBias = Annotated[
