@@ -94,7 +94,7 @@ def build_parser() -> CommandParser:
         "--logs",
         metavar="DIR",
         default=None,
-        help="folder for each process's log (default: a new temporary folder)",
+        help="folder for each process's log (default: a new temporary folder, removed when up stops cleanly)",
     )
     parser.add_argument(
         "--model",
@@ -265,14 +265,15 @@ def _log_folder(name: str, logs: str | None) -> _LogFolder:
 
 def _leave(logs: _LogFolder, keep: bool) -> None:
     """A temporary log folder goes once `kubesgl up` ends cleanly; after trouble it stays, for
-    its logs to be read, and standard error says where (the header naming it has scrolled
-    away). A folder of --logs always stays."""
+    its logs to be read. Standard error says which (the header naming it has scrolled away).
+    A folder of --logs always stays."""
     if not logs.temporary:
         return
     if keep:
         print(f"{PROG}: logs kept in {logs.path}", file=sys.stderr)
     else:
         shutil.rmtree(logs.path, ignore_errors=True)
+        print(f"{PROG}: logs removed (nothing failed); --logs DIR keeps them", file=sys.stderr)
 
 
 def _prepare(local: LocalPlan, log_dir: Path) -> StatusView:

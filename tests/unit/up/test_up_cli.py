@@ -574,12 +574,14 @@ def run_up(args: list[str], ctrl_c_after_s: float) -> int:
 def test_a_clean_end_removes_the_temporary_log_folder(
     tmp_path, monkeypatch, capsys, temporary_root
 ):
-    """Every run without --logs left a /tmp/kubesgl-up-NAME-* folder behind."""
+    """Every run without --logs left a /tmp/kubesgl-up-NAME-* folder behind. Its removal is
+    said: the folder printed at the start is gone, and --logs keeps one."""
     fake_plan(tmp_path, monkeypatch, **{"decode-0": SERVING})
     assert run_up([], ctrl_c_after_s=1.5) == 0
     out, err = capsys.readouterr()
     assert f"logs: {temporary_root}/kubesgl-up-quickstart-" in out and "decode-0: stopped" in out
     assert list(temporary_root.iterdir()) == [] and "kept" not in err
+    assert err.endswith("kubesgl up: logs removed (nothing failed); --logs DIR keeps them\n"), err
 
 
 def test_a_folder_given_with_logs_stays_after_a_clean_end(tmp_path, monkeypatch, temporary_root):

@@ -95,7 +95,10 @@ def test_sigint_during_the_model_step_stops_it_where_sigint_was_ignored(tmp_path
     wait_until(lambda: any(models.glob("tiny-llama.partial-*")), timeout=30)  # being made
     up.send_signal(signal.SIGINT)
     status, out, err = stopped(up)
-    assert (status, err) == (130, "")
+    assert (status, err) == (
+        130,
+        "kubesgl up: logs removed (nothing failed); --logs DIR keeps them\n",
+    )
     assert "making the model, once: " in out and "started" not in out
     assert list((tmp_path / "tmp").iterdir()) == []  # the logs: nothing failed
     assert not (tmp_path / "cache").exists()  # no half-made model, nor the folders made for it
