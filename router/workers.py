@@ -221,8 +221,9 @@ class WorkerRegistry:
             )
 
     def mark_lost(self, worker: Worker) -> None:
-        """Its connection broke: out of the pool until health checks pass again."""
+        """A connection to it was refused, reset or closed: out of the pool until health checks
+        pass again."""
         if self._workers.get(worker.url) is worker:
             worker.health_successes = 0
             worker.lost = True
-            self.set_healthy(worker, False, "its connection broke during a request")
+            self.set_healthy(worker, False, "a connection to it was refused, reset or closed")

@@ -355,7 +355,7 @@ def test_a_worker_that_turns_unhealthy_is_logged_with_the_reason(caplog):
         for line in lines
     ), lines
     assert (
-        "worker http://127.0.0.2:30000 is now unhealthy: its connection broke during a request"
+        "worker http://127.0.0.2:30000 is now unhealthy: a connection to it was refused, reset or closed"
         in lines
     )
 
