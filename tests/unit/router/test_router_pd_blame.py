@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
+from upstream_fakes import Answer, Cancelled, error_answer
 
 from kubesgl.router.breaker import BreakerState, CircuitBreaker
 from kubesgl.router.metrics import RouterMetrics
@@ -24,37 +25,7 @@ from kubesgl.router.workers import Role, WorkerRegistry
 
 PREFILL, DECODE = "http://10.0.0.1:30000", "http://10.0.0.2:30000"
 
-
-class _Answer:
-    def __init__(self, status: int, message: str = "") -> None:
-        self.status = status
-        self.raw_headers = [(b"content-type", b"application/json")]
-        if status == 200:
-            self._body = json.dumps({"choices": [{"text": "ok"}]}).encode()
-        else:
-            self._body = json.dumps({"error": {"message": message}}).encode()
-
-    async def read(self) -> bytes:
-        return self._body
-
-    def release(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _Cancelled:
-    status = 200
-
-    async def __aenter__(self) -> _Cancelled:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        pass
-
-
-Side = Callable[[], Awaitable[_Answer]]
+Side = Callable[[], Awaitable[Answer]]
 
 
 class _Session:
@@ -67,19 +38,21 @@ class _Session:
         return await self.sides[url.rsplit("/v1/", 1)[0]]()
 
     def delete(self, url, **kwargs):
-        return _Cancelled()
+        return Cancelled()
 
 
 def after(delay_s: float, status: int, message: str = "") -> Side:
-    async def answer() -> _Answer:
+    async def answer() -> Answer:
         await asyncio.sleep(delay_s)
-        return _Answer(status, message)
+        if status == 200:
+            return Answer(200, json.dumps({"choices": [{"text": "ok"}]}).encode())
+        return error_answer(status, message)
 
     return answer
 
 
 def disconnected_after(delay_s: float) -> Side:
-    async def answer() -> _Answer:
+    async def answer() -> Answer:
         await asyncio.sleep(delay_s)
         raise aiohttp.ServerDisconnectedError()
 

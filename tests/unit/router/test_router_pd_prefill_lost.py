@@ -14,6 +14,7 @@ import json
 
 import aiohttp
 import pytest
+from upstream_fakes import Answer, Cancelled, error_answer
 
 from kubesgl.router.breaker import BreakerState, CircuitBreaker
 from kubesgl.router.metrics import PDRoute, RouterMetrics
@@ -25,41 +26,6 @@ from kubesgl.router.workers import Role, WorkerRegistry
 
 DECODE = "http://10.0.0.9:30000"
 LONG_PROMPT = "word " * 400  # ~500 tokens: handed over whenever a prefill worker can take it
-
-
-class _Content:
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-
-    async def iter_any(self):
-        yield self.body
-
-
-class _Answer:
-    def __init__(self, status: int, body: bytes) -> None:
-        self.status = status
-        self.raw_headers = [(b"content-type", b"application/json")]
-        self._body = body
-        self.content = _Content(body)
-
-    async def read(self) -> bytes:
-        return self._body
-
-    def release(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _Cancelled:
-    status = 200
-
-    async def __aenter__(self) -> _Cancelled:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        pass
 
 
 class _Session:
@@ -79,13 +45,13 @@ class _Session:
         if worker != DECODE:
             raise aiohttp.ServerDisconnectedError()
         if not paired:
-            return _Answer(200, b'data: {"choices": [{"text": "ok"}]}\n\ndata: [DONE]\n\n')
+            return Answer(200, b'data: {"choices": [{"text": "ok"}]}\n\ndata: [DONE]\n\n')
         await asyncio.sleep(0.02)
         message = "room 1: the prefill engine at 10.0.0.1:8998 died"
-        return _Answer(self.decode_status, json.dumps({"error": {"message": message}}).encode())
+        return error_answer(self.decode_status, message)
 
     def delete(self, url, **kwargs):
-        return _Cancelled()
+        return Cancelled()
 
 
 def _forwarder(
