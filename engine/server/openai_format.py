@@ -251,8 +251,13 @@ class OpenAIFormatter(Formatter):
     def response_id(self) -> str:
         return self.meta["id"]
 
-    def answer(self, choices: list[dict], usage_: dict) -> dict:
-        return {**self.meta, "object": self.final_object, "usage": usage_, "choices": choices}
+    def final(self, choices: list[Choice], usage_: dict) -> dict:
+        body = [self.final_choice(c) for c in choices]
+        return {**self.meta, "object": self.final_object, "usage": usage_, "choices": body}
+
+    @abstractmethod
+    def final_choice(self, choice: Choice) -> dict:
+        """A choice as the whole answer shows it."""
 
     def chunk_of(self, choices: list[dict]) -> dict:
         return {**self.meta, "object": self.chunk_object, "choices": choices}
@@ -271,9 +276,6 @@ class ChatFormatter(OpenAIFormatter):
     content_sent: dict[int, int] = field(default_factory=dict, init=False)
     final_object: ClassVar[str] = "chat.completion"
     chunk_object: ClassVar[str] = "chat.completion.chunk"
-
-    def final(self, choices: list[Choice], usage_: dict) -> dict:
-        return self.answer([self.final_choice(c) for c in choices], usage_)
 
     def final_choice(self, choice: Choice) -> dict:
         reading = self.tools.read(choice.text)
@@ -356,9 +358,6 @@ class CompletionFormatter(OpenAIFormatter):
     next_text_offset: dict[int, int] = field(default_factory=dict, init=False)
     final_object: ClassVar[str] = "text_completion"
     chunk_object: ClassVar[str] = "text_completion"
-
-    def final(self, choices: list[Choice], usage_: dict) -> dict:
-        return self.answer([self.final_choice(c) for c in choices], usage_)
 
     def final_choice(self, choice: Choice) -> dict:
         logprobs = None
