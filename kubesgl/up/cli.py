@@ -208,8 +208,8 @@ def _plan(args: argparse.Namespace) -> tuple[LocalPlan, socket.socket]:
     except NoFreePort as error:
         low, high = args.port_range.start, args.port_range.stop - 1
         raise _Refused(
-            f"--port-range {low}-{high}: too few free ports in it (an engine needs one, a "
-            "prefill engine two)"
+            f"--port-range {low}-{high}: too few free ports in it; the engines need "
+            f"{error.needed} (an engine needs one, a prefill engine two)"
         ) from error
     missing = _missing_model(local, args.model, filename)
     if missing is not None:

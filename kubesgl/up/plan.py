@@ -73,7 +73,12 @@ def _outgoing_ports() -> range:
 
 
 class NoFreePort(Exception):
-    """Every port of the range given is in use or handed out already."""
+    """Every port of the range given is in use or handed out already; `needed` is how many
+    the whole plan takes, where the plan says."""
+
+    def __init__(self, needed: int | None = None) -> None:
+        super().__init__(needed)
+        self.needed = needed
 
 
 class PortPicker:
@@ -302,16 +307,19 @@ def plan(isvc: InferenceService, settings: LocalSettings) -> LocalPlan:
     free_gpus = list(settings.gpus)
     free_port = _besides(frozenset({settings.port}), settings.free_port)
     engines = []
-    for role, block in roles.items():
-        for index in range(replicas[role]):
-            gpus: tuple[str, ...] = ()
-            if use_gpus:
-                gpus = tuple(free_gpus[: block.tensor_parallel_size])
-                del free_gpus[: block.tensor_parallel_size]
-            engine = _engine(
-                f"{role}-{index}", role, pods[role], model_path, gpus, settings, free_port
-            )
-            engines.append(replace(engine, spec_args=_spec_args(isvc, role, pods[role])))
+    try:
+        for role, block in roles.items():
+            for index in range(replicas[role]):
+                gpus: tuple[str, ...] = ()
+                if use_gpus:
+                    gpus = tuple(free_gpus[: block.tensor_parallel_size])
+                    del free_gpus[: block.tensor_parallel_size]
+                engine = _engine(
+                    f"{role}-{index}", role, pods[role], model_path, gpus, settings, free_port
+                )
+                engines.append(replace(engine, spec_args=_spec_args(isvc, role, pods[role])))
+    except NoFreePort:
+        raise NoFreePort(sum(replicas[role] * _ports_of(role) for role in roles)) from None
     router = _router(pods[contract.ROUTER], tuple(engines), tuple(roles), settings)
     return LocalPlan(
         isvc.metadata.name,
@@ -408,6 +416,11 @@ def _cache_key(model: ModelSpec) -> str:
         return f"tiny-{model.tiny.arch}"
     assert model.hugging_face is not None  # the other sources need no init container
     return f"hf/{model.hugging_face.repo}/{model.hugging_face.revision}"
+
+
+def _ports_of(role: contract.EngineRole) -> int:
+    """An engine's HTTP port, and a prefill engine's bootstrap server's."""
+    return 2 if role == contract.PREFILL else 1
 
 
 def _engine(

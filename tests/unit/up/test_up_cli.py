@@ -758,8 +758,8 @@ def test_the_engines_ports_come_from_the_port_range_given(tmp_path, capsys, star
     # one prefill engine (two ports) and one decode engine (one)
     assert cli.main([*args, "--port-range", "23100-23101", "--logs", str(tmp_path)]) == 2
     assert capsys.readouterr().err == (
-        "kubesgl up: --port-range 23100-23101: too few free ports in it (an engine needs one, "
-        "a prefill engine two)\n"
+        "kubesgl up: --port-range 23100-23101: too few free ports in it; the engines need 3 "
+        "(an engine needs one, a prefill engine two)\n"
     )
 
 
