@@ -299,9 +299,10 @@ class RouterApp:
         rid = _request_id(scope)
         status: int | None = None
         first_byte: float | None = None
+        last_body, ended = b"", False
 
         async def sending(message: dict[str, Any]) -> None:
-            nonlocal status, first_byte
+            nonlocal status, first_byte, last_body, ended
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = list(message.get("headers", ()))
@@ -309,8 +310,12 @@ class RouterApp:
                     # the router's own answers, and an engine's that did not carry it back
                     headers.append((b"x-request-id", rid.encode()))
                     message = {**message, "headers": headers}
-            elif first_byte is None and message.get("body"):
-                first_byte = time.perf_counter() - started
+            else:
+                if body := message.get("body"):
+                    last_body = body
+                    if first_byte is None:
+                        first_byte = time.perf_counter() - started
+                ended = not message.get("more_body", False)
             await send(message)
 
         try:
@@ -321,15 +326,19 @@ class RouterApp:
                 self.metrics.time_to_first_byte.observe(first_byte)
             level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
             if access_log.isEnabledFor(level):
+                # an answer begun whose end was never sent: its client left mid-answer (a
+                # stream's client that leaves at its [DONE] had it whole)
+                unfinished = status is not None and not ended and not last_body.endswith(SSE_DONE)
                 access_log.log(
                     level,
-                    "%s %s %s request_id=%s ttfb=%s duration=%.3fs",
+                    "%s %s %s request_id=%s ttfb=%s duration=%.3fs%s",
                     scope["method"],
                     path,
                     status if status is not None else "-",
                     rid,
                     "-" if first_byte is None else f"{first_byte:.3f}s",
                     time.perf_counter() - started,
+                    " unfinished" if unfinished else "",
                 )
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -114,7 +114,8 @@ class RouterMetrics:
         )
         self.request_duration = Histogram(
             "kubesgl_router_request_duration_seconds",
-            "Time from receiving a request to sending the last byte of its answer",
+            "Generation requests whose body the router read, whatever their answer: time from "
+            "receiving the request to sending the last byte of its answer",
             buckets=REQUEST_BUCKETS_S,  # as the engines': a long streamed answer too
             registry=self.registry,
         )

@@ -261,43 +261,58 @@ async def test_stream_chunks_reach_the_client_before_the_worker_finishes(
     assert rest == [rest[0], rest[1], "data: [DONE]"] and "a-tok3" in rest[1]
 
 
-async def test_client_disconnect_cancels_the_upstream_request(engines, start_router):
+async def test_client_disconnect_cancels_the_upstream_request(engines, start_router, caplog):
     a = await engines("a", tokens=3)
     a.hold = asyncio.Event()
     async with start_router(workers=[a.url]) as router:
         await router.ready()
-        async with httpx.AsyncClient() as own_client:
-            body = {"prompt": "x", "stream": True}
-            async with own_client.stream(
-                "POST", router.url + "/v1/completions", json=body
-            ) as response:
-                await anext(response.aiter_lines())
-        # The client is gone (its connection closed); the worker must see its request dropped.
-        async with asyncio.timeout(5):
-            await a.client_gone.wait()
+        with caplog.at_level("INFO", logger="kubesgl.router.access"):
+            async with httpx.AsyncClient() as own_client:
+                body = {"prompt": "x", "stream": True}
+                async with own_client.stream(
+                    "POST", router.url + "/v1/completions", json=body
+                ) as response:
+                    await anext(response.aiter_lines())
+            # The client is gone (its connection closed); the worker must see its request dropped.
+            async with asyncio.timeout(5):
+                await a.client_gone.wait()
+                while not _access_lines(caplog):
+                    await asyncio.sleep(0.01)
         assert router.app.workers.all()[0].in_flight == 0
+    # its access line tells it from a whole answer
+    [line] = _access_lines(caplog)
+    assert line.startswith("POST /v1/completions 200 ") and line.endswith(" unfinished"), line
 
 
-async def test_a_client_that_leaves_after_done_had_its_whole_answer(engines, start_router, client):
+def _access_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "kubesgl.router.access"]
+
+
+async def test_a_client_that_leaves_after_done_had_its_whole_answer(
+    engines, start_router, client, caplog
+):
     """Many SSE clients close the connection at `data: [DONE]`, before the body's end: that
     answer was whole, counted by its status, not as cancelled."""
     a = await engines("a", tokens=3)
     a.eof_after_done_s = 0.5
     async with start_router(workers=[a.url]) as router:
         await router.ready()
-        async with httpx.AsyncClient() as own_client:
-            body = {"prompt": "x", "stream": True}
-            async with own_client.stream(
-                "POST", router.url + "/v1/completions", json=body
-            ) as response:
-                lines = [line async for line in _until_done(response.aiter_lines())]
-        assert lines[-1] == "data: [DONE]"
-        async with asyncio.timeout(5):
-            while router.app.workers.all()[0].in_flight:
-                await asyncio.sleep(0.02)
+        with caplog.at_level("INFO", logger="kubesgl.router.access"):
+            async with httpx.AsyncClient() as own_client:
+                body = {"prompt": "x", "stream": True}
+                async with own_client.stream(
+                    "POST", router.url + "/v1/completions", json=body
+                ) as response:
+                    lines = [line async for line in _until_done(response.aiter_lines())]
+            assert lines[-1] == "data: [DONE]"
+            async with asyncio.timeout(5):
+                while router.app.workers.all()[0].in_flight or not _access_lines(caplog):
+                    await asyncio.sleep(0.02)
         text = (await client.get(router.url + "/metrics")).text
     assert f'kubesgl_router_requests_total{{status="200",worker="{a.url}"}} 1.0' in text
     assert f'kubesgl_router_requests_total{{status="cancelled",worker="{a.url}"}} 0.0' in text
+    [line] = _access_lines(caplog)
+    assert line.startswith("POST /v1/completions 200 ") and line.endswith("s"), line
 
 
 async def test_a_stream_broken_off_after_its_done_was_whole(engines, start_router, client):
