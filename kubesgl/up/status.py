@@ -20,6 +20,9 @@ from kubesgl.up.supervisor import Replica, State, all_ready, by_reason
 
 SCRAPE_INTERVAL_S = 1.0
 SHOWN_EVENTS = 8
+# The states whose replicas' /metrics are read, and whose counts the table shows: a stopped
+# process's last counts (requests running, tokens/s) are no longer true.
+SCRAPED = frozenset({State.READY, State.UNREADY})
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ class StatusView:
         for replica in replicas:
             name = replica.process.name
             latest = None
-            if replica.state in (State.READY, State.UNREADY):
+            if replica.state in SCRAPED:
                 latest = read_counters(self._client, replica.process.url, replica.process.role)
             self._counters[name] = (self._counters.get(name, (None, None))[1], latest)
 
@@ -143,7 +146,7 @@ def format_table(
         if replica.state == State.BACKOFF:
             state += f" ({max(0.0, replica.restart_at - time.monotonic()):.0f} s)"
         requests = running = tokens_per_s = "-"
-        if latest is not None:
+        if latest is not None and replica.state in SCRAPED:
             requests = f"{latest.requests:.0f}"
             if process.role != contract.ROUTER:
                 running = f"{latest.running:.0f}"

@@ -118,6 +118,16 @@ def test_the_table_shows_states_ports_devices_rates_and_the_last_exit(tmp_path):
     assert lines[3] == "decode-0 last exited: killed by SIGKILL"
 
 
+def test_a_stopped_replica_shows_no_counts_from_before_it_stopped(tmp_path):
+    """The last frame, drawn after Ctrl-C, showed each engine's requests running and tokens/s
+    of its last scrape, as if it still served."""
+    stopped = Replica(
+        process("decode-0", contract.DECODE, 30003), tmp_path / "d.log", State.STOPPED
+    )
+    counters = {"decode-0": (Counters(1, 0, 100, at=10.0), Counters(3, 2, 160, at=12.0))}
+    assert format_table([stopped], counters)[1].split()[-3:] == ["-", "-", "-"]
+
+
 def test_replicas_that_exited_alike_share_one_line_below_the_table(tmp_path):
     """Every replica refusing the spec says the same: one line each repeated it."""
     why = "exit code 2: kubesgl serve: --context-length 100000 exceeds the model's 2048"
