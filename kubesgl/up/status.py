@@ -36,14 +36,16 @@ class Counters:
 
 
 def read_counters(client: httpx.Client, url: str, role: contract.PodRole) -> Counters | None:
+    """None where the process answers no readable /metrics (yet): it may be loading, or failing."""
     try:
-        text = client.get(url + "/metrics", timeout=1.0).text
-    except httpx.HTTPError:
+        response = client.get(url + "/metrics", timeout=1.0)
+        response.raise_for_status()
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    except (httpx.HTTPError, ValueError):  # ValueError: not Prometheus' text format
         return None
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     if role == contract.ROUTER:
         # client requests: the requests counter counts each upstream attempt (two per P/D request)
         return Counters(

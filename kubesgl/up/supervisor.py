@@ -1,10 +1,11 @@
 """Runs a plan's processes as Deployments run pods: a replica that dies is started again, at once
 the first time and then after a delay that doubles with each death in a row (Kubernetes'
 CrashLoopBackOff, on a shorter scale), and the reason is reported. A replica that exits with
-status 2 before it was ever ready, a usage or configuration error that every start would
-repeat, is not restarted: it is failed, and `kubesgl up` stops everything. One that has served
-before is backed off as any other death: its status 2 is a startup error that may pass, e.g.
-its port still held when it restarts at once. `stop` drains everything, the router first, and
+status 2 from its first start, a usage or configuration error that every start would repeat,
+is not restarted: it is failed, and `kubesgl up` stops everything. A later status 2 (after a
+restart, or from one that has served) is backed off as any other death: it is a startup error
+that may pass, e.g. its port still held when it restarts at once. A process that cannot be
+started at all (too many open files, say) is backed off the same way. `stop` drains everything, the router first, and
 leaves no process behind, also when one hangs.
 
 Each process leads a process group of its own: the engines' scheduler and tokenizer processes
@@ -255,18 +256,25 @@ class Supervisor:
                 f"--- kubesgl up, {time.strftime('%H:%M:%S')}, {what}: {shlex.join(process.argv)}\n".encode()
             )
             log.flush()
-            replica.popen = subprocess.Popen(
-                process.argv,
-                env=process.environment(os.environ),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                pass_fds=process.pass_fds,
-                preexec_fn=functools.partial(_drain_when_parent_dies, os.getpid())
-                if _LIBC is not None
-                else None,
-            )
+            try:
+                replica.popen = subprocess.Popen(
+                    process.argv,
+                    env=process.environment(os.environ),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    pass_fds=process.pass_fds,
+                    preexec_fn=functools.partial(_drain_when_parent_dies, os.getpid())
+                    if _LIBC is not None
+                    else None,
+                )
+            except OSError as error:  # the machine's limits, or a program gone
+                replica.last_exit = f"could not start: {error}"
+                log.write(f"{replica.last_exit}\n".encode())
+                replica.started_at = self.clock()
+                self._back_off(replica, replica.last_exit)
+                return
         replica.state = State.STARTING
         replica.started_at = self.clock()
         self.on_event(replica, f"started, pid {replica.pid}")
@@ -283,12 +291,16 @@ class Supervisor:
             # its last line goes to standard error once, for every replica it stopped
             self.on_event(replica, "exited with status 2, a configuration error: not restarting")
             return
+        self._back_off(replica, f"exited ({replica.last_exit})")
+
+    def _back_off(self, replica: Replica, what: str) -> None:
+        """Due to start again after the crash loop's delay; `what` happened is the event."""
         ran = self.clock() - replica.started_at
         replica.deaths_in_a_row = 1 if ran >= BACKOFF_RESET_S else replica.deaths_in_a_row + 1
         delay = restart_delay(replica.deaths_in_a_row)
         replica.state, replica.restart_at = State.BACKOFF, self.clock() + delay
         when = f"in {delay:g} s" if delay else "now"
-        self.on_event(replica, f"exited ({replica.last_exit}); restarting {when}")
+        self.on_event(replica, f"{what}; restarting {when}")
 
     def _take_health(self, replica: Replica, health: Health) -> None:
         if health.ok and replica.state != State.READY:

@@ -8,6 +8,7 @@ import io
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kubesgl import contract
 from kubesgl.up.plan import LocalPlan, LocalProcess
@@ -57,6 +58,18 @@ def test_counters_from_the_metrics_of_engines_and_router():
         )
         is None
     )
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [httpx.Response(500, text="Internal Server Error"), httpx.Response(200, text="<html>")],
+    ids=["500", "not-prometheus"],
+)
+def test_a_metrics_page_that_cannot_be_read_gives_no_counters(answer):
+    """A 500 or a page in another format raised out of the table's refresh: `kubesgl up`
+    stopped everything with a traceback."""
+    client = httpx.Client(transport=httpx.MockTransport(lambda request: answer))
+    assert read_counters(client, "http://e", contract.DECODE) is None
 
 
 def refuse(request: httpx.Request) -> httpx.Response:

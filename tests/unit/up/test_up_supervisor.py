@@ -149,6 +149,26 @@ def test_a_replica_that_dies_is_restarted_at_once_then_with_a_doubling_delay_and
     assert "restart 5: " in replica.log_path.read_text()  # each start is marked in the log
 
 
+def test_a_replica_that_cannot_be_started_is_backed_off_with_the_reason(tmp_path):
+    """Popen's OSError (no such program, too many open files) escaped the supervisor: `kubesgl
+    up` ended in a traceback."""
+    clock, events = FakeClock(), []
+    process = LocalProcess("mixed-0", contract.MIXED, (str(tmp_path / "gone"),), {}, 1, 10)
+    supervisor = Supervisor([process], tmp_path, lambda r, m: events.append(m), clock=clock)
+    (replica,) = supervisor.replicas
+    supervisor.tick()
+    reason = f"could not start: [Errno 2] No such file or directory: '{tmp_path / 'gone'}'"
+    assert (replica.state, replica.last_exit, events) == (
+        State.BACKOFF,
+        reason,
+        [f"{reason}; restarting now"],
+    )
+    assert replica.log_path.read_text().endswith(reason + "\n")
+    supervisor.tick()  # due at once, the first time; then the crash loop's delay
+    assert events[-1] == f"{reason}; restarting in 1 s" and replica.restarts == 1
+    supervisor.close()
+
+
 def test_a_replica_that_exits_with_status_2_is_failed_not_restarted(stand_in, tmp_path):
     """Status 2 is a usage or configuration error found before the process serves: every
     restart repeated it, with a growing delay, and the service never turned ready."""
