@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -15,7 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubesgl import contract
-from kubesgl.up.plan import LocalPlan
+from kubesgl.up.plan import LocalPlan, LocalProcess
 from kubesgl.up.supervisor import Replica, State, all_ready, by_reason
 
 SCRAPE_INTERVAL_S = 1.0
@@ -81,6 +82,8 @@ class StatusView:
             str, tuple[Counters | None, Counters | None]
         ] = {}  # name: (previous, latest)
         self._scraped_at = 0.0
+        self._reader = ThreadPoolExecutor(1, "kubesgl-up-metrics")
+        self._round: Future[dict[str, Counters | None]] | None = None
         self._drawn_lines = 0
         if not live:
             self._print(*self.header)
@@ -113,6 +116,7 @@ class StatusView:
         self._drawn_lines = len(lines)
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True)  # a round still reading ends within its timeouts
         self._client.close()
 
     def _print(self, *lines: str) -> None:
@@ -120,13 +124,22 @@ class StatusView:
         self.out.flush()
 
     def _scrape(self, replicas: list[Replica]) -> None:
+        """Takes in the last round of reads once it is done, and starts the next: a /metrics
+        that hangs holds up its round (1 s a read), never the supervisor's tick."""
+        if self._round is not None:
+            if not self._round.done():
+                return
+            for name, latest in self._round.result().items():
+                self._counters[name] = (self._counters.get(name, (None, None))[1], latest)
         self._scraped_at = time.monotonic()
-        for replica in replicas:
-            name = replica.process.name
-            latest = None
-            if replica.state in SCRAPED:
-                latest = read_counters(self._client, replica.process.url, replica.process.role)
-            self._counters[name] = (self._counters.get(name, (None, None))[1], latest)
+        targets = [(r.process, r.state in SCRAPED) for r in replicas]
+        self._round = self._reader.submit(self._read_round, targets)
+
+    def _read_round(self, targets: list[tuple[LocalProcess, bool]]) -> dict[str, Counters | None]:
+        return {
+            process.name: read_counters(self._client, process.url, process.role) if read else None
+            for process, read in targets
+        }
 
 
 # REQS: requests finished (engines) or answered (router); BOOT: a prefill engine's bootstrap port

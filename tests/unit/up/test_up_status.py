@@ -5,6 +5,8 @@ lines elsewhere."""
 from __future__ import annotations
 
 import io
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -194,4 +196,29 @@ def test_elsewhere_events_are_lines(tmp_path):
     assert lines[4].endswith(" mixed-0: ready on http://127.0.0.1:30001")
     assert "ready in " in lines[5] and lines[5].endswith("OpenAI base URL http://127.0.0.1:8000/v1")
     assert len(lines) == 6  # said once
+    view.close()
+
+
+def test_a_metrics_page_that_hangs_holds_up_no_refresh(tmp_path):
+    """The scrapes ran in the supervisor's tick, one after another, up to 1 s each: replicas
+    whose /metrics hung delayed noticing deaths and restarting by as many seconds."""
+    release = threading.Event()
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        release.wait(5)
+        return httpx.Response(200, text=ENGINE_METRICS)
+
+    view = StatusView(local_plan(), Path("/logs"), io.StringIO(), live=True)
+    view._client = httpx.Client(transport=httpx.MockTransport(slow))
+    replicas = [Replica(p, tmp_path / "x.log", State.READY) for p in local_plan().processes]
+    started = time.monotonic()
+    view.refresh(replicas)
+    view._scraped_at = 0.0  # a scrape is due again: its round still reads
+    view.refresh(replicas)
+    assert time.monotonic() - started < 0.5
+    release.set()
+    view._round.result(timeout=5)
+    view._scraped_at = 0.0
+    view.refresh(replicas)  # takes in the round that ended
+    assert format_table(replicas, view._counters)[1].split()[-3:-1] == ["7", "2"]  # REQS, RUNNING
     view.close()
