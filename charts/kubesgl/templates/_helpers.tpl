@@ -22,3 +22,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "kubesgl.serviceAccountName" -}}
 {{- default (include "kubesgl.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
+
+{{- /* The chart's labels and the user's `extra` ones (their values key: `field`); a key of
+the chart's own is refused, as an object would carry it twice and Kubernetes keep either. */ -}}
+{{- define "kubesgl.labelsWith" -}}
+{{- $own := include "kubesgl.labels" .root | fromYaml -}}
+{{- range $key, $_ := .extra -}}
+{{- if hasKey $own $key -}}
+{{- fail (printf "%s: %s is one of the chart's own labels (%s); choose another key" $.field $key (keys $own | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- end -}}
+{{- include "kubesgl.labels" .root }}
+{{- with .extra }}
+{{ toYaml . }}
+{{- end -}}
+{{- end -}}

@@ -249,6 +249,14 @@ def test_image_pull_secrets_as_names_or_as_kubernetes_writes_them(helm: Path, se
         ("alerts.labels.release=my release", "at '/alerts/labels/release': 'my release'"),
         ("alerts.enable=true", "at '/alerts': additional properties 'enable'"),
         ("serviceAccount.create=false", "at '/serviceAccount/name': minLength"),
+        (
+            "dashboards.label=app.kubernetes.io/name",
+            "dashboards.label: app.kubernetes.io/name is one of the chart's own labels",
+        ),
+        (
+            "alerts.enabled=true,alerts.labels.helm\\.sh/chart=mine",
+            "alerts.labels: helm.sh/chart is one of the chart's own labels",
+        ),
     ],
 )
 def test_values_the_operator_would_refuse_fail_at_install(
