@@ -412,6 +412,18 @@ class _SamplingFields(_Bootstrap):
     truncate_prompt_tokens: Annotated[Any, unsupported_unless(None)] = None
     stop_regex: Annotated[Any, unsupported_unless(None, [])] = None
     lora_path: Annotated[Any, unsupported_unless(None)] = None
+    return_tokens_as_token_ids: Annotated[Any, unsupported_unless(None, False)] = None
+    return_token_ids: Annotated[Any, unsupported_unless(None, False)] = None
+    return_hidden_states: Annotated[Any, unsupported_unless(None, False)] = None
+    prompt_logprobs: Annotated[Any, unsupported_unless(None, 0)] = None
+    length_penalty: Annotated[Any, unsupported_unless(None, 1, 1.0)] = None
+    spaces_between_special_tokens: Annotated[Any, unsupported_unless(None, True)] = None
+    logits_processors: Annotated[Any, unsupported_unless(None, [])] = None
+    priority: Annotated[Any, unsupported_unless(None, 0)] = None
+    # a prefix cache kept apart per salt: a silent no-op would share it across tenants
+    cache_salt: Annotated[Any, unsupported_unless(None, "")] = None
+    kv_transfer_params: Annotated[Any, unsupported_unless(None)] = None
+    vllm_xargs: Annotated[Any, unsupported_unless(None, {})] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -641,6 +653,10 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: Bool = True  # the prompt ends with the start of an assistant turn
     continue_final_message: ContinueFinalMessage = False
     chat_template_kwargs: JsonObject | None = None  # more variables for the template
+    chat_template: Annotated[Any, unsupported_unless(None)] = None  # the model's own only
+    documents: Annotated[Any, unsupported_unless(None, [])] = None
+    mm_processor_kwargs: Annotated[Any, unsupported_unless(None, {})] = None
+    separate_reasoning: Annotated[Any, unsupported_unless(None, False)] = None
 
     @field_validator("top_logprobs")
     @classmethod

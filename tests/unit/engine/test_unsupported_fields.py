@@ -37,6 +37,17 @@ def _refused_at(model, body: dict) -> tuple:
         ("truncate_prompt_tokens", 8, None),  # vLLM
         ("stop_regex", "[0-9]", None),  # SGLang
         ("lora_path", "adapter", None),  # SGLang
+        ("return_tokens_as_token_ids", True, False),  # vLLM
+        ("return_token_ids", True, False),  # vLLM
+        ("return_hidden_states", True, False),  # SGLang
+        ("prompt_logprobs", 1, 0),  # vLLM
+        ("length_penalty", 0.5, 1.0),  # vLLM
+        ("spaces_between_special_tokens", False, True),  # vLLM
+        ("logits_processors", ["m.Processor"], []),  # vLLM
+        ("priority", 5, 0),  # vLLM, SGLang
+        ("cache_salt", "tenant-a", None),  # vLLM
+        ("kv_transfer_params", {"do_remote_decode": True}, None),  # vLLM
+        ("vllm_xargs", {"k": 1}, {}),  # vLLM
     ],
 )
 @pytest.mark.parametrize(
@@ -64,3 +75,17 @@ def test_generate_refuses_sglang_fields_it_would_ignore(body, loc):
     GenerateRequestBody.model_validate(
         {**GENERATE, "lora_path": None, "image_data": None, "sampling_params": {"logit_bias": {}}}
     )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "no_op"),
+    [
+        ("chat_template", "{{ messages }}", None),  # vLLM
+        ("documents", [{"text": "d"}], []),  # vLLM
+        ("mm_processor_kwargs", {"num_crops": 4}, {}),  # vLLM
+        ("separate_reasoning", True, False),  # SGLang
+    ],
+)
+def test_chat_refuses_template_extensions_it_would_ignore(field, value, no_op):
+    assert _refused_at(ChatCompletionRequest, {**CHAT, field: value}) == (field,)
+    ChatCompletionRequest.model_validate({**CHAT, field: no_op})
