@@ -238,6 +238,10 @@ class RouterApp:
             self.workers.add(url, Role.PREFILL, port)
         for url in c.decode:
             self.workers.add(url, Role.DECODE)
+        # The first round before the first request: a router that starts (or restarts) in
+        # front of ready engines would refuse it, its workers not yet checked. At most a
+        # check's timeout and a /v1/models question's, per worker, all at once.
+        await self._health.check_all()
         self._tasks.append(asyncio.create_task(self._health.run()))
         if self.check_signal is not None:
             loop = asyncio.get_running_loop()

@@ -75,9 +75,10 @@ class HealthChecker:
         workers.on_added(self.probe_soon)
 
     async def run(self) -> None:
+        """The checks after the first round (`check_all`, which start-up awaits)."""
         while True:
-            await self.check_all()
             await asyncio.sleep(self.settings.interval_s)
+            await self.check_all()
 
     async def check_all(self) -> None:
         # a check in flight (a new worker's, or one the signal asked for) is this round's

@@ -289,9 +289,12 @@ class Forwarder:
             error = no_worker(f"no {label}worker is registered")
         else:
             unhealthy = sum(not w.healthy for w in registered)
+            unchecked = sum(w.unchecked for w in registered)
+            new = f"{unchecked} not health-checked yet, " if unchecked else ""
             error = no_worker(
-                f"no {label}worker can serve: {len(registered)} registered, {unhealthy} failing "
-                f"health checks, {len(registered) - unhealthy} with an open circuit breaker"
+                f"no {label}worker can serve: {len(registered)} registered, "
+                f"{unhealthy - unchecked} failing health checks, {new}"
+                f"{len(registered) - unhealthy} with an open circuit breaker"
             )
         error.headers.append((b"retry-after", str(self.retry_after_s).encode()))
         return error

@@ -93,6 +93,11 @@ class Worker:
     def can_serve(self) -> bool:
         return self.healthy and self.breaker.allows_requests()
 
+    @property
+    def unchecked(self) -> bool:
+        """Out of the pool for want of a passed health check, none having failed: new."""
+        return not (self.healthy or self.lost or self.health_failures)
+
     def serves(self, model: str | None) -> bool:
         """Whether a request for `model` (None: a request that names none) may come here. One
         that has not named its models yet may serve any: its engine refuses another itself."""

@@ -28,6 +28,15 @@ async def test_non_streaming_chat_is_answered_by_a_worker(engines, start_router,
     assert len(response.headers.get_list("date")) == 1  # the router's, not also the worker's
 
 
+async def test_a_request_at_once_after_start_up_is_served(engines, start_router, client):
+    """The router answered 503 "1 failing health checks" until its first check of ready
+    engines had run: `kubesgl up`'s first request, and any after a router restart."""
+    a = await engines("a")
+    async with start_router(workers=[a.url]) as router:  # no wait for readiness
+        response = await client.post(router.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200, response.text
+
+
 async def test_each_workers_model_is_named_in_its_info_series(engines, start_router, client):
     """The router asks a worker's /v1/models before it joins the pool: kubesgl_router_worker_info
     then names the model (model_name, as on the engines' series) and GET /workers shows it."""

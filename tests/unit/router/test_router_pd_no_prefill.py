@@ -86,7 +86,21 @@ def _routes(forwarder: Forwarder) -> dict[str, float]:
 
 
 def _fail_health(forwarder: Forwarder, worker: Worker) -> None:
+    worker.health_failures = 2  # as the health checker counts before it takes one out
     forwarder.workers.set_healthy(worker, False)
+
+
+def test_a_worker_not_checked_yet_is_named_so_not_failing():
+    """A worker whose first check had not run was counted as failing health checks, which
+    sent users looking for a fault in a healthy engine."""
+    forwarder, _, workers = _forwarder(Role.PREFILL, Role.DECODE)
+    fresh = forwarder.workers.add("http://10.0.0.3:30000", Role.DECODE)
+    _fail_health(forwarder, workers[Role.DECODE])
+    assert forwarder.no_worker_error(Role.DECODE).message == (
+        "no decode worker can serve: 2 registered, 1 failing health checks, 1 not "
+        "health-checked yet, 0 with an open circuit breaker"
+    )
+    assert fresh.unchecked and not workers[Role.DECODE].unchecked
 
 
 def _open_breaker(forwarder: Forwarder, worker: Worker) -> None:
