@@ -246,6 +246,8 @@ def start_streams(ctx: ServerContext, subs: list[TokenizeRequest]) -> list[Strea
         return [ctx.client.generate(sub) for sub in subs]  # only a client-given rid can clash
     except DuplicateRequestId as exc:
         raise APIError(400, str(exc), param="rid") from exc
+    except EngineGone as exc:  # it failed after this request came: another engine may serve it
+        raise APIError(503, str(exc), "service_unavailable") from exc
 
 
 health_routes = APIRouter()

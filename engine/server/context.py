@@ -54,6 +54,8 @@ def authorized(request: Request, ctx: Ctx) -> None:
 def unavailable(ctx: ServerContext) -> str | None:
     """Why the server takes no request now (a 503), or None: what /health, /health_generate
     and the generation routes all answer by."""
+    if ctx.client.failure is not None:  # the server stops, taking nothing new meanwhile
+        return ctx.client.failure
     if ctx.state.draining:
         return "the server is shutting down"
     if not ctx.client.ready.is_set():

@@ -258,10 +258,13 @@ class EngineClient:
 
     def generate(self, request: TokenizeRequest) -> AsyncGenerator[TextOutput, None]:
         """Outputs of one request until it finishes. The request id is taken at once (a
-        duplicate raises DuplicateRequestId); leaving early, or `close`, aborts the request.
+        duplicate raises DuplicateRequestId, an engine gone EngineGone); leaving early, or
+        `close`, aborts the request.
         A probe (`request.probe`, a health check) is left out of the request metrics (as
         SGLang's log_metrics=False does): probes every few seconds would skew them and
         autoscaling."""
+        if self._failure is not None:  # no output would ever come
+            raise EngineGone(self._failure)
         taken = self._pending.get(request.rid)
         if taken is not None:
             raise DuplicateRequestId(
@@ -353,6 +356,11 @@ class EngineClient:
             return await answer
         finally:
             calls.pop(call_id, None)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine's processes went away (`fail_all`), or None while they run."""
+        return self._failure
 
     def fail_all(self, message: str) -> None:
         """End every request in flight with a 500: the engine's processes are going away and

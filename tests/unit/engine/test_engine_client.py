@@ -176,6 +176,19 @@ async def test_a_request_in_flight_when_the_engine_stops_ends_with_a_500(client)
 
 
 @pytest.mark.asyncio
+async def test_a_request_that_comes_once_the_engine_has_stopped_is_refused_at_once(client):
+    """Between the failure and the server's stop, a new request waited for outputs that
+    would never come, until the server's shutdown timeout cancelled it (a 500 and a
+    traceback, 5 s later)."""
+    engine_client, _ = client
+    engine_client.fail_all("the engine stopped: scheduler rank 0 exited with code -9")
+    assert engine_client.failure == "the engine stopped: scheduler rank 0 exited with code -9"
+    with pytest.raises(EngineGone, match="scheduler rank 0 exited"):
+        engine_client.generate(TokenizeRequest("r2", SamplingParams()))
+    assert engine_client.in_flight == 0
+
+
+@pytest.mark.asyncio
 async def test_a_flush_answers_what_the_scheduler_did(client):
     """The scheduler skips a flush while it has work the API server does not see (requests
     its clients left, rooms of P/D transfers): /flush_cache said "flushed" all the same."""

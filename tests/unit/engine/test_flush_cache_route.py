@@ -23,6 +23,7 @@ class FlushingClient:
     def __init__(self, ready: bool, answer: bool | None):
         self.metrics = EngineMetrics("mixed")
         self.ready = asyncio.Event()
+        self.failure = None  # the engine runs
         if ready:
             self.ready.set()
         self.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)

@@ -32,6 +32,7 @@ class RefusingClient:
     def __init__(self):
         self.metrics = EngineMetrics("prefill")
         self.ready = asyncio.Event()
+        self.failure = None  # the engine runs
         self.ready.set()
         self.info = SimpleNamespace(vocab_size=1000, context_length=CONTEXT, max_total_tokens=8192)
         self.in_flight = self.user_requests = 0

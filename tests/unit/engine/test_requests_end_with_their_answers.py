@@ -27,6 +27,7 @@ class HoldingClient:
     def __init__(self, first_finish: FinishReason | None) -> None:
         self.metrics = EngineMetrics("mixed")
         self.ready = asyncio.Event()
+        self.failure = None  # the engine runs
         self.ready.set()
         self.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
         self.first_finish = first_finish

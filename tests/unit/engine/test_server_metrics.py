@@ -24,6 +24,7 @@ class FakeClient:
     def __init__(self, script: str = "ok"):
         self.metrics = EngineMetrics("mixed")
         self.ready = asyncio.Event()
+        self.failure = None  # the engine runs
         self.ready.set()
         self.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
         self.script = script

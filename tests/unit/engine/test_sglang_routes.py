@@ -19,7 +19,7 @@ INFO = EngineInfo("m", 4096, 1000, 8192, 1, "LlamaForCausalLM", [2])
 
 
 def _routes_alone(info: EngineInfo | None, stats: SimpleNamespace | None) -> TestClient:
-    client = SimpleNamespace(info=info, stats=stats, ready=asyncio.Event())
+    client = SimpleNamespace(info=info, stats=stats, ready=asyncio.Event(), failure=None)
     config = EngineConfig(model="/models/m", role="prefill", context_length=2048)
     state = ServerState(config, "served-name")
     app = FastAPI()

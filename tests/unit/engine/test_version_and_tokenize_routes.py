@@ -41,6 +41,7 @@ class ReadyClient:
     def __init__(self):
         self.metrics = EngineMetrics("mixed")
         self.ready = asyncio.Event()
+        self.failure = None  # the engine runs
         self.ready.set()
         self.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
 
