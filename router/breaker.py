@@ -54,6 +54,11 @@ class CircuitBreaker:
             return True
         return False
 
+    def claim_trial(self) -> Trial | None:
+        """`begin` for a request whose worker is chosen now: the trial is its own from here,
+        also while it waits for a connection slot, when others choosing would take it too."""
+        return Trial(self) if self.begin() else None
+
     def end_trial(self) -> None:
         self.trial_running = False
 
@@ -68,3 +73,18 @@ class CircuitBreaker:
         was_trial = self.state is BreakerState.HALF_OPEN
         if open_now or was_trial or self.consecutive_failures >= self.failure_threshold:
             self.opened_at = self.clock()
+
+
+@dataclass(eq=False)
+class Trial:
+    """A half-open breaker's one trial, claimed by a request (`claim_trial`); ended once, by the
+    request's end or, if it was never sent, by its abandonment: a later trial's claim on the
+    same breaker is not ended by this one's."""
+
+    breaker: CircuitBreaker
+    ended: bool = False
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.breaker.end_trial()

@@ -103,10 +103,20 @@ class PrefillDecodePair:
         rooms = [draw_bootstrap_room() for _ in range(request.choices)]  # new for every attempt
         payload = bootstrap_payload(request, prefill, rooms)
         prefill_attempts: list[Attempt] = []
+        # Claimed as the workers are chosen: the requests begin later, in tasks, after the wait
+        # for slots, while other requests may choose a half-open worker too.
+        trials = [prefill.breaker.claim_trial(), decode.breaker.claim_trial()]
         # Both slots at once: pairs each holding a prefill slot would wait on decode slots.
-        # Each task releases its own: both run their first step (taking it) before this
-        # coroutine can be cancelled, as they were scheduled first.
-        prefill_slot, decode_slot = await self.upstream.slots.acquire_together(2)
+        # Each task releases its own (and hands its trial to its attempt): both run their
+        # first step before this coroutine can be cancelled, as they were scheduled first.
+        try:
+            prefill_slot, decode_slot = await self.upstream.slots.acquire_together(2)
+        except BaseException:
+            for trial in trials:
+                if trial is not None:
+                    trial.end()  # never sent
+            raise
+        prefill_trial, decode_trial = trials
         prefill_task = asyncio.create_task(
             self.upstream.drain(
                 prefill,
@@ -116,6 +126,7 @@ class PrefillDecodePair:
                 paired=True,
                 on_attempt=prefill_attempts.append,
                 slot=prefill_slot,
+                trial=prefill_trial,
             )
         )
         try:
@@ -129,6 +140,7 @@ class PrefillDecodePair:
                     stream=request.stream,
                     paired=True,
                     slot=decode_slot,
+                    trial=decode_trial,
                 ),
                 prefill_task,
                 lambda error: self._cancel_rooms(prefill, rooms, error),

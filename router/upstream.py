@@ -17,6 +17,7 @@ from email.utils import parsedate_to_datetime
 import aiohttp
 
 from kubesgl.contract import API_KEY_ENV, RETRY_AFTER_S, ROUTER_UPSTREAM_KEEP_ALIVE_S
+from kubesgl.router.breaker import Trial
 from kubesgl.router.errors import RouterError, error_body, sse_error_event
 from kubesgl.router.metrics import CONNECTION_LIMIT, RouterMetrics
 from kubesgl.router.security import GuardedResolver
@@ -379,7 +380,8 @@ class Attempt:
 
     __slots__ = ("worker", "_breaker", "_metrics", "_finished", "_trial", "worker_failed")
 
-    def __init__(self, worker: Worker, metrics: RouterMetrics) -> None:
+    def __init__(self, worker: Worker, metrics: RouterMetrics, trial: Trial | None = None) -> None:
+        """`trial`: the half-open trial claimed when the worker was chosen, this request's now."""
         self.worker = worker
         # The breaker it was sent under: a worker that re-entered the pool since (a restart,
         # as far as the router can tell) has a new one, which this request's end must not move.
@@ -388,7 +390,10 @@ class Attempt:
         self._finished = False
         self.worker_failed: bool | None = None  # set at the end; None: no verdict (finish)
         worker.in_flight += 1
-        self._trial = self._breaker.begin()
+        if trial is not None and trial.breaker is not self._breaker:
+            trial.end()  # claimed of the breaker the worker had before it re-entered the pool
+            trial = None
+        self._trial = trial or self._breaker.claim_trial()
 
     def finish(
         self, status: str, *, worker_failed: bool | None, open_now: str | None = None
@@ -404,8 +409,8 @@ class Attempt:
         self.worker_failed = worker_failed
         self.worker.in_flight -= 1
         breaker = self._breaker
-        if self._trial:
-            breaker.end_trial()
+        if self._trial is not None:
+            self._trial.end()
         if worker_failed:
             was_open = not breaker.allows_requests()
             breaker.record_failure(open_now=open_now is not None)
@@ -491,6 +496,7 @@ class UpstreamClient:
         paired: bool = False,
         on_attempt: Callable[[Attempt], None] | None = None,
         slot: Callable[[], None] | None = None,
+        trial: Trial | None = None,
     ) -> Reply:
         """Sends one request; returns a complete answer, or a stream once its first chunk is in.
 
@@ -500,12 +506,23 @@ class UpstreamClient:
         end (`UpstreamError.settle`), which decides whose answer it was (_may_pass_on).
         `on_attempt` gets the request's attempt once it is counted in flight: a pair that
         finds the worker failed it while it has not answered ends it so before closing it.
-        `slot`: the release of a slot taken for it (a P/D pair takes its two at once)."""
-        # before the attempt: a request the router refuses for want of a slot never reached it
-        release_slot = slot or await self.slots.acquire()
+        `slot`: the release of a slot taken for it (a P/D pair takes its two at once).
+        `trial`: the worker's half-open trial, claimed for it by a caller that chose the worker
+        before this ran (a P/D pair); else claimed here, as the worker was chosen just now."""
+        # before any wait: another request choosing the worker meanwhile must not be a trial too
+        trial = trial or worker.breaker.claim_trial()
         try:
-            attempt = Attempt(worker, self.metrics)
+            # before the attempt: a request the router refuses for want of a slot never reached it
+            release_slot = slot or await self.slots.acquire()
         except BaseException:
+            if trial is not None:
+                trial.end()  # never sent: the next request may be the trial
+            raise
+        try:
+            attempt = Attempt(worker, self.metrics, trial)
+        except BaseException:
+            if trial is not None:
+                trial.end()
             release_slot()
             raise
         if on_attempt is not None:
@@ -625,6 +642,7 @@ class UpstreamClient:
         paired: bool = False,
         on_attempt: Callable[[Attempt], None] | None = None,
         slot: Callable[[], None] | None = None,
+        trial: Trial | None = None,
     ) -> None:
         """Sends a request and reads its answer to the end, raising if it failed."""
         await self.exchange(
@@ -637,4 +655,5 @@ class UpstreamClient:
             paired=paired,
             on_attempt=on_attempt,
             slot=slot,
+            trial=trial,
         )

@@ -1,3 +1,5 @@
+import pytest
+
 from kubesgl.router.breaker import BreakerState, CircuitBreaker
 
 
@@ -224,3 +226,106 @@ def test_an_attempt_on_a_removed_worker_counts_nowhere_once_its_url_is_back():
     assert new.breaker.consecutive_failures == 0 and new.in_flight == 0
     Attempt(new, metrics).finish("500", worker_failed=True)  # the new worker's own: counted
     assert metrics.registry.get_sample_value("kubesgl_router_requests_total", labels) == 1
+
+
+class _CountingSession:
+    """Workers that answer every request at once; `sent` lists the URLs asked."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def request(self, method, url, data, headers, **kwargs):
+        from upstream_fakes import Answer
+
+        self.sent.append(url.rsplit("/v1/", 1)[0])
+        return Answer(200, b'{"choices": [{"text": "ok"}]}')
+
+
+def _half_open_trial_race(roles: list[str]) -> tuple[list[str], list[object]]:
+    """Two requests chosen while every connection slot is held, the first worker's circuit
+    half-open: the URLs the requests reached once the slots are free, and their outcomes."""
+    import asyncio
+    import json
+
+    from kubesgl.router.metrics import RouterMetrics
+    from kubesgl.router.policies import RoundRobinPolicy
+    from kubesgl.router.request_parsing import parse_generation_request
+    from kubesgl.router.routing import DisaggregationSettings, Forwarder, Policies, RetrySettings
+    from kubesgl.router.upstream import ConnectionSlots, UpstreamClient
+    from kubesgl.router.workers import Role, WorkerRegistry
+
+    clock = Clock()
+    registry = WorkerRegistry(make_breaker=lambda: CircuitBreaker(1, cooldown_s=10, clock=clock))
+    workers = [registry.add(f"http://10.0.0.{i + 1}:30000", Role(r)) for i, r in enumerate(roles)]
+    for worker in workers:
+        registry.set_healthy(worker, True)
+    workers[0].breaker.record_failure()
+    clock.now += 10  # past its cooldown: half-open, one trial may go
+    session = _CountingSession()
+    slots = ConnectionSlots(2, wait_s=1.0)
+    client = UpstreamClient(session, RouterMetrics(registry), slots=slots)  # type: ignore[arg-type]
+    policies = Policies(RoundRobinPolicy(), RoundRobinPolicy(), RoundRobinPolicy())
+    forwarder = Forwarder(
+        registry,
+        policies,
+        client,
+        client.metrics,
+        RetrySettings(max_retries=0),
+        DisaggregationSettings(),
+    )
+    body = {"model": "m", "prompt": "word " * 400}
+    request = parse_generation_request("/v1/completions", json.dumps(body).encode())
+
+    async def run() -> list[object]:
+        held = await slots.acquire_together(2)
+        sends = [asyncio.create_task(forwarder.generate(request, [])) for _ in range(2)]
+        await asyncio.sleep(0.01)  # both chose their workers and wait for slots
+        for release in held:
+            release()
+        outcomes = await asyncio.gather(*sends, return_exceptions=True)
+        await forwarder.aclose()
+        return outcomes
+
+    outcomes = asyncio.run(run())
+    return session.sent, outcomes
+
+
+def test_a_half_open_worker_gets_one_trial_while_requests_wait_for_a_connection():
+    """The trial is the chosen request's from its choice on: one that waits for a slot keeps
+    other requests off the worker, which must not get a second "trial" meanwhile."""
+    from kubesgl.router.errors import RouterError
+
+    sent, outcomes = _half_open_trial_race(["mixed"])
+    assert sent == ["http://10.0.0.1:30000"]
+    assert isinstance(outcomes[1], RouterError) and outcomes[1].status == 503
+
+
+def test_a_half_open_prefill_worker_gets_one_trial_while_pairs_wait_for_connections():
+    """P/D: the pair's requests start in tasks after its slots are free; the second request
+    meanwhile finds no prefill worker and goes to the decode worker alone."""
+    sent, outcomes = _half_open_trial_race(["prefill", "decode"])
+    assert sent.count("http://10.0.0.1:30000") == 1
+    assert sent.count("http://10.0.0.2:30000") == 2
+    assert not any(isinstance(outcome, Exception) for outcome in outcomes)
+
+
+def test_a_trial_that_found_no_free_connection_lets_the_next_request_be_the_trial():
+    import asyncio
+
+    from kubesgl.router.errors import RouterError
+    from kubesgl.router.upstream import ConnectionSlots, UpstreamClient
+
+    clock, registry, metrics, worker = pool_of_one("mixed", 1)
+    worker.breaker.record_failure()
+    clock.now += 10
+    slots = ConnectionSlots(1, wait_s=0.01)
+    client = UpstreamClient(_CountingSession(), metrics, slots=slots)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        held = await slots.acquire()
+        with pytest.raises(RouterError):  # pool_full: never sent
+            await client.exchange(worker, "POST", "/v1/completions", b"{}", [], stream=False)
+        held()
+
+    asyncio.run(run())
+    assert worker.breaker.allows_requests() and worker.in_flight == 0

@@ -37,7 +37,7 @@ class _Upstream:
         self.slots = ConnectionSlots(None, 0)
 
     async def exchange(
-        self, worker, method, path, payload, headers, *, stream, paired=False, slot=None
+        self, worker, method, path, payload, headers, *, stream, paired=False, slot=None, trial=None
     ):
         self.sent.append((worker, json.loads(payload)))
         if paired and worker.role is Role.DECODE:
@@ -46,9 +46,7 @@ class _Upstream:
             raise UpstreamError(worker, 503, "draining", retryable=True, answered=True)
         return BufferedReply(200, [], b"{}")
 
-    async def drain(
-        self, worker, path, payload, headers, *, paired=False, on_attempt=None, slot=None
-    ):
+    async def drain(self, worker, path, payload, headers, *, paired=False, **_):
         await self.exchange(worker, "POST", path, payload, headers, stream=False)
 
 
