@@ -132,6 +132,7 @@ class Forwarder:
         self._unlisted: set[frozenset[str]] = set()
         for policy in policies.all():
             workers.on_removed(policy.forget)
+            workers.on_restarted(policy.forget)  # its KV cache is empty
 
     async def aclose(self) -> None:
         """Ends the work it left running after its answers (before the session closes)."""

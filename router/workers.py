@@ -125,12 +125,17 @@ class WorkerRegistry:
     _workers: dict[str, Worker] = field(default_factory=dict)
     _on_added: list[Callable[[Worker], object]] = field(default_factory=list)
     _on_removed: list[Callable[[Worker], None]] = field(default_factory=list)
+    _on_restarted: list[Callable[[Worker], None]] = field(default_factory=list)
 
     def on_added(self, callback: Callable[[Worker], object]) -> None:
         self._on_added.append(callback)
 
     def on_removed(self, callback: Callable[[Worker], None]) -> None:
         self._on_removed.append(callback)
+
+    def on_restarted(self, callback: Callable[[Worker], None]) -> None:
+        """`callback(worker)` when a worker comes back as a restarted process (`set_healthy`)."""
+        self._on_restarted.append(callback)
 
     def add(
         self,
@@ -202,9 +207,10 @@ class WorkerRegistry:
     def set_healthy(self, worker: Worker, healthy: bool, reason: str = "") -> None:
         """A worker that left the pool because its connection broke and passes health checks
         again gets a new, closed circuit breaker: it is most likely a restarted process, and
-        the failures of the requests its crash cut must not keep it out. (One that only failed
-        health checks, slow under load say, keeps its breaker.) Requests still running from
-        before report to the breaker they started with."""
+        the failures of the requests its crash cut must not keep it out, and what was learned
+        of its old process (its KV cache's prefixes: `on_restarted`) is forgotten. (One that
+        only failed health checks, slow under load say, keeps its breaker.) Requests still
+        running from before report to the breaker they started with."""
         if worker.healthy != healthy:
             worker.healthy = healthy
             if healthy and worker.lost:
@@ -216,6 +222,8 @@ class WorkerRegistry:
                     )
                     reason = f"{reason}; {reset}" if reason else reset
                 worker.breaker = self.make_breaker()
+                for callback in self._on_restarted:
+                    callback(worker)
             level = logging.INFO if healthy else logging.WARNING
             log.log(
                 level,

@@ -115,3 +115,32 @@ def test_a_small_pool_spreads_after_a_worker_rejoins_by_default(threshold, sprea
     assert a.in_flight + b.in_flight == 8
     if spreads:
         assert b.in_flight >= 2
+
+
+def test_cache_aware_forgets_a_worker_that_restarted():
+    """A worker whose connection broke and that passes health checks again is a new process
+    with an empty KV cache: its old prefixes are no hits there."""
+    from kubesgl.router.metrics import RouterMetrics
+    from kubesgl.router.routing import DisaggregationSettings, Forwarder, Policies, RetrySettings
+    from kubesgl.router.upstream import UpstreamClient
+    from kubesgl.router.workers import WorkerRegistry
+
+    registry = WorkerRegistry()
+    worker = registry.add("http://10.0.0.1:30000", Role.MIXED)
+    registry.set_healthy(worker, True)
+    policy = CacheAwarePolicy()
+    metrics = RouterMetrics(registry)
+    Forwarder(
+        registry,
+        Policies(policy, policy, policy),
+        UpstreamClient(None, metrics),  # type: ignore[arg-type]
+        metrics,
+        RetrySettings(),
+        DisaggregationSettings(),
+    )
+    prompt = "a long shared system prompt " * 10
+    policy.choose([worker], prompt)
+    registry.mark_lost(worker)
+    assert policy.tree(worker).match_length(prompt) == len(prompt)  # maybe only a broken link
+    registry.set_healthy(worker, True)
+    assert policy.tree(worker).match_length(prompt) == 0
