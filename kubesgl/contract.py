@@ -25,8 +25,8 @@ ROUTER_LIVENESS_PATH: Final = "/liveness"
 # Idle HTTP connections: a server keeps one open this long, longer than the client in front of
 # it keeps one (load balancers commonly 60 s; the router, towards the engines, ROUTER_UPSTREAM_KEEP_ALIVE_S),
 # so that a client never sends a request on a connection its server is closing: that request
-# fails (a 502), and the router takes the healthy worker out. uvicorn's default, 5 s, is shorter
-# than the clients' and lets that happen.
+# fails (a load balancer's 502; the router sends it again on another connection, which costs a
+# round trip). uvicorn's default, 5 s, is shorter than the clients' and lets that happen.
 SERVER_KEEP_ALIVE_S: Final = 75
 ROUTER_UPSTREAM_KEEP_ALIVE_S: Final = 60
 

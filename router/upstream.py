@@ -62,6 +62,14 @@ Headers = list[tuple[bytes, bytes]]
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 # Of those, the ones before the request left this process: the worker never saw it.
 NOT_SENT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+# A pooled keep-alive connection closed or reset before any answer: the worker most likely
+# closed it idle (uvicorn's keep-alive, SGLang's server, is 5 s) as the request went out, and
+# never read it (aiohttp retries only idempotent methods so). Fresh connections are not retried:
+# closed under the request, it may be the request that killed the worker.
+STALE_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+# The most times one request goes again on another connection for a stale pooled one: each
+# failure drops its connection, so these only bound a pool that others keep refilling.
+STALE_CONNECTION_RETRIES = 3
 
 
 def end_to_end_headers(headers: Headers) -> Headers:
@@ -86,13 +94,33 @@ def _as_text(headers: Headers) -> list[tuple[str, str]]:
     return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
 
 
+@dataclass
+class ConnectionUse:
+    """What one request's connection was, told by the session's trace (`_reuse_trace`)."""
+
+    reused: bool = False  # taken from the pool, not opened for it
+
+
+def _reuse_trace() -> aiohttp.TraceConfig:
+    async def reused(session: aiohttp.ClientSession, context: object, params: object) -> None:
+        use = getattr(context, "trace_request_ctx", None)
+        if isinstance(use, ConnectionUse):
+            use.reused = True
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(reused)
+    return trace
+
+
 def make_session(connect_timeout_s: float, read_timeout_s: float) -> aiohttp.ClientSession:
     """The pooled client for all worker traffic: keep-alive connections, bytes passed as they are,
     never to a link-local or metadata address, whatever a worker's name resolves to. Its
     connector sets no limit: `ConnectionSlots` admits requests, so aiohttp's connect timeout
-    measures the connection itself (DNS, TCP, TLS), never a wait for a free slot."""
+    measures the connection itself (DNS, TCP, TLS), never a wait for a free slot. It tells each
+    request whether its connection came from the pool (`ConnectionUse`)."""
     return aiohttp.ClientSession(
         connector=_unlimited_connector(),
+        trace_configs=[_reuse_trace()],
         timeout=aiohttp.ClientTimeout(
             total=None,
             connect=connect_timeout_s,
@@ -283,10 +311,12 @@ class UpstreamError(Exception):
         return self._body or error_body(self.message, error_type="upstream_error")
 
     @classmethod
-    def unreachable(cls, worker: Worker, exc: Exception) -> UpstreamError:
-        """The connection failed: retryable only if the request never left."""
+    def unreachable(cls, worker: Worker, exc: Exception, *, sent: bool = False) -> UpstreamError:
+        """The connection failed: retryable only if the request never left, this time or
+        before (`sent`: on a pooled connection that closed under it)."""
         message = f"{worker.role.value} worker {worker.url} failed: {_reason(exc)}"
-        error = cls(worker, 502, message, retryable=isinstance(exc, NOT_SENT_ERRORS))
+        not_sent = isinstance(exc, NOT_SENT_ERRORS) and not sent
+        error = cls(worker, 502, message, retryable=not_sent)
         error.connection_lost = _connection_lost(exc)
         return error
 
@@ -469,20 +499,36 @@ class UpstreamClient:
         # health check, so the requests that follow go elsewhere.
         self.on_worker_lost = on_worker_lost
 
-    def _failed(self, worker: Worker, exc: Exception) -> UpstreamError:
+    def _failed(self, worker: Worker, exc: Exception, *, sent: bool = False) -> UpstreamError:
         if _connection_lost(exc):
             self.on_worker_lost(worker)
-        return UpstreamError.unreachable(worker, exc)
+        return UpstreamError.unreachable(worker, exc, sent=sent)
 
     async def _open(
         self, worker: Worker, method: str, path: str, payload: bytes | None, headers: Headers
     ) -> aiohttp.ClientResponse:
-        try:
-            return await self.session.request(
-                method, worker.url + path, data=payload, headers=_as_text(headers)
-            )
-        except TRANSPORT_ERRORS as exc:
-            raise self._failed(worker, exc) from exc
+        """The answer's start. A stale pooled connection (`STALE_CONNECTION_ERRORS`) is no
+        failure of the worker's: the request goes again, on another connection. A failure after
+        one is the request's answer, not retried elsewhere (`UpstreamError.retryable`) even if
+        the connection was refused: the closed one may have been the worker dying of it."""
+        stale = 0
+        while True:
+            use = ConnectionUse()
+            try:
+                return await self.session.request(
+                    method,
+                    worker.url + path,
+                    data=payload,
+                    headers=_as_text(headers),
+                    trace_request_ctx=use,
+                )
+            except TRANSPORT_ERRORS as exc:
+                stale_again = use.reused and isinstance(exc, STALE_CONNECTION_ERRORS)
+                if stale_again and stale < STALE_CONNECTION_RETRIES:
+                    stale += 1
+                    log.debug("worker %s closed a pooled connection: %s", worker.url, _reason(exc))
+                    continue
+                raise self._failed(worker, exc, sent=stale > 0) from exc
 
     async def exchange(
         self,

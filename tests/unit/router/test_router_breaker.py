@@ -174,7 +174,7 @@ class _Session:
     def __init__(self, statuses: list[int]) -> None:
         self.statuses = statuses
 
-    async def request(self, method, url, data, headers):
+    async def request(self, method, url, data, headers, **kwargs):
         return _Answer(self.statuses.pop(0))
 
 

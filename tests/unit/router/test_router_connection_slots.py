@@ -16,7 +16,7 @@ from kubesgl.router.workers import Role, WorkerRegistry
 class _SilentSession:
     """Workers that never answer."""
 
-    async def request(self, method, url, data, headers):
+    async def request(self, method, url, data, headers, **kwargs):
         await asyncio.Event().wait()
 
 

@@ -34,7 +34,7 @@ class _Session:
     def __init__(self, prefill: Side, decode: Side) -> None:
         self.sides = {PREFILL: prefill, DECODE: decode}
 
-    async def request(self, method, url, data, headers):
+    async def request(self, method, url, data, headers, **kwargs):
         return await self.sides[url.rsplit("/v1/", 1)[0]]()
 
     def delete(self, url, **kwargs):

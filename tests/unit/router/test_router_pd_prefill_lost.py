@@ -38,7 +38,7 @@ class _Session:
         self.decode_status = decode_status
         self.sent: list[tuple[str, bool]] = []  # (worker URL, with a room)
 
-    async def request(self, method, url, data, headers):
+    async def request(self, method, url, data, headers, **kwargs):
         worker = url.rsplit("/v1/", 1)[0]
         paired = "bootstrap_room" in json.loads(data)
         self.sent.append((worker, paired))

@@ -37,7 +37,7 @@ class _Session:
     def __init__(self, retry_after: bytes | None) -> None:
         self.retry_after = retry_after
 
-    async def request(self, method, url, data, headers):
+    async def request(self, method, url, data, headers, **kwargs):
         return _Busy(self.retry_after)
 
 
