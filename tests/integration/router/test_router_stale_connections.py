@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import json
 import re
+import socket
+import struct
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -30,10 +32,13 @@ ANSWER = b'{"choices": [{"text": "ok"}]}'
 class RawEngine:
     """An HTTP/1.1 server that answers each request 200 on a keep-alive connection, unless
     `closes(n)` says the n-th request on its connection gets the connection closed instead,
-    without a byte of answer; `crash` then also stops it listening (its process died)."""
+    without a byte of answer (`reset`: reset); `crash` then also stops it listening (its
+    process died)."""
 
-    def __init__(self, closes: Callable[[int], bool], crash: bool = False) -> None:
-        self.closes, self.crash = closes, crash
+    def __init__(
+        self, closes: Callable[[int], bool], crash: bool = False, reset: bool = False
+    ) -> None:
+        self.closes, self.crash, self.reset = closes, crash, reset
         self.received = 0  # requests read, answered or not
         self.server: asyncio.Server | None = None
         self.url = ""
@@ -50,6 +55,11 @@ class RawEngine:
                 if self.closes(on_connection):
                     if self.crash and self.server is not None:
                         self.server.close()
+                    if self.reset:  # no linger: the close sends RST
+                        linger = struct.pack("ii", 1, 0)
+                        writer.get_extra_info("socket").setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, linger
+                        )
                     return
                 writer.write(
                     b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
@@ -118,8 +128,9 @@ async def warm(forwarder: Forwarder, worker: Worker) -> None:
     assert isinstance(reply, BufferedReply) and reply.status == 200
 
 
-async def test_a_pooled_connection_closed_under_a_request_is_retried_on_a_fresh_one():
-    engine = RawEngine(closes=lambda n: n == 2)  # its idle timeout fires as the second comes
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+async def test_a_pooled_connection_closed_under_a_request_is_retried_on_a_fresh_one(reset):
+    engine = RawEngine(closes=lambda n: n == 2, reset=reset)  # idle timeout as the 2nd comes
     async with pool(engine) as (forwarder, [worker]):
         await warm(forwarder, worker)
         reply = await generate(forwarder)
