@@ -56,6 +56,7 @@ REJECTION_REASONS = {
     500: "internal",
     503: "no_worker",
 }
+NO_WORKER = REJECTION_REASONS[503]
 # Rejections whose reason is not their status's: no free connection slot (--max-connections)
 CONNECTION_LIMIT = "connection_limit"
 OTHER_REJECTIONS = ((503, CONNECTION_LIMIT),)
@@ -217,6 +218,8 @@ class RouterMetrics:
     def rejected(self, status: int, reason: str | None = None) -> None:
         reason = reason or REJECTION_REASONS.get(status, "other")
         self.rejections.labels(str(status), reason).inc()
+        if reason == NO_WORKER:  # counted here alone: once per answer, on every path to one
+            self.requests.labels("", "503").inc()
 
     def answered(self, status: int) -> None:
         self.responses.labels(str(status)).inc()

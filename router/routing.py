@@ -206,7 +206,6 @@ class Forwarder:
         if isinstance(outcome, RouterError) and outcome.reason == CONNECTION_LIMIT:
             raise outcome  # no free connection (--max-connections), not a worker missing
         if isinstance(outcome, RouterError):  # its workers left the pool: _candidates's 503
-            self.metrics.requests.labels("", "503").inc()
             raise self.no_worker_error(role)
         if isinstance(outcome, UpstreamError):
             raise outcome
@@ -257,7 +256,6 @@ class Forwarder:
         available = self.workers.available(role, model)
         if not available:
             self._check_served(role, model)
-            self.metrics.requests.labels("", "503").inc()
             raise self.no_worker_error(role, model)
         return _without_failed_unless_none_left(available, excluded)
 

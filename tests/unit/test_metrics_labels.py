@@ -16,6 +16,7 @@ from kubesgl.engine.metrics import FINISH_REASONS, HANDOFF, EngineMetrics
 from kubesgl.router.metrics import (
     BROKEN_STREAM_REASONS,
     CACHE_DECISIONS,
+    CONNECTION_LIMIT,
     RESPONSE_STATUSES,
     WORKER_STATUSES,
     PDRoute,
@@ -480,3 +481,12 @@ def test_router_latency_buckets_are_fine_and_a_whole_answer_has_a_long_tail():
     inside = [e for e in first_byte if 0.1 <= e <= 20]
     assert max(b / a for a, b in zip(inside, inside[1:])) <= 1.5
     assert max(edges["kubesgl_router_request_duration_seconds"]) >= 7680
+
+
+def test_a_no_worker_rejection_is_the_attempt_counted_without_a_worker():
+    """kubesgl_router_requests_total{worker=""} counts the no-worker answers, each once (the
+    rejection that answers it), and no other 503 of the router's."""
+    metrics = RouterMetrics(WorkerRegistry())
+    metrics.rejected(503)
+    metrics.rejected(503, CONNECTION_LIMIT)
+    assert _counter(metrics, "kubesgl_router_requests_total", worker="", status="503") == 1
