@@ -63,9 +63,9 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 # Of those, the ones before the request left this process: the worker never saw it.
 NOT_SENT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 # A pooled keep-alive connection closed or reset before any answer: the worker most likely
-# closed it idle (uvicorn's keep-alive, SGLang's server, is 5 s) as the request went out, and
-# never read it (aiohttp retries only idempotent methods so). Fresh connections are not retried:
-# closed under the request, it may be the request that killed the worker.
+# closed it idle (uvicorn's keep-alive, SGLang's server's, is 5 s) as the request went out, and
+# never read it; aiohttp itself sends only idempotent methods again then. A fresh connection so
+# closed is no such race: it may be the request that killed the worker.
 STALE_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 # The most times one request goes again on another connection for a stale pooled one: each
 # failure drops its connection, so these only bound a pool that others keep refilling.
