@@ -312,7 +312,10 @@ async def tear_down(
 ) -> None:
     assert namespace is not None  # InferenceServices are namespaced
     count = await asyncio.to_thread(delete_children, memo.kube(), namespace, name, uid)
-    memo.written_status.pop((namespace, name), None)
+    # under the lock: a status write in flight would record itself after the pop, and an
+    # InferenceService made again under this name would start from the old one's status
+    async with memo.status_locks.hold((namespace, name)):
+        memo.written_status.pop((namespace, name), None)
     memo.apply_failures.pop((namespace, name), None)
     memo.retiring.discard((namespace, name))
     logger.info("deleted %d children", count)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any
 
 import pytest
@@ -168,3 +169,46 @@ async def test_a_model_from_a_volume_is_not_warned_of(monkeypatch):
     body["metadata"].update(namespace="default", uid="u-1", generation=1)
     await _reconciling(body, handlers.OperatorState(api=StatusWrites()))  # type: ignore[arg-type]
     assert warnings == []
+
+
+class SlowStatusWrites(StatusWrites):
+    """Status writes that wait, in their thread, until the test lets them through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self.go_on = threading.Event()
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.started.set()
+        self.go_on.wait(timeout=10)
+        super().patch_status(namespace, name, status)
+
+
+async def test_a_deleted_inference_service_leaves_no_status_written_during_its_teardown(
+    monkeypatch,
+):
+    """A status write in flight when the InferenceService is deleted recorded itself after the
+    teardown forgot it: one made again under the same name skipped its "being created" status
+    and took the old one's lastTransitionTimes."""
+    monkeypatch.setattr(handlers, "delete_children", lambda api, namespace, name, uid: 0)
+    body = load_example("mixed.yaml")
+    name = body["metadata"]["name"]
+    body["metadata"].update(namespace="default", uid="u-1", generation=1)
+    api = SlowStatusWrites()
+    memo = handlers.OperatorState(api=api)  # type: ignore[arg-type]
+    index = {("default", name): [body]}
+    writing = asyncio.create_task(
+        handlers.publish_status(memo, "default", name, index, {})  # type: ignore[arg-type]
+    )
+    await asyncio.to_thread(api.started.wait, 10)
+    tearing_down = asyncio.create_task(
+        handlers.tear_down(
+            namespace="default", name=name, uid="u-1", logger=logging.getLogger("test"), memo=memo
+        )
+    )
+    for _ in range(5):
+        await asyncio.sleep(0)  # the teardown runs as far as it can while the write waits
+    api.go_on.set()
+    await asyncio.gather(writing, tearing_down)
+    assert ("default", name) not in memo.written_status
