@@ -2,10 +2,11 @@
 
 - create / update / resume of an InferenceService: validate, apply its children, prune, status;
 - delete: remove its children in order (a finalizer holds the object until then);
-- any event on a child: restore it if it was deleted or edited, and for Deployments refresh
-  the owner's status from their replica counts.
+- any event on a child: restore it as last applied if it was deleted or edited, and for
+  Deployments refresh the owner's status from their replica counts.
 
-Blocking API calls run in threads; indexes and status bookkeeping stay on the event loop.
+Blocking API calls run in threads; indexes and status bookkeeping stay on the event loop (the
+record of what the applies made is written in their threads, under the apply lock).
 The handlers are registered at import in `registry`, and keep their state in kopf's memo
 (`OperatorState`), so `kopf.run(registry=registry, memo=OperatorState())` runs them.
 """
@@ -34,14 +35,13 @@ from kubesgl.operator.kube import (
     MissingApi,
 )
 from kubesgl.operator.reconcile import (
+    Made,
     apply_children,
     delete_children,
-    identity,
     owned_by,
     prune_retired,
+    restore_child,
 )
-from kubesgl.operator.render import render
-from kubesgl.operator.spec import InferenceService
 from kubesgl.operator.status import Rollout, Verdict, compute_status, status_patch
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service, unpinned_revision
 
@@ -91,6 +91,9 @@ class OperatorState:
     # Why the last apply of an InferenceService failed, until one succeeds: its Degraded.
     apply_failures: dict[tuple[str, str], Verdict] = field(default_factory=dict)
     apply_locks: KeyedLocks = field(default_factory=KeyedLocks)
+    # What the applies made of each InferenceService's children, read and written under
+    # apply_locks: what a repair restores.
+    made: dict[tuple[str, str], Made] = field(default_factory=dict)
     # InferenceServices whose retired engine roles serve until their replacements are ready:
     # each event of their Deployments checks again (reconcile.prune_retired).
     retiring: set[tuple[str, str]] = field(default_factory=set)
@@ -98,6 +101,14 @@ class OperatorState:
     def kube(self) -> KubeApi:
         assert self.api is not None, "the startup handler creates the API client"
         return self.api
+
+    def made_of(self, key: tuple[str, str], uid: str) -> Made:
+        """The record of this InferenceService's children; a new one for an object made
+        again under the name of one deleted."""
+        made = self.made.get(key)
+        if made is None or made.uid != uid:
+            made = self.made[key] = Made(uid)
+        return made
 
 
 def _snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -285,8 +296,9 @@ async def reconcile(
             # Not on a change: the running Deployments, not yet changed, would read as the new
             # generation rolled out.
             await publish_status(memo, namespace, name, inference_services, rollouts)
+        made = memo.made_of(key, isvc.metadata.uid or "")
         try:
-            applied = await asyncio.to_thread(apply_children, memo.kube(), isvc)
+            applied = await asyncio.to_thread(apply_children, memo.kube(), isvc, made)
         except (MissingApi, ApplyRejected) as error:
             # Not kopf's retry: it would hold a fixed spec back until the retry is due.
             # The timer tries again, and a change of the spec applies at once.
@@ -294,6 +306,7 @@ async def reconcile(
             kopf.warn(body, reason=reason, message=str(error))
             memo.apply_failures[key] = Verdict(True, reason, str(error))
         else:
+            made.generation = body["metadata"].get("generation", 0)
             memo.apply_failures.pop(key, None)
             logger.info("applied %d objects", len(applied.objects))
             unpinned = unpinned_revision(isvc)
@@ -318,7 +331,20 @@ async def tear_down(
         memo.written_status.pop((namespace, name), None)
     memo.apply_failures.pop((namespace, name), None)
     memo.retiring.discard((namespace, name))
+    async with memo.apply_locks.hold((namespace, name)):
+        memo.made.pop((namespace, name), None)
     logger.info("deleted %d children", count)
+
+
+@dataclass(frozen=True)
+class ChildEvent:
+    """What a repair reads of an event of a child."""
+
+    owner: tuple[str, str]  # its InferenceService's namespace and name
+    owner_uid: str
+    child: tuple[str, str]  # kind, name
+    body: Mapping[str, Any]
+    deleted: bool
 
 
 async def repair_child(
@@ -336,31 +362,50 @@ async def repair_child(
     # Children live in their owner's namespace; kopf knows the kind of a watched resource.
     if owner is None or namespace is None or resource.kind is None:
         return
-    instance = owner[0]
+    instance, uid = owner
     stored = list(inference_services.get((namespace, instance), []))
     if not stored or not owned_by(body, stored[0]["metadata"].get("uid", "")):
         return
     if stored[0]["metadata"].get("deletionTimestamp"):
         return
-    try:
-        isvc: InferenceService = parse_inference_service(stored[0])
-    except InvalidSpec:
-        return  # the InferenceService handler reports it; nothing is to be applied
-    wanted = {identity(obj): obj for obj in render(isvc)}
-    target = wanted.get((resource.kind, body["metadata"]["name"]))
-    if target is not None and (event.get("type") == "DELETED" or has_drifted(target, body)):
-        await _restore(target, memo, logger)
+    seen = ChildEvent(
+        owner=(namespace, instance),
+        owner_uid=uid,
+        child=(resource.kind, body["metadata"]["name"]),
+        body=body,
+        deleted=event.get("type") == "DELETED",
+    )
+    # looked at first without the lock: most events (a Deployment's status) change nothing
+    if _to_restore(memo, seen) is not None:
+        await _restore(memo, seen, logger)
     if resource.kind == DEPLOYMENT.kind:
         await _continue_retiring((namespace, instance), memo, inference_services)
         await publish_status(memo, namespace, instance, inference_services, rollouts)
 
 
-async def _restore(target: dict[str, Any], memo: OperatorState, logger: kopf.Logger) -> None:
-    logger.info("restoring %s %s", *identity(target))
-    try:
-        await asyncio.to_thread(memo.kube().apply, target)
-    except ApplyRejected as error:  # the InferenceService's status says so already
-        logger.warning("could not restore: %s", error)
+def _to_restore(memo: OperatorState, event: ChildEvent) -> dict[str, Any] | None:
+    """The child as the operator last applied it, if it was deleted or edited since."""
+    made = memo.made.get(event.owner)
+    if made is None or made.uid != event.owner_uid:
+        return None  # none applied by this process yet: its first apply will
+    target = made.children.get(event.child)
+    if target is None or not (event.deleted or has_drifted(target, event.body)):
+        return None
+    return target
+
+
+async def _restore(memo: OperatorState, event: ChildEvent, logger: kopf.Logger) -> None:
+    """Puts the child back as last applied, never as a spec not applied yet: under the apply
+    lock, and looked up again there, as an apply may have changed it meanwhile."""
+    async with memo.apply_locks.hold(event.owner):
+        target = _to_restore(memo, event)
+        if target is None:
+            return
+        logger.info("restoring %s %s", *event.child)
+        try:
+            await asyncio.to_thread(restore_child, memo.kube(), target, event.owner_uid)
+        except ApplyRejected as error:  # the InferenceService's status says so already
+            logger.warning("could not restore: %s", error)
 
 
 async def _continue_retiring(
@@ -377,7 +422,10 @@ async def _continue_retiring(
             current = parse_inference_service(newest[0]) if newest else None
         except InvalidSpec:
             current = None  # the InferenceService handler reports it
-        if current is not None and not await asyncio.to_thread(prune_retired, memo.kube(), current):
+        if current is None:
+            return
+        made = memo.made_of(key, current.metadata.uid or "")
+        if not await asyncio.to_thread(prune_retired, memo.kube(), current, made):
             memo.retiring.discard(key)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -52,9 +52,22 @@ class Applied:
     retiring: tuple[str, ...] = ()
 
 
-def apply_children(api: KubeApi, isvc: InferenceService) -> Applied:
+@dataclass
+class Made:
+    """What the operator made of one InferenceService's children: each as it last applied it,
+    until it deletes it, and the generation whose spec it last applied in full. A repair puts
+    a child back to this, never to a spec not applied yet (one being applied, or one the
+    cluster refused: the children applied before the refused one are at the new spec)."""
+
+    uid: str
+    generation: int | None = None  # none applied in full yet, by this process
+    children: dict[tuple[str, str], Object] = field(default_factory=dict)
+
+
+def apply_children(api: KubeApi, isvc: InferenceService, made: Made | None = None) -> Applied:
     """Apply every child of a validated InferenceService and prune the ones it no longer has
-    (those of retired engine roles once their replacements serve)."""
+    (those of retired engine roles once their replacements serve), recording each in `made`."""
+    made = made if made is not None else Made(isvc.metadata.uid or "")
     desired = render(isvc)
     # listed once, before applying: what the hand-over reads, and what pruning deletes
     existing = {
@@ -71,7 +84,7 @@ def apply_children(api: KubeApi, isvc: InferenceService) -> Applied:
     for key in [key for key in stale if key[0] in _AUTOSCALERS]:
         # before the new autoscaler: KEDA refuses a ScaledObject for a Deployment an HPA
         # still scales, and an apply that fails would hold every later prune back
-        _delete(api, isvc, stale.pop(key))
+        _delete(api, isvc, stale.pop(key), made)
     for obj in desired:
         live = existing.get(identity(obj))
         if live is not None and obj["kind"] == "Deployment" and "replicas" not in obj["spec"]:
@@ -81,21 +94,25 @@ def apply_children(api: KubeApi, isvc: InferenceService) -> Applied:
             )
             _hand_over_replicas(api, obj, live, autoscaled)
         api.apply(obj)
+        made.children[identity(obj)] = obj
     retiring = _retired_roles(isvc, stale.values())
     for child in stale.values():
         if _role(child) not in retiring:
-            _delete(api, isvc, child)
+            _delete(api, isvc, child, made)
     if retiring:  # the statuses listed above predate this apply: read them again
-        retiring = prune_retired(api, isvc)
+        retiring = prune_retired(api, isvc, made)
     return Applied(desired, retiring)
 
 
-def prune_retired(api: KubeApi, isvc: InferenceService) -> tuple[str, ...]:
+def prune_retired(
+    api: KubeApi, isvc: InferenceService, made: Made | None = None
+) -> tuple[str, ...]:
     """Deletes the objects of engine roles the spec no longer runs once every Deployment it
     does run has rolled out and is ready (a switch between mixed and disaggregated keeps the
     old pool, and the router pods that still send to it, serving until then); returns the
     retired roles still kept."""
     meta = isvc.metadata
+    made = made if made is not None else Made(meta.uid or "")
     children = {
         identity(child): child
         for child in _owned_children(api, meta.namespace, meta.name, meta.uid or "")
@@ -112,7 +129,7 @@ def prune_retired(api: KubeApi, isvc: InferenceService) -> tuple[str, ...]:
         )
         return retiring
     for child in sorted(stale, key=lambda obj: _DELETION_ORDER.index(obj["kind"])):
-        _delete(api, isvc, child)
+        _delete(api, isvc, child, made)
     return ()
 
 
@@ -140,9 +157,18 @@ def _rolled_out(deployment: Object) -> bool:
 _AUTOSCALERS = ("HorizontalPodAutoscaler", "ScaledObject")
 
 
-def _delete(api: KubeApi, isvc: InferenceService, child: Object) -> None:
+def _delete(api: KubeApi, isvc: InferenceService, child: Object, made: Made) -> None:
     log.info("deleting %s %s: no longer in the spec", *identity(child))
     api.delete(kind_of(child), isvc.metadata.namespace, child["metadata"]["name"])
+    made.children.pop(identity(child), None)
+
+
+def restore_child(api: KubeApi, obj: Object, uid: str) -> None:
+    """Apply again a child as the operator last applied it (deleted or edited since): its
+    fields are those applied before, so no replicas hand-over is due; a deleted one's name
+    may have been taken meanwhile by an object not this instance's."""
+    _refuse_to_take_over(api, obj, uid)
+    api.apply(obj)
 
 
 def _refuse_to_take_over(api: KubeApi, obj: Object, uid: str) -> None:

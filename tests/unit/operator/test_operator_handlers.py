@@ -29,7 +29,7 @@ async def test_a_reconciled_inference_service_keeps_no_lock(monkeypatch):
     """An operator that runs for months sees many InferenceServices come and go: a lock lasts
     while a handler holds or awaits it, not for the life of the process (the maps kept one
     per InferenceService ever seen)."""
-    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc: Applied(objects=[]))
+    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc, made: Applied(objects=[]))
     body = load_example("mixed.yaml")
     name = body["metadata"]["name"]
     body["metadata"].update(namespace="default", uid="u-1", generation=1)
@@ -92,7 +92,7 @@ async def test_a_new_inference_service_has_a_status_before_its_children_are_appl
     the handler later): `kubectl get` shows it being created at once."""
     seen: list[list[Any]] = []
 
-    def apply_children(api: StatusWrites, isvc: Any) -> Applied:
+    def apply_children(api: StatusWrites, isvc: Any, made: Any) -> Applied:
         seen.append(list(api.patches))
         raise ConnectionResetError("the API server went away")
 
@@ -114,7 +114,7 @@ async def test_a_changed_inference_service_has_its_status_written_after_the_appl
     done."""
     seen: list[list[Any]] = []
 
-    def apply_children(api: StatusWrites, isvc: Any) -> Applied:
+    def apply_children(api: StatusWrites, isvc: Any, made: Any) -> Applied:
         seen.append(list(api.patches))
         return Applied(objects=[])
 
@@ -140,7 +140,7 @@ async def test_an_applied_hugging_face_revision_that_can_move_is_warned_of(
     """Each pod downloads its model when it starts: under `main`, the default, pods started
     at different times loaded different commits, and nothing said so."""
     warnings: list[tuple[str, str]] = []
-    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc: Applied(objects=[]))
+    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc, made: Applied(objects=[]))
     monkeypatch.setattr(
         handlers.kopf, "warn", lambda body, reason, message: warnings.append((reason, message))
     )
@@ -161,7 +161,7 @@ async def test_an_applied_hugging_face_revision_that_can_move_is_warned_of(
 
 async def test_a_model_from_a_volume_is_not_warned_of(monkeypatch):
     warnings: list[str] = []
-    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc: Applied(objects=[]))
+    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc, made: Applied(objects=[]))
     monkeypatch.setattr(
         handlers.kopf, "warn", lambda body, reason, message: warnings.append(reason)
     )
