@@ -91,8 +91,9 @@ class OperatorState:
     # Why the last apply of an InferenceService failed, until one succeeds: its Degraded.
     apply_failures: dict[tuple[str, str], Verdict] = field(default_factory=dict)
     apply_locks: KeyedLocks = field(default_factory=KeyedLocks)
-    # What the applies made of each InferenceService's children, read and written under
-    # apply_locks: what a repair restores.
+    # What the applies made of each InferenceService: its children as applied (read and
+    # written under apply_locks), which a repair restores, and the generation applied in
+    # full, which its status describes.
     made: dict[tuple[str, str], Made] = field(default_factory=dict)
     # InferenceServices whose retired engine roles serve until their replacements are ready:
     # each event of their Deployments checks again (reconcile.prune_retired).
@@ -230,8 +231,11 @@ async def publish_status(
         serves = problems is None or contract.ROUTER in mine
         endpoint = naming.router_endpoint(name, namespace) if serves else None
         previous = memo.written_status.get(key, isvc_body.get("status") or {})
+        newest = isvc_body["metadata"].get("generation", 0)
+        held_back = problems is not None or key in memo.apply_failures
         new = compute_status(
-            generation=isvc_body["metadata"].get("generation", 0),
+            # why the newest spec is held back is news of it; the rest is of the applied one
+            generation=newest if held_back else _applied(memo, key, uid, previous, newest),
             roles=roles,
             rollouts=mine,
             endpoint=endpoint,
@@ -244,6 +248,22 @@ async def publish_status(
         if patch is not None:
             await asyncio.to_thread(memo.kube().patch_status, namespace, name, patch)
             memo.written_status[key] = new
+
+
+def _applied(
+    memo: OperatorState,
+    key: tuple[str, str],
+    uid: str | None,
+    previous: Mapping[str, Any],
+    newest: int,
+) -> int:
+    """The generation the running children are of: the last one applied in full, else (none
+    yet, since the operator started) the one the status already says, else (a new
+    InferenceService, being created) the newest."""
+    made = memo.made.get(key)
+    if made is not None and made.uid == uid and made.generation is not None:
+        return made.generation
+    return int(previous.get("observedGeneration") or 0) or newest
 
 
 def _refused(memo: OperatorState, namespace: str | None, name: str, **_: Any) -> bool:

@@ -172,3 +172,32 @@ async def test_the_children_applied_before_a_refused_one_are_not_set_back():
     cluster.applies.clear()
     await _event(cluster, memo, v2, cluster.objects[DEPLOYMENT])
     assert cluster.applies == []
+
+
+def _observed(status: dict[str, Any]) -> set[int]:
+    generations = {status["observedGeneration"]}
+    return generations | {condition["observedGeneration"] for condition in status["conditions"]}
+
+
+async def test_a_status_written_before_a_change_is_applied_describes_the_applied_generation():
+    """Written for gen 2 it read as gen 2 rolled out (`kubectl wait` returned) while gen 1
+    ran."""
+    cluster, memo = await _applied_v1()
+    v2 = _generation(2, with_changes(V1, "spec.image", "example.com/kubesgl:new"))
+    ready = copy.deepcopy(cluster.objects[DEPLOYMENT])
+    ready["status"]["readyReplicas"] -= 1  # a change of its status: the status is written
+    cluster.objects[DEPLOYMENT] = ready
+    await _event(cluster, memo, v2, ready)
+    assert _observed(cluster.statuses[-1]) == {1}
+
+
+async def test_a_refused_change_is_reported_of_its_generation():
+    cluster, memo = await _applied_v1()
+    v2 = _generation(2, with_changes(V1, "spec.image", "example.com/kubesgl:new"))
+    cluster.refused.add(DEPLOYMENT)
+    await _reconcile(cluster, memo, v2)
+    await _event(cluster, memo, v2, cluster.objects[DEPLOYMENT])
+    status = cluster.statuses[-1]
+    assert _observed(status) == {2}
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "ApplyFailed"
