@@ -124,8 +124,9 @@ def _overall(per_role: Mapping[str, Mapping[str, Verdict]]) -> dict[str, Verdict
 def _held_back(
     overall: Mapping[str, Verdict], failure: Verdict, progressing: str
 ) -> dict[str, Verdict]:
-    """Nothing new is applied (an invalid spec, a refused apply): Degraded says why and
-    Progressing stops, while what already runs keeps its Ready and goes on serving."""
+    """The spec is held back (invalid: nothing of it is applied; refused: what came before the
+    refused child is): Degraded says why and Progressing stops, while what already runs keeps
+    its Ready and goes on serving."""
     return {
         **overall,
         "Progressing": Verdict(False, failure.reason, progressing),
