@@ -28,6 +28,11 @@ class Kind:
     api_version: str  # "v1", "apps/v1", ...
     kind: str
     plural: str
+    # served only where an add-on is installed (KEDA, prometheus-operator): a 404 on apply
+    # means the cluster lacks the API, not the object
+    optional: bool = False
+    # scales a Deployment: deleted before a new one is applied (reconcile.apply_children)
+    autoscaler: bool = False
 
     @property
     def group(self) -> str:
@@ -49,17 +54,20 @@ class Kind:
 
 INFERENCE_SERVICE = Kind(f"{API_GROUP}/{API_VERSION}", KIND, PLURAL)
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
+# In teardown order (reconcile.delete_children): autoscalers first so that nothing scales a
+# role being removed, the Deployments before the Services that reach their pods, the
+# NetworkPolicies once no pods are meant to run, the router's RBAC last.
 CHILD_KINDS: tuple[Kind, ...] = (
-    Kind("v1", "ServiceAccount", "serviceaccounts"),
-    Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
-    Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
-    Kind("v1", "Service", "services"),
+    Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers", autoscaler=True),
+    Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects", optional=True, autoscaler=True),
+    Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors", optional=True),
     DEPLOYMENT,
+    Kind("v1", "Service", "services"),
     Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
-    Kind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
-    Kind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects"),
-    Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
     Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+    Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+    Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
+    Kind("v1", "ServiceAccount", "serviceaccounts"),
 )
 _BY_KIND = {kind.kind: kind for kind in CHILD_KINDS}
 
@@ -69,6 +77,11 @@ def kind_of(obj: Mapping[str, Any]) -> Kind:
     if kind is None or kind.api_version != obj["apiVersion"]:
         raise KeyError(f"{obj['apiVersion']} {obj['kind']} is not a kind the operator manages")
     return kind
+
+
+def deletion_rank(obj: Mapping[str, Any]) -> int:
+    """Where a child's kind comes in a teardown: its place in CHILD_KINDS."""
+    return CHILD_KINDS.index(kind_of(obj))
 
 
 class MissingApi(RuntimeError):
@@ -176,7 +189,7 @@ class KubeApi:
         try:
             return self._call("PATCH", path, obj, query, "application/apply-patch+yaml")
         except ApiException as error:
-            if error.status == 404 and kind.kind in ("ScaledObject", "PodMonitor"):
+            if error.status == 404 and kind.optional:
                 raise MissingApi(
                     f"the cluster does not serve {kind.api_version} {kind.kind};"
                     " install its CRDs or change the spec"

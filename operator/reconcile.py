@@ -11,28 +11,12 @@ from kubernetes.client.exceptions import ApiException
 
 from kubesgl import contract
 from kubesgl.operator import naming
-from kubesgl.operator.kube import CHILD_KINDS, ApplyRejected, KubeApi, kind_of
+from kubesgl.operator.kube import CHILD_KINDS, ApplyRejected, KubeApi, deletion_rank, kind_of
 from kubesgl.operator.render import Object, render
 from kubesgl.operator.spec import InferenceService
 from kubesgl.operator.status import Rollout
 
 log = logging.getLogger(__name__)
-
-# Teardown order: autoscalers first so that nothing scales a role being removed, the router
-# before the engines so that no new requests reach draining engines, the rest after them, the
-# NetworkPolicies once no pods are meant to run.
-_DELETION_ORDER = (
-    "HorizontalPodAutoscaler",
-    "ScaledObject",
-    "PodMonitor",
-    "Deployment",
-    "Service",
-    "PodDisruptionBudget",
-    "NetworkPolicy",
-    "RoleBinding",
-    "Role",
-    "ServiceAccount",
-)
 
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -81,7 +65,7 @@ def apply_children(api: KubeApi, isvc: InferenceService, made: Made | None = Non
             _refuse_to_take_over(api, obj, isvc.metadata.uid or "")
     wanted = {identity(obj) for obj in desired}
     stale = {key: child for key, child in existing.items() if key not in wanted}
-    for key in [key for key in stale if key[0] in _AUTOSCALERS]:
+    for key in [key for key, child in stale.items() if kind_of(child).autoscaler]:
         # before the new autoscaler: KEDA refuses a ScaledObject for a Deployment an HPA
         # still scales, and an apply that fails would hold every later prune back
         _delete(api, isvc, stale.pop(key), made)
@@ -128,7 +112,7 @@ def prune_retired(
             "keeping the %s pool until the roles that replace it are ready", ", ".join(retiring)
         )
         return retiring
-    for child in sorted(stale, key=lambda obj: _DELETION_ORDER.index(obj["kind"])):
+    for child in sorted(stale, key=deletion_rank):
         _delete(api, isvc, child, made)
     return ()
 
@@ -152,9 +136,6 @@ def _rolled_out(deployment: Object) -> bool:
         rollout.observed_generation >= rollout.generation
         and rollout.updated == rollout.ready == rollout.replicas == rollout.desired
     )
-
-
-_AUTOSCALERS = ("HorizontalPodAutoscaler", "ScaledObject")
 
 
 def _delete(api: KubeApi, isvc: InferenceService, child: Object, made: Made) -> None:
@@ -231,13 +212,14 @@ def _applies_field(obj: Mapping[str, Any], manager: str, *path: str) -> bool:
 
 
 def delete_children(api: KubeApi, namespace: str, instance: str, uid: str) -> int:
-    """Delete an InferenceService's children in _DELETION_ORDER; returns how many."""
+    """Delete an InferenceService's children in teardown order (kube.CHILD_KINDS), the
+    router's before the engines' so that no new requests reach draining engines; returns how
+    many."""
     children = _owned_children(api, namespace, instance, uid)
-    rank = {kind: position for position, kind in enumerate(_DELETION_ORDER)}
 
     def order(obj: Object) -> tuple[int, int]:
         is_engine = obj["metadata"].get("labels", {}).get(contract.ROLE_LABEL) != contract.ROUTER
-        return rank[obj["kind"]], int(is_engine)
+        return deletion_rank(obj), int(is_engine)
 
     for child in sorted(children, key=order):
         api.delete(kind_of(child), namespace, child["metadata"]["name"])

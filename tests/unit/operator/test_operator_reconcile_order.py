@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from kubesgl.operator.kube import Kind
-from kubesgl.operator.reconcile import apply_children, prune_retired
+from kubesgl.operator.reconcile import apply_children, delete_children, prune_retired
 from kubesgl.operator.validation import parse_inference_service
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -133,3 +133,17 @@ def test_what_is_left_of_a_retired_role_goes_once_the_new_one_is_ready():
     _ready(api)
     assert prune_retired(api, disaggregated) == ()  # type: ignore[arg-type]
     assert ("Service", "llama-pd-mixed") not in api.objects
+
+
+def test_a_teardown_deletes_autoscalers_first_the_router_before_the_engines_rbac_last():
+    api = RecordingApi()
+    apply_children(api, isvc("hpa"))  # type: ignore[arg-type]
+    count = delete_children(api, "default", "llama-keda", UID)  # type: ignore[arg-type]
+    deleted = [(kind, name) for op, kind, name in api.calls if op == "delete"]
+    assert count == len(deleted) and not api.objects
+    kinds = [kind for kind, _ in deleted]
+    assert kinds[:2] == ["HorizontalPodAutoscaler"] * 2
+    deployments = [name for kind, name in deleted if kind == "Deployment"]
+    assert deployments[0].endswith("-router") and len(deployments) == 3
+    assert kinds.index("Deployment") < kinds.index("Service")
+    assert kinds[-3:] == ["RoleBinding", "Role", "ServiceAccount"]
