@@ -433,11 +433,50 @@ class MixedAutoscaling(SpecModel):
 RoleAutoscaling = PrefillAutoscaling | DecodeAutoscaling | MixedAutoscaling
 
 
+# Kubernetes' limits on an HPA's behavior (k8s.io/kubernetes pkg/apis/autoscaling/validation):
+# the API server refuses an HPA, or KEDA's HPA of a ScaledObject, beyond them.
+MAX_STABILIZATION_WINDOW_SECONDS = 3600
+MAX_POLICY_PERIOD_SECONDS = 1800
+
+
+class HpaScalingPolicy(SpecModel):
+    """One autoscaling/v2 HPAScalingPolicy: at most `value` pods (Pods) or percent of the
+    count at the period's start (Percent) added or removed within periodSeconds."""
+
+    type: Literal["Pods", "Percent"]
+    value: int = Field(ge=1)
+    period_seconds: int = Field(ge=1, le=MAX_POLICY_PERIOD_SECONDS)
+
+
+class HpaScalingRules(SpecModel):
+    """One direction of an autoscaling/v2 HorizontalPodAutoscalerBehavior; a field left out
+    takes the operator's default for scale-up (render/autoscaling.py, DEFAULT_SCALE_UP) and
+    Kubernetes' for scale-down."""
+
+    stabilization_window_seconds: int | None = Field(
+        default=None, ge=0, le=MAX_STABILIZATION_WINDOW_SECONDS
+    )
+    select_policy: Literal["Max", "Min", "Disabled"] | None = None
+    # None: the default's; an empty list the API server refuses ("at least one Policy")
+    policies: list[HpaScalingPolicy] | None = Field(default=None, min_length=1)
+
+
+class HpaBehavior(SpecModel):
+    """autoscaling/v2 HorizontalPodAutoscalerBehavior, given to every autoscaled role's HPA
+    (KEDA: its advanced.horizontalPodAutoscalerConfig.behavior)."""
+
+    scale_up: HpaScalingRules | None = None
+    scale_down: HpaScalingRules | None = None
+
+
 class AutoscalingSpec(SpecModel):
     provider: Literal["hpa", "keda"] = "hpa"
     # Prometheus that KEDA queries, e.g. http://prometheus.monitoring:9090 (KEDA only: refused
     # with hpa, whose metrics come through the custom-metrics adapter).
     prometheus_address: str | None = None
+    # None: the operator's scale-up rules (render/autoscaling.py, DEFAULT_SCALE_UP) and
+    # Kubernetes' scale-down rules
+    behavior: HpaBehavior | None = None
     prefill: PrefillAutoscaling | None = None
     decode: DecodeAutoscaling | None = None
     mixed: MixedAutoscaling | None = None

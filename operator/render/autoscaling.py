@@ -1,8 +1,10 @@
 """Autoscalers for engine roles: an autoscaling/v2 HPA on pod metrics, or a KEDA ScaledObject
-with a Prometheus trigger. Either one then owns the role's replica count."""
+with a Prometheus trigger. Either one then owns the role's replica count, scaling up no faster
+than behavior() allows."""
 
 from __future__ import annotations
 
+import copy
 from decimal import Decimal
 
 from kubesgl.contract import EngineRole
@@ -25,6 +27,34 @@ HPA_METRICS = {
 MAX_OVER_PODS = {"kvCacheUsage": "kubesgl_kv_cache_usage_ratio_max"}
 # The Prometheus label the PodMonitor copies from the pods' app.kubernetes.io/instance.
 INSTANCE_PROMETHEUS_LABEL = "app_kubernetes_io_instance"
+
+
+# The HPA's scale-up rules when the spec gives none (docs/operator.md, Autoscaling, argues the
+# numbers). A new engine serves only once its model is loaded, minutes after the HPA asked for
+# it; meanwhile a metric compared as a whole (the fullest pod's KV usage, a latency quantile)
+# has not moved, and each pod that turns Ready multiplies it in again. At most doubling within
+# a period about an engine's start-up means no more pods load than serve: the next step is
+# taken on what the last one did. Kubernetes' own default (4 pods or 100% per 15 s) reaches
+# maxReplicas long before the first new pod serves. The window keeps a burst shorter than a
+# minute, which the engines' queues absorb, from starting a pod that loads for minutes and is
+# scaled in again 5 minutes later.
+DEFAULT_SCALE_UP: Object = {
+    "stabilizationWindowSeconds": 60,
+    "selectPolicy": "Max",
+    "policies": [{"type": "Percent", "value": 100, "periodSeconds": 180}],
+}
+
+
+def behavior(spec: AutoscalingSpec) -> Object:
+    """The HPA behavior of every autoscaled role: the spec's fields over DEFAULT_SCALE_UP;
+    scaleDown as given (Kubernetes' defaults where unset)."""
+    given = (
+        {} if spec.behavior is None else spec.behavior.model_dump(by_alias=True, exclude_none=True)
+    )
+    rendered: Object = {"scaleUp": {**copy.deepcopy(DEFAULT_SCALE_UP), **given.get("scaleUp", {})}}
+    if "scaleDown" in given:
+        rendered["scaleDown"] = given["scaleDown"]
+    return rendered
 
 
 def hpa_quantity(target: float) -> str:
@@ -60,7 +90,7 @@ def hpa_metric(isvc: InferenceService, role: EngineRole, scaling: RoleAutoscalin
 
 
 def horizontal_pod_autoscaler(
-    isvc: InferenceService, role: EngineRole, scaling: RoleAutoscaling
+    isvc: InferenceService, role: EngineRole, scaling: RoleAutoscaling, spec: AutoscalingSpec
 ) -> Object:
     name = naming.role_object_name(isvc.metadata.name, role)
     return {
@@ -72,6 +102,7 @@ def horizontal_pod_autoscaler(
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
             "metrics": [hpa_metric(isvc, role, scaling)],
+            "behavior": behavior(spec),
         },
     }
 
@@ -108,6 +139,8 @@ def scaled_object(
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
             "minReplicaCount": scaling.min_replicas,
             "maxReplicaCount": scaling.max_replicas,
+            # the HPA KEDA makes for the ScaledObject takes it as it is
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior(spec)}},
             "triggers": [
                 {
                     "type": "prometheus",
@@ -132,4 +165,4 @@ def autoscaler(isvc: InferenceService, role: EngineRole) -> Object | None:
         return None
     if spec.provider == "keda":
         return scaled_object(isvc, role, scaling, spec)
-    return horizontal_pod_autoscaler(isvc, role, scaling)
+    return horizontal_pod_autoscaler(isvc, role, scaling, spec)

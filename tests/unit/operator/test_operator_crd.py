@@ -112,7 +112,7 @@ def _canonical(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if schema.get("x-kubernetes-preserve-unknown-fields") and "type" not in schema:
         return {"type": "any"}
     result: dict[str, Any] = {"type": schema.get("type", "object")}
-    for key in ("enum", "minimum", "maximum", "pattern", "minLength", "maxLength"):
+    for key in ("enum", "minimum", "maximum", "pattern", "minLength", "maxLength", "minItems"):
         if key in schema:
             result[key] = schema[key]
     for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
@@ -220,6 +220,27 @@ def test_every_example_passes_the_crd_schema(path) -> None:
             "vpa",
             "spec.autoscaling.provider",
             "is not one of",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.behavior",
+            {"scaleUp": {"stabilizationWindowSeconds": 3601}},
+            "spec.autoscaling.behavior.scaleUp.stabilizationWindowSeconds",
+            "is greater than the maximum of 3600",
+        ),
+        (
+            "autoscaled-keda.yaml",
+            "spec.autoscaling.behavior",
+            {"scaleDown": {"policies": []}},
+            "spec.autoscaling.behavior.scaleDown.policies",
+            "should be non-empty",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.behavior",
+            {"scaleUp": {"policies": [{"type": "Pods", "value": 2}]}},
+            "spec.autoscaling.behavior.scaleUp.policies.0",
+            "'periodSeconds' is a required property",
         ),
         (
             "mixed.yaml",

@@ -584,6 +584,62 @@ def test_keda_scaled_objects_query_the_role_pods() -> None:
     assert prefill["metadata"]["threshold"] == "0.5"
 
 
+def _behaviors(objects: dict[tuple[str, str], Any]) -> dict[str, Any]:
+    """Each autoscaler's HPA behavior, by its name: the HPA's own, or the one KEDA gives its HPA."""
+    found = {}
+    for (kind, name), obj in objects.items():
+        if kind == "HorizontalPodAutoscaler":
+            found[name] = obj["spec"]["behavior"]
+        elif kind == "ScaledObject":
+            found[name] = obj["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    return found
+
+
+@pytest.mark.parametrize("provider", ["hpa", "keda"])
+def test_scale_up_is_bounded_by_default_while_new_engines_load(provider: str) -> None:
+    """Kubernetes' default (4 pods or 100% per 15 s, no window) reached maxReplicas before a
+    new engine served: by default a role at most doubles within 180 s, on what a minute asks."""
+    behaviors = _behaviors(objects_of(load_example(f"autoscaled-{provider}.yaml")))
+    assert sorted(behaviors) == [f"llama-{provider}-decode", f"llama-{provider}-prefill"]
+    for behavior in behaviors.values():
+        assert behavior == {
+            "scaleUp": {
+                "stabilizationWindowSeconds": 60,
+                "selectPolicy": "Max",
+                "policies": [{"type": "Percent", "value": 100, "periodSeconds": 180}],
+            }
+        }
+
+
+@pytest.mark.parametrize("provider", ["hpa", "keda"])
+def test_the_specs_behavior_overrides_the_default_field_by_field(provider: str) -> None:
+    """scaleUp's fields given replace the default's, the others stay; scaleDown as given. Valid
+    as the HPA's (Kubernetes' schema) and as KEDA's (its CRD's)."""
+    document = with_changes(
+        load_example(f"autoscaled-{provider}.yaml"),
+        "spec.autoscaling.behavior",
+        {
+            "scaleUp": {"policies": [{"type": "Pods", "value": 2, "periodSeconds": 300}]},
+            "scaleDown": {"stabilizationWindowSeconds": 600, "selectPolicy": "Min"},
+        },
+    )
+    objects = objects_of(document)
+    for behavior in _behaviors(objects).values():
+        assert behavior == {
+            "scaleUp": {
+                "stabilizationWindowSeconds": 60,
+                "selectPolicy": "Max",
+                "policies": [{"type": "Pods", "value": 2, "periodSeconds": 300}],
+            },
+            "scaleDown": {"stabilizationWindowSeconds": 600, "selectPolicy": "Min"},
+        }
+    for obj in objects.values():
+        if obj["kind"] in CRD_MODELS:
+            validate_against_crd_model(obj)
+        else:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
 @pytest.mark.parametrize(("target", "threshold"), [
     (2, "2"), (0.8, "0.8"), (1234567, "1234567"), (123456.7, "123456.7"),
     (0.0012345678, "0.0012345678"), (1e16, "10000000000000000"),

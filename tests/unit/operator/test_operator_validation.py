@@ -456,6 +456,48 @@ def problems_of(document) -> list[str]:
             "spec.router.loadBalancerSourceRanges.0: Value error, '2001:DB8::/32': write it as "
             "2001:db8::/32",
         ),
+        # the HPA behavior Kubernetes refuses (its limits: a window of at most 3600 s, a
+        # policy's period 1 to 1800 s and value above 0, at least one policy when given)
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.behavior",
+            {"scaleUp": {"stabilizationWindowSeconds": 3601}},
+            "spec.autoscaling.behavior.scaleUp.stabilizationWindowSeconds: Input should be less "
+            "than or equal to 3600",
+        ),
+        (
+            "autoscaled-keda.yaml",
+            "spec.autoscaling.behavior",
+            {"scaleDown": {"policies": []}},
+            "spec.autoscaling.behavior.scaleDown.policies: List should have at least 1 item",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.behavior",
+            {"scaleUp": {"policies": [{"type": "Pods", "value": 0, "periodSeconds": 60}]}},
+            "spec.autoscaling.behavior.scaleUp.policies.0.value: Input should be greater than or "
+            "equal to 1",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.behavior",
+            {"scaleUp": {"policies": [{"type": "Percent", "value": 50, "periodSeconds": 1801}]}},
+            "spec.autoscaling.behavior.scaleUp.policies.0.periodSeconds: Input should be less "
+            "than or equal to 1800",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.behavior",
+            {"scaleUp": {"selectPolicy": "Average"}},
+            "spec.autoscaling.behavior.scaleUp.selectPolicy: Input should be 'Max', 'Min' or "
+            "'Disabled'",
+        ),
+        (
+            "autoscaled-hpa.yaml",
+            "spec.autoscaling.behavior",
+            {"scaleUp": {"tolerance": "0.05"}},
+            "spec.autoscaling.behavior.scaleUp.tolerance: Extra inputs are not permitted",
+        ),
         (
             "mixed.yaml",  # a ClusterIP Service: the API server refuses source ranges on it
             "spec.router.loadBalancerSourceRanges",
