@@ -43,7 +43,7 @@ from kubesgl.operator.reconcile import (
     restore_child,
 )
 from kubesgl.operator.status import Rollout, Verdict, compute_status, status_patch
-from kubesgl.operator.validation import InvalidSpec, parse_inference_service, unpinned_revision
+from kubesgl.operator.validation import InvalidSpec, parse_inference_service, spec_warnings
 
 ISVC = (INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural)
 OURS = {contract.MANAGED_BY_LABEL: naming.MANAGER}
@@ -329,9 +329,8 @@ async def reconcile(
             made.generation = body["metadata"].get("generation", 0)
             memo.apply_failures.pop(key, None)
             logger.info("applied %d objects", len(applied.objects))
-            unpinned = unpinned_revision(isvc)
-            if unpinned is not None:
-                kopf.warn(body, reason="UnpinnedRevision", message=unpinned)
+            for warning in spec_warnings(isvc):
+                kopf.warn(body, reason=warning.reason, message=warning.message)
             if applied.retiring:
                 memo.retiring.add(key)
             else:

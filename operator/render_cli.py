@@ -14,7 +14,7 @@ import yaml
 from kubesgl.cli_help import CommandParser
 from kubesgl.operator.render import Object, render
 from kubesgl.operator.spec import API_GROUP, KIND
-from kubesgl.operator.validation import InvalidSpec, parse_inference_service, unpinned_revision
+from kubesgl.operator.validation import InvalidSpec, parse_inference_service, spec_warnings
 
 
 class _Dumper(yaml.SafeDumper):
@@ -202,10 +202,10 @@ def render_inputs(found: list[Found]) -> tuple[list[Object], bool]:
             sound = False
             continue
         first_in[key] = filename
-        warning = unpinned_revision(isvc)
-        if warning is not None:  # rendered all the same, as the operator applies it
+        for warning in spec_warnings(isvc):  # rendered all the same, as the operator applies it
             print(
-                f"{PROG}: {filename}: {KIND} {'/'.join(key)}: warning: {warning}", file=sys.stderr
+                f"{PROG}: {filename}: {KIND} {'/'.join(key)}: warning: {warning.message}",
+                file=sys.stderr,
             )
         objects += render(isvc)
     return objects, sound

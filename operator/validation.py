@@ -115,6 +115,43 @@ def unpinned_revision(isvc: InferenceService) -> str | None:
     )
 
 
+def ignored_replicas(isvc: InferenceService) -> list[str]:
+    """Why a role's `replicas` does nothing, for each role given one while an autoscaler owns
+    its count: a warning, not a problem, as the count takes effect once autoscaling is
+    removed (and a CRD older than this operator's filled in `replicas: 1`)."""
+    warnings = []
+    for role, block in isvc.spec.engine_roles().items():
+        scaling = isvc.spec.autoscaling_for(role)
+        if scaling is None or block.replicas is None:
+            continue
+        warnings.append(
+            f"spec.{role}.replicas ({block.replicas}) is ignored while spec.autoscaling.{role} "
+            f"scales the role ({scaling.min_replicas} to {scaling.max_replicas} replicas): the "
+            "autoscaler owns the count, and this one applies only once autoscaling is removed; "
+            "leave replicas out, or set the bounds in spec.autoscaling"
+        )
+    return warnings
+
+
+@dataclass(frozen=True)
+class SpecWarning:
+    """A spec that runs but likely not as meant: `kubesgl render` prints it, the operator
+    posts it as a Warning Event with this reason."""
+
+    reason: str
+    message: str
+
+
+def spec_warnings(isvc: InferenceService) -> list[SpecWarning]:
+    """Every warning of a sound spec, in the order printed and posted."""
+    warnings = []
+    unpinned = unpinned_revision(isvc)
+    if unpinned is not None:
+        warnings.append(SpecWarning("UnpinnedRevision", unpinned))
+    warnings += [SpecWarning("ReplicasIgnored", message) for message in ignored_replicas(isvc)]
+    return warnings
+
+
 def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     """Rules across fields: each one is a spec the API server accepts but that cannot run."""
     problems: list[Problem] = []

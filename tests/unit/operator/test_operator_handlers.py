@@ -159,6 +159,22 @@ async def test_an_applied_hugging_face_revision_that_can_move_is_warned_of(
         assert warnings == []
 
 
+async def test_replicas_an_autoscaler_overrides_are_warned_of(monkeypatch):
+    """The same warning as `kubesgl render`'s, as a Warning Event once applied."""
+    warnings: list[tuple[str, str]] = []
+    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc: Applied(objects=[]))
+    monkeypatch.setattr(
+        handlers.kopf, "warn", lambda body, reason, message: warnings.append((reason, message))
+    )
+    body = load_example("autoscaled-hpa.yaml")
+    body["spec"]["decode"]["replicas"] = 3
+    body["metadata"].update(namespace="default", uid="u-1", generation=1)
+    await _reconciling(body, handlers.OperatorState(api=StatusWrites()))  # type: ignore[arg-type]
+    ((reason, message),) = warnings
+    assert reason == "ReplicasIgnored"
+    assert message.startswith("spec.decode.replicas (3) is ignored while spec.autoscaling.decode")
+
+
 async def test_a_model_from_a_volume_is_not_warned_of(monkeypatch):
     warnings: list[str] = []
     monkeypatch.setattr(handlers, "apply_children", lambda api, isvc, made: Applied(objects=[]))

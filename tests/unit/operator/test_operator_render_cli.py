@@ -63,6 +63,26 @@ def test_a_hugging_face_branch_is_rendered_with_a_warning(tmp_path, capsys, revi
         assert err == ""
 
 
+def test_replicas_an_autoscaler_overrides_are_rendered_with_a_warning(tmp_path, capsys):
+    """As the operator's ReplicasIgnored Event: the spec renders, without the count."""
+    document = with_changes(load_example("autoscaled-keda.yaml"), "spec.prefill.replicas", 2)
+    (tmp_path / "isvc.yaml").write_text(yaml.safe_dump(document))
+    status, printed, err = _render_main(capsys, "-f", str(tmp_path / "isvc.yaml"))
+    assert (status, printed) == (0, _rendered(document))
+    (deployment,) = [
+        o
+        for o in printed
+        if o["metadata"]["name"] == "llama-keda-prefill" and o["kind"] == "Deployment"
+    ]
+    assert "replicas" not in deployment["spec"]
+    assert err.startswith(
+        f"kubesgl render: {tmp_path / 'isvc.yaml'}: InferenceService default/llama-keda: "
+        "warning: spec.prefill.replicas (2) is ignored while spec.autoscaling.prefill scales "
+        "the role (1 to 4 replicas)"
+    )
+    assert err.count("\n") == 1
+
+
 def test_a_bad_spec_exits_2_naming_the_field() -> None:
     document = load_example("disaggregated.yaml")
     del document["spec"]["decode"]

@@ -7,7 +7,12 @@ from typing import Any
 import pytest
 from operator_fixtures import EXAMPLES, load_example, with_changes
 
-from kubesgl.operator.validation import InvalidSpec, parse_inference_service
+from kubesgl.operator.validation import (
+    InvalidSpec,
+    SpecWarning,
+    parse_inference_service,
+    spec_warnings,
+)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -509,6 +514,34 @@ def problems_of(document) -> list[str]:
 def test_bad_input_names_the_field(example, path, value, expected) -> None:
     problems = problems_of(with_changes(load_example(example), path, value))
     assert any(problem.startswith(expected) for problem in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("example", "role", "bounds"),
+    [("autoscaled-hpa.yaml", "decode", "2 to 8"), ("autoscaled-mixed.yaml", "mixed", "1 to 6")],
+)
+def test_replicas_of_an_autoscaled_role_are_warned_of(example, role, bounds) -> None:
+    """The autoscaler owns the count: a role's replicas beside it did nothing, and nothing said
+    so. A warning, not a problem: it applies once autoscaling is removed."""
+    document = with_changes(load_example(example), f"spec.{role}.replicas", 3)
+    assert spec_warnings(parse_inference_service(document)) == [
+        SpecWarning(
+            "ReplicasIgnored",
+            f"spec.{role}.replicas (3) is ignored while spec.autoscaling.{role} scales the role "
+            f"({bounds} replicas): the autoscaler owns the count, and this one applies only "
+            "once autoscaling is removed; leave replicas out, or set the bounds in "
+            "spec.autoscaling",
+        )
+    ]
+
+
+def test_replicas_of_a_role_no_autoscaler_scales_are_not_warned_of() -> None:
+    document = with_changes(load_example("mixed.yaml"), "spec.mixed.replicas", 3)
+    assert spec_warnings(parse_inference_service(document)) == []
+    document = load_example("autoscaled-hpa.yaml")
+    document["spec"]["autoscaling"].pop("prefill")
+    document["spec"]["prefill"]["replicas"] = 2
+    assert spec_warnings(parse_inference_service(document)) == []
 
 
 def test_a_dev_shm_on_the_cpu_is_not_held_to_the_memory_limit() -> None:
