@@ -11,9 +11,10 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from operator_fixtures import EXAMPLES, crd, crd_schema, load_example, with_changes
+from operator_fixtures import EXAMPLES, REPO, crd, crd_schema, load_example, with_changes
 
 from kubesgl.engine.server.options import build_parser as engine_parser
+from kubesgl.operator.render.autoscaling import DEFAULT_SCALE_UP
 from kubesgl.operator.spec import InferenceServiceSpec
 from kubesgl.router.cli import build_parser as router_parser
 
@@ -64,6 +65,26 @@ def test_every_field_has_a_description() -> None:
     """A platform engineer reads the CRD through `kubectl explain inferenceservice.spec...`:
     every property has a description (the anchors' once for each place they are used)."""
     assert _undescribed(crd_schema()) == []
+
+
+def test_the_default_scale_up_is_the_one_the_crd_and_the_docs_state() -> None:
+    """The operator's default scale-up is declared once (render/autoscaling.py); the CRD's
+    description (`kubectl explain`) and docs/operator.md restate it."""
+    autoscaling = crd_schema()["properties"]["spec"]["properties"]["autoscaling"]
+    scale_up = autoscaling["properties"]["behavior"]["properties"]["scaleUp"]["description"]
+    policies = ", ".join(
+        f"{{type: {p['type']}, value: {p['value']}, periodSeconds: {p['periodSeconds']}}}"
+        for p in DEFAULT_SCALE_UP["policies"]
+    )
+    assert (
+        f"(stabilizationWindowSeconds {DEFAULT_SCALE_UP['stabilizationWindowSeconds']}, "
+        f"selectPolicy {DEFAULT_SCALE_UP['selectPolicy']}, policies [{policies}])"
+    ) in scale_up
+    docs = (REPO / "docs" / "operator.md").read_text()
+    section = docs[docs.index("**Scale-up while engines load**") :]
+    start = section.index("```yaml\n") + len("```yaml\n")
+    block = section[start : section.index("```", start)]
+    assert yaml.safe_load(block)["autoscaling"]["behavior"]["scaleUp"] == DEFAULT_SCALE_UP
 
 
 def _flag_default(parser: argparse.ArgumentParser, field: str) -> object:
