@@ -1,4 +1,5 @@
-"""The InferenceService status, computed from the spec's validity and its Deployments' status.
+"""The InferenceService status, computed from the spec's validity, its Deployments' status and
+why its pods cannot start (pods.py).
 
 Pure: the same inputs give the same status, and a condition keeps its lastTransitionTime until
 its status changes, so recomputing an unchanged world writes nothing.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubesgl import contract
+from kubesgl.operator.pods import RoleFailure
 
 Object = dict[str, Any]
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
@@ -65,7 +67,7 @@ class Verdict:
     message: str
 
 
-def _role_verdicts(rollout: Rollout | None) -> dict[str, Verdict]:
+def _role_verdicts(rollout: Rollout | None, pods: RoleFailure | None = None) -> dict[str, Verdict]:
     if rollout is None:
         return {
             "Ready": Verdict(False, "Pending", "the Deployment does not exist yet"),
@@ -90,14 +92,20 @@ def _role_verdicts(rollout: Rollout | None) -> dict[str, Verdict]:
     else:
         detail = f"{rollout.updated}/{rollout.desired} updated, {rollout.available} available"
         progressing = Verdict(True, "RollingOut", detail)
-    if rollout.failure:
+    if pods is not None and not (ready.status and finished):
+        # A role not fully available whose pods cannot start: they say why, long before the
+        # Deployment's progress deadline, and more precisely than it after.
+        degraded = Verdict(True, pods.reason, pods.message)
+    elif rollout.failure:
         degraded = Verdict(True, "DeploymentFailed", rollout.failure)
     else:
         degraded = Verdict(False, "AsExpected", "")
     return {"Ready": ready, "Progressing": progressing, "Degraded": degraded}
 
 
-def _overall(per_role: Mapping[str, Mapping[str, Verdict]]) -> dict[str, Verdict]:
+def _overall(
+    per_role: Mapping[str, Mapping[str, Verdict]], pod_reasons: frozenset[str] = frozenset()
+) -> dict[str, Verdict]:
     def summary(kind: str, want: bool) -> str:
         return "; ".join(
             f"{role}: {verdicts[kind].message or verdicts[kind].reason}"
@@ -108,6 +116,10 @@ def _overall(per_role: Mapping[str, Mapping[str, Verdict]]) -> dict[str, Verdict
     not_ready = summary("Ready", False)
     progressing = summary("Progressing", True)
     degraded = summary("Degraded", True)
+    reasons = {verdicts["Degraded"].reason for verdicts in per_role.values()}
+    reasons -= {"AsExpected"}
+    # The pods' reason when every degraded role's pods fail alike: `kubectl get` shows it.
+    degraded_reason = reasons.pop() if len(reasons) == 1 and reasons <= pod_reasons else None
     return {
         "Ready": Verdict(True, "AllRolesReady", "")
         if not not_ready
@@ -115,7 +127,7 @@ def _overall(per_role: Mapping[str, Mapping[str, Verdict]]) -> dict[str, Verdict
         "Progressing": Verdict(True, "RolesProgressing", progressing)
         if progressing
         else Verdict(False, "Reconciled", ""),
-        "Degraded": Verdict(True, "RolesDegraded", degraded)
+        "Degraded": Verdict(True, degraded_reason or "RolesDegraded", degraded)
         if degraded
         else Verdict(False, "AsExpected", ""),
     }
@@ -176,13 +188,17 @@ def compute_status(
     previous: Mapping[str, Any],
     now: str,
     apply_failure: Verdict | None = None,
+    pod_failures: Mapping[str, RoleFailure] | None = None,
 ) -> Object:
     """roles: the roles the spec runs (engine roles and router), or those still running when
     the spec is invalid; problems: why the spec is invalid, or None when it is valid;
     apply_failure: why the API server refused the last apply of a valid spec, or None. Either
-    way what is already running keeps its Ready."""
-    per_role = {role: _role_verdicts(rollouts.get(role)) for role in roles}
-    overall = _overall(per_role)
+    way what is already running keeps its Ready. pod_failures: by role, why its pods cannot
+    start (pods.role_failures); a role not fully available is Degraded with their reason."""
+    pod_failures = pod_failures or {}
+    per_role = {role: _role_verdicts(rollouts.get(role), pod_failures.get(role)) for role in roles}
+    pod_reasons = frozenset(failure.reason for failure in pod_failures.values())
+    overall = _overall(per_role, pod_reasons)
     if problems is not None:
         overall = _invalid(overall, problems, running=bool(per_role))
     elif apply_failure is not None:

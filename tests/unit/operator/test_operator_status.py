@@ -9,6 +9,7 @@ from operator_fixtures import load_example, with_changes
 
 from kubesgl.operator.drift import has_drifted
 from kubesgl.operator.handlers import _snapshot
+from kubesgl.operator.pods import RoleFailure
 from kubesgl.operator.render import render
 from kubesgl.operator.status import Rollout, Verdict, compute_status, status_patch
 from kubesgl.operator.validation import parse_inference_service
@@ -92,6 +93,65 @@ def test_a_failed_deployment_degrades() -> None:
     )
     assert conditions(result)["Degraded"] == ("True", "RolesDegraded")
     assert conditions(result, "decode")["Degraded"] == ("True", "DeploymentFailed")
+
+
+PULL = RoleFailure("ImagePullBackOff", 'pod d-1: container engine: ErrImagePull: "x" not found')
+
+
+def with_pods(rollouts, pod_failures, previous=None, now="t"):
+    return compute_status(
+        generation=3,
+        roles=["prefill", "decode", "router"],
+        rollouts={r.role: r for r in rollouts},
+        endpoint="http://x:8000",
+        problems=None,
+        previous=previous or {},
+        now=now,
+        pod_failures=pod_failures,
+    )
+
+
+def test_a_role_whose_pods_cannot_start_is_degraded_with_their_reason() -> None:
+    """Long before the Deployment's progress deadline: the role's condition has the pods'
+    reason and message; the InferenceService's too, with the role named."""
+    running = [rollout("prefill"), rollout("decode", ready=0), rollout("router", 1, 1)]
+    result = with_pods(running, {"decode": PULL})
+    assert conditions(result, "decode")["Degraded"] == ("True", "ImagePullBackOff")
+    assert conditions(result)["Degraded"] == ("True", "ImagePullBackOff")
+    degraded = next(c for c in result["conditions"] if c["type"] == "Degraded")
+    assert degraded["message"] == f"decode: {PULL.message}"
+    assert conditions(result)["Progressing"] == ("True", "RolesProgressing")  # still rolling out
+    # more precise than the Deployment's own failure once the deadline has passed
+    stuck = [rollout("prefill"), rollout("decode", ready=0, failure="timed out")]
+    assert conditions(with_pods(stuck, {"decode": PULL}), "decode")["Degraded"] == (
+        "True",
+        "ImagePullBackOff",
+    )
+
+
+def test_roles_whose_pods_fail_differently_read_roles_degraded() -> None:
+    unschedulable = RoleFailure("Unschedulable", "pod p-1: Unschedulable: 0/4 nodes")
+    running = [rollout("prefill", ready=0), rollout("decode", ready=0), rollout("router", 1, 1)]
+    result = with_pods(running, {"decode": PULL, "prefill": unschedulable})
+    assert conditions(result)["Degraded"] == ("True", "RolesDegraded")
+    degraded = next(c for c in result["conditions"] if c["type"] == "Degraded")
+    assert "prefill: pod p-1: Unschedulable" in degraded["message"]
+    assert "decode: pod d-1: container engine: ErrImagePull" in degraded["message"]
+
+
+def test_failing_pods_of_a_role_that_is_fully_available_do_not_degrade_it() -> None:
+    """A role with all its replicas ready and rolled out serves: a failing pod reported late
+    (or of an old ReplicaSet) does not make it Degraded; when the pods recover, it clears."""
+    healthy = [rollout("prefill"), rollout("decode"), rollout("router", 1, 1)]
+    assert conditions(with_pods(healthy, {"decode": PULL}))["Degraded"] == ("False", "AsExpected")
+    # a rolling update whose new pod cannot pull: the old ones serve, the rollout is stuck
+    surging = [rollout("prefill"), rollout("decode", ready=2, updated=1), rollout("router", 1, 1)]
+    assert conditions(with_pods(surging, {"decode": PULL}))["Degraded"][0] == "True"
+    broken = with_pods([rollout("decode", ready=0)], {"decode": PULL}, now="t1")
+    recovered = with_pods([rollout("decode", ready=0)], {}, previous=broken, now="t2")
+    assert conditions(recovered, "decode")["Degraded"] == ("False", "AsExpected")
+    transition = {c["type"]: c["lastTransitionTime"] for c in recovered["conditions"]}
+    assert transition["Degraded"] == "t2"
 
 
 def test_an_invalid_spec_degrades_without_endpoint_roles() -> None:
