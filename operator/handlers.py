@@ -3,7 +3,9 @@
 - create / update / resume of an InferenceService: validate, apply its children, prune, status;
 - delete: remove its children in order (a finalizer holds the object until then);
 - any event on a child: restore it as last applied if it was deleted or edited, and for
-  Deployments refresh the owner's status from their replica counts.
+  Deployments refresh the owner's status from their replica counts;
+- any event on one of its pods: when why it cannot start changes, refresh the status
+  (pods.py), with a Warning Event when a role's reason does.
 
 Blocking API calls run in threads; indexes and status bookkeeping stay on the event loop (the
 record of what the applies made is written in their threads, under the apply lock).
@@ -34,6 +36,7 @@ from kubesgl.operator.kube import (
     KubeApi,
     MissingApi,
 )
+from kubesgl.operator.pods import POD, PodFailure, pod_failure, role_failures
 from kubesgl.operator.reconcile import (
     Made,
     apply_children,
@@ -98,6 +101,8 @@ class OperatorState:
     # InferenceServices whose retired engine roles serve until their replacements are ready:
     # each event of their Deployments checks again (reconcile.prune_retired).
     retiring: set[tuple[str, str]] = field(default_factory=set)
+    # By InferenceService, its pods that cannot start, by pod name (pod_health).
+    pod_failures: dict[tuple[str, str], dict[str, PodFailure]] = field(default_factory=dict)
 
     def kube(self) -> KubeApi:
         assert self.api is not None, "the startup handler creates the API client"
@@ -170,7 +175,7 @@ def watch_only_children(settings: kopf.OperatorSettings) -> None:
     API server sends only its children: the handlers' `labels=` filter is kopf's, applied to
     every Deployment, Service, Role, ... of the cluster after it came over the wire."""
     selector = ",".join(f"{key}={value}" for key, value in OURS.items())
-    for kind in CHILD_KINDS:
+    for kind in (*CHILD_KINDS, POD):  # and the pods, which carry the label too
         settings.watching.label_selectors[kind.group, kind.version, kind.plural] = selector
 
 
@@ -243,6 +248,7 @@ async def publish_status(
             previous=previous,
             now=_now(),
             apply_failure=memo.apply_failures.get(key),
+            pod_failures=role_failures(memo.pod_failures.get(key, {}).values()),
         )
         patch = status_patch(new, previous)
         if patch is not None:
@@ -457,3 +463,44 @@ for _kind in CHILD_KINDS:
         registry=registry,
         id=f"repair-{_kind.plural}",
     )(repair_child)  # type: ignore[arg-type]  # the index arguments, as for reconcile
+
+
+# kopf's WatchingFn protocol leaves out the index arguments, as for reconcile.
+@kopf.on.event(  # type: ignore[arg-type]
+    POD.group, POD.version, POD.plural, labels=OURS, registry=registry, id="pod-health"
+)
+async def pod_health(
+    event: kopf.RawEvent,
+    body: kopf.Body,
+    namespace: str | None,
+    name: str,
+    memo: OperatorState,
+    inference_services: kopf.Index,
+    rollouts: kopf.Index,
+    **_: Any,
+) -> None:
+    """Keeps why each of an InferenceService's pods cannot start, and publishes the status when
+    that changes: the Deployments report it only at their progress deadline. A role whose
+    reason changes to a failure gets a Warning Event, once per change."""
+    instance = body.get("metadata", {}).get("labels", {}).get(contract.INSTANCE_LABEL)
+    if namespace is None or not instance:
+        return
+    key = (namespace, instance)
+    failure = None if event.get("type") == "DELETED" else pod_failure(body)
+    failing = memo.pod_failures.get(key, {})
+    if failing.get(name) == failure:
+        return
+    before = role_failures(failing.values())
+    if failure is None:
+        failing.pop(name, None)
+    else:
+        failing[name] = failure
+    if failing:
+        memo.pod_failures[key] = failing
+    else:
+        memo.pod_failures.pop(key, None)
+    stored = list(inference_services.get(key, []))
+    for role, summed in role_failures(failing.values()).items():
+        if stored and summed.reason != getattr(before.get(role), "reason", None):
+            kopf.warn(stored[0], reason=summed.reason, message=f"{role}: {summed.message}")
+    await publish_status(memo, namespace, instance, inference_services, rollouts)

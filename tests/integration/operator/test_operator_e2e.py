@@ -7,10 +7,11 @@ import time
 from typing import Any
 
 import yaml
-from operator_harness import EXAMPLES, Cluster, OperatorProcess, wait_for
+from operator_harness import EXAMPLES, NAMESPACE, Cluster, OperatorProcess, wait_for
 
 from kubesgl.operator.drift import has_drifted
 from kubesgl.operator.kube import CHILD_KINDS, DEPLOYMENT, INFERENCE_SERVICE, kind_of
+from kubesgl.operator.pods import POD
 from kubesgl.operator.render import render
 from kubesgl.operator.validation import parse_inference_service
 
@@ -587,3 +588,83 @@ def test_a_mode_switch_keeps_the_old_pool_until_the_new_one_is_ready(
     mark_ready(cluster, new_pool[1])
     children = settle(cluster, cluster.isvc("qwen3-mixed"))
     assert not [key for key in children if key[1] == "qwen3-mixed-mixed"]
+
+
+def start_pod(cluster: Cluster, instance: str, role: str, suffix: str) -> str:
+    """Play the ReplicaSet controller: a pod of the role's Deployment, with its template's
+    labels; its status is the kubelet's to write (set_pod_status)."""
+    deployment = cluster.get(DEPLOYMENT, f"{instance}-{role}")
+    assert deployment is not None
+    name = f"{instance}-{role}-6d5f7c9b8-{suffix}"
+    template = deployment["spec"]["template"]
+    labels = {**template["metadata"]["labels"], "pod-template-hash": "6d5f7c9b8"}
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NAMESPACE, "labels": labels},
+        "spec": template["spec"],
+    }
+    cluster._resource(POD).create(body=body, namespace=NAMESPACE)
+    return name
+
+
+def set_pod_status(cluster: Cluster, name: str, containers: list[dict[str, Any]]) -> None:
+    """Play the kubelet: the pod is scheduled, its containers as given."""
+    status = {
+        "phase": "Pending",
+        "conditions": [{"type": "PodScheduled", "status": "True"}],
+        "containerStatuses": containers,
+    }
+    cluster.patch(POD, name, {"status": status}, subresource="status")
+
+
+def test_a_pod_that_cannot_pull_its_image_degrades_the_service_until_it_recovers(
+    cluster: Cluster, operator: OperatorProcess
+) -> None:
+    """The Deployment would say so only after its progress deadline (70 minutes): the pod says
+    at once. The reason names the failure, the message the role, the pod and the kubelet's
+    words; a Warning Event says the same once; the condition clears when the pod recovers."""
+    settle(cluster, cluster.create_isvc(example("mixed.yaml")))
+    mark_ready(cluster, "qwen3-mixed-router")
+    healthy = start_pod(cluster, "qwen3-mixed", "mixed", "aaaaa")
+    failing = start_pod(cluster, "qwen3-mixed", "mixed", "bbbbb")
+    loading = {"name": "engine", "ready": False, "restartCount": 0, "state": {"running": {}}}
+    set_pod_status(cluster, healthy, [loading])  # loading the model: no failure
+    pull_error = 'failed to pull and unpack image "ghcr.io/kubesgl/kubesgl:0.1.0-typo": not found'
+    for reason, message in (("ErrImagePull", pull_error), ("ImagePullBackOff", "Back-off")):
+        waiting = {"waiting": {"reason": reason, "message": message}}
+        set_pod_status(cluster, failing, [{**loading, "state": waiting}])
+        if reason == "ErrImagePull":
+            degraded = wait_for(
+                lambda: (
+                    (c := cluster.condition("qwen3-mixed", "Degraded")).get("status") == "True"
+                    and c
+                ),
+                what="Degraded from the pod",
+            )
+            assert degraded["reason"] == "ImagePullBackOff"
+            assert (
+                degraded["message"]
+                == f"mixed: pod {failing}: container engine: ErrImagePull: {pull_error}"
+            )
+            role = cluster.condition("qwen3-mixed", "Degraded", role="mixed")
+            assert role["reason"] == "ImagePullBackOff"
+    wait_for(
+        lambda: "Back-off" in cluster.condition("qwen3-mixed", "Degraded")["message"],
+        what="the back-off's message",
+    )
+    events = wait_for(
+        lambda: [e for e in cluster.events() if e.get("reason") == "ImagePullBackOff"],
+        what="an ImagePullBackOff event",
+    )
+    assert len(events) == 1, events  # once per change of reason, not per retry
+    assert events[0]["type"] == "Warning" and failing in events[0]["message"]
+    assert events[0]["involvedObject"]["kind"] == "InferenceService"
+    assert cluster.condition("qwen3-mixed", "Progressing")["status"] == "True"
+
+    set_pod_status(cluster, failing, [loading])  # pulled at last: loading
+    wait_for(
+        lambda: cluster.condition("qwen3-mixed", "Degraded").get("status") == "False",
+        what="Degraded to clear",
+    )
+    assert cluster.condition("qwen3-mixed", "Degraded", role="mixed")["reason"] == "AsExpected"

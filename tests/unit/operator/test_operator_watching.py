@@ -1,4 +1,4 @@
-"""What the operator asks the API server to watch: of the child kinds, only its own objects."""
+"""What the operator asks the API server to watch: of the child kinds and pods, only its own."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from kopf._cogs.structs import references
 
 from kubesgl.operator.handlers import watch_only_children
 from kubesgl.operator.kube import CHILD_KINDS, INFERENCE_SERVICE
+from kubesgl.operator.pods import POD
 
 
 def resource(kind) -> references.Resource:
@@ -18,7 +19,7 @@ def test_child_kinds_are_watched_with_the_operators_label_as_selector():
     has come over the wire; a watch's label selector filters in the API server."""
     settings = kopf.OperatorSettings()
     watch_only_children(settings)
-    for kind in CHILD_KINDS:
+    for kind in (*CHILD_KINDS, POD):  # the pods too: their health is read (pods.py)
         assert settings.watching.label_selectors.collect(resource(kind)) == [
             "app.kubernetes.io/managed-by=kubesgl-operator"
         ], kind.plural
