@@ -150,7 +150,8 @@ class EngineMetrics:
         self.prefix_hit = Gauge(
             "kubesgl_prefix_cache_hit_ratio",
             "Prompt tokens served from the prefix cache, over all prompt tokens since start or "
-            "the last cache flush",
+            "the last cache flush, of the prompts this engine prefilled (a decode engine: only "
+            "requests without a bootstrap room)",
             labels,
             registry=r,
         ).labels(role=role)
@@ -238,9 +239,9 @@ class EngineMetrics:
         ).labels(role=role)
         self.cached_tokens = Counter(
             "kubesgl_cached_prompt_tokens",
-            "Prompt tokens of finished requests "
-            "found in the prefix cache (hit ratio: its rate over "
-            "kubesgl_prompt_tokens_total's)",
+            "Prompt tokens of finished requests found in the prefix cache, as their answers' "
+            "usage says (a decode engine's room: the prefill engine's count); hit ratio: its "
+            "rate over kubesgl_prompt_tokens_total's",
             labels,
             registry=r,
         ).labels(role=role)

@@ -5,6 +5,7 @@ events; elsewhere (a log file, a pipe), each event as a line."""
 from __future__ import annotations
 
 import shutil
+import textwrap
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,8 +22,8 @@ from kubesgl.up.supervisor import Replica, State, all_ready, by_reason
 
 SCRAPE_INTERVAL_S = 1.0
 SHOWN_EVENTS = 8
-# The states whose replicas' /metrics are read, and whose counts the table shows: a stopped
-# process's last counts (requests running, tokens/s) are no longer true.
+# The states whose replicas' /metrics are read, and whose rates the table shows: a stopped
+# process's last requests running and tokens/s are no longer true (its requests served are).
 SCRAPED = frozenset({State.READY, State.UNREADY})
 
 
@@ -107,11 +108,17 @@ class StatusView:
             return
         if time.monotonic() - self._scraped_at >= SCRAPE_INTERVAL_S:
             self._scrape(replicas)
-        lines = [*self.header, "", *format_table(replicas, self._counters), "", *self.events]
         width = shutil.get_terminal_size().columns
+        table = [*self.header, "", *format_table(replicas, self._counters), ""]
+        # the table's lines cut at the terminal's width, the events' wrapped: each is read whole
+        lines = [line[:width] for line in table] + [
+            part
+            for event in self.events
+            for part in textwrap.wrap(event, width, subsequent_indent="  ")
+        ]
         # back to the top of the previous drawing, which is cleared: the table stays in place
         prefix = f"\x1b[{self._drawn_lines}F\x1b[J" if self._drawn_lines else ""
-        self.out.write(prefix + "".join(line[:width] + "\n" for line in lines))
+        self.out.write(prefix + "".join(line + "\n" for line in lines))
         self.out.flush()
         self._drawn_lines = len(lines)
 
@@ -132,13 +139,14 @@ class StatusView:
             for name, latest in self._round.result().items():
                 self._counters[name] = (self._counters.get(name, (None, None))[1], latest)
         self._scraped_at = time.monotonic()
-        targets = [(r.process, r.state in SCRAPED) for r in replicas]
+        # a replica not read keeps its last counts: its requests served stay shown once stopped
+        targets = [r.process for r in replicas if r.state in SCRAPED]
         self._round = self._reader.submit(self._read_round, targets)
 
-    def _read_round(self, targets: list[tuple[LocalProcess, bool]]) -> dict[str, Counters | None]:
+    def _read_round(self, targets: list[LocalProcess]) -> dict[str, Counters | None]:
         return {
-            process.name: read_counters(self._client, process.url, process.role) if read else None
-            for process, read in targets
+            process.name: read_counters(self._client, process.url, process.role)
+            for process in targets
         }
 
 
@@ -161,9 +169,9 @@ def format_table(
         if replica.state == State.BACKOFF:
             state += f" ({max(0.0, replica.restart_at - time.monotonic()):.0f} s)"
         requests = running = tokens_per_s = "-"
-        if latest is not None and replica.state in SCRAPED:
+        if latest is not None:
             requests = f"{latest.requests:.0f}"
-            if process.role != contract.ROUTER:
+            if process.role != contract.ROUTER and replica.state in SCRAPED:
                 running = f"{latest.running:.0f}"
                 if previous is not None and latest.at > previous.at:
                     tokens_per_s = (

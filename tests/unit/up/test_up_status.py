@@ -5,6 +5,7 @@ lines elsewhere."""
 from __future__ import annotations
 
 import io
+import os
 import threading
 import time
 from pathlib import Path
@@ -133,14 +134,14 @@ def test_the_table_shows_states_ports_devices_rates_and_the_last_exit(tmp_path):
     assert lines[3] == "decode-0 last exited: killed by SIGKILL"
 
 
-def test_a_stopped_replica_shows_no_counts_from_before_it_stopped(tmp_path):
+def test_a_stopped_replica_shows_no_rates_from_before_it_stopped(tmp_path):
     """The last frame, drawn after Ctrl-C, showed each engine's requests running and tokens/s
-    of its last scrape, as if it still served."""
+    of its last scrape, as if it still served; the requests it served stay shown."""
     stopped = Replica(
         process("decode-0", contract.DECODE, 30003), tmp_path / "d.log", State.STOPPED
     )
     counters = {"decode-0": (Counters(1, 0, 100, at=10.0), Counters(3, 2, 160, at=12.0))}
-    assert format_table([stopped], counters)[1].split()[-3:] == ["-", "-", "-"]
+    assert format_table([stopped], counters)[1].split()[-3:] == ["3", "-", "-"]
 
 
 def test_replicas_that_exited_alike_share_one_line_below_the_table(tmp_path):
@@ -221,4 +222,17 @@ def test_a_metrics_page_that_hangs_holds_up_no_refresh(tmp_path):
     view._scraped_at = 0.0
     view.refresh(replicas)  # takes in the round that ended
     assert format_table(replicas, view._counters)[1].split()[-3:-1] == ["7", "2"]  # REQS, RUNNING
+    view.close()
+
+
+def test_an_event_longer_than_the_terminal_is_wrapped_not_cut(tmp_path, monkeypatch):
+    """The stop line lost its end at 80 columns ("(Ctrl-C again kills them at once")."""
+    monkeypatch.setattr("shutil.get_terminal_size", lambda: os.terminal_size((40, 24)))
+    out = io.StringIO()
+    view = StatusView(local_plan(), Path("/logs"), out, live=True)
+    view.note("stopping: the router, then the engines (Ctrl-C again kills them at once)")
+    view.refresh([Replica(p, tmp_path / "x.log", State.STOPPING) for p in local_plan().processes])
+    drawn = out.getvalue().splitlines()
+    assert all(len(line) <= 40 for line in drawn)
+    assert " ".join(line.strip() for line in drawn[-3:]).endswith("kills them at once)")
     view.close()
