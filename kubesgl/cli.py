@@ -35,7 +35,11 @@ def usage() -> str:
     width = max(map(len, SUBCOMMANDS))
     lines = [f"kubesgl {kubesgl.__version__}", "", "usage: kubesgl <command> [options]", ""]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
-    lines += ["", "Run `kubesgl <command> --help` for the options of one command."]
+    lines += [
+        "",
+        "Run `kubesgl <command> --help` for the options of one command. To start: `kubesgl up -f",
+        "examples/quickstart.yaml` runs a prefill/decode service on this machine's CPU (docs/up.md).",
+    ]
     return "\n".join(lines)
 
 

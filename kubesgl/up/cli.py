@@ -184,7 +184,7 @@ def _plan(args: argparse.Namespace) -> tuple[LocalPlan, socket.socket]:
     listening on the router's port that its router serves on; raises _Refused if it cannot be
     read or run here."""
     documents, found = _read(args.filename)
-    problem = _not_one_inference_service(documents, [obj for _, obj in found])
+    problem = _not_one_inference_service(documents, found)
     if problem is not None:
         raise _Refused(f"{args.filename}: {problem}")
     filename, document = found[0]  # a folder's file that holds it, for messages
@@ -398,15 +398,21 @@ def _inference_services(filename: str, documents: list[Any]) -> list[Any]:
     ]
 
 
-def _not_one_inference_service(documents: list[Any], objects: list[Any]) -> str | None:
-    """Why a file's YAML documents do not hold the one InferenceService `kubesgl up` runs."""
+def _not_one_inference_service(documents: list[Any], found: list[tuple[str, Any]]) -> str | None:
+    """Why a file's YAML documents (`found`: each InferenceService with its file) do not hold
+    the one InferenceService `kubesgl up` runs."""
     if not documents:
         return NO_DOCUMENT
-    if not objects:
+    if not found:
         return f"no {KIND} in it"
-    if len(objects) > 1:
-        return f"expected one {KIND}, found {len(objects)}: {PROG} runs one at a time"
-    if not isinstance(objects[0], dict):
+    if len(found) > 1:
+        files = sorted({Path(filename).name for filename, _ in found})  # of the folder given
+        where = f" in {', '.join(files)}" if len(files) > 1 else ""
+        return (
+            f"expected one {KIND}, found {len(found)}{where}: {PROG} runs one at a time; "
+            "give -f one file"
+        )
+    if not isinstance(found[0][1], dict):
         return f"expected an {KIND}, found no mapping"
     return None
 

@@ -101,7 +101,8 @@ def test_a_claim_needs_a_local_copy(tmp_path, capsys):
         ("- a list\n", "expected an InferenceService, found no mapping"),  # was "1 documents"
         (
             "spec: {}\n---\nspec: {}\n",
-            "expected one InferenceService, found 2: kubesgl up runs one at a time",
+            "expected one InferenceService, found 2: kubesgl up runs one at a time; give -f one "
+            "file",
         ),
     ],
 )
@@ -717,11 +718,11 @@ def test_a_folder_holding_one_inference_service_is_read_as_render_reads_it(tmp_p
 
 def test_a_folder_of_several_inference_services_or_none_is_refused(tmp_path, capsys):
     examples = QUICKSTART.parent
-    count = len(list(examples.glob("*.yaml")))
+    files = sorted(path.name for path in examples.glob("*.yaml"))
     assert cli.main(["-f", str(examples), "--logs", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.endswith(
-        f"kubesgl up: {examples}: expected one InferenceService, found {count}: "
-        "kubesgl up runs one at a time\n"
+    assert capsys.readouterr().err.endswith(  # which files hold them, to pick one
+        f"kubesgl up: {examples}: expected one InferenceService, found {len(files)} in "
+        f"{', '.join(files)}: kubesgl up runs one at a time; give -f one file\n"
     )
     empty = tmp_path / "empty"
     empty.mkdir()
