@@ -355,6 +355,7 @@ async def tear_down(
     async with memo.status_locks.hold((namespace, name)):
         memo.written_status.pop((namespace, name), None)
     memo.apply_failures.pop((namespace, name), None)
+    memo.pod_failures.pop((namespace, name), None)  # its pods' deletions may have gone unseen
     memo.retiring.discard((namespace, name))
     async with memo.apply_locks.hold((namespace, name)):
         memo.made.pop((namespace, name), None)

@@ -162,7 +162,7 @@ async def test_an_applied_hugging_face_revision_that_can_move_is_warned_of(
 async def test_replicas_an_autoscaler_overrides_are_warned_of(monkeypatch):
     """The same warning as `kubesgl render`'s, as a Warning Event once applied."""
     warnings: list[tuple[str, str]] = []
-    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc: Applied(objects=[]))
+    monkeypatch.setattr(handlers, "apply_children", lambda api, isvc, made: Applied(objects=[]))
     monkeypatch.setattr(
         handlers.kopf, "warn", lambda body, reason, message: warnings.append((reason, message))
     )
