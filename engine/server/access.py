@@ -102,7 +102,8 @@ def log_access(scope: Scope, status: int | None, record: AccessRecord) -> None:
     if not access_log.isEnabledFor(level):
         return
     prompt, output = record.tokens()
-    ttft = "-" if record.ttft is None else f"{record.ttft:.3f}s"
+    # no token: its first outputs were an error (a token id out of the vocabulary, say)
+    ttft = "-" if record.ttft is None or not output else f"{record.ttft:.3f}s"
     access_log.log(
         level,
         "%s %s %s request_id=%s rid=%s prompt_tokens=%d output_tokens=%d ttft=%s duration=%.3fs",

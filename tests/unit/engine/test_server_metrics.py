@@ -656,3 +656,16 @@ async def test_a_request_the_server_ended_mid_stream_is_an_error_not_a_client_ab
     assert _errors(client.metrics) == {("500", "internal"): 1}
     labels = {"role": "mixed", "finish_reason": "abort"}
     assert client.metrics.registry.get_sample_value("kubesgl_requests_total", labels) == 0
+
+
+def test_an_answer_without_a_token_logs_no_time_to_first_token(caplog):
+    """A request refused by its first outputs (a 400 the scheduler gave) logged a TTFT."""
+    from kubesgl.engine.server.access import AccessRecord, log_access
+
+    record = AccessRecord(rid="cmpl-1")
+    record.first_tokens()
+    scope = {"method": "POST", "path": "/v1/completions", "headers": []}
+    with caplog.at_level("INFO", logger="kubesgl.access"):
+        log_access(scope, 400, record)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kubesgl.access"]
+    assert "output_tokens=0 ttft=- " in line, line
