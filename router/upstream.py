@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
@@ -70,6 +71,10 @@ STALE_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSErro
 # The most times one request goes again on another connection for a stale pooled one: each
 # failure drops its connection, so these only bound a pool that others keep refilling.
 STALE_CONNECTION_RETRIES = 3
+# How soon after its headers went out a pooled connection's failure counts as stale: a worker
+# that closed it idle answers the request with a close or reset within a round trip (and the
+# router's event loop's lag); later, the worker may have read the request and worked on it.
+STALE_CONNECTION_S = 0.25
 
 
 def end_to_end_headers(headers: Headers) -> Headers:
@@ -99,16 +104,35 @@ class ConnectionUse:
     """What one request's connection was, told by the session's trace (`_reuse_trace`)."""
 
     reused: bool = False  # taken from the pool, not opened for it
+    sent_at: float | None = None  # when its headers were written (time.monotonic)
+
+    def went_stale(self, exc: BaseException) -> bool:
+        """Closed under the request by its worker's idle timeout, the request unread: a pooled
+        connection that failed as the request went out. One that failed later may have been
+        worked on (a non-streamed answer's headers come only with its end): not sent again."""
+        return (
+            self.reused
+            and isinstance(exc, STALE_CONNECTION_ERRORS)
+            and (self.sent_at is None or time.monotonic() - self.sent_at <= STALE_CONNECTION_S)
+        )
 
 
 def _reuse_trace() -> aiohttp.TraceConfig:
-    async def reused(session: aiohttp.ClientSession, context: object, params: object) -> None:
+    def use_of(context: object) -> ConnectionUse | None:
         use = getattr(context, "trace_request_ctx", None)
-        if isinstance(use, ConnectionUse):
+        return use if isinstance(use, ConnectionUse) else None
+
+    async def reused(session: aiohttp.ClientSession, context: object, params: object) -> None:
+        if use := use_of(context):
             use.reused = True
+
+    async def sent(session: aiohttp.ClientSession, context: object, params: object) -> None:
+        if use := use_of(context):
+            use.sent_at = time.monotonic()
 
     trace = aiohttp.TraceConfig()
     trace.on_connection_reuseconn.append(reused)
+    trace.on_request_headers_sent.append(sent)
     return trace
 
 
@@ -523,8 +547,7 @@ class UpstreamClient:
                     trace_request_ctx=use,
                 )
             except TRANSPORT_ERRORS as exc:
-                stale_again = use.reused and isinstance(exc, STALE_CONNECTION_ERRORS)
-                if stale_again and stale < STALE_CONNECTION_RETRIES:
+                if use.went_stale(exc) and stale < STALE_CONNECTION_RETRIES:
                     stale += 1
                     log.debug("worker %s closed a pooled connection: %s", worker.url, _reason(exc))
                     continue

@@ -36,9 +36,14 @@ class RawEngine:
     process died)."""
 
     def __init__(
-        self, closes: Callable[[int], bool], crash: bool = False, reset: bool = False
+        self,
+        closes: Callable[[int], bool],
+        crash: bool = False,
+        reset: bool = False,
+        works_s: float = 0.0,
     ) -> None:
-        self.closes, self.crash, self.reset = closes, crash, reset
+        """`works_s`: how long it works on a request before closing its connection."""
+        self.closes, self.crash, self.reset, self.works_s = closes, crash, reset, works_s
         self.received = 0  # requests read, answered or not
         self.server: asyncio.Server | None = None
         self.url = ""
@@ -53,6 +58,7 @@ class RawEngine:
                 self.received += 1
                 on_connection += 1
                 if self.closes(on_connection):
+                    await asyncio.sleep(self.works_s)
                     if self.crash and self.server is not None:
                         self.server.close()
                     if self.reset:  # no linger: the close sends RST
@@ -139,6 +145,17 @@ async def test_a_pooled_connection_closed_under_a_request_is_retried_on_a_fresh_
         assert worker.healthy and not worker.lost and worker.breaker.consecutive_failures == 0
         retries = forwarder.metrics.registry.get_sample_value("kubesgl_router_retries_total")
         assert retries == 0  # not sent to another worker
+
+
+async def test_a_pooled_connection_closed_after_the_worker_worked_on_the_request_is_no_race():
+    """Reset a second into the request (a non-streamed answer's headers come at its end): the
+    worker read the request and may have generated; it was sent to it again."""
+    engine = RawEngine(closes=lambda n: n == 2, reset=True, works_s=1.0)
+    async with pool(engine) as (forwarder, [worker]):
+        await warm(forwarder, worker)
+        error = await generate(forwarder)
+        assert isinstance(error, UpstreamError) and error.status == 502
+        assert engine.received == 2  # once, not again
 
 
 async def test_a_fresh_connection_closed_under_a_request_is_a_lost_worker_and_the_answer():
