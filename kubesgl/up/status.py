@@ -9,7 +9,7 @@ import textwrap
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -35,6 +35,7 @@ class Counters:
     running: float
     tokens: float  # generated
     at: float
+    pid: int | None = None  # the process read: a restarted one's counts start again
 
 
 def read_counters(client: httpx.Client, url: str, role: contract.PodRole) -> Counters | None:
@@ -140,13 +141,18 @@ class StatusView:
                 self._counters[name] = (self._counters.get(name, (None, None))[1], latest)
         self._scraped_at = time.monotonic()
         # a replica not read keeps its last counts: its requests served stay shown once stopped
-        targets = [r.process for r in replicas if r.state in SCRAPED]
+        targets = [(r.process, r.pid) for r in replicas if r.state in SCRAPED]
         self._round = self._reader.submit(self._read_round, targets)
 
-    def _read_round(self, targets: list[LocalProcess]) -> dict[str, Counters | None]:
+    def _read_round(
+        self, targets: list[tuple[LocalProcess, int | None]]
+    ) -> dict[str, Counters | None]:
+        read = {
+            process.name: (read_counters(self._client, process.url, process.role), pid)
+            for process, pid in targets
+        }
         return {
-            process.name: read_counters(self._client, process.url, process.role)
-            for process in targets
+            name: counters and replace(counters, pid=pid) for name, (counters, pid) in read.items()
         }
 
 
@@ -173,7 +179,7 @@ def format_table(
             requests = f"{latest.requests:.0f}"
             if process.role != contract.ROUTER and replica.state in SCRAPED:
                 running = f"{latest.running:.0f}"
-                if previous is not None and latest.at > previous.at:
+                if previous is not None and previous.pid == latest.pid and latest.at > previous.at:
                     tokens_per_s = (
                         f"{(latest.tokens - previous.tokens) / (latest.at - previous.at):.1f}"
                     )

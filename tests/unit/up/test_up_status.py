@@ -236,3 +236,13 @@ def test_an_event_longer_than_the_terminal_is_wrapped_not_cut(tmp_path, monkeypa
     assert all(len(line) <= 40 for line in drawn)
     assert " ".join(line.strip() for line in drawn[-3:]).endswith("kills them at once)")
     view.close()
+
+
+def test_a_restarted_replica_shows_no_rate_against_its_old_process(tmp_path):
+    """Its first TOK/S after a restart compared the new process's counts with the dead one's:
+    a large negative rate."""
+    replica = Replica(process("mixed-0", contract.MIXED, 30001), tmp_path / "x.log", State.READY)
+    before, after = Counters(9, 1, 340, at=10.0, pid=100), Counters(1, 1, 5, at=11.0, pid=200)
+    assert format_table([replica], {"mixed-0": (before, after)})[1].split()[-3:] == ["1", "1", "-"]
+    same = Counters(12, 1, 400, at=11.0, pid=100)
+    assert format_table([replica], {"mixed-0": (before, same)})[1].split()[-1] == "60.0"
