@@ -332,7 +332,7 @@ async def reconcile(
             kopf.warn(body, reason=reason, message=str(error))
             memo.apply_failures[key] = Verdict(True, reason, str(error))
         else:
-            made.generation = body["metadata"].get("generation", 0)
+            made.generation = isvc.metadata.generation or 0  # the spec applied, not the live body
             memo.apply_failures.pop(key, None)
             logger.info("applied %d objects", len(applied.objects))
             for warning in spec_warnings(isvc):

@@ -102,8 +102,10 @@ def log_access(scope: Scope, status: int | None, record: AccessRecord) -> None:
     if not access_log.isEnabledFor(level):
         return
     prompt, output = record.tokens()
-    # no token: its first outputs were an error (a token id out of the vocabulary, say)
-    ttft = "-" if record.ttft is None or not output else f"{record.ttft:.3f}s"
+    # an error answer without a token: its first outputs were the error (a token id out of
+    # the vocabulary, say); a 200 without one (an end at once) had its first outputs
+    no_token = status != 200 and not output
+    ttft = "-" if record.ttft is None or no_token else f"{record.ttft:.3f}s"
     access_log.log(
         level,
         "%s %s %s request_id=%s rid=%s prompt_tokens=%d output_tokens=%d ttft=%s duration=%.3fs",

@@ -415,7 +415,7 @@ class _SamplingFields(_Bootstrap):
     return_tokens_as_token_ids: Annotated[Any, unsupported_unless(None, False)] = None
     return_token_ids: Annotated[Any, unsupported_unless(None, False)] = None
     return_hidden_states: Annotated[Any, unsupported_unless(None, False)] = None
-    prompt_logprobs: Annotated[Any, unsupported_unless(None, 0)] = None
+    prompt_logprobs: Annotated[Any, unsupported_unless(None)] = None  # vLLM's 0: the token's own
     length_penalty: Annotated[Any, unsupported_unless(None, 1, 1.0)] = None
     spaces_between_special_tokens: Annotated[Any, unsupported_unless(None, True)] = None
     logits_processors: Annotated[Any, unsupported_unless(None, [])] = None

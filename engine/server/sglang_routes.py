@@ -109,8 +109,6 @@ async def health_generate(ctx: Ctx) -> Response:
         return PlainTextResponse(
             f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s", status_code=503
         )
-    except EngineGone as exc:  # it failed since `unavailable` was asked
-        return PlainTextResponse(str(exc), status_code=503)
     return PlainTextResponse("ok")
 
 

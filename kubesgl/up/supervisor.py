@@ -269,7 +269,7 @@ class Supervisor:
                     if _LIBC is not None
                     else None,
                 )
-            except OSError as error:  # the machine's limits, or a program gone
+            except (OSError, subprocess.SubprocessError) as error:  # limits, a program gone
                 replica.last_exit = f"could not start: {error}"
                 log.write(f"{replica.last_exit}\n".encode())
                 replica.started_at = self.clock()

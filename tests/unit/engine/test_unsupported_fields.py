@@ -40,7 +40,7 @@ def _refused_at(model, body: dict) -> tuple:
         ("return_tokens_as_token_ids", True, False),  # vLLM
         ("return_token_ids", True, False),  # vLLM
         ("return_hidden_states", True, False),  # SGLang
-        ("prompt_logprobs", 1, 0),  # vLLM
+        ("prompt_logprobs", 0, None),  # vLLM: 0 still asks for each prompt token's own
         ("length_penalty", 0.5, 1.0),  # vLLM
         ("spaces_between_special_tokens", False, True),  # vLLM
         ("logits_processors", ["m.Processor"], []),  # vLLM
