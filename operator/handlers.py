@@ -45,7 +45,13 @@ from kubesgl.operator.reconcile import (
     prune_retired,
     restore_child,
 )
-from kubesgl.operator.status import Rollout, Verdict, compute_status, status_patch
+from kubesgl.operator.status import (
+    Rollout,
+    Verdict,
+    compute_status,
+    serves_in_full,
+    status_patch,
+)
 from kubesgl.operator.validation import InvalidSpec, parse_inference_service, spec_warnings
 
 ISVC = (INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural)
@@ -235,6 +241,7 @@ async def publish_status(
             roles, problems = [*isvc.spec.engine_roles(), contract.ROUTER], None
         serves = problems is None or contract.ROUTER in mine
         endpoint = naming.router_endpoint(name, namespace) if serves else None
+        _forget_failures_of_full_roles(memo, key, mine)
         previous = memo.written_status.get(key, isvc_body.get("status") or {})
         newest = isvc_body["metadata"].get("generation", 0)
         held_back = problems is not None or key in memo.apply_failures
@@ -254,6 +261,21 @@ async def publish_status(
         if patch is not None:
             await asyncio.to_thread(memo.kube().patch_status, namespace, name, patch)
             memo.written_status[key] = new
+
+
+def _forget_failures_of_full_roles(
+    memo: OperatorState, key: tuple[str, str], rollouts: Mapping[str, Rollout]
+) -> None:
+    """A role that serves in full has no pod failing to start: what is kept of its pods is of
+    ones whose deletion the pod watch missed (a reconnect re-lists, telling no deletion), which
+    would otherwise degrade the role's next rollout."""
+    failing = memo.pod_failures.get(key, {})
+    for pod, failure in list(failing.items()):
+        rollout = rollouts.get(failure.role)
+        if rollout is not None and serves_in_full(rollout):
+            del failing[pod]
+    if not failing:
+        memo.pod_failures.pop(key, None)
 
 
 def _applied(

@@ -67,6 +67,21 @@ class Verdict:
     message: str
 
 
+def _finished(rollout: Rollout) -> bool:
+    """Its newest template's replicas all available, and no other pod left."""
+    return (
+        rollout.observed_generation >= rollout.generation
+        and rollout.updated >= rollout.desired
+        and rollout.available >= rollout.desired
+        and rollout.replicas == rollout.desired
+    )
+
+
+def serves_in_full(rollout: Rollout) -> bool:
+    """Every replica ready and rolled out: none of the role's pods is failing to start."""
+    return rollout.desired > 0 and rollout.ready >= rollout.desired and _finished(rollout)
+
+
 def _role_verdicts(rollout: Rollout | None, pods: RoleFailure | None = None) -> dict[str, Verdict]:
     if rollout is None:
         return {
@@ -81,12 +96,7 @@ def _role_verdicts(rollout: Rollout | None, pods: RoleFailure | None = None) -> 
         ready = Verdict(True, "AllReplicasReady", counts)
     else:
         ready = Verdict(False, "ReplicasNotReady", counts)
-    finished = (
-        rollout.observed_generation >= rollout.generation
-        and rollout.updated >= rollout.desired
-        and rollout.available >= rollout.desired
-        and rollout.replicas == rollout.desired
-    )
+    finished = _finished(rollout)
     if finished:
         progressing = Verdict(False, "RolloutComplete", counts)
     else:

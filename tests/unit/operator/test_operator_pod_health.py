@@ -83,3 +83,25 @@ async def test_pod_events_publish_degraded_warn_once_per_reason_and_forget_recov
     assert degraded() == ("False", "AsExpected")
     assert memo.pod_failures == {}  # nothing kept of pods that are well
     assert len(warnings) == 2
+
+
+async def test_a_pod_whose_deletion_was_missed_is_forgotten_once_its_role_serves_in_full(
+    monkeypatch,
+):
+    """A watch that reconnects re-lists and tells no deletion: the entry of a pod gone meanwhile
+    degraded the role's every later rollout."""
+    monkeypatch.setattr(handlers.kopf, "warn", lambda body, reason, message: None)
+    isvc = load_example("mixed.yaml")
+    isvc["metadata"].update(namespace="default", uid="u-1", generation=1)
+    memo = handlers.OperatorState(api=StatusWrites())  # type: ignore[arg-type]
+    starting = Rollout("mixed", 2, 1, 1, replicas=2, ready=0, updated=2, available=0, failure=None)
+    serving = Rollout("mixed", 2, 1, 1, replicas=2, ready=2, updated=2, available=2, failure=None)
+    gone = a_pod("bbbbb", "ImagePullBackOff")  # its DELETED event never comes
+    await handlers.pod_health(
+        event={"type": "MODIFIED", "object": gone}, body=gone, namespace="default",
+        name=gone["metadata"]["name"], memo=memo, logger=logging.getLogger("test"),
+        inference_services={KEY: [isvc]}, rollouts={KEY: [("u-1", starting)]},
+    )  # fmt: skip
+    assert KEY in memo.pod_failures
+    await handlers.publish_status(memo, *KEY, {KEY: [isvc]}, {KEY: [("u-1", serving)]})
+    assert memo.pod_failures == {}
