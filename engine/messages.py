@@ -183,6 +183,9 @@ class EngineInfo:
     tp_size: int
     architecture: str
     eos_token_ids: list[int]
+    # Prefill and decode engines: the fingerprint of the KV pool's layout (PoolLayout.fingerprint),
+    # which /health tells the router (contract.KV_LAYOUT_HEADER); None for a mixed engine
+    kv_layout: str | None = None
 
 
 @dataclass

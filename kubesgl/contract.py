@@ -131,6 +131,23 @@ def label_value_problem(value: str) -> str | None:
     return None
 
 
+# The header of a prefill or decode engine's /health answer that holds the fingerprint of its
+# KV pool's layout (PoolLayout.fingerprint: the layers, a slot's shape, the KV element type and
+# the tensor-parallel size), "<scheme>-<hex>". The router pairs a decode worker only with
+# prefill workers of its fingerprint, as the prefill engine refuses any other decode engine
+# (docs/disaggregation.md, Rollouts); a worker without one (SGLang's engines) pairs with any,
+# as does one whose fingerprint is of another scheme (another version's way of making it).
+KV_LAYOUT_HEADER: Final = "X-KubeSGL-KV-Layout"
+KV_LAYOUT_SCHEME: Final = "kv1"
+
+
+def kv_layouts_pair(a: str | None, b: str | None) -> bool:
+    """Whether engines of KV layout fingerprints `a` and `b` (None: not told) may pair."""
+    if a is None or b is None or a.partition("-")[0] != b.partition("-")[0]:
+        return True
+    return a == b
+
+
 # A prefill pod's bootstrap port, under kubesgl's name and under SGLang's (SGLang's router
 # discovers prefill pods' bootstrap ports by the latter); pods carry both
 BOOTSTRAP_PORT_ANNOTATION: Final = "kubesgl.io/bootstrap-port"

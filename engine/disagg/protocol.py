@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import TypeVar
 
-from kubesgl.contract import MAX_BOOTSTRAP_ROOM
+from kubesgl.contract import KV_LAYOUT_SCHEME, MAX_BOOTSTRAP_ROOM
 
 T = TypeVar("T")
 
@@ -149,10 +150,32 @@ class PoolLayout:
             _field(body, "v_addresses", integers, name),
         )
 
+    def compared(self) -> tuple[int, int, tuple[int, ...], str, int]:
+        """What a peer's pool must have alike (check_compatible): the layers of K and of V,
+        a slot's shape, the element type and a slot's bytes. Not where the buffers are, how
+        many slots they hold or in which memory: those may differ."""
+        return (
+            len(self.k_addresses),
+            len(self.v_addresses),
+            tuple(self.slot_shape),
+            self.dtype,
+            self.slot_bytes,
+        )
+
+    def fingerprint(self, tp_size: int) -> str:
+        """A short name of what `check_compatible` compares, and the tensor-parallel size (the
+        bootstrap server's other check): engines whose fingerprints are equal pair up. The
+        router learns a prefill or decode engine's from its /health answer
+        (contract.KV_LAYOUT_HEADER) and pairs a decode worker only with prefill workers of
+        its fingerprint (docs/disaggregation.md, Rollouts). Opaque: the router compares, never
+        reads, it; KV_LAYOUT_SCHEME names how it was made, so that another version's way is
+        told apart from a different layout."""
+        compared = json.dumps([tp_size, *self.compared()], separators=(",", ":"))
+        return f"{KV_LAYOUT_SCHEME}-{hashlib.sha256(compared.encode()).hexdigest()[:16]}"
+
     def check_compatible(self, peer: PoolLayout) -> None:
-        mine = (len(self.k_addresses), len(self.v_addresses), self.slot_shape, self.dtype)
-        theirs = (len(peer.k_addresses), len(peer.v_addresses), peer.slot_shape, peer.dtype)
-        if mine != theirs or self.slot_bytes != peer.slot_bytes:
+        mine, theirs = self.compared(), peer.compared()
+        if mine != theirs:
             raise ValueError(
                 f"KV pools differ: {mine[0]} layers of slots {list(self.slot_shape)} {self.dtype} "
                 f"here, {theirs[0]} of {list(peer.slot_shape)} {peer.dtype} at {peer.agent} (same "

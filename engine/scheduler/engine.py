@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kubesgl import contract
 from kubesgl.engine.attention import AttentionLayerSpec, auto_backend
 from kubesgl.engine.config import CPU_MEM_FRACTION, GPU_MEM_FRACTION, EngineConfig
+from kubesgl.engine.disagg.kv_transfer import layout_of
 from kubesgl.engine.disagg.link import BootstrapLink
 from kubesgl.engine.distributed import get_tp_group
 from kubesgl.engine.executor.model_runner import ModelRunner
@@ -191,6 +193,21 @@ class Engine:
         self.role = create_role(
             config, cache.kv, cache.pool, get_tp_group(), bootstrap_host, bootstrap_link
         )
+        # The fingerprint of the pool's layout, which a prefill and a decode engine must share
+        # (PoolLayout.fingerprint): the router pairs them by it
+        layout = layout_of(cache.pool, agent="")
+        self.kv_layout = layout.fingerprint(config.tp_size)
+        if self.role.transfers_kv:
+            logger.info(
+                "KV layout %s: %d layers of slots %s %s, tensor-parallel size %d; it pairs with "
+                "%s engines of this layout only",
+                self.kv_layout,
+                len(layout.k_addresses),
+                list(layout.slot_shape),
+                layout.dtype,
+                config.tp_size,
+                contract.DECODE if config.role == contract.PREFILL else contract.PREFILL,
+            )
         warning = short_pool_warning(config, self.role, cache.tokens, self.context_length)
         if warning is not None:
             logger.warning(warning)

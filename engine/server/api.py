@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kubesgl import __version__
 from kubesgl.contract import (
+    KV_LAYOUT_HEADER,
     MAX_BODY_DEPTH,
     TOO_DEEP_BODY,
     nested_deeper_than,
@@ -258,7 +259,10 @@ api_routes = APIRouter(dependencies=[Depends(authorized), Depends(shallow_body)]
 async def health(ctx: Ctx) -> Response:
     if unavailable(ctx) is not None:
         return PlainTextResponse("not ready", status_code=503)
-    return PlainTextResponse("ok")
+    # a prefill or decode engine's KV layout, by which the router pairs them
+    info = ctx.client.info
+    layout = info.kv_layout if info is not None else None
+    return PlainTextResponse("ok", headers={KV_LAYOUT_HEADER: layout} if layout else None)
 
 
 @health_routes.get("/metrics")
