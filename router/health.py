@@ -9,6 +9,7 @@ from functools import partial
 
 import aiohttp
 
+from kubesgl.contract import KV_LAYOUT_HEADER
 from kubesgl.router.options import check_bounds, option
 from kubesgl.router.workers import Worker, WorkerRegistry
 
@@ -112,12 +113,14 @@ class HealthChecker:
 
     async def check(self, worker: Worker) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
+        kv_layout: str | None = None
         try:
             async with self.session.get(
                 worker.url + self.settings.path, timeout=timeout, headers=self.headers
             ) as response:
                 await response.read()
                 passed = response.status == 200
+                kv_layout = response.headers.get(KV_LAYOUT_HEADER) or None
                 problem = f"GET {self.settings.path} answered {response.status}"
         except (TimeoutError, aiohttp.ClientError) as exc:
             log.debug("health check of %s failed: %r", worker.url, exc)
@@ -130,6 +133,8 @@ class HealthChecker:
         if self.workers.get(worker.url) is not worker:
             return  # removed (or replaced) while the check was running
         if passed:
+            # before it joins the pool: a restarted engine's layout may have changed
+            worker.kv_layout = kv_layout
             worker.health_failures = 0
             worker.health_successes += 1
             if worker.health_successes >= self.settings.success_threshold:

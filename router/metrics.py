@@ -38,6 +38,8 @@ class PDRoute(StrEnum):
     DECODE_ONLY_SHORT = "decode_only_short"  # what the decode worker has not cached is short
     DECODE_ONLY_SATURATED = "decode_only_saturated"  # every prefill worker is saturated
     DECODE_ONLY_NO_PREFILL = "decode_only_no_prefill"  # no prefill worker can serve it
+    # prefill workers can, none with the decode worker's KV layout (router/kv_layouts.py)
+    DECODE_ONLY_INCOMPATIBLE = "decode_only_incompatible"
 
 
 CACHE_DECISIONS = ("hit", "miss", "balance")

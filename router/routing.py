@@ -11,6 +11,7 @@ from functools import partial
 
 from kubesgl.router.errors import RouterError, no_worker
 from kubesgl.router.health import MODELS_PATH
+from kubesgl.router.kv_layouts import LayoutPairing
 from kubesgl.router.metrics import CONNECTION_LIMIT, PDRoute, RouterMetrics
 from kubesgl.router.model_list import cards_of, merged, served_sets
 from kubesgl.router.options import check_bounds, option
@@ -127,6 +128,9 @@ class Forwarder:
         self.pd = PrefillDecodePair(upstream)
         self._prefill_outages = PrefillOutages(
             lambda model: any(w.serves(model) for w in workers.with_role(Role.DECODE))
+        )
+        self._kv_layouts = LayoutPairing(
+            lambda: {w.kv_layout for w in workers.with_role(Role.DECODE)}
         )
         # The sets of served names the last GET /v1/models left out (their workers failed)
         self._unlisted: set[frozenset[str]] = set()
@@ -323,7 +327,9 @@ class Forwarder:
         # prefill policy chooses among it when the request is handed over.
         prefills = self._prefill_pool(excluded, request.model)
         decode = self._choose(self.policies.decode, decodes, request)
-        route = self._pd_route(request, prefills, decode)
+        # those of them the decode worker's pool can take the KV of (router/kv_layouts.py)
+        paired = self._kv_layouts.prefills_for(decode.worker, prefills, request.model, not excluded)
+        route = self._pd_route(request, prefills, decode, paired)
         routed = True
         try:
             # a decode engine prefills a request without a room itself
@@ -331,7 +337,7 @@ class Forwarder:
                 return await self.upstream.exchange(
                     decode.worker, "POST", request.path, request.raw, headers, stream=request.stream
                 )
-            prefill = self._choose(self.policies.prefill, prefills, request).worker
+            prefill = self._choose(self.policies.prefill, paired, request).worker
             return await self.pd.exchange(request, prefill, decode.worker, headers)
         except UpstreamError as error:
             # Served no route: refused before any work, or cut short by a prefill engine that
@@ -363,8 +369,16 @@ class Forwarder:
         self._prefill_outages.note(model, why_missing)
         return [w for w in available if w not in excluded]
 
-    def _pd_route(self, request: ParsedRequest, prefills: list[Worker], decode: Choice) -> PDRoute:
+    def _pd_route(
+        self,
+        request: ParsedRequest,
+        prefills: list[Worker],
+        decode: Choice,
+        paired: list[Worker] | None = None,
+    ) -> PDRoute:
+        """`paired`: those of `prefills` the decode worker pairs with (None: all of them)."""
         settings = self.disaggregation
+        paired = prefills if paired is None else paired
         # Sent alone, the decode worker prefills what it lacks: the prompt less the prefix the
         # decode policy believes it holds (the prefill pool's cache would not help it); for a
         # batch every prompt, the first's cached prefix only taken off (the policy matched it
@@ -374,7 +388,9 @@ class Forwarder:
             return PDRoute.DECODE_ONLY_SHORT
         if not prefills:
             return PDRoute.DECODE_ONLY_NO_PREFILL
-        if all(w.in_flight >= settings.max_prefill_in_flight for w in prefills):
+        if not paired:
+            return PDRoute.DECODE_ONLY_INCOMPATIBLE
+        if all(w.in_flight >= settings.max_prefill_in_flight for w in paired):
             return PDRoute.DECODE_ONLY_SATURATED
         return PDRoute.DISAGGREGATED
 

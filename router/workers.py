@@ -74,6 +74,9 @@ class Worker:
     # the ids of its /v1/models (a vLLM engine may serve several names), once a health check
     # has asked; empty before
     models: tuple[str, ...] = ()
+    # a prefill or decode engine's KV layout fingerprint (contract.KV_LAYOUT_HEADER), as its
+    # last passed health check told it; None: not told (SGLang's engines), which pairs with any
+    kv_layout: str | None = None
     healthy: bool = False  # false until the first health check passes
     in_flight: int = 0
     health_failures: int = 0  # consecutive failed health checks
@@ -111,6 +114,7 @@ class Worker:
             "source": self.source,
             "pod": self.pod,
             "model_name": self.model_name,
+            "kv_layout": self.kv_layout,
             "healthy": self.healthy,
             "circuit": self.breaker.state.value,
             "in_flight": self.in_flight,

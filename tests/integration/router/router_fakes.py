@@ -19,6 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kubesgl.contract import KV_LAYOUT_HEADER
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # the stop string a fake answer says ended it, as a real engine answers stop_reason and SGLang's
 # finish_reason.matched: the router passes it through untouched
@@ -97,6 +99,8 @@ class FakeEngine:
         self.bootstrap_port = bootstrap_port or _free_port()
         self.port = _free_port()
         self.healthy = True
+        # a prefill or decode engine's KV layout fingerprint, named by its /health; None: none
+        self.kv_layout: str | None = None
         self.fail_status: int | None = None  # answer every generation request with this error
         self.models_status: int | None = None  # answer GET /v1/models with this error
         self.fail_after_s = 0.0  # ... this long after the request came
@@ -217,7 +221,10 @@ class FakeEngine:
 
     async def _health(self, request: web.Request) -> web.Response:
         self.probe_headers.append(dict(request.headers))
-        return web.json_response({"status": "ok"}) if self.healthy else _error(503, "not ready")
+        if not self.healthy:
+            return _error(503, "not ready")
+        layout = {KV_LAYOUT_HEADER: self.kv_layout} if self.kv_layout else None
+        return web.json_response({"status": "ok"}, headers=layout)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         text = (

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kubesgl.router.routing import DisaggregationSettings, RetrySettings
+from kubesgl.router.workers import Role
 
 pytestmark = pytest.mark.asyncio
 
@@ -755,6 +756,7 @@ async def test_a_request_retried_on_another_pair_is_one_pd_route(
         "decode_only_short": 0,
         "decode_only_saturated": 0,
         "decode_only_no_prefill": 0,
+        "decode_only_incompatible": 0,
     }
 
 
@@ -892,3 +894,72 @@ async def test_a_pair_sends_nothing_until_it_has_both_connections(
         )
         await out_of_flight(router)
     assert [a.status_code for a in answers] == [200] * 3
+
+
+OLD_LAYOUT, NEW_LAYOUT = "kv1-00000000000000aa", "kv1-00000000000000bb"
+
+
+async def test_a_rollout_of_another_kv_layout_pairs_each_decode_with_a_prefill_of_its_layout(
+    engines, kv_table, start_router, client
+):
+    """Half a rollout of another tensor-parallel size: old and new prefill and decode engines,
+    each naming its KV layout in its /health. A prefill engine refuses a decode engine of
+    another layout (a 502): the router pairs old with old and new with new only."""
+    prefills, decodes = await pd_pool(engines, kv_table, prefills=2, decodes=2)
+    for engine, layout in zip((*prefills, *decodes), (OLD_LAYOUT, NEW_LAYOUT) * 2):
+        engine.kv_layout = layout
+    config = pd_config(prefills, decodes, policy="round_robin")
+    async with start_router(**config) as router:
+        await router.ready()
+        for i in range(8):
+            response = await client.post(router.url + "/generate", json={"text": f"q{i}"})
+            assert response.status_code == 200
+        listed = (await client.get(router.url + "/workers")).json()["workers"]
+    for p, d in zip(prefills, decodes):
+        rooms = {r["body"]["bootstrap_room"] for r in p.requests}
+        assert rooms == {r["body"]["bootstrap_room"] for r in d.requests} and len(rooms) == 4
+    assert {w["url"]: w["kv_layout"] for w in listed} == {
+        e.url: e.kv_layout for e in (*prefills, *decodes)
+    }
+
+
+async def test_a_decode_worker_with_no_prefill_of_its_layout_serves_alone_and_unknown_pairs_any(
+    engines, kv_table, start_router, client
+):
+    """The new decode engine is up, the new prefill engine not yet: the new decode worker
+    prefills its requests itself. An engine that names no layout (SGLang's) pairs with any."""
+    (p,), (d_old, d_new, d_unknown) = await pd_pool(engines, kv_table, decodes=3)
+    p.kv_layout, d_old.kv_layout, d_new.kv_layout = OLD_LAYOUT, OLD_LAYOUT, NEW_LAYOUT
+    config = pd_config([p], [d_old, d_new, d_unknown], policy="round_robin")
+    async with start_router(**config) as router:
+        await router.ready()
+        for i in range(6):
+            response = await client.post(router.url + "/generate", json={"text": f"q{i}"})
+            assert response.status_code == 200
+        metrics = (await client.get(router.url + "/metrics")).text
+    assert len(d_new.requests) == 2
+    assert not any("bootstrap_room" in r["body"] for r in d_new.requests)
+    for d in (d_old, d_unknown):
+        assert len(d.requests) == 2 and all("bootstrap_room" in r["body"] for r in d.requests)
+    assert len(p.requests) == 4
+    assert pd_route_counts(metrics)["decode_only_incompatible"] == 2
+    assert pd_route_counts(metrics)["disaggregated"] == 4
+
+
+async def test_a_prefill_engine_restarted_in_the_new_layout_pairs_with_the_new_decode_engine(
+    engines, kv_table, start_router, client
+):
+    """The health checks keep each worker's layout current: the prefill engine restarts (its
+    /health names the new layout), and the new decode engine's requests are handed over."""
+    (p,), (d,) = await pd_pool(engines, kv_table)
+    p.kv_layout, d.kv_layout = OLD_LAYOUT, NEW_LAYOUT
+    async with start_router(**pd_config([p], [d])) as router:
+        await router.ready()
+        alone = await client.post(router.url + "/generate", json={"text": "q0"})
+        p.kv_layout = NEW_LAYOUT
+        [prefill] = router.app.workers.with_role(Role.PREFILL)
+        await router.until(lambda: prefill.kv_layout == NEW_LAYOUT)
+        paired = await client.post(router.url + "/generate", json={"text": "q1"})
+    assert alone.status_code == paired.status_code == 200
+    assert [("bootstrap_room" in r["body"]) for r in d.requests] == [False, True]
+    assert len(p.requests) == 1

@@ -136,6 +136,7 @@ def test_a_request_its_only_prefill_worker_refused_is_retried_on_a_decode_worker
         "decode_only_short": 0,
         "decode_only_saturated": 0,
         "decode_only_no_prefill": 1,
+        "decode_only_incompatible": 0,
     }
 
 
