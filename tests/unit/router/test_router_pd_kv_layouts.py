@@ -105,8 +105,9 @@ def _routes(forwarder: Forwarder) -> dict[str, float]:
 
 
 def test_a_decode_worker_is_paired_only_with_prefill_workers_of_its_layout():
-    """Half a rollout: an old and a new prefill worker, an old and a new decode worker."""
-    forwarder, upstream, (p_old, p_new), (d_old, d_new) = _forwarder([OLD, NEW], [OLD, NEW])
+    """Half a rollout: an old and a new prefill worker, a new and an old decode worker (the
+    round-robin policies alone would pair each with the other layout's)."""
+    forwarder, upstream, (p_old, p_new), (d_new, d_old) = _forwarder([OLD, NEW], [NEW, OLD])
     for _ in range(8):
         _send(forwarder)
     pairs = _pairs(upstream)
@@ -116,10 +117,10 @@ def test_a_decode_worker_is_paired_only_with_prefill_workers_of_its_layout():
 
 
 def test_a_worker_that_names_no_layout_pairs_with_any():
-    forwarder, upstream, (p,), (d_old, d_none) = _forwarder([None], [OLD, None])
-    for _ in range(2):
+    forwarder, upstream, (p_old, p_none, _), (d,) = _forwarder([OLD, None, NEW], [OLD])
+    for _ in range(6):
         _send(forwarder)
-    assert sorted(_pairs(upstream)) == sorted([(d_old.url, p.url), (d_none.url, p.url)])
+    assert {prefill for _, prefill in _pairs(upstream)} == {p_old.url, p_none.url}
     forwarder, upstream, (p_old, p_new), (d,) = _forwarder([OLD, NEW], [None])
     for _ in range(4):
         _send(forwarder)
@@ -128,9 +129,10 @@ def test_a_worker_that_names_no_layout_pairs_with_any():
 
 def test_layouts_of_another_fingerprint_scheme_pair():
     """Another version's way of making the fingerprint tells nothing about the layout."""
-    forwarder, upstream, (p,), (d,) = _forwarder(["kv2-1234"], [OLD])
-    _send(forwarder)
-    assert _pairs(upstream) == [(d.url, p.url)]
+    forwarder, upstream, (p_other, _), (d,) = _forwarder(["kv2-1234", NEW], [OLD])
+    for _ in range(4):
+        _send(forwarder)
+    assert set(_pairs(upstream)) == {(d.url, p_other.url)}
 
 
 def test_a_decode_worker_without_a_prefill_worker_of_its_layout_serves_alone():
