@@ -26,7 +26,9 @@ class FakeClient:
         self.ready = asyncio.Event()
         self.failure = None  # the engine runs
         self.ready.set()
-        self.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
+        self.info = SimpleNamespace(
+            vocab_size=1000, context_length=4096, max_total_tokens=8192, kv_layout=None
+        )
         self.script = script
         self.probes: list[bool] = []  # each generate call's `request.probe`
 
@@ -613,7 +615,9 @@ async def test_a_request_the_server_ended_mid_stream_is_an_error_not_a_client_ab
     monkeypatch.setattr(api, "CompletionFormatter", FailingCompletion)
     endpoints = Endpoints.create()
     client = EngineClient(endpoints, EngineMetrics("mixed"))
-    client.info = SimpleNamespace(vocab_size=1000, context_length=4096, max_total_tokens=8192)
+    client.info = SimpleNamespace(
+        vocab_size=1000, context_length=4096, max_total_tokens=8192, kv_layout=None
+    )
     client.ready.set()
     client.start()
     context = zmq.asyncio.Context()
