@@ -137,7 +137,7 @@ def test_the_scheduler_tells_the_server_the_fingerprint_of_a_prefill_or_decode_e
 
 
 def _health(info: EngineInfo | None, ready: bool = True):
-    client = SimpleNamespace(info=info, ready=asyncio.Event())
+    client = SimpleNamespace(info=info, ready=asyncio.Event(), failure=None)
     if ready:
         client.ready.set()
     state = ServerState(EngineConfig(model="m", role=contract.DECODE), "m")

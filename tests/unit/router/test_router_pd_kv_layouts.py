@@ -38,14 +38,12 @@ class _Upstream:
         self.slots = ConnectionSlots(None, 0)
 
     async def exchange(
-        self, worker, method, path, payload, headers, *, stream, paired=False, slot=None
+        self, worker, method, path, payload, headers, *, stream, paired=False, slot=None, trial=None
     ):
         self.sent.append((worker, json.loads(payload)))
         return BufferedReply(200, [], b"{}")
 
-    async def drain(
-        self, worker, path, payload, headers, *, paired=False, on_attempt=None, slot=None
-    ):
+    async def drain(self, worker, path, payload, headers, *, paired=False, **_):
         await self.exchange(worker, "POST", path, payload, headers, stream=False)
 
 
