@@ -98,8 +98,8 @@ class Worker:
 
     @property
     def unchecked(self) -> bool:
-        """Out of the pool for want of a passed health check, none having failed: new."""
-        return not (self.healthy or self.lost or self.health_failures)
+        """Out of the pool, no health check of it having ended yet: new."""
+        return not (self.healthy or self.lost or self.health_failures or self.health_successes)
 
     def serves(self, model: str | None) -> bool:
         """Whether a request for `model` (None: a request that names none) may come here. One
