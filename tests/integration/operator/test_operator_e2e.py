@@ -313,7 +313,9 @@ def test_a_hugging_face_branch_is_applied_with_a_warning_event_and_a_commit_with
     cluster: Cluster, operator: OperatorProcess
 ) -> None:
     """Each pod downloads `main` as the branch is when it starts: the event says so."""
-    created = cluster.create_isvc(example("disaggregated.yaml"))
+    document = example("disaggregated.yaml")
+    document["spec"]["model"]["huggingFace"]["revision"] = "main"
+    created = cluster.create_isvc(document)
     settle(cluster, created)
     events = wait_for(
         lambda: [e for e in cluster.events() if e.get("reason") == "UnpinnedRevision"],
