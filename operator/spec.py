@@ -230,6 +230,13 @@ class ModelSpec(SpecModel):
     tiny: TinySource | None = None
 
 
+class CompileCacheSpec(SpecModel):
+    """A PersistentVolumeClaim every engine pod mounts read-write for the kernels FlashInfer and
+    Triton compile at first use (render/engine.py, COMPILE_CACHE_DIR)."""
+
+    claim_name: str = Field(min_length=1)
+
+
 def _engine_option(name: str) -> Any:
     """The spec.engine field of a numeric engine option: unset (the engine's default), or a
     value within the limits the engine declares (engine/config.py)."""
@@ -272,6 +279,8 @@ class EngineSpec(SpecModel):
     enable_piecewise_cuda_graph: bool = False
 
     api_key_secret: SecretKeyRef | None = None
+    # A claim that keeps the compiled kernels (FlashInfer's JIT, Triton's) across pods
+    compile_cache: CompileCacheSpec | None = None
     log_level: LogLevel = "info"
     shutdown_timeout_seconds: int = Field(default=60, ge=1)
     extra_args: list[str] = Field(default_factory=list)
@@ -395,6 +404,45 @@ class RouterSpec(Placement):
     load_balancer_source_ranges: list[Cidr] = Field(default_factory=list)
 
 
+# An extended resource as the API server takes one in a container's resources (apimachinery's
+# IsExtendedResourceName): a qualified name with a domain prefix, outside kubernetes.io; the CRD
+# has the same pattern, _extended_resource the rest (lengths, the domain, requests.<name>).
+EXTENDED_RESOURCE_PATTERN = (
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+    r"/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+)
+
+
+def _extended_resource(name: str) -> str:
+    # the API server also checks requests.<name>, the name a ResourceQuota counts it under
+    problem = label_key_problem(name) or label_key_problem(f"requests.{name}")
+    if problem:
+        raise ValueError(problem)
+    if "kubernetes.io/" in name:
+        raise ValueError(
+            f"{name!r} is in Kubernetes' own domain: a device plugin's resource has its own "
+            "(rdma/..., nvidia.com/...)"
+        )
+    if is_gpu_resource(name):
+        raise ValueError(f"{name!r} is a GPU, which the role's tensorParallelSize requests")
+    return name
+
+
+ExtendedResourceName = Annotated[
+    str, Field(pattern=EXTENDED_RESOURCE_PATTERN), AfterValidator(_extended_resource)
+]
+
+
+class RdmaSpec(SpecModel):
+    """RDMA NICs for the KV transfer of both roles' engine pods (disaggregated mode only): the
+    device plugin's extended resource, requested and limited to `count` per pod, and IPC_LOCK
+    (render/engine.py, docs/operator.md#rdma-between-prefill-and-decode)."""
+
+    # e.g. rdma/rdma_shared_device_a (the RDMA shared device plugin), rdma/ib, nvidia.com/hostdev
+    resource_name: ExtendedResourceName
+    count: int = Field(default=1, ge=1)
+
+
 class UcxSpec(SpecModel):
     transports: str | None = Field(default=None, min_length=1)
     net_devices: str | None = Field(default=None, min_length=1)
@@ -403,6 +451,7 @@ class UcxSpec(SpecModel):
 class KvTransferSpec(SpecModel):
     backend: Literal["nixl"] = "nixl"
     ucx: UcxSpec = Field(default_factory=UcxSpec)
+    rdma: RdmaSpec | None = None
 
 
 class PrefillAutoscaling(SpecModel):

@@ -50,7 +50,16 @@ from kubesgl.router.cli import check_router_args
 # What the operator sets in an engine role's containers (render/engine.py): a role's env may
 # not name it (server-side apply refuses an env list that names a variable twice).
 ENV_SET_BY_OPERATOR = frozenset(
-    {"HOME", "HF_HUB_OFFLINE", "HF_TOKEN", contract.API_KEY_ENV, "UCX_TLS", "UCX_NET_DEVICES"}
+    {
+        "HOME",
+        "HF_HUB_OFFLINE",
+        "HF_TOKEN",
+        contract.API_KEY_ENV,
+        "UCX_TLS",
+        "UCX_NET_DEVICES",
+        "FLASHINFER_WORKSPACE_BASE",
+        "TRITON_CACHE_DIR",
+    }
 )
 
 
@@ -161,6 +170,7 @@ def workability_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems += gpu_problems
     problems += _resource_problems(spec, reported={problem.field for problem in gpu_problems})
     problems += _shm_problems(spec)
+    problems += _rdma_problems(spec)
     problems += _autoscaling_problems(spec)
     problems += _network_policy_problems(spec)
     problems += _env_problems(spec)
@@ -486,6 +496,31 @@ def _mode_problems(spec: InferenceServiceSpec) -> list[Problem]:
         for role in (contract.PREFILL, contract.DECODE):
             if getattr(spec, role) is not None:
                 problems.append(Problem(f"spec.{role}", "only used when mode is disaggregated"))
+    return problems
+
+
+def _rdma_problems(spec: InferenceServiceSpec) -> list[Problem]:
+    nics = spec.kv_transfer.rdma
+    if nics is None:
+        return []
+    if spec.mode != "disaggregated":
+        return [
+            Problem(
+                "spec.kvTransfer.rdma",
+                "only used when mode is disaggregated: a mixed engine moves no KV cache to "
+                "another pod, so its pods would hold RDMA devices and IPC_LOCK for nothing",
+            )
+        ]
+    problems = []
+    for role, block in spec.engine_roles().items():
+        for kind in ("requests", "limits"):
+            if nics.resource_name in getattr(block.resources, kind):
+                problems.append(
+                    Problem(
+                        f"spec.{role}.resources.{kind}.{nics.resource_name}",
+                        "set by spec.kvTransfer.rdma (its count): leave it out here",
+                    )
+                )
     return problems
 
 

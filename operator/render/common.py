@@ -78,11 +78,15 @@ def pod_security_context() -> Object:
     }
 
 
-def container_security_context() -> Object:
+def container_security_context(add: tuple[str, ...] = ()) -> Object:
+    """Every capability dropped, but those in `add` (an engine's IPC_LOCK for RDMA)."""
+    capabilities: Object = {"drop": ["ALL"]}
+    if add:
+        capabilities = {"add": list(add), **capabilities}
     return {
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
-        "capabilities": {"drop": ["ALL"]},
+        "capabilities": capabilities,
     }
 
 

@@ -27,6 +27,7 @@ from kubesgl.operator.spec import (
     InferenceService,
     InferenceServiceSpec,
     Quantity,
+    RdmaSpec,
     RoleSpec,
     SecretKeyRef,
     is_gpu_resource,
@@ -69,6 +70,15 @@ EXIT_SLACK_SECONDS = 5
 # shmSizeLimit is not set: NCCL's shared-memory buffers between ranks of the pod, Python's
 # multiprocessing semaphores. NVIDIA recommends --shm-size=1g for NCCL containers.
 SHM_PER_RANK_GI = 1
+# Where spec.engine.compileCache's claim is mounted. FlashInfer (0.5) keeps its JIT-compiled
+# modules under $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer/<version>/<CUDA archs>/, HOME when
+# unset; Triton keeps its kernels in $TRITON_CACHE_DIR, ~/.triton/cache when unset. Both key
+# their entries by version and GPU, and write each under a file lock and a rename, so pods of
+# several images or GPU kinds can share one claim.
+COMPILE_CACHE_DIR = "/var/cache/kubesgl"
+# The capability RDMA needs (spec.kvTransfer.rdma): registering memory with the NIC pins it,
+# which the kernel allows beyond RLIMIT_MEMLOCK only with IPC_LOCK (docs/operator.md).
+RDMA_CAPABILITIES = ("IPC_LOCK",)
 # Loading weights and capturing CUDA graphs can take long: up to an hour to start.
 STARTUP_PROBE_PERIOD_SECONDS = 10
 STARTUP_PROBE_FAILURES = 360
@@ -238,7 +248,18 @@ def _env(isvc: InferenceService) -> list[Object]:
             env.append({"name": "UCX_TLS", "value": ucx.transports})
         if ucx.net_devices:
             env.append({"name": "UCX_NET_DEVICES", "value": ucx.net_devices})
+    if isvc.spec.engine.compile_cache is not None:
+        env += [
+            {"name": "FLASHINFER_WORKSPACE_BASE", "value": COMPILE_CACHE_DIR},
+            {"name": "TRITON_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/triton"},
+        ]
     return env
+
+
+def rdma(spec: InferenceServiceSpec) -> RdmaSpec | None:
+    """spec.kvTransfer.rdma where the mode moves KV between pods (validation refuses it in mixed
+    mode)."""
+    return spec.kv_transfer.rdma if spec.mode == "disaggregated" else None
 
 
 def role_env(block: RoleSpec) -> list[Object]:
@@ -288,6 +309,11 @@ def engine_resources(spec: InferenceServiceSpec, block: RoleSpec) -> Object:
     # with both, a pod asks for a whole GPU beside its slice and stays Pending
     if spec.engine.device == "cuda" and not _asks_for_other_gpus(block):
         limits[GPU_RESOURCE] = block.tensor_parallel_size
+    # an extended resource: requested and limited alike, as the API server requires
+    nics = rdma(spec)
+    if nics is not None:
+        requests[nics.resource_name] = nics.count
+        limits[nics.resource_name] = nics.count
     if requests:
         resources["requests"] = requests
     if limits:
@@ -397,8 +423,12 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
         "readinessProbe": http_probe("http", period=READINESS_PROBE_PERIOD_SECONDS, failures=2),
         "livenessProbe": http_probe("http", period=15, failures=4, timeout=5),
         "lifecycle": prestop_pause(),
-        "securityContext": container_security_context(),
+        "securityContext": container_security_context(
+            RDMA_CAPABILITIES if rdma(isvc.spec) is not None else ()
+        ),
     }
+    if isvc.spec.engine.compile_cache is not None:
+        container["volumeMounts"].append({"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR})
     resources = engine_resources(isvc.spec, block)
     if resources:
         container["resources"] = resources
@@ -419,6 +449,10 @@ def engine_deployment(isvc: InferenceService, role: contract.EngineRole, block: 
         **spread_over_nodes(isvc, role),
         **placement(block),
     }
+    cache = isvc.spec.engine.compile_cache
+    if cache is not None:
+        claim = {"claimName": cache.claim_name}
+        pod_spec["volumes"].append({"name": "compile-cache", "persistentVolumeClaim": claim})
     init = _model_init_container(isvc, block)
     if init is not None:
         pod_spec["initContainers"] = [init]

@@ -231,6 +231,7 @@ def test_the_operators_own_engine_environment_is_what_a_role_may_not_name() -> N
     document["spec"]["engine"]["apiKeySecret"] = {"name": "keys", "key": "api"}
     document["spec"]["model"]["huggingFace"]["tokenSecret"] = {"name": "hf", "key": "token"}
     document["spec"]["kvTransfer"] = {"ucx": {"transports": "rc", "netDevices": "mlx5_0:1"}}
+    document["spec"]["engine"]["compileCache"] = {"claimName": "kernels"}
     pod = engine_pod(objects_of(document), "llama-pd-decode")
     containers = [*pod["spec"]["containers"], *pod["spec"]["initContainers"]]
     rendered = {variable["name"] for c in containers for variable in c["env"]}
@@ -1057,3 +1058,82 @@ def test_scrapers_may_be_address_blocks() -> None:
     (rule,) = policy["spec"]["ingress"]
     assert rule["from"][1:] == scrapers  # after this instance's router pods
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+
+
+RDMA = {"resourceName": "rdma/rdma_shared_device_a", "count": 2}
+
+
+def test_rdma_gives_both_roles_the_nics_and_ipc_lock_and_keeps_the_rest_restricted() -> None:
+    document = load_example("disaggregated.yaml")
+    document["spec"]["kvTransfer"] = {
+        "ucx": {"transports": "rc,cuda_copy", "netDevices": "mlx5_0:1"},
+        "rdma": RDMA,
+    }
+    objects = objects_of(document)
+    for name in ("llama-pd-prefill", "llama-pd-decode"):
+        pod = engine_pod(objects, name)
+        (container,) = pod["spec"]["containers"]
+        resources = container["resources"]
+        # an extended resource: requested and limited alike, beside what the role asks for
+        assert resources["requests"] == {
+            "cpu": "8",
+            "memory": "64Gi",
+            "ephemeral-storage": "40Gi",
+            "rdma/rdma_shared_device_a": 2,
+        }
+        assert resources["limits"] == {"nvidia.com/gpu": 1, "rdma/rdma_shared_device_a": 2}
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"add": ["IPC_LOCK"], "drop": ["ALL"]},
+        }
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+        (init,) = pod["spec"]["initContainers"]  # the download pins no memory for a NIC
+        assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        env = {v["name"]: v["value"] for v in container["env"] if "value" in v}
+        assert env["UCX_TLS"] == "rc,cuda_copy" and env["UCX_NET_DEVICES"] == "mlx5_0:1"
+    router = objects[("Deployment", "llama-pd-router")]["spec"]["template"]["spec"]
+    assert router["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_without_rdma_engines_keep_no_capability_and_no_nic() -> None:
+    for path in EXAMPLES:
+        document = yaml.safe_load(path.read_text())
+        if "rdma" in document["spec"].get("kvTransfer", {}):
+            continue
+        for obj in objects_of(document).values():
+            if obj["kind"] == "Deployment":
+                for container in obj["spec"]["template"]["spec"]["containers"]:
+                    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+                    limits = container.get("resources", {}).get("limits", {})
+                    assert not any(name.startswith("rdma/") for name in limits)
+
+
+def test_a_compile_cache_is_the_claim_mounted_where_flashinfer_and_triton_keep_kernels() -> None:
+    document = load_example("disaggregated.yaml")
+    document["spec"]["engine"]["compileCache"] = {"claimName": "kernels"}
+    objects = objects_of(document)
+    for name in ("llama-pd-prefill", "llama-pd-decode"):
+        pod = engine_pod(objects, name)["spec"]
+        (container,) = pod["containers"]
+        assert {"name": "compile-cache", "persistentVolumeClaim": {"claimName": "kernels"}} in (
+            pod["volumes"]
+        )
+        assert {"name": "compile-cache", "mountPath": "/var/cache/kubesgl"} in (
+            container["volumeMounts"]
+        )
+        env = {v["name"]: v.get("value") for v in container["env"]}
+        # FlashInfer appends .cache/flashinfer/<version>/<archs> to its workspace base
+        assert env["FLASHINFER_WORKSPACE_BASE"] == "/var/cache/kubesgl"
+        assert env["TRITON_CACHE_DIR"] == "/var/cache/kubesgl/triton"
+        assert env["HOME"] == "/tmp"  # everything else stays in the pod's own /tmp
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        (init,) = pod["initContainers"]  # the download compiles nothing
+        assert all(m["name"] != "compile-cache" for m in init["volumeMounts"])
+
+
+def test_without_a_compile_cache_kernels_stay_in_the_pods_tmp() -> None:
+    pod = engine_pod(objects_of(load_example("mixed.yaml")), "qwen3-mixed-mixed")["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["model", "dshm", "tmp"]
+    names = {v["name"] for v in pod["containers"][0]["env"]}
+    assert not names & {"FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR"}

@@ -1135,3 +1135,87 @@ def test_every_resource_name_a_container_takes_is_taken() -> None:
     resources |= {"nvidia.com/gpu": 1, "rdma/hca": 1, "example.com/dongle": 1}
     document = with_changes(load_example("mixed.yaml"), "spec.mixed.resources.limits", resources)
     parse_inference_service(document)
+
+
+RDMA = {"resourceName": "rdma/rdma_shared_device_a"}
+
+
+def test_rdma_is_refused_where_no_kv_cache_moves_between_pods() -> None:
+    document = with_changes(load_example("mixed.yaml"), "spec.kvTransfer.rdma", RDMA)
+    assert problems_of(document) == [
+        "spec.kvTransfer.rdma: only used when mode is disaggregated: a mixed engine moves no KV "
+        "cache to another pod, so its pods would hold RDMA devices and IPC_LOCK for nothing"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("rdma", "String should match pattern"),  # no domain: not an extended resource
+        ("RDMA/hca", "String should match pattern"),  # a domain is lowercase
+        ("rdma/", "String should match pattern"),
+        ("rdma/hca/a", "String should match pattern"),
+        ("rdma/" + "a" * 64, "Value error"),  # a name of at most 63 characters
+        ("example.kubernetes.io/nic", "Value error, 'example.kubernetes.io/nic' is in Kubernetes'"),
+        ("kubernetes.io/nic", "Value error, 'kubernetes.io/nic' is in Kubernetes' own domain"),
+        ("nvidia.com/gpu", "Value error, 'nvidia.com/gpu' is a GPU"),
+        ("nvidia.com/mig-1g.10gb", "Value error, 'nvidia.com/mig-1g.10gb' is a GPU"),
+    ],
+)
+def test_an_rdma_resource_is_named_as_kubernetes_names_an_extended_resource(name, expected) -> None:
+    document = with_changes(
+        load_example("disaggregated.yaml"), "spec.kvTransfer.rdma", {"resourceName": name}
+    )
+    problems = problems_of(document)
+    assert any(
+        problem.startswith(f"spec.kvTransfer.rdma.resourceName: {expected}") for problem in problems
+    ), problems
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["rdma/rdma_shared_device_a", "rdma/ib", "nvidia.com/hostdev", "rdma/hca_shared_devices_a"],
+)
+def test_the_rdma_device_plugins_resources_are_taken(name) -> None:
+    document = with_changes(
+        load_example("disaggregated.yaml"), "spec.kvTransfer.rdma", {"resourceName": name}
+    )
+    parse_inference_service(document)
+
+
+def test_rdma_count_is_a_whole_device_or_more() -> None:
+    document = with_changes(
+        load_example("disaggregated.yaml"), "spec.kvTransfer.rdma", {**RDMA, "count": 0}
+    )
+    assert any(
+        p.startswith("spec.kvTransfer.rdma.count: Input should be greater than or equal to 1")
+        for p in problems_of(document)
+    )
+
+
+def test_a_role_may_not_ask_for_the_rdma_resource_itself() -> None:
+    """One declaration: the count would be two fields', and one of them silently overridden."""
+    document = with_changes(load_example("disaggregated.yaml"), "spec.kvTransfer.rdma", RDMA)
+    document = with_changes(
+        document, "spec.decode.resources.limits", {"rdma/rdma_shared_device_a": 2}
+    )
+    assert problems_of(document) == [
+        "spec.decode.resources.limits.rdma/rdma_shared_device_a: set by spec.kvTransfer.rdma "
+        "(its count): leave it out here"
+    ]
+
+
+@pytest.mark.parametrize("name", ["FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR"])
+def test_the_compile_cache_variables_are_the_operators(name) -> None:
+    document = with_changes(
+        load_example("mixed.yaml"), "spec.mixed.env", [{"name": name, "value": "/elsewhere"}]
+    )
+    assert problems_of(document) == [f"spec.mixed.env.0.name: {name} is set by the operator"]
+
+
+def test_a_compile_cache_names_its_claim() -> None:
+    document = with_changes(load_example("mixed.yaml"), "spec.engine.compileCache", {})
+    assert any(
+        p.startswith("spec.engine.compileCache.claimName: Field required")
+        for p in problems_of(document)
+    )
