@@ -38,7 +38,13 @@ NOT_IN_CRD = {
     "disaggregation_bootstrap_port": f"set by the operator ({contract.BOOTSTRAP_PORT})",
 }
 # spec.engine fields that are the pod's own settings (server flags, the pod spec), not EngineConfig's
-POD_SETTINGS = {"api_key_secret", "log_level", "shutdown_timeout_seconds", "extra_args"}
+POD_SETTINGS = {
+    "api_key_secret",
+    "compile_cache",
+    "log_level",
+    "shutdown_timeout_seconds",
+    "extra_args",
+}
 # Flags of the commands that are not engine options
 SERVE_ONLY_FLAGS = {
     "--host",
