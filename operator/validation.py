@@ -28,6 +28,7 @@ from kubesgl.operator.render.common import (
     expand_references,
 )
 from kubesgl.operator.render.engine import (
+    COMPILE_CACHE_VARIABLES,
     ENGINE_OWNED_FLAGS,
     engine_args,
     engine_resources,
@@ -57,8 +58,7 @@ ENV_SET_BY_OPERATOR = frozenset(
         contract.API_KEY_ENV,
         "UCX_TLS",
         "UCX_NET_DEVICES",
-        "FLASHINFER_WORKSPACE_BASE",
-        "TRITON_CACHE_DIR",
+        *COMPILE_CACHE_VARIABLES,
     }
 )
 

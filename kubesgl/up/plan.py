@@ -23,6 +23,7 @@ from kubesgl.contract import ADMIN_KEY_ENV, API_KEY_ENV
 from kubesgl.engine.config import ENGINE_OPTIONS
 from kubesgl.operator.render import render
 from kubesgl.operator.render.common import expand_references
+from kubesgl.operator.render.engine import COMPILE_CACHE_VARIABLES
 from kubesgl.operator.spec import EngineSpec, InferenceService, ModelSpec
 from kubesgl.operator.validation import InvalidSpec, Problem, argv_sections
 
@@ -498,15 +499,20 @@ def _local_command(command: list[str]) -> list[str]:
     )
 
 
+# The pod's cache folders, which are no folders of this machine (render/engine.py)
+_POD_CACHE_VARIABLES = frozenset({"HOME", *COMPILE_CACHE_VARIABLES})
+
+
 def _local_env(container: dict[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
-    """The container's variables: plain values as rendered, except HOME (pods point it at /tmp for
-    their read-only root filesystem; here caches stay in the user's home); values from Secrets
+    """The container's variables: plain values as rendered, except the cache folders (pods point
+    HOME at /tmp for their read-only root filesystem, and the compile caches at a claim's mount:
+    here caches stay in the user's home); values from Secrets
     come from this environment under the same name, where set. A variable with neither is set
     to "" (render leaves an empty value out, as the API server does)."""
     env = {}
     for variable in container.get("env", []):
         name = variable["name"]
-        if "valueFrom" not in variable and name != "HOME":
+        if "valueFrom" not in variable and name not in _POD_CACHE_VARIABLES:
             env[name] = variable.get("value", "")
         elif "valueFrom" in variable and name in environ:
             env[name] = environ[name]

@@ -76,6 +76,10 @@ SHM_PER_RANK_GI = 1
 # their entries by version and GPU, and write each under a file lock and a rename, so pods of
 # several images or GPU kinds can share one claim.
 COMPILE_CACHE_DIR = "/var/cache/kubesgl"
+COMPILE_CACHE_VARIABLES = {
+    "FLASHINFER_WORKSPACE_BASE": COMPILE_CACHE_DIR,
+    "TRITON_CACHE_DIR": f"{COMPILE_CACHE_DIR}/triton",
+}
 # The capability RDMA needs (spec.kvTransfer.rdma): registering memory with the NIC pins it,
 # which the kernel allows beyond RLIMIT_MEMLOCK only with IPC_LOCK (docs/operator.md).
 RDMA_CAPABILITIES = ("IPC_LOCK",)
@@ -249,10 +253,7 @@ def _env(isvc: InferenceService) -> list[Object]:
         if ucx.net_devices:
             env.append({"name": "UCX_NET_DEVICES", "value": ucx.net_devices})
     if isvc.spec.engine.compile_cache is not None:
-        env += [
-            {"name": "FLASHINFER_WORKSPACE_BASE", "value": COMPILE_CACHE_DIR},
-            {"name": "TRITON_CACHE_DIR", "value": f"{COMPILE_CACHE_DIR}/triton"},
-        ]
+        env += [{"name": name, "value": value} for name, value in COMPILE_CACHE_VARIABLES.items()]
     return env
 
 

@@ -254,8 +254,14 @@ def test_keys_in_this_environment_reach_no_process_whose_pod_lacks_them():
         assert environment == {**process.env, "PATH": "/bin"}
 
 
-def test_the_pods_environment_except_home():
-    local = local_plan(example("quickstart"))
+@pytest.mark.parametrize("compile_cache", [None, {"claimName": "kernels"}])
+def test_the_pods_environment_except_its_cache_folders(compile_cache):
+    """A compile cache's folders are a claim's mount in the pod, none here: the engines tried
+    to write FlashInfer's and Triton's kernels under /var/cache/kubesgl."""
+    document = example("quickstart")
+    if compile_cache is not None:
+        document["spec"].setdefault("engine", {})["compileCache"] = compile_cache
+    local = local_plan(document)
     for engine in local.engines:
         assert engine.env == {
             "HF_HUB_OFFLINE": "1",
