@@ -1,8 +1,8 @@
 # kubesgl: the engine, the router and the operator in one image (`kubesgl serve|router|operator`),
 # in two variants chosen by the build argument DEVICE:
 # - cuda (the default): CUDA 13 with its compiler, for FlashInfer, which compiles the attention
-#   kernels a model needs the first time it runs them (cached under ~/.cache/flashinfer; mount a
-#   volume there to keep them);
+#   kernels a model needs the first time it runs them (cached under ~/.cache/flashinfer; on
+#   Kubernetes spec.engine.compileCache keeps them on a claim, docs/operator.md);
 # - cpu: Ubuntu and torch's CPU build, a far smaller image for clusters without GPUs
 #   (`docker build --build-arg DEVICE=cpu`; the quickstart on kind, docs/up.md).
 ARG DEVICE=cuda

@@ -418,6 +418,8 @@ def _extended_resource(name: str) -> str:
     problem = label_key_problem(name) or label_key_problem(f"requests.{name}")
     if problem:
         raise ValueError(problem)
+    if name.startswith("requests."):  # a quota's name of one, never a resource's own
+        raise ValueError(f"{name!r} starts with 'requests.', which the API server refuses")
     if "kubernetes.io/" in name:
         raise ValueError(
             f"{name!r} is in Kubernetes' own domain: a device plugin's resource has its own "

@@ -58,7 +58,6 @@ ENV_SET_BY_OPERATOR = frozenset(
         contract.API_KEY_ENV,
         "UCX_TLS",
         "UCX_NET_DEVICES",
-        *COMPILE_CACHE_VARIABLES,
     }
 )
 
@@ -399,11 +398,15 @@ def _router_problems(isvc: InferenceService) -> list[Problem]:
 
 def _env_problems(spec: InferenceServiceSpec) -> list[Problem]:
     problems = []
+    # a compile cache's folders only while there is one: a role may point them elsewhere
+    owned = ENV_SET_BY_OPERATOR | (
+        set(COMPILE_CACHE_VARIABLES) if spec.engine.compile_cache is not None else set()
+    )
     for role, block in spec.engine_roles().items():
         seen: set[str] = set()
         for index, variable in enumerate(block.env):
             field = f"spec.{role}.env.{index}"
-            if variable.name in ENV_SET_BY_OPERATOR:
+            if variable.name in owned:
                 problems.append(Problem(f"{field}.name", f"{variable.name} is set by the operator"))
             elif variable.name in seen:
                 problems.append(Problem(f"{field}.name", f"{variable.name} is given twice"))

@@ -291,13 +291,15 @@ class Forwarder:
         if not registered:
             error = no_worker(f"no {label}worker is registered")
         else:
-            unhealthy = sum(not w.healthy for w in registered)
-            unchecked = sum(w.unchecked for w in registered)
+            out = [w for w in registered if not w.healthy]
+            unchecked = sum(w.unchecked for w in out)
+            returning = sum(w.returning for w in out)
             new = f"{unchecked} not health-checked yet, " if unchecked else ""
+            back = f"{returning} passing health checks, not back yet, " if returning else ""
             error = no_worker(
                 f"no {label}worker can serve: {len(registered)} registered, "
-                f"{unhealthy - unchecked} failing health checks, {new}"
-                f"{len(registered) - unhealthy} with an open circuit breaker"
+                f"{len(out) - unchecked - returning} failing health checks, {new}{back}"
+                f"{len(registered) - len(out)} with an open circuit breaker"
             )
         error.headers.append((b"retry-after", str(self.retry_after_s).encode()))
         return error
@@ -374,11 +376,10 @@ class Forwarder:
         request: ParsedRequest,
         prefills: list[Worker],
         decode: Choice,
-        paired: list[Worker] | None = None,
+        paired: list[Worker],
     ) -> PDRoute:
-        """`paired`: those of `prefills` the decode worker pairs with (None: all of them)."""
+        """`paired`: those of `prefills` the decode worker pairs with (kv_layouts.py)."""
         settings = self.disaggregation
-        paired = prefills if paired is None else paired
         # Sent alone, the decode worker prefills what it lacks: the prompt less the prefix the
         # decode policy believes it holds (the prefill pool's cache would not help it); for a
         # batch every prompt, the first's cached prefix only taken off (the policy matched it

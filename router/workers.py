@@ -101,6 +101,11 @@ class Worker:
         """Out of the pool, no health check of it having ended yet: new."""
         return not (self.healthy or self.lost or self.health_failures or self.health_successes)
 
+    @property
+    def returning(self) -> bool:
+        """Out of the pool, its last checks passed, fewer than --health-success-threshold."""
+        return not self.healthy and self.health_successes > 0
+
     def serves(self, model: str | None) -> bool:
         """Whether a request for `model` (None: a request that names none) may come here. One
         that has not named its models yet may serve any: its engine refuses another itself."""

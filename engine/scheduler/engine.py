@@ -194,10 +194,11 @@ class Engine:
             config, cache.kv, cache.pool, get_tp_group(), bootstrap_host, bootstrap_link
         )
         # The fingerprint of the pool's layout, which a prefill and a decode engine must share
-        # (PoolLayout.fingerprint): the router pairs them by it
-        layout = layout_of(cache.pool, agent="")
-        self.kv_layout = layout.fingerprint(config.tp_size)
+        # (PoolLayout.fingerprint): the router pairs them by it; a mixed engine pairs with none
+        self.kv_layout: str | None = None
         if self.role.transfers_kv:
+            layout = layout_of(cache.pool, agent="")
+            self.kv_layout = layout.fingerprint(config.tp_size)
             logger.info(
                 "KV layout %s: %d layers of slots %s %s, tensor-parallel size %d; it pairs with "
                 "%s engines of this layout only",

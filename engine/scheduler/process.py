@@ -142,7 +142,7 @@ class SchedulerLoop:
                     tp_size=engine.config.tp_size,
                     architecture=engine.model_config.architecture,
                     eos_token_ids=sorted(engine.model_config.eos_token_ids),
-                    kv_layout=engine.kv_layout if engine.role.transfers_kv else None,
+                    kv_layout=engine.kv_layout,
                 )
             )
 

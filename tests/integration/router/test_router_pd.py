@@ -906,7 +906,9 @@ async def test_a_rollout_of_another_kv_layout_pairs_each_decode_with_a_prefill_o
     each naming its KV layout in its /health. A prefill engine refuses a decode engine of
     another layout (a 502): the router pairs old with old and new with new only."""
     prefills, decodes = await pd_pool(engines, kv_table, prefills=2, decodes=2)
-    for engine, layout in zip((*prefills, *decodes), (OLD_LAYOUT, NEW_LAYOUT) * 2):
+    # crossed: the two round-robin policies alone would pair each decode with the other layout
+    layouts = (OLD_LAYOUT, NEW_LAYOUT, NEW_LAYOUT, OLD_LAYOUT)
+    for engine, layout in zip((*prefills, *decodes), layouts):
         engine.kv_layout = layout
     config = pd_config(prefills, decodes, policy="round_robin")
     async with start_router(**config) as router:
@@ -915,7 +917,7 @@ async def test_a_rollout_of_another_kv_layout_pairs_each_decode_with_a_prefill_o
             response = await client.post(router.url + "/generate", json={"text": f"q{i}"})
             assert response.status_code == 200
         listed = (await client.get(router.url + "/workers")).json()["workers"]
-    for p, d in zip(prefills, decodes):
+    for p, d in zip(prefills, reversed(decodes)):
         rooms = {r["body"]["bootstrap_room"] for r in p.requests}
         assert rooms == {r["body"]["bootstrap_room"] for r in d.requests} and len(rooms) == 4
     assert {w["url"]: w["kv_layout"] for w in listed} == {

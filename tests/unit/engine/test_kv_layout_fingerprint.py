@@ -99,13 +99,18 @@ def test_engines_of_equal_configurations_have_equal_fingerprints_and_others_not(
     tiny_model, make_engine
 ):
     model = tiny_model("llama")
-    base = make_engine(model).kv_layout
-    assert make_engine(model, max_total_tokens=2048).kv_layout == base  # another pool size
-    assert make_engine(tiny_model("llama", seed=1)).kv_layout == base  # other weights, one shape
+
+    def layout(model: str, **options) -> str | None:
+        return make_engine(model, contract.DECODE, **options).kv_layout
+
+    base = layout(model)
+    assert base is not None
+    assert layout(model, max_total_tokens=2048) == base  # another pool size
+    assert layout(tiny_model("llama", seed=1)) == base  # other weights, one shape
     others = {
-        "model shape": make_engine(tiny_model("llama", head_dim=32)).kv_layout,
-        "dtype": make_engine(model, dtype="bfloat16").kv_layout,
-        "KV cache dtype": make_engine(model, kv_cache_dtype="fp8_e4m3").kv_layout,
+        "model shape": layout(tiny_model("llama", head_dim=32)),
+        "dtype": layout(model, dtype="bfloat16"),
+        "KV cache dtype": layout(model, kv_cache_dtype="fp8_e4m3"),
     }
     assert base not in others.values() and len(set(others.values())) == 3, others
 

@@ -1160,6 +1160,7 @@ def test_rdma_is_refused_where_no_kv_cache_moves_between_pods() -> None:
         ("kubernetes.io/nic", "Value error, 'kubernetes.io/nic' is in Kubernetes' own domain"),
         ("nvidia.com/gpu", "Value error, 'nvidia.com/gpu' is a GPU"),
         ("nvidia.com/mig-1g.10gb", "Value error, 'nvidia.com/mig-1g.10gb' is a GPU"),
+        ("requests.rdma/hca", "Value error, 'requests.rdma/hca' starts with 'requests.'"),
     ],
 )
 def test_an_rdma_resource_is_named_as_kubernetes_names_an_extended_resource(name, expected) -> None:
@@ -1206,11 +1207,14 @@ def test_a_role_may_not_ask_for_the_rdma_resource_itself() -> None:
 
 
 @pytest.mark.parametrize("name", ["FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR"])
-def test_the_compile_cache_variables_are_the_operators(name) -> None:
+def test_the_compile_cache_variables_are_the_operators_with_a_compile_cache(name) -> None:
+    """Only then: a spec that set one without a cache was valid before there was one."""
     document = with_changes(
-        load_example("mixed.yaml"), "spec.mixed.env", [{"name": name, "value": "/elsewhere"}]
+        load_example("mixed.yaml"), "spec.mixed.env", [{"name": name, "value": "/tmp/kernels"}]
     )
-    assert problems_of(document) == [f"spec.mixed.env.0.name: {name} is set by the operator"]
+    parse_inference_service(document)  # valid
+    cached = with_changes(document, "spec.engine.compileCache", {"claimName": "kernels"})
+    assert problems_of(cached) == [f"spec.mixed.env.0.name: {name} is set by the operator"]
 
 
 def test_a_compile_cache_names_its_claim() -> None:

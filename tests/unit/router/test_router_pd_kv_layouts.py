@@ -215,7 +215,7 @@ def test_each_passed_health_check_keeps_the_layout_its_answer_names():
         seen = []
         async with aiohttp.ClientSession() as session:
             checker = HealthChecker(workers, session, HealthSettings())
-            await checker.probe_soon(worker)  # the check of a new worker, already running
+            await checker.probe_soon(worker)  # a check of it, as the health loop makes
             seen.append(worker.kv_layout)
             for _ in range(3):
                 await checker.check(worker)

@@ -99,6 +99,12 @@ def test_a_worker_not_checked_yet_is_named_so_not_failing():
         "health-checked yet, 0 with an open circuit breaker"
     )
     assert fresh.unchecked and not workers[Role.DECODE].unchecked
+    # one of --health-success-threshold 2 passed: neither new nor failing
+    fresh.health_successes = 1
+    assert forwarder.no_worker_error(Role.DECODE).message == (
+        "no decode worker can serve: 2 registered, 1 failing health checks, 1 passing health "
+        "checks, not back yet, 0 with an open circuit breaker"
+    )
 
 
 def _open_breaker(forwarder: Forwarder, worker: Worker) -> None:

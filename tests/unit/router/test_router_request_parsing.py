@@ -122,7 +122,7 @@ def pd_route(body: dict) -> str:
         DisaggregationSettings(min_prefill_tokens=128),
     )
     request = parse("/v1/completions", body)
-    return forwarder._pd_route(request, [prefill], Choice(decode))
+    return forwarder._pd_route(request, [prefill], Choice(decode), [prefill])
 
 
 def test_a_batch_of_prompts_is_short_only_if_all_of_them_together_are():
