@@ -260,8 +260,7 @@ async def health(ctx: Ctx) -> Response:
     if unavailable(ctx) is not None:
         return PlainTextResponse("not ready", status_code=503)
     # a prefill or decode engine's KV layout, by which the router pairs them
-    info = ctx.client.info
-    layout = info.kv_layout if info is not None else None
+    layout = engine_info(ctx).kv_layout
     return PlainTextResponse("ok", headers={KV_LAYOUT_HEADER: layout} if layout else None)
 
 
