@@ -656,7 +656,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: Annotated[Any, unsupported_unless(None)] = None  # the model's own only
     documents: Annotated[Any, unsupported_unless(None, [])] = None
     mm_processor_kwargs: Annotated[Any, unsupported_unless(None, {})] = None
-    separate_reasoning: Annotated[Any, unsupported_unless(None, False)] = None
 
     @field_validator("top_logprobs")
     @classmethod

@@ -83,9 +83,22 @@ def test_generate_refuses_sglang_fields_it_would_ignore(body, loc):
         ("chat_template", "{{ messages }}", None),  # vLLM
         ("documents", [{"text": "d"}], []),  # vLLM
         ("mm_processor_kwargs", {"num_crops": 4}, {}),  # vLLM
-        ("separate_reasoning", True, False),  # SGLang
     ],
 )
 def test_chat_refuses_template_extensions_it_would_ignore(field, value, no_op):
     assert _refused_at(ChatCompletionRequest, {**CHAT, field: value}) == (field,)
     ChatCompletionRequest.model_validate({**CHAT, field: no_op})
+
+
+def test_the_defaults_sglangs_router_sends_pass():
+    """SGLang's router writes its request's every field, its defaults included: a refused
+    separate_reasoning (true by default, nothing without a reasoning parser) failed every chat
+    request it forwarded."""
+    defaults = {
+        "separate_reasoning": True,
+        "stream_reasoning": True,
+        "return_hidden_states": False,
+        "priority": None,
+        "lora_path": None,
+    }
+    ChatCompletionRequest.model_validate({**CHAT, **defaults})

@@ -355,16 +355,18 @@ def test_models_made_or_downloaded_by_init_containers_go_to_the_cache():
     ]
     assert step.argv(Path("/tmp/x")) == [*KUBESGL, "make-tiny-model", "/tmp/x", "--arch", "llama"]
 
-    hf = local_plan(example("disaggregated"), environ={"HF_TOKEN": "hf_x"}).model_step
+    disaggregated = example("disaggregated")
+    commit = disaggregated["spec"]["model"]["huggingFace"]["revision"]
+    hf = local_plan(disaggregated, environ={"HF_TOKEN": "hf_x"}).model_step
     assert hf is not None and hf.path == Path(
-        "/cache/models/hf/meta-llama/Llama-3.1-8B-Instruct/main"
+        f"/cache/models/hf/meta-llama/Llama-3.1-8B-Instruct/{commit}"
     )
     assert hf.argv(Path("/tmp/x")) == [
         "hf",
         "download",
         "meta-llama/Llama-3.1-8B-Instruct",
         "--revision",
-        "main",
+        commit,
         "--local-dir",
         "/tmp/x",
         "--exclude",
