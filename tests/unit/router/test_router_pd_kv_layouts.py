@@ -15,41 +15,21 @@ import logging
 import aiohttp
 import pytest
 from aiohttp import web
+from upstream_fakes import LONG_PROMPT, RecordingUpstream, round_robin_forwarder
 
 from kubesgl.contract import KV_LAYOUT_HEADER
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.health import HealthChecker, HealthSettings
-from kubesgl.router.metrics import RouterMetrics
-from kubesgl.router.policies import RoundRobinPolicy
 from kubesgl.router.request_parsing import parse_generation_request
-from kubesgl.router.routing import DisaggregationSettings, Forwarder, Policies, RetrySettings
-from kubesgl.router.upstream import BufferedReply, ConnectionSlots
+from kubesgl.router.routing import DisaggregationSettings, Forwarder
 from kubesgl.router.workers import Role, Worker, WorkerRegistry
 
 OLD, NEW = "kv1-00000000000000aa", "kv1-00000000000000bb"
-LONG_PROMPT = "word " * 400  # ~500 tokens: handed over whenever a prefill worker can take it
-
-
-class _Upstream:
-    """Answers every request 200; records which worker got which body."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[Worker, dict[str, object]]] = []
-        self.slots = ConnectionSlots(None, 0)
-
-    async def exchange(
-        self, worker, method, path, payload, headers, *, stream, paired=False, slot=None, trial=None
-    ):
-        self.sent.append((worker, json.loads(payload)))
-        return BufferedReply(200, [], b"{}")
-
-    async def drain(self, worker, path, payload, headers, *, paired=False, **_):
-        await self.exchange(worker, "POST", path, payload, headers, stream=False)
 
 
 def _forwarder(
     prefills: list[str | None], decodes: list[str | None]
-) -> tuple[Forwarder, _Upstream, list[Worker], list[Worker]]:
+) -> tuple[Forwarder, RecordingUpstream, list[Worker], list[Worker]]:
     """Workers of those KV layouts (None: one not named), every one healthy."""
     registry = WorkerRegistry(make_breaker=lambda: CircuitBreaker(1, 60.0))
 
@@ -61,16 +41,8 @@ def _forwarder(
 
     p = [add(Role.PREFILL, i, layout) for i, layout in enumerate(prefills)]
     d = [add(Role.DECODE, 100 + i, layout) for i, layout in enumerate(decodes)]
-    upstream = _Upstream()
-    policies = Policies(RoundRobinPolicy(), RoundRobinPolicy(), RoundRobinPolicy())
-    forwarder = Forwarder(
-        registry,
-        policies,
-        upstream,  # type: ignore[arg-type]
-        RouterMetrics(registry),
-        RetrySettings(initial_backoff_s=0, max_backoff_s=0),
-        DisaggregationSettings(),
-    )
+    upstream = RecordingUpstream()
+    forwarder = round_robin_forwarder(registry, upstream)
     return forwarder, upstream, p, d
 
 
@@ -79,7 +51,7 @@ def _send(forwarder: Forwarder, model: str = "m") -> None:
     asyncio.run(forwarder.generate(parse_generation_request("/v1/completions", body), []))
 
 
-def _pairs(upstream: _Upstream) -> list[tuple[str, str | None]]:
+def _pairs(upstream: RecordingUpstream) -> list[tuple[str, str | None]]:
     """(decode worker, the prefill worker it was paired with, or None: alone) of each request."""
     by_room: dict[object, str] = {}
     pairs = []

@@ -12,60 +12,25 @@ import json
 import logging
 
 import pytest
+from upstream_fakes import LONG_PROMPT, RecordingUpstream, round_robin_forwarder
 
 from kubesgl.router.breaker import CircuitBreaker
 from kubesgl.router.errors import RouterError
-from kubesgl.router.metrics import RouterMetrics
-from kubesgl.router.policies import RoundRobinPolicy
 from kubesgl.router.request_parsing import parse_generation_request
-from kubesgl.router.routing import DisaggregationSettings, Forwarder, Policies, RetrySettings
-from kubesgl.router.upstream import BufferedReply, ConnectionSlots, UpstreamError
+from kubesgl.router.routing import Forwarder
 from kubesgl.router.workers import Role, Worker, WorkerRegistry
 
 PREFILL, DECODE = "http://10.0.0.1:30000", "http://10.0.0.2:30000"
-LONG_PROMPT = "word " * 400  # ~500 tokens: handed over whenever a prefill worker can take it
 
 
-class _Upstream:
-    """Answers every request 200, except a prefill worker's while `prefill_refuses` (a 503
-    before any work), which comes before its decode partner's answer; records which worker
-    got which body."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[Worker, dict[str, object]]] = []
-        self.prefill_refuses = False
-        self.slots = ConnectionSlots(None, 0)
-
-    async def exchange(
-        self, worker, method, path, payload, headers, *, stream, paired=False, slot=None, trial=None
-    ):
-        self.sent.append((worker, json.loads(payload)))
-        if paired and worker.role is Role.DECODE:
-            await asyncio.sleep(0.05)
-        if worker.role is Role.PREFILL and self.prefill_refuses:
-            raise UpstreamError(worker, 503, "draining", retryable=True, answered=True)
-        return BufferedReply(200, [], b"{}")
-
-    async def drain(self, worker, path, payload, headers, *, paired=False, **_):
-        await self.exchange(worker, "POST", path, payload, headers, stream=False)
-
-
-def _forwarder(*roles: Role) -> tuple[Forwarder, _Upstream, dict[Role, Worker]]:
+def _forwarder(*roles: Role) -> tuple[Forwarder, RecordingUpstream, dict[Role, Worker]]:
     registry = WorkerRegistry(make_breaker=lambda: CircuitBreaker(1, 60.0))
     urls = {Role.PREFILL: PREFILL, Role.DECODE: DECODE}
     workers = {role: registry.add(urls[role], role) for role in roles}
     for worker in workers.values():
         registry.set_healthy(worker, True)
-    upstream = _Upstream()
-    policies = Policies(RoundRobinPolicy(), RoundRobinPolicy(), RoundRobinPolicy())
-    forwarder = Forwarder(
-        registry,
-        policies,
-        upstream,  # type: ignore[arg-type]
-        RouterMetrics(registry),
-        RetrySettings(initial_backoff_s=0, max_backoff_s=0),
-        DisaggregationSettings(),
-    )
+    upstream = RecordingUpstream()
+    forwarder = round_robin_forwarder(registry, upstream)
     return forwarder, upstream, workers
 
 

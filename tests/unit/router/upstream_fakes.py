@@ -1,9 +1,19 @@
 """Stand-ins for the aiohttp objects UpstreamClient reads, for tests that fake a worker's
-session: an answer given at once, and the answer to a room's cancel."""
+session: an answer given at once, and the answer to a room's cancel; and an UpstreamClient
+stand-in that records what each worker got, with the round-robin Forwarder over it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+
+from kubesgl.router.metrics import RouterMetrics
+from kubesgl.router.policies import RoundRobinPolicy
+from kubesgl.router.routing import DisaggregationSettings, Forwarder, Policies, RetrySettings
+from kubesgl.router.upstream import BufferedReply, ConnectionSlots, UpstreamError
+from kubesgl.router.workers import Role, Worker, WorkerRegistry
+
+LONG_PROMPT = "word " * 400  # ~500 tokens: handed over whenever a prefill worker can take it
 
 
 class Content:
@@ -47,3 +57,40 @@ class Cancelled:
 
     async def __aexit__(self, *exc: object) -> None:
         pass
+
+
+class RecordingUpstream:
+    """Answers every request 200, except a prefill worker's while `prefill_refuses` (a 503
+    before any work), which comes before its decode partner's answer; records which worker
+    got which body."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[Worker, dict[str, object]]] = []
+        self.prefill_refuses = False
+        self.slots = ConnectionSlots(None, 0)
+
+    async def exchange(
+        self, worker, method, path, payload, headers, *, stream, paired=False, slot=None, trial=None
+    ):
+        self.sent.append((worker, json.loads(payload)))
+        if paired and worker.role is Role.DECODE:
+            await asyncio.sleep(0.05)
+        if worker.role is Role.PREFILL and self.prefill_refuses:
+            raise UpstreamError(worker, 503, "draining", retryable=True, answered=True)
+        return BufferedReply(200, [], b"{}")
+
+    async def drain(self, worker, path, payload, headers, *, paired=False, **_):
+        await self.exchange(worker, "POST", path, payload, headers, stream=False)
+
+
+def round_robin_forwarder(registry: WorkerRegistry, upstream: RecordingUpstream) -> Forwarder:
+    """The registry's Forwarder over `upstream`, round robin for every role, no retry delay."""
+    policies = Policies(RoundRobinPolicy(), RoundRobinPolicy(), RoundRobinPolicy())
+    return Forwarder(
+        registry,
+        policies,
+        upstream,  # type: ignore[arg-type]
+        RouterMetrics(registry),
+        RetrySettings(initial_backoff_s=0, max_backoff_s=0),
+        DisaggregationSettings(),
+    )
