@@ -9,7 +9,7 @@ import textwrap
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -38,8 +38,11 @@ class Counters:
     pid: int | None = None  # the process read: a restarted one's counts start again
 
 
-def read_counters(client: httpx.Client, url: str, role: contract.PodRole) -> Counters | None:
-    """None where the process answers no readable /metrics (yet): it may be loading, or failing."""
+def read_counters(
+    client: httpx.Client, url: str, role: contract.PodRole, pid: int | None = None
+) -> Counters | None:
+    """The counts of process `pid`; None where it answers no readable /metrics (yet): it may
+    be loading, or failing."""
     try:
         response = client.get(url + "/metrics", timeout=1.0)
         response.raise_for_status()
@@ -56,12 +59,14 @@ def read_counters(client: httpx.Client, url: str, role: contract.PodRole) -> Cou
             0.0,
             0.0,
             time.monotonic(),
+            pid,
         )
     return Counters(
         totals.get("kubesgl_requests_total", 0.0),
         totals.get("kubesgl_num_running_requests", 0.0),
         totals.get("kubesgl_generation_tokens_total", 0.0),
         time.monotonic(),
+        pid,
     )
 
 
@@ -147,12 +152,9 @@ class StatusView:
     def _read_round(
         self, targets: list[tuple[LocalProcess, int | None]]
     ) -> dict[str, Counters | None]:
-        read = {
-            process.name: (read_counters(self._client, process.url, process.role), pid)
-            for process, pid in targets
-        }
         return {
-            name: counters and replace(counters, pid=pid) for name, (counters, pid) in read.items()
+            process.name: read_counters(self._client, process.url, process.role, pid)
+            for process, pid in targets
         }
 
 
